@@ -1,0 +1,90 @@
+//! A durable, embedded idempotency store.
+//!
+//! Put every mutating request (or consumed message) through idemstore, and a
+//! retry of the same intent gets the first result back instead of causing a
+//! second side effect: a double click, a client timeout, a gateway retry or
+//! a redelivered message charges a card once.
+//!
+//! ```
+//! use idemstore::{Fingerprint, Guard, Key, MemoryStore, Outcome, Response};
+//!
+//! let guard = Guard::new(MemoryStore::new());
+//! let key = Key::new("tenant-42", "order-1")?;          // (scope, Idempotency-Key)
+//! let fp = Fingerprint::of(b"sku=A&qty=1");             // what the request asks for
+//!
+//! for attempt in 0..3 {
+//!     let outcome = guard.run(&key, &fp, |claim| {
+//!         // The side effect runs once; claim.token() is a fencing token to
+//!         // pass downstream as the payment provider's idempotency key.
+//!         Ok::<_, std::convert::Infallible>(Response::new(201, "charged"))
+//!     });
+//!     match outcome {
+//!         Outcome::Executed(r) => assert_eq!(attempt, 0),
+//!         Outcome::Replayed(r) => assert_eq!(r.body(), b"charged"),
+//!         other => panic!("{other:?}"),
+//!     }
+//! }
+//! # Ok::<(), idemstore::Error>(())
+//! ```
+//!
+//! # The contract
+//!
+//! A record per [`Key`] holds the request [`Fingerprint`], a [`State`]
+//! (PROCESSING or DONE), the [`Response`], a lease deadline, an expiry
+//! deadline and a fencing token. [`Store::begin`] answers in one atomic step
+//! with one of five cases (see its docs); [`Store::complete`] stores the
+//! response, and only the holder of the current [`Claim`] may do it.
+//! [`Guard`] wraps this into claim → execute → store, failing closed when the
+//! store is down.
+//!
+//! # Limits
+//!
+//! | what | limit |
+//! |---|---|
+//! | key id | 1..=[`MAX_ID_BYTES`] bytes |
+//! | key scope | 0..=[`MAX_SCOPE_BYTES`] bytes |
+//! | response body | [`DEFAULT_MAX_BODY_BYTES`], configurable up to [`MAX_BODY_BYTES_HARD_CAP`] |
+//! | response headers | [`MAX_HEADERS`] headers, [`MAX_HEADER_BYTES`] bytes in all |
+//! | one sweep | [`MAX_SWEEP_BATCH`] records |
+//!
+//! # Features
+//!
+//! - `redb` (default): the durable on-disk store on redb.
+//! - `sled`: the store on sled 0.34.
+//! - `tokio`: [`Guard::run_async`].
+//! - `tower`: HTTP middleware (`Idempotency-Key`).
+//! - `test-util`: [`ManualClock`] and the [`MemoryStore`] fault hook.
+
+#[allow(dead_code, reason = "until the on-disk backends land, only tests use the codec")]
+mod codec;
+mod error;
+mod fingerprint;
+mod guard;
+mod key;
+mod logic;
+mod memory;
+mod record;
+mod response;
+mod store;
+mod sweeper;
+mod time;
+
+pub use error::{BoxError, Error, Result};
+pub use fingerprint::Fingerprint;
+pub use guard::{
+    DEFAULT_LEASE, DEFAULT_RETENTION, Guard, GuardBuilder, GuardStats, OnHandlerError, Outcome,
+    TakeoverPolicy,
+};
+pub use key::{Key, MAX_ID_BYTES, MAX_SCOPE_BYTES};
+pub use memory::{MemoryStore, Op};
+pub use record::{Begin, Claim, Record, State};
+pub use response::{
+    DEFAULT_MAX_BODY_BYTES, MAX_BODY_BYTES_HARD_CAP, MAX_HEADER_BYTES, MAX_HEADERS, Response,
+};
+pub use store::{MAX_SWEEP_BATCH, Store};
+pub use sweeper::{
+    DEFAULT_SWEEP_BATCH, DEFAULT_SWEEP_INTERVAL, SWEEPER_JOIN_TIMEOUT, Sweeper, SweeperConfig,
+};
+#[cfg(any(test, feature = "test-util"))]
+pub use time::ManualClock;
+pub use time::{Clock, SystemClock, Timestamp};

@@ -1,0 +1,276 @@
+//! [`MemoryStore`]: the reference implementation, in memory.
+
+use crate::error::{Error, Result};
+use crate::fingerprint::Fingerprint;
+use crate::key::Key;
+use crate::logic;
+use crate::record::{Begin, Claim, Record, check_durations};
+use crate::response::{DEFAULT_MAX_BODY_BYTES, Response, check_body_limit};
+use crate::store::{MAX_SWEEP_BATCH, Store};
+use crate::time::Timestamp;
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+/// A store operation, as seen by a fault hook (feature `test-util`).
+///
+/// ```
+/// assert_eq!(idemstore::Op::Complete.to_string(), "complete");
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Op {
+    /// [`Store::begin`].
+    Begin,
+    /// [`Store::complete`].
+    Complete,
+    /// [`Store::release`].
+    Release,
+    /// [`Store::get`].
+    Get,
+    /// [`Store::sweep_expired`].
+    Sweep,
+}
+
+impl std::fmt::Display for Op {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Op::Begin => "begin",
+            Op::Complete => "complete",
+            Op::Release => "release",
+            Op::Get => "get",
+            Op::Sweep => "sweep",
+        })
+    }
+}
+
+#[cfg(feature = "test-util")]
+type FaultHook = Box<dyn Fn(Op) -> Option<Error> + Send + Sync>;
+
+/// The reference [`Store`]: every record in a `HashMap` behind one mutex,
+/// with a `BTreeSet` expiry index.
+///
+/// Nothing survives the process: use it in tests, or where duplicates only
+/// matter within one process's life. It is the model the durable backends
+/// are checked against, and it has a fault hook (feature `test-util`) that
+/// fails chosen operations on demand.
+///
+/// ```
+/// use idemstore::{Begin, Fingerprint, Key, MemoryStore, Store, Timestamp};
+/// use std::time::Duration;
+///
+/// let store = MemoryStore::new();
+/// let key = Key::new("", "msg-1")?;
+/// let fp = Fingerprint::of(b"payload");
+/// let t = Timestamp::from_millis(0);
+/// let d = Duration::from_secs(5);
+/// assert!(matches!(store.begin(&key, &fp, t, d, d)?, Begin::Claimed(_)));
+/// assert!(matches!(store.begin(&key, &fp, t, d, d)?, Begin::InFlight { .. }));
+/// assert_eq!(store.len(), 1);
+/// # Ok::<(), idemstore::Error>(())
+/// ```
+pub struct MemoryStore {
+    inner: Mutex<Inner>,
+    max_body_bytes: usize,
+    #[cfg(feature = "test-util")]
+    fault: std::sync::RwLock<Option<FaultHook>>,
+}
+
+#[derive(Default)]
+struct Inner {
+    records: HashMap<Key, Record>,
+    index: BTreeSet<(Timestamp, Key)>,
+    last_token: u64,
+}
+
+impl Inner {
+    fn put(&mut self, key: &Key, record: Record) {
+        if let Some(old) = self.records.insert(key.clone(), record.clone()) {
+            self.index.remove(&(old.expires_at, key.clone()));
+        }
+        self.index.insert((record.expires_at, key.clone()));
+    }
+
+    fn remove(&mut self, key: &Key) {
+        if let Some(old) = self.records.remove(key) {
+            self.index.remove(&(old.expires_at, key.clone()));
+        }
+    }
+}
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        MemoryStore::new()
+    }
+}
+
+impl std::fmt::Debug for MemoryStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryStore")
+            .field("records", &self.len())
+            .field("max_body_bytes", &self.max_body_bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl MemoryStore {
+    /// An empty store with the default response body limit.
+    pub fn new() -> MemoryStore {
+        MemoryStore {
+            inner: Mutex::new(Inner::default()),
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            #[cfg(feature = "test-util")]
+            fault: std::sync::RwLock::new(None),
+        }
+    }
+
+    /// An empty store whose response bodies may be up to `max_body_bytes`
+    /// (at most [`MAX_BODY_BYTES_HARD_CAP`](crate::MAX_BODY_BYTES_HARD_CAP)).
+    ///
+    /// ```
+    /// use idemstore::{MemoryStore, MAX_BODY_BYTES_HARD_CAP};
+    /// assert!(MemoryStore::with_max_body_bytes(4096).is_ok());
+    /// assert!(MemoryStore::with_max_body_bytes(MAX_BODY_BYTES_HARD_CAP + 1).is_err());
+    /// ```
+    pub fn with_max_body_bytes(max_body_bytes: usize) -> Result<MemoryStore> {
+        Ok(MemoryStore {
+            max_body_bytes: check_body_limit(max_body_bytes)?,
+            ..MemoryStore::new()
+        })
+    }
+
+    /// Records held, expired ones included until swept.
+    pub fn len(&self) -> usize {
+        self.lock().records.len()
+    }
+
+    /// True when no record is held.
+    ///
+    /// ```
+    /// assert!(idemstore::MemoryStore::new().is_empty());
+    /// ```
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Installs a fault hook (feature `test-util`): before each operation the
+    /// hook is called with it, and an error it returns fails that operation
+    /// with no effect, as a store whose database is down would.
+    ///
+    /// ```
+    /// use idemstore::{Error, Fingerprint, Key, MemoryStore, Op, Store, Timestamp};
+    /// use std::time::Duration;
+    ///
+    /// let store = MemoryStore::new();
+    /// store.set_fault(|op| (op == Op::Begin).then(|| Error::backend("connection refused")));
+    /// let d = Duration::from_secs(1);
+    /// let err = store.begin(&Key::new("", "k")?, &Fingerprint::of(b""), Timestamp::EPOCH, d, d);
+    /// assert!(matches!(err, Err(Error::Backend(_))));
+    /// store.clear_fault();
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    #[cfg(feature = "test-util")]
+    pub fn set_fault(&self, hook: impl Fn(Op) -> Option<Error> + Send + Sync + 'static) {
+        *self.fault.write().unwrap_or_else(|p| p.into_inner()) = Some(Box::new(hook));
+    }
+
+    /// Removes the fault hook (feature `test-util`).
+    #[cfg(feature = "test-util")]
+    pub fn clear_fault(&self) {
+        *self.fault.write().unwrap_or_else(|p| p.into_inner()) = None;
+    }
+
+    fn fault(&self, _op: Op) -> Result<()> {
+        #[cfg(feature = "test-util")]
+        if let Some(err) = self
+            .fault
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .and_then(|hook| hook(_op))
+        {
+            return Err(err);
+        }
+        Ok(())
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // Every mutation below is applied whole or not at all (no early
+        // return between paired writes), so a panic elsewhere while the lock
+        // was held cannot leave a half-written state: recover the guard.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Store for MemoryStore {
+    fn begin(
+        &self,
+        key: &Key,
+        fingerprint: &Fingerprint,
+        now: Timestamp,
+        lease: Duration,
+        retention: Duration,
+    ) -> Result<Begin> {
+        check_durations(lease, retention)?;
+        self.fault(Op::Begin)?;
+        let mut inner = self.lock();
+        let existing = inner.records.get(key).cloned();
+        let last = inner.last_token;
+        let step = logic::begin(existing, fingerprint, now, lease, retention, || {
+            last.checked_add(1)
+                .ok_or_else(|| Error::invalid_argument("fencing tokens exhausted"))
+        })?;
+        if let Some(record) = step.write {
+            inner.last_token = record.token;
+            inner.put(key, record);
+        }
+        Ok(step.answer)
+    }
+
+    fn complete(
+        &self,
+        key: &Key,
+        claim: &Claim,
+        response: &Response,
+        now: Timestamp,
+        retention: Duration,
+    ) -> Result<()> {
+        logic::check_response(response, self.max_body_bytes)?;
+        self.fault(Op::Complete)?;
+        let mut inner = self.lock();
+        let existing = inner.records.get(key).cloned();
+        let record = logic::complete(existing, claim, response, now, retention)?;
+        inner.put(key, record);
+        Ok(())
+    }
+
+    fn release(&self, key: &Key, claim: &Claim) -> Result<()> {
+        self.fault(Op::Release)?;
+        let mut inner = self.lock();
+        logic::release(inner.records.get(key).cloned(), claim)?;
+        inner.remove(key);
+        Ok(())
+    }
+
+    fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>> {
+        self.fault(Op::Get)?;
+        Ok(logic::visible(self.lock().records.get(key).cloned(), now))
+    }
+
+    fn sweep_expired(&self, now: Timestamp, max: usize) -> Result<usize> {
+        self.fault(Op::Sweep)?;
+        let max = max.min(MAX_SWEEP_BATCH);
+        let mut inner = self.lock();
+        let due: Vec<Key> = inner
+            .index
+            .iter()
+            .take_while(|(expires_at, _)| logic::sweepable(*expires_at, now))
+            .take(max)
+            .map(|(_, key)| key.clone())
+            .collect();
+        for key in &due {
+            inner.remove(key);
+        }
+        Ok(due.len())
+    }
+}

@@ -1,0 +1,276 @@
+//! [`Record`], [`State`], [`Claim`] and [`Begin`]: what a store keeps and answers.
+
+use crate::error::{Error, Result};
+use crate::fingerprint::Fingerprint;
+use crate::response::Response;
+use crate::time::Timestamp;
+
+/// The stored state of a key. CONFLICT is an answer ([`Begin::Conflict`]),
+/// never a stored state.
+///
+/// ```
+/// use idemstore::State;
+/// assert_eq!(State::Processing.to_string(), "PROCESSING");
+/// assert_eq!(State::Done.to_string(), "DONE");
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum State {
+    /// An owner holds a lease and is executing.
+    Processing,
+    /// Terminal: the response is stored and replayed to every retry.
+    Done,
+}
+
+impl std::fmt::Display for State {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            State::Processing => "PROCESSING",
+            State::Done => "DONE",
+        })
+    }
+}
+
+/// One key's record, as [`Store::get`](crate::Store::get) returns it.
+///
+/// Invariants (checked before every write and after every read; a stored
+/// record that breaks them is [`Error::Corrupt`]):
+/// PROCESSING has a lease and no response; DONE has a response and no lease;
+/// the token is non-zero; `attempts >= 1`.
+///
+/// ```
+/// use idemstore::{Begin, Fingerprint, Key, MemoryStore, State, Store, Timestamp};
+/// use std::time::Duration;
+///
+/// let store = MemoryStore::new();
+/// let key = Key::new("t", "order-1")?;
+/// let now = Timestamp::from_millis(1_000);
+/// store.begin(&key, &Fingerprint::of(b"x"), now, Duration::from_secs(30), Duration::from_secs(3600))?;
+/// let rec = store.get(&key, now)?.expect("claimed");
+/// assert_eq!(rec.state(), State::Processing);
+/// assert_eq!(rec.lease_until(), Some(now + Duration::from_secs(30)));
+/// assert_eq!(rec.expires_at(), now + Duration::from_secs(3600));
+/// # Ok::<(), idemstore::Error>(())
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Record {
+    pub(crate) fingerprint: Fingerprint,
+    pub(crate) state: State,
+    pub(crate) response: Option<Response>,
+    pub(crate) lease_until: Option<Timestamp>,
+    pub(crate) expires_at: Timestamp,
+    pub(crate) created_at: Timestamp,
+    pub(crate) token: u64,
+    pub(crate) attempts: u32,
+}
+
+impl Record {
+    /// The fingerprint of the request that created the record.
+    pub fn fingerprint(&self) -> &Fingerprint {
+        &self.fingerprint
+    }
+    /// PROCESSING or DONE.
+    pub fn state(&self) -> State {
+        self.state
+    }
+    /// The stored response (DONE only).
+    pub fn response(&self) -> Option<&Response> {
+        self.response.as_ref()
+    }
+    /// When the owner's lease ends (PROCESSING only).
+    pub fn lease_until(&self) -> Option<Timestamp> {
+        self.lease_until
+    }
+    /// When the record stops being recognised; from then on it is invisible
+    /// and the key can be claimed anew.
+    pub fn expires_at(&self) -> Timestamp {
+        self.expires_at
+    }
+    /// When the key was first claimed (this record's life).
+    pub fn created_at(&self) -> Timestamp {
+        self.created_at
+    }
+    /// The fencing token of the latest claim.
+    pub fn token(&self) -> u64 {
+        self.token
+    }
+    /// How many claims this record has had (1 + takeovers).
+    pub fn attempts(&self) -> u32 {
+        self.attempts
+    }
+    /// True when `now` is at or past the expiry.
+    ///
+    /// ```
+    /// # use idemstore::{Fingerprint, Key, MemoryStore, Store, Timestamp};
+    /// # use std::time::Duration;
+    /// # let store = MemoryStore::new();
+    /// # let key = Key::new("t", "k")?;
+    /// # let now = Timestamp::from_millis(0);
+    /// # store.begin(&key, &Fingerprint::of(b"x"), now, Duration::from_secs(1), Duration::from_secs(10))?;
+    /// let rec = store.get(&key, now)?.unwrap();
+    /// assert!(!rec.is_expired(Timestamp::from_millis(9_999)));
+    /// assert!(rec.is_expired(Timestamp::from_millis(10_000)));
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn is_expired(&self, now: Timestamp) -> bool {
+        now >= self.expires_at
+    }
+
+    /// Checks the invariants listed on [`Record`].
+    pub(crate) fn check(&self) -> std::result::Result<(), &'static str> {
+        if self.token == 0 {
+            return Err("fencing token is zero");
+        }
+        if self.attempts == 0 {
+            return Err("attempt count is zero");
+        }
+        match (self.state, &self.response, self.lease_until) {
+            (State::Processing, None, Some(_)) | (State::Done, Some(_), None) => Ok(()),
+            (State::Processing, _, _) => Err("PROCESSING record must have a lease and no response"),
+            (State::Done, _, _) => Err("DONE record must have a response and no lease"),
+        }
+    }
+}
+
+/// Proof of ownership of a key, handed out by [`Begin::Claimed`].
+///
+/// Only the holder of the current claim can [`complete`](crate::Store::complete)
+/// or [`release`](crate::Store::release) the key. The fencing
+/// [`token`](Claim::token) increases monotonically for the life of the store
+/// (across restarts too), so downstream systems can use it as their own
+/// idempotency key or to reject writes from a stale owner.
+///
+/// ```
+/// use idemstore::{Begin, Fingerprint, Key, MemoryStore, Store, Timestamp};
+/// use std::time::Duration;
+///
+/// let store = MemoryStore::new();
+/// let key = Key::new("t", "k")?;
+/// let fp = Fingerprint::of(b"x");
+/// let (lease, keep) = (Duration::from_secs(1), Duration::from_secs(60));
+/// let t0 = Timestamp::from_millis(0);
+/// let Begin::Claimed(first) = store.begin(&key, &fp, t0, lease, keep)? else { panic!() };
+/// assert!(!first.is_takeover());
+/// // The lease runs out: the next begin takes over with a higher token.
+/// let Begin::Claimed(second) = store.begin(&key, &fp, t0 + lease, lease, keep)? else { panic!() };
+/// assert!(second.is_takeover());
+/// assert!(second.token() > first.token());
+/// assert_eq!(second.attempt(), 2);
+/// # Ok::<(), idemstore::Error>(())
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Claim {
+    pub(crate) token: u64,
+    pub(crate) lease_until: Timestamp,
+    pub(crate) takeover: bool,
+    pub(crate) attempt: u32,
+}
+
+impl Claim {
+    /// The fencing token: unique in the store, and larger than every token
+    /// handed out before it.
+    pub fn token(&self) -> u64 {
+        self.token
+    }
+    /// When this claim's lease ends.
+    pub fn lease_until(&self) -> Timestamp {
+        self.lease_until
+    }
+    /// True when this claim took over an expired lease of an earlier owner,
+    /// whose side effects may or may not have happened.
+    pub fn is_takeover(&self) -> bool {
+        self.takeover
+    }
+    /// 1 for the first claim of the record, 2 after one takeover, ...
+    pub fn attempt(&self) -> u32 {
+        self.attempt
+    }
+
+    /// True for the stand-in claim a fail-open guard hands its handler when
+    /// the store is down: token 0, no protection, nothing to complete.
+    ///
+    /// ```
+    /// # use idemstore::{Begin, Fingerprint, Key, MemoryStore, Store, Timestamp};
+    /// # use std::time::Duration;
+    /// # let store = MemoryStore::new();
+    /// # let d = Duration::from_secs(1);
+    /// let Begin::Claimed(claim) = store.begin(&Key::new("", "k")?, &Fingerprint::of(b""), Timestamp::EPOCH, d, d)?
+    ///     else { panic!() };
+    /// assert!(!claim.is_unprotected());
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn is_unprotected(&self) -> bool {
+        self.token == 0
+    }
+
+    pub(crate) fn unprotected() -> Claim {
+        Claim {
+            token: 0,
+            lease_until: Timestamp::EPOCH,
+            takeover: false,
+            attempt: 0,
+        }
+    }
+}
+
+/// The answer of [`Store::begin`](crate::Store::begin).
+///
+/// | stored record | answer |
+/// |---|---|
+/// | none, or expired | `Claimed` (new record, new token) |
+/// | fingerprint differs | `Conflict` (record untouched) |
+/// | DONE | `Replay(response)` |
+/// | PROCESSING, lease live | `InFlight { lease_until }` |
+/// | PROCESSING, lease expired | `Claimed` with [`Claim::is_takeover`] |
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[must_use = "a Claimed answer must be completed or released"]
+pub enum Begin {
+    /// The caller owns the key and should execute.
+    Claimed(Claim),
+    /// The key is DONE with the same fingerprint: send this response again.
+    Replay(Response),
+    /// Another owner holds a live lease.
+    InFlight {
+        /// When that lease ends (a `Retry-After` hint).
+        lease_until: Timestamp,
+    },
+    /// The key exists with a different fingerprint: not a retry.
+    Conflict,
+}
+
+impl Begin {
+    /// The claim, if this answer is `Claimed`.
+    ///
+    /// ```
+    /// # use idemstore::{Fingerprint, Key, MemoryStore, Store, Timestamp};
+    /// # use std::time::Duration;
+    /// # let store = MemoryStore::new();
+    /// let b = store.begin(&Key::new("", "k")?, &Fingerprint::of(b""), Timestamp::EPOCH,
+    ///                     Duration::from_secs(1), Duration::from_secs(2))?;
+    /// assert!(b.claim().is_some());
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn claim(&self) -> Option<&Claim> {
+        match self {
+            Begin::Claimed(c) => Some(c),
+            _ => None,
+        }
+    }
+}
+
+/// Checks `lease` and `retention` as every store requires them: lease at
+/// least 1 ms, retention at least the lease (a record must not vanish while
+/// its owner still holds the lease).
+pub(crate) fn check_durations(
+    lease: std::time::Duration,
+    retention: std::time::Duration,
+) -> Result<()> {
+    if lease.as_millis() == 0 {
+        return Err(Error::invalid_argument("lease must be at least 1 ms"));
+    }
+    if retention < lease {
+        return Err(Error::invalid_argument(format!(
+            "retention ({retention:?}) must be at least the lease ({lease:?})"
+        )));
+    }
+    Ok(())
+}

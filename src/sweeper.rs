@@ -1,0 +1,217 @@
+//! [`Sweeper`]: a background thread that is a thin loop over
+//! [`Store::sweep_expired`]. Every backend uses this one loop.
+
+use crate::error::{Error, Result};
+use crate::store::{MAX_SWEEP_BATCH, Store};
+use crate::time::{Clock, SystemClock, Timestamp};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+/// Default pause between sweeps.
+pub const DEFAULT_SWEEP_INTERVAL: Duration = Duration::from_secs(60);
+/// Default records deleted per `sweep_expired` call.
+pub const DEFAULT_SWEEP_BATCH: usize = 1_000;
+/// How long dropping a sweeper waits for its thread to finish a batch.
+pub const SWEEPER_JOIN_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How often and how much a [`Sweeper`] sweeps.
+///
+/// ```
+/// use idemstore::SweeperConfig;
+/// use std::time::Duration;
+/// let c = SweeperConfig::default().interval(Duration::from_secs(5)).batch(500);
+/// assert_eq!(c.get_batch(), 500);
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SweeperConfig {
+    interval: Duration,
+    batch: usize,
+}
+
+impl Default for SweeperConfig {
+    fn default() -> Self {
+        SweeperConfig {
+            interval: DEFAULT_SWEEP_INTERVAL,
+            batch: DEFAULT_SWEEP_BATCH,
+        }
+    }
+}
+
+impl SweeperConfig {
+    /// Pause between sweeps (after a sweep that found less than a full batch).
+    pub fn interval(mut self, interval: Duration) -> Self {
+        self.interval = interval;
+        self
+    }
+    /// Records per `sweep_expired` call, clamped to 1..=[`MAX_SWEEP_BATCH`].
+    pub fn batch(mut self, batch: usize) -> Self {
+        self.batch = batch.clamp(1, MAX_SWEEP_BATCH);
+        self
+    }
+    /// The configured interval.
+    pub fn get_interval(&self) -> Duration {
+        self.interval
+    }
+    /// The configured batch.
+    pub fn get_batch(&self) -> usize {
+        self.batch
+    }
+}
+
+#[derive(Debug, Default)]
+struct Shared {
+    stop: Mutex<bool>,
+    wake: Condvar,
+    swept: AtomicU64,
+    errors: AtomicU64,
+    last_error: Mutex<Option<String>>,
+}
+
+/// A named background thread that deletes expired records: every interval
+/// it calls `sweep_expired(now, batch)` until a call deletes less than a full
+/// batch. Stops when dropped (or [`stop`](Sweeper::stop)ped), waiting at most
+/// [`SWEEPER_JOIN_TIMEOUT`] for a batch in progress.
+///
+/// Expired records are invisible whether or not the sweeper has run, so it
+/// only reclaims space; an error (a poisoned store, say) is counted and the
+/// loop goes on.
+///
+/// ```
+/// use idemstore::{Fingerprint, Key, MemoryStore, Store, Sweeper, SweeperConfig, Timestamp};
+/// use std::{sync::Arc, time::Duration};
+///
+/// let store = Arc::new(MemoryStore::new());
+/// let d = Duration::from_millis(1);
+/// store.begin(&Key::new("", "k")?, &Fingerprint::of(b""), Timestamp::EPOCH, d, d)?; // expired long ago
+/// let sweeper = Sweeper::spawn(Arc::clone(&store), SweeperConfig::default().interval(Duration::from_millis(10)))?;
+/// while store.len() > 0 { std::thread::sleep(Duration::from_millis(5)); }
+/// assert_eq!(sweeper.swept(), 1);
+/// sweeper.stop();
+/// # Ok::<(), idemstore::Error>(())
+/// ```
+#[derive(Debug)]
+pub struct Sweeper {
+    shared: Arc<Shared>,
+    done: Option<mpsc::Receiver<()>>,
+    handle: Option<JoinHandle<()>>,
+}
+
+impl Sweeper {
+    /// Starts a sweeper over `store` with the system clock.
+    pub fn spawn<S: Store + 'static>(store: Arc<S>, config: SweeperConfig) -> Result<Sweeper> {
+        Sweeper::spawn_with_clock(store, Arc::new(SystemClock), config)
+    }
+
+    /// Starts a sweeper over `store` reading time from `clock`.
+    pub fn spawn_with_clock<S: Store + 'static>(
+        store: Arc<S>,
+        clock: Arc<dyn Clock>,
+        config: SweeperConfig,
+    ) -> Result<Sweeper> {
+        Sweeper::spawn_fn("idemstore-sweeper", clock, config, move |now, max| {
+            store.sweep_expired(now, max)
+        })
+    }
+
+    /// Starts the loop over any sweep step. Backends use this to sweep
+    /// their shared inner state without a reference cycle.
+    pub(crate) fn spawn_fn(
+        name: &str,
+        clock: Arc<dyn Clock>,
+        config: SweeperConfig,
+        mut sweep: impl FnMut(Timestamp, usize) -> Result<usize> + Send + 'static,
+    ) -> Result<Sweeper> {
+        let shared = Arc::new(Shared::default());
+        let (done_tx, done_rx) = mpsc::channel();
+        let thread_shared = Arc::clone(&shared);
+        let handle = std::thread::Builder::new()
+            .name(name.to_owned())
+            .spawn(move || {
+                let shared = thread_shared;
+                loop {
+                    // Sweep until a batch comes back short or we are told to stop.
+                    loop {
+                        if *lock(&shared.stop) {
+                            let _ = done_tx.send(());
+                            return;
+                        }
+                        match sweep(clock.now(), config.batch) {
+                            Ok(n) => {
+                                shared.swept.fetch_add(n as u64, Ordering::Relaxed);
+                                if n < config.batch {
+                                    break;
+                                }
+                            }
+                            Err(e) => {
+                                shared.errors.fetch_add(1, Ordering::Relaxed);
+                                *lock(&shared.last_error) = Some(e.to_string());
+                                break;
+                            }
+                        }
+                    }
+                    let stopped = lock(&shared.stop);
+                    let (stopped, _) = shared
+                        .wake
+                        .wait_timeout_while(stopped, config.interval, |s| !*s)
+                        .unwrap_or_else(|p| p.into_inner());
+                    if *stopped {
+                        let _ = done_tx.send(());
+                        return;
+                    }
+                }
+            })
+            .map_err(Error::Io)?;
+        Ok(Sweeper {
+            shared,
+            done: Some(done_rx),
+            handle: Some(handle),
+        })
+    }
+
+    /// Records deleted so far.
+    pub fn swept(&self) -> u64 {
+        self.shared.swept.load(Ordering::Relaxed)
+    }
+
+    /// Sweeps that failed so far, and the last error's message.
+    pub fn errors(&self) -> (u64, Option<String>) {
+        (
+            self.shared.errors.load(Ordering::Relaxed),
+            lock(&self.shared.last_error).clone(),
+        )
+    }
+
+    /// Stops the thread and waits (bounded) for it.
+    pub fn stop(mut self) {
+        self.shutdown();
+    }
+
+    fn shutdown(&mut self) {
+        *lock(&self.shared.stop) = true;
+        self.shared.wake.notify_all();
+        if let Some(done) = self.done.take() {
+            // Join only if the thread said it finished within the bound;
+            // otherwise leave it detached rather than hang the caller.
+            let finished = !matches!(
+                done.recv_timeout(SWEEPER_JOIN_TIMEOUT),
+                Err(RecvTimeoutError::Timeout)
+            );
+            if let (true, Some(handle)) = (finished, self.handle.take()) {
+                let _ = handle.join();
+            }
+        }
+    }
+}
+
+impl Drop for Sweeper {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
