@@ -115,7 +115,10 @@ pub(crate) fn encode_record(record: &Record) -> Result<Vec<u8>> {
 pub(crate) fn decode_record(key_bytes: &[u8], bytes: &[u8]) -> Result<Record> {
     let corrupt = |detail: String| Error::corrupt(Some(printable_key(key_bytes)), detail);
     let (header, payload) = bytes.split_first_chunk::<HEADER_BYTES>().ok_or_else(|| {
-        corrupt(format!("record is {} bytes, shorter than its header", bytes.len()))
+        corrupt(format!(
+            "record is {} bytes, shorter than its header",
+            bytes.len()
+        ))
     })?;
     let [m0, m1, m2, m3, v0, v1, c0, c1, c2, c3] = *header;
     if [m0, m1, m2, m3] != MAGIC {

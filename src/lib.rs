@@ -53,9 +53,12 @@
 //! - `sled`: the store on sled 0.34.
 //! - `tokio`: [`Guard::run_async`].
 //! - `tower`: HTTP middleware (`Idempotency-Key`).
-//! - `test-util`: [`ManualClock`] and the [`MemoryStore`] fault hook.
+//! - `test-util`: [`ManualClock`], [`FaultyStore`] and the [`MemoryStore`] fault hook.
 
-#[allow(dead_code, reason = "until the on-disk backends land, only tests use the codec")]
+#[allow(
+    dead_code,
+    reason = "until the on-disk backends land, only tests use the codec"
+)]
 mod codec;
 mod error;
 mod fingerprint;
@@ -67,6 +70,8 @@ mod record;
 mod response;
 mod store;
 mod sweeper;
+#[cfg(feature = "test-util")]
+mod testing;
 mod time;
 
 pub use error::{BoxError, Error, Result};
@@ -85,6 +90,8 @@ pub use store::{MAX_SWEEP_BATCH, Store};
 pub use sweeper::{
     DEFAULT_SWEEP_BATCH, DEFAULT_SWEEP_INTERVAL, SWEEPER_JOIN_TIMEOUT, Sweeper, SweeperConfig,
 };
+#[cfg(feature = "test-util")]
+pub use testing::FaultyStore;
 #[cfg(any(test, feature = "test-util"))]
 pub use time::ManualClock;
 pub use time::{Clock, SystemClock, Timestamp};

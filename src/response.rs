@@ -90,7 +90,10 @@ impl Response {
     /// let (status, headers, body) = idemstore::Response::new(204, "").into_parts();
     /// assert_eq!((status, headers.len(), body.len()), (204, 0, 0));
     /// ```
-    #[allow(clippy::type_complexity, reason = "a plain tuple is the most direct destructuring")]
+    #[allow(
+        clippy::type_complexity,
+        reason = "a plain tuple is the most direct destructuring"
+    )]
     pub fn into_parts(self) -> (u16, Vec<(String, Vec<u8>)>, Vec<u8>) {
         (self.status, self.headers, self.body)
     }

@@ -1,0 +1,152 @@
+//! Test support (feature `test-util`): fault injection around any store.
+
+use crate::error::{Error, Result};
+use crate::fingerprint::Fingerprint;
+use crate::key::Key;
+use crate::memory::Op;
+use crate::record::{Begin, Claim, Record};
+use crate::response::Response;
+use crate::store::Store;
+use crate::time::Timestamp;
+use std::sync::RwLock;
+use std::time::Duration;
+
+type Hook = Box<dyn Fn(Op) -> Option<Error> + Send + Sync>;
+
+/// Wraps any [`Store`] and fails chosen operations on demand (feature
+/// `test-util`), the way the seeds' `Fault func(op)` does. A failed
+/// operation never reaches the inner store, so it has no effect — like a
+/// database that refused the connection.
+///
+/// The conformance suite uses this to run its fault scenarios against every
+/// backend unchanged.
+///
+/// ```
+/// use idemstore::{Error, FaultyStore, Fingerprint, Key, MemoryStore, Op, Store, Timestamp};
+/// use std::time::Duration;
+///
+/// let store = FaultyStore::new(MemoryStore::new());
+/// store.fail_next(Op::Complete, 1);
+/// let d = Duration::from_secs(1);
+/// let key = Key::new("", "k")?;
+/// let begin = store.begin(&key, &Fingerprint::of(b""), Timestamp::EPOCH, d, d)?;
+/// let claim = begin.claim().unwrap();
+/// let r = idemstore::Response::new(200, "");
+/// assert!(store.complete(&key, claim, &r, Timestamp::EPOCH, d).is_err());
+/// assert!(store.complete(&key, claim, &r, Timestamp::EPOCH, d).is_ok());
+/// # Ok::<(), idemstore::Error>(())
+/// ```
+pub struct FaultyStore<S> {
+    inner: S,
+    hook: RwLock<Option<Hook>>,
+}
+
+impl<S: std::fmt::Debug> std::fmt::Debug for FaultyStore<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FaultyStore")
+            .field("inner", &self.inner)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S: Store> FaultyStore<S> {
+    /// Wraps `inner` with no faults installed.
+    pub fn new(inner: S) -> FaultyStore<S> {
+        FaultyStore {
+            inner,
+            hook: RwLock::new(None),
+        }
+    }
+
+    /// The wrapped store.
+    pub fn inner(&self) -> &S {
+        &self.inner
+    }
+
+    /// Installs `hook`: called before each operation; an error it returns
+    /// fails that operation.
+    pub fn set_fault(&self, hook: impl Fn(Op) -> Option<Error> + Send + Sync + 'static) {
+        *self.hook.write().unwrap_or_else(|p| p.into_inner()) = Some(Box::new(hook));
+    }
+
+    /// Fails the next `count` calls of `op` with a backend error, then
+    /// lets calls through again.
+    pub fn fail_next(&self, op: Op, count: u32) {
+        let left = std::sync::atomic::AtomicU32::new(count);
+        self.set_fault(move |o| {
+            let hit = o == op
+                && left
+                    .fetch_update(
+                        std::sync::atomic::Ordering::SeqCst,
+                        std::sync::atomic::Ordering::SeqCst,
+                        |n| n.checked_sub(1),
+                    )
+                    .is_ok();
+            hit.then(|| Error::backend(format!("injected fault in {op}")))
+        });
+    }
+
+    /// Fails every operation with a backend error ("connection refused").
+    pub fn fail_all(&self) {
+        self.set_fault(|op| {
+            Some(Error::backend(format!(
+                "injected fault in {op}: connection refused"
+            )))
+        });
+    }
+
+    /// Removes the hook.
+    pub fn clear_fault(&self) {
+        *self.hook.write().unwrap_or_else(|p| p.into_inner()) = None;
+    }
+
+    fn check(&self, op: Op) -> Result<()> {
+        match self
+            .hook
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .and_then(|h| h(op))
+        {
+            Some(err) => Err(err),
+            None => Ok(()),
+        }
+    }
+}
+
+impl<S: Store> Store for FaultyStore<S> {
+    fn begin(
+        &self,
+        key: &Key,
+        fp: &Fingerprint,
+        now: Timestamp,
+        lease: Duration,
+        retention: Duration,
+    ) -> Result<Begin> {
+        self.check(Op::Begin)?;
+        self.inner.begin(key, fp, now, lease, retention)
+    }
+    fn complete(
+        &self,
+        key: &Key,
+        claim: &Claim,
+        response: &Response,
+        now: Timestamp,
+        retention: Duration,
+    ) -> Result<()> {
+        self.check(Op::Complete)?;
+        self.inner.complete(key, claim, response, now, retention)
+    }
+    fn release(&self, key: &Key, claim: &Claim) -> Result<()> {
+        self.check(Op::Release)?;
+        self.inner.release(key, claim)
+    }
+    fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>> {
+        self.check(Op::Get)?;
+        self.inner.get(key, now)
+    }
+    fn sweep_expired(&self, now: Timestamp, max: usize) -> Result<usize> {
+        self.check(Op::Sweep)?;
+        self.inner.sweep_expired(now, max)
+    }
+}

@@ -1,0 +1,811 @@
+//! The conformance suite: the contract of DESIGN.md §1, run unchanged
+//! against every backend through `conformance_suite!(factory)`.
+//!
+//! A backend module writes a factory `fn() -> Subject` that opens a fresh,
+//! empty store (and keeps whatever must outlive it, such as a temp dir), then
+//! invokes the macro. Fault scenarios wrap the subject in `FaultyStore`, so
+//! the engine underneath is the real one.
+
+use idemstore::{
+    Begin, Claim, Clock, Error, FaultyStore, Fingerprint, Guard, Key, ManualClock, Op, Outcome,
+    Response, State, Store, Timestamp,
+};
+use std::any::Any;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Barrier, Mutex};
+use std::time::Duration;
+
+/// A fresh store under test, plus what must live as long as it.
+pub struct Subject {
+    pub store: Arc<dyn Store>,
+    _keep: Box<dyn Any + Send + Sync>,
+}
+
+impl Subject {
+    pub fn new(store: impl Store + 'static, keep: impl Any + Send + Sync) -> Subject {
+        Subject {
+            store: Arc::new(store),
+            _keep: Box::new(keep),
+        }
+    }
+}
+
+/// Runs every case below as its own `#[test]` against `$factory`.
+macro_rules! conformance_suite {
+    ($factory:path) => {
+        conformance_suite!(@cases $factory;
+            seed_eight_concurrent_workers_execute_once,
+            seed_complete_fails_then_takeover_then_window,
+            begin_claims_absent_key,
+            begin_conflict_leaves_record_untouched,
+            begin_replays_done,
+            begin_in_flight_inside_lease,
+            begin_takes_over_expired_lease,
+            lease_boundaries,
+            expiry_boundaries,
+            stale_claim_rejected_after_takeover,
+            release_lets_a_retry_claim_at_once,
+            scopes_isolate,
+            expired_records_invisible_before_sweep,
+            sweep_removes_only_expired_and_is_bounded,
+            tokens_increase_across_keys,
+            clock_jumps_never_let_a_stale_owner_complete,
+            oversized_response_writes_nothing,
+            invalid_durations_rejected_before_io,
+            complete_after_expiry_is_stale,
+            concurrent_random_ops_never_two_live_claims,
+            sequential_ops_match_model
+        );
+    };
+    (@cases $factory:path; $($case:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $case() {
+                crate::conformance::$case(&$factory)
+            }
+        )*
+    };
+}
+
+pub type Make<'a> = &'a dyn Fn() -> Subject;
+
+/// 2026-10-19T04:00:00Z, the seeds' base time.
+pub const T0: Timestamp = Timestamp::from_millis(1_760_846_400_000);
+const SEC: Duration = Duration::from_secs(1);
+const HOUR: Duration = Duration::from_secs(3600);
+
+fn key(id: &str) -> Key {
+    Key::new("tenant-42", id).expect("valid key")
+}
+
+fn claimed(b: Begin) -> Claim {
+    match b {
+        Begin::Claimed(c) => c,
+        other => panic!("expected Claimed, got {other:?}"),
+    }
+}
+
+/// The seeds' in-test ledger: applies a reservation and a charge once per
+/// idempotency key, however often it is called.
+#[derive(Default)]
+pub struct Ledger {
+    inner: Mutex<LedgerState>,
+}
+
+#[derive(Default, Debug)]
+pub struct LedgerState {
+    pub stock: i64,
+    pub reservations: HashMap<String, i64>,
+    pub charges: HashMap<String, i64>,
+}
+
+impl Ledger {
+    pub fn new(stock: i64) -> Ledger {
+        Ledger {
+            inner: Mutex::new(LedgerState {
+                stock,
+                ..LedgerState::default()
+            }),
+        }
+    }
+
+    /// Reserves `qty` and charges `cents` for `key`, once.
+    pub fn apply(&self, key: &str, qty: i64, cents: i64) -> Result<(), &'static str> {
+        let mut s = self.inner.lock().unwrap();
+        if s.reservations.contains_key(key) {
+            return Ok(());
+        }
+        if s.stock < qty {
+            return Err("OUT_OF_STOCK");
+        }
+        s.stock -= qty;
+        s.reservations.insert(key.to_owned(), qty);
+        s.charges.insert(key.to_owned(), cents);
+        Ok(())
+    }
+
+    pub fn snapshot(&self) -> (i64, usize, usize) {
+        let s = self.inner.lock().unwrap();
+        (s.stock, s.reservations.len(), s.charges.len())
+    }
+}
+
+/// The seeds' handler: counts calls, sleeps, applies the ledger; a
+/// deterministic OUT_OF_STOCK is an Ok 409 response, stored like any other.
+fn order_handler<'a>(
+    ledger: &'a Ledger,
+    order: &'a str,
+    calls: &'a AtomicU32,
+    delay: Duration,
+) -> impl FnOnce(&Claim) -> Result<Response, std::convert::Infallible> + 'a {
+    move |_claim| {
+        calls.fetch_add(1, Ordering::SeqCst);
+        std::thread::sleep(delay);
+        Ok(match ledger.apply(order, 1, 1000) {
+            Ok(()) => Response::new(200, "paid"),
+            Err(e) => Response::new(409, e),
+        })
+    }
+}
+
+fn guard_on(store: Arc<dyn Store>, clock: &ManualClock) -> Guard<Arc<dyn Store>> {
+    Guard::builder(store)
+        .clock(clock.clone())
+        .lease(SEC)
+        .retention(HOUR)
+        .build()
+        .expect("valid config")
+}
+
+/// Seed scenario 1: 8 concurrent workers, same key and fingerprint, handler
+/// sleeps 20 ms: one Executed, the others InFlight; stock 10 → 9.
+pub fn seed_eight_concurrent_workers_execute_once(make: Make<'_>) {
+    let subject = make();
+    let clock = ManualClock::new(T0);
+    let guard = guard_on(Arc::clone(&subject.store), &clock);
+    let ledger = Ledger::new(10);
+    let calls = AtomicU32::new(0);
+    let k = key("order-1");
+    let fp = Fingerprint::of(b"sku=A&qty=1");
+    let barrier = Barrier::new(8);
+    let outcomes: Vec<Outcome<std::convert::Infallible>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..8)
+            .map(|_| {
+                s.spawn(|| {
+                    barrier.wait();
+                    guard.run(
+                        &k,
+                        &fp,
+                        order_handler(&ledger, "order-1", &calls, Duration::from_millis(20)),
+                    )
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let executed = outcomes
+        .iter()
+        .filter(|o| matches!(o, Outcome::Executed(_)))
+        .count();
+    let in_flight = outcomes
+        .iter()
+        .filter(|o| matches!(o, Outcome::InFlight { .. }))
+        .count();
+    assert_eq!((executed, in_flight), (1, 7), "outcomes: {outcomes:?}");
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert_eq!(ledger.snapshot(), (9, 1, 1));
+
+    let out = guard.run(
+        &k,
+        &Fingerprint::of(b"sku=A&qty=2"),
+        order_handler(&ledger, "order-1", &calls, Duration::ZERO),
+    );
+    assert!(matches!(out, Outcome::Conflicted), "{out:?}");
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        1,
+        "a conflict never runs the handler"
+    );
+}
+
+/// Seed scenario 2: `complete` fails once; the retry inside the lease is
+/// InFlight; after the lease a takeover executes again; the ledger absorbs
+/// it; after retention it runs a third time; a dead store fails closed.
+pub fn seed_complete_fails_then_takeover_then_window(make: Make<'_>) {
+    let subject = make();
+    let faulty = Arc::new(FaultyStore::new(Arc::clone(&subject.store)));
+    let clock = ManualClock::new(T0);
+    let guard = guard_on(faulty.clone(), &clock);
+    let ledger = Ledger::new(10);
+    let calls = AtomicU32::new(0);
+    let k = key("order-2");
+    let fp = Fingerprint::of(b"sku=A&qty=1");
+    let h = || order_handler(&ledger, "order-2", &calls, Duration::ZERO);
+
+    faulty.fail_next(Op::Complete, 1);
+    let first = guard.run(&k, &fp, h());
+    assert!(matches!(first, Outcome::NotStored { .. }), "{first:?}");
+    let rec = subject
+        .store
+        .get(&k, clock.now())
+        .unwrap()
+        .expect("record kept");
+    assert_eq!(
+        rec.state(),
+        State::Processing,
+        "a failed complete leaves the record PROCESSING"
+    );
+
+    let inside = guard.run(&k, &fp, h());
+    assert!(
+        matches!(inside, Outcome::InFlight { lease_until } if lease_until == T0 + SEC),
+        "{inside:?}"
+    );
+
+    clock.advance(2 * SEC);
+    let after = guard.run(&k, &fp, h());
+    assert!(
+        matches!(after, Outcome::Executed(ref r) if r.body() == b"paid"),
+        "{after:?}"
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    assert_eq!(
+        ledger.snapshot(),
+        (9, 1, 1),
+        "the ledger absorbed the second run"
+    );
+    assert_eq!(guard.stats().takeovers, 1);
+
+    clock.advance(2 * HOUR);
+    let window = guard.run(&k, &fp, h());
+    assert!(matches!(window, Outcome::Executed(_)), "{window:?}");
+    assert_eq!(calls.load(Ordering::SeqCst), 3);
+    assert_eq!(ledger.snapshot(), (9, 1, 1));
+
+    faulty.fail_all();
+    let down = guard.run(&key("order-3"), &fp, h());
+    assert!(matches!(down, Outcome::Unavailable(_)), "{down:?}");
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        3,
+        "fail closed: the handler did not run"
+    );
+    assert_eq!(guard.stats().unavailable, 1);
+}
+
+pub fn begin_claims_absent_key(make: Make<'_>) {
+    let s = make().store_owned();
+    let fp = Fingerprint::of(b"a");
+    let c = claimed(s.begin(&key("k"), &fp, T0, SEC, HOUR).unwrap());
+    assert!(!c.is_takeover());
+    assert_eq!(c.attempt(), 1);
+    assert_eq!(c.lease_until(), T0 + SEC);
+    let rec = s.get(&key("k"), T0).unwrap().unwrap();
+    assert_eq!(rec.state(), State::Processing);
+    assert_eq!(rec.fingerprint(), &fp);
+    assert_eq!(rec.token(), c.token());
+    assert_eq!(rec.lease_until(), Some(T0 + SEC));
+    assert_eq!(rec.expires_at(), T0 + HOUR);
+    assert_eq!(rec.created_at(), T0);
+    assert!(rec.response().is_none());
+}
+
+pub fn begin_conflict_leaves_record_untouched(make: Make<'_>) {
+    let s = make().store_owned();
+    let k = key("k");
+    let c = claimed(s.begin(&k, &Fingerprint::of(b"a"), T0, SEC, HOUR).unwrap());
+    let before = s.get(&k, T0).unwrap();
+    // Even with the lease expired, a different fingerprint is a conflict, not a takeover.
+    let later = T0 + 2 * SEC;
+    assert_eq!(
+        s.begin(&k, &Fingerprint::of(b"b"), later, SEC, HOUR)
+            .unwrap(),
+        Begin::Conflict
+    );
+    assert_eq!(s.get(&k, T0).unwrap(), before);
+    s.complete(&k, &c, &Response::new(200, "x"), T0, HOUR)
+        .unwrap();
+    assert_eq!(
+        s.begin(&k, &Fingerprint::of(b"b"), T0, SEC, HOUR).unwrap(),
+        Begin::Conflict
+    );
+    assert_eq!(s.get(&k, T0).unwrap().unwrap().state(), State::Done);
+}
+
+pub fn begin_replays_done(make: Make<'_>) {
+    let s = make().store_owned();
+    let (k, fp) = (key("k"), Fingerprint::of(b"a"));
+    let c = claimed(s.begin(&k, &fp, T0, SEC, HOUR).unwrap());
+    let resp = Response::new(201, vec![0u8, 1, 2, 255])
+        .with_header("content-type", "application/octet-stream")
+        .with_header("x-trace", vec![0xff, 0x00]);
+    s.complete(&k, &c, &resp, T0 + SEC / 2, HOUR).unwrap();
+    for t in [
+        T0,
+        T0 + 10 * SEC,
+        T0 + SEC / 2 + HOUR - Duration::from_millis(1),
+    ] {
+        assert_eq!(
+            s.begin(&k, &fp, t, SEC, HOUR).unwrap(),
+            Begin::Replay(resp.clone())
+        );
+    }
+    let rec = s.get(&k, T0).unwrap().unwrap();
+    assert_eq!(rec.state(), State::Done);
+    assert_eq!(rec.lease_until(), None, "complete clears the lease");
+    assert_eq!(
+        rec.expires_at(),
+        T0 + SEC / 2 + HOUR,
+        "complete moves the expiry to now + retention"
+    );
+    assert_eq!(rec.response(), Some(&resp));
+}
+
+pub fn begin_in_flight_inside_lease(make: Make<'_>) {
+    let s = make().store_owned();
+    let (k, fp) = (key("k"), Fingerprint::of(b"a"));
+    let _c = claimed(s.begin(&k, &fp, T0, SEC, HOUR).unwrap());
+    assert_eq!(
+        s.begin(&k, &fp, T0 + SEC / 2, SEC, HOUR).unwrap(),
+        Begin::InFlight {
+            lease_until: T0 + SEC
+        }
+    );
+}
+
+pub fn begin_takes_over_expired_lease(make: Make<'_>) {
+    let s = make().store_owned();
+    let (k, fp) = (key("k"), Fingerprint::of(b"a"));
+    let first = claimed(s.begin(&k, &fp, T0, SEC, HOUR).unwrap());
+    let t = T0 + 5 * SEC;
+    let second = claimed(s.begin(&k, &fp, t, SEC, HOUR).unwrap());
+    assert!(second.is_takeover());
+    assert_eq!(second.attempt(), 2);
+    assert!(second.token() > first.token());
+    assert_eq!(second.lease_until(), t + SEC);
+    let rec = s.get(&k, t).unwrap().unwrap();
+    assert_eq!(rec.token(), second.token());
+    assert_eq!(rec.attempts(), 2);
+    assert_eq!(rec.expires_at(), T0 + HOUR, "a takeover keeps the expiry");
+    assert_eq!(rec.created_at(), T0);
+}
+
+pub fn lease_boundaries(make: Make<'_>) {
+    let ms = Duration::from_millis(1);
+    for (offset, expect_claim) in [(SEC - ms, false), (SEC, true), (SEC + ms, true)] {
+        let s = make().store_owned();
+        let (k, fp) = (key("k"), Fingerprint::of(b"a"));
+        let _ = claimed(s.begin(&k, &fp, T0, SEC, HOUR).unwrap());
+        let b = s.begin(&k, &fp, T0 + offset, SEC, HOUR).unwrap();
+        if expect_claim {
+            assert!(
+                matches!(b, Begin::Claimed(ref c) if c.is_takeover()),
+                "at lease{offset:?}: {b:?}"
+            );
+        } else {
+            assert_eq!(
+                b,
+                Begin::InFlight {
+                    lease_until: T0 + SEC
+                },
+                "at {offset:?}"
+            );
+        }
+    }
+}
+
+pub fn expiry_boundaries(make: Make<'_>) {
+    let ms = Duration::from_millis(1);
+    for (offset, expect_fresh) in [(HOUR - ms, false), (HOUR, true), (HOUR + ms, true)] {
+        let s = make().store_owned();
+        let (k, fp) = (key("k"), Fingerprint::of(b"a"));
+        let c = claimed(s.begin(&k, &fp, T0, SEC, HOUR).unwrap());
+        s.complete(&k, &c, &Response::new(200, "done"), T0, HOUR)
+            .unwrap();
+        let t = T0 + offset;
+        let visible = s.get(&k, t).unwrap();
+        let b = s.begin(&k, &fp, t, SEC, HOUR).unwrap();
+        if expect_fresh {
+            assert!(visible.is_none(), "expired at {offset:?}");
+            let fresh = claimed(b);
+            assert!(
+                !fresh.is_takeover(),
+                "a claim over an expired record is fresh"
+            );
+            assert_eq!(fresh.attempt(), 1);
+            assert!(fresh.token() > c.token());
+        } else {
+            assert!(visible.is_some());
+            assert_eq!(
+                b,
+                Begin::Replay(Response::new(200, "done")),
+                "at {offset:?}"
+            );
+        }
+    }
+}
+
+pub fn stale_claim_rejected_after_takeover(make: Make<'_>) {
+    let s = make().store_owned();
+    let (k, fp) = (key("k"), Fingerprint::of(b"a"));
+    let old = claimed(s.begin(&k, &fp, T0, SEC, HOUR).unwrap());
+    let new = claimed(s.begin(&k, &fp, T0 + 2 * SEC, SEC, HOUR).unwrap());
+    let before = s.get(&k, T0 + 2 * SEC).unwrap();
+    let r = s.complete(&k, &old, &Response::new(200, "late"), T0 + 2 * SEC, HOUR);
+    assert!(matches!(r, Err(Error::StaleClaim)), "{r:?}");
+    assert!(matches!(s.release(&k, &old), Err(Error::StaleClaim)));
+    assert_eq!(
+        s.get(&k, T0 + 2 * SEC).unwrap(),
+        before,
+        "a stale owner changes nothing"
+    );
+    s.complete(&k, &new, &Response::new(200, "new"), T0 + 2 * SEC, HOUR)
+        .unwrap();
+    // After DONE, the old claim and even the new one are stale.
+    assert!(matches!(
+        s.complete(&k, &new, &Response::new(200, "again"), T0 + 3 * SEC, HOUR),
+        Err(Error::StaleClaim)
+    ));
+    assert!(matches!(s.release(&k, &new), Err(Error::StaleClaim)));
+    assert_eq!(
+        s.begin(&k, &fp, T0 + 3 * SEC, SEC, HOUR).unwrap(),
+        Begin::Replay(Response::new(200, "new"))
+    );
+}
+
+pub fn release_lets_a_retry_claim_at_once(make: Make<'_>) {
+    let s = make().store_owned();
+    let (k, fp) = (key("k"), Fingerprint::of(b"a"));
+    let first = claimed(s.begin(&k, &fp, T0, SEC, HOUR).unwrap());
+    s.release(&k, &first).unwrap();
+    assert!(s.get(&k, T0).unwrap().is_none());
+    let again = claimed(s.begin(&k, &fp, T0, SEC, HOUR).unwrap());
+    assert!(
+        !again.is_takeover(),
+        "after a release the retry is a fresh claim"
+    );
+    assert!(again.token() > first.token());
+    assert!(matches!(s.release(&k, &first), Err(Error::StaleClaim)));
+    // Released keys accept other parameters too: nothing was done under them.
+    s.release(&k, &again).unwrap();
+    assert!(matches!(
+        s.begin(&k, &Fingerprint::of(b"other"), T0, SEC, HOUR)
+            .unwrap(),
+        Begin::Claimed(_)
+    ));
+}
+
+pub fn scopes_isolate(make: Make<'_>) {
+    let s = make().store_owned();
+    let a = Key::new("tenant-a", "order-1").unwrap();
+    let b = Key::new("tenant-b", "order-1").unwrap();
+    let unscoped = Key::new("", "order-1").unwrap();
+    let fp = Fingerprint::of(b"x");
+    let ca = claimed(s.begin(&a, &fp, T0, SEC, HOUR).unwrap());
+    s.complete(&a, &ca, &Response::new(200, "a's"), T0, HOUR)
+        .unwrap();
+    assert!(matches!(
+        s.begin(&b, &fp, T0, SEC, HOUR).unwrap(),
+        Begin::Claimed(_)
+    ));
+    assert!(matches!(
+        s.begin(&unscoped, &Fingerprint::of(b"y"), T0, SEC, HOUR)
+            .unwrap(),
+        Begin::Claimed(_)
+    ));
+    // ("ab", "c") and ("a", "bc") are different keys.
+    let k1 = Key::new("ab", "c").unwrap();
+    let k2 = Key::new("a", "bc").unwrap();
+    let _ = claimed(s.begin(&k1, &fp, T0, SEC, HOUR).unwrap());
+    assert!(matches!(
+        s.begin(&k2, &fp, T0, SEC, HOUR).unwrap(),
+        Begin::Claimed(_)
+    ));
+    assert_eq!(
+        s.get(&a, T0).unwrap().unwrap().response().unwrap().body(),
+        b"a's"
+    );
+}
+
+pub fn expired_records_invisible_before_sweep(make: Make<'_>) {
+    let s = make().store_owned();
+    let (k, fp) = (key("k"), Fingerprint::of(b"a"));
+    let c = claimed(s.begin(&k, &fp, T0, SEC, HOUR).unwrap());
+    s.complete(&k, &c, &Response::new(200, "x"), T0, HOUR)
+        .unwrap();
+    let late = T0 + HOUR;
+    assert!(s.get(&k, late).unwrap().is_none());
+    assert!(
+        s.get(&k, T0).unwrap().is_some(),
+        "the record is still stored, only invisible"
+    );
+    // A different fingerprint is not a conflict with an expired record.
+    assert!(matches!(
+        s.begin(&k, &Fingerprint::of(b"b"), late, SEC, HOUR)
+            .unwrap(),
+        Begin::Claimed(_)
+    ));
+}
+
+pub fn sweep_removes_only_expired_and_is_bounded(make: Make<'_>) {
+    let s = make().store_owned();
+    let fp = Fingerprint::of(b"a");
+    // 10 records expiring at T0+1h..T0+1h+9s, and 5 that live for a day.
+    for i in 0..10u32 {
+        let c = claimed(
+            s.begin(&key(&format!("short-{i}")), &fp, T0 + i * SEC, SEC, HOUR)
+                .unwrap(),
+        );
+        s.complete(
+            &key(&format!("short-{i}")),
+            &c,
+            &Response::new(200, ""),
+            T0 + i * SEC,
+            HOUR,
+        )
+        .unwrap();
+    }
+    for i in 0..5 {
+        let _ = claimed(
+            s.begin(&key(&format!("long-{i}")), &fp, T0, SEC, 24 * HOUR)
+                .unwrap(),
+        );
+    }
+    assert_eq!(s.sweep_expired(T0, 100).unwrap(), 0, "nothing is due yet");
+    let now = T0 + HOUR + 5 * SEC; // short-0..=5 are due (expiry <= now)
+    assert_eq!(s.sweep_expired(now, 4).unwrap(), 4, "bounded by max");
+    assert_eq!(s.sweep_expired(now, 100).unwrap(), 2);
+    assert_eq!(s.sweep_expired(now, 100).unwrap(), 0);
+    for i in 0..10u32 {
+        let visible_later = s.get(&key(&format!("short-{i}")), T0).unwrap().is_some();
+        assert_eq!(visible_later, i > 5, "short-{i}");
+    }
+    assert_eq!(
+        s.sweep_expired(T0 + 2 * HOUR, 0).unwrap(),
+        0,
+        "max 0 deletes nothing"
+    );
+    assert_eq!(s.sweep_expired(T0 + 2 * HOUR, 100).unwrap(), 4);
+    for i in 0..5 {
+        assert!(
+            s.get(&key(&format!("long-{i}")), T0 + 2 * HOUR)
+                .unwrap()
+                .is_some()
+        );
+    }
+}
+
+pub fn tokens_increase_across_keys(make: Make<'_>) {
+    let s = make().store_owned();
+    let fp = Fingerprint::of(b"a");
+    let mut last = 0;
+    for i in 0..50u32 {
+        let c = claimed(
+            s.begin(
+                &key(&format!("k{}", i % 7)),
+                &fp,
+                T0 + i * 2 * SEC,
+                SEC,
+                HOUR,
+            )
+            .unwrap(),
+        );
+        assert!(c.token() > last, "token {} after {last}", c.token());
+        last = c.token();
+    }
+}
+
+/// A clock that jumps forwards past the lease lets a second owner take over;
+/// when the clock jumps back, the first owner's complete is still stale: the
+/// fencing token decides, not the time.
+pub fn clock_jumps_never_let_a_stale_owner_complete(make: Make<'_>) {
+    let s = make().store_owned();
+    let (k, fp) = (key("k"), Fingerprint::of(b"a"));
+    let owner = claimed(s.begin(&k, &fp, T0, SEC, HOUR).unwrap());
+    let jumped = T0 + 10 * SEC;
+    let usurper = claimed(s.begin(&k, &fp, jumped, SEC, HOUR).unwrap());
+    let back = T0 + Duration::from_millis(100); // the clock steps back inside the old lease
+    let r = s.complete(&k, &owner, &Response::new(200, "old"), back, HOUR);
+    assert!(matches!(r, Err(Error::StaleClaim)), "{r:?}");
+    // Even far in the past the current owner may still complete.
+    s.complete(
+        &k,
+        &usurper,
+        &Response::new(200, "new"),
+        T0 - HOUR,
+        2 * HOUR,
+    )
+    .unwrap();
+    assert_eq!(
+        s.begin(&k, &fp, T0, SEC, HOUR).unwrap(),
+        Begin::Replay(Response::new(200, "new"))
+    );
+}
+
+pub fn oversized_response_writes_nothing(make: Make<'_>) {
+    let s = make().store_owned();
+    let (k, fp) = (key("k"), Fingerprint::of(b"a"));
+    let c = claimed(s.begin(&k, &fp, T0, SEC, HOUR).unwrap());
+    let big = Response::new(200, vec![0u8; idemstore::DEFAULT_MAX_BODY_BYTES + 1]);
+    assert!(matches!(
+        s.complete(&k, &c, &big, T0, HOUR),
+        Err(Error::ResponseTooLarge {
+            what: "body bytes",
+            ..
+        })
+    ));
+    let mut many = Response::new(200, "");
+    for i in 0..=idemstore::MAX_HEADERS {
+        many = many.with_header(format!("x-{i}"), "v");
+    }
+    assert!(matches!(
+        s.complete(&k, &c, &many, T0, HOUR),
+        Err(Error::ResponseTooLarge {
+            what: "header count",
+            ..
+        })
+    ));
+    let rec = s.get(&k, T0).unwrap().unwrap();
+    assert_eq!(rec.state(), State::Processing, "nothing was written");
+    s.complete(
+        &k,
+        &c,
+        &Response::new(200, vec![7u8; idemstore::DEFAULT_MAX_BODY_BYTES]),
+        T0,
+        HOUR,
+    )
+    .unwrap();
+}
+
+pub fn invalid_durations_rejected_before_io(make: Make<'_>) {
+    let s = make().store_owned();
+    let (k, fp) = (key("k"), Fingerprint::of(b"a"));
+    assert!(matches!(
+        s.begin(&k, &fp, T0, Duration::ZERO, HOUR),
+        Err(Error::InvalidArgument { .. })
+    ));
+    assert!(matches!(
+        s.begin(&k, &fp, T0, Duration::from_micros(999), HOUR),
+        Err(Error::InvalidArgument { .. })
+    ));
+    assert!(matches!(
+        s.begin(&k, &fp, T0, HOUR, SEC),
+        Err(Error::InvalidArgument { .. })
+    ));
+    assert!(s.get(&k, T0).unwrap().is_none());
+}
+
+pub fn complete_after_expiry_is_stale(make: Make<'_>) {
+    let s = make().store_owned();
+    let (k, fp) = (key("k"), Fingerprint::of(b"a"));
+    let c = claimed(s.begin(&k, &fp, T0, SEC, 2 * SEC).unwrap());
+    let r = s.complete(&k, &c, &Response::new(200, "late"), T0 + 2 * SEC, HOUR);
+    assert!(
+        matches!(r, Err(Error::StaleClaim)),
+        "an expired record cannot be completed: {r:?}"
+    );
+    // Inside retention but past the lease, with nobody taking over, the owner may still finish.
+    let k2 = key("k2");
+    let c2 = claimed(s.begin(&k2, &fp, T0, SEC, HOUR).unwrap());
+    s.complete(&k2, &c2, &Response::new(200, "slow"), T0 + 30 * SEC, HOUR)
+        .unwrap();
+}
+
+/// 64 threads run random begin/complete/release on 16 keys while a shared
+/// manual clock moves forward: a key never has two live claims. Checked
+/// after the run, in token order (the store's serialisation order): each
+/// claim on a key starts at or after the previous claim's lease end, unless
+/// the previous owner released the key.
+pub fn concurrent_random_ops_never_two_live_claims(make: Make<'_>) {
+    struct Event {
+        token: u64,
+        at: Timestamp,
+        lease_until: Timestamp,
+        released: bool,
+    }
+    let subject = make();
+    let store = &subject.store;
+    let clock = ManualClock::new(T0);
+    const THREADS: u64 = 64;
+    const OPS: u64 = 40;
+    let events: Vec<Mutex<Vec<Event>>> = (0..16).map(|_| Mutex::new(Vec::new())).collect();
+    std::thread::scope(|s| {
+        for t in 0..THREADS {
+            let (clock, events) = (&clock, &events);
+            s.spawn(move || {
+                let mut rng = t.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+                let mut next = || {
+                    rng ^= rng << 13;
+                    rng ^= rng >> 7;
+                    rng ^= rng << 17;
+                    rng
+                };
+                for _ in 0..OPS {
+                    let ki = (next() % 16) as usize;
+                    let k = Key::new("race", format!("k{ki}")).unwrap();
+                    let fp = Fingerprint::of([(ki % 2) as u8]);
+                    if next() % 4 == 0 {
+                        clock.advance(Duration::from_millis(next() % 400));
+                    }
+                    let now = clock.now();
+                    let lease = Duration::from_millis(200);
+                    let c = match store.begin(&k, &fp, now, lease, 3 * lease) {
+                        Ok(Begin::Claimed(c)) => c,
+                        Ok(_) => continue,
+                        Err(e) => panic!("begin failed: {e}"),
+                    };
+                    let mut released = false;
+                    match next() % 3 {
+                        0 => {
+                            let r = store.complete(
+                                &k,
+                                &c,
+                                &Response::new(200, "ok"),
+                                clock.now(),
+                                3 * lease,
+                            );
+                            assert!(matches!(r, Ok(()) | Err(Error::StaleClaim)), "{r:?}");
+                        }
+                        1 => {
+                            let r = store.release(&k, &c);
+                            assert!(matches!(r, Ok(()) | Err(Error::StaleClaim)), "{r:?}");
+                            released = r.is_ok();
+                        }
+                        _ => {} // abandon: the lease runs out
+                    }
+                    events[ki].lock().unwrap().push(Event {
+                        token: c.token(),
+                        at: now,
+                        lease_until: c.lease_until(),
+                        released,
+                    });
+                }
+            });
+        }
+    });
+    let mut claims = 0;
+    for (ki, list) in events.into_iter().enumerate() {
+        let mut list = list.into_inner().unwrap();
+        list.sort_by_key(|e| e.token);
+        claims += list.len();
+        for pair in list.windows(2) {
+            let (prev, next) = (&pair[0], &pair[1]);
+            assert!(
+                prev.released || next.at >= prev.lease_until,
+                "key {ki}: token {} claimed at {} while token {} held a lease until {}",
+                next.token,
+                next.at,
+                prev.token,
+                prev.lease_until
+            );
+        }
+    }
+    assert!(claims > 16, "the race exercised claims ({claims})");
+}
+
+/// Random sequences of operations, applied one at a time to the store and to
+/// the independent model in `crate::model`, give the same answers.
+pub fn sequential_ops_match_model(make: Make<'_>) {
+    crate::model::check_against_model(make, 24, 60);
+}
+
+trait SubjectExt {
+    fn store_owned(self) -> OwnedStore;
+}
+
+/// A subject used by one test: derefs to the store and keeps the rest alive.
+pub struct OwnedStore(Subject);
+
+impl std::ops::Deref for OwnedStore {
+    type Target = dyn Store;
+    fn deref(&self) -> &(dyn Store + 'static) {
+        &*self.0.store
+    }
+}
+
+impl SubjectExt for Subject {
+    fn store_owned(self) -> OwnedStore {
+        OwnedStore(self)
+    }
+}

@@ -1,0 +1,1 @@
+//! Guard policies beyond the conformance suite (on `MemoryStore`).
