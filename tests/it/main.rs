@@ -1,7 +1,11 @@
 //! The one integration-test binary. Each backend module runs the shared
-
-#![allow(unreachable_pub, reason = "test modules share helpers with `pub`")]
 //! conformance suite through `conformance_suite!`, plus its own tests.
+#![allow(unreachable_pub, reason = "test modules share helpers with `pub`")]
+#![allow(
+    clippy::unwrap_used,
+    clippy::indexing_slicing,
+    reason = "a panic in a test is a failure with a location"
+)]
 
 #[macro_use]
 mod conformance;
