@@ -1,1 +1,261 @@
-//! Guard policies beyond the conformance suite (on `MemoryStore`).
+//! Guard policies beyond the conformance suite, on `MemoryStore`.
+
+use crate::conformance::T0;
+use idemstore::{
+    Begin, Error, FaultyStore, Fingerprint, Guard, Key, ManualClock, MemoryStore, OnHandlerError,
+    Outcome, Response, Store, TakeoverPolicy,
+};
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+const SEC: Duration = Duration::from_secs(1);
+
+type Faulty = Arc<FaultyStore<MemoryStore>>;
+
+fn setup(
+    configure: impl FnOnce(idemstore::GuardBuilder<Faulty>) -> idemstore::GuardBuilder<Faulty>,
+) -> (Guard<Faulty>, Faulty, ManualClock) {
+    let store = Arc::new(FaultyStore::new(MemoryStore::new()));
+    let clock = ManualClock::new(T0);
+    let builder = Guard::builder(Arc::clone(&store))
+        .clock(clock.clone())
+        .lease(SEC)
+        .retention(60 * SEC);
+    (configure(builder).build().unwrap(), store, clock)
+}
+
+fn key() -> Key {
+    Key::new("t", "k").unwrap()
+}
+
+fn ok(body: &'static str) -> impl FnOnce(&idemstore::Claim) -> Result<Response, Infallible> {
+    move |_| Ok(Response::new(200, body))
+}
+
+fn never() -> impl FnOnce(&idemstore::Claim) -> Result<Response, Infallible> {
+    |_| panic!("the handler must not run")
+}
+
+#[test]
+fn handler_error_keeps_claim_until_lease_ends_by_default() {
+    let (guard, store, clock) = setup(|b| b);
+    let fp = Fingerprint::of(b"x");
+    let out = guard.run(&key(), &fp, |_| Err::<Response, _>("boom"));
+    assert!(matches!(out, Outcome::HandlerFailed("boom")));
+    assert!(matches!(
+        guard.run(&key(), &fp, never()),
+        Outcome::InFlight { .. }
+    ));
+    clock.advance(SEC);
+    assert!(matches!(
+        guard.run(&key(), &fp, ok("second")),
+        Outcome::Executed(_)
+    ));
+    assert_eq!(
+        store
+            .get(&key(), idemstore::Clock::now(&clock))
+            .unwrap()
+            .unwrap()
+            .attempts(),
+        2
+    );
+}
+
+#[test]
+fn handler_error_releases_at_once_when_configured() {
+    let (guard, store, clock) = setup(|b| b.on_handler_error(OnHandlerError::Release));
+    let fp = Fingerprint::of(b"x");
+    let out = guard.run(&key(), &fp, |_| Err::<Response, _>("boom"));
+    assert!(matches!(out, Outcome::HandlerFailed(_)));
+    assert!(
+        store
+            .get(&key(), idemstore::Clock::now(&clock))
+            .unwrap()
+            .is_none(),
+        "released"
+    );
+    let again = guard.run(&key(), &fp, ok("retry"));
+    assert!(matches!(again, Outcome::Executed(ref r) if r.body() == b"retry"));
+    assert_eq!(
+        guard.stats().takeovers,
+        0,
+        "a released key is claimed fresh"
+    );
+}
+
+#[test]
+fn deterministic_failure_is_stored_and_replayed() {
+    let (guard, _, _) = setup(|b| b);
+    let fp = Fingerprint::of(b"x");
+    let out = guard.run(&key(), &fp, |_| {
+        Ok::<_, Infallible>(Response::new(409, "OUT_OF_STOCK"))
+    });
+    assert!(matches!(out, Outcome::Executed(ref r) if r.status() == 409));
+    let again = guard.run(&key(), &fp, never());
+    assert!(
+        matches!(again, Outcome::Replayed(ref r) if r.status() == 409 && r.body() == b"OUT_OF_STOCK")
+    );
+}
+
+#[test]
+fn reconcile_policy_answers_unknown_instead_of_rerunning() {
+    let (guard, _, clock) = setup(|b| b.takeover(TakeoverPolicy::Reconcile));
+    let fp = Fingerprint::of(b"x");
+    let _ = guard.run(&key(), &fp, |_| Err::<Response, _>("crashed"));
+    clock.advance(2 * SEC);
+    let Outcome::Unknown(claim) = guard.run(&key(), &fp, never()) else {
+        panic!("expected Unknown")
+    };
+    assert!(claim.is_takeover());
+    // The caller checked the authoritative system: nothing happened, so it releases.
+    guard.release(&key(), &claim).unwrap();
+    assert!(matches!(
+        guard.run(&key(), &fp, ok("ran")),
+        Outcome::Executed(_)
+    ));
+    assert_eq!(guard.stats().takeovers, 1);
+}
+
+#[test]
+fn fail_closed_by_default_and_fail_open_counted() {
+    let (guard, store, _) = setup(|b| b);
+    store.fail_all();
+    let calls = AtomicU32::new(0);
+    let out = guard.run(&key(), &Fingerprint::of(b"x"), |_| {
+        calls.fetch_add(1, Ordering::SeqCst);
+        Ok::<_, Infallible>(Response::new(200, ""))
+    });
+    assert!(matches!(out, Outcome::Unavailable(Error::Backend(_))));
+    assert_eq!(calls.load(Ordering::SeqCst), 0);
+
+    let (open, store, _) = setup(|b| b.fail_open(true));
+    store.fail_all();
+    let out = open.run(&key(), &Fingerprint::of(b"x"), |claim| {
+        assert!(claim.is_unprotected());
+        Ok::<_, Infallible>(Response::new(200, "unprotected"))
+    });
+    assert!(matches!(out, Outcome::FailedOpen(Ok(_))));
+    assert_eq!(open.stats().fail_open, 1);
+    assert_eq!(
+        open.stats().executed,
+        0,
+        "fail-open runs are not counted as protected executions"
+    );
+}
+
+#[test]
+fn stale_completion_is_counted() {
+    let (guard, store, clock) = setup(|b| b);
+    let fp = Fingerprint::of(b"x");
+    let out = guard.run(&key(), &fp, |_| {
+        // While this owner runs, the clock jumps past the lease and a retry takes over.
+        clock.advance(2 * SEC);
+        let Begin::Claimed(_) = store
+            .begin(&key(), &fp, idemstore::Clock::now(&clock), SEC, 60 * SEC)
+            .unwrap()
+        else {
+            panic!("takeover expected")
+        };
+        Ok::<_, Infallible>(Response::new(200, "late"))
+    });
+    assert!(
+        matches!(
+            out,
+            Outcome::NotStored {
+                error: Error::StaleClaim,
+                ..
+            }
+        ),
+        "{out:?}"
+    );
+    assert_eq!(guard.stats().stale, 1);
+}
+
+#[test]
+fn stats_count_every_outcome() {
+    let (guard, store, _) = setup(|b| b);
+    let fp = Fingerprint::of(b"x");
+    let _ = guard.run(&key(), &fp, ok("a"));
+    let _ = guard.run(&key(), &fp, never());
+    let _ = guard.run(&key(), &Fingerprint::of(b"y"), never());
+    let other = Key::new("t", "other").unwrap();
+    let _ = store.begin(&other, &fp, T0, SEC, 60 * SEC).unwrap();
+    let _ = guard.run(&other, &fp, never());
+    store.fail_all();
+    let _ = guard.run(&key(), &fp, never());
+    let s = guard.stats();
+    assert_eq!(
+        (
+            s.executed,
+            s.replayed,
+            s.conflicted,
+            s.in_flight,
+            s.unavailable,
+            s.fail_open,
+            s.takeovers,
+            s.stale
+        ),
+        (1, 1, 1, 1, 1, 0, 0, 0)
+    );
+}
+
+#[test]
+fn invalid_guard_config_is_an_error() {
+    let r = Guard::builder(MemoryStore::new())
+        .lease(Duration::ZERO)
+        .build();
+    assert!(matches!(r, Err(Error::InvalidArgument { .. })));
+    let r = Guard::builder(MemoryStore::new())
+        .lease(SEC * 10)
+        .retention(SEC)
+        .build();
+    assert!(matches!(r, Err(Error::InvalidArgument { .. })));
+}
+
+#[cfg(feature = "tokio")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn async_run_shares_the_core() {
+    let store = Arc::new(FaultyStore::new(MemoryStore::new()));
+    let guard = Guard::builder(Arc::clone(&store))
+        .lease(SEC)
+        .build()
+        .unwrap();
+    let calls = Arc::new(AtomicU32::new(0));
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let (guard, calls) = (guard.clone(), Arc::clone(&calls));
+        tasks.push(tokio::spawn(async move {
+            guard
+                .run_async(&key(), &Fingerprint::of(b"x"), |claim| async move {
+                    calls.fetch_add(1, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    Ok::<_, Infallible>(Response::new(201, claim.token().to_string()))
+                })
+                .await
+        }));
+    }
+    let mut executed = 0;
+    for t in tasks {
+        match t.await.unwrap() {
+            Outcome::Executed(_) => executed += 1,
+            Outcome::InFlight { .. } | Outcome::Replayed(_) => {}
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!((executed, calls.load(Ordering::SeqCst)), (1, 1));
+    store.fail_all();
+    let out = guard
+        .run_async(
+            &Key::new("t", "down").unwrap(),
+            &Fingerprint::of(b"x"),
+            |_| async {
+                panic!("fail closed");
+                #[allow(unreachable_code)]
+                Ok::<_, Infallible>(Response::new(200, ""))
+            },
+        )
+        .await;
+    assert!(matches!(out, Outcome::Unavailable(_)));
+}
