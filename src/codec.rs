@@ -259,6 +259,79 @@ mod tests {
         }
     }
 
+    fn sample_processing() -> Record {
+        Record {
+            fingerprint: Fingerprint::from_bytes([0x11; 32]),
+            state: State::Processing,
+            response: None,
+            lease_until: Some(Timestamp::from_millis(1_700_000_030_000)),
+            expires_at: Timestamp::from_millis(1_700_000_086_400_000),
+            created_at: Timestamp::from_millis(1_700_000_000_000),
+            token: 7,
+            attempts: 2,
+        }
+    }
+
+    /// The format is frozen: these bytes were written by format version 1
+    /// and must decode to the same records forever. `IDEMSTORE_BLESS=1`
+    /// rewrites them, which is only right together with a version bump.
+    #[test]
+    fn golden_fixtures_decode() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+        let key = Key::new("tenant-42", "order-1").expect("valid");
+        let cases: [(&str, Vec<u8>); 4] = [
+            (
+                "record_v1_done.bin",
+                encode_record(&sample_done()).expect("encodes"),
+            ),
+            (
+                "record_v1_processing.bin",
+                encode_record(&sample_processing()).expect("encodes"),
+            ),
+            ("key_v1.bin", encode_key(&key)),
+            (
+                "index_v1.bin",
+                encode_index(
+                    Timestamp::from_millis(1_700_000_086_400_000),
+                    &encode_key(&key),
+                ),
+            ),
+        ];
+        if std::env::var_os("IDEMSTORE_BLESS").is_some() {
+            std::fs::create_dir_all(&dir).expect("mkdir");
+            for (name, bytes) in &cases {
+                std::fs::write(dir.join(name), bytes).expect("write fixture");
+            }
+        }
+        for (name, fresh) in &cases {
+            let stored = std::fs::read(dir.join(name)).expect("fixture present");
+            assert_eq!(
+                &stored, fresh,
+                "{name}: encoding changed; bump the format version"
+            );
+        }
+        let read = |name: &str| std::fs::read(dir.join(name)).expect("fixture");
+        assert_eq!(
+            decode_record(b"", &read("record_v1_done.bin")).expect("decodes"),
+            sample_done()
+        );
+        assert_eq!(
+            decode_record(b"", &read("record_v1_processing.bin")).expect("decodes"),
+            sample_processing()
+        );
+        assert_eq!(decode_key(&read("key_v1.bin")).expect("decodes"), key);
+        let index = read("index_v1.bin");
+        let (at, k) = decode_index(&index).expect("decodes");
+        assert_eq!(
+            (at.as_millis(), decode_key(k).expect("key")),
+            (1_700_000_086_400_000, key)
+        );
+        // The header layout, byte by byte.
+        let done = read("record_v1_done.bin");
+        assert_eq!(&done[..6], b"IDEM\x00\x01");
+        assert_eq!(&read("key_v1.bin")[..1], &[9]);
+    }
+
     #[test]
     fn bit_flip_is_corrupt_with_key_named() {
         let key = encode_key(&Key::new("t", "order-1").expect("valid"));

@@ -95,3 +95,8 @@ pub use testing::FaultyStore;
 #[cfg(any(test, feature = "test-util"))]
 pub use time::ManualClock;
 pub use time::{Clock, SystemClock, Timestamp};
+
+/// The README's examples are compiled and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
