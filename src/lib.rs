@@ -62,6 +62,9 @@
 mod codec;
 mod error;
 mod fingerprint;
+#[cfg(feature = "test-util")]
+#[doc(hidden)]
+pub mod fuzzing;
 mod guard;
 mod key;
 mod logic;

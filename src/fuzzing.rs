@@ -1,0 +1,486 @@
+//! Property checks shared by the fuzz targets under `fuzz/` and by the
+//! corpus replay and property tests under `cargo test` (feature
+//! `test-util`; hidden: not a stable API).
+//!
+//! Each function panics with a description when the property fails, so a
+//! libFuzzer target and a `#[test]` report the same thing.
+
+use crate::codec;
+use crate::error::Error;
+use crate::fingerprint::Fingerprint;
+use crate::key::Key;
+use crate::memory::Op as StoreOp;
+use crate::record::{Begin, Claim};
+use crate::response::Response;
+use crate::store::Store;
+use crate::testing::FaultyStore;
+use crate::time::Timestamp;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Arbitrary bytes never panic the decoders, and whatever decodes as a
+/// record re-encodes to exactly the same bytes. The input is tried twice:
+/// as given, and with its checksum fixed up so the payload decoder is
+/// reached.
+pub fn record_decode(data: &[u8]) {
+    let _ = codec::decode_key(data);
+    let _ = codec::decode_index(data);
+    check_round_trip(data);
+    if data.len() >= codec::HEADER_BYTES {
+        let mut fixed = data.to_vec();
+        let crc = crc32fast::hash(fixed.get(codec::HEADER_BYTES..).unwrap_or_default());
+        if let Some(slot) = fixed.get_mut(6..10) {
+            slot.copy_from_slice(&crc.to_be_bytes());
+        }
+        check_round_trip(&fixed);
+    }
+}
+
+fn check_round_trip(bytes: &[u8]) {
+    if let Ok(record) = codec::decode_record(b"\0fuzz", bytes) {
+        let again = codec::encode_record(&record).expect("a decoded record re-encodes");
+        assert_eq!(again, bytes, "decode is not injective: {record:?}");
+    }
+}
+
+/// Lease used by [`run_ops`].
+pub const LEASE: Duration = Duration::from_millis(1_000);
+/// Retention used by [`run_ops`].
+pub const RETENTION: Duration = Duration::from_millis(3_000);
+/// Start time of [`run_ops`]: 2026-10-19T04:00:00Z.
+pub const T0: u64 = 1_760_846_400_000;
+
+/// One step of a store workload. Small integer fields select among a few
+/// keys, fingerprints and batch sizes so that sequences collide often.
+#[derive(Clone, Debug, arbitrary::Arbitrary)]
+pub enum Op {
+    /// `begin` on key `key % 4` with fingerprint `fp % 2`.
+    Begin {
+        /// Key selector.
+        key: u8,
+        /// Fingerprint selector.
+        fp: u8,
+    },
+    /// `complete` with the key's newest claim, or its oldest when `stale`.
+    Complete {
+        /// Key selector.
+        key: u8,
+        /// Use the oldest claim seen for the key.
+        stale: bool,
+        /// Body byte (the body is `body % 8` copies of it).
+        body: u8,
+    },
+    /// `release` with the newest or oldest claim.
+    Release {
+        /// Key selector.
+        key: u8,
+        /// Use the oldest claim seen for the key.
+        stale: bool,
+    },
+    /// `get`.
+    Get {
+        /// Key selector.
+        key: u8,
+    },
+    /// `sweep_expired(now, max % 8)`.
+    Sweep {
+        /// Batch size selector.
+        max: u8,
+    },
+    /// Move the clock forward.
+    Advance {
+        /// Milliseconds (`ms % 2000`).
+        ms: u16,
+    },
+    /// Make the next call of one operation fail with an injected error.
+    Fault {
+        /// Operation selector.
+        op: u8,
+    },
+    /// Close and reopen the store (durable backends only).
+    Reopen,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+struct ModelRecord {
+    fp: u8,
+    response: Option<Response>,
+    lease_until: u64,
+    expires_at: u64,
+    token: u64,
+    attempts: u32,
+}
+
+/// What `begin` answered, in the model's terms.
+#[derive(Debug, PartialEq)]
+enum Answer {
+    Claimed { takeover: bool, attempt: u32 },
+    Replay(Response),
+    InFlight(u64),
+    Conflict,
+}
+
+/// An independent model of DESIGN.md's table (not built on `logic`).
+#[derive(Default)]
+struct Model {
+    records: HashMap<u8, ModelRecord>,
+    now: u64,
+}
+
+impl Model {
+    fn begin(&mut self, key: u8, fp: u8, token: u64) -> Answer {
+        let (now, lease) = (self.now, ms(LEASE));
+        match self.records.get_mut(&key) {
+            Some(r) if now < r.expires_at => {
+                if r.fp != fp {
+                    Answer::Conflict
+                } else if let Some(resp) = &r.response {
+                    Answer::Replay(resp.clone())
+                } else if now < r.lease_until {
+                    Answer::InFlight(r.lease_until)
+                } else {
+                    r.lease_until = now + lease;
+                    r.expires_at = r.expires_at.max(now + lease);
+                    r.attempts += 1;
+                    r.token = token;
+                    Answer::Claimed {
+                        takeover: true,
+                        attempt: r.attempts,
+                    }
+                }
+            }
+            _ => {
+                let record = ModelRecord {
+                    fp,
+                    response: None,
+                    lease_until: now + lease,
+                    expires_at: now + ms(RETENTION),
+                    token,
+                    attempts: 1,
+                };
+                self.records.insert(key, record);
+                Answer::Claimed {
+                    takeover: false,
+                    attempt: 1,
+                }
+            }
+        }
+    }
+
+    fn owns(&self, key: u8, token: u64, check_expiry: bool) -> bool {
+        self.records.get(&key).is_some_and(|r| {
+            r.response.is_none() && r.token == token && (!check_expiry || self.now < r.expires_at)
+        })
+    }
+}
+
+fn ms(d: Duration) -> u64 {
+    crate::time::duration_millis(d)
+}
+
+fn key(k: u8) -> Key {
+    // Two bytes, never empty: always a valid key.
+    Key::new("model", [b'k', k % 4]).unwrap_or_else(|_| unreachable!())
+}
+
+fn fault_op(op: u8) -> StoreOp {
+    match op % 5 {
+        0 => StoreOp::Begin,
+        1 => StoreOp::Complete,
+        2 => StoreOp::Release,
+        3 => StoreOp::Get,
+        _ => StoreOp::Sweep,
+    }
+}
+
+/// Applies `ops` to a store made by `open` and to the model, and returns a
+/// description of the first divergence. `open` is called once at the start
+/// and again for each [`Op::Reopen`] when `durable` (after the previous
+/// store was dropped); for a non-durable store `Reopen` is skipped.
+/// Injected faults must fail the call with no effect.
+pub fn run_ops(
+    open: &mut dyn FnMut() -> Arc<dyn Store>,
+    durable: bool,
+    ops: &[Op],
+) -> Result<(), String> {
+    let mut store = Some(FaultyStore::new(open()));
+    let mut model = Model {
+        now: T0,
+        ..Model::default()
+    };
+    let mut claims: HashMap<u8, Vec<Claim>> = HashMap::new();
+    let mut last_token = 0u64;
+    let mut pending_fault: Option<StoreOp> = None;
+    for (i, op) in ops.iter().enumerate() {
+        let s = store.as_ref().ok_or("store missing")?;
+        let now = Timestamp::from_millis(model.now);
+        let fail = |what: StoreOp| pending_fault == Some(what);
+        let err = |e: &dyn std::fmt::Debug| format!("op {i} {op:?}: {e:?}");
+        match *op {
+            Op::Begin { key: k, fp } => {
+                let got = s.begin(&key(k), &Fingerprint::of([fp % 2]), now, LEASE, RETENTION);
+                if fail(StoreOp::Begin) {
+                    expect_injected(&got).map_err(|e| err(&e))?;
+                    pending_fault = None;
+                    continue;
+                }
+                let got = got.map_err(|e| err(&e))?;
+                let token = got.claim().map_or(0, Claim::token);
+                if token != 0 {
+                    if token <= last_token {
+                        return Err(err(&format!("token {token} after {last_token}")));
+                    }
+                    last_token = token;
+                }
+                let want = model.begin(k % 4, fp % 2, token);
+                let got = match got {
+                    Begin::Claimed(c) => {
+                        let a = Answer::Claimed {
+                            takeover: c.is_takeover(),
+                            attempt: c.attempt(),
+                        };
+                        claims.entry(k % 4).or_default().push(c);
+                        a
+                    }
+                    Begin::Replay(r) => Answer::Replay(r),
+                    Begin::InFlight { lease_until } => Answer::InFlight(lease_until.as_millis()),
+                    Begin::Conflict => Answer::Conflict,
+                };
+                if got != want {
+                    return Err(err(&format!("store {got:?}, model {want:?}")));
+                }
+            }
+            Op::Complete {
+                key: k,
+                stale,
+                body,
+            } => {
+                let Some(c) = pick(&claims, k % 4, stale) else {
+                    continue;
+                };
+                let resp = Response::new(200, vec![body; usize::from(body % 8)]);
+                let got = s.complete(&key(k), &c, &resp, now, RETENTION);
+                if fail(StoreOp::Complete) {
+                    expect_injected(&got).map_err(|e| err(&e))?;
+                    pending_fault = None;
+                } else if model.owns(k % 4, c.token(), true) {
+                    got.map_err(|e| err(&e))?;
+                    if let Some(r) = model.records.get_mut(&(k % 4)) {
+                        r.response = Some(resp);
+                        r.expires_at = model.now + ms(RETENTION);
+                    }
+                } else if !matches!(got, Err(Error::StaleClaim)) {
+                    return Err(err(&format!("expected StaleClaim, got {got:?}")));
+                }
+            }
+            Op::Release { key: k, stale } => {
+                let Some(c) = pick(&claims, k % 4, stale) else {
+                    continue;
+                };
+                let got = s.release(&key(k), &c);
+                if fail(StoreOp::Release) {
+                    expect_injected(&got).map_err(|e| err(&e))?;
+                    pending_fault = None;
+                } else if model.owns(k % 4, c.token(), false) {
+                    got.map_err(|e| err(&e))?;
+                    model.records.remove(&(k % 4));
+                } else if !matches!(got, Err(Error::StaleClaim)) {
+                    return Err(err(&format!("expected StaleClaim, got {got:?}")));
+                }
+            }
+            Op::Get { key: k } => {
+                let got = s.get(&key(k), now);
+                if fail(StoreOp::Get) {
+                    expect_injected(&got).map_err(|e| err(&e))?;
+                    pending_fault = None;
+                    continue;
+                }
+                let got = got.map_err(|e| err(&e))?;
+                let want = model
+                    .records
+                    .get(&(k % 4))
+                    .filter(|r| model.now < r.expires_at);
+                let same = match (&got, want) {
+                    (None, None) => true,
+                    (Some(g), Some(w)) => {
+                        g.response() == w.response.as_ref()
+                            && g.expires_at().as_millis() == w.expires_at
+                            && g.token() == w.token
+                            && g.attempts() == w.attempts
+                            && g.fingerprint() == &Fingerprint::of([w.fp])
+                            && g.lease_until().map(Timestamp::as_millis)
+                                == w.response.is_none().then_some(w.lease_until)
+                    }
+                    _ => false,
+                };
+                if !same {
+                    return Err(err(&format!("store {got:?}, model {want:?}")));
+                }
+            }
+            Op::Sweep { max } => {
+                let max = usize::from(max % 8);
+                let got = s.sweep_expired(now, max);
+                if fail(StoreOp::Sweep) {
+                    expect_injected(&got).map_err(|e| err(&e))?;
+                    pending_fault = None;
+                    continue;
+                }
+                let got = got.map_err(|e| err(&e))?;
+                let mut due: Vec<(u64, u8)> = model
+                    .records
+                    .iter()
+                    .filter(|(_, r)| r.expires_at <= model.now)
+                    .map(|(k, r)| (r.expires_at, *k))
+                    .collect();
+                due.sort_unstable();
+                due.truncate(max);
+                if got != due.len() {
+                    return Err(err(&format!("swept {got}, model {}", due.len())));
+                }
+                for (_, k) in due {
+                    model.records.remove(&k);
+                }
+            }
+            Op::Advance { ms } => model.now += u64::from(ms % 2000),
+            Op::Fault { op: which } => {
+                let which = fault_op(which);
+                s.fail_next(which, 1);
+                pending_fault = Some(which);
+            }
+            Op::Reopen if durable => {
+                drop(store.take()); // close before reopening: the file is locked while open
+                let fresh = FaultyStore::new(open());
+                if let Some(which) = pending_fault {
+                    fresh.fail_next(which, 1);
+                }
+                store = Some(fresh);
+            }
+            Op::Reopen => {}
+        }
+    }
+    Ok(())
+}
+
+fn expect_injected<T: std::fmt::Debug>(got: &Result<T, Error>) -> Result<(), String> {
+    match got {
+        Err(Error::Backend(e)) if e.to_string().starts_with("injected fault") => Ok(()),
+        other => Err(format!("expected the injected fault, got {other:?}")),
+    }
+}
+
+fn pick(claims: &HashMap<u8, Vec<Claim>>, key: u8, stale: bool) -> Option<Claim> {
+    let list = claims.get(&key)?;
+    if stale { list.first() } else { list.last() }.cloned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn model_follows_the_table() {
+        let mut m = Model {
+            now: 0,
+            ..Model::default()
+        };
+        assert_eq!(
+            m.begin(1, 0, 1),
+            Answer::Claimed {
+                takeover: false,
+                attempt: 1
+            }
+        );
+        assert_eq!(m.begin(1, 1, 0), Answer::Conflict);
+        assert_eq!(m.begin(1, 0, 0), Answer::InFlight(1_000));
+        m.now = 1_000;
+        assert_eq!(
+            m.begin(1, 0, 2),
+            Answer::Claimed {
+                takeover: true,
+                attempt: 2
+            }
+        );
+        m.now = 3_000;
+        assert_eq!(
+            m.begin(1, 1, 3),
+            Answer::Claimed {
+                takeover: false,
+                attempt: 1
+            }
+        );
+    }
+
+    #[test]
+    fn memory_store_matches_model_with_faults() {
+        let ops = [
+            Op::Begin { key: 0, fp: 0 },
+            Op::Fault { op: 1 },
+            Op::Complete {
+                key: 0,
+                stale: false,
+                body: 3,
+            },
+            Op::Complete {
+                key: 0,
+                stale: false,
+                body: 3,
+            },
+            Op::Get { key: 0 },
+            Op::Advance { ms: 1999 },
+            Op::Advance { ms: 1999 },
+            Op::Sweep { max: 7 },
+            Op::Begin { key: 0, fp: 1 },
+        ];
+        let mut open = || -> Arc<dyn Store> { Arc::new(crate::MemoryStore::new()) };
+        run_ops(&mut open, false, &ops).expect("no divergence");
+    }
+
+    #[test]
+    fn a_wrong_store_is_caught() {
+        // A store that forgets every completion must diverge from the model.
+        struct Forgetful(crate::MemoryStore);
+        impl Store for Forgetful {
+            fn begin(
+                &self,
+                k: &Key,
+                f: &Fingerprint,
+                n: Timestamp,
+                l: Duration,
+                r: Duration,
+            ) -> crate::Result<Begin> {
+                self.0.begin(k, f, n, l, r)
+            }
+            fn complete(
+                &self,
+                _: &Key,
+                _: &Claim,
+                _: &Response,
+                _: Timestamp,
+                _: Duration,
+            ) -> crate::Result<()> {
+                Ok(())
+            }
+            fn release(&self, k: &Key, c: &Claim) -> crate::Result<()> {
+                self.0.release(k, c)
+            }
+            fn get(&self, k: &Key, n: Timestamp) -> crate::Result<Option<crate::Record>> {
+                self.0.get(k, n)
+            }
+            fn sweep_expired(&self, n: Timestamp, m: usize) -> crate::Result<usize> {
+                self.0.sweep_expired(n, m)
+            }
+        }
+        let ops = [
+            Op::Begin { key: 0, fp: 0 },
+            Op::Complete {
+                key: 0,
+                stale: false,
+                body: 1,
+            },
+            Op::Begin { key: 0, fp: 0 },
+        ];
+        let mut open = || -> Arc<dyn Store> { Arc::new(Forgetful(crate::MemoryStore::new())) };
+        assert!(run_ops(&mut open, false, &ops).is_err());
+    }
+}
