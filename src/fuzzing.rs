@@ -44,6 +44,13 @@ fn check_round_trip(bytes: &[u8]) {
     }
 }
 
+/// Turns fuzzer bytes into an operation sequence, the same way in the fuzz
+/// target and in the corpus replay under `cargo test`.
+pub fn decode_ops(data: &[u8]) -> Vec<Op> {
+    use arbitrary::Arbitrary;
+    Vec::<Op>::arbitrary_take_rest(arbitrary::Unstructured::new(data)).unwrap_or_default()
+}
+
 /// Lease used by [`run_ops`].
 pub const LEASE: Duration = Duration::from_millis(1_000);
 /// Retention used by [`run_ops`].

@@ -1,0 +1,16 @@
+//! Operation sequences (begin/complete/release/get/sweep/advance clock,
+//! injected faults, reopen) against the independent model in
+//! `idemstore::fuzzing`; any divergence or panic is a failure.
+#![no_main]
+
+use idemstore::Store;
+use idemstore::fuzzing::{decode_ops, run_ops};
+use std::sync::Arc;
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| {
+    let ops = decode_ops(data);
+    let mut open = || -> Arc<dyn Store> { Arc::new(idemstore::MemoryStore::new()) };
+    if let Err(divergence) = run_ops(&mut open, false, &ops) {
+        panic!("memory: {divergence}");
+    }
+});
