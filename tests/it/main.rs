@@ -9,6 +9,7 @@
 
 #[macro_use]
 mod conformance;
+mod bad_input;
 mod fuzz_corpus;
 mod guard;
 mod memory;
