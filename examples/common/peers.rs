@@ -1,0 +1,367 @@
+//! The backends the load generator and the comparison drive with one
+//! workload: idemstore stores through the `Store` trait, and the peers a
+//! user would pick instead (SQLite, raw redb without group commit), plus
+//! the disk's own floor (append + fdatasync).
+
+#![allow(unreachable_pub, reason = "shared by several examples through #[path]")]
+
+use idemstore::{Begin, Claim, Fingerprint, Key, Response, Store, Timestamp};
+use redb::ReadableTable;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+pub type BoxResult<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+pub const LEASE: Duration = Duration::from_secs(30);
+pub const RETENTION: Duration = Duration::from_secs(24 * 3600);
+
+/// What a claim attempt answered, in workload terms.
+pub enum Claimed {
+    /// The client owns the key; complete it with this handle.
+    Owned(Ticket),
+    /// The key was done: the stored response came back.
+    Replay,
+    /// Someone else holds it (or the parameters differ).
+    Busy,
+}
+
+/// What a client needs to complete what it claimed.
+pub enum Ticket {
+    Store(Claim),
+    Token(u64),
+}
+
+/// A backend under load: makes one client per load thread.
+pub trait Backend: Send + Sync {
+    fn name(&self) -> String;
+    fn client(&self) -> BoxResult<Box<dyn Client>>;
+    /// Bytes on disk now.
+    fn file_bytes(&self) -> u64;
+    /// Average requests per commit, where the backend batches.
+    fn avg_batch(&self) -> Option<f64> {
+        None
+    }
+}
+
+/// One load thread's connection.
+pub trait Client: Send {
+    fn claim(&mut self, key: &Key, fp: &Fingerprint, now: Timestamp) -> BoxResult<Claimed>;
+    fn complete(
+        &mut self,
+        key: &Key,
+        ticket: Ticket,
+        response: &Response,
+        now: Timestamp,
+    ) -> BoxResult<()>;
+}
+
+/// Any idemstore `Store`, through the trait.
+pub struct StoreBackend {
+    pub name: String,
+    pub store: Arc<dyn Store>,
+    pub dir: Option<PathBuf>,
+    pub batch: Option<Box<dyn Fn() -> Option<f64> + Send + Sync>>,
+}
+
+impl Backend for StoreBackend {
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+    fn client(&self) -> BoxResult<Box<dyn Client>> {
+        Ok(Box::new(StoreClient(Arc::clone(&self.store))))
+    }
+    fn file_bytes(&self) -> u64 {
+        self.dir.as_deref().map_or(0, dir_bytes)
+    }
+    fn avg_batch(&self) -> Option<f64> {
+        self.batch.as_ref().and_then(|f| f())
+    }
+}
+
+struct StoreClient(Arc<dyn Store>);
+
+impl Client for StoreClient {
+    fn claim(&mut self, key: &Key, fp: &Fingerprint, now: Timestamp) -> BoxResult<Claimed> {
+        Ok(match self.0.begin(key, fp, now, LEASE, RETENTION)? {
+            Begin::Claimed(c) => Claimed::Owned(Ticket::Store(c)),
+            Begin::Replay(_) => Claimed::Replay,
+            _ => Claimed::Busy,
+        })
+    }
+    fn complete(
+        &mut self,
+        key: &Key,
+        ticket: Ticket,
+        response: &Response,
+        now: Timestamp,
+    ) -> BoxResult<()> {
+        let Ticket::Store(claim) = ticket else {
+            return Err("foreign ticket".into());
+        };
+        Ok(self.0.complete(key, &claim, response, now, RETENTION)?)
+    }
+}
+
+/// SQLite, the embedded database a user would reach for: WAL,
+/// `synchronous=FULL`, one connection per client, `INSERT .. ON CONFLICT DO
+/// NOTHING` to claim and a conditional `UPDATE` to complete.
+pub struct Sqlite {
+    path: PathBuf,
+    dir: PathBuf,
+    tokens: Arc<AtomicU64>,
+}
+
+impl Sqlite {
+    pub fn open(dir: &Path) -> BoxResult<Sqlite> {
+        let path = dir.join("peer.sqlite");
+        let conn = rusqlite::Connection::open(&path)?;
+        conn.pragma_update(None, "journal_mode", "WAL")?;
+        conn.execute_batch(
+            "CREATE TABLE IF NOT EXISTS idem (
+                 scope BLOB NOT NULL, id BLOB NOT NULL, fp BLOB NOT NULL,
+                 state INTEGER NOT NULL, response BLOB, lease_until INTEGER,
+                 expires_at INTEGER NOT NULL, token INTEGER NOT NULL,
+                 PRIMARY KEY (scope, id));
+             CREATE INDEX IF NOT EXISTS idem_expiry ON idem (expires_at);",
+        )?;
+        Ok(Sqlite {
+            path,
+            dir: dir.to_owned(),
+            tokens: Arc::new(AtomicU64::new(1)),
+        })
+    }
+}
+
+impl Backend for Sqlite {
+    fn name(&self) -> String {
+        "sqlite (WAL, synchronous=FULL)".into()
+    }
+    fn client(&self) -> BoxResult<Box<dyn Client>> {
+        let conn = rusqlite::Connection::open(&self.path)?;
+        conn.pragma_update(None, "synchronous", "FULL")?;
+        conn.busy_timeout(Duration::from_secs(30))?;
+        Ok(Box::new(SqliteClient {
+            conn,
+            tokens: Arc::clone(&self.tokens),
+        }))
+    }
+    fn file_bytes(&self) -> u64 {
+        dir_bytes(&self.dir)
+    }
+}
+
+struct SqliteClient {
+    conn: rusqlite::Connection,
+    tokens: Arc<AtomicU64>,
+}
+
+impl Client for SqliteClient {
+    fn claim(&mut self, key: &Key, fp: &Fingerprint, now: Timestamp) -> BoxResult<Claimed> {
+        let token = self.tokens.fetch_add(1, Ordering::Relaxed);
+        let now_ms = now.as_millis() as i64;
+        let inserted = self
+            .conn
+            .prepare_cached(
+                "INSERT INTO idem (scope, id, fp, state, lease_until, expires_at, token)
+             VALUES (?1, ?2, ?3, 0, ?4, ?5, ?6) ON CONFLICT DO NOTHING",
+            )?
+            .execute(rusqlite::params![
+                key.scope(),
+                key.id(),
+                fp.as_bytes().as_slice(),
+                now_ms + LEASE.as_millis() as i64,
+                now_ms + RETENTION.as_millis() as i64,
+                token as i64
+            ])?;
+        if inserted == 1 {
+            return Ok(Claimed::Owned(Ticket::Token(token)));
+        }
+        let state: i64 = self
+            .conn
+            .prepare_cached("SELECT state FROM idem WHERE scope = ?1 AND id = ?2")?
+            .query_row(rusqlite::params![key.scope(), key.id()], |row| row.get(0))?;
+        Ok(if state == 1 {
+            Claimed::Replay
+        } else {
+            Claimed::Busy
+        })
+    }
+
+    fn complete(
+        &mut self,
+        key: &Key,
+        ticket: Ticket,
+        response: &Response,
+        now: Timestamp,
+    ) -> BoxResult<()> {
+        let Ticket::Token(token) = ticket else {
+            return Err("foreign ticket".into());
+        };
+        let updated = self
+            .conn
+            .prepare_cached(
+                "UPDATE idem SET state = 1, response = ?1, lease_until = NULL, expires_at = ?2
+             WHERE scope = ?3 AND id = ?4 AND token = ?5 AND state = 0",
+            )?
+            .execute(rusqlite::params![
+                response.body(),
+                now.as_millis() as i64 + RETENTION.as_millis() as i64,
+                key.scope(),
+                key.id(),
+                token as i64
+            ])?;
+        if updated == 1 {
+            Ok(())
+        } else {
+            Err("stale claim".into())
+        }
+    }
+}
+
+/// redb with one durable write transaction per operation: our engine
+/// without group commit.
+pub struct RedbRaw {
+    db: Arc<redb::Database>,
+    dir: PathBuf,
+    tokens: Arc<AtomicU64>,
+}
+
+const RAW: redb::TableDefinition<&[u8], &[u8]> = redb::TableDefinition::new("raw");
+
+impl RedbRaw {
+    pub fn open(dir: &Path) -> BoxResult<RedbRaw> {
+        let db = redb::Database::create(dir.join("peer.redb"))?;
+        let tx = db.begin_write()?;
+        tx.open_table(RAW)?;
+        tx.commit()?;
+        Ok(RedbRaw {
+            db: Arc::new(db),
+            dir: dir.to_owned(),
+            tokens: Arc::new(AtomicU64::new(1)),
+        })
+    }
+}
+
+impl Backend for RedbRaw {
+    fn name(&self) -> String {
+        "redb, one txn per op".into()
+    }
+    fn client(&self) -> BoxResult<Box<dyn Client>> {
+        Ok(Box::new(RedbRawClient {
+            db: Arc::clone(&self.db),
+            tokens: Arc::clone(&self.tokens),
+        }))
+    }
+    fn file_bytes(&self) -> u64 {
+        dir_bytes(&self.dir)
+    }
+}
+
+struct RedbRawClient {
+    db: Arc<redb::Database>,
+    tokens: Arc<AtomicU64>,
+}
+
+fn raw_key(key: &Key) -> Vec<u8> {
+    let mut k = vec![key.scope().len() as u8];
+    k.extend_from_slice(key.scope());
+    k.extend_from_slice(key.id());
+    k
+}
+
+impl Client for RedbRawClient {
+    fn claim(&mut self, key: &Key, fp: &Fingerprint, now: Timestamp) -> BoxResult<Claimed> {
+        let k = raw_key(key);
+        let tx = self.db.begin_write()?;
+        let answer = {
+            let mut table = tx.open_table(RAW)?;
+            let existing = table.get(k.as_slice())?.map(|v| v.value().first().copied());
+            match existing {
+                Some(Some(1)) => Claimed::Replay,
+                Some(_) => Claimed::Busy,
+                None => {
+                    let token = self.tokens.fetch_add(1, Ordering::Relaxed);
+                    let mut v = vec![0u8];
+                    v.extend_from_slice(fp.as_bytes());
+                    v.extend_from_slice(&token.to_be_bytes());
+                    v.extend_from_slice(
+                        &(now.as_millis() + LEASE.as_millis() as u64).to_be_bytes(),
+                    );
+                    table.insert(k.as_slice(), v.as_slice())?;
+                    Claimed::Owned(Ticket::Token(token))
+                }
+            }
+        };
+        tx.commit()?;
+        Ok(answer)
+    }
+
+    fn complete(
+        &mut self,
+        key: &Key,
+        ticket: Ticket,
+        response: &Response,
+        _now: Timestamp,
+    ) -> BoxResult<()> {
+        let Ticket::Token(token) = ticket else {
+            return Err("foreign ticket".into());
+        };
+        let k = raw_key(key);
+        let tx = self.db.begin_write()?;
+        {
+            let mut table = tx.open_table(RAW)?;
+            let mut v = vec![1u8];
+            v.extend_from_slice(&token.to_be_bytes());
+            v.extend_from_slice(response.body());
+            table.insert(k.as_slice(), v.as_slice())?;
+        }
+        tx.commit()?;
+        Ok(())
+    }
+}
+
+/// Bytes in all files directly inside `dir`.
+pub fn dir_bytes(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .filter_map(|e| e.ok()?.metadata().ok())
+                .map(|m| m.len())
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
+/// The disk's floor: 256-byte appends, each followed by `fdatasync`, on one
+/// thread for `duration`. Returns (ops/s, p50 µs).
+pub fn fdatasync_probe(dir: &Path, duration: Duration) -> BoxResult<(f64, f64)> {
+    use std::io::Write;
+    let path = dir.join("probe.log");
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)?;
+    let record = [0x5au8; 256];
+    let mut lat = Vec::new();
+    let start = std::time::Instant::now();
+    while start.elapsed() < duration {
+        let t = std::time::Instant::now();
+        f.write_all(&record)?;
+        f.sync_data()?;
+        lat.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    let _ = std::fs::remove_file(&path);
+    Ok((lat.len() as f64 / elapsed, percentile(&mut lat, 0.50)))
+}
+
+pub fn percentile(values: &mut [f64], q: f64) -> f64 {
+    if values.is_empty() {
+        return 0.0;
+    }
+    values.sort_by(|a, b| a.total_cmp(b));
+    let i = ((values.len() as f64 - 1.0) * q).round() as usize;
+    values.get(i).or(values.last()).copied().unwrap_or(0.0)
+}

@@ -1,0 +1,138 @@
+//! Load generator: the cycle workload (a durable claim plus a durable
+//! completion of one key, 200-byte response, 32-byte fingerprint) on one
+//! backend, with a table or one JSON object as output.
+//!
+//! ```text
+//! cargo run --release --example loadgen -- --backend redb --clients 64 --duration 10
+//! cargo run --release --example loadgen -- --backend sqlite --clients 8 --json
+//! ```
+//!
+//! Options: `--backend memory|redb|sled|sqlite|redb-raw`, `--clients N`,
+//! `--keys N` (records loaded before measuring), `--dup-ratio F` (share of
+//! requests that re-send a completed key), `--response-bytes N`,
+//! `--durability immediate|relaxed`, `--duration SECONDS`, `--dir PATH`
+//! (default: a fresh temp dir), `--json`.
+
+#[allow(dead_code, reason = "each example uses part of the shared module")]
+#[path = "common/peers.rs"]
+mod peers;
+#[allow(dead_code, reason = "each example uses part of the shared module")]
+#[path = "common/workload.rs"]
+mod workload;
+
+use peers::{Backend, BoxResult, RedbRaw, Sqlite, StoreBackend};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+struct Args {
+    backend: String,
+    clients: usize,
+    keys: u64,
+    dup_ratio: f64,
+    response_bytes: usize,
+    durability: String,
+    duration: f64,
+    dir: Option<String>,
+    json: bool,
+}
+
+fn parse() -> BoxResult<Args> {
+    let mut a = Args {
+        backend: "redb".into(),
+        clients: 64,
+        keys: 0,
+        dup_ratio: 0.0,
+        response_bytes: 200,
+        durability: "immediate".into(),
+        duration: 5.0,
+        dir: None,
+        json: false,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().ok_or_else(|| format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--backend" => a.backend = value()?,
+            "--clients" => a.clients = value()?.parse()?,
+            "--keys" => a.keys = value()?.parse()?,
+            "--dup-ratio" => a.dup_ratio = value()?.parse()?,
+            "--response-bytes" => a.response_bytes = value()?.parse()?,
+            "--durability" => a.durability = value()?,
+            "--duration" => a.duration = value()?.parse()?,
+            "--dir" => a.dir = Some(value()?),
+            "--json" => a.json = true,
+            "-h" | "--help" => {
+                println!("see the doc comment at the top of examples/loadgen.rs");
+                std::process::exit(0);
+            }
+            other => return Err(format!("unknown option {other}").into()),
+        }
+    }
+    if !(0.0..=1.0).contains(&a.dup_ratio) || a.clients == 0 {
+        return Err("--dup-ratio must be in 0..=1 and --clients at least 1".into());
+    }
+    Ok(a)
+}
+
+/// Opens the named backend in `dir`.
+pub fn open_backend(name: &str, dir: &Path, durability: &str) -> BoxResult<Box<dyn Backend>> {
+    let _ = durability;
+    Ok(match name {
+        "memory" => Box::new(StoreBackend {
+            name: "memory".into(),
+            store: Arc::new(idemstore::MemoryStore::new()),
+            dir: None,
+            batch: None,
+        }),
+        "sqlite" => Box::new(Sqlite::open(dir)?),
+        "redb-raw" => Box::new(RedbRaw::open(dir)?),
+        other => return Err(format!("unknown or not yet available backend {other}").into()),
+    })
+}
+
+fn main() -> BoxResult<()> {
+    let a = parse()?;
+    let tmp = tempfile::tempdir()?;
+    let dir = a
+        .dir
+        .as_deref()
+        .map_or_else(|| tmp.path().to_owned(), Into::into);
+    std::fs::create_dir_all(&dir)?;
+    let backend = open_backend(&a.backend, &dir, &a.durability)?;
+    if a.keys > 0 {
+        let t = std::time::Instant::now();
+        workload::prefill(&*backend, a.keys, a.clients, a.response_bytes)?;
+        if !a.json {
+            println!("prefilled {} records in {:.1?}", a.keys, t.elapsed());
+        }
+    }
+    let params = workload::Params {
+        clients: a.clients,
+        dup_ratio: a.dup_ratio,
+        response_bytes: a.response_bytes,
+        duration: Duration::from_secs_f64(a.duration),
+    };
+    let r = workload::run(&*backend, &params)?;
+    if a.json {
+        println!("{}", r.json());
+    } else {
+        println!("backend          {}", r.backend);
+        println!("clients          {}", r.clients);
+        println!("cycles/s         {:.0}", r.cycles_per_sec);
+        println!("claims/s         {:.0}", r.claims_per_sec);
+        println!("claim p50        {:.0} µs", r.claim_p50_us);
+        println!("claim p99        {:.0} µs", r.claim_p99_us);
+        println!("replays/s        {:.0}", r.replay_per_sec);
+        println!(
+            "avg batch        {}",
+            r.avg_batch.map_or("-".into(), |b| format!("{b:.1}"))
+        );
+        println!("file bytes       {}", r.file_bytes);
+        println!(
+            "peak RSS         {:.1} MiB",
+            r.peak_rss_bytes as f64 / 1048576.0
+        );
+    }
+    Ok(())
+}
