@@ -1,0 +1,153 @@
+//! Same-run comparison: the cycle workload (durable claim + durable
+//! completion, 200-byte response) on idemstore's stores and on what a user
+//! would pick instead, at 1, 8 and 64 clients, interleaved round by round so
+//! that every backend sees the same disk weather. Prints medians and ratios.
+//!
+//! ```text
+//! cargo run --release --example compare                 # 3 rounds × 3 s per cell
+//! cargo run --release --example compare -- --smoke      # CI: one short round
+//! cargo run --release --example compare -- --rounds 5 --seconds 5
+//! ```
+
+#[allow(dead_code, reason = "each example uses part of the shared module")]
+#[path = "common/peers.rs"]
+mod peers;
+#[allow(dead_code, reason = "each example uses part of the shared module")]
+#[path = "common/workload.rs"]
+mod workload;
+
+use peers::{Backend, BoxResult, RedbRaw, Sqlite, fdatasync_probe};
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Duration;
+
+const CLIENTS: [usize; 3] = [1, 8, 64];
+
+/// The backends compared, in table order; ours first.
+fn backends() -> Vec<&'static str> {
+    let mut v = Vec::new();
+    v.extend(ours());
+    v.extend(["sqlite", "redb-raw"]);
+    v
+}
+
+fn ours() -> Vec<&'static str> {
+    Vec::new()
+}
+
+fn open(name: &str, dir: &Path) -> BoxResult<Box<dyn Backend>> {
+    Ok(match name {
+        "sqlite" => Box::new(Sqlite::open(dir)?),
+        "redb-raw" => Box::new(RedbRaw::open(dir)?),
+        other => return Err(format!("unknown backend {other}").into()),
+    })
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    peers::percentile(&mut v, 0.5)
+}
+
+fn cell(map: &BTreeMap<(String, usize), Vec<f64>>, name: &str, clients: usize) -> f64 {
+    median(
+        map.get(&(name.to_owned(), clients))
+            .cloned()
+            .unwrap_or_default(),
+    )
+}
+
+fn main() -> BoxResult<()> {
+    let mut rounds = 3usize;
+    let mut seconds = 3.0f64;
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--smoke" => {
+                rounds = 1;
+                seconds = 0.3;
+            }
+            "--rounds" => rounds = args.next().ok_or("--rounds N")?.parse()?,
+            "--seconds" => seconds = args.next().ok_or("--seconds S")?.parse()?,
+            other => return Err(format!("unknown option {other}").into()),
+        }
+    }
+    let duration = Duration::from_secs_f64(seconds);
+    let root = tempfile::tempdir()?;
+    println!(
+        "compare: {rounds} round(s) × {seconds} s per cell, clients {CLIENTS:?}, dir {}",
+        root.path().display()
+    );
+
+    let mut cycles: BTreeMap<(String, usize), Vec<f64>> = BTreeMap::new();
+    let mut p99: BTreeMap<(String, usize), Vec<f64>> = BTreeMap::new();
+    let mut floor = Vec::new();
+    let mut floor_p50 = Vec::new();
+    for round in 0..rounds {
+        let (ops, p50) = fdatasync_probe(root.path(), duration)?;
+        floor.push(ops);
+        floor_p50.push(p50);
+        for &clients in &CLIENTS {
+            for name in backends() {
+                // A fresh store per cell: no cell inherits another's file size.
+                let dir = root.path().join(format!("{name}-{clients}-{round}"));
+                std::fs::create_dir_all(&dir)?;
+                let backend = open(name, &dir)?;
+                let params = workload::Params {
+                    clients,
+                    dup_ratio: 0.0,
+                    response_bytes: 200,
+                    duration,
+                };
+                let r = workload::run(&*backend, &params)?;
+                cycles
+                    .entry((name.to_owned(), clients))
+                    .or_default()
+                    .push(r.cycles_per_sec);
+                p99.entry((name.to_owned(), clients))
+                    .or_default()
+                    .push(r.claim_p99_us);
+                drop(backend);
+                let _ = std::fs::remove_dir_all(&dir);
+            }
+        }
+    }
+
+    let floor_ops = median(floor);
+    let floor_cycles = floor_ops / 2.0;
+    println!();
+    println!(
+        "disk floor: 256-byte append + fdatasync {floor_ops:.0}/s (p50 {:.0} µs) → {floor_cycles:.0} cycles/s on one client",
+        median(floor_p50)
+    );
+    println!();
+    print!("{:<34}", "cycles/s (median)");
+    for c in CLIENTS {
+        print!(
+            "{:>12}",
+            format!("{c} client{}", if c == 1 { "" } else { "s" })
+        );
+    }
+    println!("{:>14}", "p99 claim @64");
+    for name in backends() {
+        print!("{name:<34}");
+        for c in CLIENTS {
+            print!("{:>12.0}", cell(&cycles, name, c));
+        }
+        println!("{:>11.0} µs", cell(&p99, name, 64));
+    }
+    println!();
+    for ours in ours() {
+        for c in CLIENTS {
+            let mine = cell(&cycles, ours, c);
+            let mut line = format!("{ours} @{c}: {:.1}× disk floor", mine / floor_cycles);
+            for peer in ["sqlite", "redb-raw"] {
+                let theirs = cell(&cycles, peer, c);
+                line.push_str(&format!(
+                    ", {:.1}× {peer}",
+                    mine / theirs.max(f64::MIN_POSITIVE)
+                ));
+            }
+            println!("{line}");
+        }
+    }
+    Ok(())
+}
