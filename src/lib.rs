@@ -76,6 +76,7 @@ mod sweeper;
 #[cfg(feature = "test-util")]
 mod testing;
 mod time;
+mod waiting;
 
 pub use error::{BoxError, Error, Result};
 pub use fingerprint::Fingerprint;

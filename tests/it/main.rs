@@ -14,3 +14,4 @@ mod fuzz_corpus;
 mod guard;
 mod memory;
 mod model;
+mod waiting;
