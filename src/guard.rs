@@ -569,6 +569,28 @@ impl<S: Store> Guard<S> {
         }
     }
 
+    /// This guard over its store seen as `dyn Store`, sharing the
+    /// configuration, counters and waiting duplicates (so the HTTP service
+    /// type does not carry the store type).
+    #[cfg(feature = "tower")]
+    pub(crate) fn erased(&self) -> Guard<Arc<dyn Store>>
+    where
+        S: 'static,
+    {
+        let store: Arc<dyn Store> = Arc::clone(&self.store) as Arc<dyn Store>;
+        Guard {
+            store: Arc::new(store),
+            clock: Arc::clone(&self.clock),
+            lease: self.lease,
+            retention: self.retention,
+            on_handler_error: self.on_handler_error,
+            takeover: self.takeover,
+            fail_open: self.fail_open,
+            waiting: self.waiting.clone(),
+            counters: Arc::clone(&self.counters),
+        }
+    }
+
     /// When a waiting duplicate gives up (now, when waiting is off).
     fn wait_deadline(&self) -> Instant {
         let now = Instant::now();
