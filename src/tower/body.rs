@@ -129,3 +129,57 @@ where
     }
     Buffered::Complete(buf.freeze())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::VecDeque;
+
+    /// A body of chunks with no size hint, like a streamed response.
+    struct Chunks(VecDeque<Bytes>);
+
+    impl Body for Chunks {
+        type Data = Bytes;
+        type Error = std::convert::Infallible;
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+            Poll::Ready(self.0.pop_front().map(|b| Ok(Frame::data(b))))
+        }
+    }
+
+    fn chunks(parts: &[&'static str]) -> Chunks {
+        Chunks(
+            parts
+                .iter()
+                .map(|p| Bytes::from_static(p.as_bytes()))
+                .collect(),
+        )
+    }
+
+    #[tokio::test]
+    async fn a_body_over_the_limit_loses_nothing() {
+        // A streamed response longer than the limit: the bytes read while
+        // finding out must still reach the client, in order.
+        let Buffered::TooLarge(prefix, rest) = buffer(chunks(&["abc", "def", "ghi"]), 4).await
+        else {
+            panic!("expected TooLarge");
+        };
+        assert_eq!(prefix, "abcdef");
+        let body = ResponseBody::stream(prefix, rest);
+        let all = body.collect().await.unwrap().to_bytes();
+        assert_eq!(all, "abcdefghi");
+    }
+
+    #[tokio::test]
+    async fn a_body_within_the_limit_is_buffered() {
+        let Buffered::Complete(all) = buffer(chunks(&["ab", "cd"]), 4).await else {
+            panic!("expected Complete");
+        };
+        assert_eq!(all, "abcd");
+        let full = ResponseBody::<Chunks>::from_bytes(all);
+        assert_eq!(full.size_hint().exact(), Some(4));
+        assert_eq!(full.collect().await.unwrap().to_bytes(), "abcd");
+    }
+}

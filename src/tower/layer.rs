@@ -41,7 +41,7 @@ pub enum StorePolicy {
 /// use idemstore::tower::DoNotStore;
 /// let mut res = http::Response::new(());
 /// res.extensions_mut().insert(DoNotStore);
-/// // in axum: `(axum::Extension(DoNotStore), StatusCode::ACCEPTED, "try later")`
+/// // in axum: `(StatusCode::ACCEPTED, axum::Extension(DoNotStore), "try later")`
 /// assert!(res.extensions().get::<DoNotStore>().is_some());
 /// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
