@@ -52,7 +52,7 @@
 //! - `redb` (default): the durable on-disk store on redb.
 //! - `sled`: the store on sled 0.34.
 //! - `tokio`: [`Guard::run_async`].
-//! - `tower`: HTTP middleware (`Idempotency-Key`), in [`tower`](crate::tower) (module docs: behaviour and status codes).
+//! - `tower`: HTTP middleware (`Idempotency-Key`), in [`tower`] (behaviour and status codes in its docs).
 //! - `test-util`: [`ManualClock`], [`FaultyStore`] and the [`MemoryStore`] fault hook.
 
 #[allow(
