@@ -185,7 +185,7 @@ fn bump(c: &AtomicU64) {
 /// | store cannot answer `begin` | no — fail closed | [`Outcome::Unavailable`] |
 /// | claimed | yes, once | [`Outcome::Executed`] |
 /// | DONE | no | [`Outcome::Replayed`] |
-/// | same fingerprint, lease live | no | [`Outcome::InFlight`] |
+/// | same fingerprint, lease live | no | [`Outcome::InFlight`]; with [`GuardBuilder::wait_for_duplicates`] and the owner in this process, [`Outcome::Replayed`] once it is done |
 /// | different fingerprint | no | [`Outcome::Conflicted`] |
 /// | handler returns `Err` | — | [`Outcome::HandlerFailed`]; claim kept until the lease ends, or released ([`OnHandlerError`]) |
 /// | handler `Ok`, `complete` fails | — | [`Outcome::NotStored`]; record stays PROCESSING |
