@@ -13,9 +13,10 @@ use crate::record::{Begin, Claim, check_durations};
 use crate::response::Response;
 use crate::store::Store;
 use crate::time::{Clock, SystemClock, Timestamp};
+use crate::waiting::{Entered, Flights, Waited};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Default lease: how long an owner may run before its claim can be taken over.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
@@ -154,6 +155,9 @@ pub struct GuardStats {
     pub takeovers: u64,
     /// Completions or releases refused because the claim had gone stale.
     pub stale: u64,
+    /// Duplicates that waited for an owner in this process and replayed its
+    /// response ([`GuardBuilder::wait_for_duplicates`]); also in `replayed`.
+    pub waited: u64,
 }
 
 #[derive(Debug, Default)]
@@ -166,6 +170,7 @@ struct Counters {
     fail_open: AtomicU64,
     takeovers: AtomicU64,
     stale: AtomicU64,
+    waited: AtomicU64,
 }
 
 fn bump(c: &AtomicU64) {
@@ -180,7 +185,7 @@ fn bump(c: &AtomicU64) {
 /// | store cannot answer `begin` | no — fail closed | [`Outcome::Unavailable`] |
 /// | claimed | yes, once | [`Outcome::Executed`] |
 /// | DONE | no | [`Outcome::Replayed`] |
-/// | same fingerprint, lease live | no | [`Outcome::InFlight`] |
+/// | same fingerprint, lease live | no | [`Outcome::InFlight`]; with [`GuardBuilder::wait_for_duplicates`] and the owner in this process, [`Outcome::Replayed`] once it is done |
 /// | different fingerprint | no | [`Outcome::Conflicted`] |
 /// | handler returns `Err` | — | [`Outcome::HandlerFailed`]; claim kept until the lease ends, or released ([`OnHandlerError`]) |
 /// | handler `Ok`, `complete` fails | — | [`Outcome::NotStored`]; record stays PROCESSING |
@@ -217,6 +222,9 @@ pub struct Guard<S> {
     on_handler_error: OnHandlerError,
     takeover: TakeoverPolicy,
     fail_open: bool,
+    /// `Some` when duplicates wait for a local owner: the longest wait and
+    /// the in-process flights (shared by clones).
+    waiting: Option<(Duration, Arc<Flights>)>,
     counters: Arc<Counters>,
 }
 
@@ -230,6 +238,7 @@ impl<S> Clone for Guard<S> {
             on_handler_error: self.on_handler_error,
             takeover: self.takeover,
             fail_open: self.fail_open,
+            waiting: self.waiting.clone(),
             counters: Arc::clone(&self.counters),
         }
     }
@@ -290,10 +299,61 @@ impl<S> GuardBuilder<S> {
         self.guard.fail_open = on;
         self
     }
-    /// The guard; [`Error::InvalidArgument`] when the lease is under 1 ms or
-    /// the retention is shorter than the lease.
+    /// Lets a duplicate that finds the key in flight *with its owner in this
+    /// process* (this guard or a clone) wait up to `max_wait` for the owner's
+    /// result and answer [`Outcome::Replayed`] with it, instead of
+    /// [`Outcome::InFlight`] (default: off).
+    ///
+    /// Waiting costs no store calls: the owner signals its waiters in
+    /// memory when it has stored (or given up) its result. If the owner is
+    /// in another process, the answer is InFlight at once; if the deadline
+    /// passes, InFlight; if the owner finishes without storing (its handler
+    /// failed, or it released the claim), the duplicate asks the store
+    /// again and may run the handler itself. `max_wait` is monotonic time,
+    /// not the guard's [`Clock`]; it must be at least 1 ms and at most the
+    /// lease (past the lease the owner's claim no longer protects anything).
+    /// [`Guard::run_async`] needs tokio's timer for the deadline.
+    ///
+    /// ```
+    /// use idemstore::{Fingerprint, Guard, Key, MemoryStore, Outcome, Response};
+    /// use std::{convert::Infallible, sync::Barrier, time::Duration};
+    ///
+    /// let guard = Guard::builder(MemoryStore::new())
+    ///     .wait_for_duplicates(Duration::from_secs(5))
+    ///     .build()?;
+    /// let (key, fp) = (Key::new("", "order-1")?, Fingerprint::of(b"qty=1"));
+    /// let started = Barrier::new(2);
+    /// std::thread::scope(|s| {
+    ///     let owner = s.spawn(|| guard.run(&key, &fp, |_| {
+    ///         started.wait(); // the duplicate arrives while this runs
+    ///         std::thread::sleep(Duration::from_millis(50));
+    ///         Ok::<_, Infallible>(Response::new(201, "created"))
+    ///     }));
+    ///     started.wait();
+    ///     let dup = guard.run(&key, &fp, |_| -> Result<Response, Infallible> { unreachable!() });
+    ///     assert!(matches!(dup, Outcome::Replayed(ref r) if r.body() == b"created"));
+    ///     assert!(matches!(owner.join().unwrap(), Outcome::Executed(_)));
+    /// });
+    /// assert_eq!(guard.stats().waited, 1);
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn wait_for_duplicates(mut self, max_wait: Duration) -> Self {
+        self.guard.waiting = Some((max_wait, Arc::default()));
+        self
+    }
+    /// The guard; [`Error::InvalidArgument`] when the lease is under 1 ms,
+    /// the retention is shorter than the lease, or the wait for duplicates
+    /// is under 1 ms or longer than the lease.
     pub fn build(self) -> Result<Guard<S>> {
         check_durations(self.guard.lease, self.guard.retention)?;
+        if let Some((max_wait, _)) = &self.guard.waiting
+            && (*max_wait < Duration::from_millis(1) || *max_wait > self.guard.lease)
+        {
+            return Err(Error::invalid_argument(format!(
+                "wait for duplicates {max_wait:?} must be between 1 ms and the lease ({:?})",
+                self.guard.lease
+            )));
+        }
         Ok(self.guard)
     }
 }
@@ -303,6 +363,10 @@ enum Start<E> {
     Execute(Claim),
     Answer(Outcome<E>),
     FailOpen,
+    /// InFlight, and this guard waits for a local owner.
+    Wait {
+        lease_until: Timestamp,
+    },
 }
 
 /// What to write after the handler, decided once for both `run`s.
@@ -337,6 +401,7 @@ impl<S: Store> Guard<S> {
             on_handler_error: OnHandlerError::default(),
             takeover: TakeoverPolicy::default(),
             fail_open: false,
+            waiting: None,
             counters: Arc::default(),
         }
     }
@@ -376,7 +441,21 @@ impl<S: Store> Guard<S> {
             fail_open: get(&c.fail_open),
             takeovers: get(&c.takeovers),
             stale: get(&c.stale),
+            waited: get(&c.waited),
         }
+    }
+
+    /// The time on this guard's clock (what it passes to the store as `now`).
+    ///
+    /// ```
+    /// use idemstore::{Guard, ManualClock, MemoryStore, Timestamp};
+    /// let clock = ManualClock::new(Timestamp::from_millis(7));
+    /// let guard = Guard::builder(MemoryStore::new()).clock(clock).build()?;
+    /// assert_eq!(guard.now(), Timestamp::from_millis(7));
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn now(&self) -> Timestamp {
+        self.clock.now()
     }
 
     /// Runs `handler` at most once per intent: claims `key`, calls the
@@ -387,27 +466,44 @@ impl<S: Store> Guard<S> {
         fingerprint: &Fingerprint,
         handler: impl FnOnce(&Claim) -> std::result::Result<Response, E>,
     ) -> Outcome<E> {
-        let now = self.clock.now();
-        let begun = self
-            .store
-            .begin(key, fingerprint, now, self.lease, self.retention);
-        match self.classify(begun) {
-            Start::Answer(outcome) => outcome,
-            Start::FailOpen => Outcome::FailedOpen(handler(&Claim::unprotected())),
-            Start::Execute(claim) => {
-                let result = handler(&claim);
-                let written = match self.settle(&result) {
-                    Settle::Complete(response) => self.store.complete(
-                        key,
-                        &claim,
-                        &response,
-                        self.clock.now(),
-                        self.retention,
-                    ),
-                    Settle::Release => self.store.release(key, &claim),
-                    Settle::Keep => Ok(()),
-                };
-                self.conclude(result, written)
+        let deadline = self.wait_deadline();
+        // Each turn asks the store once; a second turn happens only after a
+        // local owner finished without storing, so the loop ends by the
+        // deadline at the latest.
+        loop {
+            let mut entry = self.enter(key);
+            let now = self.clock.now();
+            let begun = self
+                .store
+                .begin(key, fingerprint, now, self.lease, self.retention);
+            match self.classify(begun, entry.as_mut()) {
+                Start::Answer(outcome) => return outcome,
+                Start::Wait { lease_until } => {
+                    let waited = match &entry {
+                        Some(entry) => entry.wait_blocking(deadline),
+                        None => Waited::InFlight,
+                    };
+                    match self.after_wait(waited, lease_until) {
+                        Some(outcome) => return outcome,
+                        None => continue,
+                    }
+                }
+                Start::FailOpen => return Outcome::FailedOpen(handler(&Claim::unprotected())),
+                Start::Execute(claim) => {
+                    let result = handler(&claim);
+                    let written = match self.settle(&result, |_| false) {
+                        Settle::Complete(response) => self.store.complete(
+                            key,
+                            &claim,
+                            &response,
+                            self.clock.now(),
+                            self.retention,
+                        ),
+                        Settle::Release => self.store.release(key, &claim),
+                        Settle::Keep => Ok(()),
+                    };
+                    return self.conclude(result, written, entry.as_mut());
+                }
             }
         }
     }
@@ -473,8 +569,70 @@ impl<S: Store> Guard<S> {
         }
     }
 
-    /// Turns the answer of `begin` into what to do next, and counts it.
-    fn classify<E>(&self, begun: Result<Begin>) -> Start<E> {
+    /// This guard over its store seen as `dyn Store`, sharing the
+    /// configuration, counters and waiting duplicates (so the HTTP service
+    /// type does not carry the store type).
+    #[cfg(feature = "tower")]
+    pub(crate) fn erased(&self) -> Guard<Arc<dyn Store>>
+    where
+        S: 'static,
+    {
+        let store: Arc<dyn Store> = Arc::clone(&self.store) as Arc<dyn Store>;
+        Guard {
+            store: Arc::new(store),
+            clock: Arc::clone(&self.clock),
+            lease: self.lease,
+            retention: self.retention,
+            on_handler_error: self.on_handler_error,
+            takeover: self.takeover,
+            fail_open: self.fail_open,
+            waiting: self.waiting.clone(),
+            counters: Arc::clone(&self.counters),
+        }
+    }
+
+    /// When a waiting duplicate gives up (now, when waiting is off).
+    fn wait_deadline(&self) -> Instant {
+        let now = Instant::now();
+        match &self.waiting {
+            Some((max_wait, _)) => now.checked_add(*max_wait).unwrap_or(now),
+            None => now,
+        }
+    }
+
+    /// Enters the in-process flight of `key` when this guard waits for duplicates.
+    fn enter(&self, key: &Key) -> Option<Entered> {
+        self.waiting.as_ref().map(|(_, flights)| flights.enter(key))
+    }
+
+    /// Turns the answer of `begin` into what to do next, tells the flight
+    /// (if any) whether this run owns the key, and counts the answer.
+    fn classify<E>(&self, begun: Result<Begin>, entry: Option<&mut Entered>) -> Start<E> {
+        let start = self.decide(begun, entry.is_some());
+        if let Some(entry) = entry {
+            entry.begun(matches!(start, Start::Execute(_)));
+        }
+        start
+    }
+
+    /// What a duplicate that waited answers; `None`: ask the store again.
+    fn after_wait<E>(&self, waited: Waited, lease_until: Timestamp) -> Option<Outcome<E>> {
+        let c = &self.counters;
+        match waited {
+            Waited::Stored(response) => {
+                bump(&c.replayed);
+                bump(&c.waited);
+                Some(Outcome::Replayed(response))
+            }
+            Waited::Retry => None,
+            Waited::InFlight => {
+                bump(&c.in_flight);
+                Some(Outcome::InFlight { lease_until })
+            }
+        }
+    }
+
+    fn decide<E>(&self, begun: Result<Begin>, may_wait: bool) -> Start<E> {
         let c = &self.counters;
         match begun {
             Err(_) if self.fail_open => {
@@ -489,6 +647,8 @@ impl<S: Store> Guard<S> {
                 bump(&c.replayed);
                 Start::Answer(Outcome::Replayed(response))
             }
+            // Counted once the wait says how it ended.
+            Ok(Begin::InFlight { lease_until }) if may_wait => Start::Wait { lease_until },
             Ok(Begin::InFlight { lease_until }) => {
                 bump(&c.in_flight);
                 Start::Answer(Outcome::InFlight { lease_until })
@@ -510,20 +670,37 @@ impl<S: Store> Guard<S> {
         }
     }
 
-    fn settle<E>(&self, result: &std::result::Result<Response, E>) -> Settle {
+    /// `release` lets a caller inside the crate release the claim for some
+    /// errors whatever the guard's [`OnHandlerError`] (the HTTP layer's
+    /// "do not store this response").
+    fn settle<E>(
+        &self,
+        result: &std::result::Result<Response, E>,
+        release: impl Fn(&E) -> bool,
+    ) -> Settle {
         match (result, self.on_handler_error) {
             (Ok(response), _) => Settle::Complete(response.clone()),
+            (Err(e), _) if release(e) => Settle::Release,
             (Err(_), OnHandlerError::Release) => Settle::Release,
             (Err(_), OnHandlerError::KeepClaim) => Settle::Keep,
         }
     }
 
+    /// The owner's outcome; its waiters (if any) learn whether it was stored.
     fn conclude<E>(
         &self,
         result: std::result::Result<Response, E>,
         written: Result<()>,
+        entry: Option<&mut Entered>,
     ) -> Outcome<E> {
         self.count_stale(&written);
+        if let Some(entry) = entry {
+            let stored = match (&result, &written) {
+                (Ok(response), Ok(())) => Some(response.clone()),
+                _ => None,
+            };
+            entry.land(stored);
+        }
         match (result, written) {
             (Ok(response), Ok(())) => Outcome::Executed(response),
             (Ok(response), Err(error)) => Outcome::NotStored { response, error },
@@ -567,28 +744,72 @@ impl<S: Store + 'static> Guard<S> {
         F: FnOnce(Claim) -> Fut,
         Fut: std::future::Future<Output = std::result::Result<Response, E>>,
     {
-        let (store, k, fp) = (Arc::clone(&self.store), key.clone(), *fingerprint);
-        let (now, lease, retention) = (self.clock.now(), self.lease, self.retention);
-        let begun = blocking(move || store.begin(&k, &fp, now, lease, retention)).await;
-        match self.classify(begun) {
-            Start::Answer(outcome) => outcome,
-            Start::FailOpen => Outcome::FailedOpen(handler(Claim::unprotected()).await),
-            Start::Execute(claim) => {
-                let result = handler(claim.clone()).await;
-                let (store, k) = (Arc::clone(&self.store), key.clone());
-                let written = match self.settle(&result) {
-                    Settle::Complete(response) => {
-                        let now = self.clock.now();
-                        blocking(move || store.complete(&k, &claim, &response, now, retention))
-                            .await
+        self.run_async_with(key, fingerprint, |_| false, handler)
+            .await
+    }
+
+    /// [`run_async`](Guard::run_async), where `release(&err)` releases the
+    /// claim for chosen handler errors whatever the [`OnHandlerError`]
+    /// policy (the HTTP layer uses it for responses it must not store).
+    pub(crate) async fn run_async_with<E, F, Fut>(
+        &self,
+        key: &Key,
+        fingerprint: &Fingerprint,
+        release: impl Fn(&E) -> bool,
+        handler: F,
+    ) -> Outcome<E>
+    where
+        F: FnOnce(Claim) -> Fut,
+        Fut: std::future::Future<Output = std::result::Result<Response, E>>,
+    {
+        let deadline = self.wait_deadline();
+        // One store call per turn, as in `run`.
+        loop {
+            let mut entry = self.enter(key);
+            let (store, k, fp) = (Arc::clone(&self.store), key.clone(), *fingerprint);
+            let (now, lease, retention) = (self.clock.now(), self.lease, self.retention);
+            let begun = blocking(move || store.begin(&k, &fp, now, lease, retention)).await;
+            match self.classify(begun, entry.as_mut()) {
+                Start::Answer(outcome) => return outcome,
+                Start::Wait { lease_until } => {
+                    let waited = match &entry {
+                        Some(entry) => wait_async(entry, deadline).await,
+                        None => Waited::InFlight,
+                    };
+                    match self.after_wait(waited, lease_until) {
+                        Some(outcome) => return outcome,
+                        None => continue,
                     }
-                    Settle::Release => blocking(move || store.release(&k, &claim)).await,
-                    Settle::Keep => Ok(()),
-                };
-                self.conclude(result, written)
+                }
+                Start::FailOpen => {
+                    return Outcome::FailedOpen(handler(Claim::unprotected()).await);
+                }
+                Start::Execute(claim) => {
+                    let result = handler(claim.clone()).await;
+                    let (store, k) = (Arc::clone(&self.store), key.clone());
+                    let written = match self.settle(&result, &release) {
+                        Settle::Complete(response) => {
+                            let now = self.clock.now();
+                            blocking(move || store.complete(&k, &claim, &response, now, retention))
+                                .await
+                        }
+                        Settle::Release => blocking(move || store.release(&k, &claim)).await,
+                        Settle::Keep => Ok(()),
+                    };
+                    return self.conclude(result, written, entry.as_mut());
+                }
             }
         }
     }
+}
+
+/// Waits for the flight's answer without blocking a runtime worker.
+#[cfg(feature = "tokio")]
+async fn wait_async(entry: &Entered, deadline: Instant) -> Waited {
+    let answer = std::future::poll_fn(|cx| entry.poll_answer(cx));
+    tokio::time::timeout_at(tokio::time::Instant::from_std(deadline), answer)
+        .await
+        .unwrap_or(Waited::InFlight)
 }
 
 #[cfg(feature = "tokio")]

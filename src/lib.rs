@@ -52,7 +52,7 @@
 //! - `redb` (default): the durable on-disk store on redb.
 //! - `sled`: the store on sled 0.34.
 //! - `tokio`: [`Guard::run_async`].
-//! - `tower`: HTTP middleware (`Idempotency-Key`).
+//! - `tower`: HTTP middleware (`Idempotency-Key`), in [`tower`] (behaviour and status codes in its docs).
 //! - `test-util`: [`ManualClock`], [`FaultyStore`] and the [`MemoryStore`] fault hook.
 
 #[allow(
@@ -76,6 +76,9 @@ mod sweeper;
 #[cfg(feature = "test-util")]
 mod testing;
 mod time;
+#[cfg(feature = "tower")]
+pub mod tower;
+mod waiting;
 
 pub use error::{BoxError, Error, Result};
 pub use fingerprint::Fingerprint;

@@ -14,3 +14,6 @@ mod fuzz_corpus;
 mod guard;
 mod memory;
 mod model;
+#[cfg(feature = "tower")]
+mod tower;
+mod waiting;

@@ -1,0 +1,203 @@
+//! [`IdempotencyLayer`]: the configuration, and the [`Layer`] that applies it.
+
+use super::service::Idempotency;
+use crate::guard::Guard;
+use crate::response::{DEFAULT_MAX_BODY_BYTES, MAX_BODY_BYTES_HARD_CAP};
+use crate::store::Store;
+use http::{HeaderName, Method, header, request};
+use std::sync::Arc;
+use std::time::Duration;
+use tower_layer::Layer;
+
+/// Default limit on a request body read for the fingerprint (1 MiB); larger
+/// bodies get 413 without reaching the handler.
+pub const DEFAULT_MAX_REQUEST_BODY_BYTES: usize = 1024 * 1024;
+/// Default `Retry-After` on a 503 when the store is unavailable.
+pub const DEFAULT_UNAVAILABLE_RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// Which handler responses are stored for replay.
+///
+/// ```
+/// assert_eq!(idemstore::tower::StorePolicy::default(), idemstore::tower::StorePolicy::All);
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum StorePolicy {
+    /// Every response, errors included (the IETF draft's and Stripe's
+    /// practice: a retry sees exactly what the first attempt saw).
+    #[default]
+    All,
+    /// Every response but 5xx: a server error is sent but not stored, and the
+    /// claim is released so that a retry runs the handler again. Use it when
+    /// your 5xx responses mean "nothing happened".
+    AllButServerErrors,
+}
+
+/// A response extension that keeps one response out of the store: the
+/// response is sent, nothing is stored, and the claim is released so that a
+/// retry runs the handler again.
+///
+/// ```
+/// use idemstore::tower::DoNotStore;
+/// let mut res = http::Response::new(());
+/// res.extensions_mut().insert(DoNotStore);
+/// // in axum: `(StatusCode::ACCEPTED, axum::Extension(DoNotStore), "try later")`
+/// assert!(res.extensions().get::<DoNotStore>().is_some());
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DoNotStore;
+
+pub(crate) type ScopeFn = Arc<dyn Fn(&request::Parts) -> Vec<u8> + Send + Sync>;
+
+#[derive(Clone)]
+pub(crate) struct Config {
+    pub(crate) methods: Vec<Method>,
+    pub(crate) require_key: bool,
+    pub(crate) scope: Option<ScopeFn>,
+    pub(crate) fingerprint_headers: Vec<HeaderName>,
+    pub(crate) max_request_body_bytes: usize,
+    pub(crate) max_response_body_bytes: usize,
+    pub(crate) store_policy: StorePolicy,
+    pub(crate) deny_headers: Vec<HeaderName>,
+    pub(crate) unavailable_retry_after: Duration,
+}
+
+impl Default for Config {
+    fn default() -> Config {
+        Config {
+            methods: vec![Method::POST, Method::PATCH],
+            require_key: false,
+            scope: None,
+            fingerprint_headers: Vec::new(),
+            max_request_body_bytes: DEFAULT_MAX_REQUEST_BODY_BYTES,
+            max_response_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            store_policy: StorePolicy::All,
+            deny_headers: vec![header::SET_COOKIE, header::DATE],
+            unavailable_retry_after: DEFAULT_UNAVAILABLE_RETRY_AFTER,
+        }
+    }
+}
+
+/// Puts an [`Idempotency`] service in front of a service: requests with an
+/// `Idempotency-Key` go through a [`Guard`]. See the [module docs](super)
+/// for the behaviour and the status codes.
+///
+/// The layer takes the guard's store, clock, lease, retention and policies
+/// (including [`wait_for_duplicates`](crate::GuardBuilder::wait_for_duplicates));
+/// the guard's counters are shared with the caller's copy.
+///
+/// ```
+/// use idemstore::{Guard, MemoryStore, tower::{IdempotencyLayer, StorePolicy}};
+/// use http::{HeaderName, Method};
+///
+/// let layer = IdempotencyLayer::new(Guard::new(MemoryStore::new()))
+///     .methods([Method::POST, Method::PUT, Method::PATCH])
+///     .require_key(true)
+///     .scope(|req| req.headers.get("x-tenant").map(|v| v.as_bytes().to_vec()).unwrap_or_default())
+///     .fingerprint_headers([HeaderName::from_static("x-tenant")])
+///     .store_policy(StorePolicy::AllButServerErrors)
+///     .max_request_body_bytes(64 * 1024);
+/// # let _ = layer;
+/// ```
+#[derive(Clone)]
+pub struct IdempotencyLayer {
+    guard: Guard<Arc<dyn Store>>,
+    config: Arc<Config>,
+}
+
+impl std::fmt::Debug for IdempotencyLayer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotencyLayer")
+            .field("methods", &self.config.methods)
+            .field("require_key", &self.config.require_key)
+            .finish_non_exhaustive()
+    }
+}
+
+impl IdempotencyLayer {
+    /// A layer over `guard`, with the defaults: POST and PATCH, key
+    /// optional, empty scope, a 1 MiB request body limit, every response
+    /// stored, `Set-Cookie` and `Date` not stored.
+    pub fn new<S: Store + 'static>(guard: Guard<S>) -> IdempotencyLayer {
+        IdempotencyLayer {
+            guard: guard.erased(),
+            config: Arc::default(),
+        }
+    }
+
+    fn config(mut self, change: impl FnOnce(&mut Config)) -> IdempotencyLayer {
+        change(Arc::make_mut(&mut self.config));
+        self
+    }
+
+    /// The methods that are guarded (default POST and PATCH); others pass through.
+    pub fn methods(self, methods: impl IntoIterator<Item = Method>) -> IdempotencyLayer {
+        self.config(|c| c.methods = methods.into_iter().collect())
+    }
+
+    /// When on, a guarded request without a key gets 400; when off (the
+    /// default), it passes through unguarded.
+    pub fn require_key(self, required: bool) -> IdempotencyLayer {
+        self.config(|c| c.require_key = required)
+    }
+
+    /// The key's scope as a function of the request (say, the authenticated
+    /// account from an extension set by an auth layer), so that two tenants
+    /// never share a key. Default: the empty scope. At most
+    /// [`MAX_SCOPE_BYTES`](crate::MAX_SCOPE_BYTES), else the request gets 500.
+    pub fn scope(
+        self,
+        scope: impl Fn(&request::Parts) -> Vec<u8> + Send + Sync + 'static,
+    ) -> IdempotencyLayer {
+        self.config(|c| c.scope = Some(Arc::new(scope)))
+    }
+
+    /// Request headers that are part of the fingerprint, besides the method,
+    /// the path and query, and the body (default none).
+    pub fn fingerprint_headers(
+        self,
+        names: impl IntoIterator<Item = HeaderName>,
+    ) -> IdempotencyLayer {
+        self.config(|c| c.fingerprint_headers = names.into_iter().collect())
+    }
+
+    /// The largest request body read for the fingerprint (default
+    /// [`DEFAULT_MAX_REQUEST_BODY_BYTES`], at most
+    /// [`MAX_BODY_BYTES_HARD_CAP`]); a larger one gets 413.
+    pub fn max_request_body_bytes(self, limit: usize) -> IdempotencyLayer {
+        self.config(|c| c.max_request_body_bytes = limit.min(MAX_BODY_BYTES_HARD_CAP))
+    }
+
+    /// The largest response body buffered for storage (default
+    /// [`DEFAULT_MAX_BODY_BYTES`], at most [`MAX_BODY_BYTES_HARD_CAP`]). A
+    /// larger response is streamed to the client and not stored; the claim
+    /// then follows the guard's [`OnHandlerError`](crate::OnHandlerError).
+    pub fn max_response_body_bytes(self, limit: usize) -> IdempotencyLayer {
+        self.config(|c| c.max_response_body_bytes = limit.min(MAX_BODY_BYTES_HARD_CAP))
+    }
+
+    /// Which responses are stored (default [`StorePolicy::All`]).
+    pub fn store_policy(self, policy: StorePolicy) -> IdempotencyLayer {
+        self.config(|c| c.store_policy = policy)
+    }
+
+    /// Response headers left out of the stored snapshot, so a replay never
+    /// repeats them (default `Set-Cookie` and `Date`). Replaces the list.
+    pub fn deny_headers(self, names: impl IntoIterator<Item = HeaderName>) -> IdempotencyLayer {
+        self.config(|c| c.deny_headers = names.into_iter().collect())
+    }
+
+    /// The `Retry-After` sent with a 503 when the store is unavailable
+    /// (default [`DEFAULT_UNAVAILABLE_RETRY_AFTER`]).
+    pub fn unavailable_retry_after(self, after: Duration) -> IdempotencyLayer {
+        self.config(|c| c.unavailable_retry_after = after)
+    }
+}
+
+impl<S> Layer<S> for IdempotencyLayer {
+    type Service = Idempotency<S>;
+
+    fn layer(&self, inner: S) -> Idempotency<S> {
+        Idempotency::from_parts(inner, self.guard.clone(), Arc::clone(&self.config))
+    }
+}

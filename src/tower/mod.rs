@@ -1,0 +1,88 @@
+//! HTTP middleware (feature `tower`): the `Idempotency-Key` header in front
+//! of any tower service, such as an axum router.
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! use axum::{Router, body::Body, http::{Request, StatusCode}, routing::post};
+//! use idemstore::{Guard, MemoryStore, tower::IdempotencyLayer};
+//! use tower::ServiceExt;
+//!
+//! let guard = Guard::new(MemoryStore::new()); // RedbStore in production
+//! let app = Router::new()
+//!     .route("/orders", post(|body: String| async move { (StatusCode::CREATED, body) }))
+//!     .layer(IdempotencyLayer::new(guard));
+//!
+//! let order = || Request::post("/orders").header("idempotency-key", "k-1").body(Body::from("qty=1")).unwrap();
+//! let first = app.clone().oneshot(order()).await.unwrap();
+//! let retry = app.oneshot(order()).await.unwrap();
+//! assert_eq!((first.status(), retry.status()), (StatusCode::CREATED, StatusCode::CREATED));
+//! assert_eq!(retry.headers()["idempotent-replayed"], "true");
+//! # }
+//! ```
+//!
+//! # Behaviour
+//!
+//! It follows the IETF draft "The Idempotency-Key HTTP Header Field" and
+//! Stripe's practice:
+//!
+//! - The key is the `Idempotency-Key` header, as a structured-field string
+//!   (`"8e03978e"`) or a bare value, 1..=255 bytes of visible ASCII.
+//! - POST and PATCH are guarded by default ([`IdempotencyLayer::methods`]);
+//!   other methods, and requests without a key unless
+//!   [`require_key`](IdempotencyLayer::require_key) is on, pass through.
+//! - The key's scope comes from [`IdempotencyLayer::scope`] (default empty).
+//! - The fingerprint is the method, the path and query, the body and the
+//!   [`fingerprint_headers`](IdempotencyLayer::fingerprint_headers), computed
+//!   once before the handler runs. The body is read into memory for it, up
+//!   to [`max_request_body_bytes`](IdempotencyLayer::max_request_body_bytes).
+//! - The handler sees its [`Claim`](crate::Claim) as a request extension:
+//!   `claim.token()` is a fencing token to pass downstream.
+//! - The first response is sent as the handler made it; what is stored (and
+//!   replayed) leaves out the [`deny_headers`](IdempotencyLayer::deny_headers)
+//!   (`Set-Cookie` and `Date` by default) and trailers. A replay adds
+//!   `Idempotent-Replayed: true`.
+//! - [`StorePolicy`] picks which responses are stored; a handler keeps one
+//!   response out with the [`DoNotStore`] extension. Either way the claim is
+//!   released, so a retry runs the handler again.
+//! - Store calls run on tokio's blocking pool; with
+//!   [`wait_for_duplicates`](crate::GuardBuilder::wait_for_duplicates) on the
+//!   guard, a duplicate that arrives while the first request runs in this
+//!   process waits for its response instead of getting 409.
+//!
+//! # Status codes
+//!
+//! | situation | answer | handler runs? |
+//! |---|---|---|
+//! | method not guarded, or no key and the key is optional | the handler's response | yes, unguarded |
+//! | no key, key required | 400 problem+json | no |
+//! | key not 1..=255 visible ASCII, or two keys | 400 problem+json saying why | no |
+//! | request body over the limit | 413 problem+json | no |
+//! | first request | the handler's response, stored | yes, once |
+//! | retry after completion | the stored status, headers and body + `Idempotent-Replayed: true` | no |
+//! | retry while the first runs | 409 + `Retry-After` (remaining lease, seconds rounded up) | no |
+//! | ... with waiting on, first runs in this process | the first's response + `Idempotent-Replayed: true` | no |
+//! | same key, different fingerprint | 422 problem+json | no |
+//! | store unavailable | 503 + `Retry-After` problem+json (fail closed) | no |
+//! | handler ran, storing failed (`NotStored`) | the handler's response, not stored; retries get 409 until the lease ends, then run again | yes |
+//! | 5xx under `AllButServerErrors`, or `DoNotStore` | the handler's response, not stored, claim released | yes |
+//! | response body over the response limit | the handler's response, streamed, not stored; the claim follows the guard's `OnHandlerError` | yes |
+//! | expired lease under `TakeoverPolicy::Reconcile` (`Unknown`) | 500 problem+json; the claim is kept until its lease ends (reconcile out of band) | no |
+//! | inner service returns `Err` | that error; the claim follows the guard's `OnHandlerError` | yes |
+//!
+//! Problem bodies are RFC 9457 `application/problem+json` with `type`
+//! `about:blank`, `title`, `status` and a `detail` saying why.
+
+mod body;
+mod header;
+mod layer;
+mod reply;
+mod service;
+
+pub use body::ResponseBody;
+pub use header::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
+pub use layer::{
+    DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_UNAVAILABLE_RETRY_AFTER, DoNotStore, IdempotencyLayer,
+    StorePolicy,
+};
+pub use service::{Idempotency, ResponseFuture};

@@ -1,0 +1,157 @@
+//! Turning requests into fingerprints and snapshots into HTTP responses.
+
+use super::body::ResponseBody;
+use super::header::IDEMPOTENT_REPLAYED;
+use crate::fingerprint::Fingerprint;
+use crate::response::Response as Snapshot;
+use crate::time::Timestamp;
+use bytes::Bytes;
+use http::{HeaderName, HeaderValue, Response, StatusCode, header, request, response};
+use std::time::Duration;
+
+/// The fingerprint of a request: method, path and query, body, then each
+/// configured header as (name, number of values, values...), so that moving
+/// a value from one header to another changes it.
+pub(crate) fn fingerprint(
+    parts: &request::Parts,
+    body: &[u8],
+    names: &[HeaderName],
+) -> Fingerprint {
+    let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    let values: Vec<Vec<&[u8]>> = names
+        .iter()
+        .map(|n| {
+            parts
+                .headers
+                .get_all(n)
+                .iter()
+                .map(HeaderValue::as_bytes)
+                .collect()
+        })
+        .collect();
+    let counts: Vec<[u8; 8]> = values
+        .iter()
+        .map(|v| (v.len() as u64).to_be_bytes())
+        .collect();
+    let mut all: Vec<&[u8]> = vec![parts.method.as_str().as_bytes(), path.as_bytes(), body];
+    for ((name, vals), count) in names.iter().zip(&values).zip(&counts) {
+        all.push(name.as_str().as_bytes());
+        all.push(count);
+        all.extend(vals);
+    }
+    Fingerprint::of_parts(all)
+}
+
+/// What is stored: status, headers minus the deny-list, body.
+pub(crate) fn snapshot(parts: &response::Parts, body: &Bytes, deny: &[HeaderName]) -> Snapshot {
+    let mut s = Snapshot::new(parts.status.as_u16(), body.to_vec());
+    for (name, value) in &parts.headers {
+        if !deny.contains(name) {
+            s = s.with_header(name.as_str(), value.as_bytes());
+        }
+    }
+    s
+}
+
+/// A stored response as an HTTP response; `replayed` adds `Idempotent-Replayed: true`.
+pub(crate) fn from_snapshot<B>(s: Snapshot, replayed: bool) -> Response<ResponseBody<B>> {
+    let (status, headers, body) = s.into_parts();
+    let mut res = Response::new(ResponseBody::from_bytes(body));
+    // A stored status or header that does not parse was not written by this
+    // layer (it stores what `http` accepted); it is answered as an error
+    // rather than half-replayed.
+    let Ok(status) = StatusCode::from_u16(status) else {
+        return problem(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "the stored response has an invalid status",
+        );
+    };
+    *res.status_mut() = status;
+    for (name, value) in headers {
+        let (Ok(name), Ok(value)) = (
+            HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_bytes(&value),
+        ) else {
+            return problem(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "the stored response has an invalid header",
+            );
+        };
+        res.headers_mut().append(name, value);
+    }
+    if replayed {
+        res.headers_mut()
+            .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    }
+    res
+}
+
+/// An RFC 9457 problem response (`application/problem+json`).
+pub(crate) fn problem<B>(status: StatusCode, detail: &str) -> Response<ResponseBody<B>> {
+    let body = serde_json::json!({
+        "type": "about:blank",
+        "title": status.canonical_reason().unwrap_or(""),
+        "status": status.as_u16(),
+        "detail": detail,
+    });
+    let mut res = Response::new(ResponseBody::from_bytes(body.to_string()));
+    *res.status_mut() = status;
+    res.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/problem+json"),
+    );
+    res
+}
+
+/// A problem with `Retry-After: seconds` (rounded up, at least 1).
+pub(crate) fn problem_retry_after<B>(
+    status: StatusCode,
+    detail: &str,
+    after: Duration,
+) -> Response<ResponseBody<B>> {
+    let mut res = problem(status, detail);
+    let secs = after.as_millis().div_ceil(1000).max(1);
+    res.headers_mut().insert(
+        header::RETRY_AFTER,
+        HeaderValue::from(u64::try_from(secs).unwrap_or(u64::MAX)),
+    );
+    res
+}
+
+/// How long until `lease_until`, from `now`.
+pub(crate) fn remaining(now: Timestamp, lease_until: Timestamp) -> Duration {
+    now.until(lease_until)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_after_rounds_up() {
+        let r = problem_retry_after::<()>(StatusCode::CONFLICT, "x", Duration::from_millis(1001));
+        assert_eq!(r.headers()[header::RETRY_AFTER], "2");
+        let r = problem_retry_after::<()>(StatusCode::CONFLICT, "x", Duration::ZERO);
+        assert_eq!(r.headers()[header::RETRY_AFTER], "1");
+    }
+
+    #[test]
+    fn header_values_move_the_fingerprint() {
+        let name = HeaderName::from_static("x-a");
+        let req = |v: &[&str]| {
+            let mut b = http::Request::builder().method("POST").uri("/o?x=1");
+            for v in v {
+                b = b.header("x-a", *v);
+            }
+            b.body(()).unwrap().into_parts().0
+        };
+        let fp = |v: &[&str]| fingerprint(&req(v), b"{}", std::slice::from_ref(&name));
+        assert_eq!(fp(&["1"]), fp(&["1"]));
+        assert_ne!(fp(&["1"]), fp(&["2"]));
+        assert_ne!(fp(&["1", "2"]), fp(&["12"]));
+        assert_ne!(
+            fingerprint(&req(&[]), b"", &[]),
+            fingerprint(&req(&[]), b"x", &[])
+        );
+    }
+}
