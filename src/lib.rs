@@ -49,16 +49,13 @@
 //!
 //! # Features
 //!
-//! - `redb` (default): the durable on-disk store on redb.
+//! - `redb` (default): [`RedbStore`], the durable on-disk store on redb 4.x
+//!   (group commit, expiry index, sweeper, poisoning, recovery on open).
 //! - `sled`: the store on sled 0.34.
 //! - `tokio`: [`Guard::run_async`].
 //! - `tower`: HTTP middleware (`Idempotency-Key`), in [`tower`] (behaviour and status codes in its docs).
 //! - `test-util`: [`ManualClock`], [`FaultyStore`] and the [`MemoryStore`] fault hook.
 
-#[allow(
-    dead_code,
-    reason = "until the on-disk backends land, only tests use the codec"
-)]
 mod codec;
 mod error;
 mod fingerprint;
@@ -70,6 +67,8 @@ mod key;
 mod logic;
 mod memory;
 mod record;
+#[cfg(feature = "redb")]
+mod redb;
 mod response;
 mod store;
 mod sweeper;
@@ -80,6 +79,11 @@ mod time;
 pub mod tower;
 mod waiting;
 
+#[cfg(feature = "redb")]
+pub use crate::redb::{
+    DEFAULT_CACHE_BYTES, Durability, MAX_WRITE_BATCH, RecoveryPolicy, RedbStats, RedbStore,
+    RedbStoreBuilder, WRITE_QUEUE_DEPTH,
+};
 pub use error::{BoxError, Error, Result};
 pub use fingerprint::Fingerprint;
 pub use guard::{

@@ -14,6 +14,8 @@ mod fuzz_corpus;
 mod guard;
 mod memory;
 mod model;
+#[cfg(feature = "redb")]
+mod redb;
 #[cfg(feature = "tower")]
 mod tower;
 mod waiting;

@@ -1,0 +1,33 @@
+//! Mapping redb's errors onto the one public [`Error`]: no redb type escapes
+//! the backend (DESIGN.md §2), but the engine's error stays the `source`.
+
+use crate::error::Error;
+
+/// Any redb error as an [`Error`]: I/O stays [`Error::Io`], corruption that
+/// redb detected is [`Error::Corrupt`], everything else is [`Error::Backend`]
+/// with the redb error as its source.
+pub(super) fn engine(err: impl Into<::redb::Error>) -> Error {
+    match err.into() {
+        ::redb::Error::Io(io) => Error::Io(io),
+        ::redb::Error::Corrupted(detail) => {
+            Error::corrupt(None, format!("the storage engine found damage: {detail}"))
+        }
+        other => Error::backend(other),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn io_stays_io_and_corruption_is_corrupt() {
+        let io = engine(::redb::StorageError::Io(std::io::Error::other("disk gone")));
+        assert!(matches!(io, Error::Io(_)));
+        let bad = engine(::redb::StorageError::Corrupted("bad page".into()));
+        assert!(matches!(bad, Error::Corrupt { key: None, .. }));
+        assert!(bad.to_string().contains("bad page"), "{bad}");
+        let other = engine(::redb::TransactionError::WouldBlock);
+        assert!(matches!(other, Error::Backend(_)));
+    }
+}

@@ -1,0 +1,274 @@
+//! Opening a store file: owner-only creation, refusing foreign, damaged and
+//! newer files with a typed error (never a panic, never an empty store), the
+//! meta table, and the recovery policy.
+
+use super::errors::engine;
+use super::tables::{
+    self, EXPIRY, META, META_FORMAT_VERSION, META_STORE_ID, META_TOKEN_HWM, RECORDS, WriteTables,
+};
+use super::{Config, RecoveryPolicy};
+use crate::error::{Error, Result};
+use crate::record::State;
+use ::redb::{Database, DatabaseError, ReadableDatabase, StorageBackend, TableError, TableHandle};
+use std::hash::{BuildHasher, Hasher};
+use std::path::Path;
+
+/// The store format this build writes, and the newest it opens. It covers
+/// the table layout and the meta entries; the record envelope has its own
+/// version inside every value.
+pub(super) const STORE_FORMAT_VERSION: u32 = 1;
+
+/// redb's file magic (redb's `MAGICNUMBER`, private in redb 4.x; it is part
+/// of redb's file format, so it does not change within a major version).
+/// Checked before redb sees the file so that a foreign file is refused
+/// without redb touching it.
+const REDB_MAGIC: [u8; 9] = [b'r', b'e', b'd', b'b', 0x1A, 0x0A, 0xA9, 0x0D, 0x0A];
+
+/// Owner-only: response snapshots can hold personal data.
+#[cfg(unix)]
+pub(super) const FILE_MODE: u32 = 0o600;
+
+/// What an open found.
+pub(super) struct Opened {
+    pub(super) db: Database,
+    pub(super) token_hwm: u64,
+    pub(super) store_id: [u8; 16],
+    pub(super) leases_expired: u64,
+}
+
+/// Opens or creates the store file at `path` (mode 0600 when created).
+pub(super) fn open_path(path: &Path, config: &Config) -> Result<Opened> {
+    let mut options = std::fs::OpenOptions::new();
+    options.read(true).write(true).create(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut options, FILE_MODE);
+    let file = options.open(path)?;
+    let backend = ::redb::backends::FileBackend::new(file).map_err(|e| map_open(e, path))?;
+    open_backend(backend, config, path)
+}
+
+/// Opens or creates a store over any redb backend; `name` names it in errors.
+pub(super) fn open_backend(
+    backend: impl StorageBackend,
+    config: &Config,
+    name: &Path,
+) -> Result<Opened> {
+    check_foreign(&backend)?;
+    let mut builder = Database::builder();
+    builder
+        .set_cache_size(config.cache_bytes)
+        .set_check_integrity_on_open(config.verify_on_open);
+    // redb documents that a plain open may panic on a file damaged outside
+    // redb. A panic must not reach the caller: it becomes Error::Corrupt.
+    let opened = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        builder.create_with_backend(backend)
+    }));
+    let db = match opened {
+        Ok(Ok(db)) => db,
+        Ok(Err(e)) => return Err(map_open(e, name)),
+        Err(_) => {
+            return Err(Error::corrupt(
+                None,
+                format!(
+                    "{} is damaged: the storage engine could not read it",
+                    name.display()
+                ),
+            ));
+        }
+    };
+    let (token_hwm, store_id) = match read_meta(&db)? {
+        Some(meta) => meta,
+        None => init_meta(&db, config)?,
+    };
+    let leases_expired = match config.recovery {
+        RecoveryPolicy::WaitForLease => 0,
+        RecoveryPolicy::ExpireLeases => expire_leases(&db, config)?,
+    };
+    Ok(Opened {
+        db,
+        token_hwm,
+        store_id,
+        leases_expired,
+    })
+}
+
+fn map_open(err: DatabaseError, path: &Path) -> Error {
+    match err {
+        DatabaseError::DatabaseAlreadyOpen => Error::Locked {
+            path: path.display().to_string(),
+        },
+        other => engine(other),
+    }
+}
+
+fn not_ours(detail: impl std::fmt::Display) -> Error {
+    Error::corrupt(None, format!("not an idemstore store file: {detail}"))
+}
+
+/// Refuses a non-empty file that does not start with a redb header, before
+/// redb reads (or writes) anything else in it.
+fn check_foreign(backend: &impl StorageBackend) -> Result<()> {
+    let len = backend
+        .len()
+        .map_err(|e| engine(::redb::StorageError::from(e)))?;
+    if len == 0 {
+        return Ok(());
+    }
+    let mut head = [0u8; REDB_MAGIC.len()];
+    if len < head.len() as u64 {
+        return Err(not_ours(format!(
+            "{len} bytes, shorter than a storage header"
+        )));
+    }
+    backend
+        .read(0, &mut head)
+        .map_err(|e| engine(::redb::StorageError::from(e)))?;
+    if head != REDB_MAGIC {
+        return Err(not_ours("it does not start with a redb header"));
+    }
+    Ok(())
+}
+
+fn table_error(err: TableError) -> Error {
+    match err {
+        TableError::TableTypeMismatch { .. } | TableError::TableIsMultimap(_) => {
+            not_ours(format!("a table has a foreign layout ({err})"))
+        }
+        other => engine(other),
+    }
+}
+
+/// The meta entries, or `None` for a file with no tables at all (new, or
+/// created by redb just before a crash). A redb file with other tables but
+/// no meta table is someone else's database.
+fn read_meta(db: &Database) -> Result<Option<(u64, [u8; 16])>> {
+    let txn = db.begin_read().map_err(engine)?;
+    let names: Vec<String> = txn
+        .list_tables()
+        .map_err(engine)?
+        .map(|t| t.name().to_owned())
+        .collect();
+    if !names.iter().any(|n| n == META.name()) {
+        if names.is_empty() {
+            return Ok(None);
+        }
+        return Err(not_ours(format!(
+            "a redb database without idemstore's meta table (tables: {})",
+            names.join(", ")
+        )));
+    }
+    let meta = txn.open_table(META).map_err(table_error)?;
+    let get = |name: &str| -> Result<Vec<u8>> {
+        match meta.get(name).map_err(engine)? {
+            Some(v) => Ok(v.value().to_vec()),
+            None => Err(Error::corrupt(
+                None,
+                format!("meta entry {name:?} is missing"),
+            )),
+        }
+    };
+    let version = get(META_FORMAT_VERSION)?;
+    let version = u32::from_be_bytes(fixed(META_FORMAT_VERSION, &version)?);
+    if version > STORE_FORMAT_VERSION {
+        return Err(Error::UnsupportedFormat {
+            found: version,
+            supported: STORE_FORMAT_VERSION,
+        });
+    }
+    if version == 0 {
+        return Err(Error::corrupt(None, "meta format version is 0"));
+    }
+    let store_id = fixed(META_STORE_ID, &get(META_STORE_ID)?)?;
+    let hwm = u64::from_be_bytes(fixed(META_TOKEN_HWM, &get(META_TOKEN_HWM)?)?);
+    // Opening the record tables proves they have our layout.
+    txn.open_table(RECORDS).map_err(table_error)?;
+    txn.open_table(EXPIRY).map_err(table_error)?;
+    Ok(Some((hwm, store_id)))
+}
+
+fn fixed<const N: usize>(name: &str, bytes: &[u8]) -> Result<[u8; N]> {
+    bytes.try_into().map_err(|_| {
+        Error::corrupt(
+            None,
+            format!("meta entry {name:?} is {} bytes, not {N}", bytes.len()),
+        )
+    })
+}
+
+/// Writes the meta table and the empty record tables of a new store.
+fn init_meta(db: &Database, config: &Config) -> Result<(u64, [u8; 16])> {
+    let store_id = new_store_id(config);
+    let txn = db.begin_write().map_err(engine)?;
+    {
+        let mut meta = txn.open_table(META).map_err(engine)?;
+        meta.insert(
+            META_FORMAT_VERSION,
+            STORE_FORMAT_VERSION.to_be_bytes().as_slice(),
+        )
+        .map_err(engine)?;
+        meta.insert(META_STORE_ID, store_id.as_slice())
+            .map_err(engine)?;
+        meta.insert(META_TOKEN_HWM, 0u64.to_be_bytes().as_slice())
+            .map_err(engine)?;
+        txn.open_table(RECORDS).map_err(engine)?;
+        txn.open_table(EXPIRY).map_err(engine)?;
+    }
+    txn.commit().map_err(engine)?;
+    Ok((0, store_id))
+}
+
+/// 16 bytes unlikely to repeat: the std hasher's per-process random keys,
+/// the time and the process id, through SHA-256 (no RNG dependency for this).
+fn new_store_id(config: &Config) -> [u8; 16] {
+    use sha2::Digest;
+    let mut h = sha2::Sha256::new();
+    for _ in 0..2 {
+        let mut r = std::collections::hash_map::RandomState::new().build_hasher();
+        r.write_u64(config.clock.now().as_millis());
+        h.update(r.finish().to_be_bytes());
+    }
+    h.update(std::process::id().to_be_bytes());
+    h.update(config.clock.now().as_millis().to_be_bytes());
+    let digest = h.finalize();
+    let mut id = [0u8; 16];
+    id.copy_from_slice(digest.get(..16).unwrap_or(&[0; 16]));
+    id
+}
+
+/// [`RecoveryPolicy::ExpireLeases`]: one process holds the file, so every
+/// PROCESSING record found at open belongs to a dead process. Its lease is
+/// ended now (its expiry is untouched), so a retry takes it over at once,
+/// with a new fencing token. Reads every record: O(records) at open.
+fn expire_leases(db: &Database, config: &Config) -> Result<u64> {
+    let now = config.clock.now();
+    let txn = db.begin_write().map_err(engine)?;
+    let mut expired = 0u64;
+    {
+        let mut tables = WriteTables::open(&txn)?;
+        for (key_bytes, record) in tables.all()? {
+            let live_lease = match (record.state, record.lease_until) {
+                (State::Processing, Some(lease_until)) => lease_until > now,
+                _ => false,
+            };
+            if !live_lease {
+                continue;
+            }
+            let ended = crate::record::Record {
+                lease_until: Some(now),
+                ..record.clone()
+            };
+            tables
+                .put(&key_bytes, Some(record.expires_at), &ended)
+                .map_err(step)?;
+            expired += 1;
+        }
+    }
+    txn.commit().map_err(engine)?;
+    Ok(expired)
+}
+
+fn step(e: tables::StepError) -> Error {
+    match e {
+        tables::StepError::Request(e) | tables::StepError::Storage(e) => e,
+    }
+}

@@ -1,0 +1,167 @@
+//! The three tables of a store file and the helpers that keep a record and
+//! its expiry-index entry moving together.
+//!
+//! | table | key | value |
+//! |---|---|---|
+//! | `idemstore.records` | [`codec::encode_key`] | [`codec::encode_record`] envelope |
+//! | `idemstore.expiry` | [`codec::encode_index`] `(expires_at BE, key)` | `()` |
+//! | `idemstore.meta` | name | big-endian value (format version, store id, token high-water mark) |
+//!
+//! The names carry an `idemstore.` prefix so that a caller's own tables can
+//! share the file (the co-transactional inbox) without a clash.
+
+use super::errors::engine;
+use crate::codec;
+use crate::error::{Error, Result};
+use crate::record::Record;
+use crate::time::Timestamp;
+use ::redb::{ReadableTable, Table, TableDefinition, WriteTransaction};
+
+/// Records by key.
+pub(super) const RECORDS: TableDefinition<'static, &'static [u8], &'static [u8]> =
+    TableDefinition::new("idemstore.records");
+/// The expiry index: one entry per record, `(expires_at BE, key)`.
+pub(super) const EXPIRY: TableDefinition<'static, &'static [u8], ()> =
+    TableDefinition::new("idemstore.expiry");
+/// Store-wide facts.
+pub(super) const META: TableDefinition<'static, &'static str, &'static [u8]> =
+    TableDefinition::new("idemstore.meta");
+
+/// Meta key: the store format version, u32 BE.
+pub(super) const META_FORMAT_VERSION: &str = "format_version";
+/// Meta key: 16 bytes naming this store file for its life.
+pub(super) const META_STORE_ID: &str = "store_id";
+/// Meta key: the largest fencing token ever handed out, u64 BE.
+pub(super) const META_TOKEN_HWM: &str = "token_high_water_mark";
+
+/// Why a step inside a write transaction failed: a request failure leaves
+/// the transaction untouched (it failed before writing), a storage failure
+/// may have written half of a pair, so the whole transaction must go.
+#[derive(Debug)]
+pub(super) enum StepError {
+    /// Failed before any write: only this request fails.
+    Request(Error),
+    /// Failed while writing: the transaction must be aborted.
+    Storage(Error),
+}
+
+impl From<Error> for StepError {
+    fn from(err: Error) -> StepError {
+        StepError::Request(err)
+    }
+}
+
+fn storage(err: impl Into<::redb::Error>) -> StepError {
+    StepError::Storage(engine(err))
+}
+
+/// The record and index tables of one write transaction.
+pub(super) struct WriteTables<'txn> {
+    records: Table<'txn, &'static [u8], &'static [u8]>,
+    expiry: Table<'txn, &'static [u8], ()>,
+}
+
+impl<'txn> WriteTables<'txn> {
+    /// Opens (creating if needed) both tables in `txn`.
+    pub(super) fn open(txn: &'txn WriteTransaction) -> Result<WriteTables<'txn>> {
+        Ok(WriteTables {
+            records: txn.open_table(RECORDS).map_err(engine)?,
+            expiry: txn.open_table(EXPIRY).map_err(engine)?,
+        })
+    }
+
+    /// The stored record for `key_bytes`, verified. A record that does not
+    /// verify is a request failure ([`Error::Corrupt`]): nothing was written.
+    pub(super) fn read(&self, key_bytes: &[u8]) -> Result<Option<Record>, StepError> {
+        match self.records.get(key_bytes).map_err(storage)? {
+            Some(guard) => Ok(Some(codec::decode_record(key_bytes, guard.value())?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Writes `new` over the record read in this transaction (whose expiry
+    /// was `old_expiry`, `None` when there was none), moving the index entry
+    /// if the expiry changed. The record is encoded (and its invariants
+    /// checked) before the first write, so an encoding failure writes nothing.
+    pub(super) fn put(
+        &mut self,
+        key_bytes: &[u8],
+        old_expiry: Option<Timestamp>,
+        new: &Record,
+    ) -> Result<(), StepError> {
+        let value = codec::encode_record(new)?;
+        self.records
+            .insert(key_bytes, value.as_slice())
+            .map_err(storage)?;
+        if old_expiry == Some(new.expires_at) {
+            return Ok(());
+        }
+        if let Some(old) = old_expiry {
+            self.unindex(&codec::encode_index(old, key_bytes))?;
+        }
+        self.expiry
+            .insert(
+                codec::encode_index(new.expires_at, key_bytes).as_slice(),
+                (),
+            )
+            .map_err(storage)?;
+        Ok(())
+    }
+
+    /// Deletes the record read in this transaction (expiry `old_expiry`)
+    /// and its index entry.
+    pub(super) fn delete(
+        &mut self,
+        key_bytes: &[u8],
+        old_expiry: Timestamp,
+    ) -> Result<(), StepError> {
+        self.records.remove(key_bytes).map_err(storage)?;
+        self.unindex(&codec::encode_index(old_expiry, key_bytes))
+    }
+
+    /// Up to `max` index entries with an expiry at or before `now`, oldest first.
+    pub(super) fn due(&self, now: Timestamp, max: usize) -> Result<Vec<Vec<u8>>, StepError> {
+        // Every index entry of an expiry <= now sorts before this bound:
+        // entries are (expires_at BE | key) and the bound is (now + 1 BE).
+        let bound = now.as_millis().saturating_add(1).to_be_bytes();
+        let mut out = Vec::new();
+        for entry in self
+            .expiry
+            .range::<&[u8]>(..bound.as_slice())
+            .map_err(storage)?
+        {
+            if out.len() >= max {
+                break;
+            }
+            let (index_key, _) = entry.map_err(storage)?;
+            out.push(index_key.value().to_vec());
+        }
+        Ok(out)
+    }
+
+    /// Removes one index entry (a sweep found it stale or its record gone).
+    pub(super) fn unindex(&mut self, index_key: &[u8]) -> Result<(), StepError> {
+        self.expiry.remove(index_key).map_err(storage)?;
+        Ok(())
+    }
+
+    /// Every `(key bytes, record)` pair, for the open-time recovery pass.
+    pub(super) fn all(&self) -> Result<Vec<(Vec<u8>, Record)>> {
+        let mut out = Vec::new();
+        for entry in self.records.iter().map_err(engine)? {
+            let (k, v) = entry.map_err(engine)?;
+            let key_bytes = k.value().to_vec();
+            let record = codec::decode_record(&key_bytes, v.value())?;
+            out.push((key_bytes, record));
+        }
+        Ok(out)
+    }
+}
+
+/// Writes the token high-water mark in `txn`.
+pub(super) fn write_token_hwm(txn: &WriteTransaction, hwm: u64) -> Result<(), StepError> {
+    let mut meta = txn.open_table(META).map_err(storage)?;
+    meta.insert(META_TOKEN_HWM, hwm.to_be_bytes().as_slice())
+        .map_err(storage)?;
+    Ok(())
+}

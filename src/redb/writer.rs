@@ -1,0 +1,396 @@
+//! The group-commit writer: one thread per store drains whatever is queued
+//! into one write transaction and one commit (one fsync), then answers every
+//! caller in the batch.
+//!
+//! Requests are applied in queue order inside the one transaction, so a
+//! duplicate later in a batch sees the claim made earlier in it. Nobody is
+//! answered before the commit returns: an answer reflects durable state.
+//! Failures are kept as small as they can be:
+//!
+//! - a request that fails before writing (stale claim, corrupt record, an
+//!   invariant check) fails alone; the rest of the batch commits;
+//! - a storage error while writing aborts the transaction: every caller in
+//!   the batch gets an error and nothing is written;
+//! - a failed commit may or may not have reached the disk: every caller in
+//!   the batch gets the error and the store is poisoned (every later write is
+//!   [`Error::Poisoned`]) until it is reopened.
+
+use super::errors::engine;
+use super::tables::{StepError, WriteTables, write_token_hwm};
+use super::{Durability, Shared};
+use crate::codec;
+use crate::error::{Error, Result};
+use crate::fingerprint::Fingerprint;
+use crate::logic;
+use crate::record::{Begin, Claim};
+use crate::response::Response;
+use crate::time::Timestamp;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TryRecvError};
+use std::time::{Duration, Instant};
+
+/// A write, as queued for the writer. Keys are already encoded.
+#[derive(Debug)]
+pub(super) enum Op {
+    Begin {
+        key: Vec<u8>,
+        fingerprint: Fingerprint,
+        now: Timestamp,
+        lease: Duration,
+        retention: Duration,
+    },
+    Complete {
+        key: Vec<u8>,
+        claim: Claim,
+        response: Response,
+        now: Timestamp,
+        retention: Duration,
+    },
+    Release {
+        key: Vec<u8>,
+        claim: Claim,
+    },
+    Sweep {
+        now: Timestamp,
+        max: usize,
+    },
+}
+
+/// The writer's answer to one [`Op`].
+#[derive(Debug)]
+pub(super) enum Reply {
+    Begin(Begin),
+    Done,
+    Swept(usize),
+}
+
+/// Where a caller waits for its answer.
+pub(super) type ReplyTx = SyncSender<Result<Reply>>;
+
+/// What travels on the queue.
+pub(super) enum Msg {
+    Op(Op, ReplyTx),
+    /// Finish what is queued before this, make everything durable, exit.
+    Shutdown,
+}
+
+pub(super) struct Writer {
+    pub(super) shared: Arc<Shared>,
+    pub(super) rx: Receiver<Msg>,
+    pub(super) token_hwm: u64,
+    pub(super) durability: Durability,
+    pub(super) max_batch: usize,
+    /// Relaxed durability only: commits made since the last durable one.
+    pub(super) unflushed: bool,
+    pub(super) last_durable: Instant,
+}
+
+/// Sets the poison flag if the writer thread unwinds: its callers then see
+/// [`Error::Poisoned`] rather than a bare [`Error::Closed`].
+struct PoisonOnPanic<'a>(&'a Shared);
+
+impl Drop for PoisonOnPanic<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.poisoned.store(true, Ordering::SeqCst);
+        }
+    }
+}
+
+impl Writer {
+    /// The thread's body: runs until [`Msg::Shutdown`] or until every sender is gone.
+    pub(super) fn run(mut self) {
+        let shared = Arc::clone(&self.shared);
+        let _guard = PoisonOnPanic(&shared);
+        let mut batch: Vec<(Op, ReplyTx)> = Vec::with_capacity(self.max_batch);
+        loop {
+            let Some(first) = self.next() else { break };
+            let mut shutdown = false;
+            match first {
+                Msg::Op(op, reply) => batch.push((op, reply)),
+                Msg::Shutdown => shutdown = true,
+            }
+            while !shutdown && batch.len() < self.max_batch {
+                match self.rx.try_recv() {
+                    Ok(Msg::Op(op, reply)) => batch.push((op, reply)),
+                    Ok(Msg::Shutdown) => shutdown = true,
+                    Err(TryRecvError::Empty | TryRecvError::Disconnected) => break,
+                }
+            }
+            if !batch.is_empty() {
+                self.run_batch(&mut batch);
+            }
+            if shutdown {
+                break;
+            }
+        }
+        // A clean shutdown leaves nothing only in memory.
+        self.flush();
+    }
+
+    /// The next message. Under relaxed durability, waits no longer than the
+    /// loss window and makes pending commits durable when it runs out.
+    fn next(&mut self) -> Option<Msg> {
+        loop {
+            let Durability::Periodic { max_loss } = self.durability else {
+                return self.rx.recv().ok();
+            };
+            if !self.unflushed {
+                return self.rx.recv().ok();
+            }
+            let wait = max_loss.saturating_sub(self.last_durable.elapsed());
+            match self.rx.recv_timeout(wait) {
+                Ok(msg) => return Some(msg),
+                Err(RecvTimeoutError::Timeout) => self.flush(),
+                Err(RecvTimeoutError::Disconnected) => return None,
+            }
+        }
+    }
+
+    /// Relaxed durability: one empty durable commit covers the earlier ones.
+    fn flush(&mut self) {
+        if !self.unflushed || self.shared.poisoned.load(Ordering::SeqCst) {
+            return;
+        }
+        let db = self.shared.read_db();
+        let committed = db
+            .begin_write()
+            .map_err(engine)
+            .and_then(|txn| txn.commit().map_err(engine));
+        drop(db);
+        match committed {
+            Ok(()) => {
+                self.unflushed = false;
+                self.last_durable = Instant::now();
+                self.shared
+                    .stats
+                    .durable_commits
+                    .fetch_add(1, Ordering::Relaxed);
+                self.shared.stats.commits.fetch_add(1, Ordering::Relaxed);
+            }
+            // Whether the earlier commits are on disk is now unknown.
+            Err(_) => self.shared.poisoned.store(true, Ordering::SeqCst),
+        }
+    }
+
+    fn run_batch(&mut self, batch: &mut Vec<(Op, ReplyTx)>) {
+        let stats = &self.shared.stats;
+        stats.batches.fetch_add(1, Ordering::Relaxed);
+        stats
+            .requests
+            .fetch_add(batch.len() as u64, Ordering::Relaxed);
+        stats
+            .largest_batch
+            .fetch_max(batch.len() as u64, Ordering::Relaxed);
+        if self.shared.poisoned.load(Ordering::SeqCst) {
+            for (_, reply) in batch.drain(..) {
+                let _ = reply.send(Err(Error::Poisoned));
+            }
+            return;
+        }
+        match self.apply(batch) {
+            Ok(answers) => {
+                for ((_, reply), answer) in batch.drain(..).zip(answers) {
+                    // A caller that gave up waiting is not an error.
+                    let _ = reply.send(answer);
+                }
+            }
+            Err(BatchError {
+                culprit,
+                error,
+                what,
+            }) => {
+                // Error is not Clone: the culprit (or the first caller) gets
+                // the error itself, the others its message.
+                let target = culprit.unwrap_or(0);
+                let others = format!("{what}: {error}");
+                let mut original = Some(error);
+                for (i, (_, reply)) in batch.drain(..).enumerate() {
+                    let err = if i == target { original.take() } else { None }
+                        .unwrap_or_else(|| Error::backend(others.clone()));
+                    let _ = reply.send(Err(err));
+                }
+            }
+        }
+    }
+
+    /// One transaction for the whole batch. `Ok` holds one answer per request.
+    fn apply(&mut self, batch: &[(Op, ReplyTx)]) -> Result<Vec<Result<Reply>>, BatchError> {
+        let db = self.shared.read_db();
+        let whole = |error: Error, what| BatchError {
+            culprit: None,
+            error,
+            what,
+        };
+        let mut txn = db
+            .begin_write()
+            .map_err(|e| whole(engine(e), "could not start a write transaction"))?;
+        let durable = match self.durability {
+            Durability::Immediate => true,
+            Durability::Periodic { max_loss } => self.last_durable.elapsed() >= max_loss,
+        };
+        let level = if durable {
+            ::redb::Durability::Immediate
+        } else {
+            ::redb::Durability::None
+        };
+        txn.set_durability(level)
+            .map_err(|e| whole(engine(e), "could not set the durability"))?;
+
+        let mut hwm = self.token_hwm;
+        let mut dirty = false;
+        let mut answers = Vec::with_capacity(batch.len());
+        let mut failed = {
+            let mut tables = match WriteTables::open(&txn) {
+                Ok(t) => t,
+                Err(e) => return Err(whole(e, "could not open the tables")),
+            };
+            let mut failed = None;
+            for (i, (op, _)) in batch.iter().enumerate() {
+                match step(&mut tables, op, &mut hwm, &mut dirty) {
+                    Ok(reply) => answers.push(Ok(reply)),
+                    Err(StepError::Request(e)) => answers.push(Err(e)),
+                    Err(StepError::Storage(e)) => {
+                        failed = Some((i, e));
+                        break;
+                    }
+                }
+            }
+            failed
+        };
+        if failed.is_none() && hwm != self.token_hwm {
+            if let Err(StepError::Request(e) | StepError::Storage(e)) = write_token_hwm(&txn, hwm) {
+                failed = Some((usize::MAX, e));
+            }
+        }
+        if let Some((i, error)) = failed {
+            // Half a pair may be written: nothing of this batch may commit.
+            if txn.abort().is_err() {
+                self.shared.poisoned.store(true, Ordering::SeqCst);
+            }
+            return Err(BatchError {
+                culprit: (i != usize::MAX).then_some(i),
+                error,
+                what: "write batch aborted by a storage error in another request",
+            });
+        }
+        if !dirty {
+            // Only answers, no writes: nothing to make durable.
+            let _ = txn.abort();
+            return Ok(answers);
+        }
+        if let Err(e) = txn.commit() {
+            // It may or may not be on disk: refuse every later write.
+            self.shared.poisoned.store(true, Ordering::SeqCst);
+            return Err(whole(
+                engine(e),
+                "commit failed; the store is poisoned until reopened",
+            ));
+        }
+        self.token_hwm = hwm;
+        let stats = &self.shared.stats;
+        stats.commits.fetch_add(1, Ordering::Relaxed);
+        if durable {
+            stats.durable_commits.fetch_add(1, Ordering::Relaxed);
+            self.unflushed = false;
+            self.last_durable = Instant::now();
+        } else {
+            self.unflushed = true;
+        }
+        Ok(answers)
+    }
+}
+
+/// A failure that takes the whole batch down.
+struct BatchError {
+    /// The request that caused it (it gets `error` itself), or `None` when
+    /// the batch as a whole failed (the first caller gets `error`).
+    culprit: Option<usize>,
+    error: Error,
+    /// What the other callers are told happened.
+    what: &'static str,
+}
+
+/// Applies one request inside the batch's transaction, deciding with
+/// `logic::*` and writing record and index together.
+fn step(
+    tables: &mut WriteTables<'_>,
+    op: &Op,
+    hwm: &mut u64,
+    dirty: &mut bool,
+) -> Result<Reply, StepError> {
+    match op {
+        Op::Begin {
+            key,
+            fingerprint,
+            now,
+            lease,
+            retention,
+        } => {
+            let existing = tables.read(key)?;
+            let old_expiry = existing.as_ref().map(|r| r.expires_at);
+            let last = *hwm;
+            let decided = logic::begin(existing, fingerprint, *now, *lease, *retention, || {
+                last.checked_add(1)
+                    .ok_or_else(|| Error::invalid_argument("fencing tokens exhausted"))
+            })?;
+            if let Some(record) = decided.write {
+                tables.put(key, old_expiry, &record)?;
+                *hwm = record.token;
+                *dirty = true;
+            }
+            Ok(Reply::Begin(decided.answer))
+        }
+        Op::Complete {
+            key,
+            claim,
+            response,
+            now,
+            retention,
+        } => {
+            let existing = tables.read(key)?;
+            let old_expiry = existing.as_ref().map(|r| r.expires_at);
+            let record = logic::complete(existing, claim, response, *now, *retention)?;
+            tables.put(key, old_expiry, &record)?;
+            *dirty = true;
+            Ok(Reply::Done)
+        }
+        Op::Release { key, claim } => {
+            let existing = tables.read(key)?;
+            let old_expiry = existing.as_ref().map(|r| r.expires_at);
+            logic::release(existing, claim)?;
+            if let Some(old_expiry) = old_expiry {
+                tables.delete(key, old_expiry)?;
+                *dirty = true;
+            }
+            Ok(Reply::Done)
+        }
+        Op::Sweep { now, max } => {
+            // Decide everything first (reads can fail as a request error),
+            // then delete (only storage errors from here on).
+            let mut records = Vec::new();
+            let mut stale = Vec::new();
+            for index_key in tables.due(*now, *max)? {
+                let (expires_at, key) = codec::decode_index(&index_key)?;
+                match tables.read(key)? {
+                    // Re-check the record itself: the index only nominates.
+                    Some(r)
+                        if r.expires_at == expires_at && logic::sweepable(r.expires_at, *now) =>
+                    {
+                        records.push((key.to_vec(), r.expires_at));
+                    }
+                    _ => stale.push(index_key),
+                }
+            }
+            for (key, expires_at) in &records {
+                tables.delete(key, *expires_at)?;
+            }
+            for index_key in &stale {
+                tables.unindex(index_key)?;
+            }
+            *dirty |= !records.is_empty() || !stale.is_empty();
+            Ok(Reply::Swept(records.len()))
+        }
+    }
+}
