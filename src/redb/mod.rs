@@ -131,6 +131,9 @@ pub struct RedbStats {
     pub largest_batch: u64,
     /// Begins answered `Replay` from a read transaction, without the writer.
     pub fast_replays: u64,
+    /// Records deleted by sweeps (the background sweeper's and explicit
+    /// [`Store::sweep_expired`] calls).
+    pub swept: u64,
     /// Leases ended at open by [`RecoveryPolicy::ExpireLeases`].
     pub leases_expired_on_open: u64,
 }
@@ -158,6 +161,7 @@ struct Counters {
     durable_commits: AtomicU64,
     largest_batch: AtomicU64,
     fast_replays: AtomicU64,
+    swept: AtomicU64,
 }
 
 /// What the callers and the writer thread share.
@@ -307,12 +311,12 @@ impl RedbStoreBuilder {
 
     fn check(&self) -> Result<()> {
         check_body_limit(self.config.max_body_bytes)?;
-        if let Durability::Periodic { max_loss } = self.config.durability {
-            if max_loss.as_millis() == 0 {
-                return Err(Error::invalid_argument(
-                    "Durability::Periodic needs a loss window of at least 1 ms",
-                ));
-            }
+        if let Durability::Periodic { max_loss } = self.config.durability
+            && max_loss.as_millis() == 0
+        {
+            return Err(Error::invalid_argument(
+                "Durability::Periodic needs a loss window of at least 1 ms",
+            ));
         }
         Ok(())
     }
@@ -466,6 +470,7 @@ impl RedbStore {
             durable_commits: c.durable_commits.load(Ordering::Relaxed),
             largest_batch: c.largest_batch.load(Ordering::Relaxed),
             fast_replays: c.fast_replays.load(Ordering::Relaxed),
+            swept: c.swept.load(Ordering::Relaxed),
             leases_expired_on_open: self.leases_expired_on_open,
         }
     }

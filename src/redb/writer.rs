@@ -259,10 +259,12 @@ impl Writer {
             }
             failed
         };
-        if failed.is_none() && hwm != self.token_hwm {
-            if let Err(StepError::Request(e) | StepError::Storage(e)) = write_token_hwm(&txn, hwm) {
-                failed = Some((usize::MAX, e));
-            }
+        // The high-water mark moves in the same transaction as the claims.
+        if failed.is_none()
+            && hwm != self.token_hwm
+            && let Err(StepError::Request(e) | StepError::Storage(e)) = write_token_hwm(&txn, hwm)
+        {
+            failed = Some((usize::MAX, e));
         }
         if let Some((i, error)) = failed {
             // Half a pair may be written: nothing of this batch may commit.
@@ -290,6 +292,14 @@ impl Writer {
         }
         self.token_hwm = hwm;
         let stats = &self.shared.stats;
+        let swept: usize = answers
+            .iter()
+            .map(|a| match a {
+                Ok(Reply::Swept(n)) => *n,
+                _ => 0,
+            })
+            .sum();
+        stats.swept.fetch_add(swept as u64, Ordering::Relaxed);
         stats.commits.fetch_add(1, Ordering::Relaxed);
         if durable {
             stats.durable_commits.fetch_add(1, Ordering::Relaxed);
@@ -392,5 +402,113 @@ fn step(
             *dirty |= !records.is_empty() || !stale.is_empty();
             Ok(Reply::Swept(records.len()))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::redb::{Counters, RedbStoreBuilder, open};
+    use std::path::Path;
+    use std::sync::RwLock;
+    use std::sync::atomic::AtomicBool;
+    use std::sync::mpsc::{Receiver, sync_channel};
+
+    const T: Timestamp = Timestamp::from_millis(1_000_000);
+    const D: Duration = Duration::from_secs(10);
+
+    fn begin(id: &[u8]) -> Op {
+        Op::Begin {
+            key: id.to_vec(),
+            fingerprint: Fingerprint::of(b"fp"),
+            now: T,
+            lease: D,
+            retention: D,
+        }
+    }
+
+    /// Queues `ops` and a shutdown, then runs the writer on this thread, so
+    /// that all of them are one batch.
+    fn run_one_batch(ops: Vec<Op>) -> (Vec<Result<Reply>>, Arc<Shared>) {
+        let config = RedbStoreBuilder::default().config;
+        let backend = ::redb::backends::InMemoryBackend::new();
+        let opened = open::open_backend(backend, &config, Path::new("memory")).unwrap();
+        let shared = Arc::new(Shared {
+            db: RwLock::new(opened.db),
+            poisoned: AtomicBool::new(false),
+            stats: Counters::default(),
+        });
+        let (tx, rx) = sync_channel(64);
+        let replies: Vec<Receiver<Result<Reply>>> = ops
+            .into_iter()
+            .map(|op| {
+                let (reply_tx, reply_rx) = sync_channel(1);
+                tx.send(Msg::Op(op, reply_tx)).unwrap();
+                reply_rx
+            })
+            .collect();
+        tx.send(Msg::Shutdown).unwrap();
+        Writer {
+            shared: Arc::clone(&shared),
+            rx,
+            token_hwm: opened.token_hwm,
+            durability: Durability::Immediate,
+            max_batch: 64,
+            unflushed: false,
+            last_durable: Instant::now(),
+        }
+        .run();
+        (replies.iter().map(|r| r.recv().unwrap()).collect(), shared)
+    }
+
+    #[test]
+    fn one_batch_applies_in_order_and_a_bad_request_fails_alone() {
+        let bogus = Claim {
+            token: 99,
+            lease_until: T,
+            takeover: false,
+            attempt: 1,
+        };
+        let (answers, shared) = run_one_batch(vec![
+            begin(b"\0a"),
+            // A duplicate in the same batch sees the claim made just before it.
+            begin(b"\0a"),
+            // Fails validation: it fails alone, the batch still commits.
+            Op::Complete {
+                key: b"\0b".to_vec(),
+                claim: bogus,
+                response: Response::new(200, ""),
+                now: T,
+                retention: D,
+            },
+            begin(b"\0c"),
+        ]);
+        let mut it = answers.into_iter();
+        assert!(matches!(it.next(), Some(Ok(Reply::Begin(Begin::Claimed(c)))) if c.token == 1));
+        assert!(matches!(
+            it.next(),
+            Some(Ok(Reply::Begin(Begin::InFlight { .. })))
+        ));
+        assert!(matches!(it.next(), Some(Err(Error::StaleClaim))));
+        assert!(matches!(it.next(), Some(Ok(Reply::Begin(Begin::Claimed(c)))) if c.token == 2));
+        let stats = &shared.stats;
+        assert_eq!(stats.batches.load(Ordering::Relaxed), 1);
+        assert_eq!(stats.commits.load(Ordering::Relaxed), 1);
+        // The high-water mark was committed with the claims.
+        let db = shared.read_db();
+        let txn = ::redb::ReadableDatabase::begin_read(&*db).unwrap();
+        let meta = txn.open_table(super::super::tables::META).unwrap();
+        let hwm = meta
+            .get(super::super::tables::META_TOKEN_HWM)
+            .unwrap()
+            .unwrap();
+        assert_eq!(hwm.value(), 2u64.to_be_bytes().as_slice());
+    }
+
+    #[test]
+    fn a_batch_of_answers_only_commits_nothing() {
+        let (answers, shared) = run_one_batch(vec![Op::Sweep { now: T, max: 10 }]);
+        assert!(matches!(answers.as_slice(), [Ok(Reply::Swept(0))]));
+        assert_eq!(shared.stats.commits.load(Ordering::Relaxed), 0);
     }
 }
