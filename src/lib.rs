@@ -56,6 +56,10 @@
 //! - `tower`: HTTP middleware (`Idempotency-Key`), in [`tower`] (behaviour and status codes in its docs).
 //! - `test-util`: [`ManualClock`], [`FaultyStore`] and the [`MemoryStore`] fault hook.
 
+#[cfg_attr(
+    not(any(feature = "redb", feature = "sled", test)),
+    allow(dead_code, reason = "only the on-disk backends use the codec")
+)]
 mod codec;
 mod error;
 mod fingerprint;

@@ -531,3 +531,30 @@ fn any_single_damaged_header_byte_is_an_error_or_a_clean_open() {
     eprintln!("refused {refused}, opened {opened}");
     assert!(refused > 0);
 }
+
+#[test]
+fn store_ops_corpus_on_redb_with_reopens() {
+    // The fuzz corpus of operation sequences (with faults and reopens),
+    // checked against the independent model, on a redb store whose storage
+    // survives each reopen.
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/store_ops");
+    let mut files: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    files.sort();
+    assert!(!files.is_empty());
+    for path in files {
+        let ops = idemstore::fuzzing::decode_ops(&std::fs::read(&path).unwrap());
+        let backend = FlakySync {
+            inner: Arc::new(redb::backends::InMemoryBackend::new()),
+            fail_next_sync: Arc::new(AtomicBool::new(false)),
+        };
+        let mut open = || -> Arc<dyn Store> {
+            Arc::new(RedbStore::builder().open_backend(backend.clone()).unwrap())
+        };
+        if let Err(d) = idemstore::fuzzing::run_ops(&mut open, true, &ops) {
+            panic!("{}: {d}", path.display());
+        }
+    }
+}
