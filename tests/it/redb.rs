@@ -558,3 +558,29 @@ fn store_ops_corpus_on_redb_with_reopens() {
         }
     }
 }
+
+#[test]
+fn relaxed_durability_flushes_an_idle_store_within_its_window() {
+    // The loss window must be bounded even when no further write arrives to
+    // carry the durable commit: the writer flushes on its own.
+    let dir = tempfile::tempdir().unwrap();
+    let store = RedbStore::builder()
+        .durability(Durability::Periodic {
+            max_loss: Duration::from_millis(500),
+        })
+        .open(dir.path().join("s.idem"))
+        .unwrap();
+    claim(&store, &key("k"));
+    // Acknowledged at once, before any fsync...
+    assert_eq!(store.stats().commits, 1);
+    assert_eq!(store.stats().durable_commits, 0);
+    // ...and made durable by the writer's own timer, with no further write.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while store.stats().durable_commits == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "an idle relaxed store never made its commits durable"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
