@@ -16,7 +16,7 @@ mod peers;
 #[path = "common/workload.rs"]
 mod workload;
 
-use peers::{Backend, BoxResult, RedbRaw, Sqlite, fdatasync_probe};
+use peers::{Backend, BoxResult, RedbRaw, Sqlite, StoreBackend, fdatasync_probe};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
@@ -32,14 +32,30 @@ fn backends() -> Vec<&'static str> {
 }
 
 fn ours() -> Vec<&'static str> {
-    Vec::new()
+    vec!["redb"]
 }
 
 fn open(name: &str, dir: &Path) -> BoxResult<Box<dyn Backend>> {
     Ok(match name {
+        "redb" => Box::new(redb_store(dir)?),
         "sqlite" => Box::new(Sqlite::open(dir)?),
         "redb-raw" => Box::new(RedbRaw::open(dir)?),
         other => return Err(format!("unknown backend {other}").into()),
+    })
+}
+
+/// `RedbStore` with its defaults (group commit, fsync per batch).
+fn redb_store(dir: &Path) -> BoxResult<StoreBackend> {
+    let store = std::sync::Arc::new(idemstore::RedbStore::open(dir.join("compare.idem"))?);
+    let stats = std::sync::Arc::clone(&store);
+    Ok(StoreBackend {
+        name: "redb".into(),
+        store,
+        dir: Some(dir.to_owned()),
+        batch: Some(Box::new(move || {
+            let s = stats.stats();
+            (s.batches > 0).then(|| s.mean_batch())
+        })),
     })
 }
 

@@ -10,7 +10,7 @@
 //! Options: `--backend memory|redb|sled|sqlite|redb-raw`, `--clients N`,
 //! `--keys N` (records loaded before measuring), `--dup-ratio F` (share of
 //! requests that re-send a completed key), `--response-bytes N`,
-//! `--durability immediate|relaxed`, `--duration SECONDS`, `--dir PATH`
+//! `--durability immediate|relaxed|periodic:MS`, `--duration SECONDS`, `--dir PATH`
 //! (default: a fresh temp dir), `--json`.
 
 #[allow(dead_code, reason = "each example uses part of the shared module")]
@@ -77,8 +77,8 @@ fn parse() -> BoxResult<Args> {
 
 /// Opens the named backend in `dir`.
 pub fn open_backend(name: &str, dir: &Path, durability: &str) -> BoxResult<Box<dyn Backend>> {
-    let _ = durability;
     Ok(match name {
+        "redb" => Box::new(redb_backend(dir, durability)?),
         "memory" => Box::new(StoreBackend {
             name: "memory".into(),
             store: Arc::new(idemstore::MemoryStore::new()),
@@ -88,6 +88,38 @@ pub fn open_backend(name: &str, dir: &Path, durability: &str) -> BoxResult<Box<d
         "sqlite" => Box::new(Sqlite::open(dir)?),
         "redb-raw" => Box::new(RedbRaw::open(dir)?),
         other => return Err(format!("unknown or not yet available backend {other}").into()),
+    })
+}
+
+/// `RedbStore` in `dir`; `durability` is `immediate` (default), `relaxed`
+/// (a durable commit every 100 ms) or `periodic:MS`.
+pub fn redb_backend(dir: &Path, durability: &str) -> BoxResult<StoreBackend> {
+    let durability = match durability.split_once(':') {
+        None if durability.is_empty() || durability == "immediate" => {
+            idemstore::Durability::Immediate
+        }
+        None if durability == "relaxed" => idemstore::Durability::Periodic {
+            max_loss: std::time::Duration::from_millis(100),
+        },
+        Some(("periodic", ms)) => idemstore::Durability::Periodic {
+            max_loss: std::time::Duration::from_millis(ms.parse()?),
+        },
+        _ => return Err(format!("unknown durability {durability}").into()),
+    };
+    let store = Arc::new(
+        idemstore::RedbStore::builder()
+            .durability(durability)
+            .open(dir.join("loadgen.idem"))?,
+    );
+    let stats = Arc::clone(&store);
+    Ok(StoreBackend {
+        name: "redb".into(),
+        store,
+        dir: Some(dir.to_owned()),
+        batch: Some(Box::new(move || {
+            let s = stats.stats();
+            (s.batches > 0).then(|| s.mean_batch())
+        })),
     })
 }
 
