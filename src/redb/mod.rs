@@ -4,12 +4,21 @@
 //!   damaged and newer files, the meta table, the recovery policy;
 //! - `tables.rs`: the three tables and the record + index pair helpers;
 //! - `writer.rs`: the group-commit writer thread;
-//! - this file: the public type, its builder, and the read paths.
+//! - `options.rs`: durability, recovery policy, the builder;
+//! - `stats.rs`: the group-commit counters;
+//! - this file: the public type, the read paths, the `Store` impl.
 
 mod errors;
 mod open;
+mod options;
+mod stats;
 mod tables;
 mod writer;
+
+use options::Config;
+pub use options::{DEFAULT_CACHE_BYTES, Durability, RecoveryPolicy, RedbStoreBuilder};
+use stats::Counters;
+pub use stats::RedbStats;
 
 use crate::codec;
 use crate::error::{Error, Result};
@@ -17,14 +26,14 @@ use crate::fingerprint::Fingerprint;
 use crate::key::Key;
 use crate::logic;
 use crate::record::{Begin, Claim, Record, State, check_durations};
-use crate::response::{DEFAULT_MAX_BODY_BYTES, Response, check_body_limit};
+use crate::response::Response;
 use crate::store::{MAX_SWEEP_BATCH, Store};
-use crate::sweeper::{Sweeper, SweeperConfig};
-use crate::time::{Clock, SystemClock, Timestamp};
+use crate::sweeper::Sweeper;
+use crate::time::Timestamp;
 use ::redb::{Database, ReadableDatabase};
 use errors::engine;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, SyncSender};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
 use std::thread::JoinHandle;
@@ -36,133 +45,6 @@ use writer::{Msg, Op, Reply, Writer};
 pub const WRITE_QUEUE_DEPTH: usize = 4_096;
 /// Most requests the writer applies in one transaction (one commit).
 pub const MAX_WRITE_BATCH: usize = 1_024;
-/// redb's page cache size unless [`RedbStoreBuilder::cache_bytes`] says otherwise.
-pub const DEFAULT_CACHE_BYTES: usize = 64 * 1024 * 1024;
-
-/// What survives a crash: the promise behind every acknowledged write.
-///
-/// ```
-/// use idemstore::{Durability, RedbStore};
-/// use std::time::Duration;
-///
-/// # let dir = tempfile::tempdir()?;
-/// // The default: every acknowledged claim survives power loss.
-/// assert_eq!(Durability::default(), Durability::Immediate);
-/// // Chosen explicitly: at most 50 ms of acknowledged writes may be lost.
-/// let store = RedbStore::builder()
-///     .durability(Durability::Periodic { max_loss: Duration::from_millis(50) })
-///     .open(dir.path().join("relaxed.idem"))?;
-/// # Ok::<(), Box<dyn std::error::Error>>(())
-/// ```
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Durability {
-    /// Every write batch is committed and fsynced before any caller in it is
-    /// answered: an acknowledged claim or completion survives a process crash
-    /// and a power loss. Concurrent callers share one fsync (group commit).
-    #[default]
-    Immediate,
-    /// Batches are committed without an fsync, and a durable commit is made
-    /// once `max_loss` has passed since the last one (also when the store is
-    /// idle, and at a clean shutdown). A process crash **or** a power loss
-    /// loses the acknowledged writes of at most the last `max_loss` (plus the
-    /// duration of one batch): redb keeps non-durable commits out of the
-    /// file's header until a durable one. A lost claim lets a retry claim the
-    /// key again and run the side effect twice, so choose this only where
-    /// the downstream system deduplicates by the fencing token anyway.
-    Periodic {
-        /// The loss window; at least 1 ms.
-        max_loss: Duration,
-    },
-}
-
-/// What opening a store does with PROCESSING records it finds.
-///
-/// One process holds a store file (a second open is [`Error::Locked`]), so
-/// a PROCESSING record found at open belongs to a process that died.
-///
-/// ```
-/// use idemstore::{RecoveryPolicy, RedbStore};
-/// # let dir = tempfile::tempdir()?;
-/// let store = RedbStore::builder()
-///     .recovery(RecoveryPolicy::ExpireLeases)
-///     .open(dir.path().join("orders.idem"))?;
-/// assert_eq!(store.stats().leases_expired_on_open, 0);
-/// # Ok::<(), idemstore::Error>(())
-/// ```
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum RecoveryPolicy {
-    /// Leave leases alone: a retry waits until the dead owner's lease ends
-    /// (the seeds' behaviour; the default).
-    #[default]
-    WaitForLease,
-    /// End every live lease at open, so a retry takes over at once (with a
-    /// new fencing token). Reads every record once at open.
-    ExpireLeases,
-}
-
-/// Group-commit counters of a [`RedbStore`] since it was opened.
-///
-/// ```
-/// # use idemstore::{Fingerprint, Key, RedbStore, Store, Timestamp};
-/// # use std::time::Duration;
-/// # let dir = tempfile::tempdir()?;
-/// let store = RedbStore::open(dir.path().join("s.idem"))?;
-/// let d = Duration::from_secs(1);
-/// let _ = store.begin(&Key::new("", "k")?, &Fingerprint::of(b""), Timestamp::EPOCH, d, d)?;
-/// let stats = store.stats();
-/// assert_eq!((stats.requests, stats.commits), (1, 1));
-/// # Ok::<(), idemstore::Error>(())
-/// ```
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct RedbStats {
-    /// Requests the writer took (begins that missed the replay fast path,
-    /// completes, releases, sweeps).
-    pub requests: u64,
-    /// Batches the writer ran: one write transaction each.
-    pub batches: u64,
-    /// Transactions committed (a batch that wrote nothing is not committed).
-    pub commits: u64,
-    /// Commits made durable with an fsync (all of them under [`Durability::Immediate`]).
-    pub durable_commits: u64,
-    /// The largest batch so far.
-    pub largest_batch: u64,
-    /// Begins answered `Replay` from a read transaction, without the writer.
-    pub fast_replays: u64,
-    /// Records deleted by sweeps (the background sweeper's and explicit
-    /// [`Store::sweep_expired`] calls).
-    pub swept: u64,
-    /// Leases ended at open by [`RecoveryPolicy::ExpireLeases`].
-    pub leases_expired_on_open: u64,
-}
-
-impl RedbStats {
-    /// Mean requests per batch (0 before the first batch).
-    ///
-    /// ```
-    /// assert_eq!(idemstore::RedbStats::default().mean_batch(), 0.0);
-    /// ```
-    pub fn mean_batch(&self) -> f64 {
-        if self.batches == 0 {
-            0.0
-        } else {
-            self.requests as f64 / self.batches as f64
-        }
-    }
-}
-
-#[derive(Debug, Default)]
-struct Counters {
-    requests: AtomicU64,
-    batches: AtomicU64,
-    commits: AtomicU64,
-    durable_commits: AtomicU64,
-    largest_batch: AtomicU64,
-    fast_replays: AtomicU64,
-    swept: AtomicU64,
-}
 
 /// What the callers and the writer thread share.
 struct Shared {
@@ -179,146 +61,6 @@ impl Shared {
         // The lock guards no invariant of ours (redb is transactional), so a
         // panic elsewhere while it was held leaves nothing half-done.
         self.db.read().unwrap_or_else(|p| p.into_inner())
-    }
-}
-
-/// Options of a store being opened.
-#[derive(Clone, Debug)]
-struct Config {
-    durability: Durability,
-    cache_bytes: usize,
-    max_body_bytes: usize,
-    recovery: RecoveryPolicy,
-    sweeper: Option<SweeperConfig>,
-    clock: Arc<dyn Clock>,
-    verify_on_open: bool,
-}
-
-/// Options for opening a [`RedbStore`]; from [`RedbStore::builder`].
-///
-/// ```
-/// use idemstore::{Durability, RecoveryPolicy, RedbStore, SweeperConfig};
-/// use std::time::Duration;
-///
-/// # let dir = tempfile::tempdir()?;
-/// let store = RedbStore::builder()
-///     .durability(Durability::Immediate)
-///     .cache_bytes(16 << 20)
-///     .max_body_bytes(64 * 1024)
-///     .recovery(RecoveryPolicy::WaitForLease)
-///     .sweeper(SweeperConfig::default().interval(Duration::from_secs(30)))
-///     .open(dir.path().join("orders.idem"))?;
-/// # Ok::<(), idemstore::Error>(())
-/// ```
-#[derive(Clone, Debug)]
-#[must_use = "a builder does nothing until `open`"]
-pub struct RedbStoreBuilder {
-    config: Config,
-}
-
-impl Default for RedbStoreBuilder {
-    fn default() -> Self {
-        RedbStoreBuilder {
-            config: Config {
-                durability: Durability::Immediate,
-                cache_bytes: DEFAULT_CACHE_BYTES,
-                max_body_bytes: DEFAULT_MAX_BODY_BYTES,
-                recovery: RecoveryPolicy::WaitForLease,
-                sweeper: None,
-                clock: Arc::new(SystemClock),
-                verify_on_open: false,
-            },
-        }
-    }
-}
-
-impl RedbStoreBuilder {
-    /// What an acknowledged write survives; [`Durability::Immediate`] by default.
-    pub fn durability(mut self, durability: Durability) -> Self {
-        self.config.durability = durability;
-        self
-    }
-    /// redb's page cache, in bytes ([`DEFAULT_CACHE_BYTES`] by default).
-    pub fn cache_bytes(mut self, bytes: usize) -> Self {
-        self.config.cache_bytes = bytes;
-        self
-    }
-    /// The largest response body stored ([`DEFAULT_MAX_BODY_BYTES`] by
-    /// default, at most [`MAX_BODY_BYTES_HARD_CAP`](crate::MAX_BODY_BYTES_HARD_CAP),
-    /// checked at open).
-    pub fn max_body_bytes(mut self, bytes: usize) -> Self {
-        self.config.max_body_bytes = bytes;
-        self
-    }
-    /// What opening does with PROCESSING records ([`RecoveryPolicy::WaitForLease`] by default).
-    pub fn recovery(mut self, policy: RecoveryPolicy) -> Self {
-        self.config.recovery = policy;
-        self
-    }
-    /// Runs a background [`Sweeper`] with this configuration for the life
-    /// of the store (none by default: call [`Store::sweep_expired`] yourself).
-    pub fn sweeper(mut self, config: SweeperConfig) -> Self {
-        self.config.sweeper = Some(config);
-        self
-    }
-    /// The clock the sweeper and the recovery policy read
-    /// ([`SystemClock`] by default). The store's operations take `now` from
-    /// their caller.
-    pub fn clock(mut self, clock: impl Clock + 'static) -> Self {
-        self.config.clock = Arc::new(clock);
-        self
-    }
-    /// Verifies every page's checksum at open (redb's integrity check), so
-    /// that a file damaged outside redb is refused at open rather than found
-    /// later. Reads the whole file; off by default.
-    pub fn verify_on_open(mut self, verify: bool) -> Self {
-        self.config.verify_on_open = verify;
-        self
-    }
-
-    /// Opens the store file at `path`, creating it (mode 0600 on Unix) if it
-    /// does not exist.
-    ///
-    /// Errors: [`Error::Locked`] when another open store holds the file;
-    /// [`Error::Corrupt`] for a file that is not an idemstore store (a
-    /// foreign file, a redb database without idemstore's meta table) or is
-    /// damaged; [`Error::UnsupportedFormat`] for a store written by a newer
-    /// format version. None of these touch the file.
-    pub fn open(self, path: impl AsRef<Path>) -> Result<RedbStore> {
-        let path = path.as_ref();
-        self.check()?;
-        let opened = open::open_path(path, &self.config)?;
-        RedbStore::start(opened, self.config, Some(path.to_path_buf()))
-    }
-
-    /// Opens a store over any redb [`StorageBackend`](::redb::StorageBackend):
-    /// the seam for simulated power loss in tests and for custom storage.
-    ///
-    /// This is the one engine-specific entry point: it names a redb type,
-    /// so it follows redb's major version. Everything else in idemstore's
-    /// API is engine-free.
-    ///
-    /// ```
-    /// use idemstore::RedbStore;
-    /// let store = RedbStore::builder().open_backend(redb::backends::InMemoryBackend::new())?;
-    /// # Ok::<(), idemstore::Error>(())
-    /// ```
-    pub fn open_backend(self, backend: impl ::redb::StorageBackend) -> Result<RedbStore> {
-        self.check()?;
-        let opened = open::open_backend(backend, &self.config, Path::new("<storage backend>"))?;
-        RedbStore::start(opened, self.config, None)
-    }
-
-    fn check(&self) -> Result<()> {
-        check_body_limit(self.config.max_body_bytes)?;
-        if let Durability::Periodic { max_loss } = self.config.durability
-            && max_loss.as_millis() == 0
-        {
-            return Err(Error::invalid_argument(
-                "Durability::Periodic needs a loss window of at least 1 ms",
-            ));
-        }
-        Ok(())
     }
 }
 

@@ -1,0 +1,216 @@
+//! Opening options: [`Durability`], [`RecoveryPolicy`] and the builder.
+
+use super::{RedbStore, open};
+use crate::error::{Error, Result};
+use crate::response::{DEFAULT_MAX_BODY_BYTES, check_body_limit};
+use crate::sweeper::SweeperConfig;
+use crate::time::{Clock, SystemClock};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// redb's page cache size unless [`RedbStoreBuilder::cache_bytes`] says otherwise.
+pub const DEFAULT_CACHE_BYTES: usize = 64 * 1024 * 1024;
+
+/// What survives a crash: the promise behind every acknowledged write.
+///
+/// ```
+/// use idemstore::{Durability, RedbStore};
+/// use std::time::Duration;
+///
+/// # let dir = tempfile::tempdir()?;
+/// // The default: every acknowledged claim survives power loss.
+/// assert_eq!(Durability::default(), Durability::Immediate);
+/// // Chosen explicitly: at most 50 ms of acknowledged writes may be lost.
+/// let store = RedbStore::builder()
+///     .durability(Durability::Periodic { max_loss: Duration::from_millis(50) })
+///     .open(dir.path().join("relaxed.idem"))?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Durability {
+    /// Every write batch is committed and fsynced before any caller in it is
+    /// answered: an acknowledged claim or completion survives a process crash
+    /// and a power loss. Concurrent callers share one fsync (group commit).
+    #[default]
+    Immediate,
+    /// Batches are committed without an fsync, and a durable commit is made
+    /// once `max_loss` has passed since the last one (also when the store is
+    /// idle, and at a clean shutdown). A process crash **or** a power loss
+    /// loses the acknowledged writes of at most the last `max_loss` (plus the
+    /// duration of one batch): redb keeps non-durable commits out of the
+    /// file's header until a durable one. A lost claim lets a retry claim the
+    /// key again and run the side effect twice, so choose this only where
+    /// the downstream system deduplicates by the fencing token anyway.
+    Periodic {
+        /// The loss window; at least 1 ms.
+        max_loss: Duration,
+    },
+}
+
+/// What opening a store does with PROCESSING records it finds.
+///
+/// One process holds a store file (a second open is [`Error::Locked`]), so
+/// a PROCESSING record found at open belongs to a process that died.
+///
+/// ```
+/// use idemstore::{RecoveryPolicy, RedbStore};
+/// # let dir = tempfile::tempdir()?;
+/// let store = RedbStore::builder()
+///     .recovery(RecoveryPolicy::ExpireLeases)
+///     .open(dir.path().join("orders.idem"))?;
+/// assert_eq!(store.stats().leases_expired_on_open, 0);
+/// # Ok::<(), idemstore::Error>(())
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RecoveryPolicy {
+    /// Leave leases alone: a retry waits until the dead owner's lease ends
+    /// (the seeds' behaviour; the default).
+    #[default]
+    WaitForLease,
+    /// End every live lease at open, so a retry takes over at once (with a
+    /// new fencing token). Reads every record once at open.
+    ExpireLeases,
+}
+
+/// Options of a store being opened.
+#[derive(Clone, Debug)]
+pub(super) struct Config {
+    pub(super) durability: Durability,
+    pub(super) cache_bytes: usize,
+    pub(super) max_body_bytes: usize,
+    pub(super) recovery: RecoveryPolicy,
+    pub(super) sweeper: Option<SweeperConfig>,
+    pub(super) clock: Arc<dyn Clock>,
+    pub(super) verify_on_open: bool,
+}
+
+/// Options for opening a [`RedbStore`]; from [`RedbStore::builder`].
+///
+/// ```
+/// use idemstore::{Durability, RecoveryPolicy, RedbStore, SweeperConfig};
+/// use std::time::Duration;
+///
+/// # let dir = tempfile::tempdir()?;
+/// let store = RedbStore::builder()
+///     .durability(Durability::Immediate)
+///     .cache_bytes(16 << 20)
+///     .max_body_bytes(64 * 1024)
+///     .recovery(RecoveryPolicy::WaitForLease)
+///     .sweeper(SweeperConfig::default().interval(Duration::from_secs(30)))
+///     .open(dir.path().join("orders.idem"))?;
+/// # Ok::<(), idemstore::Error>(())
+/// ```
+#[derive(Clone, Debug)]
+#[must_use = "a builder does nothing until `open`"]
+pub struct RedbStoreBuilder {
+    pub(super) config: Config,
+}
+
+impl Default for RedbStoreBuilder {
+    fn default() -> Self {
+        RedbStoreBuilder {
+            config: Config {
+                durability: Durability::Immediate,
+                cache_bytes: DEFAULT_CACHE_BYTES,
+                max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+                recovery: RecoveryPolicy::WaitForLease,
+                sweeper: None,
+                clock: Arc::new(SystemClock),
+                verify_on_open: false,
+            },
+        }
+    }
+}
+
+impl RedbStoreBuilder {
+    /// What an acknowledged write survives; [`Durability::Immediate`] by default.
+    pub fn durability(mut self, durability: Durability) -> Self {
+        self.config.durability = durability;
+        self
+    }
+    /// redb's page cache, in bytes ([`DEFAULT_CACHE_BYTES`] by default).
+    pub fn cache_bytes(mut self, bytes: usize) -> Self {
+        self.config.cache_bytes = bytes;
+        self
+    }
+    /// The largest response body stored ([`DEFAULT_MAX_BODY_BYTES`] by
+    /// default, at most [`MAX_BODY_BYTES_HARD_CAP`](crate::MAX_BODY_BYTES_HARD_CAP),
+    /// checked at open).
+    pub fn max_body_bytes(mut self, bytes: usize) -> Self {
+        self.config.max_body_bytes = bytes;
+        self
+    }
+    /// What opening does with PROCESSING records ([`RecoveryPolicy::WaitForLease`] by default).
+    pub fn recovery(mut self, policy: RecoveryPolicy) -> Self {
+        self.config.recovery = policy;
+        self
+    }
+    /// Runs a background [`Sweeper`] with this configuration for the life
+    /// of the store (none by default: call [`Store::sweep_expired`] yourself).
+    pub fn sweeper(mut self, config: SweeperConfig) -> Self {
+        self.config.sweeper = Some(config);
+        self
+    }
+    /// The clock the sweeper and the recovery policy read
+    /// ([`SystemClock`] by default). The store's operations take `now` from
+    /// their caller.
+    pub fn clock(mut self, clock: impl Clock + 'static) -> Self {
+        self.config.clock = Arc::new(clock);
+        self
+    }
+    /// Verifies every page's checksum at open (redb's integrity check), so
+    /// that a file damaged outside redb is refused at open rather than found
+    /// later. Reads the whole file; off by default.
+    pub fn verify_on_open(mut self, verify: bool) -> Self {
+        self.config.verify_on_open = verify;
+        self
+    }
+
+    /// Opens the store file at `path`, creating it (mode 0600 on Unix) if it
+    /// does not exist.
+    ///
+    /// Errors: [`Error::Locked`] when another open store holds the file;
+    /// [`Error::Corrupt`] for a file that is not an idemstore store (a
+    /// foreign file, a redb database without idemstore's meta table) or is
+    /// damaged; [`Error::UnsupportedFormat`] for a store written by a newer
+    /// format version. None of these touch the file.
+    pub fn open(self, path: impl AsRef<Path>) -> Result<RedbStore> {
+        let path = path.as_ref();
+        self.check()?;
+        let opened = open::open_path(path, &self.config)?;
+        RedbStore::start(opened, self.config, Some(path.to_path_buf()))
+    }
+
+    /// Opens a store over any redb [`StorageBackend`](::redb::StorageBackend):
+    /// the seam for simulated power loss in tests and for custom storage.
+    ///
+    /// This is the one engine-specific entry point: it names a redb type,
+    /// so it follows redb's major version. Everything else in idemstore's
+    /// API is engine-free.
+    ///
+    /// ```
+    /// use idemstore::RedbStore;
+    /// let store = RedbStore::builder().open_backend(redb::backends::InMemoryBackend::new())?;
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn open_backend(self, backend: impl ::redb::StorageBackend) -> Result<RedbStore> {
+        self.check()?;
+        let opened = open::open_backend(backend, &self.config, Path::new("<storage backend>"))?;
+        RedbStore::start(opened, self.config, None)
+    }
+
+    fn check(&self) -> Result<()> {
+        check_body_limit(self.config.max_body_bytes)?;
+        if let Durability::Periodic { max_loss } = self.config.durability
+            && max_loss.as_millis() == 0
+        {
+            return Err(Error::invalid_argument(
+                "Durability::Periodic needs a loss window of at least 1 ms",
+            ));
+        }
+        Ok(())
+    }
+}

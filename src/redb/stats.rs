@@ -1,0 +1,65 @@
+//! [`RedbStats`]: the group-commit counters.
+
+use std::sync::atomic::AtomicU64;
+
+/// Group-commit counters of a [`RedbStore`] since it was opened.
+///
+/// ```
+/// # use idemstore::{Fingerprint, Key, RedbStore, Store, Timestamp};
+/// # use std::time::Duration;
+/// # let dir = tempfile::tempdir()?;
+/// let store = RedbStore::open(dir.path().join("s.idem"))?;
+/// let d = Duration::from_secs(1);
+/// let _ = store.begin(&Key::new("", "k")?, &Fingerprint::of(b""), Timestamp::EPOCH, d, d)?;
+/// let stats = store.stats();
+/// assert_eq!((stats.requests, stats.commits), (1, 1));
+/// # Ok::<(), idemstore::Error>(())
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RedbStats {
+    /// Requests the writer took (begins that missed the replay fast path,
+    /// completes, releases, sweeps).
+    pub requests: u64,
+    /// Batches the writer ran: one write transaction each.
+    pub batches: u64,
+    /// Transactions committed (a batch that wrote nothing is not committed).
+    pub commits: u64,
+    /// Commits made durable with an fsync (all of them under [`Durability::Immediate`]).
+    pub durable_commits: u64,
+    /// The largest batch so far.
+    pub largest_batch: u64,
+    /// Begins answered `Replay` from a read transaction, without the writer.
+    pub fast_replays: u64,
+    /// Records deleted by sweeps (the background sweeper's and explicit
+    /// [`Store::sweep_expired`] calls).
+    pub swept: u64,
+    /// Leases ended at open by [`RecoveryPolicy::ExpireLeases`].
+    pub leases_expired_on_open: u64,
+}
+
+impl RedbStats {
+    /// Mean requests per batch (0 before the first batch).
+    ///
+    /// ```
+    /// assert_eq!(idemstore::RedbStats::default().mean_batch(), 0.0);
+    /// ```
+    pub fn mean_batch(&self) -> f64 {
+        if self.batches == 0 {
+            0.0
+        } else {
+            self.requests as f64 / self.batches as f64
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+pub(super) struct Counters {
+    pub(super) requests: AtomicU64,
+    pub(super) batches: AtomicU64,
+    pub(super) commits: AtomicU64,
+    pub(super) durable_commits: AtomicU64,
+    pub(super) largest_batch: AtomicU64,
+    pub(super) fast_replays: AtomicU64,
+    pub(super) swept: AtomicU64,
+}
