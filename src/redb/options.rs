@@ -148,8 +148,8 @@ impl RedbStoreBuilder {
         self.config.recovery = policy;
         self
     }
-    /// Runs a background [`Sweeper`] with this configuration for the life
-    /// of the store (none by default: call [`Store::sweep_expired`] yourself).
+    /// Runs a background [`Sweeper`](crate::Sweeper) with this configuration for the life
+    /// of the store (none by default: call [`Store::sweep_expired`](crate::Store::sweep_expired) yourself).
     pub fn sweeper(mut self, config: SweeperConfig) -> Self {
         self.config.sweeper = Some(config);
         self

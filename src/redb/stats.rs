@@ -2,7 +2,7 @@
 
 use std::sync::atomic::AtomicU64;
 
-/// Group-commit counters of a [`RedbStore`] since it was opened.
+/// Group-commit counters of a [`RedbStore`](crate::RedbStore) since it was opened.
 ///
 /// ```
 /// # use idemstore::{Fingerprint, Key, RedbStore, Store, Timestamp};
@@ -25,16 +25,16 @@ pub struct RedbStats {
     pub batches: u64,
     /// Transactions committed (a batch that wrote nothing is not committed).
     pub commits: u64,
-    /// Commits made durable with an fsync (all of them under [`Durability::Immediate`]).
+    /// Commits made durable with an fsync (all of them under [`Durability::Immediate`](crate::Durability::Immediate)).
     pub durable_commits: u64,
     /// The largest batch so far.
     pub largest_batch: u64,
     /// Begins answered `Replay` from a read transaction, without the writer.
     pub fast_replays: u64,
     /// Records deleted by sweeps (the background sweeper's and explicit
-    /// [`Store::sweep_expired`] calls).
+    /// [`Store::sweep_expired`](crate::Store::sweep_expired) calls).
     pub swept: u64,
-    /// Leases ended at open by [`RecoveryPolicy::ExpireLeases`].
+    /// Leases ended at open by [`RecoveryPolicy::ExpireLeases`](crate::RecoveryPolicy::ExpireLeases).
     pub leases_expired_on_open: u64,
 }
 
