@@ -51,7 +51,7 @@
 //!
 //! - `redb` (default): [`RedbStore`], the durable on-disk store on redb 4.x
 //!   (group commit, expiry index, sweeper, poisoning, recovery on open).
-//! - `sled`: the store on sled 0.34.
+//! - `sled`: [`SledStore`], the store on sled 0.34.7, fsynced for real.
 //! - `tokio`: [`Guard::run_async`].
 //! - `tower`: HTTP middleware (`Idempotency-Key`), in [`tower`] (behaviour and status codes in its docs).
 //! - `test-util`: [`ManualClock`], [`FaultyStore`] and the [`MemoryStore`] fault hook.
@@ -77,6 +77,8 @@ mod record;
 #[cfg(feature = "redb")]
 mod redb;
 mod response;
+#[cfg(feature = "sled")]
+mod sled_store;
 mod store;
 mod sweeper;
 #[cfg(feature = "test-util")]
@@ -102,6 +104,10 @@ pub use memory::{MemoryStore, Op};
 pub use record::{Begin, Claim, Record, State};
 pub use response::{
     DEFAULT_MAX_BODY_BYTES, MAX_BODY_BYTES_HARD_CAP, MAX_HEADER_BYTES, MAX_HEADERS, Response,
+};
+#[cfg(feature = "sled")]
+pub use sled_store::{
+    SLED_BLOB_THRESHOLD_BYTES, SledDurability, SledStats, SledStore, SledStoreBuilder,
 };
 pub use store::{MAX_SWEEP_BATCH, Store};
 pub use sweeper::{

@@ -16,6 +16,8 @@ mod memory;
 mod model;
 #[cfg(feature = "redb")]
 mod redb;
+#[cfg(feature = "sled")]
+mod sled;
 #[cfg(feature = "tower")]
 mod tower;
 mod waiting;

@@ -1,0 +1,201 @@
+//! Group commit for sled: many writers, one flush + fsync.
+//!
+//! Every write transaction takes a sequence number before it commits
+//! (`issued`) and publishes it after (`completed`; transactions are
+//! serialised by the store's writer lock, so sequence numbers complete in
+//! order). A caller that must not answer before its write (or a write it
+//! read) is durable calls [`GroupSync::wait_durable`] with that number.
+//!
+//! Whoever finds no flush in progress becomes the leader: it notes the
+//! highest completed sequence number, runs the flush step (sled flush +
+//! fdatasync) and publishes that number as durable. Callers that arrive
+//! while a flush is running wait on a condition variable and are covered by
+//! the next round, which one of them leads. So under load one fsync covers
+//! every write that committed during the previous fsync.
+//!
+//! A failed flush poisons the group: whether the covered writes reached the
+//! disk is unknown, so nothing after it may be acknowledged.
+
+use crate::error::{Error, Result};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Condvar, Mutex, MutexGuard};
+
+/// The durability state shared by all writers of one store.
+#[derive(Debug, Default)]
+pub(crate) struct GroupSync {
+    /// Highest sequence number handed to a write transaction.
+    issued: AtomicU64,
+    /// Highest sequence number whose transaction has finished (committed or
+    /// failed): every number up to it is finished.
+    completed: AtomicU64,
+    /// Highest sequence number known durable, readable without the lock.
+    durable_hint: AtomicU64,
+    state: Mutex<State>,
+    wake: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    durable: u64,
+    leader: bool,
+    poisoned: bool,
+}
+
+impl GroupSync {
+    /// Takes the next sequence number. Call with the writer lock held,
+    /// right before the transaction.
+    pub(crate) fn issue(&self) -> u64 {
+        self.issued.fetch_add(1, Ordering::SeqCst) + 1
+    }
+
+    /// Publishes that the transaction holding `seq` has finished. Call with
+    /// the writer lock held, whatever the transaction's outcome, so that
+    /// `completed` never stalls.
+    pub(crate) fn finish(&self, seq: u64) {
+        self.completed.store(seq, Ordering::SeqCst);
+    }
+
+    /// The sequence number that covers everything a read may have seen:
+    /// any transaction visible to a read made before this call took its
+    /// number before it committed.
+    pub(crate) fn read_horizon(&self) -> u64 {
+        self.issued.load(Ordering::SeqCst)
+    }
+
+    /// True once a flush has failed.
+    pub(crate) fn is_poisoned(&self) -> bool {
+        self.lock().poisoned
+    }
+
+    /// Marks the group poisoned without a flush (a failed commit).
+    pub(crate) fn poison(&self) {
+        self.lock().poisoned = true;
+        self.wake.notify_all();
+    }
+
+    /// Returns once every write up to `seq` is durable, leading a flush
+    /// round with `flush` when none is running. The caller that led a
+    /// failing round gets the flush's own error; everyone else waiting, and
+    /// every later caller, gets [`Error::Poisoned`].
+    pub(crate) fn wait_durable(&self, seq: u64, flush: impl Fn() -> Result<()>) -> Result<()> {
+        if self.durable_hint.load(Ordering::SeqCst) >= seq {
+            return Ok(());
+        }
+        // A transaction that took `seq` is at most microseconds from
+        // finishing (it runs in memory under the writer lock); wait for it
+        // so that the round we lead or join covers it.
+        while self.completed.load(Ordering::SeqCst) < seq {
+            std::thread::yield_now();
+        }
+        let mut state = self.lock();
+        loop {
+            if state.durable >= seq {
+                return Ok(());
+            }
+            if state.poisoned {
+                return Err(Error::Poisoned);
+            }
+            if state.leader {
+                state = self.wake.wait(state).unwrap_or_else(|p| p.into_inner());
+                continue;
+            }
+            state.leader = true;
+            let covered = self.completed.load(Ordering::SeqCst);
+            drop(state);
+            let outcome = flush();
+            state = self.lock();
+            state.leader = false;
+            match outcome {
+                Ok(()) => {
+                    state.durable = state.durable.max(covered);
+                    self.durable_hint.store(state.durable, Ordering::SeqCst);
+                    self.wake.notify_all();
+                }
+                Err(err) => {
+                    state.poisoned = true;
+                    self.wake.notify_all();
+                    return Err(err);
+                }
+            }
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // The state is a few integers updated together under the lock; a
+        // panic elsewhere cannot leave it half-written.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+    use std::sync::atomic::AtomicU32;
+
+    #[test]
+    fn one_round_covers_every_finished_write() {
+        let g = GroupSync::default();
+        let flushes = AtomicU32::new(0);
+        let flush = || {
+            flushes.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        };
+        for _ in 0..3 {
+            let seq = g.issue();
+            g.finish(seq);
+        }
+        g.wait_durable(3, flush).unwrap();
+        g.wait_durable(1, flush).unwrap();
+        g.wait_durable(2, flush).unwrap();
+        assert_eq!(flushes.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn concurrent_waiters_share_flushes() {
+        let g = Arc::new(GroupSync::default());
+        let writer = Mutex::new(());
+        let flushes = AtomicU32::new(0);
+        std::thread::scope(|s| {
+            for _ in 0..32 {
+                s.spawn(|| {
+                    for _ in 0..20 {
+                        let seq = {
+                            let _w = writer.lock().unwrap();
+                            let seq = g.issue();
+                            g.finish(seq);
+                            seq
+                        };
+                        g.wait_durable(seq, || {
+                            flushes.fetch_add(1, Ordering::SeqCst);
+                            std::thread::sleep(std::time::Duration::from_millis(1));
+                            Ok(())
+                        })
+                        .unwrap();
+                    }
+                });
+            }
+        });
+        let n = flushes.load(Ordering::SeqCst);
+        assert!(n < 640, "{n} flushes for 640 writes: no grouping");
+    }
+
+    /// A flush that fails must never let a later caller believe its write
+    /// is durable: the leader gets the flush's error, everyone after gets
+    /// Poisoned.
+    #[test]
+    fn failed_flush_poisons() {
+        let g = GroupSync::default();
+        let seq = g.issue();
+        g.finish(seq);
+        let err = g
+            .wait_durable(seq, || Err(Error::from(std::io::Error::other("EIO"))))
+            .unwrap_err();
+        assert!(matches!(err, Error::Io(_)), "{err:?}");
+        assert!(matches!(
+            g.wait_durable(seq, || Ok(())),
+            Err(Error::Poisoned)
+        ));
+        assert!(g.is_poisoned());
+    }
+}

@@ -1,0 +1,619 @@
+//! [`SledStore`]: the store on sled 0.34.7 (feature `sled`).
+//!
+//! Three trees in one sled database: records (`key → record envelope`), the
+//! expiry index (`expires_at BE | key → ()`) and meta (format version, store
+//! id, fencing-token high-water mark). Every decision is `logic::*`, every
+//! byte layout `codec::*`; this module adds the transaction, the group
+//! flush and the files.
+//!
+//! - **Atomicity.** Each write is one sled transaction over the three trees:
+//!   read the record, decide, write the record, move its index entry and
+//!   raise the token mark together. sled 0.34 runs transactions under one
+//!   process-wide lock and seals each into one log batch, so they are
+//!   serialisable and recovered whole or not at all.
+//! - **Durability.** See [`durable`]: sled's flush is not durable on Linux;
+//!   after it the store fsyncs new blob files and fdatasyncs the data file,
+//!   grouped across concurrent writers by [`group`].
+//! - **Fast path.** A `begin` whose answer writes nothing (Replay, InFlight,
+//!   Conflict) is decided from a plain read, without the transaction lock.
+//!   It still waits until everything it may have read is durable, so no
+//!   answer rests on a write that a crash could take back.
+
+mod durable;
+mod group;
+mod open;
+mod tx;
+
+use crate::codec::{decode_index, decode_record, encode_key};
+use crate::error::{Error, Result};
+use crate::fingerprint::Fingerprint;
+use crate::key::Key;
+use crate::logic;
+use crate::record::{Begin, Claim, Record, check_durations};
+use crate::response::{DEFAULT_MAX_BODY_BYTES, Response, check_body_limit};
+use crate::store::{MAX_SWEEP_BATCH, Store};
+use crate::sweeper::{Sweeper, SweeperConfig};
+use crate::time::{Clock, SystemClock, Timestamp};
+use ::sled::transaction::{ConflictableTransactionError, TransactionError, Transactional};
+use durable::DiskSync;
+pub use durable::SledDurability;
+use group::GroupSync;
+use open::{EXPIRY_TREE, META_TREE, RECORDS_TREE};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+use tx::{Tx, TxResult};
+
+/// The size above which sled 0.34.7 writes a log item (a page: a whole tree
+/// node, or one update to it) to its own file under `blobs/` instead of the
+/// data file: a quarter of the 512 KiB segment, less the segment and message
+/// headers (`pagecache/logger.rs`, `reserve_inner`).
+///
+/// sled never fsyncs blob files. This store does (see
+/// [`SledDurability::Immediate`]), so responses of any size up to the body
+/// limit are durable; the constant is here because crossing it costs an
+/// extra file, an extra fsync and a directory fsync per large page. Note
+/// that a page is a node of up to 16 records, so many medium responses in
+/// one node can cross it too.
+///
+/// ```
+/// assert_eq!(idemstore::SLED_BLOB_THRESHOLD_BYTES, 131_020);
+/// ```
+pub const SLED_BLOB_THRESHOLD_BYTES: usize = 512 * 1024 / 4 - 20 - 32;
+
+/// A durable [`Store`] in a sled 0.34.7 directory (feature `sled`).
+///
+/// Same contract as every store (the conformance suite runs against it
+/// unchanged). What is specific to sled:
+///
+/// - **Durable for real.** sled's own `flush` ends in `sync_file_range` on
+///   Linux, which does not survive a power loss. At the default
+///   [`SledDurability::Immediate`] this store follows every flush with an
+///   `fdatasync` of the data file (and an fsync of new blob files), and
+///   concurrent writers share one flush + fsync: [`SledStore::stats`]
+///   counts them.
+/// - **Large responses** are made durable, not refused: see
+///   [`SLED_BLOB_THRESHOLD_BYTES`].
+/// - **One process at a time.** A second open of the same directory is
+///   [`Error::Locked`], in this process or another.
+/// - **Poisoning.** After a failed flush or fsync every write is
+///   [`Error::Poisoned`] until the store is reopened.
+/// - **Space.** sled has no explicit compaction; deleted records free log
+///   space that sled's background segment cleaner reuses. The README
+///   section "Choosing an engine" has measurements.
+///
+/// ```
+/// use idemstore::{Begin, Fingerprint, Key, Response, SledStore, Store, Timestamp};
+/// use std::time::Duration;
+///
+/// let dir = tempfile::tempdir()?;
+/// let store = SledStore::open(dir.path().join("orders.sled"))?;
+/// let key = Key::new("tenant-42", "order-1")?;
+/// let fp = Fingerprint::of(b"sku=A&qty=1");
+/// let (lease, keep) = (Duration::from_secs(30), Duration::from_secs(86_400));
+/// let now = Timestamp::from_millis(1_700_000_000_000);
+/// let Begin::Claimed(claim) = store.begin(&key, &fp, now, lease, keep)? else { unreachable!() };
+/// store.complete(&key, &claim, &Response::new(201, "charged"), now, keep)?;
+/// drop(store);
+///
+/// // Reopened, the DONE record replays.
+/// let store = SledStore::open(dir.path().join("orders.sled"))?;
+/// assert_eq!(store.begin(&key, &fp, now, lease, keep)?, Begin::Replay(Response::new(201, "charged")));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug)]
+pub struct SledStore {
+    // Declared first so it is dropped first: the sweeper thread stops
+    // before the store's files close. In a mutex because a `Sweeper` is
+    // `Send` but not `Sync`, and a store must be both.
+    sweeper: Mutex<Option<Sweeper>>,
+    inner: Arc<Inner>,
+}
+
+/// Counters of a [`SledStore`]'s durable path, from [`SledStore::stats`].
+///
+/// `data_fsyncs` close to `commits` means one fsync per write (one client);
+/// far below means group flushing works (many clients).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SledStats {
+    /// Write transactions committed (claims, completions, releases, sweeps).
+    pub commits: u64,
+    /// sled flushes run (one per group round).
+    pub flushes: u64,
+    /// `fdatasync` calls on the data file (zero at [`SledDurability::OsBuffered`]).
+    pub data_fsyncs: u64,
+    /// Blob files fsynced (sled never does).
+    pub blob_fsyncs: u64,
+}
+
+/// How a [`SledStore`] is opened: [`SledStore::builder`].
+///
+/// ```
+/// use idemstore::{SledDurability, SledStore, SweeperConfig};
+/// use std::time::Duration;
+///
+/// let dir = tempfile::tempdir()?;
+/// let store = SledStore::builder(dir.path())
+///     .durability(SledDurability::Immediate)
+///     .max_body_bytes(256 * 1024)
+///     .sweeper(SweeperConfig::default().interval(Duration::from_secs(30)))
+///     .open()?;
+/// assert_eq!(store.durability(), SledDurability::Immediate);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug)]
+#[must_use = "a builder does nothing until `open` is called"]
+pub struct SledStoreBuilder {
+    path: PathBuf,
+    durability: SledDurability,
+    max_body_bytes: usize,
+    sweeper: Option<SweeperConfig>,
+    clock: Arc<dyn Clock>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    db: ::sled::Db,
+    records: ::sled::Tree,
+    expiry: ::sled::Tree,
+    meta: ::sled::Tree,
+    disk: DiskSync,
+    group: GroupSync,
+    /// Serialises write transactions (sled does too, process-wide) and
+    /// holds the last fencing token handed out.
+    writer: Mutex<u64>,
+    durability: SledDurability,
+    max_body_bytes: usize,
+    store_id: u128,
+    path: PathBuf,
+    // Declared last so it is released last, after sled has closed.
+    _lock: File,
+}
+
+impl SledStoreBuilder {
+    /// The durability level (default [`SledDurability::Immediate`]).
+    pub fn durability(mut self, durability: SledDurability) -> Self {
+        self.durability = durability;
+        self
+    }
+
+    /// The largest response body the store accepts (default
+    /// [`DEFAULT_MAX_BODY_BYTES`], at most
+    /// [`MAX_BODY_BYTES_HARD_CAP`](crate::MAX_BODY_BYTES_HARD_CAP), checked by `open`).
+    pub fn max_body_bytes(mut self, max_body_bytes: usize) -> Self {
+        self.max_body_bytes = max_body_bytes;
+        self
+    }
+
+    /// Runs a background [`Sweeper`] with this configuration while the store
+    /// is open (default: none; call [`Store::sweep_expired`] yourself).
+    pub fn sweeper(mut self, config: SweeperConfig) -> Self {
+        self.sweeper = Some(config);
+        self
+    }
+
+    /// The clock the background sweeper reads (default the system clock).
+    pub fn clock(mut self, clock: impl Clock + 'static) -> Self {
+        self.clock = Arc::new(clock);
+        self
+    }
+
+    /// Opens (or creates) the store.
+    ///
+    /// Errors: [`Error::Locked`] when another open store holds the
+    /// directory; [`Error::InvalidArgument`] when the path is a file or a
+    /// non-empty directory without a sled data file;
+    /// [`Error::UnsupportedFormat`] for a sled database that is not an
+    /// idemstore store (`found: 0`) or one written by a newer format;
+    /// [`Error::Corrupt`] when sled or the meta tree finds damage.
+    pub fn open(self) -> Result<SledStore> {
+        let max_body_bytes = check_body_limit(self.max_body_bytes)?;
+        open::check_directory(&self.path)?;
+        let lock = open::lock(&self.path)?;
+        let db = open::open_sled(&self.path)?;
+        open::check_foreign(&db)?;
+        let tree = |name: &[u8]| db.open_tree(name).map_err(open::from_sled);
+        let (meta, records, expiry) = (tree(META_TREE)?, tree(RECORDS_TREE)?, tree(EXPIRY_TREE)?);
+        let (found, _fresh) = open::read_or_init_meta(&meta, &records, &expiry)?;
+        let disk = DiskSync::open(&self.path, self.durability)?;
+        // Whatever open wrote (trees, a fresh meta) is durable before the
+        // first answer.
+        disk.flush(&db)?;
+        let inner = Arc::new(Inner {
+            db,
+            records,
+            expiry,
+            meta,
+            disk,
+            group: GroupSync::default(),
+            writer: Mutex::new(found.last_token),
+            durability: self.durability,
+            max_body_bytes,
+            store_id: found.store_id,
+            path: self.path,
+            _lock: lock,
+        });
+        let sweeper = match self.sweeper {
+            None => None,
+            Some(config) => {
+                let swept = Arc::clone(&inner);
+                Some(Sweeper::spawn_fn(
+                    "idemstore-sled-sweeper",
+                    self.clock,
+                    config,
+                    move |now, max| swept.sweep_expired(now, max),
+                )?)
+            }
+        };
+        Ok(SledStore {
+            sweeper: Mutex::new(sweeper),
+            inner,
+        })
+    }
+}
+
+impl SledStore {
+    /// Opens (or creates) the store in directory `path` with the defaults.
+    /// See [`SledStoreBuilder::open`] for the errors.
+    ///
+    /// ```
+    /// let dir = tempfile::tempdir()?;
+    /// let store = idemstore::SledStore::open(dir.path())?;
+    /// // A second open of the same directory is refused while the first is open.
+    /// assert!(matches!(idemstore::SledStore::open(dir.path()), Err(idemstore::Error::Locked { .. })));
+    /// # drop(store);
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn open(path: impl AsRef<Path>) -> Result<SledStore> {
+        SledStore::builder(path).open()
+    }
+
+    /// A builder for the options: durability, body limit, sweeper.
+    pub fn builder(path: impl AsRef<Path>) -> SledStoreBuilder {
+        SledStoreBuilder {
+            path: path.as_ref().to_path_buf(),
+            durability: SledDurability::default(),
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            sweeper: None,
+            clock: Arc::new(SystemClock),
+        }
+    }
+
+    /// The store's directory.
+    ///
+    /// ```
+    /// let dir = tempfile::tempdir()?;
+    /// let store = idemstore::SledStore::open(dir.path())?;
+    /// assert_eq!(store.path(), dir.path());
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn path(&self) -> &Path {
+        &self.inner.path
+    }
+
+    /// The store's id, chosen at creation and kept across reopens.
+    ///
+    /// ```
+    /// let dir = tempfile::tempdir()?;
+    /// let id = idemstore::SledStore::open(dir.path())?.store_id();
+    /// assert_eq!(idemstore::SledStore::open(dir.path())?.store_id(), id);
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn store_id(&self) -> u128 {
+        self.inner.store_id
+    }
+
+    /// The configured durability level.
+    pub fn durability(&self) -> SledDurability {
+        self.inner.durability
+    }
+
+    /// Counters of the durable path since open.
+    ///
+    /// ```
+    /// use idemstore::{Fingerprint, Key, SledStore, Store, Timestamp};
+    /// use std::time::Duration;
+    ///
+    /// let dir = tempfile::tempdir()?;
+    /// let store = SledStore::open(dir.path())?;
+    /// let before = store.stats();
+    /// let d = Duration::from_secs(1);
+    /// let _ = store.begin(&Key::new("", "k")?, &Fingerprint::of(b""), Timestamp::EPOCH, d, d)?;
+    /// let after = store.stats();
+    /// assert_eq!(after.commits, before.commits + 1);
+    /// assert_eq!(after.data_fsyncs, before.data_fsyncs + 1, "acknowledged after its own fdatasync");
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn stats(&self) -> SledStats {
+        let c = &self.inner.disk.counters;
+        SledStats {
+            commits: c.commits.load(Ordering::Relaxed),
+            flushes: c.flushes.load(Ordering::Relaxed),
+            data_fsyncs: c.data_fsyncs.load(Ordering::Relaxed),
+            blob_fsyncs: c.blob_fsyncs.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Bytes the store's files take on disk, as sled counts them (the data
+    /// file, blobs and snapshots).
+    ///
+    /// ```
+    /// let dir = tempfile::tempdir()?;
+    /// assert!(idemstore::SledStore::open(dir.path())?.size_on_disk()? > 0);
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn size_on_disk(&self) -> Result<u64> {
+        self.inner.db.size_on_disk().map_err(open::from_sled)
+    }
+
+    /// True once a failed flush or fsync has poisoned the store: every
+    /// write fails with [`Error::Poisoned`] until it is reopened.
+    ///
+    /// ```
+    /// let dir = tempfile::tempdir()?;
+    /// assert!(!idemstore::SledStore::open(dir.path())?.is_poisoned());
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn is_poisoned(&self) -> bool {
+        self.inner.group.is_poisoned()
+    }
+
+    /// Calls `f` with the background sweeper, when one was configured
+    /// (to read its counters).
+    ///
+    /// ```
+    /// use idemstore::{SledStore, SweeperConfig};
+    /// let dir = tempfile::tempdir()?;
+    /// let store = SledStore::builder(dir.path()).sweeper(SweeperConfig::default()).open()?;
+    /// assert_eq!(store.with_sweeper(|s| s.swept()), Some(0));
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn with_sweeper<R>(&self, f: impl FnOnce(&Sweeper) -> R) -> Option<R> {
+        let sweeper = self.sweeper.lock().unwrap_or_else(|p| p.into_inner());
+        sweeper.as_ref().map(f)
+    }
+
+    /// Makes the next `count` data-file fsyncs fail with an I/O error, as a
+    /// failing disk would (feature `test-util`): the test seam for
+    /// poisoning.
+    ///
+    /// ```
+    /// use idemstore::{Error, Fingerprint, Key, SledStore, Store, Timestamp};
+    /// use std::time::Duration;
+    ///
+    /// let dir = tempfile::tempdir()?;
+    /// let store = SledStore::open(dir.path())?;
+    /// store.fail_next_syncs(1);
+    /// let (k, fp, d) = (Key::new("", "k")?, Fingerprint::of(b""), Duration::from_secs(1));
+    /// assert!(matches!(store.begin(&k, &fp, Timestamp::EPOCH, d, d), Err(Error::Io(_))));
+    /// assert!(matches!(store.begin(&k, &fp, Timestamp::EPOCH, d, d), Err(Error::Poisoned)));
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    #[cfg(feature = "test-util")]
+    pub fn fail_next_syncs(&self, count: u32) {
+        self.inner.disk.fail_next_syncs(count);
+    }
+}
+
+impl Inner {
+    fn writer(&self) -> MutexGuard<'_, u64> {
+        // The guarded value (the last token) is only replaced after a
+        // committed transaction; a panic cannot leave it half-written.
+        self.writer.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Fails fast on a poisoned store, before any read or write.
+    fn check_writable(&self) -> Result<()> {
+        if self.group.is_poisoned() {
+            return Err(Error::Poisoned);
+        }
+        Ok(())
+    }
+
+    fn wait_durable(&self, seq: u64) -> Result<()> {
+        self.group.wait_durable(seq, || self.disk.flush(&self.db))
+    }
+
+    /// The record under `key_bytes`, read outside any transaction.
+    fn read(&self, key_bytes: &[u8]) -> Result<Option<Record>> {
+        match self.records.get(key_bytes).map_err(open::from_sled)? {
+            None => Ok(None),
+            Some(bytes) => decode_record(key_bytes, &bytes).map(Some),
+        }
+    }
+
+    /// Runs `op` as one transaction over the three trees under the writer
+    /// lock, then waits until it (or, when it wrote nothing, what it read)
+    /// is durable. `op` gets the last token handed out and says what it
+    /// answers, the new last token if it took one, and whether it wrote.
+    fn write<T>(&self, op: impl Fn(&Tx<'_>, u64) -> TxResult<(T, Option<u64>, bool)>) -> Result<T> {
+        let (value, seq, wrote) = {
+            let mut last_token = self.writer();
+            self.check_writable()?;
+            let seq = self.group.issue();
+            let last = *last_token;
+            let outcome = (&self.records, &self.expiry, &self.meta)
+                .transaction(|(records, expiry, meta)| op(&Tx::new(records, expiry, meta), last));
+            self.group.finish(seq);
+            match outcome {
+                Ok((value, token, wrote)) => {
+                    if let Some(token) = token {
+                        *last_token = token;
+                    }
+                    if wrote {
+                        self.disk.counters.commits.fetch_add(1, Ordering::Relaxed);
+                    }
+                    (value, seq, wrote)
+                }
+                Err(TransactionError::Abort(e)) => return Err(e),
+                Err(TransactionError::Storage(e)) => {
+                    // A commit that failed half-way may or may not be in
+                    // sled's log: nothing after it may be acknowledged.
+                    self.group.poison();
+                    return Err(open::from_sled(e));
+                }
+            }
+        };
+        self.wait_durable(if wrote { seq } else { seq - 1 })?;
+        Ok(value)
+    }
+
+    fn begin(
+        &self,
+        key: &Key,
+        fingerprint: &Fingerprint,
+        now: Timestamp,
+        lease: Duration,
+        retention: Duration,
+    ) -> Result<Begin> {
+        check_durations(lease, retention)?;
+        self.check_writable()?;
+        let kb = encode_key(key);
+        // Fast path: an answer that writes nothing needs no transaction. The
+        // token closure is a placeholder: if logic wants to claim, the claim
+        // is redone below under the writer lock with a real token.
+        let existing = self.read(&kb)?;
+        let horizon = self.group.read_horizon();
+        let probe = logic::begin(existing, fingerprint, now, lease, retention, || {
+            Ok(u64::MAX)
+        })?;
+        if probe.write.is_none() {
+            self.wait_durable(horizon)?;
+            return Ok(probe.answer);
+        }
+        self.write(|tx, last| {
+            let existing = tx.get(&kb)?;
+            let step = logic::begin(existing.clone(), fingerprint, now, lease, retention, || {
+                last.checked_add(1)
+                    .ok_or_else(|| Error::invalid_argument("fencing tokens exhausted"))
+            })
+            .map_err(ConflictableTransactionError::Abort)?;
+            match step.write {
+                Some(record) => {
+                    tx.put(&kb, existing.as_ref(), &record)?;
+                    tx.set_last_token(record.token)?;
+                    Ok((step.answer, Some(record.token), true))
+                }
+                None => Ok((step.answer, None, false)),
+            }
+        })
+    }
+
+    fn complete(
+        &self,
+        key: &Key,
+        claim: &Claim,
+        response: &Response,
+        now: Timestamp,
+        retention: Duration,
+    ) -> Result<()> {
+        logic::check_response(response, self.max_body_bytes)?;
+        self.check_writable()?;
+        let kb = encode_key(key);
+        self.write(|tx, _| {
+            let existing = tx.get(&kb)?;
+            let record = logic::complete(existing.clone(), claim, response, now, retention)
+                .map_err(ConflictableTransactionError::Abort)?;
+            tx.put(&kb, existing.as_ref(), &record)?;
+            Ok(((), None, true))
+        })
+    }
+
+    fn release(&self, key: &Key, claim: &Claim) -> Result<()> {
+        self.check_writable()?;
+        let kb = encode_key(key);
+        self.write(|tx, _| {
+            let existing = tx.get(&kb)?;
+            logic::release(existing.clone(), claim).map_err(ConflictableTransactionError::Abort)?;
+            if let Some(record) = &existing {
+                tx.delete(&kb, record)?;
+            }
+            Ok(((), None, true))
+        })
+    }
+
+    fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>> {
+        let existing = self.read(&encode_key(key))?;
+        self.wait_durable(self.group.read_horizon())?;
+        Ok(logic::visible(existing, now))
+    }
+
+    /// Candidates come from the index outside the transaction (sled
+    /// transactions cannot iterate); the transaction re-checks each record's
+    /// stored expiry, so a record claimed again in between is left alone.
+    fn sweep_expired(&self, now: Timestamp, max: usize) -> Result<usize> {
+        let max = max.min(MAX_SWEEP_BATCH);
+        if max == 0 {
+            return Ok(0);
+        }
+        self.check_writable()?;
+        let mut due = Vec::new();
+        for entry in self.expiry.iter() {
+            let (index_key, _) = entry.map_err(open::from_sled)?;
+            let (expires_at, key_bytes) = decode_index(&index_key)?;
+            if !logic::sweepable(expires_at, now) || due.len() == max {
+                break;
+            }
+            due.push((index_key.to_vec(), expires_at, key_bytes.to_vec()));
+        }
+        if due.is_empty() {
+            return Ok(0);
+        }
+        self.write(|tx, _| {
+            let mut deleted = 0;
+            for (index_key, expires_at, key_bytes) in &due {
+                match tx.get(key_bytes)? {
+                    Some(record) if record.expires_at == *expires_at => {
+                        if logic::sweepable(record.expires_at, now) {
+                            tx.delete(key_bytes, &record)?;
+                            deleted += 1;
+                        }
+                    }
+                    // The record moved on (claimed again, completed) or is
+                    // gone: this index entry, if still there, is stale.
+                    _ => tx.remove_index(index_key)?,
+                }
+            }
+            Ok((deleted, None, true))
+        })
+    }
+}
+
+impl Store for SledStore {
+    fn begin(
+        &self,
+        key: &Key,
+        fingerprint: &Fingerprint,
+        now: Timestamp,
+        lease: Duration,
+        retention: Duration,
+    ) -> Result<Begin> {
+        self.inner.begin(key, fingerprint, now, lease, retention)
+    }
+
+    fn complete(
+        &self,
+        key: &Key,
+        claim: &Claim,
+        response: &Response,
+        now: Timestamp,
+        retention: Duration,
+    ) -> Result<()> {
+        self.inner.complete(key, claim, response, now, retention)
+    }
+
+    fn release(&self, key: &Key, claim: &Claim) -> Result<()> {
+        self.inner.release(key, claim)
+    }
+
+    fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>> {
+        self.inner.get(key, now)
+    }
+
+    fn sweep_expired(&self, now: Timestamp, max: usize) -> Result<usize> {
+        self.inner.sweep_expired(now, max)
+    }
+}
