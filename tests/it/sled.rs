@@ -13,3 +13,466 @@ fn subject() -> Subject {
 }
 
 conformance_suite!(subject);
+
+const SEC: Duration = Duration::from_secs(1);
+const HOUR: Duration = Duration::from_secs(3600);
+
+fn key(id: &str) -> Key {
+    Key::new("t", id).unwrap()
+}
+
+fn claim(store: &SledStore, id: &str, now: idemstore::Timestamp) -> idemstore::Claim {
+    match store
+        .begin(&key(id), &Fingerprint::of(id), now, SEC, HOUR)
+        .unwrap()
+    {
+        Begin::Claimed(c) => c,
+        other => panic!("{id}: expected Claimed, got {other:?}"),
+    }
+}
+
+/// Opens the raw sled database of a closed store, to inspect or damage it.
+fn raw(dir: &std::path::Path) -> ::sled::Db {
+    ::sled::open(dir).unwrap()
+}
+
+/// A reopened store must replay what was DONE, keep PROCESSING leases as
+/// they were, and hand out tokens above every token given before.
+#[test]
+fn reopen_keeps_done_processing_and_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    let (done_token, busy_token) = {
+        let s = SledStore::open(dir.path()).unwrap();
+        let c = claim(&s, "done", T0);
+        s.complete(&key("done"), &c, &Response::new(201, "paid"), T0, HOUR)
+            .unwrap();
+        let busy = claim(&s, "busy", T0);
+        (c.token(), busy.token())
+    };
+    let s = SledStore::open(dir.path()).unwrap();
+    assert_eq!(
+        s.begin(&key("done"), &Fingerprint::of("done"), T0, SEC, HOUR)
+            .unwrap(),
+        Begin::Replay(Response::new(201, "paid"))
+    );
+    assert_eq!(
+        s.begin(
+            &key("busy"),
+            &Fingerprint::of("busy"),
+            T0 + SEC / 2,
+            SEC,
+            HOUR
+        )
+        .unwrap(),
+        Begin::InFlight {
+            lease_until: T0 + SEC
+        }
+    );
+    let fresh = claim(&s, "fresh", T0);
+    assert!(fresh.token() > done_token.max(busy_token));
+    // The lease of the dead owner ends as stored: then a takeover.
+    let taken = claim(&s, "busy", T0 + SEC);
+    assert!(taken.is_takeover());
+    assert!(taken.token() > fresh.token());
+}
+
+/// Tokens stay monotonic over many open/close cycles, each of which
+/// claims a little: the high-water mark moves with every claim.
+#[test]
+fn tokens_monotonic_across_reopens() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut last = 0;
+    for round in 0..5 {
+        let s = SledStore::open(dir.path()).unwrap();
+        for i in 0..3 {
+            let c = claim(&s, &format!("r{round}-{i}"), T0);
+            assert!(
+                c.token() > last,
+                "round {round}: {} after {last}",
+                c.token()
+            );
+            last = c.token();
+        }
+    }
+}
+
+#[test]
+fn second_open_is_locked_until_the_first_closes() {
+    let dir = tempfile::tempdir().unwrap();
+    let first = SledStore::open(dir.path()).unwrap();
+    let err = SledStore::open(dir.path()).unwrap_err();
+    assert!(matches!(err, Error::Locked { .. }), "{err:?}");
+    assert!(err.to_string().contains("locked"), "{err}");
+    drop(first);
+    SledStore::open(dir.path()).unwrap();
+}
+
+/// Opening a directory full of someone else's files must refuse, and must
+/// not create a store among them.
+#[test]
+fn foreign_directory_is_refused_untouched() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("notes.txt"), "mine").unwrap();
+    let err = SledStore::open(dir.path()).unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument { .. }), "{err:?}");
+    assert!(err.to_string().contains("notes.txt"), "{err}");
+    let names: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(names, vec![std::ffi::OsString::from("notes.txt")]);
+
+    let file = dir.path().join("notes.txt");
+    let err = SledStore::open(&file).unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument { .. }), "{err:?}");
+}
+
+/// Another program's sled database is not an idemstore store.
+#[test]
+fn foreign_sled_database_is_unsupported() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let db = raw(dir.path());
+        db.open_tree("users").unwrap().insert("u1", "x").unwrap();
+        db.flush().unwrap();
+    }
+    let err = SledStore::open(dir.path()).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::UnsupportedFormat {
+                found: 0,
+                supported: 1
+            }
+        ),
+        "{err:?}"
+    );
+    let db = raw(dir.path());
+    assert!(
+        !db.tree_names().iter().any(|n| n.starts_with(b"idemstore")),
+        "no idemstore tree was created in the foreign database"
+    );
+}
+
+#[test]
+fn newer_format_is_unsupported() {
+    let dir = tempfile::tempdir().unwrap();
+    drop(SledStore::open(dir.path()).unwrap());
+    {
+        let db = raw(dir.path());
+        let meta = db.open_tree("idemstore/meta").unwrap();
+        meta.insert("format_version", &2u32.to_be_bytes()).unwrap();
+        db.flush().unwrap();
+    }
+    let err = SledStore::open(dir.path()).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::UnsupportedFormat {
+                found: 2,
+                supported: 1
+            }
+        ),
+        "{err:?}"
+    );
+}
+
+/// A damaged record is an error, never a replay and never a fresh claim.
+#[test]
+fn damaged_record_is_corrupt_not_replayed() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let s = SledStore::open(dir.path()).unwrap();
+        let c = claim(&s, "k", T0);
+        s.complete(&key("k"), &c, &Response::new(200, "paid"), T0, HOUR)
+            .unwrap();
+    }
+    {
+        let db = raw(dir.path());
+        let records = db.open_tree("idemstore/records").unwrap();
+        let (k, v) = records.first().unwrap().unwrap();
+        let mut v = v.to_vec();
+        *v.last_mut().unwrap() ^= 0x40;
+        records.insert(k, v).unwrap();
+        db.flush().unwrap();
+    }
+    let s = SledStore::open(dir.path()).unwrap();
+    let fp = Fingerprint::of("k");
+    let begin = s.begin(&key("k"), &fp, T0, SEC, HOUR);
+    assert!(matches!(begin, Err(Error::Corrupt { .. })), "{begin:?}");
+    assert!(matches!(s.get(&key("k"), T0), Err(Error::Corrupt { .. })));
+}
+
+/// After a failed fsync nothing may be acknowledged: the failing write
+/// gets the I/O error, every later write Poisoned, until a reopen.
+#[test]
+fn failed_fsync_poisons_until_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = SledStore::open(dir.path()).unwrap();
+    let ok = claim(&s, "before", T0);
+    s.fail_next_syncs(1);
+    let r = s.begin(&key("k"), &Fingerprint::of("k"), T0, SEC, HOUR);
+    assert!(matches!(r, Err(Error::Io(_))), "{r:?}");
+    assert!(s.is_poisoned());
+    for r in [
+        s.begin(&key("k2"), &Fingerprint::of("k2"), T0, SEC, HOUR)
+            .map(|_| ()),
+        s.complete(&key("before"), &ok, &Response::new(200, ""), T0, HOUR),
+        s.release(&key("before"), &ok),
+        s.sweep_expired(T0 + 2 * HOUR, 10).map(|_| ()),
+    ] {
+        assert!(matches!(r, Err(Error::Poisoned)), "{r:?}");
+    }
+    drop(s);
+    let s = SledStore::open(dir.path()).unwrap();
+    assert!(!s.is_poisoned());
+    s.complete(&key("before"), &ok, &Response::new(200, "x"), T0, HOUR)
+        .unwrap();
+}
+
+/// Durability is real: one client's every acknowledged write is followed by
+/// its own fdatasync of the data file.
+#[test]
+fn every_acknowledged_write_is_fsynced() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = SledStore::open(dir.path()).unwrap();
+    let before = s.stats();
+    for i in 0..20 {
+        let c = claim(&s, &format!("k{i}"), T0);
+        s.complete(
+            &key(&format!("k{i}")),
+            &c,
+            &Response::new(200, ""),
+            T0,
+            HOUR,
+        )
+        .unwrap();
+    }
+    let after = s.stats();
+    assert_eq!(after.commits - before.commits, 40);
+    assert_eq!(after.data_fsyncs - before.data_fsyncs, 40);
+    // Replays write nothing and, once everything is durable, fsync nothing.
+    for i in 0..20 {
+        let id = format!("k{i}");
+        let b = s.begin(&key(&id), &Fingerprint::of(&id), T0, SEC, HOUR);
+        assert!(matches!(b, Ok(Begin::Replay(_))), "{b:?}");
+    }
+    assert_eq!(s.stats().data_fsyncs, after.data_fsyncs);
+}
+
+/// 64 concurrent clients share flushes: far fewer fsyncs than writes, and
+/// every acknowledged claim is there after a reopen.
+#[test]
+fn concurrent_writers_share_fsyncs() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = SledStore::open(dir.path()).unwrap();
+    let before = s.stats();
+    std::thread::scope(|scope| {
+        for t in 0..64 {
+            let s = &s;
+            scope.spawn(move || {
+                for i in 0..10 {
+                    let _ = claim(s, &format!("t{t}-{i}"), T0);
+                }
+            });
+        }
+    });
+    let after = s.stats();
+    assert_eq!(after.commits - before.commits, 640);
+    let fsyncs = after.data_fsyncs - before.data_fsyncs;
+    assert!(fsyncs < 640, "{fsyncs} fsyncs for 640 claims: no grouping");
+    drop(s);
+    let s = SledStore::open(dir.path()).unwrap();
+    for t in 0..64 {
+        for i in 0..10 {
+            let r = s.get(&key(&format!("t{t}-{i}")), T0).unwrap();
+            assert_eq!(r.map(|r| r.state()), Some(State::Processing));
+        }
+    }
+}
+
+#[test]
+fn concurrent_claims_on_one_key_have_one_winner() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = SledStore::open(dir.path()).unwrap();
+    let barrier = std::sync::Barrier::new(64);
+    let winners: usize = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..64)
+            .map(|_| {
+                scope.spawn(|| {
+                    barrier.wait();
+                    let b = s
+                        .begin(&key("hot"), &Fingerprint::of("hot"), T0, SEC, HOUR)
+                        .unwrap();
+                    usize::from(matches!(b, Begin::Claimed(_)))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).sum()
+    });
+    assert_eq!(winners, 1);
+}
+
+/// A response above sled's blob threshold goes to a blob file that sled
+/// never fsyncs; the store fsyncs it, and it replays after a reopen.
+#[test]
+fn response_above_blob_threshold_is_fsynced_and_replays() {
+    let dir = tempfile::tempdir().unwrap();
+    let body: Vec<u8> = (0..2 * SLED_BLOB_THRESHOLD_BYTES)
+        .map(|i| (i % 251) as u8)
+        .collect();
+    {
+        let s = SledStore::open(dir.path()).unwrap();
+        let c = claim(&s, "big", T0);
+        s.complete(&key("big"), &c, &Response::new(200, body.clone()), T0, HOUR)
+            .unwrap();
+        assert!(s.stats().blob_fsyncs >= 1, "{:?}", s.stats());
+        assert!(std::fs::read_dir(dir.path().join("blobs")).unwrap().count() >= 1);
+    }
+    let s = SledStore::open(dir.path()).unwrap();
+    assert_eq!(
+        s.begin(&key("big"), &Fingerprint::of("big"), T0, SEC, HOUR)
+            .unwrap(),
+        Begin::Replay(Response::new(200, body))
+    );
+}
+
+/// Every record has exactly one expiry-index entry at its expiry, and every
+/// index entry points at such a record, after a mix of claims, takeovers,
+/// completions, releases and sweeps (the index moves in the same
+/// transaction as the record).
+#[test]
+fn index_matches_records_after_mixed_ops() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let s = SledStore::open(dir.path()).unwrap();
+        for i in 0..60u32 {
+            let id = format!("k{}", i % 20);
+            let now = T0 + i * SEC;
+            if let Ok(Begin::Claimed(c)) = s.begin(&key(&id), &Fingerprint::of(&id), now, SEC, HOUR)
+            {
+                match i % 3 {
+                    0 => s
+                        .complete(&key(&id), &c, &Response::new(200, ""), now, 2 * HOUR)
+                        .unwrap(),
+                    1 => s.release(&key(&id), &c).unwrap(),
+                    _ => {}
+                }
+            }
+        }
+        s.sweep_expired(T0 + HOUR + 30 * SEC, 1000).unwrap();
+    }
+    let index = raw_index(dir.path());
+    assert!(!index.is_empty());
+    let s = SledStore::open(dir.path()).unwrap();
+    for (expires_at, k) in &index {
+        let rec = s.get(k, T0).unwrap().expect("index entry without a record");
+        assert_eq!(rec.expires_at(), *expires_at, "{k}");
+    }
+    // Sweeping everything empties both trees together.
+    let swept = s.sweep_expired(T0 + 100 * HOUR, 10_000).unwrap();
+    assert_eq!(swept, index.len());
+    drop(s);
+    assert!(raw_index(dir.path()).is_empty());
+}
+
+/// The expiry index of a closed store, decoded: (expires_at, key). Also
+/// checks that the records tree has exactly as many entries.
+fn raw_index(dir: &std::path::Path) -> Vec<(idemstore::Timestamp, Key)> {
+    let db = raw(dir);
+    let records = db.open_tree("idemstore/records").unwrap();
+    let expiry = db.open_tree("idemstore/expiry").unwrap();
+    assert_eq!(records.len(), expiry.len(), "one index entry per record");
+    expiry
+        .iter()
+        .map(|entry| {
+            let (ik, _) = entry.unwrap();
+            let (ts, kb) = ik.split_at(8);
+            let ts = u64::from_be_bytes(ts.try_into().unwrap());
+            let (len, rest) = kb.split_first().unwrap();
+            let (scope, id) = rest.split_at(usize::from(*len));
+            assert!(records.contains_key(kb).unwrap());
+            (
+                idemstore::Timestamp::from_millis(ts),
+                Key::new(scope, id).unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// The background sweeper (the one shared loop) deletes expired records
+/// of a sled store, reading time from the store's clock.
+#[test]
+fn background_sweeper_deletes_expired_records() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = idemstore::ManualClock::new(T0);
+    let s = SledStore::builder(dir.path())
+        .clock(clock.clone())
+        .sweeper(idemstore::SweeperConfig::default().interval(Duration::from_millis(5)))
+        .open()
+        .unwrap();
+    for i in 0..10 {
+        let _ = claim(&s, &format!("k{i}"), T0);
+    }
+    clock.advance(2 * HOUR);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while s.with_sweeper(|w| w.swept()) != Some(10) {
+        assert!(std::time::Instant::now() < deadline, "sweeper never swept");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(
+        s.get(&key("k0"), T0).unwrap().is_none(),
+        "deleted, not just invisible"
+    );
+}
+
+/// OsBuffered acknowledges after sled's flush alone: no fdatasync, yet the
+/// data is in the OS and survives closing and reopening.
+#[test]
+fn os_buffered_skips_fsync_but_keeps_data() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let s = SledStore::builder(dir.path())
+            .durability(idemstore::SledDurability::OsBuffered)
+            .open()
+            .unwrap();
+        let c = claim(&s, "k", T0);
+        s.complete(&key("k"), &c, &Response::new(200, "x"), T0, HOUR)
+            .unwrap();
+        let stats = s.stats();
+        assert_eq!(stats.data_fsyncs, 0);
+        assert!(stats.flushes >= 2, "{stats:?}");
+    }
+    let s = SledStore::open(dir.path()).unwrap();
+    assert_eq!(
+        s.get(&key("k"), T0).unwrap().unwrap().response(),
+        Some(&Response::new(200, "x"))
+    );
+}
+
+#[test]
+fn body_limit_is_configurable_and_capped() {
+    let dir = tempfile::tempdir().unwrap();
+    let err = SledStore::builder(dir.path().join("a"))
+        .max_body_bytes(idemstore::MAX_BODY_BYTES_HARD_CAP + 1)
+        .open()
+        .unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument { .. }), "{err:?}");
+    let s = SledStore::builder(dir.path().join("b"))
+        .max_body_bytes(10)
+        .open()
+        .unwrap();
+    let c = claim(&s, "k", T0);
+    let r = s.complete(&key("k"), &c, &Response::new(200, vec![0; 11]), T0, HOUR);
+    assert!(
+        matches!(
+            r,
+            Err(Error::ResponseTooLarge {
+                what: "body bytes",
+                size: 11,
+                limit: 10
+            })
+        ),
+        "{r:?}"
+    );
+}
