@@ -12,6 +12,8 @@ mod conformance;
 mod bad_input;
 mod fuzz_corpus;
 mod guard;
+#[macro_use]
+mod kill;
 mod memory;
 mod model;
 #[cfg(feature = "redb")]

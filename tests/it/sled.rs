@@ -14,6 +14,12 @@ fn subject() -> Subject {
 
 conformance_suite!(subject);
 
+fn open_for_kill(dir: &std::path::Path) -> std::sync::Arc<dyn Store> {
+    std::sync::Arc::new(SledStore::open(dir).unwrap())
+}
+
+kill_suite!(open_for_kill);
+
 const SEC: Duration = Duration::from_secs(1);
 const HOUR: Duration = Duration::from_secs(3600);
 
