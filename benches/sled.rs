@@ -1,0 +1,172 @@
+//! `SledStore` benches (issue 4), all on one disk in one run:
+//!
+//! - `store/sled/claim_new`: one client, a durable claim of a fresh key
+//!   (sled flush + fdatasync before the answer);
+//! - `store/sled/replay_hit`: a `begin` answered `Replay` (the read fast path);
+//! - `store/sled/claim_new_64_clients`: 64 threads claiming fresh keys, so
+//!   concurrent claims share flushes;
+//! - `store/sled/claim_new_os_buffered`: one client at
+//!   `SledDurability::OsBuffered` (sled flush, no fdatasync), to show
+//!   what the fsync costs.
+//!
+//! After criterion's report it prints claims/s at 1 and 64 clients, their
+//! ratio, and the fsyncs per claim counted by `SledStore::stats`.
+//!
+//! ```text
+//! cargo bench --features sled --bench sled    # IDEMSTORE_BENCH_DIR=/path to pick the disk
+//! ```
+#![allow(
+    missing_docs,
+    clippy::unwrap_used,
+    clippy::indexing_slicing,
+    reason = "a bench binary: a panic is a failed run"
+)]
+
+use criterion::{Criterion, Throughput};
+use idemstore::{
+    Begin, Fingerprint, Key, Response, SledDurability, SledStats, SledStore, Store, Timestamp,
+};
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Barrier, Mutex};
+use std::time::{Duration, Instant};
+
+const CLIENTS: usize = 64;
+const LEASE: Duration = Duration::from_secs(30);
+const KEEP: Duration = Duration::from_secs(24 * 3600);
+const NOW: Timestamp = Timestamp::from_millis(1_760_846_400_000);
+
+/// (bench name, claims, elapsed, stats delta) of every measured batch.
+static RUNS: Mutex<Vec<(&'static str, u64, Duration, SledStats)>> = Mutex::new(Vec::new());
+
+fn bench_dir() -> tempfile::TempDir {
+    match std::env::var_os("IDEMSTORE_BENCH_DIR") {
+        Some(dir) => tempfile::tempdir_in(dir).unwrap(),
+        None => tempfile::tempdir().unwrap(),
+    }
+}
+
+fn key(id: u64) -> Key {
+    Key::new("bench", format!("order-{id}")).unwrap()
+}
+
+fn delta(before: SledStats, after: SledStats) -> SledStats {
+    let mut d = after;
+    d.commits -= before.commits;
+    d.flushes -= before.flushes;
+    d.data_fsyncs -= before.data_fsyncs;
+    d.blob_fsyncs -= before.blob_fsyncs;
+    d
+}
+
+fn record(name: &'static str, claims: u64, elapsed: Duration, stats: SledStats) {
+    RUNS.lock().unwrap().push((name, claims, elapsed, stats));
+}
+
+/// Claims `iters` fresh keys on `clients` threads; returns the wall time.
+fn claim_fresh(store: &SledStore, next: &AtomicU64, clients: usize, iters: u64) -> Duration {
+    let fp = Fingerprint::of(b"sku=A&qty=1");
+    let barrier = Barrier::new(clients + 1);
+    std::thread::scope(|s| {
+        for client in 0..clients {
+            let barrier = &barrier;
+            s.spawn(move || {
+                let mine =
+                    iters / clients as u64 + u64::from((client as u64) < iters % clients as u64);
+                barrier.wait();
+                for _ in 0..mine {
+                    let k = key(next.fetch_add(1, Ordering::Relaxed));
+                    let answer = store.begin(&k, &fp, NOW, LEASE, KEEP).unwrap();
+                    assert!(matches!(answer, Begin::Claimed(_)));
+                }
+            });
+        }
+        barrier.wait();
+        let start = Instant::now();
+        // Scoped threads are joined when the scope ends; time until then.
+        start
+    })
+    .elapsed()
+}
+
+fn claims(c: &mut Criterion, dir: &Path) {
+    let cases: [(&'static str, usize, SledDurability); 3] = [
+        ("claim_new", 1, SledDurability::Immediate),
+        ("claim_new_64_clients", CLIENTS, SledDurability::Immediate),
+        ("claim_new_os_buffered", 1, SledDurability::OsBuffered),
+    ];
+    let mut group = c.benchmark_group("store/sled");
+    group.sample_size(10).measurement_time(Duration::from_secs(4));
+    group.throughput(Throughput::Elements(1));
+    for (name, clients, durability) in cases {
+        let store = SledStore::builder(dir.join(name))
+            .durability(durability)
+            .open()
+            .unwrap();
+        let next = AtomicU64::new(0);
+        group.bench_function(name, |b| {
+            b.iter_custom(|iters| {
+                let before = store.stats();
+                let elapsed = claim_fresh(&store, &next, clients, iters);
+                record(name, iters, elapsed, delta(before, store.stats()));
+                elapsed
+            })
+        });
+    }
+    group.finish();
+}
+
+fn replay_hit(c: &mut Criterion, dir: &Path) {
+    let store = SledStore::open(dir.join("replay")).unwrap();
+    let fp = Fingerprint::of(b"sku=A&qty=1");
+    let k = key(1);
+    let Begin::Claimed(claim) = store.begin(&k, &fp, NOW, LEASE, KEEP).unwrap() else {
+        panic!("fresh store")
+    };
+    store
+        .complete(&k, &claim, &Response::new(200, vec![b'x'; 200]), NOW, KEEP)
+        .unwrap();
+    let mut group = c.benchmark_group("store/sled");
+    group.throughput(Throughput::Elements(1));
+    group.bench_function("replay_hit", |b| {
+        b.iter(|| {
+            let answer = store.begin(&k, &fp, NOW, LEASE, KEEP).unwrap();
+            assert!(matches!(&answer, Begin::Replay(r) if r.body().len() == 200));
+            answer
+        })
+    });
+    group.finish();
+}
+
+fn summary() {
+    let runs = RUNS.lock().unwrap();
+    let rate = |name: &str| {
+        let (mut n, mut t, mut commits, mut fsyncs) = (0u64, Duration::ZERO, 0u64, 0u64);
+        for (_, claims, elapsed, stats) in runs.iter().filter(|r| r.0 == name) {
+            n += claims;
+            t += *elapsed;
+            commits += stats.commits;
+            fsyncs += stats.data_fsyncs;
+        }
+        let per_sec = n as f64 / t.as_secs_f64().max(1e-9);
+        let per_claim = fsyncs as f64 / commits.max(1) as f64;
+        println!(
+            "{name:>24}: {per_sec:>9.0} claims/s  ({n} claims, {commits} commits, {fsyncs} data fsyncs = {per_claim:.3} per claim)"
+        );
+        per_sec
+    };
+    println!("\nsled summary (all measured batches):");
+    let one = rate("claim_new");
+    let many = rate("claim_new_64_clients");
+    let _ = rate("claim_new_os_buffered");
+    println!("{CLIENTS} clients vs 1: {:.1}x claims/s", many / one);
+}
+
+fn main() {
+    let dir = bench_dir();
+    let mut c = Criterion::default().configure_from_args();
+    claims(&mut c, dir.path());
+    replay_hit(&mut c, dir.path());
+    c.final_summary();
+    summary();
+}
