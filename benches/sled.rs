@@ -96,7 +96,9 @@ fn claims(c: &mut Criterion, dir: &Path) {
         ("claim_new_os_buffered", 1, SledDurability::OsBuffered),
     ];
     let mut group = c.benchmark_group("store/sled");
-    group.sample_size(10).measurement_time(Duration::from_secs(4));
+    group
+        .sample_size(10)
+        .measurement_time(Duration::from_secs(4));
     group.throughput(Throughput::Elements(1));
     for (name, clients, durability) in cases {
         let store = SledStore::builder(dir.join(name))

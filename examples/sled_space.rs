@@ -74,7 +74,7 @@ fn fill(store: &SledStore, first: u64, n: u64) {
                     }
                     let key = Key::new("space", format!("order-{i:08}")).unwrap();
                     let fp = Fingerprint::of(i.to_be_bytes());
-                    let keep = if i % 10 == 0 { LONG } else { SHORT };
+                    let keep = if i.is_multiple_of(10) { LONG } else { SHORT };
                     let Begin::Claimed(c) = store.begin(&key, &fp, T0, LEASE, keep).unwrap() else {
                         panic!("fresh key")
                     };

@@ -482,3 +482,29 @@ fn body_limit_is_configurable_and_capped() {
         "{r:?}"
     );
 }
+
+/// Random sequences with injected faults and reopens (close, reopen the
+/// same directory) give the model's answers: nothing acknowledged is lost
+/// or changed by closing the store.
+#[test]
+fn sled_store_with_faults_and_reopen_matches_model() {
+    use idemstore::fuzzing::run_ops;
+    use proptest::test_runner::{Config, TestCaseError, TestRunner};
+    let mut runner = TestRunner::new(Config {
+        cases: 12,
+        failure_persistence: None,
+        ..Config::default()
+    });
+    runner
+        .run(
+            &proptest::collection::vec(crate::model::any_op(), 1..50),
+            |ops| {
+                let dir = tempfile::tempdir().unwrap();
+                let mut open = || -> std::sync::Arc<dyn Store> {
+                    std::sync::Arc::new(SledStore::open(dir.path()).unwrap())
+                };
+                run_ops(&mut open, true, &ops).map_err(TestCaseError::fail)
+            },
+        )
+        .unwrap();
+}
