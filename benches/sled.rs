@@ -56,6 +56,8 @@ fn delta(before: SledStats, after: SledStats) -> SledStats {
     d.flushes -= before.flushes;
     d.data_fsyncs -= before.data_fsyncs;
     d.blob_fsyncs -= before.blob_fsyncs;
+    d.flush_micros -= before.flush_micros;
+    d.fsync_micros -= before.fsync_micros;
     d
 }
 
@@ -143,17 +145,28 @@ fn replay_hit(c: &mut Criterion, dir: &Path) {
 fn summary() {
     let runs = RUNS.lock().unwrap();
     let rate = |name: &str| {
-        let (mut n, mut t, mut commits, mut fsyncs) = (0u64, Duration::ZERO, 0u64, 0u64);
+        let mut sum = SledStats::default();
+        let (mut n, mut t) = (0u64, Duration::ZERO);
         for (_, claims, elapsed, stats) in runs.iter().filter(|r| r.0 == name) {
             n += claims;
             t += *elapsed;
-            commits += stats.commits;
-            fsyncs += stats.data_fsyncs;
+            sum.commits += stats.commits;
+            sum.flushes += stats.flushes;
+            sum.data_fsyncs += stats.data_fsyncs;
+            sum.flush_micros += stats.flush_micros;
+            sum.fsync_micros += stats.fsync_micros;
         }
         let per_sec = n as f64 / t.as_secs_f64().max(1e-9);
-        let per_claim = fsyncs as f64 / commits.max(1) as f64;
+        let rounds = sum.flushes.max(1) as f64;
         println!(
-            "{name:>24}: {per_sec:>9.0} claims/s  ({n} claims, {commits} commits, {fsyncs} data fsyncs = {per_claim:.3} per claim)"
+            "{name:>22}: {per_sec:>7.0} claims/s; {} commits, {} flush rounds ({:.1} commits/round), {} data fsyncs ({:.3}/claim); per round: sled flush {:.0} us, fsyncs {:.0} us",
+            sum.commits,
+            sum.flushes,
+            sum.commits as f64 / rounds,
+            sum.data_fsyncs,
+            sum.data_fsyncs as f64 / sum.commits.max(1) as f64,
+            sum.flush_micros as f64 / rounds,
+            sum.fsync_micros as f64 / rounds,
         );
         per_sec
     };

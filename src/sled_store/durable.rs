@@ -28,6 +28,7 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::Instant;
 
 /// What an acknowledged write survives on a [`SledStore`](crate::SledStore).
 ///
@@ -63,6 +64,8 @@ pub(crate) struct Counters {
     pub(crate) flushes: AtomicU64,
     pub(crate) data_fsyncs: AtomicU64,
     pub(crate) blob_fsyncs: AtomicU64,
+    pub(crate) flush_micros: AtomicU64,
+    pub(crate) fsync_micros: AtomicU64,
 }
 
 /// The data file and blob directory of one open store, and the flush step.
@@ -118,15 +121,22 @@ impl DiskSync {
     /// sled's flush, then (at [`SledDurability::Immediate`]) the fsyncs that
     /// make it durable.
     pub(crate) fn flush(&self, db: &::sled::Db) -> Result<()> {
-        self.counters.flushes.fetch_add(1, Ordering::Relaxed);
+        let c = &self.counters;
+        c.flushes.fetch_add(1, Ordering::Relaxed);
+        let started = Instant::now();
         db.flush().map_err(super::open::from_sled)?;
+        c.flush_micros
+            .fetch_add(micros_since(started), Ordering::Relaxed);
         if self.durability == SledDurability::OsBuffered {
             return Ok(());
         }
+        let started = Instant::now();
         self.sync_new_blobs()?;
         self.injected_fault()?;
         self.data_file.sync_data()?;
-        self.counters.data_fsyncs.fetch_add(1, Ordering::Relaxed);
+        c.fsync_micros
+            .fetch_add(micros_since(started), Ordering::Relaxed);
+        c.data_fsyncs.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 
@@ -180,6 +190,10 @@ impl DiskSync {
     pub(crate) fn fail_next_syncs(&self, count: u32) {
         self.failing_syncs.store(count, Ordering::SeqCst);
     }
+}
+
+fn micros_since(started: Instant) -> u64 {
+    u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX)
 }
 
 /// fsync on a directory makes its entries (file creations, deletions) durable.

@@ -127,6 +127,12 @@ pub struct SledStats {
     pub data_fsyncs: u64,
     /// Blob files fsynced (sled never does).
     pub blob_fsyncs: u64,
+    /// Time spent in sled's flush (`pwrite` + `sync_file_range`), in all
+    /// rounds. sled blocks every transaction while it flushes.
+    pub flush_micros: u64,
+    /// Time spent in the fsyncs after it (new blobs + `fdatasync` of the
+    /// data file), in all rounds. Transactions proceed meanwhile.
+    pub fsync_micros: u64,
 }
 
 /// How a [`SledStore`] is opened: [`SledStore::builder`].
@@ -334,6 +340,8 @@ impl SledStore {
             flushes: c.flushes.load(Ordering::Relaxed),
             data_fsyncs: c.data_fsyncs.load(Ordering::Relaxed),
             blob_fsyncs: c.blob_fsyncs.load(Ordering::Relaxed),
+            flush_micros: c.flush_micros.load(Ordering::Relaxed),
+            fsync_micros: c.fsync_micros.load(Ordering::Relaxed),
         }
     }
 
