@@ -21,6 +21,7 @@
 
 mod durable;
 mod group;
+mod marker;
 mod open;
 mod tx;
 
@@ -38,7 +39,8 @@ use ::sled::transaction::{ConflictableTransactionError, TransactionError, Transa
 use durable::DiskSync;
 pub use durable::SledDurability;
 use group::GroupSync;
-use open::{EXPIRY_TREE, META_TREE, RECORDS_TREE};
+use marker::Marker;
+use open::{EXPIRY_TREE, META_TREE, RECORDS_TREE, STORE_FORMAT_VERSION};
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
@@ -219,15 +221,37 @@ impl SledStoreBuilder {
         let max_body_bytes = check_body_limit(self.max_body_bytes)?;
         open::check_directory(&self.path)?;
         let lock = open::lock(&self.path)?;
+        let recorded = marker::read(&self.path)?;
         let db = open::open_sled(&self.path)?;
+        if let (Some(recorded), false) = (recorded, open::has_meta_tree(&db)) {
+            // sled recovered nothing of ours, yet the marker says a store
+            // lived here: refuse before creating any tree.
+            return Err(marker::lost_everything(&self.path, recorded));
+        }
         open::check_foreign(&db)?;
         let tree = |name: &[u8]| db.open_tree(name).map_err(open::from_sled);
         let (meta, records, expiry) = (tree(META_TREE)?, tree(RECORDS_TREE)?, tree(EXPIRY_TREE)?);
-        let (found, _fresh) = open::read_or_init_meta(&meta, &records, &expiry)?;
+        let found = match (open::read_meta(&meta, &records, &expiry)?, recorded) {
+            (Some(found), Some(recorded)) => {
+                marker::check(&self.path, recorded, found.store_id, found.last_token)?;
+                found
+            }
+            (Some(found), None) => found,
+            (None, Some(recorded)) => return Err(marker::lost_everything(&self.path, recorded)),
+            (None, None) => open::init_meta(&meta)?,
+        };
         let disk = DiskSync::open(&self.path, self.durability)?;
         // Whatever open wrote (trees, a fresh meta) is durable before the
-        // first answer.
+        // first answer, and before the marker vouches for it.
         disk.flush(&db)?;
+        marker::write(
+            &self.path,
+            Marker {
+                format: STORE_FORMAT_VERSION,
+                store_id: found.store_id,
+                last_token: found.last_token,
+            },
+        )?;
         let inner = Arc::new(Inner {
             db,
             records,
@@ -587,6 +611,26 @@ impl Inner {
             }
             Ok((deleted, None, true))
         })
+    }
+}
+
+impl Drop for Inner {
+    /// A clean close records the final token mark in the marker, so the
+    /// next open can tell if sled loses anything written in this session.
+    /// Skipped when poisoned: then some of it may not be on disk.
+    fn drop(&mut self) {
+        if self.group.is_poisoned() || self.disk.flush(&self.db).is_err() {
+            return;
+        }
+        let last_token = *self.writer();
+        let _ = marker::write(
+            &self.path,
+            Marker {
+                format: STORE_FORMAT_VERSION,
+                store_id: self.store_id,
+                last_token,
+            },
+        );
     }
 }
 

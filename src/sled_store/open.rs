@@ -2,6 +2,7 @@
 //! without letting it panic, and check or write the meta tree.
 
 use super::durable::{BLOBS_DIR, CONF_FILE, DATA_FILE};
+use super::marker::{MARKER_FILE, MARKER_TMP};
 use crate::error::{Error, Result};
 use crate::time::{Clock, SystemClock};
 use ::sled::transaction::TransactionError;
@@ -51,7 +52,10 @@ pub(crate) fn check_directory(dir: &Path) -> Result<()> {
         let name = entry?.file_name();
         if name == DATA_FILE {
             has_data_file = true;
-        } else if name != LOCK_FILE && name != CONF_FILE && name != BLOBS_DIR {
+        } else if ![LOCK_FILE, CONF_FILE, BLOBS_DIR, MARKER_FILE, MARKER_TMP]
+            .iter()
+            .any(|ours| name == *ours)
+        {
             foreign.push(name.to_string_lossy().into_owned());
         }
     }
@@ -137,10 +141,10 @@ pub(crate) fn from_tx(err: TransactionError<Error>) -> Error {
 /// Checks that an opened database is an idemstore store (or empty) before
 /// any tree is created in it.
 pub(crate) fn check_foreign(db: &::sled::Db) -> Result<()> {
-    let names = db.tree_names();
-    if names.iter().any(|n| n.as_ref() == META_TREE) {
+    if has_meta_tree(db) {
         return Ok(());
     }
+    let names = db.tree_names();
     let others = names
         .iter()
         .any(|n| ![SLED_DEFAULT_TREE, RECORDS_TREE, EXPIRY_TREE].contains(&n.as_ref()));
@@ -155,75 +159,77 @@ pub(crate) fn check_foreign(db: &::sled::Db) -> Result<()> {
     Ok(())
 }
 
-/// Reads the meta tree, writing it first on a fresh store. A fresh store is
-/// one whose meta tree has no format version and whose records tree is
-/// empty (a crash between creating the trees and writing the meta leaves
-/// exactly that).
-pub(crate) fn read_or_init_meta(
+/// Reads the meta tree: `None` on a fresh store, one whose meta tree has
+/// no format version and whose records and index are empty (a crash
+/// between creating the trees and writing the meta leaves exactly that).
+pub(crate) fn read_meta(
     meta: &::sled::Tree,
     records: &::sled::Tree,
     expiry: &::sled::Tree,
-) -> Result<(Meta, bool)> {
+) -> Result<Option<Meta>> {
     let corrupt = |what: &str| Error::corrupt(None, format!("meta tree: {what}"));
-    match meta.get(META_FORMAT_VERSION).map_err(from_sled)? {
-        None if records.is_empty() && expiry.is_empty() => {
-            let store_id = new_store_id();
-            meta.transaction(|m| {
-                m.insert(META_FORMAT_VERSION, &STORE_FORMAT_VERSION.to_be_bytes())?;
-                m.insert(META_STORE_ID, &store_id.to_be_bytes())?;
-                m.insert(META_LAST_TOKEN, &0u64.to_be_bytes())?;
-                Ok::<_, ::sled::transaction::ConflictableTransactionError<Error>>(())
-            })
-            .map_err(from_tx)?;
-            Ok((
-                Meta {
-                    store_id,
-                    last_token: 0,
-                },
-                true,
-            ))
+    let Some(v) = meta.get(META_FORMAT_VERSION).map_err(from_sled)? else {
+        if records.is_empty() && expiry.is_empty() {
+            return Ok(None);
         }
-        None => Err(corrupt("no format version, but the store holds records")),
-        Some(v) => {
-            let version = u32::from_be_bytes(
-                v.as_ref()
-                    .try_into()
-                    .map_err(|_| corrupt("format version is not 4 bytes"))?,
-            );
-            if version > STORE_FORMAT_VERSION || version == 0 {
-                return Err(Error::UnsupportedFormat {
-                    found: version,
-                    supported: STORE_FORMAT_VERSION,
-                });
-            }
-            let id = meta
-                .get(META_STORE_ID)
-                .map_err(from_sled)?
-                .ok_or_else(|| corrupt("store id missing"))?;
-            let store_id = u128::from_be_bytes(
-                id.as_ref()
-                    .try_into()
-                    .map_err(|_| corrupt("store id is not 16 bytes"))?,
-            );
-            let token = meta
-                .get(META_LAST_TOKEN)
-                .map_err(from_sled)?
-                .ok_or_else(|| corrupt("fencing-token high-water mark missing"))?;
-            let last_token = u64::from_be_bytes(
-                token
-                    .as_ref()
-                    .try_into()
-                    .map_err(|_| corrupt("fencing-token high-water mark is not 8 bytes"))?,
-            );
-            Ok((
-                Meta {
-                    store_id,
-                    last_token,
-                },
-                false,
-            ))
-        }
+        return Err(corrupt("no format version, but the store holds records"));
+    };
+    let version = u32::from_be_bytes(
+        v.as_ref()
+            .try_into()
+            .map_err(|_| corrupt("format version is not 4 bytes"))?,
+    );
+    if version > STORE_FORMAT_VERSION || version == 0 {
+        return Err(Error::UnsupportedFormat {
+            found: version,
+            supported: STORE_FORMAT_VERSION,
+        });
     }
+    let id = meta
+        .get(META_STORE_ID)
+        .map_err(from_sled)?
+        .ok_or_else(|| corrupt("store id missing"))?;
+    let store_id = u128::from_be_bytes(
+        id.as_ref()
+            .try_into()
+            .map_err(|_| corrupt("store id is not 16 bytes"))?,
+    );
+    let token = meta
+        .get(META_LAST_TOKEN)
+        .map_err(from_sled)?
+        .ok_or_else(|| corrupt("fencing-token high-water mark missing"))?;
+    let last_token = u64::from_be_bytes(
+        token
+            .as_ref()
+            .try_into()
+            .map_err(|_| corrupt("fencing-token high-water mark is not 8 bytes"))?,
+    );
+    Ok(Some(Meta {
+        store_id,
+        last_token,
+    }))
+}
+
+/// Writes the meta of a fresh store in one transaction.
+pub(crate) fn init_meta(meta: &::sled::Tree) -> Result<Meta> {
+    let store_id = new_store_id();
+    meta.transaction(|m| {
+        m.insert(META_FORMAT_VERSION, &STORE_FORMAT_VERSION.to_be_bytes())?;
+        m.insert(META_STORE_ID, &store_id.to_be_bytes())?;
+        m.insert(META_LAST_TOKEN, &0u64.to_be_bytes())?;
+        Ok::<_, ::sled::transaction::ConflictableTransactionError<Error>>(())
+    })
+    .map_err(from_tx)?;
+    Ok(Meta {
+        store_id,
+        last_token: 0,
+    })
+}
+
+/// True when the database has an idemstore meta tree (checked before
+/// `open_tree` would create one).
+pub(crate) fn has_meta_tree(db: &::sled::Db) -> bool {
+    db.tree_names().iter().any(|n| n.as_ref() == META_TREE)
 }
 
 /// A random-enough 128-bit id: two independently seeded std hashes of the

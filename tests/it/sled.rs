@@ -508,3 +508,97 @@ fn sled_store_with_faults_and_reopen_matches_model() {
         )
         .unwrap();
 }
+
+/// sled 0.34 recovers its log up to the first bad message and treats the
+/// rest as a torn write, so a damaged data file opened as an *empty* store,
+/// silently; it also asserts on some damage instead of returning an error.
+/// Opening a damaged store must be `Corrupt`: never a panic, never a fresh
+/// store that forgets completed requests.
+#[test]
+fn damaged_data_file_is_corrupt_not_empty_or_panic() {
+    type Damage = fn(&mut Vec<u8>);
+    let patterns: [(&str, Damage); 5] = [
+        ("garbage over the start", |b| {
+            for (i, x) in b.iter_mut().take(4096).enumerate() {
+                *x = (i * 7 + 3) as u8;
+            }
+        }),
+        ("garbage over the last 8 KiB", |b| {
+            let n = b.len();
+            for x in b.iter_mut().skip(n.saturating_sub(8192)) {
+                *x = 0x5a;
+            }
+        }),
+        ("truncated to 100 bytes", |b| b.truncate(100)),
+        ("every 512th byte flipped", |b| {
+            for x in b.iter_mut().step_by(512) {
+                *x ^= 0xff;
+            }
+        }),
+        ("zeroed", |b| b.iter_mut().for_each(|x| *x = 0)),
+    ];
+    for (what, damage) in patterns {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let s = SledStore::open(dir.path()).unwrap();
+            for i in 0..50 {
+                let c = claim(&s, &format!("k{i}"), T0);
+                s.complete(
+                    &key(&format!("k{i}")),
+                    &c,
+                    &Response::new(200, "x"),
+                    T0,
+                    HOUR,
+                )
+                .unwrap();
+            }
+        }
+        let path = dir.path().join("db");
+        let mut bytes = std::fs::read(&path).unwrap();
+        damage(&mut bytes);
+        std::fs::write(&path, &bytes).unwrap();
+        let opened = std::panic::catch_unwind(|| SledStore::open(dir.path()));
+        match opened.unwrap_or_else(|_| panic!("{what}: open panicked")) {
+            Err(Error::Corrupt { detail, .. }) => {
+                assert!(
+                    detail.contains("lost data") || detail.contains("sled"),
+                    "{what}: {detail}"
+                );
+            }
+            Err(other) => panic!("{what}: expected Corrupt, got {other:?}"),
+            // Damage that sled's checksums let through unharmed is fine
+            // only if every record is intact.
+            Ok(s) => {
+                for i in 0..50 {
+                    let r = s.get(&key(&format!("k{i}")), T0).unwrap().unwrap();
+                    assert_eq!(r.response(), Some(&Response::new(200, "x")), "{what}: k{i}");
+                }
+            }
+        }
+        // A second attempt says the same: the refusal is not a one-off.
+        if let Err(e) = SledStore::open(dir.path()) {
+            assert!(matches!(e, Error::Corrupt { .. }), "{what}: {e:?}");
+        }
+    }
+}
+
+/// A store whose sled files were deleted (the marker survives) is refused,
+/// not recreated empty.
+#[test]
+fn deleted_data_files_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    drop(SledStore::open(dir.path()).unwrap());
+    for entry in std::fs::read_dir(dir.path()).unwrap() {
+        let entry = entry.unwrap();
+        let name = entry.file_name();
+        if name == "db" || name.to_string_lossy().starts_with("snap.") {
+            std::fs::remove_file(entry.path()).unwrap();
+        }
+    }
+    let err = SledStore::open(dir.path()).unwrap_err();
+    assert!(matches!(err, Error::Corrupt { .. }), "{err:?}");
+    assert!(
+        err.to_string().contains("recovered no idemstore data"),
+        "{err}"
+    );
+}
