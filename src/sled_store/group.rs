@@ -55,6 +55,17 @@ impl GroupSync {
         self.completed.store(seq, Ordering::SeqCst);
     }
 
+    /// Takes the next sequence number and returns a guard that finishes it
+    /// when dropped, also if the transaction panics (readers wait for
+    /// `completed` to reach the numbers they saw issued). A panic poisons
+    /// the group: the transaction may be half-applied in memory.
+    pub(crate) fn begin_write(&self) -> WriteTicket<'_> {
+        WriteTicket {
+            group: self,
+            seq: self.issue(),
+        }
+    }
+
     /// The sequence number that covers everything a read may have seen:
     /// any transaction visible to a read made before this call took its
     /// number before it committed.
@@ -127,6 +138,30 @@ impl GroupSync {
     }
 }
 
+/// A sequence number in use by one write transaction; see
+/// [`GroupSync::begin_write`].
+#[derive(Debug)]
+pub(crate) struct WriteTicket<'a> {
+    group: &'a GroupSync,
+    seq: u64,
+}
+
+impl WriteTicket<'_> {
+    /// The sequence number.
+    pub(crate) fn seq(&self) -> u64 {
+        self.seq
+    }
+}
+
+impl Drop for WriteTicket<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.group.poison();
+        }
+        self.group.finish(self.seq);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -178,6 +213,23 @@ mod tests {
         });
         let n = flushes.load(Ordering::SeqCst);
         assert!(n < 640, "{n} flushes for 640 writes: no grouping");
+    }
+
+    /// A transaction that panics must not leave readers spinning on a
+    /// sequence number that never finishes, and must poison the store.
+    #[test]
+    fn panicking_write_finishes_its_ticket_and_poisons() {
+        let g = GroupSync::default();
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _ticket = g.begin_write();
+            panic!("engine bug");
+        }));
+        assert!(r.is_err());
+        let horizon = g.read_horizon();
+        assert!(matches!(
+            g.wait_durable(horizon, || Ok(())),
+            Err(Error::Poisoned)
+        ));
     }
 
     /// A flush that fails must never let a later caller believe its write

@@ -465,11 +465,12 @@ impl Inner {
         let (value, seq, wrote) = {
             let mut last_token = self.writer();
             self.check_writable()?;
-            let seq = self.group.issue();
+            let ticket = self.group.begin_write();
+            let seq = ticket.seq();
             let last = *last_token;
             let outcome = (&self.records, &self.expiry, &self.meta)
                 .transaction(|(records, expiry, meta)| op(&Tx::new(records, expiry, meta), last));
-            self.group.finish(seq);
+            drop(ticket);
             match outcome {
                 Ok((value, token, wrote)) => {
                     if let Some(token) = token {
