@@ -53,7 +53,8 @@ pub enum SledDurability {
     /// is in the operating system's page cache (sled's flush, which ends in
     /// `sync_file_range`), but nothing is fsynced before the answer. sled's
     /// own background thread fsyncs the data file about every 500 ms, on a
-    /// best-effort basis; blob files are never fsynced.
+    /// best-effort basis; the store fsyncs everything (blobs included) at
+    /// open and at a clean close.
     OsBuffered,
 }
 
@@ -109,25 +110,35 @@ impl DiskSync {
             counters: Counters::default(),
             failing_syncs: AtomicU32::new(0),
         };
-        if durability == SledDurability::Immediate {
-            File::open(dir.join(CONF_FILE))?.sync_all()?;
-            sync.data_file.sync_all()?;
-            sync_dir(&sync.blobs_dir)?;
-            sync_dir(&sync.dir)?;
-        }
+        // Once per open, at every durability level: the files and their
+        // directory entries exist durably before the marker names them.
+        File::open(dir.join(CONF_FILE))?.sync_all()?;
+        sync.data_file.sync_all()?;
+        sync_dir(&sync.blobs_dir)?;
+        sync_dir(&sync.dir)?;
         Ok(sync)
     }
 
     /// sled's flush, then (at [`SledDurability::Immediate`]) the fsyncs that
     /// make it durable.
     pub(crate) fn flush(&self, db: &::sled::Db) -> Result<()> {
+        self.flush_and_sync(db, self.durability == SledDurability::Immediate)
+    }
+
+    /// sled's flush and the fsyncs, at any durability level: at open and
+    /// clean close, before the marker file vouches for what is on disk.
+    pub(crate) fn sync_now(&self, db: &::sled::Db) -> Result<()> {
+        self.flush_and_sync(db, true)
+    }
+
+    fn flush_and_sync(&self, db: &::sled::Db, fsync: bool) -> Result<()> {
         let c = &self.counters;
         c.flushes.fetch_add(1, Ordering::Relaxed);
         let started = Instant::now();
         db.flush().map_err(super::open::from_sled)?;
         c.flush_micros
             .fetch_add(micros_since(started), Ordering::Relaxed);
-        if self.durability == SledDurability::OsBuffered {
+        if !fsync {
             return Ok(());
         }
         let started = Instant::now();

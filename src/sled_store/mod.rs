@@ -125,7 +125,8 @@ pub struct SledStats {
     pub commits: u64,
     /// sled flushes run (one per group round).
     pub flushes: u64,
-    /// `fdatasync` calls on the data file (zero at [`SledDurability::OsBuffered`]).
+    /// `fdatasync` calls on the data file (at [`SledDurability::OsBuffered`]
+    /// only the one at open).
     pub data_fsyncs: u64,
     /// Blob files fsynced (sled never does).
     pub blob_fsyncs: u64,
@@ -241,9 +242,10 @@ impl SledStoreBuilder {
             (None, None) => open::init_meta(&meta)?,
         };
         let disk = DiskSync::open(&self.path, self.durability)?;
-        // Whatever open wrote (trees, a fresh meta) is durable before the
-        // first answer, and before the marker vouches for it.
-        disk.flush(&db)?;
+        // Whatever open wrote (trees, a fresh meta), and what an earlier
+        // session left unsynced at `OsBuffered`, is durable before the first
+        // answer, and before the marker vouches for it.
+        disk.sync_now(&db)?;
         marker::write(
             &self.path,
             Marker {
@@ -462,7 +464,7 @@ impl Inner {
     /// is durable. `op` gets the last token handed out and says what it
     /// answers, the new last token if it took one, and whether it wrote.
     fn write<T>(&self, op: impl Fn(&Tx<'_>, u64) -> TxResult<(T, Option<u64>, bool)>) -> Result<T> {
-        let (value, seq, wrote) = {
+        let (answer, seq, wrote) = {
             let mut last_token = self.writer();
             self.check_writable()?;
             let ticket = self.group.begin_write();
@@ -479,9 +481,12 @@ impl Inner {
                     if wrote {
                         self.disk.counters.commits.fetch_add(1, Ordering::Relaxed);
                     }
-                    (value, seq, wrote)
+                    (Ok(value), seq, wrote)
                 }
-                Err(TransactionError::Abort(e)) => return Err(e),
+                // An error decided from the stored state (a stale claim) is
+                // an answer too: like any answer, it waits below until that
+                // state is durable.
+                Err(TransactionError::Abort(e)) => (Err(e), seq, false),
                 Err(TransactionError::Storage(e)) => {
                     // A commit that failed half-way may or may not be in
                     // sled's log: nothing after it may be acknowledged.
@@ -491,7 +496,7 @@ impl Inner {
             }
         };
         self.wait_durable(if wrote { seq } else { seq - 1 })?;
-        Ok(value)
+        answer
     }
 
     fn begin(
@@ -620,7 +625,7 @@ impl Drop for Inner {
     /// next open can tell if sled loses anything written in this session.
     /// Skipped when poisoned: then some of it may not be on disk.
     fn drop(&mut self) {
-        if self.group.is_poisoned() || self.disk.flush(&self.db).is_err() {
+        if self.group.is_poisoned() || self.disk.sync_now(&self.db).is_err() {
             return;
         }
         let last_token = *self.writer();
