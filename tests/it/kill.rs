@@ -13,7 +13,9 @@
 //! response — and no key is executed twice inside one lease.
 //!
 //! A backend plugs in with one line in its test module:
-//! `kill_suite!(open_fn);` where `open_fn: fn(&Path) -> Arc<dyn Store>`.
+//! `kill_suite!(open_fn);` where `open_fn: fn(&Path) -> Result<Arc<dyn Store>>`.
+//! The parent also checks that the store is `Error::Locked` to a second
+//! process while the child holds it.
 #![cfg_attr(
     not(feature = "sled"),
     allow(
@@ -33,8 +35,9 @@ use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-/// How a backend opens (or reopens) its store in a directory.
-pub type Open = fn(&Path) -> Arc<dyn Store>;
+/// How a backend opens (or reopens) its store in a directory (or file
+/// inside it).
+pub type Open = fn(&Path) -> idemstore::Result<Arc<dyn Store>>;
 
 /// Kills per run: each is a full child start, random kill, reopen, check.
 const KILLS: usize = 5;
@@ -112,7 +115,7 @@ pub fn child_entry(open: Open) {
     else {
         return; // run by hand with --ignored: nothing to do
     };
-    let store = open(Path::new(&dir));
+    let store = open(Path::new(&dir)).unwrap();
     let guard = Guard::builder(store)
         .lease(LEASE)
         .retention(RETENTION)
@@ -331,6 +334,11 @@ pub fn run_parent(test_module: &str, open: Open) {
             .spawn()
             .unwrap();
         wait_for_traffic(&ledger, round + 1, &mut child, &stderr_path);
+        let second = open(&store_dir).map(|_| ());
+        assert!(
+            matches!(second, Err(idemstore::Error::Locked { .. })),
+            "a second process opened the store the child holds: {second:?}"
+        );
         let delay = MIN_RUN_AFTER_FIRST_EXEC + Duration::from_millis(xorshift(&mut rng) % 400);
         delays.push(delay.as_millis());
         std::thread::sleep(delay);
@@ -340,7 +348,7 @@ pub fn run_parent(test_module: &str, open: Open) {
             status.code().is_none(),
             "the child exited by itself: {status:?}"
         );
-        let store = open(&store_dir);
+        let store = open(&store_dir).unwrap();
         let (keys, _) = parse(&ledger);
         check(&*store, &keys, SystemClock.now());
     }

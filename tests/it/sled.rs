@@ -14,8 +14,8 @@ fn subject() -> Subject {
 
 conformance_suite!(subject);
 
-fn open_for_kill(dir: &std::path::Path) -> std::sync::Arc<dyn Store> {
-    std::sync::Arc::new(SledStore::open(dir).unwrap())
+fn open_for_kill(dir: &std::path::Path) -> idemstore::Result<std::sync::Arc<dyn Store>> {
+    Ok(std::sync::Arc::new(SledStore::open(dir)?))
 }
 
 kill_suite!(open_for_kill);
