@@ -85,6 +85,30 @@ pub fn open_backend(name: &str, dir: &Path, durability: &str) -> BoxResult<Box<d
             dir: None,
             batch: None,
         }),
+        #[cfg(feature = "sled")]
+        "sled" => {
+            let level = match durability {
+                "relaxed" => idemstore::SledDurability::OsBuffered,
+                _ => idemstore::SledDurability::Immediate,
+            };
+            let path = dir.join("store.sled");
+            let store = Arc::new(
+                idemstore::SledStore::builder(&path)
+                    .durability(level)
+                    .open()?,
+            );
+            let stats = Arc::clone(&store);
+            Box::new(StoreBackend {
+                name: "sled".into(),
+                store,
+                dir: Some(path),
+                // Commits per flush round: sled's group size.
+                batch: Some(Box::new(move || {
+                    let s = stats.stats();
+                    (s.flushes > 0).then(|| s.commits as f64 / s.flushes as f64)
+                })),
+            })
+        }
         "sqlite" => Box::new(Sqlite::open(dir)?),
         "redb-raw" => Box::new(RedbRaw::open(dir)?),
         other => return Err(format!("unknown or not yet available backend {other}").into()),

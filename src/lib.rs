@@ -51,7 +51,7 @@
 //!
 //! - `redb` (default): [`RedbStore`], the durable on-disk store on redb 4.x
 //!   (group commit, expiry index, sweeper, poisoning, recovery on open).
-//! - `sled`: [`SledStore`], the store on sled 0.34.7, fsynced for real.
+//! - `sled`: `SledStore`, the store on sled 0.34.7, fsynced for real.
 //! - `tokio`: [`Guard::run_async`].
 //! - `tower`: HTTP middleware (`Idempotency-Key`), in [`tower`] (behaviour and status codes in its docs).
 //! - `test-util`: [`ManualClock`], [`FaultyStore`] and the [`MemoryStore`] fault hook.
