@@ -14,6 +14,9 @@
 //! - **Durability.** See [`durable`]: sled's flush is not durable on Linux;
 //!   after it the store fsyncs new blob files and fdatasyncs the data file,
 //!   grouped across concurrent writers by [`group`].
+//! - **Silent loss.** sled opens a damaged log as a shorter or empty one
+//!   without an error; [`marker`] keeps the store id and token mark outside
+//!   sled so that such an open is refused.
 //! - **Fast path.** A `begin` whose answer writes nothing (Replay, InFlight,
 //!   Conflict) is decided from a plain read, without the transaction lock.
 //!   It still waits until everything it may have read is durable, so no
@@ -78,6 +81,9 @@ pub const SLED_BLOB_THRESHOLD_BYTES: usize = 512 * 1024 / 4 - 20 - 32;
 ///   counts them.
 /// - **Large responses** are made durable, not refused: see
 ///   [`SLED_BLOB_THRESHOLD_BYTES`].
+/// - **Damage is refused, not forgotten.** sled itself opens a damaged
+///   log as a shorter or empty one; this store keeps `idemstore.meta`
+///   beside it and refuses such an open with [`Error::Corrupt`].
 /// - **One process at a time.** A second open of the same directory is
 ///   [`Error::Locked`], in this process or another.
 /// - **Poisoning.** After a failed flush or fsync every write is
@@ -217,7 +223,10 @@ impl SledStoreBuilder {
     /// non-empty directory without a sled data file;
     /// [`Error::UnsupportedFormat`] for a sled database that is not an
     /// idemstore store (`found: 0`) or one written by a newer format;
-    /// [`Error::Corrupt`] when sled or the meta tree finds damage.
+    /// [`Error::Corrupt`] when sled or the meta tree finds damage, or when
+    /// sled recovered less than the store held at its last open or clean
+    /// close (sled opens a damaged log as a shorter or empty one, silently;
+    /// the `idemstore.meta` file beside it notices).
     pub fn open(self) -> Result<SledStore> {
         let max_body_bytes = check_body_limit(self.max_body_bytes)?;
         open::check_directory(&self.path)?;
