@@ -604,3 +604,43 @@ fn deleted_data_files_are_refused() {
         "{err}"
     );
 }
+
+/// An index entry whose record is gone or has moved on (which transactions
+/// never leave behind, but a hand-edited or older store might) is removed
+/// by the sweep without touching the record or counting it as swept.
+#[test]
+fn sweep_removes_stale_index_entries_only() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let s = SledStore::open(dir.path()).unwrap();
+        let _ = claim(&s, "live", T0); // expires at T0 + 1 h
+    }
+    {
+        let db = raw(dir.path());
+        let expiry = db.open_tree("idemstore/expiry").unwrap();
+        let at = |ms: u64, id: &str| {
+            let mut k = (T0.as_millis() + ms).to_be_bytes().to_vec();
+            k.push(1);
+            k.push(b't');
+            k.extend_from_slice(id.as_bytes());
+            k
+        };
+        expiry.insert(at(1, "gone"), &[]).unwrap(); // no such record
+        expiry.insert(at(2, "live"), &[]).unwrap(); // the record expires later
+        db.flush().unwrap();
+        assert_eq!(expiry.len(), 3);
+    }
+    let s = SledStore::open(dir.path()).unwrap();
+    assert_eq!(
+        s.sweep_expired(T0 + SEC, 100).unwrap(),
+        0,
+        "stale entries are not records"
+    );
+    assert_eq!(
+        s.get(&key("live"), T0).unwrap().unwrap().expires_at(),
+        T0 + HOUR
+    );
+    drop(s);
+    let index = raw_index(dir.path());
+    assert_eq!(index, vec![(T0 + HOUR, key("live"))]);
+}
