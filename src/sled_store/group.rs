@@ -73,6 +73,12 @@ impl GroupSync {
         self.issued.load(Ordering::SeqCst)
     }
 
+    /// True once the transaction holding `seq` (and every earlier one) has
+    /// finished.
+    pub(crate) fn is_finished(&self, seq: u64) -> bool {
+        self.completed.load(Ordering::SeqCst) >= seq
+    }
+
     /// True once a flush has failed.
     pub(crate) fn is_poisoned(&self) -> bool {
         self.lock().poisoned
@@ -92,9 +98,10 @@ impl GroupSync {
         if self.durable_hint.load(Ordering::SeqCst) >= seq {
             return Ok(());
         }
-        // A transaction that took `seq` is at most microseconds from
-        // finishing (it runs in memory under the writer lock); wait for it
-        // so that the round we lead or join covers it.
+        // Wait for the transaction that took `seq` to finish, so that the
+        // round we lead or join covers it. Callers that may be early block
+        // on the writer lock first (see `Inner::wait_durable`); this spin
+        // is the backstop.
         while self.completed.load(Ordering::SeqCst) < seq {
             std::thread::yield_now();
         }

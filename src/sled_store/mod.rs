@@ -457,6 +457,13 @@ impl Inner {
     }
 
     fn wait_durable(&self, seq: u64) -> Result<()> {
+        if !self.group.is_finished(seq) {
+            // A read saw a transaction still in progress (sled blocks
+            // transactions while it flushes, for milliseconds): block on the
+            // writer lock it holds rather than spin. Once we hold the lock,
+            // that transaction has finished.
+            drop(self.writer());
+        }
         self.group.wait_durable(seq, || self.disk.flush(&self.db))
     }
 
