@@ -13,7 +13,9 @@
 //! response — and no key is executed twice inside one lease.
 //!
 //! A backend plugs in with one line in its test module:
-//! `kill_suite!(open_fn);` where `open_fn: fn(&Path) -> Result<Arc<dyn Store>>`.
+//! `kill_suite!(open_fn);` where `open_fn: fn(&Path) -> Result<Arc<dyn Store>>`
+//! opens the store in the given (existing, initially empty) directory, e.g.
+//! `RedbStore::open(dir.join("kill.idem"))` or `SledStore::open(dir)`.
 //! The parent also checks that the store is `Error::Locked` to a second
 //! process while the child holds it.
 #![cfg_attr(
@@ -313,7 +315,10 @@ pub fn run_parent(test_module: &str, open: Open) {
         .map_or(test_module, |(_, rest)| rest);
     let child_test = format!("{module}::kill_child_entry");
     let dir = tempfile::tempdir().unwrap();
+    // The directory exists before the first open: a file-based backend
+    // opens a file inside it, a directory-based one uses it as is.
     let store_dir = dir.path().join("store");
+    std::fs::create_dir_all(&store_dir).unwrap();
     let ledger = dir.path().join("ledger");
     let stderr_path = dir.path().join("child.stderr");
     let mut rng = seed();
