@@ -20,6 +20,12 @@ fn subject() -> Subject {
 
 conformance_suite!(subject);
 
+fn open_for_kill(dir: &Path) -> idemstore::Result<Arc<dyn Store>> {
+    Ok(Arc::new(RedbStore::open(dir.join("kill.idem"))?))
+}
+
+kill_suite!(open_for_kill);
+
 const LEASE: Duration = Duration::from_secs(30);
 const KEEP: Duration = Duration::from_secs(3600);
 
