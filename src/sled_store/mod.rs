@@ -219,11 +219,12 @@ impl SledStoreBuilder {
     /// Opens (or creates) the store.
     ///
     /// Errors: [`Error::Locked`] when another open store holds the
-    /// directory; [`Error::InvalidArgument`] when the path is a file or a
-    /// non-empty directory without a sled data file;
-    /// [`Error::UnsupportedFormat`] for a sled database that is not an
-    /// idemstore store (`found: 0`) or one written by a newer format;
-    /// [`Error::Corrupt`] when sled or the meta tree finds damage, or when
+    /// directory; [`Error::Corrupt`] for a path that is not an idemstore
+    /// store (a file, a non-empty directory without a sled data file, a
+    /// sled database without idemstore's meta tree: nothing is written to
+    /// it), as `RedbStore` does for foreign files;
+    /// [`Error::UnsupportedFormat`] for a store written by a newer format;
+    /// [`Error::Corrupt`] also when sled or the meta tree finds damage, or when
     /// sled recovered less than the store held at its last open or clean
     /// close (sled opens a damaged log as a shorter or empty one, silently;
     /// the `idemstore.meta` file beside it notices).

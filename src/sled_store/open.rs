@@ -41,8 +41,8 @@ pub(crate) fn check_directory(dir: &Path) -> Result<()> {
         return Ok(());
     }
     if !dir.is_dir() {
-        return Err(Error::invalid_argument(format!(
-            "{} is not a directory: a sled store is a directory",
+        return Err(not_ours(format!(
+            "{} is a file; a sled store is a directory",
             dir.display()
         )));
     }
@@ -64,12 +64,17 @@ pub(crate) fn check_directory(dir: &Path) -> Result<()> {
     }
     foreign.sort();
     foreign.truncate(3);
-    Err(Error::invalid_argument(format!(
-        "{} is not a sled store directory (it holds {}, and no sled `db` file): \
-         refusing to create a store among foreign files",
+    Err(not_ours(format!(
+        "{} holds {} and no sled `db` file; refusing to create a store among foreign files",
         dir.display(),
         foreign.join(", ")
     )))
+}
+
+/// The error for a path that is not an idemstore store, worded as
+/// `RedbStore` words it.
+fn not_ours(detail: String) -> Error {
+    Error::corrupt(None, format!("not an idemstore store directory: {detail}"))
 }
 
 /// Takes the store's lock file. The lock is an advisory `flock` that the
@@ -149,12 +154,15 @@ pub(crate) fn check_foreign(db: &::sled::Db) -> Result<()> {
         .iter()
         .any(|n| ![SLED_DEFAULT_TREE, RECORDS_TREE, EXPIRY_TREE].contains(&n.as_ref()));
     if others || !db.is_empty() {
-        // A sled database of some other program: version 0 is what
-        // `Error::UnsupportedFormat` documents for "not an idemstore file".
-        return Err(Error::UnsupportedFormat {
-            found: 0,
-            supported: STORE_FORMAT_VERSION,
-        });
+        let mut trees: Vec<String> = names
+            .iter()
+            .map(|n| String::from_utf8_lossy(n).into_owned())
+            .collect();
+        trees.sort();
+        return Err(not_ours(format!(
+            "a sled database without idemstore's meta tree (trees: {})",
+            trees.join(", ")
+        )));
     }
     Ok(())
 }

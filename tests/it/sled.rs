@@ -120,7 +120,8 @@ fn foreign_directory_is_refused_untouched() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("notes.txt"), "mine").unwrap();
     let err = SledStore::open(dir.path()).unwrap_err();
-    assert!(matches!(err, Error::InvalidArgument { .. }), "{err:?}");
+    assert!(matches!(err, Error::Corrupt { .. }), "{err:?}");
+    assert!(err.to_string().contains("not an idemstore store"), "{err}");
     assert!(err.to_string().contains("notes.txt"), "{err}");
     let names: Vec<_> = std::fs::read_dir(dir.path())
         .unwrap()
@@ -130,12 +131,13 @@ fn foreign_directory_is_refused_untouched() {
 
     let file = dir.path().join("notes.txt");
     let err = SledStore::open(&file).unwrap_err();
-    assert!(matches!(err, Error::InvalidArgument { .. }), "{err:?}");
+    assert!(matches!(err, Error::Corrupt { .. }), "{err:?}");
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "mine");
 }
 
 /// Another program's sled database is not an idemstore store.
 #[test]
-fn foreign_sled_database_is_unsupported() {
+fn foreign_sled_database_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     {
         let db = raw(dir.path());
@@ -143,15 +145,10 @@ fn foreign_sled_database_is_unsupported() {
         db.flush().unwrap();
     }
     let err = SledStore::open(dir.path()).unwrap_err();
+    assert!(matches!(err, Error::Corrupt { .. }), "{err:?}");
     assert!(
-        matches!(
-            err,
-            Error::UnsupportedFormat {
-                found: 0,
-                supported: 1
-            }
-        ),
-        "{err:?}"
+        err.to_string().contains("trees: __sled__default, users"),
+        "{err}"
     );
     let db = raw(dir.path());
     assert!(
