@@ -5,7 +5,6 @@ use crate::error::{Error, Result};
 use crate::store::{MAX_SWEEP_BATCH, Store};
 use crate::time::{Clock, SystemClock, Timestamp};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -65,6 +64,9 @@ impl SweeperConfig {
 struct Shared {
     stop: Mutex<bool>,
     wake: Condvar,
+    /// Set by the thread as its last act, so `shutdown` can wait with a bound.
+    finished: Mutex<bool>,
+    finished_cv: Condvar,
     swept: AtomicU64,
     errors: AtomicU64,
     last_error: Mutex<Option<String>>,
@@ -95,7 +97,6 @@ struct Shared {
 #[derive(Debug)]
 pub struct Sweeper {
     shared: Arc<Shared>,
-    done: Option<mpsc::Receiver<()>>,
     handle: Option<JoinHandle<()>>,
 }
 
@@ -125,48 +126,18 @@ impl Sweeper {
         mut sweep: impl FnMut(Timestamp, usize) -> Result<usize> + Send + 'static,
     ) -> Result<Sweeper> {
         let shared = Arc::new(Shared::default());
-        let (done_tx, done_rx) = mpsc::channel();
         let thread_shared = Arc::clone(&shared);
         let handle = std::thread::Builder::new()
             .name(name.to_owned())
             .spawn(move || {
                 let shared = thread_shared;
-                loop {
-                    // Sweep until a batch comes back short or we are told to stop.
-                    loop {
-                        if *lock(&shared.stop) {
-                            let _ = done_tx.send(());
-                            return;
-                        }
-                        match sweep(clock.now(), config.batch) {
-                            Ok(n) => {
-                                shared.swept.fetch_add(n as u64, Ordering::Relaxed);
-                                if n < config.batch {
-                                    break;
-                                }
-                            }
-                            Err(e) => {
-                                shared.errors.fetch_add(1, Ordering::Relaxed);
-                                *lock(&shared.last_error) = Some(e.to_string());
-                                break;
-                            }
-                        }
-                    }
-                    let stopped = lock(&shared.stop);
-                    let (stopped, _) = shared
-                        .wake
-                        .wait_timeout_while(stopped, config.interval, |s| !*s)
-                        .unwrap_or_else(|p| p.into_inner());
-                    if *stopped {
-                        let _ = done_tx.send(());
-                        return;
-                    }
-                }
+                sweep_loop(&shared, &*clock, config, &mut sweep);
+                *lock(&shared.finished) = true;
+                shared.finished_cv.notify_all();
             })
             .map_err(Error::Io)?;
         Ok(Sweeper {
             shared,
-            done: Some(done_rx),
             handle: Some(handle),
         })
     }
@@ -192,23 +163,70 @@ impl Sweeper {
     fn shutdown(&mut self) {
         *lock(&self.shared.stop) = true;
         self.shared.wake.notify_all();
-        if let Some(done) = self.done.take() {
-            // Join only if the thread said it finished within the bound;
-            // otherwise leave it detached rather than hang the caller.
-            let finished = !matches!(
-                done.recv_timeout(SWEEPER_JOIN_TIMEOUT),
-                Err(RecvTimeoutError::Timeout)
-            );
-            if let (true, Some(handle)) = (finished, self.handle.take()) {
-                let _ = handle.join();
-            }
+        let Some(handle) = self.handle.take() else {
+            return;
+        };
+        // Join only if the thread finishes within the bound; otherwise leave
+        // it detached rather than hang the caller.
+        let finished = lock(&self.shared.finished);
+        let (finished, _) = self
+            .shared
+            .finished_cv
+            .wait_timeout_while(finished, SWEEPER_JOIN_TIMEOUT, |f| !*f)
+            .unwrap_or_else(|p| p.into_inner());
+        if *finished {
+            drop(finished);
+            let _ = handle.join();
         }
     }
 }
 
+const _: () = {
+    // A store holding a sweeper must stay Send + Sync.
+    const fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<Sweeper>();
+};
+
 impl Drop for Sweeper {
     fn drop(&mut self) {
         self.shutdown();
+    }
+}
+
+/// Sweeps until a batch comes back short, waits an interval, repeats; returns when stopped.
+fn sweep_loop(
+    shared: &Shared,
+    clock: &dyn Clock,
+    config: SweeperConfig,
+    sweep: &mut impl FnMut(Timestamp, usize) -> Result<usize>,
+) {
+    loop {
+        loop {
+            if *lock(&shared.stop) {
+                return;
+            }
+            match sweep(clock.now(), config.batch) {
+                Ok(n) => {
+                    shared.swept.fetch_add(n as u64, Ordering::Relaxed);
+                    if n < config.batch {
+                        break;
+                    }
+                }
+                Err(e) => {
+                    shared.errors.fetch_add(1, Ordering::Relaxed);
+                    *lock(&shared.last_error) = Some(e.to_string());
+                    break;
+                }
+            }
+        }
+        let stopped = lock(&shared.stop);
+        let (stopped, _) = shared
+            .wake
+            .wait_timeout_while(stopped, config.interval, |s| !*s)
+            .unwrap_or_else(|p| p.into_inner());
+        if *stopped {
+            return;
+        }
     }
 }
 
