@@ -679,3 +679,90 @@ fn acknowledged_group_commits_survive_a_power_cut() {
     assert!(claim(&after, &key("new")).token() > max);
     drop(store);
 }
+
+/// A redb backend whose `sync_data` (once armed) holds until the test opens
+/// the gate: an fsync that takes as long as the test wants.
+#[derive(Debug, Clone, Default)]
+struct GatedSync {
+    inner: Arc<redb::backends::InMemoryBackend>,
+    armed: Arc<AtomicBool>,
+    entered: Arc<AtomicBool>,
+    gate: Arc<(std::sync::Mutex<bool>, std::sync::Condvar)>,
+}
+
+impl GatedSync {
+    fn open_gate(&self) {
+        *self.gate.0.lock().unwrap() = true;
+        self.gate.1.notify_all();
+    }
+}
+
+impl StorageBackend for GatedSync {
+    fn len(&self) -> Result<u64, std::io::Error> {
+        self.inner.len()
+    }
+    fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), std::io::Error> {
+        self.inner.read(offset, out)
+    }
+    fn set_len(&self, len: u64) -> Result<(), std::io::Error> {
+        self.inner.set_len(len)
+    }
+    fn sync_data(&self) -> Result<(), std::io::Error> {
+        if self.armed.load(Ordering::SeqCst) {
+            self.entered.store(true, Ordering::SeqCst);
+            let (open, wake) = &*self.gate;
+            let _open = wake
+                .wait_while(open.lock().unwrap(), |open| !*open)
+                .unwrap();
+        }
+        self.inner.sync_data()
+    }
+    fn write(&self, offset: u64, data: &[u8]) -> Result<(), std::io::Error> {
+        self.inner.write(offset, data)
+    }
+}
+
+#[cfg(feature = "tokio")]
+#[tokio::test(flavor = "current_thread")]
+async fn async_guard_on_redb_keeps_the_runtime_worker_free() {
+    // One runtime worker, and a claim whose fsync does not return until this
+    // test task says so: the test task can only run (and open the gate) if
+    // the waiting claim does not hold the worker.
+    let disk = GatedSync::default();
+    let store = Arc::new(RedbStore::builder().open_backend(disk.clone()).unwrap());
+    let guard = Guard::builder(Arc::clone(&store))
+        .lease(LEASE)
+        .build()
+        .unwrap();
+    disk.armed.store(true, Ordering::SeqCst);
+    // A watchdog so that a blocked worker fails the test instead of hanging it.
+    let fired = Arc::new(AtomicBool::new(false));
+    {
+        let (disk, fired) = (disk.clone(), Arc::clone(&fired));
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_secs(10));
+            if !*disk.gate.0.lock().unwrap() {
+                fired.store(true, Ordering::SeqCst);
+                disk.open_gate();
+            }
+        });
+    }
+    let task = tokio::spawn(async move {
+        guard
+            .run_async(&key("k"), &Fingerprint::of(b"fp"), |c| async move {
+                Ok::<_, std::convert::Infallible>(Response::new(201, c.token().to_string()))
+            })
+            .await
+    });
+    while !disk.entered.load(Ordering::SeqCst) {
+        tokio::task::yield_now().await;
+    }
+    // The claim is inside its fsync, and this task is running.
+    disk.open_gate();
+    assert!(matches!(task.await.unwrap(), Outcome::Executed(_)));
+    assert!(
+        !fired.load(Ordering::SeqCst),
+        "the claim's fsync held the only runtime worker"
+    );
+    assert!(store.stats().durable_commits >= 1);
+}
