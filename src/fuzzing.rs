@@ -44,6 +44,33 @@ fn check_round_trip(bytes: &[u8]) {
     }
 }
 
+/// A DONE record with a `body_bytes` response, as the codec benches use it.
+pub fn sample_record(body_bytes: usize) -> crate::Record {
+    crate::Record {
+        fingerprint: Fingerprint::of(b"sku=A&qty=1"),
+        state: crate::State::Done,
+        response: Some(
+            Response::new(201, vec![b'x'; body_bytes])
+                .with_header("content-type", "application/json"),
+        ),
+        lease_until: None,
+        expires_at: Timestamp::from_millis(T0 + 86_400_000),
+        created_at: Timestamp::from_millis(T0),
+        token: 42,
+        attempts: 1,
+    }
+}
+
+/// The stored bytes of `record` (the codec bench's `encode`).
+pub fn encode_record(record: &crate::Record) -> crate::Result<Vec<u8>> {
+    codec::encode_record(record)
+}
+
+/// Decodes and verifies stored bytes (the codec bench's `decode`).
+pub fn decode_record(bytes: &[u8]) -> crate::Result<crate::Record> {
+    codec::decode_record(b"\0bench", bytes)
+}
+
 /// Turns fuzzer bytes into an operation sequence, the same way in the fuzz
 /// target and in the corpus replay under `cargo test`.
 pub fn decode_ops(data: &[u8]) -> Vec<Op> {
