@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 const THREADS: u64 = 64;
-const LEASE: Duration = Duration::from_secs(300);
+const LEASE: Duration = Duration::from_secs(3600);
 const RETENTION: Duration = Duration::from_secs(24 * 3600);
 const SHORT: Duration = Duration::from_secs(3600);
 
@@ -54,7 +54,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                             let c = claimed(store.begin(&key, &fp, two_hours_ago, LEASE, SHORT)?);
                             store.complete(&key, &c, &response, two_hours_ago, SHORT)?;
                         }
-                        // A dead owner: claimed two hours ago, lease long passed.
+                        // A dead owner: claimed two hours ago, its one-hour lease passed.
                         8 => {
                             let _ = store.begin(&key, &fp, two_hours_ago, LEASE, RETENTION)?;
                         }

@@ -132,9 +132,9 @@ pub(crate) fn stats(store: &RedbStore, path: &Path, json: bool, io: &mut Io<'_>)
         ("store id", hex(&facts.store_id)),
         ("token high-water mark", facts.token_hwm.to_string()),
         ("records", c.records.to_string()),
-        ("  DONE", c.done.to_string()),
+        ("  DONE, live", c.done.to_string()),
         (
-            "  PROCESSING",
+            "  PROCESSING, live",
             format!(
                 "{} ({} with lease passed)",
                 c.processing, c.processing_lease_passed

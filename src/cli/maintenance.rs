@@ -31,6 +31,10 @@ fn spinner(io: &Io<'_>, records: u64, what: &str) -> indicatif::ProgressBar {
     s
 }
 
+fn plural(n: u64, one: &str, many: &str) -> String {
+    format!("{n} {}", if n == 1 { one } else { many })
+}
+
 fn secs(d: Duration) -> String {
     format!("{:.2}s", d.as_secs_f64())
 }
@@ -67,8 +71,9 @@ pub(crate) fn sweep(store: &RedbStore, path: &Path, json: bool, io: &mut Io<'_>)
     } else {
         writeln!(
             io.out,
-            "swept {removed} expired records in {batches} batches ({}); {left} records left.\n\
+            "swept {removed} expired records ({}, {}); {left} records left.\n\
              The freed space is reused by new records; `compact` shrinks the file ({} bytes now).",
+            plural(batches, "sweep batch", "sweep batches"),
             secs(elapsed),
             file_bytes(path)
         )?;
@@ -102,8 +107,9 @@ pub(crate) fn compact(store: RedbStore, path: &Path, json: bool, io: &mut Io<'_>
     } else {
         writeln!(
             io.out,
-            "compacted in {} ({rounds} rounds): {before} -> {after} bytes, {reclaimed} reclaimed",
-            secs(elapsed)
+            "compacted in {} ({}): {before} -> {after} bytes, {reclaimed} reclaimed",
+            secs(elapsed),
+            plural(u64::from(rounds), "pass", "passes")
         )?;
     }
     Ok(EXIT_OK)
@@ -169,7 +175,11 @@ pub(crate) fn verify(store: &RedbStore, json: bool, io: &mut Io<'_>) -> Outcome 
             if hidden > 0 {
                 writeln!(io.out, "... and {hidden} more")?;
             }
-            writeln!(io.out, "FAILED: {} problems", report.problem_count)?;
+            writeln!(
+                io.out,
+                "FAILED: {}",
+                plural(report.problem_count, "problem", "problems")
+            )?;
         }
     }
     Ok(if report.is_clean() {

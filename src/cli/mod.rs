@@ -95,9 +95,15 @@ pub(crate) struct Io<'a> {
     pub(crate) now: Timestamp,
 }
 
-/// Inspect and maintain an idemstore store file.
+/// Shown after `--help`.
+const EXIT_CODES_HELP: &str = "Exit codes: 0 ok, 1 error, 2 usage, 3 verify found problems \
+(or export skipped damaged records), 4 locked by another process, 5 no such record, \
+6 refused (no confirmation, or import into a non-empty store without --force).";
+
+/// Inspect and maintain an idemstore store file (one that no running
+/// process holds open).
 #[derive(Debug, Parser)]
-#[command(name = "idemstore", version, about, long_about = None)]
+#[command(name = "idemstore", version, after_help = EXIT_CODES_HELP)]
 pub(crate) struct Args {
     #[command(subcommand)]
     pub(crate) command: Command,
@@ -307,7 +313,14 @@ pub(crate) fn run(args: Args, io: &mut Io<'_>) -> u8 {
                 EXIT_PROBLEMS,
                 format!("verify: {}", f.message),
             )),
-            opened => opened.and_then(|s| maintenance::verify(&s, json, io)),
+            opened => match opened.and_then(|s| maintenance::verify(&s, json, io)) {
+                // Damage redb itself cannot repair ends the check: still a finding.
+                Err(f) if f.corrupt => Err(Failure::new(
+                    EXIT_PROBLEMS,
+                    format!("verify: {}", f.message),
+                )),
+                other => other,
+            },
         },
         Command::Export {
             store,

@@ -20,7 +20,7 @@ use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
 use crate::key::Key;
 use crate::record::{Record, State};
-use crate::response::Response;
+use crate::response::{MAX_BODY_BYTES_HARD_CAP, Response};
 use crate::time::Timestamp;
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD;
@@ -180,11 +180,14 @@ fn response_from(map: &Map<String, Value>) -> Result<Response> {
             headers.push((name.to_owned(), take_bytes(h, "value")?));
         }
     }
-    Ok(Response {
+    let response = Response {
         status,
         headers,
         body: take_bytes(map, "body")?,
-    })
+    };
+    // The same limits a store enforces on `complete`, at their widest.
+    response.check_limits(MAX_BODY_BYTES_HARD_CAP)?;
+    Ok(response)
 }
 
 #[cfg(test)]
@@ -239,6 +242,13 @@ mod tests {
         v["lease_until_ms"] = json!(5);
         let err = from_json(&v.to_string()).expect_err("DONE with a lease");
         assert!(err.to_string().contains("DONE record"), "{err}");
+        v = to_json(&key, &record);
+        let many: Vec<Value> = (0..=crate::response::MAX_HEADERS)
+            .map(|i| json!({"name": format!("h{i}"), "value": "v"}))
+            .collect();
+        v["response"]["headers"] = Value::Array(many);
+        let err = from_json(&v.to_string()).expect_err("over the header limit");
+        assert!(matches!(err, Error::ResponseTooLarge { .. }), "{err}");
         v = to_json(&key, &record);
         v["v"] = json!(2);
         assert!(from_json(&v.to_string()).is_err());

@@ -135,7 +135,7 @@ fn stats_counts_records_by_state() {
     let text = stdout(&table);
     assert!(text.contains("token high-water mark  6"), "{text}");
     assert!(
-        text.contains("PROCESSING           2 (1 with lease passed)"),
+        text.contains("PROCESSING, live     2 (1 with lease passed)"),
         "{text}"
     );
 }
@@ -341,7 +341,7 @@ fn verify_reports_a_damaged_record_value_by_key() {
     assert!(text.contains("bad_record"), "{text}");
     assert!(text.contains("t/done"), "{text}");
     assert!(text.contains("checksum mismatch"), "{text}");
-    assert!(text.contains("FAILED: 1 problems"), "{text}");
+    assert!(text.contains("FAILED: 1 problem\n"), "{text}");
     // The other commands still work around it, and say so.
     assert_eq!(run_json(&["stats", p])["unreadable"], 1);
     idemstore()
