@@ -2,7 +2,7 @@
 //! compact, verify, export and import a [`RedbStore`] file.
 //!
 //! The binary (`src/bin/idemstore.rs`) only calls [`main`]; the commands are
-//! crate-internal functions over an [`Io`] so that unit tests drive them
+//! crate-internal functions over an `Io` (streams and now) so that unit tests drive them
 //! without a process. Integration tests run the real binary.
 //!
 //! ```text
