@@ -344,10 +344,18 @@ fn verify_reports_a_damaged_record_value_by_key() {
     assert!(text.contains("FAILED: 1 problem\n"), "{text}");
     // The other commands still work around it, and say so.
     assert_eq!(run_json(&["stats", p])["unreadable"], 1);
-    idemstore()
+    let get = idemstore()
         .args(["get", p, "--scope", "t", "done"])
         .assert()
         .code(1);
+    assert!(
+        stderr(&get).contains("corrupt record for key t/done"),
+        "{}",
+        stderr(&get)
+    );
+    let listed = stdout(&idemstore().args(["list", p]).assert().success());
+    let line = listed.lines().find(|l| l.contains("t/done")).unwrap();
+    assert!(line.starts_with("UNREADABLE"), "{listed}");
     let export = idemstore().args(["export", p]).assert().code(3);
     assert_eq!(json_lines(&export.get_output().stdout).len(), 5);
     assert!(stderr(&export).contains("t/done"), "{}", stderr(&export));
