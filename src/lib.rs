@@ -54,8 +54,12 @@
 //! - `sled`: `SledStore`, the store on sled 0.34.7, fsynced for real.
 //! - `tokio`: [`Guard::run_async`].
 //! - `tower`: HTTP middleware (`Idempotency-Key`), in [`tower`] (behaviour and status codes in its docs).
+//! - `cli`: the `idemstore` operator binary (stats, get, list, evict, sweep,
+//!   compact, verify, export, import); its entry point is [`cli::main`].
 //! - `test-util`: [`ManualClock`], [`FaultyStore`] and the [`MemoryStore`] fault hook.
 
+#[cfg(feature = "cli")]
+pub mod cli;
 #[cfg_attr(
     not(feature = "redb"),
     allow(

@@ -6,9 +6,12 @@
 //! - `writer.rs`: the group-commit writer thread;
 //! - `options.rs`: durability, recovery policy, the builder;
 //! - `stats.rs`: the group-commit counters;
+//! - `inspect.rs` (feature `cli`): operator access for the `idemstore` binary;
 //! - this file: the public type, the read paths, the `Store` impl.
 
 mod errors;
+#[cfg(feature = "cli")]
+pub(crate) mod inspect;
 mod open;
 mod options;
 mod stats;

@@ -10,6 +10,7 @@
 #[macro_use]
 mod conformance;
 mod bad_input;
+mod cli;
 mod fuzz_corpus;
 mod guard;
 #[macro_use]

@@ -1,0 +1,341 @@
+//! Commands that touch every record: `sweep`, `compact`, `verify`,
+//! `export` and `import`.
+
+use super::commands::bar;
+use super::transfer;
+use super::{
+    EXIT_ERROR, EXIT_OK, EXIT_PROBLEMS, EXIT_REFUSED, Failure, Io, Outcome, PROGRESS_MIN_RECORDS,
+    file_bytes,
+};
+use crate::codec;
+use crate::error::Result;
+use crate::redb::RedbStore;
+use crate::store::{MAX_SWEEP_BATCH, Store};
+use serde_json::json;
+use std::io::{BufRead, BufReader, Write};
+use std::ops::ControlFlow;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+/// `compact` repeats redb's compaction while it still moves pages, at most
+/// this many times (redb moves a bounded amount per call).
+pub(crate) const MAX_COMPACT_ROUNDS: u32 = 32;
+
+fn spinner(io: &Io<'_>, records: u64, what: &str) -> indicatif::ProgressBar {
+    if !io.progress || records < PROGRESS_MIN_RECORDS {
+        return indicatif::ProgressBar::hidden();
+    }
+    let s = indicatif::ProgressBar::new_spinner();
+    s.set_message(what.to_owned());
+    s.enable_steady_tick(Duration::from_millis(120));
+    s
+}
+
+fn plural(n: u64, one: &str, many: &str) -> String {
+    format!("{n} {}", if n == 1 { one } else { many })
+}
+
+fn secs(d: Duration) -> String {
+    format!("{:.2}s", d.as_secs_f64())
+}
+
+pub(crate) fn sweep(store: &RedbStore, path: &Path, json: bool, io: &mut Io<'_>) -> Outcome {
+    let now = io.now;
+    let started = Instant::now();
+    let due = store.count_due(now, u64::MAX)?;
+    let bar = bar(io, due, "sweeping");
+    let mut removed = 0u64;
+    let mut batches = 0u64;
+    // Every call removes up to a batch of due index entries (records or
+    // stale entries), so this many rounds empty the due range.
+    let max_rounds = due.div_ceil(MAX_SWEEP_BATCH as u64) + 1;
+    while batches < max_rounds && store.count_due(now, 1)? > 0 {
+        let n = store.sweep_expired(now, MAX_SWEEP_BATCH)? as u64;
+        removed += n;
+        batches += 1;
+        bar.inc(n);
+    }
+    bar.finish_and_clear();
+    let left = store.facts()?.records;
+    let elapsed = started.elapsed();
+    if json {
+        let v = json!({
+            "removed": removed,
+            "index_entries_due": due,
+            "batches": batches,
+            "records_left": left,
+            "file_bytes": file_bytes(path),
+            "seconds": elapsed.as_secs_f64(),
+        });
+        writeln!(io.out, "{v}")?;
+    } else {
+        writeln!(
+            io.out,
+            "swept {removed} expired records ({}, {}); {left} records left.\n\
+             The freed space is reused by new records; `compact` shrinks the file ({} bytes now).",
+            plural(batches, "sweep batch", "sweep batches"),
+            secs(elapsed),
+            file_bytes(path)
+        )?;
+    }
+    Ok(EXIT_OK)
+}
+
+pub(crate) fn compact(store: RedbStore, path: &Path, json: bool, io: &mut Io<'_>) -> Outcome {
+    let before = file_bytes(path);
+    let started = Instant::now();
+    let spin = spinner(io, store.facts()?.records, "compacting");
+    let mut rounds = 0u32;
+    while rounds < MAX_COMPACT_ROUNDS && store.compact()? {
+        rounds += 1;
+    }
+    // Closing the store lets redb trim the file end; measure after.
+    drop(store);
+    spin.finish_and_clear();
+    let after = file_bytes(path);
+    let elapsed = started.elapsed();
+    let reclaimed = before.saturating_sub(after);
+    if json {
+        let v = json!({
+            "file_bytes_before": before,
+            "file_bytes_after": after,
+            "reclaimed_bytes": reclaimed,
+            "rounds": rounds,
+            "seconds": elapsed.as_secs_f64(),
+        });
+        writeln!(io.out, "{v}")?;
+    } else {
+        writeln!(
+            io.out,
+            "compacted in {} ({}): {before} -> {after} bytes, {reclaimed} reclaimed",
+            secs(elapsed),
+            plural(u64::from(rounds), "pass", "passes")
+        )?;
+    }
+    Ok(EXIT_OK)
+}
+
+pub(crate) fn verify(store: &RedbStore, json: bool, io: &mut Io<'_>) -> Outcome {
+    let started = Instant::now();
+    let facts = store.facts()?;
+    let bar = bar(io, facts.records + facts.index_entries, "verifying");
+    let report = store.verify(|n| {
+        if n.is_multiple_of(4096) {
+            bar.set_position(n);
+        }
+    })?;
+    bar.finish_and_clear();
+    let elapsed = started.elapsed();
+    if json {
+        let problems: Vec<_> = report
+            .problems
+            .iter()
+            .map(|p| json!({"kind": p.kind.name(), "key": p.key, "detail": p.detail}))
+            .collect();
+        let v = json!({
+            "ok": report.is_clean(),
+            "records": report.records,
+            "index_entries": report.index_entries,
+            "problem_count": report.problem_count,
+            "problems": problems,
+            "seconds": elapsed.as_secs_f64(),
+        });
+        writeln!(io.out, "{v}")?;
+    } else {
+        writeln!(
+            io.out,
+            "read {} records and {} index entries in {}",
+            report.records,
+            report.index_entries,
+            secs(elapsed)
+        )?;
+        if report.is_clean() {
+            writeln!(
+                io.out,
+                "OK: every record verifies and the expiry index agrees with the records"
+            )?;
+        } else {
+            let rows: Vec<Vec<String>> = report
+                .problems
+                .iter()
+                .map(|p| {
+                    vec![
+                        p.kind.name().to_owned(),
+                        p.key.clone().unwrap_or_else(|| "-".to_owned()),
+                        p.detail.clone(),
+                    ]
+                })
+                .collect();
+            write!(
+                io.out,
+                "{}",
+                super::format::table(&["PROBLEM", "KEY", "DETAIL"], &rows)
+            )?;
+            let hidden = report.problem_count - report.problems.len() as u64;
+            if hidden > 0 {
+                writeln!(io.out, "... and {hidden} more")?;
+            }
+            writeln!(
+                io.out,
+                "FAILED: {}",
+                plural(report.problem_count, "problem", "problems")
+            )?;
+        }
+    }
+    Ok(if report.is_clean() {
+        EXIT_OK
+    } else {
+        EXIT_PROBLEMS
+    })
+}
+
+/// Creates the export file owner-only: it holds response snapshots.
+fn create_private(path: &Path) -> std::io::Result<std::fs::File> {
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create(true).truncate(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
+    options.open(path)
+}
+
+pub(crate) fn export(
+    store: &RedbStore,
+    output: Option<&Path>,
+    json: bool,
+    io: &mut Io<'_>,
+) -> Outcome {
+    let started = Instant::now();
+    let facts = store.facts()?;
+    let bar = bar(io, facts.records, "exporting");
+    let mut file;
+    let out: &mut dyn Write = match output {
+        Some(p) if p != Path::new("-") => {
+            file = std::io::BufWriter::new(create_private(p)?);
+            &mut file
+        }
+        _ => &mut *io.out,
+    };
+    let (mut written, mut skipped) = (0u64, Vec::new());
+    let mut failed = None;
+    store.scan(b"", |key_bytes, record| {
+        let line = match (record, codec::decode_key(key_bytes)) {
+            (Ok(r), Ok(k)) => transfer::to_json(&k, &r),
+            (Err(e), _) | (_, Err(e)) => {
+                skipped.push(format!("{}: {e}", codec::printable_key(key_bytes)));
+                return ControlFlow::Continue(());
+            }
+        };
+        if let Err(e) = writeln!(out, "{line}") {
+            failed = Some(e);
+            return ControlFlow::Break(());
+        }
+        written += 1;
+        if written.is_multiple_of(4096) {
+            bar.set_position(written);
+        }
+        ControlFlow::Continue(())
+    })?;
+    bar.finish_and_clear();
+    if let Some(e) = failed {
+        return Err(e.into());
+    }
+    out.flush()?;
+    for s in &skipped {
+        writeln!(io.err, "idemstore: skipped unreadable record {s}")?;
+    }
+    let summary = json!({
+        "exported": written,
+        "skipped_unreadable": skipped.len(),
+        "seconds": started.elapsed().as_secs_f64(),
+    });
+    if json {
+        writeln!(io.err, "{summary}")?;
+    } else {
+        writeln!(
+            io.err,
+            "exported {written} records in {}{}",
+            secs(started.elapsed()),
+            if skipped.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    "; {} unreadable records skipped (run verify)",
+                    skipped.len()
+                )
+            }
+        )?;
+    }
+    Ok(if skipped.is_empty() {
+        EXIT_OK
+    } else {
+        EXIT_PROBLEMS
+    })
+}
+
+pub(crate) fn import(
+    store: RedbStore,
+    input: Option<&Path>,
+    force: bool,
+    json: bool,
+    io: &mut Io<'_>,
+) -> Outcome {
+    let started = Instant::now();
+    let facts = store.facts()?;
+    if !force && (facts.records > 0 || facts.index_entries > 0) {
+        return Err(Failure::new(
+            EXIT_REFUSED,
+            format!(
+                "the target store already holds {} records; import into a new file, \
+                 or pass --force to merge (records with the same key are replaced)",
+                facts.records
+            ),
+        ));
+    }
+    let spin = spinner(io, PROGRESS_MIN_RECORDS, "importing");
+    let mut file;
+    let reader: &mut dyn BufRead = match input {
+        Some(p) if p != Path::new("-") => {
+            file = BufReader::new(std::fs::File::open(p)?);
+            &mut file
+        }
+        _ => &mut *io.input,
+    };
+    let mut line_no = 0u64;
+    let lines = reader.lines().filter_map(|line| {
+        line_no += 1;
+        let at = line_no;
+        match line {
+            Ok(l) if l.trim().is_empty() => None,
+            Ok(l) => Some(
+                transfer::from_json(&l)
+                    .map_err(|e| crate::Error::invalid_argument(format!("line {at}: {e}"))),
+            ),
+            Err(e) => Some(Err(crate::Error::Io(e))),
+        }
+    });
+    let result: Result<u64> = store.import(lines.inspect(|_| spin.inc(1)));
+    spin.finish_and_clear();
+    let written = match result {
+        Ok(n) => n,
+        Err(e) => {
+            return Err(Failure::new(
+                EXIT_ERROR,
+                format!(
+                    "import stopped: {e}. Records before that line may be written: \
+                     delete the target and import again after fixing the input"
+                ),
+            ));
+        }
+    };
+    if json {
+        let v = json!({"imported": written, "seconds": started.elapsed().as_secs_f64()});
+        writeln!(io.out, "{v}")?;
+    } else {
+        writeln!(
+            io.out,
+            "imported {written} records in {}",
+            secs(started.elapsed())
+        )?;
+    }
+    Ok(EXIT_OK)
+}

@@ -1,0 +1,257 @@
+//! The JSONL export format: one JSON object per record, one record per line.
+//!
+//! ```text
+//! {"v":1,"scope":"tenant-42","id":"order-1","state":"DONE",
+//!  "fingerprint":"<64 hex digits>","token":42,"attempts":1,
+//!  "created_at_ms":1764410000000,"expires_at_ms":1764496400000,"lease_until_ms":null,
+//!  "response":{"status":201,"headers":[{"name":"content-type","value":"text/plain"}],"body":"charged"}}
+//! ```
+//!
+//! Byte strings (scope, id, header values, body) are written as JSON text
+//! under their own name when they are valid UTF-8, and otherwise as
+//! standard base64 (with padding) under the name with `_b64` appended
+//! (`"body_b64":"/9j/4AAQ..."`), so that text stays greppable and nothing
+//! is lost. The fingerprint is 64 lower-case hex digits; times are Unix
+//! milliseconds. `v` is the line format version (1). Records are written as
+//! stored, expired ones included; import writes them back unchanged.
+
+use super::format::{hex, unhex};
+use crate::error::{Error, Result};
+use crate::fingerprint::Fingerprint;
+use crate::key::Key;
+use crate::record::{Record, State};
+use crate::response::{MAX_BODY_BYTES_HARD_CAP, Response};
+use crate::time::Timestamp;
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD;
+use serde_json::{Map, Value, json};
+
+/// The `v` this build writes and reads.
+pub(crate) const LINE_VERSION: u64 = 1;
+
+/// One record as a JSON object (see the module docs).
+pub(crate) fn to_json(key: &Key, record: &Record) -> Value {
+    let mut line = Map::new();
+    line.insert("v".into(), json!(LINE_VERSION));
+    put_bytes(&mut line, "scope", key.scope());
+    put_bytes(&mut line, "id", key.id());
+    line.insert("state".into(), json!(record.state.to_string()));
+    line.insert(
+        "fingerprint".into(),
+        json!(hex(record.fingerprint.as_bytes())),
+    );
+    line.insert("token".into(), json!(record.token));
+    line.insert("attempts".into(), json!(record.attempts));
+    line.insert("created_at_ms".into(), json!(record.created_at.as_millis()));
+    line.insert("expires_at_ms".into(), json!(record.expires_at.as_millis()));
+    line.insert(
+        "lease_until_ms".into(),
+        json!(record.lease_until.map(Timestamp::as_millis)),
+    );
+    line.insert(
+        "response".into(),
+        record.response.as_ref().map_or(Value::Null, response_json),
+    );
+    Value::Object(line)
+}
+
+fn response_json(r: &Response) -> Value {
+    let headers: Vec<Value> = r
+        .headers
+        .iter()
+        .map(|(name, value)| {
+            let mut h = Map::new();
+            h.insert("name".into(), json!(name));
+            put_bytes(&mut h, "value", value);
+            Value::Object(h)
+        })
+        .collect();
+    let mut out = Map::new();
+    out.insert("status".into(), json!(r.status));
+    out.insert("headers".into(), Value::Array(headers));
+    put_bytes(&mut out, "body", &r.body);
+    Value::Object(out)
+}
+
+fn put_bytes(map: &mut Map<String, Value>, name: &str, bytes: &[u8]) {
+    match std::str::from_utf8(bytes) {
+        Ok(text) => map.insert(name.to_owned(), json!(text)),
+        Err(_) => map.insert(format!("{name}_b64"), json!(STANDARD.encode(bytes))),
+    };
+}
+
+fn bad(detail: impl std::fmt::Display) -> Error {
+    Error::invalid_argument(format!("export line: {detail}"))
+}
+
+fn take_bytes(map: &Map<String, Value>, name: &str) -> Result<Vec<u8>> {
+    if let Some(v) = map.get(name) {
+        return v
+            .as_str()
+            .map(|s| s.as_bytes().to_vec())
+            .ok_or_else(|| bad(format!("{name:?} is not a string")));
+    }
+    let b64 = format!("{name}_b64");
+    let v = map
+        .get(&b64)
+        .ok_or_else(|| bad(format!("neither {name:?} nor {b64:?} is present")))?;
+    let s = v
+        .as_str()
+        .ok_or_else(|| bad(format!("{b64:?} is not a string")))?;
+    STANDARD
+        .decode(s)
+        .map_err(|e| bad(format!("{b64:?} is not base64: {e}")))
+}
+
+fn take_u64(map: &Map<String, Value>, name: &str) -> Result<u64> {
+    map.get(name)
+        .and_then(Value::as_u64)
+        .ok_or_else(|| bad(format!("{name:?} is missing or not an unsigned integer")))
+}
+
+fn object<'a>(v: &'a Value, what: &str) -> Result<&'a Map<String, Value>> {
+    v.as_object()
+        .ok_or_else(|| bad(format!("{what} is not a JSON object")))
+}
+
+/// Parses one line written by [`to_json`]. The record's invariants are
+/// checked again when it is written.
+pub(crate) fn from_json(line: &str) -> Result<(Key, Record)> {
+    let value: Value = serde_json::from_str(line).map_err(|e| bad(format!("not JSON: {e}")))?;
+    let map = object(&value, "the line")?;
+    let v = take_u64(map, "v")?;
+    if v != LINE_VERSION {
+        return Err(bad(format!(
+            "line format v{v}; this build reads v{LINE_VERSION}"
+        )));
+    }
+    let key = Key::new(take_bytes(map, "scope")?, take_bytes(map, "id")?)?;
+    let state = match map.get("state").and_then(Value::as_str) {
+        Some("PROCESSING") => State::Processing,
+        Some("DONE") => State::Done,
+        other => return Err(bad(format!("unknown state {other:?}"))),
+    };
+    let fp = map
+        .get("fingerprint")
+        .and_then(Value::as_str)
+        .and_then(unhex)
+        .and_then(|b| <[u8; 32]>::try_from(b).ok())
+        .ok_or_else(|| bad("\"fingerprint\" is not 64 hex digits"))?;
+    let lease_until = match map.get("lease_until_ms") {
+        None | Some(Value::Null) => None,
+        Some(_) => Some(Timestamp::from_millis(take_u64(map, "lease_until_ms")?)),
+    };
+    let response = match map.get("response") {
+        None | Some(Value::Null) => None,
+        Some(r) => Some(response_from(object(r, "\"response\"")?)?),
+    };
+    let attempts =
+        u32::try_from(take_u64(map, "attempts")?).map_err(|_| bad("\"attempts\" is too large"))?;
+    let record = Record {
+        fingerprint: Fingerprint::from_bytes(fp),
+        state,
+        response,
+        lease_until,
+        expires_at: Timestamp::from_millis(take_u64(map, "expires_at_ms")?),
+        created_at: Timestamp::from_millis(take_u64(map, "created_at_ms")?),
+        token: take_u64(map, "token")?,
+        attempts,
+    };
+    record
+        .check()
+        .map_err(|why| bad(format!("record for {key}: {why}")))?;
+    Ok((key, record))
+}
+
+fn response_from(map: &Map<String, Value>) -> Result<Response> {
+    let status =
+        u16::try_from(take_u64(map, "status")?).map_err(|_| bad("\"status\" is not a u16"))?;
+    let mut headers = Vec::new();
+    if let Some(list) = map.get("headers") {
+        let list = list
+            .as_array()
+            .ok_or_else(|| bad("\"headers\" is not an array"))?;
+        for h in list {
+            let h = object(h, "a header")?;
+            let name = h
+                .get("name")
+                .and_then(Value::as_str)
+                .ok_or_else(|| bad("a header has no \"name\""))?;
+            headers.push((name.to_owned(), take_bytes(h, "value")?));
+        }
+    }
+    let response = Response {
+        status,
+        headers,
+        body: take_bytes(map, "body")?,
+    };
+    // The same limits a store enforces on `complete`, at their widest.
+    response.check_limits(MAX_BODY_BYTES_HARD_CAP)?;
+    Ok(response)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn done() -> (Key, Record) {
+        let key = Key::new(b"t\xff".as_slice(), "order-1").expect("key");
+        let record = Record {
+            fingerprint: Fingerprint::of(b"x"),
+            state: State::Done,
+            response: Some(
+                Response::new(201, vec![0u8, 159, 146, 150])
+                    .with_header("content-type", "application/octet-stream")
+                    .with_header("x-raw", vec![0xffu8]),
+            ),
+            lease_until: None,
+            expires_at: Timestamp::from_millis(2_000),
+            created_at: Timestamp::from_millis(1_000),
+            token: 7,
+            attempts: 2,
+        };
+        (key, record)
+    }
+
+    #[test]
+    fn lines_round_trip_text_and_binary() {
+        let (key, record) = done();
+        let line = to_json(&key, &record).to_string();
+        assert!(line.contains("\"scope_b64\":\"dP8=\""), "{line}");
+        assert!(line.contains("\"id\":\"order-1\""), "{line}");
+        assert!(line.contains("\"body_b64\""), "{line}");
+        assert_eq!(from_json(&line).expect("parses"), (key, record));
+        let processing = Record {
+            state: State::Processing,
+            response: None,
+            lease_until: Some(Timestamp::from_millis(1_500)),
+            ..done().1
+        };
+        let line = to_json(&done().0, &processing).to_string();
+        assert_eq!(from_json(&line).expect("parses").1, processing);
+    }
+
+    #[test]
+    fn bad_lines_are_errors_naming_the_field() {
+        let (key, record) = done();
+        let mut v = to_json(&key, &record);
+        v["fingerprint"] = json!("abc");
+        let err = from_json(&v.to_string()).expect_err("short fingerprint");
+        assert!(err.to_string().contains("fingerprint"), "{err}");
+        v = to_json(&key, &record);
+        v["lease_until_ms"] = json!(5);
+        let err = from_json(&v.to_string()).expect_err("DONE with a lease");
+        assert!(err.to_string().contains("DONE record"), "{err}");
+        v = to_json(&key, &record);
+        let many: Vec<Value> = (0..=crate::response::MAX_HEADERS)
+            .map(|i| json!({"name": format!("h{i}"), "value": "v"}))
+            .collect();
+        v["response"]["headers"] = Value::Array(many);
+        let err = from_json(&v.to_string()).expect_err("over the header limit");
+        assert!(matches!(err, Error::ResponseTooLarge { .. }), "{err}");
+        v = to_json(&key, &record);
+        v["v"] = json!(2);
+        assert!(from_json(&v.to_string()).is_err());
+        assert!(from_json("not json").is_err());
+    }
+}

@@ -1,0 +1,540 @@
+//! The `idemstore` binary, run as a process against stores made by the
+//! library: every command, the exit codes, a damaged store for `verify`, and
+//! a store held by another process.
+#![cfg(all(feature = "cli", feature = "redb"))]
+
+use assert_cmd::Command;
+use idemstore::{
+    Begin, Clock, Fingerprint, Key, RedbStore, Response, State, Store, SystemClock, Timestamp,
+};
+use redb::{ReadableTable, TableDefinition};
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+const LEASE: Duration = Duration::from_secs(300);
+const KEEP: Duration = Duration::from_secs(24 * 3600);
+const SHORT: Duration = Duration::from_secs(3600);
+/// The tests never wait on the binary longer than this: a hang is a failure.
+const PROCESS_TIMEOUT: Duration = Duration::from_secs(60);
+const RECORDS: TableDefinition<&[u8], &[u8]> = TableDefinition::new("idemstore.records");
+const EXPIRY: TableDefinition<&[u8], ()> = TableDefinition::new("idemstore.expiry");
+
+fn idemstore() -> Command {
+    let mut cmd = Command::new(assert_cmd::cargo::cargo_bin!("idemstore"));
+    cmd.timeout(PROCESS_TIMEOUT);
+    cmd
+}
+
+fn now() -> Timestamp {
+    SystemClock.now()
+}
+
+fn hours_ago(h: u64) -> Timestamp {
+    Timestamp::from_millis(now().as_millis() - h * 3_600_000)
+}
+
+fn claimed(b: Begin) -> idemstore::Claim {
+    match b {
+        Begin::Claimed(c) => c,
+        other => panic!("expected Claimed, got {other:?}"),
+    }
+}
+
+/// A store with one record of each kind an operator asks about:
+/// `t/done` (DONE, text body), `t/bin` (DONE, binary body), `t/big`
+/// (DONE, 5000-byte body), `t/live` (PROCESSING, lease live), `t/dead`
+/// (PROCESSING, lease passed), `u/old` (DONE, expired, not swept).
+fn sample_store(dir: &Path) -> PathBuf {
+    let path = dir.join("sample.idem");
+    let store = RedbStore::open(&path).unwrap();
+    let fp = Fingerprint::of(b"sku=A&qty=1");
+    let done = |scope: &str, id: &str, at: Timestamp, keep: Duration, response: Response| {
+        let k = Key::new(scope, id).unwrap();
+        let c = claimed(store.begin(&k, &fp, at, LEASE, keep).unwrap());
+        store.complete(&k, &c, &response, at, keep).unwrap();
+    };
+    done(
+        "t",
+        "done",
+        now(),
+        KEEP,
+        Response::new(201, "charged").with_header("content-type", "text/plain"),
+    );
+    done(
+        "t",
+        "bin",
+        now(),
+        KEEP,
+        Response::new(200, vec![0xff, 0x00, 0xfe]),
+    );
+    done(
+        "t",
+        "big",
+        now(),
+        KEEP,
+        Response::new(200, "x".repeat(5000)),
+    );
+    done("u", "old", hours_ago(2), SHORT, Response::new(200, "old"));
+    let k = Key::new("t", "live").unwrap();
+    claimed(store.begin(&k, &fp, now(), LEASE, KEEP).unwrap());
+    let k = Key::new("t", "dead").unwrap();
+    claimed(store.begin(&k, &fp, hours_ago(1), LEASE, KEEP).unwrap());
+    path
+}
+
+fn json_lines(out: &[u8]) -> Vec<Value> {
+    String::from_utf8(out.to_vec())
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+fn run_json(args: &[&str]) -> Value {
+    let out = idemstore().args(args).arg("--json").assert().success();
+    let mut lines = json_lines(&out.get_output().stdout);
+    assert_eq!(lines.len(), 1);
+    lines.remove(0)
+}
+
+fn stdout(assert: &assert_cmd::assert::Assert) -> String {
+    String::from_utf8(assert.get_output().stdout.clone()).unwrap()
+}
+
+fn stderr(assert: &assert_cmd::assert::Assert) -> String {
+    String::from_utf8(assert.get_output().stderr.clone()).unwrap()
+}
+
+fn encoded_key(scope: &str, id: &str) -> Vec<u8> {
+    // The frozen key layout: scope_len u8 | scope | id.
+    let mut k = vec![scope.len() as u8];
+    k.extend_from_slice(scope.as_bytes());
+    k.extend_from_slice(id.as_bytes());
+    k
+}
+
+#[test]
+fn stats_counts_records_by_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = sample_store(dir.path());
+    let p = path.to_str().unwrap();
+    let v = run_json(&["stats", p]);
+    assert_eq!(v["records"], 6);
+    assert_eq!(v["done"], 3);
+    assert_eq!(v["processing"], 2);
+    assert_eq!(v["processing_lease_passed"], 1);
+    assert_eq!(v["expired_not_swept"], 1);
+    assert_eq!(v["unreadable"], 0);
+    assert_eq!(v["index_entries"], 6);
+    assert_eq!(v["format_version"], 1);
+    assert_eq!(v["token_high_water_mark"], 6);
+    assert!(v["file_bytes"].as_u64().unwrap() > 0);
+    assert!(v["oldest_expiry_ms"].as_u64() < v["newest_expiry_ms"].as_u64());
+    let table = idemstore().args(["stats", p]).assert().success();
+    let text = stdout(&table);
+    assert!(text.contains("token high-water mark  6"), "{text}");
+    assert!(
+        text.contains("PROCESSING, live     2 (1 with lease passed)"),
+        "{text}"
+    );
+}
+
+#[test]
+fn get_shows_the_record_and_its_response() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = sample_store(dir.path());
+    let p = path.to_str().unwrap();
+    let text = stdout(
+        &idemstore()
+            .args(["get", p, "--scope", "t", "done"])
+            .assert()
+            .success(),
+    );
+    assert!(text.contains("state        DONE"), "{text}");
+    assert!(
+        text.contains(&Fingerprint::of(b"sku=A&qty=1").to_hex()),
+        "{text}"
+    );
+    assert!(text.contains("status       201"), "{text}");
+    assert!(
+        text.contains("header       content-type: text/plain"),
+        "{text}"
+    );
+    assert!(text.trim_end().ends_with("charged"), "{text}");
+    assert!(
+        text.contains("Z (in 23h59m)") || text.contains("Z (in 1d)"),
+        "{text}"
+    );
+
+    let v = run_json(&["get", p, "--scope", "t", "bin"]);
+    assert_eq!(v["response"]["body_hex"], "ff00fe");
+    assert_eq!(v["state"], "DONE");
+
+    let v = run_json(&["get", p, "--scope", "t", "big"]);
+    assert_eq!(v["response"]["body_truncated"], true);
+    assert_eq!(v["response"]["body"].as_str().unwrap().len(), 1024);
+    let v = run_json(&["get", p, "--scope", "t", "big", "--full"]);
+    assert_eq!(v["response"]["body"].as_str().unwrap().len(), 5000);
+
+    let v = run_json(&["get", p, "--scope", "t", "dead"]);
+    assert_eq!(
+        (v["state"].as_str(), v["lease_passed"].as_bool()),
+        (Some("PROCESSING"), Some(true))
+    );
+    let text = stdout(
+        &idemstore()
+            .args(["get", p, "--scope", "t", "dead"])
+            .assert()
+            .success(),
+    );
+    assert!(text.contains("LEASE PASSED"), "{text}");
+    // Expired records are shown (flagged): the operator asks what is on disk.
+    let text = stdout(
+        &idemstore()
+            .args(["get", p, "--scope", "u", "old"])
+            .assert()
+            .success(),
+    );
+    assert!(text.contains("EXPIRED"), "{text}");
+
+    let missing = idemstore()
+        .args(["get", p, "--scope", "t", "nope"])
+        .assert()
+        .code(5);
+    assert!(stderr(&missing).contains("no record for t/nope"));
+}
+
+#[test]
+fn list_filters_and_flags_passed_leases() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = sample_store(dir.path());
+    let p = path.to_str().unwrap();
+    let keys = |args: &[&str]| -> Vec<String> {
+        let out = idemstore()
+            .args(["list", p, "--json"])
+            .args(args)
+            .assert()
+            .success();
+        json_lines(&out.get_output().stdout)
+            .iter()
+            .map(|v| v["key"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    assert_eq!(
+        keys(&[]),
+        ["t/big", "t/bin", "t/dead", "t/done", "t/live", "u/old"]
+    );
+    assert_eq!(keys(&["--state", "processing"]), ["t/dead", "t/live"]);
+    assert_eq!(
+        keys(&["--state", "done", "--scope", "t"]),
+        ["t/big", "t/bin", "t/done"]
+    );
+    assert_eq!(keys(&["--expired"]), ["u/old"]);
+    assert_eq!(keys(&["--scope", "u"]), ["u/old"]);
+    assert_eq!(keys(&["--scope", ""]), Vec::<String>::new());
+    assert_eq!(keys(&["--limit", "2"]), ["t/big", "t/bin"]);
+    let text = stdout(&idemstore().args(["list", p]).assert().success());
+    let dead = text.lines().find(|l| l.contains("t/dead")).unwrap();
+    assert!(dead.contains("LEASE-PASSED"), "{text}");
+    let live = text.lines().find(|l| l.contains("t/live")).unwrap();
+    assert!(!live.contains("LEASE-PASSED"), "{text}");
+    assert!(
+        text.lines()
+            .find(|l| l.contains("u/old"))
+            .unwrap()
+            .contains("EXPIRED")
+    );
+}
+
+#[test]
+fn evict_needs_confirmation_then_removes_record_and_index_entry() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = sample_store(dir.path());
+    let p = path.to_str().unwrap();
+    // stdin is a pipe here, not a terminal: without --yes it must refuse.
+    let refused = idemstore()
+        .args(["evict", p, "--scope", "t", "done"])
+        .write_stdin("y\n")
+        .assert()
+        .code(6);
+    assert!(stderr(&refused).contains("--yes"), "{}", stderr(&refused));
+    run_json(&["get", p, "--scope", "t", "done"]);
+
+    let v = run_json(&["evict", p, "--scope", "t", "done", "--yes"]);
+    assert_eq!(
+        (v["state"].as_str(), v["index_entries"].as_u64()),
+        (Some("DONE"), Some(1))
+    );
+    idemstore()
+        .args(["get", p, "--scope", "t", "done"])
+        .assert()
+        .code(5);
+    idemstore()
+        .args(["evict", p, "--scope", "t", "done", "--yes"])
+        .assert()
+        .code(5);
+    idemstore().args(["verify", p]).assert().success();
+    // The key is free again: a retry claims it.
+    let store = RedbStore::open(&path).unwrap();
+    let k = Key::new("t", "done").unwrap();
+    let fp = Fingerprint::of(b"sku=A&qty=1");
+    assert!(matches!(
+        store.begin(&k, &fp, now(), LEASE, KEEP).unwrap(),
+        Begin::Claimed(_)
+    ));
+}
+
+#[test]
+fn sweep_removes_expired_records_and_compact_keeps_the_rest() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = sample_store(dir.path());
+    let p = path.to_str().unwrap();
+    let v = run_json(&["sweep", p]);
+    assert_eq!(
+        (v["removed"].as_u64(), v["records_left"].as_u64()),
+        (Some(1), Some(5))
+    );
+    assert_eq!(run_json(&["sweep", p])["removed"], 0);
+    idemstore()
+        .args(["get", p, "--scope", "u", "old"])
+        .assert()
+        .code(5);
+    let v = run_json(&["compact", p]);
+    assert!(
+        v["file_bytes_after"].as_u64() <= v["file_bytes_before"].as_u64(),
+        "{v}"
+    );
+    assert_eq!(run_json(&["stats", p])["records"], 5);
+    let text = stdout(&idemstore().args(["verify", p]).assert().success());
+    assert!(text.contains("OK"), "{text}");
+}
+
+#[test]
+fn verify_reports_a_damaged_record_value_by_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = sample_store(dir.path());
+    let p = path.to_str().unwrap();
+    idemstore().args(["verify", p]).assert().success();
+    {
+        // Flip one byte inside a record value through redb itself: redb's
+        // own page checksums stay valid, only the record envelope is wrong.
+        let db = redb::Database::open(&path).unwrap();
+        let txn = db.begin_write().unwrap();
+        {
+            let mut records = txn.open_table(RECORDS).unwrap();
+            let key = encoded_key("t", "done");
+            let mut value = records
+                .get(key.as_slice())
+                .unwrap()
+                .unwrap()
+                .value()
+                .to_vec();
+            let last = value.len() - 1;
+            value[last] ^= 0x01;
+            records.insert(key.as_slice(), value.as_slice()).unwrap();
+        }
+        txn.commit().unwrap();
+    }
+    let failed = idemstore().args(["verify", p]).assert().code(3);
+    let text = stdout(&failed);
+    assert!(text.contains("bad_record"), "{text}");
+    assert!(text.contains("t/done"), "{text}");
+    assert!(text.contains("checksum mismatch"), "{text}");
+    assert!(text.contains("FAILED: 1 problem\n"), "{text}");
+    // The other commands still work around it, and say so.
+    assert_eq!(run_json(&["stats", p])["unreadable"], 1);
+    let get = idemstore()
+        .args(["get", p, "--scope", "t", "done"])
+        .assert()
+        .code(1);
+    assert!(
+        stderr(&get).contains("corrupt record for key t/done"),
+        "{}",
+        stderr(&get)
+    );
+    let listed = stdout(&idemstore().args(["list", p]).assert().success());
+    let line = listed.lines().find(|l| l.contains("t/done")).unwrap();
+    assert!(line.starts_with("UNREADABLE"), "{listed}");
+    let export = idemstore().args(["export", p]).assert().code(3);
+    assert_eq!(json_lines(&export.get_output().stdout).len(), 5);
+    assert!(stderr(&export).contains("t/done"), "{}", stderr(&export));
+    // evict is the repair: it removes the damaged record and its index entry.
+    idemstore()
+        .args(["evict", p, "--scope", "t", "done", "--yes"])
+        .assert()
+        .success();
+    idemstore().args(["verify", p]).assert().success();
+}
+
+#[test]
+fn verify_reports_index_disagreements() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = sample_store(dir.path());
+    let p = path.to_str().unwrap();
+    {
+        let db = redb::Database::open(&path).unwrap();
+        let txn = db.begin_write().unwrap();
+        {
+            let mut expiry = txn.open_table(EXPIRY).unwrap();
+            // An entry whose record never existed, and one record's entry removed.
+            let mut orphan = 42u64.to_be_bytes().to_vec();
+            orphan.extend_from_slice(&encoded_key("t", "ghost"));
+            expiry.insert(orphan.as_slice(), ()).unwrap();
+            let entries: Vec<Vec<u8>> = expiry
+                .iter()
+                .unwrap()
+                .map(|e| e.unwrap().0.value().to_vec())
+                .collect();
+            let live = entries
+                .iter()
+                .find(|e| e.ends_with(&encoded_key("t", "live")))
+                .unwrap();
+            expiry.remove(live.as_slice()).unwrap();
+        }
+        txn.commit().unwrap();
+    }
+    let out = idemstore().args(["verify", p, "--json"]).assert().code(3);
+    let v = &json_lines(&out.get_output().stdout)[0];
+    assert_eq!(v["ok"], false);
+    assert_eq!(v["problem_count"], 2);
+    let kinds: Vec<(&str, &str)> = v["problems"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| (p["kind"].as_str().unwrap(), p["key"].as_str().unwrap()))
+        .collect();
+    assert_eq!(
+        kinds,
+        [("missing_index", "t/live"), ("orphan_index", "t/ghost")]
+    );
+}
+
+#[test]
+fn export_then_import_round_trips_every_record() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = sample_store(dir.path());
+    let p = path.to_str().unwrap();
+    let dump = dir.path().join("dump.jsonl");
+    let d = dump.to_str().unwrap();
+    idemstore().args(["export", p, "-o", d]).assert().success();
+    let lines = std::fs::read_to_string(&dump).unwrap();
+    assert_eq!(lines.lines().count(), 6);
+    assert!(lines.contains("\"body_b64\":\"/wD+\""), "{lines}");
+    assert!(lines.contains("\"body\":\"charged\""), "{lines}");
+
+    let copy = dir.path().join("copy.idem");
+    let c = copy.to_str().unwrap();
+    assert_eq!(run_json(&["import", c, d])["imported"], 6);
+    // Standard input works too, and a second export is byte-identical.
+    let again = idemstore().args(["export", c]).assert().success();
+    assert_eq!(
+        String::from_utf8(again.get_output().stdout.clone()).unwrap(),
+        lines
+    );
+    let refused = idemstore()
+        .args(["import", c])
+        .write_stdin(lines.clone())
+        .assert()
+        .code(6);
+    assert!(stderr(&refused).contains("--force"), "{}", stderr(&refused));
+    idemstore()
+        .args(["import", c, "--force"])
+        .write_stdin(lines)
+        .assert()
+        .success();
+    idemstore().args(["verify", c]).assert().success();
+
+    // The imported store behaves: replays, and tokens continue above the import.
+    let store = RedbStore::open(&copy).unwrap();
+    let fp = Fingerprint::of(b"sku=A&qty=1");
+    let k = Key::new("t", "done").unwrap();
+    let replay = store.begin(&k, &fp, now(), LEASE, KEEP).unwrap();
+    assert_eq!(
+        replay,
+        Begin::Replay(Response::new(201, "charged").with_header("content-type", "text/plain"))
+    );
+    let rec = store
+        .get(&Key::new("t", "dead").unwrap(), now())
+        .unwrap()
+        .unwrap();
+    assert_eq!(rec.state(), State::Processing);
+    let fresh = claimed(
+        store
+            .begin(&Key::new("t", "new").unwrap(), &fp, now(), LEASE, KEEP)
+            .unwrap(),
+    );
+    assert_eq!(
+        fresh.token(),
+        7,
+        "the high-water mark came along with the records"
+    );
+}
+
+#[test]
+fn import_names_the_bad_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = dir.path().join("t.idem");
+    let out = idemstore()
+        .args(["import", target.to_str().unwrap()])
+        .write_stdin("\n{\"v\":1}\n")
+        .assert()
+        .code(1);
+    assert!(stderr(&out).contains("line 2"), "{}", stderr(&out));
+}
+
+#[test]
+fn a_store_held_by_a_running_process_is_locked_not_a_hang() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = sample_store(dir.path());
+    let held = RedbStore::open(&path).unwrap();
+    for cmd in ["stats", "verify", "sweep"] {
+        let out = idemstore()
+            .args([cmd, path.to_str().unwrap()])
+            .assert()
+            .code(4);
+        assert!(
+            stderr(&out).contains("locked by another process"),
+            "{cmd}: {}",
+            stderr(&out)
+        );
+    }
+    drop(held);
+    idemstore()
+        .args(["stats", path.to_str().unwrap()])
+        .assert()
+        .success();
+}
+
+#[test]
+fn missing_and_foreign_files_are_clear_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("typo.idem");
+    let out = idemstore()
+        .args(["stats", missing.to_str().unwrap()])
+        .assert()
+        .code(1);
+    assert!(stderr(&out).contains("no store at"), "{}", stderr(&out));
+    assert!(!missing.exists(), "a read command must not create a store");
+    let foreign = dir.path().join("notes.txt");
+    std::fs::write(&foreign, "hello, not a database").unwrap();
+    let out = idemstore()
+        .args(["stats", foreign.to_str().unwrap()])
+        .assert()
+        .code(1);
+    assert!(
+        stderr(&out).contains("not an idemstore store file"),
+        "{}",
+        stderr(&out)
+    );
+    let out = idemstore()
+        .args(["verify", foreign.to_str().unwrap()])
+        .assert()
+        .code(3);
+    assert!(
+        stderr(&out).contains("not an idemstore store file"),
+        "{}",
+        stderr(&out)
+    );
+    idemstore().args(["frobnicate"]).assert().code(2);
+}
