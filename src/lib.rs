@@ -51,6 +51,8 @@
 //!
 //! - `redb` (default): [`RedbStore`], the durable on-disk store on redb 4.x
 //!   (group commit, expiry index, sweeper, poisoning, recovery on open).
+//! - `redb` also gives [`Inbox`]: a message consumer's writes to its own tables
+//!   commit in the same transaction as the message id's dedup record.
 //! - `sled`: `SledStore`, the store on sled 0.34.7, fsynced for real.
 //! - `tokio`: [`Guard::run_async`].
 //! - `tower`: HTTP middleware (`Idempotency-Key`), in [`tower`] (behaviour and status codes in its docs).
@@ -97,6 +99,13 @@ pub use crate::redb::{
     DEFAULT_CACHE_BYTES, Durability, MAX_WRITE_BATCH, RecoveryPolicy, RedbStats, RedbStore,
     RedbStoreBuilder, WRITE_QUEUE_DEPTH,
 };
+#[cfg(feature = "redb")]
+pub use crate::redb::{Delivery, Inbox};
+/// The redb crate the store is built on, for an [`Inbox`] handler's own
+/// tables (`TableDefinition`, `ReadableTable`, `WriteTransaction`): the same
+/// version as the store's, whatever the caller's own dependency says.
+#[cfg(feature = "redb")]
+pub use ::redb as redb_engine;
 pub use error::{BoxError, Error, Result};
 pub use fingerprint::Fingerprint;
 pub use guard::{

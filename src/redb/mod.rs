@@ -7,9 +7,11 @@
 //! - `options.rs`: durability, recovery policy, the builder;
 //! - `stats.rs`: the group-commit counters;
 //! - `inspect.rs` (feature `cli`): operator access for the `idemstore` binary;
+//! - `inbox.rs`: the co-transactional inbox for message consumers;
 //! - this file: the public type, the read paths, the `Store` impl.
 
 mod errors;
+mod inbox;
 #[cfg(feature = "cli")]
 pub(crate) mod inspect;
 mod open;
@@ -18,6 +20,7 @@ mod stats;
 mod tables;
 mod writer;
 
+pub use inbox::{Delivery, Inbox};
 use options::Config;
 pub use options::{DEFAULT_CACHE_BYTES, Durability, RecoveryPolicy, RedbStoreBuilder};
 use stats::Counters;

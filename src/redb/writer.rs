@@ -238,6 +238,11 @@ impl Writer {
         txn.set_durability(level)
             .map_err(|e| whole(engine(e), "could not set the durability"))?;
 
+        // An inbox transaction (inbox.rs) may have handed out tokens since
+        // the last batch: the committed mark wins over the one in memory.
+        let committed = super::inbox::read_token_hwm(&txn)
+            .map_err(|e| whole(e, "could not read the token high-water mark"))?;
+        self.token_hwm = self.token_hwm.max(committed);
         let mut hwm = self.token_hwm;
         let mut dirty = false;
         let mut answers = Vec::with_capacity(batch.len());
