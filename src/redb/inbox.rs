@@ -38,7 +38,7 @@ use crate::logic;
 use crate::record::{Begin, Claim, State};
 use crate::response::Response;
 use crate::time::{Clock, SystemClock, Timestamp};
-use ::redb::{ReadableTable, WriteTransaction};
+use ::redb::{ReadTransaction, ReadableDatabase, ReadableTable, WriteTransaction};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -309,6 +309,36 @@ impl Inbox {
         shared.stats.commits.fetch_add(1, Ordering::Relaxed);
         shared.stats.durable_commits.fetch_add(1, Ordering::Relaxed);
         Ok(Delivery::Handled(response))
+    }
+}
+
+impl Inbox {
+    /// Runs `f` on a read transaction of the store's file, for reading the
+    /// consumer's own tables (what its handlers committed) outside a handler.
+    ///
+    /// ```
+    /// use idemstore::redb_engine::{ReadableDatabase, ReadableTable, TableDefinition};
+    /// use idemstore::{Fingerprint, Inbox, Key, RedbStore, Response};
+    ///
+    /// const SEEN: TableDefinition<&str, u64> = TableDefinition::new("app.seen");
+    /// # let dir = tempfile::tempdir()?;
+    /// let inbox = Inbox::new(RedbStore::open(dir.path().join("s.idem"))?);
+    /// inbox.handle(&Key::new("q", "m-1")?, &Fingerprint::of(b"m-1"), |txn, claim| {
+    ///     txn.open_table(SEEN)?.insert("m-1", claim.token())?;
+    ///     Ok::<_, idemstore::BoxError>(Response::new(200, ""))
+    /// })?;
+    /// let seen = inbox.read(|txn| Ok::<_, idemstore::BoxError>(txn.open_table(SEEN)?.len()?))?;
+    /// assert_eq!(seen, 1);
+    /// # Ok::<(), idemstore::BoxError>(())
+    /// ```
+    pub fn read<T, E, F>(&self, f: F) -> Result<T, E>
+    where
+        E: From<Error>,
+        F: FnOnce(&ReadTransaction) -> Result<T, E>,
+    {
+        let db = self.store.shared.read_db();
+        let txn = db.begin_read().map_err(engine)?;
+        f(&txn)
     }
 }
 

@@ -13,6 +13,8 @@ mod bad_input;
 mod cli;
 mod fuzz_corpus;
 mod guard;
+#[cfg(feature = "redb")]
+mod inbox;
 #[macro_use]
 mod kill;
 mod memory;

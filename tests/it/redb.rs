@@ -153,9 +153,9 @@ fn a_thousand_concurrent_claims_on_a_hundred_keys_make_a_hundred_winners_in_few_
 /// A redb backend over shared memory whose `sync_data` fails once when armed:
 /// a disk that reports an fsync error.
 #[derive(Debug, Clone)]
-struct FlakySync {
-    inner: Arc<redb::backends::InMemoryBackend>,
-    fail_next_sync: Arc<AtomicBool>,
+pub struct FlakySync {
+    pub inner: Arc<redb::backends::InMemoryBackend>,
+    pub fail_next_sync: Arc<AtomicBool>,
 }
 
 impl StorageBackend for FlakySync {
@@ -594,14 +594,14 @@ fn relaxed_durability_flushes_an_idle_store_within_its_window() {
 /// A redb backend that models a power cut: writes land in a live image, and
 /// only `sync_data` copies them to the durable image that survives.
 #[derive(Debug, Clone, Default)]
-struct PowerCut {
+pub struct PowerCut {
     live: Arc<std::sync::Mutex<Vec<u8>>>,
     durable: Arc<std::sync::Mutex<Vec<u8>>>,
 }
 
 impl PowerCut {
     /// The storage as it is after the power comes back: the durable image.
-    fn after_power_loss(&self) -> PowerCut {
+    pub fn after_power_loss(&self) -> PowerCut {
         let image = self.durable.lock().unwrap().clone();
         PowerCut {
             live: Arc::new(std::sync::Mutex::new(image.clone())),
