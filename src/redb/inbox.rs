@@ -317,7 +317,7 @@ impl Inbox {
     /// consumer's own tables (what its handlers committed) outside a handler.
     ///
     /// ```
-    /// use idemstore::redb_engine::{ReadableDatabase, ReadableTable, TableDefinition};
+    /// use idemstore::redb_engine::{ReadableTableMetadata, TableDefinition};
     /// use idemstore::{Fingerprint, Inbox, Key, RedbStore, Response};
     ///
     /// const SEEN: TableDefinition<&str, u64> = TableDefinition::new("app.seen");
