@@ -19,6 +19,8 @@ mod inbox;
 mod kill;
 mod memory;
 mod model;
+#[cfg(all(feature = "redb", feature = "tower"))]
+mod orders_service;
 #[cfg(feature = "redb")]
 mod redb;
 #[cfg(feature = "sled")]
