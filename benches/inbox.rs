@@ -1,0 +1,89 @@
+//! The transactional inbox on redb:
+//!
+//! - `inbox/redb/handle_new`: a new message; the handler updates a balance
+//!   row, and that row and the DONE record commit in one transaction (one fsync);
+//! - `inbox/redb/handle_new_4_threads`: the same from 4 consumer threads
+//!   (the inbox's transactions do not group: expect about the same rate);
+//! - `inbox/redb/redelivery`: a message already handled, answered from a
+//!   read transaction.
+//!
+//! Every loop asserts its answer. Durable: the figures are the disk's fsync
+//! rate as much as ours.
+//!
+//! ```text
+//! cargo bench --bench inbox
+//! ```
+#![allow(
+    missing_docs,
+    clippy::unwrap_used,
+    reason = "a bench binary: a panic is a failed run"
+)]
+
+use criterion::{Criterion, black_box};
+use idemstore::redb_engine::{ReadableTable, TableDefinition};
+use idemstore::{BoxError, Delivery, Fingerprint, Inbox, Key, RedbStore, Response};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+const BALANCES: TableDefinition<&str, u64> = TableDefinition::new("bench.balances");
+
+static NEXT: AtomicU64 = AtomicU64::new(0);
+
+fn fresh_key() -> Key {
+    Key::new(
+        "queue",
+        format!("m{}", NEXT.fetch_add(1, Ordering::Relaxed)),
+    )
+    .unwrap()
+}
+
+fn handle(inbox: &Inbox, key: &Key) -> Delivery {
+    inbox
+        .handle(key, &Fingerprint::of(b"+1"), |txn, _| {
+            let mut t = txn.open_table(BALANCES)?;
+            let new = t.get("acct")?.map_or(0, |v| v.value()) + 1;
+            t.insert("acct", new)?;
+            Ok::<_, BoxError>(Response::new(200, new.to_string()))
+        })
+        .unwrap()
+}
+
+fn main() {
+    let mut c = Criterion::default().configure_from_args();
+    let dir = tempfile::tempdir().unwrap();
+    let inbox = Inbox::new(RedbStore::open(dir.path().join("bench.idem")).unwrap());
+    let mut g = c.benchmark_group("inbox/redb");
+    g.sample_size(20).measurement_time(Duration::from_secs(4));
+    g.bench_function("handle_new", |b| {
+        b.iter(|| assert!(matches!(handle(&inbox, &fresh_key()), Delivery::Handled(_))))
+    });
+    g.bench_function("handle_new_4_threads", |b| {
+        b.iter_custom(|iters| {
+            let per = iters.div_ceil(4);
+            let start = Instant::now();
+            std::thread::scope(|s| {
+                for _ in 0..4 {
+                    s.spawn(|| {
+                        for _ in 0..per {
+                            assert!(matches!(handle(&inbox, &fresh_key()), Delivery::Handled(_)));
+                        }
+                    });
+                }
+            });
+            // Per message: `per * 4` messages took this long.
+            start.elapsed().mul_f64(iters as f64 / (per * 4) as f64)
+        })
+    });
+    let seen = fresh_key();
+    handle(&inbox, &seen);
+    g.bench_function("redelivery", |b| {
+        b.iter(|| {
+            assert!(matches!(
+                handle(&inbox, black_box(&seen)),
+                Delivery::Duplicate(_)
+            ))
+        })
+    });
+    g.finish();
+    c.final_summary();
+}
