@@ -18,9 +18,10 @@
 //!
 //! The cost: redb runs one write transaction at a time, so while a handler
 //! runs the writer waits, and every message is one commit and one fsync of
-//! its own (~4.5k messages/s on the reference machine instead of the
-//! writer's tens of thousands of claims/s). A redelivered message that is
-//! already DONE is answered from a read transaction and costs no write.
+//! its own: the rate of one claim per transaction, not the writer's grouped
+//! rate, whatever the number of consumer threads (`benches/inbox.rs`). A
+//! redelivered message that is already DONE is answered from a read
+//! transaction and costs no write.
 //!
 //! The fencing-token high-water mark is read from and written to the meta
 //! table inside the transaction; the writer re-reads it at the start of each
