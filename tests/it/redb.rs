@@ -682,6 +682,7 @@ fn acknowledged_group_commits_survive_a_power_cut() {
 
 /// A redb backend whose `sync_data` (once armed) holds until the test opens
 /// the gate: an fsync that takes as long as the test wants.
+#[cfg(feature = "tokio")]
 #[derive(Debug, Clone, Default)]
 struct GatedSync {
     inner: Arc<redb::backends::InMemoryBackend>,
@@ -690,6 +691,7 @@ struct GatedSync {
     gate: Arc<(std::sync::Mutex<bool>, std::sync::Condvar)>,
 }
 
+#[cfg(feature = "tokio")]
 impl GatedSync {
     fn open_gate(&self) {
         *self.gate.0.lock().unwrap() = true;
@@ -697,6 +699,7 @@ impl GatedSync {
     }
 }
 
+#[cfg(feature = "tokio")]
 impl StorageBackend for GatedSync {
     fn len(&self) -> Result<u64, std::io::Error> {
         self.inner.len()

@@ -60,6 +60,7 @@ fn sixteen_threads_one_execution_all_get_the_response() {
     assert_eq!(stats.replayed, (DUPLICATES - 1) as u64);
 }
 
+#[cfg(feature = "tokio")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sixteen_tasks_one_execution_all_get_the_response() {
     let guard = waiting_guard(LONG);
@@ -219,6 +220,7 @@ fn kept_claim_answers_in_flight_once_the_owner_gives_up() {
     });
 }
 
+#[cfg(feature = "tokio")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancelled_owner_wakes_its_waiters() {
     // An HTTP server drops the handler future when the client disconnects:
