@@ -5,6 +5,7 @@
 //!
 //! ```text
 //! cargo run --release --example compare                 # 3 rounds × 3 s per cell
+//! cargo run --release --all-features --example compare  # with SledStore too
 //! cargo run --release --example compare -- --smoke      # CI: one short round
 //! cargo run --release --example compare -- --rounds 5 --seconds 5
 //! ```
@@ -32,12 +33,30 @@ fn backends() -> Vec<&'static str> {
 }
 
 fn ours() -> Vec<&'static str> {
-    vec!["redb"]
+    let mut v = vec!["redb"];
+    if cfg!(feature = "sled") {
+        v.push("sled");
+    }
+    v
 }
 
 fn open(name: &str, dir: &Path) -> BoxResult<Box<dyn Backend>> {
     Ok(match name {
         "redb" => Box::new(redb_store(dir)?),
+        #[cfg(feature = "sled")]
+        "sled" => {
+            let store = std::sync::Arc::new(idemstore::SledStore::open(dir.join("compare.sled"))?);
+            let stats = std::sync::Arc::clone(&store);
+            Box::new(StoreBackend {
+                name: "sled".into(),
+                store,
+                dir: Some(dir.join("compare.sled")),
+                batch: Some(Box::new(move || {
+                    let s = stats.stats();
+                    (s.flushes > 0).then(|| s.commits as f64 / s.flushes as f64)
+                })),
+            })
+        }
         "sqlite" => Box::new(Sqlite::open(dir)?),
         "redb-raw" => Box::new(RedbRaw::open(dir)?),
         other => return Err(format!("unknown backend {other}").into()),
