@@ -70,6 +70,9 @@ pub mod cli;
     )
 )]
 mod codec;
+#[cfg(all(feature = "test-util", feature = "redb"))]
+#[doc(hidden)]
+pub mod crash;
 mod error;
 mod fingerprint;
 #[cfg(feature = "test-util")]

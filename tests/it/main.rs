@@ -11,6 +11,7 @@
 mod conformance;
 mod bad_input;
 mod cli;
+mod crash;
 mod fuzz_corpus;
 mod guard;
 #[cfg(feature = "redb")]

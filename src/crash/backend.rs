@@ -1,0 +1,412 @@
+//! [`CrashBackend`]: a redb storage backend that can lose power.
+
+use super::rng::Rng;
+use std::collections::VecDeque;
+use std::io::{Error as IoError, ErrorKind};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// The unit a disk writes atomically: an unsynced write survives a power
+/// loss sector by sector, so a write may land torn at these boundaries.
+pub const SECTOR_BYTES: u64 = 512;
+
+/// Whether `sync_data` tells the truth.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SyncMode {
+    /// `sync_data` makes every write before it durable.
+    #[default]
+    Honest,
+    /// `sync_data` returns `Ok` and persists nothing: a store on this
+    /// backend acknowledges before its data is durable. The checks must
+    /// catch it (the test of the test).
+    Lies,
+}
+
+/// A write that is in the OS page cache but not yet on the platter.
+#[derive(Clone, Debug)]
+enum Pending {
+    Write { offset: u64, data: Vec<u8> },
+    SetLen(u64),
+}
+
+/// The file left behind by a power loss taken during a run.
+#[derive(Clone, Debug)]
+pub struct CrashImage {
+    /// Mutating calls (`write`, `set_len`, `sync_data`) that had returned
+    /// when power was lost.
+    pub at: u64,
+    /// The seed that chose which unsynced writes survived.
+    pub seed: u64,
+    /// The surviving file.
+    pub bytes: Vec<u8>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    /// What reads see: every write applied.
+    live: Vec<u8>,
+    /// What survives a power loss for certain: the file as of the last sync.
+    durable: Vec<u8>,
+    /// Writes and length changes since the last (honest) sync, in order.
+    pending: Vec<Pending>,
+    /// Mutating calls so far.
+    mutations: u64,
+    /// Planned power losses `(after this many mutations, seed)`, in order.
+    plan: VecDeque<(u64, u64)>,
+    images: Vec<CrashImage>,
+    sync_mode: SyncMode,
+    /// Writes and growth fail with "no space left on device".
+    disk_full: bool,
+    /// Syncs that returned `Ok`.
+    syncs: u64,
+}
+
+/// A redb [`StorageBackend`](redb::StorageBackend) in memory that keeps the
+/// file as last synced plus the writes since, and can "lose power": the
+/// surviving file is the synced one plus an arbitrary (seeded) subset of
+/// the unsynced writes, each torn at [`SECTOR_BYTES`] boundaries. Test
+/// support (feature `test-util`); clones share one file.
+///
+/// Power losses are planned at mutation counts ([`plan`](Self::plan)); the
+/// run goes on afterwards, so one run yields many crash images, each the
+/// file a crash at that instant would have left. Besides that: a lying
+/// `sync_data` ([`SyncMode::Lies`]) and a full disk
+/// ([`set_disk_full`](Self::set_disk_full)).
+///
+/// ```
+/// use idemstore::crash::CrashBackend;
+/// use redb::{Database, ReadableDatabase, TableDefinition};
+///
+/// const T: TableDefinition<u64, u64> = TableDefinition::new("t");
+/// let backend = CrashBackend::new();
+/// let db = Database::builder().create_with_backend(backend.clone())?;
+/// let txn = db.begin_write()?;
+/// txn.open_table(T)?.insert(1, 10)?;
+/// txn.commit()?;                                   // durable: one sync
+/// let image = backend.power_loss(42);              // power fails now
+/// drop(db);
+/// let db = Database::builder().create_with_backend(CrashBackend::from_image(image))?;
+/// assert_eq!(db.begin_read()?.open_table(T)?.get(1)?.map(|v| v.value()), Some(10));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone, Debug, Default)]
+pub struct CrashBackend {
+    state: Arc<Mutex<State>>,
+}
+
+impl CrashBackend {
+    /// An empty file.
+    pub fn new() -> CrashBackend {
+        CrashBackend::default()
+    }
+
+    /// A file holding `bytes`, all of them durable (a disk after reboot).
+    pub fn from_image(bytes: Vec<u8>) -> CrashBackend {
+        let backend = CrashBackend::new();
+        {
+            let mut s = backend.lock();
+            s.durable.clone_from(&bytes);
+            s.live = bytes;
+        }
+        backend
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while the lock was held (a failed assertion in a test)
+        // leaves the images consistent: every method updates them last.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Makes `sync_data` honest or a liar from now on.
+    pub fn set_sync_mode(&self, mode: SyncMode) {
+        self.lock().sync_mode = mode;
+    }
+
+    /// Makes writes and growth fail with `StorageFull` (ENOSPC) while `full`.
+    pub fn set_disk_full(&self, full: bool) {
+        self.lock().disk_full = full;
+    }
+
+    /// Mutating calls (`write`, `set_len`, `sync_data`) so far. Read after
+    /// an operation returns, it bounds the crash points the operation's
+    /// durability is owed to: every image taken at `at >= this` must hold it.
+    pub fn mutations(&self) -> u64 {
+        self.lock().mutations
+    }
+
+    /// `sync_data` calls that returned `Ok`.
+    pub fn syncs(&self) -> u64 {
+        self.lock().syncs
+    }
+
+    /// Plans power losses: for each `(at, seed)`, the image a crash would
+    /// leave once `at` mutating calls have returned. Points already passed
+    /// are taken at once.
+    pub fn plan(&self, points: impl IntoIterator<Item = (u64, u64)>) {
+        let mut s = self.lock();
+        let mut all: Vec<(u64, u64)> = s.plan.drain(..).chain(points).collect();
+        all.sort_unstable();
+        s.plan = all.into();
+        s.take_due();
+    }
+
+    /// The images taken so far; points planned beyond the current count are
+    /// taken now (a crash after the last call), so call this after the run.
+    pub fn take_images(&self) -> Vec<CrashImage> {
+        let mut s = self.lock();
+        let now = s.mutations;
+        while let Some((_, seed)) = s.plan.pop_front() {
+            let bytes = s.surviving(seed);
+            s.images.push(CrashImage {
+                at: now,
+                seed,
+                bytes,
+            });
+        }
+        std::mem::take(&mut s.images)
+    }
+
+    /// The file a power loss now would leave, chosen by `seed`.
+    pub fn power_loss(&self, seed: u64) -> Vec<u8> {
+        self.lock().surviving(seed)
+    }
+
+    /// The file as the running program sees it (every write applied).
+    pub fn live_image(&self) -> Vec<u8> {
+        self.lock().live.clone()
+    }
+}
+
+fn disk_full() -> IoError {
+    IoError::new(
+        ErrorKind::StorageFull,
+        "no space left on device (simulated)",
+    )
+}
+
+fn to_usize(n: u64) -> Result<usize, IoError> {
+    usize::try_from(n).map_err(|_| IoError::new(ErrorKind::InvalidInput, "offset too large"))
+}
+
+impl State {
+    /// Takes every planned image whose point has been reached.
+    fn take_due(&mut self) {
+        while let Some(&(at, seed)) = self.plan.front() {
+            if at > self.mutations {
+                break;
+            }
+            self.plan.pop_front();
+            let bytes = self.surviving(seed);
+            self.images.push(CrashImage {
+                at: self.mutations,
+                seed,
+                bytes,
+            });
+        }
+    }
+
+    /// Counts a mutating call; images due before it are taken first.
+    fn mutate(&mut self) {
+        self.take_due();
+        self.mutations += 1;
+    }
+
+    /// The durable file plus a seeded subset of the pending writes, each
+    /// write split at sector boundaries and each piece kept or lost on its
+    /// own, applied in order. How much survives varies with the seed:
+    /// nothing, everything, a random subset, or an in-order prefix (a disk
+    /// that writes back in order and stopped part-way).
+    fn surviving(&self, seed: u64) -> Vec<u8> {
+        let mut rng = Rng::new(seed);
+        let mode = rng.below(4);
+        let percent = rng.below(101);
+        let pieces: Vec<Pending> = self.pending.iter().flat_map(sectors).collect();
+        let cut = rng.below(pieces.len() as u64 + 1);
+        let mut image = self.durable.clone();
+        for (i, piece) in pieces.into_iter().enumerate() {
+            let keep = match mode {
+                0 => false,
+                1 => true,
+                2 => rng.chance(percent),
+                _ => (i as u64) < cut,
+            };
+            if keep {
+                apply(&mut image, &piece);
+            }
+        }
+        image
+    }
+}
+
+/// A pending change as the pieces a power loss can separate.
+fn sectors(p: &Pending) -> Vec<Pending> {
+    match p {
+        Pending::SetLen(_) => vec![p.clone()],
+        Pending::Write { offset, data } => {
+            let mut out = Vec::new();
+            let (mut at, mut rest) = (*offset, data.as_slice());
+            while !rest.is_empty() {
+                let room = SECTOR_BYTES - at % SECTOR_BYTES;
+                let n = usize::try_from(room).unwrap_or(usize::MAX).min(rest.len());
+                let (head, tail) = rest.split_at(n);
+                out.push(Pending::Write {
+                    offset: at,
+                    data: head.to_vec(),
+                });
+                at += n as u64;
+                rest = tail;
+            }
+            out
+        }
+    }
+}
+
+fn apply(image: &mut Vec<u8>, p: &Pending) {
+    match p {
+        Pending::SetLen(len) => image.resize(usize::try_from(*len).unwrap_or(usize::MAX), 0),
+        Pending::Write { offset, data } => {
+            let start = usize::try_from(*offset).unwrap_or(usize::MAX);
+            let end = start.saturating_add(data.len());
+            if image.len() < end {
+                image.resize(end, 0);
+            }
+            if let Some(dst) = image.get_mut(start..end) {
+                dst.copy_from_slice(data);
+            }
+        }
+    }
+}
+
+impl redb::StorageBackend for CrashBackend {
+    fn len(&self) -> Result<u64, IoError> {
+        Ok(self.lock().live.len() as u64)
+    }
+
+    fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), IoError> {
+        let s = self.lock();
+        let start = to_usize(offset)?;
+        let src = start
+            .checked_add(out.len())
+            .and_then(|end| s.live.get(start..end))
+            .ok_or_else(|| IoError::from(ErrorKind::UnexpectedEof))?;
+        out.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn set_len(&self, len: u64) -> Result<(), IoError> {
+        let mut s = self.lock();
+        s.mutate();
+        if s.disk_full && len > s.live.len() as u64 {
+            return Err(disk_full());
+        }
+        let p = Pending::SetLen(len);
+        apply(&mut s.live, &p);
+        s.pending.push(p);
+        Ok(())
+    }
+
+    fn sync_data(&self) -> Result<(), IoError> {
+        let mut s = self.lock();
+        s.mutate();
+        s.syncs += 1;
+        if s.sync_mode == SyncMode::Honest {
+            let pending = std::mem::take(&mut s.pending);
+            for p in &pending {
+                apply(&mut s.durable, p);
+            }
+        }
+        Ok(())
+    }
+
+    fn write(&self, offset: u64, data: &[u8]) -> Result<(), IoError> {
+        let mut s = self.lock();
+        s.mutate();
+        if s.disk_full {
+            return Err(disk_full());
+        }
+        to_usize(offset.saturating_add(data.len() as u64))?;
+        let p = Pending::Write {
+            offset,
+            data: data.to_vec(),
+        };
+        apply(&mut s.live, &p);
+        s.pending.push(p);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use redb::StorageBackend;
+
+    #[test]
+    fn writes_are_torn_at_sector_boundaries() {
+        let pieces = sectors(&Pending::Write {
+            offset: 500,
+            data: vec![1; 1100],
+        });
+        let spans: Vec<(u64, usize)> = pieces
+            .iter()
+            .map(|p| match p {
+                Pending::Write { offset, data } => (*offset, data.len()),
+                Pending::SetLen(_) => unreachable!(),
+            })
+            .collect();
+        assert_eq!(spans, [(500, 12), (512, 512), (1024, 512), (1536, 64)]);
+    }
+
+    #[test]
+    fn synced_writes_always_survive_and_unsynced_ones_vary_with_the_seed() {
+        let b = CrashBackend::new();
+        b.write(0, &[1; 1024]).unwrap();
+        b.sync_data().unwrap();
+        b.write(0, &[2; 1024]).unwrap();
+        let mut seen = std::collections::HashSet::new();
+        for seed in 0..64 {
+            let image = b.power_loss(seed);
+            assert_eq!(image.len(), 1024);
+            // Each sector is old or new as a whole.
+            for sector in image.chunks(512) {
+                assert!(sector.iter().all(|&x| x == sector[0]) && [1, 2].contains(&sector[0]));
+            }
+            seen.insert(image);
+        }
+        assert_eq!(seen.len(), 4, "all four sector combinations occur");
+    }
+
+    #[test]
+    fn a_lying_sync_persists_nothing() {
+        let b = CrashBackend::new();
+        b.set_sync_mode(SyncMode::Lies);
+        b.write(0, &[1; 10]).unwrap();
+        b.sync_data().unwrap();
+        assert!(b.power_loss(0).len() <= 10);
+        assert!((0..64).any(|seed| b.power_loss(seed).is_empty()));
+    }
+
+    #[test]
+    fn planned_images_are_taken_at_their_point() {
+        let b = CrashBackend::new();
+        b.plan([(1, 0), (2, 0), (9, 0)]);
+        b.write(0, &[1]).unwrap();
+        b.sync_data().unwrap();
+        b.write(0, &[2]).unwrap();
+        let images = b.take_images();
+        let at: Vec<u64> = images.iter().map(|i| i.at).collect();
+        assert_eq!(at, [1, 2, 3]);
+        // After the sync (point 2) the first byte is durable.
+        assert_eq!(images[1].bytes, [1]);
+        assert_eq!(b.mutations(), 3);
+    }
+
+    #[test]
+    fn a_full_disk_refuses_writes_and_growth() {
+        let b = CrashBackend::new();
+        b.set_disk_full(true);
+        assert_eq!(b.write(0, &[1]).unwrap_err().kind(), ErrorKind::StorageFull);
+        assert_eq!(b.set_len(10).unwrap_err().kind(), ErrorKind::StorageFull);
+        b.set_disk_full(false);
+        b.set_len(10).unwrap();
+        assert_eq!(b.len().unwrap(), 10);
+    }
+}
