@@ -19,6 +19,10 @@ pub enum SyncMode {
     /// backend acknowledges before its data is durable. The checks must
     /// catch it (the test of the test).
     Lies,
+    /// `sync_data` returns `Ok` but persists only what the previous sync
+    /// should have: every image is a consistent, older commit, so only the
+    /// check for lost acknowledgements can catch it.
+    Lags,
 }
 
 /// A write that is in the OS page cache but not yet on the platter.
@@ -48,10 +52,14 @@ struct State {
     durable: Vec<u8>,
     /// Writes and length changes since the last (honest) sync, in order.
     pending: Vec<Pending>,
+    /// [`SyncMode::Lags`]: the writes the last sync left unsynced.
+    lagged: Vec<Pending>,
     /// Mutating calls so far.
     mutations: u64,
     /// Planned power losses `(after this many mutations, seed)`, in order.
     plan: VecDeque<(u64, u64)>,
+    /// A power loss every so many mutations: `(stride, next point, seeds)`.
+    every: Option<(u64, u64, Rng)>,
     images: Vec<CrashImage>,
     sync_mode: SyncMode,
     /// Writes and growth fail with "no space left on device".
@@ -149,10 +157,25 @@ impl CrashBackend {
         s.take_due();
     }
 
-    /// The images taken so far; points planned beyond the current count are
-    /// taken now (a crash after the last call), so call this after the run.
+    /// Plans a power loss every `stride` mutations (from a seeded offset
+    /// below `stride`), each with its own seed drawn from `seed`.
+    pub fn plan_every(&self, stride: u64, seed: u64) {
+        let mut rng = Rng::new(seed);
+        let stride = stride.max(1);
+        let first = rng.below(stride);
+        let mut s = self.lock();
+        let first = s.mutations + first;
+        s.every = Some((stride, first, rng));
+        s.take_due();
+    }
+
+    /// The images taken so far; points planned with [`plan`](Self::plan)
+    /// beyond the current count are taken now (a crash after the last
+    /// call), so call this after the run. [`plan_every`](Self::plan_every)
+    /// stops.
     pub fn take_images(&self) -> Vec<CrashImage> {
         let mut s = self.lock();
+        s.every = None;
         let now = s.mutations;
         while let Some((_, seed)) = s.plan.pop_front() {
             let bytes = s.surviving(seed);
@@ -190,6 +213,19 @@ fn to_usize(n: u64) -> Result<usize, IoError> {
 impl State {
     /// Takes every planned image whose point has been reached.
     fn take_due(&mut self) {
+        while let Some((stride, at, rng)) = self.every.as_mut() {
+            if *at > self.mutations {
+                break;
+            }
+            *at += *stride;
+            let seed = rng.next_u64();
+            let bytes = self.surviving(seed);
+            self.images.push(CrashImage {
+                at: self.mutations,
+                seed,
+                bytes,
+            });
+        }
         while let Some(&(at, seed)) = self.plan.front() {
             if at > self.mutations {
                 break;
@@ -219,7 +255,12 @@ impl State {
         let mut rng = Rng::new(seed);
         let mode = rng.below(4);
         let percent = rng.below(101);
-        let pieces: Vec<Pending> = self.pending.iter().flat_map(sectors).collect();
+        let pieces: Vec<Pending> = self
+            .lagged
+            .iter()
+            .chain(&self.pending)
+            .flat_map(sectors)
+            .collect();
         let cut = rng.below(pieces.len() as u64 + 1);
         let mut image = self.durable.clone();
         for (i, piece) in pieces.into_iter().enumerate() {
@@ -308,11 +349,16 @@ impl redb::StorageBackend for CrashBackend {
         let mut s = self.lock();
         s.mutate();
         s.syncs += 1;
-        if s.sync_mode == SyncMode::Honest {
-            let pending = std::mem::take(&mut s.pending);
-            for p in &pending {
-                apply(&mut s.durable, p);
+        let to_persist = match s.sync_mode {
+            SyncMode::Honest => std::mem::take(&mut s.pending),
+            SyncMode::Lies => Vec::new(),
+            SyncMode::Lags => {
+                let pending = std::mem::take(&mut s.pending);
+                std::mem::replace(&mut s.lagged, pending)
             }
+        };
+        for p in &to_persist {
+            apply(&mut s.durable, p);
         }
         Ok(())
     }
@@ -397,6 +443,11 @@ mod tests {
         // After the sync (point 2) the first byte is durable.
         assert_eq!(images[1].bytes, [1]);
         assert_eq!(b.mutations(), 3);
+        b.plan_every(2, 5);
+        for _ in 0..10 {
+            b.sync_data().unwrap();
+        }
+        assert_eq!(b.take_images().len(), 5);
     }
 
     #[test]
