@@ -64,6 +64,8 @@ struct State {
     sync_mode: SyncMode,
     /// Writes and growth fail with "no space left on device".
     disk_full: bool,
+    /// Every write, resize and sync fails with "read-only file system".
+    read_only: bool,
     /// Syncs that returned `Ok`.
     syncs: u64,
 }
@@ -132,6 +134,12 @@ impl CrashBackend {
     /// Makes writes and growth fail with `StorageFull` (ENOSPC) while `full`.
     pub fn set_disk_full(&self, full: bool) {
         self.lock().disk_full = full;
+    }
+
+    /// Makes every write, resize and sync fail with `ReadOnlyFilesystem`
+    /// (EROFS) while `read_only`: a volume mounted read-only.
+    pub fn set_read_only(&self, read_only: bool) {
+        self.lock().read_only = read_only;
     }
 
     /// Mutating calls (`write`, `set_len`, `sync_data`) so far. Read after
@@ -206,6 +214,13 @@ fn disk_full() -> IoError {
     )
 }
 
+fn read_only() -> IoError {
+    IoError::new(
+        ErrorKind::ReadOnlyFilesystem,
+        "read-only file system (simulated)",
+    )
+}
+
 fn to_usize(n: u64) -> Result<usize, IoError> {
     usize::try_from(n).map_err(|_| IoError::new(ErrorKind::InvalidInput, "offset too large"))
 }
@@ -241,9 +256,13 @@ impl State {
     }
 
     /// Counts a mutating call; images due before it are taken first.
-    fn mutate(&mut self) {
+    fn mutate(&mut self) -> Result<(), IoError> {
         self.take_due();
         self.mutations += 1;
+        if self.read_only {
+            return Err(read_only());
+        }
+        Ok(())
     }
 
     /// The durable file plus a seeded subset of the pending writes, each
@@ -335,7 +354,7 @@ impl redb::StorageBackend for CrashBackend {
 
     fn set_len(&self, len: u64) -> Result<(), IoError> {
         let mut s = self.lock();
-        s.mutate();
+        s.mutate()?;
         if s.disk_full && len > s.live.len() as u64 {
             return Err(disk_full());
         }
@@ -347,7 +366,7 @@ impl redb::StorageBackend for CrashBackend {
 
     fn sync_data(&self) -> Result<(), IoError> {
         let mut s = self.lock();
-        s.mutate();
+        s.mutate()?;
         s.syncs += 1;
         let to_persist = match s.sync_mode {
             SyncMode::Honest => std::mem::take(&mut s.pending),
@@ -365,7 +384,7 @@ impl redb::StorageBackend for CrashBackend {
 
     fn write(&self, offset: u64, data: &[u8]) -> Result<(), IoError> {
         let mut s = self.lock();
-        s.mutate();
+        s.mutate()?;
         if s.disk_full {
             return Err(disk_full());
         }
@@ -451,7 +470,7 @@ mod tests {
     }
 
     #[test]
-    fn a_full_disk_refuses_writes_and_growth() {
+    fn a_full_disk_refuses_writes_and_growth_and_a_read_only_one_everything() {
         let b = CrashBackend::new();
         b.set_disk_full(true);
         assert_eq!(b.write(0, &[1]).unwrap_err().kind(), ErrorKind::StorageFull);
@@ -459,5 +478,14 @@ mod tests {
         b.set_disk_full(false);
         b.set_len(10).unwrap();
         assert_eq!(b.len().unwrap(), 10);
+        b.set_read_only(true);
+        assert_eq!(
+            b.sync_data().unwrap_err().kind(),
+            ErrorKind::ReadOnlyFilesystem
+        );
+        assert_eq!(
+            b.write(0, &[1]).unwrap_err().kind(),
+            ErrorKind::ReadOnlyFilesystem
+        );
     }
 }

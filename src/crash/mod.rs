@@ -11,20 +11,27 @@
 //!   `RedbStore`; `recovery.rs`: crash images of a run, reopened and checked;
 //! - `inspect.rs`: a store file read below the API (records verified,
 //!   record table and expiry index compared);
+//! - `ops.rs`: the `store_ops` model property on `RedbStore`, each reopen
+//!   a power loss;
+//! - `case.rs`: the `crash_recovery` fuzz target's input and entry point;
 //! - `rng.rs`: the seeded generator behind every choice.
 //!
 //! The crash tests in `tests/it/crash.rs` and the `crash_recovery` fuzz
 //! target call the same functions.
 
 mod backend;
+mod case;
 mod inspect;
+mod ops;
 mod raw;
 mod recovery;
 mod rng;
 mod workload;
 
 pub use backend::{CrashBackend, CrashImage, SECTOR_BYTES, SyncMode};
+pub use case::{CrashCase, MAX_CASE_POINTS, MAX_CASE_STEPS, crash_recovery};
 pub use inspect::{Inspection, inspect};
+pub use ops::store_ops_power_loss;
 pub use raw::{RawRun, raw_redb_run};
 pub use recovery::{RunConfig, RunReport, store_run, store_run_steps};
 pub use rng::Rng;

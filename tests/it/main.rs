@@ -11,6 +11,7 @@
 mod conformance;
 mod bad_input;
 mod cli;
+#[cfg(feature = "redb")]
 mod crash;
 mod fuzz_corpus;
 mod guard;
@@ -26,6 +27,8 @@ mod orders_service;
 mod redb;
 #[cfg(feature = "sled")]
 mod sled;
+#[cfg(feature = "redb")]
+mod redb_bad_input;
 #[cfg(feature = "tower")]
 mod tower;
 mod waiting;
