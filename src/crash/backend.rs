@@ -274,57 +274,81 @@ impl State {
         let mut rng = Rng::new(seed);
         let mode = rng.below(4);
         let percent = rng.below(101);
-        let pieces: Vec<Pending> = self
-            .lagged
-            .iter()
-            .chain(&self.pending)
-            .flat_map(sectors)
-            .collect();
-        let cut = rng.below(pieces.len() as u64 + 1);
+        let changes = || self.lagged.iter().chain(&self.pending);
         let mut image = self.durable.clone();
-        for (i, piece) in pieces.into_iter().enumerate() {
-            let keep = match mode {
-                0 => false,
-                1 => true,
-                2 => rng.chance(percent),
-                _ => (i as u64) < cut,
-            };
-            if keep {
-                apply(&mut image, &piece);
+        match mode {
+            0 => {}
+            1 => changes().for_each(|p| apply(&mut image, p.as_piece())),
+            _ => {
+                let count: u64 = changes().map(|p| sectors(p).count() as u64).sum();
+                let cut = rng.below(count + 1);
+                for (i, piece) in changes().flat_map(sectors).enumerate() {
+                    let keep = if mode == 2 {
+                        rng.chance(percent)
+                    } else {
+                        (i as u64) < cut
+                    };
+                    if keep {
+                        apply(&mut image, piece);
+                    }
+                }
             }
         }
         image
     }
 }
 
-/// A pending change as the pieces a power loss can separate.
-fn sectors(p: &Pending) -> Vec<Pending> {
-    match p {
-        Pending::SetLen(_) => vec![p.clone()],
-        Pending::Write { offset, data } => {
-            let mut out = Vec::new();
-            let (mut at, mut rest) = (*offset, data.as_slice());
-            while !rest.is_empty() {
-                let room = SECTOR_BYTES - at % SECTOR_BYTES;
-                let n = usize::try_from(room).unwrap_or(usize::MAX).min(rest.len());
-                let (head, tail) = rest.split_at(n);
-                out.push(Pending::Write {
-                    offset: at,
-                    data: head.to_vec(),
-                });
-                at += n as u64;
-                rest = tail;
-            }
-            out
+/// A pending change, or a sector-sized part of one, borrowed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Piece<'a> {
+    Write { offset: u64, data: &'a [u8] },
+    SetLen(u64),
+}
+
+impl Pending {
+    fn as_piece(&self) -> Piece<'_> {
+        match self {
+            Pending::Write { offset, data } => Piece::Write {
+                offset: *offset,
+                data,
+            },
+            Pending::SetLen(len) => Piece::SetLen(*len),
         }
     }
 }
 
-fn apply(image: &mut Vec<u8>, p: &Pending) {
+/// A pending change as the pieces a power loss can separate: a write
+/// split at sector boundaries, a length change whole.
+fn sectors(p: &Pending) -> impl Iterator<Item = Piece<'_>> {
+    let (mut at, mut rest, mut set_len) = match p {
+        Pending::Write { offset, data } => (*offset, data.as_slice(), None),
+        Pending::SetLen(len) => (0, &[][..], Some(*len)),
+    };
+    std::iter::from_fn(move || {
+        if let Some(len) = set_len.take() {
+            return Some(Piece::SetLen(len));
+        }
+        if rest.is_empty() {
+            return None;
+        }
+        let room = SECTOR_BYTES - at % SECTOR_BYTES;
+        let n = usize::try_from(room).unwrap_or(usize::MAX).min(rest.len());
+        let (head, tail) = rest.split_at(n);
+        let piece = Piece::Write {
+            offset: at,
+            data: head,
+        };
+        at += n as u64;
+        rest = tail;
+        Some(piece)
+    })
+}
+
+fn apply(image: &mut Vec<u8>, p: Piece<'_>) {
     match p {
-        Pending::SetLen(len) => image.resize(usize::try_from(*len).unwrap_or(usize::MAX), 0),
-        Pending::Write { offset, data } => {
-            let start = usize::try_from(*offset).unwrap_or(usize::MAX);
+        Piece::SetLen(len) => image.resize(usize::try_from(len).unwrap_or(usize::MAX), 0),
+        Piece::Write { offset, data } => {
+            let start = usize::try_from(offset).unwrap_or(usize::MAX);
             let end = start.saturating_add(data.len());
             if image.len() < end {
                 image.resize(end, 0);
@@ -359,7 +383,7 @@ impl redb::StorageBackend for CrashBackend {
             return Err(disk_full());
         }
         let p = Pending::SetLen(len);
-        apply(&mut s.live, &p);
+        apply(&mut s.live, p.as_piece());
         s.pending.push(p);
         Ok(())
     }
@@ -377,7 +401,7 @@ impl redb::StorageBackend for CrashBackend {
             }
         };
         for p in &to_persist {
-            apply(&mut s.durable, p);
+            apply(&mut s.durable, p.as_piece());
         }
         Ok(())
     }
@@ -393,7 +417,7 @@ impl redb::StorageBackend for CrashBackend {
             offset,
             data: data.to_vec(),
         };
-        apply(&mut s.live, &p);
+        apply(&mut s.live, p.as_piece());
         s.pending.push(p);
         Ok(())
     }
@@ -406,15 +430,14 @@ mod tests {
 
     #[test]
     fn writes_are_torn_at_sector_boundaries() {
-        let pieces = sectors(&Pending::Write {
+        let write = Pending::Write {
             offset: 500,
             data: vec![1; 1100],
-        });
-        let spans: Vec<(u64, usize)> = pieces
-            .iter()
+        };
+        let spans: Vec<(u64, usize)> = sectors(&write)
             .map(|p| match p {
-                Pending::Write { offset, data } => (*offset, data.len()),
-                Pending::SetLen(_) => unreachable!(),
+                Piece::Write { offset, data } => (offset, data.len()),
+                Piece::SetLen(_) => unreachable!(),
             })
             .collect();
         assert_eq!(spans, [(500, 12), (512, 512), (1024, 512), (1536, 64)]);
