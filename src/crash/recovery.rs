@@ -7,9 +7,12 @@ use super::inspect::inspect;
 use super::rng::Rng;
 use super::workload::{LEASE, RunLog, Slot, Step, T0, describe, run_thread};
 use crate::codec;
+use crate::fingerprint::Fingerprint;
+use crate::key::Key;
 use crate::record::{Begin, State};
-use crate::redb::RedbStore;
+use crate::redb::{RecoveryPolicy, RedbStore};
 use crate::store::Store;
+use crate::time::{ManualClock, Timestamp};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::AtomicU64;
 
@@ -60,6 +63,9 @@ pub struct RunReport {
     pub inflight_checked: u64,
     /// Keys whose acknowledged completion was replayed, intact, after reopening.
     pub replays_checked: u64,
+    /// Surviving claims taken over at once after a reopen with
+    /// `RecoveryPolicy::ExpireLeases`, each with a larger fencing token.
+    pub takeovers_checked: u64,
     /// Backend mutations (writes, resizes, fsyncs) the runs made.
     pub mutations: u64,
     /// Crash images taken while the store file was being created.
@@ -74,6 +80,7 @@ impl std::ops::AddAssign for RunReport {
         self.acked_checked += o.acked_checked;
         self.inflight_checked += o.inflight_checked;
         self.replays_checked += o.replays_checked;
+        self.takeovers_checked += o.takeovers_checked;
         self.mutations += o.mutations;
         self.creation_points += o.creation_points;
         self.creation_refused += o.creation_refused;
@@ -243,7 +250,7 @@ fn check_image(image: &CrashImage, log: &RunLog, checks: Checks) -> Result<RunRe
         .max();
     // Per key: the slot to probe through the reopened store.
     let mut probes = Vec::new();
-    for kl in &log.keys {
+    for (i, kl) in log.keys.iter().enumerate() {
         let acked = kl
             .history
             .iter()
@@ -261,7 +268,7 @@ fn check_image(image: &CrashImage, log: &RunLog, checks: Checks) -> Result<RunRe
                     .is_some_and(|exp| swept_until.is_some_and(|t| t >= exp))
             });
         match matched {
-            Some(slot) => probes.push((kl, (*slot).clone())),
+            Some(slot) => probes.push((i, (*slot).clone())),
             None if swept => {}
             None => {
                 return Err(format!(
@@ -278,7 +285,15 @@ fn check_image(image: &CrashImage, log: &RunLog, checks: Checks) -> Result<RunRe
     }))
     .map_err(|_| "RedbStore panicked opening the image".to_owned())?;
     let store = opened.map_err(|e| format!("RedbStore refused the image: {e}"))?;
-    for (kl, slot) in probes {
+    let probes_at = probes
+        .iter()
+        .filter_map(|(_, slot)| match slot {
+            Slot::Live { written_at, .. } => Some(*written_at),
+            Slot::Absent => None,
+        })
+        .max();
+    for (i, slot) in probes.iter().cloned() {
+        let Some(kl) = log.keys.get(i) else { continue };
         let Slot::Live {
             fp,
             state,
@@ -309,6 +324,70 @@ fn check_image(image: &CrashImage, log: &RunLog, checks: Checks) -> Result<RunRe
                 "key {}: {state} record, but a new begin after reopening got {got:?}",
                 kl.key
             ));
+        }
+    }
+    // Fencing tokens never go back across a crash: a new claim is above
+    // every token acknowledged and every token in the file.
+    let floor = acked_token
+        .into_iter()
+        .chain(found.records.values().map(|r| r.token))
+        .max()
+        .unwrap_or(0);
+    let fresh = Key::new("crash", "fresh-after-reopen").map_err(|e| e.to_string())?;
+    let then = probes_at.unwrap_or(T0);
+    match store.begin(&fresh, &Fingerprint::of(b"fresh"), then, LEASE, LEASE) {
+        Ok(Begin::Claimed(c)) if c.token() > floor => {}
+        other => {
+            return Err(format!(
+                "a new claim after reopening got {other:?}, floor {floor}"
+            ));
+        }
+    }
+    drop(store);
+    if image.seed.is_multiple_of(8) {
+        report += check_expire_leases(image, log, &probes, then, floor)?;
+    }
+    Ok(report)
+}
+
+/// Reopens the image with [`RecoveryPolicy::ExpireLeases`] at `then`
+/// (inside the acknowledged leases): every surviving PROCESSING record is
+/// taken over at once by a retry, with a token above `floor` (every token
+/// acknowledged or stored), and completed records still replay.
+fn check_expire_leases(
+    image: &CrashImage,
+    log: &RunLog,
+    probes: &[(usize, Slot)],
+    then: Timestamp,
+    floor: u64,
+) -> Result<RunReport, String> {
+    let store = RedbStore::builder()
+        .recovery(RecoveryPolicy::ExpireLeases)
+        .clock(ManualClock::new(then))
+        .open_backend(CrashBackend::from_image(image.bytes.clone()))
+        .map_err(|e| format!("reopen with ExpireLeases: {e}"))?;
+    let mut report = RunReport::default();
+    let mut last = floor;
+    for (i, slot) in probes {
+        let (Some(kl), Slot::Live { fp, state, .. }) = (log.keys.get(*i), slot) else {
+            continue;
+        };
+        let got = store
+            .begin(&kl.key, fp, then, LEASE, kl.retention)
+            .map_err(|e| format!("key {}: begin after ExpireLeases: {e}", kl.key))?;
+        match (state, &got) {
+            (State::Processing, Begin::Claimed(c)) if c.token() > last => {
+                last = c.token();
+                report.takeovers_checked += 1;
+            }
+            (State::Done, Begin::Replay(_)) => {}
+            (State::Done, Begin::Claimed(_)) if then >= slot.expires_at().unwrap_or(then) => {}
+            _ => {
+                return Err(format!(
+                    "key {}: {state} record, ExpireLeases reopen, begin got {got:?} (floor {last})",
+                    kl.key
+                ));
+            }
         }
     }
     Ok(report)

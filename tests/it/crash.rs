@@ -58,7 +58,7 @@ fn redb_store_survives_power_loss_at_every_point() {
         seed += 1;
     }
     eprintln!("redb store: {seed} runs, {total:?}");
-    assert!(total.inflight_checked > 0 && total.replays_checked > 0);
+    assert!(total.inflight_checked > 0 && total.replays_checked > 0 && total.takeovers_checked > 0);
 }
 
 /// The test of the test: a store that acknowledges before its data is
