@@ -25,10 +25,10 @@ mod model;
 mod orders_service;
 #[cfg(feature = "redb")]
 mod redb;
-#[cfg(feature = "sled")]
-mod sled;
 #[cfg(feature = "redb")]
 mod redb_bad_input;
+#[cfg(feature = "sled")]
+mod sled;
 #[cfg(feature = "tower")]
 mod tower;
 mod waiting;
