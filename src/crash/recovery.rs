@@ -90,7 +90,7 @@ impl std::ops::AddAssign for RunReport {
 /// Runs `cfg.threads` threads of seeded steps against one `RedbStore`
 /// (group commit, `Durability::Immediate`) over a [`CrashBackend`] that
 /// takes a crash image every `cfg.stride` mutations, then checks every
-/// image with [`check_image`]. The first failure is returned as a
+/// image with the checks listed at `check_image`. The first failure is returned as a
 /// description with the seed and the crash point.
 pub fn store_run(cfg: &RunConfig) -> Result<RunReport, String> {
     let mut rng = Rng::new(cfg.seed);
