@@ -58,7 +58,9 @@
 //! - `tower`: HTTP middleware (`Idempotency-Key`), in [`tower`] (behaviour and status codes in its docs).
 //! - `cli`: the `idemstore` operator binary (stats, get, list, evict, sweep,
 //!   compact, verify, export, import); its entry point is [`cli::main`].
-//! - `test-util`: [`ManualClock`], [`FaultyStore`] and the [`MemoryStore`] fault hook.
+//! - `test-util`: [`ManualClock`], [`FaultyStore`] and the [`MemoryStore`] fault hook;
+//!   with `redb`, also the (hidden, unstable) `crash` module: a redb storage
+//!   backend that simulates power loss, used by the crash tests and fuzz targets.
 
 #[cfg(feature = "cli")]
 pub mod cli;
@@ -70,6 +72,9 @@ pub mod cli;
     )
 )]
 mod codec;
+#[cfg(all(feature = "test-util", feature = "redb"))]
+#[doc(hidden)]
+pub mod crash;
 mod error;
 mod fingerprint;
 #[cfg(feature = "test-util")]

@@ -1,6 +1,8 @@
 //! Operation sequences (begin/complete/release/get/sweep/advance clock,
 //! injected faults, reopen) against the independent model in
-//! `idemstore::fuzzing`; any divergence or panic is a failure.
+//! `idemstore::fuzzing`, on `MemoryStore` and on `RedbStore` (where each
+//! reopen is a power loss: with immediate durability the model must not
+//! notice); any divergence or panic is a failure.
 #![no_main]
 
 use idemstore::Store;
@@ -12,5 +14,9 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     let mut open = || -> Arc<dyn Store> { Arc::new(idemstore::MemoryStore::new()) };
     if let Err(divergence) = run_ops(&mut open, false, &ops) {
         panic!("memory: {divergence}");
+    }
+    let seed = data.iter().fold(0u64, |h, &b| h.rotate_left(5) ^ u64::from(b));
+    if let Err(divergence) = idemstore::crash::store_ops_power_loss(data, seed, idemstore::crash::SyncMode::Honest) {
+        panic!("redb: {divergence}");
     }
 });

@@ -11,6 +11,8 @@
 mod conformance;
 mod bad_input;
 mod cli;
+#[cfg(feature = "redb")]
+mod crash;
 mod fuzz_corpus;
 mod guard;
 #[cfg(feature = "redb")]
@@ -23,6 +25,8 @@ mod model;
 mod orders_service;
 #[cfg(feature = "redb")]
 mod redb;
+#[cfg(feature = "redb")]
+mod redb_bad_input;
 #[cfg(feature = "sled")]
 mod sled;
 #[cfg(feature = "tower")]
