@@ -36,8 +36,23 @@ pub(super) struct Opened {
     pub(super) leases_expired: u64,
 }
 
-/// Opens or creates the store file at `path` (mode 0600 when created).
+/// Opens the store file at `path`, creating it (mode 0600) when it does
+/// not exist.
+///
+/// A new store is built under a temporary name (`<name>.creating`), its
+/// meta table committed durably, and only then linked into place: a crash
+/// during creation leaves at most the temporary file, never a half-written
+/// file at `path` that no later open could accept. (A crash during redb's
+/// own file initialisation leaves a file without redb's magic number, which
+/// `check_foreign` must refuse, since it cannot tell it from a foreign file.)
 pub(super) fn open_path(path: &Path, config: &Config) -> Result<Opened> {
+    match std::fs::symlink_metadata(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => create_then_open(path, config),
+        _ => open_file(path, config),
+    }
+}
+
+fn open_file(path: &Path, config: &Config) -> Result<Opened> {
     let mut options = std::fs::OpenOptions::new();
     options.read(true).write(true).create(true);
     #[cfg(unix)]
@@ -45,6 +60,62 @@ pub(super) fn open_path(path: &Path, config: &Config) -> Result<Opened> {
     let file = options.open(path)?;
     let backend = ::redb::backends::FileBackend::new(file).map_err(|e| map_open(e, path))?;
     open_backend(backend, config, path)
+}
+
+/// The temporary name a new store is built under.
+pub(super) fn creating_path(path: &Path) -> std::path::PathBuf {
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(".creating");
+    path.with_file_name(name)
+}
+
+fn create_then_open(path: &Path, config: &Config) -> Result<Opened> {
+    let temp = creating_path(path);
+    {
+        let mut options = std::fs::OpenOptions::new();
+        options.read(true).write(true).create(true);
+        #[cfg(unix)]
+        std::os::unix::fs::OpenOptionsExt::mode(&mut options, FILE_MODE);
+        let file = options.open(&temp)?;
+        // A leftover keeps the mode it was created with: set ours.
+        #[cfg(unix)]
+        file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(FILE_MODE))?;
+        // The engine's file lock: a concurrent creator holds it (Locked);
+        // otherwise the file is what a crashed creator left, never
+        // acknowledged to anyone, and is started over.
+        let backend = ::redb::backends::FileBackend::new(file).map_err(|e| map_open(e, path))?;
+        backend
+            .set_len(0)
+            .map_err(|e| engine(::redb::StorageError::from(e)))?;
+        let created = open_backend(backend, config, path)?;
+        drop(created); // closes the database and releases the lock
+    }
+    std::fs::File::open(&temp)?.sync_all()?;
+    // A hard link never replaces an existing name: if another process
+    // created the store meanwhile, theirs wins and ours is discarded.
+    match std::fs::hard_link(&temp, path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(e.into()),
+    }
+    std::fs::remove_file(&temp)?;
+    sync_parent(path)?;
+    open_file(path, config)
+}
+
+/// Makes a new directory entry durable.
+fn sync_parent(path: &Path) -> Result<()> {
+    #[cfg(unix)]
+    {
+        let parent = match path.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p,
+            _ => Path::new("."),
+        };
+        std::fs::File::open(parent)?.sync_all()?;
+    }
+    #[cfg(not(unix))]
+    let _ = path;
+    Ok(())
 }
 
 /// Opens or creates a store over any redb backend; `name` names it in errors.

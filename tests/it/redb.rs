@@ -769,3 +769,59 @@ async fn async_guard_on_redb_keeps_the_runtime_worker_free() {
     );
     assert!(store.stats().durable_commits >= 1);
 }
+
+/// A power loss while a new store file was being created used to leave a
+/// file at the store's path without redb's magic number, which every later
+/// open refused as foreign. Creation now happens under `<name>.creating`
+/// and is linked into place only when durable: what a crashed creator left
+/// is started over, and the store's path is never half-written.
+#[test]
+fn a_crashed_creation_never_blocks_the_next_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("orders.idem");
+    let leftover = dir.path().join("orders.idem.creating");
+    // What redb leaves when the power goes before it writes its header.
+    std::fs::write(&leftover, vec![0u8; 4096]).unwrap();
+    let store = RedbStore::open(&path).unwrap();
+    assert!(!leftover.exists(), "the leftover was reused and removed");
+    assert!(path.exists());
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(
+            std::fs::metadata(&path).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
+    }
+    let key = Key::new("t", "k").unwrap();
+    let fp = Fingerprint::of(b"x");
+    assert!(matches!(
+        store
+            .begin(
+                &key,
+                &fp,
+                T0,
+                Duration::from_secs(1),
+                Duration::from_secs(9)
+            )
+            .unwrap(),
+        Begin::Claimed(_)
+    ));
+    drop(store);
+    // Reopening the created store finds the claim.
+    let again = RedbStore::open(&path).unwrap();
+    assert!(again.get(&key, T0).unwrap().is_some());
+}
+
+/// Two processes creating one store at once must not both believe they own
+/// it: while one holds the temporary file, the other is told it is locked.
+#[test]
+fn a_concurrent_creation_is_locked_not_split() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("orders.idem");
+    let creating = RedbStore::open(dir.path().join("orders.idem.creating")).unwrap();
+    let second = RedbStore::open(&path);
+    assert!(matches!(second, Err(Error::Locked { .. })), "{second:?}");
+    assert!(!path.exists());
+    drop(creating);
+}
