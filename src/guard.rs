@@ -230,8 +230,15 @@ pub struct Guard<S> {
 
 impl<S> Clone for Guard<S> {
     fn clone(&self) -> Self {
+        self.with_store(Arc::clone(&self.store))
+    }
+}
+
+impl<S> Guard<S> {
+    /// This guard's settings, counters and in-process flights over `store`.
+    fn with_store<T>(&self, store: Arc<T>) -> Guard<T> {
         Guard {
-            store: Arc::clone(&self.store),
+            store,
             clock: Arc::clone(&self.clock),
             lease: self.lease,
             retention: self.retention,
@@ -578,17 +585,7 @@ impl<S: Store> Guard<S> {
         S: 'static,
     {
         let store: Arc<dyn Store> = Arc::clone(&self.store) as Arc<dyn Store>;
-        Guard {
-            store: Arc::new(store),
-            clock: Arc::clone(&self.clock),
-            lease: self.lease,
-            retention: self.retention,
-            on_handler_error: self.on_handler_error,
-            takeover: self.takeover,
-            fail_open: self.fail_open,
-            waiting: self.waiting.clone(),
-            counters: Arc::clone(&self.counters),
-        }
+        self.with_store(Arc::new(store))
     }
 
     /// When a waiting duplicate gives up (now, when waiting is off).
