@@ -168,6 +168,20 @@ fn map_open(err: DatabaseError, path: &Path) -> Error {
         DatabaseError::DatabaseAlreadyOpen => Error::Locked {
             path: path.display().to_string(),
         },
+        // The engine read past the end of the file while opening it: the
+        // file is shorter than its own header says (cut short), which is
+        // damage, not an I/O failure a retry could fix.
+        DatabaseError::Storage(::redb::StorageError::Io(io))
+            if io.kind() == std::io::ErrorKind::UnexpectedEof =>
+        {
+            Error::corrupt(
+                None,
+                format!(
+                    "{} is truncated: shorter than its own header says",
+                    path.display()
+                ),
+            )
+        }
         other => engine(other),
     }
 }

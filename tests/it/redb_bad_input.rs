@@ -180,10 +180,9 @@ fn a_truncated_file_is_an_error_not_an_empty_store() {
         let cut = dir.path().join(format!("cut-{len}.idem"));
         std::fs::write(&cut, &bytes[..len]).unwrap();
         match open_no_panic(&cut) {
-            Err(e) => assert!(
-                matches!(e, Error::Corrupt { .. } | Error::Io(_) | Error::Backend(_)),
-                "cut at {len}: {e}"
-            ),
+            // A short file once came back as Error::Io("failed to fill
+            // whole buffer"); it is damage, so it must be Corrupt.
+            Err(e) => assert!(matches!(e, Error::Corrupt { .. }), "cut at {len}: {e}"),
             // If redb can still read it, nothing acknowledged may be missing.
             Ok(store) => assert_intact(&store, &["a", "b"], "c"),
         }
@@ -207,13 +206,7 @@ fn a_file_of_random_bytes_is_refused() {
             let path = dir.path().join(format!("random-{i}-{with_magic}.idem"));
             std::fs::write(&path, &bytes).unwrap();
             let err = open_no_panic(&path).expect_err("random bytes opened as a store");
-            assert!(
-                matches!(
-                    err,
-                    Error::Corrupt { .. } | Error::Io(_) | Error::Backend(_)
-                ),
-                "{err}"
-            );
+            assert!(matches!(err, Error::Corrupt { .. }), "{err}");
             assert_eq!(std::fs::read(&path).unwrap(), bytes, "the file was changed");
         }
     }
