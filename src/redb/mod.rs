@@ -31,7 +31,7 @@ use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
 use crate::key::Key;
 use crate::logic;
-use crate::record::{Begin, Claim, Record, State, check_durations};
+use crate::record::{Begin, Claim, Record, check_durations};
 use crate::response::Response;
 use crate::store::{MAX_SWEEP_BATCH, Store};
 use crate::sweeper::Sweeper;
@@ -75,8 +75,8 @@ impl Shared {
 /// Writes go through one writer thread per store that commits whatever is
 /// queued in one transaction and one fsync (group commit), so throughput
 /// grows with concurrency while every acknowledged claim is durable. A
-/// `begin` that finds a DONE record with the same fingerprint is answered
-/// from a read transaction without the writer. After a failed commit the
+/// `begin` whose answer writes nothing (Replay, InFlight, Conflict) is
+/// answered from a read transaction without the writer. After a failed commit the
 /// store is poisoned: every later write is [`Error::Poisoned`] until it is
 /// reopened.
 ///
@@ -218,6 +218,7 @@ impl RedbStore {
             durable_commits: c.durable_commits.load(Ordering::Relaxed),
             largest_batch: c.largest_batch.load(Ordering::Relaxed),
             fast_replays: c.fast_replays.load(Ordering::Relaxed),
+            fast_refusals: c.fast_refusals.load(Ordering::Relaxed),
             swept: c.swept.load(Ordering::Relaxed),
             leases_expired_on_open: self.leases_expired_on_open,
         }
@@ -268,28 +269,34 @@ impl RedbStore {
         })
     }
 
-    /// The replay fast path: a DONE, unexpired record with this fingerprint,
-    /// read without the writer. Anything else goes through the writer.
-    fn fast_replay(
+    /// The read fast path. Answers `begin` from a read transaction when the answer writes
+    /// nothing (Replay, InFlight, Conflict): the same state machine decides,
+    /// and only a claim goes through the writer. A committed record is what
+    /// the writer would see too, so the answer is the one it would give.
+    fn fast_begin(
         &self,
         key_bytes: &[u8],
         fingerprint: &Fingerprint,
         now: Timestamp,
-    ) -> Result<Option<Response>> {
-        let Some(record) = self.read(key_bytes)? else {
-            return Ok(None);
-        };
-        if record.state != State::Done
-            || record.is_expired(now)
-            || record.fingerprint != *fingerprint
-        {
+        lease: Duration,
+        retention: Duration,
+    ) -> Result<Option<Begin>> {
+        let existing = self.read(key_bytes)?;
+        if existing.is_none() {
             return Ok(None);
         }
-        self.shared
-            .stats
-            .fast_replays
-            .fetch_add(1, Ordering::Relaxed);
-        Ok(Some(record.response.unwrap_or_default()))
+        // A claim needs a token and a write: that is the writer's. The token
+        // handed to the state machine here is never stored.
+        let step = logic::begin(existing, fingerprint, now, lease, retention, || Ok(0))?;
+        if step.write.is_some() {
+            return Ok(None);
+        }
+        let counter = match step.answer {
+            Begin::Replay(_) => &self.shared.stats.fast_replays,
+            _ => &self.shared.stats.fast_refusals,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        Ok(Some(step.answer))
     }
 
     /// The stored record (verified), from a read transaction.
@@ -349,8 +356,8 @@ impl Store for RedbStore {
             return Err(Error::Poisoned);
         }
         let key_bytes = codec::encode_key(key);
-        if let Some(response) = self.fast_replay(&key_bytes, fingerprint, now)? {
-            return Ok(Begin::Replay(response));
+        if let Some(answer) = self.fast_begin(&key_bytes, fingerprint, now, lease, retention)? {
+            return Ok(answer);
         }
         match self.submit(Op::Begin {
             key: key_bytes,

@@ -18,8 +18,9 @@ use std::sync::atomic::AtomicU64;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RedbStats {
-    /// Requests the writer took (begins that missed the replay fast path,
-    /// completes, releases, sweeps).
+    /// Requests the writer took (begins that claim or find no record,
+    /// completes, releases, sweeps); a begin answered Replay, InFlight or
+    /// Conflict from a read transaction never reaches the writer.
     pub requests: u64,
     /// Batches the writer ran: one write transaction each.
     pub batches: u64,
@@ -31,6 +32,9 @@ pub struct RedbStats {
     pub largest_batch: u64,
     /// Begins answered `Replay` from a read transaction, without the writer.
     pub fast_replays: u64,
+    /// Begins answered InFlight or Conflict from a read transaction,
+    /// without the writer.
+    pub fast_refusals: u64,
     /// Records deleted by sweeps (the background sweeper's and explicit
     /// [`Store::sweep_expired`](crate::Store::sweep_expired) calls).
     pub swept: u64,
@@ -61,5 +65,6 @@ pub(super) struct Counters {
     pub(super) durable_commits: AtomicU64,
     pub(super) largest_batch: AtomicU64,
     pub(super) fast_replays: AtomicU64,
+    pub(super) fast_refusals: AtomicU64,
     pub(super) swept: AtomicU64,
 }

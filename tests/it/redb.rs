@@ -144,7 +144,9 @@ fn a_thousand_concurrent_claims_on_a_hundred_keys_make_a_hundred_winners_in_few_
     assert_eq!((winners, in_flight), (100, 900));
     let stats = store.stats();
     eprintln!("{stats:?} mean batch {:.1}", stats.mean_batch());
-    assert_eq!(stats.requests, 1_000);
+    // The claims go through the writer; the InFlight answers to keys
+    // already claimed and committed come from read transactions.
+    assert_eq!(stats.requests + stats.fast_refusals, 1_000, "{stats:?}");
     assert!(stats.commits <= 100, "{stats:?}");
     assert!(stats.batches < 500, "group commit did not group: {stats:?}");
     assert!(stats.largest_batch > 1, "{stats:?}");
