@@ -12,10 +12,7 @@
 use super::RedbStore;
 use super::errors::engine;
 use super::open::STORE_FORMAT_VERSION;
-use super::tables::{
-    EXPIRY, META, META_FORMAT_VERSION, META_STORE_ID, META_TOKEN_HWM, RECORDS, StepError,
-    WriteTables, write_token_hwm,
-};
+use super::tables::{EXPIRY, RECORDS, StepError, WriteTables, write_token_hwm};
 use crate::codec;
 use crate::error::{Error, Result};
 use crate::key::Key;
@@ -143,19 +140,7 @@ impl RedbStore {
     pub(crate) fn facts(&self) -> Result<Facts> {
         let db = self.shared.read_db();
         let txn = db.begin_read().map_err(engine)?;
-        let meta = txn.open_table(META).map_err(engine)?;
-        let get = |name: &str| -> Result<Vec<u8>> {
-            match meta.get(name).map_err(engine)? {
-                Some(v) => Ok(v.value().to_vec()),
-                None => Err(Error::corrupt(
-                    None,
-                    format!("meta entry {name:?} is missing"),
-                )),
-            }
-        };
-        let format_version = u32::from_be_bytes(fixed(&get(META_FORMAT_VERSION)?)?);
-        let store_id = fixed(&get(META_STORE_ID)?)?;
-        let token_hwm = u64::from_be_bytes(fixed(&get(META_TOKEN_HWM)?)?);
+        let meta = super::open::read_meta_entries(&txn)?;
         let records = txn
             .open_table(RECORDS)
             .map_err(engine)?
@@ -167,10 +152,10 @@ impl RedbStore {
             .len()
             .map_err(engine)?;
         Ok(Facts {
-            format_version,
+            format_version: meta.format_version,
             supported_version: STORE_FORMAT_VERSION,
-            store_id,
-            token_hwm,
+            store_id: meta.store_id,
+            token_hwm: meta.token_hwm,
             records,
             index_entries,
         })
@@ -469,13 +454,4 @@ fn step(e: StepError) -> Error {
     match e {
         StepError::Request(e) | StepError::Storage(e) => e,
     }
-}
-
-fn fixed<const N: usize>(bytes: &[u8]) -> Result<[u8; N]> {
-    bytes.try_into().map_err(|_| {
-        Error::corrupt(
-            None,
-            format!("a meta entry is {} bytes, not {N}", bytes.len()),
-        )
-    })
 }

@@ -242,6 +242,33 @@ fn read_meta(db: &Database) -> Result<Option<(u64, [u8; 16])>> {
             names.join(", ")
         )));
     }
+    let meta = read_meta_entries(&txn)?;
+    if meta.format_version > STORE_FORMAT_VERSION {
+        return Err(Error::UnsupportedFormat {
+            found: meta.format_version,
+            supported: STORE_FORMAT_VERSION,
+        });
+    }
+    if meta.format_version == 0 {
+        return Err(Error::corrupt(None, "meta format version is 0"));
+    }
+    let (hwm, store_id) = (meta.token_hwm, meta.store_id);
+    // Opening the record tables proves they have our layout.
+    txn.open_table(RECORDS).map_err(table_error)?;
+    txn.open_table(EXPIRY).map_err(table_error)?;
+    Ok(Some((hwm, store_id)))
+}
+
+/// The three meta entries, as stored (no version policy applied).
+pub(super) struct MetaEntries {
+    pub(super) format_version: u32,
+    pub(super) store_id: [u8; 16],
+    pub(super) token_hwm: u64,
+}
+
+/// Reads the meta entries; a missing or mis-sized entry is `Corrupt`.
+/// Shared by open (which then checks the version) and the CLI's `stats`.
+pub(super) fn read_meta_entries(txn: &::redb::ReadTransaction) -> Result<MetaEntries> {
     let meta = txn.open_table(META).map_err(table_error)?;
     let get = |name: &str| -> Result<Vec<u8>> {
         match meta.get(name).map_err(engine)? {
@@ -252,23 +279,11 @@ fn read_meta(db: &Database) -> Result<Option<(u64, [u8; 16])>> {
             )),
         }
     };
-    let version = get(META_FORMAT_VERSION)?;
-    let version = u32::from_be_bytes(fixed(META_FORMAT_VERSION, &version)?);
-    if version > STORE_FORMAT_VERSION {
-        return Err(Error::UnsupportedFormat {
-            found: version,
-            supported: STORE_FORMAT_VERSION,
-        });
-    }
-    if version == 0 {
-        return Err(Error::corrupt(None, "meta format version is 0"));
-    }
-    let store_id = fixed(META_STORE_ID, &get(META_STORE_ID)?)?;
-    let hwm = u64::from_be_bytes(fixed(META_TOKEN_HWM, &get(META_TOKEN_HWM)?)?);
-    // Opening the record tables proves they have our layout.
-    txn.open_table(RECORDS).map_err(table_error)?;
-    txn.open_table(EXPIRY).map_err(table_error)?;
-    Ok(Some((hwm, store_id)))
+    Ok(MetaEntries {
+        format_version: u32::from_be_bytes(fixed(META_FORMAT_VERSION, &get(META_FORMAT_VERSION)?)?),
+        store_id: fixed(META_STORE_ID, &get(META_STORE_ID)?)?,
+        token_hwm: u64::from_be_bytes(fixed(META_TOKEN_HWM, &get(META_TOKEN_HWM)?)?),
+    })
 }
 
 fn fixed<const N: usize>(name: &str, bytes: &[u8]) -> Result<[u8; N]> {
