@@ -17,7 +17,7 @@ mod peers;
 #[path = "common/workload.rs"]
 mod workload;
 
-use peers::{Backend, BoxResult, RedbRaw, Sqlite, StoreBackend, fdatasync_probe};
+use peers::{Backend, BoxResult, fdatasync_probe};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
@@ -41,41 +41,8 @@ fn ours() -> Vec<&'static str> {
 }
 
 fn open(name: &str, dir: &Path) -> BoxResult<Box<dyn Backend>> {
-    Ok(match name {
-        "redb" => Box::new(redb_store(dir)?),
-        #[cfg(feature = "sled")]
-        "sled" => {
-            let store = std::sync::Arc::new(idemstore::SledStore::open(dir.join("compare.sled"))?);
-            let stats = std::sync::Arc::clone(&store);
-            Box::new(StoreBackend {
-                name: "sled".into(),
-                store,
-                dir: Some(dir.join("compare.sled")),
-                batch: Some(Box::new(move || {
-                    let s = stats.stats();
-                    (s.flushes > 0).then(|| s.commits as f64 / s.flushes as f64)
-                })),
-            })
-        }
-        "sqlite" => Box::new(Sqlite::open(dir)?),
-        "redb-raw" => Box::new(RedbRaw::open(dir)?),
-        other => return Err(format!("unknown backend {other}").into()),
-    })
-}
-
-/// `RedbStore` with its defaults (group commit, fsync per batch).
-fn redb_store(dir: &Path) -> BoxResult<StoreBackend> {
-    let store = std::sync::Arc::new(idemstore::RedbStore::open(dir.join("compare.idem"))?);
-    let stats = std::sync::Arc::clone(&store);
-    Ok(StoreBackend {
-        name: "redb".into(),
-        store,
-        dir: Some(dir.to_owned()),
-        batch: Some(Box::new(move || {
-            let s = stats.stats();
-            (s.batches > 0).then(|| s.mean_batch())
-        })),
-    })
+    // The defaults: group commit with an fsync per batch.
+    peers::open_backend(name, dir, "immediate")
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

@@ -21,9 +21,7 @@ mod peers;
 #[path = "common/workload.rs"]
 mod workload;
 
-use peers::{Backend, BoxResult, RedbRaw, Sqlite, StoreBackend};
-use std::path::Path;
-use std::sync::Arc;
+use peers::{BoxResult, open_backend};
 use std::time::Duration;
 
 struct Args {
@@ -77,78 +75,6 @@ fn parse() -> BoxResult<Args> {
         return Err("--dup-ratio must be in 0..=1 and --clients at least 1".into());
     }
     Ok(a)
-}
-
-/// Opens the named backend in `dir`.
-pub fn open_backend(name: &str, dir: &Path, durability: &str) -> BoxResult<Box<dyn Backend>> {
-    Ok(match name {
-        "redb" => Box::new(redb_backend(dir, durability)?),
-        "memory" => Box::new(StoreBackend {
-            name: "memory".into(),
-            store: Arc::new(idemstore::MemoryStore::new()),
-            dir: None,
-            batch: None,
-        }),
-        #[cfg(feature = "sled")]
-        "sled" => {
-            let level = match durability {
-                "relaxed" => idemstore::SledDurability::OsBuffered,
-                _ => idemstore::SledDurability::Immediate,
-            };
-            let path = dir.join("store.sled");
-            let store = Arc::new(
-                idemstore::SledStore::builder(&path)
-                    .durability(level)
-                    .open()?,
-            );
-            let stats = Arc::clone(&store);
-            Box::new(StoreBackend {
-                name: "sled".into(),
-                store,
-                dir: Some(path),
-                // Commits per flush round: sled's group size.
-                batch: Some(Box::new(move || {
-                    let s = stats.stats();
-                    (s.flushes > 0).then(|| s.commits as f64 / s.flushes as f64)
-                })),
-            })
-        }
-        "sqlite" => Box::new(Sqlite::open(dir)?),
-        "redb-raw" => Box::new(RedbRaw::open(dir)?),
-        other => return Err(format!("unknown or not yet available backend {other}").into()),
-    })
-}
-
-/// `RedbStore` in `dir`; `durability` is `immediate` (default), `relaxed`
-/// (a durable commit every 100 ms) or `periodic:MS`.
-pub fn redb_backend(dir: &Path, durability: &str) -> BoxResult<StoreBackend> {
-    let durability = match durability.split_once(':') {
-        None if durability.is_empty() || durability == "immediate" => {
-            idemstore::Durability::Immediate
-        }
-        None if durability == "relaxed" => idemstore::Durability::Periodic {
-            max_loss: std::time::Duration::from_millis(100),
-        },
-        Some(("periodic", ms)) => idemstore::Durability::Periodic {
-            max_loss: std::time::Duration::from_millis(ms.parse()?),
-        },
-        _ => return Err(format!("unknown durability {durability}").into()),
-    };
-    let store = Arc::new(
-        idemstore::RedbStore::builder()
-            .durability(durability)
-            .open(dir.join("loadgen.idem"))?,
-    );
-    let stats = Arc::clone(&store);
-    Ok(StoreBackend {
-        name: "redb".into(),
-        store,
-        dir: Some(dir.to_owned()),
-        batch: Some(Box::new(move || {
-            let s = stats.stats();
-            (s.batches > 0).then(|| s.mean_batch())
-        })),
-    })
 }
 
 fn main() -> BoxResult<()> {

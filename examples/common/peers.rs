@@ -365,3 +365,75 @@ pub fn percentile(values: &mut [f64], q: f64) -> f64 {
     let i = ((values.len() as f64 - 1.0) * q).round() as usize;
     values.get(i).or(values.last()).copied().unwrap_or(0.0)
 }
+
+/// Opens the named backend in `dir`.
+pub fn open_backend(name: &str, dir: &Path, durability: &str) -> BoxResult<Box<dyn Backend>> {
+    Ok(match name {
+        "redb" => Box::new(redb_backend(dir, durability)?),
+        "memory" => Box::new(StoreBackend {
+            name: "memory".into(),
+            store: std::sync::Arc::new(idemstore::MemoryStore::new()),
+            dir: None,
+            batch: None,
+        }),
+        #[cfg(feature = "sled")]
+        "sled" => {
+            let level = match durability {
+                "relaxed" => idemstore::SledDurability::OsBuffered,
+                _ => idemstore::SledDurability::Immediate,
+            };
+            let path = dir.join("store.sled");
+            let store = std::sync::Arc::new(
+                idemstore::SledStore::builder(&path)
+                    .durability(level)
+                    .open()?,
+            );
+            let stats = std::sync::Arc::clone(&store);
+            Box::new(StoreBackend {
+                name: "sled".into(),
+                store,
+                dir: Some(path),
+                // Commits per flush round: sled's group size.
+                batch: Some(Box::new(move || {
+                    let s = stats.stats();
+                    (s.flushes > 0).then(|| s.commits as f64 / s.flushes as f64)
+                })),
+            })
+        }
+        "sqlite" => Box::new(Sqlite::open(dir)?),
+        "redb-raw" => Box::new(RedbRaw::open(dir)?),
+        other => return Err(format!("unknown or not yet available backend {other}").into()),
+    })
+}
+
+/// `RedbStore` in `dir`; `durability` is `immediate` (default), `relaxed`
+/// (a durable commit every 100 ms) or `periodic:MS`.
+pub fn redb_backend(dir: &Path, durability: &str) -> BoxResult<StoreBackend> {
+    let durability = match durability.split_once(':') {
+        None if durability.is_empty() || durability == "immediate" => {
+            idemstore::Durability::Immediate
+        }
+        None if durability == "relaxed" => idemstore::Durability::Periodic {
+            max_loss: std::time::Duration::from_millis(100),
+        },
+        Some(("periodic", ms)) => idemstore::Durability::Periodic {
+            max_loss: std::time::Duration::from_millis(ms.parse()?),
+        },
+        _ => return Err(format!("unknown durability {durability}").into()),
+    };
+    let store = std::sync::Arc::new(
+        idemstore::RedbStore::builder()
+            .durability(durability)
+            .open(dir.join("loadgen.idem"))?,
+    );
+    let stats = std::sync::Arc::clone(&store);
+    Ok(StoreBackend {
+        name: "redb".into(),
+        store,
+        dir: Some(dir.to_owned()),
+        batch: Some(Box::new(move || {
+            let s = stats.stats();
+            (s.batches > 0).then(|| s.mean_batch())
+        })),
+    })
+}
