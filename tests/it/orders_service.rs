@@ -7,9 +7,9 @@
 #[allow(dead_code, reason = "the example's main is not called here")]
 mod app;
 
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::StatusCode;
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
+use http_body_util::Full;
 use hyper_util::client::legacy::{Client, connect::HttpConnector};
 use hyper_util::rt::TokioExecutor;
 use idemstore::{FaultyStore, Guard, Inbox, ManualClock, RedbStore, Timestamp};
@@ -30,20 +30,7 @@ struct Service {
     _dir: tempfile::TempDir,
 }
 
-#[derive(Debug)]
-struct Reply {
-    status: StatusCode,
-    headers: HeaderMap,
-    body: String,
-}
-
-impl Reply {
-    fn replayed(&self) -> bool {
-        self.headers
-            .get("idempotent-replayed")
-            .is_some_and(|v| v == "true")
-    }
-}
+use crate::tower::{Reply, fetch};
 
 async fn start(delay_after_commit: Duration) -> Service {
     let dir = tempfile::tempdir().unwrap();
@@ -82,18 +69,7 @@ impl Service {
         if let Some(key) = key {
             req = req.header("idempotency-key", key);
         }
-        let res = self
-            .client
-            .request(req.body(Full::new(body.into())).unwrap())
-            .await
-            .unwrap();
-        let (parts, body) = res.into_parts();
-        let body = body.collect().await.unwrap().to_bytes();
-        Reply {
-            status: parts.status,
-            headers: parts.headers,
-            body: String::from_utf8_lossy(&body).into_owned(),
-        }
+        fetch(&self.client, req.body(Full::new(body.into())).unwrap()).await
     }
 
     async fn order(&self, key: &str, qty: u64) -> Reply {

@@ -70,15 +70,31 @@ struct App {
     client: Client<HttpConnector, Full<Bytes>>,
 }
 
+/// An HTTP answer, read whole (also used by the orders service tests).
 #[derive(Debug)]
-struct Reply {
-    status: StatusCode,
-    headers: HeaderMap,
-    body: String,
+pub struct Reply {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: String,
+}
+
+/// Sends `req` over `client` and reads the whole answer.
+pub async fn fetch(
+    client: &Client<HttpConnector, Full<Bytes>>,
+    req: http::Request<Full<Bytes>>,
+) -> Reply {
+    let res = client.request(req).await.unwrap();
+    let (parts, body) = res.into_parts();
+    let body = body.collect().await.unwrap().to_bytes();
+    Reply {
+        status: parts.status,
+        headers: parts.headers,
+        body: String::from_utf8(body.to_vec()).unwrap(),
+    }
 }
 
 impl Reply {
-    fn replayed(&self) -> bool {
+    pub fn replayed(&self) -> bool {
         self.headers
             .get("idempotent-replayed")
             .is_some_and(|v| v == "true")
@@ -119,14 +135,7 @@ impl App {
             req = req.header("idempotency-key", *key);
         }
         let req = req.body(Full::new(Bytes::from(body.to_owned()))).unwrap();
-        let res = self.client.request(req).await.unwrap();
-        let (parts, body) = res.into_parts();
-        let body = body.collect().await.unwrap().to_bytes();
-        Reply {
-            status: parts.status,
-            headers: parts.headers,
-            body: String::from_utf8(body.to_vec()).unwrap(),
-        }
+        fetch(&self.client, req).await
     }
 
     async fn post(&self, key: &str, body: &str) -> Reply {
