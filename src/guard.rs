@@ -376,9 +376,10 @@ enum Start<E> {
     },
 }
 
-/// What to write after the handler, decided once for both `run`s.
-enum Settle {
-    Complete(Response),
+/// What to write after the handler, decided once for both `run`s. It
+/// borrows the handler's response: the sync path stores it without a copy.
+enum Settle<'a> {
+    Complete(&'a Response),
     Release,
     Keep,
 }
@@ -502,7 +503,7 @@ impl<S: Store> Guard<S> {
                         Settle::Complete(response) => self.store.complete(
                             key,
                             &claim,
-                            &response,
+                            response,
                             self.clock.now(),
                             self.retention,
                         ),
@@ -670,13 +671,13 @@ impl<S: Store> Guard<S> {
     /// `release` lets a caller inside the crate release the claim for some
     /// errors whatever the guard's [`OnHandlerError`] (the HTTP layer's
     /// "do not store this response").
-    fn settle<E>(
+    fn settle<'r, E>(
         &self,
-        result: &std::result::Result<Response, E>,
+        result: &'r std::result::Result<Response, E>,
         release: impl Fn(&E) -> bool,
-    ) -> Settle {
+    ) -> Settle<'r> {
         match (result, self.on_handler_error) {
-            (Ok(response), _) => Settle::Complete(response.clone()),
+            (Ok(response), _) => Settle::Complete(response),
             (Err(e), _) if release(e) => Settle::Release,
             (Err(_), OnHandlerError::Release) => Settle::Release,
             (Err(_), OnHandlerError::KeepClaim) => Settle::Keep,
@@ -786,7 +787,8 @@ impl<S: Store + 'static> Guard<S> {
                     let (store, k) = (Arc::clone(&self.store), key.clone());
                     let written = match self.settle(&result, &release) {
                         Settle::Complete(response) => {
-                            let now = self.clock.now();
+                            // The blocking pool needs its own copy.
+                            let (response, now) = (response.clone(), self.clock.now());
                             blocking(move || store.complete(&k, &claim, &response, now, retention))
                                 .await
                         }
