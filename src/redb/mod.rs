@@ -41,7 +41,7 @@ use errors::engine;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, SyncSender};
-use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
+use std::sync::{Arc, RwLock, RwLockReadGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 use writer::{Msg, Op, Reply, Writer};
@@ -104,7 +104,7 @@ pub struct RedbStore {
     tx: SyncSender<Msg>,
     writer: Option<JoinHandle<()>>,
     // Mutex only to make the store Sync (a Sweeper holds an mpsc receiver).
-    sweeper: Mutex<Option<Sweeper>>,
+    sweeper: Option<Sweeper>,
     path: Option<PathBuf>,
     store_id: [u8; 16],
     max_body_bytes: usize,
@@ -157,7 +157,7 @@ impl RedbStore {
             shared,
             tx,
             writer: Some(writer),
-            sweeper: Mutex::new(None),
+            sweeper: None,
             path,
             store_id: opened.store_id,
             max_body_bytes: config.max_body_bytes,
@@ -176,7 +176,7 @@ impl RedbStore {
                     other => Err(unexpected(&other)),
                 },
             )?;
-            *store.sweeper.get_mut().unwrap_or_else(|p| p.into_inner()) = Some(sweeper);
+            store.sweeper = Some(sweeper);
         }
         Ok(store)
     }
@@ -329,12 +329,7 @@ impl Drop for RedbStore {
         // Sweeper first (it feeds the writer), then the writer: it finishes
         // what is queued, makes it durable and exits, so the file is closed
         // (and its lock released) when drop returns.
-        drop(
-            self.sweeper
-                .get_mut()
-                .unwrap_or_else(|p| p.into_inner())
-                .take(),
-        );
+        drop(self.sweeper.take());
         let _ = self.tx.send(Msg::Shutdown);
         if let Some(writer) = self.writer.take() {
             let _ = writer.join();

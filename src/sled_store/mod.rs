@@ -116,7 +116,7 @@ pub struct SledStore {
     // Declared first so it is dropped first: the sweeper thread stops
     // before the store's files close. In a mutex because a `Sweeper` is
     // `Send` but not `Sync`, and a store must be both.
-    sweeper: Mutex<Option<Sweeper>>,
+    sweeper: Option<Sweeper>,
     inner: Arc<Inner>,
 }
 
@@ -290,10 +290,7 @@ impl SledStoreBuilder {
                 )?)
             }
         };
-        Ok(SledStore {
-            sweeper: Mutex::new(sweeper),
-            inner,
-        })
+        Ok(SledStore { sweeper, inner })
     }
 }
 
@@ -405,19 +402,17 @@ impl SledStore {
         self.inner.group.is_poisoned()
     }
 
-    /// Calls `f` with the background sweeper, when one was configured
-    /// (to read its counters).
+    /// The background sweeper, when one was configured (to read its counters).
     ///
     /// ```
     /// use idemstore::{SledStore, SweeperConfig};
     /// let dir = tempfile::tempdir()?;
     /// let store = SledStore::builder(dir.path()).sweeper(SweeperConfig::default()).open()?;
-    /// assert_eq!(store.with_sweeper(|s| s.swept()), Some(0));
+    /// assert_eq!(store.sweeper().map(|s| s.swept()), Some(0));
     /// # Ok::<(), idemstore::Error>(())
     /// ```
-    pub fn with_sweeper<R>(&self, f: impl FnOnce(&Sweeper) -> R) -> Option<R> {
-        let sweeper = self.sweeper.lock().unwrap_or_else(|p| p.into_inner());
-        sweeper.as_ref().map(f)
+    pub fn sweeper(&self) -> Option<&Sweeper> {
+        self.sweeper.as_ref()
     }
 
     /// Makes the next `count` data-file fsyncs fail with an I/O error, as a

@@ -419,7 +419,7 @@ fn background_sweeper_deletes_expired_records() {
     }
     clock.advance(2 * HOUR);
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while s.with_sweeper(|w| w.swept()) != Some(10) {
+    while s.sweeper().map(|w| w.swept()) != Some(10) {
         assert!(std::time::Instant::now() < deadline, "sweeper never swept");
         std::thread::sleep(Duration::from_millis(5));
     }
