@@ -101,8 +101,8 @@ mod waiting;
 
 #[cfg(feature = "redb")]
 pub use crate::redb::{
-    DEFAULT_CACHE_BYTES, Durability, MAX_WRITE_BATCH, RecoveryPolicy, RedbStats, RedbStore,
-    RedbStoreBuilder, WRITE_QUEUE_DEPTH,
+    CHECKPOINT_INTERVAL, DEFAULT_CACHE_BYTES, Durability, MAX_WRITE_BATCH, MIN_WAL_BYTES,
+    RecoveryPolicy, RedbStats, RedbStore, RedbStoreBuilder, WAL_BYTES, WRITE_QUEUE_DEPTH,
 };
 #[cfg(feature = "redb")]
 pub use crate::redb::{Delivery, Inbox};

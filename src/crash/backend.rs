@@ -42,10 +42,25 @@ pub struct CrashImage {
     pub seed: u64,
     /// The surviving file.
     pub bytes: Vec<u8>,
+    /// The surviving files made with [`CrashBackend::sibling`], in order
+    /// (a store's write-ahead log): one power loss takes all of them.
+    pub siblings: Vec<Vec<u8>>,
 }
 
+impl CrashImage {
+    /// The disk after reboot: every file of the image, all durable; the
+    /// handle returned is the first file's, [`CrashBackend::file`] gives
+    /// the others.
+    pub fn restore(&self) -> CrashBackend {
+        let mut files = vec![self.bytes.clone()];
+        files.extend(self.siblings.iter().cloned());
+        CrashBackend::from_files(files)
+    }
+}
+
+/// One file of a simulated disk.
 #[derive(Debug, Default)]
-struct State {
+struct File {
     /// What reads see: every write applied.
     live: Vec<u8>,
     /// What survives a power loss for certain: the file as of the last sync.
@@ -54,7 +69,13 @@ struct State {
     pending: Vec<Pending>,
     /// [`SyncMode::Lags`]: the writes the last sync left unsynced.
     lagged: Vec<Pending>,
-    /// Mutating calls so far.
+}
+
+#[derive(Debug, Default)]
+struct State {
+    /// The disk's files; a handle names one by index. Never empty.
+    files: Vec<File>,
+    /// Mutating calls so far, on every file.
     mutations: u64,
     /// Planned power losses `(after this many mutations, seed)`, in order.
     plan: VecDeque<(u64, u64)>,
@@ -98,9 +119,17 @@ struct State {
 /// assert_eq!(db.begin_read()?.open_table(T)?.get(1)?.map(|v| v.value()), Some(10));
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct CrashBackend {
     state: Arc<Mutex<State>>,
+    /// Which of the disk's files this handle reads and writes.
+    file: usize,
+}
+
+impl Default for CrashBackend {
+    fn default() -> CrashBackend {
+        CrashBackend::from_files(vec![Vec::new()])
+    }
 }
 
 impl CrashBackend {
@@ -111,13 +140,59 @@ impl CrashBackend {
 
     /// A file holding `bytes`, all of them durable (a disk after reboot).
     pub fn from_image(bytes: Vec<u8>) -> CrashBackend {
-        let backend = CrashBackend::new();
-        {
-            let mut s = backend.lock();
-            s.durable.clone_from(&bytes);
-            s.live = bytes;
+        CrashBackend::from_files(vec![bytes])
+    }
+
+    /// A disk holding these files, all durable; the handle is the first's.
+    pub fn from_files(files: Vec<Vec<u8>>) -> CrashBackend {
+        let mut state = State::default();
+        for bytes in files {
+            state.files.push(File {
+                durable: bytes.clone(),
+                live: bytes,
+                ..File::default()
+            });
         }
-        backend
+        if state.files.is_empty() {
+            state.files.push(File::default());
+        }
+        CrashBackend {
+            state: Arc::new(Mutex::new(state)),
+            file: 0,
+        }
+    }
+
+    /// A new empty file on the same disk: it counts mutations, loses power
+    /// and fills up together with this one (a store's write-ahead log).
+    ///
+    /// ```
+    /// use idemstore::crash::CrashBackend;
+    /// use redb::StorageBackend;
+    /// let disk = CrashBackend::new();
+    /// let log = disk.sibling();
+    /// log.write(0, b"frame")?;
+    /// log.sync_data()?;
+    /// let image = disk.power_loss_all(7);
+    /// assert_eq!(image.siblings, vec![b"frame".to_vec()]);
+    /// assert_eq!(image.restore().file(1).unwrap().live_image(), b"frame");
+    /// # Ok::<(), std::io::Error>(())
+    /// ```
+    pub fn sibling(&self) -> CrashBackend {
+        let mut s = self.lock();
+        s.files.push(File::default());
+        CrashBackend {
+            state: Arc::clone(&self.state),
+            file: s.files.len() - 1,
+        }
+    }
+
+    /// The handle of the disk's file number `index` (0 is the first file,
+    /// then the siblings in order), if there is one.
+    pub fn file(&self, index: usize) -> Option<CrashBackend> {
+        (index < self.lock().files.len()).then(|| CrashBackend {
+            state: Arc::clone(&self.state),
+            file: index,
+        })
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -186,24 +261,34 @@ impl CrashBackend {
         s.every = None;
         let now = s.mutations;
         while let Some((_, seed)) = s.plan.pop_front() {
-            let bytes = s.surviving(seed);
-            s.images.push(CrashImage {
-                at: now,
-                seed,
-                bytes,
-            });
+            let image = s.image(now, seed);
+            s.images.push(image);
         }
         std::mem::take(&mut s.images)
     }
 
-    /// The file a power loss now would leave, chosen by `seed`.
+    /// This file as a power loss now would leave it, chosen by `seed`.
     pub fn power_loss(&self, seed: u64) -> Vec<u8> {
-        self.lock().surviving(seed)
+        let s = self.lock();
+        s.files
+            .get(self.file)
+            .map(|f| f.surviving(seed))
+            .unwrap_or_default()
+    }
+
+    /// Every file of the disk as a power loss now would leave them.
+    pub fn power_loss_all(&self, seed: u64) -> CrashImage {
+        let s = self.lock();
+        s.image(s.mutations, seed)
     }
 
     /// The file as the running program sees it (every write applied).
     pub fn live_image(&self) -> Vec<u8> {
-        self.lock().live.clone()
+        self.lock()
+            .files
+            .get(self.file)
+            .map(|f| f.live.clone())
+            .unwrap_or_default()
     }
 }
 
@@ -234,24 +319,33 @@ impl State {
             }
             *at += *stride;
             let seed = rng.next_u64();
-            let bytes = self.surviving(seed);
-            self.images.push(CrashImage {
-                at: self.mutations,
-                seed,
-                bytes,
-            });
+            let image = self.image(self.mutations, seed);
+            self.images.push(image);
         }
         while let Some(&(at, seed)) = self.plan.front() {
             if at > self.mutations {
                 break;
             }
             self.plan.pop_front();
-            let bytes = self.surviving(seed);
-            self.images.push(CrashImage {
-                at: self.mutations,
-                seed,
-                bytes,
-            });
+            let image = self.image(self.mutations, seed);
+            self.images.push(image);
+        }
+    }
+
+    /// Every file as a power loss now would leave it. Each file draws its
+    /// own survivors from `seed` (the first file exactly as a lone file would).
+    fn image(&self, at: u64, seed: u64) -> CrashImage {
+        let mut files = self
+            .files
+            .iter()
+            .enumerate()
+            .map(|(i, f)| f.surviving(seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)));
+        let bytes = files.next().unwrap_or_default();
+        CrashImage {
+            at,
+            seed,
+            bytes,
+            siblings: files.collect(),
         }
     }
 
@@ -264,7 +358,9 @@ impl State {
         }
         Ok(())
     }
+}
 
+impl File {
     /// The durable file plus a seeded subset of the pending writes, each
     /// write split at sector boundaries and each piece kept or lost on its
     /// own, applied in order. How much survives varies with the seed:
@@ -362,7 +458,8 @@ fn apply(image: &mut Vec<u8>, p: Piece<'_>) {
 
 impl redb::StorageBackend for CrashBackend {
     fn len(&self) -> Result<u64, IoError> {
-        Ok(self.lock().live.len() as u64)
+        let s = self.lock();
+        Ok(file(&s, self.file)?.live.len() as u64)
     }
 
     fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), IoError> {
@@ -370,7 +467,7 @@ impl redb::StorageBackend for CrashBackend {
         let start = to_usize(offset)?;
         let src = start
             .checked_add(out.len())
-            .and_then(|end| s.live.get(start..end))
+            .and_then(|end| file(&s, self.file).ok()?.live.get(start..end))
             .ok_or_else(|| IoError::from(ErrorKind::UnexpectedEof))?;
         out.copy_from_slice(src);
         Ok(())
@@ -379,12 +476,14 @@ impl redb::StorageBackend for CrashBackend {
     fn set_len(&self, len: u64) -> Result<(), IoError> {
         let mut s = self.lock();
         s.mutate()?;
-        if s.disk_full && len > s.live.len() as u64 {
+        let full = s.disk_full;
+        let f = file_mut(&mut s, self.file)?;
+        if full && len > f.live.len() as u64 {
             return Err(disk_full());
         }
         let p = Pending::SetLen(len);
-        apply(&mut s.live, p.as_piece());
-        s.pending.push(p);
+        apply(&mut f.live, p.as_piece());
+        f.pending.push(p);
         Ok(())
     }
 
@@ -392,16 +491,18 @@ impl redb::StorageBackend for CrashBackend {
         let mut s = self.lock();
         s.mutate()?;
         s.syncs += 1;
-        let to_persist = match s.sync_mode {
-            SyncMode::Honest => std::mem::take(&mut s.pending),
+        let mode = s.sync_mode;
+        let f = file_mut(&mut s, self.file)?;
+        let to_persist = match mode {
+            SyncMode::Honest => std::mem::take(&mut f.pending),
             SyncMode::Lies => Vec::new(),
             SyncMode::Lags => {
-                let pending = std::mem::take(&mut s.pending);
-                std::mem::replace(&mut s.lagged, pending)
+                let pending = std::mem::take(&mut f.pending);
+                std::mem::replace(&mut f.lagged, pending)
             }
         };
         for p in &to_persist {
-            apply(&mut s.durable, p.as_piece());
+            apply(&mut f.durable, p.as_piece());
         }
         Ok(())
     }
@@ -413,14 +514,27 @@ impl redb::StorageBackend for CrashBackend {
             return Err(disk_full());
         }
         to_usize(offset.saturating_add(data.len() as u64))?;
+        let f = file_mut(&mut s, self.file)?;
         let p = Pending::Write {
             offset,
             data: data.to_vec(),
         };
-        apply(&mut s.live, p.as_piece());
-        s.pending.push(p);
+        apply(&mut f.live, p.as_piece());
+        f.pending.push(p);
         Ok(())
     }
+}
+
+fn no_such_file() -> IoError {
+    IoError::new(ErrorKind::NotFound, "no such file on the simulated disk")
+}
+
+fn file(s: &State, index: usize) -> Result<&File, IoError> {
+    s.files.get(index).ok_or_else(no_such_file)
+}
+
+fn file_mut(s: &mut State, index: usize) -> Result<&mut File, IoError> {
+    s.files.get_mut(index).ok_or_else(no_such_file)
 }
 
 #[cfg(test)]

@@ -33,6 +33,6 @@ pub use case::{CrashCase, MAX_CASE_POINTS, MAX_CASE_STEPS, crash_recovery};
 pub use inspect::{Inspection, inspect};
 pub use ops::store_ops_power_loss;
 pub use raw::{RawRun, raw_redb_run};
-pub use recovery::{RunConfig, RunReport, store_run, store_run_steps};
+pub use recovery::{RunConfig, RunReport, TEST_WAL_BYTES, store_run, store_run_steps};
 pub use rng::Rng;
 pub use workload::{LEASE, LONG_RETENTION, MAX_KEYS_PER_THREAD, SHORT_RETENTION, Step, T0};

@@ -27,12 +27,17 @@ pub fn store_ops_power_loss(data: &[u8], seed: u64, sync: SyncMode) -> Result<()
         if let Some(old) = live.take() {
             // Power fails with the old store still running; it is dropped
             // afterwards, writing only to the old (lost) machine's disk.
-            let image = backend.power_loss(rng.next_u64());
+            let image = backend.power_loss_all(rng.next_u64());
             drop(old);
-            backend = CrashBackend::from_image(image);
+            backend = image.restore();
             backend.set_sync_mode(sync);
         }
-        let store = match RedbStore::builder().open_backend(backend.clone()) {
+        // The store's write-ahead log is the disk's second file.
+        let log = backend.file(1).unwrap_or_else(|| backend.sibling());
+        let opened = RedbStore::builder()
+            .wal_bytes(super::recovery::TEST_WAL_BYTES)
+            .open_backend_with_log(backend.clone(), log);
+        let store = match opened {
             Ok(s) => Arc::new(s),
             Err(e) => {
                 failure.get_or_insert(format!("reopen after a power loss: {e}"));

@@ -34,7 +34,16 @@ pub struct RunConfig {
     /// Leaves out the token high-water-mark check, so that the test of the
     /// test can show the per-key check catches lost writes on its own.
     pub skip_token_check: bool,
+    /// Runs the store with its write-ahead log (a second file on the same
+    /// simulated disk, [`TEST_WAL_BYTES`] long so that it fills and
+    /// checkpoints often), as `RedbStore::open` does; without it every
+    /// batch is a durable redb commit.
+    pub log: bool,
 }
+
+/// The write-ahead log size in crash runs: small, so that runs cross many
+/// log-full checkpoints.
+pub const TEST_WAL_BYTES: u64 = 16 * 1024;
 
 impl Default for RunConfig {
     fn default() -> RunConfig {
@@ -46,6 +55,7 @@ impl Default for RunConfig {
             stride: 3,
             sync: SyncMode::Honest,
             skip_token_check: false,
+            log: true,
         }
     }
 }
@@ -107,7 +117,7 @@ pub fn store_run(cfg: &RunConfig) -> Result<RunReport, String> {
     let checks = Checks {
         tokens: !cfg.skip_token_check,
     };
-    run_and_check(&backend, cfg.keys_per_thread, plans, checks)
+    run_and_check(&backend, cfg.log, cfg.keys_per_thread, plans, checks)
         .map_err(|e| format!("seed {}: {e}", cfg.seed))
 }
 
@@ -123,7 +133,36 @@ pub fn store_run_steps(
     let backend = CrashBackend::new();
     backend.set_sync_mode(sync);
     backend.plan(points.iter().copied());
-    run_and_check(&backend, keys, vec![steps], Checks { tokens: true })
+    run_and_check(&backend, true, keys, vec![steps], Checks { tokens: true })
+}
+
+/// Opens a store over `disk` (and its write-ahead log on a new sibling file
+/// when `log`), as the crash runs do.
+fn open_on(disk: &CrashBackend, log: bool) -> crate::error::Result<RedbStore> {
+    if log {
+        RedbStore::builder()
+            .wal_bytes(TEST_WAL_BYTES)
+            .open_backend_with_log(disk.clone(), disk.sibling())
+    } else {
+        RedbStore::builder().open_backend(disk.clone())
+    }
+}
+
+/// Reopens a crash image (with its log when it has one) through `builder`,
+/// catching a panic. Returns the store and the restored disk.
+pub(super) fn reopen(
+    image: &CrashImage,
+    builder: crate::redb::RedbStoreBuilder,
+) -> Result<(crate::error::Result<RedbStore>, CrashBackend), String> {
+    let disk = image.restore();
+    let opened = catch_unwind(AssertUnwindSafe(|| match disk.file(1) {
+        Some(log) => builder
+            .wal_bytes(TEST_WAL_BYTES)
+            .open_backend_with_log(disk.clone(), log),
+        None => builder.open_backend(disk.clone()),
+    }))
+    .map_err(|_| "RedbStore panicked opening the image".to_owned())?;
+    Ok((opened, disk))
 }
 
 /// Which optional checks run.
@@ -134,13 +173,12 @@ struct Checks {
 
 fn run_and_check(
     backend: &CrashBackend,
+    log: bool,
     keys: u8,
     plans: Vec<Vec<Step>>,
     checks: Checks,
 ) -> Result<RunReport, String> {
-    let store = RedbStore::builder()
-        .open_backend(backend.clone())
-        .map_err(|e| format!("open: {e}"))?;
+    let store = open_on(backend, log).map_err(|e| format!("open: {e}"))?;
     let opened_at = backend.mutations();
     let clock = AtomicU64::new(T0.as_millis());
     let logs: Vec<Result<RunLog, String>> = std::thread::scope(|s| {
@@ -189,10 +227,8 @@ fn run_and_check(
 /// (`Error::Corrupt`) and the file must be removed by hand. Either that or
 /// an empty, working store is accepted; the refusals are counted.
 fn check_creation_image(image: &CrashImage) -> Result<RunReport, String> {
-    let opened = catch_unwind(AssertUnwindSafe(|| {
-        RedbStore::builder().open_backend(CrashBackend::from_image(image.bytes.clone()))
-    }))
-    .map_err(|_| "RedbStore panicked opening a half-created file".to_owned())?;
+    let (opened, _) = reopen(image, RedbStore::builder())
+        .map_err(|_| "RedbStore panicked opening a half-created file".to_owned())?;
     let refused = match opened {
         Ok(store) => {
             drop(store);
@@ -223,7 +259,11 @@ fn check_creation_image(image: &CrashImage) -> Result<RunReport, String> {
 ///   acknowledged completion survived replays that response.
 fn check_image(image: &CrashImage, log: &RunLog, checks: Checks) -> Result<RunReport, String> {
     let at = image.at;
-    let found = inspect(&image.bytes)?;
+    // Opening recovers the image (replaying its log, if any, and committing
+    // that durably): the store file is then what is inspected.
+    let (opened, disk) = reopen(image, RedbStore::builder())?;
+    let store = opened.map_err(|e| format!("RedbStore refused the image: {e}"))?;
+    let found = inspect(&disk.live_image())?;
     let mut report = RunReport {
         crash_points: 1,
         ..RunReport::default()
@@ -280,11 +320,6 @@ fn check_image(image: &CrashImage, log: &RunLog, checks: Checks) -> Result<RunRe
         }
         report.acked_checked += acked as u64;
     }
-    let opened = catch_unwind(AssertUnwindSafe(|| {
-        RedbStore::builder().open_backend(CrashBackend::from_image(image.bytes.clone()))
-    }))
-    .map_err(|_| "RedbStore panicked opening the image".to_owned())?;
-    let store = opened.map_err(|e| format!("RedbStore refused the image: {e}"))?;
     let probes_at = probes
         .iter()
         .filter_map(|(_, slot)| match slot {
@@ -361,10 +396,11 @@ fn check_expire_leases(
     then: Timestamp,
     floor: u64,
 ) -> Result<RunReport, String> {
-    let store = RedbStore::builder()
+    let builder = RedbStore::builder()
         .recovery(RecoveryPolicy::ExpireLeases)
-        .clock(ManualClock::new(then))
-        .open_backend(CrashBackend::from_image(image.bytes.clone()))
+        .clock(ManualClock::new(then));
+    let store = reopen(image, builder)?
+        .0
         .map_err(|e| format!("reopen with ExpireLeases: {e}"))?;
     let mut report = RunReport::default();
     let mut last = floor;

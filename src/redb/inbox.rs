@@ -41,7 +41,6 @@ use crate::response::Response;
 use crate::time::{Clock, SystemClock, Timestamp};
 use ::redb::{ReadTransaction, ReadableDatabase, ReadableTable, WriteTransaction};
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 /// What [`Inbox::handle`] did with one delivery of a message.
@@ -246,10 +245,9 @@ impl Inbox {
         }
 
         let shared: &Shared = &store.shared;
+        let mut wal = shared.lock_wal();
         let db = shared.read_db();
-        let mut txn = db.begin_write().map_err(engine)?;
-        txn.set_durability(::redb::Durability::Immediate)
-            .map_err(engine)?;
+        let txn = db.begin_write().map_err(engine)?;
         // Another transaction may have committed since the read above (the
         // same message on another consumer thread): decide again inside this one.
         let hwm = read_token_hwm(&txn)?;
@@ -302,13 +300,8 @@ impl Inbox {
         )
         .map_err(engine)?;
         drop(meta);
-        if let Err(e) = txn.commit() {
-            // It may or may not be on disk: refuse every later write.
-            shared.poisoned.store(true, Ordering::SeqCst);
-            return Err(engine(e).into());
-        }
-        shared.stats.commits.fetch_add(1, Ordering::Relaxed);
-        shared.stats.durable_commits.fetch_add(1, Ordering::Relaxed);
+        // Durable, and retiring any logged batches (a failed commit poisons).
+        shared.direct_commit(&mut wal, txn)?;
         Ok(Delivery::Handled(response))
     }
 }

@@ -20,7 +20,6 @@ use crate::record::Record;
 use crate::time::Timestamp;
 use ::redb::{ReadableDatabase, ReadableTable, ReadableTableMetadata};
 use std::ops::ControlFlow;
-use std::sync::atomic::Ordering;
 
 /// Most problems a [`VerifyReport`] lists one by one; past this it only counts.
 pub(crate) const MAX_LISTED_PROBLEMS: usize = 100;
@@ -348,6 +347,7 @@ impl RedbStore {
             return Err(Error::Poisoned);
         }
         let key_bytes = codec::encode_key(key);
+        let mut wal = self.shared.lock_wal();
         let db = self.shared.db.write().unwrap_or_else(|p| p.into_inner());
         let txn = db.begin_write().map_err(engine)?;
         let evicted = {
@@ -387,7 +387,7 @@ impl RedbStore {
                 index_entries,
             }
         };
-        self.commit(txn)?;
+        self.shared.direct_commit(&mut wal, txn)?;
         Ok(Some(evicted))
     }
 
@@ -411,6 +411,7 @@ impl RedbStore {
         let mut written = 0u64;
         let mut records = records.into_iter().peekable();
         while records.peek().is_some() {
+            let mut wal = self.shared.lock_wal();
             let db = self.shared.db.write().unwrap_or_else(|p| p.into_inner());
             let txn = db.begin_write().map_err(engine)?;
             {
@@ -434,19 +435,10 @@ impl RedbStore {
                 }
                 write_token_hwm(&txn, hwm).map_err(step)?;
             }
+            self.shared.direct_commit(&mut wal, txn)?;
             drop(db);
-            self.commit(txn)?;
         }
         Ok(written)
-    }
-
-    /// Commits a transaction made outside the writer; a failed commit
-    /// poisons the store like a failed batch.
-    fn commit(&self, txn: ::redb::WriteTransaction) -> Result<()> {
-        txn.commit().map_err(|e| {
-            self.shared.poisoned.store(true, Ordering::SeqCst);
-            engine(e)
-        })
     }
 }
 

@@ -18,6 +18,7 @@ mod open;
 mod options;
 mod stats;
 mod tables;
+mod wal;
 mod writer;
 
 pub use inbox::{Delivery, Inbox};
@@ -25,6 +26,7 @@ use options::Config;
 pub use options::{DEFAULT_CACHE_BYTES, Durability, RecoveryPolicy, RedbStoreBuilder};
 use stats::Counters;
 pub use stats::RedbStats;
+pub use wal::{CHECKPOINT_INTERVAL, MIN_WAL_BYTES, WAL_BYTES};
 
 use crate::codec;
 use crate::error::{Error, Result};
@@ -41,9 +43,10 @@ use errors::engine;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, SyncSender};
-use std::sync::{Arc, RwLock, RwLockReadGuard};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+use wal::Wal;
 use writer::{Msg, Op, Reply, Writer};
 
 /// Requests that may wait in a store's write queue. A caller that finds it
@@ -60,6 +63,9 @@ struct Shared {
     db: RwLock<Database>,
     poisoned: AtomicBool,
     stats: Counters,
+    /// The write-ahead log; `None` when every batch commits durably (a
+    /// store opened over a bare storage backend).
+    wal: Mutex<Option<Wal>>,
 }
 
 impl Shared {
@@ -67,6 +73,44 @@ impl Shared {
         // The lock guards no invariant of ours (redb is transactional), so a
         // panic elsewhere while it was held leaves nothing half-done.
         self.db.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The write-ahead log. Every write transaction holds this from before
+    /// `begin_write` until after its commit (lock order: this, then `db`),
+    /// so a frame and the commit it stands for are never split by another
+    /// transaction. A panic while held poisons the store (the writer's
+    /// guard), so the state inside is never used half-updated.
+    fn lock_wal(&self) -> MutexGuard<'_, Option<Wal>> {
+        self.wal.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Commits a write transaction made outside the writer (inbox, CLI,
+    /// compaction) durably. When the log holds frames, the commit also
+    /// retires them (a new epoch): replaying them later over this
+    /// transaction's writes would undo those. A failed commit poisons the
+    /// store. `wal` is the guard taken before the transaction began.
+    fn direct_commit(
+        &self,
+        wal: &mut Option<Wal>,
+        mut txn: ::redb::WriteTransaction,
+    ) -> Result<()> {
+        let poison = |e: Error| {
+            self.poisoned.store(true, Ordering::SeqCst);
+            e
+        };
+        txn.set_durability(::redb::Durability::Immediate)
+            .map_err(engine)?;
+        let retire = wal.as_ref().is_some_and(Wal::is_dirty);
+        if retire && let Some(w) = wal.as_ref() {
+            w.stamp(&txn)?;
+        }
+        txn.commit().map_err(|e| poison(engine(e)))?;
+        if retire && let Some(w) = wal.as_mut() {
+            w.checkpointed();
+        }
+        self.stats.commits.fetch_add(1, Ordering::Relaxed);
+        self.stats.durable_commits.fetch_add(1, Ordering::Relaxed);
+        Ok(())
     }
 }
 
@@ -109,6 +153,7 @@ pub struct RedbStore {
     store_id: [u8; 16],
     max_body_bytes: usize,
     leases_expired_on_open: u64,
+    frames_replayed_on_open: u64,
 }
 
 impl std::fmt::Debug for RedbStore {
@@ -138,6 +183,7 @@ impl RedbStore {
             db: RwLock::new(opened.db),
             poisoned: AtomicBool::new(false),
             stats: Counters::default(),
+            wal: Mutex::new(opened.wal),
         });
         let (tx, rx) = mpsc::sync_channel(WRITE_QUEUE_DEPTH);
         let writer = Writer {
@@ -162,6 +208,7 @@ impl RedbStore {
             store_id: opened.store_id,
             max_body_bytes: config.max_body_bytes,
             leases_expired_on_open: opened.leases_expired,
+            frames_replayed_on_open: opened.frames_replayed,
         };
         if let Some(sweep) = config.sweeper {
             // The sweeper holds a queue sender, not the store: no cycle, and
@@ -216,6 +263,8 @@ impl RedbStore {
             batches: c.batches.load(Ordering::Relaxed),
             commits: c.commits.load(Ordering::Relaxed),
             durable_commits: c.durable_commits.load(Ordering::Relaxed),
+            logged_commits: c.logged_commits.load(Ordering::Relaxed),
+            frames_replayed_on_open: self.frames_replayed_on_open,
             largest_batch: c.largest_batch.load(Ordering::Relaxed),
             fast_replays: c.fast_replays.load(Ordering::Relaxed),
             fast_refusals: c.fast_refusals.load(Ordering::Relaxed),
@@ -255,7 +304,14 @@ impl RedbStore {
         if self.is_poisoned() {
             return Err(Error::Poisoned);
         }
+        let mut wal = self.shared.lock_wal();
         let mut db = self.shared.db.write().unwrap_or_else(|p| p.into_inner());
+        // Compaction moves pages of the durable state only: make every
+        // logged batch part of it first (and retire the log).
+        if wal.as_ref().is_some_and(Wal::is_dirty) {
+            let txn = db.begin_write().map_err(engine)?;
+            self.shared.direct_commit(&mut wal, txn)?;
+        }
         db.compact().map_err(engine)
     }
 

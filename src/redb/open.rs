@@ -4,8 +4,10 @@
 
 use super::errors::engine;
 use super::tables::{
-    self, EXPIRY, META, META_FORMAT_VERSION, META_STORE_ID, META_TOKEN_HWM, RECORDS, WriteTables,
+    self, EXPIRY, META, META_FORMAT_VERSION, META_STORE_ID, META_TOKEN_HWM, META_WAL_EPOCH,
+    RECORDS, WriteTables,
 };
+use super::wal::{self, FileLog, Wal};
 use super::{Config, RecoveryPolicy};
 use crate::error::{Error, Result};
 use crate::record::State;
@@ -14,9 +16,13 @@ use std::hash::{BuildHasher, Hasher};
 use std::path::Path;
 
 /// The store format this build writes, and the newest it opens. It covers
-/// the table layout and the meta entries; the record envelope has its own
-/// version inside every value.
-pub(super) const STORE_FORMAT_VERSION: u32 = 1;
+/// the table layout, the meta entries and the write-ahead log; the record
+/// envelope has its own version inside every value.
+///
+/// 2 added the write-ahead log (`<file>-wal`, the `wal_epoch` meta entry).
+/// A version 1 store opens and is marked 2 at its first open by this build,
+/// so that an older build, which would ignore the log, refuses it.
+pub(super) const STORE_FORMAT_VERSION: u32 = 2;
 
 /// redb's file magic (redb's `MAGICNUMBER`, private in redb 4.x; it is part
 /// of redb's file format, so it does not change within a major version).
@@ -34,6 +40,9 @@ pub(super) struct Opened {
     pub(super) token_hwm: u64,
     pub(super) store_id: [u8; 16],
     pub(super) leases_expired: u64,
+    /// The write-ahead log, recovered and empty; `None` without one.
+    pub(super) wal: Option<Wal>,
+    pub(super) frames_replayed: u64,
 }
 
 /// Opens the store file at `path`, creating it (mode 0600) when it does
@@ -59,7 +68,20 @@ fn open_file(path: &Path, config: &Config) -> Result<Opened> {
     std::os::unix::fs::OpenOptionsExt::mode(&mut options, FILE_MODE);
     let file = options.open(path)?;
     let backend = ::redb::backends::FileBackend::new(file).map_err(|e| map_open(e, path))?;
-    open_backend(backend, config, path)
+    // Opened after the store file: its lock keeps other processes out of
+    // both. A log left by an earlier open is recovered even when this open
+    // does without one.
+    let log: Option<Box<dyn StorageBackend>> =
+        if config.write_ahead_log || wal::wal_path(path).exists() {
+            Some(Box::new(FileLog::open(path)?))
+        } else {
+            None
+        };
+    let mut opened = open_backend(backend, log, config, path)?;
+    if !config.write_ahead_log {
+        opened.wal = None;
+    }
+    Ok(opened)
 }
 
 /// The temporary name a new store is built under.
@@ -87,7 +109,7 @@ fn create_then_open(path: &Path, config: &Config) -> Result<Opened> {
         backend
             .set_len(0)
             .map_err(|e| engine(::redb::StorageError::from(e)))?;
-        let created = open_backend(backend, config, path)?;
+        let created = open_backend(backend, None, config, path)?;
         drop(created); // closes the database and releases the lock
     }
     std::fs::File::open(&temp)?.sync_all()?;
@@ -104,7 +126,7 @@ fn create_then_open(path: &Path, config: &Config) -> Result<Opened> {
 }
 
 /// Makes a new directory entry durable.
-fn sync_parent(path: &Path) -> Result<()> {
+pub(super) fn sync_parent(path: &Path) -> Result<()> {
     #[cfg(unix)]
     {
         let parent = match path.parent() {
@@ -118,9 +140,11 @@ fn sync_parent(path: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Opens or creates a store over any redb backend; `name` names it in errors.
+/// Opens or creates a store over any redb backend, with its write-ahead
+/// log if `log` is given; `name` names it in errors.
 pub(super) fn open_backend(
     backend: impl StorageBackend,
+    log: Option<Box<dyn StorageBackend>>,
     config: &Config,
     name: &Path,
 ) -> Result<Opened> {
@@ -147,9 +171,20 @@ pub(super) fn open_backend(
             ));
         }
     };
-    let (token_hwm, store_id) = match read_meta(&db)? {
+    let (mut token_hwm, store_id) = match read_meta(&db)? {
         Some(meta) => meta,
         None => init_meta(&db, config)?,
+    };
+    let (wal, frames_replayed) = match log {
+        None => (None, 0),
+        Some(file) => {
+            let (wal, frames) = recover_log(&db, file, config)?;
+            if frames > 0 {
+                // The frames carry the high-water mark of their claims.
+                token_hwm = read_meta(&db)?.map_or(token_hwm, |(hwm, _)| hwm);
+            }
+            (Some(wal), frames)
+        }
     };
     let leases_expired = match config.recovery {
         RecoveryPolicy::WaitForLease => 0,
@@ -160,7 +195,49 @@ pub(super) fn open_backend(
         token_hwm,
         store_id,
         leases_expired,
+        wal,
+        frames_replayed,
     })
+}
+
+/// Replays the log's frames of the current epoch, then commits durably with
+/// a new epoch (retiring every frame found, whole or torn) and the current
+/// format version, and makes sure the log file has its full size.
+fn recover_log(
+    db: &Database,
+    file: Box<dyn StorageBackend>,
+    config: &Config,
+) -> Result<(Wal, u64)> {
+    let epoch = read_wal_epoch(db)?;
+    let txn = db.begin_write().map_err(engine)?;
+    let frames = wal::replay(file.as_ref(), epoch, &txn)?;
+    let next = epoch.wrapping_add(1);
+    {
+        let mut meta = txn.open_table(META).map_err(engine)?;
+        meta.insert(META_WAL_EPOCH, next.to_be_bytes().as_slice())
+            .map_err(engine)?;
+        meta.insert(
+            META_FORMAT_VERSION,
+            STORE_FORMAT_VERSION.to_be_bytes().as_slice(),
+        )
+        .map_err(engine)?;
+    }
+    txn.commit().map_err(engine)?;
+    let capacity = wal::preallocate(file.as_ref(), config.wal_bytes)?;
+    Ok((
+        Wal::new(file, next, config.checkpoint_interval, capacity),
+        frames,
+    ))
+}
+
+/// The log epoch in the meta table; 0 in a store that never had a log.
+fn read_wal_epoch(db: &Database) -> Result<u64> {
+    let txn = db.begin_read().map_err(engine)?;
+    let meta = txn.open_table(META).map_err(table_error)?;
+    match meta.get(META_WAL_EPOCH).map_err(engine)? {
+        None => Ok(0),
+        Some(v) => Ok(u64::from_be_bytes(fixed(META_WAL_EPOCH, v.value())?)),
+    }
 }
 
 fn map_open(err: DatabaseError, path: &Path) -> Error {

@@ -26,8 +26,17 @@ pub struct RedbStats {
     pub batches: u64,
     /// Transactions committed (a batch that wrote nothing is not committed).
     pub commits: u64,
-    /// Commits made durable with an fsync (all of them under [`Durability::Immediate`](crate::Durability::Immediate)).
+    /// redb commits made durable with an fsync: checkpoints of the
+    /// write-ahead log, or (with no log, or under
+    /// [`Durability::Periodic`](crate::Durability::Periodic)) the batches themselves.
     pub durable_commits: u64,
+    /// Batches made durable by one append and `fdatasync` of the
+    /// write-ahead log instead of a durable redb commit
+    /// ([`Durability::Immediate`](crate::Durability::Immediate) on a file).
+    pub logged_commits: u64,
+    /// Frames replayed from the write-ahead log when the store was opened:
+    /// batches acknowledged after the last checkpoint before a crash.
+    pub frames_replayed_on_open: u64,
     /// The largest batch so far.
     pub largest_batch: u64,
     /// Begins answered `Replay` from a read transaction, without the writer.
@@ -63,6 +72,7 @@ pub(super) struct Counters {
     pub(super) batches: AtomicU64,
     pub(super) commits: AtomicU64,
     pub(super) durable_commits: AtomicU64,
+    pub(super) logged_commits: AtomicU64,
     pub(super) largest_batch: AtomicU64,
     pub(super) fast_replays: AtomicU64,
     pub(super) fast_refusals: AtomicU64,

@@ -11,6 +11,7 @@
 //! share the file (the co-transactional inbox) without a clash.
 
 use super::errors::engine;
+use super::wal::Journal;
 use crate::codec;
 use crate::error::{Error, Result};
 use crate::record::Record;
@@ -33,6 +34,9 @@ pub(super) const META_FORMAT_VERSION: &str = "format_version";
 pub(super) const META_STORE_ID: &str = "store_id";
 /// Meta key: the largest fencing token ever handed out, u64 BE.
 pub(super) const META_TOKEN_HWM: &str = "token_high_water_mark";
+/// Meta key: the write-ahead log's epoch, u64 BE (see `wal.rs`); absent in
+/// a store that never had a log, read as 0.
+pub(super) const META_WAL_EPOCH: &str = "wal_epoch";
 
 /// Why a step inside a write transaction failed: a request failure leaves
 /// the transaction untouched (it failed before writing), a storage failure
@@ -59,6 +63,8 @@ fn storage(err: impl Into<::redb::Error>) -> StepError {
 pub(super) struct WriteTables<'txn> {
     records: Table<'txn, &'static [u8], &'static [u8]>,
     expiry: Table<'txn, &'static [u8], ()>,
+    /// Every write made, for the write-ahead log (the writer's batches only).
+    journal: Option<Journal>,
 }
 
 impl<'txn> WriteTables<'txn> {
@@ -67,7 +73,21 @@ impl<'txn> WriteTables<'txn> {
         Ok(WriteTables {
             records: txn.open_table(RECORDS).map_err(engine)?,
             expiry: txn.open_table(EXPIRY).map_err(engine)?,
+            journal: None,
         })
+    }
+
+    /// Like [`open`](Self::open), also recording every write in a [`Journal`].
+    pub(super) fn journaled(txn: &'txn WriteTransaction) -> Result<WriteTables<'txn>> {
+        Ok(WriteTables {
+            journal: Some(Journal::default()),
+            ..WriteTables::open(txn)?
+        })
+    }
+
+    /// The writes made so far (`None` unless [`journaled`](Self::journaled)).
+    pub(super) fn into_journal(self) -> Option<Journal> {
+        self.journal
     }
 
     /// The stored record for `key_bytes`, verified. A record that does not
@@ -93,18 +113,22 @@ impl<'txn> WriteTables<'txn> {
         self.records
             .insert(key_bytes, value.as_slice())
             .map_err(storage)?;
+        if let Some(journal) = &mut self.journal {
+            journal.record_put(key_bytes, &value);
+        }
         if old_expiry == Some(new.expires_at) {
             return Ok(());
         }
         if let Some(old) = old_expiry {
             self.unindex(&codec::encode_index(old, key_bytes))?;
         }
+        let index_key = codec::encode_index(new.expires_at, key_bytes);
         self.expiry
-            .insert(
-                codec::encode_index(new.expires_at, key_bytes).as_slice(),
-                (),
-            )
+            .insert(index_key.as_slice(), ())
             .map_err(storage)?;
+        if let Some(journal) = &mut self.journal {
+            journal.index_put(&index_key);
+        }
         Ok(())
     }
 
@@ -116,6 +140,9 @@ impl<'txn> WriteTables<'txn> {
         old_expiry: Timestamp,
     ) -> Result<(), StepError> {
         self.records.remove(key_bytes).map_err(storage)?;
+        if let Some(journal) = &mut self.journal {
+            journal.record_del(key_bytes);
+        }
         self.unindex(&codec::encode_index(old_expiry, key_bytes))
     }
 
@@ -142,6 +169,9 @@ impl<'txn> WriteTables<'txn> {
     /// Removes one index entry (a sweep found it stale or its record gone).
     pub(super) fn unindex(&mut self, index_key: &[u8]) -> Result<(), StepError> {
         self.expiry.remove(index_key).map_err(storage)?;
+        if let Some(journal) = &mut self.journal {
+            journal.index_del(index_key);
+        }
         Ok(())
     }
 

@@ -16,7 +16,8 @@
 //!   [`Error::Poisoned`]) until it is reopened.
 
 use super::errors::engine;
-use super::tables::{StepError, WriteTables, write_token_hwm};
+use super::tables::{META_TOKEN_HWM, StepError, WriteTables, write_token_hwm};
+use super::wal::Wal;
 use super::{Durability, Shared};
 use crate::codec;
 use crate::error::{Error, Result};
@@ -129,17 +130,25 @@ impl Writer {
         self.flush();
     }
 
-    /// The next message. Under relaxed durability, waits no longer than the
-    /// loss window and makes pending commits durable when it runs out.
+    /// The next message. Waits no longer than the next time-based durable
+    /// commit: the loss window under relaxed durability, the checkpoint
+    /// interval of the write-ahead log.
     fn next(&mut self) -> Option<Msg> {
         loop {
-            let Durability::Periodic { max_loss } = self.durability else {
+            let wait = match self.durability {
+                Durability::Periodic { max_loss } if self.unflushed => {
+                    Some(max_loss.saturating_sub(self.last_durable.elapsed()))
+                }
+                Durability::Periodic { .. } => None,
+                Durability::Immediate => self
+                    .shared
+                    .lock_wal()
+                    .as_ref()
+                    .and_then(Wal::checkpoint_wait),
+            };
+            let Some(wait) = wait else {
                 return self.rx.recv().ok();
             };
-            if !self.unflushed {
-                return self.rx.recv().ok();
-            }
-            let wait = max_loss.saturating_sub(self.last_durable.elapsed());
             match self.rx.recv_timeout(wait) {
                 Ok(msg) => return Some(msg),
                 Err(RecvTimeoutError::Timeout) => self.flush(),
@@ -148,29 +157,31 @@ impl Writer {
         }
     }
 
-    /// Relaxed durability: one empty durable commit covers the earlier ones.
+    /// One empty durable commit covers the earlier ones: the non-durable
+    /// commits of relaxed durability, and the logged batches (which it
+    /// retires from the log).
     fn flush(&mut self) {
-        if !self.unflushed || self.shared.poisoned.load(Ordering::SeqCst) {
+        if self.shared.poisoned.load(Ordering::SeqCst) {
             return;
         }
-        let db = self.shared.read_db();
+        let shared = Arc::clone(&self.shared);
+        let mut wal = shared.lock_wal();
+        let logged = wal.as_ref().is_some_and(Wal::is_dirty);
+        if !self.unflushed && !logged {
+            return;
+        }
+        let db = shared.read_db();
         let committed = db
             .begin_write()
             .map_err(engine)
-            .and_then(|txn| txn.commit().map_err(engine));
-        drop(db);
+            .and_then(|txn| shared.direct_commit(&mut wal, txn));
         match committed {
             Ok(()) => {
                 self.unflushed = false;
                 self.last_durable = Instant::now();
-                self.shared
-                    .stats
-                    .durable_commits
-                    .fetch_add(1, Ordering::Relaxed);
-                self.shared.stats.commits.fetch_add(1, Ordering::Relaxed);
             }
             // Whether the earlier commits are on disk is now unknown.
-            Err(_) => self.shared.poisoned.store(true, Ordering::SeqCst),
+            Err(_) => shared.poisoned.store(true, Ordering::SeqCst),
         }
     }
 
@@ -217,26 +228,19 @@ impl Writer {
 
     /// One transaction for the whole batch. `Ok` holds one answer per request.
     fn apply(&mut self, batch: &[(Op, ReplyTx)]) -> Result<Vec<Result<Reply>>, BatchError> {
-        let db = self.shared.read_db();
+        let shared = Arc::clone(&self.shared);
         let whole = |error: Error, what| BatchError {
             culprit: None,
             error,
             what,
         };
+        // Lock order: the log, then the database (see Shared::lock_wal).
+        let mut wal = shared.lock_wal();
+        let db = shared.read_db();
         let mut txn = db
             .begin_write()
             .map_err(|e| whole(engine(e), "could not start a write transaction"))?;
-        let durable = match self.durability {
-            Durability::Immediate => true,
-            Durability::Periodic { max_loss } => self.last_durable.elapsed() >= max_loss,
-        };
-        let level = if durable {
-            ::redb::Durability::Immediate
-        } else {
-            ::redb::Durability::None
-        };
-        txn.set_durability(level)
-            .map_err(|e| whole(engine(e), "could not set the durability"))?;
+        let log = self.durability == Durability::Immediate && wal.is_some();
 
         // An inbox transaction (inbox.rs) may have handed out tokens since
         // the last batch: the committed mark wins over the one in memory.
@@ -246,8 +250,13 @@ impl Writer {
         let mut hwm = self.token_hwm;
         let mut dirty = false;
         let mut answers = Vec::with_capacity(batch.len());
-        let mut failed = {
-            let mut tables = match WriteTables::open(&txn) {
+        let (mut failed, mut journal) = {
+            let opened = if log {
+                WriteTables::journaled(&txn)
+            } else {
+                WriteTables::open(&txn)
+            };
+            let mut tables = match opened {
                 Ok(t) => t,
                 Err(e) => return Err(whole(e, "could not open the tables")),
             };
@@ -262,19 +271,25 @@ impl Writer {
                     }
                 }
             }
-            failed
+            (failed, tables.into_journal())
         };
         // The high-water mark moves in the same transaction as the claims.
-        if failed.is_none()
-            && hwm != self.token_hwm
-            && let Err(StepError::Request(e) | StepError::Storage(e)) = write_token_hwm(&txn, hwm)
-        {
-            failed = Some((usize::MAX, e));
+        if failed.is_none() && hwm != self.token_hwm {
+            match write_token_hwm(&txn, hwm) {
+                Ok(()) => {
+                    if let Some(journal) = &mut journal {
+                        journal.meta_put(META_TOKEN_HWM, &hwm.to_be_bytes());
+                    }
+                }
+                Err(StepError::Request(e) | StepError::Storage(e)) => {
+                    failed = Some((usize::MAX, e))
+                }
+            }
         }
         if let Some((i, error)) = failed {
             // Half a pair may be written: nothing of this batch may commit.
             if txn.abort().is_err() {
-                self.shared.poisoned.store(true, Ordering::SeqCst);
+                shared.poisoned.store(true, Ordering::SeqCst);
             }
             return Err(BatchError {
                 culprit: (i != usize::MAX).then_some(i),
@@ -287,16 +302,59 @@ impl Writer {
             let _ = txn.abort();
             return Ok(answers);
         }
+
+        // How this batch becomes durable: by the log (one small append and
+        // fdatasync, then a commit in memory), or by a durable commit (which
+        // also checkpoints the log), or not yet (relaxed durability).
+        let how = match (self.durability, wal.as_ref(), journal.as_ref()) {
+            (Durability::Periodic { max_loss }, _, _) => {
+                if self.last_durable.elapsed() >= max_loss {
+                    How::Durable
+                } else {
+                    How::Later
+                }
+            }
+            (Durability::Immediate, Some(w), Some(j)) if !w.needs_checkpoint(j.len()) => {
+                How::Logged
+            }
+            (Durability::Immediate, _, _) => How::Durable,
+        };
+        let level = match how {
+            How::Durable => ::redb::Durability::Immediate,
+            How::Logged | How::Later => ::redb::Durability::None,
+        };
+        txn.set_durability(level)
+            .map_err(|e| whole(engine(e), "could not set the durability"))?;
+        let retire = how == How::Durable && wal.as_ref().is_some_and(Wal::is_dirty);
+        if retire && let Some(w) = wal.as_ref() {
+            w.stamp(&txn)
+                .map_err(|e| whole(e, "could not write the log epoch"))?;
+        }
+        if how == How::Logged
+            && let (Some(w), Some(j)) = (wal.as_mut(), journal.as_ref())
+            && let Err(e) = w.append(j)
+        {
+            // The frame may or may not be on disk; the batch is not committed.
+            let _ = txn.abort();
+            shared.poisoned.store(true, Ordering::SeqCst);
+            return Err(whole(
+                e,
+                "writing the log failed; the store is poisoned until reopened",
+            ));
+        }
         if let Err(e) = txn.commit() {
             // It may or may not be on disk: refuse every later write.
-            self.shared.poisoned.store(true, Ordering::SeqCst);
+            shared.poisoned.store(true, Ordering::SeqCst);
             return Err(whole(
                 engine(e),
                 "commit failed; the store is poisoned until reopened",
             ));
         }
+        if retire && let Some(w) = wal.as_mut() {
+            w.checkpointed();
+        }
         self.token_hwm = hwm;
-        let stats = &self.shared.stats;
+        let stats = &shared.stats;
         let swept: usize = answers
             .iter()
             .map(|a| match a {
@@ -306,15 +364,31 @@ impl Writer {
             .sum();
         stats.swept.fetch_add(swept as u64, Ordering::Relaxed);
         stats.commits.fetch_add(1, Ordering::Relaxed);
-        if durable {
-            stats.durable_commits.fetch_add(1, Ordering::Relaxed);
-            self.unflushed = false;
-            self.last_durable = Instant::now();
-        } else {
-            self.unflushed = true;
+        match how {
+            How::Durable => {
+                stats.durable_commits.fetch_add(1, Ordering::Relaxed);
+                self.unflushed = false;
+                self.last_durable = Instant::now();
+            }
+            How::Logged => {
+                stats.logged_commits.fetch_add(1, Ordering::Relaxed);
+            }
+            How::Later => self.unflushed = true,
         }
         Ok(answers)
     }
+}
+
+/// How a batch's commit is made durable.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum How {
+    /// A durable redb commit (fsync), retiring the log's frames.
+    Durable,
+    /// A frame appended to the write-ahead log and synced, then a
+    /// non-durable redb commit.
+    Logged,
+    /// A non-durable commit, made durable by a later one (relaxed durability).
+    Later,
 }
 
 /// A failure that takes the whole batch down.
@@ -415,9 +489,9 @@ mod tests {
     use super::*;
     use crate::redb::{Counters, RedbStoreBuilder, open};
     use std::path::Path;
-    use std::sync::RwLock;
     use std::sync::atomic::AtomicBool;
     use std::sync::mpsc::{Receiver, sync_channel};
+    use std::sync::{Mutex, RwLock};
 
     const T: Timestamp = Timestamp::from_millis(1_000_000);
     const D: Duration = Duration::from_secs(10);
@@ -437,11 +511,12 @@ mod tests {
     fn run_one_batch(ops: Vec<Op>) -> (Vec<Result<Reply>>, Arc<Shared>) {
         let config = RedbStoreBuilder::default().config;
         let backend = ::redb::backends::InMemoryBackend::new();
-        let opened = open::open_backend(backend, &config, Path::new("memory")).unwrap();
+        let opened = open::open_backend(backend, None, &config, Path::new("memory")).unwrap();
         let shared = Arc::new(Shared {
             db: RwLock::new(opened.db),
             poisoned: AtomicBool::new(false),
             stats: Counters::default(),
+            wal: Mutex::new(None),
         });
         let (tx, rx) = sync_channel(64);
         let replies: Vec<Receiver<Result<Reply>>> = ops

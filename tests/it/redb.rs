@@ -337,7 +337,7 @@ fn a_newer_format_version_is_unsupported() {
         let txn = db.begin_write().unwrap();
         txn.open_table(redb::TableDefinition::<&str, &[u8]>::new("idemstore.meta"))
             .unwrap()
-            .insert("format_version", 2u32.to_be_bytes().as_slice())
+            .insert("format_version", 3u32.to_be_bytes().as_slice())
             .unwrap();
         txn.commit().unwrap();
     }
@@ -345,8 +345,8 @@ fn a_newer_format_version_is_unsupported() {
         matches!(
             e,
             Error::UnsupportedFormat {
-                found: 2,
-                supported: 1
+                found: 3,
+                supported: 2
             }
         )
     });
