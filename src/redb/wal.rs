@@ -249,6 +249,10 @@ pub(super) fn preallocate(file: &dyn StorageBackend, capacity: u64) -> Result<u6
     if len >= capacity {
         return Ok(len);
     }
+    // Grown first (some backends write only within their length), then
+    // written: a sparse tail would make every later append allocate blocks,
+    // and each fdatasync write that metadata too.
+    file.set_len(capacity).map_err(Error::Io)?;
     const CHUNK: usize = 1024 * 1024;
     let zeros = vec![0u8; CHUNK];
     let mut at = len;

@@ -32,3 +32,5 @@ mod sled;
 #[cfg(feature = "tower")]
 mod tower;
 mod waiting;
+#[cfg(feature = "redb")]
+mod wal;
