@@ -194,6 +194,7 @@ impl RedbStore {
             max_batch: MAX_WRITE_BATCH,
             unflushed: false,
             last_durable: Instant::now(),
+            replier: None,
         };
         let writer = std::thread::Builder::new()
             .name("idemstore-redb-writer".to_owned())

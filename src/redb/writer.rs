@@ -69,6 +69,9 @@ pub(super) enum Reply {
 /// Where a caller waits for its answer.
 pub(super) type ReplyTx = SyncSender<Result<Reply>>;
 
+/// A batch's answers, each with the caller it goes to.
+pub(super) type Answered = Vec<(ReplyTx, Result<Reply>)>;
+
 /// What travels on the queue.
 pub(super) enum Msg {
     Op(Op, ReplyTx),
@@ -85,7 +88,13 @@ pub(super) struct Writer {
     /// Relaxed durability only: commits made since the last durable one.
     pub(super) unflushed: bool,
     pub(super) last_durable: Instant,
+    /// The replier thread's queue (set by [`run`](Self::run)).
+    pub(super) replier: Option<std::sync::mpsc::Sender<Answered>>,
 }
+
+/// Batches smaller than this are answered by the writer itself: handing
+/// them to the replier would add a thread wake-up to each caller's wait.
+const REPLIER_MIN_BATCH: usize = 4;
 
 /// Sets the poison flag if the writer thread unwinds: its callers then see
 /// [`Error::Poisoned`] rather than a bare [`Error::Closed`].
@@ -104,6 +113,23 @@ impl Writer {
     pub(super) fn run(mut self) {
         let shared = Arc::clone(&self.shared);
         let _guard = PoisonOnPanic(&shared);
+        // Waking each caller is a futex syscall: for a large batch the
+        // replier thread does it while this thread goes on with the next
+        // batch (its fsync in particular). If it cannot be started, this
+        // thread answers.
+        let (answers_tx, answers_rx) = std::sync::mpsc::channel::<Answered>();
+        let replier = std::thread::Builder::new()
+            .name("idemstore-redb-replier".to_owned())
+            .spawn(move || {
+                for answers in answers_rx {
+                    for (reply, answer) in answers {
+                        // A caller that gave up waiting is not an error.
+                        let _ = reply.send(answer);
+                    }
+                }
+            })
+            .ok();
+        self.replier = replier.as_ref().map(|_| answers_tx);
         let mut batch: Vec<(Op, ReplyTx)> = Vec::with_capacity(self.max_batch);
         loop {
             let Some(first) = self.next() else { break };
@@ -128,6 +154,11 @@ impl Writer {
         }
         // A clean shutdown leaves nothing only in memory.
         self.flush();
+        // Every answer is delivered before the store's drop returns.
+        self.replier = None;
+        if let Some(replier) = replier {
+            let _ = replier.join();
+        }
     }
 
     /// The next message. Waits no longer than the next time-based durable
@@ -202,10 +233,12 @@ impl Writer {
         }
         match self.apply(batch) {
             Ok(answers) => {
-                for ((_, reply), answer) in batch.drain(..).zip(answers) {
-                    // A caller that gave up waiting is not an error.
-                    let _ = reply.send(answer);
-                }
+                let answered: Answered = batch
+                    .drain(..)
+                    .map(|(_, reply)| reply)
+                    .zip(answers)
+                    .collect();
+                self.answer(answered);
             }
             Err(BatchError {
                 culprit,
@@ -223,6 +256,22 @@ impl Writer {
                     let _ = reply.send(Err(err));
                 }
             }
+        }
+    }
+
+    /// Delivers a batch's answers: through the replier thread when the batch
+    /// is large enough for that to pay, else here.
+    fn answer(&self, answered: Answered) {
+        let answered = match &self.replier {
+            Some(replier) if answered.len() >= REPLIER_MIN_BATCH => match replier.send(answered) {
+                Ok(()) => return,
+                Err(std::sync::mpsc::SendError(back)) => back,
+            },
+            _ => answered,
+        };
+        for (reply, answer) in answered {
+            // A caller that gave up waiting is not an error.
+            let _ = reply.send(answer);
         }
     }
 
@@ -536,6 +585,7 @@ mod tests {
             max_batch: 64,
             unflushed: false,
             last_durable: Instant::now(),
+            replier: None,
         }
         .run();
         (replies.iter().map(|r| r.recv().unwrap()).collect(), shared)
