@@ -33,7 +33,9 @@ fn backends() -> Vec<&'static str> {
 }
 
 fn ours() -> Vec<&'static str> {
-    let mut v = vec!["redb"];
+    // redb-nolog: the same store with its write-ahead log off (a durable
+    // redb commit per batch), to show what the log is worth.
+    let mut v = vec!["redb", "redb-nolog"];
     if cfg!(feature = "sled") {
         v.push("sled");
     }

@@ -4,6 +4,7 @@
 //!   damaged and newer files, the meta table, the recovery policy;
 //! - `tables.rs`: the three tables and the record + index pair helpers;
 //! - `writer.rs`: the group-commit writer thread;
+//! - `wal.rs`: the write-ahead log that makes a batch durable with one append;
 //! - `options.rs`: durability, recovery policy, the builder;
 //! - `stats.rs`: the group-commit counters;
 //! - `inspect.rs` (feature `cli`): operator access for the `idemstore` binary;

@@ -30,9 +30,11 @@ pub const DEFAULT_CACHE_BYTES: usize = 64 * 1024 * 1024;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Durability {
-    /// Every write batch is committed and fsynced before any caller in it is
-    /// answered: an acknowledged claim or completion survives a process crash
-    /// and a power loss. Concurrent callers share one fsync (group commit).
+    /// Every write batch is durable before any caller in it is answered: an
+    /// acknowledged claim or completion survives a process crash and a power
+    /// loss. Concurrent callers share one fsync (group commit). With the
+    /// write-ahead log (the default for [`RedbStore::open`]) that fsync is of
+    /// a small append to `<file>-wal`; without it, of a redb commit.
     #[default]
     Immediate,
     /// Batches are committed without an fsync, and a durable commit is made

@@ -1,10 +1,15 @@
 //! The group-commit writer: one thread per store drains whatever is queued
-//! into one write transaction and one commit (one fsync), then answers every
-//! caller in the batch.
+//! into one write transaction and one fsync, then answers every caller in
+//! the batch. The fsync is of the write-ahead log's frame for the batch
+//! (`wal.rs`), or of a durable redb commit (a checkpoint, no log, or
+//! relaxed durability's periodic commit).
 //!
 //! Requests are applied in queue order inside the one transaction, so a
 //! duplicate later in a batch sees the claim made earlier in it. Nobody is
-//! answered before the commit returns: an answer reflects durable state.
+//! answered, and no reader sees the batch, before it is durable: the log's
+//! frame is synced before the transaction commits. Large batches are
+//! answered by a replier thread, so waking 60 callers does not delay the
+//! next batch.
 //! Failures are kept as small as they can be:
 //!
 //! - a request that fails before writing (stale claim, corrupt record, an
