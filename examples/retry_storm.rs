@@ -296,14 +296,21 @@ fn print_store(store: &RedbStore, path: &Path) -> std::io::Result<()> {
         std::fs::metadata(path)?.len() / 1024
     );
     println!(
-        "  group commit             {} writes in {} batches (mean {:.1}, largest {}), {} fsynced commits, {} replays without the writer",
+        "  group commit             {} writes in {} batches (mean {:.1}, largest {}), {} fsynced log appends + {} checkpoints, {} replays without the writer",
         stats.requests,
         stats.batches,
         stats.mean_batch(),
         stats.largest_batch,
+        stats.logged_commits,
         stats.durable_commits,
         stats.fast_replays
     );
+    if stats.frames_replayed_on_open > 0 {
+        println!(
+            "  write-ahead log          {} batches replayed at open (acknowledged after the last checkpoint)",
+            stats.frames_replayed_on_open
+        );
+    }
     Ok(())
 }
 
