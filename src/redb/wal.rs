@@ -396,10 +396,10 @@ impl StorageBackend for FileLog {
         #[cfg(windows)]
         {
             let mut done = 0;
-            while done < out.len() {
+            while let Some(rest) = out.get_mut(done..).filter(|r| !r.is_empty()) {
                 let n = std::os::windows::fs::FileExt::seek_read(
                     &self.file,
-                    &mut out[done..],
+                    rest,
                     offset + done as u64,
                 )?;
                 if n == 0 {
@@ -424,12 +424,15 @@ impl StorageBackend for FileLog {
         #[cfg(windows)]
         {
             let mut done = 0;
-            while done < data.len() {
+            while let Some(rest) = data.get(done..).filter(|r| !r.is_empty()) {
                 let n = std::os::windows::fs::FileExt::seek_write(
                     &self.file,
-                    &data[done..],
+                    rest,
                     offset + done as u64,
                 )?;
+                if n == 0 {
+                    return Err(std::io::ErrorKind::WriteZero.into());
+                }
                 done += n;
             }
             Ok(())
