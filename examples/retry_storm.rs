@@ -80,7 +80,9 @@ impl Payments {
         self.attempts.fetch_add(1, Ordering::Relaxed);
         if let Some(ledger) = &self.ledger {
             let mut file = ledger.lock().unwrap_or_else(|p| p.into_inner());
-            writeln!(file, "{order} {cents} {token}")
+            // One write() per line: `writeln!` may split a line, and a
+            // SIGKILL between the parts would glue it to the next run's line.
+            file.write_all(format!("{order} {cents} {token}\n").as_bytes())
                 .and_then(|()| file.sync_data())
                 .expect("the payment ledger is writable");
         }
