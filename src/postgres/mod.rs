@@ -91,6 +91,10 @@ use std::time::Duration;
 /// Most times one `begin` runs its statement when concurrent writers keep
 /// committing between its snapshot and its conflict check (each retry
 /// takes a new snapshot, so a second attempt almost always settles it).
+///
+/// ```
+/// assert!(idemstore::MAX_BEGIN_ATTEMPTS >= 2);
+/// ```
 pub const MAX_BEGIN_ATTEMPTS: usize = 8;
 
 /// An idempotency store in a PostgreSQL table, shared by every replica of a
