@@ -213,13 +213,18 @@ impl PostgresStoreBuilder {
             // The parser's message never repeats the URL, so no password leaks.
             Error::invalid_argument(format!("not a PostgreSQL connection URL: {e}"))
         })?;
+        // The URL's own `options` stay; the statement timeout is appended.
+        let options = format!(
+            "{} -c statement_timeout={}",
+            config.get_options().unwrap_or_default(),
+            self.statement_timeout.as_millis()
+        );
         config
             .connect_timeout(self.connect_timeout)
-            .application_name("idemstore")
-            .options(&format!(
-                "-c statement_timeout={}",
-                self.statement_timeout.as_millis()
-            ));
+            .options(options.trim_start());
+        if config.get_application_name().is_none() {
+            config.application_name("idemstore");
+        }
         let sql = Arc::new(Sql::new(&self.table));
         let pool: Pool = r2d2::Pool::builder()
             .max_size(self.pool_size)
