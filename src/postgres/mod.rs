@@ -22,7 +22,10 @@
 //! UPDATE .. WHERE <expired, or same fingerprint with the lease run out>
 //! RETURNING ..` with a read of the existing row in the same statement, so
 //! Claimed, Replay, InFlight and Conflict all come back in that round trip;
-//! nothing is read first and written later. When a concurrent writer
+//! the write decides on the newest row under its lock, never on an earlier
+//! read. When the statement's snapshot already shows a live record that
+//! cannot be claimed, the statement writes nothing (no row lock, no WAL
+//! flush): a replay is a read. When a concurrent writer
 //! commits between the statement's snapshot and its conflict check, the
 //! statement sees no row (or an older one); it is then run again, at most
 //! [`MAX_BEGIN_ATTEMPTS`] times. Fencing tokens come from a sequence, drawn

@@ -56,29 +56,42 @@ impl Sql {
         let t = format!("\"{table}\"");
         let seq = format!("\"{sequence}\"");
         let (p, d) = (STATE_PROCESSING, STATE_DONE);
-        // The WHERE below is logic::begin's "claim" decision, and nothing
-        // else: the key's record is expired (`now >= expires_at`: a fresh
-        // record replaces it), or it is PROCESSING under the same
-        // fingerprint with its lease run out (a takeover: new token, lease
-        // renewed, expiry never earlier, attempts + 1 saturating at u32::MAX).
+        // The claim decision is logic::begin's, and nothing else: the key's
+        // record is expired (`now >= expires_at`: a fresh record replaces
+        // it), or it is PROCESSING under the same fingerprint with its lease
+        // run out (a takeover: new token, lease renewed, expiry never
+        // earlier, attempts + 1 saturating at u32::MAX). It is made twice:
         //
-        // Tokens: every begin first takes a transaction-scoped advisory lock
+        // 1. On the row as the statement's snapshot shows it (`live`). When
+        //    that row is live and not claimable, the statement writes and
+        //    locks nothing, and the answer (Replay, InFlight, Conflict) is
+        //    logic::begin's on that row: a replay costs no row lock, no
+        //    transaction id and no WAL flush.
+        // 2. Otherwise, in the ON CONFLICT .. WHERE, on the newest committed
+        //    row, under its row lock: the atomic step. If it claims, RETURNING
+        //    has the new record. If not, a concurrent transaction committed
+        //    the key after the snapshot was taken; the statement then returns
+        //    the snapshot's row (claimable) or none, and the caller runs it
+        //    again with a new snapshot.
+        //
+        // Tokens: a claiming begin takes a transaction-scoped advisory lock
         // on the key ($7, see `key_lock`) and only then draws its token, so
         // claims of one key draw their tokens in the order they commit.
         // Without it, a fresh INSERT draws its token before it looks for a
         // conflicting row, and may wait there (for a concurrent release or
         // sweep of that row) while another begin claims and releases the
         // key with a larger token: the later claim would get the smaller one.
-        //
-        // When the WHERE is false, nothing is written and RETURNING is empty;
-        // the second SELECT reads the row so that Conflict, Replay and
-        // InFlight come back in the same round trip. That read uses the
-        // statement's snapshot, which may predate a row a concurrent
-        // transaction committed after the statement began (ON CONFLICT saw
-        // it, the snapshot does not): then the statement returns no row, or
-        // an older version of the row, and the caller runs it again.
         let begin = format!(
-            "WITH key_lock AS MATERIALIZED (SELECT pg_advisory_xact_lock($7::bigint)),
+            "WITH live AS (
+                SELECT {RECORD_COLUMNS} FROM {t} WHERE scope = $1 AND id = $2
+            ),
+            key_lock AS MATERIALIZED (
+                SELECT pg_advisory_xact_lock($7::bigint)
+                 WHERE NOT EXISTS (
+                    SELECT 1 FROM live
+                     WHERE expires_at > $4
+                       AND NOT (state = {p} AND fingerprint = $3::bytea AND lease_until <= $4))
+            ),
             claimed AS (
                 INSERT INTO {t} AS r (scope, id, fingerprint, state, lease_until, expires_at,
                                       created_at, token, attempts)
@@ -104,8 +117,7 @@ impl Sql {
             )
             SELECT true AS claimed, {RECORD_COLUMNS} FROM claimed
             UNION ALL
-            SELECT false, {RECORD_COLUMNS} FROM {t}
-             WHERE scope = $1 AND id = $2 AND NOT EXISTS (SELECT 1 FROM claimed)"
+            SELECT false, {RECORD_COLUMNS} FROM live WHERE NOT EXISTS (SELECT 1 FROM claimed)"
         );
         // logic::complete's ownership check: PROCESSING, same token, not expired.
         let complete = format!(

@@ -347,6 +347,56 @@ fn begin_racing_an_uncommitted_insert_answers_from_the_committed_row() {
     );
 }
 
+/// Replay, InFlight and Conflict answers are reads: they must not lock the
+/// row (a lock sets the row's xmax, takes a transaction id and makes the
+/// commit flush the WAL, an fsync per retried request).
+#[test]
+fn answers_that_claim_nothing_lock_nothing() {
+    let Some(url) = pg_url() else { return };
+    let (store, guard) = fresh_store("readonly", 2);
+    let fp = Fingerprint::of(b"a");
+    let xmax = |id: &str| -> String {
+        raw(&url)
+            .query_one(
+                &format!(
+                    "SELECT xmax::text FROM \"{}\" WHERE scope = $1 AND id = $2",
+                    guard.table
+                ),
+                &[&key(id).scope(), &key(id).id()],
+            )
+            .unwrap()
+            .get(0)
+    };
+    let done = claimed(store.begin(&key("done"), &fp, T0, SEC, HOUR).unwrap());
+    store
+        .complete(&key("done"), &done, &Response::new(200, "x"), T0, HOUR)
+        .unwrap();
+    let _busy = claimed(store.begin(&key("busy"), &fp, T0, SEC, HOUR).unwrap());
+    let (done_xmax, busy_xmax) = (xmax("done"), xmax("busy"));
+    for _ in 0..3 {
+        assert!(matches!(
+            store.begin(&key("done"), &fp, T0, SEC, HOUR).unwrap(),
+            Begin::Replay(_)
+        ));
+        assert!(matches!(
+            store.begin(&key("busy"), &fp, T0, SEC, HOUR).unwrap(),
+            Begin::InFlight { .. }
+        ));
+        assert_eq!(
+            store
+                .begin(&key("busy"), &Fingerprint::of(b"b"), T0, SEC, HOUR)
+                .unwrap(),
+            Begin::Conflict
+        );
+    }
+    assert_eq!(xmax("done"), done_xmax, "a replay locked the row");
+    assert_eq!(
+        xmax("busy"),
+        busy_xmax,
+        "an InFlight or Conflict locked the row"
+    );
+}
+
 /// Waits until some idemstore connection is blocked on a lock.
 fn wait_for_lock_waiter(url: &str) {
     let mut c = raw(url);
