@@ -1,70 +1,6 @@
 //! [`PostgresStore`]: the same [`Store`] contract over a PostgreSQL table,
-//! for services that run several replicas (feature `postgres`).
-//!
-//! ```no_run
-//! use idemstore::{Guard, Key, Fingerprint, Outcome, PostgresStore, Response};
-//!
-//! let store = PostgresStore::connect("postgres://app@db.internal/orders")?;
-//! store.migrate()?; // at deploy; idempotent
-//! let guard = Guard::new(store);
-//! let key = Key::new("tenant-42", "order-1")?;
-//! let outcome = guard.run(&key, &Fingerprint::of(b"sku=A&qty=1"), |claim| {
-//!     Ok::<_, std::convert::Infallible>(Response::new(201, "charged"))
-//! });
-//! assert!(matches!(outcome, Outcome::Executed(_) | Outcome::Replayed(_)));
-//! # Ok::<(), idemstore::Error>(())
-//! ```
-//!
-//! # One statement per call
-//!
-//! Every call is one prepared statement in its own transaction: one round
-//! trip, one commit. `begin` is an `INSERT .. ON CONFLICT (scope, id) DO
-//! UPDATE .. WHERE <expired, or same fingerprint with the lease run out>
-//! RETURNING ..` with a read of the existing row in the same statement, so
-//! Claimed, Replay, InFlight and Conflict all come back in that round trip;
-//! the write decides on the newest row under its lock, never on an earlier
-//! read. When the statement's snapshot already shows a live record that
-//! cannot be claimed, the statement writes nothing (no row lock, no WAL
-//! flush): a replay is a read. When a concurrent writer
-//! commits between the statement's snapshot and its conflict check, the
-//! statement sees no row (or an older one); it is then run again, at most
-//! [`MAX_BEGIN_ATTEMPTS`] times. Fencing tokens come from a sequence, drawn
-//! under a transaction-scoped advisory lock on the key, so the claims of a
-//! key get increasing tokens in the order they commit. `complete` and `release`
-//! are conditional on the token. `sweep_expired` deletes one bounded batch,
-//! oldest expiry first, skipping rows another sweeper holds.
-//!
-//! **Durability** is the server's: `Claimed` is returned after the commit,
-//! which with the default `synchronous_commit = on` means the WAL is flushed
-//! (and, with synchronous replication, on the standbys the server waits for).
-//!
-//! # Time: the caller's clock, and skew between replicas
-//!
-//! Deadlines are computed from the `now` each call passes in, not from the
-//! database clock. That keeps the [`Store`] contract (every backend takes
-//! `now`; tests run on a manual clock and are deterministic), and it means
-//! each replica judges leases and expiry by its own clock. Skew between
-//! replicas therefore matters: a replica whose clock runs ahead by `s` sees
-//! other replicas' leases end `s` early — it may take over a claim whose
-//! owner is still inside its lease — and sees records expire `s` early.
-//! Fencing tokens still stop the stale owner from completing, but its side
-//! effect may already have run. Keep the clocks synchronised (NTP, chrony)
-//! and the skew well under the lease (a lease of tens of seconds against
-//! millisecond NTP skew is comfortable).
-//!
-//! # The schema
-//!
-//! One table (default [`DEFAULT_TABLE`]) keyed by (scope, id), with the
-//! fingerprint, state, lease deadline, expiry, fencing token, attempt count
-//! and the response in plain columns (status, header names and values as
-//! `bytea[]`, body as `bytea`); a sequence for tokens; an index on the
-//! expiry. [`PostgresStore::migrate`] creates them and is idempotent; the
-//! schema version is kept in the table's comment, and a table of the same
-//! name that is not ours, or is newer, is refused with a typed error.
-//!
-//! Connections are plain TCP or unix sockets without TLS (the client is
-//! built with `NoTls`): reach the server over a trusted network or a local
-//! TLS proxy.
+//! for services that run several replicas (feature `postgres`). The
+//! statements, the schema and the clock are described on [`PostgresStore`].
 
 mod errors;
 mod options;
@@ -104,9 +40,6 @@ pub const MAX_BEGIN_ATTEMPTS: usize = 8;
 /// service: the same [`Store`] contract as the embedded stores, over a pool
 /// of connections (feature `postgres`).
 ///
-/// See the [module docs](self) for the statements, the schema and why the
-/// caller's clock decides deadlines.
-///
 /// ```no_run
 /// use idemstore::{Begin, Fingerprint, Key, PostgresStore, Response, Store, Timestamp};
 /// use std::time::Duration;
@@ -122,6 +55,57 @@ pub const MAX_BEGIN_ATTEMPTS: usize = 8;
 /// }
 /// # Ok::<(), idemstore::Error>(())
 /// ```
+///
+/// # One statement per call
+///
+/// Every call is one prepared statement in its own transaction: one round
+/// trip, one commit. `begin` is an `INSERT .. ON CONFLICT (scope, id) DO
+/// UPDATE .. WHERE <expired, or same fingerprint with the lease run out>
+/// RETURNING ..` with a read of the existing row in the same statement, so
+/// Claimed, Replay, InFlight and Conflict all come back in that round trip;
+/// the write decides on the newest row under its lock, never on an earlier
+/// read. When the statement's snapshot already shows a live record that
+/// cannot be claimed, the statement writes nothing (no row lock, no WAL
+/// flush): a replay is a read. When a concurrent writer
+/// commits between the statement's snapshot and its conflict check, the
+/// statement sees no row (or an older one); it is then run again, at most
+/// [`MAX_BEGIN_ATTEMPTS`] times. Fencing tokens come from a sequence, drawn
+/// under a transaction-scoped advisory lock on the key, so the claims of a
+/// key get increasing tokens in the order they commit. `complete` and `release`
+/// are conditional on the token. `sweep_expired` deletes one bounded batch,
+/// oldest expiry first, skipping rows another sweeper holds.
+///
+/// **Durability** is the server's: `Claimed` is returned after the commit,
+/// which with the default `synchronous_commit = on` means the WAL is flushed
+/// (and, with synchronous replication, on the standbys the server waits for).
+///
+/// # Time: the caller's clock, and skew between replicas
+///
+/// Deadlines are computed from the `now` each call passes in, not from the
+/// database clock. That keeps the [`Store`] contract (every backend takes
+/// `now`; tests run on a manual clock and are deterministic), and it means
+/// each replica judges leases and expiry by its own clock. Skew between
+/// replicas therefore matters: a replica whose clock runs ahead by `s` sees
+/// other replicas' leases end `s` early — it may take over a claim whose
+/// owner is still inside its lease — and sees records expire `s` early.
+/// Fencing tokens still stop the stale owner from completing, but its side
+/// effect may already have run. Keep the clocks synchronised (NTP, chrony)
+/// and the skew well under the lease (a lease of tens of seconds against
+/// millisecond NTP skew is comfortable).
+///
+/// # The schema
+///
+/// One table (default [`DEFAULT_TABLE`]) keyed by (scope, id), with the
+/// fingerprint, state, lease deadline, expiry, fencing token, attempt count
+/// and the response in plain columns (status, header names and values as
+/// `bytea[]`, body as `bytea`); a sequence for tokens; an index on the
+/// expiry. [`PostgresStore::migrate`] creates them and is idempotent; the
+/// schema version is kept in the table's comment, and a table of the same
+/// name that is not ours, or is newer, is refused with a typed error.
+///
+/// Connections are plain TCP or unix sockets without TLS (the client is
+/// built with `NoTls`): reach the server over a trusted network or a local
+/// TLS proxy.
 pub struct PostgresStore {
     pool: pool::Pool,
     sql: Arc<Sql>,
