@@ -39,7 +39,17 @@ pub(super) fn db_error(err: ::postgres::Error, table: &str) -> Error {
             "a statement on {table} ran past the statement timeout \
              (a lock held elsewhere, or an overloaded server)"
         ),
-        Some(code) => format!("PostgreSQL refused a statement on {table} (SQLSTATE {code:?})"),
+        Some(code) => match err.as_db_error() {
+            Some(db) => format!(
+                "PostgreSQL refused a statement on {table} (SQLSTATE {}: {})",
+                code.code(),
+                db.message()
+            ),
+            None => format!(
+                "PostgreSQL refused a statement on {table} (SQLSTATE {})",
+                code.code()
+            ),
+        },
         None if err.is_closed() => "the PostgreSQL connection was closed".to_owned(),
         None => "PostgreSQL connection failed".to_owned(),
     };
@@ -47,6 +57,16 @@ pub(super) fn db_error(err: ::postgres::Error, table: &str) -> Error {
         what,
         source: Box::new(err),
     }))
+}
+
+/// True when the server ended the connection (a restart, a failover, an
+/// administrator's `pg_terminate_backend`) or the client found it closed:
+/// the pooled connection is dead, and a new one may well work.
+pub(super) fn is_dead_connection(err: &::postgres::Error) -> bool {
+    err.is_closed()
+        || err.code().is_some_and(|code| {
+            *code == SqlState::ADMIN_SHUTDOWN || *code == SqlState::CRASH_SHUTDOWN
+        })
 }
 
 /// No connection within the connect timeout: the server is down or

@@ -184,6 +184,35 @@ impl PostgresStore {
         self.pool.get().map_err(pool_error)
     }
 
+    /// Runs `op` on a pooled connection; when the server had ended that
+    /// connection (after a restart or failover every idle pooled connection
+    /// is dead), runs it again on another one, up to the pool size + 1
+    /// times. Only for operations whose repetition is harmless even if the
+    /// first run did commit: `begin` (a repeated begin sees its own claim and
+    /// answers InFlight: fail closed), `get` and `sweep_expired`. `complete`
+    /// and `release` run once: repeated after a commit whose answer was lost,
+    /// they would report a success as `StaleClaim`.
+    fn retrying<T>(&self, mut op: impl FnMut(&mut pool::Conn) -> Result<T, RunError>) -> Result<T> {
+        let attempts = self.pool.max_size().saturating_add(1);
+        let mut last = None;
+        for _ in 0..attempts {
+            let mut conn = self.conn()?;
+            match op(&mut conn) {
+                Err(RunError::Db(err)) if errors::is_dead_connection(&err) => {
+                    // Returned to the pool closed, so r2d2 drops it.
+                    last = Some(err);
+                }
+                Err(RunError::Db(err)) => return Err(self.db(err)),
+                Err(RunError::Store(err)) => return Err(err),
+                Ok(value) => return Ok(value),
+            }
+        }
+        Err(match last {
+            Some(err) => self.db(err),
+            None => Error::backend("no PostgreSQL connection attempt was made"),
+        })
+    }
+
     fn db(&self, err: ::postgres::Error) -> Error {
         db_error(err, &self.sql.table)
     }
@@ -206,33 +235,33 @@ impl Store for PostgresStore {
             row::millis(now + retention),
         );
         let lock = sql::key_lock(&self.sql.table, key);
-        let mut conn = self.conn()?;
-        for _ in 0..MAX_BEGIN_ATTEMPTS {
-            let rows = conn
-                .query(
+        self.retrying(|conn| {
+            for _ in 0..MAX_BEGIN_ATTEMPTS {
+                let rows = conn.query(
                     Stmt::Begin,
                     &[&scope, &id, &fp, &at, &lease_until, &expires_at, &lock],
-                )
-                .map_err(|e| self.db(e))?;
-            // No row: a concurrent writer committed the key after this
-            // statement's snapshot was taken (see sql.rs); run it again.
-            let Some(first) = rows.first() else { continue };
-            let claimed: bool = first.try_get(0).map_err(|e| self.db(e))?;
-            let record = row::record(key, first, 1)?;
-            if claimed {
-                return Ok(Begin::Claimed(claim_of(&record)));
+                )?;
+                // No row: a concurrent writer committed the key after this
+                // statement's snapshot was taken (see sql.rs); run it again.
+                let Some(first) = rows.first() else { continue };
+                let claimed: bool = first.try_get(0)?;
+                let record = row::record(key, first, 1)?;
+                if claimed {
+                    return Ok(Begin::Claimed(claim_of(&record)));
+                }
+                // Nothing was written: the answer is logic::begin's, from the
+                // row as read. If that row would have been claimed, it is older
+                // than the one ON CONFLICT locked; run the statement again.
+                let step =
+                    logic::begin(Some(record), fingerprint, now, lease, retention, || Ok(0))?;
+                if step.write.is_none() {
+                    return Ok(step.answer);
+                }
             }
-            // Nothing was written: the answer is logic::begin's, from the
-            // row as read. If that row would have been claimed, it is older
-            // than the one ON CONFLICT locked; run the statement again.
-            let step = logic::begin(Some(record), fingerprint, now, lease, retention, || Ok(0))?;
-            if step.write.is_none() {
-                return Ok(step.answer);
-            }
-        }
-        Err(Error::backend(format!(
-            "begin on {key} raced with concurrent writers {MAX_BEGIN_ATTEMPTS} times in a row"
-        )))
+            Err(RunError::Store(Error::backend(format!(
+                "begin on {key} raced with concurrent writers {MAX_BEGIN_ATTEMPTS} times in a row"
+            ))))
+        })
     }
 
     fn complete(
@@ -287,14 +316,13 @@ impl Store for PostgresStore {
     }
 
     fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>> {
-        let rows = self
-            .conn()?
-            .query(Stmt::Get, &[&key.scope(), &key.id()])
-            .map_err(|e| self.db(e))?;
-        let record = match rows.first() {
-            Some(found) => Some(row::record(key, found, 0)?),
-            None => None,
-        };
+        let record = self.retrying(|conn| {
+            let rows = conn.query(Stmt::Get, &[&key.scope(), &key.id()])?;
+            Ok(match rows.first() {
+                Some(found) => Some(row::record(key, found, 0)?),
+                None => None,
+            })
+        })?;
         Ok(logic::visible(record, now))
     }
 
@@ -304,11 +332,28 @@ impl Store for PostgresStore {
             return Ok(0);
         }
         let limit = i64::try_from(max).unwrap_or(i64::MAX);
-        let deleted = self
-            .conn()?
-            .execute(Stmt::Sweep, &[&row::millis(now), &limit])
-            .map_err(|e| self.db(e))?;
+        let deleted =
+            self.retrying(|conn| Ok(conn.execute(Stmt::Sweep, &[&row::millis(now), &limit])?))?;
         Ok(usize::try_from(deleted).unwrap_or(usize::MAX))
+    }
+}
+
+/// What one run of a statement can fail with: the server's error (which
+/// [`PostgresStore::retrying`] looks at) or one of ours.
+enum RunError {
+    Db(::postgres::Error),
+    Store(Error),
+}
+
+impl From<::postgres::Error> for RunError {
+    fn from(err: ::postgres::Error) -> RunError {
+        RunError::Db(err)
+    }
+}
+
+impl From<Error> for RunError {
+    fn from(err: Error) -> RunError {
+        RunError::Store(err)
     }
 }
 

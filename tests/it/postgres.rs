@@ -440,6 +440,57 @@ fn concurrent_sweepers_delete_each_expired_record_once() {
     assert!(store.get(&key("live"), later).unwrap().is_some());
 }
 
+/// After a server restart or failover every idle pooled connection is dead;
+/// `begin`, `get` and `sweep_expired` must move on to a new connection
+/// instead of failing once per pooled connection.
+#[test]
+fn calls_survive_the_server_ending_pooled_connections() {
+    let Some(url) = pg_url() else { return };
+    let (_, guard) = fresh_store("terminated", 1);
+    let app = fresh_table("idemstore_terminated");
+    let sep = if url.contains('?') { '&' } else { '?' };
+    let store = Arc::new(
+        PostgresStore::builder(&format!("{url}{sep}application_name={app}"))
+            .table(&guard.table)
+            .pool_size(4)
+            .build()
+            .unwrap(),
+    );
+    let fp = Fingerprint::of(b"a");
+    // Open all four connections.
+    let barrier = Arc::new(Barrier::new(4));
+    let warm: Vec<_> = (0..4)
+        .map(|i| {
+            let (store, barrier) = (Arc::clone(&store), Arc::clone(&barrier));
+            std::thread::spawn(move || {
+                barrier.wait();
+                for j in 0..20 {
+                    let _ = store.get(&key(&format!("w{i}-{j}")), T0).unwrap();
+                }
+            })
+        })
+        .collect();
+    for h in warm {
+        h.join().unwrap();
+    }
+    let terminated: i64 = raw(&url)
+        .query_one(
+            "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+              WHERE application_name = $1) t",
+            &[&app],
+        )
+        .unwrap()
+        .get(0);
+    assert!(terminated >= 1, "no pooled connection to end");
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(store.get(&key("k"), T0).unwrap().is_none());
+    let c = claimed(store.begin(&key("k"), &fp, T0, SEC, HOUR).unwrap());
+    assert_eq!(store.sweep_expired(T0, 10).unwrap(), 0);
+    store
+        .complete(&key("k"), &c, &Response::new(200, "ok"), T0, HOUR)
+        .unwrap();
+}
+
 /// Waits until some idemstore connection is blocked on a lock.
 fn wait_for_lock_waiter(url: &str) {
     let mut c = raw(url);
