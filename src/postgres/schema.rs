@@ -114,7 +114,7 @@ fn ddl(sql: &Sql) -> String {
             CHECK (cardinality(header_names) = cardinality(header_values))
         );
         ALTER SEQUENCE \"{seq}\" OWNED BY \"{t}\".token;
-        CREATE INDEX IF NOT EXISTS \"{idx}\" ON \"{t}\" (expires_at);
+        CREATE INDEX IF NOT EXISTS \"{idx}\" ON \"{t}\" (expires_at, scope, id);
         COMMENT ON TABLE \"{t}\" IS '{MARKER_PREFIX}{SCHEMA_VERSION}';"
     )
 }

@@ -129,13 +129,14 @@ impl Sql {
         let release =
             format!("DELETE FROM {t} WHERE scope = $1 AND id = $2 AND state = {p} AND token = $3");
         let get = format!("SELECT {RECORD_COLUMNS} FROM {t} WHERE scope = $1 AND id = $2");
-        // Oldest expiry first through the expiry index; rows another sweeper
+        // Oldest expiry first through the expiry index, ties in key order
+        // (as the other stores and the model sweep them); rows another sweeper
         // (another replica) or a begin has locked are skipped, not waited
         // for. The DELETE re-checks the expiry (logic::sweepable).
         let sweep = format!(
             "WITH due AS (
                 SELECT scope, id FROM {t} WHERE expires_at <= $1
-                 ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED
+                 ORDER BY expires_at, scope, id LIMIT $2 FOR UPDATE SKIP LOCKED
             )
             DELETE FROM {t} r USING due
              WHERE r.scope = due.scope AND r.id = due.id AND r.expires_at <= $1"
