@@ -18,7 +18,7 @@ use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
 use crate::key::Key;
 use crate::logic;
-use crate::record::{Begin, Claim, Record, check_durations};
+use crate::record::{Begin, Claim, Record, State, check_durations};
 use crate::response::Response;
 use crate::store::{MAX_SWEEP_BATCH, Store};
 use crate::time::Timestamp;
@@ -187,17 +187,20 @@ impl PostgresStore {
     /// Runs `op` on a pooled connection; when the server had ended that
     /// connection (after a restart or failover every idle pooled connection
     /// is dead), runs it again on another one, up to the pool size + 1
-    /// times. Only for operations whose repetition is harmless even if the
-    /// first run did commit: `begin` (a repeated begin sees its own claim and
-    /// answers InFlight: fail closed), `get` and `sweep_expired`. `complete`
-    /// and `release` run once: repeated after a commit whose answer was lost,
-    /// they would report a success as `StaleClaim`.
-    fn retrying<T>(&self, mut op: impl FnMut(&mut pool::Conn) -> Result<T, RunError>) -> Result<T> {
+    /// times. `op` is told whether this is such a repetition: the first run
+    /// may have committed before the connection died (its answer was lost),
+    /// so a repeated `complete` or `release` that finds nothing to do checks
+    /// whether its own first run did it. A repeated `begin` that finds its
+    /// own lost claim answers InFlight: fail closed, as the error would.
+    fn retrying<T>(
+        &self,
+        mut op: impl FnMut(&mut pool::Conn, bool) -> Result<T, RunError>,
+    ) -> Result<T> {
         let attempts = self.pool.max_size().saturating_add(1);
         let mut last = None;
         for _ in 0..attempts {
             let mut conn = self.conn()?;
-            match op(&mut conn) {
+            match op(&mut conn, last.is_some()) {
                 Err(RunError::Db(err)) if errors::is_dead_connection(&err) => {
                     // Returned to the pool closed, so r2d2 drops it.
                     last = Some(err);
@@ -210,6 +213,15 @@ impl PostgresStore {
         Err(match last {
             Some(err) => self.db(err),
             None => Error::backend("no PostgreSQL connection attempt was made"),
+        })
+    }
+
+    /// The record for `key` as stored (expired or not), on `conn`.
+    fn stored(conn: &mut pool::Conn, key: &Key) -> Result<Option<Record>, RunError> {
+        let rows = conn.query(Stmt::Get, &[&key.scope(), &key.id()])?;
+        Ok(match rows.first() {
+            Some(found) => Some(row::record(key, found, 0)?),
+            None => None,
         })
     }
 
@@ -235,7 +247,7 @@ impl Store for PostgresStore {
             row::millis(now + retention),
         );
         let lock = sql::key_lock(&self.sql.table, key);
-        self.retrying(|conn| {
+        self.retrying(|conn, _| {
             for _ in 0..MAX_BEGIN_ATTEMPTS {
                 let rows = conn.query(
                     Stmt::Begin,
@@ -278,9 +290,8 @@ impl Store for PostgresStore {
         };
         let r = row::response_columns(response);
         let (at, expires_at) = (row::millis(now), row::millis(now + retention));
-        let updated = self
-            .conn()?
-            .execute(
+        let done = self.retrying(|conn, retried| {
+            let updated = conn.execute(
                 Stmt::Complete,
                 &[
                     &key.scope(),
@@ -293,36 +304,43 @@ impl Store for PostgresStore {
                     &r.values,
                     &r.body,
                 ],
-            )
-            .map_err(|e| self.db(e))?;
-        match updated {
-            0 => Err(Error::StaleClaim),
-            _ => Ok(()),
-        }
+            )?;
+            if updated > 0 || !retried {
+                return Ok(updated > 0);
+            }
+            // Only this claim's holder can have stored a DONE record under
+            // its token: if it holds this response, the lost first run did.
+            Ok(PostgresStore::stored(conn, key)?.is_some_and(|rec| {
+                rec.state == State::Done
+                    && rec.token == claim.token
+                    && rec.response.as_ref() == Some(response)
+            }))
+        })?;
+        if done { Ok(()) } else { Err(Error::StaleClaim) }
     }
 
     fn release(&self, key: &Key, claim: &Claim) -> Result<()> {
         let Some(token) = row::token(claim.token) else {
             return Err(Error::StaleClaim);
         };
-        let deleted = self
-            .conn()?
-            .execute(Stmt::Release, &[&key.scope(), &key.id(), &token])
-            .map_err(|e| self.db(e))?;
-        match deleted {
-            0 => Err(Error::StaleClaim),
-            _ => Ok(()),
+        let released = self.retrying(|conn, retried| {
+            let deleted = conn.execute(Stmt::Release, &[&key.scope(), &key.id(), &token])?;
+            if deleted > 0 || !retried {
+                return Ok(deleted > 0);
+            }
+            // Gone: the lost first run deleted it (or, if another owner took
+            // over and then gave it up, the key is free all the same).
+            Ok(PostgresStore::stored(conn, key)?.is_none())
+        })?;
+        if released {
+            Ok(())
+        } else {
+            Err(Error::StaleClaim)
         }
     }
 
     fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>> {
-        let record = self.retrying(|conn| {
-            let rows = conn.query(Stmt::Get, &[&key.scope(), &key.id()])?;
-            Ok(match rows.first() {
-                Some(found) => Some(row::record(key, found, 0)?),
-                None => None,
-            })
-        })?;
+        let record = self.retrying(|conn, _| PostgresStore::stored(conn, key))?;
         Ok(logic::visible(record, now))
     }
 
@@ -333,7 +351,7 @@ impl Store for PostgresStore {
         }
         let limit = i64::try_from(max).unwrap_or(i64::MAX);
         let deleted =
-            self.retrying(|conn| Ok(conn.execute(Stmt::Sweep, &[&row::millis(now), &limit])?))?;
+            self.retrying(|conn, _| Ok(conn.execute(Stmt::Sweep, &[&row::millis(now), &limit])?))?;
         Ok(usize::try_from(deleted).unwrap_or(usize::MAX))
     }
 }

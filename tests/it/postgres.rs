@@ -440,9 +440,9 @@ fn concurrent_sweepers_delete_each_expired_record_once() {
     assert!(store.get(&key("live"), later).unwrap().is_some());
 }
 
-/// After a server restart or failover every idle pooled connection is dead;
-/// `begin`, `get` and `sweep_expired` must move on to a new connection
-/// instead of failing once per pooled connection.
+/// After a server restart or failover every idle pooled connection is dead:
+/// every call must move on to a new connection instead of failing once per
+/// pooled connection (and a completion must not be lost to one).
 #[test]
 fn calls_survive_the_server_ending_pooled_connections() {
     let Some(url) = pg_url() else { return };
@@ -457,38 +457,51 @@ fn calls_survive_the_server_ending_pooled_connections() {
             .unwrap(),
     );
     let fp = Fingerprint::of(b"a");
-    // Open all four connections.
-    let barrier = Arc::new(Barrier::new(4));
-    let warm: Vec<_> = (0..4)
-        .map(|i| {
-            let (store, barrier) = (Arc::clone(&store), Arc::clone(&barrier));
-            std::thread::spawn(move || {
-                barrier.wait();
-                for j in 0..20 {
-                    let _ = store.get(&key(&format!("w{i}-{j}")), T0).unwrap();
-                }
+    let to_complete = claimed(store.begin(&key("c"), &fp, T0, SEC, HOUR).unwrap());
+    let to_release = claimed(store.begin(&key("r"), &fp, T0, SEC, HOUR).unwrap());
+    // Opens all four connections, then has the server end them.
+    let warm_and_end = || {
+        let barrier = Arc::new(Barrier::new(4));
+        let warm: Vec<_> = (0..4)
+            .map(|i| {
+                let (store, barrier) = (Arc::clone(&store), Arc::clone(&barrier));
+                std::thread::spawn(move || {
+                    barrier.wait();
+                    for j in 0..20 {
+                        let _ = store.get(&key(&format!("w{i}-{j}")), T0).unwrap();
+                    }
+                })
             })
-        })
-        .collect();
-    for h in warm {
-        h.join().unwrap();
-    }
-    let terminated: i64 = raw(&url)
-        .query_one(
-            "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
-              WHERE application_name = $1) t",
-            &[&app],
-        )
-        .unwrap()
-        .get(0);
-    assert!(terminated >= 1, "no pooled connection to end");
-    std::thread::sleep(Duration::from_millis(100));
-    assert!(store.get(&key("k"), T0).unwrap().is_none());
-    let c = claimed(store.begin(&key("k"), &fp, T0, SEC, HOUR).unwrap());
-    assert_eq!(store.sweep_expired(T0, 10).unwrap(), 0);
+            .collect();
+        for h in warm {
+            h.join().unwrap();
+        }
+        let ended: i64 = raw(&url)
+            .query_one(
+                "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+                  WHERE application_name = $1) t",
+                &[&app],
+            )
+            .unwrap()
+            .get(0);
+        assert!(ended >= 1, "no pooled connection to end");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    warm_and_end();
     store
-        .complete(&key("k"), &c, &Response::new(200, "ok"), T0, HOUR)
+        .complete(&key("c"), &to_complete, &Response::new(200, "ok"), T0, HOUR)
         .unwrap();
+    warm_and_end();
+    store.release(&key("r"), &to_release).unwrap();
+    warm_and_end();
+    assert_eq!(
+        store.begin(&key("c"), &fp, T0, SEC, HOUR).unwrap(),
+        Begin::Replay(Response::new(200, "ok"))
+    );
+    warm_and_end();
+    assert!(store.get(&key("r"), T0).unwrap().is_none());
+    warm_and_end();
+    assert_eq!(store.sweep_expired(T0, 10).unwrap(), 0);
 }
 
 /// Regression: records with the same expiry were swept in whatever order
