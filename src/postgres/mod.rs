@@ -75,6 +75,10 @@ pub const MAX_BEGIN_ATTEMPTS: usize = 8;
 /// are conditional on the token. `sweep_expired` deletes one bounded batch,
 /// oldest expiry first, skipping rows another sweeper holds.
 ///
+/// After a server restart or failover, a call that meets a connection the
+/// server ended runs again on another one; a repeated `complete` or
+/// `release` that finds its own lost first run done reports success.
+///
 /// **Durability** is the server's: `Claimed` is returned after the commit,
 /// which with the default `synchronous_commit = on` means the WAL is flushed
 /// (and, with synchronous replication, on the standbys the server waits for).
