@@ -257,22 +257,28 @@ impl Store for PostgresStore {
                     Stmt::Begin,
                     &[&scope, &id, &fp, &at, &lease_until, &expires_at, &lock],
                 )?;
-                // No row: a concurrent writer committed the key after this
-                // statement's snapshot was taken (see sql.rs); run it again.
-                let Some(first) = rows.first() else { continue };
+                // No row: another begin is claiming the key, or committed it
+                // after this statement's snapshot was taken (see sql.rs).
+                // Wait for that claim to commit, then run it again.
+                let Some(first) = rows.first() else {
+                    conn.execute(Stmt::WaitKey, &[&lock])?;
+                    continue;
+                };
                 let claimed: bool = first.try_get(0)?;
                 let record = row::record(key, first, 1)?;
                 if claimed {
                     return Ok(Begin::Claimed(claim_of(&record)));
                 }
                 // Nothing was written: the answer is logic::begin's, from the
-                // row as read. If that row would have been claimed, it is older
-                // than the one ON CONFLICT locked; run the statement again.
+                // row as read. If that row would have been claimed, another
+                // begin is claiming it or has (a newer row than the snapshot
+                // shows); wait for it and run the statement again.
                 let step =
                     logic::begin(Some(record), fingerprint, now, lease, retention, || Ok(0))?;
                 if step.write.is_none() {
                     return Ok(step.answer);
                 }
+                conn.execute(Stmt::WaitKey, &[&lock])?;
             }
             Err(RunError::Store(Error::backend(format!(
                 "begin on {key} raced with concurrent writers {MAX_BEGIN_ATTEMPTS} times in a row"

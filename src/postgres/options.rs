@@ -2,6 +2,7 @@
 //! connections, how long to wait.
 
 use super::PostgresStore;
+use super::errors::pool_error;
 use super::pool::{Manager, Pool};
 use super::schema;
 use super::sql::Sql;
@@ -121,10 +122,12 @@ impl PostgresStoreBuilder {
         self
     }
 
-    /// Most connections the store holds (default [`DEFAULT_POOL_SIZE`],
-    /// 1..=[`MAX_POOL_SIZE`]). Connections are opened on demand. Each call
-    /// uses one connection for one statement, so this bounds the calls in
-    /// flight at the server; callers beyond it wait up to the connect timeout.
+    /// The connections the store holds (default [`DEFAULT_POOL_SIZE`],
+    /// 1..=[`MAX_POOL_SIZE`]), all opened by [`build`](Self::build) and
+    /// kept open. Each call uses one connection for one statement, so this
+    /// bounds the calls in flight at the server; callers beyond it wait up
+    /// to the connect timeout. Sum it over the replicas against the server's
+    /// `max_connections`.
     ///
     /// ```
     /// let b = idemstore::PostgresStore::builder("postgres://localhost/app").pool_size(64);
@@ -228,15 +231,18 @@ impl PostgresStoreBuilder {
         let sql = Arc::new(Sql::new(&self.table));
         let pool: Pool = r2d2::Pool::builder()
             .max_size(self.pool_size)
-            // Connections open on demand: a replica that is mostly idle
-            // holds few of the server's max_connections.
-            .min_idle(Some(0))
+            // Every connection is opened here and kept open (r2d2 replaces
+            // one that dies): opening one takes a server process fork and
+            // an authentication, milliseconds that would otherwise land on
+            // the first burst of requests, as a latency spike.
+            .min_idle(None)
             .connection_timeout(self.connect_timeout)
             // A validity check per checkout would cost a round trip per call;
-            // a broken connection is noticed by its failed statement instead
-            // (the call fails with Error::Backend, the connection is dropped).
+            // a connection the server ended is noticed by its failed
+            // statement instead, and the call moves on to another one.
             .test_on_check_out(false)
-            .build_unchecked(Manager::new(config, Arc::clone(&sql)));
+            .build(Manager::new(config, Arc::clone(&sql)))
+            .map_err(pool_error)?;
         let store = PostgresStore {
             pool,
             sql,

@@ -31,10 +31,13 @@ pub(super) enum Stmt {
     Get = 3,
     /// `$1 now, $2 max` → rows deleted.
     Sweep = 4,
+    /// `$1 key lock`: waits until no begin holds the key's advisory lock
+    /// (and releases it at once: autocommit).
+    WaitKey = 5,
 }
 
 impl Stmt {
-    pub(super) const COUNT: usize = 5;
+    pub(super) const COUNT: usize = 6;
 }
 
 /// The statement texts and object names for one table.
@@ -81,23 +84,33 @@ impl Sql {
         // conflicting row, and may wait there (for a concurrent release or
         // sweep of that row) while another begin claims and releases the
         // key with a larger token: the later claim would get the smaller one.
+        //
+        // The lock is only tried, not waited for: when another begin holds
+        // it (it is claiming the key right now), this statement writes
+        // nothing and returns what its snapshot shows; the caller then waits
+        // for that claim's commit with [`Stmt::WaitKey`], which takes no row
+        // lock and flushes nothing, and runs the statement again. Waiting
+        // here instead would make every concurrent duplicate lock the row
+        // and flush the WAL in turn behind the claim.
         let begin = format!(
             "WITH live AS (
                 SELECT {RECORD_COLUMNS} FROM {t} WHERE scope = $1 AND id = $2
             ),
             key_lock AS MATERIALIZED (
-                SELECT pg_advisory_xact_lock($7::bigint)
-                 WHERE NOT EXISTS (
-                    SELECT 1 FROM live
-                     WHERE expires_at > $4
-                       AND NOT (state = {p} AND fingerprint = $3::bytea AND lease_until <= $4))
+                SELECT CASE WHEN NOT EXISTS (
+                           SELECT 1 FROM live
+                            WHERE expires_at > $4
+                              AND NOT (state = {p} AND fingerprint = $3::bytea
+                                       AND lease_until <= $4))
+                       THEN pg_try_advisory_xact_lock($7::bigint)
+                       ELSE false END AS held
             ),
             claimed AS (
                 INSERT INTO {t} AS r (scope, id, fingerprint, state, lease_until, expires_at,
                                       created_at, token, attempts)
                 SELECT $1::bytea, $2::bytea, $3::bytea, {p}::smallint, $5::bigint, $6::bigint,
                        $4::bigint, nextval('{seq}'), 1
-                  FROM key_lock
+                  FROM key_lock WHERE held
                 ON CONFLICT (scope, id) DO UPDATE SET
                     fingerprint = excluded.fingerprint,
                     state = {p},
@@ -145,7 +158,14 @@ impl Sql {
             table: table.to_owned(),
             sequence,
             index,
-            texts: [begin, complete, release, get, sweep],
+            texts: [
+                begin,
+                complete,
+                release,
+                get,
+                sweep,
+                "SELECT pg_advisory_xact_lock($1::bigint)".to_owned(),
+            ],
         }
     }
 
