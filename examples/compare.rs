@@ -6,6 +6,7 @@
 //! ```text
 //! cargo run --release --example compare                 # 3 rounds × 3 s per cell
 //! cargo run --release --all-features --example compare  # with SledStore too
+//! # ... and PostgresStore when IDEMSTORE_PG_URL names a server
 //! cargo run --release --example compare -- --smoke      # CI: one short round
 //! cargo run --release --example compare -- --rounds 5 --seconds 5
 //! ```
@@ -38,6 +39,11 @@ fn ours() -> Vec<&'static str> {
     let mut v = vec!["redb", "redb-nolog"];
     if cfg!(feature = "sled") {
         v.push("sled");
+    }
+    // PostgresStore when a server is named (a throwaway one:
+    // scripts/pg-test-cluster start DIR).
+    if cfg!(feature = "postgres") && std::env::var_os("IDEMSTORE_PG_URL").is_some() {
+        v.push("postgres");
     }
     v
 }

@@ -5,14 +5,17 @@
 //! ```text
 //! cargo run --release --example loadgen -- --backend redb --clients 64 --duration 10
 //! cargo run --release --example loadgen -- --backend sqlite --clients 8 --json
+//! cargo run --release --features postgres --example loadgen -- --backend postgres --pg-url postgres://u@host/db
 //! ```
 //!
-//! Options: `--backend memory|redb|sled|sqlite|redb-raw`, `--clients N`,
+//! Options: `--backend memory|redb|sled|sqlite|redb-raw|postgres`, `--clients N`,
 //! `--keys N` (records loaded before measuring), `--dup-ratio F` (share of
 //! requests that re-send a completed key), `--response-bytes N`,
 //! `--durability immediate|relaxed|periodic:MS`, `--prefill-durability ...`
 //! (for the `--keys` fill only), `--duration SECONDS`, `--dir PATH`
-//! (default: a fresh temp dir), `--json`.
+//! (default: a fresh temp dir), `--json`, `--pg-url URL` (for `postgres`,
+//! which needs the `postgres` feature; default `IDEMSTORE_PG_URL`; the run
+//! uses a fresh table and drops it at the end, so `--keys` does not apply).
 
 #[allow(dead_code, reason = "each example uses part of the shared module")]
 #[path = "common/peers.rs"]
@@ -35,6 +38,7 @@ struct Args {
     duration: f64,
     dir: Option<String>,
     json: bool,
+    pg_url: Option<String>,
 }
 
 fn parse() -> BoxResult<Args> {
@@ -49,6 +53,7 @@ fn parse() -> BoxResult<Args> {
         duration: 5.0,
         dir: None,
         json: false,
+        pg_url: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -64,12 +69,18 @@ fn parse() -> BoxResult<Args> {
             "--duration" => a.duration = value()?.parse()?,
             "--dir" => a.dir = Some(value()?),
             "--json" => a.json = true,
+            "--pg-url" => a.pg_url = Some(value()?),
             "-h" | "--help" => {
                 println!("see the doc comment at the top of examples/loadgen.rs");
                 std::process::exit(0);
             }
             other => return Err(format!("unknown option {other}").into()),
         }
+    }
+    if a.backend == "postgres" && a.keys > 0 {
+        return Err(
+            "--keys does not apply to --backend postgres (each open is a fresh table)".into(),
+        );
     }
     if !(0.0..=1.0).contains(&a.dup_ratio) || a.clients == 0 {
         return Err("--dup-ratio must be in 0..=1 and --clients at least 1".into());
@@ -79,6 +90,14 @@ fn parse() -> BoxResult<Args> {
 
 fn main() -> BoxResult<()> {
     let a = parse()?;
+    #[cfg(feature = "postgres")]
+    if let Some(url) = &a.pg_url {
+        let _ = peers::PG_URL.set(url.clone());
+    }
+    #[cfg(not(feature = "postgres"))]
+    if a.pg_url.is_some() || a.backend == "postgres" {
+        return Err("--backend postgres needs the postgres feature: cargo run --release --features postgres --example loadgen -- ...".into());
+    }
     let tmp = tempfile::tempdir()?;
     let dir = a
         .dir

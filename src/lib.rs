@@ -54,6 +54,8 @@
 //! - `redb` also gives [`Inbox`]: a message consumer's writes to its own tables
 //!   commit in the same transaction as the message id's dedup record.
 //! - `sled`: `SledStore`, the store on sled 0.34.7, fsynced for real.
+//! - `postgres`: `PostgresStore`, the same contract in a PostgreSQL table shared by
+//!   several replicas (one statement per call, fencing tokens from a sequence).
 //! - `tokio`: [`Guard::run_async`].
 //! - `tower`: HTTP middleware (`Idempotency-Key`), in [`tower`] (behaviour and status codes in its docs).
 //! - `cli`: the `idemstore` operator binary (stats, get, list, evict, sweep,
@@ -84,6 +86,8 @@ mod guard;
 mod key;
 mod logic;
 mod memory;
+#[cfg(feature = "postgres")]
+mod postgres;
 mod record;
 #[cfg(feature = "redb")]
 mod redb;
@@ -119,6 +123,11 @@ pub use guard::{
 };
 pub use key::{Key, MAX_ID_BYTES, MAX_SCOPE_BYTES};
 pub use memory::{MemoryStore, Op};
+#[cfg(feature = "postgres")]
+pub use postgres::{
+    DEFAULT_CONNECT_TIMEOUT, DEFAULT_POOL_SIZE, DEFAULT_STATEMENT_TIMEOUT, DEFAULT_TABLE,
+    MAX_BEGIN_ATTEMPTS, MAX_POOL_SIZE, MAX_TABLE_NAME_BYTES, PostgresStore, PostgresStoreBuilder,
+};
 pub use record::{Begin, Claim, Record, State};
 pub use response::{
     DEFAULT_MAX_BODY_BYTES, MAX_BODY_BYTES_HARD_CAP, MAX_HEADER_BYTES, MAX_HEADERS, Response,

@@ -405,6 +405,8 @@ pub fn open_backend(name: &str, dir: &Path, durability: &str) -> BoxResult<Box<d
         }
         "sqlite" => Box::new(Sqlite::open(dir)?),
         "redb-raw" => Box::new(RedbRaw::open(dir)?),
+        #[cfg(feature = "postgres")]
+        "postgres" => Box::new(Postgres::open()?),
         other => return Err(format!("unknown or not yet available backend {other}").into()),
     })
 }
@@ -441,4 +443,75 @@ pub fn redb_backend(dir: &Path, durability: &str, log: bool) -> BoxResult<StoreB
             (s.batches > 0).then(|| s.mean_batch())
         })),
     })
+}
+
+/// The server the `postgres` backend uses: set by the example from its
+/// `--pg-url`, else `IDEMSTORE_PG_URL`.
+#[cfg(feature = "postgres")]
+pub static PG_URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// Connections the `postgres` backend's pool may open: one per client up
+/// to 64 clients (the server's default `max_connections` is 100).
+#[cfg(feature = "postgres")]
+pub const PG_POOL_SIZE: u32 = 64;
+
+/// `PostgresStore` on a fresh table (`loadgen_<pid>_<n>`), dropped when the
+/// backend is dropped. The server decides durability (`synchronous_commit`,
+/// `fsync`): `--durability` does not apply.
+#[cfg(feature = "postgres")]
+pub struct Postgres {
+    store: Arc<idemstore::PostgresStore>,
+    url: String,
+}
+
+#[cfg(feature = "postgres")]
+impl Postgres {
+    pub fn open() -> BoxResult<Postgres> {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let url = match PG_URL.get() {
+            Some(url) => url.clone(),
+            None => std::env::var("IDEMSTORE_PG_URL").map_err(|_| {
+                "--backend postgres needs --pg-url or IDEMSTORE_PG_URL \
+                 (a throwaway server: scripts/pg-test-cluster start DIR)"
+            })?,
+        };
+        let table = format!(
+            "loadgen_{}_{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        );
+        let store = idemstore::PostgresStore::builder(&url)
+            .table(&table)
+            .pool_size(PG_POOL_SIZE)
+            .build()?;
+        store.migrate()?;
+        Ok(Postgres {
+            store: Arc::new(store),
+            url,
+        })
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl Backend for Postgres {
+    fn name(&self) -> String {
+        "postgres".into()
+    }
+    fn client(&self) -> BoxResult<Box<dyn Client>> {
+        Ok(Box::new(StoreClient(
+            Arc::clone(&self.store) as Arc<dyn Store>
+        )))
+    }
+    fn file_bytes(&self) -> u64 {
+        0 // on the server, not in the run's directory
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl Drop for Postgres {
+    fn drop(&mut self) {
+        if let Ok(mut c) = postgres::Client::connect(&self.url, postgres::NoTls) {
+            let _ = c.batch_execute(&format!("DROP TABLE IF EXISTS \"{}\"", self.store.table()));
+        }
+    }
 }

@@ -32,9 +32,16 @@ impl Subject {
 }
 
 /// Runs every case below as its own `#[test]` against `$factory`.
+///
+/// `conformance_suite!(factory, when: enabled)` runs each case only when
+/// `enabled()` is true, for a backend that needs an external server: its
+/// `enabled` says plainly when the server is missing (and fails under CI).
 macro_rules! conformance_suite {
     ($factory:path) => {
-        conformance_suite!(@cases $factory;
+        conformance_suite!($factory, when: crate::conformance::always);
+    };
+    ($factory:path, when: $enabled:path) => {
+        conformance_suite!(@cases $factory, $enabled;
             seed_eight_concurrent_workers_execute_once,
             seed_complete_fails_then_takeover_then_window,
             begin_claims_absent_key,
@@ -58,14 +65,21 @@ macro_rules! conformance_suite {
             sequential_ops_match_model
         );
     };
-    (@cases $factory:path; $($case:ident),* $(,)?) => {
+    (@cases $factory:path, $enabled:path; $($case:ident),* $(,)?) => {
         $(
             #[test]
             fn $case() {
-                crate::conformance::$case(&$factory)
+                if $enabled() {
+                    crate::conformance::$case(&$factory)
+                }
             }
         )*
     };
+}
+
+/// The `when:` of backends that always run.
+pub fn always() -> bool {
+    true
 }
 
 pub type Make<'a> = &'a dyn Fn() -> Subject;

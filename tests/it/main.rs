@@ -23,6 +23,8 @@ mod memory;
 mod model;
 #[cfg(all(feature = "redb", feature = "tower"))]
 mod orders_service;
+#[cfg(feature = "postgres")]
+mod postgres;
 #[cfg(feature = "redb")]
 mod redb;
 #[cfg(feature = "redb")]

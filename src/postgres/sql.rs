@@ -1,0 +1,205 @@
+//! The statements, written once per store for its table.
+//!
+//! Every call is one statement in its own (autocommit) transaction, so one
+//! round trip and one commit. The five `begin` cases of `logic::begin` are
+//! mirrored in the `ON CONFLICT .. DO UPDATE .. WHERE` of [`Stmt::Begin`];
+//! the answers that write nothing (Conflict, Replay, InFlight) are decided
+//! by `logic::begin` itself from the row the statement returns.
+
+use crate::key::Key;
+
+/// `state` column values (the same numbers as the record codec's tags).
+pub(super) const STATE_PROCESSING: i16 = 1;
+pub(super) const STATE_DONE: i16 = 2;
+
+/// The record columns, in the order [`super::row`] decodes them.
+pub(super) const RECORD_COLUMNS: &str = "fingerprint, state, lease_until, expires_at, created_at, \
+     token, attempts, status, header_names, header_values, body";
+
+/// The statements a connection prepares (on first use).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Stmt {
+    /// `$1 scope, $2 id, $3 fingerprint, $4 now, $5 now + lease, $6 now + retention,
+    /// $7 key lock` → at most one row: `claimed bool` then [`RECORD_COLUMNS`].
+    Begin = 0,
+    /// `$1 scope, $2 id, $3 token, $4 now, $5 now + retention, $6 status,
+    /// $7 header names, $8 header values, $9 body` → rows affected (0 or 1).
+    Complete = 1,
+    /// `$1 scope, $2 id, $3 token` → rows affected (0 or 1).
+    Release = 2,
+    /// `$1 scope, $2 id` → at most one row of [`RECORD_COLUMNS`].
+    Get = 3,
+    /// `$1 now, $2 max` → rows deleted.
+    Sweep = 4,
+    /// `$1 key lock`: waits until no begin holds the key's advisory lock
+    /// (and releases it at once: autocommit).
+    WaitKey = 5,
+}
+
+impl Stmt {
+    pub(super) const COUNT: usize = 6;
+}
+
+/// The statement texts and object names for one table.
+#[derive(Debug)]
+pub(super) struct Sql {
+    pub(super) table: String,
+    pub(super) sequence: String,
+    pub(super) index: String,
+    texts: [String; Stmt::COUNT],
+}
+
+impl Sql {
+    /// `table` is a checked identifier (lower-case ASCII, digits, `_`), so
+    /// formatting it into the SQL is safe; it is quoted anyway so that a
+    /// reserved word (`user`, `order`) works as a name.
+    pub(super) fn new(table: &str) -> Sql {
+        let sequence = format!("{table}_token_seq");
+        let index = format!("{table}_expires_idx");
+        let t = format!("\"{table}\"");
+        let seq = format!("\"{sequence}\"");
+        let (p, d) = (STATE_PROCESSING, STATE_DONE);
+        // The claim decision is logic::begin's, and nothing else: the key's
+        // record is expired (`now >= expires_at`: a fresh record replaces
+        // it), or it is PROCESSING under the same fingerprint with its lease
+        // run out (a takeover: new token, lease renewed, expiry never
+        // earlier, attempts + 1 saturating at u32::MAX). It is made twice:
+        //
+        // 1. On the row as the statement's snapshot shows it (`live`). When
+        //    that row is live and not claimable, the statement writes and
+        //    locks nothing, and the answer (Replay, InFlight, Conflict) is
+        //    logic::begin's on that row: a replay costs no row lock, no
+        //    transaction id and no WAL flush.
+        // 2. Otherwise, in the ON CONFLICT .. WHERE, on the newest committed
+        //    row, under its row lock: the atomic step. If it claims, RETURNING
+        //    has the new record. If not, a concurrent transaction committed
+        //    the key after the snapshot was taken; the statement then returns
+        //    the snapshot's row (claimable) or none, and the caller runs it
+        //    again with a new snapshot.
+        //
+        // Tokens: a claiming begin takes a transaction-scoped advisory lock
+        // on the key ($7, see `key_lock`) and only then draws its token, so
+        // claims of one key draw their tokens in the order they commit.
+        // Without it, a fresh INSERT draws its token before it looks for a
+        // conflicting row, and may wait there (for a concurrent release or
+        // sweep of that row) while another begin claims and releases the
+        // key with a larger token: the later claim would get the smaller one.
+        //
+        // The lock is only tried, not waited for: when another begin holds
+        // it (it is claiming the key right now), this statement writes
+        // nothing and returns what its snapshot shows; the caller then waits
+        // for that claim's commit with [`Stmt::WaitKey`], which takes no row
+        // lock and flushes nothing, and runs the statement again. Waiting
+        // here instead would make every concurrent duplicate lock the row
+        // and flush the WAL in turn behind the claim.
+        let begin = format!(
+            "WITH live AS (
+                SELECT {RECORD_COLUMNS} FROM {t} WHERE scope = $1 AND id = $2
+            ),
+            key_lock AS MATERIALIZED (
+                SELECT CASE WHEN NOT EXISTS (
+                           SELECT 1 FROM live
+                            WHERE expires_at > $4
+                              AND NOT (state = {p} AND fingerprint = $3::bytea
+                                       AND lease_until <= $4))
+                       THEN pg_try_advisory_xact_lock($7::bigint)
+                       ELSE false END AS held
+            ),
+            claimed AS (
+                INSERT INTO {t} AS r (scope, id, fingerprint, state, lease_until, expires_at,
+                                      created_at, token, attempts)
+                SELECT $1::bytea, $2::bytea, $3::bytea, {p}::smallint, $5::bigint, $6::bigint,
+                       $4::bigint, nextval('{seq}'), 1
+                  FROM key_lock WHERE held
+                ON CONFLICT (scope, id) DO UPDATE SET
+                    fingerprint = excluded.fingerprint,
+                    state = {p},
+                    lease_until = excluded.lease_until,
+                    expires_at = CASE WHEN r.expires_at <= $4 THEN excluded.expires_at
+                                      ELSE GREATEST(r.expires_at, excluded.lease_until) END,
+                    created_at = CASE WHEN r.expires_at <= $4 THEN excluded.created_at
+                                      ELSE r.created_at END,
+                    token = excluded.token,
+                    attempts = CASE WHEN r.expires_at <= $4 THEN 1
+                                    ELSE LEAST(r.attempts + 1, 4294967295) END,
+                    status = NULL, header_names = NULL, header_values = NULL, body = NULL
+                WHERE r.expires_at <= $4
+                   OR (r.state = {p} AND r.fingerprint = excluded.fingerprint
+                       AND r.lease_until <= $4)
+                RETURNING {RECORD_COLUMNS}
+            )
+            SELECT true AS claimed, {RECORD_COLUMNS} FROM claimed
+            UNION ALL
+            SELECT false, {RECORD_COLUMNS} FROM live WHERE NOT EXISTS (SELECT 1 FROM claimed)"
+        );
+        // logic::complete's ownership check: PROCESSING, same token, not expired.
+        let complete = format!(
+            "UPDATE {t} SET state = {d}, lease_until = NULL, expires_at = $5,
+                    status = $6, header_names = $7, header_values = $8, body = $9
+              WHERE scope = $1 AND id = $2 AND state = {p} AND token = $3 AND expires_at > $4"
+        );
+        // logic::release's check: PROCESSING, same token (expiry not checked).
+        let release =
+            format!("DELETE FROM {t} WHERE scope = $1 AND id = $2 AND state = {p} AND token = $3");
+        let get = format!("SELECT {RECORD_COLUMNS} FROM {t} WHERE scope = $1 AND id = $2");
+        // Oldest expiry first through the expiry index, ties in key order
+        // (as the other stores and the model sweep them); rows another sweeper
+        // (another replica) or a begin has locked are skipped, not waited
+        // for. The DELETE re-checks the expiry (logic::sweepable).
+        let sweep = format!(
+            "WITH due AS (
+                SELECT scope, id FROM {t} WHERE expires_at <= $1
+                 ORDER BY expires_at, scope, id LIMIT $2 FOR UPDATE SKIP LOCKED
+            )
+            DELETE FROM {t} r USING due
+             WHERE r.scope = due.scope AND r.id = due.id AND r.expires_at <= $1"
+        );
+        Sql {
+            table: table.to_owned(),
+            sequence,
+            index,
+            texts: [
+                begin,
+                complete,
+                release,
+                get,
+                sweep,
+                "SELECT pg_advisory_xact_lock($1::bigint)".to_owned(),
+            ],
+        }
+    }
+
+    pub(super) fn text(&self, stmt: Stmt) -> &str {
+        self.texts.get(stmt as usize).map_or("", String::as_str)
+    }
+}
+
+/// The advisory-lock id of `key` in `table`: the first 8 bytes of a SHA-256
+/// over both (length-prefixed), the same in every replica and build. Two
+/// keys that collide only serialise their begins.
+pub(super) fn key_lock(table: &str, key: &Key) -> i64 {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    for part in [table.as_bytes(), key.scope(), key.id()] {
+        h.update((part.len() as u64).to_be_bytes());
+        h.update(part);
+    }
+    let digest = h.finalize();
+    let mut first = [0u8; 8];
+    first.copy_from_slice(digest.get(..8).unwrap_or(&[0; 8]));
+    i64::from_be_bytes(first)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_locks_differ_by_table_scope_and_id() {
+        let k = |s: &str, i: &str| Key::new(s, i).unwrap();
+        let a = key_lock("t", &k("ab", "c"));
+        assert_eq!(a, key_lock("t", &k("ab", "c")));
+        assert_ne!(a, key_lock("t", &k("a", "bc")));
+        assert_ne!(a, key_lock("u", &k("ab", "c")));
+    }
+}
