@@ -178,7 +178,7 @@ pub(super) fn open_backend(
     let (wal, frames_replayed) = match log {
         None => (None, 0),
         Some(file) => {
-            let (wal, frames) = recover_log(&db, file, config)?;
+            let (wal, frames) = recover_log(&db, file, store_id, config)?;
             if frames > 0 {
                 // The frames carry the high-water mark of their claims.
                 token_hwm = read_meta(&db)?.map_or(token_hwm, |(hwm, _)| hwm);
@@ -206,11 +206,12 @@ pub(super) fn open_backend(
 fn recover_log(
     db: &Database,
     file: Box<dyn StorageBackend>,
+    store_id: [u8; 16],
     config: &Config,
 ) -> Result<(Wal, u64)> {
     let epoch = read_wal_epoch(db)?;
     let txn = db.begin_write().map_err(engine)?;
-    let frames = wal::replay(file.as_ref(), epoch, &txn)?;
+    let frames = wal::replay(file.as_ref(), &store_id, epoch, &txn)?;
     let next = epoch.wrapping_add(1);
     {
         let mut meta = txn.open_table(META).map_err(engine)?;
@@ -225,7 +226,7 @@ fn recover_log(
     txn.commit().map_err(engine)?;
     let capacity = wal::preallocate(file.as_ref(), config.wal_bytes)?;
     Ok((
-        Wal::new(file, next, config.checkpoint_interval, capacity),
+        Wal::new(file, store_id, next, config.checkpoint_interval, capacity),
         frames,
     ))
 }

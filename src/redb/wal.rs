@@ -43,7 +43,10 @@
 //! payload: entries, each  tag u8 | len u32 | bytes [| len u32 | bytes]
 //! ```
 //!
-//! The CRC covers magic, epoch, length and payload.
+//! The CRC covers the store's 16-byte id (not stored in the frame), magic,
+//! epoch, length and payload: a log left beside another store (a store
+//! file deleted and created again, a copy that mixed two stores' files)
+//! never verifies, so it is never replayed into the wrong store.
 
 use super::errors::engine;
 use super::tables::{EXPIRY, META, META_WAL_EPOCH, RECORDS};
@@ -143,6 +146,8 @@ pub(super) struct Wal {
     interval: Duration,
     /// The file's size: frames go below it.
     capacity: u64,
+    /// Every frame's CRC covers it, so no other store's frames verify here.
+    store_id: [u8; 16],
 }
 
 impl fmt::Debug for Wal {
@@ -158,6 +163,7 @@ impl Wal {
     /// A log whose durable epoch is `epoch` and which holds no frame of it.
     pub(super) fn new(
         file: Box<dyn StorageBackend>,
+        store_id: [u8; 16],
         epoch: u64,
         interval: Duration,
         capacity: u64,
@@ -169,6 +175,7 @@ impl Wal {
             last_checkpoint: Instant::now(),
             interval,
             capacity,
+            store_id,
         }
     }
 
@@ -217,7 +224,7 @@ impl Wal {
     /// the frame's fate unknown: the caller must not commit the batch and
     /// must poison the store.
     pub(super) fn append(&mut self, journal: &Journal) -> Result<()> {
-        let frame = encode_frame(self.epoch, &journal.bytes)?;
+        let frame = encode_frame(&self.store_id, self.epoch, &journal.bytes)?;
         self.file.write(self.offset, &frame).map_err(Error::Io)?;
         self.file.sync_data().map_err(Error::Io)?;
         self.offset += frame.len() as u64;
@@ -225,7 +232,7 @@ impl Wal {
     }
 }
 
-fn encode_frame(epoch: u64, payload: &[u8]) -> Result<Vec<u8>> {
+fn encode_frame(store_id: &[u8; 16], epoch: u64, payload: &[u8]) -> Result<Vec<u8>> {
     let len = u32::try_from(payload.len())
         .map_err(|_| Error::backend("a write batch too large for the log"))?;
     let mut frame = Vec::with_capacity(FRAME_HEADER as usize + payload.len());
@@ -233,6 +240,7 @@ fn encode_frame(epoch: u64, payload: &[u8]) -> Result<Vec<u8>> {
     frame.extend_from_slice(&epoch.to_be_bytes());
     frame.extend_from_slice(&len.to_be_bytes());
     let mut crc = crc32fast::Hasher::new();
+    crc.update(store_id);
     crc.update(&frame);
     crc.update(payload);
     frame.extend_from_slice(&crc.finalize().to_be_bytes());
@@ -271,7 +279,12 @@ pub(super) fn preallocate(file: &dyn StorageBackend, capacity: u64) -> Result<u6
 ///
 /// A frame that verifies but whose payload does not decode is damage no
 /// crash can cause: that is [`Error::Corrupt`], and nothing is committed.
-pub(super) fn replay(file: &dyn StorageBackend, epoch: u64, txn: &WriteTransaction) -> Result<u64> {
+pub(super) fn replay(
+    file: &dyn StorageBackend,
+    store_id: &[u8; 16],
+    epoch: u64,
+    txn: &WriteTransaction,
+) -> Result<u64> {
     let len = file.len().map_err(Error::Io)?;
     let mut at = 0u64;
     let mut frames = 0u64;
@@ -295,6 +308,7 @@ pub(super) fn replay(file: &dyn StorageBackend, epoch: u64, txn: &WriteTransacti
         file.read(at + FRAME_HEADER, &mut payload)
             .map_err(Error::Io)?;
         let mut hasher = crc32fast::Hasher::new();
+        hasher.update(store_id);
         hasher.update(header.get(..16).unwrap_or_default());
         hasher.update(&payload);
         if hasher.finalize().to_be_bytes() != crc {
@@ -460,7 +474,7 @@ mod tests {
     #[test]
     fn frames_verify_only_whole_and_in_their_epoch() {
         let payload = b"\x02\0\0\0\x01k";
-        let frame = encode_frame(7, payload).unwrap();
+        let frame = encode_frame(&[1; 16], 7, payload).unwrap();
         assert_eq!(frame.len() as u64, FRAME_HEADER + payload.len() as u64);
         assert_eq!(frame.get(..4), Some(&MAGIC[..]));
         assert_eq!(frame.get(4..12), Some(&7u64.to_be_bytes()[..]));

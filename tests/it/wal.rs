@@ -163,6 +163,7 @@ fn a_frame_that_verifies_but_does_not_decode_is_corrupt_not_skipped() {
     // acknowledged writes. The open must refuse with a typed error.
     let disk = CrashBackend::new();
     let store = open(&disk);
+    let store_id = store.store_id();
     claim(&store, "a");
     let image = disk.power_loss_all(0);
     drop(store);
@@ -173,7 +174,9 @@ fn a_frame_that_verifies_but_does_not_decode_is_corrupt_not_skipped() {
     let mut frame = b"IDWL".to_vec();
     frame.extend_from_slice(&epoch);
     frame.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+    // The CRC covers the store's id first (see wal.rs).
     let mut crc = crc32fast::Hasher::new();
+    crc.update(&store_id);
     crc.update(&frame);
     crc.update(&payload);
     frame.extend_from_slice(&crc.finalize().to_be_bytes());
@@ -185,6 +188,30 @@ fn a_frame_that_verifies_but_does_not_decode_is_corrupt_not_skipped() {
         .unwrap_err();
     assert!(matches!(err, Error::Corrupt { .. }), "{err}");
     assert!(err.to_string().contains("unknown entry tag 9"), "{err}");
+}
+
+#[test]
+fn another_stores_log_is_never_replayed() {
+    // The failure this catches: a log left beside a different store (a
+    // store deleted and created again, two stores' files mixed up in a
+    // copy) whose frames happen to carry the current epoch, replayed into
+    // the wrong store.
+    let disk_a = CrashBackend::new();
+    let a = open(&disk_a);
+    claim(&a, "only-in-a");
+    let image_a = disk_a.power_loss_all(0);
+    drop(a);
+    let disk_b = CrashBackend::new();
+    let b = open(&disk_b);
+    claim(&b, "only-in-b");
+    let mut image_b = disk_b.power_loss_all(0);
+    drop(b);
+    // Both logs hold frames of epoch 1; B's store file gets A's log.
+    assert_eq!(image_a.siblings[0][4..12], image_b.siblings[0][4..12]);
+    image_b.siblings = image_a.siblings.clone();
+    let mixed = reopen(&image_b);
+    assert_eq!(mixed.stats().frames_replayed_on_open, 0);
+    assert!(mixed.get(&key("only-in-a"), T0).unwrap().is_none());
 }
 
 #[test]
