@@ -291,29 +291,31 @@ pub(super) fn replay(
     let mut records = txn.open_table(RECORDS).map_err(engine)?;
     let mut expiry = txn.open_table(EXPIRY).map_err(engine)?;
     let mut meta = txn.open_table(META).map_err(engine)?;
-    while at + FRAME_HEADER <= len {
-        let mut header = [0u8; FRAME_HEADER as usize];
-        file.read(at, &mut header).map_err(Error::Io)?;
-        let (magic, rest) = header.split_at(4);
-        let (frame_epoch, rest) = rest.split_at(8);
-        let (payload_len, crc) = rest.split_at(4);
-        let frame_epoch = u64::from_be_bytes(frame_epoch.try_into().unwrap_or_default());
-        let payload_len = u64::from(u32::from_be_bytes(
-            payload_len.try_into().unwrap_or_default(),
-        ));
-        if magic != MAGIC || frame_epoch != epoch || at + FRAME_HEADER + payload_len > len {
-            break;
-        }
-        let mut payload = vec![0u8; payload_len as usize];
-        file.read(at + FRAME_HEADER, &mut payload)
-            .map_err(Error::Io)?;
-        let mut hasher = crc32fast::Hasher::new();
-        hasher.update(store_id);
-        hasher.update(header.get(..16).unwrap_or_default());
-        hasher.update(&payload);
-        if hasher.finalize().to_be_bytes() != crc {
-            break;
-        }
+    loop {
+        let (payload, next) = match read_frame(file, store_id, epoch, at, len)? {
+            Frame::Whole { payload, next } => (payload, next),
+            Frame::End => break,
+            Frame::Damaged { next } => {
+                // A frame is written only once the one before it is synced,
+                // so a crash damages the last frame only. One that fails its
+                // checksum with a whole frame after it is damage to synced
+                // data: stopping here would drop acknowledged writes.
+                if matches!(
+                    read_frame(file, store_id, epoch, next, len)?,
+                    Frame::Whole { .. }
+                ) {
+                    return Err(Error::corrupt(
+                        None,
+                        format!(
+                            "write-ahead log frame at offset {at} fails its checksum, but the frame \
+                             after it verifies: the log is damaged, and replaying only up to it \
+                             would lose acknowledged writes"
+                        ),
+                    ));
+                }
+                break;
+            }
+        };
         let damaged = |detail: &str| {
             Error::corrupt(
                 None,
@@ -348,9 +350,56 @@ pub(super) fn replay(
             }
         }
         frames += 1;
-        at += FRAME_HEADER + payload_len;
+        at = next;
     }
     Ok(frames)
+}
+
+/// What lies at one offset of the log.
+enum Frame {
+    /// A frame of the current epoch that verifies; the next starts at `next`.
+    Whole { payload: Vec<u8>, next: u64 },
+    /// A frame header of the current epoch whose checksum fails (torn by a
+    /// crash, or damaged); where the next frame would start.
+    Damaged { next: u64 },
+    /// Anything else: zeros, an older epoch's bytes, a cut-off header.
+    End,
+}
+
+fn read_frame(
+    file: &dyn StorageBackend,
+    store_id: &[u8; 16],
+    epoch: u64,
+    at: u64,
+    len: u64,
+) -> Result<Frame> {
+    if at + FRAME_HEADER > len {
+        return Ok(Frame::End);
+    }
+    let mut header = [0u8; FRAME_HEADER as usize];
+    file.read(at, &mut header).map_err(Error::Io)?;
+    let (magic, rest) = header.split_at(4);
+    let (frame_epoch, rest) = rest.split_at(8);
+    let (payload_len, crc) = rest.split_at(4);
+    let frame_epoch = u64::from_be_bytes(frame_epoch.try_into().unwrap_or_default());
+    let payload_len = u64::from(u32::from_be_bytes(
+        payload_len.try_into().unwrap_or_default(),
+    ));
+    let next = at + FRAME_HEADER + payload_len;
+    if magic != MAGIC || frame_epoch != epoch || next > len {
+        return Ok(Frame::End);
+    }
+    let mut payload = vec![0u8; payload_len as usize];
+    file.read(at + FRAME_HEADER, &mut payload)
+        .map_err(Error::Io)?;
+    let mut hasher = crc32fast::Hasher::new();
+    hasher.update(store_id);
+    hasher.update(header.get(..16).unwrap_or_default());
+    hasher.update(&payload);
+    if hasher.finalize().to_be_bytes() != crc {
+        return Ok(Frame::Damaged { next });
+    }
+    Ok(Frame::Whole { payload, next })
 }
 
 /// Splits a `len u32 | bytes` field off the front of `cursor`.

@@ -145,6 +145,38 @@ fn a_damaged_log_tail_ends_the_replay_at_the_last_whole_frame() {
     assert!(store.get(&key("second"), T0).unwrap().is_some());
 }
 
+#[test]
+fn a_damaged_frame_before_a_whole_one_is_corrupt_not_a_silent_stop() {
+    // No crash damages a frame that has a synced frame after it: that is
+    // damage to the medium. Stopping the replay there would drop the
+    // acknowledged writes in the later frames without a word.
+    let disk = CrashBackend::new();
+    let store = open(&disk);
+    claim(&store, "first");
+    let one_frame = log_end(&disk.file(1).unwrap().live_image());
+    claim(&store, "second");
+    claim(&store, "third");
+    let mut image = disk.power_loss_all(0);
+    drop(store);
+    // Flip the last byte of the second frame; the third still verifies.
+    let second_end = {
+        let log = &image.siblings[0];
+        let len = u32::from_be_bytes(log[one_frame + 12..one_frame + 16].try_into().unwrap());
+        one_frame + 20 + len as usize
+    };
+    assert!(second_end < log_end(&image.siblings[0]));
+    image.siblings[0][second_end - 1] ^= 0x01;
+    let disk = image.restore();
+    let err = RedbStore::builder()
+        .open_backend_with_log(disk.clone(), disk.file(1).unwrap())
+        .unwrap_err();
+    assert!(matches!(err, Error::Corrupt { .. }), "{err}");
+    assert!(
+        err.to_string().contains("the frame after it verifies"),
+        "{err}"
+    );
+}
+
 /// The end of the last frame in a log image (frames start at 0; a frame is
 /// a 20-byte header, whose bytes 12..16 are the payload length, and the payload).
 fn log_end(log: &[u8]) -> usize {
