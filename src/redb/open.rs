@@ -61,12 +61,19 @@ pub(super) fn open_path(path: &Path, config: &Config) -> Result<Opened> {
     }
 }
 
-fn open_file(path: &Path, config: &Config) -> Result<Opened> {
+/// Opens `path` for reading and writing, creating it owner-only
+/// ([`FILE_MODE`]) if it does not exist: the store file, its temporary
+/// creation name and its write-ahead log.
+pub(super) fn open_owner_only(path: &Path) -> Result<std::fs::File> {
     let mut options = std::fs::OpenOptions::new();
     options.read(true).write(true).create(true);
     #[cfg(unix)]
     std::os::unix::fs::OpenOptionsExt::mode(&mut options, FILE_MODE);
-    let file = options.open(path)?;
+    Ok(options.open(path)?)
+}
+
+fn open_file(path: &Path, config: &Config) -> Result<Opened> {
+    let file = open_owner_only(path)?;
     let backend = ::redb::backends::FileBackend::new(file).map_err(|e| map_open(e, path))?;
     // Opened after the store file: its lock keeps other processes out of
     // both. A log left by an earlier open is recovered even when this open
@@ -94,11 +101,7 @@ pub(super) fn creating_path(path: &Path) -> std::path::PathBuf {
 fn create_then_open(path: &Path, config: &Config) -> Result<Opened> {
     let temp = creating_path(path);
     {
-        let mut options = std::fs::OpenOptions::new();
-        options.read(true).write(true).create(true);
-        #[cfg(unix)]
-        std::os::unix::fs::OpenOptionsExt::mode(&mut options, FILE_MODE);
-        let file = options.open(&temp)?;
+        let file = open_owner_only(&temp)?;
         // A leftover keeps the mode it was created with: set ours.
         #[cfg(unix)]
         file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(FILE_MODE))?;

@@ -92,10 +92,20 @@ const TAG_INDEX_PUT: u8 = 3;
 const TAG_INDEX_DEL: u8 = 4;
 const TAG_META_PUT: u8 = 5;
 
-/// The table writes of one batch, in the order they were made.
-#[derive(Debug, Default)]
+/// The table writes of one batch, in the order they were made, already
+/// laid out as a frame: the header's room comes first and is filled in by
+/// [`Wal::append`], so the batch is never copied into a second buffer.
+#[derive(Debug)]
 pub(super) struct Journal {
     bytes: Vec<u8>,
+}
+
+impl Default for Journal {
+    fn default() -> Journal {
+        Journal {
+            bytes: vec![0; FRAME_HEADER as usize],
+        }
+    }
 }
 
 impl Journal {
@@ -115,9 +125,24 @@ impl Journal {
         self.entry(TAG_META_PUT, name.as_bytes(), Some(value));
     }
 
-    /// Bytes recorded so far.
+    /// Bytes recorded so far (the payload, without the header's room).
     pub(super) fn len(&self) -> usize {
-        self.bytes.len()
+        self.bytes.len() - FRAME_HEADER as usize
+    }
+
+    /// Fills in the header for `store_id` and `epoch` and returns the frame.
+    fn seal(&mut self, store_id: &[u8; 16], epoch: u64) -> Result<&[u8]> {
+        let len = u32::try_from(self.len())
+            .map_err(|_| Error::backend("a write batch too large for the log"))?;
+        let (header, payload) = self.bytes.split_at_mut(FRAME_HEADER as usize);
+        let (fixed, crc_field) = header.split_at_mut(16);
+        fixed.copy_from_slice(&[&MAGIC[..], &epoch.to_be_bytes(), &len.to_be_bytes()].concat());
+        let mut crc = crc32fast::Hasher::new();
+        crc.update(store_id);
+        crc.update(fixed);
+        crc.update(payload);
+        crc_field.copy_from_slice(&crc.finalize().to_be_bytes());
+        Ok(&self.bytes)
     }
 
     fn entry(&mut self, tag: u8, a: &[u8], b: Option<&[u8]>) {
@@ -188,7 +213,7 @@ impl Wal {
     /// is full, or the last durable commit is too long ago.
     pub(super) fn needs_checkpoint(&self, journal_bytes: usize) -> bool {
         self.offset + FRAME_HEADER + journal_bytes as u64 > self.capacity
-            || (self.is_dirty() && self.last_checkpoint.elapsed() >= self.interval)
+            || self.checkpoint_wait() == Some(Duration::ZERO)
     }
 
     /// How long the idle writer may wait before it must checkpoint; `None`
@@ -223,29 +248,13 @@ impl Wal {
     /// Appends `journal` as one frame and makes it durable. An error leaves
     /// the frame's fate unknown: the caller must not commit the batch and
     /// must poison the store.
-    pub(super) fn append(&mut self, journal: &Journal) -> Result<()> {
-        let frame = encode_frame(&self.store_id, self.epoch, &journal.bytes)?;
-        self.file.write(self.offset, &frame).map_err(Error::Io)?;
+    pub(super) fn append(&mut self, journal: &mut Journal) -> Result<()> {
+        let frame = journal.seal(&self.store_id, self.epoch)?;
+        self.file.write(self.offset, frame).map_err(Error::Io)?;
         self.file.sync_data().map_err(Error::Io)?;
         self.offset += frame.len() as u64;
         Ok(())
     }
-}
-
-fn encode_frame(store_id: &[u8; 16], epoch: u64, payload: &[u8]) -> Result<Vec<u8>> {
-    let len = u32::try_from(payload.len())
-        .map_err(|_| Error::backend("a write batch too large for the log"))?;
-    let mut frame = Vec::with_capacity(FRAME_HEADER as usize + payload.len());
-    frame.extend_from_slice(&MAGIC);
-    frame.extend_from_slice(&epoch.to_be_bytes());
-    frame.extend_from_slice(&len.to_be_bytes());
-    let mut crc = crc32fast::Hasher::new();
-    crc.update(store_id);
-    crc.update(&frame);
-    crc.update(payload);
-    frame.extend_from_slice(&crc.finalize().to_be_bytes());
-    frame.extend_from_slice(payload);
-    Ok(frame)
 }
 
 /// Makes sure the log file is `capacity` bytes long, writing zeros over
@@ -434,11 +443,7 @@ impl FileLog {
     pub(super) fn open(store: &Path) -> Result<FileLog> {
         let path = wal_path(store);
         let existed = path.exists();
-        let mut options = std::fs::OpenOptions::new();
-        options.read(true).write(true).create(true);
-        #[cfg(unix)]
-        std::os::unix::fs::OpenOptionsExt::mode(&mut options, super::open::FILE_MODE);
-        let file = options.open(&path)?;
+        let file = super::open::open_owner_only(&path)?;
         if !existed {
             file.sync_all()?;
             super::open::sync_parent(&path)?;
@@ -512,7 +517,7 @@ mod tests {
         let mut j = Journal::default();
         j.record_put(b"k", b"value");
         let bytes = j.bytes.clone();
-        let mut cursor = bytes.get(1..).unwrap();
+        let mut cursor = bytes.get(FRAME_HEADER as usize + 1..).unwrap();
         assert_eq!(take(&mut cursor), Some(&b"k"[..]));
         assert_eq!(take(&mut cursor), Some(&b"value"[..]));
         assert!(cursor.is_empty());
@@ -521,12 +526,27 @@ mod tests {
     }
 
     #[test]
-    fn frames_verify_only_whole_and_in_their_epoch() {
-        let payload = b"\x02\0\0\0\x01k";
-        let frame = encode_frame(&[1; 16], 7, payload).unwrap();
-        assert_eq!(frame.len() as u64, FRAME_HEADER + payload.len() as u64);
+    fn frames_verify_only_whole_in_their_epoch_and_for_their_store() {
+        let mut j = Journal::default();
+        j.record_del(b"k");
+        let id = [1; 16];
+        let frame = j.seal(&id, 7).unwrap().to_vec();
+        assert_eq!(frame.len() as u64, FRAME_HEADER + 6);
         assert_eq!(frame.get(..4), Some(&MAGIC[..]));
-        assert_eq!(frame.get(4..12), Some(&7u64.to_be_bytes()[..]));
+        let file = ::redb::backends::InMemoryBackend::new();
+        file.set_len(64).unwrap();
+        file.write(0, &frame).unwrap();
+        let read = |id: &[u8; 16], epoch| read_frame(&file, id, epoch, 0, 64).unwrap();
+        assert!(
+            matches!(read(&id, 7), Frame::Whole { payload, next: 26 } if payload == b"\x02\0\0\0\x01k")
+        );
+        assert!(matches!(read(&id, 8), Frame::End));
+        assert!(matches!(read(&[2; 16], 7), Frame::Damaged { next: 26 }));
+        // Cut short: the frame runs past the end of the file.
+        assert!(matches!(
+            read_frame(&file, &id, 7, 0, 25).unwrap(),
+            Frame::End
+        ));
     }
 
     #[test]

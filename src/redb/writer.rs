@@ -385,7 +385,7 @@ impl Writer {
                 .map_err(|e| whole(e, "could not write the log epoch"))?;
         }
         if how == How::Logged
-            && let (Some(w), Some(j)) = (wal.as_mut(), journal.as_ref())
+            && let (Some(w), Some(j)) = (wal.as_mut(), journal.as_mut())
             && let Err(e) = w.append(j)
         {
             // The frame may or may not be on disk; the batch is not committed.
