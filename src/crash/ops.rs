@@ -32,12 +32,8 @@ pub fn store_ops_power_loss(data: &[u8], seed: u64, sync: SyncMode) -> Result<()
             backend = image.restore();
             backend.set_sync_mode(sync);
         }
-        // The store's write-ahead log is the disk's second file.
-        let log = backend.file(1).unwrap_or_else(|| backend.sibling());
-        let opened = RedbStore::builder()
-            .wal_bytes(super::recovery::TEST_WAL_BYTES)
-            .open_backend_with_log(backend.clone(), log);
-        let store = match opened {
+        // With its write-ahead log: the disk's second file.
+        let store = match super::recovery::open_disk(RedbStore::builder(), &backend, true) {
             Ok(s) => Arc::new(s),
             Err(e) => {
                 failure.get_or_insert(format!("reopen after a power loss: {e}"));

@@ -136,32 +136,34 @@ pub fn store_run_steps(
     run_and_check(&backend, true, keys, vec![steps], Checks { tokens: true })
 }
 
-/// Opens a store over `disk` (and its write-ahead log on a new sibling file
-/// when `log`), as the crash runs do.
-fn open_on(disk: &CrashBackend, log: bool) -> crate::error::Result<RedbStore> {
+/// Opens a store over `disk` as the crash runs do: with `log`, its
+/// write-ahead log is the disk's second file ([`TEST_WAL_BYTES`] long; made
+/// now if the disk has none yet); without, every batch commits durably.
+pub(super) fn open_disk(
+    builder: crate::redb::RedbStoreBuilder,
+    disk: &CrashBackend,
+    log: bool,
+) -> crate::error::Result<RedbStore> {
     if log {
-        RedbStore::builder()
+        let file = disk.file(1).unwrap_or_else(|| disk.sibling());
+        builder
             .wal_bytes(TEST_WAL_BYTES)
-            .open_backend_with_log(disk.clone(), disk.sibling())
+            .open_backend_with_log(disk.clone(), file)
     } else {
-        RedbStore::builder().open_backend(disk.clone())
+        builder.open_backend(disk.clone())
     }
 }
 
 /// Reopens a crash image (with its log when it has one) through `builder`,
 /// catching a panic. Returns the store and the restored disk.
-pub(super) fn reopen(
+fn reopen(
     image: &CrashImage,
     builder: crate::redb::RedbStoreBuilder,
 ) -> Result<(crate::error::Result<RedbStore>, CrashBackend), String> {
     let disk = image.restore();
-    let opened = catch_unwind(AssertUnwindSafe(|| match disk.file(1) {
-        Some(log) => builder
-            .wal_bytes(TEST_WAL_BYTES)
-            .open_backend_with_log(disk.clone(), log),
-        None => builder.open_backend(disk.clone()),
-    }))
-    .map_err(|_| "RedbStore panicked opening the image".to_owned())?;
+    let log = !image.siblings.is_empty();
+    let opened = catch_unwind(AssertUnwindSafe(|| open_disk(builder, &disk, log)))
+        .map_err(|_| "RedbStore panicked opening the image".to_owned())?;
     Ok((opened, disk))
 }
 
@@ -178,7 +180,7 @@ fn run_and_check(
     plans: Vec<Vec<Step>>,
     checks: Checks,
 ) -> Result<RunReport, String> {
-    let store = open_on(backend, log).map_err(|e| format!("open: {e}"))?;
+    let store = open_disk(RedbStore::builder(), backend, log).map_err(|e| format!("open: {e}"))?;
     let opened_at = backend.mutations();
     let clock = AtomicU64::new(T0.as_millis());
     let logs: Vec<Result<RunLog, String>> = std::thread::scope(|s| {
