@@ -105,8 +105,9 @@ mod waiting;
 
 #[cfg(feature = "redb")]
 pub use crate::redb::{
-    CHECKPOINT_INTERVAL, DEFAULT_CACHE_BYTES, Durability, MAX_WRITE_BATCH, MIN_WAL_BYTES,
-    RecoveryPolicy, RedbStats, RedbStore, RedbStoreBuilder, WAL_BYTES, WRITE_QUEUE_DEPTH,
+    CHECKPOINT_INTERVAL, DEFAULT_CACHE_BYTES, Durability, FRAME_ALIGN, MAX_WRITE_BATCH,
+    MEMTABLE_BYTES, MIN_WAL_BYTES, RecoveryPolicy, RedbStats, RedbStore, RedbStoreBuilder,
+    WAL_BYTES, WRITE_QUEUE_DEPTH,
 };
 #[cfg(feature = "redb")]
 pub use crate::redb::{Delivery, Inbox};

@@ -27,9 +27,9 @@
 //! table inside the transaction; the writer re-reads it at the start of each
 //! batch, so tokens stay unique and increasing across both paths.
 
+use super::RedbStore;
 use super::errors::engine;
-use super::tables::{META, META_TOKEN_HWM, StepError, WriteTables};
-use super::{RedbStore, Shared};
+use super::tables::{StepError, WriteTables};
 use crate::codec;
 use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
@@ -39,7 +39,7 @@ use crate::logic;
 use crate::record::{Begin, Claim, State};
 use crate::response::Response;
 use crate::time::{Clock, SystemClock, Timestamp};
-use ::redb::{ReadTransaction, ReadableDatabase, ReadableTable, WriteTransaction};
+use ::redb::{ReadTransaction, ReadableDatabase, WriteTransaction};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -244,34 +244,31 @@ impl Inbox {
             });
         }
 
-        let shared: &Shared = &store.shared;
-        let mut wal = shared.lock_wal();
-        let db = shared.read_db();
-        let txn = db.begin_write().map_err(engine)?;
-        // Another transaction may have committed since the read above (the
-        // same message on another consumer thread): decide again inside this one.
-        let hwm = read_token_hwm(&txn)?;
-        let (claim, claimed_expiry) = {
-            let mut tables = WriteTables::open(&txn)?;
+        // One durable transaction, under the commit lock: it takes in what
+        // the memtable holds, so it decides on the latest state (the same
+        // message on another consumer thread may have been handled since
+        // the read above), and it retires the log.
+        let retention = self.retention;
+        let max_body_bytes = store.max_body_bytes;
+        let decided = store.shared.direct::<_, E>(|txn, hwm| {
+            let mut tables = WriteTables::open(txn)?;
             let existing = tables.read(&key_bytes).map_err(step)?;
             let old_expiry = existing.as_ref().map(|r| r.expires_at);
-            let decided = logic::begin(
-                existing,
-                fingerprint,
-                now,
-                DEFAULT_LEASE,
-                self.retention,
-                || {
-                    hwm.checked_add(1)
+            let last = *hwm;
+            let decided =
+                logic::begin(existing, fingerprint, now, DEFAULT_LEASE, retention, || {
+                    last.checked_add(1)
                         .ok_or_else(|| Error::invalid_argument("fencing tokens exhausted"))
-                },
-            )?;
+                })?;
             let claim = match decided.answer {
                 Begin::Claimed(claim) => claim,
-                // No write happened: dropping the transaction aborts it.
-                Begin::Replay(response) => return Ok(Delivery::Duplicate(response)),
-                Begin::Conflict => return Ok(Delivery::Conflict),
-                Begin::InFlight { lease_until } => return Ok(Delivery::InFlight { lease_until }),
+                // Nothing of the message is written; the transaction still
+                // commits what the memtable held (a checkpoint).
+                Begin::Replay(response) => return Ok(Err(Delivery::Duplicate(response))),
+                Begin::Conflict => return Ok(Err(Delivery::Conflict)),
+                Begin::InFlight { lease_until } => {
+                    return Ok(Err(Delivery::InFlight { lease_until }));
+                }
             };
             let Some(record) = decided.write else {
                 return Err(Error::backend("a claim without a record to write").into());
@@ -279,29 +276,25 @@ impl Inbox {
             // The PROCESSING record exists only inside this transaction; it
             // is there so that `complete` below is the ordinary transition.
             tables.put(&key_bytes, old_expiry, &record).map_err(step)?;
-            (claim, record.expires_at)
-        };
+            let claimed_expiry = record.expires_at;
+            drop(tables);
 
-        let response = handler(&txn, &claim)?;
-        logic::check_response(&response, store.max_body_bytes)?;
+            let response = handler(txn, &claim)?;
+            logic::check_response(&response, max_body_bytes)?;
 
-        {
-            let mut tables = WriteTables::open(&txn)?;
+            let mut tables = WriteTables::open(txn)?;
             let existing = tables.read(&key_bytes).map_err(step)?;
-            let done = logic::complete(existing, &claim, &response, now, self.retention)?;
+            let done = logic::complete(existing, &claim, &response, now, retention)?;
             tables
                 .put(&key_bytes, Some(claimed_expiry), &done)
                 .map_err(step)?;
-        }
-        let mut meta = txn.open_table(META).map_err(engine)?;
-        meta.insert(
-            META_TOKEN_HWM,
-            claim.token.max(hwm).to_be_bytes().as_slice(),
-        )
-        .map_err(engine)?;
-        drop(meta);
-        // Durable, and retiring any logged batches (a failed commit poisons).
-        shared.direct_commit(&mut wal, txn)?;
+            *hwm = (*hwm).max(claim.token);
+            Ok(Ok(response))
+        })?;
+        let response = match decided {
+            Ok(response) => response,
+            Err(answer) => return Ok(answer),
+        };
         Ok(Delivery::Handled(response))
     }
 }
@@ -334,25 +327,6 @@ impl Inbox {
         let txn = db.begin_read().map_err(engine)?;
         f(&txn)
     }
-}
-
-/// The committed fencing-token high-water mark, read inside `txn`. The
-/// writer calls this at the start of each batch, since an inbox transaction
-/// may have handed out tokens since its last one.
-pub(super) fn read_token_hwm(txn: &WriteTransaction) -> Result<u64> {
-    let meta = txn.open_table(META).map_err(engine)?;
-    let value = meta.get(META_TOKEN_HWM).map_err(engine)?;
-    let Some(value) = value else {
-        return Err(Error::corrupt(
-            None,
-            "meta entry \"token_high_water_mark\" is missing",
-        ));
-    };
-    let bytes: [u8; 8] = value
-        .value()
-        .try_into()
-        .map_err(|_| Error::corrupt(None, "meta entry \"token_high_water_mark\" is not 8 bytes"))?;
-    Ok(u64::from_be_bytes(bytes))
 }
 
 fn step(e: StepError) -> Error {

@@ -12,7 +12,7 @@
 use super::RedbStore;
 use super::errors::engine;
 use super::open::STORE_FORMAT_VERSION;
-use super::tables::{EXPIRY, RECORDS, StepError, WriteTables, write_token_hwm};
+use super::tables::{EXPIRY, RECORDS, StepError, WriteTables};
 use crate::codec;
 use crate::error::{Error, Result};
 use crate::key::Key;
@@ -347,10 +347,9 @@ impl RedbStore {
             return Err(Error::Poisoned);
         }
         let key_bytes = codec::encode_key(key);
-        let mut wal = self.shared.lock_wal();
-        let db = self.shared.db.write().unwrap_or_else(|p| p.into_inner());
-        let txn = db.begin_write().map_err(engine)?;
-        let evicted = {
+        // A direct transaction: it takes in the memtable first, so the
+        // record removed is the latest, and it retires the log.
+        self.shared.direct(|txn, _| {
             let mut records = txn.open_table(RECORDS).map_err(engine)?;
             let mut expiry = txn.open_table(EXPIRY).map_err(engine)?;
             let Some(value) = records.remove(key_bytes.as_slice()).map_err(engine)? else {
@@ -382,13 +381,11 @@ impl RedbStore {
                     index_entries += 1;
                 }
             }
-            Evicted {
+            Ok(Some(Evicted {
                 record,
                 index_entries,
-            }
-        };
-        self.shared.direct_commit(&mut wal, txn)?;
-        Ok(Some(evicted))
+            }))
+        })
     }
 
     /// Writes `records` as they are (state, token, times: nothing is
@@ -411,11 +408,8 @@ impl RedbStore {
         let mut written = 0u64;
         let mut records = records.into_iter().peekable();
         while records.peek().is_some() {
-            let mut wal = self.shared.lock_wal();
-            let db = self.shared.db.write().unwrap_or_else(|p| p.into_inner());
-            let txn = db.begin_write().map_err(engine)?;
-            {
-                let mut tables = WriteTables::open(&txn)?;
+            self.shared.direct(|txn, token_hwm| {
+                let mut tables = WriteTables::open(txn)?;
                 for item in records.by_ref().take(IMPORT_BATCH) {
                     let (key, record) = item?;
                     let key_bytes = codec::encode_key(&key);
@@ -433,10 +427,9 @@ impl RedbStore {
                     hwm = hwm.max(record.token);
                     written += 1;
                 }
-                write_token_hwm(&txn, hwm).map_err(step)?;
-            }
-            self.shared.direct_commit(&mut wal, txn)?;
-            drop(db);
+                *token_hwm = (*token_hwm).max(hwm);
+                Ok::<_, Error>(())
+            })?;
         }
         Ok(written)
     }

@@ -1,33 +1,47 @@
 //! [`RedbStore`]: the durable on-disk store on redb 4.x (feature `redb`).
 //!
+//! The write path is an LSM front end with redb as the base table:
+//!
+//! ```text
+//! caller ─► line ─► leader: decide (memtable → redb) ─► log frame + fdatasync ─► memtable
+//!                                                             checkpointer ─► redb (durable)
+//! ```
+//!
+//! - `commit.rs`: leader/follower group commit, the group's decisions,
+//!   direct transactions (inbox, CLI, compaction);
+//! - `memtable.rs`: the records written since the last checkpoint;
+//! - `wal.rs`: the write-ahead log (two segments, 4 KiB-aligned frames);
+//! - `checkpoint.rs`: the background thread that writes frozen memtables
+//!   into redb;
 //! - `open.rs`: creating (0600) and opening a file, refusing foreign,
-//!   damaged and newer files, the meta table, the recovery policy;
+//!   damaged and newer files, replaying the log, the recovery policy;
 //! - `tables.rs`: the three tables and the record + index pair helpers;
-//! - `writer.rs`: the group-commit writer thread;
-//! - `wal.rs`: the write-ahead log that makes a batch durable with one append;
 //! - `options.rs`: durability, recovery policy, the builder;
-//! - `stats.rs`: the group-commit counters;
+//! - `stats.rs`: the counters;
 //! - `inspect.rs` (feature `cli`): operator access for the `idemstore` binary;
 //! - `inbox.rs`: the co-transactional inbox for message consumers;
 //! - this file: the public type, the read paths, the `Store` impl.
 
+mod checkpoint;
+mod commit;
 mod errors;
 mod inbox;
 #[cfg(feature = "cli")]
 pub(crate) mod inspect;
+mod memtable;
 mod open;
 mod options;
 mod stats;
 mod tables;
 mod wal;
-mod writer;
 
 pub use inbox::{Delivery, Inbox};
+pub use memtable::MEMTABLE_BYTES;
 use options::Config;
 pub use options::{DEFAULT_CACHE_BYTES, Durability, RecoveryPolicy, RedbStoreBuilder};
 use stats::Counters;
 pub use stats::RedbStats;
-pub use wal::{CHECKPOINT_INTERVAL, MIN_WAL_BYTES, WAL_BYTES};
+pub use wal::{CHECKPOINT_INTERVAL, FRAME_ALIGN, MIN_WAL_BYTES, WAL_BYTES};
 
 use crate::codec;
 use crate::error::{Error, Result};
@@ -39,78 +53,166 @@ use crate::response::Response;
 use crate::store::{MAX_SWEEP_BATCH, Store};
 use crate::sweeper::Sweeper;
 use crate::time::Timestamp;
-use ::redb::{Database, ReadableDatabase};
+use ::redb::{Database, ReadableDatabase, StorageBackend};
+use commit::{Core, Op, Queue, Reply};
 use errors::engine;
+use memtable::Mem;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{self, SyncSender};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-use wal::Wal;
-use writer::{Msg, Op, Reply, Writer};
 
-/// Requests that may wait in a store's write queue. A caller that finds it
-/// full waits for room (back-pressure); nothing is ever dropped.
+/// Requests that may wait in a store's line. A caller that finds it full
+/// waits for room (back-pressure); nothing is ever dropped.
 pub const WRITE_QUEUE_DEPTH: usize = 4_096;
-/// Most requests the writer applies in one transaction (one commit).
+/// Most requests a leader commits in one group (one log frame).
 pub const MAX_WRITE_BATCH: usize = 1_024;
 
-/// What the callers and the writer thread share.
+/// The background thread's flags (guarded by `Shared::bg`).
+#[derive(Debug, Default)]
+struct Bg {
+    shutdown: bool,
+}
+
+/// What the callers and the background thread share.
 struct Shared {
-    /// A read lock for every transaction (the writer's batches and the read
-    /// paths); [`RedbStore::compact`] takes the write lock, which is how it
-    /// pauses the writer and waits out every live transaction.
+    /// A read lock for every transaction; [`RedbStore::compact`] takes the
+    /// write lock, which is how it waits out every live transaction.
     db: RwLock<Database>,
     poisoned: AtomicBool,
     stats: Counters,
-    /// The write-ahead log; `None` when every batch commits durably (a
-    /// store opened over a bare storage backend).
-    wal: Mutex<Option<Wal>>,
+    /// The active and frozen memtables (see memtable.rs for the read order).
+    mem: RwLock<Mem>,
+    /// The line of callers (commit.rs).
+    queue: Mutex<Queue>,
+    /// Signalled when a leader takes a group out of a full line.
+    queue_room: Condvar,
+    /// The commit lock: the leader holds it for a group, a direct
+    /// transaction for its transaction.
+    core: Mutex<Core>,
+    /// The background thread's flags; `bg_cv` wakes it (a frozen memtable,
+    /// shutdown) and wakes those waiting for a checkpoint to finish.
+    bg: Mutex<Bg>,
+    bg_cv: Condvar,
+    /// Relaxed durability with the log: frames written since the last sync.
+    log_unsynced: AtomicBool,
+    /// The log file (`None` without a log), for the background sync.
+    log_file: Option<Arc<dyn StorageBackend>>,
+    durability: Durability,
+    checkpoint_interval: Duration,
+    max_batch: usize,
+    /// When the last checkpoint began, in ms since `started`.
+    started: Instant,
+    last_checkpoint_ms: AtomicU64,
 }
 
 impl Shared {
+    fn new(opened: open::Opened, config: &Config) -> Arc<Shared> {
+        let log_file = opened.wal.as_ref().map(wal::Wal::file);
+        Arc::new(Shared {
+            db: RwLock::new(opened.db),
+            poisoned: AtomicBool::new(false),
+            stats: Counters::default(),
+            mem: RwLock::new(Mem::default()),
+            queue: Mutex::new(Queue::default()),
+            queue_room: Condvar::new(),
+            core: Mutex::new(Core {
+                wal: opened.wal,
+                token_hwm: opened.token_hwm,
+                unflushed: false,
+                last_durable: Instant::now(),
+            }),
+            bg: Mutex::new(Bg::default()),
+            bg_cv: Condvar::new(),
+            log_unsynced: AtomicBool::new(false),
+            log_file,
+            durability: config.durability,
+            checkpoint_interval: config.checkpoint_interval,
+            max_batch: MAX_WRITE_BATCH,
+            started: Instant::now(),
+            last_checkpoint_ms: AtomicU64::new(0),
+        })
+    }
+
+    // None of these locks guards an invariant a panic could leave half-done
+    // (a panic while leading poisons the store), so a poisoned lock is
+    // taken as it is.
     fn read_db(&self) -> RwLockReadGuard<'_, Database> {
-        // The lock guards no invariant of ours (redb is transactional), so a
-        // panic elsewhere while it was held leaves nothing half-done.
         self.db.read().unwrap_or_else(|p| p.into_inner())
     }
-
-    /// The write-ahead log. Every write transaction holds this from before
-    /// `begin_write` until after its commit (lock order: this, then `db`),
-    /// so a frame and the commit it stands for are never split by another
-    /// transaction. A panic while held poisons the store (the writer's
-    /// guard), so the state inside is never used half-updated.
-    fn lock_wal(&self) -> MutexGuard<'_, Option<Wal>> {
-        self.wal.lock().unwrap_or_else(|p| p.into_inner())
+    fn read_mem(&self) -> RwLockReadGuard<'_, Mem> {
+        self.mem.read().unwrap_or_else(|p| p.into_inner())
+    }
+    fn write_mem(&self) -> RwLockWriteGuard<'_, Mem> {
+        self.mem.write().unwrap_or_else(|p| p.into_inner())
+    }
+    fn lock_core(&self) -> MutexGuard<'_, Core> {
+        self.core.lock().unwrap_or_else(|p| p.into_inner())
+    }
+    fn lock_queue(&self) -> MutexGuard<'_, Queue> {
+        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    }
+    fn lock_bg(&self) -> MutexGuard<'_, Bg> {
+        self.bg.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Commits a write transaction made outside the writer (inbox, CLI,
-    /// compaction) durably. When the log holds frames, the commit also
-    /// retires them (a new epoch): replaying them later over this
-    /// transaction's writes would undo those. A failed commit poisons the
-    /// store. `wal` is the guard taken before the transaction began.
-    fn direct_commit(
-        &self,
-        wal: &mut Option<Wal>,
-        mut txn: ::redb::WriteTransaction,
-    ) -> Result<()> {
-        let poison = |e: Error| {
-            self.poisoned.store(true, Ordering::SeqCst);
-            e
-        };
-        txn.set_durability(::redb::Durability::Immediate)
-            .map_err(engine)?;
-        let retire = wal.as_ref().is_some_and(Wal::is_dirty);
-        if retire && let Some(w) = wal.as_ref() {
-            w.stamp(&txn)?;
+    /// Wakes the background thread (a memtable was frozen, or shutdown).
+    fn wake_background(&self) {
+        let _bg = self.lock_bg();
+        self.bg_cv.notify_all();
+    }
+
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// A checkpoint began (a freeze, or a direct transaction).
+    fn note_checkpoint_started(&self) {
+        self.last_checkpoint_ms
+            .store(self.now_ms(), Ordering::Relaxed);
+    }
+
+    /// How long until the active memtable is old enough to checkpoint.
+    fn checkpoint_left(&self) -> Duration {
+        let since = self
+            .now_ms()
+            .saturating_sub(self.last_checkpoint_ms.load(Ordering::Relaxed));
+        self.checkpoint_interval
+            .saturating_sub(Duration::from_millis(since))
+    }
+
+    fn checkpoint_due(&self) -> bool {
+        self.checkpoint_left().is_zero()
+    }
+
+    /// The latest state of `key_bytes`: the memtable, then redb (verified).
+    fn read(&self, key_bytes: &[u8]) -> Result<Option<Record>> {
+        {
+            let mem = self.read_mem();
+            if let Some(entry) = mem.get(key_bytes) {
+                return Ok(entry.clone());
+            }
         }
-        txn.commit().map_err(|e| poison(engine(e)))?;
-        if retire && let Some(w) = wal.as_mut() {
-            w.checkpointed();
+        // Opened after the memtable was read: see memtable.rs.
+        let db = self.read_db();
+        let txn = db.begin_read().map_err(engine)?;
+        let table = txn.open_table(tables::RECORDS).map_err(engine)?;
+        match table.get(key_bytes).map_err(engine)? {
+            Some(v) => Ok(Some(codec::decode_record(key_bytes, v.value())?)),
+            None => Ok(None),
         }
-        self.stats.commits.fetch_add(1, Ordering::Relaxed);
-        self.stats.durable_commits.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Makes everything in memory durable in redb and retires the log.
+    fn flush(&self) -> Result<()> {
+        let mut core = self.lock_core();
+        let dirty = !self.read_mem().is_empty()
+            || core.wal.as_ref().is_some_and(wal::Wal::is_dirty)
+            || core.unflushed;
+        if dirty {
+            self.direct_locked(&mut core, |_, _| Ok::<_, Error>(()))?;
+        }
         Ok(())
     }
 }
@@ -146,9 +248,8 @@ impl Shared {
 /// ```
 pub struct RedbStore {
     shared: Arc<Shared>,
-    tx: SyncSender<Msg>,
-    writer: Option<JoinHandle<()>>,
-    // Mutex only to make the store Sync (a Sweeper holds an mpsc receiver).
+    /// The checkpointer (checkpoint.rs).
+    background: Option<JoinHandle<()>>,
     sweeper: Option<Sweeper>,
     path: Option<PathBuf>,
     store_id: [u8; 16],
@@ -180,47 +281,36 @@ impl RedbStore {
     }
 
     fn start(opened: open::Opened, config: Config, path: Option<PathBuf>) -> Result<RedbStore> {
-        let shared = Arc::new(Shared {
-            db: RwLock::new(opened.db),
-            poisoned: AtomicBool::new(false),
-            stats: Counters::default(),
-            wal: Mutex::new(opened.wal),
-        });
-        let (tx, rx) = mpsc::sync_channel(WRITE_QUEUE_DEPTH);
-        let writer = Writer {
-            shared: Arc::clone(&shared),
-            rx,
-            token_hwm: opened.token_hwm,
-            durability: config.durability,
-            max_batch: MAX_WRITE_BATCH,
-            unflushed: false,
-            last_durable: Instant::now(),
-            replier: None,
+        let store_id = opened.store_id;
+        let leases_expired_on_open = opened.leases_expired;
+        let frames_replayed_on_open = opened.frames_replayed;
+        let shared = Shared::new(opened, &config);
+        let background = {
+            let shared = Arc::clone(&shared);
+            std::thread::Builder::new()
+                .name("idemstore-redb-checkpointer".to_owned())
+                .spawn(move || checkpoint::run(shared))
+                .map_err(Error::Io)?
         };
-        let writer = std::thread::Builder::new()
-            .name("idemstore-redb-writer".to_owned())
-            .spawn(move || writer.run())
-            .map_err(Error::Io)?;
         let mut store = RedbStore {
             shared,
-            tx,
-            writer: Some(writer),
+            background: Some(background),
             sweeper: None,
             path,
-            store_id: opened.store_id,
+            store_id,
             max_body_bytes: config.max_body_bytes,
-            leases_expired_on_open: opened.leases_expired,
-            frames_replayed_on_open: opened.frames_replayed,
+            leases_expired_on_open,
+            frames_replayed_on_open,
         };
         if let Some(sweep) = config.sweeper {
-            // The sweeper holds a queue sender, not the store: no cycle, and
-            // dropping the store stops it before the writer.
-            let tx = store.tx.clone();
+            // The sweeper holds the shared state, not the store: no cycle,
+            // and dropping the store stops it first.
+            let shared = Arc::clone(&store.shared);
             let sweeper = Sweeper::spawn_fn(
                 "idemstore-redb-sweeper",
                 config.clock,
                 sweep,
-                move |now, max| match submit(&tx, Op::Sweep { now, max })? {
+                move |now, max| match shared.submit(Op::Sweep { now, max })? {
                     Reply::Swept(n) => Ok(n),
                     other => Err(unexpected(&other)),
                 },
@@ -267,6 +357,7 @@ impl RedbStore {
             durable_commits: c.durable_commits.load(Ordering::Relaxed),
             logged_commits: c.logged_commits.load(Ordering::Relaxed),
             frames_replayed_on_open: self.frames_replayed_on_open,
+            checkpoints: c.checkpoints.load(Ordering::Relaxed),
             largest_batch: c.largest_batch.load(Ordering::Relaxed),
             fast_replays: c.fast_replays.load(Ordering::Relaxed),
             fast_refusals: c.fast_refusals.load(Ordering::Relaxed),
@@ -306,31 +397,24 @@ impl RedbStore {
         if self.is_poisoned() {
             return Err(Error::Poisoned);
         }
-        let mut wal = self.shared.lock_wal();
+        let mut core = self.shared.lock_core();
+        // Compaction moves pages of the durable state only: make everything
+        // in memory part of it first (and retire the log).
+        self.shared
+            .direct_locked(&mut core, |_, _| Ok::<_, Error>(()))?;
         let mut db = self.shared.db.write().unwrap_or_else(|p| p.into_inner());
-        // Compaction moves pages of the durable state only: make every
-        // logged batch part of it first (and retire the log).
-        if wal.as_ref().is_some_and(Wal::is_dirty) {
-            let txn = db.begin_write().map_err(engine)?;
-            self.shared.direct_commit(&mut wal, txn)?;
-        }
         db.compact().map_err(engine)
     }
 
     fn submit(&self, op: Op) -> Result<Reply> {
-        if self.is_poisoned() {
-            return Err(Error::Poisoned);
-        }
-        submit(&self.tx, op).map_err(|e| match e {
-            Error::Closed if self.is_poisoned() => Error::Poisoned,
-            other => other,
-        })
+        self.shared.submit(op)
     }
 
-    /// The read fast path. Answers `begin` from a read transaction when the answer writes
-    /// nothing (Replay, InFlight, Conflict): the same state machine decides,
-    /// and only a claim goes through the writer. A committed record is what
-    /// the writer would see too, so the answer is the one it would give.
+    /// The read fast path. Answers `begin` without joining the line when
+    /// the answer writes nothing (Replay, InFlight, Conflict): the same
+    /// state machine decides, on the latest state (memtable, then redb),
+    /// and only a claim goes through a group. What the memtable or redb
+    /// shows is durable, so the answer is the one a leader would give.
     fn fast_begin(
         &self,
         key_bytes: &[u8],
@@ -343,8 +427,8 @@ impl RedbStore {
         if existing.is_none() {
             return Ok(None);
         }
-        // A claim needs a token and a write: that is the writer's. The token
-        // handed to the state machine here is never stored.
+        // A claim needs a token and a write: that is the leader's. The
+        // token handed to the state machine here is never stored.
         let step = logic::begin(existing, fingerprint, now, lease, retention, || Ok(0))?;
         if step.write.is_some() {
             return Ok(None);
@@ -357,23 +441,10 @@ impl RedbStore {
         Ok(Some(step.answer))
     }
 
-    /// The stored record (verified), from a read transaction.
+    /// The latest record (verified): the memtable, then redb.
     fn read(&self, key_bytes: &[u8]) -> Result<Option<Record>> {
-        let db = self.shared.read_db();
-        let txn = db.begin_read().map_err(engine)?;
-        let table = txn.open_table(tables::RECORDS).map_err(engine)?;
-        match table.get(key_bytes).map_err(engine)? {
-            Some(v) => Ok(Some(codec::decode_record(key_bytes, v.value())?)),
-            None => Ok(None),
-        }
+        self.shared.read(key_bytes)
     }
-}
-
-/// Queues `op` and waits for the writer's answer. A full queue blocks here.
-fn submit(tx: &SyncSender<Msg>, op: Op) -> Result<Reply> {
-    let (reply_tx, reply_rx) = mpsc::sync_channel(1);
-    tx.send(Msg::Op(op, reply_tx)).map_err(|_| Error::Closed)?;
-    reply_rx.recv().map_err(|_| Error::Closed)?
 }
 
 fn unexpected(reply: &Reply) -> Error {
@@ -384,13 +455,22 @@ fn unexpected(reply: &Reply) -> Error {
 
 impl Drop for RedbStore {
     fn drop(&mut self) {
-        // Sweeper first (it feeds the writer), then the writer: it finishes
-        // what is queued, makes it durable and exits, so the file is closed
-        // (and its lock released) when drop returns.
+        // The sweeper first (it submits writes), then the checkpointer (it
+        // finishes a checkpoint in progress), then everything still in
+        // memory goes into redb durably, so a clean stop leaves nothing to
+        // replay, and the file is closed (its lock released) when drop
+        // returns.
         drop(self.sweeper.take());
-        let _ = self.tx.send(Msg::Shutdown);
-        if let Some(writer) = self.writer.take() {
-            let _ = writer.join();
+        {
+            let mut bg = self.shared.lock_bg();
+            bg.shutdown = true;
+            self.shared.bg_cv.notify_all();
+        }
+        if let Some(background) = self.background.take() {
+            let _ = background.join();
+        }
+        if !self.is_poisoned() && self.shared.flush().is_err() {
+            self.shared.poisoned.store(true, Ordering::SeqCst);
         }
     }
 }

@@ -22,7 +22,7 @@ use std::path::Path;
 /// 2 added the write-ahead log (`<file>-wal`, the `wal_epoch` meta entry).
 /// A version 1 store opens and is marked 2 at its first open by this build,
 /// so that an older build, which would ignore the log, refuses it.
-pub(super) const STORE_FORMAT_VERSION: u32 = 2;
+pub(super) const STORE_FORMAT_VERSION: u32 = 3;
 
 /// redb's file magic (redb's `MAGICNUMBER`, private in redb 4.x; it is part
 /// of redb's file format, so it does not change within a major version).
@@ -212,13 +212,42 @@ fn recover_log(
     store_id: [u8; 16],
     config: &Config,
 ) -> Result<(Wal, u64)> {
+    let file: std::sync::Arc<dyn StorageBackend> = std::sync::Arc::from(file);
     let epoch = read_wal_epoch(db)?;
-    let txn = db.begin_write().map_err(engine)?;
-    let frames = wal::replay(file.as_ref(), &store_id, epoch, &txn)?;
-    let next = epoch.wrapping_add(1);
+    let format = read_format_version(db)?;
+    let len = file.len().map_err(Error::Io)?;
+    let mut txn = db.begin_write().map_err(engine)?;
+    txn.set_quick_repair(true);
+    // Replayed with the layout the log was written in, before its size
+    // may change below (a larger `wal_bytes` moves the segments).
+    let frames = if format < 3 {
+        // Format 2: one region, frames back to back, one live epoch.
+        wal::replay(file.as_ref(), &store_id, epoch, &wal::Layout::v2(len), &txn)?
+    } else {
+        // The durable epoch's segment, then the next one's: a checkpoint
+        // may have been running (see wal.rs).
+        let first = wal::replay(
+            file.as_ref(),
+            &store_id,
+            epoch,
+            &wal::Layout::segment(len, epoch),
+            &txn,
+        )?;
+        let next = epoch.wrapping_add(1);
+        first
+            + wal::replay(
+                file.as_ref(),
+                &store_id,
+                next,
+                &wal::Layout::segment(len, next),
+                &txn,
+            )?
+    };
+    // Both epochs are now retired; new frames start a fresh one.
+    let fresh = epoch.wrapping_add(2);
     {
         let mut meta = txn.open_table(META).map_err(engine)?;
-        meta.insert(META_WAL_EPOCH, next.to_be_bytes().as_slice())
+        meta.insert(META_WAL_EPOCH, fresh.to_be_bytes().as_slice())
             .map_err(engine)?;
         meta.insert(
             META_FORMAT_VERSION,
@@ -227,14 +256,15 @@ fn recover_log(
         .map_err(engine)?;
     }
     txn.commit().map_err(engine)?;
-    let capacity = wal::preallocate(file.as_ref(), config.wal_bytes)?;
-    Ok((
-        Wal::new(file, store_id, next, config.checkpoint_interval, capacity),
-        frames,
-    ))
+    let len = wal::preallocate(file.as_ref(), config.wal_bytes)?;
+    Ok((Wal::new(file, store_id, fresh, len), frames))
 }
 
-/// The log epoch in the meta table; 0 in a store that never had a log.
+fn read_format_version(db: &Database) -> Result<u32> {
+    let txn = db.begin_read().map_err(engine)?;
+    Ok(read_meta_entries(&txn)?.format_version)
+}
+
 fn read_wal_epoch(db: &Database) -> Result<u64> {
     let txn = db.begin_read().map_err(engine)?;
     let meta = txn.open_table(META).map_err(table_error)?;
@@ -379,7 +409,8 @@ fn fixed<const N: usize>(name: &str, bytes: &[u8]) -> Result<[u8; N]> {
 /// Writes the meta table and the empty record tables of a new store.
 fn init_meta(db: &Database, config: &Config) -> Result<(u64, [u8; 16])> {
     let store_id = new_store_id(config);
-    let txn = db.begin_write().map_err(engine)?;
+    let mut txn = db.begin_write().map_err(engine)?;
+    txn.set_quick_repair(true);
     {
         let mut meta = txn.open_table(META).map_err(engine)?;
         meta.insert(
@@ -422,7 +453,8 @@ fn new_store_id(config: &Config) -> [u8; 16] {
 /// with a new fencing token. Reads every record: O(records) at open.
 fn expire_leases(db: &Database, config: &Config) -> Result<u64> {
     let now = config.clock.now();
-    let txn = db.begin_write().map_err(engine)?;
+    let mut txn = db.begin_write().map_err(engine)?;
+    txn.set_quick_repair(true);
     let mut expired = 0u64;
     {
         let mut tables = WriteTables::open(&txn)?;

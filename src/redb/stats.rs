@@ -49,6 +49,9 @@ pub struct RedbStats {
     pub swept: u64,
     /// Leases ended at open by [`RecoveryPolicy::ExpireLeases`](crate::RecoveryPolicy::ExpireLeases).
     pub leases_expired_on_open: u64,
+    /// Frozen memtables the background checkpointer wrote into the store
+    /// file (each one durable redb commit that retired a log segment).
+    pub checkpoints: u64,
 }
 
 impl RedbStats {
@@ -77,4 +80,5 @@ pub(super) struct Counters {
     pub(super) fast_replays: AtomicU64,
     pub(super) fast_refusals: AtomicU64,
     pub(super) swept: AtomicU64,
+    pub(super) checkpoints: AtomicU64,
 }

@@ -11,12 +11,13 @@
 //! share the file (the co-transactional inbox) without a clash.
 
 use super::errors::engine;
-use super::wal::Journal;
 use crate::codec;
 use crate::error::{Error, Result};
 use crate::record::Record;
 use crate::time::Timestamp;
-use ::redb::{ReadableTable, Table, TableDefinition, WriteTransaction};
+use ::redb::{
+    ReadOnlyTable, ReadTransaction, ReadableTable, Table, TableDefinition, WriteTransaction,
+};
 
 /// Records by key.
 pub(super) const RECORDS: TableDefinition<'static, &'static [u8], &'static [u8]> =
@@ -55,6 +56,14 @@ impl From<Error> for StepError {
     }
 }
 
+impl From<StepError> for Error {
+    fn from(err: StepError) -> Error {
+        match err {
+            StepError::Request(e) | StepError::Storage(e) => e,
+        }
+    }
+}
+
 fn storage(err: impl Into<::redb::Error>) -> StepError {
     StepError::Storage(engine(err))
 }
@@ -63,8 +72,6 @@ fn storage(err: impl Into<::redb::Error>) -> StepError {
 pub(super) struct WriteTables<'txn> {
     records: Table<'txn, &'static [u8], &'static [u8]>,
     expiry: Table<'txn, &'static [u8], ()>,
-    /// Every write made, for the write-ahead log (the writer's batches only).
-    journal: Option<Journal>,
 }
 
 impl<'txn> WriteTables<'txn> {
@@ -73,21 +80,36 @@ impl<'txn> WriteTables<'txn> {
         Ok(WriteTables {
             records: txn.open_table(RECORDS).map_err(engine)?,
             expiry: txn.open_table(EXPIRY).map_err(engine)?,
-            journal: None,
         })
     }
 
-    /// Like [`open`](Self::open), also recording every write in a [`Journal`].
-    pub(super) fn journaled(txn: &'txn WriteTransaction) -> Result<WriteTables<'txn>> {
-        Ok(WriteTables {
-            journal: Some(Journal::default()),
-            ..WriteTables::open(txn)?
-        })
-    }
-
-    /// The writes made so far (`None` unless [`journaled`](Self::journaled)).
-    pub(super) fn into_journal(self) -> Option<Journal> {
-        self.journal
+    /// Stores `entry` (a record, or `None` for a deletion) as the latest
+    /// state of `key_bytes`, moving its expiry-index entry from the stored
+    /// record's expiry. How a checkpoint, a direct transaction and a group
+    /// without the log write what was decided. A stored record that does
+    /// not decode is replaced; its index entry (unknown) is left for the
+    /// sweep, which re-checks every entry it finds.
+    pub(super) fn apply(&mut self, key_bytes: &[u8], entry: Option<&Record>) -> Result<()> {
+        let old_expiry = match self.records.get(key_bytes).map_err(engine)? {
+            Some(v) => codec::decode_record(key_bytes, v.value())
+                .ok()
+                .map(|r| r.expires_at),
+            None => None,
+        };
+        let step = |e: StepError| match e {
+            StepError::Request(e) | StepError::Storage(e) => e,
+        };
+        match entry {
+            Some(record) => self.put(key_bytes, old_expiry, record).map_err(step),
+            None => {
+                self.records.remove(key_bytes).map_err(engine)?;
+                if let Some(old) = old_expiry {
+                    self.unindex(&codec::encode_index(old, key_bytes))
+                        .map_err(step)?;
+                }
+                Ok(())
+            }
+        }
     }
 
     /// The stored record for `key_bytes`, verified. A record that does not
@@ -113,9 +135,6 @@ impl<'txn> WriteTables<'txn> {
         self.records
             .insert(key_bytes, value.as_slice())
             .map_err(storage)?;
-        if let Some(journal) = &mut self.journal {
-            journal.record_put(key_bytes, &value);
-        }
         if old_expiry == Some(new.expires_at) {
             return Ok(());
         }
@@ -126,52 +145,12 @@ impl<'txn> WriteTables<'txn> {
         self.expiry
             .insert(index_key.as_slice(), ())
             .map_err(storage)?;
-        if let Some(journal) = &mut self.journal {
-            journal.index_put(&index_key);
-        }
         Ok(())
-    }
-
-    /// Deletes the record read in this transaction (expiry `old_expiry`)
-    /// and its index entry.
-    pub(super) fn delete(
-        &mut self,
-        key_bytes: &[u8],
-        old_expiry: Timestamp,
-    ) -> Result<(), StepError> {
-        self.records.remove(key_bytes).map_err(storage)?;
-        if let Some(journal) = &mut self.journal {
-            journal.record_del(key_bytes);
-        }
-        self.unindex(&codec::encode_index(old_expiry, key_bytes))
-    }
-
-    /// Up to `max` index entries with an expiry at or before `now`, oldest first.
-    pub(super) fn due(&self, now: Timestamp, max: usize) -> Result<Vec<Vec<u8>>, StepError> {
-        // Every index entry of an expiry <= now sorts before this bound:
-        // entries are (expires_at BE | key) and the bound is (now + 1 BE).
-        let bound = now.as_millis().saturating_add(1).to_be_bytes();
-        let mut out = Vec::new();
-        for entry in self
-            .expiry
-            .range::<&[u8]>(..bound.as_slice())
-            .map_err(storage)?
-        {
-            if out.len() >= max {
-                break;
-            }
-            let (index_key, _) = entry.map_err(storage)?;
-            out.push(index_key.value().to_vec());
-        }
-        Ok(out)
     }
 
     /// Removes one index entry (a sweep found it stale or its record gone).
     pub(super) fn unindex(&mut self, index_key: &[u8]) -> Result<(), StepError> {
         self.expiry.remove(index_key).map_err(storage)?;
-        if let Some(journal) = &mut self.journal {
-            journal.index_del(index_key);
-        }
         Ok(())
     }
 
@@ -188,10 +167,72 @@ impl<'txn> WriteTables<'txn> {
     }
 }
 
-/// Writes the token high-water mark in `txn`.
-pub(super) fn write_token_hwm(txn: &WriteTransaction, hwm: u64) -> Result<(), StepError> {
-    let mut meta = txn.open_table(META).map_err(storage)?;
-    meta.insert(META_TOKEN_HWM, hwm.to_be_bytes().as_slice())
-        .map_err(storage)?;
+/// Where a group's decisions read what redb holds: a read transaction
+/// (with the log) or the group's own write transaction (without it).
+pub(super) trait Source {
+    /// The stored record for `key_bytes`, verified ([`Error::Corrupt`] if not).
+    fn read(&self, key_bytes: &[u8]) -> Result<Option<Record>>;
+    /// Calls `f` with each index entry of an expiry at or before `now`,
+    /// oldest first, while it returns `true`.
+    fn due(&self, now: Timestamp, f: &mut dyn FnMut(&[u8]) -> Result<bool>) -> Result<()>;
+}
+
+fn read_from(
+    records: &impl ReadableTable<&'static [u8], &'static [u8]>,
+    key_bytes: &[u8],
+) -> Result<Option<Record>> {
+    match records.get(key_bytes).map_err(engine)? {
+        Some(guard) => Ok(Some(codec::decode_record(key_bytes, guard.value())?)),
+        None => Ok(None),
+    }
+}
+
+fn due_from(
+    expiry: &impl ReadableTable<&'static [u8], ()>,
+    now: Timestamp,
+    f: &mut dyn FnMut(&[u8]) -> Result<bool>,
+) -> Result<()> {
+    // Every index entry of an expiry <= now sorts before this bound:
+    // entries are (expires_at BE | key) and the bound is (now + 1 BE).
+    let bound = now.as_millis().saturating_add(1).to_be_bytes();
+    for entry in expiry.range::<&[u8]>(..bound.as_slice()).map_err(engine)? {
+        let (index_key, _) = entry.map_err(engine)?;
+        if !f(index_key.value())? {
+            break;
+        }
+    }
     Ok(())
+}
+
+impl Source for WriteTables<'_> {
+    fn read(&self, key_bytes: &[u8]) -> Result<Option<Record>> {
+        read_from(&self.records, key_bytes)
+    }
+    fn due(&self, now: Timestamp, f: &mut dyn FnMut(&[u8]) -> Result<bool>) -> Result<()> {
+        due_from(&self.expiry, now, f)
+    }
+}
+
+/// The record and index tables of one read transaction.
+pub(super) struct ReadTables {
+    records: ReadOnlyTable<&'static [u8], &'static [u8]>,
+    expiry: ReadOnlyTable<&'static [u8], ()>,
+}
+
+impl ReadTables {
+    pub(super) fn open(txn: &ReadTransaction) -> Result<ReadTables> {
+        Ok(ReadTables {
+            records: txn.open_table(RECORDS).map_err(engine)?,
+            expiry: txn.open_table(EXPIRY).map_err(engine)?,
+        })
+    }
+}
+
+impl Source for ReadTables {
+    fn read(&self, key_bytes: &[u8]) -> Result<Option<Record>> {
+        read_from(&self.records, key_bytes)
+    }
+    fn due(&self, now: Timestamp, f: &mut dyn FnMut(&[u8]) -> Result<bool>) -> Result<()> {
+        due_from(&self.expiry, now, f)
+    }
 }

@@ -49,12 +49,12 @@
 //! never verifies, so it is never replayed into the wrong store.
 
 use super::errors::engine;
-use super::tables::{EXPIRY, META, META_WAL_EPOCH, RECORDS};
+use super::tables::{EXPIRY, META, RECORDS};
 use crate::error::{Error, Result};
 use ::redb::{StorageBackend, WriteTransaction};
 use std::fmt;
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Size of a store's write-ahead log file (`<file>-wal`): it is written
 /// with zeros at creation (so appends never change the file's size or
@@ -115,12 +115,6 @@ impl Journal {
     pub(super) fn record_del(&mut self, key: &[u8]) {
         self.entry(TAG_RECORD_DEL, key, None);
     }
-    pub(super) fn index_put(&mut self, index_key: &[u8]) {
-        self.entry(TAG_INDEX_PUT, index_key, None);
-    }
-    pub(super) fn index_del(&mut self, index_key: &[u8]) {
-        self.entry(TAG_INDEX_DEL, index_key, None);
-    }
     pub(super) fn meta_put(&mut self, name: &str, value: &[u8]) {
         self.entry(TAG_META_PUT, name.as_bytes(), Some(value));
     }
@@ -160,17 +154,52 @@ impl Journal {
     }
 }
 
+/// Every frame starts on a multiple of this many bytes from the start of
+/// its segment (the previous frame's last block is left padded), so an
+/// append never writes a sector that holds acknowledged bytes: a device
+/// that tears a sector into garbage during a power cut can only damage the
+/// frame being written, never one already acknowledged.
+///
+/// ```
+/// assert_eq!(idemstore::FRAME_ALIGN, 4096);
+/// ```
+pub const FRAME_ALIGN: u64 = 4096;
+
+/// Rounds `n` up to the next multiple of [`FRAME_ALIGN`].
+pub(super) fn align_up(n: u64) -> u64 {
+    n.div_ceil(FRAME_ALIGN) * FRAME_ALIGN
+}
+
+/// The size of each of the log's two segments for a log file of `len`
+/// bytes: half of it, in whole aligned blocks.
+pub(super) fn segment_bytes(len: u64) -> u64 {
+    len / 2 / FRAME_ALIGN * FRAME_ALIGN
+}
+
+/// Where the frames of `epoch` live: segment `epoch % 2`.
+pub(super) fn segment_range(len: u64, epoch: u64) -> std::ops::Range<u64> {
+    let seg = segment_bytes(len);
+    let start = (epoch % 2) * seg;
+    start..start + seg
+}
+
 /// The log file and where the next frame goes.
+///
+/// The file is two segments. The frames of epoch `e` go to segment
+/// `e % 2`: while a checkpoint writes the frozen memtable (whose frames are
+/// in one segment) into redb, new groups append to the other segment. The
+/// durable epoch stored in redb (`META_WAL_EPOCH`) is the oldest epoch
+/// whose frames are not all in redb yet; at most it and the next one hold
+/// live frames, and a segment is reused only after the checkpoint that
+/// retires its epoch is durable.
 pub(super) struct Wal {
-    file: Box<dyn StorageBackend>,
-    /// The epoch of the durable state: frames of this epoch are replayed.
+    file: std::sync::Arc<dyn StorageBackend>,
+    /// The epoch new frames are written in.
     epoch: u64,
-    /// Where the next frame is written.
+    /// Where the next frame goes, from the start of the epoch's segment.
     offset: u64,
-    last_checkpoint: Instant,
-    interval: Duration,
-    /// The file's size: frames go below it.
-    capacity: u64,
+    /// The file's size when opened: it fixes the segments.
+    len: u64,
     /// Every frame's CRC covers it, so no other store's frames verify here.
     store_id: [u8; 16],
 }
@@ -185,74 +214,67 @@ impl fmt::Debug for Wal {
 }
 
 impl Wal {
-    /// A log whose durable epoch is `epoch` and which holds no frame of it.
+    /// A log whose next frames are of `epoch`, from the start of its segment.
     pub(super) fn new(
-        file: Box<dyn StorageBackend>,
+        file: std::sync::Arc<dyn StorageBackend>,
         store_id: [u8; 16],
         epoch: u64,
-        interval: Duration,
-        capacity: u64,
+        len: u64,
     ) -> Wal {
         Wal {
             file,
             epoch,
             offset: 0,
-            last_checkpoint: Instant::now(),
-            interval,
-            capacity,
+            len,
             store_id,
         }
     }
 
-    /// Frames were written since the last durable commit.
+    /// The log file (the background thread syncs it under relaxed durability).
+    pub(super) fn file(&self) -> std::sync::Arc<dyn StorageBackend> {
+        std::sync::Arc::clone(&self.file)
+    }
+
+    /// The epoch new frames are written in.
+    pub(super) fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Frames were written in the current epoch.
     pub(super) fn is_dirty(&self) -> bool {
         self.offset > 0
     }
 
-    /// A batch with this much journal must commit durably instead: the log
-    /// is full, or the last durable commit is too long ago.
-    pub(super) fn needs_checkpoint(&self, journal_bytes: usize) -> bool {
-        self.offset + FRAME_HEADER + journal_bytes as u64 > self.capacity
-            || self.checkpoint_wait() == Some(Duration::ZERO)
+    /// A frame with this much journal fits in what is left of the segment.
+    pub(super) fn fits(&self, journal_bytes: usize) -> bool {
+        self.offset + align_up(FRAME_HEADER + journal_bytes as u64) <= segment_bytes(self.len)
     }
 
-    /// How long the idle writer may wait before it must checkpoint; `None`
-    /// when the log holds no frame.
-    pub(super) fn checkpoint_wait(&self) -> Option<Duration> {
-        self.is_dirty()
-            .then(|| self.interval.saturating_sub(self.last_checkpoint.elapsed()))
+    /// A frame with this much journal fits in an empty segment.
+    pub(super) fn fits_at_all(&self, journal_bytes: usize) -> bool {
+        align_up(FRAME_HEADER + journal_bytes as u64) <= segment_bytes(self.len)
     }
 
-    /// The epoch the next durable commit must store (in the same
-    /// transaction) to retire the frames written so far.
-    pub(super) fn next_epoch(&self) -> u64 {
-        self.epoch.wrapping_add(1)
-    }
-
-    /// Writes the epoch that retires the current frames into `txn`.
-    pub(super) fn stamp(&self, txn: &WriteTransaction) -> Result<()> {
-        let mut meta = txn.open_table(META).map_err(engine)?;
-        meta.insert(META_WAL_EPOCH, self.next_epoch().to_be_bytes().as_slice())
-            .map_err(engine)?;
-        Ok(())
-    }
-
-    /// A durable commit that carried [`stamp`](Self::stamp) succeeded: the
-    /// log starts over.
-    pub(super) fn checkpointed(&mut self) {
-        self.epoch = self.next_epoch();
+    /// The current epoch's frames are all durable elsewhere (a checkpoint
+    /// took them, or will before it retires them): new frames go to the
+    /// next epoch, in the other segment.
+    pub(super) fn rotate(&mut self) {
+        self.epoch = self.epoch.wrapping_add(1);
         self.offset = 0;
-        self.last_checkpoint = Instant::now();
     }
 
-    /// Appends `journal` as one frame and makes it durable. An error leaves
-    /// the frame's fate unknown: the caller must not commit the batch and
-    /// must poison the store.
-    pub(super) fn append(&mut self, journal: &mut Journal) -> Result<()> {
+    /// Appends `journal` as one frame, on an aligned offset, and makes it
+    /// durable when `sync`. An error leaves the frame's fate unknown: the
+    /// caller must not publish the group and must poison the store.
+    pub(super) fn append(&mut self, journal: &mut Journal, sync: bool) -> Result<()> {
+        let start = segment_range(self.len, self.epoch).start + self.offset;
         let frame = journal.seal(&self.store_id, self.epoch)?;
-        self.file.write(self.offset, frame).map_err(Error::Io)?;
-        self.file.sync_data().map_err(Error::Io)?;
-        self.offset += frame.len() as u64;
+        let framed = align_up(frame.len() as u64);
+        self.file.write(start, frame).map_err(Error::Io)?;
+        if sync {
+            self.file.sync_data().map_err(Error::Io)?;
+        }
+        self.offset += framed;
         Ok(())
     }
 }
@@ -283,8 +305,42 @@ pub(super) fn preallocate(file: &dyn StorageBackend, capacity: u64) -> Result<u6
     Ok(capacity)
 }
 
-/// Replays into `txn` every frame of `epoch` from the start of the log up
-/// to the first that does not verify. Returns how many frames it applied.
+/// How the frames of one epoch are laid out in the file.
+#[derive(Clone, Debug)]
+pub(super) struct Layout {
+    /// The bytes the epoch's frames may occupy.
+    pub(super) region: std::ops::Range<u64>,
+    /// Frames start at multiples of this from `region.start` (1 for a
+    /// format-2 log, whose frames follow each other with no padding).
+    pub(super) align: u64,
+}
+
+impl Layout {
+    /// A format-2 log: one region, the whole file, frames back to back.
+    pub(super) fn v2(len: u64) -> Layout {
+        Layout {
+            region: 0..len,
+            align: 1,
+        }
+    }
+
+    /// This format's log: `epoch`'s segment, aligned frames.
+    pub(super) fn segment(len: u64, epoch: u64) -> Layout {
+        Layout {
+            region: segment_range(len, epoch),
+            align: FRAME_ALIGN,
+        }
+    }
+}
+
+/// Replays into `txn` every frame of `epoch` laid out as `layout`, from
+/// the start of its region up to the first that does not verify. Returns
+/// how many frames it applied.
+///
+/// A record put or delete also moves the record's expiry-index entry (the
+/// old expiry is read from the record it replaces), so the frames need not
+/// carry index entries; a format-2 frame's explicit index entries are
+/// applied as they are, which agrees.
 ///
 /// A frame that verifies but whose payload does not decode is damage no
 /// crash can cause: that is [`Error::Corrupt`], and nothing is committed.
@@ -292,17 +348,22 @@ pub(super) fn replay(
     file: &dyn StorageBackend,
     store_id: &[u8; 16],
     epoch: u64,
+    layout: &Layout,
     txn: &WriteTransaction,
 ) -> Result<u64> {
-    let len = file.len().map_err(Error::Io)?;
-    let mut at = 0u64;
+    let end = layout.region.end.min(file.len().map_err(Error::Io)?);
+    let mut at = layout.region.start;
     let mut frames = 0u64;
     let mut records = txn.open_table(RECORDS).map_err(engine)?;
     let mut expiry = txn.open_table(EXPIRY).map_err(engine)?;
     let mut meta = txn.open_table(META).map_err(engine)?;
+    let next_start = |next: u64| {
+        let from = next - layout.region.start;
+        layout.region.start + from.div_ceil(layout.align) * layout.align
+    };
     loop {
-        let (payload, next) = match read_frame(file, store_id, epoch, at, len)? {
-            Frame::Whole { payload, next } => (payload, next),
+        let (payload, next) = match read_frame(file, store_id, epoch, at, end)? {
+            Frame::Whole { payload, next } => (payload, next_start(next)),
             Frame::End => break,
             Frame::Damaged { next } => {
                 // A frame is written only once the one before it is synced,
@@ -310,7 +371,7 @@ pub(super) fn replay(
                 // checksum with a whole frame after it is damage to synced
                 // data: stopping here would drop acknowledged writes.
                 if matches!(
-                    read_frame(file, store_id, epoch, next, len)?,
+                    read_frame(file, store_id, epoch, next_start(next), end)?,
                     Frame::Whole { .. }
                 ) {
                     return Err(Error::corrupt(
@@ -338,10 +399,29 @@ pub(super) fn replay(
             match tag {
                 TAG_RECORD_PUT => {
                     let b = take(&mut cursor).ok_or_else(|| damaged("an entry is cut short"))?;
-                    records.insert(a, b).map_err(engine)?;
+                    let new_expiry = crate::codec::decode_record(a, b)
+                        .map_err(|_| damaged("holds a record that does not decode"))?
+                        .expires_at;
+                    let old = records.insert(a, b).map_err(engine)?;
+                    let old_expiry = old.and_then(|v| old_expiry(a, v.value()));
+                    if old_expiry != Some(new_expiry) {
+                        if let Some(old) = old_expiry {
+                            expiry
+                                .remove(crate::codec::encode_index(old, a).as_slice())
+                                .map_err(engine)?;
+                        }
+                        expiry
+                            .insert(crate::codec::encode_index(new_expiry, a).as_slice(), ())
+                            .map_err(engine)?;
+                    }
                 }
                 TAG_RECORD_DEL => {
-                    records.remove(a).map_err(engine)?;
+                    let old = records.remove(a).map_err(engine)?;
+                    if let Some(old) = old.and_then(|v| old_expiry(a, v.value())) {
+                        expiry
+                            .remove(crate::codec::encode_index(old, a).as_slice())
+                            .map_err(engine)?;
+                    }
                 }
                 TAG_INDEX_PUT => {
                     expiry.insert(a, ()).map_err(engine)?;
@@ -362,6 +442,15 @@ pub(super) fn replay(
         at = next;
     }
     Ok(frames)
+}
+
+/// The expiry of a stored record being replaced; `None` when it does not
+/// decode (its index entry is then left for the sweep, which re-checks
+/// every entry it finds).
+fn old_expiry(key: &[u8], value: &[u8]) -> Option<crate::time::Timestamp> {
+    crate::codec::decode_record(key, value)
+        .ok()
+        .map(|r| r.expires_at)
 }
 
 /// What lies at one offset of the log.

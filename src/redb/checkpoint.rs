@@ -1,0 +1,148 @@
+//! The background thread: checkpoints, and the timers of relaxed durability.
+//!
+//! A checkpoint writes a frozen memtable into redb in one durable commit
+//! (`fsync`, quick-repair on, so that an open after a crash does not walk
+//! the whole file to rebuild redb's allocator state), in key order and
+//! coalesced (a key claimed and completed since the last checkpoint is one
+//! put, and its expiry-index entry moves once). The same commit stores the
+//! next log epoch, which retires the frozen table's frames; only after it
+//! is durable is the frozen table dropped (readers then find the records in
+//! redb) and its log segment free for reuse. Commits go on meanwhile, into
+//! the other segment and a new active memtable.
+//!
+//! A failed checkpoint poisons the store: the frozen records are still in
+//! the log (its segment is never reused), so a reopen replays them.
+//!
+//! The thread also freezes the active memtable when it is older than the
+//! checkpoint interval (so an idle store does not keep its records in the
+//! log indefinitely), and under [`Durability::Periodic`] syncs the log (or,
+//! without a log, makes redb's in-memory commits durable) within the loss
+//! window.
+
+use super::errors::engine;
+use super::memtable::Frozen;
+use super::tables::{META, META_TOKEN_HWM, META_WAL_EPOCH, WriteTables};
+use super::{Durability, Shared};
+use crate::error::{Error, Result};
+use ::redb::ReadableTable;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+/// The thread's body: runs until the store is dropped (after writing out a
+/// frozen memtable that is still waiting) or poisoned.
+pub(super) fn run(shared: Arc<Shared>) {
+    let mut last_sync = Instant::now();
+    let mut bg = shared.lock_bg();
+    loop {
+        let frozen = shared.read_mem().frozen.clone();
+        if let Some(frozen) = frozen {
+            drop(bg);
+            match checkpoint(&shared, &frozen) {
+                Ok(()) => {
+                    shared.write_mem().frozen = None;
+                    shared.stats.checkpoints.fetch_add(1, Ordering::Relaxed);
+                    shared.stats.durable_commits.fetch_add(1, Ordering::Relaxed);
+                }
+                // The frames are still in the log: a reopen replays them.
+                Err(_) => shared.poisoned.store(true, Ordering::SeqCst),
+            }
+            bg = shared.lock_bg();
+            shared.bg_cv.notify_all();
+            continue;
+        }
+        if bg.shutdown || shared.poisoned.load(Ordering::SeqCst) {
+            // Wake anyone waiting for a checkpoint that will not come.
+            shared.bg_cv.notify_all();
+            break;
+        }
+        let logged = shared.log_file.is_some();
+        let mut wait = Duration::from_secs(3600);
+        let mut work = false;
+        if logged && !shared.read_mem().active.is_empty() {
+            let left = shared.checkpoint_left();
+            work |= left.is_zero();
+            wait = wait.min(left);
+        }
+        if let Durability::Periodic { max_loss } = shared.durability {
+            let left = max_loss.saturating_sub(last_sync.elapsed());
+            work |= left.is_zero();
+            wait = wait.min(left.max(Duration::from_millis(1)));
+        }
+        if !work {
+            bg = shared
+                .bg_cv
+                .wait_timeout(bg, wait.max(Duration::from_millis(1)))
+                .map(|(g, _)| g)
+                .unwrap_or_else(|p| p.into_inner().0);
+            continue;
+        }
+        drop(bg);
+        let result = tick(&shared, &mut last_sync);
+        if result.is_err() {
+            shared.poisoned.store(true, Ordering::SeqCst);
+        }
+        bg = shared.lock_bg();
+    }
+}
+
+/// The timed work: an old memtable is frozen; under relaxed durability the
+/// log is synced, or redb's in-memory commits made durable.
+fn tick(shared: &Shared, last_sync: &mut Instant) -> Result<()> {
+    if shared.log_file.is_some() && shared.checkpoint_due() {
+        let mut core = shared.lock_core();
+        shared.freeze(&mut core)?;
+    }
+    if let Durability::Periodic { max_loss } = shared.durability
+        && last_sync.elapsed() >= max_loss
+    {
+        *last_sync = Instant::now();
+        match &shared.log_file {
+            Some(file) => {
+                if shared.log_unsynced.swap(false, Ordering::SeqCst) {
+                    file.sync_data().map_err(Error::Io)?;
+                }
+            }
+            None => {
+                let mut core = shared.lock_core();
+                if core.unflushed {
+                    shared.direct_locked(&mut core, |_, _| Ok::<_, Error>(()))?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Writes `frozen` into redb in one durable commit that also retires its
+/// log epoch.
+fn checkpoint(shared: &Shared, frozen: &Frozen) -> Result<()> {
+    let db = shared.read_db();
+    let mut txn = db.begin_write().map_err(engine)?;
+    txn.set_durability(::redb::Durability::Immediate)
+        .map_err(engine)?;
+    txn.set_quick_repair(true);
+    {
+        let mut tables = WriteTables::open(&txn)?;
+        for (key, entry) in &frozen.records {
+            tables.apply(key, entry.as_ref())?;
+        }
+        let mut meta = txn.open_table(META).map_err(engine)?;
+        let stored = match meta.get(META_TOKEN_HWM).map_err(engine)? {
+            Some(v) => v
+                .value()
+                .try_into()
+                .map(u64::from_be_bytes)
+                .unwrap_or_default(),
+            None => 0,
+        };
+        let hwm = stored.max(frozen.token_hwm);
+        meta.insert(META_TOKEN_HWM, hwm.to_be_bytes().as_slice())
+            .map_err(engine)?;
+        let next = frozen.epoch.wrapping_add(1);
+        meta.insert(META_WAL_EPOCH, next.to_be_bytes().as_slice())
+            .map_err(engine)?;
+    }
+    txn.commit().map_err(engine)?;
+    Ok(())
+}

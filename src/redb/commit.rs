@@ -1,0 +1,796 @@
+//! The commit path: leader/follower group commit (LevelDB's write queue).
+//!
+//! A caller queues its request. The first caller in line becomes the
+//! *leader* on its own thread: it takes the waiting group (up to
+//! [`MAX_WRITE_BATCH`](super::MAX_WRITE_BATCH)), decides each request in
+//! order with the one state machine (`logic`), appends one frame to the
+//! write-ahead log, `fdatasync`s it, publishes the group's records into the
+//! memtable, hands the leader role to the next caller in line and wakes
+//! its followers. A lone caller pays no thread hand-off; under load the
+//! role moves from caller to caller. There is no writer thread.
+//!
+//! Requests in one group apply in order: a duplicate later in a group sees
+//! the claim made earlier in it (the group's own writes are an overlay on
+//! the memtable and redb).
+//!
+//! Durability reasoning:
+//!
+//! - nobody is answered, and no reader sees a group, before its frame is
+//!   durable: the memtable is published after the log's `fdatasync`;
+//! - a frame that cannot be written or synced may or may not be on disk:
+//!   every caller in the group gets the error, nothing is published, and
+//!   the store is poisoned (every later write is [`Error::Poisoned`]) until
+//!   it is reopened;
+//! - a request that fails while being decided (stale claim, corrupt record,
+//!   an invariant check, a read error) fails alone and writes nothing;
+//! - a panic while leading poisons the store and answers the whole group,
+//!   so no follower waits forever.
+//!
+//! Without a log (`write_ahead_log(false)` or a bare storage backend) the
+//! leader applies the group to a redb write transaction and commits it
+//! durably (or, under [`Durability::Periodic`], in memory, made durable by
+//! the background thread within the loss window).
+
+use super::errors::engine;
+use super::memtable::{Entry, MEMTABLE_BYTES, Mem};
+use super::tables::{META, META_TOKEN_HWM, META_WAL_EPOCH, ReadTables, Source, WriteTables};
+use super::wal::{Journal, Wal};
+use super::{Durability, Shared};
+use crate::codec;
+use crate::error::{Error, Result};
+use crate::fingerprint::Fingerprint;
+use crate::logic;
+use crate::record::{Begin, Claim, Record};
+use crate::response::Response;
+use crate::time::Timestamp;
+use ::redb::{ReadableDatabase, WriteTransaction};
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// A write, as queued. Keys are already encoded.
+#[derive(Debug)]
+pub(super) enum Op {
+    Begin {
+        key: Vec<u8>,
+        fingerprint: Fingerprint,
+        now: Timestamp,
+        lease: Duration,
+        retention: Duration,
+    },
+    Complete {
+        key: Vec<u8>,
+        claim: Claim,
+        response: Response,
+        now: Timestamp,
+        retention: Duration,
+    },
+    Release {
+        key: Vec<u8>,
+        claim: Claim,
+    },
+    Sweep {
+        now: Timestamp,
+        max: usize,
+    },
+}
+
+/// The answer to one [`Op`].
+#[derive(Debug)]
+pub(super) enum Reply {
+    Begin(Begin),
+    Done,
+    Swept(usize),
+}
+
+/// Where one queued caller waits.
+#[derive(Debug, Default)]
+pub(super) struct Slot {
+    state: Mutex<SlotState>,
+    cv: Condvar,
+}
+
+#[derive(Debug, Default)]
+enum SlotState {
+    #[default]
+    Waiting,
+    /// The caller is now the leader.
+    Lead,
+    Done(Result<Reply>),
+}
+
+impl Slot {
+    fn set(&self, state: SlotState) {
+        *self.state.lock().unwrap_or_else(|p| p.into_inner()) = state;
+        self.cv.notify_one();
+    }
+}
+
+/// The line of callers.
+#[derive(Debug, Default)]
+pub(super) struct Queue {
+    waiting: VecDeque<(Op, Arc<Slot>)>,
+    /// A leader is committing. When false the line is empty, so a caller
+    /// that finds no leader is at the front of the line.
+    leading: bool,
+}
+
+/// What only the leader (or a direct transaction) touches: held for the
+/// whole of a group's commit. Lock order: the queue is never held while
+/// taking this; this, then the memtable, then the database.
+#[derive(Debug)]
+pub(super) struct Core {
+    pub(super) wal: Option<Wal>,
+    /// The largest fencing token handed out.
+    pub(super) token_hwm: u64,
+    /// No log, relaxed durability: commits made since the last durable one.
+    pub(super) unflushed: bool,
+    pub(super) last_durable: Instant,
+}
+
+impl Shared {
+    /// Queues `op` and returns its answer, leading groups while this caller
+    /// is at the front of the line. A full line (`WRITE_QUEUE_DEPTH`) waits
+    /// for room.
+    pub(super) fn submit(&self, op: Op) -> Result<Reply> {
+        if self.poisoned.load(Ordering::SeqCst) {
+            return Err(Error::Poisoned);
+        }
+        let mine = Arc::new(Slot::default());
+        let lead = {
+            let mut q = self.lock_queue();
+            while q.waiting.len() >= super::WRITE_QUEUE_DEPTH {
+                q = self.queue_room.wait(q).unwrap_or_else(|p| p.into_inner());
+            }
+            q.waiting.push_back((op, Arc::clone(&mine)));
+            !std::mem::replace(&mut q.leading, true)
+        };
+        if !lead {
+            let mut state = mine.state.lock().unwrap_or_else(|p| p.into_inner());
+            loop {
+                match std::mem::take(&mut *state) {
+                    SlotState::Waiting => {
+                        state = mine.cv.wait(state).unwrap_or_else(|p| p.into_inner());
+                    }
+                    SlotState::Lead => break,
+                    SlotState::Done(answer) => return answer,
+                }
+            }
+        }
+        self.lead(&mine)
+    }
+
+    /// Commits groups from the front of the line until `mine` is answered,
+    /// then passes the role on.
+    fn lead(&self, mine: &Arc<Slot>) -> Result<Reply> {
+        loop {
+            let group: Vec<(Op, Arc<Slot>)> = {
+                let mut q = self.lock_queue();
+                let n = q.waiting.len().min(self.max_batch);
+                let group = q.waiting.drain(..n).collect();
+                self.queue_room.notify_all();
+                group
+            };
+            let (ops, slots): (Vec<Op>, Vec<Arc<Slot>>) = group.into_iter().unzip();
+            let answers =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.commit_group(&ops)))
+                    .unwrap_or_else(|_| {
+                        // A bug while leading: what was written is unknown.
+                        self.poisoned.store(true, Ordering::SeqCst);
+                        ops.iter().map(|_| Err(Error::Poisoned)).collect()
+                    });
+            // Pass the role on first: the next group's commit overlaps
+            // the wake-ups of this one's followers.
+            {
+                let mut q = self.lock_queue();
+                match q.waiting.front() {
+                    Some((_, next)) => next.set(SlotState::Lead),
+                    None => q.leading = false,
+                }
+            }
+            let mut own = None;
+            for (slot, answer) in slots.into_iter().zip(answers) {
+                if Arc::ptr_eq(&slot, mine) {
+                    own = Some(answer);
+                } else {
+                    slot.set(SlotState::Done(answer));
+                }
+            }
+            if let Some(answer) = own {
+                return answer;
+            }
+            // Not in this group (the line was longer than a group): wait
+            // for the role to come back, or for an answer.
+            let mut state = mine.state.lock().unwrap_or_else(|p| p.into_inner());
+            loop {
+                match std::mem::take(&mut *state) {
+                    SlotState::Waiting => {
+                        state = mine.cv.wait(state).unwrap_or_else(|p| p.into_inner());
+                    }
+                    SlotState::Lead => break,
+                    SlotState::Done(answer) => return answer,
+                }
+            }
+        }
+    }
+
+    /// One group, under the commit lock: an answer per op.
+    fn commit_group(&self, ops: &[Op]) -> Vec<Result<Reply>> {
+        let stats = &self.stats;
+        stats.batches.fetch_add(1, Ordering::Relaxed);
+        stats
+            .requests
+            .fetch_add(ops.len() as u64, Ordering::Relaxed);
+        stats
+            .largest_batch
+            .fetch_max(ops.len() as u64, Ordering::Relaxed);
+        let mut core = self.lock_core();
+        if self.poisoned.load(Ordering::SeqCst) {
+            return ops.iter().map(|_| Err(Error::Poisoned)).collect();
+        }
+        let result = if core.wal.is_some() {
+            self.commit_logged(&mut core, ops)
+        } else {
+            self.commit_direct(&mut core, ops)
+        };
+        match result {
+            Ok(answers) => answers,
+            Err(error) => ops.iter().map(|_| Err(error.replicate())).collect(),
+        }
+    }
+
+    /// With the log: decide against memtable + redb, one frame, publish.
+    fn commit_logged(&self, core: &mut Core, ops: &[Op]) -> Result<Vec<Result<Reply>>> {
+        let mut hwm = core.token_hwm;
+        let decided = {
+            // The memtable first, then the read transaction (see memtable.rs).
+            let mem = self.read_mem();
+            let db = self.read_db();
+            let txn = db.begin_read().map_err(engine)?;
+            let base = ReadTables::open(&txn)?;
+            decide(ops, Some(&mem), &base, &mut hwm, true)
+        };
+        if decided.writes.is_empty() {
+            return Ok(decided.answers);
+        }
+        let mut journal = decided.journal.unwrap_or_default();
+        if hwm != core.token_hwm {
+            journal.meta_put(META_TOKEN_HWM, &hwm.to_be_bytes());
+        }
+        let sync = self.durability == Durability::Immediate;
+        let wal = core
+            .wal
+            .as_ref()
+            .ok_or_else(|| Error::backend("the write-ahead log is gone"))?;
+        if !wal.fits_at_all(journal.len()) {
+            // Larger than a whole segment: straight into redb, durably,
+            // with everything in memory before it.
+            let writes = decided.writes;
+            self.direct_locked(core, |txn, token_hwm| {
+                let mut tables = WriteTables::open(txn)?;
+                for (key, entry) in &writes {
+                    tables.apply(key, entry.as_ref())?;
+                }
+                *token_hwm = (*token_hwm).max(hwm);
+                Ok::<_, Error>(())
+            })?;
+            return Ok(decided.answers);
+        }
+        if !wal.fits(journal.len()) {
+            self.freeze(core)?;
+        }
+        let wal = core
+            .wal
+            .as_mut()
+            .ok_or_else(|| Error::backend("the write-ahead log is gone"))?;
+        if let Err(e) = wal.append(&mut journal, sync) {
+            // The frame may or may not be on disk.
+            self.poisoned.store(true, Ordering::SeqCst);
+            return Err(e);
+        }
+        if !sync {
+            self.log_unsynced.store(true, Ordering::SeqCst);
+        }
+        let bytes = {
+            let mut mem = self.write_mem();
+            mem.publish(decided.writes);
+            mem.active_bytes
+        };
+        core.token_hwm = hwm;
+        self.stats.commits.fetch_add(1, Ordering::Relaxed);
+        self.stats.logged_commits.fetch_add(1, Ordering::Relaxed);
+        self.stats
+            .swept
+            .fetch_add(decided.swept as u64, Ordering::Relaxed);
+        // Hand the memtable to the checkpointer when it is large enough,
+        // or old enough, and the checkpointer is free. Past twice the
+        // budget, wait for it (back-pressure on memory).
+        let free = self.read_mem().frozen.is_none();
+        let due = bytes >= MEMTABLE_BYTES || self.checkpoint_due();
+        if (due && free) || bytes >= 2 * MEMTABLE_BYTES {
+            self.freeze(core)?;
+        }
+        Ok(decided.answers)
+    }
+
+    /// Without the log: the group is one redb write transaction.
+    fn commit_direct(&self, core: &mut Core, ops: &[Op]) -> Result<Vec<Result<Reply>>> {
+        let mut hwm = core.token_hwm;
+        let db = self.read_db();
+        let mut txn = db.begin_write().map_err(engine)?;
+        let decided = {
+            let tables = WriteTables::open(&txn)?;
+            decide(ops, None, &tables, &mut hwm, false)
+        };
+        if decided.writes.is_empty() && decided.stale.is_empty() {
+            let _ = txn.abort();
+            return Ok(decided.answers);
+        }
+        {
+            let mut tables = WriteTables::open(&txn)?;
+            for (key, entry) in &decided.writes {
+                tables.apply(key, entry.as_ref())?;
+            }
+            for index_key in &decided.stale {
+                tables.unindex(index_key)?;
+            }
+        }
+        if hwm != core.token_hwm {
+            let mut meta = txn.open_table(META).map_err(engine)?;
+            meta.insert(META_TOKEN_HWM, hwm.to_be_bytes().as_slice())
+                .map_err(engine)?;
+        }
+        let durable = match self.durability {
+            Durability::Periodic { max_loss } => core.last_durable.elapsed() >= max_loss,
+            Durability::Immediate => true,
+        };
+        let level = if durable {
+            ::redb::Durability::Immediate
+        } else {
+            ::redb::Durability::None
+        };
+        txn.set_durability(level).map_err(engine)?;
+        txn.set_quick_repair(durable);
+        if let Err(e) = txn.commit() {
+            // It may or may not be on disk: refuse every later write.
+            self.poisoned.store(true, Ordering::SeqCst);
+            return Err(engine(e));
+        }
+        core.token_hwm = hwm;
+        self.stats.commits.fetch_add(1, Ordering::Relaxed);
+        self.stats
+            .swept
+            .fetch_add(decided.swept as u64, Ordering::Relaxed);
+        if durable {
+            self.stats.durable_commits.fetch_add(1, Ordering::Relaxed);
+            core.unflushed = false;
+            core.last_durable = Instant::now();
+        } else {
+            core.unflushed = true;
+        }
+        Ok(decided.answers)
+    }
+
+    /// Hands the active memtable to the checkpointer: waits for the
+    /// previous checkpoint to finish, freezes, and moves the log to the
+    /// next epoch (the other segment). Nothing to do when nothing was
+    /// logged since the last checkpoint.
+    pub(super) fn freeze(&self, core: &mut Core) -> Result<()> {
+        self.wait_checkpointed()?;
+        let Some(wal) = core.wal.as_mut() else {
+            return Ok(());
+        };
+        {
+            let mut mem = self.write_mem();
+            if mem.active.is_empty() && !wal.is_dirty() {
+                return Ok(());
+            }
+            mem.freeze(wal.epoch(), core.token_hwm);
+        }
+        wal.rotate();
+        self.note_checkpoint_started();
+        self.wake_background();
+        Ok(())
+    }
+
+    /// Runs `f` in a durable write transaction of its own (the inbox, the
+    /// CLI's evict and import, compaction, a group too large for the log),
+    /// outside the line but under the commit lock.
+    ///
+    /// The transaction first takes in every record the memtable holds (it
+    /// waits for a running checkpoint), so `f` reads the current state;
+    /// then it retires the log's frames (a new epoch), since replaying
+    /// older frames over `f`'s writes would undo them. `f` gets the token
+    /// high-water mark to hand out tokens from. An error from `f` aborts
+    /// everything; a failed commit poisons the store.
+    pub(super) fn direct<T, E: From<Error>>(
+        &self,
+        f: impl FnOnce(&WriteTransaction, &mut u64) -> Result<T, E>,
+    ) -> Result<T, E> {
+        let mut core = self.lock_core();
+        self.direct_locked(&mut core, f)
+    }
+
+    /// [`direct`](Self::direct) with the commit lock already held.
+    pub(super) fn direct_locked<T, E: From<Error>>(
+        &self,
+        core: &mut Core,
+        f: impl FnOnce(&WriteTransaction, &mut u64) -> Result<T, E>,
+    ) -> Result<T, E> {
+        if self.poisoned.load(Ordering::SeqCst) {
+            return Err(Error::Poisoned.into());
+        }
+        self.wait_checkpointed()?;
+        let db = self.read_db();
+        let mut txn = db.begin_write().map_err(engine)?;
+        txn.set_durability(::redb::Durability::Immediate)
+            .map_err(engine)?;
+        txn.set_quick_repair(true);
+        {
+            let mem = self.read_mem();
+            let mut tables = WriteTables::open(&txn)?;
+            for (key, entry) in &mem.active {
+                tables.apply(key, entry.as_ref())?;
+            }
+        }
+        let mut hwm = core.token_hwm;
+        let out = f(&txn, &mut hwm)?;
+        let hwm = hwm.max(core.token_hwm);
+        {
+            let mut meta = txn.open_table(META).map_err(engine)?;
+            meta.insert(META_TOKEN_HWM, hwm.to_be_bytes().as_slice())
+                .map_err(engine)?;
+            if let Some(wal) = &core.wal {
+                let next = wal.epoch().wrapping_add(1);
+                meta.insert(META_WAL_EPOCH, next.to_be_bytes().as_slice())
+                    .map_err(engine)?;
+            }
+        }
+        if let Err(e) = txn.commit() {
+            self.poisoned.store(true, Ordering::SeqCst);
+            return Err(engine(e).into());
+        }
+        core.token_hwm = hwm;
+        core.unflushed = false;
+        core.last_durable = Instant::now();
+        {
+            let mut mem = self.write_mem();
+            mem.active.clear();
+            mem.active_bytes = 0;
+        }
+        if let Some(wal) = core.wal.as_mut() {
+            wal.rotate();
+        }
+        self.note_checkpoint_started();
+        self.stats.commits.fetch_add(1, Ordering::Relaxed);
+        self.stats.durable_commits.fetch_add(1, Ordering::Relaxed);
+        Ok(out)
+    }
+
+    /// Waits until no frozen memtable is waiting for its checkpoint.
+    pub(super) fn wait_checkpointed(&self) -> Result<()> {
+        let mut bg = self.lock_bg();
+        loop {
+            if self.poisoned.load(Ordering::SeqCst) {
+                return Err(Error::Poisoned);
+            }
+            if self.read_mem().frozen.is_none() {
+                return Ok(());
+            }
+            bg = self.bg_cv.wait(bg).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+}
+
+/// What deciding a group produced.
+#[derive(Debug, Default)]
+pub(super) struct Decided {
+    /// One per op, in order.
+    pub(super) answers: Vec<Result<Reply>>,
+    /// Each written key's final state (a deletion is `None`).
+    pub(super) writes: BTreeMap<Vec<u8>, Entry>,
+    /// The writes in the order they were made, for the log.
+    pub(super) journal: Option<Journal>,
+    /// Expiry-index entries whose record no longer matches (no log only:
+    /// with the log, redb's index lags the memtable by design).
+    pub(super) stale: Vec<Vec<u8>>,
+    /// Records deleted by sweeps.
+    pub(super) swept: usize,
+}
+
+/// Decides every op of a group in order, against the group's own earlier
+/// writes, then `mem`, then `base`. Writes nothing anywhere: the caller
+/// makes [`Decided::writes`] durable.
+pub(super) fn decide(
+    ops: &[Op],
+    mem: Option<&Mem>,
+    base: &dyn Source,
+    hwm: &mut u64,
+    journal: bool,
+) -> Decided {
+    let mut group = Group {
+        mem,
+        base,
+        out: Decided {
+            journal: journal.then(Journal::default),
+            ..Decided::default()
+        },
+    };
+    for op in ops {
+        let answer = group.step(op, hwm);
+        group.out.answers.push(answer);
+    }
+    group.out
+}
+
+struct Group<'a> {
+    mem: Option<&'a Mem>,
+    base: &'a dyn Source,
+    out: Decided,
+}
+
+impl Group<'_> {
+    /// The current state of `key`: this group's writes, the memtable, redb.
+    fn current(&self, key: &[u8]) -> Result<Option<Record>> {
+        if let Some(entry) = self.out.writes.get(key) {
+            return Ok(entry.clone());
+        }
+        if let Some(entry) = self.mem.and_then(|m| m.get(key)) {
+            return Ok(entry.clone());
+        }
+        self.base.read(key)
+    }
+
+    /// True when redb's copy of `key` is hidden by a newer one in memory.
+    fn shadowed(&self, key: &[u8]) -> bool {
+        self.out.writes.contains_key(key) || self.mem.is_some_and(|m| m.get(key).is_some())
+    }
+
+    fn put(&mut self, key: &[u8], record: Record) -> Result<()> {
+        // Encoded (and its invariants checked) before anything is kept.
+        let value = codec::encode_record(&record)?;
+        if let Some(journal) = &mut self.out.journal {
+            journal.record_put(key, &value);
+        }
+        self.out.writes.insert(key.to_vec(), Some(record));
+        Ok(())
+    }
+
+    fn delete(&mut self, key: &[u8]) {
+        if let Some(journal) = &mut self.out.journal {
+            journal.record_del(key);
+        }
+        self.out.writes.insert(key.to_vec(), None);
+    }
+
+    fn step(&mut self, op: &Op, hwm: &mut u64) -> Result<Reply> {
+        match op {
+            Op::Begin {
+                key,
+                fingerprint,
+                now,
+                lease,
+                retention,
+            } => {
+                let existing = self.current(key)?;
+                let last = *hwm;
+                let decided =
+                    logic::begin(existing, fingerprint, *now, *lease, *retention, || {
+                        last.checked_add(1)
+                            .ok_or_else(|| Error::invalid_argument("fencing tokens exhausted"))
+                    })?;
+                if let Some(record) = decided.write {
+                    let token = record.token;
+                    self.put(key, record)?;
+                    *hwm = (*hwm).max(token);
+                }
+                Ok(Reply::Begin(decided.answer))
+            }
+            Op::Complete {
+                key,
+                claim,
+                response,
+                now,
+                retention,
+            } => {
+                let existing = self.current(key)?;
+                let record = logic::complete(existing, claim, response, *now, *retention)?;
+                self.put(key, record)?;
+                Ok(Reply::Done)
+            }
+            Op::Release { key, claim } => {
+                let existing = self.current(key)?;
+                let present = existing.is_some();
+                logic::release(existing, claim)?;
+                if present {
+                    self.delete(key);
+                }
+                Ok(Reply::Done)
+            }
+            Op::Sweep { now, max } => {
+                let swept = self.sweep(*now, *max)?;
+                self.out.swept += swept;
+                Ok(Reply::Swept(swept))
+            }
+        }
+    }
+
+    /// Deletes up to `max` expired records, oldest expiry first (ties in
+    /// key order), wherever they are: this group, the memtable, redb.
+    fn sweep(&mut self, now: Timestamp, max: usize) -> Result<usize> {
+        let mut candidates: Vec<(Timestamp, Vec<u8>)> = Vec::new();
+        if let Some(mem) = self.mem {
+            candidates.extend(mem.due(now));
+        }
+        for (key, entry) in &self.out.writes {
+            if let Some(r) = entry
+                && logic::sweepable(r.expires_at, now)
+            {
+                candidates.push((r.expires_at, key.clone()));
+            }
+        }
+        // redb's index, in (expiry, key) order: its first `max` live
+        // entries are all it can contribute. Keys decided in memory are
+        // the memtable's business above.
+        let mut from_base = 0;
+        let mut stale = Vec::new();
+        self.base.due(now, &mut |index_key| {
+            let (expires_at, key) = codec::decode_index(index_key)?;
+            if self.shadowed(key) {
+                return Ok(true);
+            }
+            match self.base.read(key)? {
+                Some(r) if r.expires_at == expires_at && logic::sweepable(r.expires_at, now) => {
+                    candidates.push((expires_at, key.to_vec()));
+                    from_base += 1;
+                }
+                _ => stale.push(index_key.to_vec()),
+            }
+            Ok(from_base < max)
+        })?;
+        candidates.sort();
+        candidates.dedup();
+        let mut swept = 0;
+        for (expires_at, key) in candidates {
+            if swept >= max {
+                break;
+            }
+            // Re-check against the current state: the index and the
+            // memtable only nominate.
+            match self.current(&key)? {
+                Some(r) if r.expires_at == expires_at && logic::sweepable(r.expires_at, now) => {
+                    self.delete(&key);
+                    swept += 1;
+                }
+                _ => {}
+            }
+        }
+        if self.out.journal.is_none() {
+            self.out.stale.extend(stale);
+        }
+        Ok(swept)
+    }
+}
+
+impl Error {
+    /// The same failure for another caller of a failed group: the variant
+    /// (and so [`Error::is_transient`]) is the same for every caller.
+    pub(super) fn replicate(&self) -> Error {
+        match self {
+            Error::Io(e) => Error::Io(std::io::Error::new(e.kind(), e.to_string())),
+            Error::Poisoned => Error::Poisoned,
+            Error::Closed => Error::Closed,
+            Error::Corrupt { key, detail } => Error::corrupt(key.clone(), detail.clone()),
+            other => Error::backend(other.to_string()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::redb::RedbStoreBuilder;
+    use crate::redb::open;
+    use std::path::Path;
+
+    const T: Timestamp = Timestamp::from_millis(1_000_000);
+    const D: Duration = Duration::from_secs(10);
+
+    fn begin(id: &[u8]) -> Op {
+        Op::Begin {
+            key: id.to_vec(),
+            fingerprint: Fingerprint::of(b"fp"),
+            now: T,
+            lease: D,
+            retention: D,
+        }
+    }
+
+    fn shared(log: bool) -> Arc<Shared> {
+        let config = RedbStoreBuilder::default().config;
+        let backend = ::redb::backends::InMemoryBackend::new();
+        let wal: Option<Box<dyn ::redb::StorageBackend>> =
+            log.then(|| Box::new(::redb::backends::InMemoryBackend::new()) as _);
+        let opened = open::open_backend(backend, wal, &config, Path::new("memory")).unwrap();
+        Shared::new(opened, &config)
+    }
+
+    #[test]
+    fn one_group_applies_in_order_and_a_bad_request_fails_alone() {
+        for log in [true, false] {
+            let shared = shared(log);
+            let bogus = Claim {
+                token: 99,
+                lease_until: T,
+                takeover: false,
+                attempt: 1,
+            };
+            let answers = shared.commit_group(&[
+                begin(b"\0a"),
+                // A duplicate in the same group sees the claim made just before it.
+                begin(b"\0a"),
+                // Fails validation: it fails alone, the group still commits.
+                Op::Complete {
+                    key: b"\0b".to_vec(),
+                    claim: bogus,
+                    response: Response::new(200, ""),
+                    now: T,
+                    retention: D,
+                },
+                begin(b"\0c"),
+            ]);
+            let mut it = answers.into_iter();
+            assert!(matches!(it.next(), Some(Ok(Reply::Begin(Begin::Claimed(c)))) if c.token == 1));
+            assert!(matches!(
+                it.next(),
+                Some(Ok(Reply::Begin(Begin::InFlight { .. })))
+            ));
+            assert!(matches!(it.next(), Some(Err(Error::StaleClaim))));
+            assert!(matches!(it.next(), Some(Ok(Reply::Begin(Begin::Claimed(c)))) if c.token == 2));
+            assert_eq!(shared.stats.commits.load(Ordering::Relaxed), 1);
+            assert_eq!(shared.lock_core().token_hwm, 2);
+            // With the log the records are in the memtable, without it in redb.
+            assert_eq!(shared.read_mem().active.len(), if log { 2 } else { 0 });
+        }
+    }
+
+    #[test]
+    fn a_group_of_answers_only_commits_nothing() {
+        for log in [true, false] {
+            let shared = shared(log);
+            let answers = shared.commit_group(&[Op::Sweep { now: T, max: 10 }]);
+            assert!(matches!(answers.as_slice(), [Ok(Reply::Swept(0))]));
+            assert_eq!(shared.stats.commits.load(Ordering::Relaxed), 0);
+        }
+    }
+
+    #[test]
+    fn a_sweep_takes_expired_records_from_memory_and_redb_in_order() {
+        let shared = shared(true);
+        let claim = |id: &[u8], at: u64| Op::Begin {
+            key: id.to_vec(),
+            fingerprint: Fingerprint::of(b"fp"),
+            now: Timestamp::from_millis(at),
+            lease: Duration::from_millis(1),
+            retention: Duration::from_millis(1),
+        };
+        shared.commit_group(&[claim(b"\0r1", 10), claim(b"\0r2", 20)]);
+        // Into redb: the memtable is checkpointed by a direct transaction.
+        shared.direct(|_, _| Ok::<_, Error>(())).unwrap();
+        assert!(shared.read_mem().is_empty());
+        shared.commit_group(&[claim(b"\0m1", 15), claim(b"\0m2", 25)]);
+        let later = Timestamp::from_millis(1_000);
+        let answers = shared.commit_group(&[Op::Sweep { now: later, max: 3 }]);
+        assert!(matches!(answers.as_slice(), [Ok(Reply::Swept(3))]));
+        // Oldest first: r1 (11), m1 (16), r2 (21) went; m2 (26) is left.
+        let mem = shared.read_mem();
+        assert!(matches!(mem.get(b"\0r1"), Some(None)));
+        assert!(matches!(mem.get(b"\0m1"), Some(None)));
+        assert!(matches!(mem.get(b"\0r2"), Some(None)));
+        assert!(matches!(mem.get(b"\0m2"), Some(Some(_))));
+        drop(mem);
+        let answers = shared.commit_group(&[Op::Sweep { now: later, max: 3 }]);
+        assert!(matches!(answers.as_slice(), [Ok(Reply::Swept(1))]));
+    }
+}

@@ -1,0 +1,186 @@
+//! The memtable: records written since the last checkpoint, in memory.
+//!
+//! A committed group's records are published here after its log frame is
+//! durable (never before: nothing is visible before it is durable), and
+//! stay here until a checkpoint has written them into redb in one durable
+//! commit. Readers look in the active table, then in the frozen one (the
+//! table a checkpoint is writing out), then in redb.
+//!
+//! Consistency of that order: only the committing leader (holding the
+//! commit lock) writes the active table or freezes it, and a checkpoint
+//! clears the frozen table only *after* its redb commit. So a reader that
+//! takes the memtable snapshot first and opens its redb read transaction
+//! second never sees a record older than the one it would have found in
+//! the memtable: either the frozen table was still there, or redb already
+//! held its records.
+
+use crate::record::Record;
+use crate::time::Timestamp;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+/// Bytes of records the active memtable may hold before the next group
+/// freezes it and hands it to the checkpointer. It bounds the memory the
+/// store holds beyond redb's cache (at most two tables: the active one and
+/// the one being checkpointed) and the work of one checkpoint.
+///
+/// ```
+/// assert_eq!(idemstore::MEMTABLE_BYTES, 8 << 20);
+/// ```
+pub const MEMTABLE_BYTES: usize = 8 * 1024 * 1024;
+
+/// One key's latest state: a record, or `None` for a deletion (released or
+/// swept) that redb must see at the next checkpoint.
+pub(super) type Entry = Option<Record>;
+
+/// Records by encoded key, in key order (a checkpoint writes them in order).
+pub(super) type Table = BTreeMap<Vec<u8>, Entry>;
+
+/// A memtable being written into redb by a checkpoint.
+#[derive(Debug)]
+pub(super) struct Frozen {
+    pub(super) records: Table,
+    /// The log epoch whose frames hold these records: the checkpoint stores
+    /// `epoch + 1` as the durable epoch, retiring those frames.
+    pub(super) epoch: u64,
+    /// The fencing-token high-water mark when it was frozen.
+    pub(super) token_hwm: u64,
+}
+
+/// Both memtables.
+#[derive(Debug, Default)]
+pub(super) struct Mem {
+    pub(super) active: Table,
+    /// Approximate bytes held by `active` (see [`entry_bytes`]).
+    pub(super) active_bytes: usize,
+    pub(super) frozen: Option<Arc<Frozen>>,
+}
+
+impl Mem {
+    /// The latest state of `key` in memory: `Some(entry)` when the memtable
+    /// decides it (a record or a deletion), `None` when redb does.
+    pub(super) fn get(&self, key: &[u8]) -> Option<&Entry> {
+        self.active
+            .get(key)
+            .or_else(|| self.frozen.as_deref().and_then(|f| f.records.get(key)))
+    }
+
+    /// True when the memtable holds nothing (no active or frozen records).
+    pub(super) fn is_empty(&self) -> bool {
+        self.active.is_empty() && self.frozen.is_none()
+    }
+
+    /// Publishes one group's writes (already durable in the log).
+    pub(super) fn publish(&mut self, writes: impl IntoIterator<Item = (Vec<u8>, Entry)>) {
+        for (key, entry) in writes {
+            let key_len = key.len();
+            let added = entry_bytes(&key, &entry);
+            if let Some(old) = self.active.insert(key, entry) {
+                // The key is counted once: the old entry's bytes go.
+                let old_bytes = key_len + added_of(&old);
+                self.active_bytes = self.active_bytes.saturating_sub(old_bytes);
+            }
+            self.active_bytes += added;
+        }
+    }
+
+    /// Moves the active table to the frozen slot (which must be empty).
+    pub(super) fn freeze(&mut self, epoch: u64, token_hwm: u64) -> Arc<Frozen> {
+        let frozen = Arc::new(Frozen {
+            records: std::mem::take(&mut self.active),
+            epoch,
+            token_hwm,
+        });
+        self.active_bytes = 0;
+        self.frozen = Some(Arc::clone(&frozen));
+        frozen
+    }
+
+    /// Records in memory whose expiry is at or before `now` (candidates for
+    /// a sweep), with the key they are stored under. A key in the active
+    /// table hides its frozen entry.
+    pub(super) fn due(&self, now: Timestamp) -> Vec<(Timestamp, Vec<u8>)> {
+        let mut out = Vec::new();
+        let mut take = |key: &Vec<u8>, entry: &Entry| {
+            if let Some(r) = entry
+                && crate::logic::sweepable(r.expires_at, now)
+            {
+                out.push((r.expires_at, key.clone()));
+            }
+        };
+        for (key, entry) in &self.active {
+            take(key, entry);
+        }
+        if let Some(frozen) = &self.frozen {
+            for (key, entry) in &frozen.records {
+                if !self.active.contains_key(key) {
+                    take(key, entry);
+                }
+            }
+        }
+        out
+    }
+}
+
+/// Approximate memory of one entry: key, response body and a fixed
+/// allowance for the record, the map node and the allocations.
+pub(super) fn entry_bytes(key: &[u8], entry: &Entry) -> usize {
+    key.len() + added_of(entry)
+}
+
+fn added_of(entry: &Entry) -> usize {
+    const OVERHEAD: usize = 160;
+    OVERHEAD
+        + entry
+            .as_ref()
+            .and_then(|r| r.response.as_ref())
+            .map_or(0, |resp| resp.body().len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fingerprint::Fingerprint;
+    use crate::record::State;
+
+    fn record(expires: u64) -> Record {
+        Record {
+            fingerprint: Fingerprint::of(b"x"),
+            state: State::Processing,
+            response: None,
+            lease_until: Some(Timestamp::from_millis(expires)),
+            expires_at: Timestamp::from_millis(expires),
+            created_at: Timestamp::from_millis(0),
+            token: 1,
+            attempts: 1,
+        }
+    }
+
+    #[test]
+    fn active_hides_frozen_and_deletions_are_answers() {
+        let mut mem = Mem::default();
+        mem.publish([(b"a".to_vec(), Some(record(10))), (b"b".to_vec(), None)]);
+        assert!(!mem.is_empty());
+        let frozen = mem.freeze(7, 1);
+        assert_eq!((frozen.epoch, frozen.records.len()), (7, 2));
+        assert_eq!(mem.active_bytes, 0);
+        mem.publish([(b"a".to_vec(), None)]);
+        assert!(matches!(mem.get(b"a"), Some(None)));
+        assert!(matches!(mem.get(b"b"), Some(None)));
+        assert!(mem.get(b"c").is_none());
+        // Only the frozen record of a key the active table does not hide is due.
+        mem.publish([(b"c".to_vec(), Some(record(5)))]);
+        let due = mem.due(Timestamp::from_millis(10));
+        assert_eq!(due, vec![(Timestamp::from_millis(5), b"c".to_vec())]);
+    }
+
+    #[test]
+    fn bytes_count_each_key_once() {
+        let mut mem = Mem::default();
+        mem.publish([(b"k".to_vec(), Some(record(1)))]);
+        let once = mem.active_bytes;
+        assert_eq!(once, entry_bytes(b"k", &Some(record(1))));
+        mem.publish([(b"k".to_vec(), Some(record(2)))]);
+        assert_eq!(mem.active_bytes, once);
+    }
+}
