@@ -56,6 +56,7 @@ pub(crate) fn sweep(store: &RedbStore, path: &Path, json: bool, io: &mut Io<'_>)
         bar.inc(n);
     }
     bar.finish_and_clear();
+    store.checkpoint_now()?;
     let left = store.facts()?.records;
     let elapsed = started.elapsed();
     if json {

@@ -88,25 +88,35 @@ pub(super) fn run(shared: Arc<Shared>) {
 
 /// The timed work: an old memtable is frozen; under relaxed durability the
 /// log is synced, or redb's in-memory commits made durable.
+///
+/// The commit lock is only tried: a leader holding it may be waiting for
+/// this thread to finish a checkpoint, and a busy store's leaders freeze
+/// old memtables themselves.
 fn tick(shared: &Shared, last_sync: &mut Instant) -> Result<()> {
-    if shared.log_file.is_some() && shared.checkpoint_due() {
-        let mut core = shared.lock_core();
+    if shared.log_file.is_some()
+        && shared.checkpoint_due()
+        && let Some(mut core) = shared.try_lock_core()
+    {
         shared.freeze(&mut core)?;
     }
     if let Durability::Periodic { max_loss } = shared.durability
         && last_sync.elapsed() >= max_loss
     {
-        *last_sync = Instant::now();
         match &shared.log_file {
             Some(file) => {
+                *last_sync = Instant::now();
                 if shared.log_unsynced.swap(false, Ordering::SeqCst) {
                     file.sync_data().map_err(Error::Io)?;
                 }
             }
+            // A leader holding the lock makes its own commit durable once
+            // the window has passed; otherwise this is tried again shortly.
             None => {
-                let mut core = shared.lock_core();
-                if core.unflushed {
-                    shared.direct_locked(&mut core, |_, _| Ok::<_, Error>(()))?;
+                if let Some(mut core) = shared.try_lock_core() {
+                    *last_sync = Instant::now();
+                    if core.unflushed {
+                        shared.direct_locked(&mut core, |_, _| Ok::<_, Error>(()))?;
+                    }
                 }
             }
         }

@@ -327,7 +327,7 @@ impl Shared {
             let _ = txn.abort();
             return Ok(decided.answers);
         }
-        {
+        let written = (|| -> Result<()> {
             let mut tables = WriteTables::open(&txn)?;
             for (key, entry) in &decided.writes {
                 tables.apply(key, entry.as_ref())?;
@@ -335,11 +335,20 @@ impl Shared {
             for index_key in &decided.stale {
                 tables.unindex(index_key)?;
             }
-        }
-        if hwm != core.token_hwm {
-            let mut meta = txn.open_table(META).map_err(engine)?;
-            meta.insert(META_TOKEN_HWM, hwm.to_be_bytes().as_slice())
-                .map_err(engine)?;
+            drop(tables);
+            if hwm != core.token_hwm {
+                let mut meta = txn.open_table(META).map_err(engine)?;
+                meta.insert(META_TOKEN_HWM, hwm.to_be_bytes().as_slice())
+                    .map_err(engine)?;
+            }
+            Ok(())
+        })();
+        if let Err(e) = written {
+            // A storage failure while writing (redb may sync while it
+            // allocates): what reached the disk is unknown.
+            let _ = txn.abort();
+            self.poisoned.store(true, Ordering::SeqCst);
+            return Err(e);
         }
         let durable = match self.durability {
             Durability::Periodic { max_loss } => core.last_durable.elapsed() >= max_loss,

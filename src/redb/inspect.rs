@@ -135,6 +135,14 @@ pub(crate) struct Evicted {
 }
 
 impl RedbStore {
+    /// Writes everything the memtable holds into the store file (durably,
+    /// retiring the log), so that the reads below, which read the file,
+    /// see writes made through the store API (a sweep). Writes nothing
+    /// when the memtable is empty, as it is after an open.
+    pub(crate) fn checkpoint_now(&self) -> Result<()> {
+        self.shared.flush()
+    }
+
     /// Facts from the meta table and the table sizes.
     pub(crate) fn facts(&self) -> Result<Facts> {
         let db = self.shared.read_db();

@@ -150,6 +150,13 @@ impl Shared {
     fn lock_core(&self) -> MutexGuard<'_, Core> {
         self.core.lock().unwrap_or_else(|p| p.into_inner())
     }
+    fn try_lock_core(&self) -> Option<MutexGuard<'_, Core>> {
+        match self.core.try_lock() {
+            Ok(guard) => Some(guard),
+            Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
+    }
     fn lock_queue(&self) -> MutexGuard<'_, Queue> {
         self.queue.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -207,11 +214,16 @@ impl Shared {
     /// Makes everything in memory durable in redb and retires the log.
     fn flush(&self) -> Result<()> {
         let mut core = self.lock_core();
+        self.flush_locked(&mut core)
+    }
+
+    /// [`flush`](Self::flush) with the commit lock held.
+    fn flush_locked(&self, core: &mut Core) -> Result<()> {
         let dirty = !self.read_mem().is_empty()
             || core.wal.as_ref().is_some_and(wal::Wal::is_dirty)
             || core.unflushed;
         if dirty {
-            self.direct_locked(&mut core, |_, _| Ok::<_, Error>(()))?;
+            self.direct_locked(core, |_, _| Ok::<_, Error>(()))?;
         }
         Ok(())
     }
@@ -400,8 +412,7 @@ impl RedbStore {
         let mut core = self.shared.lock_core();
         // Compaction moves pages of the durable state only: make everything
         // in memory part of it first (and retire the log).
-        self.shared
-            .direct_locked(&mut core, |_, _| Ok::<_, Error>(()))?;
+        self.shared.flush_locked(&mut core)?;
         let mut db = self.shared.db.write().unwrap_or_else(|p| p.into_inner());
         db.compact().map_err(engine)
     }

@@ -127,7 +127,7 @@ fn stats_counts_records_by_state() {
     assert_eq!(v["expired_not_swept"], 1);
     assert_eq!(v["unreadable"], 0);
     assert_eq!(v["index_entries"], 6);
-    assert_eq!(v["format_version"], 2);
+    assert_eq!(v["format_version"], 3);
     assert_eq!(v["token_high_water_mark"], 6);
     assert!(v["file_bytes"].as_u64().unwrap() > 0);
     assert!(v["oldest_expiry_ms"].as_u64() < v["newest_expiry_ms"].as_u64());

@@ -199,7 +199,7 @@ fn a_failed_fsync_poisons_the_store_until_reopened() {
         matches!(failed, Err(Error::Io(_) | Error::Backend(_))),
         "{failed:?}"
     );
-    assert!(store.is_poisoned());
+    assert!(store.is_poisoned(), "{failed:?}");
     assert!(matches!(
         store.begin(&key("b"), &fp, T0, LEASE, KEEP),
         Err(Error::Poisoned)
@@ -337,7 +337,7 @@ fn a_newer_format_version_is_unsupported() {
         let txn = db.begin_write().unwrap();
         txn.open_table(redb::TableDefinition::<&str, &[u8]>::new("idemstore.meta"))
             .unwrap()
-            .insert("format_version", 3u32.to_be_bytes().as_slice())
+            .insert("format_version", 4u32.to_be_bytes().as_slice())
             .unwrap();
         txn.commit().unwrap();
     }
@@ -345,8 +345,8 @@ fn a_newer_format_version_is_unsupported() {
         matches!(
             e,
             Error::UnsupportedFormat {
-                found: 3,
-                supported: 2
+                found: 4,
+                supported: 3
             }
         )
     });
