@@ -1,7 +1,8 @@
 //! Same-run comparison: the cycle workload (durable claim + durable
 //! completion, 200-byte response) on idemstore's stores and on what a user
-//! would pick instead, at 1, 8 and 64 clients, interleaved round by round so
-//! that every backend sees the same disk weather. Prints medians and ratios.
+//! would pick instead, at 1, 8, 64 and 256 clients, interleaved round by
+//! round so that every backend sees the same disk weather. Prints medians
+//! and ratios.
 //!
 //! ```text
 //! cargo run --release --example compare                 # 3 rounds × 3 s per cell
@@ -9,6 +10,20 @@
 //! # ... and PostgresStore when IDEMSTORE_PG_URL names a server
 //! cargo run --release --example compare -- --smoke      # CI: one short round
 //! cargo run --release --example compare -- --rounds 5 --seconds 5
+//! ```
+//!
+//! Redis joins as a peer when IDEMSTORE_REDIS_URL (a server with
+//! `appendfsync always`) and/or IDEMSTORE_REDIS_EVERYSEC_URL (one with
+//! `appendfsync everysec`) name servers; each row is labelled with what
+//! its server reports (`CONFIG GET appendfsync`), and the servers' versions
+//! are printed. `--require-redis` fails the run when either is missing (CI).
+//!
+//! ```text
+//! dir=$(mktemp -d)
+//! eval "$(scripts/redis-test-server start "$dir/always")"
+//! eval "$(scripts/redis-test-server start "$dir/everysec" everysec)"
+//! cargo run --release --example compare -- --smoke --require-redis
+//! scripts/redis-test-server stop "$dir/always"; scripts/redis-test-server stop "$dir/everysec"
 //! ```
 
 #[allow(dead_code, reason = "each example uses part of the shared module")]
@@ -18,18 +33,27 @@ mod peers;
 #[path = "common/workload.rs"]
 mod workload;
 
-use peers::{Backend, BoxResult, fdatasync_probe};
+use peers::{Backend, BoxResult, RedisInfo, fdatasync_probe};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 
-const CLIENTS: [usize; 3] = [1, 8, 64];
+const CLIENTS: [usize; 4] = [1, 8, 64, 256];
 
-/// The backends compared, in table order; ours first.
-fn backends() -> Vec<&'static str> {
+/// The Redis peers, each where its variable names a server.
+const REDIS: [&str; 2] = ["redis-always", "redis-everysec"];
+
+/// The backends compared, in table order; ours first, then the peers.
+fn backends(redis: &[&'static str]) -> Vec<&'static str> {
     let mut v = Vec::new();
     v.extend(ours());
-    v.extend(["sqlite", "redb-raw"]);
+    v.extend(peers(redis));
+    v
+}
+
+fn peers(redis: &[&'static str]) -> Vec<&'static str> {
+    let mut v = vec!["sqlite", "redb-raw"];
+    v.extend_from_slice(redis);
     v
 }
 
@@ -68,6 +92,7 @@ fn cell(map: &BTreeMap<(String, usize), Vec<f64>>, name: &str, clients: usize) -
 fn main() -> BoxResult<()> {
     let mut rounds = 3usize;
     let mut seconds = 3.0f64;
+    let mut require_redis = false;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -77,6 +102,7 @@ fn main() -> BoxResult<()> {
             }
             "--rounds" => rounds = args.next().ok_or("--rounds N")?.parse()?,
             "--seconds" => seconds = args.next().ok_or("--seconds S")?.parse()?,
+            "--require-redis" => require_redis = true,
             other => return Err(format!("unknown option {other}").into()),
         }
     }
@@ -87,6 +113,48 @@ fn main() -> BoxResult<()> {
         root.path().display()
     );
 
+    // Redis: the servers named, what each says it is, and the row labels.
+    let mut labels: BTreeMap<&str, String> = BTreeMap::new();
+    let mut redis = Vec::new();
+    for name in REDIS {
+        let var = peers::redis_env(name);
+        let Ok(url) = std::env::var(var) else {
+            if require_redis {
+                return Err(format!(
+                    "--require-redis: {var} is not set (scripts/redis-test-server start DIR{})",
+                    if name == "redis-everysec" {
+                        " everysec"
+                    } else {
+                        ""
+                    }
+                )
+                .into());
+            }
+            println!("{name}: skipped, {var} not set");
+            continue;
+        };
+        let info = RedisInfo::of(&url).map_err(|e| format!("{var}={url}: {e}"))?;
+        println!(
+            "{name}: Redis {} at {url}: appendonly {}, appendfsync {}, save '{}'{}",
+            info.version,
+            info.appendonly,
+            info.appendfsync,
+            info.save,
+            info.aof_dir
+                .as_deref()
+                .map_or(String::new(), |d| format!(", AOF in {}", d.display()))
+        );
+        let wanted = name.trim_start_matches("redis-");
+        if info.appendonly != "yes" || info.appendfsync != wanted {
+            println!(
+                "  note: {var} was meant for appendfsync {wanted}; the row shows what the server runs"
+            );
+        }
+        labels.insert(name, info.label());
+        redis.push(name);
+    }
+    let label = |name: &str| labels.get(name).cloned().unwrap_or_else(|| name.to_owned());
+
     let mut cycles: BTreeMap<(String, usize), Vec<f64>> = BTreeMap::new();
     let mut p99: BTreeMap<(String, usize), Vec<f64>> = BTreeMap::new();
     let mut floor = Vec::new();
@@ -96,7 +164,7 @@ fn main() -> BoxResult<()> {
         floor.push(ops);
         floor_p50.push(p50);
         for &clients in &CLIENTS {
-            for name in backends() {
+            for name in backends(&redis) {
                 // A fresh store per cell: no cell inherits another's file size.
                 let dir = root.path().join(format!("{name}-{clients}-{round}"));
                 std::fs::create_dir_all(&dir)?;
@@ -137,8 +205,8 @@ fn main() -> BoxResult<()> {
         );
     }
     println!("{:>14}", "p99 claim @64");
-    for name in backends() {
-        print!("{name:<34}");
+    for name in backends(&redis) {
+        print!("{:<34}", label(name));
         for c in CLIENTS {
             print!("{:>12.0}", cell(&cycles, name, c));
         }
@@ -149,7 +217,7 @@ fn main() -> BoxResult<()> {
         for c in CLIENTS {
             let mine = cell(&cycles, ours, c);
             let mut line = format!("{ours} @{c}: {:.1}× disk floor", mine / floor_cycles);
-            for peer in ["sqlite", "redb-raw"] {
+            for peer in peers(&redis) {
                 let theirs = cell(&cycles, peer, c);
                 line.push_str(&format!(
                     ", {:.1}× {peer}",

@@ -6,16 +6,22 @@
 //! cargo run --release --example loadgen -- --backend redb --clients 64 --duration 10
 //! cargo run --release --example loadgen -- --backend sqlite --clients 8 --json
 //! cargo run --release --features postgres --example loadgen -- --backend postgres --pg-url postgres://u@host/db
+//! cargo run --release --example loadgen -- --backend redis --redis-url redis://127.0.0.1:PORT
 //! ```
 //!
-//! Options: `--backend memory|redb|sled|sqlite|redb-raw|postgres`, `--clients N`,
+//! Options: `--backend memory|redb|sled|sqlite|redb-raw|postgres|redis|redis-everysec`, `--clients N`,
 //! `--keys N` (records loaded before measuring), `--dup-ratio F` (share of
 //! requests that re-send a completed key), `--response-bytes N`,
 //! `--durability immediate|relaxed|periodic:MS`, `--prefill-durability ...`
 //! (for the `--keys` fill only), `--duration SECONDS`, `--dir PATH`
 //! (default: a fresh temp dir), `--json`, `--pg-url URL` (for `postgres`,
 //! which needs the `postgres` feature; default `IDEMSTORE_PG_URL`; the run
-//! uses a fresh table and drops it at the end, so `--keys` does not apply).
+//! uses a fresh table and drops it at the end, so `--keys` does not apply),
+//! `--redis-url URL` (for `redis`, default `IDEMSTORE_REDIS_URL`, and
+//! `redis-everysec`, default `IDEMSTORE_REDIS_EVERYSEC_URL`: a throwaway
+//! server from `scripts/redis-test-server start DIR [everysec]`; the server's
+//! `appendfsync` decides durability; the run writes under a fresh key
+//! prefix and deletes its keys at the end, so `--keys` does not apply).
 
 #[allow(dead_code, reason = "each example uses part of the shared module")]
 #[path = "common/peers.rs"]
@@ -39,6 +45,7 @@ struct Args {
     dir: Option<String>,
     json: bool,
     pg_url: Option<String>,
+    redis_url: Option<String>,
 }
 
 fn parse() -> BoxResult<Args> {
@@ -54,6 +61,7 @@ fn parse() -> BoxResult<Args> {
         dir: None,
         json: false,
         pg_url: None,
+        redis_url: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -70,6 +78,7 @@ fn parse() -> BoxResult<Args> {
             "--dir" => a.dir = Some(value()?),
             "--json" => a.json = true,
             "--pg-url" => a.pg_url = Some(value()?),
+            "--redis-url" => a.redis_url = Some(value()?),
             "-h" | "--help" => {
                 println!("see the doc comment at the top of examples/loadgen.rs");
                 std::process::exit(0);
@@ -82,6 +91,13 @@ fn parse() -> BoxResult<Args> {
             "--keys does not apply to --backend postgres (each open is a fresh table)".into(),
         );
     }
+    if a.backend.starts_with("redis") && a.keys > 0 {
+        return Err(format!(
+            "--keys does not apply to --backend {} (each open is a fresh key prefix)",
+            a.backend
+        )
+        .into());
+    }
     if !(0.0..=1.0).contains(&a.dup_ratio) || a.clients == 0 {
         return Err("--dup-ratio must be in 0..=1 and --clients at least 1".into());
     }
@@ -90,6 +106,9 @@ fn parse() -> BoxResult<Args> {
 
 fn main() -> BoxResult<()> {
     let a = parse()?;
+    if let Some(url) = &a.redis_url {
+        let _ = peers::REDIS_URL.set(url.clone());
+    }
     #[cfg(feature = "postgres")]
     if let Some(url) = &a.pg_url {
         let _ = peers::PG_URL.set(url.clone());

@@ -1,7 +1,8 @@
 //! The backends the load generator and the comparison drive with one
 //! workload: idemstore stores through the `Store` trait, and the peers a
-//! user would pick instead (SQLite, raw redb without group commit), plus
-//! the disk's own floor (append + fdatasync).
+//! user would pick instead (SQLite, raw redb without group commit, Redis
+//! with its append-only file), plus the disk's own floor (append +
+//! fdatasync).
 
 #![allow(unreachable_pub, reason = "shared by several examples through #[path]")]
 
@@ -407,6 +408,9 @@ pub fn open_backend(name: &str, dir: &Path, durability: &str) -> BoxResult<Box<d
         "redb-raw" => Box::new(RedbRaw::open(dir)?),
         #[cfg(feature = "postgres")]
         "postgres" => Box::new(Postgres::open()?),
+        // The server decides durability (its `appendfsync`): `durability`
+        // does not apply.
+        "redis" | "redis-always" | "redis-everysec" => Box::new(Redis::open(&redis_url(name)?)?),
         other => return Err(format!("unknown or not yet available backend {other}").into()),
     })
 }
@@ -512,6 +516,276 @@ impl Drop for Postgres {
     fn drop(&mut self) {
         if let Ok(mut c) = postgres::Client::connect(&self.url, postgres::NoTls) {
             let _ = c.batch_execute(&format!("DROP TABLE IF EXISTS \"{}\"", self.store.table()));
+        }
+    }
+}
+
+/// The server the `redis*` backends use when set (the load generator's
+/// `--redis-url`), else `IDEMSTORE_REDIS_URL` for `redis`/`redis-always`
+/// and `IDEMSTORE_REDIS_EVERYSEC_URL` for `redis-everysec`.
+pub static REDIS_URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// The environment variable naming the server of a `redis*` backend.
+pub fn redis_env(name: &str) -> &'static str {
+    if name == "redis-everysec" {
+        "IDEMSTORE_REDIS_EVERYSEC_URL"
+    } else {
+        "IDEMSTORE_REDIS_URL"
+    }
+}
+
+/// The server of a `redis*` backend: see [`REDIS_URL`].
+pub fn redis_url(name: &str) -> BoxResult<String> {
+    if let Some(url) = REDIS_URL.get() {
+        return Ok(url.clone());
+    }
+    let var = redis_env(name);
+    std::env::var(var).map_err(|_| {
+        format!(
+            "--backend {name} needs {var} (a throwaway server: \
+             scripts/redis-test-server start DIR{})",
+            if var == "IDEMSTORE_REDIS_EVERYSEC_URL" {
+                " everysec"
+            } else {
+                ""
+            }
+        )
+        .into()
+    })
+}
+
+/// What a Redis server says about itself.
+#[derive(Clone, Debug)]
+pub struct RedisInfo {
+    /// `INFO server`'s `redis_version`, e.g. `7.0.15`.
+    pub version: String,
+    /// `CONFIG GET appendonly`: `yes` or `no`.
+    pub appendonly: String,
+    /// `CONFIG GET appendfsync`: `always`, `everysec` or `no`.
+    pub appendfsync: String,
+    /// `CONFIG GET save`: empty when RDB snapshots are off.
+    pub save: String,
+    /// The append-only files' directory (`dir`/`appenddirname`), where it
+    /// is on this machine.
+    pub aof_dir: Option<PathBuf>,
+}
+
+impl RedisInfo {
+    /// Asks the server at `url`.
+    pub fn of(url: &str) -> BoxResult<RedisInfo> {
+        let mut con = redis::Client::open(url)?.get_connection()?;
+        let info: String = redis::cmd("INFO").arg("server").query(&mut con)?;
+        let version = info
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("redis_version:"))
+            .unwrap_or("?")
+            .to_owned();
+        let mut config = |name: &str| -> BoxResult<String> {
+            // [name, value] (RESP2); empty when the server has no such item.
+            let pair: Vec<String> = redis::cmd("CONFIG").arg("GET").arg(name).query(&mut con)?;
+            Ok(pair.into_iter().nth(1).unwrap_or_default())
+        };
+        let (appendonly, appendfsync, save) = (
+            config("appendonly")?,
+            config("appendfsync")?,
+            config("save")?,
+        );
+        let dir = config("dir")?;
+        let aof_dir = match config("appenddirname")? {
+            // Redis 7 keeps its multi-part AOF in a directory of `dir`.
+            sub if !sub.is_empty() => Some(Path::new(&dir).join(sub)),
+            _ if !dir.is_empty() => Some(PathBuf::from(dir)),
+            _ => None,
+        }
+        .filter(|p| p.is_dir());
+        Ok(RedisInfo {
+            version,
+            appendonly,
+            appendfsync,
+            save,
+            aof_dir,
+        })
+    }
+
+    /// `Redis 7, appendfsync always` (the major version and the fsync
+    /// policy: what the row measures), or `Redis 7, no AOF`.
+    pub fn label(&self) -> String {
+        let major = self.version.split('.').next().unwrap_or("?");
+        if self.appendonly == "yes" {
+            format!("Redis {major}, appendfsync {}", self.appendfsync)
+        } else {
+            format!("Redis {major}, no AOF")
+        }
+    }
+}
+
+/// Redis as a user would use it for idempotency keys, one connection per
+/// client: claim = `SET key C|token|fp NX PX lease_ms` (a nil reply: the
+/// key exists, and a `GET` tells a replay, `D|fp|response` with the same
+/// fingerprint, from a claim in flight or another request's key),
+/// completion = `SET key D|fp|response XX PX retention_ms`.
+/// Durability is the server's (`appendfsync`; with `always` Redis fsyncs its
+/// append-only file once per event-loop round, before that round's replies
+/// go out: a group commit). The completion is not fenced by the token (that
+/// would take a script or WATCH/MULTI): less work than the stores do.
+///
+/// Each open writes under its own key prefix and deletes its keys when
+/// dropped (as `Postgres` drops its table); the server and its append-only
+/// file are shared by all opens.
+pub struct Redis {
+    client: redis::Client,
+    info: RedisInfo,
+    prefix: Vec<u8>,
+    tokens: Arc<AtomicU64>,
+}
+
+impl Redis {
+    pub fn open(url: &str) -> BoxResult<Redis> {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let client = redis::Client::open(url)?;
+        let info = RedisInfo::of(url)?;
+        let prefix = format!(
+            "idemstore-loadgen:{}:{}:",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        )
+        .into_bytes();
+        Ok(Redis {
+            client,
+            info,
+            prefix,
+            tokens: Arc::new(AtomicU64::new(1)),
+        })
+    }
+
+    pub fn info(&self) -> &RedisInfo {
+        &self.info
+    }
+}
+
+impl Backend for Redis {
+    fn name(&self) -> String {
+        self.info.label()
+    }
+    fn client(&self) -> BoxResult<Box<dyn Client>> {
+        Ok(Box::new(RedisClient {
+            con: self.client.get_connection()?,
+            prefix: self.prefix.clone(),
+            tokens: Arc::clone(&self.tokens),
+            claimed: None,
+        }))
+    }
+    /// The whole server's append-only files (every open's, not this one's
+    /// alone), 0 when they are not on this machine.
+    fn file_bytes(&self) -> u64 {
+        self.info.aof_dir.as_deref().map_or(0, dir_bytes)
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        let Ok(mut con) = self.client.get_connection() else {
+            return;
+        };
+        let mut pattern = self.prefix.clone();
+        pattern.push(b'*');
+        let mut cursor = 0u64;
+        loop {
+            let Ok((next, keys)): redis::RedisResult<(u64, Vec<Vec<u8>>)> = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(&pattern)
+                .arg("COUNT")
+                .arg(10_000)
+                .query(&mut con)
+            else {
+                return;
+            };
+            if !keys.is_empty() {
+                let _: redis::RedisResult<i64> = redis::cmd("UNLINK").arg(&keys).query(&mut con);
+            }
+            if next == 0 {
+                return;
+            }
+            cursor = next;
+        }
+    }
+}
+
+struct RedisClient {
+    con: redis::Connection,
+    prefix: Vec<u8>,
+    tokens: Arc<AtomicU64>,
+    /// The claim this connection holds (the workload completes what it
+    /// claimed before its next claim): its token and fingerprint, which the
+    /// completed record keeps for replays to check.
+    claimed: Option<(u64, [u8; 32])>,
+}
+
+impl RedisClient {
+    fn key(&self, key: &Key) -> Vec<u8> {
+        let mut k = self.prefix.clone();
+        k.extend_from_slice(&raw_key(key));
+        k
+    }
+}
+
+impl Client for RedisClient {
+    fn claim(&mut self, key: &Key, fp: &Fingerprint, _now: Timestamp) -> BoxResult<Claimed> {
+        let k = self.key(key);
+        let token = self.tokens.fetch_add(1, Ordering::Relaxed);
+        let mut v = vec![b'C'];
+        v.extend_from_slice(&token.to_be_bytes());
+        v.extend_from_slice(fp.as_bytes());
+        let set: redis::Value = redis::cmd("SET")
+            .arg(&k)
+            .arg(v)
+            .arg("NX")
+            .arg("PX")
+            .arg(LEASE.as_millis() as u64)
+            .query(&mut self.con)?;
+        if !matches!(set, redis::Value::Nil) {
+            self.claimed = Some((token, *fp.as_bytes()));
+            return Ok(Claimed::Owned(Ticket::Token(token)));
+        }
+        let existing: Option<Vec<u8>> = redis::cmd("GET").arg(&k).query(&mut self.con)?;
+        Ok(match existing {
+            Some(v) if v.first() == Some(&b'D') && v.get(1..33) == Some(fp.as_bytes()) => {
+                Claimed::Replay
+            }
+            // In flight, another fingerprint, or expired in between.
+            _ => Claimed::Busy,
+        })
+    }
+
+    fn complete(
+        &mut self,
+        key: &Key,
+        ticket: Ticket,
+        response: &Response,
+        _now: Timestamp,
+    ) -> BoxResult<()> {
+        let Ticket::Token(token) = ticket else {
+            return Err("foreign ticket".into());
+        };
+        let Some((_, fp)) = self.claimed.take().filter(|(t, _)| *t == token) else {
+            return Err("completion without its claim on this connection".into());
+        };
+        let mut v = Vec::with_capacity(1 + fp.len() + response.body().len());
+        v.push(b'D');
+        v.extend_from_slice(&fp);
+        v.extend_from_slice(response.body());
+        let set: redis::Value = redis::cmd("SET")
+            .arg(self.key(key))
+            .arg(v)
+            .arg("XX")
+            .arg("PX")
+            .arg(RETENTION.as_millis() as u64)
+            .query(&mut self.con)?;
+        if matches!(set, redis::Value::Nil) {
+            Err("stale claim: the key expired".into())
+        } else {
+            Ok(())
         }
     }
 }

@@ -5,9 +5,32 @@ use std::collections::VecDeque;
 use std::io::{Error as IoError, ErrorKind};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-/// The unit a disk writes atomically: an unsynced write survives a power
-/// loss sector by sector, so a write may land torn at these boundaries.
+/// The unit a disk writes: an unsynced write survives a power loss sector
+/// by sector, so a write may land torn at these boundaries. Whether a
+/// sector itself is written atomically is [`TornSectors`].
 pub const SECTOR_BYTES: u64 = 512;
+
+/// What a sector that was being written when power failed reads back as.
+///
+/// "Being written" means touched by any write since the file's last sync
+/// (the whole sector, also the bytes of it the write did not cover).
+/// Sectors no pending write touched never change: synced data is durable
+/// in both modes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum TornSectors {
+    /// The disk writes a sector atomically: it reads back old or new as a
+    /// whole, and the bytes of a sector outside a write never change
+    /// (SQLite's "powersafe overwrite", which redb's design also assumes).
+    #[default]
+    OldOrNew,
+    /// The disk does not: a sector being written may also read back as
+    /// garbage (seeded random bytes), the bytes of it outside the write
+    /// included, as on a device that loses power mid-sector. Each image
+    /// draws, from its seed, a share of the touched sectors to garble
+    /// (0–100 %), over the same old/new choice [`OldOrNew`](Self::OldOrNew)
+    /// makes for that seed.
+    Garbage,
+}
 
 /// Whether `sync_data` tells the truth.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -38,7 +61,8 @@ pub struct CrashImage {
     /// Mutating calls (`write`, `set_len`, `sync_data`) that had returned
     /// when power was lost.
     pub at: u64,
-    /// The seed that chose which unsynced writes survived.
+    /// The seed that chose which unsynced writes survived (and, with
+    /// [`TornSectors::Garbage`], which sectors were garbled).
     pub seed: u64,
     /// The surviving file.
     pub bytes: Vec<u8>,
@@ -69,6 +93,8 @@ struct File {
     pending: Vec<Pending>,
     /// [`SyncMode::Lags`]: the writes the last sync left unsynced.
     lagged: Vec<Pending>,
+    /// What a sector being written reads back as after a power loss.
+    torn: TornSectors,
 }
 
 #[derive(Debug, Default)]
@@ -83,6 +109,9 @@ struct State {
     every: Option<(u64, u64, Rng)>,
     images: Vec<CrashImage>,
     sync_mode: SyncMode,
+    /// What a sector being written reads back as after a power loss, on
+    /// files made from now on ([`CrashBackend::sibling`]).
+    torn: TornSectors,
     /// Writes and growth fail with "no space left on device".
     disk_full: bool,
     /// Every write, resize and sync fails with "read-only file system".
@@ -94,8 +123,9 @@ struct State {
 /// A redb [`StorageBackend`](redb::StorageBackend) in memory that keeps the
 /// file as last synced plus the writes since, and can "lose power": the
 /// surviving file is the synced one plus an arbitrary (seeded) subset of
-/// the unsynced writes, each torn at [`SECTOR_BYTES`] boundaries. Test
-/// support (feature `test-util`); clones share one file.
+/// the unsynced writes, each torn at [`SECTOR_BYTES`] boundaries (and with
+/// [`TornSectors::Garbage`], sectors being written garbled). Test support
+/// (feature `test-util`); clones share one file.
 ///
 /// Power losses are planned at mutation counts ([`plan`](Self::plan)); the
 /// run goes on afterwards, so one run yields many crash images, each the
@@ -179,7 +209,11 @@ impl CrashBackend {
     /// ```
     pub fn sibling(&self) -> CrashBackend {
         let mut s = self.lock();
-        s.files.push(File::default());
+        let torn = s.torn;
+        s.files.push(File {
+            torn,
+            ..File::default()
+        });
         CrashBackend {
             state: Arc::clone(&self.state),
             file: s.files.len() - 1,
@@ -204,6 +238,42 @@ impl CrashBackend {
     /// Makes `sync_data` honest or a liar from now on.
     pub fn set_sync_mode(&self, mode: SyncMode) {
         self.lock().sync_mode = mode;
+    }
+
+    /// Sets what a sector being written reads back as in the power-loss
+    /// images taken from now on, on every file of the disk (this one, its
+    /// siblings, and siblings made later). [`TornSectors::OldOrNew`] by
+    /// default; a disk restored from an image starts over with it.
+    ///
+    /// ```
+    /// use idemstore::crash::{CrashBackend, TornSectors};
+    /// use redb::StorageBackend;
+    /// let disk = CrashBackend::new();
+    /// disk.set_torn_sectors(TornSectors::Garbage);
+    /// disk.write(0, &[1; 512])?;
+    /// disk.sync_data()?;
+    /// disk.write(0, &[2; 8])?; // rewrites the first 8 bytes of a synced sector
+    /// // The bytes the write did not cover may change too, once in a while.
+    /// let garbled = (0..64).any(|seed| disk.power_loss(seed)[8..] != [1; 504]);
+    /// assert!(garbled);
+    /// # Ok::<(), std::io::Error>(())
+    /// ```
+    pub fn set_torn_sectors(&self, torn: TornSectors) {
+        let mut s = self.lock();
+        s.torn = torn;
+        for f in &mut s.files {
+            f.torn = torn;
+        }
+    }
+
+    /// Sets what a sector being written reads back as on this handle's file
+    /// only (say, garbage in a log beside a store file whose engine assumes
+    /// sectors are written atomically). The last call wins over
+    /// [`set_torn_sectors`](Self::set_torn_sectors) for this file.
+    pub fn set_file_torn_sectors(&self, torn: TornSectors) {
+        if let Some(f) = self.lock().files.get_mut(self.file) {
+            f.torn = torn;
+        }
     }
 
     /// Makes writes and growth fail with `StorageFull` (ENOSPC) while `full`.
@@ -365,7 +435,10 @@ impl File {
     /// write split at sector boundaries and each piece kept or lost on its
     /// own, applied in order. How much survives varies with the seed:
     /// nothing, everything, a random subset, or an in-order prefix (a disk
-    /// that writes back in order and stopped part-way).
+    /// that writes back in order and stopped part-way). With
+    /// [`TornSectors::Garbage`], some of the sectors the pending writes
+    /// touched are then garbled ([`garble`]); the old/new choice is the same
+    /// as without, for the same seed.
     fn surviving(&self, seed: u64) -> Vec<u8> {
         let mut rng = Rng::new(seed);
         let mode = rng.below(4);
@@ -390,7 +463,43 @@ impl File {
                 }
             }
         }
+        if self.torn == TornSectors::Garbage {
+            garble(&mut image, changes(), seed);
+        }
         image
+    }
+}
+
+/// Overwrites with seeded random bytes a seeded share (0–100 %) of the
+/// sectors that `changes` write to, as far as they lie inside `image`.
+/// Its generator is derived from `seed` but apart from the one that chose
+/// the surviving writes, so that choice does not depend on the mode.
+fn garble<'a>(image: &mut [u8], changes: impl Iterator<Item = &'a Pending>, seed: u64) {
+    let mut rng = Rng::new(seed ^ 0x6A09_E667_F3BC_C908);
+    let percent = rng.below(101);
+    let touched: std::collections::BTreeSet<u64> = changes
+        .filter_map(|p| match p {
+            Pending::Write { offset, data } if !data.is_empty() => {
+                let last = offset.saturating_add(data.len() as u64 - 1);
+                Some(offset / SECTOR_BYTES..=last / SECTOR_BYTES)
+            }
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    for sector in touched {
+        if !rng.chance(percent) {
+            continue;
+        }
+        let start = usize::try_from(sector * SECTOR_BYTES).unwrap_or(usize::MAX);
+        let end = start.saturating_add(SECTOR_BYTES as usize).min(image.len());
+        let Some(bytes) = image.get_mut(start..end) else {
+            break; // this sector and the rest lie past the image's end
+        };
+        for chunk in bytes.chunks_mut(8) {
+            let noise = rng.next_u64().to_le_bytes();
+            chunk.copy_from_slice(noise.get(..chunk.len()).unwrap_or_default());
+        }
     }
 }
 
@@ -574,6 +683,101 @@ mod tests {
             seen.insert(image);
         }
         assert_eq!(seen.len(), 4, "all four sector combinations occur");
+    }
+
+    /// Garbage mode: a sector a pending write touched comes back old, new or
+    /// garbage (also the bytes of it the write did not cover); a sector no
+    /// pending write touched, synced or not, never changes; the old/new
+    /// choice is the one the default mode makes; and every file of the
+    /// disk is subject to it.
+    #[test]
+    fn garbage_mode_garbles_only_sectors_being_written() {
+        let disk = CrashBackend::new();
+        let log = disk.sibling();
+        disk.set_torn_sectors(TornSectors::Garbage);
+        for f in [&disk, &log] {
+            f.write(0, &[1; 2048]).unwrap();
+            f.sync_data().unwrap();
+            // Sector 0 whole, the middle of sector 1 (bytes 600..700 only),
+            // and a new sector 4 past the synced end; 2 and 3 untouched.
+            f.write(0, &[2; 512]).unwrap();
+            f.write(600, &[2; 100]).unwrap();
+            f.write(2048, &[2; 512]).unwrap();
+        }
+        let (mut old, mut new, mut garbage) = ([0; 5], [0; 5], [0; 5]);
+        for seed in 0..256 {
+            let all = disk.power_loss_all(seed);
+            for image in [&all.bytes, &all.siblings[0]] {
+                assert!(image.len() == 2048 || image.len() == 2560);
+                // Synced and untouched: always the synced bytes.
+                assert!(image[1024..2048].iter().all(|&x| x == 1));
+                let sector1_old = image[512..1024].iter().all(|&x| x == 1);
+                let sector1_new = image[512..600].iter().all(|&x| x == 1)
+                    && image[600..700].iter().all(|&x| x == 2)
+                    && image[700..1024].iter().all(|&x| x == 1);
+                for (i, sector) in image.chunks(512).enumerate() {
+                    if (2..4).contains(&i) {
+                        continue;
+                    }
+                    let (is_old, is_new) = if i == 1 {
+                        (sector1_old, sector1_new)
+                    } else {
+                        (
+                            sector.iter().all(|&x| x == 1),
+                            sector.iter().all(|&x| x == 2),
+                        )
+                    };
+                    if is_old {
+                        old[i] += 1;
+                    } else if is_new {
+                        new[i] += 1;
+                    } else {
+                        // Garbage is random bytes, not a mix of old and new.
+                        assert!(sector.iter().filter(|&&x| x == 1 || x == 2).count() < 64);
+                        garbage[i] += 1;
+                    }
+                }
+            }
+            // The same seed in the default mode makes the same old/new
+            // choice, with no garbage: where the garbage mode left a sector
+            // old or new, the default mode left it the same.
+            disk.set_torn_sectors(TornSectors::OldOrNew);
+            let plain = disk.power_loss(seed);
+            disk.set_torn_sectors(TornSectors::Garbage);
+            assert_eq!(plain.len(), all.bytes.len());
+            for (p, g) in plain.chunks(512).zip(all.bytes.chunks(512)) {
+                let p_ok = p.iter().all(|&x| x == 1 || x == 2);
+                assert!(p_ok, "the default mode never garbles");
+                let g_ok = g.iter().all(|&x| x == 1 || x == 2);
+                assert!(!g_ok || p == g);
+            }
+            assert_eq!(disk.power_loss_all(seed).bytes, all.bytes, "deterministic");
+        }
+        for i in [0, 1, 4] {
+            // Sector 4 is new or garbage when it exists (there is no old).
+            assert!(
+                new[i] > 0 && garbage[i] > 0,
+                "sector {i}: {new:?} {garbage:?}"
+            );
+        }
+        assert!(old[0] > 0 && old[1] > 0);
+        // Once synced, garbage is gone for good.
+        disk.sync_data().unwrap();
+        let synced = disk.live_image();
+        assert!((0..64).all(|seed| disk.power_loss(seed) == synced));
+        // One file only: the store file keeps atomic sectors, the log not.
+        disk.set_torn_sectors(TornSectors::OldOrNew);
+        log.set_file_torn_sectors(TornSectors::Garbage);
+        disk.write(0, &[3; 512]).unwrap();
+        let (mut store_garbled, mut log_garbled) = (false, false);
+        for seed in 0..64 {
+            let all = disk.power_loss_all(seed);
+            // Random bytes, not old (1, 2) or new (3) ones.
+            let garbled = |s: &[u8]| s.iter().filter(|x| !(1..=3).contains(*x)).count() > 64;
+            store_garbled |= all.bytes.chunks(512).any(garbled);
+            log_garbled |= all.siblings[0].chunks(512).any(garbled);
+        }
+        assert!(!store_garbled && log_garbled);
     }
 
     #[test]

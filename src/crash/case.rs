@@ -1,7 +1,7 @@
 //! The `crash_recovery` fuzz target's input, shared with the corpus replay
 //! under `cargo test`.
 
-use super::backend::SyncMode;
+use super::backend::{SyncMode, TornSectors};
 use super::recovery::{RunReport, store_run_steps};
 use super::workload::Step;
 
@@ -26,7 +26,10 @@ pub struct CrashCase {
 
 /// Decodes `data` as a [`CrashCase`] (the same way in the fuzz target and
 /// in the corpus replay), runs it on the real `RedbStore`, and checks every
-/// crash image. Panics with a description on any failure.
+/// crash image. Panics with a description on any failure. Sectors are
+/// written atomically here ([`TornSectors::OldOrNew`]): the input has no
+/// spare field for the garbage mode that would leave the committed corpus
+/// meaning what it did.
 pub fn crash_recovery(data: &[u8]) -> RunReport {
     use arbitrary::Arbitrary;
     let Ok(mut case) = CrashCase::arbitrary_take_rest(arbitrary::Unstructured::new(data)) else {
@@ -43,7 +46,13 @@ pub fn crash_recovery(data: &[u8]) -> RunReport {
         .map(|&(at, seed)| (u64::from(at), seed))
         .collect();
     let keys = 1 + case.keys % super::workload::MAX_KEYS_PER_THREAD;
-    match store_run_steps(case.steps, keys, &points, SyncMode::Honest) {
+    match store_run_steps(
+        case.steps,
+        keys,
+        &points,
+        SyncMode::Honest,
+        (TornSectors::OldOrNew, TornSectors::OldOrNew),
+    ) {
         Ok(report) => report,
         Err(e) => panic!("crash_recovery: {e}"),
     }

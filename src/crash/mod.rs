@@ -4,7 +4,8 @@
 //! - `backend.rs`: [`CrashBackend`], a redb storage backend that keeps the
 //!   file as last synced plus the writes since, and yields the file a power
 //!   loss would leave (synced + a seeded subset of the unsynced writes, torn
-//!   at 512-byte sectors);
+//!   at 512-byte sectors; with [`TornSectors::Garbage`], sectors being
+//!   written may also read back as garbage);
 //! - `raw.rs`: the same kind of check against plain redb, which proves the
 //!   backend and the checking before they judge idemstore;
 //! - `workload.rs`: logged begin/complete/release/sweep threads on the real
@@ -28,11 +29,14 @@ mod recovery;
 mod rng;
 mod workload;
 
-pub use backend::{CrashBackend, CrashImage, SECTOR_BYTES, SyncMode};
+pub use backend::{CrashBackend, CrashImage, SECTOR_BYTES, SyncMode, TornSectors};
 pub use case::{CrashCase, MAX_CASE_POINTS, MAX_CASE_STEPS, crash_recovery};
 pub use inspect::{Inspection, inspect};
 pub use ops::store_ops_power_loss;
-pub use raw::{RawRun, raw_redb_run};
-pub use recovery::{RunConfig, RunReport, TEST_WAL_BYTES, store_run, store_run_steps};
+pub use raw::{RawRun, raw_redb_run, raw_redb_run_all_points};
+pub use recovery::{
+    FailedPoint, RunConfig, RunReport, TEST_WAL_BYTES, store_run, store_run_all_points,
+    store_run_steps,
+};
 pub use rng::Rng;
 pub use workload::{LEASE, LONG_RETENTION, MAX_KEYS_PER_THREAD, SHORT_RETENTION, Step, T0};

@@ -2,7 +2,7 @@
 //! checks read acknowledgements before they are used to judge idemstore.
 //! If redb itself failed these, no store on it could pass.
 
-use super::backend::{CrashBackend, CrashImage, SyncMode};
+use super::backend::{CrashBackend, CrashImage, SyncMode, TornSectors};
 use super::rng::Rng;
 use redb::{Database, Durability, ReadableDatabase, ReadableTable, TableDefinition};
 use std::collections::BTreeMap;
@@ -44,9 +44,29 @@ pub fn raw_redb_run(
     crash_points: usize,
     sync: SyncMode,
 ) -> Result<RawRun, String> {
+    let (run, failures) =
+        raw_redb_run_all_points(seed, commits, crash_points, sync, TornSectors::OldOrNew)?;
+    match failures.into_iter().next() {
+        Some(e) => Err(e),
+        None => Ok(run),
+    }
+}
+
+/// [`raw_redb_run`] on a disk whose sectors being written read back as
+/// `torn` says, checking every image even after one fails: the run counts
+/// the images that passed, and each failure is listed. `Err` is a failure
+/// of the run itself.
+pub fn raw_redb_run_all_points(
+    seed: u64,
+    commits: usize,
+    crash_points: usize,
+    sync: SyncMode,
+    torn: TornSectors,
+) -> Result<(RawRun, Vec<String>), String> {
     let mut rng = Rng::new(seed);
     let backend = CrashBackend::new();
     backend.set_sync_mode(sync);
+    backend.set_torn_sectors(torn);
     let db = Database::builder()
         .create_with_backend(backend.clone())
         .map_err(|e| format!("create: {e}"))?;
@@ -92,11 +112,17 @@ pub fn raw_redb_run(
     }
     drop(db);
     let mut run = RawRun::default();
+    let mut failures = Vec::new();
     for image in backend.take_images() {
-        run.acked_checked += check_image(&image, &history)?;
-        run.crash_points += 1;
+        match check_image(&image, &history) {
+            Ok(acked) => {
+                run.acked_checked += acked;
+                run.crash_points += 1;
+            }
+            Err(e) => failures.push(e),
+        }
     }
-    Ok(run)
+    Ok((run, failures))
 }
 
 /// Checks one image against the history; returns the acknowledged commits

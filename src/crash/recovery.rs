@@ -2,7 +2,7 @@
 //! [`CrashBackend`], take crash images along the way, and check each one
 //! after reopening it.
 
-use super::backend::{CrashBackend, CrashImage, SyncMode};
+use super::backend::{CrashBackend, CrashImage, SyncMode, TornSectors};
 use super::inspect::inspect;
 use super::rng::Rng;
 use super::workload::{LEASE, RunLog, Slot, Step, T0, describe, run_thread};
@@ -31,6 +31,13 @@ pub struct RunConfig {
     pub stride: u64,
     /// Whether the backend's fsync tells the truth.
     pub sync: SyncMode,
+    /// What a sector of the store file (redb's) being written at a crash
+    /// reads back as: old or new, or also garbage.
+    pub torn_store_file: TornSectors,
+    /// The same for the write-ahead log (with `log`). Set both to
+    /// [`TornSectors::Garbage`] for a disk that never writes a sector
+    /// atomically.
+    pub torn_log: TornSectors,
     /// Leaves out the token high-water-mark check, so that the test of the
     /// test can show the per-key check catches lost writes on its own.
     pub skip_token_check: bool,
@@ -54,6 +61,8 @@ impl Default for RunConfig {
             keys_per_thread: 3,
             stride: 3,
             sync: SyncMode::Honest,
+            torn_store_file: TornSectors::OldOrNew,
+            torn_log: TornSectors::OldOrNew,
             skip_token_check: false,
             log: true,
         }
@@ -97,12 +106,52 @@ impl std::ops::AddAssign for RunReport {
     }
 }
 
+/// A crash image that failed its checks, from [`store_run_all_points`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FailedPoint {
+    /// The run's seed ([`RunConfig::seed`]).
+    pub run_seed: u64,
+    /// Backend mutations that had returned when power was lost.
+    pub at: u64,
+    /// The image's seed (which unsynced writes survived, which sectors
+    /// were garbled).
+    pub image_seed: u64,
+    /// What the checks found.
+    pub error: String,
+}
+
+impl std::fmt::Display for FailedPoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "seed {}: crash at mutation {} (seed {}): {}",
+            self.run_seed, self.at, self.image_seed, self.error
+        )
+    }
+}
+
 /// Runs `cfg.threads` threads of seeded steps against one `RedbStore`
 /// (group commit, `Durability::Immediate`) over a [`CrashBackend`] that
 /// takes a crash image every `cfg.stride` mutations, then checks every
 /// image with the checks listed at `check_image`. The first failure is returned as a
 /// description with the seed and the crash point.
 pub fn store_run(cfg: &RunConfig) -> Result<RunReport, String> {
+    let (report, failures) = run_config(cfg, false)?;
+    match failures.into_iter().next() {
+        Some(failed) => Err(failed.to_string()),
+        None => Ok(report),
+    }
+}
+
+/// [`store_run`], but checking every crash image even after one fails: the
+/// report sums the images that passed, and each failed image is listed.
+/// `Err` is a failure of the run itself (the store did not open, a thread
+/// failed), not of an image.
+pub fn store_run_all_points(cfg: &RunConfig) -> Result<(RunReport, Vec<FailedPoint>), String> {
+    run_config(cfg, true)
+}
+
+fn run_config(cfg: &RunConfig, every_point: bool) -> Result<(RunReport, Vec<FailedPoint>), String> {
     let mut rng = Rng::new(cfg.seed);
     let plans: Vec<Vec<Step>> = (0..cfg.threads)
         .map(|_| {
@@ -114,26 +163,71 @@ pub fn store_run(cfg: &RunConfig) -> Result<RunReport, String> {
     let backend = CrashBackend::new();
     backend.set_sync_mode(cfg.sync);
     backend.plan_every(cfg.stride, rng.next_u64());
+    // After the plan: an image due at once (mutation 0) is the empty disk
+    // as before, without a log file.
+    set_torn_sectors(&backend, cfg.log, cfg.torn_store_file, cfg.torn_log);
     let checks = Checks {
         tokens: !cfg.skip_token_check,
+        every_point,
     };
-    run_and_check(&backend, cfg.log, cfg.keys_per_thread, plans, checks)
-        .map_err(|e| format!("seed {}: {e}", cfg.seed))
+    let (report, failures) = run_and_check(&backend, cfg.log, cfg.keys_per_thread, plans, checks)
+        .map_err(|e| format!("seed {}: {e}", cfg.seed))?;
+    let failures = failures
+        .into_iter()
+        .map(|(image, error)| FailedPoint {
+            run_seed: cfg.seed,
+            at: image.at,
+            image_seed: image.seed,
+            error,
+        })
+        .collect();
+    Ok((report, failures))
+}
+
+/// Sets what sectors being written read back as on `disk`'s store file
+/// and, with `log`, on its log (made now, as [`open_disk`] would).
+fn set_torn_sectors(
+    disk: &CrashBackend,
+    log: bool,
+    store_file: TornSectors,
+    log_file: TornSectors,
+) {
+    disk.set_file_torn_sectors(store_file);
+    if log {
+        disk.file(1)
+            .unwrap_or_else(|| disk.sibling())
+            .set_file_torn_sectors(log_file);
+    }
 }
 
 /// One thread's `steps` with crash images at the given `(mutation count,
 /// seed)` points (a point past the end is taken after the store closed):
-/// the deterministic form the `crash_recovery` fuzz target drives.
+/// the deterministic form the `crash_recovery` fuzz target drives. `torn`
+/// is what sectors being written read back as, on the store file and on
+/// the log.
 pub fn store_run_steps(
     steps: Vec<Step>,
     keys: u8,
     points: &[(u64, u64)],
     sync: SyncMode,
+    torn: (TornSectors, TornSectors),
 ) -> Result<RunReport, String> {
     let backend = CrashBackend::new();
     backend.set_sync_mode(sync);
     backend.plan(points.iter().copied());
-    run_and_check(&backend, true, keys, vec![steps], Checks { tokens: true })
+    set_torn_sectors(&backend, true, torn.0, torn.1);
+    let checks = Checks {
+        tokens: true,
+        every_point: false,
+    };
+    let (report, failures) = run_and_check(&backend, true, keys, vec![steps], checks)?;
+    match failures.into_iter().next() {
+        Some((image, e)) => Err(format!(
+            "crash at mutation {} (seed {}): {e}",
+            image.at, image.seed
+        )),
+        None => Ok(report),
+    }
 }
 
 /// Opens a store over `disk` as the crash runs do: with `log`, its
@@ -171,7 +265,13 @@ fn reopen(
 #[derive(Clone, Copy, Debug)]
 struct Checks {
     tokens: bool,
+    /// Checks every image, listing the failures, instead of stopping at
+    /// the first.
+    every_point: bool,
 }
+
+/// The checks that passed, summed, and each image that failed with why.
+type Checked = (RunReport, Vec<(CrashImage, String)>);
 
 fn run_and_check(
     backend: &CrashBackend,
@@ -179,7 +279,7 @@ fn run_and_check(
     keys: u8,
     plans: Vec<Vec<Step>>,
     checks: Checks,
-) -> Result<RunReport, String> {
+) -> Result<Checked, String> {
     let store = open_disk(RedbStore::builder(), backend, log).map_err(|e| format!("open: {e}"))?;
     let opened_at = backend.mutations();
     let clock = AtomicU64::new(T0.as_millis());
@@ -209,16 +309,24 @@ fn run_and_check(
         mutations: backend.mutations(),
         ..RunReport::default()
     };
+    let mut failures = Vec::new();
     for image in backend.take_images() {
         let checked = if image.at < opened_at {
             check_creation_image(&image)
         } else {
             check_image(&image, &log, checks)
         };
-        report += checked
-            .map_err(|e| format!("crash at mutation {} (seed {}): {e}", image.at, image.seed))?;
+        match checked {
+            Ok(checked) => report += checked,
+            Err(e) => {
+                failures.push((image, e));
+                if !checks.every_point {
+                    break;
+                }
+            }
+        }
     }
-    Ok(report)
+    Ok((report, failures))
 }
 
 /// A power loss while the store file was being created (before `open`

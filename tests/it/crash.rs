@@ -4,8 +4,17 @@
 //!
 //! `IDEMSTORE_CRASH_POINTS=N` raises the number of crash points for a soak
 //! (the default keeps CI well under a minute).
+//!
+//! By default a sector is written atomically (old or new). The garbage-sector
+//! tests run the same workload on a disk where a sector being written may
+//! read back as garbage ([`TornSectors::Garbage`]); they are `#[ignore]`d
+//! while they fail (see each one's reason):
+//! `cargo test --all-features --test it crash -- --ignored --nocapture`.
 
-use idemstore::crash::{RunConfig, RunReport, SyncMode, raw_redb_run, store_run};
+use idemstore::crash::{
+    FailedPoint, RunConfig, RunReport, SyncMode, TornSectors, raw_redb_run,
+    raw_redb_run_all_points, store_run, store_run_all_points,
+};
 
 /// Crash points per test, from `IDEMSTORE_CRASH_POINTS` (a soak) or `default`.
 fn crash_points(default: usize) -> usize {
@@ -99,4 +108,127 @@ fn redb_store_acknowledging_before_fsync_is_caught() {
         per_key_catches >= 2,
         "the per-key check alone caught {per_key_catches}"
     );
+}
+
+/// The main test's runs (`log(seed)` says which use the log) for `want`
+/// crash points, on a disk whose sectors being written read back as
+/// `store_file` and `log_file` say, every point checked. Prints what
+/// passed and each failure; returns the failures, with whether their run
+/// used the log.
+fn torn_sector_runs(
+    want: u64,
+    store_file: TornSectors,
+    log_file: TornSectors,
+    log: impl Fn(u64) -> bool,
+) -> Vec<(bool, FailedPoint)> {
+    let mut passed = RunReport::default();
+    let mut passed_with_log = RunReport::default();
+    let mut failed: Vec<(bool, FailedPoint)> = Vec::new();
+    let mut seed = 0;
+    while passed.crash_points + (failed.len() as u64) < want {
+        let cfg = RunConfig {
+            seed,
+            log: log(seed),
+            torn_store_file: store_file,
+            torn_log: log_file,
+            ..RunConfig::default()
+        };
+        let (run, failures) = store_run_all_points(&cfg).unwrap();
+        passed += run;
+        if cfg.log {
+            passed_with_log += run;
+        }
+        failed.extend(failures.into_iter().map(|f| (cfg.log, f)));
+        seed += 1;
+    }
+    let points = passed.crash_points + failed.len() as u64;
+    let failed_with_log = failed.iter().filter(|(log, _)| *log).count() as u64;
+    let points_with_log = passed_with_log.crash_points + failed_with_log;
+    let refused = failed
+        .iter()
+        .filter(|(_, f)| f.error.contains("refused the image"))
+        .count();
+    eprintln!(
+        "store file {store_file:?}, log {log_file:?}: {seed} runs, {} of {points} crash points \
+         failed ({failed_with_log} of {points_with_log} in runs with the log; {refused} were \
+         images the store refused to open, the others lost acknowledged writes); passed: \
+         {passed:?}",
+        failed.len()
+    );
+    for (log, f) in failed.iter().take(12) {
+        eprintln!("  {} {f}", if *log { "log:" } else { "no log:" });
+    }
+    assert!(passed.crash_points > 0 && passed.acked_checked > 0);
+    failed
+}
+
+/// The main power-loss test on a disk that does not write a sector
+/// atomically ([`TornSectors::Garbage`] on both files): at a crash, any
+/// sector touched by a write since the last sync may read back as garbage,
+/// also the bytes of it the write did not cover. Same runs (three in four
+/// with the log), same checks, as many crash points; every point is
+/// checked, and the failure message counts the points that failed.
+///
+/// Ignored: no store on redb 4.x can pass it. redb rewrites its 320-byte
+/// header (magic number, god byte, both commit slots) in place, in sector
+/// 0, at every durable commit; a garbled sector 0 is a file no one can
+/// open. redb documents that it assumes sector writes that never change
+/// bytes outside the write ("powersafe overwrite"), which this mode breaks
+/// on purpose. See [`raw_redb_loses_its_header_to_a_garbage_sector`] and,
+/// for the log on its own, [`redb_store_log_survives_garbage_sectors`].
+#[test]
+#[ignore = "redb 4.x rewrites its header (magic number and both commit slots) in sector 0 at every \
+            durable commit, and the write-ahead log is not sector-aligned (each append rewrites \
+            the sector holding the previous frame's tail): a garbled sector loses both"]
+fn redb_store_survives_power_loss_with_garbage_sectors() {
+    let failed = torn_sector_runs(
+        crash_points(2_000) as u64,
+        TornSectors::Garbage,
+        TornSectors::Garbage,
+        |seed| seed % 4 != 3,
+    );
+    assert!(failed.is_empty(), "{} crash points failed", failed.len());
+}
+
+/// The log's share of the contract: with the store file written as redb
+/// assumes (a sector old or new) and the write-ahead log on sectors that
+/// may read back as garbage ([`TornSectors::Garbage`]), every acknowledged
+/// write survives. A frame must never share a sector with an acknowledged
+/// frame before it, nor anything else the log needs after a crash. Every
+/// run uses the log; as many crash points as the main test.
+#[test]
+#[ignore = "the write-ahead log is not sector-aligned: each append rewrites the sector that holds \
+            the previous (acknowledged) frame's tail, and a garbled one loses that frame"]
+fn redb_store_log_survives_garbage_sectors() {
+    let failed = torn_sector_runs(
+        crash_points(2_000) as u64,
+        TornSectors::OldOrNew,
+        TornSectors::Garbage,
+        |_| true,
+    );
+    assert!(failed.is_empty(), "{} crash points failed", failed.len());
+}
+
+/// Why the store-wide garbage test cannot pass on redb 4.x (a record of
+/// redb's behaviour; if it fails, redb changed and that test may pass): on
+/// plain redb, garbage sectors cost acknowledged durable commits, and every
+/// image lost is one whose header sector (sector 0: magic number, god byte,
+/// both commit slots) was being rewritten, which redb then refuses.
+#[test]
+fn raw_redb_loses_its_header_to_a_garbage_sector() {
+    let (mut lost, mut passed) = (0, 0);
+    for seed in 0..4 {
+        let (run, failures) =
+            raw_redb_run_all_points(seed, 60, 50, SyncMode::Honest, TornSectors::Garbage).unwrap();
+        passed += run.crash_points;
+        for f in &failures {
+            assert!(f.contains("magic number mismatch"), "{f}");
+        }
+        lost += failures.len();
+    }
+    eprintln!(
+        "raw redb, garbage sectors: {lost} of {} images refused",
+        lost + passed as usize
+    );
+    assert!(lost > 0 && passed > 0);
 }

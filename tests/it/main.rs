@@ -33,6 +33,8 @@ mod redb_bad_input;
 mod sled;
 #[cfg(feature = "tower")]
 mod tower;
+#[cfg(feature = "redb")]
+mod upgrade;
 mod waiting;
 #[cfg(feature = "redb")]
 mod wal;
