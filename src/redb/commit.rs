@@ -167,9 +167,14 @@ impl Shared {
         loop {
             let group: Vec<(Op, Arc<Slot>)> = {
                 let mut q = self.lock_queue();
+                let full = q.waiting.len() >= super::WRITE_QUEUE_DEPTH;
                 let n = q.waiting.len().min(self.max_batch);
                 let group = q.waiting.drain(..n).collect();
-                self.queue_room.notify_all();
+                // A notify is a syscall even with nobody waiting: only a
+                // full line can have callers waiting for room.
+                if full {
+                    self.queue_room.notify_all();
+                }
                 group
             };
             let (ops, slots): (Vec<Op>, Vec<Arc<Slot>>) = group.into_iter().unzip();

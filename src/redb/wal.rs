@@ -645,4 +645,69 @@ mod tests {
             Path::new("/srv/orders.idem-wal")
         );
     }
+
+    #[test]
+    fn segments_are_aligned_halves_and_epochs_alternate() {
+        assert_eq!(align_up(0), 0);
+        assert_eq!(align_up(1), FRAME_ALIGN);
+        assert_eq!(align_up(FRAME_ALIGN), FRAME_ALIGN);
+        assert_eq!(align_up(FRAME_ALIGN + 1), 2 * FRAME_ALIGN);
+        let len = 8 * FRAME_ALIGN + 100; // a ragged tail is never used
+        assert_eq!(segment_bytes(len), 4 * FRAME_ALIGN);
+        assert_eq!(segment_range(len, 6), 0..4 * FRAME_ALIGN);
+        assert_eq!(segment_range(len, 7), 4 * FRAME_ALIGN..8 * FRAME_ALIGN);
+        assert_eq!(segment_range(len, 8), segment_range(len, 6));
+    }
+
+    #[test]
+    fn appends_start_on_aligned_offsets_in_the_epochs_segment_and_rotate() {
+        let file = std::sync::Arc::new(::redb::backends::InMemoryBackend::new());
+        let len = 4 * FRAME_ALIGN;
+        file.set_len(len).unwrap();
+        let mut wal = Wal::new(file.clone(), [3; 16], 5, len);
+        let journal = |n: usize| {
+            let record = crate::record::Record {
+                fingerprint: crate::fingerprint::Fingerprint::of(b"x"),
+                state: crate::record::State::Done,
+                response: Some(crate::response::Response::new(200, vec![7; n])),
+                lease_until: None,
+                expires_at: crate::time::Timestamp::from_millis(10),
+                created_at: crate::time::Timestamp::from_millis(1),
+                token: 1,
+                attempts: 1,
+            };
+            let mut j = Journal::default();
+            j.record_put(b"\0k", &crate::codec::encode_record(&record).unwrap());
+            j
+        };
+        // Epoch 5 writes segment 1; each frame takes whole blocks.
+        assert!(wal.fits(100) && !wal.is_dirty());
+        wal.append(&mut journal(100), true).unwrap();
+        assert!(wal.is_dirty());
+        assert!(wal.fits(100));
+        wal.append(&mut journal(100), true).unwrap();
+        // The segment (two blocks) is full.
+        assert!(!wal.fits(1) && wal.fits_at_all(1));
+        assert!(!wal.fits_at_all(2 * FRAME_ALIGN as usize));
+        let first = 2 * FRAME_ALIGN;
+        let read = |at, epoch| read_frame(file.as_ref(), &[3; 16], epoch, at, len).unwrap();
+        assert!(matches!(read(first, 5), Frame::Whole { .. }));
+        assert!(matches!(read(first + FRAME_ALIGN, 5), Frame::Whole { .. }));
+        assert!(matches!(read(0, 5), Frame::End));
+        // The next epoch starts at the start of the other segment.
+        wal.rotate();
+        assert_eq!(wal.epoch(), 6);
+        assert!(!wal.is_dirty());
+        wal.append(&mut journal(10), false).unwrap();
+        assert!(matches!(read(0, 6), Frame::Whole { .. }));
+        // Replay follows the aligned starts and stops at the segment's end.
+        let db = ::redb::Database::builder()
+            .create_with_backend(::redb::backends::InMemoryBackend::new())
+            .unwrap();
+        let txn = db.begin_write().unwrap();
+        let n = replay(file.as_ref(), &[3; 16], 5, &Layout::segment(len, 5), &txn).unwrap();
+        assert_eq!(n, 2);
+        let n = replay(file.as_ref(), &[3; 16], 6, &Layout::segment(len, 6), &txn).unwrap();
+        assert_eq!(n, 1);
+    }
 }
