@@ -18,7 +18,9 @@ pub struct CrashCase {
     /// `(mutation count, survival seed)`; a count past the run's end is a
     /// crash after the store closed.
     pub points: Vec<(u16, u64)>,
-    /// Keys (`1 + keys % MAX_KEYS_PER_THREAD`).
+    /// Keys (`1 + keys % MAX_KEYS_PER_THREAD`); its high bit puts the
+    /// write-ahead log on a disk whose torn sectors read back as garbage
+    /// ([`TornSectors::Garbage`]).
     pub keys: u8,
     /// The steps.
     pub steps: Vec<Step>,
@@ -26,10 +28,11 @@ pub struct CrashCase {
 
 /// Decodes `data` as a [`CrashCase`] (the same way in the fuzz target and
 /// in the corpus replay), runs it on the real `RedbStore`, and checks every
-/// crash image. Panics with a description on any failure. Sectors are
-/// written atomically here ([`TornSectors::OldOrNew`]): the input has no
-/// spare field for the garbage mode that would leave the committed corpus
-/// meaning what it did.
+/// crash image. Panics with a description on any failure. The store file's
+/// sectors are written atomically ([`TornSectors::OldOrNew`]: redb keeps
+/// its header and both commit slots in one sector); the log's are garbage
+/// when the high bit of `keys` is set (bits the key count does not use, so
+/// the committed corpus keeps its key counts).
 pub fn crash_recovery(data: &[u8]) -> RunReport {
     use arbitrary::Arbitrary;
     let Ok(mut case) = CrashCase::arbitrary_take_rest(arbitrary::Unstructured::new(data)) else {
@@ -51,7 +54,14 @@ pub fn crash_recovery(data: &[u8]) -> RunReport {
         keys,
         &points,
         SyncMode::Honest,
-        (TornSectors::OldOrNew, TornSectors::OldOrNew),
+        (
+            TornSectors::OldOrNew,
+            if case.keys & 0x80 != 0 {
+                TornSectors::Garbage
+            } else {
+                TornSectors::OldOrNew
+            },
+        ),
     ) {
         Ok(report) => report,
         Err(e) => panic!("crash_recovery: {e}"),
