@@ -177,12 +177,13 @@ impl RedbStoreBuilder {
         self
     }
 
-    /// Makes batches durable through the write-ahead log `<file>-wal` (on by
-    /// default). Under [`Durability::Immediate`] a batch is then one append
-    /// and `fdatasync` of the few bytes it changed, and the store file is
-    /// checkpointed every [`CHECKPOINT_INTERVAL`](crate::CHECKPOINT_INTERVAL);
-    /// off, every batch is a durable redb commit, which rewrites each B-tree
-    /// page the batch touched (several times slower on most disks with
+    /// Makes groups durable through the write-ahead log `<file>-wal` (on by
+    /// default). Under [`Durability::Immediate`] a group is then one aligned
+    /// append and `fdatasync` of the records it changed, its records live in
+    /// the memtable, and a background checkpointer writes them into the
+    /// store file (see [`CHECKPOINT_INTERVAL`](crate::CHECKPOINT_INTERVAL));
+    /// off, every group is a durable redb commit, which rewrites each B-tree
+    /// page the group touched (several times slower on most disks with
     /// random keys). Either way an acknowledged write survives power loss.
     /// A store that has a log is always recovered from it at open, whatever
     /// this says.
@@ -200,10 +201,12 @@ impl RedbStoreBuilder {
         self
     }
 
-    /// Longest time between durable commits of the store file while
-    /// batches go to the write-ahead log ([`CHECKPOINT_INTERVAL`](crate::CHECKPOINT_INTERVAL)
-    /// by default; at least 1 ms). Longer: fewer checkpoints (each rewrites
-    /// the pages changed since the last), more to replay after a crash.
+    /// Longest time a logged write waits before the checkpointer starts
+    /// writing it into the store file ([`CHECKPOINT_INTERVAL`](crate::CHECKPOINT_INTERVAL)
+    /// by default; at least 1 ms). A checkpoint also starts when the log
+    /// segment or the memtable ([`MEMTABLE_BYTES`](crate::MEMTABLE_BYTES))
+    /// is full. Longer: fewer checkpoints (each rewrites the pages its
+    /// records land on), more to replay after a crash.
     ///
     /// ```
     /// # let dir = tempfile::tempdir()?;
@@ -218,9 +221,12 @@ impl RedbStoreBuilder {
     }
 
     /// Size of the write-ahead log file ([`WAL_BYTES`](crate::WAL_BYTES) by
-    /// default, at least [`MIN_WAL_BYTES`](crate::MIN_WAL_BYTES)). When the
-    /// log is full the next batch is a checkpoint; a batch larger than the
-    /// whole log is committed durably on its own.
+    /// default, at least [`MIN_WAL_BYTES`](crate::MIN_WAL_BYTES)): two
+    /// segments of half this size. When a segment is full the memtable goes
+    /// to the checkpointer and the log moves to the other segment (waiting
+    /// for the previous checkpoint if it is still running); a group larger
+    /// than a whole segment is committed durably into the store file on its
+    /// own.
     ///
     /// ```
     /// # let dir = tempfile::tempdir()?;

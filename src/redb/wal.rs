@@ -1,40 +1,56 @@
-//! The write-ahead log: how a batch becomes durable with one small append
+//! The write-ahead log: how a group becomes durable with one small append
 //! and one `fdatasync`, instead of one redb commit that rewrites every
-//! B-tree page the batch touched.
+//! B-tree page the group touched.
 //!
 //! Why: idempotency keys are random, so every claim lands on its own leaf
 //! page; a durable redb commit of a 60-request batch rewrote ~375 KiB
 //! (copy-on-write leaves and branches) to store ~20 KiB of records, and the
 //! disk's write bandwidth, not its fsync rate, set the ceiling. The log
-//! writes what changed (the record bytes and index entries), nothing else.
+//! writes what changed (the records), nothing else; the B-tree pages are
+//! written by checkpoints, where many records share each commit.
 //!
-//! How (`Durability::Immediate`, the default):
+//! How (`Durability::Immediate`, the default; see `commit.rs` and
+//! `checkpoint.rs` for the two sides):
 //!
-//! 1. The writer applies a batch in a redb write transaction as before, and
-//!    [`Journal`] records each table write it makes.
-//! 2. The journal goes to the log as one [`frame`](Wal::append) and the log
-//!    is `fdatasync`ed; then the transaction commits with
-//!    `redb::Durability::None` (in memory, no I/O). Callers are answered
-//!    after both, so nothing is visible before it is durable.
-//! 3. Every [`CHECKPOINT_INTERVAL`], or when the log is full
-//!    ([`WAL_BYTES`]), a batch commits durably instead, and that commit
-//!    also moves the *log epoch* (a meta entry) on. Frames carry the epoch
-//!    they were written in, so one durable commit retires the whole log:
-//!    no truncation, no second write.
-//! 4. Opening a store replays, in order, the frames of the current epoch
-//!    that verify (magic, epoch, length, CRC-32) up to the first that does
-//!    not (a torn tail), then commits durably with a new epoch.
+//! 1. A group's leader decides its requests and records each record put or
+//!    delete, and the new fencing-token high-water mark, in a [`Journal`].
+//! 2. The journal goes to the log as one [`frame`](Wal::append), on a
+//!    [`FRAME_ALIGN`] boundary, and the log is `fdatasync`ed; only then are
+//!    the records published to the memtable and the callers answered, so
+//!    nothing is visible before it is durable.
+//! 3. The file is two segments. Frames of epoch `e` go to segment `e % 2`.
+//!    When the memtable is handed to the checkpointer (its segment is
+//!    full, it is larger than [`MEMTABLE_BYTES`](super::MEMTABLE_BYTES),
+//!    or older than [`CHECKPOINT_INTERVAL`]), the log moves to epoch `e + 1`
+//!    in the other segment, and commits go on there while the checkpoint
+//!    writes epoch `e`'s records into redb. The checkpoint's durable commit
+//!    stores `e + 1` as the durable epoch (a meta entry): that one commit
+//!    retires every frame of `e`, with no truncation and no second write.
+//!    A segment is written again only after the epoch it held is retired
+//!    (a new freeze waits for the running checkpoint).
+//! 4. Opening a store replays the frames of the durable epoch `E` (segment
+//!    `E % 2`) and then of `E + 1` (the other), each up to the first frame
+//!    that does not verify (magic, epoch, length, CRC-32: a torn tail),
+//!    commits durably, and starts writing epoch `E + 2`.
 //!
-//! Replay is a redo of table writes (put or remove a record, index entry or
-//! meta entry, each with its full value), so replaying a prefix of frames
-//! that is already in the file changes nothing. A frame is written only
-//! after the previous one was synced, so a frame that does not verify ends
-//! the log: nothing after it was ever acknowledged.
+//! Replay is a redo (put or remove a record with its full value, moving
+//! its expiry-index entry; set a meta entry), so replaying frames whose
+//! records are already in the file changes nothing. A frame is written
+//! only after the previous one was synced, so a frame that does not verify
+//! ends the log: nothing after it was ever acknowledged. Because a frame
+//! starts on a fresh 4 KiB block, an append never writes a sector holding
+//! acknowledged bytes: a device that tears a sector into garbage during a
+//! power cut can damage only the frame being written.
 //!
-//! Every write transaction outside the writer (the inbox, the CLI's evict
-//! and import, `compact`) commits durably and moves the epoch on when the
-//! log holds frames (see [`Shared::direct_commit`](super::Shared)), since
-//! replaying older frames over its writes would undo them.
+//! Every write transaction outside the line (the inbox, the CLI's evict
+//! and import, `compact`, a group too large for a segment) first takes in
+//! the memtable and then moves the epoch on (see
+//! [`Shared::direct`](super::Shared)), since replaying older frames over
+//! its writes would undo them.
+//!
+//! A format-2 log (before this layout) is one region of back-to-back
+//! frames that also carry index entries; it is replayed as such once, at
+//! the open that upgrades the store to format 3.
 //!
 //! Frame layout (all integers big-endian):
 //!
@@ -56,27 +72,31 @@ use std::fmt;
 use std::path::Path;
 use std::time::Duration;
 
-/// Size of a store's write-ahead log file (`<file>-wal`): it is written
-/// with zeros at creation (so appends never change the file's size or
-/// allocation, and `fdatasync` has no metadata to write), then reused from
-/// the start at every checkpoint. A batch whose changes do not fit in the
-/// rest of the log is a checkpoint itself.
+/// Size of a store's write-ahead log file (`<file>-wal`): two segments of
+/// half this size each. It is written with zeros at creation (so appends
+/// never change the file's size or allocation, and `fdatasync` has no
+/// metadata to write), then each segment is reused from its start once the
+/// checkpoint of the frames it held is durable. A group's frame takes whole
+/// [`FRAME_ALIGN`] blocks; a group too large for a whole segment commits
+/// straight into the store file (durably) instead.
 ///
 /// ```
 /// assert_eq!(idemstore::WAL_BYTES, 8 << 20);
 /// ```
 pub const WAL_BYTES: u64 = 8 * 1024 * 1024;
 
-/// Smallest log the builder accepts (`wal_bytes`): one small batch must fit.
+/// Smallest log the builder accepts (`wal_bytes`): two segments of two
+/// aligned blocks each.
 ///
 /// ```
-/// assert_eq!(idemstore::MIN_WAL_BYTES, 4096);
+/// assert_eq!(idemstore::MIN_WAL_BYTES, 4 * idemstore::FRAME_ALIGN);
 /// ```
-pub const MIN_WAL_BYTES: u64 = 4096;
+pub const MIN_WAL_BYTES: u64 = 4 * FRAME_ALIGN;
 
-/// Longest time between durable commits of the store file while writes
-/// are logged. It bounds the work of a replay after a crash and the memory
-/// redb holds for commits that are only in the log.
+/// Longest time a logged write stays only in the memtable and the log
+/// before the background checkpointer starts writing it into the store
+/// file (an idle store is checkpointed too). It bounds the work of a
+/// replay after a crash.
 ///
 /// ```
 /// assert_eq!(idemstore::CHECKPOINT_INTERVAL.as_millis(), 500);
