@@ -9,7 +9,7 @@ use crate::time::Timestamp;
 use std::time::Duration;
 
 /// Most records one [`Store::sweep_expired`] call may be asked to delete.
-/// Larger requests are clamped, so one sweep never holds the writer for long.
+/// Larger requests are clamped, so one sweep never holds a commit group for long.
 pub const MAX_SWEEP_BATCH: usize = 10_000;
 
 /// A durable idempotency store.

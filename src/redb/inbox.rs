@@ -4,11 +4,10 @@
 //! writes to its own tables and the DONE record for the message id commit
 //! together (one transaction, one fsync) or not at all.
 //!
-//! ## Why its own write transaction, not the group-commit writer
+//! ## Why its own write transaction, not a commit group
 //!
 //! The handler runs in a write transaction of its own on the store's
-//! `Database`, on the caller's thread; it does not go through the writer
-//! thread's batch. A handler inside the batch transaction could not be undone
+//! `Database`, on the caller's thread; it does not join a commit group. A handler inside the batch transaction could not be undone
 //! alone: redb cannot roll back part of a transaction (a savepoint needs a
 //! clean one), so a handler that failed or panicked after writing business
 //! rows would take every other caller's request in the batch down with it,
@@ -16,16 +15,18 @@
 //! makes a failure cost exactly that message, and the handler may borrow
 //! from the caller (no `'static`, no `Send`).
 //!
-//! The cost: redb runs one write transaction at a time, so while a handler
-//! runs the writer waits, and every message is one commit and one fsync of
-//! its own: the rate of one claim per transaction, not the writer's grouped
-//! rate, whatever the number of consumer threads (`benches/inbox.rs`). A
-//! redelivered message that is already DONE is answered from a read
-//! transaction and costs no write.
+//! The transaction is a direct one (`Shared::direct`): it holds the commit
+//! lock, so no group commits while a handler runs; it first takes in what
+//! the memtable holds (so the message's record is decided on the latest
+//! state), and its commit retires the write-ahead log. Every message is one
+//! commit and one fsync of its own: the rate of one claim per transaction,
+//! not the grouped rate, whatever the number of consumer threads
+//! (`benches/inbox.rs`). A redelivered message that is already DONE is
+//! answered from the memtable or a read transaction and costs no write.
 //!
-//! The fencing-token high-water mark is read from and written to the meta
-//! table inside the transaction; the writer re-reads it at the start of each
-//! batch, so tokens stay unique and increasing across both paths.
+//! Tokens come from the same in-memory high-water mark the leaders use
+//! (under the commit lock), so they stay unique and increasing across both
+//! paths.
 
 use super::RedbStore;
 use super::errors::engine;

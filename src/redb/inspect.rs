@@ -4,10 +4,12 @@
 //! caller, and none of this is part of the [`Store`](crate::Store) contract.
 //!
 //! Reads use ordinary read transactions, so they see one consistent
-//! snapshot. Writes here (evict, import) bypass the group-commit writer:
-//! they take the database lock exclusively, as [`RedbStore::compact`] does,
-//! so no writer batch runs beside them, and a failed commit poisons the
-//! store exactly as a failed batch would.
+//! snapshot of the store file (after an open the memtable is empty; a
+//! command that wrote through the store calls `checkpoint_now` first).
+//! Writes here (evict, import) are direct transactions: under the commit
+//! lock, so no group commits beside them, taking in the memtable first and
+//! retiring the log, and a failed commit poisons the store exactly as a
+//! failed group would.
 
 use super::RedbStore;
 use super::errors::engine;
@@ -243,7 +245,7 @@ impl RedbStore {
         let mut report = VerifyReport::default();
         {
             // check_integrity needs no live transaction: the exclusive lock
-            // waits out the writer and every reader, as compact does.
+            // waits out every transaction, as compact does.
             let mut db = self.shared.db.write().unwrap_or_else(|p| p.into_inner());
             if !db.check_integrity().map_err(engine)? {
                 report.add(
@@ -402,8 +404,8 @@ impl RedbStore {
     /// imported token. A record already stored under the same key is
     /// replaced (its index entry moves).
     ///
-    /// Takes the store by value: the writer keeps the high-water mark in
-    /// memory, so the store must be reopened before it hands out tokens.
+    /// Takes the store by value: an import is an operator's bulk load,
+    /// not something to run beside live traffic.
     /// Returns how many records were written.
     pub(crate) fn import(
         self,

@@ -231,13 +231,15 @@ impl Shared {
 
 /// The durable idempotency store on redb: one file, one process.
 ///
-/// Writes go through one writer thread per store that commits whatever is
-/// queued in one transaction and one fsync (group commit), so throughput
-/// grows with concurrency while every acknowledged claim is durable. A
-/// `begin` whose answer writes nothing (Replay, InFlight, Conflict) is
-/// answered from a read transaction without the writer. After a failed commit the
-/// store is poisoned: every later write is [`Error::Poisoned`] until it is
-/// reopened.
+/// Writes join a line; the first caller in line commits the whole waiting
+/// group with one write-ahead-log append and one `fdatasync` (leader/follower
+/// group commit), so throughput grows with concurrency while every
+/// acknowledged claim is durable. A background thread checkpoints what was
+/// written into the store file. A `begin` whose answer writes nothing
+/// (Replay, InFlight, Conflict) is answered on the read fast path without
+/// joining the line. After a failed commit the store is poisoned: every
+/// later write is [`Error::Poisoned`] until it is reopened. See the module
+/// source (`src/redb/mod.rs`) for the write path.
 ///
 /// ```
 /// use idemstore::{Begin, Fingerprint, Key, RedbStore, Response, Store, Timestamp};
@@ -392,11 +394,12 @@ impl RedbStore {
     /// Reclaims free space in the file (after sweeps), returning whether
     /// anything was moved.
     ///
-    /// redb compacts only with no live transaction, so this takes the
-    /// store's database lock exclusively: it waits for the writer's current
-    /// batch and for every read in progress, and until it returns the writer
-    /// does not start a new batch (queued writes wait, back-pressure applies)
-    /// and reads wait. Run it at a quiet time; it can take as long as
+    /// It first checkpoints what the memtable holds. redb compacts only
+    /// with no live transaction, so this holds the commit lock and takes
+    /// the store's database lock exclusively: it waits for the group being
+    /// committed and for every read in progress, and until it returns no
+    /// group commits (queued writes wait, back-pressure applies) and reads
+    /// of the store file wait. Run it at a quiet time; it can take as long as
     /// rewriting the live data.
     ///
     /// ```
@@ -460,7 +463,7 @@ impl RedbStore {
 
 fn unexpected(reply: &Reply) -> Error {
     Error::backend(format!(
-        "writer answered with the wrong kind of reply: {reply:?}"
+        "the commit path answered with the wrong kind of reply: {reply:?}"
     ))
 }
 

@@ -18,31 +18,30 @@ use std::sync::atomic::AtomicU64;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RedbStats {
-    /// Requests the writer took (begins that claim or find no record,
+    /// Requests that joined the line (begins that claim or find no record,
     /// completes, releases, sweeps); a begin answered Replay, InFlight or
-    /// Conflict from a read transaction never reaches the writer.
+    /// Conflict on the read fast path never joins it.
     pub requests: u64,
-    /// Batches the writer ran: one write transaction each.
+    /// Groups committed by a leader (one log frame, or without the log one
+    /// write transaction, each).
     pub batches: u64,
-    /// Transactions committed (a batch that wrote nothing is not committed).
+    /// Groups and direct transactions that wrote something.
     pub commits: u64,
-    /// redb commits made durable with an fsync: checkpoints of the
-    /// write-ahead log, or (with no log, or under
-    /// [`Durability::Periodic`](crate::Durability::Periodic)) the batches themselves.
+    /// redb commits made durable with an fsync: checkpoints, direct
+    /// transactions (inbox, CLI, compaction), or without the log the groups
+    /// themselves.
     pub durable_commits: u64,
-    /// Batches made durable by one append and `fdatasync` of the
-    /// write-ahead log instead of a durable redb commit
-    /// ([`Durability::Immediate`](crate::Durability::Immediate) on a file).
+    /// Groups made durable by one append and `fdatasync` of the
+    /// write-ahead log.
     pub logged_commits: u64,
     /// Frames replayed from the write-ahead log when the store was opened:
-    /// batches acknowledged after the last checkpoint before a crash.
+    /// groups acknowledged after the last checkpoint before a crash.
     pub frames_replayed_on_open: u64,
-    /// The largest batch so far.
+    /// The largest group so far.
     pub largest_batch: u64,
-    /// Begins answered `Replay` from a read transaction, without the writer.
+    /// Begins answered `Replay` on the read fast path.
     pub fast_replays: u64,
-    /// Begins answered InFlight or Conflict from a read transaction,
-    /// without the writer.
+    /// Begins answered InFlight or Conflict on the read fast path.
     pub fast_refusals: u64,
     /// Records deleted by sweeps (the background sweeper's and explicit
     /// [`Store::sweep_expired`](crate::Store::sweep_expired) calls).
