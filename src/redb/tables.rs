@@ -90,26 +90,40 @@ impl<'txn> WriteTables<'txn> {
     /// not decode is replaced; its index entry (unknown) is left for the
     /// sweep, which re-checks every entry it finds.
     pub(super) fn apply(&mut self, key_bytes: &[u8], entry: Option<&Record>) -> Result<()> {
-        let old_expiry = match self.records.get(key_bytes).map_err(engine)? {
-            Some(v) => codec::decode_record(key_bytes, v.value())
-                .ok()
-                .map(|r| r.expires_at),
-            None => None,
+        // One descent of the tree: the insert or remove hands back the
+        // value it replaced, whose expiry names the index entry to move.
+        let old_expiry = |v: Option<::redb::AccessGuard<'_, &'static [u8]>>| {
+            v.and_then(|v| codec::decode_record(key_bytes, v.value()).ok())
+                .map(|r| r.expires_at)
         };
-        let step = |e: StepError| match e {
-            StepError::Request(e) | StepError::Storage(e) => e,
-        };
-        match entry {
-            Some(record) => self.put(key_bytes, old_expiry, record).map_err(step),
-            None => {
-                self.records.remove(key_bytes).map_err(engine)?;
-                if let Some(old) = old_expiry {
-                    self.unindex(&codec::encode_index(old, key_bytes))
-                        .map_err(step)?;
-                }
-                Ok(())
+        let (old, new) = match entry {
+            Some(record) => {
+                let value = codec::encode_record(record)?;
+                let old = self
+                    .records
+                    .insert(key_bytes, value.as_slice())
+                    .map_err(engine)?;
+                (old_expiry(old), Some(record.expires_at))
             }
+            None => {
+                let old = self.records.remove(key_bytes).map_err(engine)?;
+                (old_expiry(old), None)
+            }
+        };
+        if old == new {
+            return Ok(());
         }
+        if let Some(old) = old {
+            self.expiry
+                .remove(codec::encode_index(old, key_bytes).as_slice())
+                .map_err(engine)?;
+        }
+        if let Some(new) = new {
+            self.expiry
+                .insert(codec::encode_index(new, key_bytes).as_slice(), ())
+                .map_err(engine)?;
+        }
+        Ok(())
     }
 
     /// The stored record for `key_bytes`, verified. A record that does not
