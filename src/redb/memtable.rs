@@ -25,9 +25,9 @@ use std::sync::Arc;
 /// the one being checkpointed) and the work of one checkpoint.
 ///
 /// ```
-/// assert_eq!(idemstore::MEMTABLE_BYTES, 8 << 20);
+/// assert_eq!(idemstore::MEMTABLE_BYTES, 4 << 20);
 /// ```
-pub const MEMTABLE_BYTES: usize = 8 * 1024 * 1024;
+pub const MEMTABLE_BYTES: usize = 4 * 1024 * 1024;
 
 /// One key's latest state: a record, or `None` for a deletion (released or
 /// swept) that redb must see at the next checkpoint.
