@@ -59,10 +59,15 @@ pub(super) fn run(shared: Arc<Shared>) {
         let logged = shared.log_file.is_some();
         let mut wait = Duration::from_secs(3600);
         let mut work = false;
-        if logged && !shared.read_mem().active.is_empty() {
-            let left = shared.checkpoint_left();
-            work |= left.is_zero();
-            wait = wait.min(left);
+        if logged {
+            if shared.read_mem().active.is_empty() {
+                // Woken by the first publish; the interval is a backstop.
+                wait = wait.min(shared.checkpoint_interval);
+            } else {
+                let left = shared.checkpoint_left();
+                work |= left.is_zero();
+                wait = wait.min(left);
+            }
         }
         if let Durability::Periodic { max_loss } = shared.durability {
             let left = max_loss.saturating_sub(last_sync.elapsed());

@@ -297,11 +297,19 @@ impl Shared {
         if !sync {
             self.log_unsynced.store(true, Ordering::SeqCst);
         }
-        let bytes = {
+        let (bytes, first) = {
             let mut mem = self.write_mem();
+            let first = mem.active.is_empty();
             mem.publish(decided.writes);
-            mem.active_bytes
+            (mem.active_bytes, first)
         };
+        if first {
+            // The memtable's age counts from its first record; the
+            // background thread (asleep with nothing in memory) times the
+            // next checkpoint from it.
+            self.note_checkpoint_started();
+            self.wake_background();
+        }
         core.token_hwm = hwm;
         self.stats.commits.fetch_add(1, Ordering::Relaxed);
         self.stats.logged_commits.fetch_add(1, Ordering::Relaxed);

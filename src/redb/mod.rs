@@ -102,7 +102,8 @@ struct Shared {
     durability: Durability,
     checkpoint_interval: Duration,
     max_batch: usize,
-    /// When the last checkpoint began, in ms since `started`.
+    /// When the active memtable began (a freeze, a direct transaction, or
+    /// the first record after either), in ms since `started`.
     started: Instant,
     last_checkpoint_ms: AtomicU64,
 }
@@ -174,7 +175,8 @@ impl Shared {
         u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
 
-    /// A checkpoint began (a freeze, or a direct transaction).
+    /// The active memtable begins now (a freeze, a direct transaction, or
+    /// its first record).
     fn note_checkpoint_started(&self) {
         self.last_checkpoint_ms
             .store(self.now_ms(), Ordering::Relaxed);

@@ -445,3 +445,30 @@ fn the_log_file_reads_back_what_the_store_wrote() {
     assert_eq!(store.stats().frames_replayed_on_open, 0);
     assert!(store.get(&key("k49"), T0).unwrap().is_some());
 }
+
+#[test]
+fn an_idle_store_is_checkpointed_after_the_interval_and_reads_move_to_the_file() {
+    // The background thread freezes an old memtable on its own: an idle
+    // store does not keep its records only in memory and the log.
+    let dir = tempfile::tempdir().unwrap();
+    let store = RedbStore::builder()
+        .checkpoint_interval(Duration::from_millis(20))
+        .open(dir.path().join("s.idem"))
+        .unwrap();
+    let c = claim(&store, "a");
+    complete(&store, "a", &c);
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while store.stats().checkpoints == 0 {
+        assert!(std::time::Instant::now() < deadline, "no checkpoint");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // Read back from the store file now.
+    assert_eq!(
+        store.get(&key("a"), T0).unwrap().unwrap().state(),
+        State::Done
+    );
+    // And a later write starts a fresh log: the frames were retired.
+    let stats = store.stats();
+    assert_eq!(stats.logged_commits, 2);
+    assert!(stats.durable_commits >= 1);
+}
