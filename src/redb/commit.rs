@@ -101,6 +101,21 @@ enum SlotState {
 }
 
 impl Slot {
+    /// Sleeps until this caller is answered (`Some`) or made the leader
+    /// (`None`).
+    fn wait(&self) -> Option<Result<Reply>> {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            match std::mem::take(&mut *state) {
+                SlotState::Waiting => {
+                    state = self.cv.wait(state).unwrap_or_else(|p| p.into_inner());
+                }
+                SlotState::Lead => return None,
+                SlotState::Done(answer) => return Some(answer),
+            }
+        }
+    }
+
     fn set(&self, state: SlotState) {
         *self.state.lock().unwrap_or_else(|p| p.into_inner()) = state;
         self.cv.notify_one();
@@ -146,17 +161,8 @@ impl Shared {
             q.waiting.push_back((op, Arc::clone(&mine)));
             !std::mem::replace(&mut q.leading, true)
         };
-        if !lead {
-            let mut state = mine.state.lock().unwrap_or_else(|p| p.into_inner());
-            loop {
-                match std::mem::take(&mut *state) {
-                    SlotState::Waiting => {
-                        state = mine.cv.wait(state).unwrap_or_else(|p| p.into_inner());
-                    }
-                    SlotState::Lead => break,
-                    SlotState::Done(answer) => return answer,
-                }
-            }
+        if !lead && let Some(answer) = mine.wait() {
+            return answer;
         }
         self.lead(&mine)
     }
@@ -207,15 +213,8 @@ impl Shared {
             }
             // Not in this group (the line was longer than a group): wait
             // for the role to come back, or for an answer.
-            let mut state = mine.state.lock().unwrap_or_else(|p| p.into_inner());
-            loop {
-                match std::mem::take(&mut *state) {
-                    SlotState::Waiting => {
-                        state = mine.cv.wait(state).unwrap_or_else(|p| p.into_inner());
-                    }
-                    SlotState::Lead => break,
-                    SlotState::Done(answer) => return answer,
-                }
+            if let Some(answer) = mine.wait() {
+                return answer;
             }
         }
     }
