@@ -298,18 +298,19 @@ fn print_store(store: &RedbStore, path: &Path) -> std::io::Result<()> {
         std::fs::metadata(path)?.len() / 1024
     );
     println!(
-        "  group commit             {} writes in {} batches (mean {:.1}, largest {}), {} fsynced log appends + {} checkpoints, {} replays without the writer",
+        "  group commit             {} writes in {} groups (mean {:.1}, largest {}), {} fsynced log appends, {} checkpoints + {} other durable commits, {} replays on the read fast path",
         stats.requests,
         stats.batches,
         stats.mean_batch(),
         stats.largest_batch,
         stats.logged_commits,
-        stats.durable_commits,
+        stats.checkpoints,
+        stats.durable_commits.saturating_sub(stats.checkpoints),
         stats.fast_replays
     );
     if stats.frames_replayed_on_open > 0 {
         println!(
-            "  write-ahead log          {} batches replayed at open (acknowledged after the last checkpoint)",
+            "  write-ahead log          {} groups replayed at open (acknowledged after the last checkpoint)",
             stats.frames_replayed_on_open
         );
     }
