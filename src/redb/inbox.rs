@@ -30,7 +30,7 @@
 
 use super::RedbStore;
 use super::errors::engine;
-use super::tables::{StepError, WriteTables};
+use super::tables::{Source, WriteTables};
 use crate::codec;
 use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
@@ -235,7 +235,7 @@ impl Inbox {
         let key_bytes = codec::encode_key(key);
         // Redeliveries of handled messages are the common case under
         // at-least-once: answer them without taking the write transaction.
-        if let Some(record) = logic::visible(store.read(&key_bytes)?, now)
+        if let Some(record) = logic::visible(store.shared.read(&key_bytes)?, now)
             && record.state == State::Done
         {
             return Ok(if record.fingerprint == *fingerprint {
@@ -253,8 +253,7 @@ impl Inbox {
         let max_body_bytes = store.max_body_bytes;
         let decided = store.shared.direct::<_, E>(|txn, hwm| {
             let mut tables = WriteTables::open(txn)?;
-            let existing = tables.read(&key_bytes).map_err(step)?;
-            let old_expiry = existing.as_ref().map(|r| r.expires_at);
+            let existing = tables.read(&key_bytes)?;
             let last = *hwm;
             let decided =
                 logic::begin(existing, fingerprint, now, DEFAULT_LEASE, retention, || {
@@ -276,19 +275,16 @@ impl Inbox {
             };
             // The PROCESSING record exists only inside this transaction; it
             // is there so that `complete` below is the ordinary transition.
-            tables.put(&key_bytes, old_expiry, &record).map_err(step)?;
-            let claimed_expiry = record.expires_at;
+            tables.apply(&key_bytes, Some(&record))?;
             drop(tables);
 
             let response = handler(txn, &claim)?;
             logic::check_response(&response, max_body_bytes)?;
 
             let mut tables = WriteTables::open(txn)?;
-            let existing = tables.read(&key_bytes).map_err(step)?;
+            let existing = tables.read(&key_bytes)?;
             let done = logic::complete(existing, &claim, &response, now, retention)?;
-            tables
-                .put(&key_bytes, Some(claimed_expiry), &done)
-                .map_err(step)?;
+            tables.apply(&key_bytes, Some(&done))?;
             *hwm = (*hwm).max(claim.token);
             Ok(Ok(response))
         })?;
@@ -327,11 +323,5 @@ impl Inbox {
         let db = self.store.shared.read_db();
         let txn = db.begin_read().map_err(engine)?;
         f(&txn)
-    }
-}
-
-fn step(e: StepError) -> Error {
-    match e {
-        StepError::Request(e) | StepError::Storage(e) => e,
     }
 }

@@ -14,7 +14,7 @@
 use super::RedbStore;
 use super::errors::engine;
 use super::open::STORE_FORMAT_VERSION;
-use super::tables::{EXPIRY, RECORDS, StepError, WriteTables};
+use super::tables::{EXPIRY, RECORDS, WriteTables};
 use crate::codec;
 use crate::error::{Error, Result};
 use crate::key::Key;
@@ -198,7 +198,7 @@ impl RedbStore {
     /// operator asks about what is on disk; [`Store::get`](crate::Store::get)
     /// hides expired records).
     pub(crate) fn get_raw(&self, key: &Key) -> Result<Option<Record>> {
-        self.read(&codec::encode_key(key))
+        self.shared.read(&codec::encode_key(key))
     }
 
     /// The expiry of the first and the last index entries, `None` when
@@ -422,18 +422,9 @@ impl RedbStore {
                 let mut tables = WriteTables::open(txn)?;
                 for item in records.by_ref().take(IMPORT_BATCH) {
                     let (key, record) = item?;
-                    let key_bytes = codec::encode_key(&key);
-                    // A stored record that does not decode is replaced;
-                    // its index entry (unknown) is left for the sweeper,
-                    // which re-checks every entry it finds.
-                    let old = match tables.read(&key_bytes) {
-                        Ok(old) => old,
-                        Err(StepError::Request(_)) => None,
-                        Err(StepError::Storage(e)) => return Err(e),
-                    };
-                    tables
-                        .put(&key_bytes, old.map(|r| r.expires_at), &record)
-                        .map_err(step)?;
+                    // A stored record that does not decode is replaced
+                    // (see WriteTables::apply).
+                    tables.apply(&codec::encode_key(&key), Some(&record))?;
                     hwm = hwm.max(record.token);
                     written += 1;
                 }
@@ -442,11 +433,5 @@ impl RedbStore {
             })?;
         }
         Ok(written)
-    }
-}
-
-fn step(e: StepError) -> Error {
-    match e {
-        StepError::Request(e) | StepError::Storage(e) => e,
     }
 }

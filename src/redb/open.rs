@@ -4,8 +4,8 @@
 
 use super::errors::engine;
 use super::tables::{
-    self, EXPIRY, META, META_FORMAT_VERSION, META_STORE_ID, META_TOKEN_HWM, META_WAL_EPOCH,
-    RECORDS, WriteTables,
+    EXPIRY, META, META_FORMAT_VERSION, META_STORE_ID, META_TOKEN_HWM, META_WAL_EPOCH, RECORDS,
+    WriteTables,
 };
 use super::wal::{self, FileLog, Wal};
 use super::{Config, RecoveryPolicy};
@@ -470,18 +470,10 @@ fn expire_leases(db: &Database, config: &Config) -> Result<u64> {
                 lease_until: Some(now),
                 ..record.clone()
             };
-            tables
-                .put(&key_bytes, Some(record.expires_at), &ended)
-                .map_err(step)?;
+            tables.apply(&key_bytes, Some(&ended))?;
             expired += 1;
         }
     }
     txn.commit().map_err(engine)?;
     Ok(expired)
-}
-
-fn step(e: tables::StepError) -> Error {
-    match e {
-        tables::StepError::Request(e) | tables::StepError::Storage(e) => e,
-    }
 }

@@ -12,7 +12,7 @@
 
 use super::errors::engine;
 use crate::codec;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::record::Record;
 use crate::time::Timestamp;
 use ::redb::{
@@ -39,35 +39,6 @@ pub(super) const META_TOKEN_HWM: &str = "token_high_water_mark";
 /// a store that never had a log, read as 0.
 pub(super) const META_WAL_EPOCH: &str = "wal_epoch";
 
-/// Why a step inside a write transaction failed: a request failure leaves
-/// the transaction untouched (it failed before writing), a storage failure
-/// may have written half of a pair, so the whole transaction must go.
-#[derive(Debug)]
-pub(super) enum StepError {
-    /// Failed before any write: only this request fails.
-    Request(Error),
-    /// Failed while writing: the transaction must be aborted.
-    Storage(Error),
-}
-
-impl From<Error> for StepError {
-    fn from(err: Error) -> StepError {
-        StepError::Request(err)
-    }
-}
-
-impl From<StepError> for Error {
-    fn from(err: StepError) -> Error {
-        match err {
-            StepError::Request(e) | StepError::Storage(e) => e,
-        }
-    }
-}
-
-fn storage(err: impl Into<::redb::Error>) -> StepError {
-    StepError::Storage(engine(err))
-}
-
 /// The record and index tables of one write transaction.
 pub(super) struct WriteTables<'txn> {
     records: Table<'txn, &'static [u8], &'static [u8]>,
@@ -85,86 +56,62 @@ impl<'txn> WriteTables<'txn> {
 
     /// Stores `entry` (a record, or `None` for a deletion) as the latest
     /// state of `key_bytes`, moving its expiry-index entry from the stored
-    /// record's expiry. How a checkpoint, a direct transaction and a group
-    /// without the log write what was decided. A stored record that does
-    /// not decode is replaced; its index entry (unknown) is left for the
-    /// sweep, which re-checks every entry it finds.
+    /// record's expiry: the one way every writer (a checkpoint, a direct
+    /// transaction, a group without the log, replay, the inbox, import)
+    /// keeps a record and its index entry together. The record is encoded
+    /// (and its invariants checked) before the first write, so an encoding
+    /// failure writes nothing.
     pub(super) fn apply(&mut self, key_bytes: &[u8], entry: Option<&Record>) -> Result<()> {
-        // One descent of the tree: the insert or remove hands back the
-        // value it replaced, whose expiry names the index entry to move.
-        let old_expiry = |v: Option<::redb::AccessGuard<'_, &'static [u8]>>| {
-            v.and_then(|v| codec::decode_record(key_bytes, v.value()).ok())
-                .map(|r| r.expires_at)
-        };
-        let (old, new) = match entry {
+        match entry {
             Some(record) => {
                 let value = codec::encode_record(record)?;
-                let old = self
-                    .records
-                    .insert(key_bytes, value.as_slice())
-                    .map_err(engine)?;
-                (old_expiry(old), Some(record.expires_at))
+                self.apply_encoded(key_bytes, Some((&value, record.expires_at)))
             }
-            None => {
-                let old = self.records.remove(key_bytes).map_err(engine)?;
-                (old_expiry(old), None)
-            }
-        };
+            None => self.apply_encoded(key_bytes, None),
+        }
+    }
+
+    /// [`apply`](Self::apply) for a record already encoded (`value`, whose
+    /// expiry is `expires_at`). A stored record that does not decode is
+    /// replaced; its index entry (unknown) is left for the sweep, which
+    /// re-checks every entry it finds.
+    pub(super) fn apply_encoded(
+        &mut self,
+        key_bytes: &[u8],
+        entry: Option<(&[u8], Timestamp)>,
+    ) -> Result<()> {
+        // One descent of the tree: the insert or remove hands back the
+        // value it replaced, whose expiry names the index entry to move.
+        let old = match entry {
+            Some((value, _)) => self.records.insert(key_bytes, value),
+            None => self.records.remove(key_bytes),
+        }
+        .map_err(engine)?
+        .and_then(|v| codec::decode_record(key_bytes, v.value()).ok())
+        .map(|r| r.expires_at);
+        let new = entry.map(|(_, expires_at)| expires_at);
         if old == new {
             return Ok(());
         }
         if let Some(old) = old {
-            self.expiry
-                .remove(codec::encode_index(old, key_bytes).as_slice())
-                .map_err(engine)?;
-        }
-        if let Some(new) = new {
-            self.expiry
-                .insert(codec::encode_index(new, key_bytes).as_slice(), ())
-                .map_err(engine)?;
-        }
-        Ok(())
-    }
-
-    /// The stored record for `key_bytes`, verified. A record that does not
-    /// verify is a request failure ([`Error::Corrupt`]): nothing was written.
-    pub(super) fn read(&self, key_bytes: &[u8]) -> Result<Option<Record>, StepError> {
-        match self.records.get(key_bytes).map_err(storage)? {
-            Some(guard) => Ok(Some(codec::decode_record(key_bytes, guard.value())?)),
-            None => Ok(None),
-        }
-    }
-
-    /// Writes `new` over the record read in this transaction (whose expiry
-    /// was `old_expiry`, `None` when there was none), moving the index entry
-    /// if the expiry changed. The record is encoded (and its invariants
-    /// checked) before the first write, so an encoding failure writes nothing.
-    pub(super) fn put(
-        &mut self,
-        key_bytes: &[u8],
-        old_expiry: Option<Timestamp>,
-        new: &Record,
-    ) -> Result<(), StepError> {
-        let value = codec::encode_record(new)?;
-        self.records
-            .insert(key_bytes, value.as_slice())
-            .map_err(storage)?;
-        if old_expiry == Some(new.expires_at) {
-            return Ok(());
-        }
-        if let Some(old) = old_expiry {
             self.unindex(&codec::encode_index(old, key_bytes))?;
         }
-        let index_key = codec::encode_index(new.expires_at, key_bytes);
-        self.expiry
-            .insert(index_key.as_slice(), ())
-            .map_err(storage)?;
+        if let Some(new) = new {
+            self.index(&codec::encode_index(new, key_bytes))?;
+        }
         Ok(())
     }
 
-    /// Removes one index entry (a sweep found it stale or its record gone).
-    pub(super) fn unindex(&mut self, index_key: &[u8]) -> Result<(), StepError> {
-        self.expiry.remove(index_key).map_err(storage)?;
+    /// Removes one index entry (a sweep found it stale, its record moved
+    /// or went, or a format-2 log frame says so).
+    pub(super) fn unindex(&mut self, index_key: &[u8]) -> Result<()> {
+        self.expiry.remove(index_key).map_err(engine)?;
+        Ok(())
+    }
+
+    /// Adds one index entry (a record's, or a format-2 log frame's).
+    pub(super) fn index(&mut self, index_key: &[u8]) -> Result<()> {
+        self.expiry.insert(index_key, ()).map_err(engine)?;
         Ok(())
     }
 
@@ -184,7 +131,7 @@ impl<'txn> WriteTables<'txn> {
 /// Where a group's decisions read what redb holds: a read transaction
 /// (with the log) or the group's own write transaction (without it).
 pub(super) trait Source {
-    /// The stored record for `key_bytes`, verified ([`Error::Corrupt`] if not).
+    /// The stored record for `key_bytes`, verified ([`Error::Corrupt`](crate::Error::Corrupt) if not).
     fn read(&self, key_bytes: &[u8]) -> Result<Option<Record>>;
     /// Calls `f` with each index entry of an expiry at or before `now`,
     /// oldest first, while it returns `true`.

@@ -65,7 +65,7 @@
 //! never verifies, so it is never replayed into the wrong store.
 
 use super::errors::engine;
-use super::tables::{EXPIRY, META, RECORDS};
+use super::tables::{META, WriteTables};
 use crate::error::{Error, Result};
 use ::redb::{StorageBackend, WriteTransaction};
 use std::fmt;
@@ -374,8 +374,7 @@ pub(super) fn replay(
     let end = layout.region.end.min(file.len().map_err(Error::Io)?);
     let mut at = layout.region.start;
     let mut frames = 0u64;
-    let mut records = txn.open_table(RECORDS).map_err(engine)?;
-    let mut expiry = txn.open_table(EXPIRY).map_err(engine)?;
+    let mut tables = WriteTables::open(txn)?;
     let mut meta = txn.open_table(META).map_err(engine)?;
     let next_start = |next: u64| {
         let from = next - layout.region.start;
@@ -419,36 +418,16 @@ pub(super) fn replay(
             match tag {
                 TAG_RECORD_PUT => {
                     let b = take(&mut cursor).ok_or_else(|| damaged("an entry is cut short"))?;
-                    let new_expiry = crate::codec::decode_record(a, b)
+                    let expires_at = crate::codec::decode_record(a, b)
                         .map_err(|_| damaged("holds a record that does not decode"))?
                         .expires_at;
-                    let old = records.insert(a, b).map_err(engine)?;
-                    let old_expiry = old.and_then(|v| old_expiry(a, v.value()));
-                    if old_expiry != Some(new_expiry) {
-                        if let Some(old) = old_expiry {
-                            expiry
-                                .remove(crate::codec::encode_index(old, a).as_slice())
-                                .map_err(engine)?;
-                        }
-                        expiry
-                            .insert(crate::codec::encode_index(new_expiry, a).as_slice(), ())
-                            .map_err(engine)?;
-                    }
+                    tables.apply_encoded(a, Some((b, expires_at)))?;
                 }
-                TAG_RECORD_DEL => {
-                    let old = records.remove(a).map_err(engine)?;
-                    if let Some(old) = old.and_then(|v| old_expiry(a, v.value())) {
-                        expiry
-                            .remove(crate::codec::encode_index(old, a).as_slice())
-                            .map_err(engine)?;
-                    }
-                }
-                TAG_INDEX_PUT => {
-                    expiry.insert(a, ()).map_err(engine)?;
-                }
-                TAG_INDEX_DEL => {
-                    expiry.remove(a).map_err(engine)?;
-                }
+                TAG_RECORD_DEL => tables.apply_encoded(a, None)?,
+                // Format 2 wrote index entries explicitly; apply_encoded
+                // already made the same moves, so these change nothing.
+                TAG_INDEX_PUT => tables.index(a)?,
+                TAG_INDEX_DEL => tables.unindex(a)?,
                 TAG_META_PUT => {
                     let b = take(&mut cursor).ok_or_else(|| damaged("an entry is cut short"))?;
                     let name =
@@ -462,15 +441,6 @@ pub(super) fn replay(
         at = next;
     }
     Ok(frames)
-}
-
-/// The expiry of a stored record being replaced; `None` when it does not
-/// decode (its index entry is then left for the sweep, which re-checks
-/// every entry it finds).
-fn old_expiry(key: &[u8], value: &[u8]) -> Option<crate::time::Timestamp> {
-    crate::codec::decode_record(key, value)
-        .ok()
-        .map(|r| r.expires_at)
 }
 
 /// What lies at one offset of the log.
