@@ -82,6 +82,20 @@ pub enum Error {
 }
 
 impl Error {
+    /// The same failure for another caller of a failed commit group: the
+    /// variant, and so [`Error::is_transient`], is the same for every caller. `Error` is not `Clone` (it holds an
+    /// `io::Error`); this keeps the kind and the message.
+    #[cfg_attr(not(feature = "redb"), allow(dead_code))]
+    pub(crate) fn replicate(&self) -> Error {
+        match self {
+            Error::Io(e) => Error::Io(std::io::Error::new(e.kind(), e.to_string())),
+            Error::Poisoned => Error::Poisoned,
+            Error::Closed => Error::Closed,
+            Error::Corrupt { key, detail } => Error::corrupt(key.clone(), detail.clone()),
+            other => Error::backend(other.to_string()),
+        }
+    }
+
     pub(crate) fn invalid_argument(reason: impl Into<String>) -> Error {
         Error::InvalidArgument {
             reason: reason.into(),
@@ -196,5 +210,22 @@ mod tests {
             err.to_string(),
             "corrupt record for key t/o: checksum mismatch"
         );
+    }
+
+    #[test]
+    fn a_replicated_error_keeps_its_variant_and_message() {
+        let io = Error::from(std::io::Error::new(
+            std::io::ErrorKind::StorageFull,
+            "disk full",
+        ));
+        let copy = io.replicate();
+        assert!(matches!(&copy, Error::Io(e) if e.kind() == std::io::ErrorKind::StorageFull));
+        assert_eq!(copy.to_string(), io.to_string());
+        assert_eq!(copy.is_transient(), io.is_transient());
+        assert!(matches!(Error::Poisoned.replicate(), Error::Poisoned));
+        assert!(matches!(Error::Closed.replicate(), Error::Closed));
+        let corrupt = Error::corrupt(Some("t/o".into()), "bad crc");
+        assert_eq!(corrupt.replicate().to_string(), corrupt.to_string());
+        assert!(matches!(Error::StaleClaim.replicate(), Error::Backend(_)));
     }
 }

@@ -263,11 +263,12 @@ impl Shared {
             journal.meta_put(META_TOKEN_HWM, &hwm.to_be_bytes());
         }
         let sync = self.durability == Durability::Immediate;
-        let wal = core
+        let n = journal.len();
+        let (fits_a_segment, fits_here) = core
             .wal
             .as_ref()
-            .ok_or_else(|| Error::backend("the write-ahead log is gone"))?;
-        if !wal.fits_at_all(journal.len()) {
+            .map_or((false, false), |w| (w.fits_at_all(n), w.fits(n)));
+        if !fits_a_segment {
             // Larger than a whole segment: straight into redb, durably,
             // with everything in memory before it.
             let writes = decided.writes;
@@ -281,13 +282,12 @@ impl Shared {
             })?;
             return Ok(decided.answers);
         }
-        if !wal.fits(journal.len()) {
+        if !fits_here {
             self.freeze(core)?;
         }
-        let wal = core
-            .wal
-            .as_mut()
-            .ok_or_else(|| Error::backend("the write-ahead log is gone"))?;
+        let Some(wal) = core.wal.as_mut() else {
+            return Err(Error::backend("the write-ahead log is gone"));
+        };
         if let Err(e) = wal.append(&mut journal, sync) {
             // The frame may or may not be on disk.
             self.poisoned.store(true, Ordering::SeqCst);
@@ -306,7 +306,7 @@ impl Shared {
             // The memtable's age counts from its first record; the
             // background thread (asleep with nothing in memory) times the
             // next checkpoint from it.
-            self.note_checkpoint_started();
+            self.start_memtable_clock();
             self.wake_background();
         }
         core.token_hwm = hwm;
@@ -410,7 +410,7 @@ impl Shared {
             mem.freeze(wal.epoch(), core.token_hwm);
         }
         wal.rotate();
-        self.note_checkpoint_started();
+        self.start_memtable_clock();
         self.wake_background();
         Ok(())
     }
@@ -483,7 +483,7 @@ impl Shared {
         if let Some(wal) = core.wal.as_mut() {
             wal.rotate();
         }
-        self.note_checkpoint_started();
+        self.start_memtable_clock();
         self.stats.commits.fetch_add(1, Ordering::Relaxed);
         self.stats.durable_commits.fetch_add(1, Ordering::Relaxed);
         Ok(out)
@@ -691,20 +691,6 @@ impl Group<'_> {
             self.out.stale.extend(stale);
         }
         Ok(swept)
-    }
-}
-
-impl Error {
-    /// The same failure for another caller of a failed group: the variant
-    /// (and so [`Error::is_transient`]) is the same for every caller.
-    pub(super) fn replicate(&self) -> Error {
-        match self {
-            Error::Io(e) => Error::Io(std::io::Error::new(e.kind(), e.to_string())),
-            Error::Poisoned => Error::Poisoned,
-            Error::Closed => Error::Closed,
-            Error::Corrupt { key, detail } => Error::corrupt(key.clone(), detail.clone()),
-            other => Error::backend(other.to_string()),
-        }
     }
 }
 

@@ -105,7 +105,7 @@ struct Shared {
     /// When the active memtable began (a freeze, a direct transaction, or
     /// the first record after either), in ms since `started`.
     started: Instant,
-    last_checkpoint_ms: AtomicU64,
+    memtable_since_ms: AtomicU64,
 }
 
 impl Shared {
@@ -132,7 +132,7 @@ impl Shared {
             checkpoint_interval: config.checkpoint_interval,
             max_batch: MAX_WRITE_BATCH,
             started: Instant::now(),
-            last_checkpoint_ms: AtomicU64::new(0),
+            memtable_since_ms: AtomicU64::new(0),
         })
     }
 
@@ -177,8 +177,8 @@ impl Shared {
 
     /// The active memtable begins now (a freeze, a direct transaction, or
     /// its first record).
-    fn note_checkpoint_started(&self) {
-        self.last_checkpoint_ms
+    fn start_memtable_clock(&self) {
+        self.memtable_since_ms
             .store(self.now_ms(), Ordering::Relaxed);
     }
 
@@ -186,7 +186,7 @@ impl Shared {
     fn checkpoint_left(&self) -> Duration {
         let since = self
             .now_ms()
-            .saturating_sub(self.last_checkpoint_ms.load(Ordering::Relaxed));
+            .saturating_sub(self.memtable_since_ms.load(Ordering::Relaxed));
         self.checkpoint_interval
             .saturating_sub(Duration::from_millis(since))
     }
@@ -422,10 +422,6 @@ impl RedbStore {
         db.compact().map_err(engine)
     }
 
-    fn submit(&self, op: Op) -> Result<Reply> {
-        self.shared.submit(op)
-    }
-
     /// The read fast path. Answers `begin` without joining the line when
     /// the answer writes nothing (Replay, InFlight, Conflict): the same
     /// state machine decides, on the latest state (memtable, then redb),
@@ -439,7 +435,7 @@ impl RedbStore {
         lease: Duration,
         retention: Duration,
     ) -> Result<Option<Begin>> {
-        let existing = self.read(key_bytes)?;
+        let existing = self.shared.read(key_bytes)?;
         if existing.is_none() {
             return Ok(None);
         }
@@ -455,11 +451,6 @@ impl RedbStore {
         };
         counter.fetch_add(1, Ordering::Relaxed);
         Ok(Some(step.answer))
-    }
-
-    /// The latest record (verified): the memtable, then redb.
-    fn read(&self, key_bytes: &[u8]) -> Result<Option<Record>> {
-        self.shared.read(key_bytes)
     }
 }
 
@@ -508,7 +499,7 @@ impl Store for RedbStore {
         if let Some(answer) = self.fast_begin(&key_bytes, fingerprint, now, lease, retention)? {
             return Ok(answer);
         }
-        match self.submit(Op::Begin {
+        match self.shared.submit(Op::Begin {
             key: key_bytes,
             fingerprint: *fingerprint,
             now,
@@ -529,7 +520,7 @@ impl Store for RedbStore {
         retention: Duration,
     ) -> Result<()> {
         logic::check_response(response, self.max_body_bytes)?;
-        match self.submit(Op::Complete {
+        match self.shared.submit(Op::Complete {
             key: codec::encode_key(key),
             claim: claim.clone(),
             response: response.clone(),
@@ -542,7 +533,7 @@ impl Store for RedbStore {
     }
 
     fn release(&self, key: &Key, claim: &Claim) -> Result<()> {
-        match self.submit(Op::Release {
+        match self.shared.submit(Op::Release {
             key: codec::encode_key(key),
             claim: claim.clone(),
         })? {
@@ -552,7 +543,10 @@ impl Store for RedbStore {
     }
 
     fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>> {
-        Ok(logic::visible(self.read(&codec::encode_key(key))?, now))
+        Ok(logic::visible(
+            self.shared.read(&codec::encode_key(key))?,
+            now,
+        ))
     }
 
     fn sweep_expired(&self, now: Timestamp, max: usize) -> Result<usize> {
@@ -560,7 +554,7 @@ impl Store for RedbStore {
         if max == 0 {
             return Ok(0);
         }
-        match self.submit(Op::Sweep { now, max })? {
+        match self.shared.submit(Op::Sweep { now, max })? {
             Reply::Swept(n) => Ok(n),
             other => Err(unexpected(&other)),
         }
