@@ -24,7 +24,6 @@ use super::memtable::Frozen;
 use super::tables::{META, META_TOKEN_HWM, META_WAL_EPOCH, WriteTables};
 use super::{Durability, Shared};
 use crate::error::{Error, Result};
-use ::redb::ReadableTable;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -142,17 +141,11 @@ fn checkpoint(shared: &Shared, frozen: &Frozen) -> Result<()> {
         for (key, entry) in &frozen.records {
             tables.apply(key, entry.as_ref())?;
         }
+        // The frozen table's mark is the store's: every durable commit
+        // before this one (an earlier checkpoint, a direct transaction, the
+        // open) stored a mark from before this table was frozen.
         let mut meta = txn.open_table(META).map_err(engine)?;
-        let stored = match meta.get(META_TOKEN_HWM).map_err(engine)? {
-            Some(v) => v
-                .value()
-                .try_into()
-                .map(u64::from_be_bytes)
-                .unwrap_or_default(),
-            None => 0,
-        };
-        let hwm = stored.max(frozen.token_hwm);
-        meta.insert(META_TOKEN_HWM, hwm.to_be_bytes().as_slice())
+        meta.insert(META_TOKEN_HWM, frozen.token_hwm.to_be_bytes().as_slice())
             .map_err(engine)?;
         let next = frozen.epoch.wrapping_add(1);
         meta.insert(META_WAL_EPOCH, next.to_be_bytes().as_slice())
