@@ -174,17 +174,21 @@ pub(super) fn open_backend(
             ));
         }
     };
-    let (mut token_hwm, store_id) = match read_meta(&db)? {
+    let MetaEntries {
+        format_version,
+        store_id,
+        mut token_hwm,
+    } = match read_meta(&db)? {
         Some(meta) => meta,
         None => init_meta(&db, config)?,
     };
     let (wal, frames_replayed) = match log {
         None => (None, 0),
         Some(file) => {
-            let (wal, frames) = recover_log(&db, file, store_id, config)?;
+            let (wal, frames) = recover_log(&db, file, store_id, format_version, config)?;
             if frames > 0 {
                 // The frames carry the high-water mark of their claims.
-                token_hwm = read_meta(&db)?.map_or(token_hwm, |(hwm, _)| hwm);
+                token_hwm = read_meta(&db)?.map_or(token_hwm, |m| m.token_hwm);
             }
             (Some(wal), frames)
         }
@@ -210,11 +214,11 @@ fn recover_log(
     db: &Database,
     file: Box<dyn StorageBackend>,
     store_id: [u8; 16],
+    format: u32,
     config: &Config,
 ) -> Result<(Wal, u64)> {
     let file: std::sync::Arc<dyn StorageBackend> = std::sync::Arc::from(file);
     let epoch = read_wal_epoch(db)?;
-    let format = read_format_version(db)?;
     let len = file.len().map_err(Error::Io)?;
     let mut txn = db.begin_write().map_err(engine)?;
     txn.set_quick_repair(true);
@@ -258,11 +262,6 @@ fn recover_log(
     txn.commit().map_err(engine)?;
     let len = wal::preallocate(file.as_ref(), config.wal_bytes)?;
     Ok((Wal::new(file, store_id, fresh, len), frames))
-}
-
-fn read_format_version(db: &Database) -> Result<u32> {
-    let txn = db.begin_read().map_err(engine)?;
-    Ok(read_meta_entries(&txn)?.format_version)
 }
 
 fn read_wal_epoch(db: &Database) -> Result<u64> {
@@ -337,7 +336,7 @@ fn table_error(err: TableError) -> Error {
 /// The meta entries, or `None` for a file with no tables at all (new, or
 /// created by redb just before a crash). A redb file with other tables but
 /// no meta table is someone else's database.
-fn read_meta(db: &Database) -> Result<Option<(u64, [u8; 16])>> {
+fn read_meta(db: &Database) -> Result<Option<MetaEntries>> {
     let txn = db.begin_read().map_err(engine)?;
     let names: Vec<String> = txn
         .list_tables()
@@ -363,11 +362,10 @@ fn read_meta(db: &Database) -> Result<Option<(u64, [u8; 16])>> {
     if meta.format_version == 0 {
         return Err(Error::corrupt(None, "meta format version is 0"));
     }
-    let (hwm, store_id) = (meta.token_hwm, meta.store_id);
     // Opening the record tables proves they have our layout.
     txn.open_table(RECORDS).map_err(table_error)?;
     txn.open_table(EXPIRY).map_err(table_error)?;
-    Ok(Some((hwm, store_id)))
+    Ok(Some(meta))
 }
 
 /// The three meta entries, as stored (no version policy applied).
@@ -407,7 +405,7 @@ fn fixed<const N: usize>(name: &str, bytes: &[u8]) -> Result<[u8; N]> {
 }
 
 /// Writes the meta table and the empty record tables of a new store.
-fn init_meta(db: &Database, config: &Config) -> Result<(u64, [u8; 16])> {
+fn init_meta(db: &Database, config: &Config) -> Result<MetaEntries> {
     let store_id = new_store_id(config);
     let mut txn = db.begin_write().map_err(engine)?;
     txn.set_quick_repair(true);
@@ -426,7 +424,11 @@ fn init_meta(db: &Database, config: &Config) -> Result<(u64, [u8; 16])> {
         txn.open_table(EXPIRY).map_err(engine)?;
     }
     txn.commit().map_err(engine)?;
-    Ok((0, store_id))
+    Ok(MetaEntries {
+        format_version: STORE_FORMAT_VERSION,
+        store_id,
+        token_hwm: 0,
+    })
 }
 
 /// 16 bytes unlikely to repeat: the std hasher's per-process random keys,
