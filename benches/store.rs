@@ -207,13 +207,13 @@ fn fill_expiring(store: &Arc<RedbStore>, n: u64) {
 }
 
 fn codec(c: &mut Criterion) {
-    let record = idemstore::fuzzing::sample_record(200);
-    let bytes = idemstore::fuzzing::encode_record(&record).unwrap();
+    let record = idemstore::unstable::sample_record(200);
+    let bytes = idemstore::unstable::encode_record(&record).unwrap();
     let mut g = c.benchmark_group("codec");
     g.bench_function("encode", |b| {
         b.iter(|| {
             assert_eq!(
-                idemstore::fuzzing::encode_record(black_box(&record))
+                idemstore::unstable::encode_record(black_box(&record))
                     .unwrap()
                     .len(),
                 bytes.len()
@@ -223,7 +223,7 @@ fn codec(c: &mut Criterion) {
     g.bench_function("decode", |b| {
         b.iter(|| {
             assert_eq!(
-                idemstore::fuzzing::decode_record(black_box(&bytes))
+                idemstore::unstable::decode_record(b"bench", black_box(&bytes))
                     .unwrap()
                     .token(),
                 42

@@ -60,9 +60,9 @@
 //! - `tower`: HTTP middleware (`Idempotency-Key`), in [`tower`] (behaviour and status codes in its docs).
 //! - `cli`: the `idemstore` operator binary (stats, get, list, evict, sweep,
 //!   compact, verify, export, import); its entry point is [`cli::main`].
-//! - `test-util`: [`ManualClock`], [`FaultyStore`] and the [`MemoryStore`] fault hook;
-//!   with `redb`, also the (hidden, unstable) `crash` module: a redb storage
-//!   backend that simulates power loss, used by the crash tests and fuzz targets.
+//! - `test-util`: [`ManualClock`], [`FaultyStore`] and the [`MemoryStore`] fault hook.
+//!   The conformance suite, the model, the power-loss storage backend and the
+//!   kill-test driver are in the `idemstore-testkit` crate.
 
 #[cfg(feature = "cli")]
 pub mod cli;
@@ -74,17 +74,12 @@ pub mod cli;
     )
 )]
 mod codec;
-#[cfg(all(feature = "test-util", feature = "redb"))]
-#[doc(hidden)]
-pub mod crash;
 mod error;
 mod fingerprint;
-#[cfg(feature = "test-util")]
-#[doc(hidden)]
-pub mod fuzzing;
 mod guard;
 mod key;
-mod logic;
+pub mod limits;
+pub mod logic;
 mod memory;
 #[cfg(feature = "postgres")]
 mod postgres;
@@ -101,6 +96,9 @@ mod testing;
 mod time;
 #[cfg(feature = "tower")]
 pub mod tower;
+#[cfg(feature = "unstable-internals")]
+#[doc(hidden)]
+pub mod unstable;
 mod waiting;
 
 #[cfg(feature = "redb")]

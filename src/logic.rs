@@ -1,9 +1,80 @@
-//! The contract's state machine, written once for every backend.
+//! The contract's state machine, written once for every backend, and
+//! published for backends written outside this crate.
 //!
 //! Each function takes the record as the backend read it (inside its own
 //! atomic step: a write transaction, a compare-and-swap, a mutex) and says
 //! what the answer is and what to write. Backends add storage; they never
-//! re-decide the five cases.
+//! re-decide the five cases. [`MemoryStore`](crate::MemoryStore), `RedbStore`,
+//! `SledStore` and `PostgresStore`'s tests all go through these functions;
+//! a third-party [`Store`](crate::Store) that does the same, and keeps each
+//! call's read and write in one atomic step, decides exactly as they do. The
+//! `idemstore-testkit` crate's conformance suite then checks the storage side.
+//!
+//! A complete backend over a `Mutex<HashMap>`:
+//!
+//! ```
+//! use idemstore::{logic, Begin, Claim, Fingerprint, Key, Record, Response, Result, Store, Timestamp};
+//! use std::collections::HashMap;
+//! use std::sync::Mutex;
+//! use std::time::Duration;
+//!
+//! #[derive(Default)]
+//! struct MapStore(Mutex<(HashMap<Key, Record>, u64)>); // records, last token
+//!
+//! impl Store for MapStore {
+//!     fn begin(&self, key: &Key, fp: &Fingerprint, now: Timestamp, lease: Duration, retention: Duration) -> Result<Begin> {
+//!         logic::check_durations(lease, retention)?;
+//!         let mut g = self.0.lock().expect("not poisoned");
+//!         let (records, last_token) = &mut *g;
+//!         let step = logic::begin(records.get(key).cloned(), fp, now, lease, retention, || {
+//!             *last_token += 1;
+//!             Ok(*last_token)
+//!         })?;
+//!         if let Some(record) = step.write {
+//!             records.insert(key.clone(), record);
+//!         }
+//!         Ok(step.answer)
+//!     }
+//!     fn complete(&self, key: &Key, claim: &Claim, response: &Response, now: Timestamp, retention: Duration) -> Result<()> {
+//!         logic::check_response(response, idemstore::limits::DEFAULT_MAX_BODY_BYTES)?;
+//!         let mut g = self.0.lock().expect("not poisoned");
+//!         let done = logic::complete(g.0.get(key).cloned(), claim, response, now, retention)?;
+//!         g.0.insert(key.clone(), done);
+//!         Ok(())
+//!     }
+//!     fn release(&self, key: &Key, claim: &Claim) -> Result<()> {
+//!         let mut g = self.0.lock().expect("not poisoned");
+//!         logic::release(g.0.get(key).cloned(), claim)?;
+//!         g.0.remove(key);
+//!         Ok(())
+//!     }
+//!     fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>> {
+//!         Ok(logic::visible(self.0.lock().expect("not poisoned").0.get(key).cloned(), now))
+//!     }
+//!     fn sweep_expired(&self, now: Timestamp, max: usize) -> Result<usize> {
+//!         let mut g = self.0.lock().expect("not poisoned");
+//!         // Oldest expiry first, as the contract says.
+//!         let mut due: Vec<(Timestamp, Key)> = g.0.iter()
+//!             .filter(|(_, r)| logic::sweepable(r.expires_at(), now))
+//!             .map(|(k, r)| (r.expires_at(), k.clone()))
+//!             .collect();
+//!         due.sort();
+//!         due.truncate(max.min(idemstore::limits::MAX_SWEEP_BATCH));
+//!         for (_, k) in &due {
+//!             g.0.remove(k);
+//!         }
+//!         Ok(due.len())
+//!     }
+//! }
+//!
+//! let store = MapStore::default();
+//! let (key, fp, t0) = (Key::new("t", "k")?, Fingerprint::of(b"x"), Timestamp::from_millis(0));
+//! let d = Duration::from_secs(60);
+//! let Begin::Claimed(claim) = store.begin(&key, &fp, t0, d, d)? else { panic!() };
+//! store.complete(&key, &claim, &Response::new(200, "ok"), t0, d)?;
+//! assert_eq!(store.begin(&key, &fp, t0, d, d)?, Begin::Replay(Response::new(200, "ok")));
+//! # Ok::<(), idemstore::Error>(())
+//! ```
 
 use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
@@ -12,18 +83,54 @@ use crate::response::Response;
 use crate::time::Timestamp;
 use std::time::Duration;
 
-/// What `begin` decided.
+/// What [`begin`] decided: the answer, and the record to write with it.
+///
+/// ```
+/// use idemstore::{logic, Begin, Fingerprint, Timestamp};
+/// use std::time::Duration;
+///
+/// let d = Duration::from_secs(10);
+/// let step = logic::begin(None, &Fingerprint::of(b"x"), Timestamp::EPOCH, d, d, || Ok(1))?;
+/// assert!(matches!(step.answer, Begin::Claimed(_)));
+/// assert_eq!(step.write.expect("a claim writes").token(), 1);
+/// # Ok::<(), idemstore::Error>(())
+/// ```
 #[derive(Debug)]
-pub(crate) struct BeginStep {
+#[non_exhaustive]
+pub struct BeginStep {
     /// The answer for the caller.
-    pub(crate) answer: Begin,
-    /// The record to write, when the answer is `Claimed`.
-    pub(crate) write: Option<Record>,
+    pub answer: Begin,
+    /// The record to write, when the answer is `Claimed` (a new claim or a
+    /// takeover); `None` when nothing is to be written.
+    pub write: Option<Record>,
 }
 
-/// The five `begin` cases. `next_token` is called once, only when the key is
-/// claimed; it must return a token larger than any handed out before.
-pub(crate) fn begin(
+/// The five `begin` cases, given the record stored under the key (`None`
+/// when there is none; an expired one counts as none).
+///
+/// `next_token` is called once, only when the key is claimed; it must
+/// return a token larger than any handed out before by the store, and the
+/// store must keep that promise across restarts (store the high-water mark
+/// in the same atomic step as the record).
+///
+/// ```
+/// use idemstore::{logic, Begin, Fingerprint, Timestamp};
+/// use std::time::Duration;
+///
+/// let (lease, keep) = (Duration::from_secs(1), Duration::from_secs(60));
+/// let t0 = Timestamp::from_millis(0);
+/// let first = logic::begin(None, &Fingerprint::of(b"x"), t0, lease, keep, || Ok(7))?;
+/// let stored = first.write.expect("claimed");
+/// // Another fingerprint under the same key is a conflict, and writes nothing.
+/// let other = logic::begin(Some(stored.clone()), &Fingerprint::of(b"y"), t0, lease, keep, || Ok(8))?;
+/// assert_eq!(other.answer, Begin::Conflict);
+/// assert!(other.write.is_none());
+/// // The lease ran out: a takeover under a new token.
+/// let again = logic::begin(Some(stored), &Fingerprint::of(b"x"), t0 + lease, lease, keep, || Ok(8))?;
+/// assert!(again.answer.claim().is_some_and(|c| c.is_takeover() && c.token() == 8));
+/// # Ok::<(), idemstore::Error>(())
+/// ```
+pub fn begin(
     existing: Option<Record>,
     fingerprint: &Fingerprint,
     now: Timestamp,
@@ -109,8 +216,25 @@ fn owned(existing: Option<Record>, claim: &Claim, now: Option<Timestamp>) -> Res
     }
 }
 
-/// `complete`: the record to write (DONE, lease cleared, expiry `now + retention`).
-pub(crate) fn complete(
+/// `complete`: the record to write (DONE, lease cleared, expiry
+/// `now + retention`), or [`Error::StaleClaim`] when `claim` is not the
+/// current owner of a live PROCESSING record.
+///
+/// ```
+/// use idemstore::{logic, Error, Fingerprint, Response, State, Timestamp};
+/// use std::time::Duration;
+///
+/// let d = Duration::from_secs(10);
+/// let step = logic::begin(None, &Fingerprint::of(b"x"), Timestamp::EPOCH, d, d, || Ok(1))?;
+/// let claim = step.answer.claim().expect("claimed").clone();
+/// let done = logic::complete(step.write.clone(), &claim, &Response::new(200, "ok"), Timestamp::EPOCH, d)?;
+/// assert_eq!(done.state(), State::Done);
+/// // Completing against a record that is already DONE is stale.
+/// let again = logic::complete(Some(done), &claim, &Response::new(200, "ok"), Timestamp::EPOCH, d);
+/// assert!(matches!(again, Err(Error::StaleClaim)));
+/// # Ok::<(), idemstore::Error>(())
+/// ```
+pub fn complete(
     existing: Option<Record>,
     claim: &Claim,
     response: &Response,
@@ -129,21 +253,73 @@ pub(crate) fn complete(
 
 /// `release`: checks ownership; the caller then deletes the record so that
 /// a retry (or a different request under the same key) may run at once.
-pub(crate) fn release(existing: Option<Record>, claim: &Claim) -> Result<()> {
+///
+/// ```
+/// use idemstore::{logic, Error, Fingerprint, Timestamp};
+/// use std::time::Duration;
+///
+/// let d = Duration::from_secs(10);
+/// let step = logic::begin(None, &Fingerprint::of(b"x"), Timestamp::EPOCH, d, d, || Ok(1))?;
+/// let claim = step.answer.claim().expect("claimed").clone();
+/// assert!(logic::release(step.write, &claim).is_ok());
+/// assert!(matches!(logic::release(None, &claim), Err(Error::StaleClaim)));
+/// # Ok::<(), idemstore::Error>(())
+/// ```
+pub fn release(existing: Option<Record>, claim: &Claim) -> Result<()> {
     owned(existing, claim, None).map(|_| ())
 }
 
 /// Whether a record found by a sweep at `now` is to be deleted.
-pub(crate) fn sweepable(record_expires_at: Timestamp, now: Timestamp) -> bool {
+///
+/// ```
+/// use idemstore::{logic, Timestamp};
+/// let at = Timestamp::from_millis(100);
+/// assert!(!logic::sweepable(at, Timestamp::from_millis(99)));
+/// assert!(logic::sweepable(at, at));
+/// ```
+pub fn sweepable(record_expires_at: Timestamp, now: Timestamp) -> bool {
     now >= record_expires_at
 }
 
 /// The record as `get` shows it: expired records are invisible.
-pub(crate) fn visible(existing: Option<Record>, now: Timestamp) -> Option<Record> {
+///
+/// ```
+/// use idemstore::{logic, Fingerprint, Timestamp};
+/// use std::time::Duration;
+///
+/// let d = Duration::from_secs(10);
+/// let rec = logic::begin(None, &Fingerprint::of(b"x"), Timestamp::EPOCH, d, d, || Ok(1))?.write;
+/// assert!(logic::visible(rec.clone(), Timestamp::EPOCH).is_some());
+/// assert!(logic::visible(rec, Timestamp::EPOCH + d).is_none());
+/// # Ok::<(), idemstore::Error>(())
+/// ```
+pub fn visible(existing: Option<Record>, now: Timestamp) -> Option<Record> {
     existing.filter(|r| !r.is_expired(now))
 }
 
-/// Checks a response against the store's body limit before any write.
-pub(crate) fn check_response(response: &Response, max_body_bytes: usize) -> Result<()> {
+/// Checks a response against the store's body limit (and the header
+/// limits) before any write: [`Error::ResponseTooLarge`] or
+/// [`Error::InvalidArgument`].
+///
+/// ```
+/// use idemstore::{logic, Response};
+/// assert!(logic::check_response(&Response::new(200, vec![0; 10]), 10).is_ok());
+/// assert!(logic::check_response(&Response::new(200, vec![0; 11]), 10).is_err());
+/// ```
+pub fn check_response(response: &Response, max_body_bytes: usize) -> Result<()> {
     response.check_limits(max_body_bytes)
+}
+
+/// Checks `begin`'s durations before any I/O: `lease` at least 1 ms and
+/// `retention` at least `lease`, else [`Error::InvalidArgument`].
+///
+/// ```
+/// use idemstore::logic;
+/// use std::time::Duration;
+/// assert!(logic::check_durations(Duration::from_secs(1), Duration::from_secs(1)).is_ok());
+/// assert!(logic::check_durations(Duration::ZERO, Duration::from_secs(1)).is_err());
+/// assert!(logic::check_durations(Duration::from_secs(2), Duration::from_secs(1)).is_err());
+/// ```
+pub fn check_durations(lease: Duration, retention: Duration) -> Result<()> {
+    crate::record::check_durations(lease, retention)
 }

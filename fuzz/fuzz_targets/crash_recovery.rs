@@ -5,5 +5,5 @@
 #![no_main]
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
-    idemstore::crash::crash_recovery(data);
+    idemstore_testkit::crash::crash_recovery(data);
 });

@@ -3,5 +3,5 @@
 #![no_main]
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
-    idemstore::fuzzing::record_decode(data);
+    idemstore_testkit::codec::record_decode(data);
 });

@@ -32,7 +32,7 @@ mod memtable;
 mod open;
 mod options;
 mod stats;
-mod tables;
+pub(crate) mod tables;
 mod wal;
 
 pub use inbox::{Delivery, Inbox};

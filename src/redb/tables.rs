@@ -20,24 +20,24 @@ use ::redb::{
 };
 
 /// Records by key.
-pub(super) const RECORDS: TableDefinition<'static, &'static [u8], &'static [u8]> =
+pub(crate) const RECORDS: TableDefinition<'static, &'static [u8], &'static [u8]> =
     TableDefinition::new("idemstore.records");
 /// The expiry index: one entry per record, `(expires_at BE, key)`.
-pub(super) const EXPIRY: TableDefinition<'static, &'static [u8], ()> =
+pub(crate) const EXPIRY: TableDefinition<'static, &'static [u8], ()> =
     TableDefinition::new("idemstore.expiry");
 /// Store-wide facts.
-pub(super) const META: TableDefinition<'static, &'static str, &'static [u8]> =
+pub(crate) const META: TableDefinition<'static, &'static str, &'static [u8]> =
     TableDefinition::new("idemstore.meta");
 
 /// Meta key: the store format version, u32 BE.
-pub(super) const META_FORMAT_VERSION: &str = "format_version";
+pub(crate) const META_FORMAT_VERSION: &str = "format_version";
 /// Meta key: 16 bytes naming this store file for its life.
-pub(super) const META_STORE_ID: &str = "store_id";
+pub(crate) const META_STORE_ID: &str = "store_id";
 /// Meta key: the largest fencing token ever handed out, u64 BE.
-pub(super) const META_TOKEN_HWM: &str = "token_high_water_mark";
+pub(crate) const META_TOKEN_HWM: &str = "token_high_water_mark";
 /// Meta key: the write-ahead log's epoch, u64 BE (see `wal.rs`); absent in
 /// a store that never had a log, read as 0.
-pub(super) const META_WAL_EPOCH: &str = "wal_epoch";
+pub(crate) const META_WAL_EPOCH: &str = "wal_epoch";
 
 /// The record and index tables of one write transaction.
 pub(super) struct WriteTables<'txn> {

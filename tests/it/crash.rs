@@ -13,7 +13,7 @@
 //! `#[ignore]`d (see its reason):
 //! `cargo test --all-features --test it crash -- --ignored --nocapture`.
 
-use idemstore::crash::{
+use idemstore_testkit::crash::{
     FailedPoint, RunConfig, RunReport, SyncMode, TornSectors, raw_redb_run,
     raw_redb_run_all_points, store_run, store_run_all_points,
 };

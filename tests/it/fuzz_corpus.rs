@@ -3,7 +3,8 @@
 //! so CI exercises every saved input without nightly.
 
 use idemstore::Store;
-use idemstore::fuzzing::{decode_ops, record_decode, run_ops};
+use idemstore_testkit::codec::record_decode;
+use idemstore_testkit::model::{decode_ops, run_ops};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -45,9 +46,9 @@ fn store_ops_corpus_on_memory() {
 #[cfg(feature = "redb")]
 #[test]
 fn crash_recovery_corpus() {
-    let mut total = idemstore::crash::RunReport::default();
+    let mut total = idemstore_testkit::crash::RunReport::default();
     for (path, bytes) in corpus("crash_recovery") {
-        let r = std::panic::catch_unwind(|| idemstore::crash::crash_recovery(&bytes));
+        let r = std::panic::catch_unwind(|| idemstore_testkit::crash::crash_recovery(&bytes));
         total += r.unwrap_or_else(|_| panic!("{} fails", path.display()));
     }
     eprintln!("crash_recovery corpus: {total:?}");
@@ -61,7 +62,7 @@ fn crash_recovery_corpus() {
 #[cfg(feature = "redb")]
 #[test]
 fn store_ops_corpus_on_redb_with_power_loss_reopens() {
-    use idemstore::crash::{SyncMode, store_ops_power_loss};
+    use idemstore_testkit::crash::{SyncMode, store_ops_power_loss};
     let mut caught = 0;
     for (path, bytes) in corpus("store_ops") {
         for seed in 0..2 {

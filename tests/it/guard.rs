@@ -1,10 +1,10 @@
 //! Guard policies beyond the conformance suite, on `MemoryStore`.
 
-use crate::conformance::T0;
 use idemstore::{
     Begin, Error, FaultyStore, Fingerprint, Guard, Key, ManualClock, MemoryStore, OnHandlerError,
     Outcome, Response, Store, TakeoverPolicy,
 };
+use idemstore_testkit::conformance::T0;
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};

@@ -4,13 +4,13 @@
 //! exactly-once processing would; plus conflicts, limits, token order and
 //! poisoning.
 
-use crate::conformance::T0;
 use crate::redb::{FlakySync, PowerCut};
 use idemstore::redb_engine::{ReadableTable, TableDefinition};
 use idemstore::{
     Begin, BoxError, Delivery, Error, Fingerprint, Inbox, Key, ManualClock, RedbStore, Response,
     State, Store,
 };
+use idemstore_testkit::conformance::T0;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::PathBuf;

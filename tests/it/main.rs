@@ -1,5 +1,5 @@
 //! The one integration-test binary. Each backend module runs the shared
-//! conformance suite through `conformance_suite!`, plus its own tests.
+//! conformance suite through `idemstore_testkit::conformance!`, plus its own tests.
 #![allow(unreachable_pub, reason = "test modules share helpers with `pub`")]
 #![allow(
     clippy::unwrap_used,
@@ -7,8 +7,6 @@
     reason = "a panic in a test is a failure with a location"
 )]
 
-#[macro_use]
-mod conformance;
 mod bad_input;
 mod cli;
 #[cfg(feature = "redb")]
@@ -17,8 +15,6 @@ mod fuzz_corpus;
 mod guard;
 #[cfg(feature = "redb")]
 mod inbox;
-#[macro_use]
-mod kill;
 mod memory;
 mod model;
 #[cfg(all(feature = "redb", feature = "tower"))]

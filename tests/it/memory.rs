@@ -1,10 +1,10 @@
 //! The conformance suite on the reference `MemoryStore`.
 
-use crate::conformance::Subject;
 use idemstore::MemoryStore;
+use idemstore_testkit::conformance::Subject;
 
 fn subject() -> Subject {
     Subject::new(MemoryStore::new(), ())
 }
 
-conformance_suite!(subject);
+idemstore_testkit::conformance!(subject);

@@ -8,11 +8,11 @@
 //! Each store gets a table of its own, dropped at the end, so the tests run
 //! in parallel on one database.
 
-use crate::conformance::{Subject, T0};
 use idemstore::{
     Begin, Error, Fingerprint, Guard, Key, Outcome, PostgresStore, Response, Store, SystemClock,
     Timestamp,
 };
+use idemstore_testkit::conformance::{Subject, T0};
 use std::collections::HashMap;
 use std::io::Write;
 use std::process::{Command, Stdio};
@@ -101,7 +101,7 @@ fn subject() -> Subject {
     Subject::new(store, drop_table)
 }
 
-conformance_suite!(subject, when: enabled);
+idemstore_testkit::conformance!(subject, when: enabled);
 
 fn key(id: &str) -> Key {
     Key::new("pg", id).unwrap()

@@ -1,11 +1,11 @@
 //! `RedbStore`: the conformance suite on a real file, plus reopen, group
 //! commit, poisoning, sweeper and open-time refusal tests.
 
-use crate::conformance::{Subject, T0};
 use idemstore::{
     Begin, Claim, Durability, Error, Fingerprint, Guard, Key, ManualClock, Outcome, RecoveryPolicy,
     RedbStore, Response, State, Store, SweeperConfig,
 };
+use idemstore_testkit::conformance::{Subject, T0};
 use redb::StorageBackend;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -18,13 +18,13 @@ fn subject() -> Subject {
     Subject::new(store, dir)
 }
 
-conformance_suite!(subject);
+idemstore_testkit::conformance!(subject);
 
 fn open_for_kill(dir: &Path) -> idemstore::Result<Arc<dyn Store>> {
     Ok(Arc::new(RedbStore::open(dir.join("kill.idem"))?))
 }
 
-kill_suite!(open_for_kill);
+idemstore_testkit::kill_suite!(open_for_kill);
 
 const LEASE: Duration = Duration::from_secs(30);
 const KEEP: Duration = Duration::from_secs(3600);
@@ -553,7 +553,7 @@ fn store_ops_corpus_on_redb_with_reopens() {
     files.sort();
     assert!(!files.is_empty());
     for path in files {
-        let ops = idemstore::fuzzing::decode_ops(&std::fs::read(&path).unwrap());
+        let ops = idemstore_testkit::model::decode_ops(&std::fs::read(&path).unwrap());
         let backend = FlakySync {
             inner: Arc::new(redb::backends::InMemoryBackend::new()),
             fail_next_sync: Arc::new(AtomicBool::new(false)),
@@ -561,7 +561,7 @@ fn store_ops_corpus_on_redb_with_reopens() {
         let mut open = || -> Arc<dyn Store> {
             Arc::new(RedbStore::builder().open_backend(backend.clone()).unwrap())
         };
-        if let Err(d) = idemstore::fuzzing::run_ops(&mut open, true, &ops) {
+        if let Err(d) = idemstore_testkit::model::run_ops(&mut open, true, &ops) {
             panic!("{}: {d}", path.display());
         }
     }

@@ -11,11 +11,11 @@
 //! format version (`a_newer_format_version_is_unsupported`), a failed fsync
 //! (`a_failed_fsync_poisons_the_store_until_reopened`).
 
-use idemstore::crash::{CrashBackend, Rng};
 use idemstore::{
     Begin, Claim, Error, Fingerprint, Guard, Key, ManualClock, Outcome, RedbStore, Response, Store,
     Timestamp,
 };
+use idemstore_testkit::crash::{CrashBackend, Rng};
 use redb::{ReadableTable, TableDefinition};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::Path;

@@ -1,9 +1,9 @@
 //! The conformance suite and sled-specific tests on `SledStore`.
 
-use crate::conformance::{Subject, T0};
 use idemstore::{
     Begin, Error, Fingerprint, Key, Response, SLED_BLOB_THRESHOLD_BYTES, SledStore, State, Store,
 };
+use idemstore_testkit::conformance::{Subject, T0};
 use std::time::Duration;
 
 fn subject() -> Subject {
@@ -12,13 +12,13 @@ fn subject() -> Subject {
     Subject::new(store, dir)
 }
 
-conformance_suite!(subject);
+idemstore_testkit::conformance!(subject);
 
 fn open_for_kill(dir: &std::path::Path) -> idemstore::Result<std::sync::Arc<dyn Store>> {
     Ok(std::sync::Arc::new(SledStore::open(dir)?))
 }
 
-kill_suite!(open_for_kill);
+idemstore_testkit::kill_suite!(open_for_kill);
 
 const SEC: Duration = Duration::from_secs(1);
 const HOUR: Duration = Duration::from_secs(3600);
@@ -487,7 +487,7 @@ fn body_limit_is_configurable_and_capped() {
 /// or changed by closing the store.
 #[test]
 fn sled_store_with_faults_and_reopen_matches_model() {
-    use idemstore::fuzzing::run_ops;
+    use idemstore_testkit::model::run_ops;
     use proptest::test_runner::{Config, TestCaseError, TestRunner};
     let mut runner = TestRunner::new(Config {
         cases: 12,
@@ -496,7 +496,7 @@ fn sled_store_with_faults_and_reopen_matches_model() {
     });
     runner
         .run(
-            &proptest::collection::vec(crate::model::any_op(), 1..50),
+            &proptest::collection::vec(idemstore_testkit::model::any_op(), 1..50),
             |ops| {
                 let dir = tempfile::tempdir().unwrap();
                 let mut open = || -> std::sync::Arc<dyn Store> {

@@ -3,12 +3,12 @@
 //! could have, writes outside the writer retire the log, and old stores
 //! upgrade.
 
-use crate::conformance::T0;
-use idemstore::crash::{CrashBackend, CrashImage};
 use idemstore::{
     Begin, Claim, Delivery, Error, Fingerprint, Inbox, Key, ManualClock, RedbStore, Response,
     State, Store,
 };
+use idemstore_testkit::conformance::T0;
+use idemstore_testkit::crash::{CrashBackend, CrashImage};
 use std::time::Duration;
 
 const LEASE: Duration = Duration::from_secs(30);

@@ -7,25 +7,17 @@
 //! reopens the store, and checks the store against the ledger; then starts
 //! a new child on the same store, several times.
 //!
-//! What it proves (DESIGN.md §4, invariants 1 and 2): nothing acknowledged
+//! What it proves (the durability invariants of docs/design.md): nothing acknowledged
 //! is lost — a claim whose handler ran is still held (or was taken over, or
 //! completed), a completion acknowledged to a caller is DONE with that
 //! response — and no key is executed twice inside one lease.
 //!
 //! A backend plugs in with one line in its test module:
-//! `kill_suite!(open_fn);` where `open_fn: fn(&Path) -> Result<Arc<dyn Store>>`
+//! `idemstore_testkit::kill_suite!(open_fn);` where `open_fn: fn(&Path) -> Result<Arc<dyn Store>>`
 //! opens the store in the given (existing, initially empty) directory, e.g.
 //! `RedbStore::open(dir.join("kill.idem"))` or `SledStore::open(dir)`.
 //! The parent also checks that the store is `Error::Locked` to a second
 //! process while the child holds it.
-#![cfg_attr(
-    not(any(feature = "redb", feature = "sled")),
-    allow(
-        dead_code,
-        unused_macros,
-        reason = "without a durable backend nothing plugs in"
-    )
-)]
 
 use idemstore::Clock;
 use idemstore::{Fingerprint, Guard, Key, Outcome, Response, State, Store, SystemClock, Timestamp};
@@ -67,20 +59,37 @@ const ENV_DIR: &str = "IDEMSTORE_KILL_DIR";
 const ENV_LEDGER: &str = "IDEMSTORE_KILL_LEDGER";
 
 /// Generates, in a backend's test module, the child entry and the test.
+///
+/// `$open` is an [`Open`]. The test binary re-invokes itself to run the
+/// child, so the module must be reachable by its path (a plain `mod` of
+/// an integration test is).
+///
+/// ```no_run
+/// use idemstore::{RedbStore, Store};
+/// use std::{path::Path, sync::Arc};
+///
+/// fn open(dir: &Path) -> idemstore::Result<Arc<dyn Store>> {
+///     Ok(Arc::new(RedbStore::open(dir.join("kill.idem"))?))
+/// }
+///
+/// idemstore_testkit::kill_suite!(open);
+/// # fn main() {}
+/// ```
+#[macro_export]
 macro_rules! kill_suite {
     ($open:path) => {
         /// The child side of the kill test; does nothing unless started by it.
         #[test]
         #[ignore = "the kill test's child process; started by acknowledged_outcomes_survive_sigkill"]
         fn kill_child_entry() {
-            crate::kill::child_entry($open);
+            $crate::kill::child_entry($open);
         }
 
         /// Kills a child running guarded requests several times; nothing
         /// acknowledged is lost, no key runs twice inside a lease.
         #[test]
         fn acknowledged_outcomes_survive_sigkill() {
-            crate::kill::run_parent(module_path!(), $open);
+            $crate::kill::run_parent(module_path!(), $open);
         }
     };
 }

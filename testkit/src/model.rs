@@ -1,75 +1,21 @@
-//! Property checks shared by the fuzz targets under `fuzz/` and by the
-//! corpus replay and property tests under `cargo test` (feature
-//! `test-util`; hidden: not a stable API).
+//! The reference model of the contract, and the checker that runs an
+//! operation sequence on a store and on the model side by side.
 //!
-//! Each function panics with a description when the property fails, so a
-//! libFuzzer target and a `#[test]` report the same thing.
+//! The model is written independently of `idemstore::logic` (a table of the
+//! five `begin` cases, kept by hand), so a bug in the shared state machine
+//! shows up as a divergence rather than agreeing with itself. The fuzz
+//! targets under idemstore's `fuzz/`, the corpus replay under `cargo test`
+//! and the property tests ([`check_against_model`], with proptest) all call
+//! [`run_ops`].
 
-use crate::codec;
-use crate::error::Error;
-use crate::fingerprint::Fingerprint;
-use crate::key::Key;
-use crate::memory::Op as StoreOp;
-use crate::record::{Begin, Claim};
-use crate::response::Response;
-use crate::store::Store;
-use crate::testing::FaultyStore;
-use crate::time::Timestamp;
+use crate::conformance::Make;
+use idemstore::Op as StoreOp;
+use idemstore::{Begin, Claim, Error, FaultyStore, Fingerprint, Key, Response, Store, Timestamp};
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
-
-/// Arbitrary bytes never panic the decoders, and whatever decodes as a
-/// record re-encodes to exactly the same bytes. The input is tried twice:
-/// as given, and with its checksum fixed up so the payload decoder is
-/// reached.
-pub fn record_decode(data: &[u8]) {
-    let _ = codec::decode_key(data);
-    let _ = codec::decode_index(data);
-    check_round_trip(data);
-    if data.len() >= codec::HEADER_BYTES {
-        let mut fixed = data.to_vec();
-        let crc = crc32fast::hash(fixed.get(codec::HEADER_BYTES..).unwrap_or_default());
-        if let Some(slot) = fixed.get_mut(6..10) {
-            slot.copy_from_slice(&crc.to_be_bytes());
-        }
-        check_round_trip(&fixed);
-    }
-}
-
-fn check_round_trip(bytes: &[u8]) {
-    if let Ok(record) = codec::decode_record(b"\0fuzz", bytes) {
-        let again = codec::encode_record(&record).expect("a decoded record re-encodes");
-        assert_eq!(again, bytes, "decode is not injective: {record:?}");
-    }
-}
-
-/// A DONE record with a `body_bytes` response, as the codec benches use it.
-pub fn sample_record(body_bytes: usize) -> crate::Record {
-    crate::Record {
-        fingerprint: Fingerprint::of(b"sku=A&qty=1"),
-        state: crate::State::Done,
-        response: Some(
-            Response::new(201, vec![b'x'; body_bytes])
-                .with_header("content-type", "application/json"),
-        ),
-        lease_until: None,
-        expires_at: Timestamp::from_millis(T0 + 86_400_000),
-        created_at: Timestamp::from_millis(T0),
-        token: 42,
-        attempts: 1,
-    }
-}
-
-/// The stored bytes of `record` (the codec bench's `encode`).
-pub fn encode_record(record: &crate::Record) -> crate::Result<Vec<u8>> {
-    codec::encode_record(record)
-}
-
-/// Decodes and verifies stored bytes (the codec bench's `decode`).
-pub fn decode_record(bytes: &[u8]) -> crate::Result<crate::Record> {
-    codec::decode_record(b"\0bench", bytes)
-}
 
 /// Turns fuzzer bytes into an operation sequence, the same way in the fuzz
 /// target and in the corpus replay under `cargo test`.
@@ -155,7 +101,7 @@ enum Answer {
     Conflict,
 }
 
-/// An independent model of DESIGN.md's table (not built on `logic`).
+/// An independent model of the contract's table (not built on `idemstore::logic`).
 #[derive(Default)]
 struct Model {
     records: HashMap<u8, ModelRecord>,
@@ -210,7 +156,7 @@ impl Model {
 }
 
 fn ms(d: Duration) -> u64 {
-    crate::time::duration_millis(d)
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 fn key(k: u8) -> Key {
@@ -408,6 +354,48 @@ fn pick(claims: &HashMap<u8, Vec<Claim>>, key: u8, stale: bool) -> Option<Claim>
     if stale { list.first() } else { list.last() }.cloned()
 }
 
+/// Operations without faults or reopen: the conformance suite checks the
+/// plain contract; fault and reopen sequences run per backend.
+pub fn plain_op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0..4u8, 0..2u8).prop_map(|(key, fp)| Op::Begin { key, fp }),
+        3 => (0..4u8, any::<bool>(), any::<u8>()).prop_map(|(key, stale, body)| Op::Complete { key, stale, body }),
+        1 => (0..4u8, any::<bool>()).prop_map(|(key, stale)| Op::Release { key, stale }),
+        2 => (0..4u8).prop_map(|key| Op::Get { key }),
+        1 => (0..8u8).prop_map(|max| Op::Sweep { max }),
+        2 => (0..2_000u16).prop_map(|ms| Op::Advance { ms }),
+    ]
+}
+
+/// Any operation, faults and reopen included.
+pub fn any_op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        10 => plain_op(),
+        1 => any::<u8>().prop_map(|op| Op::Fault { op }),
+        1 => Just(Op::Reopen),
+    ]
+}
+
+/// Runs `cases` random sequences of up to `len` plain operations, each on a
+/// fresh store from `make`, against the model; panics with the shrunk
+/// sequence on the first divergence.
+pub fn check_against_model(make: Make<'_>, cases: u32, len: usize) {
+    let mut runner = TestRunner::new(Config {
+        cases,
+        failure_persistence: None,
+        ..Config::default()
+    });
+    let result = runner.run(&proptest::collection::vec(plain_op(), 1..len), |ops| {
+        let subject = make();
+        let store = Arc::clone(&subject.store);
+        let mut open = || -> Arc<dyn Store> { Arc::clone(&store) };
+        run_ops(&mut open, false, &ops).map_err(TestCaseError::fail)
+    });
+    if let Err(e) = result {
+        panic!("the store diverged from the model: {e}");
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -466,14 +454,14 @@ mod tests {
             Op::Sweep { max: 7 },
             Op::Begin { key: 0, fp: 1 },
         ];
-        let mut open = || -> Arc<dyn Store> { Arc::new(crate::MemoryStore::new()) };
+        let mut open = || -> Arc<dyn Store> { Arc::new(idemstore::MemoryStore::new()) };
         run_ops(&mut open, false, &ops).expect("no divergence");
     }
 
     #[test]
     fn a_wrong_store_is_caught() {
         // A store that forgets every completion must diverge from the model.
-        struct Forgetful(crate::MemoryStore);
+        struct Forgetful(idemstore::MemoryStore);
         impl Store for Forgetful {
             fn begin(
                 &self,
@@ -482,7 +470,7 @@ mod tests {
                 n: Timestamp,
                 l: Duration,
                 r: Duration,
-            ) -> crate::Result<Begin> {
+            ) -> idemstore::Result<Begin> {
                 self.0.begin(k, f, n, l, r)
             }
             fn complete(
@@ -492,16 +480,16 @@ mod tests {
                 _: &Response,
                 _: Timestamp,
                 _: Duration,
-            ) -> crate::Result<()> {
+            ) -> idemstore::Result<()> {
                 Ok(())
             }
-            fn release(&self, k: &Key, c: &Claim) -> crate::Result<()> {
+            fn release(&self, k: &Key, c: &Claim) -> idemstore::Result<()> {
                 self.0.release(k, c)
             }
-            fn get(&self, k: &Key, n: Timestamp) -> crate::Result<Option<crate::Record>> {
+            fn get(&self, k: &Key, n: Timestamp) -> idemstore::Result<Option<idemstore::Record>> {
                 self.0.get(k, n)
             }
-            fn sweep_expired(&self, n: Timestamp, m: usize) -> crate::Result<usize> {
+            fn sweep_expired(&self, n: Timestamp, m: usize) -> idemstore::Result<usize> {
                 self.0.sweep_expired(n, m)
             }
         }
@@ -514,7 +502,7 @@ mod tests {
             },
             Op::Begin { key: 0, fp: 0 },
         ];
-        let mut open = || -> Arc<dyn Store> { Arc::new(Forgetful(crate::MemoryStore::new())) };
+        let mut open = || -> Arc<dyn Store> { Arc::new(Forgetful(idemstore::MemoryStore::new())) };
         assert!(run_ops(&mut open, false, &ops).is_err());
     }
 }

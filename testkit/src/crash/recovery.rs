@@ -6,13 +6,13 @@ use super::backend::{CrashBackend, CrashImage, SyncMode, TornSectors};
 use super::inspect::inspect;
 use super::rng::Rng;
 use super::workload::{LEASE, RunLog, Slot, Step, T0, describe, run_thread};
-use crate::codec;
-use crate::fingerprint::Fingerprint;
-use crate::key::Key;
-use crate::record::{Begin, State};
-use crate::redb::{RecoveryPolicy, RedbStore};
-use crate::store::Store;
-use crate::time::{ManualClock, Timestamp};
+use idemstore::Fingerprint;
+use idemstore::Key;
+use idemstore::Store;
+use idemstore::unstable as codec;
+use idemstore::{Begin, State};
+use idemstore::{ManualClock, Timestamp};
+use idemstore::{RecoveryPolicy, RedbStore};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::AtomicU64;
 
@@ -234,10 +234,10 @@ pub fn store_run_steps(
 /// write-ahead log is the disk's second file ([`TEST_WAL_BYTES`] long; made
 /// now if the disk has none yet); without, every batch commits durably.
 pub(super) fn open_disk(
-    builder: crate::redb::RedbStoreBuilder,
+    builder: idemstore::RedbStoreBuilder,
     disk: &CrashBackend,
     log: bool,
-) -> crate::error::Result<RedbStore> {
+) -> idemstore::Result<RedbStore> {
     if log {
         let file = disk.file(1).unwrap_or_else(|| disk.sibling());
         builder
@@ -252,8 +252,8 @@ pub(super) fn open_disk(
 /// catching a panic. Returns the store and the restored disk.
 fn reopen(
     image: &CrashImage,
-    builder: crate::redb::RedbStoreBuilder,
-) -> Result<(crate::error::Result<RedbStore>, CrashBackend), String> {
+    builder: idemstore::RedbStoreBuilder,
+) -> Result<(idemstore::Result<RedbStore>, CrashBackend), String> {
     let disk = image.restore();
     let log = !image.siblings.is_empty();
     let opened = catch_unwind(AssertUnwindSafe(|| open_disk(builder, &disk, log)))
@@ -344,7 +344,7 @@ fn check_creation_image(image: &CrashImage) -> Result<RunReport, String> {
             drop(store);
             0
         }
-        Err(crate::error::Error::Corrupt { .. }) => 1,
+        Err(idemstore::Error::Corrupt { .. }) => 1,
         Err(e) => return Err(format!("a half-created file gave an unexpected error: {e}")),
     };
     Ok(RunReport {
@@ -475,7 +475,7 @@ fn check_image(image: &CrashImage, log: &RunLog, checks: Checks) -> Result<RunRe
     // every token acknowledged and every token in the file.
     let floor = acked_token
         .into_iter()
-        .chain(found.records.values().map(|r| r.token))
+        .chain(found.records.values().map(|r| r.token()))
         .max()
         .unwrap_or(0);
     let fresh = Key::new("crash", "fresh-after-reopen").map_err(|e| e.to_string())?;

@@ -134,7 +134,7 @@ struct State {
 /// ([`set_disk_full`](Self::set_disk_full)).
 ///
 /// ```
-/// use idemstore::crash::CrashBackend;
+/// use idemstore_testkit::crash::CrashBackend;
 /// use redb::{Database, ReadableDatabase, TableDefinition};
 ///
 /// const T: TableDefinition<u64, u64> = TableDefinition::new("t");
@@ -196,7 +196,7 @@ impl CrashBackend {
     /// and fills up together with this one (a store's write-ahead log).
     ///
     /// ```
-    /// use idemstore::crash::CrashBackend;
+    /// use idemstore_testkit::crash::CrashBackend;
     /// use redb::StorageBackend;
     /// let disk = CrashBackend::new();
     /// let log = disk.sibling();
@@ -246,7 +246,7 @@ impl CrashBackend {
     /// default; a disk restored from an image starts over with it.
     ///
     /// ```
-    /// use idemstore::crash::{CrashBackend, TornSectors};
+    /// use idemstore_testkit::crash::{CrashBackend, TornSectors};
     /// use redb::StorageBackend;
     /// let disk = CrashBackend::new();
     /// disk.set_torn_sectors(TornSectors::Garbage);

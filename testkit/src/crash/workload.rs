@@ -9,14 +9,14 @@
 
 use super::backend::CrashBackend;
 use super::rng::Rng;
-use crate::error::Error;
-use crate::fingerprint::Fingerprint;
-use crate::key::Key;
-use crate::record::{Begin, Claim, State};
-use crate::redb::RedbStore;
-use crate::response::Response;
-use crate::store::Store;
-use crate::time::Timestamp;
+use idemstore::Error;
+use idemstore::Fingerprint;
+use idemstore::Key;
+use idemstore::RedbStore;
+use idemstore::Response;
+use idemstore::Store;
+use idemstore::Timestamp;
+use idemstore::{Begin, Claim, State};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -149,22 +149,22 @@ impl std::fmt::Debug for Slot {
 }
 
 /// A record, as briefly as [`Slot`]'s `Debug`.
-pub(super) fn describe(r: Option<&crate::record::Record>) -> String {
+pub(super) fn describe(r: Option<&idemstore::Record>) -> String {
     match r {
         None => "absent".into(),
         Some(r) => format!(
             "{} token {} lease {:?} expires {:?} body {:?} bytes",
-            r.state,
-            r.token,
-            r.lease_until,
-            r.expires_at,
-            r.response.as_ref().map(|x| x.body().len())
+            r.state(),
+            r.token(),
+            r.lease_until(),
+            r.expires_at(),
+            r.response().map(|x| x.body().len())
         ),
     }
 }
 
 impl Slot {
-    pub(super) fn matches(&self, found: Option<&crate::record::Record>) -> bool {
+    pub(super) fn matches(&self, found: Option<&idemstore::Record>) -> bool {
         match (self, found) {
             (Slot::Absent, None) => true,
             (
@@ -180,13 +180,13 @@ impl Slot {
                 },
                 Some(r),
             ) => {
-                r.fingerprint == *fp
-                    && r.state == *state
-                    && r.token == *token
-                    && r.lease_until == *lease_until
-                    && r.expires_at == *expires_at
-                    && r.attempts == *attempts
-                    && r.response == *response
+                *r.fingerprint() == *fp
+                    && r.state() == *state
+                    && r.token() == *token
+                    && r.lease_until() == *lease_until
+                    && r.expires_at() == *expires_at
+                    && r.attempts() == *attempts
+                    && r.response() == response.as_ref()
             }
             _ => false,
         }

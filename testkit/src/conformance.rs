@@ -1,10 +1,12 @@
-//! The conformance suite: the contract of DESIGN.md §1, run unchanged
-//! against every backend through `conformance_suite!(factory)`.
+//! The conformance suite: the contract (the five `begin` cases, fencing,
+//! expiry, limits, concurrency), run unchanged against every backend
+//! through [`conformance!`](crate::conformance!).
 //!
-//! A backend module writes a factory `fn() -> Subject` that opens a fresh,
+//! A backend's tests write a factory `fn() -> Subject` that opens a fresh,
 //! empty store (and keeps whatever must outlive it, such as a temp dir), then
-//! invokes the macro. Fault scenarios wrap the subject in `FaultyStore`, so
-//! the engine underneath is the real one.
+//! invoke the macro. Fault scenarios wrap the subject in `FaultyStore`, so
+//! the engine underneath is the real one. Each case is also a public
+//! function taking the factory, and [`run_all`] runs them all and reports.
 
 use idemstore::{
     Begin, Claim, Clock, Error, FaultyStore, Fingerprint, Guard, Key, ManualClock, Op, Outcome,
@@ -18,11 +20,14 @@ use std::time::Duration;
 
 /// A fresh store under test, plus what must live as long as it.
 pub struct Subject {
+    /// The store under test.
     pub store: Arc<dyn Store>,
     _keep: Box<dyn Any + Send + Sync>,
 }
 
 impl Subject {
+    /// A subject: `store`, and `keep` (dropped after the store; e.g. the
+    /// `tempfile::TempDir` its files are in, or `()`).
     pub fn new(store: impl Store + 'static, keep: impl Any + Send + Sync) -> Subject {
         Subject {
             store: Arc::new(store),
@@ -31,17 +36,44 @@ impl Subject {
     }
 }
 
-/// Runs every case below as its own `#[test]` against `$factory`.
+/// Runs the whole conformance suite against a store factory, one `#[test]`
+/// per case, in the calling crate's test module.
 ///
-/// `conformance_suite!(factory, when: enabled)` runs each case only when
-/// `enabled()` is true, for a backend that needs an external server: its
-/// `enabled` says plainly when the server is missing (and fails under CI).
-macro_rules! conformance_suite {
+/// `$factory` is a `fn() -> Subject` that opens a fresh, empty store (and
+/// keeps whatever must outlive it, such as a temporary directory, in the
+/// [`Subject`]). `conformance!(factory, when: enabled)` runs each case only
+/// when `enabled()` is true, for a backend that needs an external server:
+/// its `enabled` should say plainly when the server is missing (and fail
+/// under CI rather than skip).
+///
+/// ```
+/// use idemstore::MemoryStore;
+/// use idemstore_testkit::conformance::Subject;
+///
+/// fn subject() -> Subject {
+///     Subject::new(MemoryStore::new(), ())
+/// }
+///
+/// idemstore_testkit::conformance!(subject);
+/// # fn main() {}
+/// ```
+#[macro_export]
+macro_rules! conformance {
     ($factory:path) => {
-        conformance_suite!($factory, when: crate::conformance::always);
+        $crate::conformance!($factory, when: $crate::conformance::always);
     };
     ($factory:path, when: $enabled:path) => {
-        conformance_suite!(@cases $factory, $enabled;
+        $crate::__conformance_cases!(__conformance_tests; $factory, $enabled);
+    };
+}
+
+/// The one list of cases: passes it to `$callback` after `$args`, so the
+/// `#[test]`s of [`conformance!`] and [`CASES`] cannot drift apart.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __conformance_cases {
+    ($callback:ident; $($args:tt)*) => {
+        $crate::$callback! { $($args)*;
             seed_eight_concurrent_workers_execute_once,
             seed_complete_fails_then_takeover_then_window,
             begin_claims_absent_key,
@@ -63,18 +95,73 @@ macro_rules! conformance_suite {
             complete_after_expiry_is_stale,
             concurrent_random_ops_never_two_live_claims,
             sequential_ops_match_model
-        );
+        }
     };
-    (@cases $factory:path, $enabled:path; $($case:ident),* $(,)?) => {
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __conformance_tests {
+    ($factory:path, $enabled:path; $($case:ident),* $(,)?) => {
         $(
             #[test]
             fn $case() {
                 if $enabled() {
-                    crate::conformance::$case(&$factory)
+                    $crate::conformance::$case(&$factory)
                 }
             }
         )*
     };
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __conformance_array {
+    (; $($case:ident),* $(,)?) => {
+        &[$((stringify!($case), $crate::conformance::$case as $crate::conformance::Case)),*]
+    };
+}
+
+/// Every case of the suite by name, in the order [`conformance!`] lists them.
+pub const CASES: &[(&str, Case)] = crate::__conformance_cases!(__conformance_array;);
+
+/// One case of the suite: runs against a store factory, panics on a failure.
+pub type Case = fn(Make<'_>);
+
+/// A case that failed in [`run_all`]: its name and its panic message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Failure {
+    /// The case's name (a function in this module).
+    pub case: &'static str,
+    /// What the case's assertion said.
+    pub message: String,
+}
+
+/// Runs every case against `make` in this thread, one after another, and
+/// returns the cases that failed (empty: the store conforms). For a test
+/// that expects a store to fail (a deliberately broken variant), or a tool
+/// that reports; a crate's own tests should use [`conformance!`], which
+/// makes one `#[test]` per case.
+///
+/// ```
+/// use idemstore::MemoryStore;
+/// use idemstore_testkit::conformance::{run_all, Subject};
+///
+/// assert_eq!(run_all(&|| Subject::new(MemoryStore::new(), ())), vec![]);
+/// ```
+pub fn run_all(make: Make<'_>) -> Vec<Failure> {
+    let mut failures = Vec::new();
+    for &(case, run) in CASES {
+        if let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(make))) {
+            let message = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+                .unwrap_or_else(|| "a panic without a message".to_owned());
+            failures.push(Failure { case, message });
+        }
+    }
+    failures
 }
 
 /// The `when:` of backends that always run.
@@ -82,9 +169,10 @@ pub fn always() -> bool {
     true
 }
 
+/// A store factory: each call opens a fresh, empty store.
 pub type Make<'a> = &'a dyn Fn() -> Subject;
 
-/// 2026-10-19T04:00:00Z, the seeds' base time.
+/// 2026-10-19T04:00:00Z: the base time of every case (a manual clock starts here).
 pub const T0: Timestamp = Timestamp::from_millis(1_760_846_400_000);
 const SEC: Duration = Duration::from_secs(1);
 const HOUR: Duration = Duration::from_secs(3600);
@@ -100,21 +188,26 @@ fn claimed(b: Begin) -> Claim {
     }
 }
 
-/// The seeds' in-test ledger: applies a reservation and a charge once per
+/// An in-test ledger (stock, reservations, charges): applies a reservation and a charge once per
 /// idempotency key, however often it is called.
 #[derive(Default)]
 pub struct Ledger {
     inner: Mutex<LedgerState>,
 }
 
+/// The ledger's contents.
 #[derive(Default, Debug)]
 pub struct LedgerState {
+    /// Units left.
     pub stock: i64,
+    /// Units reserved, by order.
     pub reservations: HashMap<String, i64>,
+    /// Cents charged, by order.
     pub charges: HashMap<String, i64>,
 }
 
 impl Ledger {
+    /// A ledger holding `stock` units.
     pub fn new(stock: i64) -> Ledger {
         Ledger {
             inner: Mutex::new(LedgerState {
@@ -139,13 +232,14 @@ impl Ledger {
         Ok(())
     }
 
+    /// `(stock, reservations, charges)`.
     pub fn snapshot(&self) -> (i64, usize, usize) {
         let s = self.inner.lock().unwrap();
         (s.stock, s.reservations.len(), s.charges.len())
     }
 }
 
-/// The seeds' handler: counts calls, sleeps, applies the ledger; a
+/// The order handler of the seed scenarios: counts calls, sleeps, applies the ledger; a
 /// deterministic OUT_OF_STOCK is an Ok 409 response, stored like any other.
 fn order_handler<'a>(
     ledger: &'a Ledger,
@@ -288,6 +382,7 @@ pub fn seed_complete_fails_then_takeover_then_window(make: Make<'_>) {
     assert_eq!(guard.stats().unavailable, 1);
 }
 
+/// A key never seen is claimed: PROCESSING, lease and expiry from `now`, a token, attempt 1.
 pub fn begin_claims_absent_key(make: Make<'_>) {
     let s = make().store_owned();
     let fp = Fingerprint::of(b"a");
@@ -305,6 +400,7 @@ pub fn begin_claims_absent_key(make: Make<'_>) {
     assert!(rec.response().is_none());
 }
 
+/// The same key with another fingerprint is `Conflict`, and the stored record is unchanged.
 pub fn begin_conflict_leaves_record_untouched(make: Make<'_>) {
     let s = make().store_owned();
     let k = key("k");
@@ -327,6 +423,7 @@ pub fn begin_conflict_leaves_record_untouched(make: Make<'_>) {
     assert_eq!(s.get(&k, T0).unwrap().unwrap().state(), State::Done);
 }
 
+/// A DONE record is replayed, byte for byte, to every retry.
 pub fn begin_replays_done(make: Make<'_>) {
     let s = make().store_owned();
     let (k, fp) = (key("k"), Fingerprint::of(b"a"));
@@ -356,6 +453,7 @@ pub fn begin_replays_done(make: Make<'_>) {
     assert_eq!(rec.response(), Some(&resp));
 }
 
+/// A live PROCESSING record answers `InFlight` with its lease end.
 pub fn begin_in_flight_inside_lease(make: Make<'_>) {
     let s = make().store_owned();
     let (k, fp) = (key("k"), Fingerprint::of(b"a"));
@@ -368,6 +466,7 @@ pub fn begin_in_flight_inside_lease(make: Make<'_>) {
     );
 }
 
+/// A PROCESSING record whose lease ran out is taken over under a new, larger token.
 pub fn begin_takes_over_expired_lease(make: Make<'_>) {
     let s = make().store_owned();
     let (k, fp) = (key("k"), Fingerprint::of(b"a"));
@@ -385,6 +484,7 @@ pub fn begin_takes_over_expired_lease(make: Make<'_>) {
     assert_eq!(rec.created_at(), T0);
 }
 
+/// The lease ends exactly at `lease_until`: one millisecond before is `InFlight`, at it a takeover.
 pub fn lease_boundaries(make: Make<'_>) {
     let ms = Duration::from_millis(1);
     for (offset, expect_claim) in [(SEC - ms, false), (SEC, true), (SEC + ms, true)] {
@@ -409,6 +509,7 @@ pub fn lease_boundaries(make: Make<'_>) {
     }
 }
 
+/// The record expires exactly at `expires_at`: invisible from then on, and a new claim starts afresh.
 pub fn expiry_boundaries(make: Make<'_>) {
     let ms = Duration::from_millis(1);
     for (offset, expect_fresh) in [(HOUR - ms, false), (HOUR, true), (HOUR + ms, true)] {
@@ -440,6 +541,7 @@ pub fn expiry_boundaries(make: Make<'_>) {
     }
 }
 
+/// After a takeover the old owner's `complete` and `release` are `StaleClaim` and change nothing.
 pub fn stale_claim_rejected_after_takeover(make: Make<'_>) {
     let s = make().store_owned();
     let (k, fp) = (key("k"), Fingerprint::of(b"a"));
@@ -468,6 +570,7 @@ pub fn stale_claim_rejected_after_takeover(make: Make<'_>) {
     );
 }
 
+/// `release` deletes the claim, so a retry (even with another fingerprint) claims at once.
 pub fn release_lets_a_retry_claim_at_once(make: Make<'_>) {
     let s = make().store_owned();
     let (k, fp) = (key("k"), Fingerprint::of(b"a"));
@@ -490,6 +593,7 @@ pub fn release_lets_a_retry_claim_at_once(make: Make<'_>) {
     ));
 }
 
+/// The same id under two scopes is two keys.
 pub fn scopes_isolate(make: Make<'_>) {
     let s = make().store_owned();
     let a = Key::new("tenant-a", "order-1").unwrap();
@@ -522,6 +626,7 @@ pub fn scopes_isolate(make: Make<'_>) {
     );
 }
 
+/// An expired record is invisible to `get` and `begin` before any sweep.
 pub fn expired_records_invisible_before_sweep(make: Make<'_>) {
     let s = make().store_owned();
     let (k, fp) = (key("k"), Fingerprint::of(b"a"));
@@ -542,6 +647,7 @@ pub fn expired_records_invisible_before_sweep(make: Make<'_>) {
     ));
 }
 
+/// `sweep_expired` deletes only expired records, oldest expiry first, at most `max` per call.
 pub fn sweep_removes_only_expired_and_is_bounded(make: Make<'_>) {
     let s = make().store_owned();
     let fp = Fingerprint::of(b"a");
@@ -569,6 +675,11 @@ pub fn sweep_removes_only_expired_and_is_bounded(make: Make<'_>) {
     assert_eq!(s.sweep_expired(T0, 100).unwrap(), 0, "nothing is due yet");
     let now = T0 + HOUR + 5 * SEC; // short-0..=5 are due (expiry <= now)
     assert_eq!(s.sweep_expired(now, 4).unwrap(), 4, "bounded by max");
+    for i in 0..6u32 {
+        // Read at T0, when none has expired: what is left is still there.
+        let left = s.get(&key(&format!("short-{i}")), T0).unwrap().is_some();
+        assert_eq!(left, i >= 4, "oldest expiry first: short-{i}");
+    }
     assert_eq!(s.sweep_expired(now, 100).unwrap(), 2);
     assert_eq!(s.sweep_expired(now, 100).unwrap(), 0);
     for i in 0..10u32 {
@@ -590,6 +701,7 @@ pub fn sweep_removes_only_expired_and_is_bounded(make: Make<'_>) {
     }
 }
 
+/// Fencing tokens increase across keys and claims.
 pub fn tokens_increase_across_keys(make: Make<'_>) {
     let s = make().store_owned();
     let fp = Fingerprint::of(b"a");
@@ -637,6 +749,7 @@ pub fn clock_jumps_never_let_a_stale_owner_complete(make: Make<'_>) {
     );
 }
 
+/// A response over the body limit is rejected and the claim is left as it was.
 pub fn oversized_response_writes_nothing(make: Make<'_>) {
     let s = make().store_owned();
     let (k, fp) = (key("k"), Fingerprint::of(b"a"));
@@ -672,6 +785,7 @@ pub fn oversized_response_writes_nothing(make: Make<'_>) {
     .unwrap();
 }
 
+/// A zero lease or a retention shorter than the lease is `InvalidArgument`, before any write.
 pub fn invalid_durations_rejected_before_io(make: Make<'_>) {
     let s = make().store_owned();
     let (k, fp) = (key("k"), Fingerprint::of(b"a"));
@@ -690,6 +804,7 @@ pub fn invalid_durations_rejected_before_io(make: Make<'_>) {
     assert!(s.get(&k, T0).unwrap().is_none());
 }
 
+/// `complete` after the record expired is `StaleClaim`.
 pub fn complete_after_expiry_is_stale(make: Make<'_>) {
     let s = make().store_owned();
     let (k, fp) = (key("k"), Fingerprint::of(b"a"));

@@ -1,13 +1,13 @@
 //! The `store_ops` property on `RedbStore`, where every reopen is a power
-//! loss: the model in [`crate::fuzzing`] knows nothing of crashes, so with
+//! loss: the model in [`crate::model`] knows nothing of crashes, so with
 //! `Durability::Immediate` a crash between two operations must be
 //! invisible to it.
 
 use super::backend::{CrashBackend, SyncMode};
 use super::rng::Rng;
-use crate::fuzzing::{decode_ops, run_ops};
-use crate::redb::RedbStore;
-use crate::store::Store;
+use crate::model::{decode_ops, run_ops};
+use idemstore::RedbStore;
+use idemstore::Store;
 use std::sync::Arc;
 
 /// Runs `data` (decoded as in the `store_ops` fuzz target) against the

@@ -3,19 +3,15 @@
 //! expiry index compared entry by entry.
 
 use super::backend::CrashBackend;
-use crate::codec;
-use crate::record::Record;
-use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition, TableError};
+use idemstore::Record;
+use idemstore::unstable as codec;
+use redb::{Database, ReadableDatabase, ReadableTable, TableError};
 use std::collections::{BTreeMap, BTreeSet};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
-// The table names are part of the store's on-disk format (src/redb/tables.rs
-// owns them). Repeated here because that module is private to the backend;
-// if they drifted apart, every crash test would fail on a missing claim.
-const RECORDS: TableDefinition<&[u8], &[u8]> = TableDefinition::new("idemstore.records");
-const EXPIRY: TableDefinition<&[u8], ()> = TableDefinition::new("idemstore.expiry");
-const META: TableDefinition<&str, &[u8]> = TableDefinition::new("idemstore.meta");
-const META_TOKEN_HWM: &str = "token_high_water_mark";
+// The store's own table names (idemstore's unstable internals): one
+// definition, so this reader cannot drift from the writer.
+use idemstore::unstable::redb_tables::{EXPIRY, META, META_TOKEN_HWM, RECORDS};
 
 /// What a store file holds, verified.
 #[derive(Clone, Debug, Default)]
@@ -68,15 +64,15 @@ pub fn inspect(image: &[u8]) -> Result<Inspection, String> {
                 let key = k.value().to_vec();
                 let record = codec::decode_record(&key, v.value())
                     .map_err(|e| format!("a record does not verify: {e}"))?;
-                if out.token_hwm.is_none_or(|hwm| record.token > hwm) {
+                if out.token_hwm.is_none_or(|hwm| record.token() > hwm) {
                     return Err(format!(
                         "record {} has token {} above the high-water mark {:?}",
                         codec::printable_key(&key),
-                        record.token,
+                        record.token(),
                         out.token_hwm
                     ));
                 }
-                want_index.insert(codec::encode_index(record.expires_at, &key));
+                want_index.insert(codec::encode_index(record.expires_at(), &key));
                 out.records.insert(key, record);
             }
         }

@@ -1,0 +1,33 @@
+#![doc = include_str!("../README.md")]
+//!
+//! # Modules
+//!
+//! - [`conformance`]: the contract, case by case; [`conformance!`] makes one
+//!   `#[test]` per case for your store, [`conformance::run_all`] runs them
+//!   all and reports.
+//! - [`model`]: an independent model of the contract and a checker that runs
+//!   operation sequences (proptest strategies included) on a store and on
+//!   the model side by side.
+//! - [`kill`]: the process-kill test ([`kill_suite!`]): a child process runs
+//!   guarded requests and is killed with SIGKILL; nothing acknowledged may be
+//!   lost.
+//! - `crash` (feature `redb`, default): a redb `StorageBackend` that
+//!   simulates power loss (torn and garbage sectors, lying fsyncs), and the
+//!   `RedbStore` workloads and checkers built on it.
+//! - [`codec`]: the record decoder's round-trip property (idemstore's own
+//!   format; for its fuzz target).
+//!
+//! Everything here panics with a description when a property fails, so a
+//! `#[test]` and a libFuzzer target report the same thing.
+#![allow(
+    clippy::unwrap_used,
+    clippy::indexing_slicing,
+    reason = "test support: a panic is a failure with a location"
+)]
+
+pub mod codec;
+pub mod conformance;
+#[cfg(feature = "redb")]
+pub mod crash;
+pub mod kill;
+pub mod model;
