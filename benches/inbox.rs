@@ -20,8 +20,9 @@
 )]
 
 use criterion::{Criterion, black_box};
-use idemstore::redb_engine::{ReadableTable, TableDefinition};
-use idemstore::{BoxError, Delivery, Fingerprint, Inbox, Key, RedbStore, Response};
+use idemstore::redb::engine::{ReadableTable, TableDefinition};
+use idemstore::redb::{Delivery, Inbox};
+use idemstore::{BoxError, Fingerprint, Key, RedbStore, Response};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 

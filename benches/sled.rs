@@ -23,9 +23,8 @@
 )]
 
 use criterion::{Criterion, Throughput};
-use idemstore::{
-    Begin, Fingerprint, Key, Response, SledDurability, SledStats, SledStore, Store, Timestamp,
-};
+use idemstore::sled::{Durability as SledDurability, SledStats};
+use idemstore::{Begin, Fingerprint, Key, Response, SledStore, Store, Timestamp};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Barrier, Mutex};

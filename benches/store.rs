@@ -21,8 +21,9 @@
 )]
 
 use criterion::{BatchSize, Criterion, black_box};
+use idemstore::redb::Durability;
 use idemstore::{
-    Begin, Durability, Fingerprint, Guard, Key, MemoryStore, RedbStore, Response, Store, Timestamp,
+    Begin, Fingerprint, Guard, Key, MemoryStore, RedbStore, Response, Store, Timestamp,
 };
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -166,10 +167,10 @@ fn sweep_redb(c: &mut Criterion, n: u64, label: &str) {
                 let mut swept = 0;
                 loop {
                     let k = store
-                        .sweep_expired(later, idemstore::MAX_SWEEP_BATCH)
+                        .sweep_expired(later, idemstore::limits::MAX_SWEEP_BATCH)
                         .unwrap();
                     swept += k as u64;
-                    if k < idemstore::MAX_SWEEP_BATCH {
+                    if k < idemstore::limits::MAX_SWEEP_BATCH {
                         break;
                     }
                 }

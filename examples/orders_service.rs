@@ -24,11 +24,10 @@ use axum::extract::{Extension, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response as HttpResponse};
 use axum::routing::post;
-use idemstore::redb_engine::{ReadableTable, TableDefinition, WriteTransaction};
+use idemstore::redb::engine::{ReadableTable, TableDefinition, WriteTransaction};
+use idemstore::redb::{Delivery, Inbox};
 use idemstore::tower::IdempotencyLayer;
-use idemstore::{
-    BoxError, Claim, Delivery, Fingerprint, Guard, Inbox, Key, RedbStore, Response, Store,
-};
+use idemstore::{BoxError, Claim, Fingerprint, Guard, Key, RedbStore, Response, Store};
 use std::collections::BTreeMap;
 use std::time::Duration;
 

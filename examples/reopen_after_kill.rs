@@ -34,7 +34,8 @@ mod peers;
 #[path = "common/workload.rs"]
 mod workload;
 
-use idemstore::{Clock, Durability, Fingerprint, Key, RedbStore, Response, SystemClock};
+use idemstore::redb::Durability;
+use idemstore::{Clock, Fingerprint, Key, RedbStore, Response, SystemClock};
 use peers::{BoxResult, Claimed, StoreBackend};
 use std::io::BufRead;
 use std::path::Path;

@@ -17,9 +17,10 @@
 //! cargo run --release --example retry_storm -- --dir DIR    # keep the files in DIR
 //! ```
 
+use idemstore::redb::RecoveryPolicy;
 use idemstore::{
-    Clock, FaultyStore, Fingerprint, Guard, Key, Op, Outcome, RecoveryPolicy, RedbStore, Response,
-    State, Store, SystemClock,
+    Clock, FaultyStore, Fingerprint, Guard, Key, Op, Outcome, RedbStore, Response, State, Store,
+    SystemClock,
 };
 use std::collections::{BTreeMap, BTreeSet};
 use std::convert::Infallible;

@@ -8,9 +8,9 @@
 //! ```
 //! The fill uses relaxed durability (it is set-up, not the measurement).
 
-use idemstore::{
-    Begin, Durability, Fingerprint, Key, MAX_SWEEP_BATCH, RedbStore, Response, Store, Timestamp,
-};
+use idemstore::limits::MAX_SWEEP_BATCH;
+use idemstore::redb::Durability;
+use idemstore::{Begin, Fingerprint, Key, RedbStore, Response, Store, Timestamp};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 

@@ -64,6 +64,8 @@
 //!   The conformance suite, the model, the power-loss storage backend and the
 //!   kill-test driver are in the `idemstore-testkit` crate.
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
 #[cfg(feature = "cli")]
 pub mod cli;
 #[cfg_attr(
@@ -82,63 +84,47 @@ pub mod limits;
 pub mod logic;
 mod memory;
 #[cfg(feature = "postgres")]
-mod postgres;
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub mod postgres;
 mod record;
 #[cfg(feature = "redb")]
-mod redb;
+#[cfg_attr(docsrs, doc(cfg(feature = "redb")))]
+pub mod redb;
 mod response;
 #[cfg(feature = "sled")]
-mod sled_store;
+#[cfg_attr(docsrs, doc(cfg(feature = "sled")))]
+#[path = "sled_store/mod.rs"]
+pub mod sled;
 mod store;
 mod sweeper;
 #[cfg(feature = "test-util")]
 mod testing;
 mod time;
 #[cfg(feature = "tower")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tower")))]
 pub mod tower;
 #[cfg(feature = "unstable-internals")]
 #[doc(hidden)]
 pub mod unstable;
 mod waiting;
 
+#[cfg(feature = "postgres")]
+pub use crate::postgres::PostgresStore;
 #[cfg(feature = "redb")]
-pub use crate::redb::{
-    CHECKPOINT_INTERVAL, DEFAULT_CACHE_BYTES, Durability, FRAME_ALIGN, MAX_WRITE_BATCH,
-    MEMTABLE_BYTES, MIN_WAL_BYTES, RecoveryPolicy, RedbStats, RedbStore, RedbStoreBuilder,
-    WAL_BYTES, WRITE_QUEUE_DEPTH,
-};
-#[cfg(feature = "redb")]
-pub use crate::redb::{Delivery, Inbox};
-/// The redb crate the store is built on, for an [`Inbox`] handler's own
-/// tables (`TableDefinition`, `ReadableTable`, `WriteTransaction`): the same
-/// version as the store's, whatever the caller's own dependency says.
-#[cfg(feature = "redb")]
-pub use ::redb as redb_engine;
+pub use crate::redb::RedbStore;
+#[cfg(feature = "sled")]
+pub use crate::sled::SledStore;
 pub use error::{BoxError, Error, Result};
 pub use fingerprint::Fingerprint;
-pub use guard::{
-    DEFAULT_LEASE, DEFAULT_RETENTION, Guard, GuardBuilder, GuardStats, OnHandlerError, Outcome,
-    TakeoverPolicy,
-};
-pub use key::{Key, MAX_ID_BYTES, MAX_SCOPE_BYTES};
-pub use memory::{MemoryStore, Op};
-#[cfg(feature = "postgres")]
-pub use postgres::{
-    DEFAULT_CONNECT_TIMEOUT, DEFAULT_POOL_SIZE, DEFAULT_STATEMENT_TIMEOUT, DEFAULT_TABLE,
-    MAX_BEGIN_ATTEMPTS, MAX_POOL_SIZE, MAX_TABLE_NAME_BYTES, PostgresStore, PostgresStoreBuilder,
-};
+pub use guard::{Guard, GuardBuilder, GuardStats, OnHandlerError, Outcome, TakeoverPolicy};
+pub use key::Key;
+pub use memory::MemoryStore;
+#[cfg(feature = "test-util")]
+pub use memory::Op;
 pub use record::{Begin, Claim, Record, State};
-pub use response::{
-    DEFAULT_MAX_BODY_BYTES, MAX_BODY_BYTES_HARD_CAP, MAX_HEADER_BYTES, MAX_HEADERS, Response,
-};
-#[cfg(feature = "sled")]
-pub use sled_store::{
-    SLED_BLOB_THRESHOLD_BYTES, SledDurability, SledStats, SledStore, SledStoreBuilder,
-};
-pub use store::{MAX_SWEEP_BATCH, Store};
-pub use sweeper::{
-    DEFAULT_SWEEP_BATCH, DEFAULT_SWEEP_INTERVAL, SWEEPER_JOIN_TIMEOUT, Sweeper, SweeperConfig,
-};
+pub use response::Response;
+pub use store::Store;
+pub use sweeper::{Sweeper, SweeperConfig};
 #[cfg(feature = "test-util")]
 pub use testing::FaultyStore;
 #[cfg(any(test, feature = "test-util"))]

@@ -128,7 +128,8 @@ impl MemoryStore {
     /// (at most [`MAX_BODY_BYTES_HARD_CAP`](crate::MAX_BODY_BYTES_HARD_CAP)).
     ///
     /// ```
-    /// use idemstore::{MemoryStore, MAX_BODY_BYTES_HARD_CAP};
+    /// use idemstore::MemoryStore;
+    /// use idemstore::limits::MAX_BODY_BYTES_HARD_CAP;
     /// assert!(MemoryStore::with_max_body_bytes(4096).is_ok());
     /// assert!(MemoryStore::with_max_body_bytes(MAX_BODY_BYTES_HARD_CAP + 1).is_err());
     /// ```

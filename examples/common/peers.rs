@@ -383,8 +383,8 @@ pub fn open_backend(name: &str, dir: &Path, durability: &str) -> BoxResult<Box<d
         #[cfg(feature = "sled")]
         "sled" => {
             let level = match durability {
-                "relaxed" => idemstore::SledDurability::OsBuffered,
-                _ => idemstore::SledDurability::Immediate,
+                "relaxed" => idemstore::sled::Durability::OsBuffered,
+                _ => idemstore::sled::Durability::Immediate,
             };
             let path = dir.join("store.sled");
             let store = std::sync::Arc::new(
@@ -421,12 +421,12 @@ pub fn open_backend(name: &str, dir: &Path, durability: &str) -> BoxResult<Box<d
 pub fn redb_backend(dir: &Path, durability: &str, log: bool) -> BoxResult<StoreBackend> {
     let durability = match durability.split_once(':') {
         None if durability.is_empty() || durability == "immediate" => {
-            idemstore::Durability::Immediate
+            idemstore::redb::Durability::Immediate
         }
-        None if durability == "relaxed" => idemstore::Durability::Periodic {
+        None if durability == "relaxed" => idemstore::redb::Durability::Periodic {
             max_loss: std::time::Duration::from_millis(100),
         },
-        Some(("periodic", ms)) => idemstore::Durability::Periodic {
+        Some(("periodic", ms)) => idemstore::redb::Durability::Periodic {
             max_loss: std::time::Duration::from_millis(ms.parse()?),
         },
         _ => return Err(format!("unknown durability {durability}").into()),

@@ -32,7 +32,7 @@ use std::time::Duration;
 /// takes a new snapshot, so a second attempt almost always settles it).
 ///
 /// ```
-/// assert!(idemstore::MAX_BEGIN_ATTEMPTS >= 2);
+/// assert!(idemstore::postgres::MAX_BEGIN_ATTEMPTS >= 2);
 /// ```
 pub const MAX_BEGIN_ATTEMPTS: usize = 8;
 
@@ -177,7 +177,7 @@ impl PostgresStore {
     ///
     /// ```no_run
     /// let store = idemstore::PostgresStore::connect("postgres://app@db.internal/orders")?;
-    /// assert_eq!(store.table(), idemstore::DEFAULT_TABLE);
+    /// assert_eq!(store.table(), idemstore::postgres::DEFAULT_TABLE);
     /// # Ok::<(), idemstore::Error>(())
     /// ```
     pub fn table(&self) -> &str {

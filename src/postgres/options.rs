@@ -14,7 +14,7 @@ use std::time::Duration;
 /// The table the store uses unless [`PostgresStoreBuilder::table`] says otherwise.
 ///
 /// ```
-/// assert_eq!(idemstore::DEFAULT_TABLE, "idemstore_records");
+/// assert_eq!(idemstore::postgres::DEFAULT_TABLE, "idemstore_records");
 /// ```
 pub const DEFAULT_TABLE: &str = "idemstore_records";
 /// Longest table name accepted. PostgreSQL truncates identifiers at 63
@@ -22,7 +22,7 @@ pub const DEFAULT_TABLE: &str = "idemstore_records";
 /// name by appending a suffix of up to 12 bytes (`_expires_idx`).
 ///
 /// ```
-/// let name = "t".repeat(idemstore::MAX_TABLE_NAME_BYTES + 1);
+/// let name = "t".repeat(idemstore::postgres::MAX_TABLE_NAME_BYTES + 1);
 /// let err = idemstore::PostgresStore::builder("postgres://localhost/app").table(name).build();
 /// assert!(matches!(err, Err(idemstore::Error::InvalidArgument { .. })));
 /// ```
@@ -30,7 +30,7 @@ pub const MAX_TABLE_NAME_BYTES: usize = 48;
 /// Connections per store unless [`PostgresStoreBuilder::pool_size`] says otherwise.
 ///
 /// ```
-/// assert!(idemstore::DEFAULT_POOL_SIZE <= idemstore::MAX_POOL_SIZE);
+/// assert!(idemstore::postgres::DEFAULT_POOL_SIZE <= idemstore::postgres::MAX_POOL_SIZE);
 /// ```
 pub const DEFAULT_POOL_SIZE: u32 = 16;
 /// Most connections one store may hold (the server's `max_connections`,
@@ -38,21 +38,21 @@ pub const DEFAULT_POOL_SIZE: u32 = 16;
 ///
 /// ```
 /// let b = idemstore::PostgresStore::builder("postgres://localhost/app");
-/// assert!(b.pool_size(idemstore::MAX_POOL_SIZE + 1).build().is_err()); // before connecting
+/// assert!(b.pool_size(idemstore::postgres::MAX_POOL_SIZE + 1).build().is_err()); // before connecting
 /// ```
 pub const MAX_POOL_SIZE: u32 = 1_024;
 /// How long a call waits for a connection (from the pool, or a new one)
 /// before it fails with [`Error::Backend`], unless configured otherwise.
 ///
 /// ```
-/// assert_eq!(idemstore::DEFAULT_CONNECT_TIMEOUT.as_secs(), 5);
+/// assert_eq!(idemstore::postgres::DEFAULT_CONNECT_TIMEOUT.as_secs(), 5);
 /// ```
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long one statement may run (waiting on a row lock included) before
 /// the server cancels it and the call fails with [`Error::Backend`].
 ///
 /// ```
-/// assert_eq!(idemstore::DEFAULT_STATEMENT_TIMEOUT.as_secs(), 10);
+/// assert_eq!(idemstore::postgres::DEFAULT_STATEMENT_TIMEOUT.as_secs(), 10);
 /// ```
 pub const DEFAULT_STATEMENT_TIMEOUT: Duration = Duration::from_secs(10);
 

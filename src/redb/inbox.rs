@@ -70,7 +70,8 @@ impl Delivery {
     /// The handler's result, fresh or stored; `None` for `Conflict` and `InFlight`.
     ///
     /// ```
-    /// use idemstore::{Delivery, Response};
+    /// use idemstore::Response;
+    /// use idemstore::redb::Delivery;
     /// assert_eq!(Delivery::Duplicate(Response::new(200, "ok")).response(), Some(&Response::new(200, "ok")));
     /// assert_eq!(Delivery::Conflict.response(), None);
     /// ```
@@ -99,8 +100,9 @@ impl Delivery {
 /// other writes wait for it (see the module notes on throughput).
 ///
 /// ```
-/// use idemstore::redb_engine::{ReadableTable, TableDefinition};
-/// use idemstore::{Delivery, Fingerprint, Inbox, Key, RedbStore, Response};
+/// use idemstore::redb::engine::{ReadableTable, TableDefinition};
+/// use idemstore::{Fingerprint, Key, RedbStore, Response};
+/// use idemstore::redb::{Delivery, Inbox};
 ///
 /// const BALANCES: TableDefinition<&str, u64> = TableDefinition::new("app.balances");
 ///
@@ -136,7 +138,7 @@ impl Inbox {
     /// ```
     /// # let dir = tempfile::tempdir()?;
     /// let store = std::sync::Arc::new(idemstore::RedbStore::open(dir.path().join("s.idem"))?);
-    /// let inbox = idemstore::Inbox::new(std::sync::Arc::clone(&store));
+    /// let inbox = idemstore::redb::Inbox::new(std::sync::Arc::clone(&store));
     /// assert!(std::sync::Arc::ptr_eq(inbox.store(), &store));
     /// # Ok::<(), idemstore::Error>(())
     /// ```
@@ -153,7 +155,7 @@ impl Inbox {
     ///
     /// ```
     /// # let dir = tempfile::tempdir()?;
-    /// let inbox = idemstore::Inbox::new(idemstore::RedbStore::open(dir.path().join("s.idem"))?)
+    /// let inbox = idemstore::redb::Inbox::new(idemstore::RedbStore::open(dir.path().join("s.idem"))?)
     ///     .retention(std::time::Duration::from_secs(7 * 24 * 3600));
     /// # Ok::<(), idemstore::Error>(())
     /// ```
@@ -166,7 +168,7 @@ impl Inbox {
     ///
     /// ```
     /// # let dir = tempfile::tempdir()?;
-    /// let inbox = idemstore::Inbox::new(idemstore::RedbStore::open(dir.path().join("s.idem"))?)
+    /// let inbox = idemstore::redb::Inbox::new(idemstore::RedbStore::open(dir.path().join("s.idem"))?)
     ///     .clock(idemstore::SystemClock);
     /// # Ok::<(), idemstore::Error>(())
     /// ```
@@ -179,7 +181,7 @@ impl Inbox {
     ///
     /// ```
     /// # let dir = tempfile::tempdir()?;
-    /// let inbox = idemstore::Inbox::new(idemstore::RedbStore::open(dir.path().join("s.idem"))?);
+    /// let inbox = idemstore::redb::Inbox::new(idemstore::RedbStore::open(dir.path().join("s.idem"))?);
     /// assert!(!inbox.store().is_poisoned());
     /// # Ok::<(), idemstore::Error>(())
     /// ```
@@ -204,7 +206,8 @@ impl Inbox {
     /// store, as a failed group commit does.
     ///
     /// ```
-    /// use idemstore::{Delivery, Fingerprint, Inbox, Key, RedbStore, Response};
+    /// use idemstore::{Fingerprint, Key, RedbStore, Response};
+    /// use idemstore::redb::{Delivery, Inbox};
     /// # let dir = tempfile::tempdir()?;
     /// let inbox = Inbox::new(RedbStore::open(dir.path().join("s.idem"))?);
     /// let key = Key::new("orders-queue", "msg-7")?;
@@ -301,8 +304,9 @@ impl Inbox {
     /// consumer's own tables (what its handlers committed) outside a handler.
     ///
     /// ```
-    /// use idemstore::redb_engine::{ReadableTableMetadata, TableDefinition};
-    /// use idemstore::{Fingerprint, Inbox, Key, RedbStore, Response};
+    /// use idemstore::redb::engine::{ReadableTableMetadata, TableDefinition};
+    /// use idemstore::{Fingerprint, Key, RedbStore, Response};
+    /// use idemstore::redb::Inbox;
     ///
     /// const SEEN: TableDefinition<&str, u64> = TableDefinition::new("app.seen");
     /// # let dir = tempfile::tempdir()?;

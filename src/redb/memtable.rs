@@ -25,7 +25,7 @@ use std::sync::Arc;
 /// the one being checkpointed) and the work of one checkpoint.
 ///
 /// ```
-/// assert_eq!(idemstore::MEMTABLE_BYTES, 4 << 20);
+/// assert_eq!(idemstore::redb::MEMTABLE_BYTES, 4 << 20);
 /// ```
 pub const MEMTABLE_BYTES: usize = 4 * 1024 * 1024;
 

@@ -1,4 +1,18 @@
-//! [`RedbStore`]: the durable on-disk store on redb 4.x (feature `redb`).
+//! [`RedbStore`]: the durable on-disk store on redb 4.x (feature `redb`),
+//! its builder, durability and recovery options, statistics and limits, and
+//! the [`Inbox`] for message consumers.
+//!
+//! ```
+//! use idemstore::redb::{Durability, RedbStore};
+//! # let dir = tempfile::tempdir()?;
+//! let store = RedbStore::builder()
+//!     .durability(Durability::Immediate)   // the default: fsync before every answer
+//!     .open(dir.path().join("orders.idem"))?;
+//! assert_eq!(store.stats().commits, 0);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! # How it works
 //!
 //! The write path is an LSM front end with redb as the base table:
 //!
@@ -35,6 +49,10 @@ mod stats;
 pub(crate) mod tables;
 mod wal;
 
+/// The redb crate the store is built on, for an [`Inbox`] handler's own
+/// tables (`TableDefinition`, `ReadableTable`, `WriteTransaction`): the same
+/// version as the store's, whatever the caller's own dependency says.
+pub use ::redb as engine;
 pub use inbox::{Delivery, Inbox};
 pub use memtable::MEMTABLE_BYTES;
 use options::Config;

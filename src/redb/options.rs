@@ -15,7 +15,8 @@ pub const DEFAULT_CACHE_BYTES: usize = 64 * 1024 * 1024;
 /// What survives a crash: the promise behind every acknowledged write.
 ///
 /// ```
-/// use idemstore::{Durability, RedbStore};
+/// use idemstore::RedbStore;
+/// use idemstore::redb::Durability;
 /// use std::time::Duration;
 ///
 /// # let dir = tempfile::tempdir()?;
@@ -57,7 +58,8 @@ pub enum Durability {
 /// a PROCESSING record found at open belongs to a process that died.
 ///
 /// ```
-/// use idemstore::{RecoveryPolicy, RedbStore};
+/// use idemstore::RedbStore;
+/// use idemstore::redb::RecoveryPolicy;
 /// # let dir = tempfile::tempdir()?;
 /// let store = RedbStore::builder()
 ///     .recovery(RecoveryPolicy::ExpireLeases)
@@ -95,7 +97,8 @@ pub(super) struct Config {
 /// Options for opening a [`RedbStore`]; from [`RedbStore::builder`].
 ///
 /// ```
-/// use idemstore::{Durability, RecoveryPolicy, RedbStore, SweeperConfig};
+/// use idemstore::{RedbStore, SweeperConfig};
+/// use idemstore::redb::{Durability, RecoveryPolicy};
 /// use std::time::Duration;
 ///
 /// # let dir = tempfile::tempdir()?;

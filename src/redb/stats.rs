@@ -57,7 +57,7 @@ impl RedbStats {
     /// Mean requests per batch (0 before the first batch).
     ///
     /// ```
-    /// assert_eq!(idemstore::RedbStats::default().mean_batch(), 0.0);
+    /// assert_eq!(idemstore::redb::RedbStats::default().mean_batch(), 0.0);
     /// ```
     pub fn mean_batch(&self) -> f64 {
         if self.batches == 0 {

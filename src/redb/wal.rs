@@ -81,7 +81,7 @@ use std::time::Duration;
 /// straight into the store file (durably) instead.
 ///
 /// ```
-/// assert_eq!(idemstore::WAL_BYTES, 8 << 20);
+/// assert_eq!(idemstore::redb::WAL_BYTES, 8 << 20);
 /// ```
 pub const WAL_BYTES: u64 = 8 * 1024 * 1024;
 
@@ -89,7 +89,7 @@ pub const WAL_BYTES: u64 = 8 * 1024 * 1024;
 /// aligned blocks each.
 ///
 /// ```
-/// assert_eq!(idemstore::MIN_WAL_BYTES, 4 * idemstore::FRAME_ALIGN);
+/// assert_eq!(idemstore::redb::MIN_WAL_BYTES, 4 * idemstore::redb::FRAME_ALIGN);
 /// ```
 pub const MIN_WAL_BYTES: u64 = 4 * FRAME_ALIGN;
 
@@ -99,7 +99,7 @@ pub const MIN_WAL_BYTES: u64 = 4 * FRAME_ALIGN;
 /// replay after a crash.
 ///
 /// ```
-/// assert_eq!(idemstore::CHECKPOINT_INTERVAL.as_millis(), 500);
+/// assert_eq!(idemstore::redb::CHECKPOINT_INTERVAL.as_millis(), 500);
 /// ```
 pub const CHECKPOINT_INTERVAL: Duration = Duration::from_millis(500);
 
@@ -181,7 +181,7 @@ impl Journal {
 /// frame being written, never one already acknowledged.
 ///
 /// ```
-/// assert_eq!(idemstore::FRAME_ALIGN, 4096);
+/// assert_eq!(idemstore::redb::FRAME_ALIGN, 4096);
 /// ```
 pub const FRAME_ALIGN: u64 = 4096;
 

@@ -38,7 +38,7 @@ use std::time::Instant;
 /// kill), redb's non-durable commit does not.
 ///
 /// ```
-/// use idemstore::SledDurability;
+/// use idemstore::sled::Durability;
 /// assert_eq!(SledDurability::default(), SledDurability::Immediate);
 /// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]

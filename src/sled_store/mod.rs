@@ -40,7 +40,8 @@ use crate::sweeper::{Sweeper, SweeperConfig};
 use crate::time::{Clock, SystemClock, Timestamp};
 use ::sled::transaction::{ConflictableTransactionError, TransactionError, Transactional};
 use durable::DiskSync;
-pub use durable::SledDurability;
+use durable::SledDurability;
+pub use durable::SledDurability as Durability;
 use group::GroupSync;
 use marker::Marker;
 use open::{EXPIRY_TREE, META_TREE, RECORDS_TREE, STORE_FORMAT_VERSION};
@@ -64,9 +65,9 @@ use tx::{Tx, TxResult};
 /// one node can cross it too.
 ///
 /// ```
-/// assert_eq!(idemstore::SLED_BLOB_THRESHOLD_BYTES, 131_020);
+/// assert_eq!(idemstore::sled::BLOB_THRESHOLD_BYTES, 131_020);
 /// ```
-pub const SLED_BLOB_THRESHOLD_BYTES: usize = 512 * 1024 / 4 - 20 - 32;
+pub const BLOB_THRESHOLD_BYTES: usize = 512 * 1024 / 4 - 20 - 32;
 
 /// A durable [`Store`] in a sled 0.34.7 directory (feature `sled`).
 ///
@@ -80,7 +81,7 @@ pub const SLED_BLOB_THRESHOLD_BYTES: usize = 512 * 1024 / 4 - 20 - 32;
 ///   concurrent writers share one flush + fsync: [`SledStore::stats`]
 ///   counts them.
 /// - **Large responses** are made durable, not refused: see
-///   [`SLED_BLOB_THRESHOLD_BYTES`].
+///   [`BLOB_THRESHOLD_BYTES`].
 /// - **Damage is refused, not forgotten.** sled itself opens a damaged
 ///   log as a shorter or empty one; this store keeps `idemstore.meta`
 ///   beside it and refuses such an open with [`Error::Corrupt`].
@@ -147,7 +148,8 @@ pub struct SledStats {
 /// How a [`SledStore`] is opened: [`SledStore::builder`].
 ///
 /// ```
-/// use idemstore::{SledDurability, SledStore, SweeperConfig};
+/// use idemstore::{SledStore, SweeperConfig};
+/// use idemstore::sled::Durability as SledDurability;
 /// use std::time::Duration;
 ///
 /// let dir = tempfile::tempdir()?;

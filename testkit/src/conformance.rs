@@ -754,7 +754,10 @@ pub fn oversized_response_writes_nothing(make: Make<'_>) {
     let s = make().store_owned();
     let (k, fp) = (key("k"), Fingerprint::of(b"a"));
     let c = claimed(s.begin(&k, &fp, T0, SEC, HOUR).unwrap());
-    let big = Response::new(200, vec![0u8; idemstore::DEFAULT_MAX_BODY_BYTES + 1]);
+    let big = Response::new(
+        200,
+        vec![0u8; idemstore::limits::DEFAULT_MAX_BODY_BYTES + 1],
+    );
     assert!(matches!(
         s.complete(&k, &c, &big, T0, HOUR),
         Err(Error::ResponseTooLarge {
@@ -763,7 +766,7 @@ pub fn oversized_response_writes_nothing(make: Make<'_>) {
         })
     ));
     let mut many = Response::new(200, "");
-    for i in 0..=idemstore::MAX_HEADERS {
+    for i in 0..=idemstore::limits::MAX_HEADERS {
         many = many.with_header(format!("x-{i}"), "v");
     }
     assert!(matches!(
@@ -778,7 +781,7 @@ pub fn oversized_response_writes_nothing(make: Make<'_>) {
     s.complete(
         &k,
         &c,
-        &Response::new(200, vec![7u8; idemstore::DEFAULT_MAX_BODY_BYTES]),
+        &Response::new(200, vec![7u8; idemstore::limits::DEFAULT_MAX_BODY_BYTES]),
         T0,
         HOUR,
     )

@@ -2,10 +2,8 @@
 //! before any write, and loses nothing. Backend-specific entries (damaged
 //! files, full disks, read-only directories) live with their backend.
 
-use idemstore::{
-    Begin, Error, Fingerprint, Key, MAX_HEADER_BYTES, MAX_HEADERS, MAX_ID_BYTES, MAX_SCOPE_BYTES,
-    MemoryStore, Response, Store, Timestamp,
-};
+use idemstore::limits::{MAX_HEADER_BYTES, MAX_HEADERS, MAX_ID_BYTES, MAX_SCOPE_BYTES};
+use idemstore::{Begin, Error, Fingerprint, Key, MemoryStore, Response, Store, Timestamp};
 use std::time::Duration;
 
 const D: Duration = Duration::from_secs(1);
@@ -93,7 +91,7 @@ fn oversized_response_and_headers_lose_nothing() {
 /// A body limit above the hard cap is a configuration error, not a silent clamp.
 #[test]
 fn body_limit_above_hard_cap_is_rejected() {
-    let r = MemoryStore::with_max_body_bytes(idemstore::MAX_BODY_BYTES_HARD_CAP + 1);
+    let r = MemoryStore::with_max_body_bytes(idemstore::limits::MAX_BODY_BYTES_HARD_CAP + 1);
     assert!(matches!(r, Err(Error::InvalidArgument { .. })));
 }
 

@@ -5,10 +5,10 @@
 //! poisoning.
 
 use crate::redb::{FlakySync, PowerCut};
-use idemstore::redb_engine::{ReadableTable, TableDefinition};
+use idemstore::redb::engine::{ReadableTable, TableDefinition};
+use idemstore::redb::{Delivery, Inbox};
 use idemstore::{
-    Begin, BoxError, Delivery, Error, Fingerprint, Inbox, Key, ManualClock, RedbStore, Response,
-    State, Store,
+    Begin, BoxError, Error, Fingerprint, Key, ManualClock, RedbStore, Response, State, Store,
 };
 use idemstore_testkit::conformance::T0;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -69,7 +69,7 @@ fn msg_fp(m: &Msg) -> Fingerprint {
 
 /// The business write: a balance update, a per-message row and a counter.
 fn apply(
-    txn: &idemstore::redb_engine::WriteTransaction,
+    txn: &idemstore::redb::engine::WriteTransaction,
     m: &Msg,
     token: u64,
 ) -> Result<Response, BoxError> {
@@ -501,7 +501,7 @@ fn a_failed_inbox_commit_poisons_the_store() {
     // group commit, it may or may not be on disk, so later writes must stop.
     let fail = Arc::new(AtomicBool::new(false));
     let backend = FlakySync {
-        inner: Arc::new(idemstore::redb_engine::backends::InMemoryBackend::new()),
+        inner: Arc::new(idemstore::redb::engine::backends::InMemoryBackend::new()),
         fail_next_sync: Arc::clone(&fail),
     };
     let inbox = Inbox::new(RedbStore::builder().open_backend(backend).unwrap());

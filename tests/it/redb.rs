@@ -1,9 +1,10 @@
 //! `RedbStore`: the conformance suite on a real file, plus reopen, group
 //! commit, poisoning, sweeper and open-time refusal tests.
 
+use idemstore::redb::{Durability, RecoveryPolicy};
 use idemstore::{
-    Begin, Claim, Durability, Error, Fingerprint, Guard, Key, ManualClock, Outcome, RecoveryPolicy,
-    RedbStore, Response, State, Store, SweeperConfig,
+    Begin, Claim, Error, Fingerprint, Guard, Key, ManualClock, Outcome, RedbStore, Response, State,
+    Store, SweeperConfig,
 };
 use idemstore_testkit::conformance::{Subject, T0};
 use redb::StorageBackend;

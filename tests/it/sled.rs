@@ -1,8 +1,7 @@
 //! The conformance suite and sled-specific tests on `SledStore`.
 
-use idemstore::{
-    Begin, Error, Fingerprint, Key, Response, SLED_BLOB_THRESHOLD_BYTES, SledStore, State, Store,
-};
+use idemstore::sled::BLOB_THRESHOLD_BYTES as SLED_BLOB_THRESHOLD_BYTES;
+use idemstore::{Begin, Error, Fingerprint, Key, Response, SledStore, State, Store};
 use idemstore_testkit::conformance::{Subject, T0};
 use std::time::Duration;
 
@@ -437,7 +436,7 @@ fn os_buffered_skips_fsync_but_keeps_data() {
     let dir = tempfile::tempdir().unwrap();
     {
         let s = SledStore::builder(dir.path())
-            .durability(idemstore::SledDurability::OsBuffered)
+            .durability(idemstore::sled::Durability::OsBuffered)
             .open()
             .unwrap();
         let opened = s.stats();
@@ -459,7 +458,7 @@ fn os_buffered_skips_fsync_but_keeps_data() {
 fn body_limit_is_configurable_and_capped() {
     let dir = tempfile::tempdir().unwrap();
     let err = SledStore::builder(dir.path().join("a"))
-        .max_body_bytes(idemstore::MAX_BODY_BYTES_HARD_CAP + 1)
+        .max_body_bytes(idemstore::limits::MAX_BODY_BYTES_HARD_CAP + 1)
         .open()
         .unwrap_err();
     assert!(matches!(err, Error::InvalidArgument { .. }), "{err:?}");

@@ -3,9 +3,9 @@
 //! could have, writes outside the writer retire the log, and old stores
 //! upgrade.
 
+use idemstore::redb::{Delivery, Inbox};
 use idemstore::{
-    Begin, Claim, Delivery, Error, Fingerprint, Inbox, Key, ManualClock, RedbStore, Response,
-    State, Store,
+    Begin, Claim, Error, Fingerprint, Key, ManualClock, RedbStore, Response, State, Store,
 };
 use idemstore_testkit::conformance::T0;
 use idemstore_testkit::crash::{CrashBackend, CrashImage};
@@ -175,8 +175,8 @@ fn a_damaged_frame_before_a_whole_one_is_corrupt_not_a_silent_stop() {
 fn frame_ends(log: &[u8]) -> Vec<usize> {
     let mut ends = Vec::new();
     let mut at = 0;
-    // Frames start on 4 KiB boundaries (idemstore::FRAME_ALIGN).
-    let align = idemstore::FRAME_ALIGN as usize;
+    // Frames start on 4 KiB boundaries (idemstore::redb::FRAME_ALIGN).
+    let align = idemstore::redb::FRAME_ALIGN as usize;
     while log.len() >= at + 20 && log[at..at + 4] == *b"IDWL" {
         let len = u32::from_be_bytes(log[at + 12..at + 16].try_into().unwrap()) as usize;
         let end = at + 20 + len;
@@ -298,12 +298,12 @@ fn a_batch_larger_than_the_log_is_committed_durably_on_its_own() {
     let log = disk.sibling();
     let store = RedbStore::builder()
         .checkpoint_interval(NO_CHECKPOINT)
-        .wal_bytes(idemstore::MIN_WAL_BYTES)
+        .wal_bytes(idemstore::redb::MIN_WAL_BYTES)
         .open_backend_with_log(disk.clone(), log)
         .unwrap();
     let c = claim(&store, "big");
     let before = store.stats();
-    let body = vec![7u8; 3 * idemstore::MIN_WAL_BYTES as usize];
+    let body = vec![7u8; 3 * idemstore::redb::MIN_WAL_BYTES as usize];
     store
         .complete(&key("big"), &c, &Response::new(200, body.clone()), T0, KEEP)
         .unwrap();
@@ -326,7 +326,7 @@ fn the_log_is_owner_only_preallocated_and_optional() {
     let c = claim(&store, "a");
     complete(&store, "a", &c);
     let meta = std::fs::metadata(&wal).unwrap();
-    assert_eq!(meta.len(), idemstore::WAL_BYTES);
+    assert_eq!(meta.len(), idemstore::redb::WAL_BYTES);
     #[cfg(unix)]
     {
         use std::os::unix::fs::PermissionsExt;

@@ -8,11 +8,12 @@ use super::rng::Rng;
 use super::workload::{LEASE, RunLog, Slot, Step, T0, describe, run_thread};
 use idemstore::Fingerprint;
 use idemstore::Key;
+use idemstore::RedbStore;
 use idemstore::Store;
+use idemstore::redb::RecoveryPolicy;
 use idemstore::unstable as codec;
 use idemstore::{Begin, State};
 use idemstore::{ManualClock, Timestamp};
-use idemstore::{RecoveryPolicy, RedbStore};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::AtomicU64;
 
@@ -234,7 +235,7 @@ pub fn store_run_steps(
 /// write-ahead log is the disk's second file ([`TEST_WAL_BYTES`] long; made
 /// now if the disk has none yet); without, every batch commits durably.
 pub(super) fn open_disk(
-    builder: idemstore::RedbStoreBuilder,
+    builder: idemstore::redb::RedbStoreBuilder,
     disk: &CrashBackend,
     log: bool,
 ) -> idemstore::Result<RedbStore> {
@@ -252,7 +253,7 @@ pub(super) fn open_disk(
 /// catching a panic. Returns the store and the restored disk.
 fn reopen(
     image: &CrashImage,
-    builder: idemstore::RedbStoreBuilder,
+    builder: idemstore::redb::RedbStoreBuilder,
 ) -> Result<(idemstore::Result<RedbStore>, CrashBackend), String> {
     let disk = image.restore();
     let log = !image.siblings.is_empty();
