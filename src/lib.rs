@@ -101,7 +101,6 @@ mod testing;
 mod time;
 #[cfg(feature = "tower")]
 pub mod tower;
-mod waiting;
 
 #[cfg(feature = "redb")]
 pub use crate::redb::{

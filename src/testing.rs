@@ -7,8 +7,8 @@ use crate::memory::Op;
 use crate::record::{Begin, Claim, Record};
 use crate::response::Response;
 use crate::store::Store;
-use crate::time::Timestamp;
-use std::sync::RwLock;
+use crate::time::{Clock, Timestamp};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 type Hook = Box<dyn Fn(Op) -> Option<Error> + Send + Sync>;
@@ -148,5 +148,10 @@ impl<S: Store> Store for FaultyStore<S> {
     fn sweep_expired(&self, now: Timestamp, max: usize) -> Result<usize> {
         self.check(Op::Sweep)?;
         self.inner.sweep_expired(now, max)
+    }
+    /// The inner store's clock (never faulted: it is configuration, not an
+    /// operation).
+    fn clock(&self) -> Arc<dyn Clock> {
+        self.inner.clock()
     }
 }

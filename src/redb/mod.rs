@@ -52,7 +52,7 @@ use crate::record::{Begin, Claim, Record, check_durations};
 use crate::response::Response;
 use crate::store::{MAX_SWEEP_BATCH, Store};
 use crate::sweeper::Sweeper;
-use crate::time::Timestamp;
+use crate::time::{Clock, Timestamp};
 use ::redb::{Database, ReadableDatabase, StorageBackend};
 use commit::{Core, Op, Queue, Reply};
 use errors::engine;
@@ -267,6 +267,9 @@ pub struct RedbStore {
     /// The checkpointer (checkpoint.rs).
     background: Option<JoinHandle<()>>,
     sweeper: Option<Sweeper>,
+    /// The builder's clock: read by recovery at open and the sweeper, and
+    /// handed out by [`Store::clock`].
+    clock: Arc<dyn Clock>,
     path: Option<PathBuf>,
     store_id: [u8; 16],
     max_body_bytes: usize,
@@ -312,6 +315,7 @@ impl RedbStore {
             shared,
             background: Some(background),
             sweeper: None,
+            clock: Arc::clone(&config.clock),
             path,
             store_id,
             max_body_bytes: config.max_body_bytes,
@@ -558,5 +562,9 @@ impl Store for RedbStore {
             Reply::Swept(n) => Ok(n),
             other => Err(unexpected(&other)),
         }
+    }
+
+    fn clock(&self) -> Arc<dyn Clock> {
+        Arc::clone(&self.clock)
     }
 }

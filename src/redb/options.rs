@@ -162,9 +162,19 @@ impl RedbStoreBuilder {
         self.config.sweeper = Some(config);
         self
     }
-    /// The clock the sweeper and the recovery policy read
-    /// ([`SystemClock`] by default). The store's operations take `now` from
-    /// their caller.
+    /// The store's clock ([`SystemClock`] by default): the sweeper and the
+    /// recovery policy read it, and [`Store::clock`](crate::Store::clock)
+    /// hands it to a [`Guard`](crate::Guard) or an [`Inbox`](crate::Inbox)
+    /// over the store. The store's operations take `now` from their caller.
+    ///
+    /// ```
+    /// use idemstore::{Guard, ManualClock, RedbStore, Timestamp};
+    /// # let dir = tempfile::tempdir()?;
+    /// let clock = ManualClock::new(Timestamp::from_millis(42));
+    /// let store = RedbStore::builder().clock(clock.clone()).open(dir.path().join("s.idem"))?;
+    /// assert_eq!(Guard::new(store).now(), Timestamp::from_millis(42));
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
     pub fn clock(mut self, clock: impl Clock + 'static) -> Self {
         self.config.clock = Arc::new(clock);
         self

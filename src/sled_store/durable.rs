@@ -21,53 +21,16 @@
 //! yet and the `blobs` directory, and then fdatasyncs `db`. Blobs go first:
 //! a log entry that is durable must never point at a blob that is not.
 
+use super::options::SledDurability;
+use super::stats::Counters;
 use crate::error::{Error, Result};
 use std::collections::HashSet;
 use std::ffi::OsString;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Instant;
-
-/// What an acknowledged write survives on a [`SledStore`](crate::SledStore).
-///
-/// A separate type from redb's durability setting because the relaxed
-/// levels of the two engines survive different things: sled's flush
-/// already hands the data to the operating system (it survives a process
-/// kill), redb's non-durable commit does not.
-///
-/// ```
-/// use idemstore::SledDurability;
-/// assert_eq!(SledDurability::default(), SledDurability::Immediate);
-/// ```
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum SledDurability {
-    /// Survives a process crash and a power loss: every acknowledged write
-    /// is flushed by sled and then fdatasynced (data file) and fsynced (new
-    /// blob files), one flush + fsync per group of concurrent writers.
-    #[default]
-    Immediate,
-    /// Survives a process crash, not a power loss: every acknowledged write
-    /// is in the operating system's page cache (sled's flush, which ends in
-    /// `sync_file_range`), but nothing is fsynced before the answer. sled's
-    /// own background thread fsyncs the data file about every 500 ms, on a
-    /// best-effort basis; the store fsyncs everything (blobs included) at
-    /// open and at a clean close.
-    OsBuffered,
-}
-
-/// Counters of the durable path, as [`SledStore::stats`](crate::SledStore::stats) reports them.
-#[derive(Debug, Default)]
-pub(crate) struct Counters {
-    pub(crate) commits: AtomicU64,
-    pub(crate) flushes: AtomicU64,
-    pub(crate) data_fsyncs: AtomicU64,
-    pub(crate) blob_fsyncs: AtomicU64,
-    pub(crate) flush_micros: AtomicU64,
-    pub(crate) fsync_micros: AtomicU64,
-}
 
 /// The data file and blob directory of one open store, and the flush step.
 #[derive(Debug)]
