@@ -155,7 +155,9 @@ enum Answer {
     Conflict,
 }
 
-/// An independent model of DESIGN.md's table (not built on `logic`).
+/// An independent model of the state machine (the table on
+/// [`Store::begin`](crate::Store::begin); `docs/design.md`, the state
+/// machine), not built on `logic`.
 #[derive(Default)]
 struct Model {
     records: HashMap<u8, ModelRecord>,

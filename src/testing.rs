@@ -14,7 +14,7 @@ use std::time::Duration;
 type Hook = Box<dyn Fn(Op) -> Option<Error> + Send + Sync>;
 
 /// Wraps any [`Store`] and fails chosen operations on demand (feature
-/// `test-util`), the way the seeds' `Fault func(op)` does. A failed
+/// `test-util`): a hook is called with each operation and may fail it. A failed
 /// operation never reaches the inner store, so it has no effect — like a
 /// database that refused the connection.
 ///

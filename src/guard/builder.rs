@@ -39,8 +39,9 @@ pub enum OnHandlerError {
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum TakeoverPolicy {
-    /// Run the handler again (the seeds' behaviour). Safe when the handler's
-    /// downstream calls are themselves idempotent on the fencing token or key.
+    /// Run the handler again (the default: the lease is the recovery path
+    /// after a crash). Safe when the handler's downstream calls are
+    /// themselves idempotent on the fencing token or key.
     #[default]
     Retake,
     /// Do not run the handler: answer [`Outcome::Unknown`] with the new claim,

@@ -16,6 +16,7 @@
 //! - `open.rs`: creating (0600) and opening a file, refusing foreign,
 //!   damaged and newer files, replaying the log, the recovery policy;
 //! - `tables.rs`: the three tables and the record + index pair helpers;
+//! - `errors.rs`: redb's errors as the one public [`Error`];
 //! - `options.rs`: durability, recovery policy, the builder;
 //! - `stats.rs`: the counters;
 //! - `inspect.rs` (feature `cli`): operator access for the `idemstore` binary;

@@ -69,7 +69,9 @@ pub enum Durability {
 #[non_exhaustive]
 pub enum RecoveryPolicy {
     /// Leave leases alone: a retry waits until the dead owner's lease ends
-    /// (the seeds' behaviour; the default).
+    /// (the default, and the conservative choice: a call the dead owner
+    /// made downstream may still be landing, and the lease it was promised
+    /// holds until it ends).
     #[default]
     WaitForLease,
     /// End every live lease at open, so a retry takes over at once (with a

@@ -21,6 +21,12 @@
 //!   Conflict) is decided from a plain read, without the transaction lock.
 //!   It still waits until everything it may have read is durable, so no
 //!   answer rests on a write that a crash could take back.
+//!
+//! Files: `options.rs` (durability, the builder and `open`), `stats.rs`
+//! (the counters), `open.rs` (directory checks, lock, meta tree),
+//! `durable.rs`, `group.rs`, `marker.rs`, `tx.rs` (the transaction's
+//! record + index helpers); this file holds the public type and the
+//! `Store` impl.
 
 mod durable;
 mod group;
