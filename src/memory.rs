@@ -129,7 +129,7 @@ impl MemoryStore {
 
     /// An empty store built with `clock`: [`Store::clock`] answers it, so a
     /// [`Guard`](crate::Guard) over the store reads it too (tests drive
-    /// leases and expiry with a [`ManualClock`](crate::ManualClock) this
+    /// leases and expiry with a `ManualClock`, feature `test-util`, this
     /// way). The store's operations still take `now` from their caller.
     ///
     /// ```

@@ -1,5 +1,7 @@
 //! [`SledStats`]: the counters of the durable path.
 
+#[cfg(doc)]
+use super::{SledDurability, SledStore};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Counters of a [`SledStore`]'s durable path, from [`SledStore::stats`].
