@@ -82,10 +82,14 @@ pub enum Error {
 }
 
 impl Error {
-    /// The same failure for another caller of a failed commit group: the
-    /// variant, and so [`Error::is_transient`], is the same for every caller. `Error` is not `Clone` (it holds an
+    /// The same failure for another caller of a failed commit group (redb)
+    /// or flush round (sled): the variant, and so [`Error::is_transient`],
+    /// is the same for every caller. `Error` is not `Clone` (it holds an
     /// `io::Error`); this keeps the kind and the message.
-    #[cfg_attr(not(feature = "redb"), allow(dead_code))]
+    #[cfg_attr(
+        not(any(feature = "redb", feature = "sled")),
+        allow(dead_code, reason = "only the group-commit backends replicate errors")
+    )]
     pub(crate) fn replicate(&self) -> Error {
         match self {
             Error::Io(e) => Error::Io(std::io::Error::new(e.kind(), e.to_string())),

@@ -106,7 +106,6 @@ pub mod tower;
 #[cfg(feature = "unstable-internals")]
 #[doc(hidden)]
 pub mod unstable;
-mod waiting;
 
 #[cfg(feature = "postgres")]
 pub use crate::postgres::PostgresStore;

@@ -7,9 +7,9 @@ use crate::logic;
 use crate::record::{Begin, Claim, Record, check_durations};
 use crate::response::{DEFAULT_MAX_BODY_BYTES, Response, check_body_limit};
 use crate::store::{MAX_SWEEP_BATCH, Store};
-use crate::time::Timestamp;
+use crate::time::{Clock, SystemClock, Timestamp};
 use std::collections::{BTreeSet, HashMap};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 /// A store operation, as seen by a fault hook (feature `test-util`).
@@ -72,6 +72,8 @@ type FaultHook = Box<dyn Fn(Op) -> Option<Error> + Send + Sync>;
 pub struct MemoryStore {
     inner: Mutex<Inner>,
     max_body_bytes: usize,
+    /// Never read by the store itself: handed out by [`Store::clock`].
+    clock: Arc<dyn Clock>,
     #[cfg(feature = "test-util")]
     fault: std::sync::RwLock<Option<FaultHook>>,
 }
@@ -119,8 +121,29 @@ impl MemoryStore {
         MemoryStore {
             inner: Mutex::new(Inner::default()),
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            clock: Arc::new(SystemClock),
             #[cfg(feature = "test-util")]
             fault: std::sync::RwLock::new(None),
+        }
+    }
+
+    /// An empty store built with `clock`: [`Store::clock`] answers it, so a
+    /// [`Guard`](crate::Guard) over the store reads it too (tests drive
+    /// leases and expiry with a `ManualClock`, feature `test-util`, this
+    /// way). The store's operations still take `now` from their caller.
+    ///
+    /// ```
+    /// use idemstore::{Clock, ManualClock, MemoryStore, Store, Timestamp};
+    ///
+    /// let clock = ManualClock::new(Timestamp::from_millis(5));
+    /// let store = MemoryStore::with_clock(clock.clone());
+    /// clock.advance(std::time::Duration::from_millis(10));
+    /// assert_eq!(store.clock().now(), Timestamp::from_millis(15));
+    /// ```
+    pub fn with_clock(clock: impl Clock + 'static) -> MemoryStore {
+        MemoryStore {
+            clock: Arc::new(clock),
+            ..MemoryStore::new()
         }
     }
 
@@ -273,5 +296,9 @@ impl Store for MemoryStore {
             inner.remove(key);
         }
         Ok(due.len())
+    }
+
+    fn clock(&self) -> Arc<dyn Clock> {
+        Arc::clone(&self.clock)
     }
 }

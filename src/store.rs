@@ -5,7 +5,8 @@ use crate::fingerprint::Fingerprint;
 use crate::key::Key;
 use crate::record::{Begin, Claim, Record};
 use crate::response::Response;
-use crate::time::Timestamp;
+use crate::time::{Clock, SystemClock, Timestamp};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Most records one [`Store::sweep_expired`] call may be asked to delete.
@@ -16,10 +17,12 @@ pub const MAX_SWEEP_BATCH: usize = 10_000;
 ///
 /// Synchronous, `Send + Sync`, shared between threads by reference or `Arc`.
 /// Every backend ([`MemoryStore`](crate::MemoryStore), `RedbStore`,
-/// `SledStore`) passes the same conformance suite; the contract is in the
-/// method docs below. Callers pass `now`: stores never read a clock, so two
-/// callers with one [`Clock`](crate::Clock) see one time, and tests are
-/// deterministic.
+/// `SledStore`, `PostgresStore`) passes the same conformance suite; the
+/// contract is in the method docs below. Callers pass `now`: the operations
+/// never read a clock, so tests are deterministic. A store is built with the
+/// [`Clock`] its own background work reads (recovery at open, the sweeper),
+/// and [`Store::clock`] hands it out, so a [`Guard`](crate::Guard) or an
+/// `Inbox` over the store reads the same time unless told otherwise.
 ///
 /// Durations are taken in whole milliseconds. `lease` must be at least 1 ms
 /// and `retention` at least `lease`, or the call is
@@ -106,9 +109,31 @@ pub trait Store: Send + Sync {
     /// A deterministic step: call it until it returns less than `max` to
     /// sweep everything.
     fn sweep_expired(&self, now: Timestamp, max: usize) -> Result<usize>;
+
+    /// The clock this store was built with: the one its own background work
+    /// reads (recovery at open, a sweeper), and the default clock of a
+    /// [`Guard`](crate::Guard) or an `Inbox` over it, so that one time rules
+    /// leases, recovery and expiry unless a caller chooses another on
+    /// purpose. [`SystemClock`] unless the store's builder was given one; a
+    /// store that wraps another answers the inner store's clock.
+    ///
+    /// ```
+    /// use idemstore::{Clock, Guard, ManualClock, MemoryStore, Store, Timestamp};
+    ///
+    /// let clock = ManualClock::new(Timestamp::from_millis(1_000));
+    /// let store = MemoryStore::with_clock(clock.clone());
+    /// assert_eq!(store.clock().now(), Timestamp::from_millis(1_000));
+    /// // A guard over the store reads the store's clock: no `.clock(..)` needed.
+    /// let guard = Guard::new(store);
+    /// clock.advance(std::time::Duration::from_secs(1));
+    /// assert_eq!(guard.now(), Timestamp::from_millis(2_000));
+    /// ```
+    fn clock(&self) -> Arc<dyn Clock> {
+        Arc::new(SystemClock)
+    }
 }
 
-impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
+impl<S: Store + ?Sized> Store for Arc<S> {
     fn begin(
         &self,
         key: &Key,
@@ -137,5 +162,8 @@ impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
     }
     fn sweep_expired(&self, now: Timestamp, max: usize) -> Result<usize> {
         (**self).sweep_expired(now, max)
+    }
+    fn clock(&self) -> Arc<dyn Clock> {
+        (**self).clock()
     }
 }

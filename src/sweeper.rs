@@ -3,7 +3,7 @@
 
 use crate::error::{Error, Result};
 use crate::store::{MAX_SWEEP_BATCH, Store};
-use crate::time::{Clock, SystemClock, Timestamp};
+use crate::time::{Clock, Timestamp};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -102,12 +102,15 @@ pub struct Sweeper {
 }
 
 impl Sweeper {
-    /// Starts a sweeper over `store` with the system clock.
+    /// Starts a sweeper over `store` reading the store's clock
+    /// ([`Store::clock`]).
     pub fn spawn<S: Store + 'static>(store: Arc<S>, config: SweeperConfig) -> Result<Sweeper> {
-        Sweeper::spawn_with_clock(store, Arc::new(SystemClock), config)
+        let clock = store.clock();
+        Sweeper::spawn_with_clock(store, clock, config)
     }
 
-    /// Starts a sweeper over `store` reading time from `clock`.
+    /// Starts a sweeper over `store` reading time from `clock` instead of
+    /// the store's.
     pub fn spawn_with_clock<S: Store + 'static>(
         store: Arc<S>,
         clock: Arc<dyn Clock>,

@@ -7,14 +7,14 @@ use crate::memory::Op;
 use crate::record::{Begin, Claim, Record};
 use crate::response::Response;
 use crate::store::Store;
-use crate::time::Timestamp;
-use std::sync::RwLock;
+use crate::time::{Clock, Timestamp};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 type Hook = Box<dyn Fn(Op) -> Option<Error> + Send + Sync>;
 
 /// Wraps any [`Store`] and fails chosen operations on demand (feature
-/// `test-util`), the way the seeds' `Fault func(op)` does. A failed
+/// `test-util`): a hook is called with each operation and may fail it. A failed
 /// operation never reaches the inner store, so it has no effect — like a
 /// database that refused the connection.
 ///
@@ -148,5 +148,10 @@ impl<S: Store> Store for FaultyStore<S> {
     fn sweep_expired(&self, now: Timestamp, max: usize) -> Result<usize> {
         self.check(Op::Sweep)?;
         self.inner.sweep_expired(now, max)
+    }
+    /// The inner store's clock (never faulted: it is configuration, not an
+    /// operation).
+    fn clock(&self) -> Arc<dyn Clock> {
+        self.inner.clock()
     }
 }

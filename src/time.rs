@@ -1,9 +1,10 @@
 //! Time: [`Timestamp`] and the [`Clock`] that produces it.
 //!
 //! Every deadline is a [`Timestamp`] in milliseconds since the Unix epoch,
-//! which is also how it is stored on disk. The stores never read the clock:
-//! callers pass `now`, so tests are deterministic and a backend never mixes
-//! two clocks.
+//! which is also how it is stored on disk. A store's operations never read
+//! a clock: callers pass `now`, so tests are deterministic. A store is built
+//! with one clock (for its own background work) and hands it to everything
+//! built over it, so one time rules a store, its guard and its inbox.
 
 use std::fmt;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -123,12 +124,38 @@ pub(crate) fn duration_millis(d: Duration) -> u64 {
 
 /// A source of the current time.
 ///
-/// The guard and the background sweeper read time only through a `Clock`, so
-/// tests can drive leases and expiry with a [`ManualClock`] (feature `test-util`).
+/// The guard, the inbox, the sweeper and recovery at open read time only
+/// through a `Clock`, so tests can drive leases and expiry with a
+/// [`ManualClock`] (feature `test-util`).
+///
+/// **One clock per store.** A store is built with its clock (each store's
+/// builder has a `clock` option; [`MemoryStore::with_clock`](crate::MemoryStore::with_clock);
+/// [`SystemClock`] by default), and [`Store::clock`](crate::Store::clock)
+/// hands it out: [`Guard::new`](crate::Guard::new), `Inbox::new` and
+/// [`Sweeper::spawn`](crate::Sweeper::spawn) use the store's clock unless
+/// given another one explicitly. So a test that injects a `ManualClock`
+/// into the store builder drives the guard, recovery and sweeping with it,
+/// and cannot get wall time for one of them by omission.
 ///
 /// ```
-/// use idemstore::{Clock, SystemClock, Timestamp};
+/// use idemstore::{Clock, Fingerprint, Guard, Key, ManualClock, MemoryStore, Outcome, Response, SystemClock, Timestamp};
+/// use std::{convert::Infallible, time::Duration};
+///
 /// assert!(SystemClock.now() > Timestamp::from_millis(1_600_000_000_000));
+///
+/// // The store is built with the clock; the guard over it reads the same one.
+/// let clock = ManualClock::new(Timestamp::from_millis(0));
+/// let guard = Guard::builder(MemoryStore::with_clock(clock.clone()))
+///     .lease(Duration::from_secs(30))
+///     .build()?;
+/// let (key, fp) = (Key::new("", "order-1")?, Fingerprint::of(b"qty=1"));
+/// let crashed = guard.run(&key, &fp, |_| Err::<Response, _>("owner died"));
+/// assert!(matches!(crashed, Outcome::HandlerFailed(_)));
+/// // The lease ends on the manual clock, not after 30 real seconds.
+/// clock.advance(Duration::from_secs(30));
+/// let retry = guard.run(&key, &fp, |_| Ok::<_, Infallible>(Response::new(201, "done")));
+/// assert!(matches!(retry, Outcome::Executed(_)));
+/// # Ok::<(), idemstore::Error>(())
 /// ```
 pub trait Clock: Send + Sync + fmt::Debug {
     /// The current time.

@@ -21,7 +21,7 @@ use crate::logic;
 use crate::record::{Begin, Claim, Record, State, check_durations};
 use crate::response::Response;
 use crate::store::{MAX_SWEEP_BATCH, Store};
-use crate::time::Timestamp;
+use crate::time::{Clock, Timestamp};
 use errors::{db_error, pool_error};
 use sql::{Sql, Stmt};
 use std::sync::Arc;
@@ -114,6 +114,8 @@ pub struct PostgresStore {
     pool: pool::Pool,
     sql: Arc<Sql>,
     max_body_bytes: usize,
+    /// Never read by the store: handed out by [`Store::clock`].
+    clock: Arc<dyn Clock>,
 }
 
 impl std::fmt::Debug for PostgresStore {
@@ -363,6 +365,10 @@ impl Store for PostgresStore {
         let deleted =
             self.retrying(|conn, _| Ok(conn.execute(Stmt::Sweep, &[&row::millis(now), &limit])?))?;
         Ok(usize::try_from(deleted).unwrap_or(usize::MAX))
+    }
+
+    fn clock(&self) -> Arc<dyn Clock> {
+        Arc::clone(&self.clock)
     }
 }
 

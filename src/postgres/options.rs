@@ -8,6 +8,7 @@ use super::schema;
 use super::sql::Sql;
 use crate::error::{Error, Result};
 use crate::response::{DEFAULT_MAX_BODY_BYTES, check_body_limit};
+use crate::time::{Clock, SystemClock};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -80,6 +81,7 @@ pub struct PostgresStoreBuilder {
     connect_timeout: Duration,
     statement_timeout: Duration,
     max_body_bytes: usize,
+    clock: Arc<dyn Clock>,
 }
 
 impl std::fmt::Debug for PostgresStoreBuilder {
@@ -91,6 +93,7 @@ impl std::fmt::Debug for PostgresStoreBuilder {
             .field("connect_timeout", &self.connect_timeout)
             .field("statement_timeout", &self.statement_timeout)
             .field("max_body_bytes", &self.max_body_bytes)
+            .field("clock", &self.clock)
             .finish_non_exhaustive()
     }
 }
@@ -104,6 +107,7 @@ impl PostgresStoreBuilder {
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             statement_timeout: DEFAULT_STATEMENT_TIMEOUT,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            clock: Arc::new(SystemClock),
         }
     }
 
@@ -181,6 +185,22 @@ impl PostgresStoreBuilder {
         self
     }
 
+    /// The store's clock (default [`SystemClock`]), handed out by
+    /// [`Store::clock`](crate::Store::clock) to a [`Guard`](crate::Guard)
+    /// over the store. The store itself never reads it: its operations take
+    /// `now` from their caller, and the database clock is not used (see
+    /// [`PostgresStore`]'s section on time).
+    ///
+    /// ```
+    /// let b = idemstore::PostgresStore::builder("postgres://localhost/app")
+    ///     .clock(idemstore::SystemClock);
+    /// # let _ = b;
+    /// ```
+    pub fn clock(mut self, clock: impl Clock + 'static) -> Self {
+        self.clock = Arc::new(clock);
+        self
+    }
+
     /// Checks the options, connects once, and checks that the table, if it
     /// exists, is an idemstore table of this schema version. It does not
     /// create anything: call [`PostgresStore::migrate`] for that.
@@ -247,6 +267,7 @@ impl PostgresStoreBuilder {
             pool,
             sql,
             max_body_bytes,
+            clock: self.clock,
         };
         schema::check(&mut *store.conn()?, &store.sql)?;
         Ok(store)

@@ -1,5 +1,7 @@
 //! Mapping redb's errors onto the one public [`Error`]: no redb type escapes
-//! the backend (DESIGN.md §2), but the engine's error stays the `source`.
+//! the backend, so the engine can change without breaking callers
+//! (`docs/design.md`, the contract), but the engine's error stays the
+//! `source`.
 
 use crate::error::Error;
 

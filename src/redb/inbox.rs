@@ -39,7 +39,8 @@ use crate::key::Key;
 use crate::logic;
 use crate::record::{Begin, Claim, State};
 use crate::response::Response;
-use crate::time::{Clock, SystemClock, Timestamp};
+use crate::store::Store;
+use crate::time::{Clock, Timestamp};
 use ::redb::{ReadTransaction, ReadableDatabase, WriteTransaction};
 use std::sync::Arc;
 use std::time::Duration;
@@ -132,8 +133,8 @@ pub struct Inbox {
 
 impl Inbox {
     /// An inbox on `store` (a `RedbStore` or an `Arc` of one), with the
-    /// system clock and [`DEFAULT_RETENTION`]: redeliveries are recognised
-    /// for 24 hours after a message was handled.
+    /// store's clock ([`Store::clock`]) and [`DEFAULT_RETENTION`]:
+    /// redeliveries are recognised for 24 hours after a message was handled.
     ///
     /// ```
     /// # let dir = tempfile::tempdir()?;
@@ -143,9 +144,10 @@ impl Inbox {
     /// # Ok::<(), idemstore::Error>(())
     /// ```
     pub fn new(store: impl Into<Arc<RedbStore>>) -> Inbox {
+        let store = store.into();
         Inbox {
-            store: store.into(),
-            clock: Arc::new(SystemClock),
+            clock: store.clock(),
+            store,
             retention: DEFAULT_RETENTION,
         }
     }
@@ -164,7 +166,10 @@ impl Inbox {
         self
     }
 
-    /// The clock for record timestamps and expiry (tests use a `ManualClock`).
+    /// The clock for record timestamps and expiry (default: the store's,
+    /// [`Store::clock`]). Only for an inbox that must see another time than
+    /// its store's recovery and sweeper; a test that drives time builds the
+    /// store with its `ManualClock` instead.
     ///
     /// ```
     /// # let dir = tempfile::tempdir()?;

@@ -30,6 +30,7 @@
 //! - `open.rs`: creating (0600) and opening a file, refusing foreign,
 //!   damaged and newer files, replaying the log, the recovery policy;
 //! - `tables.rs`: the three tables and the record + index pair helpers;
+//! - `errors.rs`: redb's errors as the one public [`Error`];
 //! - `options.rs`: durability, recovery policy, the builder;
 //! - `stats.rs`: the counters;
 //! - `inspect.rs` (feature `cli`): operator access for the `idemstore` binary;
@@ -70,7 +71,7 @@ use crate::record::{Begin, Claim, Record, check_durations};
 use crate::response::Response;
 use crate::store::{MAX_SWEEP_BATCH, Store};
 use crate::sweeper::Sweeper;
-use crate::time::Timestamp;
+use crate::time::{Clock, Timestamp};
 use ::redb::{Database, ReadableDatabase, StorageBackend};
 use commit::{Core, Op, Queue, Reply};
 use errors::engine;
@@ -285,6 +286,9 @@ pub struct RedbStore {
     /// The checkpointer (checkpoint.rs).
     background: Option<JoinHandle<()>>,
     sweeper: Option<Sweeper>,
+    /// The builder's clock: read by recovery at open and the sweeper, and
+    /// handed out by [`Store::clock`].
+    clock: Arc<dyn Clock>,
     path: Option<PathBuf>,
     store_id: [u8; 16],
     max_body_bytes: usize,
@@ -330,6 +334,7 @@ impl RedbStore {
             shared,
             background: Some(background),
             sweeper: None,
+            clock: Arc::clone(&config.clock),
             path,
             store_id,
             max_body_bytes: config.max_body_bytes,
@@ -576,5 +581,9 @@ impl Store for RedbStore {
             Reply::Swept(n) => Ok(n),
             other => Err(unexpected(&other)),
         }
+    }
+
+    fn clock(&self) -> Arc<dyn Clock> {
+        Arc::clone(&self.clock)
     }
 }

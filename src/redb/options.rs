@@ -71,7 +71,9 @@ pub enum Durability {
 #[non_exhaustive]
 pub enum RecoveryPolicy {
     /// Leave leases alone: a retry waits until the dead owner's lease ends
-    /// (the seeds' behaviour; the default).
+    /// (the default, and the conservative choice: a call the dead owner
+    /// made downstream may still be landing, and the lease it was promised
+    /// holds until it ends).
     #[default]
     WaitForLease,
     /// End every live lease at open, so a retry takes over at once (with a
@@ -165,9 +167,19 @@ impl RedbStoreBuilder {
         self.config.sweeper = Some(config);
         self
     }
-    /// The clock the sweeper and the recovery policy read
-    /// ([`SystemClock`] by default). The store's operations take `now` from
-    /// their caller.
+    /// The store's clock ([`SystemClock`] by default): the sweeper and the
+    /// recovery policy read it, and [`Store::clock`](crate::Store::clock)
+    /// hands it to a [`Guard`](crate::Guard) or an [`Inbox`](crate::Inbox)
+    /// over the store. The store's operations take `now` from their caller.
+    ///
+    /// ```
+    /// use idemstore::{Guard, ManualClock, RedbStore, Timestamp};
+    /// # let dir = tempfile::tempdir()?;
+    /// let clock = ManualClock::new(Timestamp::from_millis(42));
+    /// let store = RedbStore::builder().clock(clock.clone()).open(dir.path().join("s.idem"))?;
+    /// assert_eq!(Guard::new(store).now(), Timestamp::from_millis(42));
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
     pub fn clock(mut self, clock: impl Clock + 'static) -> Self {
         self.config.clock = Arc::new(clock);
         self

@@ -29,18 +29,31 @@
 //!    A segment is written again only after the epoch it held is retired
 //!    (a new freeze waits for the running checkpoint).
 //! 4. Opening a store replays the frames of the durable epoch `E` (segment
-//!    `E % 2`) and then of `E + 1` (the other), each up to the first frame
-//!    that does not verify (magic, epoch, length, CRC-32: a torn tail),
-//!    commits durably, and starts writing epoch `E + 2`.
+//!    `E % 2`) and then of `E + 1` (the other), each from the start of its
+//!    segment, commits durably, and starts writing epoch `E + 2`.
 //!
 //! Replay is a redo (put or remove a record with its full value, moving
 //! its expiry-index entry; set a meta entry), so replaying frames whose
-//! records are already in the file changes nothing. A frame is written
-//! only after the previous one was synced, so a frame that does not verify
-//! ends the log: nothing after it was ever acknowledged. Because a frame
-//! starts on a fresh 4 KiB block, an append never writes a sector holding
-//! acknowledged bytes: a device that tears a sector into garbage during a
-//! power cut can damage only the frame being written.
+//! records are already in the file changes nothing. What replay does at
+//! each offset ([`replay`]):
+//!
+//! - no frame of this epoch (zeros, another magic, an older epoch's bytes,
+//!   a header cut short, a length running past the segment): the end of
+//!   the log; replay stops there.
+//! - a header of this epoch whose CRC-32 fails: a frame is written only
+//!   after the previous one was synced, so a crash can damage only the
+//!   last frame written. If the block where the next frame would start
+//!   holds no frame that verifies, this is that torn tail: replay stops.
+//!   If a frame there verifies, synced data after it would be lost:
+//!   the open fails with [`Error::Corrupt`].
+//! - a frame that verifies but whose payload does not decode (an entry cut
+//!   short, an unknown tag, a record that does not decode): damage no
+//!   crash can cause; the open fails with [`Error::Corrupt`] and nothing
+//!   is committed.
+//!
+//! Because a frame starts on a fresh 4 KiB block, an append never writes a
+//! sector holding acknowledged bytes: a device that tears a sector into
+//! garbage during a power cut can damage only the frame being written.
 //!
 //! Every write transaction outside the line (the inbox, the CLI's evict
 //! and import, `compact`, a group too large for a segment) first takes in
@@ -354,8 +367,9 @@ impl Layout {
 }
 
 /// Replays into `txn` every frame of `epoch` laid out as `layout`, from
-/// the start of its region up to the first that does not verify. Returns
-/// how many frames it applied.
+/// the start of its region to the end of the log or a torn last frame (see
+/// the module docs for what ends the log and what is refused). Returns how
+/// many frames it applied.
 ///
 /// A record put or delete also moves the record's expiry-index entry (the
 /// old expiry is read from the record it replaces), so the frames need not

@@ -21,58 +21,21 @@
 //! yet and the `blobs` directory, and then fdatasyncs `db`. Blobs go first:
 //! a log entry that is durable must never point at a blob that is not.
 
+use super::options::Durability;
+use super::stats::Counters;
 use crate::error::{Error, Result};
 use std::collections::HashSet;
 use std::ffi::OsString;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Instant;
-
-/// What an acknowledged write survives on a [`SledStore`](crate::SledStore).
-///
-/// A separate type from redb's durability setting because the relaxed
-/// levels of the two engines survive different things: sled's flush
-/// already hands the data to the operating system (it survives a process
-/// kill), redb's non-durable commit does not.
-///
-/// ```
-/// use idemstore::sled::Durability;
-/// assert_eq!(SledDurability::default(), SledDurability::Immediate);
-/// ```
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum SledDurability {
-    /// Survives a process crash and a power loss: every acknowledged write
-    /// is flushed by sled and then fdatasynced (data file) and fsynced (new
-    /// blob files), one flush + fsync per group of concurrent writers.
-    #[default]
-    Immediate,
-    /// Survives a process crash, not a power loss: every acknowledged write
-    /// is in the operating system's page cache (sled's flush, which ends in
-    /// `sync_file_range`), but nothing is fsynced before the answer. sled's
-    /// own background thread fsyncs the data file about every 500 ms, on a
-    /// best-effort basis; the store fsyncs everything (blobs included) at
-    /// open and at a clean close.
-    OsBuffered,
-}
-
-/// Counters of the durable path, as [`SledStore::stats`](crate::SledStore::stats) reports them.
-#[derive(Debug, Default)]
-pub(crate) struct Counters {
-    pub(crate) commits: AtomicU64,
-    pub(crate) flushes: AtomicU64,
-    pub(crate) data_fsyncs: AtomicU64,
-    pub(crate) blob_fsyncs: AtomicU64,
-    pub(crate) flush_micros: AtomicU64,
-    pub(crate) fsync_micros: AtomicU64,
-}
 
 /// The data file and blob directory of one open store, and the flush step.
 #[derive(Debug)]
 pub(crate) struct DiskSync {
-    durability: SledDurability,
+    durability: Durability,
     /// A second handle on sled's `db` file: fsync acts on the file, not on
     /// the descriptor, so syncing through it syncs sled's writes.
     data_file: File,
@@ -95,7 +58,7 @@ pub(crate) const CONF_FILE: &str = "conf";
 impl DiskSync {
     /// Opens the handles after sled has created its files, and makes the
     /// directory entries and sled's `conf` durable (sled never syncs them).
-    pub(crate) fn open(dir: &Path, durability: SledDurability) -> Result<DiskSync> {
+    pub(crate) fn open(dir: &Path, durability: Durability) -> Result<DiskSync> {
         let data_file = File::options()
             .read(true)
             .write(true)
@@ -119,10 +82,10 @@ impl DiskSync {
         Ok(sync)
     }
 
-    /// sled's flush, then (at [`SledDurability::Immediate`]) the fsyncs that
+    /// sled's flush, then (at [`Durability::Immediate`]) the fsyncs that
     /// make it durable.
     pub(crate) fn flush(&self, db: &::sled::Db) -> Result<()> {
-        self.flush_and_sync(db, self.durability == SledDurability::Immediate)
+        self.flush_and_sync(db, self.durability == Durability::Immediate)
     }
 
     /// sled's flush and the fsyncs, at any durability level: at open and

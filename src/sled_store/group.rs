@@ -14,7 +14,12 @@
 //! every write that committed during the previous fsync.
 //!
 //! A failed flush poisons the group: whether the covered writes reached the
-//! disk is unknown, so nothing after it may be acknowledged.
+//! disk is unknown, so nothing after it may be acknowledged. Every caller
+//! whose write (or read) the failed round covered gets the same error, the
+//! round's own ([`Error::replicate`]), whether it led the round or waited
+//! for it: the variant, and so [`Error::is_transient`], does not depend on
+//! who happened to lead. Callers the round did not cover get
+//! [`Error::Poisoned`], as every later write does.
 
 use crate::error::{Error, Result};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -39,6 +44,9 @@ struct State {
     durable: u64,
     leader: bool,
     poisoned: bool,
+    /// The first failed round: the highest sequence number it covered, and
+    /// its error, for every caller it covered.
+    failed: Option<(u64, Error)>,
 }
 
 impl GroupSync {
@@ -91,9 +99,10 @@ impl GroupSync {
     }
 
     /// Returns once every write up to `seq` is durable, leading a flush
-    /// round with `flush` when none is running. The caller that led a
-    /// failing round gets the flush's own error; everyone else waiting, and
-    /// every later caller, gets [`Error::Poisoned`].
+    /// round with `flush` when none is running. When a round fails, every
+    /// caller whose `seq` it covered (its leader, those waiting for it, and
+    /// those that come to wait later) gets the flush's error, replicated;
+    /// every other caller gets [`Error::Poisoned`].
     pub(crate) fn wait_durable(&self, seq: u64, flush: impl Fn() -> Result<()>) -> Result<()> {
         if self.durable_hint.load(Ordering::SeqCst) >= seq {
             return Ok(());
@@ -109,6 +118,11 @@ impl GroupSync {
         loop {
             if state.durable >= seq {
                 return Ok(());
+            }
+            if let Some((covered, error)) = &state.failed
+                && seq <= *covered
+            {
+                return Err(error.replicate());
             }
             if state.poisoned {
                 return Err(Error::Poisoned);
@@ -131,6 +145,8 @@ impl GroupSync {
                 }
                 Err(err) => {
                     state.poisoned = true;
+                    let copy = err.replicate();
+                    state.failed.get_or_insert((covered, copy));
                     self.wake.notify_all();
                     return Err(err);
                 }
@@ -240,8 +256,8 @@ mod tests {
     }
 
     /// A flush that fails must never let a later caller believe its write
-    /// is durable: the leader gets the flush's error, everyone after gets
-    /// Poisoned.
+    /// is durable: the leader gets the flush's error, a caller the round did
+    /// not cover gets Poisoned.
     #[test]
     fn failed_flush_poisons() {
         let g = GroupSync::default();
@@ -251,10 +267,65 @@ mod tests {
             .wait_durable(seq, || Err(Error::from(std::io::Error::other("EIO"))))
             .unwrap_err();
         assert!(matches!(err, Error::Io(_)), "{err:?}");
+        let later = g.issue();
+        g.finish(later);
         assert!(matches!(
-            g.wait_durable(seq, || Ok(())),
+            g.wait_durable(later, || Ok(())),
             Err(Error::Poisoned)
         ));
         assert!(g.is_poisoned());
+    }
+
+    /// Regression: the caller that led a failing round got the flush's I/O
+    /// error (transient) and the callers waiting for the same round got
+    /// Poisoned (not transient), so what a caller saw depended on who led.
+    /// Every caller the round covered now gets the same variant, message
+    /// and `is_transient()`.
+    #[test]
+    fn every_caller_of_a_failed_round_gets_the_same_error() {
+        const CALLERS: u64 = 16;
+        let g = GroupSync::default();
+        for _ in 0..CALLERS {
+            let seq = g.issue();
+            g.finish(seq);
+        }
+        let started = std::sync::Barrier::new(usize::try_from(CALLERS).unwrap());
+        let errors: Vec<Error> = std::thread::scope(|s| {
+            let handles: Vec<_> = (1..=CALLERS)
+                .map(|seq| {
+                    let (g, started) = (&g, &started);
+                    s.spawn(move || {
+                        started.wait();
+                        g.wait_durable(seq, || {
+                            // Hold the round open so that the others queue
+                            // behind it, then fail as a disk would.
+                            std::thread::sleep(std::time::Duration::from_millis(20));
+                            Err(Error::from(std::io::Error::new(
+                                std::io::ErrorKind::StorageFull,
+                                "EIO",
+                            )))
+                        })
+                        .unwrap_err()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let first = errors.first().unwrap();
+        for err in &errors {
+            assert!(
+                matches!(err, Error::Io(e) if e.kind() == std::io::ErrorKind::StorageFull),
+                "{err:?}"
+            );
+            assert_eq!(err.to_string(), first.to_string());
+            assert_eq!(err.is_transient(), first.is_transient());
+        }
+        // A write the failed round did not cover is refused as Poisoned.
+        let later = g.issue();
+        g.finish(later);
+        assert!(matches!(
+            g.wait_durable(later, || Ok(())),
+            Err(Error::Poisoned)
+        ));
     }
 }

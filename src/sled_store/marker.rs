@@ -4,8 +4,9 @@
 //! sled 0.34 recovers its log up to the first message that fails its
 //! checksum and treats the rest as a torn write: a damaged `db` file opens
 //! as an *empty* database, without an error. Without this file the store
-//! would then start afresh and replay nothing, which DESIGN.md forbids
-//! ("never silently empties the store").
+//! would then start afresh and replay nothing: a retry of a completed
+//! request would run its side effect again. A store never silently empties
+//! itself; damage is refused with an error (`docs/design.md`, the contract).
 //!
 //! ```text
 //! magic "IDEMSLED" (8) | format u32 BE | store id u128 BE | last token u64 BE | crc32 u32 BE

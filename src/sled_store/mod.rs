@@ -21,12 +21,23 @@
 //!   Conflict) is decided from a plain read, without the transaction lock.
 //!   It still waits until everything it may have read is durable, so no
 //!   answer rests on a write that a crash could take back.
+//!
+//! Files: `options.rs` (durability, the builder and `open`), `stats.rs`
+//! (the counters), `open.rs` (directory checks, lock, meta tree),
+//! `durable.rs`, `group.rs`, `marker.rs`, `tx.rs` (the transaction's
+//! record + index helpers); this file holds the public type and the
+//! `Store` impl.
 
 mod durable;
 mod group;
 mod marker;
 mod open;
+mod options;
+mod stats;
 mod tx;
+
+pub use options::{Durability, SledStoreBuilder};
+pub use stats::SledStats;
 
 use crate::codec::{decode_index, decode_record, encode_key};
 use crate::error::{Error, Result};
@@ -34,17 +45,15 @@ use crate::fingerprint::Fingerprint;
 use crate::key::Key;
 use crate::logic;
 use crate::record::{Begin, Claim, Record, check_durations};
-use crate::response::{DEFAULT_MAX_BODY_BYTES, Response, check_body_limit};
+use crate::response::Response;
 use crate::store::{MAX_SWEEP_BATCH, Store};
-use crate::sweeper::{Sweeper, SweeperConfig};
-use crate::time::{Clock, SystemClock, Timestamp};
+use crate::sweeper::Sweeper;
+use crate::time::{Clock, Timestamp};
 use ::sled::transaction::{ConflictableTransactionError, TransactionError, Transactional};
 use durable::DiskSync;
-use durable::SledDurability;
-pub use durable::SledDurability as Durability;
 use group::GroupSync;
 use marker::Marker;
-use open::{EXPIRY_TREE, META_TREE, RECORDS_TREE, STORE_FORMAT_VERSION};
+use open::STORE_FORMAT_VERSION;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
@@ -58,7 +67,7 @@ use tx::{Tx, TxResult};
 /// headers (`pagecache/logger.rs`, `reserve_inner`).
 ///
 /// sled never fsyncs blob files. This store does (see
-/// [`SledDurability::Immediate`]), so responses of any size up to the body
+/// [`Durability::Immediate`]), so responses of any size up to the body
 /// limit are durable; the constant is here because crossing it costs an
 /// extra file, an extra fsync and a directory fsync per large page. Note
 /// that a page is a node of up to 16 records, so many medium responses in
@@ -76,7 +85,7 @@ pub const BLOB_THRESHOLD_BYTES: usize = 512 * 1024 / 4 - 20 - 32;
 ///
 /// - **Durable for real.** sled's own `flush` ends in `sync_file_range` on
 ///   Linux, which does not survive a power loss. At the default
-///   [`SledDurability::Immediate`] this store follows every flush with an
+///   [`Durability::Immediate`] this store follows every flush with an
 ///   `fdatasync` of the data file (and an fsync of new blob files), and
 ///   concurrent writers share one flush + fsync: [`SledStore::stats`]
 ///   counts them.
@@ -115,59 +124,11 @@ pub const BLOB_THRESHOLD_BYTES: usize = 512 * 1024 / 4 - 20 - 32;
 #[derive(Debug)]
 pub struct SledStore {
     // Declared first so it is dropped first: the sweeper thread stops
-    // before the store's files close. In a mutex because a `Sweeper` is
-    // `Send` but not `Sync`, and a store must be both.
+    // before the store's files close (it holds `inner` too, so the files
+    // would otherwise stay open until it noticed).
     sweeper: Option<Sweeper>,
     inner: Arc<Inner>,
-}
-
-/// Counters of a [`SledStore`]'s durable path, from [`SledStore::stats`].
-///
-/// `data_fsyncs` close to `commits` means one fsync per write (one client);
-/// far below means group flushing works (many clients).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct SledStats {
-    /// Write transactions committed (claims, completions, releases, sweeps).
-    pub commits: u64,
-    /// sled flushes run (one per group round).
-    pub flushes: u64,
-    /// `fdatasync` calls on the data file (at [`SledDurability::OsBuffered`]
-    /// only the one at open).
-    pub data_fsyncs: u64,
-    /// Blob files fsynced (sled never does).
-    pub blob_fsyncs: u64,
-    /// Time spent in sled's flush (`pwrite` + `sync_file_range`), in all
-    /// rounds. sled blocks every transaction while it flushes.
-    pub flush_micros: u64,
-    /// Time spent in the fsyncs after it (new blobs + `fdatasync` of the
-    /// data file), in all rounds. Transactions proceed meanwhile.
-    pub fsync_micros: u64,
-}
-
-/// How a [`SledStore`] is opened: [`SledStore::builder`].
-///
-/// ```
-/// use idemstore::{SledStore, SweeperConfig};
-/// use idemstore::sled::Durability as SledDurability;
-/// use std::time::Duration;
-///
-/// let dir = tempfile::tempdir()?;
-/// let store = SledStore::builder(dir.path())
-///     .durability(SledDurability::Immediate)
-///     .max_body_bytes(256 * 1024)
-///     .sweeper(SweeperConfig::default().interval(Duration::from_secs(30)))
-///     .open()?;
-/// assert_eq!(store.durability(), SledDurability::Immediate);
-/// # Ok::<(), Box<dyn std::error::Error>>(())
-/// ```
-#[derive(Debug)]
-#[must_use = "a builder does nothing until `open` is called"]
-pub struct SledStoreBuilder {
-    path: PathBuf,
-    durability: SledDurability,
-    max_body_bytes: usize,
-    sweeper: Option<SweeperConfig>,
+    /// The builder's clock: read by the sweeper, handed out by [`Store::clock`].
     clock: Arc<dyn Clock>,
 }
 
@@ -182,118 +143,12 @@ struct Inner {
     /// Serialises write transactions (sled does too, process-wide) and
     /// holds the last fencing token handed out.
     writer: Mutex<u64>,
-    durability: SledDurability,
+    durability: Durability,
     max_body_bytes: usize,
     store_id: u128,
     path: PathBuf,
     // Declared last so it is released last, after sled has closed.
     _lock: File,
-}
-
-impl SledStoreBuilder {
-    /// The durability level (default [`SledDurability::Immediate`]).
-    pub fn durability(mut self, durability: SledDurability) -> Self {
-        self.durability = durability;
-        self
-    }
-
-    /// The largest response body the store accepts (default
-    /// [`DEFAULT_MAX_BODY_BYTES`], at most
-    /// [`MAX_BODY_BYTES_HARD_CAP`](crate::MAX_BODY_BYTES_HARD_CAP), checked by `open`).
-    pub fn max_body_bytes(mut self, max_body_bytes: usize) -> Self {
-        self.max_body_bytes = max_body_bytes;
-        self
-    }
-
-    /// Runs a background [`Sweeper`] with this configuration while the store
-    /// is open (default: none; call [`Store::sweep_expired`] yourself).
-    pub fn sweeper(mut self, config: SweeperConfig) -> Self {
-        self.sweeper = Some(config);
-        self
-    }
-
-    /// The clock the background sweeper reads (default the system clock).
-    pub fn clock(mut self, clock: impl Clock + 'static) -> Self {
-        self.clock = Arc::new(clock);
-        self
-    }
-
-    /// Opens (or creates) the store.
-    ///
-    /// Errors: [`Error::Locked`] when another open store holds the
-    /// directory; [`Error::Corrupt`] for a path that is not an idemstore
-    /// store (a file, a non-empty directory without a sled data file, a
-    /// sled database without idemstore's meta tree: nothing is written to
-    /// it), as `RedbStore` does for foreign files;
-    /// [`Error::UnsupportedFormat`] for a store written by a newer format;
-    /// [`Error::Corrupt`] also when sled or the meta tree finds damage, or when
-    /// sled recovered less than the store held at its last open or clean
-    /// close (sled opens a damaged log as a shorter or empty one, silently;
-    /// the `idemstore.meta` file beside it notices).
-    pub fn open(self) -> Result<SledStore> {
-        let max_body_bytes = check_body_limit(self.max_body_bytes)?;
-        open::check_directory(&self.path)?;
-        let lock = open::lock(&self.path)?;
-        let recorded = marker::read(&self.path)?;
-        let db = open::open_sled(&self.path)?;
-        if let (Some(recorded), false) = (recorded, open::has_meta_tree(&db)) {
-            // sled recovered nothing of ours, yet the marker says a store
-            // lived here: refuse before creating any tree.
-            return Err(marker::lost_everything(&self.path, recorded));
-        }
-        open::check_foreign(&db)?;
-        let tree = |name: &[u8]| db.open_tree(name).map_err(open::from_sled);
-        let (meta, records, expiry) = (tree(META_TREE)?, tree(RECORDS_TREE)?, tree(EXPIRY_TREE)?);
-        let found = match (open::read_meta(&meta, &records, &expiry)?, recorded) {
-            (Some(found), Some(recorded)) => {
-                marker::check(&self.path, recorded, found.store_id, found.last_token)?;
-                found
-            }
-            (Some(found), None) => found,
-            (None, Some(recorded)) => return Err(marker::lost_everything(&self.path, recorded)),
-            (None, None) => open::init_meta(&meta)?,
-        };
-        let disk = DiskSync::open(&self.path, self.durability)?;
-        // Whatever open wrote (trees, a fresh meta), and what an earlier
-        // session left unsynced at `OsBuffered`, is durable before the first
-        // answer, and before the marker vouches for it.
-        disk.sync_now(&db)?;
-        marker::write(
-            &self.path,
-            Marker {
-                format: STORE_FORMAT_VERSION,
-                store_id: found.store_id,
-                last_token: found.last_token,
-            },
-        )?;
-        let inner = Arc::new(Inner {
-            db,
-            records,
-            expiry,
-            meta,
-            disk,
-            group: GroupSync::default(),
-            writer: Mutex::new(found.last_token),
-            durability: self.durability,
-            max_body_bytes,
-            store_id: found.store_id,
-            path: self.path,
-            _lock: lock,
-        });
-        let sweeper = match self.sweeper {
-            None => None,
-            Some(config) => {
-                let swept = Arc::clone(&inner);
-                Some(Sweeper::spawn_fn(
-                    "idemstore-sled-sweeper",
-                    self.clock,
-                    config,
-                    move |now, max| swept.sweep_expired(now, max),
-                )?)
-            }
-        };
-        Ok(SledStore { sweeper, inner })
-    }
 }
 
 impl SledStore {
@@ -314,13 +169,7 @@ impl SledStore {
 
     /// A builder for the options: durability, body limit, sweeper.
     pub fn builder(path: impl AsRef<Path>) -> SledStoreBuilder {
-        SledStoreBuilder {
-            path: path.as_ref().to_path_buf(),
-            durability: SledDurability::default(),
-            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
-            sweeper: None,
-            clock: Arc::new(SystemClock),
-        }
+        SledStoreBuilder::new(path.as_ref())
     }
 
     /// The store's directory.
@@ -348,7 +197,7 @@ impl SledStore {
     }
 
     /// The configured durability level.
-    pub fn durability(&self) -> SledDurability {
+    pub fn durability(&self) -> Durability {
         self.inner.durability
     }
 
@@ -369,15 +218,7 @@ impl SledStore {
     /// # Ok::<(), idemstore::Error>(())
     /// ```
     pub fn stats(&self) -> SledStats {
-        let c = &self.inner.disk.counters;
-        SledStats {
-            commits: c.commits.load(Ordering::Relaxed),
-            flushes: c.flushes.load(Ordering::Relaxed),
-            data_fsyncs: c.data_fsyncs.load(Ordering::Relaxed),
-            blob_fsyncs: c.blob_fsyncs.load(Ordering::Relaxed),
-            flush_micros: c.flush_micros.load(Ordering::Relaxed),
-            fsync_micros: c.fsync_micros.load(Ordering::Relaxed),
-        }
+        self.inner.disk.counters.snapshot()
     }
 
     /// Bytes the store's files take on disk, as sled counts them (the data
@@ -687,5 +528,9 @@ impl Store for SledStore {
 
     fn sweep_expired(&self, now: Timestamp, max: usize) -> Result<usize> {
         self.inner.sweep_expired(now, max)
+    }
+
+    fn clock(&self) -> Arc<dyn Clock> {
+        Arc::clone(&self.clock)
     }
 }

@@ -259,3 +259,74 @@ async fn async_run_shares_the_core() {
         .await;
     assert!(matches!(out, Outcome::Unavailable(_)));
 }
+
+/// Regression: a store, its guard and its sweeper each took their own clock,
+/// so a test that gave a `ManualClock` to the store but not to the guard
+/// silently got wall time for leases. Built with the clock, the store hands
+/// it to the guard and the sweeper, with no `.clock(..)` on either.
+#[test]
+fn a_guard_over_a_store_built_with_a_manual_clock_reads_that_clock() {
+    let clock = ManualClock::new(T0);
+    let store = Arc::new(FaultyStore::new(MemoryStore::with_clock(clock.clone())));
+    assert_eq!(idemstore::Clock::now(&*store.clock()), T0);
+    let guard = Guard::builder(Arc::clone(&store))
+        .lease(SEC)
+        .retention(60 * SEC)
+        .build()
+        .unwrap();
+    assert_eq!(guard.now(), T0);
+    let fp = Fingerprint::of(b"x");
+    // The lease is decided on the manual time: T0 is long past on the wall
+    // clock, so a guard on wall time would see the record expired already.
+    let out = guard.run(&key(), &fp, |_| Err::<Response, _>("owner died"));
+    assert!(matches!(out, Outcome::HandlerFailed("owner died")));
+    assert_eq!(
+        store.get(&key(), T0).unwrap().map(|r| r.lease_until()),
+        Some(Some(T0 + SEC))
+    );
+    assert!(matches!(
+        guard.run(&key(), &fp, never()),
+        Outcome::InFlight { lease_until } if lease_until == T0 + SEC
+    ));
+    clock.advance(SEC);
+    assert!(matches!(
+        guard.run(&key(), &fp, ok("second")),
+        Outcome::Executed(_)
+    ));
+    assert_eq!(guard.stats().takeovers, 1);
+    let done = store.get(&key(), T0 + SEC).unwrap().unwrap();
+    assert_eq!(done.expires_at(), T0 + SEC + 60 * SEC);
+    // The sweeper over the store reads the same clock: nothing is due until
+    // the manual time passes the expiry, however much wall time goes by.
+    let sweeper = idemstore::Sweeper::spawn(
+        Arc::clone(&store),
+        idemstore::SweeperConfig::default().interval(Duration::from_millis(5)),
+    )
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(sweeper.swept(), 0);
+    assert_eq!(store.inner().len(), 1);
+    clock.advance(60 * SEC);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while sweeper.swept() < 1 {
+        assert!(std::time::Instant::now() < deadline, "sweeper never swept");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(store.inner().len(), 0);
+}
+
+/// A clock given to the guard's builder still wins over the store's.
+#[test]
+fn a_clock_given_to_the_guard_overrides_the_stores() {
+    let store_clock = ManualClock::new(T0);
+    let guard_clock = ManualClock::new(T0 + 5 * SEC);
+    let guard = Guard::builder(MemoryStore::with_clock(store_clock))
+        .clock(guard_clock)
+        .build()
+        .unwrap();
+    assert_eq!(guard.now(), T0 + 5 * SEC);
+    // Without a clock anywhere, both read the system clock.
+    let wall = Guard::new(MemoryStore::new());
+    assert!(wall.now() > T0);
+    assert!(idemstore::Clock::now(&*wall.store().clock()) > T0);
+}

@@ -676,3 +676,36 @@ fn a_sigkilled_consumer_applies_every_message_once() {
         "a token was handed out twice"
     );
 }
+
+/// Regression: an inbox took the system clock unless given one, whatever its
+/// store was built with. Over a store built with a `ManualClock`, it now
+/// stamps records and decides leases and expiry on that clock, with no
+/// `.clock(..)` on the inbox.
+#[test]
+fn an_inbox_over_a_store_built_with_a_manual_clock_reads_that_clock() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let store = RedbStore::builder()
+        .clock(clock.clone())
+        .open(dir.path().join("c.idem"))
+        .unwrap();
+    let retention = Duration::from_secs(3600);
+    let inbox = Inbox::new(store).retention(retention);
+    let m = message(3);
+    let handle = |inbox: &Inbox| {
+        inbox
+            .handle(&msg_key(3), &msg_fp(&m), |txn, c| apply(txn, &m, c.token()))
+            .unwrap()
+    };
+    assert!(matches!(handle(&inbox), Delivery::Handled(_)));
+    // Stamped on the manual time: T0 is long past on the wall clock, so on
+    // wall time the record would be expired and invisible already.
+    let record = inbox.store().get(&msg_key(3), T0).unwrap().unwrap();
+    assert_eq!(record.expires_at(), T0 + retention);
+    assert!(matches!(handle(&inbox), Delivery::Duplicate(_)));
+    // Past the retention on the manual clock the id is forgotten: the
+    // redelivery is handled again.
+    clock.advance(retention);
+    assert!(matches!(handle(&inbox), Delivery::Handled(_)));
+    assert_eq!(business(&inbox).handler_commits, 2);
+}

@@ -828,3 +828,75 @@ fn a_concurrent_creation_is_locked_not_split() {
     assert!(!path.exists());
     drop(creating);
 }
+
+/// Regression: a guard over a `RedbStore` built with a `ManualClock` read
+/// wall time unless given the clock again. Now the store's clock rules the
+/// guard's leases, the sweeper and recovery at open alike.
+#[test]
+fn a_guard_over_a_redb_store_built_with_a_manual_clock_reads_that_clock() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.idem");
+    let clock = ManualClock::new(T0);
+    let fp = Fingerprint::of(b"fp");
+    {
+        let store = RedbStore::builder()
+            .clock(clock.clone())
+            .sweeper(SweeperConfig::default().interval(Duration::from_millis(5)))
+            .open(&path)
+            .unwrap();
+        let guard = Guard::builder(store)
+            .lease(LEASE)
+            .retention(KEEP)
+            .build()
+            .unwrap();
+        assert_eq!(guard.now(), T0);
+        let out = guard.run(&key("a"), &fp, |_| Err::<Response, _>("owner died"));
+        assert!(matches!(out, Outcome::HandlerFailed(_)));
+        // Leased on the manual time (T0 is long past on the wall clock).
+        let record = guard.store().get(&key("a"), T0).unwrap().unwrap();
+        assert_eq!(record.lease_until(), Some(T0 + LEASE));
+        assert_eq!(record.expires_at(), T0 + KEEP);
+        assert!(matches!(
+            guard.run(&key("a"), &fp, |_| -> Result<Response, Error> {
+                unreachable!()
+            }),
+            Outcome::InFlight { .. }
+        ));
+        // The sweeper leaves the record alone until the manual time passes
+        // its expiry, then deletes it.
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(guard.store().get(&key("a"), T0).unwrap().is_some());
+        assert!(matches!(
+            guard.run(&key("b"), &fp, |_| Ok::<_, Error>(Response::new(200, "b"))),
+            Outcome::Executed(_)
+        ));
+        clock.advance(KEEP);
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while guard.store().stats().swept < 2 {
+            assert!(std::time::Instant::now() < deadline, "sweeper never swept");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+    // Recovery at open reads the store's clock too: with ExpireLeases, a
+    // lease that is live on the manual time is ended, and the guard's
+    // retry takes it over at once.
+    clock.set(T0);
+    {
+        let store = RedbStore::open(&path).unwrap();
+        claim(&store, &key("c"));
+    }
+    let store = RedbStore::builder()
+        .recovery(RecoveryPolicy::ExpireLeases)
+        .clock(clock.clone())
+        .open(&path)
+        .unwrap();
+    assert_eq!(store.stats().leases_expired_on_open, 1);
+    let guard = Guard::new(store);
+    assert!(matches!(
+        guard.run(&key("c"), &Fingerprint::of(b"fp"), |_| Ok::<_, Error>(
+            Response::new(200, "c")
+        )),
+        Outcome::Executed(_)
+    ));
+    assert_eq!(guard.stats().takeovers, 1);
+}

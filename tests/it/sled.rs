@@ -640,3 +640,44 @@ fn sweep_removes_stale_index_entries_only() {
     let index = raw_index(dir.path());
     assert_eq!(index, vec![(T0 + HOUR, key("live"))]);
 }
+
+/// Regression: when a group's fsync failed, the caller that led the flush
+/// got the I/O error (transient) and the callers waiting on the same flush
+/// got Poisoned (not transient). Now a caller sees the failed flush's own
+/// error if the flush covered its write, and Poisoned only if it did not:
+/// never a third kind, and the same message and `is_transient()` for all
+/// callers of the failed flush.
+#[test]
+fn every_caller_of_a_failed_group_flush_gets_the_same_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = SledStore::open(dir.path()).unwrap();
+    s.fail_next_syncs(1);
+    let started = std::sync::Barrier::new(16);
+    let results: Vec<_> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..16)
+            .map(|t| {
+                let (s, started) = (&s, &started);
+                scope.spawn(move || {
+                    let id = format!("t{t}");
+                    started.wait();
+                    s.begin(&key(&id), &Fingerprint::of(&id), T0, SEC, HOUR)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(s.is_poisoned());
+    let mut flush_errors = Vec::new();
+    for r in results {
+        match r {
+            Err(Error::Io(e)) => flush_errors.push(Error::Io(e)),
+            Err(Error::Poisoned) => {}
+            other => panic!("neither the failed flush's error nor Poisoned: {other:?}"),
+        }
+    }
+    let first = flush_errors.first().expect("someone led the failed flush");
+    for err in &flush_errors {
+        assert_eq!(err.to_string(), first.to_string());
+        assert_eq!(err.is_transient(), first.is_transient());
+    }
+}

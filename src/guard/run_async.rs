@@ -1,0 +1,122 @@
+//! [`Guard::run_async`] (feature `tokio`): the same decisions as
+//! [`Guard::run`], with the store calls on tokio's blocking pool.
+
+use super::Guard;
+use super::decide::{Settle, Start};
+use super::outcome::Outcome;
+use super::waiting::{Entered, Waited};
+use crate::error::{Error, Result};
+use crate::fingerprint::Fingerprint;
+use crate::key::Key;
+use crate::record::Claim;
+use crate::response::Response;
+use crate::store::Store;
+use std::sync::Arc;
+use std::time::Instant;
+
+impl<S: Store + 'static> Guard<S> {
+    /// The async [`run`](Guard::run) (feature `tokio`), with the same
+    /// decisions. Store calls run on tokio's blocking pool, so no runtime
+    /// worker ever waits on an fsync; the handler is awaited on the caller's
+    /// task. It is named `run_async` rather than `run` because one type
+    /// cannot have both.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), idemstore::Error> {
+    /// use idemstore::{Fingerprint, Guard, Key, MemoryStore, Outcome, Response};
+    ///
+    /// let guard = Guard::new(MemoryStore::new());
+    /// let key = Key::new("tenant-42", "order-1")?;
+    /// let out = guard
+    ///     .run_async(&key, &Fingerprint::of(b"qty=1"), |claim| async move {
+    ///         Ok::<_, std::io::Error>(Response::new(201, format!("token {}", claim.token())))
+    ///     })
+    ///     .await;
+    /// assert!(matches!(out, Outcome::Executed(_)));
+    /// # Ok(()) }
+    /// ```
+    pub async fn run_async<E, F, Fut>(
+        &self,
+        key: &Key,
+        fingerprint: &Fingerprint,
+        handler: F,
+    ) -> Outcome<E>
+    where
+        F: FnOnce(Claim) -> Fut,
+        Fut: std::future::Future<Output = std::result::Result<Response, E>>,
+    {
+        self.run_async_with(key, fingerprint, |_| false, handler)
+            .await
+    }
+
+    /// [`run_async`](Guard::run_async), where `release(&err)` releases the
+    /// claim for chosen handler errors whatever the [`OnHandlerError`]
+    /// policy (the HTTP layer uses it for responses it must not store).
+    pub(crate) async fn run_async_with<E, F, Fut>(
+        &self,
+        key: &Key,
+        fingerprint: &Fingerprint,
+        release: impl Fn(&E) -> bool,
+        handler: F,
+    ) -> Outcome<E>
+    where
+        F: FnOnce(Claim) -> Fut,
+        Fut: std::future::Future<Output = std::result::Result<Response, E>>,
+    {
+        let deadline = self.wait_deadline();
+        // One store call per turn, as in `run`.
+        loop {
+            let mut entry = self.enter(key);
+            let (store, k, fp) = (Arc::clone(&self.store), key.clone(), *fingerprint);
+            let (now, lease, retention) = (self.clock.now(), self.lease, self.retention);
+            let begun = blocking(move || store.begin(&k, &fp, now, lease, retention)).await;
+            match self.classify(begun, entry.as_mut()) {
+                Start::Answer(outcome) => return outcome,
+                Start::Wait { lease_until } => {
+                    let waited = match &entry {
+                        Some(entry) => wait_async(entry, deadline).await,
+                        None => Waited::InFlight,
+                    };
+                    match self.after_wait(waited, lease_until) {
+                        Some(outcome) => return outcome,
+                        None => continue,
+                    }
+                }
+                Start::FailOpen => {
+                    return Outcome::FailedOpen(handler(Claim::unprotected()).await);
+                }
+                Start::Execute(claim) => {
+                    let result = handler(claim.clone()).await;
+                    let (store, k) = (Arc::clone(&self.store), key.clone());
+                    let written = match self.settle(&result, &release) {
+                        Settle::Complete(response) => {
+                            // The blocking pool needs its own copy.
+                            let (response, now) = (response.clone(), self.clock.now());
+                            blocking(move || store.complete(&k, &claim, &response, now, retention))
+                                .await
+                        }
+                        Settle::Release => blocking(move || store.release(&k, &claim)).await,
+                        Settle::Keep => Ok(()),
+                    };
+                    return self.conclude(result, written, entry.as_mut());
+                }
+            }
+        }
+    }
+}
+
+/// Waits for the flight's answer without blocking a runtime worker.
+async fn wait_async(entry: &Entered, deadline: Instant) -> Waited {
+    let answer = std::future::poll_fn(|cx| entry.poll_answer(cx));
+    tokio::time::timeout_at(tokio::time::Instant::from_std(deadline), answer)
+        .await
+        .unwrap_or(Waited::InFlight)
+}
+
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(r) => r,
+        Err(join) => Err(Error::backend(format!("store call did not finish: {join}"))),
+    }
+}

@@ -1,0 +1,63 @@
+//! [`Guard::run`]: the synchronous run.
+
+use super::Guard;
+use super::decide::{Settle, Start};
+use super::outcome::Outcome;
+use super::waiting::Waited;
+use crate::fingerprint::Fingerprint;
+use crate::key::Key;
+use crate::record::Claim;
+use crate::response::Response;
+use crate::store::Store;
+
+impl<S: Store> Guard<S> {
+    /// Runs `handler` at most once per intent: claims `key`, calls the
+    /// handler with the claim, stores its response. See the table on [`Guard`].
+    pub fn run<E>(
+        &self,
+        key: &Key,
+        fingerprint: &Fingerprint,
+        handler: impl FnOnce(&Claim) -> std::result::Result<Response, E>,
+    ) -> Outcome<E> {
+        let deadline = self.wait_deadline();
+        // Each turn asks the store once; a second turn happens only after a
+        // local owner finished without storing, so the loop ends by the
+        // deadline at the latest.
+        loop {
+            let mut entry = self.enter(key);
+            let now = self.clock.now();
+            let begun = self
+                .store
+                .begin(key, fingerprint, now, self.lease, self.retention);
+            match self.classify(begun, entry.as_mut()) {
+                Start::Answer(outcome) => return outcome,
+                Start::Wait { lease_until } => {
+                    let waited = match &entry {
+                        Some(entry) => entry.wait_blocking(deadline),
+                        None => Waited::InFlight,
+                    };
+                    match self.after_wait(waited, lease_until) {
+                        Some(outcome) => return outcome,
+                        None => continue,
+                    }
+                }
+                Start::FailOpen => return Outcome::FailedOpen(handler(&Claim::unprotected())),
+                Start::Execute(claim) => {
+                    let result = handler(&claim);
+                    let written = match self.settle(&result, |_| false) {
+                        Settle::Complete(response) => self.store.complete(
+                            key,
+                            &claim,
+                            response,
+                            self.clock.now(),
+                            self.retention,
+                        ),
+                        Settle::Release => self.store.release(key, &claim),
+                        Settle::Keep => Ok(()),
+                    };
+                    return self.conclude(result, written, entry.as_mut());
+                }
+            }
+        }
+    }
+}
