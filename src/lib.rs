@@ -41,26 +41,26 @@
 //!
 //! | what | limit |
 //! |---|---|
-//! | key id | 1..=[`MAX_ID_BYTES`] bytes |
-//! | key scope | 0..=[`MAX_SCOPE_BYTES`] bytes |
-//! | response body | [`DEFAULT_MAX_BODY_BYTES`], configurable up to [`MAX_BODY_BYTES_HARD_CAP`] |
-//! | response headers | [`MAX_HEADERS`] headers, [`MAX_HEADER_BYTES`] bytes in all |
-//! | one sweep | [`MAX_SWEEP_BATCH`] records |
+//! | key id | 1..=[`MAX_ID_BYTES`](limits::MAX_ID_BYTES) bytes |
+//! | key scope | 0..=[`MAX_SCOPE_BYTES`](limits::MAX_SCOPE_BYTES) bytes |
+//! | response body | [`DEFAULT_MAX_BODY_BYTES`](limits::DEFAULT_MAX_BODY_BYTES), configurable up to [`MAX_BODY_BYTES_HARD_CAP`](limits::MAX_BODY_BYTES_HARD_CAP) |
+//! | response headers | [`MAX_HEADERS`](limits::MAX_HEADERS) headers, [`MAX_HEADER_BYTES`](limits::MAX_HEADER_BYTES) bytes in all |
+//! | one sweep | [`MAX_SWEEP_BATCH`](limits::MAX_SWEEP_BATCH) records |
 //!
 //! # Features
 //!
-//! - `redb` (default): [`RedbStore`], the durable on-disk store on redb 4.x
+//! - `redb` (default): `RedbStore`, the durable on-disk store on redb 4.x
 //!   (group commit, expiry index, sweeper, poisoning, recovery on open).
-//! - `redb` also gives [`Inbox`]: a message consumer's writes to its own tables
+//! - `redb` also gives `Inbox`: a message consumer's writes to its own tables
 //!   commit in the same transaction as the message id's dedup record.
 //! - `sled`: `SledStore`, the store on sled 0.34.7, fsynced for real.
 //! - `postgres`: `PostgresStore`, the same contract in a PostgreSQL table shared by
 //!   several replicas (one statement per call, fencing tokens from a sequence).
-//! - `tokio`: [`Guard::run_async`].
-//! - `tower`: HTTP middleware (`Idempotency-Key`), in [`tower`] (behaviour and status codes in its docs).
+//! - `tokio`: `Guard::run_async`.
+//! - `tower`: HTTP middleware (`Idempotency-Key`), in `tower` (behaviour and status codes in its docs).
 //! - `cli`: the `idemstore` operator binary (stats, get, list, evict, sweep,
-//!   compact, verify, export, import); its entry point is [`cli::main`].
-//! - `test-util`: [`ManualClock`], [`FaultyStore`] and the [`MemoryStore`] fault hook.
+//!   compact, verify, export, import); its entry point is `cli::main`.
+//! - `test-util`: `ManualClock`, `FaultyStore` and the `MemoryStore` fault hook.
 //!   The conformance suite, the model, the power-loss storage backend and the
 //!   kill-test driver are in the `idemstore-testkit` crate.
 

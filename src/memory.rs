@@ -148,7 +148,7 @@ impl MemoryStore {
     }
 
     /// An empty store whose response bodies may be up to `max_body_bytes`
-    /// (at most [`MAX_BODY_BYTES_HARD_CAP`](crate::MAX_BODY_BYTES_HARD_CAP)).
+    /// (at most [`MAX_BODY_BYTES_HARD_CAP`](crate::limits::MAX_BODY_BYTES_HARD_CAP)).
     ///
     /// ```
     /// use idemstore::MemoryStore;

@@ -126,7 +126,7 @@ pub(crate) fn duration_millis(d: Duration) -> u64 {
 ///
 /// The guard, the inbox, the sweeper and recovery at open read time only
 /// through a `Clock`, so tests can drive leases and expiry with a
-/// [`ManualClock`] (feature `test-util`).
+/// `ManualClock` (feature `test-util`).
 ///
 /// **One clock per store.** A store is built with its clock (each store's
 /// builder has a `clock` option; [`MemoryStore::with_clock`](crate::MemoryStore::with_clock);

@@ -121,7 +121,7 @@ impl<S> GuardBuilder<S> {
     /// again and may run the handler itself. `max_wait` is monotonic time,
     /// not the guard's [`Clock`]; it must be at least 1 ms and at most the
     /// lease (past the lease the owner's claim no longer protects anything).
-    /// [`Guard::run_async`] needs tokio's timer for the deadline.
+    /// `Guard::run_async` needs tokio's timer for the deadline.
     ///
     /// ```
     /// use idemstore::{Fingerprint, Guard, Key, MemoryStore, Outcome, Response};

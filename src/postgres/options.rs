@@ -173,8 +173,8 @@ impl PostgresStoreBuilder {
     }
 
     /// The largest response body the store accepts (default
-    /// [`DEFAULT_MAX_BODY_BYTES`](crate::DEFAULT_MAX_BODY_BYTES), at most
-    /// [`MAX_BODY_BYTES_HARD_CAP`](crate::MAX_BODY_BYTES_HARD_CAP)).
+    /// [`DEFAULT_MAX_BODY_BYTES`](crate::limits::DEFAULT_MAX_BODY_BYTES), at most
+    /// [`MAX_BODY_BYTES_HARD_CAP`](crate::limits::MAX_BODY_BYTES_HARD_CAP)).
     ///
     /// ```
     /// let b = idemstore::PostgresStore::builder("postgres://localhost/app").max_body_bytes(64 * 1024);

@@ -150,7 +150,7 @@ impl RedbStoreBuilder {
         self
     }
     /// The largest response body stored ([`DEFAULT_MAX_BODY_BYTES`] by
-    /// default, at most [`MAX_BODY_BYTES_HARD_CAP`](crate::MAX_BODY_BYTES_HARD_CAP),
+    /// default, at most [`MAX_BODY_BYTES_HARD_CAP`](crate::limits::MAX_BODY_BYTES_HARD_CAP),
     /// checked at open).
     pub fn max_body_bytes(mut self, bytes: usize) -> Self {
         self.config.max_body_bytes = bytes;
@@ -169,7 +169,7 @@ impl RedbStoreBuilder {
     }
     /// The store's clock ([`SystemClock`] by default): the sweeper and the
     /// recovery policy read it, and [`Store::clock`](crate::Store::clock)
-    /// hands it to a [`Guard`](crate::Guard) or an [`Inbox`](crate::Inbox)
+    /// hands it to a [`Guard`](crate::Guard) or an [`Inbox`](crate::redb::Inbox)
     /// over the store. The store's operations take `now` from their caller.
     ///
     /// ```
@@ -196,7 +196,7 @@ impl RedbStoreBuilder {
     /// default). Under [`Durability::Immediate`] a group is then one aligned
     /// append and `fdatasync` of the records it changed, its records live in
     /// the memtable, and a background checkpointer writes them into the
-    /// store file (see [`CHECKPOINT_INTERVAL`](crate::CHECKPOINT_INTERVAL));
+    /// store file (see [`CHECKPOINT_INTERVAL`](crate::redb::CHECKPOINT_INTERVAL));
     /// off, every group is a durable redb commit, which rewrites each B-tree
     /// page the group touched (several times slower on most disks with
     /// random keys). Either way an acknowledged write survives power loss.
@@ -217,9 +217,9 @@ impl RedbStoreBuilder {
     }
 
     /// Longest time a logged write waits before the checkpointer starts
-    /// writing it into the store file ([`CHECKPOINT_INTERVAL`](crate::CHECKPOINT_INTERVAL)
+    /// writing it into the store file ([`CHECKPOINT_INTERVAL`](crate::redb::CHECKPOINT_INTERVAL)
     /// by default; at least 1 ms). A checkpoint also starts when the log
-    /// segment or the memtable ([`MEMTABLE_BYTES`](crate::MEMTABLE_BYTES))
+    /// segment or the memtable ([`MEMTABLE_BYTES`](crate::redb::MEMTABLE_BYTES))
     /// is full. Longer: fewer checkpoints (each rewrites the pages its
     /// records land on), more to replay after a crash.
     ///
@@ -235,8 +235,8 @@ impl RedbStoreBuilder {
         self
     }
 
-    /// Size of the write-ahead log file ([`WAL_BYTES`](crate::WAL_BYTES) by
-    /// default, at least [`MIN_WAL_BYTES`](crate::MIN_WAL_BYTES)): two
+    /// Size of the write-ahead log file ([`WAL_BYTES`](crate::redb::WAL_BYTES) by
+    /// default, at least [`MIN_WAL_BYTES`](crate::redb::MIN_WAL_BYTES)): two
     /// segments of half this size. When a segment is full the memtable goes
     /// to the checkpointer and the log moves to the other segment (waiting
     /// for the previous checkpoint if it is still running); a group larger

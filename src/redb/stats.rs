@@ -46,7 +46,7 @@ pub struct RedbStats {
     /// Records deleted by sweeps (the background sweeper's and explicit
     /// [`Store::sweep_expired`](crate::Store::sweep_expired) calls).
     pub swept: u64,
-    /// Leases ended at open by [`RecoveryPolicy::ExpireLeases`](crate::RecoveryPolicy::ExpireLeases).
+    /// Leases ended at open by [`RecoveryPolicy::ExpireLeases`](crate::redb::RecoveryPolicy::ExpireLeases).
     pub leases_expired_on_open: u64,
     /// Frozen memtables the background checkpointer wrote into the store
     /// file (each one durable redb commit that retired a log segment).

@@ -11,11 +11,11 @@
 //!   raise the token mark together. sled 0.34 runs transactions under one
 //!   process-wide lock and seals each into one log batch, so they are
 //!   serialisable and recovered whole or not at all.
-//! - **Durability.** See [`durable`]: sled's flush is not durable on Linux;
+//! - **Durability.** See `durable.rs`: sled's flush is not durable on Linux;
 //!   after it the store fsyncs new blob files and fdatasyncs the data file,
-//!   grouped across concurrent writers by [`group`].
+//!   grouped across concurrent writers by `group.rs`.
 //! - **Silent loss.** sled opens a damaged log as a shorter or empty one
-//!   without an error; [`marker`] keeps the store id and token mark outside
+//!   without an error; `marker.rs` keeps the store id and token mark outside
 //!   sled so that such an open is refused.
 //! - **Fast path.** A `begin` whose answer writes nothing (Replay, InFlight,
 //!   Conflict) is decided from a plain read, without the transaction lock.

@@ -89,7 +89,7 @@ impl SledStoreBuilder {
 
     /// The largest response body the store accepts (default
     /// [`DEFAULT_MAX_BODY_BYTES`], at most
-    /// [`MAX_BODY_BYTES_HARD_CAP`](crate::MAX_BODY_BYTES_HARD_CAP), checked by `open`).
+    /// [`MAX_BODY_BYTES_HARD_CAP`](crate::limits::MAX_BODY_BYTES_HARD_CAP), checked by `open`).
     pub fn max_body_bytes(mut self, max_body_bytes: usize) -> Self {
         self.max_body_bytes = max_body_bytes;
         self

@@ -144,7 +144,7 @@ impl IdempotencyLayer {
     /// The key's scope as a function of the request (say, the authenticated
     /// account from an extension set by an auth layer), so that two tenants
     /// never share a key. Default: the empty scope. At most
-    /// [`MAX_SCOPE_BYTES`](crate::MAX_SCOPE_BYTES), else the request gets 500.
+    /// [`MAX_SCOPE_BYTES`](crate::limits::MAX_SCOPE_BYTES), else the request gets 500.
     pub fn scope(
         self,
         scope: impl Fn(&request::Parts) -> Vec<u8> + Send + Sync + 'static,

@@ -2,7 +2,7 @@
 //!
 //! # Modules
 //!
-//! - [`conformance`]: the contract, case by case; [`conformance!`] makes one
+//! - [`conformance`](mod@conformance): the contract, case by case; [`conformance!`] makes one
 //!   `#[test]` per case for your store, [`conformance::run_all`] runs them
 //!   all and reports.
 //! - [`model`]: an independent model of the contract and a checker that runs
