@@ -102,9 +102,9 @@ fn claims(c: &mut Criterion, dir: &Path) {
         .measurement_time(Duration::from_secs(4));
     group.throughput(Throughput::Elements(1));
     for (name, clients, durability) in cases {
-        let store = SledStore::builder(dir.join(name))
+        let store = SledStore::builder()
             .durability(durability)
-            .open()
+            .open(dir.join(name))
             .unwrap();
         let next = AtomicU64::new(0);
         group.bench_function(name, |b| {

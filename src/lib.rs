@@ -123,7 +123,7 @@ pub use memory::Op;
 pub use record::{Begin, Claim, Record, State};
 pub use response::Response;
 pub use store::Store;
-pub use sweeper::{Sweeper, SweeperConfig};
+pub use sweeper::{Sweeper, SweeperConfig, SweeperErrors};
 #[cfg(feature = "test-util")]
 pub use testing::FaultyStore;
 #[cfg(any(test, feature = "test-util"))]

@@ -101,6 +101,18 @@ pub struct Sweeper {
     handle: Option<JoinHandle<()>>,
 }
 
+/// Failed sweeps of a [`Sweeper`], from [`Sweeper::errors`]. The sweeper
+/// keeps going after a failure (the next sweep retries), so these say
+/// whether it has been failing and why.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SweeperErrors {
+    /// Sweeps that failed so far.
+    pub count: u64,
+    /// The last failure's message, if any.
+    pub last: Option<String>,
+}
+
 impl Sweeper {
     /// Starts a sweeper over `store` reading the store's clock
     /// ([`Store::clock`]).
@@ -152,11 +164,21 @@ impl Sweeper {
     }
 
     /// Sweeps that failed so far, and the last error's message.
-    pub fn errors(&self) -> (u64, Option<String>) {
-        (
-            self.shared.errors.load(Ordering::Relaxed),
-            lock(&self.shared.last_error).clone(),
-        )
+    ///
+    /// ```
+    /// use idemstore::{MemoryStore, Sweeper, SweeperConfig};
+    /// use std::sync::Arc;
+    ///
+    /// let sweeper = Sweeper::spawn(Arc::new(MemoryStore::new()), SweeperConfig::default())?;
+    /// let errors = sweeper.errors();
+    /// assert_eq!((errors.count, errors.last), (0, None));
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn errors(&self) -> SweeperErrors {
+        SweeperErrors {
+            count: self.shared.errors.load(Ordering::Relaxed),
+            last: lock(&self.shared.last_error).clone(),
+        }
     }
 
     /// Stops the thread and waits (bounded) for it.

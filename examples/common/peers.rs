@@ -388,9 +388,9 @@ pub fn open_backend(name: &str, dir: &Path, durability: &str) -> BoxResult<Box<d
             };
             let path = dir.join("store.sled");
             let store = std::sync::Arc::new(
-                idemstore::SledStore::builder(&path)
+                idemstore::SledStore::builder()
                     .durability(level)
-                    .open()?,
+                    .open(&path)?,
             );
             let stats = std::sync::Arc::clone(&store);
             Box::new(StoreBackend {
@@ -484,10 +484,10 @@ impl Postgres {
             std::process::id(),
             NEXT.fetch_add(1, Ordering::Relaxed)
         );
-        let store = idemstore::PostgresStore::builder(&url)
+        let store = idemstore::PostgresStore::builder()
             .table(&table)
             .pool_size(PG_POOL_SIZE)
-            .build()?;
+            .connect(&url)?;
         store.migrate()?;
         Ok(Postgres {
             store: Arc::new(store),

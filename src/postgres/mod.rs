@@ -131,29 +131,29 @@ impl std::fmt::Debug for PostgresStore {
 }
 
 impl PostgresStore {
-    /// Options for a store on the server at `url`
-    /// (`postgres://user[:password]@host[:port]/database[?options]`, or the
-    /// `key=value` form libpq accepts).
+    /// Options for a store; [`PostgresStoreBuilder::connect`] takes the
+    /// server's URL (`postgres://user[:password]@host[:port]/database[?options]`,
+    /// or the `key=value` form libpq accepts).
     ///
     /// ```no_run
-    /// let store = idemstore::PostgresStore::builder("postgres://app@db.internal/orders")
+    /// let store = idemstore::PostgresStore::builder()
     ///     .pool_size(32)
-    ///     .build()?;
+    ///     .connect("postgres://app@db.internal/orders")?;
     /// # Ok::<(), idemstore::Error>(())
     /// ```
-    pub fn builder(url: &str) -> PostgresStoreBuilder {
-        PostgresStoreBuilder::new(url)
+    pub fn builder() -> PostgresStoreBuilder {
+        PostgresStoreBuilder::new()
     }
 
     /// A store with the default options on the server at `url`; see
-    /// [`PostgresStoreBuilder::build`] for the errors.
+    /// [`PostgresStoreBuilder::connect`] for the errors.
     ///
     /// ```no_run
     /// let store = idemstore::PostgresStore::connect("postgres://app@db.internal/orders")?;
     /// # Ok::<(), idemstore::Error>(())
     /// ```
     pub fn connect(url: &str) -> Result<PostgresStore> {
-        PostgresStoreBuilder::new(url).build()
+        PostgresStoreBuilder::new().connect(url)
     }
 
     /// Creates the table, its token sequence and its expiry index unless

@@ -372,8 +372,10 @@ impl RedbStore {
         self.path.as_deref()
     }
 
-    /// 16 bytes naming this store file for its life (written when it was
-    /// created), e.g. to tell fencing tokens of two stores apart.
+    /// A number naming this store file for its life (16 random bytes
+    /// written when it was created, read big-endian), e.g. to tell fencing
+    /// tokens of two stores apart. The same type as
+    /// [`SledStore::store_id`](crate::SledStore::store_id)'s.
     ///
     /// ```
     /// # let dir = tempfile::tempdir()?;
@@ -382,8 +384,22 @@ impl RedbStore {
     /// assert_ne!(a.store_id(), b.store_id());
     /// # Ok::<(), idemstore::Error>(())
     /// ```
-    pub fn store_id(&self) -> [u8; 16] {
-        self.store_id
+    pub fn store_id(&self) -> u128 {
+        u128::from_be_bytes(self.store_id)
+    }
+
+    /// The background sweeper, when one was configured (to read its counters).
+    ///
+    /// ```
+    /// use idemstore::{RedbStore, SweeperConfig};
+    /// # let dir = tempfile::tempdir()?;
+    /// let store = RedbStore::builder().sweeper(SweeperConfig::default()).open(dir.path().join("s.idem"))?;
+    /// assert_eq!(store.sweeper().map(|s| s.swept()), Some(0));
+    /// assert!(RedbStore::open(dir.path().join("t.idem"))?.sweeper().is_none());
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn sweeper(&self) -> Option<&Sweeper> {
+        self.sweeper.as_ref()
     }
 
     /// Group-commit counters since open.

@@ -164,12 +164,12 @@ impl SledStore {
     /// # Ok::<(), idemstore::Error>(())
     /// ```
     pub fn open(path: impl AsRef<Path>) -> Result<SledStore> {
-        SledStore::builder(path).open()
+        SledStore::builder().open(path)
     }
 
     /// A builder for the options: durability, body limit, sweeper.
-    pub fn builder(path: impl AsRef<Path>) -> SledStoreBuilder {
-        SledStoreBuilder::new(path.as_ref())
+    pub fn builder() -> SledStoreBuilder {
+        SledStoreBuilder::new()
     }
 
     /// The store's directory.
@@ -177,11 +177,15 @@ impl SledStore {
     /// ```
     /// let dir = tempfile::tempdir()?;
     /// let store = idemstore::SledStore::open(dir.path())?;
-    /// assert_eq!(store.path(), dir.path());
+    /// assert_eq!(store.path(), Some(dir.path()));
     /// # Ok::<(), idemstore::Error>(())
     /// ```
-    pub fn path(&self) -> &Path {
-        &self.inner.path
+    ///
+    /// An `Option` like [`RedbStore::path`](crate::RedbStore::path) (which
+    /// is `None` for a store on a caller's storage backend); a sled store
+    /// always has one.
+    pub fn path(&self) -> Option<&Path> {
+        Some(&self.inner.path)
     }
 
     /// The store's id, chosen at creation and kept across reopens.
@@ -250,7 +254,7 @@ impl SledStore {
     /// ```
     /// use idemstore::{SledStore, SweeperConfig};
     /// let dir = tempfile::tempdir()?;
-    /// let store = SledStore::builder(dir.path()).sweeper(SweeperConfig::default()).open()?;
+    /// let store = SledStore::builder().sweeper(SweeperConfig::default()).open(dir.path())?;
     /// assert_eq!(store.sweeper().map(|s| s.swept()), Some(0));
     /// # Ok::<(), idemstore::Error>(())
     /// ```

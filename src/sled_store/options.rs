@@ -12,7 +12,7 @@ use crate::sweeper::{Sweeper, SweeperConfig};
 use crate::time::{Clock, SystemClock};
 #[cfg(doc)]
 use crate::{error::Error, store::Store};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 /// What an acknowledged write survives on a [`SledStore`](crate::SledStore).
@@ -51,18 +51,17 @@ pub enum Durability {
 /// use std::time::Duration;
 ///
 /// let dir = tempfile::tempdir()?;
-/// let store = SledStore::builder(dir.path())
+/// let store = SledStore::builder()
 ///     .durability(Durability::Immediate)
 ///     .max_body_bytes(256 * 1024)
 ///     .sweeper(SweeperConfig::default().interval(Duration::from_secs(30)))
-///     .open()?;
+///     .open(dir.path())?;
 /// assert_eq!(store.durability(), Durability::Immediate);
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Debug)]
 #[must_use = "a builder does nothing until `open` is called"]
 pub struct SledStoreBuilder {
-    path: PathBuf,
     durability: Durability,
     max_body_bytes: usize,
     sweeper: Option<SweeperConfig>,
@@ -70,10 +69,9 @@ pub struct SledStoreBuilder {
 }
 
 impl SledStoreBuilder {
-    /// The defaults, for a store in directory `path`.
-    pub(super) fn new(path: &Path) -> SledStoreBuilder {
+    /// The defaults.
+    pub(super) fn new() -> SledStoreBuilder {
         SledStoreBuilder {
-            path: path.to_path_buf(),
             durability: Durability::default(),
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             sweeper: None,
@@ -111,7 +109,7 @@ impl SledStoreBuilder {
     /// use idemstore::{Guard, ManualClock, SledStore, Timestamp};
     /// let dir = tempfile::tempdir()?;
     /// let clock = ManualClock::new(Timestamp::from_millis(42));
-    /// let store = SledStore::builder(dir.path()).clock(clock.clone()).open()?;
+    /// let store = SledStore::builder().clock(clock.clone()).open(dir.path())?;
     /// assert_eq!(Guard::new(store).now(), Timestamp::from_millis(42));
     /// # Ok::<(), idemstore::Error>(())
     /// ```
@@ -132,36 +130,37 @@ impl SledStoreBuilder {
     /// sled recovered less than the store held at its last open or clean
     /// close (sled opens a damaged log as a shorter or empty one, silently;
     /// the `idemstore.meta` file beside it notices).
-    pub fn open(self) -> Result<SledStore> {
+    pub fn open(self, path: impl AsRef<Path>) -> Result<SledStore> {
+        let path = path.as_ref();
         let max_body_bytes = check_body_limit(self.max_body_bytes)?;
-        open::check_directory(&self.path)?;
-        let lock = open::lock(&self.path)?;
-        let recorded = marker::read(&self.path)?;
-        let db = open::open_sled(&self.path)?;
+        open::check_directory(path)?;
+        let lock = open::lock(path)?;
+        let recorded = marker::read(path)?;
+        let db = open::open_sled(path)?;
         if let (Some(recorded), false) = (recorded, open::has_meta_tree(&db)) {
             // sled recovered nothing of ours, yet the marker says a store
             // lived here: refuse before creating any tree.
-            return Err(marker::lost_everything(&self.path, recorded));
+            return Err(marker::lost_everything(path, recorded));
         }
         open::check_foreign(&db)?;
         let tree = |name: &[u8]| db.open_tree(name).map_err(open::from_sled);
         let (meta, records, expiry) = (tree(META_TREE)?, tree(RECORDS_TREE)?, tree(EXPIRY_TREE)?);
         let found = match (open::read_meta(&meta, &records, &expiry)?, recorded) {
             (Some(found), Some(recorded)) => {
-                marker::check(&self.path, recorded, found.store_id, found.last_token)?;
+                marker::check(path, recorded, found.store_id, found.last_token)?;
                 found
             }
             (Some(found), None) => found,
-            (None, Some(recorded)) => return Err(marker::lost_everything(&self.path, recorded)),
+            (None, Some(recorded)) => return Err(marker::lost_everything(path, recorded)),
             (None, None) => open::init_meta(&meta)?,
         };
-        let disk = DiskSync::open(&self.path, self.durability)?;
+        let disk = DiskSync::open(path, self.durability)?;
         // Whatever open wrote (trees, a fresh meta), and what an earlier
         // session left unsynced at `OsBuffered`, is durable before the first
         // answer, and before the marker vouches for it.
         disk.sync_now(&db)?;
         marker::write(
-            &self.path,
+            path,
             Marker {
                 format: STORE_FORMAT_VERSION,
                 store_id: found.store_id,
@@ -179,7 +178,7 @@ impl SledStoreBuilder {
             durability: self.durability,
             max_body_bytes,
             store_id: found.store_id,
-            path: self.path,
+            path: path.to_path_buf(),
             _lock: lock,
         });
         let sweeper = match self.sweeper {

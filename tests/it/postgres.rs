@@ -85,12 +85,12 @@ impl Drop for DropTable {
 fn fresh_store(prefix: &str, pool_size: u32) -> (PostgresStore, DropTable) {
     let url = pg_url().expect("checked by the caller");
     let table = fresh_table(prefix);
-    let store = PostgresStore::builder(&url)
+    let store = PostgresStore::builder()
         .table(&table)
         .pool_size(pool_size)
         // Generous: the machine running the tests may be busy.
         .connect_timeout(Duration::from_secs(30))
-        .build()
+        .connect(&url)
         .unwrap();
     store.migrate().unwrap();
     (store, DropTable { url, table })
@@ -130,9 +130,9 @@ fn migrate_twice_keeps_records_and_tokens_survive_reconnect() {
     drop(store);
     // A new store on the same table (a restarted replica) sees the record
     // and hands out larger tokens.
-    let again = PostgresStore::builder(&url)
+    let again = PostgresStore::builder()
         .table(&guard.table)
-        .build()
+        .connect(&url)
         .unwrap();
     again.migrate().unwrap();
     assert_eq!(
@@ -165,9 +165,9 @@ fn foreign_or_newer_table_is_a_typed_error() {
             "CREATE TABLE \"{table}\" (scope bytea, id bytea); INSERT INTO \"{table}\" VALUES ('a', 'b')"
         ))
         .unwrap();
-    let err = PostgresStore::builder(&url)
+    let err = PostgresStore::builder()
         .table(&table)
-        .build()
+        .connect(&url)
         .unwrap_err();
     assert!(
         matches!(&err, Error::Corrupt { key: None, detail } if detail.contains("not an idemstore table")),
@@ -185,9 +185,9 @@ fn foreign_or_newer_table_is_a_typed_error() {
             "COMMENT ON TABLE \"{table}\" IS 'idemstore records, schema version 7'"
         ))
         .unwrap();
-    let err = PostgresStore::builder(&url)
+    let err = PostgresStore::builder()
         .table(&table)
-        .build()
+        .connect(&url)
         .unwrap_err();
     assert!(
         matches!(
@@ -206,7 +206,10 @@ fn foreign_or_newer_table_is_a_typed_error() {
         url: url.clone(),
         table: later.clone(),
     };
-    let store = PostgresStore::builder(&url).table(&later).build().unwrap();
+    let store = PostgresStore::builder()
+        .table(&later)
+        .connect(&url)
+        .unwrap();
     client
         .batch_execute(&format!("CREATE TABLE \"{later}\" (x int)"))
         .unwrap();
@@ -217,7 +220,10 @@ fn foreign_or_newer_table_is_a_typed_error() {
 fn use_before_migrate_says_to_migrate() {
     let Some(url) = pg_url() else { return };
     let table = fresh_table("unmigrated");
-    let store = PostgresStore::builder(&url).table(&table).build().unwrap();
+    let store = PostgresStore::builder()
+        .table(&table)
+        .connect(&url)
+        .unwrap();
     let err = store
         .begin(&key("a"), &Fingerprint::of(b"a"), T0, SEC, HOUR)
         .unwrap_err();
@@ -450,10 +456,10 @@ fn calls_survive_the_server_ending_pooled_connections() {
     let app = fresh_table("idemstore_terminated");
     let sep = if url.contains('?') { '&' } else { '?' };
     let store = Arc::new(
-        PostgresStore::builder(&format!("{url}{sep}application_name={app}"))
+        PostgresStore::builder()
             .table(&guard.table)
             .pool_size(4)
-            .build()
+            .connect(&format!("{url}{sep}application_name={app}"))
             .unwrap(),
     );
     let fp = Fingerprint::of(b"a");
@@ -554,12 +560,12 @@ fn pool_exhaustion_and_stuck_statements_are_typed_errors() {
     let Some(url) = pg_url() else { return };
     let (_, guard) = fresh_store("exhaust", 1);
     let store = Arc::new(
-        PostgresStore::builder(&url)
+        PostgresStore::builder()
             .table(&guard.table)
             .pool_size(1)
             .connect_timeout(Duration::from_millis(300))
             .statement_timeout(Duration::from_secs(2))
-            .build()
+            .connect(&url)
             .unwrap(),
     );
     let fp = Fingerprint::of(b"a");
@@ -609,9 +615,9 @@ fn server_down_is_a_typed_error() {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap().port()
     };
-    let err = PostgresStore::builder(&format!("postgres://u@127.0.0.1:{closed}/db"))
+    let err = PostgresStore::builder()
         .connect_timeout(Duration::from_millis(500))
-        .build()
+        .connect(&format!("postgres://u@127.0.0.1:{closed}/db"))
         .unwrap_err();
     assert!(matches!(err, Error::Backend(_)), "{err}");
     assert!(err.is_transient());
@@ -619,9 +625,9 @@ fn server_down_is_a_typed_error() {
     let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = silent.local_addr().unwrap().port();
     let started = Instant::now();
-    let err = PostgresStore::builder(&format!("postgres://u@127.0.0.1:{port}/db"))
+    let err = PostgresStore::builder()
         .connect_timeout(Duration::from_millis(500))
-        .build()
+        .connect(&format!("postgres://u@127.0.0.1:{port}/db"))
         .unwrap_err();
     assert!(matches!(err, Error::Backend(_)), "{err}");
     // Not a timing assertion on performance: a hang would never get here,
@@ -650,10 +656,10 @@ fn race_child_entry() {
     ) else {
         return;
     };
-    let store = PostgresStore::builder(&url)
+    let store = PostgresStore::builder()
         .table(&table)
         .pool_size(RACE_THREADS as u32)
-        .build()
+        .connect(&url)
         .unwrap();
     let guard = Guard::builder(store)
         .lease(RACE_LEASE)

@@ -408,10 +408,10 @@ fn raw_index(dir: &std::path::Path) -> Vec<(idemstore::Timestamp, Key)> {
 fn background_sweeper_deletes_expired_records() {
     let dir = tempfile::tempdir().unwrap();
     let clock = idemstore::ManualClock::new(T0);
-    let s = SledStore::builder(dir.path())
+    let s = SledStore::builder()
         .clock(clock.clone())
         .sweeper(idemstore::SweeperConfig::default().interval(Duration::from_millis(5)))
-        .open()
+        .open(dir.path())
         .unwrap();
     for i in 0..10 {
         let _ = claim(&s, &format!("k{i}"), T0);
@@ -435,9 +435,9 @@ fn background_sweeper_deletes_expired_records() {
 fn os_buffered_skips_fsync_but_keeps_data() {
     let dir = tempfile::tempdir().unwrap();
     {
-        let s = SledStore::builder(dir.path())
+        let s = SledStore::builder()
             .durability(idemstore::sled::Durability::OsBuffered)
-            .open()
+            .open(dir.path())
             .unwrap();
         let opened = s.stats();
         let c = claim(&s, "k", T0);
@@ -457,14 +457,14 @@ fn os_buffered_skips_fsync_but_keeps_data() {
 #[test]
 fn body_limit_is_configurable_and_capped() {
     let dir = tempfile::tempdir().unwrap();
-    let err = SledStore::builder(dir.path().join("a"))
+    let err = SledStore::builder()
         .max_body_bytes(idemstore::limits::MAX_BODY_BYTES_HARD_CAP + 1)
-        .open()
+        .open(dir.path().join("a"))
         .unwrap_err();
     assert!(matches!(err, Error::InvalidArgument { .. }), "{err:?}");
-    let s = SledStore::builder(dir.path().join("b"))
+    let s = SledStore::builder()
         .max_body_bytes(10)
-        .open()
+        .open(dir.path().join("b"))
         .unwrap();
     let c = claim(&s, "k", T0);
     let r = s.complete(&key("k"), &c, &Response::new(200, vec![0; 11]), T0, HOUR);

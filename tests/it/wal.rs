@@ -206,7 +206,7 @@ fn a_frame_that_verifies_but_does_not_decode_is_corrupt_not_skipped() {
     frame.extend_from_slice(&(payload.len() as u32).to_be_bytes());
     // The CRC covers the store's id first (see wal.rs).
     let mut crc = crc32fast::Hasher::new();
-    crc.update(&store_id);
+    crc.update(&store_id.to_be_bytes());
     crc.update(&frame);
     crc.update(&payload);
     frame.extend_from_slice(&crc.finalize().to_be_bytes());
