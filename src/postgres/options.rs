@@ -131,7 +131,7 @@ impl PostgresStoreBuilder {
     /// `max_connections`.
     ///
     /// ```
-    /// let b = idemstore::PostgresStore::builder("postgres://localhost/app").pool_size(64);
+    /// let b = idemstore::PostgresStore::builder().pool_size(64);
     /// # let _ = b;
     /// ```
     pub fn pool_size(mut self, pool_size: u32) -> Self {
@@ -145,7 +145,7 @@ impl PostgresStoreBuilder {
     ///
     /// ```
     /// use std::time::Duration;
-    /// let b = idemstore::PostgresStore::builder("postgres://localhost/app")
+    /// let b = idemstore::PostgresStore::builder()
     ///     .connect_timeout(Duration::from_millis(500));
     /// # let _ = b;
     /// ```
@@ -160,7 +160,7 @@ impl PostgresStoreBuilder {
     ///
     /// ```
     /// use std::time::Duration;
-    /// let b = idemstore::PostgresStore::builder("postgres://localhost/app")
+    /// let b = idemstore::PostgresStore::builder()
     ///     .statement_timeout(Duration::from_secs(2));
     /// # let _ = b;
     /// ```
@@ -174,7 +174,7 @@ impl PostgresStoreBuilder {
     /// [`MAX_BODY_BYTES_HARD_CAP`](crate::limits::MAX_BODY_BYTES_HARD_CAP)).
     ///
     /// ```
-    /// let b = idemstore::PostgresStore::builder("postgres://localhost/app").max_body_bytes(64 * 1024);
+    /// let b = idemstore::PostgresStore::builder().max_body_bytes(64 * 1024);
     /// # let _ = b;
     /// ```
     pub fn max_body_bytes(mut self, max_body_bytes: usize) -> Self {
@@ -189,7 +189,7 @@ impl PostgresStoreBuilder {
     /// [`PostgresStore`]'s section on time).
     ///
     /// ```
-    /// let b = idemstore::PostgresStore::builder("postgres://localhost/app")
+    /// let b = idemstore::PostgresStore::builder()
     ///     .clock(idemstore::SystemClock);
     /// # let _ = b;
     /// ```
