@@ -19,6 +19,13 @@ use std::time::Duration;
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
+#[cfg_attr(
+    not(feature = "test-util"),
+    allow(
+        unreachable_pub,
+        reason = "exported with test-util only; the fault check uses it in every build"
+    )
+)]
 pub enum Op {
     /// [`Store::begin`].
     Begin,

@@ -4,7 +4,7 @@
 //! reports time, rate and file sizes.
 //!
 //! ```text
-//! cargo run --release --example sweep_scale -- 1000000 100000   # expired, live
+//! cargo run --release -p idemstore-bench --bin sweep_scale -- 1000000 100000   # expired, live
 //! ```
 //! The fill uses relaxed durability (it is set-up, not the measurement).
 

@@ -2,39 +2,56 @@
 //! durably with a response, and (with `dup_ratio`) re-sends a key it already
 //! completed, which must replay.
 
-#![allow(unreachable_pub, reason = "shared by several examples through #[path]")]
-
-use super::peers::{Backend, BoxResult, Claimed, percentile};
+use crate::peers::{Backend, BoxResult, Claimed, percentile};
 use idemstore::{Clock, Fingerprint, Key, Response, SystemClock};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
+/// One run of the cycle workload.
 #[derive(Clone, Debug)]
 pub struct Params {
+    /// Load threads, one client each.
     pub clients: usize,
+    /// The share (0..=1) of requests that re-send a completed key.
     pub dup_ratio: f64,
+    /// The size of each stored response body.
     pub response_bytes: usize,
+    /// How long the load runs.
     pub duration: Duration,
 }
 
+/// What a run measured; its fields are `loadgen --json`'s, in this order.
 #[derive(Clone, Debug, Default)]
 pub struct Report {
+    /// The backend's label ([`Backend::name`]).
     pub backend: String,
+    /// Load threads.
     pub clients: usize,
+    /// Completed cycles (claim + completion) per second.
     pub cycles_per_sec: f64,
+    /// Claims of fresh keys per second.
     pub claims_per_sec: f64,
+    /// Median claim latency, µs.
     pub claim_p50_us: f64,
+    /// 99th-percentile claim latency, µs.
     pub claim_p99_us: f64,
+    /// Re-sent keys answered as replays, per second.
     pub replay_per_sec: f64,
+    /// Average requests per commit, where the backend batches.
     pub avg_batch: Option<f64>,
+    /// Bytes on disk at the end.
     pub file_bytes: u64,
+    /// The process's peak resident set size ([`peak_rss_bytes`]).
     pub peak_rss_bytes: u64,
+    /// Completed cycles in all.
     pub cycles: u64,
+    /// The run's length.
     pub seconds: f64,
 }
 
 impl Report {
+    /// One JSON line (`loadgen --json`; other tools read these fields).
     pub fn json(&self) -> String {
         let batch = self
             .avg_batch

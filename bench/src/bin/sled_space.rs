@@ -8,13 +8,13 @@
 //! reused.
 //!
 //! ```text
-//! cargo run --release --features sled --example sled_space -- [records, default 20000]
+//! cargo run --release -p idemstore-bench --features sled --bin sled_space -- [records, default 20000]
 //! IDEMSTORE_BENCH_DIR=/path picks the disk.
 //! ```
 #![allow(
     clippy::unwrap_used,
     clippy::indexing_slicing,
-    reason = "an example: a panic is a failed run"
+    reason = "a measurement tool: a panic is a failed run"
 )]
 
 use idemstore::{Begin, Fingerprint, Key, Response, SledStore, Store, Timestamp};

@@ -1,16 +1,20 @@
 //! `RedbStore` benches (issue 3 "Speed"), all on one disk in one run:
 //!
-//! - `store/redb/claim_new`: one client, a durable claim of a fresh key;
-//! - `store/redb/replay_hit`: a `begin` answered `Replay` (the read fast path);
-//! - `store/redb/claim_new_64_clients` vs `raw_redb/txn_per_claim_64_clients`:
-//!   group commit against one redb write transaction per claim, 64 threads;
-//! - `probe/append_fdatasync_256`: the disk's floor, a 256-byte append + fdatasync.
+//! - `redb/claim_new`: one client, a durable claim of a fresh key;
+//! - `redb/replay_hit`: a `begin` answered `Replay` (the read fast path);
+//! - `redb/group_commit/store_claim_new/64_clients` vs
+//!   `redb/group_commit/raw_txn_per_claim/64_clients`: group commit against
+//!   one redb write transaction per claim, 64 threads;
+//! - `redb/probe/append_fdatasync_256`: the disk's floor, a 256-byte append + fdatasync.
+//!
+//! Every ID starts with `redb/`, this file's subject, so its saved
+//! baselines never mix with `store`'s, `sled`'s or `inbox`'s.
 //!
 //! After criterion's report it prints the medians and the ratios the issue
 //! sets targets for, plus per-operation p50s measured here.
 //!
 //! ```text
-//! cargo bench --bench redb                 # IDEMSTORE_BENCH_DIR=/path to pick the disk
+//! cargo bench -p idemstore-bench --bench redb    # IDEMSTORE_BENCH_DIR=/path to pick the disk
 //! ```
 #![allow(
     missing_docs,
@@ -82,7 +86,7 @@ fn claim_new(c: &mut Criterion, dir: &Path) {
     let mut probe = probe_file(&dir.join("interleaved-probe.log"));
     let next = AtomicU64::new(0);
     let fp = Fingerprint::of(b"sku=A&qty=1");
-    let mut group = c.benchmark_group("store/redb");
+    let mut group = c.benchmark_group("redb");
     group
         .sample_size(20)
         .measurement_time(Duration::from_secs(5));
@@ -102,7 +106,7 @@ fn claim_new(c: &mut Criterion, dir: &Path) {
                 claims.push(took.as_nanos() as u64);
                 probes.push(probe_op(&mut probe));
             }
-            record_latency("store/redb/claim_new", claims);
+            record_latency("redb/claim_new", claims);
             record_latency("probe interleaved with claim_new", probes);
             elapsed
         })
@@ -121,7 +125,7 @@ fn replay_hit(c: &mut Criterion, dir: &Path) {
     store
         .complete(&k, &claim, &Response::new(200, body), NOW, KEEP)
         .unwrap();
-    let mut group = c.benchmark_group("store/redb");
+    let mut group = c.benchmark_group("redb");
     group.throughput(Throughput::Elements(1));
     group.bench_function("replay_hit", |b| {
         b.iter(|| {
@@ -160,7 +164,7 @@ const RECORDS: TableDefinition<&[u8], &[u8]> = TableDefinition::new("records");
 const EXPIRY: TableDefinition<&[u8], ()> = TableDefinition::new("expiry");
 
 fn group_commit_vs_raw(c: &mut Criterion, dir: &Path) {
-    let mut group = c.benchmark_group("group_commit");
+    let mut group = c.benchmark_group("redb/group_commit");
     group
         .sample_size(10)
         .measurement_time(Duration::from_secs(8))
@@ -170,18 +174,15 @@ fn group_commit_vs_raw(c: &mut Criterion, dir: &Path) {
     let store = Arc::new(RedbStore::open(dir.join("group.idem")).unwrap());
     let next = AtomicU64::new(0);
     let fp = Fingerprint::of(b"sku=A&qty=1");
-    group.bench_function(
-        BenchmarkId::new("store/redb/claim_new", "64_clients"),
-        |b| {
-            b.iter_custom(|iters| {
-                on_clients(iters, |_, _| {
-                    let k = key(next.fetch_add(1, Ordering::Relaxed));
-                    let answer = store.begin(&k, &fp, NOW, LEASE, KEEP).unwrap();
-                    assert!(matches!(answer, Begin::Claimed(_)));
-                })
+    group.bench_function(BenchmarkId::new("store_claim_new", "64_clients"), |b| {
+        b.iter_custom(|iters| {
+            on_clients(iters, |_, _| {
+                let k = key(next.fetch_add(1, Ordering::Relaxed));
+                let answer = store.begin(&k, &fp, NOW, LEASE, KEEP).unwrap();
+                assert!(matches!(answer, Begin::Claimed(_)));
             })
-        },
-    );
+        })
+    });
     let stats = store.stats();
     eprintln!(
         "group commit: {} requests in {} batches (mean {:.1}, largest {}), {} commits",
@@ -201,30 +202,27 @@ fn group_commit_vs_raw(c: &mut Criterion, dir: &Path) {
     txn.open_table(EXPIRY).unwrap();
     txn.commit().unwrap();
     let value = vec![7u8; 80];
-    group.bench_function(
-        BenchmarkId::new("raw_redb/txn_per_claim", "64_clients"),
-        |b| {
-            b.iter_custom(|iters| {
-                on_clients(iters, |_, _| {
-                    let id = next.fetch_add(1, Ordering::Relaxed);
-                    let k = format!("\x05benchorder-{id}").into_bytes();
-                    let txn = db.begin_write().unwrap();
-                    {
-                        let mut records = txn.open_table(RECORDS).unwrap();
-                        assert!(records.get(k.as_slice()).unwrap().is_none());
-                        records.insert(k.as_slice(), value.as_slice()).unwrap();
-                        let mut index_key = 1_760_846_400_000u64.to_be_bytes().to_vec();
-                        index_key.extend_from_slice(&k);
-                        txn.open_table(EXPIRY)
-                            .unwrap()
-                            .insert(index_key.as_slice(), ())
-                            .unwrap();
-                    }
-                    txn.commit().unwrap();
-                })
+    group.bench_function(BenchmarkId::new("raw_txn_per_claim", "64_clients"), |b| {
+        b.iter_custom(|iters| {
+            on_clients(iters, |_, _| {
+                let id = next.fetch_add(1, Ordering::Relaxed);
+                let k = format!("\x05benchorder-{id}").into_bytes();
+                let txn = db.begin_write().unwrap();
+                {
+                    let mut records = txn.open_table(RECORDS).unwrap();
+                    assert!(records.get(k.as_slice()).unwrap().is_none());
+                    records.insert(k.as_slice(), value.as_slice()).unwrap();
+                    let mut index_key = 1_760_846_400_000u64.to_be_bytes().to_vec();
+                    index_key.extend_from_slice(&k);
+                    txn.open_table(EXPIRY)
+                        .unwrap()
+                        .insert(index_key.as_slice(), ())
+                        .unwrap();
+                }
+                txn.commit().unwrap();
             })
-        },
-    );
+        })
+    });
     // Checks the raw path wrote what it claimed.
     let read = db.begin_read().unwrap();
     assert!(read.open_table(RECORDS).unwrap().len().unwrap() > 0);
@@ -233,7 +231,7 @@ fn group_commit_vs_raw(c: &mut Criterion, dir: &Path) {
 
 fn append_fdatasync(c: &mut Criterion, dir: &Path) {
     let mut file = probe_file(&dir.join("probe.log"));
-    let mut group = c.benchmark_group("probe");
+    let mut group = c.benchmark_group("redb/probe");
     group
         .sample_size(20)
         .measurement_time(Duration::from_secs(5));
@@ -245,7 +243,7 @@ fn append_fdatasync(c: &mut Criterion, dir: &Path) {
                 lat.push(probe_op(&mut file));
             }
             let elapsed = Duration::from_nanos(lat.iter().sum());
-            record_latency("probe/append_fdatasync_256", lat);
+            record_latency("redb/probe/append_fdatasync_256", lat);
             elapsed
         })
     });
@@ -254,11 +252,18 @@ fn append_fdatasync(c: &mut Criterion, dir: &Path) {
 
 /// criterion's median (ns per operation) for a bench id, from its report.
 fn criterion_median(id: &str) -> Option<f64> {
-    let target = std::env::var_os("CARGO_TARGET_DIR")
+    // Where criterion writes: CRITERION_HOME, else the target directory's
+    // `criterion/` (the workspace's target, one level above this package).
+    let home = std::env::var_os("CRITERION_HOME")
         .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("target"));
+        .unwrap_or_else(|| {
+            std::env::var_os("CARGO_TARGET_DIR")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"))
+                .join("criterion")
+        });
     // criterion's directories: the group and bench names with '/' as '_'.
-    let path = target.join("criterion").join(id).join("new/estimates.json");
+    let path = home.join(id).join("new/estimates.json");
     let json: serde_json::Value = serde_json::from_slice(&std::fs::read(path).ok()?).ok()?;
     json["median"]["point_estimate"].as_f64()
 }
@@ -273,17 +278,17 @@ fn summary() {
     let mut out: HashMap<&str, f64> = HashMap::new();
     println!("\n== same-run summary (criterion medians, ns/op) ==");
     for (label, id) in [
-        ("claim_new 1 client", "store_redb/claim_new"),
-        ("replay_hit", "store_redb/replay_hit"),
+        ("claim_new 1 client", "redb/claim_new"),
+        ("replay_hit", "redb/replay_hit"),
         (
             "group commit 64",
-            "group_commit/store_redb_claim_new/64_clients",
+            "redb_group_commit/store_claim_new/64_clients",
         ),
         (
             "raw txn/claim 64",
-            "group_commit/raw_redb_txn_per_claim/64_clients",
+            "redb_group_commit/raw_txn_per_claim/64_clients",
         ),
-        ("append+fdatasync", "probe/append_fdatasync_256"),
+        ("append+fdatasync", "redb_probe/append_fdatasync_256"),
     ] {
         if let Some(ns) = m(id) {
             println!("{label:>22}: {ns:>12.0} ns/op  {:>10.0} op/s", 1e9 / ns);
@@ -310,7 +315,7 @@ fn summary() {
         p.insert(*name, v50);
     }
     if let (Some(cl), Some(pr)) = (
-        p.get("store/redb/claim_new"),
+        p.get("redb/claim_new"),
         p.get("probe interleaved with claim_new"),
     ) {
         println!(

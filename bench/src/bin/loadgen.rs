@@ -3,10 +3,10 @@
 //! backend, with a table or one JSON object as output.
 //!
 //! ```text
-//! cargo run --release --example loadgen -- --backend redb --clients 64 --duration 10
-//! cargo run --release --example loadgen -- --backend sqlite --clients 8 --json
-//! cargo run --release --features postgres --example loadgen -- --backend postgres --pg-url postgres://u@host/db
-//! cargo run --release --example loadgen -- --backend redis --redis-url redis://127.0.0.1:PORT
+//! cargo run --release -p idemstore-bench --bin loadgen -- --backend redb --clients 64 --duration 10
+//! cargo run --release -p idemstore-bench --bin loadgen -- --backend sqlite --clients 8 --json
+//! cargo run --release -p idemstore-bench --features postgres --bin loadgen -- --backend postgres --pg-url postgres://u@host/db
+//! cargo run --release -p idemstore-bench --bin loadgen -- --backend redis --redis-url redis://127.0.0.1:PORT
 //! ```
 //!
 //! Options: `--backend memory|redb|sled|sqlite|redb-raw|postgres|redis|redis-everysec`, `--clients N`,
@@ -23,13 +23,7 @@
 //! `appendfsync` decides durability; the run writes under a fresh key
 //! prefix and deletes its keys at the end, so `--keys` does not apply).
 
-#[allow(dead_code, reason = "each example uses part of the shared module")]
-#[path = "common/peers.rs"]
-mod peers;
-#[allow(dead_code, reason = "each example uses part of the shared module")]
-#[path = "common/workload.rs"]
-mod workload;
-
+use idemstore_bench::{peers, workload};
 use peers::{BoxResult, open_backend};
 use std::time::Duration;
 
@@ -80,7 +74,7 @@ fn parse() -> BoxResult<Args> {
             "--pg-url" => a.pg_url = Some(value()?),
             "--redis-url" => a.redis_url = Some(value()?),
             "-h" | "--help" => {
-                println!("see the doc comment at the top of examples/loadgen.rs");
+                println!("see the doc comment at the top of bench/src/bin/loadgen.rs");
                 std::process::exit(0);
             }
             other => return Err(format!("unknown option {other}").into()),
@@ -115,7 +109,7 @@ fn main() -> BoxResult<()> {
     }
     #[cfg(not(feature = "postgres"))]
     if a.pg_url.is_some() || a.backend == "postgres" {
-        return Err("--backend postgres needs the postgres feature: cargo run --release --features postgres --example loadgen -- ...".into());
+        return Err("--backend postgres needs the postgres feature: cargo run --release -p idemstore-bench --features postgres --bin loadgen -- ...".into());
     }
     let tmp = tempfile::tempdir()?;
     let dir = a

@@ -7,11 +7,14 @@
 //! - `inbox/redb/redelivery`: a message already handled, answered from a
 //!   read transaction.
 //!
+//! Every ID starts with `inbox/`, this file's subject, so its saved
+//! baselines never mix with `store`'s, `redb`'s or `sled`'s.
+//!
 //! Every loop asserts its answer. Durable: the figures are the disk's fsync
 //! rate as much as ours.
 //!
 //! ```text
-//! cargo bench --bench inbox
+//! cargo bench -p idemstore-bench --bench inbox
 //! ```
 #![allow(
     missing_docs,

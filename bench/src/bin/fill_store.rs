@@ -2,7 +2,7 @@
 //! trying the `idemstore` CLI on a large store:
 //!
 //! ```text
-//! cargo run --release --example fill_store -- /tmp/big.idem 1000000
+//! cargo run --release -p idemstore-bench --bin fill_store -- /tmp/big.idem 1000000
 //! ```
 //!
 //! Of every 10 keys: 7 are DONE and live, 1 is PROCESSING with a live lease,

@@ -13,10 +13,10 @@
 //! ```text
 //! # fill a store first (relaxed durability for the fill, like loadgen's
 //! # prefill), then 20 kills:
-//! cargo run --release --example reopen_after_kill -- \
+//! cargo run --release -p idemstore-bench --bin reopen_after_kill -- \
 //!     --path /tmp/k/store.idem --keys 100000 --kills 20
 //! # an existing store (e.g. one loadgen filled: <dir>/loadgen.idem):
-//! cargo run --release --example reopen_after_kill -- \
+//! cargo run --release -p idemstore-bench --bin reopen_after_kill -- \
 //!     --path /work/big5m/loadgen.idem --kills 20 --clients 64 --load-ms 1000..3000 --json
 //! ```
 //!
@@ -27,15 +27,9 @@
 //! with the file in the OS page cache, as after a process crash (not a
 //! machine crash). Numbers for notes, never assertions.
 
-#[allow(dead_code, reason = "each example uses part of the shared module")]
-#[path = "common/peers.rs"]
-mod peers;
-#[allow(dead_code, reason = "each example uses part of the shared module")]
-#[path = "common/workload.rs"]
-mod workload;
-
 use idemstore::redb::Durability;
 use idemstore::{Clock, Fingerprint, Key, RedbStore, Response, SystemClock};
+use idemstore_bench::{peers, workload};
 use peers::{BoxResult, Claimed, StoreBackend};
 use std::io::BufRead;
 use std::path::Path;

@@ -1,16 +1,20 @@
 //! The issue-6 bench set, one name scheme for every backend:
 //!
 //! - `store/{memory,redb,sled}/{claim_new, complete, replay_hit, in_flight, conflict}`
-//! - `guard/{redb,sled}/run_executed`
-//! - `sweep/redb/{10k,100k}_expired`
-//! - `codec/{encode,decode}`
+//! - `store/guard/{redb,sled}/run_executed`
+//! - `store/sweep/redb/{10k,100k}_expired`
+//! - `store/codec/{encode,decode}`
+//!
+//! Every ID starts with `store/`, this file's subject, so its saved
+//! baselines never mix with `redb`'s, `sled`'s or `inbox`'s (those files
+//! measure other cases under `redb/`, `sled/` and `inbox/`).
 //!
 //! Every loop asserts its answer, so the optimiser cannot skip the work.
 //! Durable benches fsync: their figures are the disk's as much as ours.
 //!
 //! ```text
-//! cargo bench --all-features --bench store              # all
-//! cargo bench --all-features --bench store -- store/redb # one group
+//! cargo bench -p idemstore-bench --all-features --bench store                # all
+//! cargo bench -p idemstore-bench --all-features --bench store -- store/redb # one group
 //! ```
 //! The HTML report is in `target/criterion/report/index.html`.
 #![allow(
@@ -125,7 +129,7 @@ fn store_ops(c: &mut Criterion, name: &str, store: Arc<dyn Store>, durable: bool
 
 fn guard_run(c: &mut Criterion, name: &str, store: Arc<dyn Store>) {
     let guard = Guard::new(store);
-    let mut g = c.benchmark_group(format!("guard/{name}"));
+    let mut g = c.benchmark_group(format!("store/guard/{name}"));
     g.sample_size(20).measurement_time(Duration::from_secs(4));
     g.bench_function("run_executed", |b| {
         b.iter(|| {
@@ -142,7 +146,7 @@ fn guard_run(c: &mut Criterion, name: &str, store: Arc<dyn Store>) {
 /// written with relaxed durability (the fill is not what is measured),
 /// then the store is reopened with the default durability and swept.
 fn sweep_redb(c: &mut Criterion, n: u64, label: &str) {
-    let mut g = c.benchmark_group("sweep/redb");
+    let mut g = c.benchmark_group("store/sweep/redb");
     g.sample_size(10);
     g.bench_function(label, |b| {
         b.iter_custom(|iters| {
@@ -210,7 +214,7 @@ fn fill_expiring(store: &Arc<RedbStore>, n: u64) {
 fn codec(c: &mut Criterion) {
     let record = idemstore::unstable::sample_record(200);
     let bytes = idemstore::unstable::encode_record(&record).unwrap();
-    let mut g = c.benchmark_group("codec");
+    let mut g = c.benchmark_group("store/codec");
     g.bench_function("encode", |b| {
         b.iter(|| {
             assert_eq!(

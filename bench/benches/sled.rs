@@ -1,19 +1,22 @@
 //! `SledStore` benches (issue 4), all on one disk in one run:
 //!
-//! - `store/sled/claim_new`: one client, a durable claim of a fresh key
+//! - `sled/claim_new`: one client, a durable claim of a fresh key
 //!   (sled flush + fdatasync before the answer);
-//! - `store/sled/replay_hit`: a `begin` answered `Replay` (the read fast path);
-//! - `store/sled/claim_new_64_clients`: 64 threads claiming fresh keys, so
+//! - `sled/replay_hit`: a `begin` answered `Replay` (the read fast path);
+//! - `sled/claim_new_64_clients`: 64 threads claiming fresh keys, so
 //!   concurrent claims share flushes;
-//! - `store/sled/claim_new_os_buffered`: one client at
+//! - `sled/claim_new_os_buffered`: one client at
 //!   `SledDurability::OsBuffered` (sled flush, no fdatasync), to show
 //!   what the fsync costs.
+//!
+//! Every ID starts with `sled/`, this file's subject, so its saved
+//! baselines never mix with `store`'s, `redb`'s or `inbox`'s.
 //!
 //! After criterion's report it prints claims/s at 1 and 64 clients, their
 //! ratio, and the fsyncs per claim counted by `SledStore::stats`.
 //!
 //! ```text
-//! cargo bench --features sled --bench sled    # IDEMSTORE_BENCH_DIR=/path to pick the disk
+//! cargo bench -p idemstore-bench --features sled --bench sled    # IDEMSTORE_BENCH_DIR=/path to pick the disk
 //! ```
 #![allow(
     missing_docs,
@@ -96,7 +99,7 @@ fn claims(c: &mut Criterion, dir: &Path) {
         ("claim_new_64_clients", CLIENTS, SledDurability::Immediate),
         ("claim_new_os_buffered", 1, SledDurability::OsBuffered),
     ];
-    let mut group = c.benchmark_group("store/sled");
+    let mut group = c.benchmark_group("sled");
     group
         .sample_size(10)
         .measurement_time(Duration::from_secs(4));
@@ -129,7 +132,7 @@ fn replay_hit(c: &mut Criterion, dir: &Path) {
     store
         .complete(&k, &claim, &Response::new(200, vec![b'x'; 200]), NOW, KEEP)
         .unwrap();
-    let mut group = c.benchmark_group("store/sled");
+    let mut group = c.benchmark_group("sled");
     group.throughput(Throughput::Elements(1));
     group.bench_function("replay_hit", |b| {
         b.iter(|| {

@@ -4,8 +4,6 @@
 //! with its append-only file), plus the disk's own floor (append +
 //! fdatasync).
 
-#![allow(unreachable_pub, reason = "shared by several examples through #[path]")]
-
 use idemstore::{Begin, Claim, Fingerprint, Key, Response, Store, Timestamp};
 use redb::ReadableTable;
 use std::path::{Path, PathBuf};
@@ -13,9 +11,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+/// The tools' result: any error, sendable across the load threads.
 pub type BoxResult<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
+/// The lease of every claim the workload makes.
 pub const LEASE: Duration = Duration::from_secs(30);
+/// How long every completed record is kept.
 pub const RETENTION: Duration = Duration::from_secs(24 * 3600);
 
 /// What a claim attempt answered, in workload terms.
@@ -30,13 +31,17 @@ pub enum Claimed {
 
 /// What a client needs to complete what it claimed.
 pub enum Ticket {
+    /// An idemstore `Store`'s claim.
     Store(Claim),
+    /// A peer's fencing token (its own counter).
     Token(u64),
 }
 
 /// A backend under load: makes one client per load thread.
 pub trait Backend: Send + Sync {
+    /// The label of the backend's row (`redb`, `sqlite`, `Redis 7, appendfsync always`, ...).
     fn name(&self) -> String;
+    /// A new connection, for one load thread.
     fn client(&self) -> BoxResult<Box<dyn Client>>;
     /// Bytes on disk now.
     fn file_bytes(&self) -> u64;
@@ -48,7 +53,9 @@ pub trait Backend: Send + Sync {
 
 /// One load thread's connection.
 pub trait Client: Send {
+    /// Claims `key` for a request with fingerprint `fp`, durably.
     fn claim(&mut self, key: &Key, fp: &Fingerprint, now: Timestamp) -> BoxResult<Claimed>;
+    /// Completes what `ticket` claimed with `response`, durably.
     fn complete(
         &mut self,
         key: &Key,
@@ -60,9 +67,13 @@ pub trait Client: Send {
 
 /// Any idemstore `Store`, through the trait.
 pub struct StoreBackend {
+    /// The row's label.
     pub name: String,
+    /// The store under load.
     pub store: Arc<dyn Store>,
+    /// Where its files are, for [`Backend::file_bytes`]; `None` in memory.
     pub dir: Option<PathBuf>,
+    /// Average requests per commit so far, where the store batches.
     pub batch: Option<Box<dyn Fn() -> Option<f64> + Send + Sync>>,
 }
 
@@ -115,6 +126,7 @@ pub struct Sqlite {
 }
 
 impl Sqlite {
+    /// Creates `peer.sqlite` in `dir` with the claims table.
     pub fn open(dir: &Path) -> BoxResult<Sqlite> {
         let path = dir.join("peer.sqlite");
         let conn = rusqlite::Connection::open(&path)?;
@@ -232,6 +244,7 @@ pub struct RedbRaw {
 const RAW: redb::TableDefinition<&[u8], &[u8]> = redb::TableDefinition::new("raw");
 
 impl RedbRaw {
+    /// Creates `peer.redb` in `dir` with its one table.
     pub fn open(dir: &Path) -> BoxResult<RedbRaw> {
         let db = redb::Database::create(dir.join("peer.redb"))?;
         let tx = db.begin_write()?;
@@ -358,6 +371,7 @@ pub fn fdatasync_probe(dir: &Path, duration: Duration) -> BoxResult<(f64, f64)> 
     Ok((lat.len() as f64 / elapsed, percentile(&mut lat, 0.50)))
 }
 
+/// The `q` quantile (0..=1) of `values`, nearest rank; sorts `values`; 0 when empty.
 pub fn percentile(values: &mut [f64], q: f64) -> f64 {
     if values.is_empty() {
         return 0.0;
@@ -449,7 +463,7 @@ pub fn redb_backend(dir: &Path, durability: &str, log: bool) -> BoxResult<StoreB
     })
 }
 
-/// The server the `postgres` backend uses: set by the example from its
+/// The server the `postgres` backend uses: set by the load generator from its
 /// `--pg-url`, else `IDEMSTORE_PG_URL`.
 #[cfg(feature = "postgres")]
 pub static PG_URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
@@ -470,6 +484,8 @@ pub struct Postgres {
 
 #[cfg(feature = "postgres")]
 impl Postgres {
+    /// A `PostgresStore` on a fresh table of the server in [`PG_URL`] (else
+    /// `IDEMSTORE_PG_URL`).
     pub fn open() -> BoxResult<Postgres> {
         static NEXT: AtomicU64 = AtomicU64::new(0);
         let url = match PG_URL.get() {
@@ -640,6 +656,7 @@ pub struct Redis {
 }
 
 impl Redis {
+    /// Connects to the server at `url` and picks a fresh key prefix.
     pub fn open(url: &str) -> BoxResult<Redis> {
         static NEXT: AtomicU64 = AtomicU64::new(0);
         let client = redis::Client::open(url)?;
@@ -658,6 +675,7 @@ impl Redis {
         })
     }
 
+    /// What the server said about itself at open.
     pub fn info(&self) -> &RedisInfo {
         &self.info
     }

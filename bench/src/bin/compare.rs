@@ -5,11 +5,11 @@
 //! and ratios.
 //!
 //! ```text
-//! cargo run --release --example compare                 # 3 rounds × 3 s per cell
-//! cargo run --release --all-features --example compare  # with SledStore too
+//! cargo run --release -p idemstore-bench --bin compare                 # 3 rounds × 3 s per cell
+//! cargo run --release -p idemstore-bench --all-features --bin compare  # with SledStore too
 //! # ... and PostgresStore when IDEMSTORE_PG_URL names a server
-//! cargo run --release --example compare -- --smoke      # CI: one short round
-//! cargo run --release --example compare -- --rounds 5 --seconds 5
+//! cargo run --release -p idemstore-bench --bin compare -- --smoke       # CI: one short round
+//! cargo run --release -p idemstore-bench --bin compare -- --rounds 5 --seconds 5
 //! ```
 //!
 //! Redis joins as a peer when IDEMSTORE_REDIS_URL (a server with
@@ -22,17 +22,11 @@
 //! dir=$(mktemp -d)
 //! eval "$(scripts/redis-test-server start "$dir/always")"
 //! eval "$(scripts/redis-test-server start "$dir/everysec" everysec)"
-//! cargo run --release --example compare -- --smoke --require-redis
+//! cargo run --release -p idemstore-bench --bin compare -- --smoke --require-redis
 //! scripts/redis-test-server stop "$dir/always"; scripts/redis-test-server stop "$dir/everysec"
 //! ```
 
-#[allow(dead_code, reason = "each example uses part of the shared module")]
-#[path = "common/peers.rs"]
-mod peers;
-#[allow(dead_code, reason = "each example uses part of the shared module")]
-#[path = "common/workload.rs"]
-mod workload;
-
+use idemstore_bench::{peers, workload};
 use peers::{Backend, BoxResult, RedisInfo, fdatasync_probe};
 use std::collections::BTreeMap;
 use std::path::Path;
