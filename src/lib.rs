@@ -47,6 +47,21 @@
 //! | response headers | [`MAX_HEADERS`](limits::MAX_HEADERS) headers, [`MAX_HEADER_BYTES`](limits::MAX_HEADER_BYTES) bytes in all |
 //! | one sweep | [`MAX_SWEEP_BATCH`](limits::MAX_SWEEP_BATCH) records |
 //!
+//! # Where things are
+//!
+//! The root holds the contract ([`Store`] and its types), [`Guard`], the
+//! clock, [`MemoryStore`], the [`Sweeper`] and the three store types. The rest
+//! is in modules:
+//!
+//! - [`limits`]: every limit and default of the contract;
+//! - [`logic`]: the state machine every backend decides with, public for
+//!   backends written outside this crate (test them with the
+//!   `idemstore-testkit` crate's conformance suite);
+//! - `redb`, `sled`, `postgres`: each backend's builder, durability or
+//!   options, statistics and limits (`redb` also has the `Inbox` and the
+//!   `engine` re-export);
+//! - `tower`: the HTTP middleware.
+//!
 //! # Features
 //!
 //! - `redb` (default): `RedbStore`, the durable on-disk store on redb 4.x
