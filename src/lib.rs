@@ -108,7 +108,6 @@ pub mod redb;
 mod response;
 #[cfg(feature = "sled")]
 #[cfg_attr(docsrs, doc(cfg(feature = "sled")))]
-#[path = "sled_store/mod.rs"]
 pub mod sled;
 mod store;
 mod sweeper;
