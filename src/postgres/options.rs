@@ -57,7 +57,7 @@ pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// ```
 pub const DEFAULT_STATEMENT_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Options for a [`PostgresStore`]; [`build`](PostgresStoreBuilder::build) connects.
+/// Options for a [`PostgresStore`]; [`connect`](PostgresStoreBuilder::connect) connects.
 ///
 /// ```no_run
 /// use idemstore::PostgresStore;
@@ -124,7 +124,7 @@ impl PostgresStoreBuilder {
     }
 
     /// The connections the store holds (default [`DEFAULT_POOL_SIZE`],
-    /// 1..=[`MAX_POOL_SIZE`]), all opened by [`build`](Self::build) and
+    /// 1..=[`MAX_POOL_SIZE`]), all opened by [`connect`](Self::connect) and
     /// kept open. Each call uses one connection for one statement, so this
     /// bounds the calls in flight at the server; callers beyond it wait up
     /// to the connect timeout. Sum it over the replicas against the server's
