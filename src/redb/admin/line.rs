@@ -28,6 +28,13 @@ use base64::engine::general_purpose::STANDARD;
 use serde_json::{Map, Value, json};
 
 /// The line format version (`v`) this build writes and reads.
+///
+/// ```
+/// use idemstore::redb::admin::{LINE_VERSION, parse_line};
+/// assert_eq!(LINE_VERSION, 1);
+/// let err = parse_line(r#"{"v":2}"#).unwrap_err();
+/// assert!(err.to_string().contains("this build reads v1"), "{err}");
+/// ```
 pub const LINE_VERSION: u64 = 1;
 
 /// One record as one export line (JSON, no newline): the format of

@@ -9,6 +9,17 @@ use ::redb::{ReadableDatabase, ReadableTable};
 
 /// Most problems a [`VerifyReport`] lists one by one; past this it only
 /// counts them.
+///
+/// ```
+/// use idemstore::redb::admin::MAX_LISTED_PROBLEMS;
+/// # let dir = tempfile::tempdir()?;
+/// # let store = idemstore::RedbStore::open(dir.path().join("s.idem"))?;
+/// let report = store.admin().verify(|_| {})?;
+/// assert!(report.problems.len() <= MAX_LISTED_PROBLEMS);
+/// let unlisted = report.problem_count - report.problems.len() as u64;
+/// # assert_eq!(unlisted, 0);
+/// # Ok::<(), idemstore::Error>(())
+/// ```
 pub const MAX_LISTED_PROBLEMS: usize = 100;
 
 /// What kind of disagreement [`Admin::verify`] found.
