@@ -74,15 +74,14 @@
 //! - `tokio`: `Guard::run_async`.
 //! - `tower`: HTTP middleware (`Idempotency-Key`), in `tower` (behaviour and status codes in its docs).
 //! - `cli`: the `idemstore` operator binary (stats, get, list, evict, sweep,
-//!   compact, verify, export, import); its entry point is `cli::main`.
+//!   compact, verify, export, import), built on the public `redb::admin`
+//!   API alone.
 //! - `test-util`: `ManualClock`, `FaultyStore` and the `MemoryStore` fault hook.
 //!   The conformance suite, the model, the power-loss storage backend and the
 //!   kill-test driver are in the `idemstore-testkit` crate.
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-#[cfg(feature = "cli")]
-pub mod cli;
 #[cfg_attr(
     not(feature = "redb"),
     allow(

@@ -416,7 +416,7 @@ impl Shared {
     }
 
     /// Runs `f` in a durable write transaction of its own (the inbox, the
-    /// CLI's evict and import, compaction, a group too large for the log),
+    /// admin evict and import, compaction, a group too large for the log),
     /// outside the line but under the commit lock.
     ///
     /// The transaction first takes in every record the memtable holds (it

@@ -22,7 +22,7 @@
 //! ```
 //!
 //! - `commit.rs`: leader/follower group commit, the group's decisions,
-//!   direct transactions (inbox, CLI, compaction);
+//!   direct transactions (inbox, admin, compaction);
 //! - `memtable.rs`: the records written since the last checkpoint;
 //! - `wal.rs`: the write-ahead log (two segments, 4 KiB-aligned frames);
 //! - `checkpoint.rs`: the background thread that writes frozen memtables
@@ -33,21 +33,22 @@
 //! - `errors.rs`: redb's errors as the one public [`Error`];
 //! - `options.rs`: durability, recovery policy, the builder;
 //! - `stats.rs`: the counters;
-//! - `inspect.rs` (feature `cli`): operator access for the `idemstore` binary;
+//! - `admin/`: operator access ([`admin`]: facts, scans, verify, evict,
+//!   import, the export line format), for the `idemstore` binary and the
+//!   testkit's crash checker;
 //! - `inbox.rs`: the co-transactional inbox for message consumers;
 //! - this file: the public type, the read paths, the `Store` impl.
 
+pub mod admin;
 mod checkpoint;
 mod commit;
 mod errors;
 mod inbox;
-#[cfg(feature = "cli")]
-pub(crate) mod inspect;
 mod memtable;
 mod open;
 mod options;
 mod stats;
-pub(crate) mod tables;
+mod tables;
 mod wal;
 
 /// The redb crate the store is built on, for an [`Inbox`] handler's own

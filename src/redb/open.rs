@@ -376,7 +376,7 @@ pub(super) struct MetaEntries {
 }
 
 /// Reads the meta entries; a missing or mis-sized entry is `Corrupt`.
-/// Shared by open (which then checks the version) and the CLI's `stats`.
+/// Shared by open (which then checks the version) and `Admin::facts`.
 pub(super) fn read_meta_entries(txn: &::redb::ReadTransaction) -> Result<MetaEntries> {
     let meta = txn.open_table(META).map_err(table_error)?;
     let get = |name: &str| -> Result<Vec<u8>> {

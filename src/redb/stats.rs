@@ -28,8 +28,8 @@ pub struct RedbStats {
     /// Groups and direct transactions that wrote something.
     pub commits: u64,
     /// redb commits made durable with an fsync: checkpoints, direct
-    /// transactions (inbox, CLI, compaction), or without the log the groups
-    /// themselves.
+    /// transactions (inbox, admin evict and import, compaction), or
+    /// without the log the groups themselves.
     pub durable_commits: u64,
     /// Groups made durable by one append and `fdatasync` of the
     /// write-ahead log.

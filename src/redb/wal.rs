@@ -55,7 +55,7 @@
 //! sector holding acknowledged bytes: a device that tears a sector into
 //! garbage during a power cut can damage only the frame being written.
 //!
-//! Every write transaction outside the line (the inbox, the CLI's evict
+//! Every write transaction outside the line (the inbox, the admin evict
 //! and import, `compact`, a group too large for a segment) first takes in
 //! the memtable and then moves the epoch on (see
 //! [`Shared::direct`](super::Shared)), since replaying older frames over

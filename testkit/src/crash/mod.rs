@@ -9,9 +9,8 @@
 //! - `raw.rs`: the same kind of check against plain redb, which proves the
 //!   backend and the checking before they judge idemstore;
 //! - `workload.rs`: logged begin/complete/release/sweep threads on the real
-//!   `RedbStore`; `recovery.rs`: crash images of a run, reopened and checked;
-//! - `inspect.rs`: a store file read below the API (records verified,
-//!   record table and expiry index compared);
+//!   `RedbStore`; `recovery.rs`: crash images of a run, reopened and checked
+//!   (the store file by idemstore's own verifier, `redb::admin`);
 //! - `ops.rs`: the `store_ops` model property on `RedbStore`, each reopen
 //!   a power loss;
 //! - `case.rs`: the `crash_recovery` fuzz target's input and entry point;
@@ -22,7 +21,6 @@
 
 mod backend;
 mod case;
-mod inspect;
 mod ops;
 mod raw;
 mod recovery;
@@ -31,7 +29,6 @@ mod workload;
 
 pub use backend::{CrashBackend, CrashImage, SECTOR_BYTES, SyncMode, TornSectors};
 pub use case::{CrashCase, MAX_CASE_POINTS, MAX_CASE_STEPS, crash_recovery};
-pub use inspect::{Inspection, inspect};
 pub use ops::store_ops_power_loss;
 pub use raw::{RawRun, raw_redb_run, raw_redb_run_all_points};
 pub use recovery::{

@@ -1,9 +1,10 @@
-//! The `idemstore` operator tool (feature `cli`): inspect, evict, sweep,
-//! compact, verify, export and import a [`RedbStore`] file.
+//! `idemstore`: the operator tool (features `cli` and `redb`): inspect,
+//! evict, sweep, compact, verify, export and import a `RedbStore` file.
 //!
-//! The binary (`src/bin/idemstore.rs`) only calls [`main`]; the commands are
-//! crate-internal functions over an `Io` (streams and now) so that unit tests drive them
-//! without a process. Integration tests run the real binary.
+//! Built on idemstore's public API alone (`idemstore::redb::admin` for what
+//! the `Store` contract does not cover). The commands are functions over an
+//! `Io` (streams and now) so that unit tests drive them without a process;
+//! integration tests (`tests/it/cli.rs`) run the real binary.
 //!
 //! ```text
 //! idemstore stats   STORE
@@ -22,32 +23,29 @@
 mod commands;
 mod format;
 mod maintenance;
-mod transfer;
 
-use crate::error::Error;
-use crate::redb::RedbStore;
-use crate::time::{Clock, SystemClock, Timestamp};
 use clap::{Parser, Subcommand, ValueEnum};
+use idemstore::{Clock, Error, RedbStore, SystemClock, Timestamp};
 use std::io::{BufRead, IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 /// Exit code: the command did what was asked and found nothing wrong.
-pub const EXIT_OK: u8 = 0;
+pub(crate) const EXIT_OK: u8 = 0;
 /// Exit code: an error (I/O, a damaged or foreign file, bad input); the
 /// message on stderr says which.
-pub const EXIT_ERROR: u8 = 1;
+pub(crate) const EXIT_ERROR: u8 = 1;
 /// Exit code: the command line was not understood (clap's usage error).
-pub const EXIT_USAGE: u8 = 2;
+pub(crate) const EXIT_USAGE: u8 = 2;
 /// Exit code: `verify` found problems, or `export` skipped damaged records.
-pub const EXIT_PROBLEMS: u8 = 3;
+pub(crate) const EXIT_PROBLEMS: u8 = 3;
 /// Exit code: another process (a running service) holds the store file.
-pub const EXIT_LOCKED: u8 = 4;
+pub(crate) const EXIT_LOCKED: u8 = 4;
 /// Exit code: `get` or `evict` found no record for the key.
-pub const EXIT_NOT_FOUND: u8 = 5;
+pub(crate) const EXIT_NOT_FOUND: u8 = 5;
 /// Exit code: refused without confirmation (`evict` without `--yes` and
 /// without a terminal, or `import` into a non-empty store without `--force`).
-pub const EXIT_REFUSED: u8 = 6;
+pub(crate) const EXIT_REFUSED: u8 = 6;
 
 /// Stores with at least this many records get a progress bar (when stderr
 /// is a terminal) for the commands that read or touch every record.
@@ -57,13 +55,7 @@ pub(crate) const DEFAULT_LIST_LIMIT: u64 = 1_000;
 
 /// Runs the `idemstore` command line with the process's arguments and
 /// standard streams, and returns its exit code.
-///
-/// ```no_run
-/// fn main() -> std::process::ExitCode {
-///     idemstore::cli::main()
-/// }
-/// ```
-pub fn main() -> ExitCode {
+fn main() -> ExitCode {
     let args = match Args::try_parse() {
         Ok(args) => args,
         Err(e) => {

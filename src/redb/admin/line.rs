@@ -1,4 +1,5 @@
-//! The JSONL export format: one JSON object per record, one record per line.
+//! The export line format (`idemstore export`, JSON lines): one JSON
+//! object per record, one record per line.
 //!
 //! ```text
 //! {"v":1,"scope":"tenant-42","id":"order-1","state":"DONE",
@@ -12,10 +13,10 @@
 //! standard base64 (with padding) under the name with `_b64` appended
 //! (`"body_b64":"/9j/4AAQ..."`), so that text stays greppable and nothing
 //! is lost. The fingerprint is 64 lower-case hex digits; times are Unix
-//! milliseconds. `v` is the line format version (1). Records are written as
-//! stored, expired ones included; import writes them back unchanged.
+//! milliseconds. `v` is the line format version ([`LINE_VERSION`]).
+//! Records are written as stored, expired ones included; import writes
+//! them back unchanged.
 
-use super::format::{hex, unhex};
 use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
 use crate::key::Key;
@@ -26,20 +27,59 @@ use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD;
 use serde_json::{Map, Value, json};
 
-/// The `v` this build writes and reads.
-pub(crate) const LINE_VERSION: u64 = 1;
+/// The line format version (`v`) this build writes and reads.
+///
+/// ```
+/// use idemstore::redb::admin::{LINE_VERSION, parse_line};
+/// assert_eq!(LINE_VERSION, 1);
+/// let err = parse_line(r#"{"v":2}"#).unwrap_err();
+/// assert!(err.to_string().contains("this build reads v1"), "{err}");
+/// ```
+pub const LINE_VERSION: u64 = 1;
 
-/// One record as a JSON object (see the module docs).
-pub(crate) fn to_json(key: &Key, record: &Record) -> Value {
+/// One record as one export line (JSON, no newline): the format of
+/// `idemstore export`, read back by [`parse_line`].
+///
+/// Byte strings (scope, id, header values, body) are JSON text under their
+/// own name when they are valid UTF-8, else standard base64 under the name
+/// with `_b64` appended; the fingerprint is 64 lower-case hex digits; times
+/// are Unix milliseconds:
+///
+/// ```text
+/// {"v":1,"scope":"tenant-42","id":"order-1","state":"DONE",
+///  "fingerprint":"<64 hex digits>","token":42,"attempts":1,
+///  "created_at_ms":1764410000000,"expires_at_ms":1764496400000,"lease_until_ms":null,
+///  "response":{"status":201,"headers":[{"name":"content-type","value":"text/plain"}],"body":"charged"}}
+/// ```
+///
+/// ```
+/// use idemstore::redb::admin::{export_line, parse_line};
+/// use idemstore::{Fingerprint, Key, MemoryStore, Store, Timestamp};
+/// use std::time::Duration;
+///
+/// let store = MemoryStore::new();
+/// let key = Key::new("tenant-42", "order-1")?;
+/// let hour = Duration::from_secs(3600);
+/// store.begin(&key, &Fingerprint::of(b"x"), Timestamp::EPOCH, hour, hour)?;
+/// let record = store.get(&key, Timestamp::EPOCH)?.expect("claimed");
+///
+/// let line = export_line(&key, &record);
+/// assert!(line.contains(r#""scope":"tenant-42","#) && line.contains(r#""state":"PROCESSING","#), "{line}");
+/// assert_eq!(parse_line(&line)?, (key, record));
+/// # Ok::<(), idemstore::Error>(())
+/// ```
+pub fn export_line(key: &Key, record: &Record) -> String {
+    to_json(key, record).to_string()
+}
+
+/// One record as a JSON object (see [`export_line`]).
+fn to_json(key: &Key, record: &Record) -> Value {
     let mut line = Map::new();
     line.insert("v".into(), json!(LINE_VERSION));
     put_bytes(&mut line, "scope", key.scope());
     put_bytes(&mut line, "id", key.id());
     line.insert("state".into(), json!(record.state.to_string()));
-    line.insert(
-        "fingerprint".into(),
-        json!(hex(record.fingerprint.as_bytes())),
-    );
+    line.insert("fingerprint".into(), json!(record.fingerprint.to_hex()));
     line.insert("token".into(), json!(record.token));
     line.insert("attempts".into(), json!(record.attempts));
     line.insert("created_at_ms".into(), json!(record.created_at.as_millis()));
@@ -114,9 +154,46 @@ fn object<'a>(v: &'a Value, what: &str) -> Result<&'a Map<String, Value>> {
         .ok_or_else(|| bad(format!("{what} is not a JSON object")))
 }
 
-/// Parses one line written by [`to_json`]. The record's invariants are
-/// checked again when it is written.
-pub(crate) fn from_json(line: &str) -> Result<(Key, Record)> {
+/// Parses one line written by [`export_line`] (surrounding whitespace is
+/// allowed). The key, the record's invariants and the response limits (at
+/// their widest, [`MAX_BODY_BYTES_HARD_CAP`](crate::limits::MAX_BODY_BYTES_HARD_CAP))
+/// are checked; a line that fails is [`Error::InvalidArgument`] naming the
+/// field (or [`Error::InvalidKey`], [`Error::ResponseTooLarge`]).
+///
+/// ```
+/// use idemstore::redb::admin::parse_line;
+/// use idemstore::{Error, State};
+///
+/// let line = r#"{"v":1,"scope":"t","id":"o-1","state":"DONE",
+///     "fingerprint":"0000000000000000000000000000000000000000000000000000000000000000",
+///     "token":7,"attempts":1,"created_at_ms":1000,"expires_at_ms":2000,"lease_until_ms":null,
+///     "response":{"status":201,"headers":[],"body":"charged"}}"#;
+/// let (key, record) = parse_line(line)?;
+/// assert_eq!(key.to_string(), "t/o-1");
+/// assert_eq!((record.state(), record.token()), (State::Done, 7));
+/// assert_eq!(record.response().map(|r| r.body()), Some(b"charged".as_slice()));
+///
+/// let err = parse_line(&line.replace(r#""token":7"#, r#""token":"7""#)).unwrap_err();
+/// assert!(matches!(err, Error::InvalidArgument { .. }) && err.to_string().contains("token"));
+/// # Ok::<(), idemstore::Error>(())
+/// ```
+pub fn parse_line(line: &str) -> Result<(Key, Record)> {
+    from_json(line)
+}
+
+/// Inverse of [`Fingerprint::to_hex`]; `None` for odd length or a non-hex digit.
+fn unhex(s: &str) -> Option<Vec<u8>> {
+    if !s.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+/// Parses one line written by [`to_json`].
+fn from_json(line: &str) -> Result<(Key, Record)> {
     let value: Value = serde_json::from_str(line).map_err(|e| bad(format!("not JSON: {e}")))?;
     let map = object(&value, "the line")?;
     let v = take_u64(map, "v")?;
@@ -229,6 +306,13 @@ mod tests {
         };
         let line = to_json(&done().0, &processing).to_string();
         assert_eq!(from_json(&line).expect("parses").1, processing);
+    }
+
+    #[test]
+    fn hex_digits_decode_in_pairs() {
+        assert_eq!(unhex("ff0010"), Some(vec![0xff, 0x00, 0x10]));
+        assert_eq!(unhex("f"), None);
+        assert_eq!(unhex("zz"), None);
     }
 
     #[test]

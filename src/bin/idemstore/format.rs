@@ -2,7 +2,7 @@
 //! relative durations, hex, byte previews and aligned tables. Written here
 //! rather than pulled from a date crate: the CLI only ever formats UTC.
 
-use crate::time::Timestamp;
+use idemstore::Timestamp;
 use std::fmt::Write as _;
 
 /// Bytes of a response body shown unless `--full`.
@@ -95,15 +95,10 @@ pub(crate) fn hex(bytes: &[u8]) -> String {
     s
 }
 
-/// Inverse of [`hex`]; `None` for odd length or a non-hex digit.
-pub(crate) fn unhex(s: &str) -> Option<Vec<u8>> {
-    if !s.len().is_multiple_of(2) {
-        return None;
-    }
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
-        .collect()
+/// A store id as 32 lower-case hex digits: its 16 bytes, big-endian, as
+/// [`hex`] shows them.
+pub(crate) fn store_id(id: u128) -> String {
+    format!("{id:032x}")
 }
 
 /// How bytes are shown: as text when they are UTF-8, else as hex.
@@ -265,9 +260,13 @@ mod tests {
             (p.shown.as_str(), p.is_hex, p.truncated()),
             ("ff0010", true, false)
         );
-        assert_eq!(unhex("ff0010"), Some(vec![0xff, 0x00, 0x10]));
-        assert_eq!(unhex("f"), None);
-        assert_eq!(unhex("zz"), None);
+    }
+
+    #[test]
+    fn store_ids_are_their_bytes_in_hex() {
+        let id = 0x0102_0304_0506_0708_090a_0b0c_0d0e_0f10_u128;
+        assert_eq!(store_id(id), hex(&id.to_be_bytes()));
+        assert_eq!(store_id(1), format!("{}01", "0".repeat(30)));
     }
 
     #[test]

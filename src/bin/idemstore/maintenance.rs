@@ -2,15 +2,13 @@
 //! `export` and `import`.
 
 use super::commands::bar;
-use super::transfer;
 use super::{
     EXIT_ERROR, EXIT_OK, EXIT_PROBLEMS, EXIT_REFUSED, Failure, Io, Outcome, PROGRESS_MIN_RECORDS,
     file_bytes,
 };
-use crate::codec;
-use crate::error::Result;
-use crate::redb::RedbStore;
-use crate::store::{MAX_SWEEP_BATCH, Store};
+use idemstore::limits::MAX_SWEEP_BATCH;
+use idemstore::redb::admin::{export_line, parse_line};
+use idemstore::{Error, RedbStore, Result, Store};
 use serde_json::json;
 use std::io::{BufRead, BufReader, Write};
 use std::ops::ControlFlow;
@@ -42,22 +40,23 @@ fn secs(d: Duration) -> String {
 pub(crate) fn sweep(store: &RedbStore, path: &Path, json: bool, io: &mut Io<'_>) -> Outcome {
     let now = io.now;
     let started = Instant::now();
-    let due = store.count_due(now, u64::MAX)?;
+    let admin = store.admin();
+    let due = admin.count_due(now, u64::MAX)?;
     let bar = bar(io, due, "sweeping");
     let mut removed = 0u64;
     let mut batches = 0u64;
     // Every call removes up to a batch of due index entries (records or
     // stale entries), so this many rounds empty the due range.
     let max_rounds = due.div_ceil(MAX_SWEEP_BATCH as u64) + 1;
-    while batches < max_rounds && store.count_due(now, 1)? > 0 {
+    while batches < max_rounds && admin.count_due(now, 1)? > 0 {
         let n = store.sweep_expired(now, MAX_SWEEP_BATCH)? as u64;
         removed += n;
         batches += 1;
         bar.inc(n);
     }
     bar.finish_and_clear();
-    store.checkpoint_now()?;
-    let left = store.facts()?.records;
+    admin.checkpoint()?;
+    let left = admin.facts()?.records;
     let elapsed = started.elapsed();
     if json {
         let v = json!({
@@ -85,7 +84,7 @@ pub(crate) fn sweep(store: &RedbStore, path: &Path, json: bool, io: &mut Io<'_>)
 pub(crate) fn compact(store: RedbStore, path: &Path, json: bool, io: &mut Io<'_>) -> Outcome {
     let before = file_bytes(path);
     let started = Instant::now();
-    let spin = spinner(io, store.facts()?.records, "compacting");
+    let spin = spinner(io, store.admin().facts()?.records, "compacting");
     let mut rounds = 0u32;
     while rounds < MAX_COMPACT_ROUNDS && store.compact()? {
         rounds += 1;
@@ -118,9 +117,10 @@ pub(crate) fn compact(store: RedbStore, path: &Path, json: bool, io: &mut Io<'_>
 
 pub(crate) fn verify(store: &RedbStore, json: bool, io: &mut Io<'_>) -> Outcome {
     let started = Instant::now();
-    let facts = store.facts()?;
+    let admin = store.admin();
+    let facts = admin.facts()?;
     let bar = bar(io, facts.records + facts.index_entries, "verifying");
-    let report = store.verify(|n| {
+    let report = admin.verify(|n| {
         if n.is_multiple_of(4096) {
             bar.set_position(n);
         }
@@ -206,7 +206,8 @@ pub(crate) fn export(
     io: &mut Io<'_>,
 ) -> Outcome {
     let started = Instant::now();
-    let facts = store.facts()?;
+    let admin = store.admin();
+    let facts = admin.facts()?;
     let bar = bar(io, facts.records, "exporting");
     let mut file;
     let out: &mut dyn Write = match output {
@@ -218,11 +219,11 @@ pub(crate) fn export(
     };
     let (mut written, mut skipped) = (0u64, Vec::new());
     let mut failed = None;
-    store.scan(b"", |key_bytes, record| {
-        let line = match (record, codec::decode_key(key_bytes)) {
-            (Ok(r), Ok(k)) => transfer::to_json(&k, &r),
+    admin.scan(|key, record| {
+        let line = match (record, key.decode()) {
+            (Ok(r), Ok(k)) => export_line(&k, &r),
             (Err(e), _) | (_, Err(e)) => {
-                skipped.push(format!("{}: {e}", codec::printable_key(key_bytes)));
+                skipped.push(format!("{key}: {e}"));
                 return ControlFlow::Continue(());
             }
         };
@@ -281,7 +282,7 @@ pub(crate) fn import(
     io: &mut Io<'_>,
 ) -> Outcome {
     let started = Instant::now();
-    let facts = store.facts()?;
+    let facts = store.admin().facts()?;
     if !force && (facts.records > 0 || facts.index_entries > 0) {
         return Err(Failure::new(
             EXIT_REFUSED,
@@ -307,14 +308,16 @@ pub(crate) fn import(
         let at = line_no;
         match line {
             Ok(l) if l.trim().is_empty() => None,
-            Ok(l) => Some(
-                transfer::from_json(&l)
-                    .map_err(|e| crate::Error::invalid_argument(format!("line {at}: {e}"))),
-            ),
-            Err(e) => Some(Err(crate::Error::Io(e))),
+            Ok(l) => Some(parse_line(&l).map_err(|e| Error::InvalidArgument {
+                reason: format!("line {at}: {e}"),
+            })),
+            Err(e) => Some(Err(Error::Io(e))),
         }
     });
-    let result: Result<u64> = store.import(lines.inspect(|_| spin.inc(1)));
+    let result: Result<u64> = store.admin().import(lines.inspect(|_| spin.inc(1)));
+    // An import took the store by value before it moved to the public
+    // admin API: it is closed (and its file released) before the report.
+    drop(store);
     spin.finish_and_clear();
     let written = match result {
         Ok(n) => n,

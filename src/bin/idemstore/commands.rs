@@ -1,15 +1,12 @@
 //! Read commands (`stats`, `get`, `list`) and `evict`.
 
-use super::format::{self, BODY_PREVIEW_BYTES, hex, rfc3339, when};
+use super::format::{self, BODY_PREVIEW_BYTES, rfc3339, store_id, when};
 use super::{
     EXIT_NOT_FOUND, EXIT_OK, EXIT_REFUSED, Failure, Io, Outcome, PROGRESS_MIN_RECORDS, StateFilter,
     file_bytes,
 };
-use crate::codec;
-use crate::key::Key;
-use crate::record::{Record, State};
-use crate::redb::RedbStore;
-use crate::time::Timestamp;
+use idemstore::redb::admin::RawKey;
+use idemstore::{Key, Record, RedbStore, State, Timestamp};
 use serde_json::{Value, json};
 use std::ops::ControlFlow;
 use std::path::Path;
@@ -53,7 +50,7 @@ pub(crate) fn count(
 ) -> Result<Counts, Failure> {
     let bar = bar(io, len, "reading");
     let mut c = Counts::default();
-    store.scan(b"", |_, record| {
+    store.admin().scan(|_, record| {
         c.records += 1;
         if c.records.is_multiple_of(4096) {
             bar.set_position(c.records);
@@ -61,7 +58,7 @@ pub(crate) fn count(
         match record {
             Err(_) => c.unreadable += 1,
             Ok(r) if r.is_expired(now) => c.expired_not_swept += 1,
-            Ok(r) if r.state == State::Done => c.done += 1,
+            Ok(r) if r.state() == State::Done => c.done += 1,
             Ok(r) => {
                 c.processing += 1;
                 if lease_passed(&r, now) {
@@ -76,7 +73,7 @@ pub(crate) fn count(
 }
 
 fn lease_passed(r: &Record, now: Timestamp) -> bool {
-    r.state == State::Processing && r.lease_until.is_some_and(|l| now >= l)
+    r.state() == State::Processing && r.lease_until().is_some_and(|l| now >= l)
 }
 
 /// Two columns, the names padded.
@@ -94,8 +91,8 @@ fn size(bytes: u64) -> String {
 
 pub(crate) fn stats(store: &RedbStore, path: &Path, json: bool, io: &mut Io<'_>) -> Outcome {
     let now = io.now;
-    let facts = store.facts()?;
-    let bounds = store.expiry_bounds()?;
+    let facts = store.admin().facts()?;
+    let bounds = store.admin().expiry_bounds()?;
     let c = count(store, now, io, facts.records)?;
     let file = file_bytes(path);
     if json {
@@ -103,7 +100,7 @@ pub(crate) fn stats(store: &RedbStore, path: &Path, json: bool, io: &mut Io<'_>)
             "path": path.display().to_string(),
             "file_bytes": file,
             "format_version": facts.format_version,
-            "store_id": hex(&facts.store_id),
+            "store_id": store_id(facts.store_id),
             "token_high_water_mark": facts.token_hwm,
             "records": c.records,
             "done": c.done,
@@ -129,7 +126,7 @@ pub(crate) fn stats(store: &RedbStore, path: &Path, json: bool, io: &mut Io<'_>)
                 facts.format_version, facts.supported_version
             ),
         ),
-        ("store id", hex(&facts.store_id)),
+        ("store id", store_id(facts.store_id)),
         ("token high-water mark", facts.token_hwm.to_string()),
         ("records", c.records.to_string()),
         ("  DONE, live", c.done.to_string()),
@@ -159,10 +156,10 @@ pub(crate) fn stats(store: &RedbStore, path: &Path, json: bool, io: &mut Io<'_>)
 
 /// A record as JSON for `get` and `list --json` (the body as in `get`).
 fn record_json(k: &str, r: &Record, now: Timestamp, body_limit: Option<usize>) -> Value {
-    let response = r.response.as_ref().map(|resp| {
-        let body = format::preview(&resp.body, body_limit);
+    let response = r.response().map(|resp| {
+        let body = format::preview(resp.body(), body_limit);
         let headers: Vec<Value> = resp
-            .headers
+            .headers()
             .iter()
             .map(|(n, v)| {
                 let p = format::preview(v, None);
@@ -172,7 +169,7 @@ fn record_json(k: &str, r: &Record, now: Timestamp, body_limit: Option<usize>) -
             .collect();
         let field = if body.is_hex { "body_hex" } else { "body" };
         json!({
-            "status": resp.status,
+            "status": resp.status(),
             "headers": headers,
             field: body.shown,
             "body_bytes": body.total_bytes,
@@ -181,17 +178,17 @@ fn record_json(k: &str, r: &Record, now: Timestamp, body_limit: Option<usize>) -
     });
     json!({
         "key": k,
-        "state": r.state.to_string(),
-        "fingerprint": hex(r.fingerprint.as_bytes()),
-        "token": r.token,
-        "attempts": r.attempts,
-        "created_at": rfc3339(r.created_at),
-        "created_at_ms": r.created_at.as_millis(),
-        "lease_until": r.lease_until.map(rfc3339),
-        "lease_until_ms": r.lease_until.map(Timestamp::as_millis),
+        "state": r.state().to_string(),
+        "fingerprint": r.fingerprint().to_hex(),
+        "token": r.token(),
+        "attempts": r.attempts(),
+        "created_at": rfc3339(r.created_at()),
+        "created_at_ms": r.created_at().as_millis(),
+        "lease_until": r.lease_until().map(rfc3339),
+        "lease_until_ms": r.lease_until().map(Timestamp::as_millis),
         "lease_passed": lease_passed(r, now),
-        "expires_at": rfc3339(r.expires_at),
-        "expires_at_ms": r.expires_at.as_millis(),
+        "expires_at": rfc3339(r.expires_at()),
+        "expires_at_ms": r.expires_at().as_millis(),
         "expired": r.is_expired(now),
         "response": response,
     })
@@ -206,7 +203,7 @@ pub(crate) fn get(
     io: &mut Io<'_>,
 ) -> Outcome {
     let key = key(scope, id)?;
-    let Some(r) = store.get_raw(&key)? else {
+    let Some(r) = store.admin().get_raw(&key)? else {
         return Err(Failure::new(EXIT_NOT_FOUND, format!("no record for {key}")));
     };
     let now = io.now;
@@ -217,13 +214,13 @@ pub(crate) fn get(
     }
     let mut rows = vec![
         ("key", key.to_string()),
-        ("state", r.state.to_string()),
-        ("fingerprint", hex(r.fingerprint.as_bytes())),
-        ("token", r.token.to_string()),
-        ("attempts", r.attempts.to_string()),
-        ("created", when(r.created_at, now)),
+        ("state", r.state().to_string()),
+        ("fingerprint", r.fingerprint().to_hex()),
+        ("token", r.token().to_string()),
+        ("attempts", r.attempts().to_string()),
+        ("created", when(r.created_at(), now)),
     ];
-    if let Some(lease) = r.lease_until {
+    if let Some(lease) = r.lease_until() {
         let note = if now >= lease {
             " LEASE PASSED: the next retry takes over"
         } else {
@@ -236,10 +233,10 @@ pub(crate) fn get(
     } else {
         ""
     };
-    rows.push(("expires", format!("{}{note}", when(r.expires_at, now))));
-    if let Some(resp) = &r.response {
-        rows.push(("status", resp.status.to_string()));
-        for (name, value) in &resp.headers {
+    rows.push(("expires", format!("{}{note}", when(r.expires_at(), now))));
+    if let Some(resp) = r.response() {
+        rows.push(("status", resp.status().to_string()));
+        for (name, value) in resp.headers() {
             let p = format::preview(value, None);
             let shown = if p.is_hex {
                 format!("0x{}", p.shown)
@@ -248,7 +245,7 @@ pub(crate) fn get(
             };
             rows.push(("header", format!("{name}: {shown}")));
         }
-        let body = format::preview(&resp.body, limit);
+        let body = format::preview(resp.body(), limit);
         let mut line = format!(
             "{} bytes, {}",
             body.total_bytes,
@@ -282,8 +279,8 @@ impl ListFilter {
     fn wants(&self, r: &Record, now: Timestamp) -> bool {
         let state = match self.state {
             None => true,
-            Some(StateFilter::Processing) => r.state == State::Processing,
-            Some(StateFilter::Done) => r.state == State::Done,
+            Some(StateFilter::Processing) => r.state() == State::Processing,
+            Some(StateFilter::Done) => r.state() == State::Done,
         };
         state && (!self.expired || r.is_expired(now))
     }
@@ -291,15 +288,6 @@ impl ListFilter {
 
 pub(crate) fn list(store: &RedbStore, filter: &ListFilter, json: bool, io: &mut Io<'_>) -> Outcome {
     let now = io.now;
-    // Keys sort as scope_len | scope | id, so one scope is one key range.
-    let prefix = match &filter.scope {
-        Some(scope) => {
-            let mut p = codec::encode_key(&Key::new(scope, "x")?);
-            p.truncate(1 + scope.len());
-            p
-        }
-        None => Vec::new(),
-    };
     let limit = if filter.limit == 0 {
         u64::MAX
     } else {
@@ -309,8 +297,9 @@ pub(crate) fn list(store: &RedbStore, filter: &ListFilter, json: bool, io: &mut 
     let mut shown = 0u64;
     let mut more = false;
     let mut out_err = None;
-    store.scan(&prefix, |key_bytes, record| {
-        let name = codec::printable_key(key_bytes);
+    let admin = store.admin();
+    let each = |key: RawKey<'_>, record: idemstore::Result<Record>| {
+        let name = key.to_string();
         let row = match record {
             Ok(r) if !filter.wants(&r, now) => return ControlFlow::Continue(()),
             Ok(r) => {
@@ -334,19 +323,18 @@ pub(crate) fn list(store: &RedbStore, filter: &ListFilter, json: bool, io: &mut 
                     flags.push("EXPIRED");
                 }
                 let status = r
-                    .response
-                    .as_ref()
-                    .map_or("-".to_owned(), |x| x.status.to_string());
+                    .response()
+                    .map_or("-".to_owned(), |x| x.status().to_string());
                 let lease = r
-                    .lease_until
+                    .lease_until()
                     .map_or("-".to_owned(), |l| format::relative(l, now));
                 vec![
-                    r.state.to_string(),
+                    r.state().to_string(),
                     name,
-                    r.token.to_string(),
+                    r.token().to_string(),
                     status,
                     lease,
-                    format::relative(r.expires_at, now),
+                    format::relative(r.expires_at(), now),
                     flags.join(","),
                 ]
             }
@@ -373,7 +361,11 @@ pub(crate) fn list(store: &RedbStore, filter: &ListFilter, json: bool, io: &mut 
         rows.push(row);
         shown += 1;
         ControlFlow::Continue(())
-    })?;
+    };
+    match &filter.scope {
+        Some(scope) => admin.scan_scope(scope, each)?,
+        None => admin.scan(each)?,
+    }
     if let Some(e) = out_err {
         return Err(e.into());
     }
@@ -419,8 +411,8 @@ pub(crate) fn evict(
     io: &mut Io<'_>,
 ) -> Outcome {
     let key = key(scope, id)?;
-    let what = match store.get_raw(&key) {
-        Ok(Some(r)) => format!("{} record, token {}", r.state, r.token),
+    let what = match store.admin().get_raw(&key) {
+        Ok(Some(r)) => format!("{} record, token {}", r.state(), r.token()),
         Ok(None) => return Err(Failure::new(EXIT_NOT_FOUND, format!("no record for {key}"))),
         Err(e) => format!("unreadable record ({e})"),
     };
@@ -431,13 +423,13 @@ pub(crate) fn evict(
             return Err(Failure::new(EXIT_REFUSED, "not evicted"));
         }
     }
-    let Some(evicted) = store.evict(&key)? else {
+    let Some(evicted) = store.admin().evict(&key)? else {
         return Err(Failure::new(EXIT_NOT_FOUND, format!("no record for {key}")));
     };
     if json {
         let v = json!({
             "evicted": key.to_string(),
-            "state": evicted.record.as_ref().map(|r| r.state.to_string()),
+            "state": evicted.record.as_ref().map(|r| r.state().to_string()),
             "index_entries": evicted.index_entries,
         });
         writeln!(io.out, "{v}")?;

@@ -1,0 +1,533 @@
+//! Operator access to a store file: store facts, raw iteration over the
+//! records, a full verification, evicting one key, bulk import, and the
+//! export line format. The `idemstore` binary (feature `cli`) is built on
+//! this module alone, and so is the crash checker of `idemstore-testkit`.
+//! None of it is part of the [`Store`](crate::Store) contract.
+//!
+//! ```
+//! use idemstore::{Fingerprint, Key, RedbStore, Store, Timestamp};
+//! use std::time::Duration;
+//! # let dir = tempfile::tempdir()?;
+//! let store = RedbStore::open(dir.path().join("orders.idem"))?;
+//! let hour = Duration::from_secs(3600);
+//! store.begin(&Key::new("t", "order-1")?, &Fingerprint::of(b"x"), Timestamp::EPOCH, hour, hour)?;
+//!
+//! let admin = store.admin();
+//! admin.checkpoint()?;                       // make the write part of the file
+//! assert_eq!(admin.facts()?.records, 1);
+//! assert!(admin.verify(|_| {})?.is_clean());
+//! # Ok::<(), idemstore::Error>(())
+//! ```
+//!
+//! Reads use ordinary read transactions of the store file, so each sees one
+//! consistent snapshot of it. The file holds what was checkpointed: after an
+//! open that is everything (the log is replayed into it), and after writes
+//! through the store [`Admin::checkpoint`] makes them part of it.
+//! Writes here ([`Admin::evict`], [`Admin::import`]) are direct
+//! transactions: under the commit lock, so no group commits beside them,
+//! taking in the memtable first and retiring the log, and a failed commit
+//! poisons the store exactly as a failed group would.
+//!
+//! - this file: [`Admin`], [`Facts`], [`RawKey`], [`Evicted`], the reads,
+//!   evict and import;
+//! - `verify.rs`: [`Admin::verify`] and its [`VerifyReport`];
+//! - `line.rs`: the export line format ([`export_line`], [`parse_line`]).
+
+mod line;
+mod verify;
+
+pub use line::{LINE_VERSION, export_line, parse_line};
+pub use verify::{MAX_LISTED_PROBLEMS, Problem, ProblemKind, VerifyReport};
+
+use super::RedbStore;
+use super::errors::engine;
+use super::open::STORE_FORMAT_VERSION;
+use super::tables::{EXPIRY, RECORDS, WriteTables};
+use crate::codec;
+use crate::error::{Error, Result};
+use crate::key::Key;
+use crate::record::Record;
+use crate::time::Timestamp;
+use ::redb::{ReadableDatabase, ReadableTable, ReadableTableMetadata};
+use std::fmt;
+use std::ops::ControlFlow;
+
+/// Records written per transaction by [`Admin::import`]: bounds the memory
+/// of one transaction while keeping the fsyncs few.
+///
+/// ```
+/// // An import of a million records is a hundred durable commits.
+/// assert_eq!(1_000_000usize.div_ceil(idemstore::redb::admin::IMPORT_BATCH), 100);
+/// ```
+pub const IMPORT_BATCH: usize = 10_000;
+
+impl RedbStore {
+    /// Operator access to this store's file: facts, raw scans, verify,
+    /// evict, import (see [`admin`](crate::redb::admin)).
+    ///
+    /// ```
+    /// # let dir = tempfile::tempdir()?;
+    /// let store = idemstore::RedbStore::open(dir.path().join("s.idem"))?;
+    /// assert_eq!(store.admin().facts()?.store_id, store.store_id());
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn admin(&self) -> Admin<'_> {
+        Admin { store: self }
+    }
+}
+
+/// Operator access to one open [`RedbStore`], from [`RedbStore::admin`].
+///
+/// ```
+/// # let dir = tempfile::tempdir()?;
+/// let store = idemstore::RedbStore::open(dir.path().join("s.idem"))?;
+/// let admin = store.admin();
+/// assert_eq!(admin.expiry_bounds()?, None);
+/// # Ok::<(), idemstore::Error>(())
+/// ```
+#[derive(Clone, Copy, Debug)]
+pub struct Admin<'a> {
+    store: &'a RedbStore,
+}
+
+/// Store-wide facts from the meta table and the table sizes
+/// ([`Admin::facts`]).
+///
+/// ```
+/// # let dir = tempfile::tempdir()?;
+/// let store = idemstore::RedbStore::open(dir.path().join("s.idem"))?;
+/// let facts = store.admin().facts()?;
+/// assert_eq!(facts.format_version, facts.supported_version);
+/// assert_eq!((facts.records, facts.index_entries, facts.token_hwm), (0, 0, 0));
+/// # Ok::<(), idemstore::Error>(())
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Facts {
+    /// The store format version written in the file.
+    pub format_version: u32,
+    /// The store format version this build writes (and the newest it reads).
+    pub supported_version: u32,
+    /// The store's id, as [`RedbStore::store_id`] returns it.
+    pub store_id: u128,
+    /// The largest fencing token ever handed out (the high-water mark).
+    pub token_hwm: u64,
+    /// Entries in the record table.
+    pub records: u64,
+    /// Entries in the expiry index.
+    pub index_entries: u64,
+}
+
+/// A key as stored (`scope_len u8 | scope | id`), as [`Admin::scan`] passes
+/// it: a damaged file may hold bytes that are not a valid [`Key`].
+///
+/// Its [`Display`](fmt::Display) is `scope/id` (escaped) when it decodes,
+/// else `0x` and hex.
+///
+/// ```
+/// use idemstore::{Key, RedbStore, Fingerprint, Store, Timestamp};
+/// use std::ops::ControlFlow;
+/// use std::time::Duration;
+/// # let dir = tempfile::tempdir()?;
+/// let store = RedbStore::open(dir.path().join("s.idem"))?;
+/// let hour = Duration::from_secs(3600);
+/// store.begin(&Key::new("t", "o-1")?, &Fingerprint::of(b"x"), Timestamp::EPOCH, hour, hour)?;
+/// store.admin().checkpoint()?;
+/// store.admin().scan(|key, _record| {
+///     assert_eq!(key.as_bytes(), b"\x01to-1");
+///     assert_eq!(key.decode().expect("valid"), Key::new("t", "o-1").expect("valid"));
+///     assert_eq!(key.to_string(), "t/o-1");
+///     ControlFlow::Continue(())
+/// })?;
+/// # Ok::<(), idemstore::Error>(())
+/// ```
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RawKey<'a> {
+    bytes: &'a [u8],
+}
+
+impl<'a> RawKey<'a> {
+    /// The stored bytes.
+    ///
+    /// ```
+    /// # use idemstore::redb::admin::RawKey;
+    /// fn first_byte(key: RawKey<'_>) -> Option<u8> {
+    ///     key.as_bytes().first().copied()   // the scope's length
+    /// }
+    /// ```
+    pub fn as_bytes(&self) -> &'a [u8] {
+        self.bytes
+    }
+
+    /// The [`Key`] these bytes store; [`Error::Corrupt`] when they do not
+    /// decode to a valid one.
+    ///
+    /// ```
+    /// # use idemstore::redb::admin::RawKey;
+    /// fn scope_of(key: RawKey<'_>) -> idemstore::Result<Vec<u8>> {
+    ///     Ok(key.decode()?.scope().to_vec())
+    /// }
+    /// ```
+    pub fn decode(&self) -> Result<Key> {
+        codec::decode_key(self.bytes)
+    }
+}
+
+impl fmt::Display for RawKey<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&codec::printable_key(self.bytes))
+    }
+}
+
+impl fmt::Debug for RawKey<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "RawKey({self})")
+    }
+}
+
+/// What [`Admin::evict`] removed.
+///
+/// ```
+/// # use idemstore::{Key, RedbStore};
+/// # let dir = tempfile::tempdir()?;
+/// # let store = RedbStore::open(dir.path().join("s.idem"))?;
+/// if let Some(evicted) = store.admin().evict(&Key::new("t", "o-1")?)? {
+///     println!("{} index entries removed", evicted.index_entries);
+/// }
+/// # Ok::<(), idemstore::Error>(())
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Evicted {
+    /// The record, when it still decoded (`None` for a damaged one).
+    pub record: Option<Record>,
+    /// Index entries removed with it.
+    pub index_entries: u64,
+}
+
+impl Admin<'_> {
+    /// Writes everything the memtable holds into the store file (durably,
+    /// retiring the log), so that the reads here, which read the file, see
+    /// the writes made through the store API. Writes nothing when the
+    /// memtable is empty, as it is after an open.
+    ///
+    /// ```
+    /// # let dir = tempfile::tempdir()?;
+    /// let store = idemstore::RedbStore::open(dir.path().join("s.idem"))?;
+    /// store.admin().checkpoint()?;
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn checkpoint(&self) -> Result<()> {
+        self.store.shared.flush()
+    }
+
+    /// Facts from the meta table and the table sizes. A missing or
+    /// malformed meta entry is [`Error::Corrupt`].
+    ///
+    /// ```
+    /// # let dir = tempfile::tempdir()?;
+    /// let store = idemstore::RedbStore::open(dir.path().join("s.idem"))?;
+    /// assert_eq!(store.admin().facts()?.records, 0);
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn facts(&self) -> Result<Facts> {
+        let db = self.store.shared.read_db();
+        let txn = db.begin_read().map_err(engine)?;
+        let meta = super::open::read_meta_entries(&txn)?;
+        let records = txn
+            .open_table(RECORDS)
+            .map_err(engine)?
+            .len()
+            .map_err(engine)?;
+        let index_entries = txn
+            .open_table(EXPIRY)
+            .map_err(engine)?
+            .len()
+            .map_err(engine)?;
+        Ok(Facts {
+            format_version: meta.format_version,
+            supported_version: STORE_FORMAT_VERSION,
+            store_id: u128::from_be_bytes(meta.store_id),
+            token_hwm: meta.token_hwm,
+            records,
+            index_entries,
+        })
+    }
+
+    /// Calls `f` with every record in the store file, in key order, from
+    /// one snapshot, until it returns [`ControlFlow::Break`]. A record that
+    /// does not verify is passed as its error ([`Error::Corrupt`]), not
+    /// skipped. Expired records not yet swept are included.
+    ///
+    /// ```
+    /// use std::ops::ControlFlow;
+    /// # let dir = tempfile::tempdir()?;
+    /// # let store = idemstore::RedbStore::open(dir.path().join("s.idem"))?;
+    /// let mut damaged = 0;
+    /// store.admin().scan(|_key, record| {
+    ///     damaged += u32::from(record.is_err());
+    ///     ControlFlow::Continue(())
+    /// })?;
+    /// assert_eq!(damaged, 0);
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn scan(&self, f: impl FnMut(RawKey<'_>, Result<Record>) -> ControlFlow<()>) -> Result<()> {
+        self.scan_prefix(&[], f)
+    }
+
+    /// [`scan`](Self::scan) over the records of one scope (tenant) only:
+    /// keys sort by scope first, so this reads one key range.
+    /// [`Error::InvalidKey`] when `scope` is longer than a scope may be.
+    ///
+    /// ```
+    /// use idemstore::{Fingerprint, Key, RedbStore, Store, Timestamp};
+    /// use std::ops::ControlFlow;
+    /// use std::time::Duration;
+    /// # let dir = tempfile::tempdir()?;
+    /// let store = RedbStore::open(dir.path().join("s.idem"))?;
+    /// let hour = Duration::from_secs(3600);
+    /// for scope in ["a", "ab", "b"] {
+    ///     store.begin(&Key::new(scope, "o-1")?, &Fingerprint::of(b"x"), Timestamp::EPOCH, hour, hour)?;
+    /// }
+    /// store.admin().checkpoint()?;
+    /// let mut seen = Vec::new();
+    /// store.admin().scan_scope("a", |key, _| {
+    ///     seen.push(key.to_string());
+    ///     ControlFlow::Continue(())
+    /// })?;
+    /// assert_eq!(seen, ["a/o-1"]);
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn scan_scope(
+        &self,
+        scope: impl AsRef<[u8]>,
+        f: impl FnMut(RawKey<'_>, Result<Record>) -> ControlFlow<()>,
+    ) -> Result<()> {
+        let scope = scope.as_ref();
+        // Keys sort as scope_len | scope | id, so one scope is one key
+        // range; a key with the scope validates it.
+        let mut prefix = codec::encode_key(&Key::new(scope, "x")?);
+        prefix.truncate(1 + scope.len());
+        self.scan_prefix(&prefix, f)
+    }
+
+    /// Calls `f` with every stored record whose key starts with `prefix`
+    /// (encoded key bytes; empty for all).
+    fn scan_prefix(
+        &self,
+        prefix: &[u8],
+        mut f: impl FnMut(RawKey<'_>, Result<Record>) -> ControlFlow<()>,
+    ) -> Result<()> {
+        let db = self.store.shared.read_db();
+        let txn = db.begin_read().map_err(engine)?;
+        let table = txn.open_table(RECORDS).map_err(engine)?;
+        for entry in table.range::<&[u8]>(prefix..).map_err(engine)? {
+            let (k, v) = entry.map_err(engine)?;
+            let key_bytes = k.value();
+            if !key_bytes.starts_with(prefix) {
+                break;
+            }
+            let record = codec::decode_record(key_bytes, v.value());
+            if f(RawKey { bytes: key_bytes }, record).is_break() {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// The latest stored record for `key` whether or not it has expired
+    /// (an operator asks about what is stored; [`Store::get`](crate::Store::get)
+    /// hides expired records). [`Error::Corrupt`] for a record that does
+    /// not verify.
+    ///
+    /// ```
+    /// # let dir = tempfile::tempdir()?;
+    /// let store = idemstore::RedbStore::open(dir.path().join("s.idem"))?;
+    /// assert!(store.admin().get_raw(&idemstore::Key::new("t", "o-1")?)?.is_none());
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn get_raw(&self, key: &Key) -> Result<Option<Record>> {
+        self.store.shared.read(&codec::encode_key(key))
+    }
+
+    /// The expiry of the first and the last expiry-index entries, `None`
+    /// when the index is empty: two lookups at the ends of the index, not a
+    /// scan.
+    ///
+    /// ```
+    /// use idemstore::{Fingerprint, Key, RedbStore, Store, Timestamp};
+    /// use std::time::Duration;
+    /// # let dir = tempfile::tempdir()?;
+    /// let store = RedbStore::open(dir.path().join("s.idem"))?;
+    /// let hour = Duration::from_secs(3600);
+    /// store.begin(&Key::new("t", "o-1")?, &Fingerprint::of(b"x"), Timestamp::EPOCH, hour, hour)?;
+    /// store.admin().checkpoint()?;
+    /// let end = Timestamp::EPOCH + hour;
+    /// assert_eq!(store.admin().expiry_bounds()?, Some((end, end)));
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn expiry_bounds(&self) -> Result<Option<(Timestamp, Timestamp)>> {
+        let db = self.store.shared.read_db();
+        let txn = db.begin_read().map_err(engine)?;
+        let expiry = txn.open_table(EXPIRY).map_err(engine)?;
+        let first = expiry.first().map_err(engine)?;
+        let last = expiry.last().map_err(engine)?;
+        match (first, last) {
+            (Some((a, _)), Some((b, _))) => Ok(Some((
+                codec::decode_index(a.value())?.0,
+                codec::decode_index(b.value())?.0,
+            ))),
+            _ => Ok(None),
+        }
+    }
+
+    /// Expiry-index entries due at `now` (expiry at or before it), counted
+    /// up to `limit`: what a sweep at `now` will visit.
+    ///
+    /// ```
+    /// # let dir = tempfile::tempdir()?;
+    /// let store = idemstore::RedbStore::open(dir.path().join("s.idem"))?;
+    /// assert_eq!(store.admin().count_due(idemstore::Timestamp::EPOCH, u64::MAX)?, 0);
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn count_due(&self, now: Timestamp, limit: u64) -> Result<u64> {
+        let db = self.store.shared.read_db();
+        let txn = db.begin_read().map_err(engine)?;
+        let expiry = txn.open_table(EXPIRY).map_err(engine)?;
+        // Entries are (expires_at BE | key): every one due sorts below now + 1.
+        let bound = now.as_millis().saturating_add(1).to_be_bytes();
+        let mut n = 0u64;
+        for entry in expiry.range::<&[u8]>(..bound.as_slice()).map_err(engine)? {
+            entry.map_err(engine)?;
+            n += 1;
+            if n >= limit {
+                break;
+            }
+        }
+        Ok(n)
+    }
+
+    /// Removes `key`'s record and its index entry, whatever the record's
+    /// state, and even when the record no longer decodes (then every index
+    /// entry naming the key is found by a scan of the index). `Ok(None)`
+    /// when there is no record. A retry of an evicted key runs its side
+    /// effect again. [`Error::Poisoned`] on a poisoned store; a failed
+    /// commit poisons it.
+    ///
+    /// ```
+    /// use idemstore::{Fingerprint, Key, RedbStore, Store, Timestamp};
+    /// use std::time::Duration;
+    /// # let dir = tempfile::tempdir()?;
+    /// let store = RedbStore::open(dir.path().join("s.idem"))?;
+    /// let key = Key::new("t", "o-1")?;
+    /// let hour = Duration::from_secs(3600);
+    /// store.begin(&key, &Fingerprint::of(b"x"), Timestamp::EPOCH, hour, hour)?;
+    /// let evicted = store.admin().evict(&key)?.expect("it was there");
+    /// assert_eq!(evicted.index_entries, 1);
+    /// assert!(store.admin().evict(&key)?.is_none());
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn evict(&self, key: &Key) -> Result<Option<Evicted>> {
+        if self.store.is_poisoned() {
+            return Err(Error::Poisoned);
+        }
+        let key_bytes = codec::encode_key(key);
+        // A direct transaction: it takes in the memtable first, so the
+        // record removed is the latest, and it retires the log.
+        self.store.shared.direct(|txn, _| {
+            let mut records = txn.open_table(RECORDS).map_err(engine)?;
+            let mut expiry = txn.open_table(EXPIRY).map_err(engine)?;
+            let Some(value) = records.remove(key_bytes.as_slice()).map_err(engine)? else {
+                return Ok(None);
+            };
+            let record = codec::decode_record(&key_bytes, value.value()).ok();
+            drop(value);
+            let stale: Vec<Vec<u8>> = match &record {
+                Some(r) => vec![codec::encode_index(r.expires_at, &key_bytes)],
+                None => {
+                    let mut found = Vec::new();
+                    for entry in expiry.iter().map_err(engine)? {
+                        let (k, _) = entry.map_err(engine)?;
+                        if matches!(codec::decode_index(k.value()), Ok((_, kb)) if kb == key_bytes)
+                        {
+                            found.push(k.value().to_vec());
+                        }
+                    }
+                    found
+                }
+            };
+            let mut index_entries = 0;
+            for index_key in stale {
+                if expiry
+                    .remove(index_key.as_slice())
+                    .map_err(engine)?
+                    .is_some()
+                {
+                    index_entries += 1;
+                }
+            }
+            Ok(Some(Evicted {
+                record,
+                index_entries,
+            }))
+        })
+    }
+
+    /// Writes `records` as they are (state, token, times: nothing is
+    /// re-decided), each with its index entry, [`IMPORT_BATCH`] per
+    /// transaction, and raises the token high-water mark to the largest
+    /// imported token. A record already stored under the same key is
+    /// replaced (its index entry moves). The first `Err` item stops the
+    /// import and is returned; the batches before it stay written.
+    /// Returns how many records were written.
+    ///
+    /// An import is an operator's bulk load (of lines read with
+    /// [`parse_line`]), not something to run beside live traffic: each
+    /// batch holds the commit lock.
+    ///
+    /// ```
+    /// use idemstore::redb::admin::{export_line, parse_line};
+    /// use idemstore::{Fingerprint, Key, RedbStore, Store, Timestamp};
+    /// use std::ops::ControlFlow;
+    /// use std::time::Duration;
+    /// # let dir = tempfile::tempdir()?;
+    /// let from = RedbStore::open(dir.path().join("from.idem"))?;
+    /// let hour = Duration::from_secs(3600);
+    /// from.begin(&Key::new("t", "o-1")?, &Fingerprint::of(b"x"), Timestamp::EPOCH, hour, hour)?;
+    /// from.admin().checkpoint()?;
+    /// let mut lines = Vec::new();
+    /// from.admin().scan(|key, record| {
+    ///     lines.push(export_line(&key.decode().expect("key"), &record.expect("record")));
+    ///     ControlFlow::Continue(())
+    /// })?;
+    ///
+    /// let to = RedbStore::open(dir.path().join("to.idem"))?;
+    /// assert_eq!(to.admin().import(lines.iter().map(|l| parse_line(l)))?, 1);
+    /// assert_eq!(to.admin().facts()?.token_hwm, from.admin().facts()?.token_hwm);
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn import(&self, records: impl IntoIterator<Item = Result<(Key, Record)>>) -> Result<u64> {
+        if self.store.is_poisoned() {
+            return Err(Error::Poisoned);
+        }
+        let mut hwm = self.facts()?.token_hwm;
+        let mut written = 0u64;
+        let mut records = records.into_iter().peekable();
+        while records.peek().is_some() {
+            self.store.shared.direct(|txn, token_hwm| {
+                let mut tables = WriteTables::open(txn)?;
+                for item in records.by_ref().take(IMPORT_BATCH) {
+                    let (key, record) = item?;
+                    // A stored record that does not decode is replaced
+                    // (see WriteTables::apply).
+                    tables.apply(&codec::encode_key(&key), Some(&record))?;
+                    hwm = hwm.max(record.token);
+                    written += 1;
+                }
+                *token_hwm = (*token_hwm).max(hwm);
+                Ok::<_, Error>(())
+            })?;
+        }
+        Ok(written)
+    }
+}

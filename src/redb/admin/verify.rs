@@ -1,0 +1,292 @@
+//! [`Admin::verify`]: every record and index entry read and checked.
+
+use super::Admin;
+use crate::codec;
+use crate::error::Result;
+use crate::redb::errors::engine;
+use crate::redb::tables::{EXPIRY, RECORDS};
+use ::redb::{ReadableDatabase, ReadableTable};
+
+/// Most problems a [`VerifyReport`] lists one by one; past this it only
+/// counts them.
+///
+/// ```
+/// use idemstore::redb::admin::MAX_LISTED_PROBLEMS;
+/// # let dir = tempfile::tempdir()?;
+/// # let store = idemstore::RedbStore::open(dir.path().join("s.idem"))?;
+/// let report = store.admin().verify(|_| {})?;
+/// assert!(report.problems.len() <= MAX_LISTED_PROBLEMS);
+/// let unlisted = report.problem_count - report.problems.len() as u64;
+/// # assert_eq!(unlisted, 0);
+/// # Ok::<(), idemstore::Error>(())
+/// ```
+pub const MAX_LISTED_PROBLEMS: usize = 100;
+
+/// What kind of disagreement [`Admin::verify`] found.
+///
+/// ```
+/// use idemstore::redb::admin::ProblemKind;
+/// assert_eq!(ProblemKind::MissingIndex.name(), "missing_index");
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ProblemKind {
+    /// redb's page checksums failed and redb repaired the file (from its
+    /// last good commit).
+    EngineRepaired,
+    /// A meta entry is missing or malformed.
+    Meta,
+    /// A stored key does not decode to a valid [`Key`](crate::Key).
+    BadKey,
+    /// A record value does not verify (checksum, version, payload, invariants).
+    BadRecord,
+    /// A record has no index entry at its expiry: the sweeper never removes it.
+    MissingIndex,
+    /// An index entry whose record is gone.
+    OrphanIndex,
+    /// An index entry whose record exists with a different expiry.
+    StaleIndex,
+    /// An index entry shorter than its fixed layout.
+    BadIndexEntry,
+    /// A record's fencing token exceeds the high-water mark: a restart could
+    /// hand that token out again.
+    TokenAboveHighWaterMark,
+}
+
+impl ProblemKind {
+    /// A stable, short name (the `idemstore verify` table and JSON output
+    /// use it).
+    ///
+    /// ```
+    /// use idemstore::redb::admin::ProblemKind;
+    /// assert_eq!(ProblemKind::TokenAboveHighWaterMark.name(), "token_above_hwm");
+    /// ```
+    pub fn name(self) -> &'static str {
+        match self {
+            ProblemKind::EngineRepaired => "engine_repaired",
+            ProblemKind::Meta => "meta",
+            ProblemKind::BadKey => "bad_key",
+            ProblemKind::BadRecord => "bad_record",
+            ProblemKind::MissingIndex => "missing_index",
+            ProblemKind::OrphanIndex => "orphan_index",
+            ProblemKind::StaleIndex => "stale_index",
+            ProblemKind::BadIndexEntry => "bad_index_entry",
+            ProblemKind::TokenAboveHighWaterMark => "token_above_hwm",
+        }
+    }
+}
+
+impl std::fmt::Display for ProblemKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// One problem found by [`Admin::verify`].
+///
+/// ```
+/// # let dir = tempfile::tempdir()?;
+/// # let store = idemstore::RedbStore::open(dir.path().join("s.idem"))?;
+/// for p in &store.admin().verify(|_| {})?.problems {
+///     eprintln!("{}: {} ({})", p.kind, p.key.as_deref().unwrap_or("-"), p.detail);
+/// }
+/// # Ok::<(), idemstore::Error>(())
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Problem {
+    /// What kind of problem.
+    pub kind: ProblemKind,
+    /// The key concerned, printable (`scope/id`, or `0x` and hex), if any.
+    pub key: Option<String>,
+    /// What was found, in words.
+    pub detail: String,
+}
+
+impl std::fmt::Display for Problem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.key {
+            Some(key) => write!(f, "{} {key}: {}", self.kind, self.detail),
+            None => write!(f, "{}: {}", self.kind, self.detail),
+        }
+    }
+}
+
+/// The outcome of [`Admin::verify`].
+///
+/// ```
+/// # let dir = tempfile::tempdir()?;
+/// let store = idemstore::RedbStore::open(dir.path().join("s.idem"))?;
+/// let report = store.admin().verify(|_| {})?;
+/// assert!(report.is_clean());
+/// assert_eq!((report.records, report.problem_count), (0, 0));
+/// # Ok::<(), idemstore::Error>(())
+/// ```
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct VerifyReport {
+    /// Records read.
+    pub records: u64,
+    /// Index entries read.
+    pub index_entries: u64,
+    /// Every problem found, counted.
+    pub problem_count: u64,
+    /// The first [`MAX_LISTED_PROBLEMS`] problems.
+    pub problems: Vec<Problem>,
+}
+
+impl VerifyReport {
+    /// True when nothing was found.
+    ///
+    /// ```
+    /// # let dir = tempfile::tempdir()?;
+    /// # let store = idemstore::RedbStore::open(dir.path().join("s.idem"))?;
+    /// assert!(store.admin().verify(|_| {})?.is_clean());
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn is_clean(&self) -> bool {
+        self.problem_count == 0
+    }
+
+    fn add(&mut self, kind: ProblemKind, key: Option<String>, detail: impl Into<String>) {
+        self.problem_count += 1;
+        if self.problems.len() < MAX_LISTED_PROBLEMS {
+            self.problems.push(Problem {
+                kind,
+                key,
+                detail: detail.into(),
+            });
+        }
+    }
+}
+
+impl Admin<'_> {
+    /// Reads every record and index entry of the store file: redb's page
+    /// checksums (redb repairs what it can, which is reported as
+    /// [`ProblemKind::EngineRepaired`]), every record's envelope and
+    /// invariants, every token against the high-water mark, and that the
+    /// record table and the expiry index agree one to one. `progress` is
+    /// called with the number of entries read so far.
+    ///
+    /// Problems are the report's; `Err` is for what ends the check: damage
+    /// redb cannot repair ([`Error::Corrupt`](crate::Error::Corrupt)) or an
+    /// I/O error. Like [`RedbStore::compact`](crate::RedbStore::compact),
+    /// the engine check waits out every transaction in progress.
+    ///
+    /// ```
+    /// # let dir = tempfile::tempdir()?;
+    /// let store = idemstore::RedbStore::open(dir.path().join("s.idem"))?;
+    /// let mut read = 0;
+    /// let report = store.admin().verify(|n| read = n)?;
+    /// assert!(report.is_clean(), "{:?}", report.problems);
+    /// assert_eq!(read, report.records + report.index_entries);
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn verify(&self, mut progress: impl FnMut(u64)) -> Result<VerifyReport> {
+        let shared = &self.store.shared;
+        let mut report = VerifyReport::default();
+        {
+            // check_integrity needs no live transaction: the exclusive lock
+            // waits out every transaction, as compact does.
+            let mut db = shared.db.write().unwrap_or_else(|p| p.into_inner());
+            if !db.check_integrity().map_err(engine)? {
+                report.add(
+                    ProblemKind::EngineRepaired,
+                    None,
+                    "redb's page checksums failed; redb repaired the file from its last good commit",
+                );
+            }
+        }
+        let facts = match self.facts() {
+            Ok(facts) => Some(facts),
+            Err(e) => {
+                report.add(ProblemKind::Meta, None, e.to_string());
+                None
+            }
+        };
+        let db = shared.read_db();
+        let txn = db.begin_read().map_err(engine)?;
+        let records = txn.open_table(RECORDS).map_err(engine)?;
+        let expiry = txn.open_table(EXPIRY).map_err(engine)?;
+        let mut read = 0u64;
+        for entry in records.iter().map_err(engine)? {
+            let (k, v) = entry.map_err(engine)?;
+            let key_bytes = k.value();
+            let name = codec::printable_key(key_bytes);
+            report.records += 1;
+            read += 1;
+            progress(read);
+            if let Err(e) = codec::decode_key(key_bytes) {
+                report.add(ProblemKind::BadKey, Some(name.clone()), e.to_string());
+            }
+            let record = match codec::decode_record(key_bytes, v.value()) {
+                Ok(r) => r,
+                Err(e) => {
+                    report.add(ProblemKind::BadRecord, Some(name), e.to_string());
+                    continue;
+                }
+            };
+            let index_key = codec::encode_index(record.expires_at, key_bytes);
+            if expiry.get(index_key.as_slice()).map_err(engine)?.is_none() {
+                report.add(
+                    ProblemKind::MissingIndex,
+                    Some(name.clone()),
+                    format!(
+                        "no index entry at its expiry ({} ms)",
+                        record.expires_at.as_millis()
+                    ),
+                );
+            }
+            if let Some(facts) = &facts
+                && record.token > facts.token_hwm
+            {
+                report.add(
+                    ProblemKind::TokenAboveHighWaterMark,
+                    Some(name),
+                    format!(
+                        "token {} is above the high-water mark {}",
+                        record.token, facts.token_hwm
+                    ),
+                );
+            }
+        }
+        for entry in expiry.iter().map_err(engine)? {
+            let (k, _) = entry.map_err(engine)?;
+            let index_key = k.value();
+            report.index_entries += 1;
+            read += 1;
+            progress(read);
+            let (at, key_bytes) = match codec::decode_index(index_key) {
+                Ok(pair) => pair,
+                Err(e) => {
+                    report.add(ProblemKind::BadIndexEntry, None, e.to_string());
+                    continue;
+                }
+            };
+            let name = codec::printable_key(key_bytes);
+            let Some(value) = records.get(key_bytes).map_err(engine)? else {
+                report.add(
+                    ProblemKind::OrphanIndex,
+                    Some(name),
+                    format!("index entry at {} ms has no record", at.as_millis()),
+                );
+                continue;
+            };
+            // A record that does not decode was reported above.
+            if let Ok(record) = codec::decode_record(key_bytes, value.value())
+                && record.expires_at != at
+            {
+                report.add(
+                    ProblemKind::StaleIndex,
+                    Some(name),
+                    format!(
+                        "index entry at {} ms, record expires at {} ms",
+                        at.as_millis(),
+                        record.expires_at.as_millis()
+                    ),
+                );
+            }
+        }
+        Ok(report)
+    }
+}
