@@ -19,9 +19,11 @@ use std::path::Path;
 /// the table layout, the meta entries and the write-ahead log; the record
 /// envelope has its own version inside every value.
 ///
-/// 2 added the write-ahead log (`<file>-wal`, the `wal_epoch` meta entry).
-/// A version 1 store opens and is marked 2 at its first open by this build,
-/// so that an older build, which would ignore the log, refuses it.
+/// 2 added the write-ahead log (`<file>-wal`, the `wal_epoch` meta entry);
+/// 3 changed the log to two segments of 4 KiB-aligned frames that carry no
+/// index entries (docs/format.md). A version 1 or 2 store opens (a version 2 log is replayed
+/// in its own layout) and is marked 3 at its first open by this build, so
+/// that an older build, which would misread the log, refuses it.
 pub(super) const STORE_FORMAT_VERSION: u32 = 3;
 
 /// redb's file magic (redb's `MAGICNUMBER`, private in redb 4.x; it is part

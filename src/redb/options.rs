@@ -274,9 +274,10 @@ impl RedbStoreBuilder {
     /// Opens a store over any redb [`StorageBackend`](::redb::StorageBackend):
     /// the seam for simulated power loss in tests and for custom storage.
     ///
-    /// This is the one engine-specific entry point: it names a redb type,
-    /// so it follows redb's major version. Everything else in idemstore's
-    /// API is engine-free.
+    /// It names a redb type, so it follows redb's major version, as do the
+    /// [`Inbox`](crate::redb::Inbox)'s transactions and the
+    /// [`engine`](crate::redb::engine) re-export. The core API (the crate
+    /// root, the `Store` contract) names no engine type.
     ///
     /// ```
     /// use idemstore::RedbStore;

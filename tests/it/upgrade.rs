@@ -1,6 +1,6 @@
-//! Store files written by format 2 (today's `STORE_FORMAT_VERSION`, with the
-//! write-ahead log `<file>-wal`) open with every record intact: the fixtures
-//! pin real format-2 files, so that a later format is checked against them.
+//! Store files written by format 2 (the first format with the write-ahead
+//! log `<file>-wal`; today's is 3) open with every record intact: the
+//! fixtures pin real format-2 files, written by a format-2 build.
 //!
 //! # The fixtures (`tests/fixtures/`)
 //!
@@ -108,8 +108,10 @@ const HWM: u64 = 14;
 const HWM_AFTER_SESSION_ONE: u64 = 10;
 /// Batches of session two: the frames only the crashed store's log holds.
 const SESSION_TWO_BATCHES: u64 = 11;
-/// The script's log size: the smallest the builder accepts
-/// (`MIN_WAL_BYTES`); session two's 11 frames take 2794 bytes of it.
+/// The script's log size when the fixtures were written: the smallest the
+/// format-2 builder accepted; session two's 11 frames take 2794 bytes of
+/// it. Today's builder refuses it (`MIN_WAL_BYTES` is 16 KiB): the fixtures
+/// are regenerated only by a format-2 build, never by this one.
 const SCRIPT_WAL_BYTES: u64 = 4096;
 /// No checkpoint by time inside a session.
 const NO_CHECKPOINT: Duration = Duration::from_secs(24 * 3600);

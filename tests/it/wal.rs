@@ -364,8 +364,9 @@ fn bad_log_options_are_refused_before_any_io() {
 
 #[test]
 fn a_version_1_store_is_upgraded_at_open() {
-    // Stores written before the log (format 1) open, and are marked 2 so
-    // that an older build, which would ignore the log, refuses them.
+    // Stores written before the log (format 1) open, and are marked with
+    // today's format (3) so that an older build, which would ignore or
+    // misread the log, refuses them.
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("s.idem");
     let meta = redb::TableDefinition::<&str, &[u8]>::new("idemstore.meta");
