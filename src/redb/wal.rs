@@ -397,7 +397,10 @@ pub(super) fn replay(
     loop {
         let (payload, next) = match read_frame(file, store_id, epoch, at, end)? {
             Frame::Whole { payload, next } => (payload, next_start(next)),
-            Frame::End => break,
+            Frame::End => {
+                check_nothing_after(file, store_id, epoch, layout, at, end, "ends")?;
+                break;
+            }
             Frame::Damaged { next } => {
                 // A frame is written only once the one before it is synced,
                 // so a crash damages the last frame only. One that fails its
@@ -416,6 +419,7 @@ pub(super) fn replay(
                         ),
                     ));
                 }
+                check_nothing_after(file, store_id, epoch, layout, at, end, "fails its checksum")?;
                 break;
             }
         };
@@ -455,6 +459,67 @@ pub(super) fn replay(
         at = next;
     }
     Ok(frames)
+}
+
+/// Where replay stopped (`at`) must be the end of the epoch's frames: no
+/// later block of the segment may hold a frame of the epoch that verifies.
+/// Frames of an epoch are written one after the other, each once the one
+/// before it is durable, so a verifying frame after the stop means the stop
+/// is damage (a flipped magic, epoch or length field; a frame overwritten),
+/// not the end of the log or a torn last write, and replaying only up to it
+/// would drop acknowledged writes: [`Error::Corrupt`], naming both offsets.
+///
+/// Only for this format's aligned segments (a format-2 log's frames may
+/// start at any byte). The segment is read in large chunks and only a
+/// block whose header names this epoch is verified, so a clean open reads
+/// each of the two live segments once.
+fn check_nothing_after(
+    file: &dyn StorageBackend,
+    store_id: &[u8; 16],
+    epoch: u64,
+    layout: &Layout,
+    at: u64,
+    end: u64,
+    what: &str,
+) -> Result<()> {
+    if layout.align < FRAME_ALIGN {
+        return Ok(());
+    }
+    const CHUNK: u64 = 1024 * 1024;
+    let mut probe = at + layout.align;
+    let mut chunk = Vec::new();
+    while probe + FRAME_HEADER <= end {
+        let n = (end - probe).min(CHUNK);
+        chunk.resize(n as usize, 0);
+        file.read(probe, &mut chunk).map_err(Error::Io)?;
+        let mut block = 0u64;
+        while block + FRAME_HEADER <= n {
+            let header = chunk
+                .get(block as usize..(block + 12) as usize)
+                .unwrap_or_default();
+            let names_epoch = header.get(..4) == Some(&MAGIC[..])
+                && header.get(4..12) == Some(&epoch.to_be_bytes()[..]);
+            if names_epoch
+                && matches!(
+                    read_frame(file, store_id, epoch, probe + block, end)?,
+                    Frame::Whole { .. }
+                )
+            {
+                return Err(Error::corrupt(
+                    None,
+                    format!(
+                        "the write-ahead log {what} at offset {at}, but a later frame of the same \
+                         epoch at offset {} verifies: the log is damaged, and replaying only up \
+                         to offset {at} would lose acknowledged writes",
+                        probe + block
+                    ),
+                ));
+            }
+            block += layout.align;
+        }
+        probe += n.div_ceil(layout.align) * layout.align;
+    }
+    Ok(())
 }
 
 /// What lies at one offset of the log.

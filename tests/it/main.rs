@@ -11,6 +11,8 @@ mod bad_input;
 mod cli;
 #[cfg(feature = "redb")]
 mod crash;
+#[cfg(feature = "redb")]
+mod damage;
 mod fuzz_corpus;
 mod guard;
 #[cfg(feature = "redb")]

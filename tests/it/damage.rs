@@ -1,0 +1,121 @@
+//! No silent loss: a store's files damaged, misplaced or half-copied
+//! outside a crash end in a clear error at open, never in an `Ok` that has
+//! quietly dropped acknowledged writes. Each test is a row of the table in
+//! `docs/operations.md` ("When the files are damaged"); each would pass
+//! silently, with writes missing, if its check were removed.
+//!
+//! A torn last frame after a crash is not damage: it stays a silent end of
+//! the log (`wal::a_damaged_log_tail_ends_the_replay_at_the_last_whole_frame`
+//! and the power-loss suite in `crash.rs`).
+
+use idemstore::{Begin, Error, Fingerprint, Key, RedbStore, Store};
+use idemstore_testkit::conformance::T0;
+use idemstore_testkit::crash::{CrashBackend, CrashImage};
+use std::time::Duration;
+
+const LEASE: Duration = Duration::from_secs(30);
+const KEEP: Duration = Duration::from_secs(3600);
+/// No time-based checkpoint during a test: the writes live in the log.
+const NO_CHECKPOINT: Duration = Duration::from_secs(3600);
+
+fn key(id: &str) -> Key {
+    Key::new("tenant-1", id).unwrap()
+}
+
+/// A store on a simulated disk (store file + log sibling), with `ids`
+/// claimed, one frame each, and the image a power loss right after the
+/// last answer would leave (every frame synced).
+fn logged_image(ids: &[&str]) -> CrashImage {
+    let disk = CrashBackend::new();
+    let log = disk.sibling();
+    let store = RedbStore::builder()
+        .checkpoint_interval(NO_CHECKPOINT)
+        .open_backend_with_log(disk.clone(), log)
+        .unwrap();
+    for id in ids {
+        let got = store
+            .begin(&key(id), &Fingerprint::of(id.as_bytes()), T0, LEASE, KEEP)
+            .unwrap();
+        assert!(matches!(got, Begin::Claimed(_)), "{id}: {got:?}");
+    }
+    let image = disk.power_loss_all(0);
+    drop(store);
+    image
+}
+
+/// Where each frame of a log image starts (4 KiB-aligned, back to back).
+fn frame_starts(log: &[u8]) -> Vec<usize> {
+    let align = idemstore::redb::FRAME_ALIGN as usize;
+    let mut starts = Vec::new();
+    let mut at = 0;
+    while log.len() >= at + 20 && log[at..at + 4] == *b"IDWL" {
+        starts.push(at);
+        let len = u32::from_be_bytes(log[at + 12..at + 16].try_into().unwrap()) as usize;
+        at = (at + 20 + len).div_ceil(align) * align;
+    }
+    starts
+}
+
+fn reopen(image: &CrashImage) -> idemstore::Result<RedbStore> {
+    let disk = image.restore();
+    RedbStore::builder()
+        .checkpoint_interval(NO_CHECKPOINT)
+        .open_backend_with_log(disk.clone(), disk.file(1).unwrap())
+}
+
+/// The image opens, and holds every claim.
+fn assert_all_there(image: &CrashImage, ids: &[&str]) {
+    let store = reopen(image).unwrap();
+    for id in ids {
+        assert!(store.get(&key(id), T0).unwrap().is_some(), "{id} lost");
+    }
+}
+
+/// Damages byte `offset` of frame `frame` of the log, and expects the open
+/// to fail with `Corrupt` saying `says`.
+fn damaged_frame_is_corrupt(frame: usize, offset: usize, says: &str) {
+    let ids = ["a", "b", "c", "d"];
+    let image = logged_image(&ids);
+    assert_all_there(&image, &ids);
+    let mut damaged = image.clone();
+    let starts = frame_starts(&damaged.siblings[0]);
+    assert_eq!(starts.len(), ids.len());
+    damaged.siblings[0][starts[frame] + offset] ^= 0x10;
+    let err = reopen(&damaged).map(|_| ()).unwrap_err();
+    assert!(matches!(err, Error::Corrupt { .. }), "{err}");
+    assert!(err.to_string().contains(says), "{err}");
+}
+
+#[test]
+fn a_flipped_epoch_in_a_middle_frame_is_corrupt() {
+    // Before: the replay stopped at the frame as if the log ended there,
+    // and the two frames after it were dropped without a word.
+    damaged_frame_is_corrupt(1, 11, "a later frame of the same epoch");
+}
+
+#[test]
+fn a_flipped_length_in_a_middle_frame_is_corrupt() {
+    // A length running past the segment looked like the end of the log.
+    damaged_frame_is_corrupt(1, 12, "a later frame of the same epoch");
+}
+
+#[test]
+fn a_flipped_magic_in_the_first_frame_is_corrupt() {
+    // Before: 0 frames replayed, every write since the checkpoint gone.
+    damaged_frame_is_corrupt(0, 0, "ends at offset 0");
+}
+
+#[test]
+fn a_middle_frame_overwritten_with_zeros_is_corrupt() {
+    let ids = ["a", "b", "c"];
+    let mut image = logged_image(&ids);
+    let starts = frame_starts(&image.siblings[0]);
+    let block = idemstore::redb::FRAME_ALIGN as usize;
+    image.siblings[0][starts[1]..starts[1] + block].fill(0);
+    let err = reopen(&image).map(|_| ()).unwrap_err();
+    assert!(matches!(err, Error::Corrupt { .. }), "{err}");
+    assert!(
+        err.to_string().contains("a later frame of the same epoch"),
+        "{err}"
+    );
+}
