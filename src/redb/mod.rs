@@ -239,6 +239,23 @@ impl Shared {
         self.flush_locked(&mut core)
     }
 
+    /// The last commit of a clean stop: everything in memory goes into the
+    /// file durably, and with a log the same commit marks it closed
+    /// ([`META_WAL_STATE`](tables::META_WAL_STATE)), so the next open knows
+    /// the log holds nothing it needs and may be missing.
+    fn close(&self) -> Result<()> {
+        let mut core = self.lock_core();
+        if core.wal.is_none() {
+            return self.flush_locked(&mut core);
+        }
+        self.direct_locked(&mut core, |txn, _| {
+            let mut meta = txn.open_table(tables::META).map_err(engine)?;
+            meta.insert(tables::META_WAL_STATE, [tables::WAL_CLOSED].as_slice())
+                .map_err(engine)?;
+            Ok::<_, Error>(())
+        })
+    }
+
     /// [`flush`](Self::flush) with the commit lock held.
     fn flush_locked(&self, core: &mut Core) -> Result<()> {
         let dirty = !self.read_mem().is_empty()
@@ -516,7 +533,7 @@ impl Drop for RedbStore {
         if let Some(background) = self.background.take() {
             let _ = background.join();
         }
-        if !self.is_poisoned() && self.shared.flush().is_err() {
+        if !self.is_poisoned() && self.shared.close().is_err() {
             self.shared.poisoned.store(true, Ordering::SeqCst);
         }
     }

@@ -4,8 +4,8 @@
 
 use super::errors::engine;
 use super::tables::{
-    EXPIRY, META, META_FORMAT_VERSION, META_STORE_ID, META_TOKEN_HWM, META_WAL_EPOCH, RECORDS,
-    WriteTables,
+    EXPIRY, META, META_FORMAT_VERSION, META_STORE_ID, META_TOKEN_HWM, META_WAL_BYTES,
+    META_WAL_EPOCH, META_WAL_STATE, RECORDS, WAL_CLOSED, WAL_OPEN, WriteTables,
 };
 use super::wal::{self, FileLog, Wal};
 use super::{Config, RecoveryPolicy};
@@ -80,13 +80,19 @@ fn open_file(path: &Path, config: &Config) -> Result<Opened> {
     // Opened after the store file: its lock keeps other processes out of
     // both. A log left by an earlier open is recovered even when this open
     // does without one.
-    let log: Option<Box<dyn StorageBackend>> =
-        if config.write_ahead_log || wal::wal_path(path).exists() {
-            Some(Box::new(FileLog::open(path)?))
-        } else {
-            None
-        };
-    let mut opened = open_backend(backend, log, config, path)?;
+    let wal_existed = wal::wal_path(path).exists();
+    let log: Option<Box<dyn StorageBackend>> = if config.write_ahead_log || wal_existed {
+        Some(Box::new(FileLog::open(path)?))
+    } else {
+        None
+    };
+    let opened = open_backend(backend, log, config, path);
+    if opened.is_err() && !wal_existed {
+        // Refused (a log that must exist does not): the empty file this
+        // open made is not left behind as if it were the log.
+        let _ = std::fs::remove_file(wal::wal_path(path));
+    }
+    let mut opened = opened?;
     if !config.write_ahead_log {
         opened.wal = None;
     }
@@ -185,9 +191,14 @@ pub(super) fn open_backend(
         None => init_meta(&db, config)?,
     };
     let (wal, frames_replayed) = match log {
-        None => (None, 0),
+        None => {
+            if read_wal_state(&db)?.is_some_and(|s| s.open) {
+                return Err(log_missing(name, "it is being opened without its log"));
+            }
+            (None, 0)
+        }
         Some(file) => {
-            let (wal, frames) = recover_log(&db, file, store_id, format_version, config)?;
+            let (wal, frames) = recover_log(&db, file, store_id, format_version, config, name)?;
             if frames > 0 {
                 // The frames carry the high-water mark of their claims.
                 token_hwm = read_meta(&db)?.map_or(token_hwm, |m| m.token_hwm);
@@ -218,17 +229,58 @@ fn recover_log(
     store_id: [u8; 16],
     format: u32,
     config: &Config,
+    name: &Path,
 ) -> Result<(Wal, u64)> {
     let file: std::sync::Arc<dyn StorageBackend> = std::sync::Arc::from(file);
     let epoch = read_wal_epoch(db)?;
     let len = file.len().map_err(Error::Io)?;
+    // The size the log's frames were laid out for: the file's, unless the
+    // store recorded another (below).
+    let mut layout_len = len;
+    // After an unclean stop the log is part of the store: without it, or
+    // cut short, the replay would find nothing (or only part) and the open
+    // would succeed without the writes acknowledged since the last
+    // checkpoint.
+    if let Some(state) = read_wal_state(db)?.filter(|s| s.open) {
+        match state.bytes {
+            // The last open stopped before its log had a size: no frame
+            // was ever written, nothing can be missing.
+            Some(0) => {}
+            _ if len == 0 => return Err(log_missing(name, "its log is missing or empty")),
+            Some(recorded) if len < recorded => {
+                return Err(Error::corrupt(
+                    None,
+                    format!(
+                        "{} was not closed cleanly, and its write-ahead log {} is {len} bytes \
+                         where the store left it at {recorded}: the log was cut short, or \
+                         another file is in its place, so the writes acknowledged since the \
+                         last checkpoint cannot all be found in it. Put back the log that \
+                         belongs to this store (a store and its log are copied together); see \
+                         docs/operations.md",
+                        name.display(),
+                        wal::wal_path(name).display()
+                    ),
+                ));
+            }
+            // A longer file (extended by hand) still holds the frames
+            // where they were written.
+            Some(recorded) => layout_len = recorded,
+            None => {}
+        }
+    }
     let mut txn = db.begin_write().map_err(engine)?;
     txn.set_quick_repair(true);
     // Replayed with the layout the log was written in, before its size
     // may change below (a larger `wal_bytes` moves the segments).
     let frames = if format < 3 {
         // Format 2: one region, frames back to back, one live epoch.
-        wal::replay(file.as_ref(), &store_id, epoch, &wal::Layout::v2(len), &txn)?
+        wal::replay(
+            file.as_ref(),
+            &store_id,
+            epoch,
+            &wal::Layout::v2(layout_len),
+            &txn,
+        )?
     } else {
         // The durable epoch's segment, then the next one's: a checkpoint
         // may have been running (see wal.rs).
@@ -236,7 +288,7 @@ fn recover_log(
             file.as_ref(),
             &store_id,
             epoch,
-            &wal::Layout::segment(len, epoch),
+            &wal::Layout::segment(layout_len, epoch),
             &txn,
         )?;
         let next = epoch.wrapping_add(1);
@@ -245,15 +297,29 @@ fn recover_log(
                 file.as_ref(),
                 &store_id,
                 next,
-                &wal::Layout::segment(len, next),
+                &wal::Layout::segment(layout_len, next),
                 &txn,
             )?
     };
     // Both epochs are now retired; new frames start a fresh one.
     let fresh = epoch.wrapping_add(2);
+    // Without the log this open's commits go straight to the file, so the
+    // log will hold nothing needed: it is marked closed at once.
+    let state = if config.write_ahead_log {
+        WAL_OPEN
+    } else {
+        WAL_CLOSED
+    };
     {
         let mut meta = txn.open_table(META).map_err(engine)?;
         meta.insert(META_WAL_EPOCH, fresh.to_be_bytes().as_slice())
+            .map_err(engine)?;
+        meta.insert(META_WAL_STATE, [state].as_slice())
+            .map_err(engine)?;
+        // The size as it is: a crash while `preallocate` grows the file
+        // below leaves it longer than recorded, which is allowed (no frame
+        // of the new epoch exists before the size is recorded again).
+        meta.insert(META_WAL_BYTES, len.to_be_bytes().as_slice())
             .map_err(engine)?;
         meta.insert(
             META_FORMAT_VERSION,
@@ -262,8 +328,61 @@ fn recover_log(
         .map_err(engine)?;
     }
     txn.commit().map_err(engine)?;
-    let len = wal::preallocate(file.as_ref(), config.wal_bytes)?;
-    Ok((Wal::new(file, store_id, fresh, len), frames))
+    let new_len = wal::preallocate(file.as_ref(), config.wal_bytes)?;
+    if new_len != len {
+        // The new size, durably, before any frame is laid out for it.
+        let txn = db.begin_write().map_err(engine)?;
+        {
+            let mut meta = txn.open_table(META).map_err(engine)?;
+            meta.insert(META_WAL_BYTES, new_len.to_be_bytes().as_slice())
+                .map_err(engine)?;
+        }
+        txn.commit().map_err(engine)?;
+    }
+    Ok((Wal::new(file, store_id, fresh, new_len), frames))
+}
+
+/// [`META_WAL_STATE`] and [`META_WAL_BYTES`] as stored.
+#[derive(Clone, Copy, Debug)]
+struct WalState {
+    /// The log may hold acknowledged frames (the last stop was not clean).
+    open: bool,
+    /// The log's size as the last open left it.
+    bytes: Option<u64>,
+}
+
+/// The log's state, or `None` when no open with this check has recorded it.
+fn read_wal_state(db: &Database) -> Result<Option<WalState>> {
+    let txn = db.begin_read().map_err(engine)?;
+    let meta = txn.open_table(META).map_err(table_error)?;
+    let Some(state) = meta.get(META_WAL_STATE).map_err(engine)? else {
+        return Ok(None);
+    };
+    let [state] = fixed::<1>(META_WAL_STATE, state.value())?;
+    let bytes = match meta.get(META_WAL_BYTES).map_err(engine)? {
+        Some(v) => Some(u64::from_be_bytes(fixed(META_WAL_BYTES, v.value())?)),
+        None => None,
+    };
+    Ok(Some(WalState {
+        open: state == WAL_OPEN,
+        bytes,
+    }))
+}
+
+/// The store was not closed cleanly and its log is gone: the writes
+/// acknowledged since the last checkpoint exist only in that log.
+fn log_missing(name: &Path, what: &str) -> Error {
+    Error::corrupt(
+        None,
+        format!(
+            "{} was not closed cleanly, and {what} ({}): the writes acknowledged since its last \
+             checkpoint are only in that log. Put back the log that belongs to this store (a \
+             store and its log are copied together, with no process holding them); see \
+             docs/operations.md",
+            name.display(),
+            wal::wal_path(name).display()
+        ),
+    )
 }
 
 fn read_wal_epoch(db: &Database) -> Result<u64> {

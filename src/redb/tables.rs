@@ -38,6 +38,20 @@ pub(crate) const META_TOKEN_HWM: &str = "token_high_water_mark";
 /// Meta key: the write-ahead log's epoch, u64 BE (see `wal.rs`); absent in
 /// a store that never had a log, read as 0.
 pub(crate) const META_WAL_EPOCH: &str = "wal_epoch";
+/// Meta key: whether the log may hold acknowledged frames not yet in this
+/// file: one byte, [`WAL_OPEN`] from the open that recovered the log until a clean
+/// close writes [`WAL_CLOSED`] in its last durable commit. Absent in a
+/// store no build with this check has opened with a log.
+pub(crate) const META_WAL_STATE: &str = "wal_state";
+/// Meta key: the log file's size as the open that recovered it left it
+/// (u64 BE), which fixes its segments' layout. After an unclean stop the log must have this size.
+pub(crate) const META_WAL_BYTES: &str = "wal_bytes";
+/// [`META_WAL_STATE`]: the store was opened with its log and not closed
+/// cleanly since: the log may hold acknowledged writes.
+pub(crate) const WAL_OPEN: u8 = 0;
+/// [`META_WAL_STATE`]: the last close put everything in this file; the log
+/// holds nothing that is needed.
+pub(crate) const WAL_CLOSED: u8 = 1;
 
 /// The record and index tables of one write transaction.
 pub(super) struct WriteTables<'txn> {

@@ -119,3 +119,122 @@ fn a_middle_frame_overwritten_with_zeros_is_corrupt() {
         "{err}"
     );
 }
+
+/// A store at `dir/s.idem` with `ids` claimed (in its log only: no
+/// checkpoint yet) and still open, as a process that is about to be killed
+/// leaves it. Returns the open store.
+fn open_store_with_unchecked_writes(dir: &std::path::Path, ids: &[&str]) -> RedbStore {
+    let store = RedbStore::builder()
+        .checkpoint_interval(NO_CHECKPOINT)
+        .open(dir.join("s.idem"))
+        .unwrap();
+    for id in ids {
+        let got = store
+            .begin(&key(id), &Fingerprint::of(id.as_bytes()), T0, LEASE, KEEP)
+            .unwrap();
+        assert!(matches!(got, Begin::Claimed(_)), "{id}: {got:?}");
+    }
+    store
+}
+
+/// Copies the store file (and, when `with_log`, its log) out of `from`
+/// into a new directory, as a backup or a move taken from a running (or
+/// killed) process would.
+fn copy_out(from: &std::path::Path, with_log: bool) -> tempfile::TempDir {
+    let to = tempfile::tempdir().unwrap();
+    std::fs::copy(from.join("s.idem"), to.path().join("s.idem")).unwrap();
+    if with_log {
+        std::fs::copy(from.join("s.idem-wal"), to.path().join("s.idem-wal")).unwrap();
+    }
+    to
+}
+
+fn assert_unclean_refusal(err: &Error, says: &str) {
+    assert!(matches!(err, Error::Corrupt { .. }), "{err}");
+    let text = err.to_string();
+    assert!(text.contains("was not closed cleanly"), "{text}");
+    assert!(text.contains(says), "{text}");
+    assert!(text.contains("s.idem-wal"), "names the log: {text}");
+}
+
+#[test]
+fn a_store_copied_without_its_log_after_an_unclean_stop_is_refused() {
+    // Before: Ok, with every write since the last checkpoint gone.
+    let dir = tempfile::tempdir().unwrap();
+    let store = open_store_with_unchecked_writes(dir.path(), &["a", "b", "c"]);
+    let both = copy_out(dir.path(), true);
+    let alone = copy_out(dir.path(), false);
+    drop(store);
+    let err = RedbStore::open(alone.path().join("s.idem"))
+        .map(|_| ())
+        .unwrap_err();
+    assert_unclean_refusal(&err, "missing or empty");
+    // The refused open leaves no empty log behind to be mistaken for it.
+    assert!(!alone.path().join("s.idem-wal").exists());
+    // Copied with its log, the same store has every write.
+    let store = RedbStore::open(both.path().join("s.idem")).unwrap();
+    for id in ["a", "b", "c"] {
+        assert!(store.get(&key(id), T0).unwrap().is_some(), "{id} lost");
+    }
+}
+
+#[test]
+fn an_empty_log_after_an_unclean_stop_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open_store_with_unchecked_writes(dir.path(), &["a"]);
+    let copy = copy_out(dir.path(), false);
+    drop(store);
+    std::fs::File::create(copy.path().join("s.idem-wal")).unwrap();
+    let err = RedbStore::open(copy.path().join("s.idem"))
+        .map(|_| ())
+        .unwrap_err();
+    assert_unclean_refusal(&err, "missing or empty");
+}
+
+#[test]
+fn a_log_cut_short_after_an_unclean_stop_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open_store_with_unchecked_writes(dir.path(), &["a", "b"]);
+    let copy = copy_out(dir.path(), true);
+    drop(store);
+    let log = std::fs::OpenOptions::new()
+        .write(true)
+        .open(copy.path().join("s.idem-wal"))
+        .unwrap();
+    let len = log.metadata().unwrap().len();
+    log.set_len(len / 2).unwrap();
+    let err = RedbStore::open(copy.path().join("s.idem"))
+        .map(|_| ())
+        .unwrap_err();
+    assert_unclean_refusal(&err, "cut short");
+}
+
+#[test]
+fn opening_without_the_log_after_an_unclean_stop_is_refused() {
+    // `write_ahead_log(false)` with no log file beside the store: the log
+    // the unclean stop left behind is simply not there.
+    let dir = tempfile::tempdir().unwrap();
+    let store = open_store_with_unchecked_writes(dir.path(), &["a"]);
+    let copy = copy_out(dir.path(), false);
+    drop(store);
+    let err = RedbStore::builder()
+        .write_ahead_log(false)
+        .open(copy.path().join("s.idem"))
+        .map(|_| ())
+        .unwrap_err();
+    assert_unclean_refusal(&err, "without its log");
+}
+
+#[test]
+fn after_a_clean_close_the_store_file_alone_is_enough() {
+    // The close put everything into the file and marked the log closed:
+    // the store opens without it (and makes a new one), nothing missing.
+    let dir = tempfile::tempdir().unwrap();
+    drop(open_store_with_unchecked_writes(dir.path(), &["a", "b"]));
+    let copy = copy_out(dir.path(), false);
+    let store = RedbStore::open(copy.path().join("s.idem")).unwrap();
+    for id in ["a", "b"] {
+        assert!(store.get(&key(id), T0).unwrap().is_some(), "{id} lost");
+    }
+    assert!(copy.path().join("s.idem-wal").exists());
+}
