@@ -56,10 +56,55 @@ pub(super) struct Opened {
 /// file at `path` that no later open could accept. (A crash during redb's
 /// own file initialisation leaves a file without redb's magic number, which
 /// `check_foreign` must refuse, since it cannot tell it from a foreign file.)
+///
+/// A store is never created over evidence of one: when the store file is
+/// missing or empty but a log with content is beside it, the store file
+/// was lost or replaced, and a new store would overwrite that log (the
+/// only copy of the writes it holds). That is [`Error::Corrupt`].
 pub(super) fn open_path(path: &Path, config: &Config) -> Result<Opened> {
     match std::fs::symlink_metadata(path) {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => create_then_open(path, config),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            refuse_over_log(path, "is missing")?;
+            create_then_open(path, config)
+        }
+        Ok(meta) if meta.len() == 0 => {
+            refuse_over_log(path, "is empty")?;
+            open_file(path, config)
+        }
         _ => open_file(path, config),
+    }
+}
+
+/// [`Error::Corrupt`] when the log beside `path` holds anything but zeros
+/// (a new log is all zeros until its first frame).
+fn refuse_over_log(path: &Path, what: &str) -> Result<()> {
+    use std::io::Read;
+    let log = wal::wal_path(path);
+    let mut file = match std::fs::File::open(&log) {
+        Ok(file) => file,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e.into()),
+    };
+    let mut chunk = vec![0u8; 1024 * 1024];
+    loop {
+        let n = file.read(&mut chunk)?;
+        if n == 0 {
+            return Ok(());
+        }
+        if chunk.get(..n).is_some_and(|c| c.iter().any(|&b| b != 0)) {
+            return Err(Error::corrupt(
+                None,
+                format!(
+                    "{} {what}, but its write-ahead log {} is beside it and holds frames: the \
+                     store file was lost or replaced, and a new store here would overwrite the \
+                     only copy of the writes in that log. Restore the store file that belongs \
+                     to the log, or move the log away to start a new store; see \
+                     docs/operations.md",
+                    path.display(),
+                    log.display()
+                ),
+            ));
+        }
     }
 }
 
@@ -86,6 +131,11 @@ fn open_file(path: &Path, config: &Config) -> Result<Opened> {
     } else {
         None
     };
+    // Every open makes the directory entries durable, not only the open
+    // that created them: a crash between creating (or linking) a file and
+    // its directory's fsync would otherwise leave an entry that no later
+    // open syncs, and a power cut could then drop the whole file.
+    sync_parent(path)?;
     let opened = open_backend(backend, log, config, path);
     if opened.is_err() && !wal_existed {
         // Refused (a log that must exist does not): the empty file this

@@ -238,3 +238,62 @@ fn after_a_clean_close_the_store_file_alone_is_enough() {
     }
     assert!(copy.path().join("s.idem-wal").exists());
 }
+
+#[test]
+fn an_empty_store_file_beside_its_log_is_refused_not_recreated() {
+    // Before: a brand-new empty store, and the old log overwritten by it.
+    let dir = tempfile::tempdir().unwrap();
+    let store = open_store_with_unchecked_writes(dir.path(), &["a", "b"]);
+    let copy = copy_out(dir.path(), true);
+    drop(store);
+    std::fs::File::create(copy.path().join("s.idem")).unwrap(); // truncated to 0
+    let log_before = std::fs::read(copy.path().join("s.idem-wal")).unwrap();
+    let err = RedbStore::open(copy.path().join("s.idem"))
+        .map(|_| ())
+        .unwrap_err();
+    assert!(matches!(err, Error::Corrupt { .. }), "{err}");
+    assert!(
+        err.to_string()
+            .contains("is empty, but its write-ahead log"),
+        "{err}"
+    );
+    // Nothing was written: the log is as it was.
+    assert_eq!(
+        std::fs::read(copy.path().join("s.idem-wal")).unwrap(),
+        log_before
+    );
+}
+
+#[test]
+fn a_missing_store_file_beside_its_log_is_refused_not_recreated() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open_store_with_unchecked_writes(dir.path(), &["a"]);
+    let copy = copy_out(dir.path(), true);
+    drop(store);
+    std::fs::remove_file(copy.path().join("s.idem")).unwrap();
+    let err = RedbStore::open(copy.path().join("s.idem"))
+        .map(|_| ())
+        .unwrap_err();
+    assert!(matches!(err, Error::Corrupt { .. }), "{err}");
+    assert!(
+        err.to_string()
+            .contains("is missing, but its write-ahead log"),
+        "{err}"
+    );
+    assert!(!copy.path().join("s.idem").exists(), "no store was created");
+}
+
+#[test]
+fn a_log_of_zeros_is_no_evidence_and_a_new_store_is_made() {
+    // A log that never held a frame (all zeros, as preallocated) is
+    // nothing to protect: the store is created beside it and uses it.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("s.idem-wal"), vec![0u8; 64 * 1024]).unwrap();
+    let store = RedbStore::open(dir.path().join("s.idem")).unwrap();
+    assert!(matches!(
+        store
+            .begin(&key("a"), &Fingerprint::of(b"a"), T0, LEASE, KEEP)
+            .unwrap(),
+        Begin::Claimed(_)
+    ));
+}
