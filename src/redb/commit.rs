@@ -719,7 +719,7 @@ mod tests {
         let backend = ::redb::backends::InMemoryBackend::new();
         let wal: Option<Box<dyn ::redb::StorageBackend>> =
             log.then(|| Box::new(::redb::backends::InMemoryBackend::new()) as _);
-        let opened = open::open_backend(backend, wal, &config, Path::new("memory")).unwrap();
+        let opened = open::open_backend(backend, wal, None, &config, Path::new("memory")).unwrap();
         Shared::new(opened, &config)
     }
 

@@ -4,8 +4,8 @@
 
 use super::errors::engine;
 use super::tables::{
-    EXPIRY, META, META_FORMAT_VERSION, META_STORE_ID, META_TOKEN_HWM, META_WAL_BYTES,
-    META_WAL_EPOCH, META_WAL_STATE, RECORDS, WAL_CLOSED, WAL_OPEN, WriteTables,
+    EXPIRY, META, META_FORMAT_VERSION, META_STORE_ID, META_TOKEN_HWM, META_WAL_BOOT,
+    META_WAL_BYTES, META_WAL_EPOCH, META_WAL_STATE, RECORDS, WAL_CLOSED, WAL_OPEN, WriteTables,
 };
 use super::wal::{self, FileLog, Wal};
 use super::{Config, RecoveryPolicy};
@@ -136,7 +136,7 @@ fn open_file(path: &Path, config: &Config) -> Result<Opened> {
     // its directory's fsync would otherwise leave an entry that no later
     // open syncs, and a power cut could then drop the whole file.
     sync_parent(path)?;
-    let opened = open_backend(backend, log, config, path);
+    let opened = open_backend(backend, log, boot_id().as_deref(), config, path);
     if opened.is_err() && !wal_existed {
         // Refused (a log that must exist does not): the empty file this
         // open made is not left behind as if it were the log.
@@ -170,7 +170,7 @@ fn create_then_open(path: &Path, config: &Config) -> Result<Opened> {
         backend
             .set_len(0)
             .map_err(|e| engine(::redb::StorageError::from(e)))?;
-        let created = open_backend(backend, None, config, path)?;
+        let created = open_backend(backend, None, None, config, path)?;
         drop(created); // closes the database and releases the lock
     }
     std::fs::File::open(&temp)?.sync_all()?;
@@ -203,9 +203,14 @@ pub(super) fn sync_parent(path: &Path) -> Result<()> {
 
 /// Opens or creates a store over any redb backend, with its write-ahead
 /// log if `log` is given; `name` names it in errors.
+///
+/// `boot` is the machine's boot id when the log is a real file (see
+/// [`boot_id`]); `None` for storage backends, whose crashes the caller
+/// simulates.
 pub(super) fn open_backend(
     backend: impl StorageBackend,
     log: Option<Box<dyn StorageBackend>>,
+    boot: Option<&str>,
     config: &Config,
     name: &Path,
 ) -> Result<Opened> {
@@ -248,7 +253,8 @@ pub(super) fn open_backend(
             (None, 0)
         }
         Some(file) => {
-            let (wal, frames) = recover_log(&db, file, store_id, format_version, config, name)?;
+            let (wal, frames) =
+                recover_log(&db, file, store_id, format_version, boot, config, name)?;
             if frames > 0 {
                 // The frames carry the high-water mark of their claims.
                 token_hwm = read_meta(&db)?.map_or(token_hwm, |m| m.token_hwm);
@@ -278,6 +284,7 @@ fn recover_log(
     file: Box<dyn StorageBackend>,
     store_id: [u8; 16],
     format: u32,
+    boot: Option<&str>,
     config: &Config,
     name: &Path,
 ) -> Result<(Wal, u64)> {
@@ -318,6 +325,9 @@ fn recover_log(
             None => {}
         }
     }
+    // No reboot since the open that wrote these frames: no power loss can
+    // have torn one, so a damaged last frame is damage (see wal::replay).
+    let no_reboot = boot.is_some() && read_wal_boot(db)?.as_deref() == boot;
     let mut txn = db.begin_write().map_err(engine)?;
     txn.set_quick_repair(true);
     // Replayed with the layout the log was written in, before its size
@@ -329,6 +339,7 @@ fn recover_log(
             &store_id,
             epoch,
             &wal::Layout::v2(layout_len),
+            no_reboot,
             &txn,
         )?
     } else {
@@ -339,6 +350,7 @@ fn recover_log(
             &store_id,
             epoch,
             &wal::Layout::segment(layout_len, epoch),
+            no_reboot,
             &txn,
         )?;
         let next = epoch.wrapping_add(1);
@@ -348,6 +360,7 @@ fn recover_log(
                 &store_id,
                 next,
                 &wal::Layout::segment(layout_len, next),
+                no_reboot,
                 &txn,
             )?
     };
@@ -366,6 +379,11 @@ fn recover_log(
             .map_err(engine)?;
         meta.insert(META_WAL_STATE, [state].as_slice())
             .map_err(engine)?;
+        match boot {
+            Some(boot) => meta.insert(META_WAL_BOOT, boot.as_bytes()).map(|_| ()),
+            None => meta.remove(META_WAL_BOOT).map(|_| ()),
+        }
+        .map_err(engine)?;
         // The size as it is: a crash while `preallocate` grows the file
         // below leaves it longer than recorded, which is allowed (no frame
         // of the new epoch exists before the size is recorded again).
@@ -417,6 +435,34 @@ fn read_wal_state(db: &Database) -> Result<Option<WalState>> {
         open: state == WAL_OPEN,
         bytes,
     }))
+}
+
+/// The boot id the log's last open recorded ([`META_WAL_BOOT`]).
+fn read_wal_boot(db: &Database) -> Result<Option<String>> {
+    let txn = db.begin_read().map_err(engine)?;
+    let meta = txn.open_table(META).map_err(table_error)?;
+    Ok(meta
+        .get(META_WAL_BOOT)
+        .map_err(engine)?
+        .map(|v| String::from_utf8_lossy(v.value()).into_owned()))
+}
+
+/// This boot of the machine: Linux's random id, new at every boot. An
+/// open after a process crash (the same boot) knows the page cache held
+/// every write the process made, so no frame can have been torn by a power
+/// loss. `None` where the system does not say.
+pub(super) fn boot_id() -> Option<String> {
+    #[cfg(target_os = "linux")]
+    {
+        std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+            .ok()
+            .map(|id| id.trim().to_owned())
+            .filter(|id| !id.is_empty())
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        None
+    }
 }
 
 /// The store was not closed cleanly and its log is gone: the writes

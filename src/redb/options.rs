@@ -286,8 +286,13 @@ impl RedbStoreBuilder {
     /// ```
     pub fn open_backend(self, backend: impl ::redb::StorageBackend) -> Result<RedbStore> {
         self.check()?;
-        let opened =
-            open::open_backend(backend, None, &self.config, Path::new("<storage backend>"))?;
+        let opened = open::open_backend(
+            backend,
+            None,
+            None,
+            &self.config,
+            Path::new("<storage backend>"),
+        )?;
         RedbStore::start(opened, self.config, None)
     }
 
@@ -312,6 +317,7 @@ impl RedbStoreBuilder {
         let opened = open::open_backend(
             backend,
             Some(Box::new(log)),
+            None,
             &self.config,
             Path::new("<storage backend>"),
         )?;

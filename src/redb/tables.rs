@@ -46,6 +46,10 @@ pub(crate) const META_WAL_STATE: &str = "wal_state";
 /// Meta key: the log file's size as the open that recovered it left it
 /// (u64 BE), which fixes its segments' layout. After an unclean stop the log must have this size.
 pub(crate) const META_WAL_BYTES: &str = "wal_bytes";
+/// Meta key: the machine's boot id when the log was opened from a file
+/// (Linux; absent elsewhere and for storage backends). An open in the same
+/// boot follows a process crash, not a power loss.
+pub(crate) const META_WAL_BOOT: &str = "wal_boot_id";
 /// [`META_WAL_STATE`]: the store was opened with its log and not closed
 /// cleanly since: the log may hold acknowledged writes.
 pub(crate) const WAL_OPEN: u8 = 0;

@@ -378,11 +378,22 @@ impl Layout {
 ///
 /// A frame that verifies but whose payload does not decode is damage no
 /// crash can cause: that is [`Error::Corrupt`], and nothing is committed.
+///
+/// `no_reboot`: the machine has not restarted since the open that wrote
+/// these frames (the same boot id), so the stop was a process crash, not a
+/// power loss. A killed process's write of a frame that fits in one
+/// [`FRAME_ALIGN`] block lands whole or not at all (the kernel copies a
+/// write into the page cache a page at a time, and a fatal signal is
+/// noticed between pages), so such a last frame that fails its checksum
+/// was damaged after it was written, maybe after it was acknowledged:
+/// [`Error::Corrupt`] rather than a silent end. A longer last frame may
+/// have been cut between pages by the kill, and stays a torn tail.
 pub(super) fn replay(
     file: &dyn StorageBackend,
     store_id: &[u8; 16],
     epoch: u64,
     layout: &Layout,
+    no_reboot: bool,
     txn: &WriteTransaction,
 ) -> Result<u64> {
     let end = layout.region.end.min(file.len().map_err(Error::Io)?);
@@ -420,6 +431,18 @@ pub(super) fn replay(
                     ));
                 }
                 check_nothing_after(file, store_id, epoch, layout, at, end, "fails its checksum")?;
+                if no_reboot && layout.align >= FRAME_ALIGN && next - at <= FRAME_ALIGN {
+                    return Err(Error::corrupt(
+                        None,
+                        format!(
+                            "the last write-ahead log frame, at offset {at}, fails its checksum, \
+                             and the machine has not restarted since the store was opened: no \
+                             power loss can have torn it, and a process killed while writing a \
+                             frame of one block leaves it whole or absent. It was damaged after \
+                             it was written and may hold acknowledged writes"
+                        ),
+                    ));
+                }
                 break;
             }
         };
@@ -774,9 +797,25 @@ mod tests {
             .create_with_backend(::redb::backends::InMemoryBackend::new())
             .unwrap();
         let txn = db.begin_write().unwrap();
-        let n = replay(file.as_ref(), &[3; 16], 5, &Layout::segment(len, 5), &txn).unwrap();
+        let n = replay(
+            file.as_ref(),
+            &[3; 16],
+            5,
+            &Layout::segment(len, 5),
+            false,
+            &txn,
+        )
+        .unwrap();
         assert_eq!(n, 2);
-        let n = replay(file.as_ref(), &[3; 16], 6, &Layout::segment(len, 6), &txn).unwrap();
+        let n = replay(
+            file.as_ref(),
+            &[3; 16],
+            6,
+            &Layout::segment(len, 6),
+            false,
+            &txn,
+        )
+        .unwrap();
         assert_eq!(n, 1);
     }
 }
