@@ -44,6 +44,7 @@ mod checkpoint;
 mod commit;
 mod errors;
 mod inbox;
+mod loss;
 mod memtable;
 mod open;
 mod options;
@@ -56,6 +57,7 @@ mod wal;
 /// version as the store's, whatever the caller's own dependency says.
 pub use ::redb as engine;
 pub use inbox::{Delivery, Inbox};
+pub use loss::LossReport;
 pub use memtable::MEMTABLE_BYTES;
 use options::Config;
 pub use options::{DEFAULT_CACHE_BYTES, Durability, RecoveryPolicy, RedbStoreBuilder};
@@ -312,6 +314,8 @@ pub struct RedbStore {
     max_body_bytes: usize,
     leases_expired_on_open: u64,
     frames_replayed_on_open: u64,
+    /// What an open with `accept_loss` gave up, when it gave up anything.
+    loss_report: Option<LossReport>,
 }
 
 impl std::fmt::Debug for RedbStore {
@@ -340,6 +344,10 @@ impl RedbStore {
         let store_id = opened.store_id;
         let leases_expired_on_open = opened.leases_expired;
         let frames_replayed_on_open = opened.frames_replayed;
+        let loss_report = (!opened.loss.is_empty()).then(|| LossReport {
+            frames_replayed: opened.frames_replayed,
+            ..opened.loss.clone()
+        });
         let shared = Shared::new(opened, &config);
         let background = {
             let shared = Arc::clone(&shared);
@@ -358,6 +366,7 @@ impl RedbStore {
             max_body_bytes: config.max_body_bytes,
             leases_expired_on_open,
             frames_replayed_on_open,
+            loss_report,
         };
         if let Some(sweep) = config.sweeper {
             // The sweeper holds the shared state, not the store: no cycle,
@@ -418,6 +427,20 @@ impl RedbStore {
     /// ```
     pub fn sweeper(&self) -> Option<&Sweeper> {
         self.sweeper.as_ref()
+    }
+
+    /// What this open gave up, when it was opened with
+    /// [`accept_loss`](RedbStoreBuilder::accept_loss) and found damage;
+    /// `None` when nothing was dropped.
+    ///
+    /// ```
+    /// # let dir = tempfile::tempdir()?;
+    /// let store = idemstore::RedbStore::open(dir.path().join("s.idem"))?;
+    /// assert!(store.loss_report().is_none());
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn loss_report(&self) -> Option<&LossReport> {
+        self.loss_report.as_ref()
     }
 
     /// Group-commit counters since open.

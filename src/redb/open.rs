@@ -7,6 +7,7 @@ use super::tables::{
     EXPIRY, META, META_FORMAT_VERSION, META_STORE_ID, META_TOKEN_HWM, META_WAL_BOOT,
     META_WAL_BYTES, META_WAL_EPOCH, META_WAL_STATE, RECORDS, WAL_CLOSED, WAL_OPEN, WriteTables,
 };
+use super::loss::LossReport;
 use super::wal::{self, FileLog, Wal};
 use super::{Config, RecoveryPolicy};
 use crate::error::{Error, Result};
@@ -45,6 +46,8 @@ pub(super) struct Opened {
     /// The write-ahead log, recovered and empty; `None` without one.
     pub(super) wal: Option<Wal>,
     pub(super) frames_replayed: u64,
+    /// What an open with `accept_loss` gave up (empty otherwise).
+    pub(super) loss: LossReport,
 }
 
 /// Opens the store file at `path`, creating it (mode 0600) when it does
@@ -62,22 +65,36 @@ pub(super) struct Opened {
 /// was lost or replaced, and a new store would overwrite that log (the
 /// only copy of the writes it holds). That is [`Error::Corrupt`].
 pub(super) fn open_path(path: &Path, config: &Config) -> Result<Opened> {
-    match std::fs::symlink_metadata(path) {
+    let mut found = Vec::new();
+    let mut opened = match std::fs::symlink_metadata(path) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            refuse_over_log(path, "is missing")?;
+            refuse_over_log(path, "is missing", config, &mut found)?;
             create_then_open(path, config)
         }
         Ok(meta) if meta.len() == 0 => {
-            refuse_over_log(path, "is empty")?;
+            refuse_over_log(path, "is empty", config, &mut found)?;
             open_file(path, config)
         }
         _ => open_file(path, config),
+    }?;
+    if !found.is_empty() {
+        found.append(&mut opened.loss.findings);
+        opened.loss.findings = found;
     }
+    Ok(opened)
 }
 
 /// [`Error::Corrupt`] when the log beside `path` holds anything but zeros
 /// (a new log is all zeros until its first frame).
-fn refuse_over_log(path: &Path, what: &str) -> Result<()> {
+///
+/// With `accept_loss` the log is renamed to `<log>.lost` (a free name),
+/// never overwritten, and that is written down in `found`.
+fn refuse_over_log(
+    path: &Path,
+    what: &str,
+    config: &Config,
+    found: &mut Vec<String>,
+) -> Result<()> {
     use std::io::Read;
     let log = wal::wal_path(path);
     let mut file = match std::fs::File::open(&log) {
@@ -92,6 +109,19 @@ fn refuse_over_log(path: &Path, what: &str) -> Result<()> {
             return Ok(());
         }
         if chunk.get(..n).is_some_and(|c| c.iter().any(|&b| b != 0)) {
+            if config.accept_loss {
+                let aside = free_name(&log, "lost");
+                std::fs::rename(&log, &aside)?;
+                sync_parent(path)?;
+                found.push(format!(
+                    "{} {what} beside a log with frames of another store file: the log was \
+                     moved to {} (its frames cannot be replayed without that store's id) and a \
+                     new store was made",
+                    path.display(),
+                    aside.display()
+                ));
+                return Ok(());
+            }
             return Err(Error::corrupt(
                 None,
                 format!(
@@ -245,16 +275,29 @@ pub(super) fn open_backend(
         Some(meta) => meta,
         None => init_meta(&db, config)?,
     };
+    let mut loss = LossReport::default();
     let (wal, frames_replayed) = match log {
         None => {
             if read_wal_state(&db)?.is_some_and(|s| s.open) {
-                return Err(log_missing(name, "it is being opened without its log"));
+                let err = log_missing(name, "it is being opened without its log");
+                if !config.accept_loss {
+                    return Err(err);
+                }
+                loss.findings.push(format!("accepted: {err}"));
             }
             (None, 0)
         }
         Some(file) => {
-            let (wal, frames) =
-                recover_log(&db, file, store_id, format_version, boot, config, name)?;
+            let (wal, frames) = recover_log(
+                &db,
+                file,
+                store_id,
+                format_version,
+                boot,
+                config,
+                name,
+                &mut loss,
+            )?;
             if frames > 0 {
                 // The frames carry the high-water mark of their claims.
                 token_hwm = read_meta(&db)?.map_or(token_hwm, |m| m.token_hwm);
@@ -273,6 +316,7 @@ pub(super) fn open_backend(
         leases_expired,
         wal,
         frames_replayed,
+        loss,
     })
 }
 
@@ -287,6 +331,7 @@ fn recover_log(
     boot: Option<&str>,
     config: &Config,
     name: &Path,
+    loss: &mut LossReport,
 ) -> Result<(Wal, u64)> {
     let file: std::sync::Arc<dyn StorageBackend> = std::sync::Arc::from(file);
     let epoch = read_wal_epoch(db)?;
@@ -303,9 +348,15 @@ fn recover_log(
             // The last open stopped before its log had a size: no frame
             // was ever written, nothing can be missing.
             Some(0) => {}
-            _ if len == 0 => return Err(log_missing(name, "its log is missing or empty")),
+            _ if len == 0 => {
+                let err = log_missing(name, "its log is missing or empty");
+                if !config.accept_loss {
+                    return Err(err);
+                }
+                loss.findings.push(format!("accepted: {err}"));
+            }
             Some(recorded) if len < recorded => {
-                return Err(Error::corrupt(
+                let err = Error::corrupt(
                     None,
                     format!(
                         "{} was not closed cleanly, and its write-ahead log {} is {len} bytes \
@@ -317,7 +368,13 @@ fn recover_log(
                         name.display(),
                         wal::wal_path(name).display()
                     ),
-                ));
+                );
+                if !config.accept_loss {
+                    return Err(err);
+                }
+                loss.findings.push(format!("accepted: {err}"));
+                // What is left is replayed where it was written.
+                layout_len = recorded;
             }
             // A longer file (extended by hand) still holds the frames
             // where they were written.
@@ -340,6 +397,7 @@ fn recover_log(
             epoch,
             &wal::Layout::v2(layout_len),
             no_reboot,
+            config.accept_loss.then_some(&mut *loss),
             &txn,
         )?
     } else {
@@ -351,6 +409,7 @@ fn recover_log(
             epoch,
             &wal::Layout::segment(layout_len, epoch),
             no_reboot,
+            config.accept_loss.then_some(&mut *loss),
             &txn,
         )?;
         let next = epoch.wrapping_add(1);
@@ -361,6 +420,7 @@ fn recover_log(
                 next,
                 &wal::Layout::segment(layout_len, next),
                 no_reboot,
+                config.accept_loss.then_some(&mut *loss),
                 &txn,
             )?
     };
@@ -445,6 +505,21 @@ fn read_wal_boot(db: &Database) -> Result<Option<String>> {
         .get(META_WAL_BOOT)
         .map_err(engine)?
         .map(|v| String::from_utf8_lossy(v.value()).into_owned()))
+}
+
+/// `<path>.<suffix>`, or `<path>.<suffix>.N` for the first free `N`.
+fn free_name(path: &Path, suffix: &str) -> std::path::PathBuf {
+    let mut name = path.as_os_str().to_os_string();
+    name.push(format!(".{suffix}"));
+    let mut candidate = std::path::PathBuf::from(&name);
+    let mut n = 1u32;
+    while candidate.exists() {
+        let mut numbered = name.clone();
+        numbered.push(format!(".{n}"));
+        candidate = std::path::PathBuf::from(numbered);
+        n += 1;
+    }
+    candidate
 }
 
 /// This boot of the machine: Linux's random id, new at every boot. An

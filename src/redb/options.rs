@@ -94,6 +94,7 @@ pub(super) struct Config {
     pub(super) write_ahead_log: bool,
     pub(super) checkpoint_interval: Duration,
     pub(super) wal_bytes: u64,
+    pub(super) accept_loss: bool,
 }
 
 /// Options for opening a [`RedbStore`]; from [`RedbStore::builder`].
@@ -133,6 +134,7 @@ impl Default for RedbStoreBuilder {
                 write_ahead_log: true,
                 checkpoint_interval: crate::redb::CHECKPOINT_INTERVAL,
                 wal_bytes: crate::redb::WAL_BYTES,
+                accept_loss: false,
             },
         }
     }
@@ -253,6 +255,37 @@ impl RedbStoreBuilder {
     /// ```
     pub fn wal_bytes(mut self, bytes: u64) -> Self {
         self.config.wal_bytes = bytes;
+        self
+    }
+
+    /// After the open refused the store's files with
+    /// [`Error::Corrupt`](crate::Error::Corrupt) for a damaged or
+    /// incomplete write-ahead log, open anyway with whatever verifies, and
+    /// write down what was given up in
+    /// [`RedbStore::loss_report`](crate::RedbStore::loss_report). Off by
+    /// default: nothing is ever dropped without this. An operator's choice
+    /// for one open (`idemstore recover --accept-loss`), not a setting to
+    /// leave on.
+    ///
+    /// What it does, case by case (`docs/operations.md` has the table):
+    /// frames that do not verify are skipped and replay goes on with the
+    /// next frame that does; a log missing, empty or cut short after an
+    /// unclean stop is replayed as far as it goes; a log with frames beside
+    /// a missing or empty store file is renamed to `<log>.lost`, never
+    /// overwritten, and a new store is made. A frame that verifies but does
+    /// not decode is still refused: no crash or bit rot makes one.
+    ///
+    /// ```
+    /// use idemstore::RedbStore;
+    /// # let dir = tempfile::tempdir()?;
+    /// let store = RedbStore::builder().accept_loss(true).open(dir.path().join("s.idem"))?;
+    /// if let Some(report) = store.loss_report() {
+    ///     eprintln!("opened with loss:\n{report}");
+    /// }
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn accept_loss(mut self, accept: bool) -> Self {
+        self.config.accept_loss = accept;
         self
     }
 

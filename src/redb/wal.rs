@@ -78,6 +78,7 @@
 //! never verifies, so it is never replayed into the wrong store.
 
 use super::errors::engine;
+use super::loss::LossReport;
 use super::tables::{META, WriteTables};
 use crate::error::{Error, Result};
 use ::redb::{StorageBackend, WriteTransaction};
@@ -394,6 +395,7 @@ pub(super) fn replay(
     epoch: u64,
     layout: &Layout,
     no_reboot: bool,
+    mut loss: Option<&mut LossReport>,
     txn: &WriteTransaction,
 ) -> Result<u64> {
     let end = layout.region.end.min(file.len().map_err(Error::Io)?);
@@ -408,42 +410,71 @@ pub(super) fn replay(
     loop {
         let (payload, next) = match read_frame(file, store_id, epoch, at, end)? {
             Frame::Whole { payload, next } => (payload, next_start(next)),
-            Frame::End => {
-                check_nothing_after(file, store_id, epoch, layout, at, end, "ends")?;
-                break;
-            }
-            Frame::Damaged { next } => {
-                // A frame is written only once the one before it is synced,
-                // so a crash damages the last frame only. One that fails its
-                // checksum with a whole frame after it is damage to synced
-                // data: stopping here would drop acknowledged writes.
-                if matches!(
-                    read_frame(file, store_id, epoch, next_start(next), end)?,
-                    Frame::Whole { .. }
-                ) {
-                    return Err(Error::corrupt(
-                        None,
-                        format!(
-                            "write-ahead log frame at offset {at} fails its checksum, but the frame \
-                             after it verifies: the log is damaged, and replaying only up to it \
-                             would lose acknowledged writes"
-                        ),
-                    ));
+            stop => {
+                // Where the frames of this epoch stop. A frame is written
+                // only once the one before it is synced, so a crash can
+                // damage the last frame only: a frame that verifies after
+                // the stop means the stop is damage to synced data, and
+                // replaying only up to it would drop acknowledged writes.
+                let (what, damaged_end) = match stop {
+                    Frame::Damaged { next } => ("fails its checksum", Some(next)),
+                    _ => ("ends", None),
+                };
+                let later = find_later(file, store_id, epoch, layout, at, end)?;
+                // After a process crash (no reboot), a last frame of one
+                // block cannot have been torn (see the docs above).
+                let damaged_last = later.is_none()
+                    && no_reboot
+                    && layout.align >= FRAME_ALIGN
+                    && damaged_end.is_some_and(|next| next - at <= FRAME_ALIGN);
+                if later.is_none() && !damaged_last {
+                    break;
                 }
-                check_nothing_after(file, store_id, epoch, layout, at, end, "fails its checksum")?;
-                if no_reboot && layout.align >= FRAME_ALIGN && next - at <= FRAME_ALIGN {
-                    return Err(Error::corrupt(
-                        None,
-                        format!(
-                            "the last write-ahead log frame, at offset {at}, fails its checksum, \
-                             and the machine has not restarted since the store was opened: no \
-                             power loss can have torn it, and a process killed while writing a \
-                             frame of one block leaves it whole or absent. It was damaged after \
-                             it was written and may hold acknowledged writes"
+                let Some(loss) = loss.as_deref_mut() else {
+                    return Err(match later {
+                        Some(x) => Error::corrupt(
+                            None,
+                            format!(
+                                "the write-ahead log {what} at offset {at}, but a later frame of \
+                                 the same epoch at offset {x} verifies: the log is damaged, and \
+                                 replaying only up to offset {at} would lose acknowledged writes"
+                            ),
                         ),
-                    ));
+                        None => Error::corrupt(
+                            None,
+                            format!(
+                                "the last write-ahead log frame, at offset {at}, fails its \
+                                 checksum, and the machine has not restarted since the store was \
+                                 opened: no power loss can have torn it, and a process killed \
+                                 while writing a frame of one block leaves it whole or absent. \
+                                 It was damaged after it was written and may hold acknowledged \
+                                 writes"
+                            ),
+                        ),
+                    });
+                };
+                loss.frames_skipped += 1;
+                if let Some(next) = damaged_end {
+                    loss.keys_possibly_lost
+                        .extend(keys_in(file, at + FRAME_HEADER, next.min(end)));
                 }
-                break;
+                match later {
+                    Some(x) => {
+                        loss.findings.push(format!(
+                            "epoch {epoch}: the log {what} at offset {at} but a frame verifies \
+                             at offset {x}: the bytes between were skipped and replay went on"
+                        ));
+                        at = x;
+                        continue;
+                    }
+                    None => {
+                        loss.findings.push(format!(
+                            "epoch {epoch}: the last frame, at offset {at}, was damaged after it \
+                             was written: skipped"
+                        ));
+                        break;
+                    }
+                }
             }
         };
         let damaged = |detail: &str| {
@@ -484,29 +515,27 @@ pub(super) fn replay(
     Ok(frames)
 }
 
-/// Where replay stopped (`at`) must be the end of the epoch's frames: no
-/// later block of the segment may hold a frame of the epoch that verifies.
-/// Frames of an epoch are written one after the other, each once the one
-/// before it is durable, so a verifying frame after the stop means the stop
-/// is damage (a flipped magic, epoch or length field; a frame overwritten),
-/// not the end of the log or a torn last write, and replaying only up to it
-/// would drop acknowledged writes: [`Error::Corrupt`], naming both offsets.
+/// The first block after `at` in the epoch's segment that holds a frame
+/// of the epoch that verifies. Frames of an epoch are written one after
+/// the other, each once the one before it is durable, so there is none
+/// after the true end of the log or a torn last write; one found means the
+/// stop at `at` is damage (a flipped magic, epoch or length field; a frame
+/// overwritten).
 ///
 /// Only for this format's aligned segments (a format-2 log's frames may
 /// start at any byte). The segment is read in large chunks and only a
 /// block whose header names this epoch is verified, so a clean open reads
 /// each of the two live segments once.
-fn check_nothing_after(
+fn find_later(
     file: &dyn StorageBackend,
     store_id: &[u8; 16],
     epoch: u64,
     layout: &Layout,
     at: u64,
     end: u64,
-    what: &str,
-) -> Result<()> {
+) -> Result<Option<u64>> {
     if layout.align < FRAME_ALIGN {
-        return Ok(());
+        return Ok(None);
     }
     const CHUNK: u64 = 1024 * 1024;
     let mut probe = at + layout.align;
@@ -528,22 +557,49 @@ fn check_nothing_after(
                     Frame::Whole { .. }
                 )
             {
-                return Err(Error::corrupt(
-                    None,
-                    format!(
-                        "the write-ahead log {what} at offset {at}, but a later frame of the same \
-                         epoch at offset {} verifies: the log is damaged, and replaying only up \
-                         to offset {at} would lose acknowledged writes",
-                        probe + block
-                    ),
-                ));
+                return Ok(Some(probe + block));
             }
             block += layout.align;
         }
         probe += n.div_ceil(layout.align) * layout.align;
     }
-    Ok(())
+    Ok(None)
 }
+
+/// The record keys a damaged frame's payload (`from..to`) names, read as
+/// far as its entries parse: what a skipped frame may have written.
+fn keys_in(file: &dyn StorageBackend, from: u64, to: u64) -> Vec<String> {
+    let Some(len) = to.checked_sub(from).filter(|&n| n <= MAX_FRAME_READ) else {
+        return Vec::new();
+    };
+    let mut payload = vec![0u8; len as usize];
+    if file.read(from, &mut payload).is_err() {
+        return Vec::new();
+    }
+    let mut keys = Vec::new();
+    let mut cursor = payload.as_slice();
+    while let Some((&tag, rest)) = cursor.split_first() {
+        cursor = rest;
+        let Some(a) = take(&mut cursor) else { break };
+        match tag {
+            TAG_RECORD_PUT | TAG_META_PUT => {
+                if take(&mut cursor).is_none() {
+                    break;
+                }
+            }
+            TAG_RECORD_DEL | TAG_INDEX_PUT | TAG_INDEX_DEL => {}
+            _ => break,
+        }
+        if matches!(tag, TAG_RECORD_PUT | TAG_RECORD_DEL) {
+            keys.push(crate::codec::printable_key(a));
+        }
+    }
+    keys
+}
+
+/// Most bytes [`keys_in`] reads from a damaged frame (its length field may
+/// be damaged too).
+const MAX_FRAME_READ: u64 = 64 * 1024 * 1024;
 
 /// What lies at one offset of the log.
 enum Frame {

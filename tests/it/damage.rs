@@ -84,6 +84,23 @@ fn damaged_frame_is_corrupt(frame: usize, offset: usize, says: &str) {
     let err = reopen(&damaged).map(|_| ()).unwrap_err();
     assert!(matches!(err, Error::Corrupt { .. }), "{err}");
     assert!(err.to_string().contains(says), "{err}");
+    // Accepting the loss: every frame that verifies is replayed, the
+    // damaged one is skipped and reported.
+    let disk = damaged.restore();
+    let store = RedbStore::builder()
+        .checkpoint_interval(NO_CHECKPOINT)
+        .accept_loss(true)
+        .open_backend_with_log(disk.clone(), disk.file(1).unwrap())
+        .unwrap();
+    let report = store.loss_report().expect("a report").clone();
+    assert_eq!(report.frames_skipped, 1, "{report}");
+    assert_eq!(report.frames_replayed, ids.len() as u64 - 1, "{report}");
+    for (i, id) in ids.iter().enumerate() {
+        let found = store.get(&key(id), T0).unwrap().is_some();
+        assert_eq!(found, i != frame, "{id}: {report}");
+    }
+    let json: serde_json::Value = serde_json::from_str(&report.to_json()).unwrap();
+    assert_eq!(json["frames_skipped"], 1);
 }
 
 #[test]
@@ -171,6 +188,19 @@ fn a_store_copied_without_its_log_after_an_unclean_stop_is_refused() {
     assert_unclean_refusal(&err, "missing or empty");
     // The refused open leaves no empty log behind to be mistaken for it.
     assert!(!alone.path().join("s.idem-wal").exists());
+    // Accepting the loss opens it, says so, and the writes are gone.
+    let accepted = RedbStore::builder()
+        .accept_loss(true)
+        .open(alone.path().join("s.idem"))
+        .unwrap();
+    let report = accepted.loss_report().expect("a report");
+    assert!(report.findings[0].contains("missing or empty"), "{report}");
+    assert!(accepted.get(&key("a"), T0).unwrap().is_none());
+    drop(accepted);
+    // Accepted once: the store was closed cleanly and opens plainly.
+    let again = RedbStore::open(alone.path().join("s.idem")).unwrap();
+    assert!(again.loss_report().is_none());
+    drop(again);
     // Copied with its log, the same store has every write.
     let store = RedbStore::open(both.path().join("s.idem")).unwrap();
     for id in ["a", "b", "c"] {
@@ -281,6 +311,18 @@ fn a_missing_store_file_beside_its_log_is_refused_not_recreated() {
         "{err}"
     );
     assert!(!copy.path().join("s.idem").exists(), "no store was created");
+    // Accepting the loss moves the log aside, never over it.
+    let log = std::fs::read(copy.path().join("s.idem-wal")).unwrap();
+    let store = RedbStore::builder()
+        .accept_loss(true)
+        .open(copy.path().join("s.idem"))
+        .unwrap();
+    let report = store.loss_report().expect("a report");
+    assert!(report.findings[0].contains("s.idem-wal.lost"), "{report}");
+    assert_eq!(
+        std::fs::read(copy.path().join("s.idem-wal.lost")).unwrap(),
+        log
+    );
 }
 
 #[test]

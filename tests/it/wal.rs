@@ -165,7 +165,7 @@ fn a_damaged_frame_before_a_whole_one_is_corrupt_not_a_silent_stop() {
         .unwrap_err();
     assert!(matches!(err, Error::Corrupt { .. }), "{err}");
     assert!(
-        err.to_string().contains("the frame after it verifies"),
+        err.to_string().contains("a later frame of the same epoch"),
         "{err}"
     );
 }
