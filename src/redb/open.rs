@@ -3,11 +3,11 @@
 //! meta table, and the recovery policy.
 
 use super::errors::engine;
+use super::loss::LossReport;
 use super::tables::{
     EXPIRY, META, META_FORMAT_VERSION, META_STORE_ID, META_TOKEN_HWM, META_WAL_BOOT,
     META_WAL_BYTES, META_WAL_EPOCH, META_WAL_STATE, RECORDS, WAL_CLOSED, WAL_OPEN, WriteTables,
 };
-use super::loss::LossReport;
 use super::wal::{self, FileLog, Wal};
 use super::{Config, RecoveryPolicy};
 use crate::error::{Error, Result};
@@ -288,16 +288,13 @@ pub(super) fn open_backend(
             (None, 0)
         }
         Some(file) => {
-            let (wal, frames) = recover_log(
-                &db,
-                file,
+            let found = Found {
                 store_id,
-                format_version,
+                format: format_version,
                 boot,
-                config,
                 name,
-                &mut loss,
-            )?;
+            };
+            let (wal, frames) = recover_log(&db, file, &found, config, &mut loss)?;
             if frames > 0 {
                 // The frames carry the high-water mark of their claims.
                 token_hwm = read_meta(&db)?.map_or(token_hwm, |m| m.token_hwm);
@@ -323,16 +320,30 @@ pub(super) fn open_backend(
 /// Replays the log's frames of the current epoch, then commits durably with
 /// a new epoch (retiring every frame found, whole or torn) and the current
 /// format version, and makes sure the log file has its full size.
+/// What the open found out before the log's recovery.
+struct Found<'a> {
+    store_id: [u8; 16],
+    /// The store format the file was written in.
+    format: u32,
+    /// This boot's id, for a log on a real file.
+    boot: Option<&'a str>,
+    /// The store, in errors.
+    name: &'a Path,
+}
+
 fn recover_log(
     db: &Database,
     file: Box<dyn StorageBackend>,
-    store_id: [u8; 16],
-    format: u32,
-    boot: Option<&str>,
+    found: &Found<'_>,
     config: &Config,
-    name: &Path,
     loss: &mut LossReport,
 ) -> Result<(Wal, u64)> {
+    let Found {
+        store_id,
+        format,
+        boot,
+        name,
+    } = *found;
     let file: std::sync::Arc<dyn StorageBackend> = std::sync::Arc::from(file);
     let epoch = read_wal_epoch(db)?;
     let len = file.len().map_err(Error::Io)?;

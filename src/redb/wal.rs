@@ -859,6 +859,7 @@ mod tests {
             5,
             &Layout::segment(len, 5),
             false,
+            None,
             &txn,
         )
         .unwrap();
@@ -869,6 +870,7 @@ mod tests {
             6,
             &Layout::segment(len, 6),
             false,
+            None,
             &txn,
         )
         .unwrap();

@@ -538,3 +538,59 @@ fn missing_and_foreign_files_are_clear_errors() {
     );
     idemstore().args(["frobnicate"]).assert().code(2);
 }
+
+#[test]
+fn recover_refuses_without_accept_loss_then_opens_and_writes_the_report() {
+    // A store copied without its log after an unclean stop: a plain open
+    // refuses it; `recover --accept-loss` opens it and says what was lost.
+    let live = tempfile::tempdir().unwrap();
+    let store = RedbStore::builder()
+        .checkpoint_interval(Duration::from_secs(3600))
+        .open(live.path().join("s.idem"))
+        .unwrap();
+    let key = Key::new("t", "order-1").unwrap();
+    let fp = Fingerprint::of(b"x");
+    claimed(
+        store
+            .begin(
+                &key,
+                &fp,
+                now(),
+                Duration::from_secs(30),
+                Duration::from_secs(3600),
+            )
+            .unwrap(),
+    );
+    let copy = tempfile::tempdir().unwrap();
+    let path = copy.path().join("s.idem");
+    std::fs::copy(live.path().join("s.idem"), &path).unwrap();
+    drop(store);
+
+    let out = idemstore().args(["recover"]).arg(&path).output().unwrap();
+    assert_eq!(out.status.code(), Some(6), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("was not closed cleanly"), "{err}");
+    assert!(err.contains("--accept-loss"), "{err}");
+
+    let out = idemstore()
+        .args(["recover", "--accept-loss"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    let report_path = copy.path().join("s.idem.loss-report.json");
+    let report: Value = serde_json::from_slice(&std::fs::read(&report_path).unwrap()).unwrap();
+    assert!(
+        report["findings"][0]
+            .as_str()
+            .unwrap()
+            .contains("missing or empty"),
+        "{report}"
+    );
+    // Recovered: the store now opens and verifies.
+    let out = idemstore().arg("verify").arg(&path).output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    // A second recover has nothing to do, and never overwrites a report.
+    let out = idemstore().arg("recover").arg(&path).output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+}

@@ -16,6 +16,7 @@
 //! idemstore verify  STORE
 //! idemstore export  STORE [--format jsonl] [-o FILE]
 //! idemstore import  STORE [--format jsonl] [FILE] [--force]
+//! idemstore recover STORE --accept-loss [--report FILE]
 //! ```
 //! Every command takes `--json` for machine output. Exit codes are the
 //! constants below.
@@ -197,6 +198,23 @@ pub(crate) enum Command {
         #[arg(long, short = 'o')]
         output: Option<PathBuf>,
     },
+    /// Open a store whose files an open refuses (a damaged or missing
+    /// write-ahead log, a store file lost beside its log) with whatever
+    /// verifies, and write down what was given up (docs/operations.md).
+    /// Without --accept-loss it only says whether there is anything to
+    /// recover.
+    Recover {
+        /// The store file.
+        store: PathBuf,
+        /// Accept the loss: skip what does not verify, move a log that
+        /// cannot be replayed aside, and write the report.
+        #[arg(long)]
+        accept_loss: bool,
+        /// Where to write the report (JSON); `<STORE>.loss-report.json`
+        /// when not given.
+        #[arg(long)]
+        report: Option<PathBuf>,
+    },
     /// Read records written by `export` into a new (or empty) store.
     Import {
         /// The store file (created if missing).
@@ -319,6 +337,11 @@ pub(crate) fn run(args: Args, io: &mut Io<'_>) -> u8 {
             format: Format::Jsonl,
             output,
         } => open(&store).and_then(|s| maintenance::export(&s, output.as_deref(), json, io)),
+        Command::Recover {
+            store,
+            accept_loss,
+            report,
+        } => maintenance::recover(&store, accept_loss, report.as_deref(), json, io),
         Command::Import {
             store,
             input,

@@ -343,3 +343,90 @@ pub(crate) fn import(
     }
     Ok(EXIT_OK)
 }
+
+/// `recover`: without `accept_loss`, says whether a plain open refuses the
+/// store; with it, opens accepting loss and writes the [`LossReport`] as
+/// JSON beside the store (or at `report`), never over an existing file.
+///
+/// [`LossReport`]: idemstore::redb::LossReport
+pub(crate) fn recover(
+    path: &Path,
+    accept_loss: bool,
+    report: Option<&Path>,
+    json: bool,
+    io: &mut Io<'_>,
+) -> Outcome {
+    // A store file lost beside its log is a case for recover, not a typo.
+    let log = {
+        let mut name = path.as_os_str().to_os_string();
+        name.push("-wal");
+        std::path::PathBuf::from(name)
+    };
+    if !path.exists() && !log.exists() {
+        return Err(Failure::new(
+            EXIT_ERROR,
+            format!("no store at {}", path.display()),
+        ));
+    }
+    if !accept_loss {
+        return match RedbStore::open(path) {
+            Ok(store) => {
+                drop(store);
+                writeln!(io.out, "nothing to recover: the store opens as it is")?;
+                Ok(EXIT_OK)
+            }
+            Err(err @ Error::Corrupt { .. }) => Err(Failure::new(
+                EXIT_REFUSED,
+                format!(
+                    "{err}\nrun `idemstore recover {} --accept-loss` to open it with what \
+                     verifies and write down what is given up",
+                    path.display()
+                ),
+            )),
+            Err(err) => Err(err.into()),
+        };
+    }
+    let store = RedbStore::builder().accept_loss(true).open(path)?;
+    let Some(loss) = store.loss_report().cloned() else {
+        drop(store);
+        if json {
+            writeln!(io.out, "{}", json!({"lost": false}))?;
+        } else {
+            writeln!(io.out, "nothing was lost: the store opens as it is")?;
+        }
+        return Ok(EXIT_OK);
+    };
+    // Closed cleanly: from now on the store opens plainly.
+    drop(store);
+    let target = match report {
+        Some(p) => p.to_path_buf(),
+        None => {
+            let mut name = path.as_os_str().to_os_string();
+            name.push(".loss-report.json");
+            std::path::PathBuf::from(name)
+        }
+    };
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&target)
+        .map_err(|e| {
+            Failure::new(
+                EXIT_ERROR,
+                format!("cannot write the report to {}: {e}", target.display()),
+            )
+        })?;
+    writeln!(file, "{}", loss.to_json())?;
+    file.sync_all()?;
+    if json {
+        writeln!(
+            io.out,
+            "{}",
+            json!({"lost": true, "report": target.display().to_string(), "frames_skipped": loss.frames_skipped, "keys_possibly_lost": loss.keys_possibly_lost.len()})
+        )?;
+    } else {
+        write!(io.out, "opened with loss:\n{loss}")?;
+        writeln!(io.out, "report written to {}", target.display())?;
+    }
+    Ok(EXIT_OK)
+}
