@@ -37,19 +37,27 @@
 //! records are already in the file changes nothing. What replay does at
 //! each offset ([`replay`]):
 //!
-//! - no frame of this epoch (zeros, another magic, an older epoch's bytes,
-//!   a header cut short, a length running past the segment): the end of
-//!   the log; replay stops there.
-//! - a header of this epoch whose CRC-32 fails: a frame is written only
-//!   after the previous one was synced, so a crash can damage only the
-//!   last frame written. If the block where the next frame would start
-//!   holds no frame that verifies, this is that torn tail: replay stops.
-//!   If a frame there verifies, synced data after it would be lost:
-//!   the open fails with [`Error::Corrupt`].
+//! - a frame of this epoch that verifies: applied.
+//! - anything else (zeros, another magic, an older epoch's bytes, a header
+//!   cut short, a length running past the segment, a frame of this epoch
+//!   whose CRC-32 fails): the end of the epoch's frames, unless a later
+//!   block of the segment holds a frame of this epoch that verifies. A
+//!   frame is written only after the previous one was synced, so a crash
+//!   can damage only the last frame written and leaves nothing after it:
+//!   a verifying frame after the stop means the stop is damage, and the
+//!   open fails with [`Error::Corrupt`] naming both offsets.
+//! - a damaged last frame of one block, when the machine has not restarted
+//!   since the open that wrote it (a process crash, which writes such a
+//!   frame whole or not at all): [`Error::Corrupt`]. After a reboot it is
+//!   a write torn by a power cut: the end.
 //! - a frame that verifies but whose payload does not decode (an entry cut
 //!   short, an unknown tag, a record that does not decode): damage no
 //!   crash can cause; the open fails with [`Error::Corrupt`] and nothing
 //!   is committed.
+//!
+//! With [`accept_loss`](super::RedbStoreBuilder::accept_loss) each
+//! `Corrupt` but the last becomes a skip: replay goes on at the next frame
+//! that verifies, and the [`LossReport`] says what was skipped.
 //!
 //! Because a frame starts on a fresh 4 KiB block, an append never writes a
 //! sector holding acknowledged bytes: a device that tears a sector into
