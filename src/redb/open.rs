@@ -354,7 +354,8 @@ fn recover_log(
     // cut short, the replay would find nothing (or only part) and the open
     // would succeed without the writes acknowledged since the last
     // checkpoint.
-    if let Some(state) = read_wal_state(db)?.filter(|s| s.open) {
+    let unclean = read_wal_state(db)?.filter(|s| s.open);
+    if let Some(state) = unclean {
         match state.bytes {
             // The last open stopped before its log had a size: no frame
             // was ever written, nothing can be missing.
@@ -391,6 +392,31 @@ fn recover_log(
             // where they were written.
             Some(recorded) => layout_len = recorded,
             None => {}
+        }
+    }
+    // After an unclean stop the log must be this store's: its frames verify
+    // under this store's id. A log with frames of which none does (another
+    // store's, put in its place) cannot hold this store's writes since the
+    // last checkpoint. One frame that does not verify may be this store's
+    // first, torn by a crash: two or more cannot all be.
+    if unclean.is_some() && format >= 3 {
+        let (seen, ours) = wal::frames_seen(file.as_ref(), &store_id, layout_len)?;
+        if seen >= 2 && ours == 0 {
+            let err = Error::corrupt(
+                None,
+                format!(
+                    "{} was not closed cleanly, and none of the {seen} frames in its \
+                     write-ahead log {} verifies for this store: the log belongs to another \
+                     store, so the writes acknowledged since the last checkpoint are not in \
+                     it. Put back the log that belongs to this store; see docs/operations.md",
+                    name.display(),
+                    wal::wal_path(name).display()
+                ),
+            );
+            if !config.accept_loss {
+                return Err(err);
+            }
+            loss.findings.push(format!("accepted: {err}"));
         }
     }
     // No reboot since the open that wrote these frames: no power loss can

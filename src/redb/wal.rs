@@ -574,6 +574,44 @@ fn find_later(
     Ok(None)
 }
 
+/// How many blocks of the log (laid out for `len`) start with a frame
+/// header, and how many of those frames verify for `store_id` under their
+/// own epoch. A log of this store has frames that verify (or none at all);
+/// another store's has frames and none that do.
+pub(super) fn frames_seen(
+    file: &dyn StorageBackend,
+    store_id: &[u8; 16],
+    len: u64,
+) -> Result<(u64, u64)> {
+    let end = len.min(file.len().map_err(Error::Io)?);
+    let (mut seen, mut ours) = (0u64, 0u64);
+    for segment in 0..2u64 {
+        let region = segment_range(len, segment);
+        let mut at = region.start;
+        while at + FRAME_HEADER <= region.end.min(end) {
+            let mut header = [0u8; 12];
+            file.read(at, &mut header).map_err(Error::Io)?;
+            if header.get(..4) == Some(&MAGIC[..]) {
+                seen += 1;
+                let epoch = u64::from_be_bytes(
+                    header
+                        .get(4..12)
+                        .and_then(|b| b.try_into().ok())
+                        .unwrap_or_default(),
+                );
+                if matches!(
+                    read_frame(file, store_id, epoch, at, end)?,
+                    Frame::Whole { .. }
+                ) {
+                    ours += 1;
+                }
+            }
+            at += FRAME_ALIGN;
+        }
+    }
+    Ok((seen, ours))
+}
+
 /// The record keys a damaged frame's payload (`from..to`) names, read as
 /// far as its entries parse: what a skipped frame may have written.
 fn keys_in(file: &dyn StorageBackend, from: u64, to: u64) -> Vec<String> {

@@ -399,3 +399,37 @@ fn a_damaged_last_frame_after_a_process_crash_is_corrupt() {
     assert!(matches!(err, Error::Corrupt { .. }), "{err}");
     assert!(err.to_string().contains("has not restarted"), "{err}");
 }
+
+#[test]
+fn another_stores_log_in_place_after_an_unclean_stop_is_refused() {
+    // Two stores' files mixed up in a copy: B's store file (not closed
+    // cleanly, writes in its log) beside A's log of the same size. Before:
+    // Ok, A's frames silently ignored and B's writes gone.
+    let a_dir = tempfile::tempdir().unwrap();
+    let b_dir = tempfile::tempdir().unwrap();
+    let a = open_store_with_unchecked_writes(a_dir.path(), &["a1", "a2"]);
+    let b = open_store_with_unchecked_writes(b_dir.path(), &["b1"]);
+    let mixed = copy_out(b_dir.path(), false);
+    std::fs::copy(
+        a_dir.path().join("s.idem-wal"),
+        mixed.path().join("s.idem-wal"),
+    )
+    .unwrap();
+    drop((a, b));
+    let err = RedbStore::open(mixed.path().join("s.idem"))
+        .map(|_| ())
+        .unwrap_err();
+    assert_unclean_refusal(&err, "verifies for this store");
+    // Accepting the loss opens it and says so.
+    let store = RedbStore::builder()
+        .accept_loss(true)
+        .open(mixed.path().join("s.idem"))
+        .unwrap();
+    let report = store.loss_report().expect("a report");
+    assert!(
+        report.findings[0].contains("belongs to another store"),
+        "{report}"
+    );
+    assert!(store.get(&key("b1"), T0).unwrap().is_none());
+    assert!(store.get(&key("a1"), T0).unwrap().is_none());
+}
