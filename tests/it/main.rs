@@ -13,6 +13,8 @@ mod cli;
 mod crash;
 #[cfg(feature = "redb")]
 mod damage;
+#[cfg(feature = "redb")]
+mod faults;
 mod fuzz_corpus;
 mod guard;
 #[cfg(feature = "redb")]

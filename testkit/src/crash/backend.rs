@@ -82,6 +82,38 @@ impl CrashImage {
     }
 }
 
+/// Which call of one file an injected [`Fault`] fails
+/// ([`CrashBackend::fail_next`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FaultOn {
+    /// The next `read`.
+    Read,
+    /// The next `write` (nothing of it is written).
+    Write,
+    /// The next `sync_data` (nothing more becomes durable).
+    Sync,
+}
+
+/// The error an injected failure returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// `EIO`: the device failed the request.
+    Eio,
+    /// `ENOSPC`: no space left on the device.
+    Enospc,
+}
+
+impl Fault {
+    fn error(self) -> IoError {
+        match self {
+            Fault::Eio => IoError::other("input/output error (injected EIO)"),
+            Fault::Enospc => {
+                IoError::new(ErrorKind::StorageFull, "no space left on device (injected)")
+            }
+        }
+    }
+}
+
 /// One file of a simulated disk.
 #[derive(Debug, Default)]
 struct File {
@@ -95,6 +127,8 @@ struct File {
     lagged: Vec<Pending>,
     /// What a sector being written reads back as after a power loss.
     torn: TornSectors,
+    /// Injected failures still to come, each for the next call of its kind.
+    faults: Vec<(FaultOn, Fault)>,
 }
 
 #[derive(Debug, Default)]
@@ -279,6 +313,27 @@ impl CrashBackend {
     /// Makes writes and growth fail with `StorageFull` (ENOSPC) while `full`.
     pub fn set_disk_full(&self, full: bool) {
         self.lock().disk_full = full;
+    }
+
+    /// Makes the next `on` call of this handle's file fail with `fault`
+    /// (once; several calls queue up in order). Failures beyond power loss:
+    /// an `EIO` on a log append or a read during replay, an `ENOSPC` on a
+    /// sync.
+    ///
+    /// ```
+    /// use idemstore_testkit::crash::{CrashBackend, Fault, FaultOn};
+    /// use redb::StorageBackend;
+    ///
+    /// let disk = CrashBackend::new();
+    /// disk.fail_next(FaultOn::Write, Fault::Eio);
+    /// assert!(disk.write(0, b"x").is_err());
+    /// assert!(disk.write(0, b"x").is_ok()); // once
+    /// ```
+    pub fn fail_next(&self, on: FaultOn, fault: Fault) {
+        let mut s = self.lock();
+        if let Ok(f) = file_mut(&mut s, self.file) {
+            f.faults.push((on, fault));
+        }
     }
 
     /// Makes every write, resize and sync fail with `ReadOnlyFilesystem`
@@ -572,7 +627,8 @@ impl redb::StorageBackend for CrashBackend {
     }
 
     fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), IoError> {
-        let s = self.lock();
+        let mut s = self.lock();
+        injected(file_mut(&mut s, self.file)?, FaultOn::Read)?;
         let start = to_usize(offset)?;
         let src = start
             .checked_add(out.len())
@@ -599,6 +655,7 @@ impl redb::StorageBackend for CrashBackend {
     fn sync_data(&self) -> Result<(), IoError> {
         let mut s = self.lock();
         s.mutate()?;
+        injected(file_mut(&mut s, self.file)?, FaultOn::Sync)?;
         s.syncs += 1;
         let mode = s.sync_mode;
         let f = file_mut(&mut s, self.file)?;
@@ -619,6 +676,7 @@ impl redb::StorageBackend for CrashBackend {
     fn write(&self, offset: u64, data: &[u8]) -> Result<(), IoError> {
         let mut s = self.lock();
         s.mutate()?;
+        injected(file_mut(&mut s, self.file)?, FaultOn::Write)?;
         if s.disk_full {
             return Err(disk_full());
         }
@@ -631,6 +689,14 @@ impl redb::StorageBackend for CrashBackend {
         apply(&mut f.live, p.as_piece());
         f.pending.push(p);
         Ok(())
+    }
+}
+
+/// Fails with the first fault queued for `on`, consuming it.
+fn injected(f: &mut File, on: FaultOn) -> Result<(), IoError> {
+    match f.faults.iter().position(|(o, _)| *o == on) {
+        Some(i) => Err(f.faults.remove(i).1.error()),
+        None => Ok(()),
     }
 }
 

@@ -27,7 +27,7 @@ mod recovery;
 mod rng;
 mod workload;
 
-pub use backend::{CrashBackend, CrashImage, SECTOR_BYTES, SyncMode, TornSectors};
+pub use backend::{CrashBackend, CrashImage, Fault, FaultOn, SECTOR_BYTES, SyncMode, TornSectors};
 pub use case::{CrashCase, MAX_CASE_POINTS, MAX_CASE_STEPS, crash_recovery};
 pub use ops::store_ops_power_loss;
 pub use raw::{RawRun, raw_redb_run, raw_redb_run_all_points};
