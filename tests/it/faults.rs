@@ -143,7 +143,7 @@ fn eio_on_a_store_file_read_at_open_is_an_error_not_an_empty_store() {
 /// neither: they commit in one transaction. Returns the crash points
 /// checked, or the first violation.
 fn inbox_power_loss_run(sync: SyncMode) -> Result<usize, String> {
-    use idemstore::redb::engine::{ReadableTable, TableDefinition};
+    use idemstore::redb::engine::TableDefinition;
     use idemstore::redb::{Delivery, Inbox};
     const APPLIED: TableDefinition<&str, u64> = TableDefinition::new("app.applied");
     const MESSAGES: u64 = 12;
