@@ -403,14 +403,40 @@ pub(super) fn replay(
     epoch: u64,
     layout: &Layout,
     no_reboot: bool,
-    mut loss: Option<&mut LossReport>,
+    loss: Option<&mut LossReport>,
     txn: &WriteTransaction,
+) -> Result<u64> {
+    let mut tables = WriteTables::open(txn)?;
+    let mut meta = txn.open_table(META).map_err(engine)?;
+    walk(file, store_id, epoch, layout, no_reboot, loss, |at, payload| {
+        entries(at, payload, |entry| match entry {
+            Entry::Put(key, value, expires_at) => tables.apply_encoded(key, Some((value, expires_at))),
+            Entry::Del(key) => tables.apply_encoded(key, None),
+            // Format 2 wrote index entries explicitly; apply_encoded
+            // already made the same moves, so these change nothing.
+            Entry::IndexPut(entry) => tables.index(entry),
+            Entry::IndexDel(entry) => tables.unindex(entry),
+            Entry::Meta(name, value) => meta.insert(name, value).map(|_| ()).map_err(engine),
+        })
+    })
+}
+
+/// Walks the frames of `epoch` laid out as `layout` as [`replay`] does,
+/// handing each whole frame's payload (and its offset) to `on_frame`, and
+/// returns how many it handed over. The stop rules, the damage checks and
+/// `loss` are [`replay`]'s.
+pub(super) fn walk(
+    file: &dyn StorageBackend,
+    store_id: &[u8; 16],
+    epoch: u64,
+    layout: &Layout,
+    no_reboot: bool,
+    mut loss: Option<&mut LossReport>,
+    mut on_frame: impl FnMut(u64, &[u8]) -> Result<()>,
 ) -> Result<u64> {
     let end = layout.region.end.min(file.len().map_err(Error::Io)?);
     let mut at = layout.region.start;
     let mut frames = 0u64;
-    let mut tables = WriteTables::open(txn)?;
-    let mut meta = txn.open_table(META).map_err(engine)?;
     let next_start = |next: u64| {
         let from = next - layout.region.start;
         layout.region.start + from.div_ceil(layout.align) * layout.align
@@ -485,42 +511,67 @@ pub(super) fn replay(
                 }
             }
         };
-        let damaged = |detail: &str| {
-            Error::corrupt(
-                None,
-                format!("write-ahead log frame at offset {at} verifies but {detail}"),
-            )
-        };
-        let mut cursor = payload.as_slice();
-        while let Some((&tag, rest)) = cursor.split_first() {
-            cursor = rest;
-            let a = take(&mut cursor).ok_or_else(|| damaged("an entry is cut short"))?;
-            match tag {
-                TAG_RECORD_PUT => {
-                    let b = take(&mut cursor).ok_or_else(|| damaged("an entry is cut short"))?;
-                    let expires_at = crate::codec::decode_record(a, b)
-                        .map_err(|_| damaged("holds a record that does not decode"))?
-                        .expires_at;
-                    tables.apply_encoded(a, Some((b, expires_at)))?;
-                }
-                TAG_RECORD_DEL => tables.apply_encoded(a, None)?,
-                // Format 2 wrote index entries explicitly; apply_encoded
-                // already made the same moves, so these change nothing.
-                TAG_INDEX_PUT => tables.index(a)?,
-                TAG_INDEX_DEL => tables.unindex(a)?,
-                TAG_META_PUT => {
-                    let b = take(&mut cursor).ok_or_else(|| damaged("an entry is cut short"))?;
-                    let name =
-                        std::str::from_utf8(a).map_err(|_| damaged("a meta name is not UTF-8"))?;
-                    meta.insert(name, b).map_err(engine)?;
-                }
-                other => return Err(damaged(&format!("has an unknown entry tag {other}"))),
-            }
-        }
+        on_frame(at, &payload)?;
         frames += 1;
         at = next;
     }
     Ok(frames)
+}
+
+/// One entry of a frame's payload.
+pub(super) enum Entry<'a> {
+    /// A record put: stored key, stored value, the record's expiry.
+    Put(&'a [u8], &'a [u8], crate::time::Timestamp),
+    /// A record delete.
+    Del(&'a [u8]),
+    /// A format-2 explicit index put.
+    IndexPut(&'a [u8]),
+    /// A format-2 explicit index delete.
+    IndexDel(&'a [u8]),
+    /// A meta entry.
+    Meta(&'a str, &'a [u8]),
+}
+
+/// Parses the payload of the frame at `at` (which verified) into entries,
+/// in order. An entry cut short, an unknown tag, a record that does not
+/// decode or a meta name that is not UTF-8 is damage no crash can cause:
+/// [`Error::Corrupt`].
+pub(super) fn entries<'a>(
+    at: u64,
+    payload: &'a [u8],
+    mut f: impl FnMut(Entry<'a>) -> Result<()>,
+) -> Result<()> {
+    let damaged = |detail: &str| {
+        Error::corrupt(
+            None,
+            format!("write-ahead log frame at offset {at} verifies but {detail}"),
+        )
+    };
+    let mut cursor = payload;
+    while let Some((&tag, rest)) = cursor.split_first() {
+        cursor = rest;
+        let a = take(&mut cursor).ok_or_else(|| damaged("an entry is cut short"))?;
+        match tag {
+            TAG_RECORD_PUT => {
+                let b = take(&mut cursor).ok_or_else(|| damaged("an entry is cut short"))?;
+                let expires_at = crate::codec::decode_record(a, b)
+                    .map_err(|_| damaged("holds a record that does not decode"))?
+                    .expires_at;
+                f(Entry::Put(a, b, expires_at))?;
+            }
+            TAG_RECORD_DEL => f(Entry::Del(a))?,
+            TAG_INDEX_PUT => f(Entry::IndexPut(a))?,
+            TAG_INDEX_DEL => f(Entry::IndexDel(a))?,
+            TAG_META_PUT => {
+                let b = take(&mut cursor).ok_or_else(|| damaged("an entry is cut short"))?;
+                let name =
+                    std::str::from_utf8(a).map_err(|_| damaged("a meta name is not UTF-8"))?;
+                f(Entry::Meta(name, b))?;
+            }
+            other => return Err(damaged(&format!("has an unknown entry tag {other}"))),
+        }
+    }
+    Ok(())
 }
 
 /// The first block after `at` in the epoch's segment that holds a frame
