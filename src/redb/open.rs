@@ -509,15 +509,15 @@ fn recover_log(
 
 /// [`META_WAL_STATE`] and [`META_WAL_BYTES`] as stored.
 #[derive(Clone, Copy, Debug)]
-struct WalState {
+pub(super) struct WalState {
     /// The log may hold acknowledged frames (the last stop was not clean).
-    open: bool,
+    pub(super) open: bool,
     /// The log's size as the last open left it.
-    bytes: Option<u64>,
+    pub(super) bytes: Option<u64>,
 }
 
 /// The log's state, or `None` when no open with this check has recorded it.
-fn read_wal_state(db: &Database) -> Result<Option<WalState>> {
+pub(super) fn read_wal_state(db: &Database) -> Result<Option<WalState>> {
     let txn = db.begin_read().map_err(engine)?;
     let meta = txn.open_table(META).map_err(table_error)?;
     let Some(state) = meta.get(META_WAL_STATE).map_err(engine)? else {
@@ -535,7 +535,7 @@ fn read_wal_state(db: &Database) -> Result<Option<WalState>> {
 }
 
 /// The boot id the log's last open recorded ([`META_WAL_BOOT`]).
-fn read_wal_boot(db: &Database) -> Result<Option<String>> {
+pub(super) fn read_wal_boot(db: &Database) -> Result<Option<String>> {
     let txn = db.begin_read().map_err(engine)?;
     let meta = txn.open_table(META).map_err(table_error)?;
     Ok(meta
@@ -593,7 +593,7 @@ fn log_missing(name: &Path, what: &str) -> Error {
     )
 }
 
-fn read_wal_epoch(db: &Database) -> Result<u64> {
+pub(super) fn read_wal_epoch(db: &Database) -> Result<u64> {
     let txn = db.begin_read().map_err(engine)?;
     let meta = txn.open_table(META).map_err(table_error)?;
     match meta.get(META_WAL_EPOCH).map_err(engine)? {
@@ -631,7 +631,7 @@ fn not_ours(detail: impl std::fmt::Display) -> Error {
 
 /// Refuses a non-empty file that does not start with a redb header, before
 /// redb reads (or writes) anything else in it.
-fn check_foreign(backend: &impl StorageBackend) -> Result<()> {
+pub(super) fn check_foreign(backend: &impl StorageBackend) -> Result<()> {
     let len = backend
         .len()
         .map_err(|e| engine(::redb::StorageError::from(e)))?;

@@ -408,17 +408,27 @@ pub(super) fn replay(
 ) -> Result<u64> {
     let mut tables = WriteTables::open(txn)?;
     let mut meta = txn.open_table(META).map_err(engine)?;
-    walk(file, store_id, epoch, layout, no_reboot, loss, |at, payload| {
-        entries(at, payload, |entry| match entry {
-            Entry::Put(key, value, expires_at) => tables.apply_encoded(key, Some((value, expires_at))),
-            Entry::Del(key) => tables.apply_encoded(key, None),
-            // Format 2 wrote index entries explicitly; apply_encoded
-            // already made the same moves, so these change nothing.
-            Entry::IndexPut(entry) => tables.index(entry),
-            Entry::IndexDel(entry) => tables.unindex(entry),
-            Entry::Meta(name, value) => meta.insert(name, value).map(|_| ()).map_err(engine),
-        })
-    })
+    walk(
+        file,
+        store_id,
+        epoch,
+        layout,
+        no_reboot,
+        loss,
+        |at, payload| {
+            entries(at, payload, |entry| match entry {
+                Entry::Put(key, value, expires_at) => {
+                    tables.apply_encoded(key, Some((value, expires_at)))
+                }
+                Entry::Del(key) => tables.apply_encoded(key, None),
+                // Format 2 wrote index entries explicitly; apply_encoded
+                // already made the same moves, so these change nothing.
+                Entry::IndexPut(entry) => tables.index(entry),
+                Entry::IndexDel(entry) => tables.unindex(entry),
+                Entry::Meta(name, value) => meta.insert(name, value).map(|_| ()).map_err(engine),
+            })
+        },
+    )
 }
 
 /// Walks the frames of `epoch` laid out as `layout` as [`replay`] does,
@@ -495,16 +505,18 @@ pub(super) fn walk(
                 match later {
                     Some(x) => {
                         loss.findings.push(format!(
-                            "epoch {epoch}: the log {what} at offset {at} but a frame verifies \
-                             at offset {x}: the bytes between were skipped and replay went on"
+                            "epoch {epoch}: the log {what} at offset {at}, but a later frame of \
+                             the same epoch verifies at offset {x}: damage (with accept_loss, \
+                             the bytes between are skipped and replay goes on)"
                         ));
                         at = x;
                         continue;
                     }
                     None => {
                         loss.findings.push(format!(
-                            "epoch {epoch}: the last frame, at offset {at}, was damaged after it \
-                             was written: skipped"
+                            "epoch {epoch}: the last frame, at offset {at}, fails its checksum \
+                             with no reboot since it was written: damage, not a torn write \
+                             (with accept_loss, it is skipped)"
                         ));
                         break;
                     }

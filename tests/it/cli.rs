@@ -594,3 +594,92 @@ fn recover_refuses_without_accept_loss_then_opens_and_writes_the_report() {
     let out = idemstore().arg("recover").arg(&path).output().unwrap();
     assert_eq!(out.status.code(), Some(0), "{out:?}");
 }
+
+#[test]
+fn verify_checks_the_log_without_writing_and_lists_every_problem() {
+    // A store killed with writes in its log, copied, and one frame in the
+    // middle of the copy's log damaged: verify says so, and neither file
+    // changes (before, verify opened the store, which replayed the log up
+    // to the damage and dropped the rest).
+    let live = tempfile::tempdir().unwrap();
+    let store = RedbStore::builder()
+        .checkpoint_interval(Duration::from_secs(3600))
+        .open(live.path().join("s.idem"))
+        .unwrap();
+    let fp = Fingerprint::of(b"x");
+    for id in ["a", "b", "c"] {
+        let key = Key::new("t", id).unwrap();
+        claimed(
+            store
+                .begin(
+                    &key,
+                    &fp,
+                    now(),
+                    Duration::from_secs(30),
+                    Duration::from_secs(3600),
+                )
+                .unwrap(),
+        );
+    }
+    let intact = tempfile::tempdir().unwrap();
+    let copy = tempfile::tempdir().unwrap();
+    let path = copy.path().join("s.idem");
+    let log_path = copy.path().join("s.idem-wal");
+    for dir in [intact.path(), copy.path()] {
+        std::fs::copy(live.path().join("s.idem"), dir.join("s.idem")).unwrap();
+        std::fs::copy(live.path().join("s.idem-wal"), dir.join("s.idem-wal")).unwrap();
+    }
+    drop(store);
+    // The intact copy: verify passes, and says the stop was unclean.
+    let out = idemstore()
+        .arg("verify")
+        .arg(intact.path().join("s.idem"))
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    assert!(
+        text.contains("log: 3 frames to replay, not closed cleanly"),
+        "{text}"
+    );
+    // Damage the second frame's epoch field in the other copy.
+    let mut log = std::fs::read(&log_path).unwrap();
+    let frames: Vec<usize> = (0..log.len() - 20)
+        .step_by(4096)
+        .filter(|&at| log[at..at + 4] == *b"IDWL")
+        .collect();
+    let newest = frames
+        .iter()
+        .map(|&at| &log[at + 4..at + 12])
+        .max()
+        .unwrap()
+        .to_vec();
+    let live_frames: Vec<usize> = frames
+        .into_iter()
+        .filter(|&at| log[at + 4..at + 12] == newest[..])
+        .collect();
+    assert_eq!(live_frames.len(), 3);
+    log[live_frames[1] + 11] ^= 0x10;
+    std::fs::write(&log_path, &log).unwrap();
+    let before = (
+        std::fs::read(&path).unwrap(),
+        std::fs::read(&log_path).unwrap(),
+    );
+    let out = idemstore().arg("verify").arg(&path).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(3), "{out:?}");
+    assert!(text.contains("a later frame of the same epoch"), "{text}");
+    let after = (
+        std::fs::read(&path).unwrap(),
+        std::fs::read(&log_path).unwrap(),
+    );
+    assert!(before == after, "verify wrote to a damaged store");
+    let out = idemstore()
+        .args(["--json", "verify"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["ok"], false);
+    assert_eq!(v["log"]["clean_stop"], false);
+}

@@ -188,6 +188,16 @@ fn a_store_copied_without_its_log_after_an_unclean_stop_is_refused() {
     assert_unclean_refusal(&err, "missing or empty");
     // The refused open leaves no empty log behind to be mistaken for it.
     assert!(!alone.path().join("s.idem-wal").exists());
+    // The read-only check says the same, and writes nothing either.
+    let before = std::fs::read(alone.path().join("s.idem")).unwrap();
+    let check = idemstore::redb::admin::check_log(alone.path().join("s.idem")).unwrap();
+    assert!(
+        !check.present && check.clean_stop == Some(false),
+        "{check:?}"
+    );
+    assert!(check.problems[0].contains("missing or empty"), "{check:?}");
+    assert_eq!(std::fs::read(alone.path().join("s.idem")).unwrap(), before);
+    assert!(!alone.path().join("s.idem-wal").exists());
     // Accepting the loss opens it, says so, and the writes are gone.
     let accepted = RedbStore::builder()
         .accept_loss(true)

@@ -317,19 +317,26 @@ pub(crate) fn run(args: Args, io: &mut Io<'_>) -> u8 {
         Command::Compact { store } => {
             open(&store).and_then(|s| maintenance::compact(s, &store, json, io))
         }
-        Command::Verify { store } => match open(&store) {
-            // A file too damaged to open is a verify finding, not a usage error.
-            Err(f) if f.corrupt => Err(Failure::new(
-                EXIT_PROBLEMS,
-                format!("verify: {}", f.message),
-            )),
-            opened => match opened.and_then(|s| maintenance::verify(&s, json, io)) {
-                // Damage redb itself cannot repair ends the check: still a finding.
+        Command::Verify { store } => match maintenance::verify_log(&store, json, io) {
+            // The log holds what an open would refuse: reported, and the
+            // store is not opened (an open would refuse it anyway, and
+            // verify never writes to a store it found damaged).
+            Ok(Some(code)) => Ok(code),
+            Err(f) => Err(f),
+            Ok(None) => match open(&store) {
+                // A file too damaged to open is a verify finding, not a usage error.
                 Err(f) if f.corrupt => Err(Failure::new(
                     EXIT_PROBLEMS,
                     format!("verify: {}", f.message),
                 )),
-                other => other,
+                opened => match opened.and_then(|s| maintenance::verify(&s, json, io)) {
+                    // Damage redb itself cannot repair ends the check: still a finding.
+                    Err(f) if f.corrupt => Err(Failure::new(
+                        EXIT_PROBLEMS,
+                        format!("verify: {}", f.message),
+                    )),
+                    other => other,
+                },
             },
         },
         Command::Export {

@@ -344,8 +344,8 @@ pub(crate) fn import(
     Ok(EXIT_OK)
 }
 
-/// `recover`: without `accept_loss`, says whether a plain open refuses the
-/// store; with it, opens accepting loss and writes the [`LossReport`] as
+/// `recover`: without `accept_loss`, says (reading only) whether a plain
+/// open refuses the store; with it, opens accepting loss and writes the [`LossReport`] as
 /// JSON beside the store (or at `report`), never over an existing file.
 ///
 /// [`LossReport`]: idemstore::redb::LossReport
@@ -369,22 +369,31 @@ pub(crate) fn recover(
         ));
     }
     if !accept_loss {
-        return match RedbStore::open(path) {
-            Ok(store) => {
-                drop(store);
-                writeln!(io.out, "nothing to recover: the store opens as it is")?;
-                Ok(EXIT_OK)
-            }
-            Err(err @ Error::Corrupt { .. }) => Err(Failure::new(
-                EXIT_REFUSED,
-                format!(
-                    "{err}\nrun `idemstore recover {} --accept-loss` to open it with what \
-                     verifies and write down what is given up",
-                    path.display()
-                ),
-            )),
-            Err(err) => Err(err.into()),
+        // Read-only: what an open would refuse, without opening.
+        let problems = if path.exists() {
+            let check = idemstore::redb::admin::check_log(path)?;
+            check.problems
+        } else {
+            vec![format!(
+                "{} is missing, but its write-ahead log {} is beside it",
+                path.display(),
+                log.display()
+            )]
         };
+        if problems.is_empty() {
+            writeln!(io.out, "nothing to recover: the store opens as it is")?;
+            return Ok(EXIT_OK);
+        }
+        return Err(Failure::new(
+            EXIT_REFUSED,
+            format!(
+                "an open refuses {}:\n  {}\nrun `idemstore recover {} --accept-loss` to open it \
+                 with what verifies and write down what is given up (nothing was written)",
+                path.display(),
+                problems.join("\n  "),
+                path.display()
+            ),
+        ));
     }
     let store = RedbStore::builder().accept_loss(true).open(path)?;
     let Some(loss) = store.loss_report().cloned() else {
@@ -429,4 +438,61 @@ pub(crate) fn recover(
         writeln!(io.out, "report written to {}", target.display())?;
     }
     Ok(EXIT_OK)
+}
+
+/// `verify`'s first step: the store's write-ahead log, checked without
+/// opening the store (`idemstore::redb::admin::check_log`). `Some(code)`
+/// when the log holds what an open would refuse (all of it is reported);
+/// `None` to go on with the store file. A store file the check cannot read
+/// is left to the open, which reports it.
+pub(crate) fn verify_log(path: &Path, json: bool, io: &mut Io<'_>) -> Result<Option<u8>, Failure> {
+    if !path.exists() {
+        return Ok(None);
+    }
+    let Ok(check) = idemstore::redb::admin::check_log(path) else {
+        return Ok(None);
+    };
+    if check.is_clean() {
+        if !json {
+            writeln!(
+                io.out,
+                "log: {} frames to replay, {}",
+                check.frames,
+                match check.clean_stop {
+                    Some(true) => "closed cleanly",
+                    Some(false) => "not closed cleanly",
+                    None => "no record of the last stop",
+                }
+            )?;
+        }
+        return Ok(None);
+    }
+    if json {
+        let v = json!({
+            "ok": false,
+            "log": {
+                "path": check.path.display().to_string(),
+                "present": check.present,
+                "bytes": check.bytes,
+                "clean_stop": check.clean_stop,
+                "frames": check.frames,
+                "problems": check.problems,
+            },
+        });
+        writeln!(io.out, "{v}")?;
+    } else {
+        writeln!(
+            io.out,
+            "the write-ahead log {} holds what an open would refuse:",
+            check.path.display()
+        )?;
+        for problem in &check.problems {
+            writeln!(io.out, "  {problem}")?;
+        }
+        writeln!(
+            io.out,
+            "nothing was written; see `idemstore recover` and docs/operations.md"
+        )?;
+    }
+    Ok(Some(EXIT_PROBLEMS))
 }

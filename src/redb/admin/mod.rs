@@ -34,9 +34,11 @@
 //! - `line.rs`: the export line format ([`export_line`], [`parse_line`]).
 
 mod line;
+mod log;
 mod verify;
 
 pub use line::{LINE_VERSION, export_line, parse_line};
+pub use log::{LogCheck, check_log};
 pub use verify::{MAX_LISTED_PROBLEMS, Problem, ProblemKind, VerifyReport};
 
 use super::RedbStore;
