@@ -539,28 +539,37 @@ fn missing_and_foreign_files_are_clear_errors() {
     idemstore().args(["frobnicate"]).assert().code(2);
 }
 
+/// An open store at `dir/s.idem` with `ids` claimed and only in its log
+/// (no checkpoint yet): what a process about to be killed leaves.
+fn unclean_store(dir: &Path, ids: &[&str]) -> RedbStore {
+    let store = RedbStore::builder()
+        .checkpoint_interval(Duration::from_secs(3600))
+        .open(dir.join("s.idem"))
+        .unwrap();
+    let fp = Fingerprint::of(b"x");
+    for id in ids {
+        let key = Key::new("t", id).unwrap();
+        claimed(
+            store
+                .begin(
+                    &key,
+                    &fp,
+                    now(),
+                    Duration::from_secs(30),
+                    Duration::from_secs(3600),
+                )
+                .unwrap(),
+        );
+    }
+    store
+}
+
 #[test]
 fn recover_refuses_without_accept_loss_then_opens_and_writes_the_report() {
     // A store copied without its log after an unclean stop: a plain open
     // refuses it; `recover --accept-loss` opens it and says what was lost.
     let live = tempfile::tempdir().unwrap();
-    let store = RedbStore::builder()
-        .checkpoint_interval(Duration::from_secs(3600))
-        .open(live.path().join("s.idem"))
-        .unwrap();
-    let key = Key::new("t", "order-1").unwrap();
-    let fp = Fingerprint::of(b"x");
-    claimed(
-        store
-            .begin(
-                &key,
-                &fp,
-                now(),
-                Duration::from_secs(30),
-                Duration::from_secs(3600),
-            )
-            .unwrap(),
-    );
+    let store = unclean_store(live.path(), &["order-1"]);
     let copy = tempfile::tempdir().unwrap();
     let path = copy.path().join("s.idem");
     std::fs::copy(live.path().join("s.idem"), &path).unwrap();
@@ -602,25 +611,7 @@ fn verify_checks_the_log_without_writing_and_lists_every_problem() {
     // changes (before, verify opened the store, which replayed the log up
     // to the damage and dropped the rest).
     let live = tempfile::tempdir().unwrap();
-    let store = RedbStore::builder()
-        .checkpoint_interval(Duration::from_secs(3600))
-        .open(live.path().join("s.idem"))
-        .unwrap();
-    let fp = Fingerprint::of(b"x");
-    for id in ["a", "b", "c"] {
-        let key = Key::new("t", id).unwrap();
-        claimed(
-            store
-                .begin(
-                    &key,
-                    &fp,
-                    now(),
-                    Duration::from_secs(30),
-                    Duration::from_secs(3600),
-                )
-                .unwrap(),
-        );
-    }
+    let store = unclean_store(live.path(), &["a", "b", "c"]);
     let intact = tempfile::tempdir().unwrap();
     let copy = tempfile::tempdir().unwrap();
     let path = copy.path().join("s.idem");
