@@ -674,3 +674,72 @@ fn verify_checks_the_log_without_writing_and_lists_every_problem() {
     assert_eq!(v["ok"], false);
     assert_eq!(v["log"]["clean_stop"], false);
 }
+
+#[test]
+fn verify_on_a_damaged_page_reports_it_and_leaves_the_store_readable() {
+    // redb's integrity check repairs in place, and a failed repair ("all
+    // roots are corrupted") can leave a file no command opens. Now the
+    // check runs on a private copy in memory: verify reports the damage,
+    // names the key, and the store still opens for `stats` and `export`,
+    // which save every other record.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.idem");
+    {
+        let store = RedbStore::open(&path).unwrap();
+        let fp = Fingerprint::of(b"x");
+        for i in 0..50 {
+            let key = Key::new("t", format!("k{i}")).unwrap();
+            let c = claimed(
+                store
+                    .begin(
+                        &key,
+                        &fp,
+                        now(),
+                        Duration::from_secs(30),
+                        Duration::from_secs(3600),
+                    )
+                    .unwrap(),
+            );
+            let body = if i == 7 {
+                "DAMAGE-ME-7".to_owned()
+            } else {
+                format!("ok-{i}")
+            };
+            store
+                .complete(
+                    &key,
+                    &c,
+                    &Response::new(200, body),
+                    now(),
+                    Duration::from_secs(3600),
+                )
+                .unwrap();
+        }
+    }
+    let mut bytes = std::fs::read(&path).unwrap();
+    let at = bytes
+        .windows(11)
+        .position(|w| w == b"DAMAGE-ME-7")
+        .expect("the marker is in the file");
+    bytes[at] ^= 0x20;
+    std::fs::write(&path, &bytes).unwrap();
+    let out = idemstore().arg("verify").arg(&path).output().unwrap();
+    assert_eq!(out.status.code(), Some(3), "{out:?}");
+    // Before, the check ended at redb's error and named no key; now it
+    // reports the engine's finding and goes on to the damaged record.
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("engine_damaged") && text.contains("verify changed nothing"),
+        "{text}"
+    );
+    assert!(
+        text.contains("bad_record") && text.contains("t/k7"),
+        "{text}"
+    );
+    // The store still opens, and the other records are all there.
+    let out = idemstore().arg("stats").arg(&path).output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    let out = idemstore().arg("export").arg(&path).output().unwrap();
+    let lines = String::from_utf8_lossy(&out.stdout).lines().count();
+    assert!(lines >= 49, "export saved {lines} records: {out:?}");
+}

@@ -174,7 +174,7 @@ pub fn check_log(store: impl AsRef<Path>) -> Result<LogCheck> {
 /// A file read through an in-memory overlay: writes (redb's recovery of an
 /// uncleanly closed file) land in memory, whole pages at a time, and the
 /// file is never written.
-struct Overlay {
+pub(super) struct Overlay {
     file: std::fs::File,
     state: Mutex<OverlayState>,
 }
@@ -187,7 +187,7 @@ struct OverlayState {
 const PAGE: u64 = 4096;
 
 impl Overlay {
-    fn new(file: std::fs::File) -> Overlay {
+    pub(super) fn new(file: std::fs::File) -> Overlay {
         let len = file.metadata().map_or(0, |m| m.len());
         Overlay {
             file,

@@ -34,6 +34,9 @@ pub enum ProblemKind {
     /// redb's page checksums failed and redb repaired the file (from its
     /// last good commit).
     EngineRepaired,
+    /// redb's page checksums failed and redb could not repair the file
+    /// (verify changed nothing: its check ran on a private copy in memory).
+    EngineDamaged,
     /// A meta entry is missing or malformed.
     Meta,
     /// A stored key does not decode to a valid [`Key`](crate::Key).
@@ -64,6 +67,7 @@ impl ProblemKind {
     pub fn name(self) -> &'static str {
         match self {
             ProblemKind::EngineRepaired => "engine_repaired",
+            ProblemKind::EngineDamaged => "engine_damaged",
             ProblemKind::Meta => "meta",
             ProblemKind::BadKey => "bad_key",
             ProblemKind::BadRecord => "bad_record",
@@ -162,8 +166,10 @@ impl VerifyReport {
 
 impl Admin<'_> {
     /// Reads every record and index entry of the store file: redb's page
-    /// checksums (redb repairs what it can, which is reported as
-    /// [`ProblemKind::EngineRepaired`]), every record's envelope and
+    /// checksums (for a store on a file, checked on a private in-memory
+    /// copy, so a repair never touches the file: what redb could repair is
+    /// [`ProblemKind::EngineRepaired`], what it could not
+    /// [`ProblemKind::EngineDamaged`]), every record's envelope and
     /// invariants, every token against the high-water mark, and that the
     /// record table and the expiry index agree one to one. `progress` is
     /// called with the number of entries read so far.
@@ -185,16 +191,36 @@ impl Admin<'_> {
     pub fn verify(&self, mut progress: impl FnMut(u64)) -> Result<VerifyReport> {
         let shared = &self.store.shared;
         let mut report = VerifyReport::default();
-        {
-            // check_integrity needs no live transaction: the exclusive lock
-            // waits out every transaction, as compact does.
-            let mut db = shared.db.write().unwrap_or_else(|p| p.into_inner());
-            if !db.check_integrity().map_err(engine)? {
-                report.add(
+        match self.store.path() {
+            // A store on a file: redb's check runs on a private in-memory
+            // overlay of the file, so its repair (which rolls the file back,
+            // and can fail and leave it unreadable) never touches the store.
+            Some(path) => match engine_check_without_writing(path)? {
+                Ok(true) => {}
+                Ok(false) => report.add(
                     ProblemKind::EngineRepaired,
                     None,
-                    "redb's page checksums failed; redb repaired the file from its last good commit",
-                );
+                    "redb's page checksums failed; redb could repair the file from its last \
+                     good commit (verify changed nothing)",
+                ),
+                Err(detail) => report.add(
+                    ProblemKind::EngineDamaged,
+                    None,
+                    format!("redb's page checksums failed and it cannot repair the file: {detail} (verify changed nothing)"),
+                ),
+            },
+            None => {
+                // A caller's storage backend: checked in place. The
+                // exclusive lock waits out every transaction, as compact
+                // does.
+                let mut db = shared.db.write().unwrap_or_else(|p| p.into_inner());
+                if !db.check_integrity().map_err(engine)? {
+                    report.add(
+                        ProblemKind::EngineRepaired,
+                        None,
+                        "redb's page checksums failed; redb repaired the file from its last good commit",
+                    );
+                }
             }
         }
         let facts = match self.facts() {
@@ -289,4 +315,28 @@ impl Admin<'_> {
         }
         Ok(report)
     }
+}
+
+/// redb's integrity check of the file at `path`, run on a private
+/// in-memory overlay: `Ok(true)` sound, `Ok(false)` repairable, `Err` what
+/// redb said when it could not repair. Nothing is written to the file.
+fn engine_check_without_writing(
+    path: &std::path::Path,
+) -> Result<std::result::Result<bool, String>> {
+    let overlay = super::log::Overlay::new(std::fs::File::open(path)?);
+    let opened = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        ::redb::Database::builder().create_with_backend(overlay)
+    }));
+    let mut db = match opened {
+        Ok(Ok(db)) => db,
+        Ok(Err(e)) => return Ok(Err(e.to_string())),
+        Err(_) => return Ok(Err("the storage engine panicked reading it".to_owned())),
+    };
+    Ok(
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| db.check_integrity())) {
+            Ok(Ok(sound)) => Ok(sound),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err("the storage engine panicked checking it".to_owned()),
+        },
+    )
 }
