@@ -340,14 +340,13 @@ impl RedbStore {
         RedbStoreBuilder::default()
     }
 
-    fn start(opened: open::Opened, config: Config, path: Option<PathBuf>) -> Result<RedbStore> {
+    fn start(mut opened: open::Opened, config: Config, path: Option<PathBuf>) -> Result<RedbStore> {
         let store_id = opened.store_id;
         let leases_expired_on_open = opened.leases_expired;
         let frames_replayed_on_open = opened.frames_replayed;
-        let loss_report = (!opened.loss.is_empty()).then(|| LossReport {
-            frames_replayed: opened.frames_replayed,
-            ..opened.loss.clone()
-        });
+        let mut loss = std::mem::take(&mut opened.loss);
+        loss.frames_replayed = opened.frames_replayed;
+        let loss_report = (!loss.is_empty()).then_some(loss);
         let shared = Shared::new(opened, &config);
         let background = {
             let shared = Arc::clone(&shared);

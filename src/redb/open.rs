@@ -320,89 +320,84 @@ pub(super) fn open_backend(
 /// Replays the log's frames of the current epoch, then commits durably with
 /// a new epoch (retiring every frame found, whole or torn) and the current
 /// format version, and makes sure the log file has its full size.
-/// What the open found out before the log's recovery.
-struct Found<'a> {
-    store_id: [u8; 16],
-    /// The store format the file was written in.
-    format: u32,
-    /// This boot's id, for a log on a real file.
-    boot: Option<&'a str>,
-    /// The store, in errors.
-    name: &'a Path,
+/// How the live frames of a store's log are to be read, and what is wrong
+/// with the log before any frame is read: [`plan_log`].
+pub(super) struct LogPlan {
+    /// The log file's size.
+    pub(super) file_len: u64,
+    /// The durable epoch: its frames, then the next epoch's, are live.
+    pub(super) epoch: u64,
+    /// The size the frames were laid out for: the file's, unless the store
+    /// recorded another.
+    pub(super) layout_len: u64,
+    /// No reboot since the open that wrote the frames (see `wal::walk`).
+    pub(super) no_reboot: bool,
+    /// What an open refuses (each an [`Error::Corrupt`]), in order.
+    pub(super) problems: Vec<Error>,
 }
 
-fn recover_log(
+/// Reads the log's record in the store file and checks the log against
+/// it, without reading a frame. After an unclean stop the log is part of
+/// the store: without it, cut short, or another store's, the replay would
+/// find nothing (or only part) and the open would succeed without the
+/// writes acknowledged since the last checkpoint. Shared by the open
+/// ([`recover_log`]) and the read-only check (`admin::check_log`).
+pub(super) fn plan_log(
     db: &Database,
-    file: Box<dyn StorageBackend>,
+    file: &dyn StorageBackend,
     found: &Found<'_>,
-    config: &Config,
-    loss: &mut LossReport,
-) -> Result<(Wal, u64)> {
-    let Found {
-        store_id,
-        format,
-        boot,
-        name,
-    } = *found;
-    let file: std::sync::Arc<dyn StorageBackend> = std::sync::Arc::from(file);
-    let epoch = read_wal_epoch(db)?;
+) -> Result<LogPlan> {
+    let name = found.name;
     let len = file.len().map_err(Error::Io)?;
-    // The size the log's frames were laid out for: the file's, unless the
-    // store recorded another (below).
-    let mut layout_len = len;
-    // After an unclean stop the log is part of the store: without it, or
-    // cut short, the replay would find nothing (or only part) and the open
-    // would succeed without the writes acknowledged since the last
-    // checkpoint.
-    let unclean = read_wal_state(db)?.filter(|s| s.open);
-    if let Some(state) = unclean {
-        match state.bytes {
-            // The last open stopped before its log had a size: no frame
-            // was ever written, nothing can be missing.
-            Some(0) => {}
-            _ if len == 0 => {
-                let err = log_missing(name, "its log is missing or empty");
-                if !config.accept_loss {
-                    return Err(err);
-                }
-                loss.findings.push(format!("accepted: {err}"));
-            }
-            Some(recorded) if len < recorded => {
-                let err = Error::corrupt(
-                    None,
-                    format!(
-                        "{} was not closed cleanly, and its write-ahead log {} is {len} bytes \
-                         where the store left it at {recorded}: the log was cut short, or \
-                         another file is in its place, so the writes acknowledged since the \
-                         last checkpoint cannot all be found in it. Put back the log that \
-                         belongs to this store (a store and its log are copied together); see \
-                         docs/operations.md",
-                        name.display(),
-                        wal::wal_path(name).display()
-                    ),
-                );
-                if !config.accept_loss {
-                    return Err(err);
-                }
-                loss.findings.push(format!("accepted: {err}"));
-                // What is left is replayed where it was written.
-                layout_len = recorded;
-            }
-            // A longer file (extended by hand) still holds the frames
-            // where they were written.
-            Some(recorded) => layout_len = recorded,
-            None => {}
+    let mut plan = LogPlan {
+        file_len: len,
+        epoch: read_wal_epoch(db)?,
+        layout_len: len,
+        // No reboot since the open that wrote these frames: no power loss
+        // can have torn one, so a damaged last frame is damage.
+        no_reboot: found.boot.is_some() && read_wal_boot(db)?.as_deref() == found.boot,
+        problems: Vec::new(),
+    };
+    let Some(state) = read_wal_state(db)?.filter(|s| s.open) else {
+        return Ok(plan);
+    };
+    match state.bytes {
+        // The last open stopped before its log had a size: no frame was
+        // ever written, nothing can be missing.
+        Some(0) => {}
+        _ if len == 0 => plan
+            .problems
+            .push(log_missing(name, "its log is missing or empty")),
+        Some(recorded) if len < recorded => {
+            plan.problems.push(Error::corrupt(
+                None,
+                format!(
+                    "{} was not closed cleanly, and its write-ahead log {} is {len} bytes where \
+                     the store left it at {recorded}: the log was cut short, or another file is \
+                     in its place, so the writes acknowledged since the last checkpoint cannot \
+                     all be found in it. Put back the log that belongs to this store (a store \
+                     and its log are copied together); see docs/operations.md",
+                    name.display(),
+                    wal::wal_path(name).display()
+                ),
+            ));
+            // What is left is read where it was written.
+            plan.layout_len = recorded;
         }
+        // A longer file (extended by hand) still holds the frames where
+        // they were written.
+        Some(recorded) => plan.layout_len = recorded,
+        None => {}
     }
-    // After an unclean stop the log must be this store's: its frames verify
-    // under this store's id. A log with frames of which none does (another
-    // store's, put in its place) cannot hold this store's writes since the
-    // last checkpoint. One frame that does not verify may be this store's
-    // first, torn by a crash: two or more cannot all be.
-    if unclean.is_some() && format >= 3 {
-        let (seen, ours) = wal::frames_seen(file.as_ref(), &store_id, layout_len)?;
+    // The log must be this store's: its frames verify under this store's
+    // id. A log with frames of which none does (another store's, put in
+    // its place) cannot hold this store's writes. One frame that does not
+    // verify may be this store's first, torn by a crash: two or more
+    // cannot all be.
+    if found.format >= 3 {
+        let (seen, ours) = wal::frames_seen(file, &found.store_id, plan.layout_len)?;
         if seen >= 2 && ours == 0 {
-            let err = Error::corrupt(
+            plan.problems.push(Error::corrupt(
                 None,
                 format!(
                     "{} was not closed cleanly, and none of the {seen} frames in its \
@@ -412,55 +407,90 @@ fn recover_log(
                     name.display(),
                     wal::wal_path(name).display()
                 ),
-            );
-            if !config.accept_loss {
-                return Err(err);
-            }
-            loss.findings.push(format!("accepted: {err}"));
+            ));
         }
     }
-    // No reboot since the open that wrote these frames: no power loss can
-    // have torn one, so a damaged last frame is damage (see wal::replay).
-    let no_reboot = boot.is_some() && read_wal_boot(db)?.as_deref() == boot;
+    Ok(plan)
+}
+
+/// Walks the live frames as `plan` says (`wal::walk`): a format-2 log's
+/// one region, or this format's durable epoch and then the next one (a
+/// checkpoint may have been running). Returns the frames handed to
+/// `on_frame`.
+pub(super) fn walk_live(
+    file: &dyn StorageBackend,
+    found: &Found<'_>,
+    plan: &LogPlan,
+    mut loss: Option<&mut LossReport>,
+    mut on_frame: impl FnMut(u64, &[u8]) -> Result<()>,
+) -> Result<u64> {
+    let epochs = if found.format < 3 {
+        vec![(plan.epoch, wal::Layout::v2(plan.layout_len))]
+    } else {
+        let next = plan.epoch.wrapping_add(1);
+        vec![
+            (
+                plan.epoch,
+                wal::Layout::segment(plan.layout_len, plan.epoch),
+            ),
+            (next, wal::Layout::segment(plan.layout_len, next)),
+        ]
+    };
+    let mut frames = 0;
+    for (epoch, layout) in epochs {
+        frames += wal::walk(
+            file,
+            &found.store_id,
+            epoch,
+            &layout,
+            plan.no_reboot,
+            loss.as_deref_mut(),
+            &mut on_frame,
+        )?;
+    }
+    Ok(frames)
+}
+
+/// What the open found out before the log's recovery.
+pub(super) struct Found<'a> {
+    pub(super) store_id: [u8; 16],
+    /// The store format the file was written in.
+    pub(super) format: u32,
+    /// This boot's id, for a log on a real file.
+    pub(super) boot: Option<&'a str>,
+    /// The store, in errors.
+    pub(super) name: &'a Path,
+}
+
+fn recover_log(
+    db: &Database,
+    file: Box<dyn StorageBackend>,
+    found: &Found<'_>,
+    config: &Config,
+    loss: &mut LossReport,
+) -> Result<(Wal, u64)> {
+    let (store_id, boot) = (found.store_id, found.boot);
+    let file: std::sync::Arc<dyn StorageBackend> = std::sync::Arc::from(file);
+    let mut plan = plan_log(db, file.as_ref(), found)?;
+    let len = plan.file_len;
+    for problem in std::mem::take(&mut plan.problems) {
+        if !config.accept_loss {
+            return Err(problem);
+        }
+        loss.findings.push(format!("accepted: {problem}"));
+    }
+    let epoch = plan.epoch;
     let mut txn = db.begin_write().map_err(engine)?;
     txn.set_quick_repair(true);
     // Replayed with the layout the log was written in, before its size
     // may change below (a larger `wal_bytes` moves the segments).
-    let frames = if format < 3 {
-        // Format 2: one region, frames back to back, one live epoch.
-        wal::replay(
-            file.as_ref(),
-            &store_id,
-            epoch,
-            &wal::Layout::v2(layout_len),
-            no_reboot,
-            config.accept_loss.then_some(&mut *loss),
-            &txn,
-        )?
-    } else {
-        // The durable epoch's segment, then the next one's: a checkpoint
-        // may have been running (see wal.rs).
-        let first = wal::replay(
-            file.as_ref(),
-            &store_id,
-            epoch,
-            &wal::Layout::segment(layout_len, epoch),
-            no_reboot,
-            config.accept_loss.then_some(&mut *loss),
-            &txn,
-        )?;
-        let next = epoch.wrapping_add(1);
-        first
-            + wal::replay(
-                file.as_ref(),
-                &store_id,
-                next,
-                &wal::Layout::segment(layout_len, next),
-                no_reboot,
-                config.accept_loss.then_some(&mut *loss),
-                &txn,
-            )?
-    };
+    let frames = walk_live(
+        file.as_ref(),
+        found,
+        &plan,
+        config.accept_loss.then_some(&mut *loss),
+        wal::applier(&txn)?,
+    )?;
     // Both epochs are now retired; new frames start a fresh one.
     let fresh = epoch.wrapping_add(2);
     // Without the log this open's commits go straight to the file, so the

@@ -35,7 +35,7 @@
 //! Replay is a redo (put or remove a record with its full value, moving
 //! its expiry-index entry; set a meta entry), so replaying frames whose
 //! records are already in the file changes nothing. What replay does at
-//! each offset ([`replay`]):
+//! each offset ([`walk`]):
 //!
 //! - a frame of this epoch that verifies: applied.
 //! - anything else (zeros, another magic, an older epoch's bytes, a header
@@ -91,6 +91,7 @@ use super::tables::{META, WriteTables};
 use crate::error::{Error, Result};
 use ::redb::{StorageBackend, WriteTransaction};
 use std::fmt;
+use std::ops::ControlFlow;
 use std::path::Path;
 use std::time::Duration;
 
@@ -375,18 +376,39 @@ impl Layout {
     }
 }
 
-/// Replays into `txn` every frame of `epoch` laid out as `layout`, from
-/// the start of its region to the end of the log or a torn last frame (see
-/// the module docs for what ends the log and what is refused). Returns how
-/// many frames it applied.
-///
-/// A record put or delete also moves the record's expiry-index entry (the
-/// old expiry is read from the record it replaces), so the frames need not
-/// carry index entries; a format-2 frame's explicit index entries are
-/// applied as they are, which agrees.
-///
-/// A frame that verifies but whose payload does not decode is damage no
-/// crash can cause: that is [`Error::Corrupt`], and nothing is committed.
+/// What replay does with a whole frame's payload: writes its entries into
+/// `txn` (hand it to [`walk`] as `on_frame`). A record put or delete also
+/// moves the record's expiry-index entry (the old expiry is read from the
+/// record it replaces), so the frames need not carry index entries; a
+/// format-2 frame's explicit index entries are applied as they are, which
+/// agrees. A frame that verifies but whose payload does not decode is
+/// damage no crash can cause: [`Error::Corrupt`], and the caller commits
+/// nothing.
+pub(super) fn applier<'t>(
+    txn: &'t WriteTransaction,
+) -> Result<impl FnMut(u64, &[u8]) -> Result<()> + 't> {
+    let mut tables = WriteTables::open(txn)?;
+    let mut meta = txn.open_table(META).map_err(engine)?;
+    Ok(move |at, payload: &[u8]| {
+        entries(at, payload, |entry| match entry {
+            Entry::Put(key, value, expires_at) => {
+                tables.apply_encoded(key, Some((value, expires_at)))
+            }
+            Entry::Del(key) => tables.apply_encoded(key, None),
+            // Format 2 wrote index entries explicitly; apply_encoded
+            // already made the same moves, so these change nothing.
+            Entry::IndexPut(entry) => tables.index(entry),
+            Entry::IndexDel(entry) => tables.unindex(entry),
+            Entry::Meta(name, value) => meta.insert(name, value).map(|_| ()).map_err(engine),
+        })
+    })
+}
+
+/// Walks every frame of `epoch` laid out as `layout`, from the start of
+/// its region to the end of the log or a torn last frame (the module docs
+/// say what ends the log and what is refused), handing each whole frame's
+/// payload and offset to `on_frame` ([`applier`] for a replay), and returns
+/// how many it handed over.
 ///
 /// `no_reboot`: the machine has not restarted since the open that wrote
 /// these frames (the same boot id), so the stop was a process crash, not a
@@ -397,44 +419,10 @@ impl Layout {
 /// was damaged after it was written, maybe after it was acknowledged:
 /// [`Error::Corrupt`] rather than a silent end. A longer last frame may
 /// have been cut between pages by the kill, and stays a torn tail.
-pub(super) fn replay(
-    file: &dyn StorageBackend,
-    store_id: &[u8; 16],
-    epoch: u64,
-    layout: &Layout,
-    no_reboot: bool,
-    loss: Option<&mut LossReport>,
-    txn: &WriteTransaction,
-) -> Result<u64> {
-    let mut tables = WriteTables::open(txn)?;
-    let mut meta = txn.open_table(META).map_err(engine)?;
-    walk(
-        file,
-        store_id,
-        epoch,
-        layout,
-        no_reboot,
-        loss,
-        |at, payload| {
-            entries(at, payload, |entry| match entry {
-                Entry::Put(key, value, expires_at) => {
-                    tables.apply_encoded(key, Some((value, expires_at)))
-                }
-                Entry::Del(key) => tables.apply_encoded(key, None),
-                // Format 2 wrote index entries explicitly; apply_encoded
-                // already made the same moves, so these change nothing.
-                Entry::IndexPut(entry) => tables.index(entry),
-                Entry::IndexDel(entry) => tables.unindex(entry),
-                Entry::Meta(name, value) => meta.insert(name, value).map(|_| ()).map_err(engine),
-            })
-        },
-    )
-}
-
-/// Walks the frames of `epoch` laid out as `layout` as [`replay`] does,
-/// handing each whole frame's payload (and its offset) to `on_frame`, and
-/// returns how many it handed over. The stop rules, the damage checks and
-/// `loss` are [`replay`]'s.
+///
+/// With `loss` (an open that accepts loss, or a check), each `Corrupt` of
+/// the stop rules is written down there instead and the walk goes on at
+/// the next frame that verifies.
 pub(super) fn walk(
     file: &dyn StorageBackend,
     store_id: &[u8; 16],
@@ -608,33 +596,20 @@ fn find_later(
     if layout.align < FRAME_ALIGN {
         return Ok(None);
     }
-    const CHUNK: u64 = 1024 * 1024;
-    let mut probe = at + layout.align;
-    let mut chunk = Vec::new();
-    while probe + FRAME_HEADER <= end {
-        let n = (end - probe).min(CHUNK);
-        chunk.resize(n as usize, 0);
-        file.read(probe, &mut chunk).map_err(Error::Io)?;
-        let mut block = 0u64;
-        while block + FRAME_HEADER <= n {
-            let header = chunk
-                .get(block as usize..(block + 12) as usize)
-                .unwrap_or_default();
-            let names_epoch = header.get(..4) == Some(&MAGIC[..])
-                && header.get(4..12) == Some(&epoch.to_be_bytes()[..]);
-            if names_epoch
-                && matches!(
-                    read_frame(file, store_id, epoch, probe + block, end)?,
-                    Frame::Whole { .. }
-                )
-            {
-                return Ok(Some(probe + block));
-            }
-            block += layout.align;
+    let mut found = None;
+    scan_headers(file, at + layout.align..end, |block, frame_epoch| {
+        if frame_epoch == epoch
+            && matches!(
+                read_frame(file, store_id, epoch, block, end)?,
+                Frame::Whole { .. }
+            )
+        {
+            found = Some(block);
+            return Ok(ControlFlow::Break(()));
         }
-        probe += n.div_ceil(layout.align) * layout.align;
-    }
-    Ok(None)
+        Ok(ControlFlow::Continue(()))
+    })?;
+    Ok(found)
 }
 
 /// How many blocks of the log (laid out for `len`) start with a frame
@@ -650,29 +625,55 @@ pub(super) fn frames_seen(
     let (mut seen, mut ours) = (0u64, 0u64);
     for segment in 0..2u64 {
         let region = segment_range(len, segment);
-        let mut at = region.start;
-        while at + FRAME_HEADER <= region.end.min(end) {
-            let mut header = [0u8; 12];
-            file.read(at, &mut header).map_err(Error::Io)?;
-            if header.get(..4) == Some(&MAGIC[..]) {
-                seen += 1;
-                let epoch = u64::from_be_bytes(
-                    header
-                        .get(4..12)
-                        .and_then(|b| b.try_into().ok())
-                        .unwrap_or_default(),
-                );
-                if matches!(
-                    read_frame(file, store_id, epoch, at, end)?,
-                    Frame::Whole { .. }
-                ) {
-                    ours += 1;
-                }
+        scan_headers(file, region.start..region.end.min(end), |block, epoch| {
+            seen += 1;
+            if matches!(
+                read_frame(file, store_id, epoch, block, end)?,
+                Frame::Whole { .. }
+            ) {
+                ours += 1;
             }
-            at += FRAME_ALIGN;
-        }
+            Ok(ControlFlow::Continue(()))
+        })?;
     }
     Ok((seen, ours))
+}
+
+/// Calls `f(offset, epoch)` for every [`FRAME_ALIGN`] block of `range`
+/// (from its start) that begins with a frame's magic, in order, until `f`
+/// breaks. Reads in large chunks: a whole segment costs a few reads, not
+/// one per block.
+fn scan_headers(
+    file: &dyn StorageBackend,
+    range: std::ops::Range<u64>,
+    mut f: impl FnMut(u64, u64) -> Result<ControlFlow<()>>,
+) -> Result<()> {
+    const CHUNK: u64 = 1024 * 1024;
+    let mut probe = range.start;
+    let mut chunk = Vec::new();
+    while probe + FRAME_HEADER <= range.end {
+        let n = (range.end - probe).min(CHUNK);
+        chunk.resize(n as usize, 0);
+        file.read(probe, &mut chunk).map_err(Error::Io)?;
+        let mut block = 0u64;
+        while block + FRAME_HEADER <= n {
+            let header = chunk
+                .get(block as usize..(block + 12) as usize)
+                .unwrap_or_default();
+            if header.get(..4) == Some(&MAGIC[..]) {
+                let epoch = header
+                    .get(4..12)
+                    .and_then(|b| b.try_into().ok())
+                    .map_or(0, u64::from_be_bytes);
+                if f(probe + block, epoch)?.is_break() {
+                    return Ok(());
+                }
+            }
+            block += FRAME_ALIGN;
+        }
+        probe += n.div_ceil(FRAME_ALIGN) * FRAME_ALIGN;
+    }
+    Ok(())
 }
 
 /// The record keys a damaged frame's payload (`from..to`) names, read as
@@ -796,6 +797,36 @@ impl FileLog {
         }
         Ok(FileLog { file })
     }
+
+    /// Opens the log beside `store` for reading only (`None` when there is
+    /// none): every write through it fails, and nothing is created.
+    pub(super) fn open_read_only(store: &Path) -> Result<Option<FileLog>> {
+        match std::fs::File::open(wal_path(store)) {
+            Ok(file) => Ok(Some(FileLog { file })),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+}
+
+/// Fills `out` from `file` at `offset` (positional: no shared cursor).
+pub(super) fn read_at(file: &std::fs::File, out: &mut [u8], offset: u64) -> std::io::Result<()> {
+    #[cfg(unix)]
+    {
+        std::os::unix::fs::FileExt::read_exact_at(file, out, offset)
+    }
+    #[cfg(windows)]
+    {
+        let mut done = 0;
+        while let Some(rest) = out.get_mut(done..).filter(|r| !r.is_empty()) {
+            let n = std::os::windows::fs::FileExt::seek_read(file, rest, offset + done as u64)?;
+            if n == 0 {
+                return Err(std::io::ErrorKind::UnexpectedEof.into());
+            }
+            done += n;
+        }
+        Ok(())
+    }
 }
 
 impl StorageBackend for FileLog {
@@ -803,26 +834,7 @@ impl StorageBackend for FileLog {
         Ok(self.file.metadata()?.len())
     }
     fn read(&self, offset: u64, out: &mut [u8]) -> std::io::Result<()> {
-        #[cfg(unix)]
-        {
-            std::os::unix::fs::FileExt::read_exact_at(&self.file, out, offset)
-        }
-        #[cfg(windows)]
-        {
-            let mut done = 0;
-            while let Some(rest) = out.get_mut(done..).filter(|r| !r.is_empty()) {
-                let n = std::os::windows::fs::FileExt::seek_read(
-                    &self.file,
-                    rest,
-                    offset + done as u64,
-                )?;
-                if n == 0 {
-                    return Err(std::io::ErrorKind::UnexpectedEof.into());
-                }
-                done += n;
-            }
-            Ok(())
-        }
+        read_at(&self.file, out, offset)
     }
     fn set_len(&self, len: u64) -> std::io::Result<()> {
         self.file.set_len(len)
@@ -962,25 +974,25 @@ mod tests {
             .create_with_backend(::redb::backends::InMemoryBackend::new())
             .unwrap();
         let txn = db.begin_write().unwrap();
-        let n = replay(
+        let n = walk(
             file.as_ref(),
             &[3; 16],
             5,
             &Layout::segment(len, 5),
             false,
             None,
-            &txn,
+            applier(&txn).unwrap(),
         )
         .unwrap();
         assert_eq!(n, 2);
-        let n = replay(
+        let n = walk(
             file.as_ref(),
             &[3; 16],
             6,
             &Layout::segment(len, 6),
             false,
             None,
-            &txn,
+            applier(&txn).unwrap(),
         )
         .unwrap();
         assert_eq!(n, 1);

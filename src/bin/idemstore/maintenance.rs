@@ -357,11 +357,7 @@ pub(crate) fn recover(
     io: &mut Io<'_>,
 ) -> Outcome {
     // A store file lost beside its log is a case for recover, not a typo.
-    let log = {
-        let mut name = path.as_os_str().to_os_string();
-        name.push("-wal");
-        std::path::PathBuf::from(name)
-    };
+    let log = idemstore::redb::admin::log_path(path);
     if !path.exists() && !log.exists() {
         return Err(Failure::new(
             EXIT_ERROR,

@@ -3,9 +3,10 @@
 
 use super::super::errors::engine;
 use super::super::loss::LossReport;
-use super::super::open::{self, check_foreign, read_meta_entries};
-use super::super::wal::{self, Layout};
+use super::super::open::{self, Found, check_foreign, read_meta_entries};
+use super::super::wal::{self, FileLog};
 use crate::error::{Error, Result};
+use ::redb::backends::InMemoryBackend;
 use ::redb::{Database, ReadableDatabase, StorageBackend};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -70,111 +71,89 @@ impl LogCheck {
 /// ```
 pub fn check_log(store: impl AsRef<Path>) -> Result<LogCheck> {
     let store = store.as_ref();
-    let file = std::fs::File::open(store)?;
-    let overlay = Overlay::new(file);
-    check_foreign(&overlay)?;
-    let db = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        Database::builder().create_with_backend(overlay)
-    }))
-    .map_err(|_| {
-        Error::corrupt(
-            None,
-            format!(
-                "{} is damaged: the storage engine could not read it",
-                store.display()
-            ),
-        )
-    })?
-    .map_err(engine)?;
+    let db = open_overlay(store)?.map_err(|detail| {
+        Error::corrupt(None, format!("{} is damaged: {detail}", store.display()))
+    })?;
     let meta = {
         let txn = db.begin_read().map_err(engine)?;
         read_meta_entries(&txn)?
     };
-    let epoch = open::read_wal_epoch(&db)?;
     let state = open::read_wal_state(&db)?;
-    let unclean = state.filter(|s| s.open);
-    let path = wal::wal_path(store);
+    // A missing log reads as an empty one.
+    let log: Box<dyn StorageBackend> = match FileLog::open_read_only(store)? {
+        Some(log) => Box::new(log),
+        None => Box::new(InMemoryBackend::new()),
+    };
+    let boot = open::boot_id();
+    let found = Found {
+        store_id: meta.store_id,
+        format: meta.format_version,
+        boot: boot.as_deref(),
+        name: store,
+    };
+    let plan = open::plan_log(&db, log.as_ref(), &found)?;
     let mut check = LogCheck {
-        present: path.exists(),
+        path: log_path(store),
+        present: log_path(store).exists(),
+        bytes: plan.file_len,
         clean_stop: state.map(|s| !s.open),
-        ..LogCheck::default()
+        frames: 0,
+        problems: plan.problems.iter().map(ToString::to_string).collect(),
     };
-    let log: Box<dyn StorageBackend> = match std::fs::File::open(&path) {
-        Ok(file) => Box::new(ReadOnly(file)),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Box::new(ReadOnly::empty()?),
-        Err(e) => return Err(e.into()),
-    };
-    check.bytes = log.len().map_err(Error::Io)?;
-    let mut layout_len = check.bytes;
-    if let Some(s) = unclean {
-        match s.bytes {
-            Some(0) => {}
-            _ if check.bytes == 0 => check.problems.push(format!(
-                "the store was not closed cleanly and its log {} is missing or empty",
-                path.display()
-            )),
-            Some(recorded) if check.bytes < recorded => {
-                check.problems.push(format!(
-                    "the store was not closed cleanly and its log is {} bytes where the store \
-                     left it at {recorded}: cut short, or another file",
-                    check.bytes
-                ));
-                layout_len = recorded;
-            }
-            Some(recorded) => layout_len = recorded,
-            None => {}
-        }
-        if meta.format_version >= 3 {
-            let (seen, ours) = wal::frames_seen(log.as_ref(), &meta.store_id, layout_len)?;
-            if seen >= 2 && ours == 0 {
-                check.problems.push(format!(
-                    "none of the {seen} frames in the log verifies for this store: the log \
-                     belongs to another store"
-                ));
-            }
-        }
-    }
-    let no_reboot = match (open::boot_id(), open::read_wal_boot(&db)?) {
-        (Some(now), Some(then)) => now == then,
-        _ => false,
-    };
-    let layouts = if meta.format_version < 3 {
-        vec![(epoch, Layout::v2(layout_len))]
-    } else {
-        let next = epoch.wrapping_add(1);
-        vec![
-            (epoch, Layout::segment(layout_len, epoch)),
-            (next, Layout::segment(layout_len, next)),
-        ]
-    };
+    // Every frame the open would replay, decoded but not applied; what it
+    // would refuse is written down, and the walk goes on.
     let mut loss = LossReport::default();
-    for (epoch, layout) in layouts {
-        let mut undecodable = Vec::new();
-        check.frames += wal::walk(
-            log.as_ref(),
-            &meta.store_id,
-            epoch,
-            &layout,
-            no_reboot,
-            Some(&mut loss),
-            |at, payload| {
-                if let Err(e) = wal::entries(at, payload, |_| Ok(())) {
-                    undecodable.push(e.to_string());
-                }
-                Ok(())
-            },
-        )?;
-        check.problems.append(&mut undecodable);
-    }
+    let mut undecodable = Vec::new();
+    check.frames = open::walk_live(
+        log.as_ref(),
+        &found,
+        &plan,
+        Some(&mut loss),
+        |at, payload| {
+            if let Err(e) = wal::entries(at, payload, |_| Ok(())) {
+                undecodable.push(e.to_string());
+            }
+            Ok(())
+        },
+    )?;
     check.problems.append(&mut loss.findings);
-    check.path = path;
+    check.problems.append(&mut undecodable);
     Ok(check)
+}
+
+/// The write-ahead log's path for the store file at `store`:
+/// `<store>-wal`. The two are copied, moved and deleted together.
+///
+/// ```
+/// use idemstore::redb::admin::log_path;
+/// assert_eq!(log_path("/data/orders.idem"), std::path::Path::new("/data/orders.idem-wal"));
+/// ```
+pub fn log_path(store: impl AsRef<Path>) -> PathBuf {
+    wal::wal_path(store.as_ref())
+}
+
+/// Opens the store file at `path` as a redb database through a private
+/// [`Overlay`], so that nothing redb does (its recovery of an uncleanly
+/// closed file, a repair) reaches the file. `Ok(Err(detail))` when redb
+/// refuses the file or panics on it.
+pub(super) fn open_overlay(path: &Path) -> Result<std::result::Result<Database, String>> {
+    let overlay = Overlay::new(std::fs::File::open(path)?);
+    check_foreign(&overlay)?;
+    Ok(
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            Database::builder().create_with_backend(overlay)
+        })) {
+            Ok(Ok(db)) => Ok(db),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err("the storage engine could not read it".to_owned()),
+        },
+    )
 }
 
 /// A file read through an in-memory overlay: writes (redb's recovery of an
 /// uncleanly closed file) land in memory, whole pages at a time, and the
 /// file is never written.
-pub(super) struct Overlay {
+struct Overlay {
     file: std::fs::File,
     state: Mutex<OverlayState>,
 }
@@ -187,7 +166,7 @@ struct OverlayState {
 const PAGE: u64 = 4096;
 
 impl Overlay {
-    pub(super) fn new(file: std::fs::File) -> Overlay {
+    fn new(file: std::fs::File) -> Overlay {
         let len = file.metadata().map_or(0, |m| m.len());
         Overlay {
             file,
@@ -212,7 +191,7 @@ impl Overlay {
         let start = index * PAGE;
         if start < file_len {
             let n = (file_len - start).min(PAGE) as usize;
-            read_at(&self.file, page.get_mut(..n).unwrap_or_default(), start)?;
+            wal::read_at(&self.file, page.get_mut(..n).unwrap_or_default(), start)?;
         }
         Ok(page)
     }
@@ -273,73 +252,6 @@ impl StorageBackend for Overlay {
             done += n;
         }
         state.len = state.len.max(offset + data.len() as u64);
-        Ok(())
-    }
-}
-
-/// A log file opened for reading only; every write is refused.
-#[derive(Debug)]
-struct ReadOnly(std::fs::File);
-
-impl ReadOnly {
-    /// Stands for a missing log: no bytes.
-    fn empty() -> Result<ReadOnly> {
-        Ok(ReadOnly(empty_file()?))
-    }
-}
-
-/// An empty, read-only stand-in file (a missing log reads as empty).
-fn empty_file() -> Result<std::fs::File> {
-    #[cfg(unix)]
-    {
-        Ok(std::fs::File::open("/dev/null")?)
-    }
-    #[cfg(not(unix))]
-    {
-        Ok(std::fs::File::open("NUL")?)
-    }
-}
-
-impl StorageBackend for ReadOnly {
-    fn len(&self) -> std::io::Result<u64> {
-        Ok(self.0.metadata()?.len())
-    }
-    fn read(&self, offset: u64, out: &mut [u8]) -> std::io::Result<()> {
-        read_at(&self.0, out, offset)
-    }
-    fn set_len(&self, _: u64) -> std::io::Result<()> {
-        Err(read_only())
-    }
-    fn sync_data(&self) -> std::io::Result<()> {
-        Ok(())
-    }
-    fn write(&self, _: u64, _: &[u8]) -> std::io::Result<()> {
-        Err(read_only())
-    }
-}
-
-fn read_only() -> std::io::Error {
-    std::io::Error::new(
-        std::io::ErrorKind::PermissionDenied,
-        "check_log never writes",
-    )
-}
-
-fn read_at(file: &std::fs::File, out: &mut [u8], offset: u64) -> std::io::Result<()> {
-    #[cfg(unix)]
-    {
-        std::os::unix::fs::FileExt::read_exact_at(file, out, offset)
-    }
-    #[cfg(windows)]
-    {
-        let mut done = 0;
-        while let Some(rest) = out.get_mut(done..).filter(|r| !r.is_empty()) {
-            let n = std::os::windows::fs::FileExt::seek_read(file, rest, offset + done as u64)?;
-            if n == 0 {
-                return Err(std::io::ErrorKind::UnexpectedEof.into());
-            }
-            done += n;
-        }
         Ok(())
     }
 }

@@ -323,14 +323,9 @@ impl Admin<'_> {
 fn engine_check_without_writing(
     path: &std::path::Path,
 ) -> Result<std::result::Result<bool, String>> {
-    let overlay = super::log::Overlay::new(std::fs::File::open(path)?);
-    let opened = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        ::redb::Database::builder().create_with_backend(overlay)
-    }));
-    let mut db = match opened {
-        Ok(Ok(db)) => db,
-        Ok(Err(e)) => return Ok(Err(e.to_string())),
-        Err(_) => return Ok(Err("the storage engine panicked reading it".to_owned())),
+    let mut db = match super::log::open_overlay(path)? {
+        Ok(db) => db,
+        Err(detail) => return Ok(Err(detail)),
     };
     Ok(
         match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| db.check_integrity())) {
