@@ -68,9 +68,19 @@ pub enum Error {
     /// A previous commit or fsync failed, so whether it reached the disk is
     /// unknown. The store refuses further writes until it is reopened.
     Poisoned,
-    /// The store file is held by another open store (in this or another process).
+    /// The store file is held by another open store (in this or another
+    /// process). Nothing was read or written.
     Locked {
         /// The path that is locked.
+        path: String,
+        /// Who holds it, when the platform tells (Linux: `pid N (command
+        /// line)` from `/proc/locks`, or `this process`).
+        holder: Option<String>,
+    },
+    /// The store was opened read-only (an inspection) and this call would
+    /// write. Nothing was written.
+    ReadOnly {
+        /// The store file.
         path: String,
     },
     /// The store has been shut down.
@@ -164,9 +174,21 @@ impl fmt::Display for Error {
             Error::Poisoned => {
                 f.write_str("store poisoned by an earlier failed commit or fsync; reopen the store")
             }
-            Error::Locked { path } => write!(
+            Error::Locked {
+                path,
+                holder: Some(holder),
+            } => write!(
+                f,
+                "store file {path} is locked: another open store holds it ({holder})"
+            ),
+            Error::Locked { path, holder: None } => write!(
                 f,
                 "store file {path} is locked: another open store (in this or another process) holds it"
+            ),
+            Error::ReadOnly { path } => write!(
+                f,
+                "store {path} is open read-only (for inspection): this call would write; \
+                 nothing was written"
             ),
             Error::Closed => f.write_str("store is closed"),
             Error::Io(err) => write!(f, "I/O error: {err}"),

@@ -67,6 +67,45 @@ impl Fingerprint {
         Fingerprint(h.finalize().into())
     }
 
+    /// The fingerprint the HTTP layer ([`IdempotencyLayer`]) computes for a
+    /// request: [`of_parts`](Self::of_parts) of the method, the path and
+    /// query, the body, then for each header the layer is configured to
+    /// include (`fingerprint_headers`, in that order) its lower-case name,
+    /// the number of its values (u64 big-endian) and the values in the
+    /// order received. Moving a value from one header to another changes
+    /// it. `idemstore fingerprint` computes the same from the command line.
+    ///
+    /// ```
+    /// use idemstore::Fingerprint;
+    /// let body = br#"{"sku":"A","qty":1}"#;
+    /// let plain = Fingerprint::of_http("POST", "/orders", body, &[]);
+    /// let tenant = Fingerprint::of_http("POST", "/orders", body, &[("x-tenant", &[b"acme"])]);
+    /// assert_ne!(plain, tenant);
+    /// // A configured header that is absent still counts (zero values).
+    /// assert_ne!(plain, Fingerprint::of_http("POST", "/orders", body, &[("x-tenant", &[])]));
+    /// assert_ne!(plain, Fingerprint::of_http("POST", "/orders?dry=1", body, &[]));
+    /// ```
+    ///
+    /// [`IdempotencyLayer`]: https://docs.rs/idemstore/latest/idemstore/tower/struct.IdempotencyLayer.html
+    pub fn of_http(
+        method: &str,
+        path_and_query: &str,
+        body: &[u8],
+        headers: &[(&str, &[&[u8]])],
+    ) -> Fingerprint {
+        let counts: Vec<[u8; 8]> = headers
+            .iter()
+            .map(|(_, values)| (values.len() as u64).to_be_bytes())
+            .collect();
+        let mut all: Vec<&[u8]> = vec![method.as_bytes(), path_and_query.as_bytes(), body];
+        for ((name, values), count) in headers.iter().zip(&counts) {
+            all.push(name.as_bytes());
+            all.push(count);
+            all.extend(values.iter().copied());
+        }
+        Fingerprint::of_parts(all)
+    }
+
     /// Digest of a JSON value in canonical form: object keys sorted (at every
     /// depth), no whitespace. Arrays keep their order.
     ///

@@ -93,6 +93,8 @@ mod codec;
 mod error;
 mod fingerprint;
 mod guard;
+#[cfg(any(feature = "redb", feature = "sled"))]
+mod holder;
 mod key;
 pub mod limits;
 pub mod logic;

@@ -145,10 +145,19 @@ pub(super) struct Core {
 }
 
 impl Shared {
+    /// [`Error::ReadOnly`] for a store opened read-only.
+    pub(super) fn check_writable(&self) -> Result<()> {
+        match &self.read_only {
+            Some(path) => Err(Error::ReadOnly { path: path.clone() }),
+            None => Ok(()),
+        }
+    }
+
     /// Queues `op` and returns its answer, leading groups while this caller
     /// is at the front of the line. A full line (`WRITE_QUEUE_DEPTH`) waits
     /// for room.
     pub(super) fn submit(&self, op: Op) -> Result<Reply> {
+        self.check_writable()?;
         if self.poisoned.load(Ordering::SeqCst) {
             return Err(Error::Poisoned);
         }
@@ -439,6 +448,7 @@ impl Shared {
         core: &mut Core,
         f: impl FnOnce(&WriteTransaction, &mut u64) -> Result<T, E>,
     ) -> Result<T, E> {
+        self.check_writable()?;
         if self.poisoned.load(Ordering::SeqCst) {
             return Err(Error::Poisoned.into());
         }
@@ -720,7 +730,7 @@ mod tests {
         let wal: Option<Box<dyn ::redb::StorageBackend>> =
             log.then(|| Box::new(::redb::backends::InMemoryBackend::new()) as _);
         let opened = open::open_backend(backend, wal, None, &config, Path::new("memory")).unwrap();
-        Shared::new(opened, &config)
+        Shared::new(opened, &config, None)
     }
 
     #[test]

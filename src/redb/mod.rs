@@ -48,6 +48,7 @@ mod loss;
 mod memtable;
 mod open;
 mod options;
+mod overlay;
 mod stats;
 mod tables;
 mod wal;
@@ -128,10 +129,13 @@ struct Shared {
     /// the first record after either), in ms since `started`.
     started: Instant,
     memtable_since_ms: AtomicU64,
+    /// `Some(path)` for a store opened read-only: every write is refused
+    /// ([`Error::ReadOnly`]) before it reaches the commit path.
+    read_only: Option<String>,
 }
 
 impl Shared {
-    fn new(opened: open::Opened, config: &Config) -> Arc<Shared> {
+    fn new(opened: open::Opened, config: &Config, path: Option<&Path>) -> Arc<Shared> {
         let log_file = opened.wal.as_ref().map(wal::Wal::file);
         Arc::new(Shared {
             db: RwLock::new(opened.db),
@@ -155,6 +159,12 @@ impl Shared {
             max_batch: MAX_WRITE_BATCH,
             started: Instant::now(),
             memtable_since_ms: AtomicU64::new(0),
+            read_only: config.read_only.then(|| {
+                path.map_or_else(
+                    || "<storage backend>".to_owned(),
+                    |p| p.display().to_string(),
+                )
+            }),
         })
     }
 
@@ -335,6 +345,72 @@ impl RedbStore {
         RedbStore::builder().open(path)
     }
 
+    /// Opens the existing store file at `path` for reading only: the
+    /// operator's inspection (`idemstore get`, `list`, `stats`, `verify`,
+    /// `export`), and a way to read a backup, a forensic copy or a file the
+    /// caller may not write.
+    ///
+    /// No byte of the store file or its write-ahead log changes and no file
+    /// is created: the file is opened read-only and read through a private
+    /// in-memory overlay, so redb's recovery of an uncleanly closed file and
+    /// the replay of the log's frames happen in memory. The view holds
+    /// everything a writer's open would ([`RedbStats::frames_replayed_on_open`]
+    /// says how many log frames that took) and ends no lease. Reads
+    /// ([`Store::get`], [`admin`](Self::admin)'s facts, scans and verify)
+    /// work; every write ([`Store::begin`] when it would claim,
+    /// `complete`, `release`, `sweep_expired`, [`compact`](Self::compact),
+    /// evict, import, an [`Inbox`]) is [`Error::ReadOnly`].
+    ///
+    /// While it is open it holds a shared lock on the file: a writer's open
+    /// is [`Error::Locked`] meanwhile, and this open is [`Error::Locked`]
+    /// while a writer holds the file (the message names the holder where
+    /// the platform tells). Errors, all before anything is read into the
+    /// view: a missing file is [`Error::Io`] (`NotFound`); an empty, foreign
+    /// or damaged one, or a log an open would refuse, is [`Error::Corrupt`];
+    /// a newer format is [`Error::UnsupportedFormat`].
+    ///
+    /// ```
+    /// use idemstore::{Error, Fingerprint, Key, RedbStore, Store, Timestamp};
+    /// use std::time::Duration;
+    /// # let dir = tempfile::tempdir()?;
+    /// let path = dir.path().join("orders.idem");
+    /// let hour = Duration::from_secs(3600);
+    /// let key = Key::new("t", "order-1")?;
+    /// drop({
+    ///     let store = RedbStore::open(&path)?;
+    ///     store.begin(&key, &Fingerprint::of(b"x"), Timestamp::EPOCH, hour, hour)?;
+    ///     store
+    /// });
+    /// let before = std::fs::read(&path)?;
+    ///
+    /// let view = RedbStore::open_read_only(&path)?;
+    /// assert!(view.is_read_only());
+    /// assert!(view.admin().get_raw(&key)?.is_some());
+    /// let other = Key::new("t", "order-2")?;
+    /// let refused = view.begin(&other, &Fingerprint::of(b"x"), Timestamp::EPOCH, hour, hour);
+    /// assert!(matches!(refused, Err(Error::ReadOnly { .. })));
+    /// drop(view);
+    /// assert_eq!(std::fs::read(&path)?, before, "not a byte changed");
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    ///
+    /// [`Inbox`]: crate::redb::Inbox
+    pub fn open_read_only(path: impl AsRef<Path>) -> Result<RedbStore> {
+        RedbStore::builder().open_read_only(path)
+    }
+
+    /// Whether this store was opened with [`open_read_only`](Self::open_read_only).
+    ///
+    /// ```
+    /// # let dir = tempfile::tempdir()?;
+    /// let store = idemstore::RedbStore::open(dir.path().join("s.idem"))?;
+    /// assert!(!store.is_read_only());
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn is_read_only(&self) -> bool {
+        self.shared.read_only.is_some()
+    }
+
     /// Options: durability, cache size, response limit, recovery policy, sweeper.
     pub fn builder() -> RedbStoreBuilder {
         RedbStoreBuilder::default()
@@ -347,7 +423,7 @@ impl RedbStore {
         let mut loss = std::mem::take(&mut opened.loss);
         loss.frames_replayed = opened.frames_replayed;
         let loss_report = (!loss.is_empty()).then_some(loss);
-        let shared = Shared::new(opened, &config);
+        let shared = Shared::new(opened, &config, path.as_deref());
         let background = {
             let shared = Arc::clone(&shared);
             std::thread::Builder::new()
@@ -490,6 +566,7 @@ impl RedbStore {
     /// # Ok::<(), idemstore::Error>(())
     /// ```
     pub fn compact(&self) -> Result<bool> {
+        self.shared.check_writable()?;
         if self.is_poisoned() {
             return Err(Error::Poisoned);
         }

@@ -4,6 +4,7 @@
 
 use super::errors::engine;
 use super::loss::LossReport;
+use super::overlay::Overlay;
 use super::tables::{
     EXPIRY, META, META_FORMAT_VERSION, META_STORE_ID, META_TOKEN_HWM, META_WAL_BOOT,
     META_WAL_BYTES, META_WAL_EPOCH, META_WAL_STATE, RECORDS, WAL_CLOSED, WAL_OPEN, WriteTables,
@@ -95,47 +96,121 @@ fn refuse_over_log(
     config: &Config,
     found: &mut Vec<String>,
 ) -> Result<()> {
-    use std::io::Read;
+    if !log_holds_frames(path)? {
+        return Ok(());
+    }
     let log = wal::wal_path(path);
-    let mut file = match std::fs::File::open(&log) {
+    if config.accept_loss {
+        let aside = free_name(&log, "lost");
+        std::fs::rename(&log, &aside)?;
+        sync_parent(path)?;
+        found.push(format!(
+            "{} {what} beside a log with frames of another store file: the log was \
+             moved to {} (its frames cannot be replayed without that store's id) and a \
+             new store was made",
+            path.display(),
+            aside.display()
+        ));
+        return Ok(());
+    }
+    Err(store_lost_beside_log(path, what))
+}
+
+/// [`Error::Corrupt`]: the store file at `path` `what` ("is missing", "is
+/// empty") while its log holds frames.
+fn store_lost_beside_log(path: &Path, what: &str) -> Error {
+    Error::corrupt(
+        None,
+        format!(
+            "{} {what}, but its write-ahead log {} is beside it and holds frames: the \
+             store file was lost or replaced, and a new store here would overwrite the \
+             only copy of the writes in that log. Restore the store file that belongs \
+             to the log, or move the log away to start a new store; see \
+             docs/operations.md",
+            path.display(),
+            wal::wal_path(path).display()
+        ),
+    )
+}
+
+/// Whether the log beside `path` holds anything but zeros (a new log is
+/// all zeros until its first frame). Reads only.
+fn log_holds_frames(path: &Path) -> Result<bool> {
+    use std::io::Read;
+    let mut file = match std::fs::File::open(wal::wal_path(path)) {
         Ok(file) => file,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
         Err(e) => return Err(e.into()),
     };
     let mut chunk = vec![0u8; 1024 * 1024];
     loop {
         let n = file.read(&mut chunk)?;
         if n == 0 {
-            return Ok(());
+            return Ok(false);
         }
         if chunk.get(..n).is_some_and(|c| c.iter().any(|&b| b != 0)) {
-            if config.accept_loss {
-                let aside = free_name(&log, "lost");
-                std::fs::rename(&log, &aside)?;
-                sync_parent(path)?;
-                found.push(format!(
-                    "{} {what} beside a log with frames of another store file: the log was \
-                     moved to {} (its frames cannot be replayed without that store's id) and a \
-                     new store was made",
-                    path.display(),
-                    aside.display()
-                ));
-                return Ok(());
-            }
-            return Err(Error::corrupt(
-                None,
-                format!(
-                    "{} {what}, but its write-ahead log {} is beside it and holds frames: the \
-                     store file was lost or replaced, and a new store here would overwrite the \
-                     only copy of the writes in that log. Restore the store file that belongs \
-                     to the log, or move the log away to start a new store; see \
-                     docs/operations.md",
-                    path.display(),
-                    log.display()
-                ),
-            ));
+            return Ok(true);
         }
     }
+}
+
+/// Opens the store file at `path` for reading only (`config.read_only`):
+/// no byte of the store file or its log changes and no file is created,
+/// so it works on a file the caller may not write.
+///
+/// The store file is opened read-only and read through a private
+/// in-memory [`Overlay`]: redb's recovery of an uncleanly closed file and
+/// the replay of the log's frames (read-only too) happen in memory, so the
+/// view holds everything a writer's open would, without writing it. A
+/// shared lock on the file keeps writers out while the store is open (and
+/// is refused, [`Error::Locked`], while a writer holds it).
+///
+/// A missing file is [`Error::Io`] (`NotFound`); an empty one is
+/// [`Error::Corrupt`]: neither is a store, and nothing is created.
+pub(super) fn open_read_only(path: &Path, config: &Config) -> Result<Opened> {
+    let meta = match std::fs::metadata(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(Error::Io(std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                format!(
+                    "no store at {} (a read-only open never creates one)",
+                    path.display()
+                ),
+            )));
+        }
+        other => other?,
+    };
+    if meta.len() == 0 {
+        if log_holds_frames(path)? {
+            return Err(store_lost_beside_log(path, "is empty"));
+        }
+        return Err(Error::corrupt(
+            None,
+            format!("{} is empty (0 bytes): not a store file", path.display()),
+        ));
+    }
+    let file = std::fs::File::open(path)?;
+    match file.try_lock_shared() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => {
+            return Err(Error::Locked {
+                path: path.display().to_string(),
+                holder: crate::holder::lock_holder(path),
+            });
+        }
+        Err(std::fs::TryLockError::Error(e)) => return Err(e.into()),
+    }
+    let overlay = Overlay::new(file)?;
+    // A missing log reads as an empty one: after a clean stop it holds
+    // nothing; after an unclean one the plan refuses it, as an open would.
+    let log: Box<dyn StorageBackend> = match FileLog::open_read_only(path)? {
+        Some(log) => Box::new(log),
+        None => Box::new(::redb::backends::InMemoryBackend::new()),
+    };
+    let mut opened = open_backend(overlay, Some(log), boot_id().as_deref(), config, path)?;
+    // Nothing is ever written through it.
+    opened.wal = None;
+    Ok(opened)
 }
 
 /// Opens `path` for reading and writing, creating it owner-only
@@ -273,6 +348,15 @@ pub(super) fn open_backend(
         mut token_hwm,
     } = match read_meta(&db)? {
         Some(meta) => meta,
+        None if config.read_only => {
+            return Err(Error::corrupt(
+                None,
+                format!(
+                    "{} holds no idemstore tables (a store whose creation did not finish)",
+                    name.display()
+                ),
+            ));
+        }
         None => init_meta(&db, config)?,
     };
     let mut loss = LossReport::default();
@@ -302,7 +386,9 @@ pub(super) fn open_backend(
             (Some(wal), frames)
         }
     };
+    // A read-only view shows the records as stored: no lease is ended.
     let leases_expired = match config.recovery {
+        _ if config.read_only => 0,
         RecoveryPolicy::WaitForLease => 0,
         RecoveryPolicy::ExpireLeases => expire_leases(&db, config)?,
     };
@@ -523,7 +609,13 @@ fn recover_log(
         .map_err(engine)?;
     }
     txn.commit().map_err(engine)?;
-    let new_len = wal::preallocate(file.as_ref(), config.wal_bytes)?;
+    // A read-only open replayed into memory (an overlay) and leaves the
+    // log file as it is.
+    let new_len = if config.read_only {
+        len
+    } else {
+        wal::preallocate(file.as_ref(), config.wal_bytes)?
+    };
     if new_len != len {
         // The new size, durably, before any frame is laid out for it.
         let txn = db.begin_write().map_err(engine)?;
@@ -636,6 +728,7 @@ fn map_open(err: DatabaseError, path: &Path) -> Error {
     match err {
         DatabaseError::DatabaseAlreadyOpen => Error::Locked {
             path: path.display().to_string(),
+            holder: crate::holder::lock_holder(path),
         },
         // The engine read past the end of the file while opening it: the
         // file is shorter than its own header says (cut short), which is

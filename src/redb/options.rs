@@ -95,6 +95,8 @@ pub(super) struct Config {
     pub(super) checkpoint_interval: Duration,
     pub(super) wal_bytes: u64,
     pub(super) accept_loss: bool,
+    /// An inspection: nothing is written (`RedbStore::open_read_only`).
+    pub(super) read_only: bool,
 }
 
 /// Options for opening a [`RedbStore`]; from [`RedbStore::builder`].
@@ -135,6 +137,7 @@ impl Default for RedbStoreBuilder {
                 checkpoint_interval: crate::redb::CHECKPOINT_INTERVAL,
                 wal_bytes: crate::redb::WAL_BYTES,
                 accept_loss: false,
+                read_only: false,
             },
         }
     }
@@ -301,6 +304,34 @@ impl RedbStoreBuilder {
         let path = path.as_ref();
         self.check()?;
         let opened = open::open_path(path, &self.config)?;
+        RedbStore::start(opened, self.config, Some(path.to_path_buf()))
+    }
+
+    /// Opens the existing store file at `path` for reading only: an
+    /// inspection that changes nothing. See [`RedbStore::open_read_only`].
+    ///
+    /// Of the builder's options, the cache size, the clock and
+    /// [`accept_loss`](Self::accept_loss) apply (with `accept_loss` the
+    /// view skips what does not verify, in memory, and
+    /// [`RedbStore::loss_report`] says what); the recovery policy and the
+    /// sweeper do not (a read-only view ends no lease and sweeps nothing).
+    ///
+    /// ```
+    /// use idemstore::RedbStore;
+    /// # let dir = tempfile::tempdir()?;
+    /// # let path = dir.path().join("s.idem");
+    /// # drop(RedbStore::open(&path)?);
+    /// let view = RedbStore::builder().cache_bytes(8 << 20).open_read_only(&path)?;
+    /// assert_eq!(view.admin().facts()?.records, 0);
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn open_read_only(mut self, path: impl AsRef<Path>) -> Result<RedbStore> {
+        let path = path.as_ref();
+        self.check()?;
+        self.config.read_only = true;
+        self.config.sweeper = None;
+        self.config.verify_on_open = false;
+        let opened = open::open_read_only(path, &self.config)?;
         RedbStore::start(opened, self.config, Some(path.to_path_buf()))
     }
 

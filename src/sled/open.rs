@@ -91,6 +91,7 @@ pub(crate) fn lock(dir: &Path) -> Result<File> {
         Ok(()) => Ok(file),
         Err(std::fs::TryLockError::WouldBlock) => Err(Error::Locked {
             path: dir.display().to_string(),
+            holder: crate::holder::lock_holder(&path),
         }),
         Err(std::fs::TryLockError::Error(e)) => Err(Error::Io(e)),
     }
@@ -106,6 +107,7 @@ pub(crate) fn open_sled(dir: &Path) -> Result<::sled::Db> {
         Ok(Err(::sled::Error::Io(e))) if e.to_string().contains("could not acquire lock") => {
             Err(Error::Locked {
                 path: dir.display().to_string(),
+                holder: None,
             })
         }
         Ok(Err(e)) => Err(from_sled(e)),

@@ -29,17 +29,12 @@ pub(crate) fn fingerprint(
                 .collect()
         })
         .collect();
-    let counts: Vec<[u8; 8]> = values
+    let headers: Vec<(&str, &[&[u8]])> = names
         .iter()
-        .map(|v| (v.len() as u64).to_be_bytes())
+        .zip(&values)
+        .map(|(n, v)| (n.as_str(), v.as_slice()))
         .collect();
-    let mut all: Vec<&[u8]> = vec![parts.method.as_str().as_bytes(), path.as_bytes(), body];
-    for ((name, vals), count) in names.iter().zip(&values).zip(&counts) {
-        all.push(name.as_str().as_bytes());
-        all.push(count);
-        all.extend(vals);
-    }
-    Fingerprint::of_parts(all)
+    Fingerprint::of_http(parts.method.as_str(), path, body, &headers)
 }
 
 /// What is stored: status, headers minus the deny-list, body.

@@ -235,10 +235,26 @@ fn second_open_of_a_held_file_is_locked() {
     let store = RedbStore::open(&path).unwrap();
     let err = RedbStore::open(&path).unwrap_err();
     assert!(
-        matches!(&err, Error::Locked { path: p } if p.contains("s.idem")),
+        matches!(&err, Error::Locked { path: p, .. } if p.contains("s.idem")),
         "{err}"
     );
+    // On Linux the holder is named: here, this very process.
+    #[cfg(target_os = "linux")]
+    assert!(
+        matches!(&err, Error::Locked { holder: Some(h), .. } if h == "this process"),
+        "{err:?}"
+    );
+    // A read-only view is refused while the writer holds the file...
+    let view = RedbStore::open_read_only(&path).unwrap_err();
+    assert!(matches!(view, Error::Locked { .. }), "{view}");
     drop(store);
+    // ...and a writer while a view does.
+    let view = RedbStore::open_read_only(&path).unwrap();
+    let err = RedbStore::open(&path).unwrap_err();
+    assert!(matches!(err, Error::Locked { .. }), "{err}");
+    // Two views at once are fine.
+    let second = RedbStore::open_read_only(&path).unwrap();
+    drop((view, second));
     RedbStore::open(&path).unwrap();
 }
 

@@ -1,18 +1,27 @@
 //! Read commands (`stats`, `get`, `list`) and `evict`.
 
 use super::format::{self, BODY_PREVIEW_BYTES, rfc3339, store_id, when};
+use super::keys::{command_line_form, key_json, raw_key_json};
 use super::{
     EXIT_NOT_FOUND, EXIT_OK, EXIT_REFUSED, Failure, Io, Outcome, PROGRESS_MIN_RECORDS, StateFilter,
     file_bytes,
 };
-use idemstore::redb::admin::RawKey;
+use idemstore::redb::admin::{RawKey, log_path};
 use idemstore::{Key, Record, RedbStore, State, Timestamp};
 use serde_json::{Value, json};
 use std::ops::ControlFlow;
 use std::path::Path;
 
-fn key(scope: &str, id: &str) -> Result<Key, Failure> {
-    Ok(Key::new(scope, id)?)
+/// Bytes the file takes on disk (allocated blocks; sparse parts and
+/// preallocation count as they are), or its length where that is unknown.
+fn disk_bytes(path: &Path) -> u64 {
+    match std::fs::metadata(path) {
+        #[cfg(unix)]
+        Ok(m) => std::os::unix::fs::MetadataExt::blocks(&m) * 512,
+        #[cfg(not(unix))]
+        Ok(m) => m.len(),
+        Err(_) => 0,
+    }
 }
 
 /// A progress bar over `len` items on stderr, or a hidden one when the
@@ -84,21 +93,34 @@ fn kv(rows: &[(&str, String)]) -> String {
         .collect()
 }
 
-fn size(bytes: u64) -> String {
+fn size(bytes: u64, disk: u64) -> String {
     const MIB: f64 = 1024.0 * 1024.0;
-    format!("{:.1} MiB ({bytes} bytes)", bytes as f64 / MIB)
+    format!(
+        "{:.1} MiB ({bytes} bytes), {:.1} MiB",
+        bytes as f64 / MIB,
+        disk as f64 / MIB
+    )
 }
 
-pub(crate) fn stats(store: &RedbStore, path: &Path, json: bool, io: &mut Io<'_>) -> Outcome {
+pub(crate) fn stats(store: &RedbStore, path: &Path, io: &mut Io<'_>) -> Outcome {
     let now = io.now;
     let facts = store.admin().facts()?;
     let bounds = store.admin().expiry_bounds()?;
     let c = count(store, now, io, facts.records)?;
-    let file = file_bytes(path);
-    if json {
+    // As on disk: a read-only view changes neither file.
+    let (file, file_disk) = (file_bytes(path), disk_bytes(path));
+    let log = log_path(path);
+    let (log_len, log_disk) = (file_bytes(&log), disk_bytes(&log));
+    let log_frames = store.stats().frames_replayed_on_open;
+    if io.json {
         let v = json!({
             "path": path.display().to_string(),
             "file_bytes": file,
+            "file_disk_bytes": file_disk,
+            "log_path": log.display().to_string(),
+            "log_bytes": log_len,
+            "log_disk_bytes": log_disk,
+            "log_frames_not_checkpointed": log_frames,
             "format_version": facts.format_version,
             "store_id": store_id(facts.store_id),
             "token_high_water_mark": facts.token_hwm,
@@ -118,7 +140,14 @@ pub(crate) fn stats(store: &RedbStore, path: &Path, json: bool, io: &mut Io<'_>)
     }
     let mut rows = vec![
         ("store", path.display().to_string()),
-        ("file size", size(file)),
+        ("file size", format!("{} on disk", size(file, file_disk))),
+        (
+            "log",
+            format!(
+                "{} on disk, {log_frames} frames not yet in the file",
+                size(log_len, log_disk)
+            ),
+        ),
         (
             "format version",
             format!(
@@ -155,7 +184,7 @@ pub(crate) fn stats(store: &RedbStore, path: &Path, json: bool, io: &mut Io<'_>)
 }
 
 /// A record as JSON for `get` and `list --json` (the body as in `get`).
-fn record_json(k: &str, r: &Record, now: Timestamp, body_limit: Option<usize>) -> Value {
+fn record_json(key: Value, r: &Record, now: Timestamp, body_limit: Option<usize>) -> Value {
     let response = r.response().map(|resp| {
         let body = format::preview(resp.body(), body_limit);
         let headers: Vec<Value> = resp
@@ -177,7 +206,7 @@ fn record_json(k: &str, r: &Record, now: Timestamp, body_limit: Option<usize>) -
         })
     });
     json!({
-        "key": k,
+        "key": key,
         "state": r.state().to_string(),
         "fingerprint": r.fingerprint().to_hex(),
         "token": r.token(),
@@ -194,26 +223,18 @@ fn record_json(k: &str, r: &Record, now: Timestamp, body_limit: Option<usize>) -
     })
 }
 
-pub(crate) fn get(
-    store: &RedbStore,
-    scope: &str,
-    id: &str,
-    full: bool,
-    json: bool,
-    io: &mut Io<'_>,
-) -> Outcome {
-    let key = key(scope, id)?;
-    let Some(r) = store.admin().get_raw(&key)? else {
-        return Err(Failure::new(EXIT_NOT_FOUND, format!("no record for {key}")));
+pub(crate) fn get(store: &RedbStore, key: &Key, full: bool, io: &mut Io<'_>) -> Outcome {
+    let Some(r) = store.admin().get_raw(key)? else {
+        return Err(not_found(store, key)?);
     };
     let now = io.now;
     let limit = (!full).then_some(BODY_PREVIEW_BYTES);
-    if json {
-        writeln!(io.out, "{}", record_json(&key.to_string(), &r, now, limit))?;
+    if io.json {
+        writeln!(io.out, "{}", record_json(key_json(key), &r, now, limit))?;
         return Ok(EXIT_OK);
     }
     let mut rows = vec![
-        ("key", key.to_string()),
+        ("key", command_line_form(key)),
         ("state", r.state().to_string()),
         ("fingerprint", r.fingerprint().to_hex()),
         ("token", r.token().to_string()),
@@ -266,11 +287,42 @@ pub(crate) fn get(
     Ok(EXIT_OK)
 }
 
+/// Most other scopes named in a "no record" message.
+const MAX_SCOPES_NAMED: usize = 5;
+
+/// "no record for KEY", naming the scopes that do hold a record with the
+/// same id (a forgotten `--scope` is the usual cause). Scans the store.
+fn not_found(store: &RedbStore, key: &Key) -> Result<Failure, Failure> {
+    let mut elsewhere = Vec::new();
+    store.admin().scan(|raw, _| {
+        if let Ok(other) = raw.decode()
+            && other.id() == key.id()
+            && other.scope() != key.scope()
+        {
+            elsewhere.push(command_line_form(&other));
+            if elsewhere.len() >= MAX_SCOPES_NAMED {
+                return ControlFlow::Break(());
+            }
+        }
+        ControlFlow::Continue(())
+    })?;
+    let mut message = format!("no record for {key}");
+    if !elsewhere.is_empty() {
+        message.push_str(&format!(
+            "; the same id has a record under another scope: {}",
+            elsewhere.join(", ")
+        ));
+    }
+    Ok(Failure::new(EXIT_NOT_FOUND, message))
+}
+
 /// What `list` shows.
 #[derive(Debug)]
 pub(crate) struct ListFilter {
     pub(crate) state: Option<StateFilter>,
     pub(crate) expired: bool,
+    /// With a state: expired records of it too.
+    pub(crate) include_expired: bool,
     pub(crate) scope: Option<String>,
     pub(crate) limit: u64,
 }
@@ -282,11 +334,21 @@ impl ListFilter {
             Some(StateFilter::Processing) => r.state() == State::Processing,
             Some(StateFilter::Done) => r.state() == State::Done,
         };
-        state && (!self.expired || r.is_expired(now))
+        let expired = r.is_expired(now);
+        let expiry = if self.expired {
+            expired
+        } else if self.state.is_some() {
+            // A state names live records (as `stats` counts them).
+            self.include_expired || !expired
+        } else {
+            true
+        };
+        state && expiry
     }
 }
 
-pub(crate) fn list(store: &RedbStore, filter: &ListFilter, json: bool, io: &mut Io<'_>) -> Outcome {
+pub(crate) fn list(store: &RedbStore, filter: &ListFilter, io: &mut Io<'_>) -> Outcome {
+    let json = io.json;
     let now = io.now;
     let limit = if filter.limit == 0 {
         u64::MAX
@@ -299,7 +361,13 @@ pub(crate) fn list(store: &RedbStore, filter: &ListFilter, json: bool, io: &mut 
     let mut out_err = None;
     let admin = store.admin();
     let each = |key: RawKey<'_>, record: idemstore::Result<Record>| {
-        let name = key.to_string();
+        // Printable keys as `scope/id`; others as the arguments that
+        // address them (`--hex --scope .. ..`).
+        let name = match key.decode() {
+            Ok(k) if !command_line_form(&k).starts_with("--hex") => k.to_string(),
+            Ok(k) => command_line_form(&k),
+            Err(_) => key.to_string(),
+        };
         let row = match record {
             Ok(r) if !filter.wants(&r, now) => return ControlFlow::Continue(()),
             Ok(r) => {
@@ -308,7 +376,8 @@ pub(crate) fn list(store: &RedbStore, filter: &ListFilter, json: bool, io: &mut 
                     return ControlFlow::Break(());
                 }
                 if json {
-                    if let Err(e) = writeln!(io.out, "{}", record_json(&name, &r, now, Some(0))) {
+                    let line = record_json(raw_key_json(key), &r, now, Some(0));
+                    if let Err(e) = writeln!(io.out, "{line}") {
                         out_err = Some(e);
                         return ControlFlow::Break(());
                     }
@@ -345,7 +414,7 @@ pub(crate) fn list(store: &RedbStore, filter: &ListFilter, json: bool, io: &mut 
                     return ControlFlow::Break(());
                 }
                 if json {
-                    let v = json!({"key": name, "state": "UNREADABLE", "error": e.to_string()});
+                    let v = json!({"key": raw_key_json(key), "state": "UNREADABLE", "error": e.to_string()});
                     if let Err(e) = writeln!(io.out, "{v}") {
                         out_err = Some(e);
                         return ControlFlow::Break(());
@@ -369,7 +438,11 @@ pub(crate) fn list(store: &RedbStore, filter: &ListFilter, json: bool, io: &mut 
     if let Some(e) = out_err {
         return Err(e.into());
     }
-    if !json {
+    if json {
+        // Last, so a reader knows the listing is whole or was cut.
+        let v = json!({"summary": {"shown": shown, "truncated": more, "limit": filter.limit}});
+        writeln!(io.out, "{v}")?;
+    } else {
         let header = [
             "STATE", "KEY", "TOKEN", "STATUS", "LEASE", "EXPIRES", "FLAGS",
         ];
@@ -402,18 +475,12 @@ pub(crate) fn confirm(question: &str, io: &mut Io<'_>) -> Result<bool, Failure> 
     Ok(matches!(answer.trim(), "y" | "Y" | "yes" | "YES" | "Yes"))
 }
 
-pub(crate) fn evict(
-    store: &RedbStore,
-    scope: &str,
-    id: &str,
-    yes: bool,
-    json: bool,
-    io: &mut Io<'_>,
-) -> Outcome {
-    let key = key(scope, id)?;
+pub(crate) fn evict(store: &RedbStore, key: &Key, yes: bool, io: &mut Io<'_>) -> Outcome {
+    let json = io.json;
+    let key = key.clone();
     let what = match store.admin().get_raw(&key) {
         Ok(Some(r)) => format!("{} record, token {}", r.state(), r.token()),
-        Ok(None) => return Err(Failure::new(EXIT_NOT_FOUND, format!("no record for {key}"))),
+        Ok(None) => return Err(not_found(store, &key)?),
         Err(e) => format!("unreadable record ({e})"),
     };
     if !yes {
@@ -428,7 +495,7 @@ pub(crate) fn evict(
     };
     if json {
         let v = json!({
-            "evicted": key.to_string(),
+            "evicted": key_json(&key),
             "state": evicted.record.as_ref().map(|r| r.state().to_string()),
             "index_entries": evicted.index_entries,
         });
@@ -463,6 +530,7 @@ mod tests {
             input_is_tty: tty,
             progress: false,
             now: Timestamp::EPOCH,
+            json: false,
         };
         let t = f(&mut io);
         (t, String::from_utf8(err).expect("utf-8"))

@@ -1,5 +1,6 @@
 //! `idemstore`: the operator tool (features `cli` and `redb`): inspect,
-//! evict, sweep, compact, verify, export and import a `RedbStore` file.
+//! explain, evict, sweep, compact, verify, salvage, export and import a
+//! `RedbStore` file.
 //!
 //! Built on idemstore's public API alone (`idemstore::redb::admin` for what
 //! the `Store` contract does not cover). The commands are functions over an
@@ -7,26 +8,38 @@
 //! integration tests (`tests/it/cli.rs`) run the real binary.
 //!
 //! ```text
-//! idemstore stats   STORE
-//! idemstore get     STORE [--scope S] KEY [--full]
-//! idemstore list    STORE [--state processing|done] [--expired] [--scope S] [--limit N]
-//! idemstore evict   STORE [--scope S] KEY [--yes]
-//! idemstore sweep   STORE
-//! idemstore compact STORE
-//! idemstore verify  STORE
-//! idemstore export  STORE [--format jsonl] [-o FILE]
-//! idemstore import  STORE [--format jsonl] [FILE] [--force]
-//! idemstore recover STORE --accept-loss [--report FILE]
+//! idemstore stats       STORE                              (reads only)
+//! idemstore get         STORE [--scope S] KEY [--hex] [--full]
+//! idemstore list        STORE [--state processing|done] [--expired | --include-expired] [--scope S] [--limit N]
+//! idemstore explain     STORE [--scope S] KEY [--hex] [--fingerprint HEX | request options]
+//! idemstore log         STORE
+//! idemstore verify      STORE
+//! idemstore export      STORE [--format jsonl] [-o FILE]
+//! idemstore fingerprint [--kind http|bytes|json] [--method M --path P] [--header 'name: value']... [--body FILE]
+//! idemstore evict       STORE [--scope S] KEY [--hex] [--yes]  (writes)
+//! idemstore sweep       STORE
+//! idemstore compact     STORE
+//! idemstore salvage     STORE --to NEW                     (writes NEW only)
+//! idemstore import      STORE [--format jsonl] [FILE] [--force]
+//! idemstore recover     STORE --accept-loss [--report FILE]
 //! ```
-//! Every command takes `--json` for machine output. Exit codes are the
-//! constants below.
+//! The inspections (`stats`, `get`, `list`, `explain`, `log`, `verify`,
+//! `export`) open the store read-only ([`RedbStore::open_read_only`]): no
+//! byte of the store or its log changes, no file is created, and they work
+//! on a file the user cannot write. No command but `import` (and `salvage`,
+//! into its new file) creates a store. Every command takes `--json` for
+//! machine output, errors included. Exit codes are the constants below.
 
 mod commands;
+mod explain;
 mod format;
+mod keys;
 mod maintenance;
+mod replace;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use idemstore::{Clock, Error, RedbStore, SystemClock, Timestamp};
+use serde_json::json;
 use std::io::{BufRead, IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -38,14 +51,18 @@ pub(crate) const EXIT_OK: u8 = 0;
 pub(crate) const EXIT_ERROR: u8 = 1;
 /// Exit code: the command line was not understood (clap's usage error).
 pub(crate) const EXIT_USAGE: u8 = 2;
-/// Exit code: `verify` found problems, or `export` skipped damaged records.
+/// Exit code: `verify` found problems, `export` skipped damaged records, or
+/// `salvage` left records behind.
 pub(crate) const EXIT_PROBLEMS: u8 = 3;
-/// Exit code: another process (a running service) holds the store file.
+/// Exit code: another process (a running service, another `idemstore`
+/// command) holds the store file.
 pub(crate) const EXIT_LOCKED: u8 = 4;
-/// Exit code: `get` or `evict` found no record for the key.
+/// Exit code: `get`, `evict` or `explain --require-record` found no record
+/// for the key.
 pub(crate) const EXIT_NOT_FOUND: u8 = 5;
-/// Exit code: refused without confirmation (`evict` without `--yes` and
-/// without a terminal, or `import` into a non-empty store without `--force`).
+/// Exit code: refused (`evict` without `--yes` and without a terminal;
+/// `import` into a non-empty store without `--force`, or over a file that
+/// is not a store; `salvage` onto an existing file).
 pub(crate) const EXIT_REFUSED: u8 = 6;
 
 /// Stores with at least this many records get a progress bar (when stderr
@@ -60,8 +77,15 @@ fn main() -> ExitCode {
     let args = match Args::try_parse() {
         Ok(args) => args,
         Err(e) => {
-            let _ = e.print();
-            return ExitCode::from(if e.use_stderr() { EXIT_USAGE } else { EXIT_OK });
+            let usage = e.use_stderr();
+            let code = if usage { EXIT_USAGE } else { EXIT_OK };
+            if usage && std::env::args().any(|a| a == "--json") {
+                let failure = Failure::new(EXIT_USAGE, e.to_string().trim_end());
+                let _ = writeln!(std::io::stderr(), "{}", failure.to_json());
+            } else {
+                let _ = e.print();
+            }
+            return ExitCode::from(code);
         }
     };
     let stdin = std::io::stdin();
@@ -72,6 +96,7 @@ fn main() -> ExitCode {
         input_is_tty: std::io::stdin().is_terminal(),
         progress: std::io::stderr().is_terminal(),
         now: SystemClock.now(),
+        json: args.json,
     };
     ExitCode::from(run(args, &mut io))
 }
@@ -86,21 +111,36 @@ pub(crate) struct Io<'a> {
     /// Whether progress bars may be drawn (stderr is a terminal).
     pub(crate) progress: bool,
     pub(crate) now: Timestamp,
+    /// `--json`: machine output, notes and errors included.
+    pub(crate) json: bool,
+}
+
+impl Io<'_> {
+    /// A note on stderr (a JSON object under `--json`): something the
+    /// operator should know that is not the command's output.
+    pub(crate) fn note(&mut self, message: &str) -> std::io::Result<()> {
+        if self.json {
+            writeln!(self.err, "{}", json!({"note": message}))
+        } else {
+            writeln!(self.err, "idemstore: note: {message}")
+        }
+    }
 }
 
 /// Shown after `--help`.
-const EXIT_CODES_HELP: &str = "Exit codes: 0 ok, 1 error, 2 usage, 3 verify found problems \
-(or export skipped damaged records), 4 locked by another process, 5 no such record, \
-6 refused (no confirmation, or import into a non-empty store without --force).";
+const EXIT_CODES_HELP: &str = "Exit codes: 0 ok, 1 error, 2 usage, 3 problems found (verify; \
+export or salvage left damaged records behind), 4 locked by another process, 5 no such record, \
+6 refused (no confirmation; import into a non-empty store without --force; an existing target). \
+Under --json, errors are one JSON object on stderr: {\"error\":{\"kind\",\"message\",\"exit_code\"}}.";
 
-/// Inspect and maintain an idemstore store file (one that no running
-/// process holds open).
+/// Inspect and maintain an idemstore store file. Inspections read only;
+/// the commands that write need the store closed by every other process.
 #[derive(Debug, Parser)]
 #[command(name = "idemstore", version, after_help = EXIT_CODES_HELP)]
 pub(crate) struct Args {
     #[command(subcommand)]
     pub(crate) command: Command,
-    /// Machine-readable JSON output instead of tables.
+    /// Machine-readable JSON output instead of tables (errors too, on stderr).
     #[arg(long, global = true)]
     pub(crate) json: bool,
 }
@@ -123,34 +163,36 @@ pub(crate) enum Format {
 #[derive(Debug, Subcommand)]
 pub(crate) enum Command {
     /// Record counts by state, expired records not yet swept, expiry range,
-    /// file size, format version, token high-water mark.
+    /// file sizes on disk, format version, token high-water mark. Reads only.
     Stats {
         /// The store file.
         store: PathBuf,
     },
     /// One record: state, fingerprint, lease and expiry, stored response.
+    /// Reads only.
     Get {
         /// The store file.
         store: PathBuf,
-        /// The key's id (the Idempotency-Key).
-        key: String,
-        /// The key's scope (tenant); empty when not given.
-        #[arg(long, default_value = "")]
-        scope: String,
+        #[command(flatten)]
+        key: keys::KeyArg,
         /// Show the whole body instead of its first 1 KiB.
         #[arg(long)]
         full: bool,
     },
-    /// One line per record, in key order.
+    /// One line per record, in key order. Reads only.
     List {
         /// The store file.
         store: PathBuf,
-        /// Only records in this state.
+        /// Only records in this state (expired ones excluded unless
+        /// --include-expired).
         #[arg(long, value_enum)]
         state: Option<StateFilter>,
         /// Only records whose expiry has passed (invisible, not yet swept).
-        #[arg(long)]
+        #[arg(long, conflicts_with = "include_expired")]
         expired: bool,
+        /// With --state: show expired records of that state too.
+        #[arg(long)]
+        include_expired: bool,
         /// Only records of this scope.
         #[arg(long)]
         scope: Option<String>,
@@ -158,15 +200,38 @@ pub(crate) enum Command {
         #[arg(long, default_value_t = DEFAULT_LIST_LIMIT)]
         limit: u64,
     },
+    /// What a request with this key (and body) would get now, and why:
+    /// replay, 409 in flight, 422 conflict, or a claim. Reads only.
+    Explain {
+        /// The store file.
+        store: PathBuf,
+        #[command(flatten)]
+        key: keys::KeyArg,
+        /// The request's fingerprint (64 hex digits, as `fingerprint`
+        /// prints it) instead of the request options.
+        #[arg(long, conflicts_with_all = ["body", "method", "path", "header"])]
+        fingerprint: Option<String>,
+        #[command(flatten)]
+        request: explain::RequestArgs,
+    },
+    /// The write-ahead log: its size, whether the store was closed cleanly,
+    /// the frames an open would replay, and every problem. Reads only.
+    Log {
+        /// The store file.
+        store: PathBuf,
+    },
+    /// Compute a request's fingerprint exactly as the library and the HTTP
+    /// layer do.
+    Fingerprint {
+        #[command(flatten)]
+        request: explain::RequestArgs,
+    },
     /// Remove one record (and its index entry), whatever its state.
     Evict {
         /// The store file.
         store: PathBuf,
-        /// The key's id.
-        key: String,
-        /// The key's scope; empty when not given.
-        #[arg(long, default_value = "")]
-        scope: String,
+        #[command(flatten)]
+        key: keys::KeyArg,
         /// Do not ask for confirmation.
         #[arg(long, short = 'y')]
         yes: bool,
@@ -181,13 +246,23 @@ pub(crate) enum Command {
         /// The store file.
         store: PathBuf,
     },
-    /// Read every record and index entry and check checksums and that the
-    /// record table and the expiry index agree. Exit code 0 only when all is well.
+    /// Check the log, redb's pages, every record and index entry, without
+    /// writing (redb's check runs on a private in-memory copy). Exit code 0
+    /// only when all is well, 3 when problems were found.
     Verify {
         /// The store file.
         store: PathBuf,
     },
-    /// Write every record (expired ones too) as JSON lines.
+    /// Copy every record that verifies into a new store file, and report
+    /// what was left behind. The damaged store is only read.
+    Salvage {
+        /// The damaged store file (read only).
+        store: PathBuf,
+        /// The new store file (must not exist).
+        #[arg(long)]
+        to: PathBuf,
+    },
+    /// Write every record (expired ones too) as JSON lines. Reads only.
     Export {
         /// The store file.
         store: PathBuf,
@@ -215,54 +290,95 @@ pub(crate) enum Command {
         #[arg(long)]
         report: Option<PathBuf>,
     },
-    /// Read records written by `export` into a new (or empty) store.
+    /// Read records written by `export` into a new store, or merge them
+    /// into an existing one (--force). All or nothing: the result is built
+    /// beside the target and renamed into place only when every line
+    /// imported.
     Import {
-        /// The store file (created if missing).
+        /// The store file (created; replaced only when every line imported).
         store: PathBuf,
         /// Input file; standard input when missing or `-`.
         input: Option<PathBuf>,
         /// Input format.
         #[arg(long, value_enum, default_value = "jsonl")]
         format: Format,
-        /// Import into a store that already holds records (same keys are replaced).
+        /// Merge into a store that already holds records (same keys are replaced).
         #[arg(long)]
         force: bool,
     },
 }
 
-/// A failed command: the message for stderr and the exit code.
+/// A failed command: the message for stderr, the exit code and a stable
+/// kind for `--json`.
 #[derive(Debug)]
 pub(crate) struct Failure {
     pub(crate) code: u8,
+    /// A stable name for scripts (`locked`, `corrupt`, `not_found`, ...).
+    pub(crate) kind: &'static str,
     pub(crate) message: String,
-    /// The store's bytes did not verify ([`Error::Corrupt`]).
-    pub(crate) corrupt: bool,
 }
 
 impl Failure {
+    /// A failure whose kind follows from its exit code.
     pub(crate) fn new(code: u8, message: impl Into<String>) -> Failure {
+        let kind = match code {
+            EXIT_USAGE => "usage",
+            EXIT_PROBLEMS => "problems",
+            EXIT_LOCKED => "locked",
+            EXIT_NOT_FOUND => "not_found",
+            EXIT_REFUSED => "refused",
+            _ => "error",
+        };
         Failure {
             code,
+            kind,
             message: message.into(),
-            corrupt: false,
         }
+    }
+
+    fn with_kind(mut self, kind: &'static str) -> Failure {
+        self.kind = kind;
+        self
+    }
+
+    /// The store's bytes did not verify.
+    pub(crate) fn is_corrupt(&self) -> bool {
+        self.kind == "corrupt"
+    }
+
+    /// `{"error":{"kind":..,"message":..,"exit_code":..}}`.
+    pub(crate) fn to_json(&self) -> serde_json::Value {
+        json!({"error": {"kind": self.kind, "message": self.message, "exit_code": self.code}})
     }
 }
 
 impl From<Error> for Failure {
     fn from(err: Error) -> Failure {
         match &err {
-            Error::Locked { path } => Failure::new(
+            Error::Locked { path, holder } => Failure::new(
                 EXIT_LOCKED,
-                format!(
-                    "{path} is locked by another process (a running service holds it); \
-                     stop that process, or inspect the store through it"
-                ),
+                match holder {
+                    Some(holder) => format!(
+                        "{path} is locked by {holder}; stop that process, or inspect the \
+                         store through it"
+                    ),
+                    None => format!(
+                        "{path} is locked by another process (a running service, or another \
+                         idemstore command); stop that process, or inspect the store through it"
+                    ),
+                },
             ),
-            Error::Corrupt { .. } => Failure {
-                corrupt: true,
-                ..Failure::new(EXIT_ERROR, err.to_string())
-            },
+            Error::Corrupt { .. } => Failure::new(EXIT_ERROR, err.to_string()).with_kind("corrupt"),
+            Error::UnsupportedFormat { .. } => {
+                Failure::new(EXIT_ERROR, err.to_string()).with_kind("unsupported_format")
+            }
+            Error::InvalidKey { .. } => {
+                Failure::new(EXIT_ERROR, err.to_string()).with_kind("invalid_key")
+            }
+            Error::InvalidArgument { .. } => {
+                Failure::new(EXIT_ERROR, err.to_string()).with_kind("invalid_argument")
+            }
+            Error::Io(_) => Failure::new(EXIT_ERROR, err.to_string()).with_kind("io"),
             _ => Failure::new(EXIT_ERROR, err.to_string()),
         }
     }
@@ -270,7 +386,7 @@ impl From<Error> for Failure {
 
 impl From<std::io::Error> for Failure {
     fn from(err: std::io::Error) -> Failure {
-        Failure::new(EXIT_ERROR, format!("I/O error: {err}"))
+        Failure::new(EXIT_ERROR, format!("I/O error: {err}")).with_kind("io")
     }
 }
 
@@ -279,104 +395,168 @@ pub(crate) type Outcome = std::result::Result<u8, Failure>;
 
 /// Runs parsed arguments; writes the failure message (if any) to `io.err`.
 pub(crate) fn run(args: Args, io: &mut Io<'_>) -> u8 {
-    let json = args.json;
-    let outcome = match args.command {
-        Command::Stats { store } => {
-            open(&store).and_then(|s| commands::stats(&s, &store, json, io))
-        }
-        Command::Get {
-            store,
-            key,
-            scope,
-            full,
-        } => open(&store).and_then(|s| commands::get(&s, &scope, &key, full, json, io)),
-        Command::List {
-            store,
-            state,
-            expired,
-            scope,
-            limit,
-        } => open(&store).and_then(|s| {
-            let filter = commands::ListFilter {
-                state,
-                expired,
-                scope,
-                limit,
-            };
-            commands::list(&s, &filter, json, io)
-        }),
-        Command::Evict {
-            store,
-            key,
-            scope,
-            yes,
-        } => open(&store).and_then(|s| commands::evict(&s, &scope, &key, yes, json, io)),
-        Command::Sweep { store } => {
-            open(&store).and_then(|s| maintenance::sweep(&s, &store, json, io))
-        }
-        Command::Compact { store } => {
-            open(&store).and_then(|s| maintenance::compact(s, &store, json, io))
-        }
-        Command::Verify { store } => match maintenance::verify_log(&store, json, io) {
-            // The log holds what an open would refuse: reported, and the
-            // store is not opened (an open would refuse it anyway, and
-            // verify never writes to a store it found damaged).
-            Ok(Some(code)) => Ok(code),
-            Err(f) => Err(f),
-            Ok(None) => match open(&store) {
-                // A file too damaged to open is a verify finding, not a usage error.
-                Err(f) if f.corrupt => Err(Failure::new(
-                    EXIT_PROBLEMS,
-                    format!("verify: {}", f.message),
-                )),
-                opened => match opened.and_then(|s| maintenance::verify(&s, json, io)) {
-                    // Damage redb itself cannot repair ends the check: still a finding.
-                    Err(f) if f.corrupt => Err(Failure::new(
-                        EXIT_PROBLEMS,
-                        format!("verify: {}", f.message),
-                    )),
-                    other => other,
-                },
-            },
-        },
-        Command::Export {
-            store,
-            format: Format::Jsonl,
-            output,
-        } => open(&store).and_then(|s| maintenance::export(&s, output.as_deref(), json, io)),
-        Command::Recover {
-            store,
-            accept_loss,
-            report,
-        } => maintenance::recover(&store, accept_loss, report.as_deref(), json, io),
-        Command::Import {
-            store,
-            input,
-            format: Format::Jsonl,
-            force,
-        } => RedbStore::open(&store)
-            .map_err(Failure::from)
-            .and_then(|s| maintenance::import(s, input.as_deref(), force, json, io)),
-    };
+    let outcome = dispatch(args.command, io);
     match outcome {
         Ok(code) => code,
         Err(failure) => {
-            let _ = writeln!(io.err, "idemstore: {}", failure.message);
+            let _ = if io.json {
+                writeln!(io.err, "{}", failure.to_json())
+            } else {
+                writeln!(io.err, "idemstore: {}", failure.message)
+            };
             failure.code
         }
     }
 }
 
-/// Opens an existing store. A missing path is an error rather than a new
-/// empty store: a typo must not create files.
-pub(crate) fn open(path: &Path) -> std::result::Result<RedbStore, Failure> {
-    if !path.exists() {
+fn dispatch(command: Command, io: &mut Io<'_>) -> Outcome {
+    match command {
+        Command::Stats { store } => {
+            let s = open_view(&store, io)?;
+            commands::stats(&s, &store, io)
+        }
+        Command::Get { store, key, full } => {
+            let s = open_view(&store, io)?;
+            commands::get(&s, &key.key()?, full, io)
+        }
+        Command::List {
+            store,
+            state,
+            expired,
+            include_expired,
+            scope,
+            limit,
+        } => {
+            let s = open_view(&store, io)?;
+            let filter = commands::ListFilter {
+                state,
+                expired,
+                include_expired,
+                scope,
+                limit,
+            };
+            commands::list(&s, &filter, io)
+        }
+        Command::Explain {
+            store,
+            key,
+            fingerprint,
+            request,
+        } => {
+            let given = match fingerprint {
+                Some(hex) => Some(explain::Given::parse_hex(&hex)?),
+                None => request.fingerprint_if_given()?,
+            };
+            let s = open_view(&store, io)?;
+            explain::explain(&s, &key.key()?, given.as_ref(), io)
+        }
+        Command::Log { store } => maintenance::log(&store, io),
+        Command::Fingerprint { request } => explain::fingerprint(&request, io),
+        Command::Evict { store, key, yes } => {
+            let key = key.key()?;
+            let s = open_writer(&store, io)?;
+            commands::evict(&s, &key, yes, io)
+        }
+        Command::Sweep { store } => {
+            let s = open_writer(&store, io)?;
+            maintenance::sweep(&s, &store, io)
+        }
+        Command::Compact { store } => {
+            let s = open_writer(&store, io)?;
+            maintenance::compact(s, &store, io)
+        }
+        Command::Verify { store } => maintenance::verify(&store, io),
+        Command::Salvage { store, to } => maintenance::salvage(&store, &to, io),
+        Command::Export {
+            store,
+            format: Format::Jsonl,
+            output,
+        } => {
+            let s = open_view(&store, io)?;
+            maintenance::export(&s, output.as_deref(), io)
+        }
+        Command::Recover {
+            store,
+            accept_loss,
+            report,
+        } => maintenance::recover(&store, accept_loss, report.as_deref(), io),
+        Command::Import {
+            store,
+            input,
+            format: Format::Jsonl,
+            force,
+        } => maintenance::import(&store, input.as_deref(), force, io),
+    }
+}
+
+/// [`Failure`] when `path` is not a store file: missing, not a regular
+/// file, or empty. A typo must not create files, and an empty file is not
+/// a store.
+pub(crate) fn existing_store_file(path: &Path) -> std::result::Result<(), Failure> {
+    let meta = std::fs::metadata(path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => {
+            Failure::new(EXIT_ERROR, format!("no store at {}", path.display()))
+                .with_kind("not_found")
+        }
+        _ => {
+            Failure::new(EXIT_ERROR, format!("cannot read {}: {e}", path.display())).with_kind("io")
+        }
+    })?;
+    if !meta.is_file() {
         return Err(Failure::new(
             EXIT_ERROR,
-            format!("no store at {}", path.display()),
+            format!("{} is not a file", path.display()),
         ));
     }
-    Ok(RedbStore::open(path)?)
+    if meta.len() == 0 {
+        return Err(Failure::new(
+            EXIT_ERROR,
+            format!("{} is empty (0 bytes): not a store file", path.display()),
+        )
+        .with_kind("corrupt"));
+    }
+    Ok(())
+}
+
+/// Opens an existing store read-only: nothing is written, and a file the
+/// user cannot write is fine. Says (on stderr) when the view includes
+/// frames of the write-ahead log not yet in the store file.
+pub(crate) fn open_view(path: &Path, io: &mut Io<'_>) -> std::result::Result<RedbStore, Failure> {
+    existing_store_file(path)?;
+    let store = RedbStore::open_read_only(path).map_err(|e| name_io(e, path))?;
+    let frames = store.stats().frames_replayed_on_open;
+    if frames > 0 {
+        io.note(&format!(
+            "the view includes {frames} frames of the write-ahead log that are not yet in \
+             the store file (the service's next open writes them in; nothing was written)"
+        ))?;
+    }
+    Ok(store)
+}
+
+/// Opens an existing store to write to it (it is never created here).
+/// Says (on stderr) when the open replayed log frames into the file.
+pub(crate) fn open_writer(path: &Path, io: &mut Io<'_>) -> std::result::Result<RedbStore, Failure> {
+    existing_store_file(path)?;
+    let store = RedbStore::open(path).map_err(|e| name_io(e, path))?;
+    let frames = store.stats().frames_replayed_on_open;
+    if frames > 0 {
+        io.note(&format!(
+            "replayed {frames} frames of the write-ahead log into the store file (writes the \
+             last process acknowledged before it stopped)"
+        ))?;
+    }
+    Ok(store)
+}
+
+/// An I/O error opening `path` names the file.
+fn name_io(err: Error, path: &Path) -> Failure {
+    match err {
+        Error::Io(e) => {
+            Failure::new(EXIT_ERROR, format!("cannot open {}: {e}", path.display())).with_kind("io")
+        }
+        other => Failure::from(other),
+    }
 }
 
 /// The file's size in bytes, 0 when it cannot be read.
@@ -395,15 +575,39 @@ mod tests {
     }
 
     #[test]
-    fn locked_maps_to_its_own_exit_code_and_message() {
+    fn locked_maps_to_its_own_exit_code_and_names_the_holder() {
         let f = Failure::from(Error::Locked {
             path: "orders.idem".into(),
+            holder: None,
         });
-        assert_eq!(f.code, EXIT_LOCKED);
+        assert_eq!((f.code, f.kind), (EXIT_LOCKED, "locked"));
         assert!(
             f.message.contains("locked by another process"),
             "{}",
             f.message
         );
+        let f = Failure::from(Error::Locked {
+            path: "orders.idem".into(),
+            holder: Some("pid 42 (orders_service)".into()),
+        });
+        assert!(
+            f.message.contains("locked by pid 42 (orders_service)"),
+            "{}",
+            f.message
+        );
+    }
+
+    #[test]
+    fn failures_as_json_carry_kind_message_and_code() {
+        let v = Failure::new(EXIT_NOT_FOUND, "no record for t/k").to_json();
+        assert_eq!(v["error"]["kind"], "not_found");
+        assert_eq!(v["error"]["exit_code"], 5);
+        assert_eq!(v["error"]["message"], "no record for t/k");
+        let corrupt = Failure::from(Error::Corrupt {
+            key: None,
+            detail: "x".into(),
+        });
+        assert!(corrupt.is_corrupt());
+        assert_eq!(corrupt.code, EXIT_ERROR);
     }
 }

@@ -1,15 +1,20 @@
 //! Commands that touch every record: `sweep`, `compact`, `verify`,
-//! `export` and `import`.
+//! `salvage`, `export`, `import`, and the log's `log` and `recover`.
 
 use super::commands::bar;
+use super::keys::raw_key_json;
+use super::replace::Building;
 use super::{
     EXIT_ERROR, EXIT_OK, EXIT_PROBLEMS, EXIT_REFUSED, Failure, Io, Outcome, PROGRESS_MIN_RECORDS,
-    file_bytes,
+    existing_store_file, file_bytes, open_view,
 };
 use idemstore::limits::MAX_SWEEP_BATCH;
-use idemstore::redb::admin::{export_line, parse_line};
-use idemstore::{Error, RedbStore, Result, Store};
+use idemstore::redb::admin::{
+    IMPORT_BATCH, ProblemKind, check_log, export_line, log_path, parse_line,
+};
+use idemstore::{Error, Key, Record, RedbStore, Result, Store};
 use serde_json::json;
+use std::collections::HashSet;
 use std::io::{BufRead, BufReader, Write};
 use std::ops::ControlFlow;
 use std::path::Path;
@@ -37,7 +42,8 @@ fn secs(d: Duration) -> String {
     format!("{:.2}s", d.as_secs_f64())
 }
 
-pub(crate) fn sweep(store: &RedbStore, path: &Path, json: bool, io: &mut Io<'_>) -> Outcome {
+pub(crate) fn sweep(store: &RedbStore, path: &Path, io: &mut Io<'_>) -> Outcome {
+    let json = io.json;
     let now = io.now;
     let started = Instant::now();
     let admin = store.admin();
@@ -81,7 +87,8 @@ pub(crate) fn sweep(store: &RedbStore, path: &Path, json: bool, io: &mut Io<'_>)
     Ok(EXIT_OK)
 }
 
-pub(crate) fn compact(store: RedbStore, path: &Path, json: bool, io: &mut Io<'_>) -> Outcome {
+pub(crate) fn compact(store: RedbStore, path: &Path, io: &mut Io<'_>) -> Outcome {
+    let json = io.json;
     let before = file_bytes(path);
     let started = Instant::now();
     let spin = spinner(io, store.admin().facts()?.records, "compacting");
@@ -115,7 +122,50 @@ pub(crate) fn compact(store: RedbStore, path: &Path, json: bool, io: &mut Io<'_>
     Ok(EXIT_OK)
 }
 
-pub(crate) fn verify(store: &RedbStore, json: bool, io: &mut Io<'_>) -> Outcome {
+/// Where a problem of this kind lives: the table, the engine's pages, or
+/// the store's meta entries.
+fn table_of(kind: ProblemKind) -> &'static str {
+    match kind {
+        ProblemKind::EngineRepaired | ProblemKind::EngineDamaged => "pages",
+        ProblemKind::Meta => "meta",
+        ProblemKind::MissingIndex
+        | ProblemKind::OrphanIndex
+        | ProblemKind::StaleIndex
+        | ProblemKind::BadIndexEntry => "expiry",
+        _ => "records",
+    }
+}
+
+/// `verify`: the log (without opening the store), then the store file
+/// through a read-only view (redb's pages, every record and index entry).
+/// Writes nothing.
+pub(crate) fn verify(path: &Path, io: &mut Io<'_>) -> Outcome {
+    existing_store_file(path)?;
+    if let Some(code) = verify_log(path, io)? {
+        return Ok(code);
+    }
+    let store = match open_view(path, io) {
+        // A file too damaged to open is a verify finding, not a usage error.
+        Err(f) if f.is_corrupt() => {
+            return Err(Failure::new(
+                EXIT_PROBLEMS,
+                format!("verify: {} (nothing was written)", f.message),
+            ));
+        }
+        other => other?,
+    };
+    match verify_store(&store, io) {
+        // Damage redb cannot read past ends the check: still a finding.
+        Err(f) if f.is_corrupt() => Err(Failure::new(
+            EXIT_PROBLEMS,
+            format!("verify: {} (nothing was written)", f.message),
+        )),
+        other => other,
+    }
+}
+
+fn verify_store(store: &RedbStore, io: &mut Io<'_>) -> Outcome {
+    let json = io.json;
     let started = Instant::now();
     let admin = store.admin();
     let facts = admin.facts()?;
@@ -131,7 +181,14 @@ pub(crate) fn verify(store: &RedbStore, json: bool, io: &mut Io<'_>) -> Outcome 
         let problems: Vec<_> = report
             .problems
             .iter()
-            .map(|p| json!({"kind": p.kind.name(), "key": p.key, "detail": p.detail}))
+            .map(|p| {
+                json!({
+                    "kind": p.kind.name(),
+                    "table": table_of(p.kind),
+                    "key": p.key,
+                    "detail": p.detail,
+                })
+            })
             .collect();
         let v = json!({
             "ok": report.is_clean(),
@@ -139,6 +196,7 @@ pub(crate) fn verify(store: &RedbStore, json: bool, io: &mut Io<'_>) -> Outcome 
             "index_entries": report.index_entries,
             "problem_count": report.problem_count,
             "problems": problems,
+            "problems_truncated": report.problem_count > report.problems.len() as u64,
             "seconds": elapsed.as_secs_f64(),
         });
         writeln!(io.out, "{v}")?;
@@ -153,7 +211,8 @@ pub(crate) fn verify(store: &RedbStore, json: bool, io: &mut Io<'_>) -> Outcome 
         if report.is_clean() {
             writeln!(
                 io.out,
-                "OK: every record verifies and the expiry index agrees with the records"
+                "OK: every page, record and index entry verifies and the expiry index agrees \
+                 with the records (nothing was written)"
             )?;
         } else {
             let rows: Vec<Vec<String>> = report
@@ -162,6 +221,7 @@ pub(crate) fn verify(store: &RedbStore, json: bool, io: &mut Io<'_>) -> Outcome 
                 .map(|p| {
                     vec![
                         p.kind.name().to_owned(),
+                        table_of(p.kind).to_owned(),
                         p.key.clone().unwrap_or_else(|| "-".to_owned()),
                         p.detail.clone(),
                     ]
@@ -170,7 +230,7 @@ pub(crate) fn verify(store: &RedbStore, json: bool, io: &mut Io<'_>) -> Outcome 
             write!(
                 io.out,
                 "{}",
-                super::format::table(&["PROBLEM", "KEY", "DETAIL"], &rows)
+                super::format::table(&["PROBLEM", "WHERE", "KEY", "DETAIL"], &rows)
             )?;
             let hidden = report.problem_count - report.problems.len() as u64;
             if hidden > 0 {
@@ -178,7 +238,8 @@ pub(crate) fn verify(store: &RedbStore, json: bool, io: &mut Io<'_>) -> Outcome 
             }
             writeln!(
                 io.out,
-                "FAILED: {}",
+                "FAILED: {} (nothing was written; `idemstore salvage STORE --to NEW` copies \
+                 what verifies into a new file)",
                 plural(report.problem_count, "problem", "problems")
             )?;
         }
@@ -199,12 +260,9 @@ fn create_private(path: &Path) -> std::io::Result<std::fs::File> {
     options.open(path)
 }
 
-pub(crate) fn export(
-    store: &RedbStore,
-    output: Option<&Path>,
-    json: bool,
-    io: &mut Io<'_>,
-) -> Outcome {
+pub(crate) fn export(store: &RedbStore, output: Option<&Path>, io: &mut Io<'_>) -> Outcome {
+    let json = io.json;
+    let to_file = output.is_some_and(|p| p != Path::new("-"));
     let started = Instant::now();
     let admin = store.admin();
     let facts = admin.facts()?;
@@ -250,11 +308,13 @@ pub(crate) fn export(
         "skipped_unreadable": skipped.len(),
         "seconds": started.elapsed().as_secs_f64(),
     });
+    // The summary goes to stdout unless stdout carries the records.
+    let report: &mut dyn Write = if to_file { &mut *io.out } else { &mut *io.err };
     if json {
-        writeln!(io.err, "{summary}")?;
+        writeln!(report, "{summary}")?;
     } else {
         writeln!(
-            io.err,
+            report,
             "exported {written} records in {}{}",
             secs(started.elapsed()),
             if skipped.is_empty() {
@@ -274,15 +334,230 @@ pub(crate) fn export(
     })
 }
 
-pub(crate) fn import(
-    store: RedbStore,
-    input: Option<&Path>,
-    force: bool,
-    json: bool,
-    io: &mut Io<'_>,
-) -> Outcome {
+/// Reads `records` (the good records of a scan) into `into`,
+/// [`IMPORT_BATCH`] per transaction.
+struct Feeder<'a> {
+    into: &'a RedbStore,
+    batch: Vec<(Key, Record)>,
+    written: u64,
+}
+
+impl Feeder<'_> {
+    fn push(&mut self, key: Key, record: Record) -> Result<()> {
+        self.batch.push((key, record));
+        if self.batch.len() >= IMPORT_BATCH {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        let batch = std::mem::take(&mut self.batch);
+        self.written += self.into.admin().import(batch.into_iter().map(Ok))?;
+        Ok(())
+    }
+}
+
+/// Every record of `from` that verifies, into `into`; the rest (with why)
+/// in the returned list. An error of the scan itself (damage the engine
+/// cannot read past) is one entry of the list: what came after it is not
+/// read.
+fn copy_records(
+    from: &RedbStore,
+    into: &RedbStore,
+    io: &Io<'_>,
+    what: &str,
+) -> std::result::Result<(u64, Vec<(serde_json::Value, String)>), Failure> {
+    let bar = bar(io, from.admin().facts().map_or(0, |f| f.records), what);
+    let mut feeder = Feeder {
+        into,
+        batch: Vec::new(),
+        written: 0,
+    };
+    let mut left = Vec::new();
+    let mut failed = None;
+    let mut seen = 0u64;
+    let scanned = from.admin().scan(|raw, record| {
+        seen += 1;
+        if seen.is_multiple_of(4096) {
+            bar.set_position(seen);
+        }
+        match (raw.decode(), record) {
+            (Ok(key), Ok(record)) => {
+                if let Err(e) = feeder.push(key, record) {
+                    failed = Some(e);
+                    return ControlFlow::Break(());
+                }
+            }
+            (Err(e), _) | (_, Err(e)) => left.push((raw_key_json(raw), e.to_string())),
+        }
+        ControlFlow::Continue(())
+    });
+    bar.finish_and_clear();
+    if let Some(e) = failed {
+        return Err(e.into());
+    }
+    if let Err(e) = scanned {
+        left.push((
+            serde_json::Value::Null,
+            format!("the scan stopped after {seen} records: {e}; records after it are not read"),
+        ));
+    }
+    feeder.flush()?;
+    Ok((feeder.written, left))
+}
+
+/// `import`: builds the new store beside the target from the target's
+/// records (with `--force`) and the input's, and renames it into place
+/// only when every line imported.
+pub(crate) fn import(target: &Path, input: Option<&Path>, force: bool, io: &mut Io<'_>) -> Outcome {
     let started = Instant::now();
-    let facts = store.admin().facts()?;
+    let log = log_path(target);
+    let existing = if target.exists() {
+        Some(import_target(target, force, io)?)
+    } else if log.exists() {
+        return Err(Failure::new(
+            EXIT_REFUSED,
+            format!(
+                "{} is missing but its write-ahead log {} is beside it (the store file was \
+                 lost?); nothing was written. Move the log away to import here; see \
+                 docs/operations.md",
+                target.display(),
+                log.display()
+            ),
+        ));
+    } else {
+        None
+    };
+    let building = Building::start(target)?;
+    let new = building.store()?;
+    // With --force the target's records come first; the input's replace
+    // them key by key.
+    let (carried, carried_hwm) = match &existing {
+        Some(view) => {
+            let (n, left) = copy_records(view, new, io, "copying the target")?;
+            if !left.is_empty() {
+                return Err(Failure::new(
+                    EXIT_PROBLEMS,
+                    format!(
+                        "the target {} holds {} records that do not verify; nothing was \
+                         written. Run `idemstore verify` and `idemstore salvage` on it first",
+                        target.display(),
+                        left.len()
+                    ),
+                ));
+            }
+            (n, view.admin().facts()?.token_hwm)
+        }
+        None => (0, 0),
+    };
+    let spin = spinner(io, PROGRESS_MIN_RECORDS, "importing");
+    let mut file;
+    let reader: &mut dyn BufRead = match input {
+        Some(p) if p != Path::new("-") => {
+            file = BufReader::new(std::fs::File::open(p).map_err(|e| {
+                Failure::new(EXIT_ERROR, format!("cannot read {}: {e}", p.display()))
+            })?);
+            &mut file
+        }
+        _ => &mut *io.input,
+    };
+    let mut line_no = 0u64;
+    let mut keys = HashSet::new();
+    let lines = reader.lines().filter_map(|line| {
+        line_no += 1;
+        let at = line_no;
+        match line {
+            Ok(l) if l.trim().is_empty() => None,
+            Ok(l) => Some(
+                parse_line(&l)
+                    .map_err(|e| Error::InvalidArgument {
+                        reason: format!("line {at}: {e}"),
+                    })
+                    .inspect(|(key, _)| {
+                        keys.insert(key.clone());
+                    }),
+            ),
+            Err(e) => Some(Err(Error::InvalidArgument {
+                reason: format!("line {at}: {e}"),
+            })),
+        }
+    });
+    let result: Result<u64> = new.admin().import(lines.inspect(|_| spin.inc(1)));
+    spin.finish_and_clear();
+    let lines_read = match result {
+        Ok(n) => n,
+        Err(e) => {
+            return Err(Failure::new(
+                EXIT_ERROR,
+                format!(
+                    "import stopped: {e}. Nothing was written to {} (the import is all or \
+                     nothing); fix the input and import again",
+                    target.display()
+                ),
+            ));
+        }
+    };
+    new.admin().raise_token_high_water_mark(carried_hwm)?;
+    let in_store = new.admin().facts()?.records;
+    let replaced = existing.is_some();
+    building.finish(replaced)?;
+    drop(existing);
+    let stored = keys.len() as u64;
+    let repeated = lines_read - stored;
+    if io.json {
+        let v = json!({
+            "lines": lines_read,
+            "records_stored": stored,
+            "lines_repeating_a_key": repeated,
+            "records_kept_from_target": carried,
+            "records_in_store": in_store,
+            "seconds": started.elapsed().as_secs_f64(),
+        });
+        writeln!(io.out, "{v}")?;
+    } else {
+        let mut line = format!(
+            "imported {} from {}",
+            plural(stored, "record", "records"),
+            plural(lines_read, "line", "lines")
+        );
+        if repeated > 0 {
+            line.push_str(&format!(
+                " ({} repeated a key already read: the last one is kept)",
+                plural(repeated, "line", "lines")
+            ));
+        }
+        line.push_str(&format!(
+            "; {} now holds {} in {}",
+            target.display(),
+            plural(in_store, "record", "records"),
+            secs(started.elapsed())
+        ));
+        writeln!(io.out, "{line}")?;
+    }
+    Ok(EXIT_OK)
+}
+
+/// An existing import target: a store (never another file), empty unless
+/// `--force`, and closed cleanly (its log holds nothing, so replacing the
+/// file and removing the log loses nothing). Returned open read-only: its
+/// shared lock keeps writers out until the import is done.
+fn import_target(target: &Path, force: bool, io: &mut Io<'_>) -> Result<RedbStore, Failure> {
+    let view = open_view(target, io).map_err(|f| {
+        if f.code == super::EXIT_LOCKED {
+            return f;
+        }
+        Failure::new(
+            EXIT_REFUSED,
+            format!(
+                "{} exists and cannot be read as a store ({}); import never replaces a file \
+                 that is not a store: remove it or import to another path",
+                target.display(),
+                f.message
+            ),
+        )
+    })?;
+    let facts = view.admin().facts()?;
     if !force && (facts.records > 0 || facts.index_entries > 0) {
         return Err(Failure::new(
             EXIT_REFUSED,
@@ -293,55 +568,184 @@ pub(crate) fn import(
             ),
         ));
     }
-    let spin = spinner(io, PROGRESS_MIN_RECORDS, "importing");
-    let mut file;
-    let reader: &mut dyn BufRead = match input {
-        Some(p) if p != Path::new("-") => {
-            file = BufReader::new(std::fs::File::open(p)?);
-            &mut file
-        }
-        _ => &mut *io.input,
-    };
-    let mut line_no = 0u64;
-    let lines = reader.lines().filter_map(|line| {
-        line_no += 1;
-        let at = line_no;
-        match line {
-            Ok(l) if l.trim().is_empty() => None,
-            Ok(l) => Some(parse_line(&l).map_err(|e| Error::InvalidArgument {
-                reason: format!("line {at}: {e}"),
-            })),
-            Err(e) => Some(Err(Error::Io(e))),
-        }
-    });
-    let result: Result<u64> = store.admin().import(lines.inspect(|_| spin.inc(1)));
-    // An import took the store by value before it moved to the public
-    // admin API: it is closed (and its file released) before the report.
-    drop(store);
-    spin.finish_and_clear();
-    let written = match result {
-        Ok(n) => n,
-        Err(e) => {
+    if check_log(target)?.clean_stop == Some(false) {
+        return Err(Failure::new(
+            EXIT_REFUSED,
+            format!(
+                "{} was not closed cleanly (its write-ahead log may hold writes not yet in \
+                 the file); nothing was written. Open and close it once (`idemstore sweep {}` \
+                 does), then import again",
+                target.display(),
+                target.display()
+            ),
+        ));
+    }
+    Ok(view)
+}
+
+/// `salvage`: every record of `store` that verifies, read through a
+/// read-only view that skips what does not verify in the log (in memory),
+/// into a new store at `to`. The original is only read.
+pub(crate) fn salvage(store: &Path, to: &Path, io: &mut Io<'_>) -> Outcome {
+    let started = Instant::now();
+    existing_store_file(store)?;
+    for taken in [to.to_path_buf(), log_path(to)] {
+        if taken.exists() {
             return Err(Failure::new(
-                EXIT_ERROR,
+                EXIT_REFUSED,
                 format!(
-                    "import stopped: {e}. Records before that line may be written: \
-                     delete the target and import again after fixing the input"
+                    "{} exists; salvage writes only a new file (nothing was written)",
+                    taken.display()
                 ),
             ));
         }
+    }
+    let view = RedbStore::builder()
+        .accept_loss(true)
+        .open_read_only(store)
+        .map_err(|e| {
+            let f = Failure::from(e);
+            Failure {
+                message: format!(
+                    "salvage cannot read {}: {} (nothing was written)",
+                    store.display(),
+                    f.message
+                ),
+                ..f
+            }
+        })?;
+    let mut left_behind = Vec::new();
+    let meta_hwm = match view.admin().facts() {
+        Ok(facts) => facts.token_hwm,
+        Err(e) => {
+            left_behind.push((serde_json::Value::Null, format!("the meta entries: {e}")));
+            0
+        }
     };
-    if json {
-        let v = json!({"imported": written, "seconds": started.elapsed().as_secs_f64()});
+    let building = Building::start(to)?;
+    let new = building.store()?;
+    let (salvaged, mut left) = copy_records(&view, new, io, "salvaging")?;
+    left_behind.append(&mut left);
+    // No fencing token the old store handed out is handed out again.
+    new.admin().raise_token_high_water_mark(meta_hwm)?;
+    let check = new.admin().verify(|_| {})?;
+    if !check.is_clean() {
+        return Err(Failure::new(
+            EXIT_ERROR,
+            format!(
+                "the new store does not verify ({} problems); nothing was written to {}",
+                check.problem_count,
+                to.display()
+            ),
+        ));
+    }
+    building.finish(false)?;
+    let loss = view.loss_report().cloned();
+    drop(view);
+    let log_skipped = loss.as_ref().map_or(0, |l| l.frames_skipped);
+    if io.json {
+        let left: Vec<_> = left_behind
+            .iter()
+            .map(|(key, why)| json!({"key": key, "why": why}))
+            .collect();
+        let v = json!({
+            "salvaged": salvaged,
+            "to": to.display().to_string(),
+            "left_behind": left,
+            "log_frames_skipped": log_skipped,
+            "log_findings": loss.as_ref().map(|l| l.findings.clone()).unwrap_or_default(),
+            "token_high_water_mark": new_hwm(to)?,
+            "seconds": started.elapsed().as_secs_f64(),
+        });
         writeln!(io.out, "{v}")?;
     } else {
         writeln!(
             io.out,
-            "imported {written} records in {}",
-            secs(started.elapsed())
+            "salvaged {} from {} into {} in {} ({} was not changed)",
+            plural(salvaged, "record", "records"),
+            store.display(),
+            to.display(),
+            secs(started.elapsed()),
+            store.display()
         )?;
+        if let Some(loss) = &loss {
+            for finding in &loss.findings {
+                writeln!(io.out, "log: {finding}")?;
+            }
+        }
+        if left_behind.is_empty() && log_skipped == 0 {
+            writeln!(io.out, "nothing was left behind")?;
+        } else {
+            writeln!(
+                io.out,
+                "left behind: {}{}",
+                plural(left_behind.len() as u64, "record", "records"),
+                if log_skipped > 0 {
+                    format!(" and {} of the log", plural(log_skipped, "frame", "frames"))
+                } else {
+                    String::new()
+                }
+            )?;
+            for (key, why) in &left_behind {
+                writeln!(io.out, "  {key}: {why}")?;
+            }
+        }
     }
-    Ok(EXIT_OK)
+    Ok(if left_behind.is_empty() && log_skipped == 0 {
+        EXIT_OK
+    } else {
+        EXIT_PROBLEMS
+    })
+}
+
+/// The token high-water mark of the store at `path`, read through a view.
+fn new_hwm(path: &Path) -> std::result::Result<u64, Failure> {
+    Ok(RedbStore::open_read_only(path)?.admin().facts()?.token_hwm)
+}
+
+/// `log`: the write-ahead log as an open would find it. Reads only.
+pub(crate) fn log(path: &Path, io: &mut Io<'_>) -> Outcome {
+    existing_store_file(path)?;
+    let check = check_log(path)?;
+    if io.json {
+        let v = json!({
+            "path": check.path.display().to_string(),
+            "present": check.present,
+            "bytes": check.bytes,
+            "clean_stop": check.clean_stop,
+            "frames": check.frames,
+            "problems": check.problems,
+        });
+        writeln!(io.out, "{v}")?;
+    } else {
+        let stop = match check.clean_stop {
+            Some(true) => "closed cleanly: the log holds nothing the store needs",
+            Some(false) => "not closed cleanly: the next open replays the frames below",
+            None => "no record of the last stop (a store written by an older build)",
+        };
+        writeln!(
+            io.out,
+            "log     {}{}",
+            check.path.display(),
+            if check.present { "" } else { " (missing)" }
+        )?;
+        writeln!(io.out, "size    {} bytes", check.bytes)?;
+        writeln!(io.out, "store   {stop}")?;
+        writeln!(io.out, "frames  {} an open would replay", check.frames)?;
+        if check.is_clean() {
+            writeln!(io.out, "OK: an open would replay it without refusing")?;
+        } else {
+            writeln!(io.out, "an open would refuse it:")?;
+            for problem in &check.problems {
+                writeln!(io.out, "  {problem}")?;
+            }
+        }
+    }
+    Ok(if check.is_clean() {
+        EXIT_OK
+    } else {
+        EXIT_PROBLEMS
+    })
 }
 
 /// `recover`: without `accept_loss`, says (reading only) whether a plain
@@ -353,9 +757,9 @@ pub(crate) fn recover(
     path: &Path,
     accept_loss: bool,
     report: Option<&Path>,
-    json: bool,
     io: &mut Io<'_>,
 ) -> Outcome {
+    let json = io.json;
     // A store file lost beside its log is a case for recover, not a typo.
     let log = idemstore::redb::admin::log_path(path);
     if !path.exists() && !log.exists() {
@@ -441,7 +845,8 @@ pub(crate) fn recover(
 /// when the log holds what an open would refuse (all of it is reported);
 /// `None` to go on with the store file. A store file the check cannot read
 /// is left to the open, which reports it.
-pub(crate) fn verify_log(path: &Path, json: bool, io: &mut Io<'_>) -> Result<Option<u8>, Failure> {
+pub(crate) fn verify_log(path: &Path, io: &mut Io<'_>) -> Result<Option<u8>, Failure> {
+    let json = io.json;
     if !path.exists() {
         return Ok(None);
     }

@@ -3,14 +3,13 @@
 
 use super::super::errors::engine;
 use super::super::loss::LossReport;
-use super::super::open::{self, Found, check_foreign, read_meta_entries};
+use super::super::open::{self, Found, read_meta_entries};
+use super::super::overlay::open_overlay;
 use super::super::wal::{self, FileLog};
 use crate::error::{Error, Result};
 use ::redb::backends::InMemoryBackend;
-use ::redb::{Database, ReadableDatabase, StorageBackend};
-use std::collections::HashMap;
+use ::redb::{ReadableDatabase, StorageBackend};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 
 /// What [`check_log`] found: the log's state and every problem an open of
 /// the store would refuse (all of them, not only the first).
@@ -130,128 +129,4 @@ pub fn check_log(store: impl AsRef<Path>) -> Result<LogCheck> {
 /// ```
 pub fn log_path(store: impl AsRef<Path>) -> PathBuf {
     wal::wal_path(store.as_ref())
-}
-
-/// Opens the store file at `path` as a redb database through a private
-/// [`Overlay`], so that nothing redb does (its recovery of an uncleanly
-/// closed file, a repair) reaches the file. `Ok(Err(detail))` when redb
-/// refuses the file or panics on it.
-pub(super) fn open_overlay(path: &Path) -> Result<std::result::Result<Database, String>> {
-    let overlay = Overlay::new(std::fs::File::open(path)?);
-    check_foreign(&overlay)?;
-    Ok(
-        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            Database::builder().create_with_backend(overlay)
-        })) {
-            Ok(Ok(db)) => Ok(db),
-            Ok(Err(e)) => Err(e.to_string()),
-            Err(_) => Err("the storage engine could not read it".to_owned()),
-        },
-    )
-}
-
-/// A file read through an in-memory overlay: writes (redb's recovery of an
-/// uncleanly closed file) land in memory, whole pages at a time, and the
-/// file is never written.
-struct Overlay {
-    file: std::fs::File,
-    state: Mutex<OverlayState>,
-}
-
-struct OverlayState {
-    len: u64,
-    pages: HashMap<u64, Vec<u8>>,
-}
-
-const PAGE: u64 = 4096;
-
-impl Overlay {
-    fn new(file: std::fs::File) -> Overlay {
-        let len = file.metadata().map_or(0, |m| m.len());
-        Overlay {
-            file,
-            state: Mutex::new(OverlayState {
-                len,
-                pages: HashMap::new(),
-            }),
-        }
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, OverlayState> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Page `index` as it reads now (overlay, else the file, zeros past its end).
-    fn page(&self, state: &OverlayState, index: u64) -> std::io::Result<Vec<u8>> {
-        if let Some(page) = state.pages.get(&index) {
-            return Ok(page.clone());
-        }
-        let mut page = vec![0u8; PAGE as usize];
-        let file_len = self.file.metadata()?.len();
-        let start = index * PAGE;
-        if start < file_len {
-            let n = (file_len - start).min(PAGE) as usize;
-            wal::read_at(&self.file, page.get_mut(..n).unwrap_or_default(), start)?;
-        }
-        Ok(page)
-    }
-}
-
-impl std::fmt::Debug for Overlay {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Overlay").finish_non_exhaustive()
-    }
-}
-
-impl StorageBackend for Overlay {
-    fn len(&self) -> std::io::Result<u64> {
-        Ok(self.lock().len)
-    }
-
-    fn read(&self, offset: u64, out: &mut [u8]) -> std::io::Result<()> {
-        let state = self.lock();
-        if offset + out.len() as u64 > state.len {
-            return Err(std::io::ErrorKind::UnexpectedEof.into());
-        }
-        let mut done = 0usize;
-        while done < out.len() {
-            let at = offset + done as u64;
-            let page = self.page(&state, at / PAGE)?;
-            let from = (at % PAGE) as usize;
-            let n = (PAGE as usize - from).min(out.len() - done);
-            out.get_mut(done..done + n)
-                .unwrap_or_default()
-                .copy_from_slice(page.get(from..from + n).unwrap_or_default());
-            done += n;
-        }
-        Ok(())
-    }
-
-    fn set_len(&self, len: u64) -> std::io::Result<()> {
-        self.lock().len = len;
-        Ok(())
-    }
-
-    fn sync_data(&self) -> std::io::Result<()> {
-        Ok(())
-    }
-
-    fn write(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
-        let mut state = self.lock();
-        let mut done = 0usize;
-        while done < data.len() {
-            let at = offset + done as u64;
-            let index = at / PAGE;
-            let mut page = self.page(&state, index)?;
-            let from = (at % PAGE) as usize;
-            let n = (PAGE as usize - from).min(data.len() - done);
-            page.get_mut(from..from + n)
-                .unwrap_or_default()
-                .copy_from_slice(data.get(done..done + n).unwrap_or_default());
-            state.pages.insert(index, page);
-            done += n;
-        }
-        state.len = state.len.max(offset + data.len() as u64);
-        Ok(())
-    }
 }

@@ -475,6 +475,33 @@ impl Admin<'_> {
         })
     }
 
+    /// Raises the token high-water mark to at least `at_least` (durably;
+    /// nothing when it is already there) and returns the mark. Fencing
+    /// tokens are handed out above the mark, so a store that takes over
+    /// another's records (an import, a salvage) raises it to the other
+    /// store's mark: no token the old store handed out, even for a record
+    /// since swept, is handed out again. [`Error::ReadOnly`] on a read-only
+    /// store (when it would write), [`Error::Poisoned`] on a poisoned one.
+    ///
+    /// ```
+    /// # let dir = tempfile::tempdir()?;
+    /// let store = idemstore::RedbStore::open(dir.path().join("s.idem"))?;
+    /// assert_eq!(store.admin().raise_token_high_water_mark(41)?, 41);
+    /// assert_eq!(store.admin().raise_token_high_water_mark(7)?, 41);
+    /// assert_eq!(store.admin().facts()?.token_hwm, 41);
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn raise_token_high_water_mark(&self, at_least: u64) -> Result<u64> {
+        let stored = self.facts()?.token_hwm;
+        if stored >= at_least {
+            return Ok(stored);
+        }
+        self.store.shared.direct(|_, token_hwm| {
+            *token_hwm = (*token_hwm).max(at_least);
+            Ok::<_, Error>(*token_hwm)
+        })
+    }
+
     /// Writes `records` as they are (state, token, times: nothing is
     /// re-decided), each with its index entry, [`IMPORT_BATCH`] per
     /// transaction, and raises the token high-water mark to the largest

@@ -1,0 +1,197 @@
+//! [`Overlay`]: a store file read through a private in-memory page
+//! overlay, so that nothing redb does on it (its recovery of an uncleanly
+//! closed file, a repair, a replay of the log, the commits of a read-only
+//! store) reaches the file.
+//!
+//! Used by every reading that must not write: [`RedbStore::open_read_only`]
+//! (the operator's inspections), `admin::check_log` and the engine check of
+//! `Admin::verify`.
+//!
+//! [`RedbStore::open_read_only`]: super::RedbStore::open_read_only
+
+use super::open::check_foreign;
+use super::wal;
+use crate::error::Result;
+use ::redb::{Database, StorageBackend};
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Mutex;
+
+/// Opens the store file at `path` as a redb database through a private
+/// [`Overlay`]. `Ok(Err(detail))` when redb refuses the file or panics on it.
+pub(super) fn open_overlay(path: &Path) -> Result<std::result::Result<Database, String>> {
+    let overlay = Overlay::new(std::fs::File::open(path)?)?;
+    check_foreign(&overlay)?;
+    Ok(
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            Database::builder().create_with_backend(overlay)
+        })) {
+            Ok(Ok(db)) => Ok(db),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err("the storage engine could not read it".to_owned()),
+        },
+    )
+}
+
+/// A file read through an in-memory overlay: writes land in memory, whole
+/// pages at a time, and the file is never written (it is opened read-only).
+///
+/// The file's length is read once: whoever reads through an overlay holds
+/// the file so that no writer changes it meanwhile (a shared lock), or
+/// reads a copy.
+pub(super) struct Overlay {
+    file: std::fs::File,
+    /// The file's length when the overlay was made.
+    file_len: u64,
+    state: Mutex<OverlayState>,
+}
+
+struct OverlayState {
+    /// The length as redb sees it (a `set_len` changes only this).
+    len: u64,
+    /// Pages written, by index.
+    pages: HashMap<u64, Box<[u8]>>,
+}
+
+/// The overlay's unit: redb's pages are multiples of it.
+const PAGE: u64 = 4096;
+
+impl Overlay {
+    pub(super) fn new(file: std::fs::File) -> std::io::Result<Overlay> {
+        let file_len = file.metadata()?.len();
+        Ok(Overlay {
+            file,
+            file_len,
+            state: Mutex::new(OverlayState {
+                len: file_len,
+                pages: HashMap::new(),
+            }),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, OverlayState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Fills `out` from the file at `offset`, zeros past its end.
+    fn read_file(&self, offset: u64, out: &mut [u8]) -> std::io::Result<()> {
+        let in_file = self.file_len.saturating_sub(offset).min(out.len() as u64) as usize;
+        let (head, tail) = out.split_at_mut(in_file);
+        if !head.is_empty() {
+            wal::read_at(&self.file, head, offset)?;
+        }
+        tail.fill(0);
+        Ok(())
+    }
+
+    /// Page `index` as it reads now (overlay, else the file).
+    fn page(&self, state: &OverlayState, index: u64) -> std::io::Result<Box<[u8]>> {
+        if let Some(page) = state.pages.get(&index) {
+            return Ok(page.clone());
+        }
+        let mut page = vec![0u8; PAGE as usize].into_boxed_slice();
+        self.read_file(index * PAGE, &mut page)?;
+        Ok(page)
+    }
+}
+
+impl std::fmt::Debug for Overlay {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Overlay")
+            .field("file_len", &self.file_len)
+            .finish_non_exhaustive()
+    }
+}
+
+impl StorageBackend for Overlay {
+    fn len(&self) -> std::io::Result<u64> {
+        Ok(self.lock().len)
+    }
+
+    fn read(&self, offset: u64, out: &mut [u8]) -> std::io::Result<()> {
+        let state = self.lock();
+        if offset + out.len() as u64 > state.len {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        // Nothing written yet (an inspection of a cleanly closed file):
+        // one read of the file.
+        if state.pages.is_empty() {
+            return self.read_file(offset, out);
+        }
+        let mut done = 0usize;
+        while done < out.len() {
+            let at = offset + done as u64;
+            let index = at / PAGE;
+            let from = (at % PAGE) as usize;
+            let n = (PAGE as usize - from).min(out.len() - done);
+            let to = out.get_mut(done..done + n).unwrap_or_default();
+            match state.pages.get(&index) {
+                Some(page) => to.copy_from_slice(page.get(from..from + n).unwrap_or_default()),
+                None => self.read_file(at, to)?,
+            }
+            done += n;
+        }
+        Ok(())
+    }
+
+    fn set_len(&self, len: u64) -> std::io::Result<()> {
+        self.lock().len = len;
+        Ok(())
+    }
+
+    fn sync_data(&self) -> std::io::Result<()> {
+        Ok(())
+    }
+
+    fn write(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
+        let mut state = self.lock();
+        let mut done = 0usize;
+        while done < data.len() {
+            let at = offset + done as u64;
+            let index = at / PAGE;
+            let mut page = self.page(&state, index)?;
+            let from = (at % PAGE) as usize;
+            let n = (PAGE as usize - from).min(data.len() - done);
+            page.get_mut(from..from + n)
+                .unwrap_or_default()
+                .copy_from_slice(data.get(done..done + n).unwrap_or_default());
+            state.pages.insert(index, page);
+            done += n;
+        }
+        state.len = state.len.max(offset + data.len() as u64);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn writes_land_in_memory_and_reads_see_them() {
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join("f");
+        std::fs::write(&path, vec![7u8; 5000]).expect("write");
+        let overlay = Overlay::new(std::fs::File::open(&path).expect("open")).expect("overlay");
+        let mut out = vec![0u8; 5000];
+        overlay.read(0, &mut out).expect("read");
+        assert!(out.iter().all(|&b| b == 7));
+        // Across a page boundary, past the file's end.
+        overlay.write(4090, &[1u8; 20]).expect("write");
+        assert_eq!(overlay.len().expect("len"), 5000);
+        overlay.set_len(9000).expect("set_len");
+        let mut out = vec![0u8; 9000];
+        overlay.read(0, &mut out).expect("read");
+        assert!(out.get(..4090).expect("head").iter().all(|&b| b == 7));
+        assert!(out.get(4090..4110).expect("mid").iter().all(|&b| b == 1));
+        assert!(out.get(4110..5000).expect("rest").iter().all(|&b| b == 7));
+        assert!(out.get(5000..).expect("tail").iter().all(|&b| b == 0));
+        let mut past = [0u8; 1];
+        assert!(overlay.read(9000, &mut past).is_err());
+        assert_eq!(
+            std::fs::read(&path).expect("read"),
+            vec![7u8; 5000],
+            "the file is unchanged"
+        );
+    }
+}
