@@ -731,8 +731,10 @@ fn verify_on_a_damaged_page_reports_it_and_leaves_the_store_readable() {
         .expect("the marker is in the file");
     bytes[at] ^= 0x20;
     std::fs::write(&path, &bytes).unwrap();
+    let before = snapshot(dir.path());
     let out = idemstore().arg("verify").arg(&path).output().unwrap();
     assert_eq!(out.status.code(), Some(3), "{out:?}");
+    assert_eq!(snapshot(dir.path()), before, "verify changed a file");
     // Before, the check ended at redb's error and named no key; now it
     // reports the engine's finding and goes on to the damaged record.
     let text = String::from_utf8_lossy(&out.stdout);
@@ -750,4 +752,589 @@ fn verify_on_a_damaged_page_reports_it_and_leaves_the_store_readable() {
     let out = idemstore().arg("export").arg(&path).output().unwrap();
     let lines = String::from_utf8_lossy(&out.stdout).lines().count();
     assert!(lines >= 49, "export saved {lines} records: {out:?}");
+    assert_eq!(snapshot(dir.path()), before, "an inspection changed a file");
+
+    // salvage: every other record into a new file, the damaged one named.
+    let saved = dir.path().join("saved.idem");
+    let out = idemstore()
+        .args(["salvage", "--json"])
+        .arg(&path)
+        .arg("--to")
+        .arg(&saved)
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "something was left behind: {out:?}"
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["salvaged"], 49, "{v}");
+    assert_eq!(v["left_behind"][0]["key"]["id"], "k7", "{v}");
+    assert_eq!(v["token_high_water_mark"], 50, "{v}");
+    let mut after = snapshot(dir.path());
+    assert!(after.remove(&PathBuf::from("saved.idem")).is_some());
+    assert_eq!(
+        after, before,
+        "salvage changed the original or left files behind"
+    );
+    idemstore().arg("verify").arg(&saved).assert().success();
+    let listed = run_json(&["stats", saved.to_str().unwrap()]);
+    assert_eq!(listed["records"], 49);
+    // Never over an existing file.
+    let again = idemstore()
+        .arg("salvage")
+        .arg(&path)
+        .arg("--to")
+        .arg(&saved)
+        .assert()
+        .code(6);
+    assert!(stderr(&again).contains("exists"), "{}", stderr(&again));
+}
+
+/// Every file in `dir` (not below) with its bytes and permissions: what
+/// "nothing changed" is checked against.
+fn snapshot(dir: &Path) -> std::collections::BTreeMap<PathBuf, (Vec<u8>, u32)> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            let meta = e.metadata().unwrap();
+            (
+                PathBuf::from(e.file_name()),
+                (std::fs::read(e.path()).unwrap(), meta.permissions().mode()),
+            )
+        })
+        .collect()
+}
+
+/// The inspections, as arguments after the store's path.
+const INSPECTIONS: &[&[&str]] = &[
+    &["stats"],
+    &["get", "--scope", "t", "done"],
+    &["list", "--limit", "0"],
+    &["explain", "--scope", "t", "done"],
+    &["log"],
+    &["verify"],
+    &["export"],
+];
+
+fn inspect(path: &Path, args: &[&str]) -> std::process::Output {
+    idemstore()
+        .arg(args[0])
+        .arg(path)
+        .args(&args[1..])
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn inspections_change_no_byte_and_create_no_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = sample_store(dir.path());
+    let before = snapshot(dir.path());
+    for args in INSPECTIONS {
+        let out = inspect(&path, args);
+        assert_eq!(out.status.code(), Some(0), "{args:?}: {out:?}");
+        assert_eq!(snapshot(dir.path()), before, "{args:?} changed a file");
+    }
+}
+
+#[test]
+fn inspections_read_through_unflushed_log_frames_without_writing() {
+    // A killed service leaves claims only in the log: the inspections show
+    // them (and say so) without replaying them into the file.
+    let live = tempfile::tempdir().unwrap();
+    let store = unclean_store(live.path(), &["order-1", "order-2"]);
+    let copy = tempfile::tempdir().unwrap();
+    let path = copy.path().join("s.idem");
+    for name in ["s.idem", "s.idem-wal"] {
+        std::fs::copy(live.path().join(name), copy.path().join(name)).unwrap();
+    }
+    drop(store);
+    let before = snapshot(copy.path());
+    let out = idemstore()
+        .arg("get")
+        .arg(&path)
+        .args(["--scope", "t", "order-2"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("the view includes 2 frames of the write-ahead log"),
+        "{err}"
+    );
+    let stats = run_json(&["stats", path.to_str().unwrap()]);
+    assert_eq!(stats["processing"], 2, "{stats}");
+    assert_eq!(stats["log_frames_not_checkpointed"], 2, "{stats}");
+    let log = idemstore()
+        .arg("log")
+        .arg(&path)
+        .arg("--json")
+        .output()
+        .unwrap();
+    let log: Value = serde_json::from_slice(&log.stdout).unwrap();
+    assert_eq!(
+        (&log["clean_stop"], &log["frames"]),
+        (&false.into(), &2.into())
+    );
+    assert_eq!(snapshot(copy.path()), before, "an inspection wrote");
+    // A writer's command replays them into the file, and says so.
+    let out = idemstore().args(["sweep"]).arg(&path).output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("replayed 2 frames"), "{err}");
+}
+
+#[test]
+fn inspections_work_on_a_read_only_file_for_a_user_who_cannot_write_it() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let path = sample_store(dir.path());
+    for file in [path.clone(), dir.path().join("sample.idem-wal")] {
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o444)).unwrap();
+    }
+    // Root writes anything: the commands then run as `nobody`, who can
+    // read the files (0444) and write neither them nor the directory.
+    let root = rustix_uid_is_root();
+    if root {
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    } else {
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o555)).unwrap();
+    }
+    let before = snapshot(dir.path());
+    for args in INSPECTIONS {
+        let mut cmd = if root {
+            let mut cmd = std::process::Command::new("setpriv");
+            cmd.args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+                .arg(assert_cmd::cargo::cargo_bin!("idemstore"));
+            cmd
+        } else {
+            std::process::Command::new(assert_cmd::cargo::cargo_bin!("idemstore"))
+        };
+        let out = cmd
+            .arg(args[0])
+            .arg(&path)
+            .args(&args[1..])
+            .output()
+            .expect("setpriv runs (util-linux) when the tests run as root");
+        assert_eq!(out.status.code(), Some(0), "{args:?}: {out:?}");
+    }
+    // And a write is refused with a message that names the file.
+    let out = if root {
+        std::process::Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+            .arg(assert_cmd::cargo::cargo_bin!("idemstore"))
+            .arg("evict")
+            .arg(&path)
+            .args(["--yes", "--scope", "t", "done"])
+            .output()
+            .unwrap()
+    } else {
+        idemstore()
+            .arg("evict")
+            .arg(&path)
+            .args(["--yes", "--scope", "t", "done"])
+            .output()
+            .unwrap()
+    };
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("sample.idem") && err.contains("ermission denied"),
+        "{err}"
+    );
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    assert_eq!(snapshot(dir.path()), before, "a read-only file changed");
+}
+
+fn rustix_uid_is_root() -> bool {
+    // `id -u` rather than a libc dependency for one call.
+    let out = std::process::Command::new("id").arg("-u").output().unwrap();
+    String::from_utf8_lossy(&out.stdout).trim() == "0"
+}
+
+#[test]
+fn an_empty_or_missing_file_is_never_taken_for_a_store() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let empty = dir.path().join("empty.idem");
+    std::fs::write(&empty, b"").unwrap();
+    std::fs::set_permissions(&empty, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let before = snapshot(dir.path());
+    let mut all: Vec<&[&str]> = INSPECTIONS.to_vec();
+    all.extend_from_slice(&[
+        &["evict", "--yes", "k"],
+        &["sweep"],
+        &["compact"],
+        &["salvage", "--to", "/nonexistent/x"],
+    ]);
+    for args in &all {
+        let out = inspect(&empty, args);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {out:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("empty (0 bytes): not a store file"),
+            "{args:?}: {err}"
+        );
+        assert_eq!(
+            snapshot(dir.path()),
+            before,
+            "{args:?} changed the directory"
+        );
+        let out = inspect(&dir.path().join("missing.idem"), args);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {out:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("no store at"), "{args:?}: {err}");
+        assert_eq!(snapshot(dir.path()), before, "{args:?} created a file");
+    }
+    // import refuses to replace a file that is not a store.
+    let out = idemstore()
+        .arg("import")
+        .arg(&empty)
+        .write_stdin("")
+        .assert()
+        .code(6);
+    assert!(stderr(&out).contains("not a store"), "{}", stderr(&out));
+    assert_eq!(snapshot(dir.path()), before);
+}
+
+/// `n` export lines of DONE records `t/k0..`, all valid.
+fn good_lines(n: usize) -> String {
+    let scratch = idemstore::MemoryStore::new();
+    let key = Key::new("t", "k").unwrap();
+    let fp = Fingerprint::of(b"x");
+    let c = claimed(scratch.begin(&key, &fp, now(), LEASE, KEEP).unwrap());
+    scratch
+        .complete(&key, &c, &Response::new(200, "ok"), now(), KEEP)
+        .unwrap();
+    let record = scratch.get(&key, now()).unwrap().unwrap();
+    let mut out = String::new();
+    for i in 0..n {
+        let key = Key::new("t", format!("k{i}")).unwrap();
+        out.push_str(&idemstore::redb::admin::export_line(&key, &record));
+        out.push('\n');
+    }
+    out
+}
+
+#[test]
+fn a_failed_import_leaves_nothing_at_the_target() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = dir.path().join("t.idem");
+    // A bad line after two and a half batches: before, 20,000 records were
+    // left in the target; now nothing is.
+    let mut input = good_lines(25_000);
+    input.push_str("{\"v\":1,\"oops\":true}\n");
+    let out = idemstore()
+        .arg("import")
+        .arg(&target)
+        .write_stdin(input)
+        .assert()
+        .code(1);
+    let err = stderr(&out);
+    assert!(
+        err.contains("line 25001") && err.contains("Nothing was written"),
+        "{err}"
+    );
+    assert!(
+        snapshot(dir.path()).is_empty(),
+        "files left: {:?}",
+        snapshot(dir.path()).keys().collect::<Vec<_>>()
+    );
+    // A bad first line: no file either.
+    idemstore()
+        .arg("import")
+        .arg(&target)
+        .write_stdin("not json\n")
+        .assert()
+        .code(1);
+    assert!(snapshot(dir.path()).is_empty());
+    // Counts are of records stored: two lines with one key store one.
+    let twice = good_lines(1).repeat(2);
+    let v: Value = serde_json::from_slice(
+        &idemstore()
+            .arg("import")
+            .arg(&target)
+            .arg("--json")
+            .write_stdin(twice)
+            .assert()
+            .success()
+            .get_output()
+            .stdout,
+    )
+    .unwrap();
+    assert_eq!(
+        (&v["lines"], &v["records_stored"]),
+        (&2.into(), &1.into()),
+        "{v}"
+    );
+    assert_eq!(v["lines_repeating_a_key"], 1);
+    // A failed merge into an existing store leaves it byte for byte as it was.
+    let before = snapshot(dir.path());
+    let mut bad = good_lines(3);
+    bad.push_str("{\"v\":1,\"scope\":\"t\",\"id\":\"x\",\"extra\":1}\n");
+    let out = idemstore()
+        .args(["import", "--force"])
+        .arg(&target)
+        .write_stdin(bad)
+        .assert()
+        .code(1);
+    assert!(
+        stderr(&out).contains("unknown field \"extra\""),
+        "{}",
+        stderr(&out)
+    );
+    assert_eq!(snapshot(dir.path()), before);
+    // A good merge keeps the target's records and adds the new ones.
+    let v: Value = serde_json::from_slice(
+        &idemstore()
+            .args(["import", "--force", "--json"])
+            .arg(&target)
+            .write_stdin(good_lines(3))
+            .assert()
+            .success()
+            .get_output()
+            .stdout,
+    )
+    .unwrap();
+    assert_eq!(v["records_in_store"], 3, "{v}");
+    assert_eq!(v["records_kept_from_target"], 1, "{v}");
+    idemstore().arg("verify").arg(&target).assert().success();
+}
+
+#[test]
+fn errors_under_json_are_one_json_object() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = sample_store(dir.path());
+    let foreign = dir.path().join("foreign.idem");
+    std::fs::write(&foreign, b"hello, not a store").unwrap();
+    let held = dir.path().join("held.idem");
+    let holder = RedbStore::open(&held).unwrap();
+    let cases: Vec<(Vec<std::ffi::OsString>, u8, &str)> = vec![
+        (
+            vec!["get".into(), path.clone().into(), "nope".into()],
+            5,
+            "not_found",
+        ),
+        (
+            vec!["stats".into(), dir.path().join("no.idem").into()],
+            1,
+            "not_found",
+        ),
+        (vec!["stats".into(), foreign.clone().into()], 1, "corrupt"),
+        (vec!["stats".into(), held.clone().into()], 4, "locked"),
+        (vec!["stats".into(), "--frobnicate".into()], 2, "usage"),
+        (
+            vec![
+                "get".into(),
+                path.clone().into(),
+                "--hex".into(),
+                "zz".into(),
+            ],
+            2,
+            "usage",
+        ),
+    ];
+    for (args, code, kind) in cases {
+        let out = idemstore().args(&args).arg("--json").output().unwrap();
+        assert_eq!(
+            out.status.code(),
+            Some(i32::from(code)),
+            "{args:?}: {out:?}"
+        );
+        let v: Value = serde_json::from_slice(&out.stderr)
+            .unwrap_or_else(|e| panic!("{args:?}: stderr is not JSON ({e}): {out:?}"));
+        assert_eq!(v["error"]["kind"], kind, "{args:?}: {v}");
+        assert_eq!(v["error"]["exit_code"], code, "{args:?}: {v}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty())
+        );
+    }
+    drop(holder);
+}
+
+#[test]
+fn keys_of_any_bytes_are_listed_and_addressed() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.idem");
+    {
+        let store = RedbStore::open(&path).unwrap();
+        let fp = Fingerprint::of(b"x");
+        for key in [
+            Key::new("t", [0x74, 0xff]).unwrap(),
+            Key::new("a/b", "c").unwrap(),
+            Key::new("a", "b/c").unwrap(),
+        ] {
+            claimed(store.begin(&key, &fp, now(), LEASE, KEEP).unwrap());
+        }
+    }
+    let p = path.to_str().unwrap();
+    let out = idemstore().args(["list", p, "--json"]).assert().success();
+    let lines = json_lines(&out.get_output().stdout);
+    let keys: Vec<&Value> = lines.iter().filter_map(|v| v.get("key")).collect();
+    assert_eq!(keys.len(), 3);
+    assert!(keys.contains(&&serde_json::json!({"scope": "a/b", "id": "c"})));
+    assert!(keys.contains(&&serde_json::json!({"scope": "a", "id": "b/c"})));
+    assert!(keys.contains(&&serde_json::json!({"scope": "t", "id_hex": "74ff"})));
+    let v = run_json(&["get", p, "--hex", "--scope", "74", "74ff"]);
+    assert_eq!(v["key"]["id_hex"], "74ff");
+    // The text listing shows how to address it.
+    let text = stdout(&idemstore().args(["list", p]).assert().success());
+    assert!(text.contains("--hex --scope 74 74ff"), "{text}");
+    idemstore()
+        .args(["evict", p, "--yes", "--hex", "--scope", "74", "0x74ff"])
+        .assert()
+        .success();
+    // A forgotten --scope: the message names the scope that has the id.
+    let out = idemstore().args(["get", p, "b/c"]).assert().code(5);
+    assert!(
+        stderr(&out).contains("under another scope: --scope a b/c"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
+fn list_filters_exclude_expired_records_and_say_when_they_cut() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = sample_store(dir.path());
+    let p = path.to_str().unwrap();
+    let ids = |args: &[&str]| -> (Vec<String>, Value) {
+        let out = idemstore()
+            .args(["list", p, "--json"])
+            .args(args)
+            .assert()
+            .success();
+        let mut lines = json_lines(&out.get_output().stdout);
+        let summary = lines.pop().unwrap();
+        let ids = lines
+            .iter()
+            .map(|v| v["key"]["id"].as_str().unwrap().to_owned())
+            .collect();
+        (ids, summary)
+    };
+    // u/old is DONE and expired: a state filter names live records.
+    assert_eq!(ids(&["--state", "done"]).0, ["big", "bin", "done"]);
+    assert_eq!(
+        ids(&["--state", "done", "--include-expired"]).0,
+        ["big", "bin", "done", "old"]
+    );
+    let (shown, summary) = ids(&["--limit", "2"]);
+    assert_eq!(shown.len(), 2);
+    assert_eq!(summary["summary"]["truncated"], true);
+    assert_eq!(ids(&["--limit", "0"]).1["summary"]["truncated"], false);
+    // stats reports sizes as on disk.
+    let stats = run_json(&["stats", p]);
+    assert_eq!(stats["file_bytes"], std::fs::metadata(&path).unwrap().len());
+    // export's summary goes to stdout when the records go to a file.
+    let dump = dir.path().join("d.jsonl");
+    let v = run_json(&["export", p, "-o", dump.to_str().unwrap()]);
+    assert_eq!(v["exported"], 6);
+}
+
+#[test]
+fn explain_says_what_a_request_would_get_and_why() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = sample_store(dir.path());
+    let p = path.to_str().unwrap();
+    let body = dir.path().join("body");
+    std::fs::write(&body, b"sku=A&qty=1").unwrap();
+    let b = body.to_str().unwrap();
+    let explain = |args: &[&str]| run_json(&[&["explain", p, "--scope"], args].concat());
+    // The same body: the stored response.
+    let v = explain(&["t", "done", "--kind", "bytes", "--body", b]);
+    assert_eq!(
+        (&v["verdict"], &v["http_status"]),
+        (&"replay".into(), &201.into()),
+        "{v}"
+    );
+    assert_eq!(v["fingerprint_matches"], true);
+    // Another body: 422, never the stored response.
+    std::fs::write(&body, b"sku=A&qty=2").unwrap();
+    let v = explain(&["t", "done", "--kind", "bytes", "--body", b]);
+    assert_eq!(
+        (&v["verdict"], &v["http_status"]),
+        (&"conflict".into(), &422.into()),
+        "{v}"
+    );
+    assert_eq!(v["fingerprint_matches"], false);
+    // A live owner: 409; a dead one (lease passed): taken over.
+    let v = explain(&["t", "live"]);
+    assert_eq!(
+        (&v["verdict"], &v["http_status"]),
+        (&"in_flight".into(), &409.into()),
+        "{v}"
+    );
+    let v = explain(&["t", "dead"]);
+    assert_eq!(v["verdict"], "takeover", "{v}");
+    assert!(v["why"].as_str().unwrap().contains("attempt 2"), "{v}");
+    // Expired or absent: a claim, with the next token.
+    let v = explain(&["u", "old"]);
+    assert_eq!(v["verdict"], "claim", "{v}");
+    let v = explain(&["t", "nope"]);
+    assert_eq!(v["verdict"], "claim", "{v}");
+    assert!(v["why"].as_str().unwrap().contains("token 7"), "{v}");
+    // --fingerprint takes what `fingerprint` prints; the text form reads.
+    let fp = Fingerprint::of(b"sku=A&qty=1").to_hex();
+    let v = explain(&["t", "done", "--fingerprint", &fp]);
+    assert_eq!(v["verdict"], "replay");
+    let text = stdout(
+        &idemstore()
+            .args(["explain", p, "--scope", "t", "done", "--fingerprint"])
+            .arg("00".repeat(32))
+            .assert()
+            .success(),
+    );
+    assert!(text.contains("verdict      CONFLICT (HTTP 422)"), "{text}");
+    assert!(text.contains("DIFFERS"), "{text}");
+}
+
+#[test]
+fn the_fingerprint_command_computes_what_the_library_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let body = dir.path().join("order.json");
+    std::fs::write(&body, br#"{"qty":1,"sku":"A"}"#).unwrap();
+    let b = body.to_str().unwrap();
+    let printed = |args: &[&str]| -> String {
+        stdout(&idemstore().arg("fingerprint").args(args).assert().success())
+            .trim()
+            .to_owned()
+    };
+    assert_eq!(
+        printed(&[
+            "--method",
+            "POST",
+            "--path",
+            "/orders",
+            "--header",
+            "X-Tenant: acme",
+            "--body",
+            b
+        ]),
+        Fingerprint::of_http(
+            "POST",
+            "/orders",
+            br#"{"qty":1,"sku":"A"}"#,
+            &[("x-tenant", &[b"acme"])]
+        )
+        .to_hex()
+    );
+    assert_eq!(
+        printed(&["--kind", "bytes", "--body", b]),
+        Fingerprint::of(br#"{"qty":1,"sku":"A"}"#).to_hex()
+    );
+    assert_eq!(
+        printed(&["--kind", "json", "--body", b]),
+        Fingerprint::of_json(&serde_json::json!({"sku": "A", "qty": 1})).to_hex()
+    );
+    // The HTTP kind needs a method and a path.
+    idemstore()
+        .args(["fingerprint", "--body", b])
+        .assert()
+        .code(2);
 }

@@ -26,6 +26,8 @@ mod orders_service;
 #[cfg(feature = "postgres")]
 mod postgres;
 #[cfg(feature = "redb")]
+mod read_only;
+#[cfg(feature = "redb")]
 mod redb;
 #[cfg(feature = "redb")]
 mod redb_bad_input;

@@ -527,8 +527,10 @@ pub(crate) fn open_view(path: &Path, io: &mut Io<'_>) -> std::result::Result<Red
     let frames = store.stats().frames_replayed_on_open;
     if frames > 0 {
         io.note(&format!(
-            "the view includes {frames} frames of the write-ahead log that are not yet in \
-             the store file (the service's next open writes them in; nothing was written)"
+            "the view includes {} of the write-ahead log that {} not yet in the store file \
+             (the service's next open writes them in; nothing was written)",
+            frames_of(frames),
+            if frames == 1 { "is" } else { "are" }
         ))?;
     }
     Ok(store)
@@ -542,11 +544,17 @@ pub(crate) fn open_writer(path: &Path, io: &mut Io<'_>) -> std::result::Result<R
     let frames = store.stats().frames_replayed_on_open;
     if frames > 0 {
         io.note(&format!(
-            "replayed {frames} frames of the write-ahead log into the store file (writes the \
-             last process acknowledged before it stopped)"
+            "replayed {} of the write-ahead log into the store file (writes the last process \
+             acknowledged before it stopped)",
+            frames_of(frames)
         ))?;
     }
     Ok(store)
+}
+
+/// "1 frame", "2 frames".
+fn frames_of(n: u64) -> String {
+    format!("{n} frame{}", if n == 1 { "" } else { "s" })
 }
 
 /// An I/O error opening `path` names the file.

@@ -149,6 +149,38 @@ fn take_u64(map: &Map<String, Value>, name: &str) -> Result<u64> {
         .ok_or_else(|| bad(format!("{name:?} is missing or not an unsigned integer")))
 }
 
+/// [`Error::InvalidArgument`] naming the first field of `map` that is not
+/// one of `known` (each also allowed as `<name>_b64`): a line from a newer
+/// or foreign writer is refused rather than imported without what it says.
+fn only_known(map: &Map<String, Value>, what: &str, known: &[&str]) -> Result<()> {
+    match map.keys().find(|k| {
+        let base = k.strip_suffix("_b64").unwrap_or(k);
+        !known.contains(&k.as_str()) && !known.contains(&base)
+    }) {
+        Some(field) => Err(bad(format!(
+            "unknown field {field:?} in {what} (this build reads line format v{LINE_VERSION})"
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// The fields of a line, and of its response and header objects.
+const LINE_FIELDS: &[&str] = &[
+    "v",
+    "scope",
+    "id",
+    "state",
+    "fingerprint",
+    "token",
+    "attempts",
+    "created_at_ms",
+    "expires_at_ms",
+    "lease_until_ms",
+    "response",
+];
+const RESPONSE_FIELDS: &[&str] = &["status", "headers", "body"];
+const HEADER_FIELDS: &[&str] = &["name", "value"];
+
 fn object<'a>(v: &'a Value, what: &str) -> Result<&'a Map<String, Value>> {
     v.as_object()
         .ok_or_else(|| bad(format!("{what} is not a JSON object")))
@@ -202,6 +234,7 @@ fn from_json(line: &str) -> Result<(Key, Record)> {
             "line format v{v}; this build reads v{LINE_VERSION}"
         )));
     }
+    only_known(map, "the line", LINE_FIELDS)?;
     let key = Key::new(take_bytes(map, "scope")?, take_bytes(map, "id")?)?;
     let state = match map.get("state").and_then(Value::as_str) {
         Some("PROCESSING") => State::Processing,
@@ -241,6 +274,7 @@ fn from_json(line: &str) -> Result<(Key, Record)> {
 }
 
 fn response_from(map: &Map<String, Value>) -> Result<Response> {
+    only_known(map, "\"response\"", RESPONSE_FIELDS)?;
     let status =
         u16::try_from(take_u64(map, "status")?).map_err(|_| bad("\"status\" is not a u16"))?;
     let mut headers = Vec::new();
@@ -250,6 +284,7 @@ fn response_from(map: &Map<String, Value>) -> Result<Response> {
             .ok_or_else(|| bad("\"headers\" is not an array"))?;
         for h in list {
             let h = object(h, "a header")?;
+            only_known(h, "a header", HEADER_FIELDS)?;
             let name = h
                 .get("name")
                 .and_then(Value::as_str)
@@ -337,5 +372,36 @@ mod tests {
         v["v"] = json!(2);
         assert!(from_json(&v.to_string()).is_err());
         assert!(from_json("not json").is_err());
+    }
+
+    #[test]
+    fn unknown_fields_are_refused_wherever_they_are() {
+        let (key, record) = done();
+        assert!(from_json(&to_json(&key, &record).to_string()).is_ok());
+        let mut v = to_json(&key, &record);
+        v["tenant"] = json!("acme");
+        let err = from_json(&v.to_string()).expect_err("unknown top-level field");
+        assert!(
+            err.to_string()
+                .contains(r#"unknown field "tenant" in the line"#),
+            "{err}"
+        );
+        v = to_json(&key, &record);
+        v["response"]["trailers"] = json!([]);
+        let err = from_json(&v.to_string()).expect_err("unknown response field");
+        assert!(err.to_string().contains(r#""trailers""#), "{err}");
+        v = to_json(&key, &record);
+        v["response"]["headers"] = json!([{"name": "a", "value": "b", "x": 1}]);
+        let err = from_json(&v.to_string()).expect_err("unknown header field");
+        assert!(err.to_string().contains("in a header"), "{err}");
+        // The base64 forms of the byte fields are known ones.
+        v = to_json(&key, &record);
+        let obj = v.as_object_mut().expect("object");
+        let id = obj.remove("id").expect("id");
+        obj.insert(
+            "id_b64".into(),
+            json!(STANDARD.encode(id.as_str().expect("text"))),
+        );
+        assert!(from_json(&v.to_string()).is_ok(), "{v}");
     }
 }
