@@ -1,7 +1,7 @@
 //! Read commands (`stats`, `get`, `list`) and `evict`.
 
 use super::format::{self, BODY_PREVIEW_BYTES, rfc3339, store_id, when};
-use super::keys::{command_line_form, key_json, raw_key_json};
+use super::keys::{command_line_form, key_json, raw_key_json, raw_shown, shown};
 use super::{
     EXIT_NOT_FOUND, EXIT_OK, EXIT_REFUSED, Failure, Io, Outcome, PROGRESS_MIN_RECORDS, StateFilter,
     file_bytes,
@@ -234,7 +234,7 @@ pub(crate) fn get(store: &RedbStore, key: &Key, full: bool, io: &mut Io<'_>) -> 
         return Ok(EXIT_OK);
     }
     let mut rows = vec![
-        ("key", command_line_form(key)),
+        ("key", shown(key)),
         ("state", r.state().to_string()),
         ("fingerprint", r.fingerprint().to_hex()),
         ("token", r.token().to_string()),
@@ -361,13 +361,7 @@ pub(crate) fn list(store: &RedbStore, filter: &ListFilter, io: &mut Io<'_>) -> O
     let mut out_err = None;
     let admin = store.admin();
     let each = |key: RawKey<'_>, record: idemstore::Result<Record>| {
-        // Printable keys as `scope/id`; others as the arguments that
-        // address them (`--hex --scope .. ..`).
-        let name = match key.decode() {
-            Ok(k) if !command_line_form(&k).starts_with("--hex") => k.to_string(),
-            Ok(k) => command_line_form(&k),
-            Err(_) => key.to_string(),
-        };
+        let name = raw_shown(key);
         let row = match record {
             Ok(r) if !filter.wants(&r, now) => return ControlFlow::Continue(()),
             Ok(r) => {

@@ -7,7 +7,7 @@
 //! the store's, not a re-implementation of it.
 
 use super::format::{duration_ms, rfc3339, when};
-use super::keys::{command_line_form, key_json};
+use super::keys::{key_json, shown};
 use super::{EXIT_OK, EXIT_USAGE, Failure, Io, Outcome};
 use idemstore::limits::{DEFAULT_LEASE, DEFAULT_RETENTION};
 use idemstore::{Begin, Fingerprint, Key, Record, RedbStore, State, logic};
@@ -257,7 +257,7 @@ pub(crate) fn explain(
         writeln!(io.out, "{v}")?;
         return Ok(EXIT_OK);
     }
-    let mut lines = vec![format!("key          {}", command_line_form(key))];
+    let mut lines = vec![format!("key          {}", shown(key))];
     match &record {
         None => lines.push("record       none".to_owned()),
         Some(r) => {
@@ -299,11 +299,12 @@ pub(crate) fn explain(
         rfc3339(now),
         now.as_millis()
     ));
-    let status = verdict
-        .http
-        .map_or_else(|| "the handler's".to_owned(), |s| s.to_string());
+    let status = verdict.http.map_or_else(
+        || "the handler runs and its response is the answer".to_owned(),
+        |s| format!("HTTP {s}"),
+    );
     lines.push(format!(
-        "verdict      {} (HTTP {status})",
+        "verdict      {} ({status})",
         verdict.name.to_uppercase()
     ));
     for line in &lines {

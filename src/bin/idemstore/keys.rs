@@ -108,6 +108,22 @@ pub(crate) fn command_line_form(key: &Key) -> String {
     }
 }
 
+/// How a key is shown in text: `scope/id` when both parts are printable,
+/// else the arguments that address it (`--hex --scope .. ..`).
+pub(crate) fn shown(key: &Key) -> String {
+    let form = command_line_form(key);
+    if form.starts_with("--hex") {
+        form
+    } else {
+        key.to_string()
+    }
+}
+
+/// [`shown`] of a stored key; its hex bytes when they are not a valid key.
+pub(crate) fn raw_shown(key: RawKey<'_>) -> String {
+    key.decode().map_or_else(|_| key.to_string(), |k| shown(&k))
+}
+
 /// `word` quoted for a POSIX shell when it needs it.
 fn shell_word(word: &str) -> String {
     let plain = !word.is_empty()

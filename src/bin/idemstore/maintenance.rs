@@ -2,7 +2,7 @@
 //! `salvage`, `export`, `import`, and the log's `log` and `recover`.
 
 use super::commands::bar;
-use super::keys::raw_key_json;
+use super::keys::{raw_key_json, raw_shown};
 use super::replace::Building;
 use super::{
     EXIT_ERROR, EXIT_OK, EXIT_PROBLEMS, EXIT_REFUSED, Failure, Io, Outcome, PROGRESS_MIN_RECORDS,
@@ -358,6 +358,13 @@ impl Feeder<'_> {
     }
 }
 
+/// What a copy left behind: the key (as JSON and as shown), when there is
+/// one, and why.
+struct LeftBehind {
+    key: Option<(serde_json::Value, String)>,
+    why: String,
+}
+
 /// Every record of `from` that verifies, into `into`; the rest (with why)
 /// in the returned list. An error of the scan itself (damage the engine
 /// cannot read past) is one entry of the list: what came after it is not
@@ -367,7 +374,7 @@ fn copy_records(
     into: &RedbStore,
     io: &Io<'_>,
     what: &str,
-) -> std::result::Result<(u64, Vec<(serde_json::Value, String)>), Failure> {
+) -> std::result::Result<(u64, Vec<LeftBehind>), Failure> {
     let bar = bar(io, from.admin().facts().map_or(0, |f| f.records), what);
     let mut feeder = Feeder {
         into,
@@ -389,7 +396,10 @@ fn copy_records(
                     return ControlFlow::Break(());
                 }
             }
-            (Err(e), _) | (_, Err(e)) => left.push((raw_key_json(raw), e.to_string())),
+            (Err(e), _) | (_, Err(e)) => left.push(LeftBehind {
+                key: Some((raw_key_json(raw), raw_shown(raw))),
+                why: e.to_string(),
+            }),
         }
         ControlFlow::Continue(())
     });
@@ -398,10 +408,12 @@ fn copy_records(
         return Err(e.into());
     }
     if let Err(e) = scanned {
-        left.push((
-            serde_json::Value::Null,
-            format!("the scan stopped after {seen} records: {e}; records after it are not read"),
-        ));
+        left.push(LeftBehind {
+            key: None,
+            why: format!(
+                "the scan stopped after {seen} records: {e}; records after it are not read"
+            ),
+        });
     }
     feeder.flush()?;
     Ok((feeder.written, left))
@@ -618,7 +630,10 @@ pub(crate) fn salvage(store: &Path, to: &Path, io: &mut Io<'_>) -> Outcome {
     let meta_hwm = match view.admin().facts() {
         Ok(facts) => facts.token_hwm,
         Err(e) => {
-            left_behind.push((serde_json::Value::Null, format!("the meta entries: {e}")));
+            left_behind.push(LeftBehind {
+                key: None,
+                why: format!("the meta entries: {e}"),
+            });
             0
         }
     };
@@ -646,7 +661,7 @@ pub(crate) fn salvage(store: &Path, to: &Path, io: &mut Io<'_>) -> Outcome {
     if io.json {
         let left: Vec<_> = left_behind
             .iter()
-            .map(|(key, why)| json!({"key": key, "why": why}))
+            .map(|l| json!({"key": l.key.as_ref().map(|k| &k.0), "why": l.why}))
             .collect();
         let v = json!({
             "salvaged": salvaged,
@@ -686,8 +701,11 @@ pub(crate) fn salvage(store: &Path, to: &Path, io: &mut Io<'_>) -> Outcome {
                     String::new()
                 }
             )?;
-            for (key, why) in &left_behind {
-                writeln!(io.out, "  {key}: {why}")?;
+            for l in &left_behind {
+                match &l.key {
+                    Some((_, key)) => writeln!(io.out, "  {key}: {}", l.why)?,
+                    None => writeln!(io.out, "  {}", l.why)?,
+                }
             }
         }
     }
