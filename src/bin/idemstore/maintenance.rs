@@ -721,20 +721,25 @@ fn new_hwm(path: &Path) -> std::result::Result<u64, Failure> {
     Ok(RedbStore::open_read_only(path)?.admin().facts()?.token_hwm)
 }
 
+/// A [`LogCheck`](idemstore::redb::admin::LogCheck) as JSON (`log`, and
+/// `verify` when the log fails).
+fn log_json(check: &idemstore::redb::admin::LogCheck) -> serde_json::Value {
+    json!({
+        "path": check.path.display().to_string(),
+        "present": check.present,
+        "bytes": check.bytes,
+        "clean_stop": check.clean_stop,
+        "frames": check.frames,
+        "problems": check.problems,
+    })
+}
+
 /// `log`: the write-ahead log as an open would find it. Reads only.
 pub(crate) fn log(path: &Path, io: &mut Io<'_>) -> Outcome {
     existing_store_file(path)?;
     let check = check_log(path)?;
     if io.json {
-        let v = json!({
-            "path": check.path.display().to_string(),
-            "present": check.present,
-            "bytes": check.bytes,
-            "clean_stop": check.clean_stop,
-            "frames": check.frames,
-            "problems": check.problems,
-        });
-        writeln!(io.out, "{v}")?;
+        writeln!(io.out, "{}", log_json(&check))?;
     } else {
         let stop = match check.clean_stop {
             Some(true) => "closed cleanly: the log holds nothing the store needs",
@@ -887,17 +892,7 @@ pub(crate) fn verify_log(path: &Path, io: &mut Io<'_>) -> Result<Option<u8>, Fai
         return Ok(None);
     }
     if json {
-        let v = json!({
-            "ok": false,
-            "log": {
-                "path": check.path.display().to_string(),
-                "present": check.present,
-                "bytes": check.bytes,
-                "clean_stop": check.clean_stop,
-                "frames": check.frames,
-                "problems": check.problems,
-            },
-        });
+        let v = json!({"ok": false, "log": log_json(&check)});
         writeln!(io.out, "{v}")?;
     } else {
         writeln!(
