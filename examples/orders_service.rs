@@ -21,12 +21,12 @@
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::{Extension, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response as HttpResponse};
 use axum::routing::post;
 use idemstore::redb::engine::{ReadableTable, TableDefinition, WriteTransaction};
 use idemstore::redb::{Delivery, Inbox};
-use idemstore::tower::IdempotencyLayer;
+use idemstore::tower::{DoNotStore, IdempotencyLayer};
 use idemstore::{BoxError, Claim, Fingerprint, Guard, Key, RedbStore, Response, Store};
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -74,26 +74,28 @@ struct Order {
 
 async fn create_order(
     State(shop): State<Shop>,
-    headers: HeaderMap,
-    claim: Option<Extension<Claim>>,
+    Extension(key): Extension<Key>,
+    Extension(claim): Extension<Claim>,
     body: Bytes,
 ) -> HttpResponse {
-    // The layer has validated the key; the structured-field form is quoted.
-    let Some(order_id) = headers
-        .get("idempotency-key")
-        .and_then(|v| v.to_str().ok())
-        .map(|v| v.trim_matches('"').to_owned())
-    else {
-        return (StatusCode::BAD_REQUEST, "an Idempotency-Key is required").into_response();
+    // A request that fails validation never started executing: its 400 is
+    // not stored (DoNotStore releases the claim), so the client's corrected
+    // retry with the same key runs, instead of replaying the 400 or getting
+    // 422 for the changed body (Stripe's practice).
+    let order = match serde_json::from_slice::<Order>(&body) {
+        Ok(order) if order.qty > 0 && !order.sku.is_empty() => order,
+        _ => {
+            return (
+                StatusCode::BAD_REQUEST,
+                Extension(DoNotStore),
+                "expected {\"sku\": non-empty string, \"qty\": positive number}",
+            )
+                .into_response();
+        }
     };
-    let Ok(order) = serde_json::from_slice::<Order>(&body) else {
-        return (
-            StatusCode::BAD_REQUEST,
-            "expected {\"sku\": string, \"qty\": number}",
-        )
-            .into_response();
-    };
-    let token = claim.map_or(0, |Extension(c)| c.token());
+    // The key as the layer parsed it (the header's quoting removed).
+    let order_id = String::from_utf8_lossy(key.id()).into_owned();
+    let token = claim.token();
     let inbox = shop.inbox.clone();
     // The ledger commit fsyncs: off the async workers.
     let ledger = tokio::task::spawn_blocking(move || -> Result<Delivery, BoxError> {

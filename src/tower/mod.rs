@@ -36,7 +36,9 @@
 //!   [`fingerprint_headers`](IdempotencyLayer::fingerprint_headers), computed
 //!   once before the handler runs. The body is read into memory for it, up
 //!   to [`max_request_body_bytes`](IdempotencyLayer::max_request_body_bytes).
-//! - The handler sees its [`Claim`](crate::Claim) as a request extension:
+//! - The handler sees its [`Claim`](crate::Claim) and the parsed
+//!   [`Key`](crate::Key) (scope and id, the header's quoting removed) as
+//!   request extensions (`Extension<Claim>`, `Extension<Key>` in axum):
 //!   `claim.token()` is a fencing token to pass downstream.
 //! - The first response is sent as the handler made it; what is stored (and
 //!   replayed) leaves out the [`deny_headers`](IdempotencyLayer::deny_headers)
@@ -70,12 +72,15 @@
 //! | expired lease under `TakeoverPolicy::Reconcile` (`Unknown`) | 500 problem+json; the claim is kept until its lease ends (reconcile out of band) | no |
 //! | inner service returns `Err` | that error; the claim follows the guard's `OnHandlerError` | yes |
 //!
-//! Problem bodies are RFC 9457 `application/problem+json` with `type`
-//! `about:blank`, `title`, `status` and a `detail` saying why.
+//! Problem bodies are RFC 9457 `application/problem+json`: a `type` and a
+//! `title` for each kind of answer ([`Problem`]: the `type` is the kind's
+//! entry in these docs), the `status`, and a `detail` saying what happened
+//! to this request.
 
 mod body;
 mod header;
 mod layer;
+mod problem;
 mod reply;
 mod service;
 
@@ -85,4 +90,5 @@ pub use layer::{
     DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_UNAVAILABLE_RETRY_AFTER, DoNotStore, IdempotencyLayer,
     StorePolicy,
 };
+pub use problem::Problem;
 pub use service::{Idempotency, ResponseFuture};

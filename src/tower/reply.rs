@@ -2,6 +2,7 @@
 
 use super::body::ResponseBody;
 use super::header::IDEMPOTENT_REPLAYED;
+use super::problem::Problem;
 use crate::fingerprint::Fingerprint;
 use crate::response::Response as Snapshot;
 use crate::time::Timestamp;
@@ -57,7 +58,7 @@ pub(crate) fn from_snapshot<B>(s: Snapshot, replayed: bool) -> Response<Response
     // rather than half-replayed.
     let Ok(status) = StatusCode::from_u16(status) else {
         return problem(
-            StatusCode::INTERNAL_SERVER_ERROR,
+            Problem::StoredResponseInvalid,
             "the stored response has an invalid status",
         );
     };
@@ -68,7 +69,7 @@ pub(crate) fn from_snapshot<B>(s: Snapshot, replayed: bool) -> Response<Response
             HeaderValue::from_bytes(&value),
         ) else {
             return problem(
-                StatusCode::INTERNAL_SERVER_ERROR,
+                Problem::StoredResponseInvalid,
                 "the stored response has an invalid header",
             );
         };
@@ -82,10 +83,11 @@ pub(crate) fn from_snapshot<B>(s: Snapshot, replayed: bool) -> Response<Response
 }
 
 /// An RFC 9457 problem response (`application/problem+json`).
-pub(crate) fn problem<B>(status: StatusCode, detail: &str) -> Response<ResponseBody<B>> {
+pub(crate) fn problem<B>(kind: Problem, detail: &str) -> Response<ResponseBody<B>> {
+    let status = kind.status();
     let body = serde_json::json!({
-        "type": "about:blank",
-        "title": status.canonical_reason().unwrap_or(""),
+        "type": kind.type_uri(),
+        "title": kind.title(),
         "status": status.as_u16(),
         "detail": detail,
     });
@@ -100,11 +102,11 @@ pub(crate) fn problem<B>(status: StatusCode, detail: &str) -> Response<ResponseB
 
 /// A problem with `Retry-After: seconds` (rounded up, at least 1).
 pub(crate) fn problem_retry_after<B>(
-    status: StatusCode,
+    kind: Problem,
     detail: &str,
     after: Duration,
 ) -> Response<ResponseBody<B>> {
-    let mut res = problem(status, detail);
+    let mut res = problem(kind, detail);
     let secs = after.as_millis().div_ceil(1000).max(1);
     res.headers_mut().insert(
         header::RETRY_AFTER,
@@ -124,9 +126,9 @@ mod tests {
 
     #[test]
     fn retry_after_rounds_up() {
-        let r = problem_retry_after::<()>(StatusCode::CONFLICT, "x", Duration::from_millis(1001));
+        let r = problem_retry_after::<()>(Problem::InFlight, "x", Duration::from_millis(1001));
         assert_eq!(r.headers()[header::RETRY_AFTER], "2");
-        let r = problem_retry_after::<()>(StatusCode::CONFLICT, "x", Duration::ZERO);
+        let r = problem_retry_after::<()>(Problem::InFlight, "x", Duration::ZERO);
         assert_eq!(r.headers()[header::RETRY_AFTER], "1");
     }
 

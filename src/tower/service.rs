@@ -3,6 +3,7 @@
 use super::body::{Buffered, ResponseBody, buffer};
 use super::header::parse_key;
 use super::layer::{Config, DoNotStore, StorePolicy};
+use super::problem::Problem;
 use super::reply::{fingerprint, from_snapshot, problem, problem_retry_after, remaining, snapshot};
 use crate::error::BoxError;
 use crate::guard::{Guard, Outcome};
@@ -11,7 +12,7 @@ use crate::record::Claim;
 use crate::response::Response as Snapshot;
 use crate::store::Store;
 use bytes::Bytes;
-use http::{Request, Response, StatusCode};
+use http::{Request, Response};
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use pin_project_lite::pin_project;
@@ -151,11 +152,11 @@ where
             Ok(None) if !self.config.require_key => return self.passthrough(req),
             Ok(None) => {
                 return ready(problem(
-                    StatusCode::BAD_REQUEST,
+                    Problem::KeyMissing,
                     "this request needs an Idempotency-Key header",
                 ));
             }
-            Err(why) => return ready(problem(StatusCode::BAD_REQUEST, &why)),
+            Err(why) => return ready(problem(Problem::KeyInvalid, &why)),
         };
         // The instance that was polled ready serves this request (tower's
         // clone-and-swap idiom).
@@ -223,21 +224,24 @@ where
                 "the request body is over the limit of {} bytes",
                 config.max_request_body_bytes
             );
-            return Ok(problem(StatusCode::PAYLOAD_TOO_LARGE, &detail));
+            return Ok(problem(Problem::RequestTooLarge, &detail));
         }
         Err(e) => {
             let detail = format!("the request body could not be read: {e}");
-            return Ok(problem(StatusCode::BAD_REQUEST, &detail));
+            return Ok(problem(Problem::BodyUnreadable, &detail));
         }
     };
     let scope = config.scope.as_ref().map_or_else(Vec::new, |f| f(&parts));
     let key = match Key::new(scope, id) {
         Ok(key) => key,
         // The id was checked in `call`, so this is the scope: a server bug.
-        Err(e) => return Ok(problem(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string())),
+        Err(e) => return Ok(problem(Problem::ScopeInvalid, &e.to_string())),
     };
     let fp = fingerprint(&parts, &body, &config.fingerprint_headers);
-    let req = Request::from_parts(parts, ReqBody::from(body));
+    let mut req = Request::from_parts(parts, ReqBody::from(body));
+    // The handler reads the key as the layer parsed it (`Extension<Key>`
+    // in axum): unquoted, with its scope, never reparsed from the header.
+    req.extensions_mut().insert(key.clone());
 
     let mut first = None;
     let release = |f: &Failure<ResBody, S::Error>| matches!(f, Failure::Skip(_));
@@ -301,16 +305,16 @@ fn answer<B, E>(
         Outcome::NotStored { response, .. } => executed(response),
         Outcome::Replayed(s) => from_snapshot(s, true),
         Outcome::InFlight { lease_until } => problem_retry_after(
-            StatusCode::CONFLICT,
+            Problem::InFlight,
             "a request with this Idempotency-Key is being processed; retry later",
             remaining(guard.now(), lease_until),
         ),
         Outcome::Conflicted => problem(
-            StatusCode::UNPROCESSABLE_ENTITY,
+            Problem::KeyReused,
             "this Idempotency-Key was used with a different request",
         ),
         Outcome::Unavailable(_) => problem_retry_after(
-            StatusCode::SERVICE_UNAVAILABLE,
+            Problem::StoreUnavailable,
             "the idempotency store is unavailable; the request was not processed",
             config.unavailable_retry_after,
         ),
@@ -318,14 +322,14 @@ fn answer<B, E>(
         // guard says reconcile, which HTTP cannot do: the claim is kept (it
         // expires with its lease) and the client is told to stop retrying blindly.
         Outcome::Unknown(_) => problem(
-            StatusCode::INTERNAL_SERVER_ERROR,
+            Problem::OutcomeUnknown,
             "an earlier attempt with this Idempotency-Key ended with an unknown outcome",
         ),
         Outcome::HandlerFailed(failure) | Outcome::FailedOpen(Err(failure)) => match failure {
             Failure::Inner(e) => return Err(e),
             Failure::Skip(res) | Failure::TooLarge(res) => res,
             Failure::BodyFailed => problem(
-                StatusCode::INTERNAL_SERVER_ERROR,
+                Problem::ResponseBodyFailed,
                 "the response body failed while it was read",
             ),
         },

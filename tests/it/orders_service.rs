@@ -98,6 +98,20 @@ impl Service {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_order_is_400_unstored_and_the_corrected_retry_runs() {
+    let s = start(Duration::ZERO).await;
+    let bad = s
+        .post(Some("o-fix"), r#"{"sku":"apple","qty":"two"}"#)
+        .await;
+    assert_eq!(bad.status, StatusCode::BAD_REQUEST, "{bad:?}");
+    assert!(!bad.replayed());
+    // The same key with the corrected body: runs (not 422, not the 400 again).
+    let fixed = s.order("o-fix", 2).await;
+    assert_eq!(fixed.status, StatusCode::CREATED, "{fixed:?}");
+    s.assert_charged_once(&[("o-fix", 2)]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn double_click_charges_once_and_replays() {
     let s = start(Duration::ZERO).await;
     let first = s.order("o-1", 2).await;

@@ -10,8 +10,8 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::{Client, connect::HttpConnector};
 use hyper_util::rt::TokioExecutor;
-use idemstore::tower::{DoNotStore, IdempotencyLayer, StorePolicy};
-use idemstore::{Claim, FaultyStore, Guard, MemoryStore};
+use idemstore::tower::{DoNotStore, IdempotencyLayer, Problem, StorePolicy};
+use idemstore::{Claim, FaultyStore, Guard, Key, MemoryStore};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -101,6 +101,17 @@ impl Reply {
     }
     fn is_problem(&self) -> bool {
         self.headers["content-type"] == "application/problem+json"
+    }
+    /// The problem body's `type`, `title` and `status`, checked against
+    /// `kind` (and against the HTTP status).
+    fn assert_problem(&self, kind: Problem) {
+        assert!(self.is_problem(), "{self:?}");
+        let v: serde_json::Value = serde_json::from_str(&self.body).unwrap();
+        assert_eq!(v["type"], kind.type_uri(), "{v}");
+        assert_eq!(v["title"], kind.title(), "{v}");
+        assert_eq!(v["status"], self.status.as_u16(), "{v}");
+        assert_eq!(self.status, kind.status(), "{v}");
+        assert!(v["detail"].as_str().is_some_and(|d| !d.is_empty()), "{v}");
     }
 }
 
@@ -310,7 +321,13 @@ async fn conflicting_payload_is_422() {
     assert_eq!(app.post("k-c", "qty=1").await.status, StatusCode::CREATED);
     let other_body = app.post("k-c", "qty=2").await;
     assert_eq!(other_body.status, StatusCode::UNPROCESSABLE_ENTITY);
-    assert!(other_body.is_problem());
+    other_body.assert_problem(Problem::KeyReused);
+    // RFC 9110's name for 422, not the old reason phrase.
+    assert!(
+        !other_body.body.contains("Unprocessable Entity"),
+        "{}",
+        other_body.body
+    );
     assert!(
         other_body.body.contains("different request"),
         "{}",
@@ -371,6 +388,8 @@ async fn oversized_body_is_413_without_running_the_handler() {
     let app = start(layer().max_request_body_bytes(1024), Duration::ZERO).await;
     let r = app.post("k-big", &"x".repeat(2048)).await;
     assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE);
+    r.assert_problem(Problem::RequestTooLarge);
+    assert!(!r.body.contains("Payload Too Large"), "{}", r.body);
     assert!(
         r.is_problem() && r.body.contains("1024 bytes"),
         "{}",
@@ -601,4 +620,32 @@ async fn client_timeout_then_retries_get_409_then_500_under_reconcile() {
         r.body
     );
     assert_eq!(app.runs(), 1);
+}
+
+/// Echoes the key the layer parsed, as the handler sees it.
+async fn echo_key(key: Extension<Key>) -> String {
+    format!(
+        "{:?}|{:?}",
+        String::from_utf8_lossy(key.scope()),
+        String::from_utf8_lossy(key.id())
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_handler_reads_the_parsed_key() {
+    let layer = IdempotencyLayer::new(Guard::new(MemoryStore::new()))
+        .scope(|parts| parts.uri.path().as_bytes().to_vec());
+    let app = Router::new().route("/k", post(echo_key)).layer(layer);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let client = Client::builder(TokioExecutor::new()).build_http();
+    // A structured-field string: the quotes and the escape are the header's,
+    // not the key's.
+    let req = http::Request::post(format!("http://{addr}/k"))
+        .header("idempotency-key", r#""a\"b""#)
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let r = fetch(&client, req).await;
+    assert_eq!(r.body, r#""/k"|"a\"b""#, "{r:?}");
 }
