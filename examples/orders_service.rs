@@ -15,8 +15,12 @@
 //!   instead of charging twice. The fencing token is recorded with the
 //!   charge, for a downstream payment provider's own idempotency key.
 //!
-//! Run: `cargo run --example orders_service -- /tmp/orders.idem`, then
-//! `curl -i -X POST localhost:3000/orders -H 'Idempotency-Key: o-1' -d '{"sku":"apple","qty":2}'`.
+//! Run: `cargo run --example orders_service --features tracing,metrics -- /tmp/orders.idem`,
+//! then `curl -i -X POST localhost:3000/orders -H 'Idempotency-Key: o-1' -d '{"sku":"apple","qty":2}'`.
+//! It logs through `tracing-subscriber` (`RUST_LOG=idemstore=debug` for
+//! every request's span) and serves the crate's metrics for Prometheus on
+//! `GET /metrics` (`curl localhost:3000/metrics`); without the features the
+//! crate reports nothing there.
 
 use axum::Router;
 use axum::body::Bytes;
@@ -214,6 +218,13 @@ async fn main() -> Result<(), BoxError> {
         .nth(1)
         .unwrap_or_else(|| "orders.idem".to_owned());
     let addr = std::env::var("ORDERS_ADDR").unwrap_or_else(|_| "127.0.0.1:3000".to_owned());
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let prometheus = metrics_exporter_prometheus::PrometheusBuilder::new().install_recorder()?;
     let store = std::sync::Arc::new(RedbStore::open(&path)?);
     let inbox = Inbox::new(std::sync::Arc::clone(&store));
     seed_stock(&inbox, &[("apple", 100), ("pear", 10)])?;
@@ -224,8 +235,13 @@ async fn main() -> Result<(), BoxError> {
             delay_after_commit: Duration::ZERO,
         },
     );
+    // The scrape endpoint, outside the idempotency layer.
+    let app = app.merge(Router::new().route(
+        "/metrics",
+        axum::routing::get(move || std::future::ready(prometheus.render())),
+    ));
     let listener = tokio::net::TcpListener::bind(&addr).await?;
-    println!("orders service on http://{addr}, store {path}");
+    tracing::info!(%addr, %path, "orders service listening");
     axum::serve(listener, app).await?;
     Ok(())
 }

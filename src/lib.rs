@@ -60,7 +60,9 @@
 //! - `redb`, `sled`, `postgres`: each backend's builder, durability or
 //!   options, statistics and limits (`redb` also has the `Inbox` and the
 //!   `engine` re-export);
-//! - `tower`: the HTTP middleware.
+//! - `tower`: the HTTP middleware;
+//! - [`observability`]: the metric names, and what the `tracing` and
+//!   `metrics` features report.
 //!
 //! # Features
 //!
@@ -73,9 +75,11 @@
 //!   several replicas (one statement per call, fencing tokens from a sequence).
 //! - `tokio`: `Guard::run_async`.
 //! - `tower`: HTTP middleware (`Idempotency-Key`), in `tower` (behaviour and status codes in its docs).
-//! - `cli`: the `idemstore` operator binary (stats, get, list, evict, sweep,
-//!   compact, verify, export, import), built on the public `redb::admin`
-//!   API alone.
+//! - `cli`: the `idemstore` operator binary (read-only inspection, explain,
+//!   evict, sweep, compact, verify, salvage, export, import), built on the
+//!   public `redb::admin` API alone.
+//! - `tracing`, `metrics`: spans and events, and counters, histograms and
+//!   gauges, through those facades ([`observability`]).
 //! - `test-util`: `ManualClock`, `FaultyStore` and the `MemoryStore` fault hook.
 //!   The conformance suite, the model, the power-loss storage backend and the
 //!   kill-test driver are in the `idemstore-testkit` crate.
@@ -99,6 +103,7 @@ mod key;
 pub mod limits;
 pub mod logic;
 mod memory;
+pub mod observability;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub mod postgres;

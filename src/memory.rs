@@ -302,6 +302,7 @@ impl Store for MemoryStore {
         for key in &due {
             inner.remove(key);
         }
+        crate::observability::swept("memory", due.len());
         Ok(due.len())
     }
 

@@ -71,6 +71,7 @@ impl<S: Store> Guard<S> {
             Waited::Stored(response) => {
                 bump(&c.replayed);
                 bump(&c.waited);
+                crate::observability::waited();
                 Some(Outcome::Replayed(response))
             }
             Waited::Retry => None,
@@ -84,8 +85,9 @@ impl<S: Store> Guard<S> {
     fn decide<E>(&self, begun: Result<Begin>, may_wait: bool) -> Start<E> {
         let c = &self.counters;
         match begun {
-            Err(_) if self.fail_open => {
+            Err(error) if self.fail_open => {
                 bump(&c.fail_open);
+                crate::observability::failed_open(&error);
                 Start::FailOpen
             }
             Err(error) => {
@@ -107,6 +109,12 @@ impl<S: Store> Guard<S> {
                 Start::Answer(Outcome::Conflicted)
             }
             Ok(Begin::Claimed(claim)) => {
+                crate::observability::claimed(
+                    claim.token(),
+                    self.lease,
+                    claim.is_takeover(),
+                    claim.attempt(),
+                );
                 if claim.is_takeover() {
                     bump(&c.takeovers);
                     if self.takeover == TakeoverPolicy::Reconcile {

@@ -256,6 +256,7 @@ impl<S: Store> Guard<S> {
     fn count_stale(&self, r: &Result<()>) {
         if matches!(r, Err(Error::StaleClaim)) {
             bump(&self.counters.stale);
+            crate::observability::stale_claim();
         }
     }
 

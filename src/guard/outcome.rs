@@ -50,6 +50,22 @@ pub enum Outcome<E> {
 }
 
 impl<E> Outcome<E> {
+    /// The outcome's name in metrics and traces
+    /// ([`GUARD_OUTCOMES`](crate::observability::GUARD_OUTCOMES)).
+    pub(crate) fn label(&self) -> &'static str {
+        match self {
+            Outcome::Executed(_) => "executed",
+            Outcome::Replayed(_) => "replayed",
+            Outcome::InFlight { .. } => "in_flight",
+            Outcome::Conflicted => "conflicted",
+            Outcome::Unavailable(_) => "unavailable",
+            Outcome::Unknown(_) => "unknown",
+            Outcome::HandlerFailed(_) => "handler_failed",
+            Outcome::NotStored { .. } => "not_stored",
+            Outcome::FailedOpen(_) => "fail_open",
+        }
+    }
+
     /// The response to send, if there is one (`Executed`, `Replayed`,
     /// `NotStored`, `FailedOpen(Ok)`).
     ///

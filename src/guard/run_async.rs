@@ -8,6 +8,7 @@ use super::waiting::{Entered, Waited};
 use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
 use crate::key::Key;
+use crate::observability::{RequestSpan, store_op_async};
 use crate::record::Claim;
 use crate::response::Response;
 use crate::store::Store;
@@ -64,13 +65,39 @@ impl<S: Store + 'static> Guard<S> {
         F: FnOnce(Claim) -> Fut,
         Fut: std::future::Future<Output = std::result::Result<Response, E>>,
     {
+        let span = RequestSpan::new(key.scope());
+        span.instrument(async {
+            let outcome = self
+                .run_async_in_span(key, fingerprint, release, handler)
+                .await;
+            crate::observability::outcome(outcome.label());
+            outcome
+        })
+        .await
+    }
+
+    async fn run_async_in_span<E, F, Fut>(
+        &self,
+        key: &Key,
+        fingerprint: &Fingerprint,
+        release: impl Fn(&E) -> bool,
+        handler: F,
+    ) -> Outcome<E>
+    where
+        F: FnOnce(Claim) -> Fut,
+        Fut: std::future::Future<Output = std::result::Result<Response, E>>,
+    {
         let deadline = self.wait_deadline();
         // One store call per turn, as in `run`.
         loop {
             let mut entry = self.enter(key);
             let (store, k, fp) = (Arc::clone(&self.store), key.clone(), *fingerprint);
             let (now, lease, retention) = (self.clock.now(), self.lease, self.retention);
-            let begun = blocking(move || store.begin(&k, &fp, now, lease, retention)).await;
+            let begun = store_op_async(
+                "begin",
+                blocking(move || store.begin(&k, &fp, now, lease, retention)),
+            )
+            .await;
             match self.classify(begun, entry.as_mut()) {
                 Start::Answer(outcome) => return outcome,
                 Start::Wait { lease_until } => {
@@ -93,10 +120,18 @@ impl<S: Store + 'static> Guard<S> {
                         Settle::Complete(response) => {
                             // The blocking pool needs its own copy.
                             let (response, now) = (response.clone(), self.clock.now());
-                            blocking(move || store.complete(&k, &claim, &response, now, retention))
+                            store_op_async(
+                                "complete",
+                                blocking(move || {
+                                    store.complete(&k, &claim, &response, now, retention)
+                                }),
+                            )
+                            .await
+                        }
+                        Settle::Release => {
+                            store_op_async("release", blocking(move || store.release(&k, &claim)))
                                 .await
                         }
-                        Settle::Release => blocking(move || store.release(&k, &claim)).await,
                         Settle::Keep => Ok(()),
                     };
                     return self.conclude(result, written, entry.as_mut());

@@ -6,6 +6,7 @@ use super::outcome::Outcome;
 use super::waiting::Waited;
 use crate::fingerprint::Fingerprint;
 use crate::key::Key;
+use crate::observability::{RequestSpan, store_op};
 use crate::record::Claim;
 use crate::response::Response;
 use crate::store::Store;
@@ -19,6 +20,20 @@ impl<S: Store> Guard<S> {
         fingerprint: &Fingerprint,
         handler: impl FnOnce(&Claim) -> std::result::Result<Response, E>,
     ) -> Outcome<E> {
+        let span = RequestSpan::new(key.scope());
+        span.in_scope(|| {
+            let outcome = self.run_in_span(key, fingerprint, handler);
+            crate::observability::outcome(outcome.label());
+            outcome
+        })
+    }
+
+    fn run_in_span<E>(
+        &self,
+        key: &Key,
+        fingerprint: &Fingerprint,
+        handler: impl FnOnce(&Claim) -> std::result::Result<Response, E>,
+    ) -> Outcome<E> {
         let deadline = self.wait_deadline();
         // Each turn asks the store once; a second turn happens only after a
         // local owner finished without storing, so the loop ends by the
@@ -26,9 +41,10 @@ impl<S: Store> Guard<S> {
         loop {
             let mut entry = self.enter(key);
             let now = self.clock.now();
-            let begun = self
-                .store
-                .begin(key, fingerprint, now, self.lease, self.retention);
+            let begun = store_op("begin", || {
+                self.store
+                    .begin(key, fingerprint, now, self.lease, self.retention)
+            });
             match self.classify(begun, entry.as_mut()) {
                 Start::Answer(outcome) => return outcome,
                 Start::Wait { lease_until } => {
@@ -45,14 +61,16 @@ impl<S: Store> Guard<S> {
                 Start::Execute(claim) => {
                     let result = handler(&claim);
                     let written = match self.settle(&result, |_| false) {
-                        Settle::Complete(response) => self.store.complete(
-                            key,
-                            &claim,
-                            response,
-                            self.clock.now(),
-                            self.retention,
-                        ),
-                        Settle::Release => self.store.release(key, &claim),
+                        Settle::Complete(response) => store_op("complete", || {
+                            self.store.complete(
+                                key,
+                                &claim,
+                                response,
+                                self.clock.now(),
+                                self.retention,
+                            )
+                        }),
+                        Settle::Release => store_op("release", || self.store.release(key, &claim)),
                         Settle::Keep => Ok(()),
                     };
                     return self.conclude(result, written, entry.as_mut());

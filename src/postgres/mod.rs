@@ -364,7 +364,9 @@ impl Store for PostgresStore {
         let limit = i64::try_from(max).unwrap_or(i64::MAX);
         let deleted =
             self.retrying(|conn, _| Ok(conn.execute(Stmt::Sweep, &[&row::millis(now), &limit])?))?;
-        Ok(usize::try_from(deleted).unwrap_or(usize::MAX))
+        let deleted = usize::try_from(deleted).unwrap_or(usize::MAX);
+        crate::observability::swept("postgres", deleted);
+        Ok(deleted)
     }
 
     fn clock(&self) -> Arc<dyn Clock> {

@@ -37,14 +37,19 @@ pub(super) fn run(shared: Arc<Shared>) {
         let frozen = shared.read_mem().frozen.clone();
         if let Some(frozen) = frozen {
             drop(bg);
+            let started = Instant::now();
             match checkpoint(&shared, &frozen) {
                 Ok(()) => {
                     shared.write_mem().frozen = None;
                     shared.stats.checkpoints.fetch_add(1, Ordering::Relaxed);
                     shared.stats.durable_commits.fetch_add(1, Ordering::Relaxed);
+                    crate::observability::checkpointed(frozen.records.len(), started.elapsed());
                 }
                 // The frames are still in the log: a reopen replays them.
-                Err(_) => shared.poisoned.store(true, Ordering::SeqCst),
+                Err(e) => {
+                    shared.poisoned.store(true, Ordering::SeqCst);
+                    crate::observability::poisoned("redb", &e);
+                }
             }
             bg = shared.lock_bg();
             shared.bg_cv.notify_all();

@@ -198,6 +198,7 @@ impl Shared {
                     .unwrap_or_else(|_| {
                         // A bug while leading: what was written is unknown.
                         self.poisoned.store(true, Ordering::SeqCst);
+                        crate::observability::poisoned("redb", &"a panic while committing a group");
                         ops.iter().map(|_| Err(Error::Poisoned)).collect()
                     });
             // Pass the role on first: the next group's commit overlaps
@@ -297,11 +298,14 @@ impl Shared {
         let Some(wal) = core.wal.as_mut() else {
             return Err(Error::backend("the write-ahead log is gone"));
         };
+        let appending = Instant::now();
         if let Err(e) = wal.append(&mut journal, sync) {
             // The frame may or may not be on disk.
             self.poisoned.store(true, Ordering::SeqCst);
+            crate::observability::poisoned("redb", &e);
             return Err(e);
         }
+        let (log_sync, log_fill) = (appending.elapsed(), wal.fill());
         if !sync {
             self.log_unsynced.store(true, Ordering::SeqCst);
         }
@@ -324,6 +328,8 @@ impl Shared {
         self.stats
             .swept
             .fetch_add(decided.swept as u64, Ordering::Relaxed);
+        crate::observability::group_committed(ops.len(), log_sync, bytes, log_fill);
+        crate::observability::swept("redb", decided.swept);
         // Hand the memtable to the checkpointer when it is large enough,
         // or old enough, and the checkpointer is free. Past twice the
         // budget, wait for it (back-pressure on memory).
@@ -369,6 +375,7 @@ impl Shared {
             // allocates): what reached the disk is unknown.
             let _ = txn.abort();
             self.poisoned.store(true, Ordering::SeqCst);
+            crate::observability::poisoned("redb", &e);
             return Err(e);
         }
         let durable = match self.durability {
@@ -385,6 +392,7 @@ impl Shared {
         if let Err(e) = txn.commit() {
             // It may or may not be on disk: refuse every later write.
             self.poisoned.store(true, Ordering::SeqCst);
+            crate::observability::poisoned("redb", &e);
             return Err(engine(e));
         }
         core.token_hwm = hwm;
@@ -392,6 +400,7 @@ impl Shared {
         self.stats
             .swept
             .fetch_add(decided.swept as u64, Ordering::Relaxed);
+        crate::observability::swept("redb", decided.swept);
         if durable {
             self.stats.durable_commits.fetch_add(1, Ordering::Relaxed);
             core.unflushed = false;
@@ -480,6 +489,7 @@ impl Shared {
         }
         if let Err(e) = txn.commit() {
             self.poisoned.store(true, Ordering::SeqCst);
+            crate::observability::poisoned("redb", &e);
             return Err(engine(e).into());
         }
         core.token_hwm = hwm;

@@ -423,6 +423,12 @@ impl RedbStore {
         let mut loss = std::mem::take(&mut opened.loss);
         loss.frames_replayed = opened.frames_replayed;
         let loss_report = (!loss.is_empty()).then_some(loss);
+        crate::observability::opened(
+            path.as_deref(),
+            frames_replayed_on_open,
+            leases_expired_on_open,
+            config.read_only,
+        );
         let shared = Shared::new(opened, &config, path.as_deref());
         let background = {
             let shared = Arc::clone(&shared);

@@ -283,6 +283,15 @@ impl Wal {
         self.epoch
     }
 
+    /// How full the current epoch's segment is, 0..=1 (a metric).
+    pub(super) fn fill(&self) -> f64 {
+        let segment = segment_bytes(self.len);
+        if segment == 0 {
+            return 0.0;
+        }
+        self.offset as f64 / segment as f64
+    }
+
     /// Frames were written in the current epoch.
     pub(super) fn is_dirty(&self) -> bool {
         self.offset > 0

@@ -476,6 +476,7 @@ impl Inner {
             }
             Ok((deleted, None, true))
         })
+        .inspect(|&n| crate::observability::swept("sled", n))
     }
 }
 

@@ -1,0 +1,280 @@
+//! What the crate reports about itself: spans and events through the
+//! [`tracing`](https://docs.rs/tracing) facade (feature `tracing`), and
+//! counters, histograms and gauges through the
+//! [`metrics`](https://docs.rs/metrics) facade (feature `metrics`). Without
+//! the features every hook is an empty inline function: nothing is
+//! recorded and nothing is linked in.
+//!
+//! The constants here are the metric names, for a recorder's
+//! configuration (histogram buckets, descriptions); the table of names,
+//! units and labels, and the spans and events with their fields, is in
+//! `docs/operations.md` ("Tracing" and "Metrics").
+//!
+//! No span or event carries a key's id or a body at any level (they can be
+//! personal data); a request's span has the key's scope (the tenant), the
+//! outcome, the fencing token, the lease and whether it waited.
+//!
+//! ```
+//! use idemstore::observability::{GUARD_OUTCOMES, REDB_LOG_SYNC_SECONDS};
+//! assert_eq!(GUARD_OUTCOMES, "idemstore_guard_outcomes_total");
+//! assert!(REDB_LOG_SYNC_SECONDS.ends_with("_seconds"));
+//! ```
+
+/// Counter: guarded requests by how they ended; label `outcome` is one of
+/// `executed`, `replayed`, `in_flight`, `conflicted`, `unavailable`,
+/// `fail_open`, `unknown`, `not_stored`, `handler_failed`.
+pub const GUARD_OUTCOMES: &str = "idemstore_guard_outcomes_total";
+/// Counter: claims taken over after the owner's lease passed.
+pub const GUARD_TAKEOVERS: &str = "idemstore_guard_takeovers_total";
+/// Counter: duplicates that waited for a local owner's response.
+pub const GUARD_WAITED: &str = "idemstore_guard_waited_total";
+/// Counter: `complete` or `release` refused as stale (the claim was taken over).
+pub const GUARD_STALE_CLAIMS: &str = "idemstore_guard_stale_claims_total";
+/// Histogram, seconds: how long a guarded request's `begin` took (the
+/// claim's latency: for a new key, until its group was durable).
+pub const GUARD_BEGIN_SECONDS: &str = "idemstore_guard_begin_seconds";
+/// Histogram, seconds: how long a `complete` took (until durable).
+pub const GUARD_COMPLETE_SECONDS: &str = "idemstore_guard_complete_seconds";
+/// Histogram, requests: writes per commit group (`RedbStore`).
+pub const REDB_GROUP_SIZE: &str = "idemstore_redb_group_size";
+/// Histogram, seconds: a group's log append and fsync (`RedbStore`).
+pub const REDB_LOG_SYNC_SECONDS: &str = "idemstore_redb_log_sync_seconds";
+/// Histogram, seconds: a checkpoint (memtable into the store file, durably).
+pub const REDB_CHECKPOINT_SECONDS: &str = "idemstore_redb_checkpoint_seconds";
+/// Gauge, bytes: the active memtable (writes acknowledged, not yet checkpointed).
+pub const REDB_MEMTABLE_BYTES: &str = "idemstore_redb_memtable_bytes";
+/// Gauge, ratio 0..=1: the active log segment's fill.
+pub const REDB_LOG_FILL_RATIO: &str = "idemstore_redb_log_fill_ratio";
+/// Counter: expired records removed by sweeps; label `store` is the
+/// backend (`redb`, `sled`, `memory`, `postgres`).
+pub const SWEPT_RECORDS: &str = "idemstore_swept_records_total";
+/// Counter: stores that refused all further writes after a failed commit or
+/// fsync (poisoning).
+pub const POISONINGS: &str = "idemstore_poisoned_total";
+
+use std::time::Duration;
+
+/// A guarded request's span (`idemstore.request`, INFO), entered for the
+/// request's life; its fields are filled as they become known.
+pub(crate) struct RequestSpan {
+    #[cfg(feature = "tracing")]
+    span: tracing::Span,
+}
+
+impl RequestSpan {
+    /// The span for a request with a key of `scope`.
+    pub(crate) fn new(scope: &[u8]) -> RequestSpan {
+        let _ = scope;
+        RequestSpan {
+            #[cfg(feature = "tracing")]
+            span: tracing::info_span!(
+                "idemstore.request",
+                scope = %String::from_utf8_lossy(scope),
+                outcome = tracing::field::Empty,
+                token = tracing::field::Empty,
+                lease_ms = tracing::field::Empty,
+                takeover = tracing::field::Empty,
+                waited = tracing::field::Empty,
+            ),
+        }
+    }
+
+    /// Runs `f` inside the span.
+    pub(crate) fn in_scope<T>(&self, f: impl FnOnce() -> T) -> T {
+        #[cfg(feature = "tracing")]
+        {
+            self.span.in_scope(f)
+        }
+        #[cfg(not(feature = "tracing"))]
+        {
+            f()
+        }
+    }
+
+    /// `fut`, entering the span at each poll.
+    #[cfg(feature = "tokio")]
+    pub(crate) async fn instrument<F: std::future::Future>(&self, fut: F) -> F::Output {
+        #[cfg(feature = "tracing")]
+        {
+            tracing::Instrument::instrument(fut, self.span.clone()).await
+        }
+        #[cfg(not(feature = "tracing"))]
+        {
+            fut.await
+        }
+    }
+}
+
+/// The current request span's claim fields (a claim was taken).
+pub(crate) fn claimed(token: u64, lease: Duration, takeover: bool, attempt: u32) {
+    let _ = (token, lease, takeover, attempt);
+    #[cfg(feature = "tracing")]
+    {
+        let span = tracing::Span::current();
+        span.record("token", token);
+        span.record(
+            "lease_ms",
+            u64::try_from(lease.as_millis()).unwrap_or(u64::MAX),
+        );
+        span.record("takeover", takeover);
+        if takeover {
+            tracing::info!(
+                token,
+                attempt,
+                "claim taken over after the owner's lease passed"
+            );
+        }
+    }
+    #[cfg(feature = "metrics")]
+    if takeover {
+        metrics::counter!(GUARD_TAKEOVERS).increment(1);
+    }
+}
+
+/// A guarded request ended as `outcome` (a name from [`GUARD_OUTCOMES`]).
+pub(crate) fn outcome(outcome: &'static str) {
+    let _ = outcome;
+    #[cfg(feature = "tracing")]
+    {
+        tracing::Span::current().record("outcome", outcome);
+        tracing::debug!(outcome, "request answered");
+    }
+    #[cfg(feature = "metrics")]
+    metrics::counter!(GUARD_OUTCOMES, "outcome" => outcome).increment(1);
+}
+
+/// A duplicate waited for a local owner's response and got it.
+pub(crate) fn waited() {
+    #[cfg(feature = "tracing")]
+    tracing::Span::current().record("waited", true);
+    #[cfg(feature = "metrics")]
+    metrics::counter!(GUARD_WAITED).increment(1);
+}
+
+/// `call()` as store operation `op` (`begin`, `complete`, `release`): a
+/// DEBUG span `idemstore.store` around it, and its time in the histograms.
+pub(crate) fn store_op<T>(op: &'static str, call: impl FnOnce() -> T) -> T {
+    #[cfg(feature = "tracing")]
+    let _span = tracing::debug_span!("idemstore.store", op).entered();
+    let started = std::time::Instant::now();
+    let out = call();
+    store_call(op, started.elapsed());
+    out
+}
+
+/// [`store_op`] for a store call that is a future.
+#[cfg(feature = "tokio")]
+pub(crate) async fn store_op_async<F: std::future::Future>(op: &'static str, call: F) -> F::Output {
+    let started = std::time::Instant::now();
+    #[cfg(feature = "tracing")]
+    let out =
+        tracing::Instrument::instrument(call, tracing::debug_span!("idemstore.store", op)).await;
+    #[cfg(not(feature = "tracing"))]
+    let out = call.await;
+    store_call(op, started.elapsed());
+    out
+}
+
+/// The store could not answer `begin` and the guard fails open: the
+/// handler runs unprotected.
+pub(crate) fn failed_open(error: &crate::Error) {
+    let _ = error;
+    #[cfg(feature = "tracing")]
+    tracing::warn!(%error, "store unavailable: running the handler without protection (fail open)");
+}
+
+/// A `complete` or `release` refused as stale.
+pub(crate) fn stale_claim() {
+    #[cfg(feature = "tracing")]
+    tracing::warn!(
+        "the claim was taken over or ended before the handler finished: its result was not stored"
+    );
+    #[cfg(feature = "metrics")]
+    metrics::counter!(GUARD_STALE_CLAIMS).increment(1);
+}
+
+/// How long a store call took, for the request's histograms.
+fn store_call(op: &'static str, took: Duration) {
+    let _ = (op, took);
+    #[cfg(feature = "metrics")]
+    match op {
+        "begin" => metrics::histogram!(GUARD_BEGIN_SECONDS).record(took.as_secs_f64()),
+        "complete" => metrics::histogram!(GUARD_COMPLETE_SECONDS).record(took.as_secs_f64()),
+        _ => {}
+    }
+}
+
+/// A store refuses further writes after `why` (a failed commit or fsync).
+#[cfg(any(feature = "redb", test))]
+pub(crate) fn poisoned(store: &'static str, why: &dyn std::fmt::Display) {
+    let _ = (store, why);
+    #[cfg(feature = "tracing")]
+    tracing::error!(store, error = %why, "store poisoned: it refuses writes until reopened");
+    #[cfg(feature = "metrics")]
+    metrics::counter!(POISONINGS, "store" => store).increment(1);
+}
+
+/// A sweep removed `removed` records.
+pub(crate) fn swept(store: &'static str, removed: usize) {
+    let _ = store;
+    if removed > 0 {
+        #[cfg(feature = "tracing")]
+        tracing::debug!(store, removed, "expired records swept");
+        #[cfg(feature = "metrics")]
+        metrics::counter!(SWEPT_RECORDS, "store" => store).increment(removed as u64);
+    }
+}
+
+/// A commit group: `size` writes, and the log append and sync's time.
+#[cfg(feature = "redb")]
+pub(crate) fn group_committed(
+    size: usize,
+    log_sync: Duration,
+    memtable_bytes: usize,
+    log_fill: f64,
+) {
+    let _ = (size, log_sync, memtable_bytes, log_fill);
+    #[cfg(feature = "metrics")]
+    {
+        metrics::histogram!(REDB_GROUP_SIZE).record(size as f64);
+        metrics::histogram!(REDB_LOG_SYNC_SECONDS).record(log_sync.as_secs_f64());
+        metrics::gauge!(REDB_MEMTABLE_BYTES).set(memtable_bytes as f64);
+        metrics::gauge!(REDB_LOG_FILL_RATIO).set(log_fill);
+    }
+}
+
+/// A checkpoint wrote `records` records into the store file in `took`.
+#[cfg(feature = "redb")]
+pub(crate) fn checkpointed(records: usize, took: Duration) {
+    let _ = (records, took);
+    #[cfg(feature = "tracing")]
+    tracing::debug!(
+        records,
+        took_ms = took.as_millis() as u64,
+        "checkpoint written"
+    );
+    #[cfg(feature = "metrics")]
+    {
+        metrics::histogram!(REDB_CHECKPOINT_SECONDS).record(took.as_secs_f64());
+        metrics::gauge!(REDB_LOG_FILL_RATIO).set(0.0);
+    }
+}
+
+/// A store was opened: what its recovery did.
+#[cfg(feature = "redb")]
+pub(crate) fn opened(
+    path: Option<&std::path::Path>,
+    frames_replayed: u64,
+    leases_ended: u64,
+    read_only: bool,
+) {
+    let _ = (path, frames_replayed, leases_ended, read_only);
+    #[cfg(feature = "tracing")]
+    tracing::info!(
+        path = %path.map_or_else(|| "<storage backend>".into(), |p| p.display().to_string()),
+        frames_replayed,
+        leases_ended,
+        read_only,
+        "store opened"
+    );
+}

@@ -1,0 +1,145 @@
+//! Features `metrics` and `tracing`: what a guarded request and a
+//! `RedbStore` report, captured by a debugging recorder and a formatting
+//! subscriber, and that no key id reaches either.
+
+use idemstore::observability::{
+    GUARD_BEGIN_SECONDS, GUARD_COMPLETE_SECONDS, GUARD_OUTCOMES, GUARD_TAKEOVERS, REDB_GROUP_SIZE,
+    REDB_LOG_FILL_RATIO, REDB_LOG_SYNC_SECONDS, REDB_MEMTABLE_BYTES,
+};
+use idemstore::{Fingerprint, Guard, Key, ManualClock, Outcome, RedbStore, Response, Timestamp};
+use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+use std::convert::Infallible;
+use std::time::Duration;
+
+const SECRET_ID: &str = "order-secret-4711";
+
+/// A guard on a RedbStore with a manual clock: one request executed, its
+/// replay, a conflict, and a takeover after a failed owner's lease.
+fn traffic(dir: &std::path::Path) {
+    let clock = ManualClock::new(Timestamp::from_millis(1_700_000_000_000));
+    let store = RedbStore::builder()
+        .clock(clock.clone())
+        .open(dir.join("s.idem"))
+        .unwrap();
+    let guard = Guard::builder(store)
+        .lease(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    let key = Key::new("tenant-7", SECRET_ID).unwrap();
+    let fp = Fingerprint::of(b"qty=1");
+    let ok = |_: &idemstore::Claim| Ok::<_, Infallible>(Response::new(201, "made"));
+    assert!(matches!(guard.run(&key, &fp, ok), Outcome::Executed(_)));
+    assert!(matches!(guard.run(&key, &fp, ok), Outcome::Replayed(_)));
+    let other = Fingerprint::of(b"qty=2");
+    assert!(matches!(guard.run(&key, &other, ok), Outcome::Conflicted));
+    let dead = Key::new("tenant-7", "order-dead").unwrap();
+    let failed = guard.run(&dead, &fp, |_| Err::<Response, _>("owner died"));
+    assert!(matches!(failed, Outcome::HandlerFailed(_)));
+    clock.advance(Duration::from_secs(31));
+    assert!(matches!(guard.run(&dead, &fp, ok), Outcome::Executed(_)));
+}
+
+#[test]
+fn a_guarded_redb_store_reports_outcomes_latencies_and_groups() {
+    let dir = tempfile::tempdir().unwrap();
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    // One thread: the caller leads its own commit groups, so the store's
+    // metrics come from this thread too.
+    metrics::with_local_recorder(&recorder, || traffic(dir.path()));
+    let snapshot = snapshotter.snapshot().into_vec();
+    let find = |name: &str, label: Option<(&str, &str)>| -> Option<&DebugValue> {
+        snapshot.iter().find_map(|(k, _, _, v)| {
+            let key = k.key();
+            let labelled =
+                label.is_none_or(|(lk, lv)| key.labels().any(|l| l.key() == lk && l.value() == lv));
+            (key.name() == name && labelled).then_some(v)
+        })
+    };
+    let counter = |outcome: &str| match find(GUARD_OUTCOMES, Some(("outcome", outcome))) {
+        Some(DebugValue::Counter(n)) => *n,
+        other => panic!("{outcome}: {other:?}"),
+    };
+    assert_eq!(counter("executed"), 2);
+    assert_eq!(counter("replayed"), 1);
+    assert_eq!(counter("conflicted"), 1);
+    assert_eq!(counter("handler_failed"), 1);
+    assert!(matches!(
+        find(GUARD_TAKEOVERS, None),
+        Some(DebugValue::Counter(1))
+    ));
+    let samples = |name: &str| match find(name, None) {
+        Some(DebugValue::Histogram(v)) => v.len(),
+        other => panic!("{name}: {other:?}"),
+    };
+    assert_eq!(samples(GUARD_BEGIN_SECONDS), 5, "one per request");
+    assert_eq!(
+        samples(GUARD_COMPLETE_SECONDS),
+        2,
+        "one per stored response"
+    );
+    // Claims and completions are written in groups, each a log frame.
+    assert!(samples(REDB_GROUP_SIZE) >= 4);
+    assert_eq!(samples(REDB_GROUP_SIZE), samples(REDB_LOG_SYNC_SECONDS));
+    assert!(matches!(find(REDB_MEMTABLE_BYTES, None), Some(DebugValue::Gauge(b)) if b.0 > 0.0));
+    assert!(
+        matches!(find(REDB_LOG_FILL_RATIO, None), Some(DebugValue::Gauge(f)) if f.0 > 0.0 && f.0 <= 1.0)
+    );
+    // No metric is labelled with a key id.
+    assert!(!format!("{snapshot:?}").contains(SECRET_ID));
+}
+
+/// Set in the child process that [`requests_are_spans_with_scope_outcome_and_token_but_never_the_key_id`] runs.
+const CHILD: &str = "IDEMSTORE_TRACING_CHILD";
+
+/// In the child: the traffic under a global formatting subscriber, printed
+/// to stdout. A child process, because tracing caches whether a call site
+/// is wanted globally, and the other tests of this binary run the same
+/// call sites at the same time without a subscriber.
+#[test]
+fn tracing_child() {
+    if std::env::var_os(CHILD).is_none() {
+        return;
+    }
+    tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::TRACE)
+        .with_ansi(false)
+        .with_span_events(tracing_subscriber::fmt::format::FmtSpan::CLOSE)
+        .with_writer(std::io::stdout)
+        .init();
+    let dir = tempfile::tempdir().unwrap();
+    traffic(dir.path());
+}
+
+#[test]
+fn requests_are_spans_with_scope_outcome_and_token_but_never_the_key_id() {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "observability::tracing_child",
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD, "1")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("store opened"), "{text}");
+    assert!(text.contains("idemstore.request{scope=tenant-7"), "{text}");
+    assert!(text.contains("idemstore.store{op=\"begin\"}"), "{text}");
+    for outcome in ["executed", "replayed", "conflicted", "handler_failed"] {
+        assert!(
+            text.contains(&format!("outcome=\"{outcome}\"")),
+            "{outcome}: {text}"
+        );
+    }
+    assert!(text.contains("token=1"), "{text}");
+    assert!(
+        text.contains("claim taken over after the owner's lease passed")
+            && text.contains("attempt=2"),
+        "{text}"
+    );
+    // Not at any level: a key id can be personal data.
+    assert!(!text.contains(SECRET_ID), "{text}");
+}
