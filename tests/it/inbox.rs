@@ -19,39 +19,39 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// account -> balance
-const BALANCES: TableDefinition<u8, u64> = TableDefinition::new("app.balances");
+pub const BALANCES: TableDefinition<u8, u64> = TableDefinition::new("app.balances");
 /// message id -> the fencing token it was applied under
-const APPLIED: TableDefinition<u32, u64> = TableDefinition::new("app.applied");
+pub const APPLIED: TableDefinition<u32, u64> = TableDefinition::new("app.applied");
 /// "handler_commits" -> how many handler runs committed
-const COUNTERS: TableDefinition<&str, u64> = TableDefinition::new("app.counters");
+pub const COUNTERS: TableDefinition<&str, u64> = TableDefinition::new("app.counters");
 
 const MESSAGES: u32 = 300;
-const ACCOUNTS: u8 = 7;
+pub const ACCOUNTS: u8 = 7;
 
 /// splitmix64: a seeded, dependency-free generator for the queue's order.
-struct Rng(u64);
+pub struct Rng(u64);
 
 impl Rng {
-    fn next(&mut self) -> u64 {
+    pub fn next(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
         z ^ (z >> 31)
     }
-    fn below(&mut self, n: u64) -> u64 {
+    pub fn below(&mut self, n: u64) -> u64 {
         self.next() % n
     }
 }
 
 #[derive(Clone, Copy, Debug)]
-struct Msg {
-    id: u32,
-    account: u8,
-    amount: u64,
+pub struct Msg {
+    pub id: u32,
+    pub account: u8,
+    pub amount: u64,
 }
 
-fn message(id: u32) -> Msg {
+pub fn message(id: u32) -> Msg {
     Msg {
         id,
         account: (id % u32::from(ACCOUNTS)) as u8,
@@ -59,16 +59,16 @@ fn message(id: u32) -> Msg {
     }
 }
 
-fn msg_key(id: u32) -> Key {
+pub fn msg_key(id: u32) -> Key {
     Key::new("payments-queue", format!("msg-{id}")).unwrap()
 }
 
-fn msg_fp(m: &Msg) -> Fingerprint {
+pub fn msg_fp(m: &Msg) -> Fingerprint {
     Fingerprint::of_parts([&[m.account][..], &m.amount.to_be_bytes()[..]])
 }
 
 /// The business write: a balance update, a per-message row and a counter.
-fn apply(
+pub fn apply(
     txn: &idemstore::redb::engine::WriteTransaction,
     m: &Msg,
     token: u64,
@@ -91,13 +91,13 @@ fn apply(
 
 /// What the business tables say.
 #[derive(Debug, PartialEq, Eq)]
-struct Business {
-    balances: BTreeMap<u8, u64>,
-    applied: BTreeMap<u32, u64>,
-    handler_commits: u64,
+pub struct Business {
+    pub balances: BTreeMap<u8, u64>,
+    pub applied: BTreeMap<u32, u64>,
+    pub handler_commits: u64,
 }
 
-fn business(inbox: &Inbox) -> Business {
+pub fn business(inbox: &Inbox) -> Business {
     inbox
         .read(|txn| {
             let mut out = Business {
@@ -126,7 +126,7 @@ fn business(inbox: &Inbox) -> Business {
         .unwrap()
 }
 
-fn expected_balances(n: u32) -> BTreeMap<u8, u64> {
+pub fn expected_balances(n: u32) -> BTreeMap<u8, u64> {
     let mut b = BTreeMap::new();
     for id in 0..n {
         let m = message(id);

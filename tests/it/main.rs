@@ -19,6 +19,8 @@ mod fuzz_corpus;
 mod guard;
 #[cfg(feature = "redb")]
 mod inbox;
+#[cfg(feature = "redb")]
+mod inbox_batch;
 mod memory;
 mod model;
 #[cfg(all(feature = "redb", feature = "tower"))]
