@@ -142,9 +142,10 @@ fn eio_on_a_store_file_read_at_open_is_an_error_not_an_empty_store() {
 /// handler's write after any power loss, and one in flight has both or
 /// neither: they commit in one transaction. With `batch` > 1 the messages
 /// go through `handle_batch` in batches of that size, and a batch is
-/// all-or-nothing: one commit. Returns the crash points checked, or the
+/// all-or-nothing: one commit. Without quick-repair (redb's one-phase
+/// commit, a full repair at the reopen) the same holds. Returns the crash points checked, or the
 /// first violation.
-fn inbox_power_loss_run(sync: SyncMode, batch: usize) -> Result<usize, String> {
+fn inbox_power_loss_run(sync: SyncMode, batch: usize, quick_repair: bool) -> Result<usize, String> {
     use idemstore::redb::engine::{TableDefinition, WriteTransaction};
     use idemstore::redb::{Delivery, Inbox, Message};
     const APPLIED: TableDefinition<&str, u64> = TableDefinition::new("app.applied");
@@ -158,7 +159,7 @@ fn inbox_power_loss_run(sync: SyncMode, batch: usize) -> Result<usize, String> {
     for seed in 0..3u64 {
         let disk = CrashBackend::new();
         let log = disk.sibling();
-        let inbox = Inbox::new(open(&disk, &log).unwrap());
+        let inbox = Inbox::new(open(&disk, &log).unwrap()).quick_repair(quick_repair);
         disk.set_sync_mode(sync);
         log.set_sync_mode(sync);
         disk.plan_every(5, seed);
@@ -242,22 +243,24 @@ fn inbox_power_loss_run(sync: SyncMode, batch: usize) -> Result<usize, String> {
 
 #[test]
 fn the_inbox_survives_power_loss_at_every_point() {
-    let points = inbox_power_loss_run(SyncMode::Honest, 1).unwrap();
+    let points = inbox_power_loss_run(SyncMode::Honest, 1, true).unwrap();
     assert!(points > 10, "too few crash points: {points}");
 }
 
 #[test]
 fn an_inbox_batch_survives_power_loss_at_every_point_and_is_all_or_nothing() {
-    let points = inbox_power_loss_run(SyncMode::Honest, 4).unwrap();
-    assert!(points > 5, "too few crash points: {points}");
+    for quick_repair in [true, false] {
+        let points = inbox_power_loss_run(SyncMode::Honest, 4, quick_repair).unwrap();
+        assert!(points > 5, "too few crash points: {points}");
+    }
 }
 
 /// The test of the test: on a disk whose fsync lies, the same checks see
 /// acknowledged messages lost.
 #[test]
 fn the_inbox_power_loss_check_catches_a_lying_fsync() {
-    let err = inbox_power_loss_run(SyncMode::Lies, 1).unwrap_err();
+    let err = inbox_power_loss_run(SyncMode::Lies, 1, true).unwrap_err();
     assert!(err.contains("lost"), "{err}");
-    let err = inbox_power_loss_run(SyncMode::Lies, 4).unwrap_err();
+    let err = inbox_power_loss_run(SyncMode::Lies, 4, false).unwrap_err();
     assert!(err.contains("lost"), "{err}");
 }

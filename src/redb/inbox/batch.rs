@@ -22,11 +22,14 @@
 //!
 //! ## Durability
 //!
-//! The pass is a direct transaction (`Shared::direct_locked`, under the
-//! commit lock, held across passes): it first takes in what the memtable
-//! holds, so every message is decided on the latest state; it commits with
-//! `redb::Durability::Immediate` (one fsync for the whole batch); its commit
-//! retires the write-ahead log's frames; a failed commit poisons the store.
+//! The pass is a direct transaction (`Shared::direct_locked_with`, under
+//! the commit lock, held across passes): it first takes in what the
+//! memtable holds, so every message is decided on the latest state; it
+//! commits with `redb::Durability::Immediate`, the same durability as every
+//! other direct transaction (with quick-repair: redb's two-phase commit, two
+//! fsyncs for the whole batch; with `Inbox::quick_repair(false)` redb's
+//! one-phase commit with checksums, one fsync); its commit retires the
+//! write-ahead log's frames; a failed commit poisons the store.
 //! A message is answered `Handled` only after that commit returned: a crash
 //! before it leaves none of the batch, a crash after it all of it.
 
@@ -159,6 +162,8 @@ pub(super) struct Item<'a> {
 pub(super) struct Settings {
     pub(super) now: Timestamp,
     pub(super) retention: Duration,
+    /// redb's quick-repair on the commit (`Inbox::quick_repair`).
+    pub(super) quick_repair: bool,
 }
 
 /// Decides and handles `items` in order, committing once; an answer per
@@ -196,7 +201,7 @@ where
     let mut core = shared.lock_core();
     loop {
         let mut burned = 0;
-        let pass = shared.direct_locked(&mut core, |txn, hwm| {
+        let pass = shared.direct_locked_with(&mut core, settings.quick_repair, |txn, hwm| {
             one_pass(
                 store,
                 txn,
@@ -257,7 +262,7 @@ where
     E: From<Error>,
     F: FnMut(usize, &WriteTransaction, &Claim) -> Result<Response, E>,
 {
-    let Settings { now, retention } = *settings;
+    let (now, retention) = (settings.now, settings.retention);
     // Open for the whole pass; the handler opens its own tables beside them.
     let mut tables = WriteTables::open(txn)?;
     let mut answers = Vec::with_capacity(items.len());

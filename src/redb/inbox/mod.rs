@@ -135,6 +135,7 @@ pub struct Inbox {
     store: Arc<RedbStore>,
     clock: Arc<dyn Clock>,
     retention: Duration,
+    quick_repair: bool,
 }
 
 impl Inbox {
@@ -155,6 +156,7 @@ impl Inbox {
             clock: store.clock(),
             store,
             retention: DEFAULT_RETENTION,
+            quick_repair: true,
         }
     }
 
@@ -185,6 +187,30 @@ impl Inbox {
     /// ```
     pub fn clock(mut self, clock: impl Clock + 'static) -> Inbox {
         self.clock = Arc::new(clock);
+        self
+    }
+
+    /// Whether the inbox's commits save redb's allocator state (redb's
+    /// quick-repair; on by default, as every other commit of the store).
+    ///
+    /// On, a commit is redb's two-phase commit (two fsyncs) and an open
+    /// after a crash is quick. Off, a commit is redb's one-phase commit with
+    /// checksums: one fsync, as durable (an acknowledged batch survives a
+    /// power loss either way), and about twice the batches per second on a
+    /// disk whose fsync is slow (`docs/performance.md`); but an open after a
+    /// crash that follows such a commit walks the whole file to rebuild the
+    /// allocator state (redb's full repair), which takes longer the larger
+    /// the file. Switch it off for a consumer whose store is small (a short
+    /// retention) and whose throughput matters more than its restart time.
+    ///
+    /// ```
+    /// # let dir = tempfile::tempdir()?;
+    /// let inbox = idemstore::redb::Inbox::new(idemstore::RedbStore::open(dir.path().join("s.idem"))?)
+    ///     .quick_repair(false);
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn quick_repair(mut self, on: bool) -> Inbox {
+        self.quick_repair = on;
         self
     }
 
@@ -356,6 +382,7 @@ impl Inbox {
         let settings = batch::Settings {
             now: self.clock.now(),
             retention: self.retention,
+            quick_repair: self.quick_repair,
         };
         batch::run(&self.store, items, &settings, handler)
     }
