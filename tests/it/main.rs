@@ -33,6 +33,8 @@ mod redb;
 mod redb_bad_input;
 #[cfg(feature = "sled")]
 mod sled;
+#[cfg(feature = "redb")]
+mod stream_consumer;
 #[cfg(feature = "tower")]
 mod tower;
 #[cfg(feature = "redb")]
