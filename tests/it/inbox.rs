@@ -135,6 +135,27 @@ pub fn expected_balances(n: u32) -> BTreeMap<u8, u64> {
     b
 }
 
+/// An inbox on a fresh file whose responses are limited to `max_body_bytes`.
+pub fn limited_inbox(max_body_bytes: usize) -> (Inbox, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = RedbStore::builder()
+        .max_body_bytes(max_body_bytes)
+        .open(dir.path().join("l.idem"))
+        .unwrap();
+    (Inbox::new(store), dir)
+}
+
+/// An inbox in memory whose next sync fails once the flag is set.
+pub fn flaky_inbox() -> (Inbox, Arc<AtomicBool>) {
+    let fail = Arc::new(AtomicBool::new(false));
+    let backend = FlakySync {
+        inner: Arc::new(idemstore::redb::engine::backends::InMemoryBackend::new()),
+        fail_next_sync: Arc::clone(&fail),
+    };
+    let inbox = Inbox::new(RedbStore::builder().open_backend(backend).unwrap());
+    (inbox, fail)
+}
+
 /// Where the store lives, and how a crash is simulated on it.
 enum Disk {
     /// A real file: a crash is dropping the store and reopening the path.
@@ -471,12 +492,7 @@ fn a_message_claimed_through_the_store_api_is_in_flight_until_its_lease_ends() {
 
 #[test]
 fn an_oversized_result_aborts_the_handler_writes() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = RedbStore::builder()
-        .max_body_bytes(16)
-        .open(dir.path().join("l.idem"))
-        .unwrap();
-    let inbox = Inbox::new(store);
+    let (inbox, _dir) = limited_inbox(16);
     let m = message(3);
     let err = inbox
         .handle(&msg_key(3), &msg_fp(&m), |txn, c| {
@@ -499,12 +515,7 @@ fn an_oversized_result_aborts_the_handler_writes() {
 fn a_failed_inbox_commit_poisons_the_store() {
     // Reproduces an fsync error on the inbox's own commit: like a failed
     // group commit, it may or may not be on disk, so later writes must stop.
-    let fail = Arc::new(AtomicBool::new(false));
-    let backend = FlakySync {
-        inner: Arc::new(idemstore::redb::engine::backends::InMemoryBackend::new()),
-        fail_next_sync: Arc::clone(&fail),
-    };
-    let inbox = Inbox::new(RedbStore::builder().open_backend(backend).unwrap());
+    let (inbox, fail) = flaky_inbox();
     let m = message(4);
     fail.store(true, std::sync::atomic::Ordering::SeqCst);
     let err = inbox

@@ -4,13 +4,14 @@
 //! batch leaves none of its writes and takes none of its batch-mates'; and
 //! a property test against a model of one-at-a-time handling.
 
-use crate::inbox::{Msg, apply, business, expected_balances, message, msg_fp, msg_key};
+use crate::inbox::{
+    Msg, apply, business, expected_balances, flaky_inbox, limited_inbox, message, msg_fp, msg_key,
+};
 use idemstore::redb::engine::WriteTransaction;
 use idemstore::redb::{Delivery, Inbox, MAX_INBOX_BATCH, Message};
 use idemstore::{Begin, BoxError, Claim, Error, ManualClock, RedbStore, Response, Store};
 use idemstore_testkit::conformance::T0;
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Arc;
 use std::time::Duration;
 
 fn fresh() -> (Inbox, tempfile::TempDir) {
@@ -258,12 +259,7 @@ fn a_panicking_handler_in_the_middle_takes_nothing_with_it() {
 
 #[test]
 fn an_oversized_result_fails_its_message_alone() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = RedbStore::builder()
-        .max_body_bytes(64)
-        .open(dir.path().join("l.idem"))
-        .unwrap();
-    let inbox = Inbox::new(store);
+    let (inbox, _dir) = limited_inbox(64);
     let (answers, _) = batch_with_failures(&inbox, &[9], Fail::Oversized);
     let err = answers[9].as_ref().unwrap_err();
     assert!(
@@ -344,12 +340,7 @@ fn a_message_claimed_through_the_store_api_is_in_flight_in_a_batch() {
 
 #[test]
 fn a_poisoned_store_refuses_a_batch_and_runs_no_handler() {
-    let fail = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let backend = crate::redb::FlakySync {
-        inner: Arc::new(idemstore::redb::engine::backends::InMemoryBackend::new()),
-        fail_next_sync: Arc::clone(&fail),
-    };
-    let inbox = Inbox::new(RedbStore::builder().open_backend(backend).unwrap());
+    let (inbox, fail) = flaky_inbox();
     fail.store(true, std::sync::atomic::Ordering::SeqCst);
     let err = inbox.handle_batch(&deliveries(&[1, 2]), plain).unwrap_err();
     assert!(!matches!(err, Error::Poisoned), "the cause first: {err}");

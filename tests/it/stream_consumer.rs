@@ -171,15 +171,22 @@ fn a_sigkilled_stream_consumer_applies_every_payment_once() {
     let mut kills = 0;
 
     // 1. After the commit, before the XACK: the batch stays pending.
-    let mut child = spawn(
-        &url,
-        &stream,
-        &store,
-        "c0",
-        &[("STREAM_CONSUMER_CRASH", "after-commit:5")],
-    );
-    let status = child.wait().unwrap();
-    assert_eq!(status.signal(), Some(9), "killed itself: {status:?}");
+    let crashed = |consumer: &str, at: &str| {
+        let mut child = spawn(
+            &url,
+            &stream,
+            &store,
+            consumer,
+            &[("STREAM_CONSUMER_CRASH", at)],
+        );
+        let status = child.wait().unwrap();
+        assert_eq!(
+            status.signal(),
+            Some(9),
+            "{consumer} killed itself: {status:?}"
+        );
+    };
+    crashed("c0", "after-commit:5");
     kills += 1;
     let (_, pending, of_c0) = acked_payments(&url, &stream, "c0");
     // Batch 5 committed, not acked; batch 6 read ahead by the reader.
@@ -193,15 +200,7 @@ fn a_sigkilled_stream_consumer_applies_every_payment_once() {
     // committed batch comes back as duplicates), and dies inside its fourth
     // batch's last handler. c0's entries are idle long enough by then.
     std::thread::sleep(MIN_IDLE * 2);
-    let mut child = spawn(
-        &url,
-        &stream,
-        &store,
-        "c1",
-        &[("STREAM_CONSUMER_CRASH", "before-commit:4")],
-    );
-    let status = child.wait().unwrap();
-    assert_eq!(status.signal(), Some(9), "killed itself: {status:?}");
+    crashed("c1", "before-commit:4");
     kills += 1;
     let (_, _, of_c0) = acked_payments(&url, &stream, "c0");
     assert_eq!(of_c0, 0, "c1 claimed everything c0 left pending");

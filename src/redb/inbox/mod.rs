@@ -97,6 +97,8 @@ impl Delivery {
 /// together with the dedup record of the message id: a redelivered message
 /// is skipped (its stored result returned), and a crash, error or panic
 /// before the commit leaves neither the handler's writes nor the record.
+/// [`handle_batch`](Inbox::handle_batch) does the same for a batch of
+/// deliveries in one commit, the way to consume a stream.
 /// Only the handler's writes through the transaction it is given are covered;
 /// effects outside the file (an HTTP call, another database) still need the
 /// fencing token ([`Claim::token`]) as their own idempotency key.
