@@ -91,7 +91,8 @@ pub fn produce(url: &str, stream: &str, first: u64, n: u64) -> Result<(), BoxErr
 /// Where the consumer SIGKILLs itself (tests).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Crash {
-    /// After the K-th batch's commit, before its `XACK`.
+    /// After the commit of the K-th batch that applied something new
+    /// (not only redeliveries), before its `XACK`.
     AfterCommit(u64),
     /// In the K-th batch's last handler: the rows are written, not committed.
     BeforeCommit(u64),
@@ -270,88 +271,139 @@ fn apply(
     Ok(Response::new(200, balance.to_string()))
 }
 
+/// What the acker thread is asked to do.
+enum Ack {
+    /// Acknowledge these entries: their batch is committed.
+    Ids(Vec<String>),
+    /// Answer once every earlier `Ids` is acknowledged.
+    Flush(mpsc::SyncSender<()>),
+}
+
+/// The acker thread: `XACK`s committed batches while the consumer loop
+/// commits the next one (with `appendfsync always` an `XACK` waits for
+/// Redis's fsync).
+fn ack_loop(cfg: &Config, acks: &mpsc::Receiver<Ack>) -> Result<(), BoxError> {
+    let mut con = redis::Client::open(cfg.url.as_str())?.get_connection()?;
+    for ack in acks.iter() {
+        match ack {
+            Ack::Ids(ids) => {
+                redis::cmd("XACK")
+                    .arg(&cfg.stream)
+                    .arg(GROUP)
+                    .arg(&ids)
+                    .query::<u64>(&mut con)?;
+            }
+            Ack::Flush(done) => {
+                let _ = done.send(());
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Consumes the stream: read (or claim) a batch, handle it in one commit,
-/// acknowledge it. Returns when the stream is drained (with
-/// `until_drained`), or on an error.
+/// acknowledge it. Three threads: the reader fetches the next batch and
+/// the acker acknowledges the previous one while this one commits. Returns
+/// when the stream is drained (with `until_drained`), or on an error.
 pub fn consume(cfg: &Config) -> Result<Summary, BoxError> {
     let inbox = Inbox::new(RedbStore::open(&cfg.store)?).quick_repair(cfg.quick_repair);
     let mut con = redis::Client::open(cfg.url.as_str())?.get_connection()?;
-    let (tx, rx) = mpsc::sync_channel(1);
-    let reader_cfg = cfg.clone();
-    let reader = std::thread::spawn(move || read_loop(&reader_cfg, &tx));
+    let (fetch_tx, fetched) = mpsc::sync_channel(1);
+    let (ack_tx, ack_rx) = mpsc::sync_channel(4);
+    let reader = {
+        let cfg = cfg.clone();
+        std::thread::spawn(move || read_loop(&cfg, &fetch_tx))
+    };
+    let acker = {
+        let cfg = cfg.clone();
+        std::thread::spawn(move || ack_loop(&cfg, &ack_rx))
+    };
     let mut summary = Summary::default();
+    // Batches that applied something new (the crash point counts these).
+    let mut applying = 0;
     let start = Instant::now();
-    for fetched in rx.iter() {
-        let (entries, claimed) = match fetched {
-            Fetched::Entries { entries, claimed } => (entries, claimed),
-            Fetched::Idle => {
-                // Everything received so far is acknowledged: drained when
-                // the group has nothing pending either.
-                let pending: (u64, redis::Value, redis::Value, redis::Value) =
-                    redis::cmd("XPENDING")
-                        .arg(&cfg.stream)
-                        .arg(GROUP)
-                        .query(&mut con)?;
-                if cfg.until_drained && pending.0 == 0 {
-                    break;
-                }
-                continue;
-            }
-        };
-        summary.batches += 1;
-        let batch: Vec<_> = entries.iter().map(delivery).collect::<Result<_, _>>()?;
-        let crash = cfg.crash;
-        let n = summary.batches;
-        let answers = inbox.handle_batch(&batch, |txn, _claim, m| {
-            let (pid, account, amount) = m.payload;
-            let response = apply(txn, pid, account, amount)?;
-            if crash == Some(Crash::BeforeCommit(n))
-                && batch.last().is_some_and(|l| std::ptr::eq(m, l))
-            {
-                kill_self();
-            }
-            Ok::<_, BoxError>(response)
-        })?;
-        if crash == Some(Crash::AfterCommit(n)) {
-            kill_self();
-        }
-        let mut ack = Vec::with_capacity(entries.len());
-        for (entry, answer) in entries.iter().zip(answers) {
-            match answer {
-                Ok(Delivery::Handled(_)) => summary.handled += 1,
-                Ok(Delivery::Duplicate(_)) => summary.duplicates += 1,
-                Ok(other) => return Err(format!("entry {}: {other:?}", entry.id).into()),
-                Err(e) => {
-                    // Left pending: claimed and tried again after min_idle.
-                    eprintln!("entry {}: {e}", entry.id);
-                    summary.failed += 1;
+    let run = (|| -> Result<(), BoxError> {
+        for fetched in fetched.iter() {
+            let (entries, claimed) = match fetched {
+                Fetched::Entries { entries, claimed } => (entries, claimed),
+                Fetched::Idle => {
+                    // Drained when everything handled is acknowledged and
+                    // the group has nothing pending either.
+                    let (done, flushed) = mpsc::sync_channel(1);
+                    ack_tx.send(Ack::Flush(done))?;
+                    flushed.recv()?;
+                    let pending: (u64, redis::Value, redis::Value, redis::Value) =
+                        redis::cmd("XPENDING")
+                            .arg(&cfg.stream)
+                            .arg(GROUP)
+                            .query(&mut con)?;
+                    if cfg.until_drained && pending.0 == 0 {
+                        return Ok(());
+                    }
                     continue;
                 }
+            };
+            summary.batches += 1;
+            let handled_before = summary.handled;
+            let batch: Vec<_> = entries.iter().map(delivery).collect::<Result<_, _>>()?;
+            let crash = cfg.crash;
+            let n = summary.batches;
+            let answers = inbox.handle_batch(&batch, |txn, _claim, m| {
+                let (pid, account, amount) = m.payload;
+                let response = apply(txn, pid, account, amount)?;
+                if crash == Some(Crash::BeforeCommit(n))
+                    && batch.last().is_some_and(|l| std::ptr::eq(m, l))
+                {
+                    kill_self();
+                }
+                Ok::<_, BoxError>(response)
+            })?;
+            let mut ack = Vec::with_capacity(entries.len());
+            for (entry, answer) in entries.into_iter().zip(answers) {
+                match answer {
+                    Ok(Delivery::Handled(_)) => summary.handled += 1,
+                    Ok(Delivery::Duplicate(_)) => summary.duplicates += 1,
+                    Ok(other) => return Err(format!("entry {}: {other:?}", entry.id).into()),
+                    Err(e) => {
+                        // Left pending: claimed and tried again after min_idle.
+                        eprintln!("entry {}: {e}", entry.id);
+                        summary.failed += 1;
+                        continue;
+                    }
+                }
+                ack.push(entry.id);
             }
-            ack.push(entry.id.as_str());
+            summary.messages += batch.len() as u64;
+            if claimed {
+                summary.claimed += batch.len() as u64;
+            }
+            if summary.handled > handled_before {
+                applying += 1;
+                if crash == Some(Crash::AfterCommit(applying)) {
+                    kill_self();
+                }
+            }
+            // Only after the commit: a crash before the XACK redelivers the
+            // batch, and the inbox skips it.
+            if !ack.is_empty() {
+                ack_tx.send(Ack::Ids(ack))?;
+            }
         }
-        summary.messages += entries.len() as u64;
-        if claimed {
-            summary.claimed += entries.len() as u64;
-        }
-        // After the commit: a crash before this line redelivers the batch,
-        // and the inbox skips it.
-        if !ack.is_empty() {
-            redis::cmd("XACK")
-                .arg(&cfg.stream)
-                .arg(GROUP)
-                .arg(&ack)
-                .query::<u64>(&mut con)?;
-        }
-    }
+        Ok(())
+    })();
     summary.elapsed = start.elapsed();
-    drop(rx);
-    // The reader notices at its next send; its error, if any, is the run's.
-    match reader.join() {
-        Ok(Err(e)) => Err(e),
-        Ok(_) => Ok(summary),
-        Err(_) => Err("the reader thread panicked".into()),
+    // The helpers stop when their channels close; an error of theirs (a
+    // closed channel above is its symptom) is the run's.
+    drop(fetched);
+    drop(ack_tx);
+    for (name, thread) in [("reader", reader), ("acker", acker)] {
+        match thread.join() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(format!("the {name}: {e}").into()),
+            Err(_) => return Err(format!("the {name} panicked").into()),
+        }
     }
+    run.map(|()| summary)
 }
 
 /// What the ledger holds, against what exactly-once gives for payments
