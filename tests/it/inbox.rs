@@ -145,6 +145,17 @@ pub fn limited_inbox(max_body_bytes: usize) -> (Inbox, tempfile::TempDir) {
     (Inbox::new(store), dir)
 }
 
+/// An inbox on a fresh file whose store runs on a `ManualClock` at `T0`.
+pub fn clocked_inbox() -> (Inbox, ManualClock, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let store = RedbStore::builder()
+        .clock(clock.clone())
+        .open(dir.path().join("c.idem"))
+        .unwrap();
+    (Inbox::new(store), clock, dir)
+}
+
 /// An inbox in memory whose next sync fails once the flag is set.
 pub fn flaky_inbox() -> (Inbox, Arc<AtomicBool>) {
     let fail = Arc::new(AtomicBool::new(false));
@@ -694,14 +705,9 @@ fn a_sigkilled_consumer_applies_every_message_once() {
 /// `.clock(..)` on the inbox.
 #[test]
 fn an_inbox_over_a_store_built_with_a_manual_clock_reads_that_clock() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = ManualClock::new(T0);
-    let store = RedbStore::builder()
-        .clock(clock.clone())
-        .open(dir.path().join("c.idem"))
-        .unwrap();
+    let (inbox, clock, _dir) = clocked_inbox();
     let retention = Duration::from_secs(3600);
-    let inbox = Inbox::new(store).retention(retention);
+    let inbox = inbox.retention(retention);
     let m = message(3);
     let handle = |inbox: &Inbox| {
         inbox

@@ -5,11 +5,12 @@
 //! a property test against a model of one-at-a-time handling.
 
 use crate::inbox::{
-    Msg, apply, business, expected_balances, flaky_inbox, limited_inbox, message, msg_fp, msg_key,
+    Msg, apply, business, clocked_inbox, expected_balances, flaky_inbox, limited_inbox, message,
+    msg_fp, msg_key,
 };
 use idemstore::redb::engine::WriteTransaction;
 use idemstore::redb::{Delivery, Inbox, MAX_INBOX_BATCH, Message};
-use idemstore::{Begin, BoxError, Claim, Error, ManualClock, RedbStore, Response, Store};
+use idemstore::{Begin, BoxError, Claim, Error, RedbStore, Response, Store};
 use idemstore_testkit::conformance::T0;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -311,13 +312,7 @@ fn tokens_of_an_aborted_pass_are_never_handed_out_again() {
 
 #[test]
 fn a_message_claimed_through_the_store_api_is_in_flight_in_a_batch() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = ManualClock::new(T0);
-    let store = RedbStore::builder()
-        .clock(clock.clone())
-        .open(dir.path().join("f.idem"))
-        .unwrap();
-    let inbox = Inbox::new(store);
+    let (inbox, clock, _dir) = clocked_inbox();
     let lease = Duration::from_secs(30);
     let m = message(2);
     let Begin::Claimed(_) = inbox
