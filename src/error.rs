@@ -89,6 +89,13 @@ pub enum Error {
     Io(std::io::Error),
     /// An error from the storage engine, or an injected fault in tests.
     Backend(BoxError),
+    /// A message handler in an inbox batch panicked
+    /// (`idemstore::redb::Inbox::handle_batch`): none of its writes were
+    /// stored, and its batch-mates were handled without it.
+    HandlerPanicked {
+        /// What the panic said (its payload, when it was text).
+        message: String,
+    },
 }
 
 impl Error {
@@ -193,6 +200,10 @@ impl fmt::Display for Error {
             Error::Closed => f.write_str("store is closed"),
             Error::Io(err) => write!(f, "I/O error: {err}"),
             Error::Backend(err) => write!(f, "storage backend error: {err}"),
+            Error::HandlerPanicked { message } => write!(
+                f,
+                "the message handler panicked ({message}); nothing it wrote was stored"
+            ),
         }
     }
 }

@@ -69,7 +69,8 @@
 //! - `redb` (default): `RedbStore`, the durable on-disk store on redb 4.x
 //!   (group commit, expiry index, sweeper, poisoning, recovery on open).
 //! - `redb` also gives `Inbox`: a message consumer's writes to its own tables
-//!   commit in the same transaction as the message id's dedup record.
+//!   commit in the same transaction as the message id's dedup record, a
+//!   batch of messages per commit (`Inbox::handle_batch`).
 //! - `sled`: `SledStore`, the store on sled 0.34.7, fsynced for real.
 //! - `postgres`: `PostgresStore`, the same contract in a PostgreSQL table shared by
 //!   several replicas (one statement per call, fencing tokens from a sequence).

@@ -5,7 +5,12 @@
 //! - `inbox/redb/handle_new_4_threads`: the same from 4 consumer threads
 //!   (the inbox's transactions do not group: expect about the same rate);
 //! - `inbox/redb/redelivery`: a message already handled, answered from a
-//!   read transaction.
+//!   read transaction;
+//! - `inbox/redb/batch_{10,100,1000}`: `handle_batch` of that many new
+//!   payments (one commit each; throughput in messages), and
+//!   `inbox/redb/batch_100_one_phase` with `quick_repair(false)`. The
+//!   same-run table against PostgreSQL is `inbox_compare`
+//!   (`src/bin/inbox_compare.rs`).
 //!
 //! Every ID starts with `inbox/`, this file's subject, so its saved
 //! baselines never mix with `store`'s, `redb`'s or `sled`'s.
@@ -22,10 +27,11 @@
     reason = "a bench binary: a panic is a failed run"
 )]
 
-use criterion::{Criterion, black_box};
+use criterion::{Criterion, Throughput, black_box};
 use idemstore::redb::engine::{ReadableTable, TableDefinition};
 use idemstore::redb::{Delivery, Inbox};
 use idemstore::{BoxError, Fingerprint, Key, RedbStore, Response};
+use idemstore_bench::inbox::{Feed, Ours};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -88,6 +94,27 @@ fn main() {
             ))
         })
     });
+    g.finish();
+
+    let mut g = c.benchmark_group("inbox/redb");
+    g.sample_size(10).measurement_time(Duration::from_secs(4));
+    for (batch, quick_repair) in [(10, true), (100, true), (1_000, true), (100, false)] {
+        let dir = tempfile::tempdir().unwrap();
+        let ours = Ours::open(dir.path(), quick_repair).unwrap();
+        let mut feed = Feed::new(0, batch as u64);
+        let id = if quick_repair {
+            format!("batch_{batch}")
+        } else {
+            format!("batch_{batch}_one_phase")
+        };
+        g.throughput(Throughput::Elements(batch as u64));
+        g.bench_function(id, |b| {
+            b.iter(|| {
+                let t = ours.batch(&feed.batch(batch)).unwrap();
+                assert_eq!(t.handled, batch as u64);
+            })
+        });
+    }
     g.finish();
     c.final_summary();
 }

@@ -457,6 +457,22 @@ impl Shared {
         core: &mut Core,
         f: impl FnOnce(&WriteTransaction, &mut u64) -> Result<T, E>,
     ) -> Result<T, E> {
+        self.direct_locked_with(core, true, f)
+    }
+
+    /// [`direct_locked`](Self::direct_locked), choosing redb's quick-repair
+    /// for the commit. On (every caller but an inbox that switched it off):
+    /// redb saves its allocator state with the commit and commits in two
+    /// phases (two fsyncs), so an open after a crash does not walk the
+    /// file. Off: one fsync (redb's one-phase commit with checksums, as
+    /// durable), and an open after a crash that follows it walks the file
+    /// (redb's full repair).
+    pub(super) fn direct_locked_with<T, E: From<Error>>(
+        &self,
+        core: &mut Core,
+        quick_repair: bool,
+        f: impl FnOnce(&WriteTransaction, &mut u64) -> Result<T, E>,
+    ) -> Result<T, E> {
         self.check_writable()?;
         if self.poisoned.load(Ordering::SeqCst) {
             return Err(Error::Poisoned.into());
@@ -466,7 +482,7 @@ impl Shared {
         let mut txn = db.begin_write().map_err(engine)?;
         txn.set_durability(::redb::Durability::Immediate)
             .map_err(engine)?;
-        txn.set_quick_repair(true);
+        txn.set_quick_repair(quick_repair);
         {
             let mem = self.read_mem();
             let mut tables = WriteTables::open(&txn)?;

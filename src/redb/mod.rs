@@ -57,7 +57,7 @@ mod wal;
 /// tables (`TableDefinition`, `ReadableTable`, `WriteTransaction`): the same
 /// version as the store's, whatever the caller's own dependency says.
 pub use ::redb as engine;
-pub use inbox::{Delivery, Inbox};
+pub use inbox::{Delivery, Inbox, MAX_INBOX_BATCH, Message};
 pub use loss::LossReport;
 pub use memtable::MEMTABLE_BYTES;
 use options::Config;

@@ -140,32 +140,60 @@ fn eio_on_a_store_file_read_at_open_is_an_error_not_an_empty_store() {
 /// The inbox under the power-loss simulation (it is kill-tested too): a
 /// message acknowledged as handled has both its dedup record and its
 /// handler's write after any power loss, and one in flight has both or
-/// neither: they commit in one transaction. Returns the crash points
-/// checked, or the first violation.
-fn inbox_power_loss_run(sync: SyncMode) -> Result<usize, String> {
-    use idemstore::redb::engine::TableDefinition;
-    use idemstore::redb::{Delivery, Inbox};
+/// neither: they commit in one transaction. With `batch` > 1 the messages
+/// go through `handle_batch` in batches of that size, and a batch is
+/// all-or-nothing: one commit. Without quick-repair (redb's one-phase
+/// commit, a full repair at the reopen) the same holds. Returns the crash points checked, or the
+/// first violation.
+fn inbox_power_loss_run(sync: SyncMode, batch: usize, quick_repair: bool) -> Result<usize, String> {
+    use idemstore::redb::engine::{TableDefinition, WriteTransaction};
+    use idemstore::redb::{Delivery, Inbox, Message};
     const APPLIED: TableDefinition<&str, u64> = TableDefinition::new("app.applied");
     const MESSAGES: u64 = 12;
+    let handler = |txn: &WriteTransaction, i: u64| {
+        txn.open_table(APPLIED)?
+            .insert(format!("m{i}").as_str(), i)?;
+        Ok::<_, idemstore::BoxError>(Response::new(200, "applied"))
+    };
     let mut points = 0;
     for seed in 0..3u64 {
         let disk = CrashBackend::new();
         let log = disk.sibling();
-        let inbox = Inbox::new(open(&disk, &log).unwrap());
+        let inbox = Inbox::new(open(&disk, &log).unwrap()).quick_repair(quick_repair);
         disk.set_sync_mode(sync);
         log.set_sync_mode(sync);
         disk.plan_every(5, seed);
         let mut acked_at = Vec::new();
-        for i in 0..MESSAGES {
-            let id = format!("m{i}");
-            let delivery = inbox
-                .handle(&key(&id), &Fingerprint::of(id.as_bytes()), |txn, _| {
-                    txn.open_table(APPLIED)?.insert(id.as_str(), i)?;
-                    Ok::<_, idemstore::BoxError>(Response::new(200, "applied"))
-                })
-                .unwrap();
-            assert!(matches!(delivery, Delivery::Handled(_)), "{delivery:?}");
-            acked_at.push(disk.mutations());
+        let ids: Vec<u64> = (0..MESSAGES).collect();
+        for chunk in ids.chunks(batch) {
+            let deliveries: Vec<Delivery> = if batch == 1 {
+                let id = format!("m{}", chunk[0]);
+                vec![
+                    inbox
+                        .handle(&key(&id), &Fingerprint::of(id.as_bytes()), |txn, _| {
+                            handler(txn, chunk[0])
+                        })
+                        .unwrap(),
+                ]
+            } else {
+                let messages: Vec<Message<u64>> = chunk
+                    .iter()
+                    .map(|&i| {
+                        let id = format!("m{i}");
+                        Message::new(key(&id), Fingerprint::of(id.as_bytes()), i)
+                    })
+                    .collect();
+                inbox
+                    .handle_batch(&messages, |txn, _, m| handler(txn, m.payload))
+                    .unwrap()
+                    .into_iter()
+                    .map(Result::unwrap)
+                    .collect()
+            };
+            for delivery in deliveries {
+                assert!(matches!(delivery, Delivery::Handled(_)), "{delivery:?}");
+                acked_at.push(disk.mutations());
+            }
         }
         drop(inbox);
         for image in disk.take_images() {
@@ -174,6 +202,7 @@ fn inbox_power_loss_run(sync: SyncMode) -> Result<usize, String> {
             let store = open(&restored, &restored.file(1).unwrap())
                 .map_err(|e| format!("reopen at {}: {e}", image.at))?;
             let inbox = Inbox::new(store);
+            let mut present = Vec::new();
             for (i, &acked) in acked_at.iter().enumerate() {
                 let id = format!("m{i}");
                 let applied = inbox
@@ -197,6 +226,15 @@ fn inbox_power_loss_run(sync: SyncMode) -> Result<usize, String> {
                         image.at
                     ));
                 }
+                present.push(deduped);
+            }
+            for (n, chunk) in present.chunks(batch).enumerate() {
+                if chunk.iter().any(|&p| p != chunk[0]) {
+                    return Err(format!(
+                        "batch {n} split at crash point {}: {chunk:?}",
+                        image.at
+                    ));
+                }
             }
         }
     }
@@ -205,14 +243,24 @@ fn inbox_power_loss_run(sync: SyncMode) -> Result<usize, String> {
 
 #[test]
 fn the_inbox_survives_power_loss_at_every_point() {
-    let points = inbox_power_loss_run(SyncMode::Honest).unwrap();
+    let points = inbox_power_loss_run(SyncMode::Honest, 1, true).unwrap();
     assert!(points > 10, "too few crash points: {points}");
+}
+
+#[test]
+fn an_inbox_batch_survives_power_loss_at_every_point_and_is_all_or_nothing() {
+    for quick_repair in [true, false] {
+        let points = inbox_power_loss_run(SyncMode::Honest, 4, quick_repair).unwrap();
+        assert!(points > 5, "too few crash points: {points}");
+    }
 }
 
 /// The test of the test: on a disk whose fsync lies, the same checks see
 /// acknowledged messages lost.
 #[test]
 fn the_inbox_power_loss_check_catches_a_lying_fsync() {
-    let err = inbox_power_loss_run(SyncMode::Lies).unwrap_err();
+    let err = inbox_power_loss_run(SyncMode::Lies, 1, true).unwrap_err();
+    assert!(err.contains("lost"), "{err}");
+    let err = inbox_power_loss_run(SyncMode::Lies, 4, false).unwrap_err();
     assert!(err.contains("lost"), "{err}");
 }

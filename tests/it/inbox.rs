@@ -19,39 +19,39 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// account -> balance
-const BALANCES: TableDefinition<u8, u64> = TableDefinition::new("app.balances");
+pub const BALANCES: TableDefinition<u8, u64> = TableDefinition::new("app.balances");
 /// message id -> the fencing token it was applied under
-const APPLIED: TableDefinition<u32, u64> = TableDefinition::new("app.applied");
+pub const APPLIED: TableDefinition<u32, u64> = TableDefinition::new("app.applied");
 /// "handler_commits" -> how many handler runs committed
-const COUNTERS: TableDefinition<&str, u64> = TableDefinition::new("app.counters");
+pub const COUNTERS: TableDefinition<&str, u64> = TableDefinition::new("app.counters");
 
 const MESSAGES: u32 = 300;
-const ACCOUNTS: u8 = 7;
+pub const ACCOUNTS: u8 = 7;
 
 /// splitmix64: a seeded, dependency-free generator for the queue's order.
-struct Rng(u64);
+pub struct Rng(u64);
 
 impl Rng {
-    fn next(&mut self) -> u64 {
+    pub fn next(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
         z ^ (z >> 31)
     }
-    fn below(&mut self, n: u64) -> u64 {
+    pub fn below(&mut self, n: u64) -> u64 {
         self.next() % n
     }
 }
 
 #[derive(Clone, Copy, Debug)]
-struct Msg {
-    id: u32,
-    account: u8,
-    amount: u64,
+pub struct Msg {
+    pub id: u32,
+    pub account: u8,
+    pub amount: u64,
 }
 
-fn message(id: u32) -> Msg {
+pub fn message(id: u32) -> Msg {
     Msg {
         id,
         account: (id % u32::from(ACCOUNTS)) as u8,
@@ -59,16 +59,16 @@ fn message(id: u32) -> Msg {
     }
 }
 
-fn msg_key(id: u32) -> Key {
+pub fn msg_key(id: u32) -> Key {
     Key::new("payments-queue", format!("msg-{id}")).unwrap()
 }
 
-fn msg_fp(m: &Msg) -> Fingerprint {
+pub fn msg_fp(m: &Msg) -> Fingerprint {
     Fingerprint::of_parts([&[m.account][..], &m.amount.to_be_bytes()[..]])
 }
 
 /// The business write: a balance update, a per-message row and a counter.
-fn apply(
+pub fn apply(
     txn: &idemstore::redb::engine::WriteTransaction,
     m: &Msg,
     token: u64,
@@ -91,13 +91,13 @@ fn apply(
 
 /// What the business tables say.
 #[derive(Debug, PartialEq, Eq)]
-struct Business {
-    balances: BTreeMap<u8, u64>,
-    applied: BTreeMap<u32, u64>,
-    handler_commits: u64,
+pub struct Business {
+    pub balances: BTreeMap<u8, u64>,
+    pub applied: BTreeMap<u32, u64>,
+    pub handler_commits: u64,
 }
 
-fn business(inbox: &Inbox) -> Business {
+pub fn business(inbox: &Inbox) -> Business {
     inbox
         .read(|txn| {
             let mut out = Business {
@@ -126,13 +126,45 @@ fn business(inbox: &Inbox) -> Business {
         .unwrap()
 }
 
-fn expected_balances(n: u32) -> BTreeMap<u8, u64> {
+pub fn expected_balances(n: u32) -> BTreeMap<u8, u64> {
     let mut b = BTreeMap::new();
     for id in 0..n {
         let m = message(id);
         *b.entry(m.account).or_insert(0) += m.amount;
     }
     b
+}
+
+/// An inbox on a fresh file whose responses are limited to `max_body_bytes`.
+pub fn limited_inbox(max_body_bytes: usize) -> (Inbox, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = RedbStore::builder()
+        .max_body_bytes(max_body_bytes)
+        .open(dir.path().join("l.idem"))
+        .unwrap();
+    (Inbox::new(store), dir)
+}
+
+/// An inbox on a fresh file whose store runs on a `ManualClock` at `T0`.
+pub fn clocked_inbox() -> (Inbox, ManualClock, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let store = RedbStore::builder()
+        .clock(clock.clone())
+        .open(dir.path().join("c.idem"))
+        .unwrap();
+    (Inbox::new(store), clock, dir)
+}
+
+/// An inbox in memory whose next sync fails once the flag is set.
+pub fn flaky_inbox() -> (Inbox, Arc<AtomicBool>) {
+    let fail = Arc::new(AtomicBool::new(false));
+    let backend = FlakySync {
+        inner: Arc::new(idemstore::redb::engine::backends::InMemoryBackend::new()),
+        fail_next_sync: Arc::clone(&fail),
+    };
+    let inbox = Inbox::new(RedbStore::builder().open_backend(backend).unwrap());
+    (inbox, fail)
 }
 
 /// Where the store lives, and how a crash is simulated on it.
@@ -471,12 +503,7 @@ fn a_message_claimed_through_the_store_api_is_in_flight_until_its_lease_ends() {
 
 #[test]
 fn an_oversized_result_aborts_the_handler_writes() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = RedbStore::builder()
-        .max_body_bytes(16)
-        .open(dir.path().join("l.idem"))
-        .unwrap();
-    let inbox = Inbox::new(store);
+    let (inbox, _dir) = limited_inbox(16);
     let m = message(3);
     let err = inbox
         .handle(&msg_key(3), &msg_fp(&m), |txn, c| {
@@ -499,12 +526,7 @@ fn an_oversized_result_aborts_the_handler_writes() {
 fn a_failed_inbox_commit_poisons_the_store() {
     // Reproduces an fsync error on the inbox's own commit: like a failed
     // group commit, it may or may not be on disk, so later writes must stop.
-    let fail = Arc::new(AtomicBool::new(false));
-    let backend = FlakySync {
-        inner: Arc::new(idemstore::redb::engine::backends::InMemoryBackend::new()),
-        fail_next_sync: Arc::clone(&fail),
-    };
-    let inbox = Inbox::new(RedbStore::builder().open_backend(backend).unwrap());
+    let (inbox, fail) = flaky_inbox();
     let m = message(4);
     fail.store(true, std::sync::atomic::Ordering::SeqCst);
     let err = inbox
@@ -683,14 +705,9 @@ fn a_sigkilled_consumer_applies_every_message_once() {
 /// `.clock(..)` on the inbox.
 #[test]
 fn an_inbox_over_a_store_built_with_a_manual_clock_reads_that_clock() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = ManualClock::new(T0);
-    let store = RedbStore::builder()
-        .clock(clock.clone())
-        .open(dir.path().join("c.idem"))
-        .unwrap();
+    let (inbox, clock, _dir) = clocked_inbox();
     let retention = Duration::from_secs(3600);
-    let inbox = Inbox::new(store).retention(retention);
+    let inbox = inbox.retention(retention);
     let m = message(3);
     let handle = |inbox: &Inbox| {
         inbox

@@ -19,6 +19,8 @@ mod fuzz_corpus;
 mod guard;
 #[cfg(feature = "redb")]
 mod inbox;
+#[cfg(feature = "redb")]
+mod inbox_batch;
 mod memory;
 mod model;
 #[cfg(all(feature = "metrics", feature = "tracing", feature = "redb"))]
@@ -35,6 +37,8 @@ mod redb;
 mod redb_bad_input;
 #[cfg(feature = "sled")]
 mod sled;
+#[cfg(feature = "redb")]
+mod stream_consumer;
 #[cfg(feature = "tower")]
 mod tower;
 #[cfg(feature = "redb")]

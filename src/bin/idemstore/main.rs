@@ -68,6 +68,12 @@ pub(crate) const EXIT_REFUSED: u8 = 6;
 /// Stores with at least this many records get a progress bar (when stderr
 /// is a terminal) for the commands that read or touch every record.
 pub(crate) const PROGRESS_MIN_RECORDS: u64 = 100_000;
+/// How long a command tries again when the store is locked before it says
+/// so (exit 4): a lock that lasts less is another command finishing, or a
+/// process that forked while it had the file open and has not yet run its
+/// new program.
+pub(crate) const LOCK_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// `list` prints at most this many records unless `--limit` says otherwise.
 pub(crate) const DEFAULT_LIST_LIMIT: u64 = 1_000;
 
@@ -523,7 +529,7 @@ pub(crate) fn existing_store_file(path: &Path) -> std::result::Result<(), Failur
 /// frames of the write-ahead log not yet in the store file.
 pub(crate) fn open_view(path: &Path, io: &mut Io<'_>) -> std::result::Result<RedbStore, Failure> {
     existing_store_file(path)?;
-    let store = RedbStore::open_read_only(path).map_err(|e| name_io(e, path))?;
+    let store = retry_locked(|| RedbStore::open_read_only(path)).map_err(|e| name_io(e, path))?;
     let frames = store.stats().frames_replayed_on_open;
     if frames > 0 {
         io.note(&format!(
@@ -540,7 +546,7 @@ pub(crate) fn open_view(path: &Path, io: &mut Io<'_>) -> std::result::Result<Red
 /// Says (on stderr) when the open replayed log frames into the file.
 pub(crate) fn open_writer(path: &Path, io: &mut Io<'_>) -> std::result::Result<RedbStore, Failure> {
     existing_store_file(path)?;
-    let store = RedbStore::open(path).map_err(|e| name_io(e, path))?;
+    let store = retry_locked(|| RedbStore::open(path)).map_err(|e| name_io(e, path))?;
     let frames = store.stats().frames_replayed_on_open;
     if frames > 0 {
         io.note(&format!(
@@ -550,6 +556,21 @@ pub(crate) fn open_writer(path: &Path, io: &mut Io<'_>) -> std::result::Result<R
         ))?;
     }
     Ok(store)
+}
+
+/// `open()`, tried again for up to [`LOCK_GRACE`] while it is `Locked`.
+pub(crate) fn retry_locked(
+    open: impl Fn() -> idemstore::Result<RedbStore>,
+) -> idemstore::Result<RedbStore> {
+    let until = std::time::Instant::now() + LOCK_GRACE;
+    loop {
+        match open() {
+            Err(Error::Locked { .. }) if std::time::Instant::now() < until => {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            other => return other,
+        }
+    }
 }
 
 /// "1 frame", "2 frames".

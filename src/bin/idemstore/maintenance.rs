@@ -612,9 +612,7 @@ pub(crate) fn salvage(store: &Path, to: &Path, io: &mut Io<'_>) -> Outcome {
             ));
         }
     }
-    let view = RedbStore::builder()
-        .accept_loss(true)
-        .open_read_only(store)
+    let view = super::retry_locked(|| RedbStore::builder().accept_loss(true).open_read_only(store))
         .map_err(|e| {
             let f = Failure::from(e);
             Failure {

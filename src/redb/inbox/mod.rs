@@ -2,42 +2,48 @@
 //!
 //! A consumer's handler gets the store's own redb write transaction, so its
 //! writes to its own tables and the DONE record for the message id commit
-//! together (one transaction, one fsync) or not at all.
+//! together or not at all. [`Inbox::handle`] takes one delivery (one
+//! commit, one fsync); [`Inbox::handle_batch`] takes a batch of them (one
+//! commit, one fsync for the whole batch): the way to consume a stream.
 //!
-//! ## Why its own write transaction, not a commit group
+//! ## Why a direct write transaction, not a commit group
 //!
-//! The handler runs in a write transaction of its own on the store's
-//! `Database`, on the caller's thread; it does not join a commit group. A handler inside the batch transaction could not be undone
-//! alone: redb cannot roll back part of a transaction (a savepoint needs a
-//! clean one), so a handler that failed or panicked after writing business
-//! rows would take every other caller's request in the batch down with it,
-//! and a slow handler would hold every caller's answer. Its own transaction
-//! makes a failure cost exactly that message, and the handler may borrow
-//! from the caller (no `'static`, no `Send`).
+//! The handlers run in a write transaction of the inbox's own on the
+//! store's `Database`, on the caller's thread; they do not join the store's
+//! commit groups. Inside a group a failed handler could not be undone alone
+//! (redb cannot roll back part of a transaction: a savepoint needs a clean
+//! one), so it would take every other caller's request in the group down
+//! with it, and a slow handler would hold every caller's answer. In an
+//! inbox batch the same problem is the batch's own: a failed or panicking
+//! handler aborts the pass, and the batch runs again without that message
+//! (`batch.rs`). That is why a handler may run more than once per delivery
+//! and must write only through the transaction it is given.
 //!
 //! The transaction is a direct one (`Shared::direct`): it holds the commit
-//! lock, so no group commits while a handler runs; it first takes in what
-//! the memtable holds (so the message's record is decided on the latest
-//! state), and its commit retires the write-ahead log. Every message is one
-//! commit and one fsync of its own: the rate of one claim per transaction,
-//! not the grouped rate, whatever the number of consumer threads
-//! (`benches/inbox.rs`). A redelivered message that is already DONE is
-//! answered from the memtable or a read transaction and costs no write.
+//! lock, so no group commits while handlers run; it first takes in what the
+//! memtable holds (so every message is decided on the latest state), and
+//! its commit retires the write-ahead log. One handled message is one
+//! commit and one fsync: the rate of one claim per transaction, whatever
+//! the number of consumer threads; a batch of 100 shares one
+//! (`docs/performance.md`). Redeliveries of messages that are already DONE
+//! are answered from the memtable or a read transaction and cost no write
+//! when the whole batch is such redeliveries.
 //!
 //! Tokens come from the same in-memory high-water mark the leaders use
 //! (under the commit lock), so they stay unique and increasing across both
 //! paths.
 
+mod batch;
+
+pub use batch::{MAX_INBOX_BATCH, Message};
+
 use super::RedbStore;
 use super::errors::engine;
-use super::tables::{Source, WriteTables};
-use crate::codec;
 use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
-use crate::guard::{DEFAULT_LEASE, DEFAULT_RETENTION};
+use crate::guard::DEFAULT_RETENTION;
 use crate::key::Key;
-use crate::logic;
-use crate::record::{Begin, Claim, State};
+use crate::record::Claim;
 use crate::response::Response;
 use crate::store::Store;
 use crate::time::{Clock, Timestamp};
@@ -91,6 +97,8 @@ impl Delivery {
 /// together with the dedup record of the message id: a redelivered message
 /// is skipped (its stored result returned), and a crash, error or panic
 /// before the commit leaves neither the handler's writes nor the record.
+/// [`handle_batch`](Inbox::handle_batch) does the same for a batch of
+/// deliveries in one commit, the way to consume a stream.
 /// Only the handler's writes through the transaction it is given are covered;
 /// effects outside the file (an HTTP call, another database) still need the
 /// fencing token ([`Claim::token`]) as their own idempotency key.
@@ -129,6 +137,7 @@ pub struct Inbox {
     store: Arc<RedbStore>,
     clock: Arc<dyn Clock>,
     retention: Duration,
+    quick_repair: bool,
 }
 
 impl Inbox {
@@ -149,6 +158,7 @@ impl Inbox {
             clock: store.clock(),
             store,
             retention: DEFAULT_RETENTION,
+            quick_repair: true,
         }
     }
 
@@ -182,6 +192,30 @@ impl Inbox {
         self
     }
 
+    /// Whether the inbox's commits save redb's allocator state (redb's
+    /// quick-repair; on by default, as every other commit of the store).
+    ///
+    /// On, a commit is redb's two-phase commit (two fsyncs) and an open
+    /// after a crash is quick. Off, a commit is redb's one-phase commit with
+    /// checksums: one fsync, as durable (an acknowledged batch survives a
+    /// power loss either way), and about twice the batches per second on a
+    /// disk whose fsync is slow (`docs/performance.md`); but an open after a
+    /// crash that follows such a commit walks the whole file to rebuild the
+    /// allocator state (redb's full repair), which takes longer the larger
+    /// the file. Switch it off for a consumer whose store is small (a short
+    /// retention) and whose throughput matters more than its restart time.
+    ///
+    /// ```
+    /// # let dir = tempfile::tempdir()?;
+    /// let inbox = idemstore::redb::Inbox::new(idemstore::RedbStore::open(dir.path().join("s.idem"))?)
+    ///     .quick_repair(false);
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn quick_repair(mut self, on: bool) -> Inbox {
+        self.quick_repair = on;
+        self
+    }
+
     /// The store this inbox writes to.
     ///
     /// ```
@@ -208,7 +242,10 @@ impl Inbox {
     /// is dropped, and so is everything on a panic), or the store's
     /// ([`Error::Poisoned`], [`Error::ResponseTooLarge`], [`Error::Corrupt`],
     /// [`Error::Backend`]) converted into `E`. A failed commit poisons the
-    /// store, as a failed group commit does.
+    /// store, as a failed group commit does. A handler's panic reaches the
+    /// caller and does not poison the store. It is a batch of one
+    /// ([`handle_batch`](Inbox::handle_batch)) that never runs twice; to
+    /// consume a stream, batch: one fsync per batch instead of per message.
     ///
     /// ```
     /// use idemstore::{Fingerprint, Key, RedbStore, Response};
@@ -235,72 +272,121 @@ impl Inbox {
         E: From<Error>,
         F: FnOnce(&WriteTransaction, &Claim) -> Result<Response, E>,
     {
-        let store = &*self.store;
-        if store.is_poisoned() {
-            return Err(Error::Poisoned.into());
-        }
-        let now = self.clock.now();
-        let key_bytes = codec::encode_key(key);
-        // Redeliveries of handled messages are the common case under
-        // at-least-once: answer them without taking the write transaction.
-        if let Some(record) = logic::visible(store.shared.read(&key_bytes)?, now)
-            && record.state == State::Done
-        {
-            return Ok(if record.fingerprint == *fingerprint {
-                Delivery::Duplicate(record.response.unwrap_or_default())
-            } else {
-                Delivery::Conflict
-            });
-        }
-
-        // One durable transaction, under the commit lock: it takes in what
-        // the memtable holds, so it decides on the latest state (the same
-        // message on another consumer thread may have been handled since
-        // the read above), and it retires the log.
-        let retention = self.retention;
-        let max_body_bytes = store.max_body_bytes;
-        let decided = store.shared.direct::<_, E>(|txn, hwm| {
-            let mut tables = WriteTables::open(txn)?;
-            let existing = tables.read(&key_bytes)?;
-            let last = *hwm;
-            let decided =
-                logic::begin(existing, fingerprint, now, DEFAULT_LEASE, retention, || {
-                    last.checked_add(1)
-                        .ok_or_else(|| Error::invalid_argument("fencing tokens exhausted"))
-                })?;
-            let claim = match decided.answer {
-                Begin::Claimed(claim) => claim,
-                // Nothing of the message is written; the transaction still
-                // commits what the memtable held (a checkpoint).
-                Begin::Replay(response) => return Ok(Err(Delivery::Duplicate(response))),
-                Begin::Conflict => return Ok(Err(Delivery::Conflict)),
-                Begin::InFlight { lease_until } => {
-                    return Ok(Err(Delivery::InFlight { lease_until }));
-                }
-            };
-            let Some(record) = decided.write else {
-                return Err(Error::backend("a claim without a record to write").into());
-            };
-            // The PROCESSING record exists only inside this transaction; it
-            // is there so that `complete` below is the ordinary transition.
-            tables.apply(&key_bytes, Some(&record))?;
-            drop(tables);
-
-            let response = handler(txn, &claim)?;
-            logic::check_response(&response, max_body_bytes)?;
-
-            let mut tables = WriteTables::open(txn)?;
-            let existing = tables.read(&key_bytes)?;
-            let done = logic::complete(existing, &claim, &response, now, retention)?;
-            tables.apply(&key_bytes, Some(&done))?;
-            *hwm = (*hwm).max(claim.token);
-            Ok(Ok(response))
+        let mut handler = Some(handler);
+        let items = [batch::item(key, fingerprint)];
+        let mut answers = self.run(&items, |_, txn, claim| match handler.take() {
+            Some(handler) => handler(txn, claim),
+            // A batch of one never re-runs: a failure ends it.
+            None => Err(Error::backend("the inbox ran a one-message handler twice").into()),
         })?;
-        let response = match decided {
-            Ok(response) => response,
-            Err(answer) => return Ok(answer),
+        match answers.pop() {
+            Some(Ok(delivery)) => Ok(delivery),
+            Some(Err(batch::Failed::Error(e))) => Err(e),
+            // As before batches: a handler's panic reaches the caller (its
+            // writes were dropped with the transaction).
+            Some(Err(batch::Failed::Panic(payload))) => std::panic::resume_unwind(payload),
+            None => Err(Error::backend("the inbox answered no delivery").into()),
+        }
+    }
+
+    /// Handles a batch of deliveries in one durable transaction: one commit
+    /// and one fsync for the batch, an answer per delivery, in order.
+    ///
+    /// Each delivery is decided in order against the latest state, the
+    /// batch's own earlier messages included, as [`handle`](Inbox::handle)
+    /// decides one: a new message id runs `handler(txn, claim, message)`
+    /// and answers [`Delivery::Handled`]; a handled one (before this batch,
+    /// or earlier in it: the same id twice is handled once)
+    /// [`Delivery::Duplicate`] with the stored result; the same id with
+    /// another fingerprint [`Delivery::Conflict`]; an id claimed through the
+    /// [`Store`](crate::Store) API [`Delivery::InFlight`]. An empty batch is
+    /// `Ok(vec![])` and commits nothing.
+    ///
+    /// **A failing message takes nothing with it.** When a handler returns
+    /// `Err`, panics, or returns a result over the store's limits, the
+    /// transaction is aborted and the batch runs again without that message,
+    /// whose answer is the error (a panic is [`Error::HandlerPanicked`]
+    /// converted into `E`, and does not poison the store). None of its
+    /// writes are stored; its batch-mates' are. So **a handler may run more
+    /// than once for one delivery** (once per pass, each time with a new
+    /// claim): its only effects must be its writes through `txn`, and it
+    /// must be callable again (`FnMut`). A batch with `f` failing messages
+    /// runs at most `f + 1` passes.
+    ///
+    /// The outer error is the store's, for the whole batch: nothing of it
+    /// was committed ([`Error::Poisoned`], a storage error, or more than
+    /// [`MAX_INBOX_BATCH`] deliveries: [`Error::InvalidArgument`]); a failed
+    /// commit poisons the store, as a failed group commit does. Acknowledge a
+    /// message to its queue only after this returned its answer.
+    ///
+    /// ```
+    /// use idemstore::redb::engine::{ReadableTable, TableDefinition};
+    /// use idemstore::redb::{Delivery, Inbox, Message};
+    /// use idemstore::{BoxError, Fingerprint, Key, RedbStore, Response};
+    ///
+    /// const BALANCES: TableDefinition<&str, u64> = TableDefinition::new("app.balances");
+    /// # let dir = tempfile::tempdir()?;
+    /// let inbox = Inbox::new(RedbStore::open(dir.path().join("s.idem"))?);
+    /// let payment = |id: &str, amount: u64| -> Result<Message<u64>, idemstore::Error> {
+    ///     Ok(Message::new(Key::new("payments", id)?, Fingerprint::of(&amount.to_be_bytes()), amount))
+    /// };
+    /// // p-2 is delivered twice in the batch; p-3's handler fails.
+    /// let batch = [payment("p-1", 5)?, payment("p-2", 7)?, payment("p-2", 7)?, payment("p-3", 0)?];
+    /// let answers = inbox.handle_batch(&batch, |txn, _claim, msg| -> Result<Response, BoxError> {
+    ///     if msg.payload == 0 {
+    ///         return Err("an empty payment".into());
+    ///     }
+    ///     let mut balances = txn.open_table(BALANCES)?;
+    ///     let new = balances.get("alice")?.map_or(0, |v| v.value()) + msg.payload;
+    ///     balances.insert("alice", new)?;
+    ///     Ok(Response::new(200, new.to_string()))
+    /// })?;
+    /// assert!(matches!(&answers[0], Ok(Delivery::Handled(r)) if r.body() == b"5"));
+    /// assert!(matches!(&answers[1], Ok(Delivery::Handled(r)) if r.body() == b"12"));
+    /// assert!(matches!(&answers[2], Ok(Delivery::Duplicate(r)) if r.body() == b"12"));
+    /// assert!(answers[3].is_err());
+    /// assert_eq!(inbox.store().stats().durable_commits, 1); // one commit for the batch
+    /// # Ok::<(), BoxError>(())
+    /// ```
+    pub fn handle_batch<T, E, F>(
+        &self,
+        batch: &[Message<T>],
+        mut handler: F,
+    ) -> Result<Vec<Result<Delivery, E>>>
+    where
+        E: From<Error>,
+        F: FnMut(&WriteTransaction, &Claim, &Message<T>) -> Result<Response, E>,
+    {
+        let items: Vec<batch::Item<'_>> = batch
+            .iter()
+            .map(|m| batch::item(&m.key, &m.fingerprint))
+            .collect();
+        let answers = self.run(&items, |index, txn, claim| match batch.get(index) {
+            Some(message) => handler(txn, claim, message),
+            None => Err(Error::backend("an inbox batch index out of range").into()),
+        })?;
+        Ok(answers
+            .into_iter()
+            .map(|answer| answer.map_err(batch::Failed::into_error))
+            .collect())
+    }
+
+    /// The engine under both entries, on this inbox's clock and retention.
+    fn run<E, F>(
+        &self,
+        items: &[batch::Item<'_>],
+        handler: F,
+    ) -> Result<Vec<Result<Delivery, batch::Failed<E>>>>
+    where
+        E: From<Error>,
+        F: FnMut(usize, &WriteTransaction, &Claim) -> Result<Response, E>,
+    {
+        let settings = batch::Settings {
+            now: self.clock.now(),
+            retention: self.retention,
+            quick_repair: self.quick_repair,
         };
-        Ok(Delivery::Handled(response))
+        batch::run(&self.store, items, &settings, handler)
     }
 }
 

@@ -1,0 +1,316 @@
+//! The message-side workload: payments from an at-least-once queue applied
+//! to an account table through an inbox, in batches, with a share of
+//! redeliveries. Two sides run it:
+//!
+//! - [`Ours`]: `idemstore::redb::Inbox::handle_batch` (or `handle`, one
+//!   message per call), the account table in the store's own file;
+//! - [`Pg`] (feature `postgres`): PostgreSQL as a user would write it, per
+//!   batch `BEGIN; INSERT INTO inbox .. ON CONFLICT DO NOTHING RETURNING id;
+//!   UPDATE accounts ..; COMMIT` with `synchronous_commit` on (the default).
+//!
+//! Used by the `inbox_compare` binary and the `inbox` criterion bench.
+
+use crate::peers::BoxResult;
+use idemstore::redb::engine::{ReadableTable, TableDefinition, WriteTransaction};
+use idemstore::redb::{Delivery, Inbox, Message};
+use idemstore::{BoxError, Claim, Fingerprint, Key, RedbStore, Response};
+use std::path::Path;
+
+/// Accounts the payments spread over.
+pub const ACCOUNTS: u64 = 1_000;
+
+/// account -> balance, in the store's file.
+pub const BALANCES: TableDefinition<u64, i64> = TableDefinition::new("bench.balances");
+
+/// One payment: a message of the queue.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Payment {
+    /// The message id (unique per payment; a redelivery repeats it).
+    pub id: u64,
+    /// The account credited.
+    pub account: u64,
+    /// The amount credited.
+    pub amount: i64,
+}
+
+impl Payment {
+    /// Payment `id`: its account and amount are functions of the id.
+    pub fn of(id: u64) -> Payment {
+        let mixed = splitmix(id);
+        Payment {
+            id,
+            account: mixed % ACCOUNTS,
+            amount: (mixed >> 32) as i64 % 100 + 1,
+        }
+    }
+
+    /// The payment as an inbox delivery.
+    pub fn message(self) -> Message<Payment> {
+        let key = Key::new("payments", format!("p-{}", self.id))
+            .unwrap_or_else(|e| unreachable!("a short id is a valid key: {e}"));
+        let fingerprint =
+            Fingerprint::of_parts([&self.account.to_be_bytes()[..], &self.amount.to_be_bytes()]);
+        Message::new(key, fingerprint, self)
+    }
+}
+
+fn splitmix(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The queue: batches of fresh payments with a share of redeliveries of
+/// payments delivered before (seeded, the same for every side).
+#[derive(Debug)]
+pub struct Feed {
+    next_id: u64,
+    redelivery_percent: u64,
+    rng: u64,
+}
+
+impl Feed {
+    /// A feed in which about `redelivery_percent` of each batch (after the
+    /// first) are redeliveries.
+    pub fn new(redelivery_percent: u64, seed: u64) -> Feed {
+        Feed {
+            next_id: 0,
+            redelivery_percent,
+            rng: seed,
+        }
+    }
+
+    /// The next batch of `n` deliveries.
+    pub fn batch(&mut self, n: usize) -> Vec<Payment> {
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            self.rng = splitmix(self.rng);
+            let redeliver = self.next_id > 0 && self.rng % 100 < self.redelivery_percent;
+            let id = if redeliver {
+                // One of the last 10,000 payments delivered.
+                let window = self.next_id.min(10_000);
+                self.next_id - 1 - (self.rng >> 32) % window
+            } else {
+                self.next_id += 1;
+                self.next_id - 1
+            };
+            out.push(Payment::of(id));
+        }
+        out
+    }
+}
+
+/// Counts of one run: deliveries and how many were handled (new).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Tally {
+    /// Deliveries processed.
+    pub messages: u64,
+    /// Of those, handled for the first time (the rest were redeliveries).
+    pub handled: u64,
+}
+
+/// The business write: credit the payment's account.
+pub fn credit(txn: &WriteTransaction, _claim: &Claim, p: &Payment) -> Result<Response, BoxError> {
+    let mut balances = txn.open_table(BALANCES)?;
+    let new = balances.get(p.account)?.map_or(0, |v| v.value()) + p.amount;
+    balances.insert(p.account, new)?;
+    Ok(Response::new(200, ""))
+}
+
+/// idemstore's side: an inbox on a fresh store in a directory.
+pub struct Ours {
+    inbox: Inbox,
+}
+
+impl Ours {
+    /// A fresh store in `dir` (the defaults: immediate durability), with
+    /// redb's quick-repair on the inbox's commits or not.
+    pub fn open(dir: &Path, quick_repair: bool) -> BoxResult<Ours> {
+        Ok(Ours {
+            inbox: Inbox::new(RedbStore::open(dir.join("inbox.idem"))?).quick_repair(quick_repair),
+        })
+    }
+
+    /// The inbox.
+    pub fn inbox(&self) -> &Inbox {
+        &self.inbox
+    }
+
+    /// One batch through `handle_batch`; checks every answer.
+    pub fn batch(&self, payments: &[Payment]) -> BoxResult<Tally> {
+        let messages: Vec<Message<Payment>> = payments.iter().map(|p| p.message()).collect();
+        let answers = self
+            .inbox
+            .handle_batch(&messages, |txn, claim, m| credit(txn, claim, &m.payload))?;
+        let mut tally = Tally::default();
+        for answer in answers {
+            tally.messages += 1;
+            match answer? {
+                Delivery::Handled(_) => tally.handled += 1,
+                Delivery::Duplicate(_) => {}
+                other => return Err(format!("unexpected {other:?}").into()),
+            }
+        }
+        Ok(tally)
+    }
+
+    /// The same deliveries one `handle` call each: the one-message inbox.
+    pub fn one_by_one(&self, payments: &[Payment]) -> BoxResult<Tally> {
+        let mut tally = Tally::default();
+        for p in payments {
+            let m = p.message();
+            let answer = self
+                .inbox
+                .handle(&m.key, &m.fingerprint, |txn, claim| credit(txn, claim, p))?;
+            tally.messages += 1;
+            match answer {
+                Delivery::Handled(_) => tally.handled += 1,
+                Delivery::Duplicate(_) => {}
+                other => return Err(format!("unexpected {other:?}").into()),
+            }
+        }
+        Ok(tally)
+    }
+
+    /// The sum of all balances (what the handled payments credited).
+    pub fn total(&self) -> BoxResult<i64> {
+        self.inbox.read(|txn| {
+            let Ok(t) = txn.open_table(BALANCES) else {
+                return Ok(0);
+            };
+            let mut sum = 0;
+            for entry in t.iter()? {
+                sum += entry?.1.value();
+            }
+            Ok(sum)
+        })
+    }
+}
+
+/// PostgreSQL's side, as a user would write it: an inbox table whose
+/// primary key is the message id, and the account table, written in one
+/// transaction per batch.
+#[cfg(feature = "postgres")]
+pub struct Pg {
+    client: postgres::Client,
+    inbox: String,
+    accounts: String,
+}
+
+#[cfg(feature = "postgres")]
+impl Pg {
+    /// Fresh tables (named after this process and `tag`) on the server at `url`.
+    pub fn open(url: &str, tag: &str) -> BoxResult<Pg> {
+        let mut client = postgres::Client::connect(url, postgres::NoTls)?;
+        let inbox = format!("bench_inbox_{}_{tag}", std::process::id());
+        let accounts = format!("bench_accounts_{}_{tag}", std::process::id());
+        client.batch_execute(&format!(
+            "DROP TABLE IF EXISTS {inbox}; DROP TABLE IF EXISTS {accounts};
+             CREATE TABLE {inbox} (id text PRIMARY KEY, handled_at timestamptz NOT NULL DEFAULT now());
+             CREATE TABLE {accounts} (id bigint PRIMARY KEY, balance bigint NOT NULL);
+             INSERT INTO {accounts} SELECT g, 0 FROM generate_series(0, {}) g;",
+            ACCOUNTS - 1
+        ))?;
+        Ok(Pg {
+            client,
+            inbox,
+            accounts,
+        })
+    }
+
+    /// One batch in one transaction: record the new ids, credit their
+    /// payments, commit (one WAL flush).
+    pub fn batch(&mut self, payments: &[Payment]) -> BoxResult<Tally> {
+        let ids: Vec<String> = payments.iter().map(|p| format!("p-{}", p.id)).collect();
+        let mut txn = self.client.transaction()?;
+        // Duplicates inside the batch are handled once: the first row
+        // wins, ON CONFLICT skips the rest.
+        let new: std::collections::HashSet<String> = txn
+            .query(
+                &format!(
+                    "INSERT INTO {} (id) SELECT DISTINCT unnest($1::text[]) \
+                     ON CONFLICT DO NOTHING RETURNING id",
+                    self.inbox
+                ),
+                &[&ids],
+            )?
+            .into_iter()
+            .map(|row| row.get(0))
+            .collect();
+        let mut accounts = Vec::new();
+        let mut amounts = Vec::new();
+        let mut seen = std::collections::HashSet::new();
+        for (p, id) in payments.iter().zip(&ids) {
+            if new.contains(id) && seen.insert(id) {
+                accounts.push(p.account as i64);
+                amounts.push(p.amount);
+            }
+        }
+        if !accounts.is_empty() {
+            txn.execute(
+                &format!(
+                    "UPDATE {0} a SET balance = a.balance + d.amount \
+                     FROM (SELECT account, sum(amount)::bigint AS amount \
+                           FROM unnest($1::bigint[], $2::bigint[]) AS t(account, amount) \
+                           GROUP BY account) d \
+                     WHERE a.id = d.account",
+                    self.accounts
+                ),
+                &[&accounts, &amounts],
+            )?;
+        }
+        txn.commit()?;
+        Ok(Tally {
+            messages: payments.len() as u64,
+            handled: accounts.len() as u64,
+        })
+    }
+
+    /// The sum of all balances.
+    pub fn total(&mut self) -> BoxResult<i64> {
+        let row = self.client.query_one(
+            &format!(
+                "SELECT coalesce(sum(balance), 0)::bigint FROM {}",
+                self.accounts
+            ),
+            &[],
+        )?;
+        Ok(row.get(0))
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl Drop for Pg {
+    fn drop(&mut self) {
+        let _ = self.client.batch_execute(&format!(
+            "DROP TABLE IF EXISTS {}; DROP TABLE IF EXISTS {};",
+            self.inbox, self.accounts
+        ));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_feed_redelivers_about_its_share() {
+        let mut feed = Feed::new(20, 7);
+        let mut seen = std::collections::HashSet::new();
+        let mut redelivered = 0;
+        for p in (0..50).flat_map(|_| feed.batch(100)) {
+            if !seen.insert(p.id) {
+                redelivered += 1;
+            }
+        }
+        assert!((800..1_200).contains(&redelivered), "{redelivered}");
+        assert!(
+            Feed::new(0, 7)
+                .batch(100)
+                .iter()
+                .enumerate()
+                .all(|(i, p)| p.id == i as u64)
+        );
+    }
+}
