@@ -159,6 +159,9 @@ pub struct Summary {
     pub duplicates: u64,
     /// Claimed from a dead consumer's pending entries.
     pub claimed: u64,
+    /// Acknowledged without being applied: the payment id was used for
+    /// another payment before.
+    pub conflicts: u64,
     /// Left pending (a failed handler): claimed again later.
     pub failed: u64,
     /// Wall time of the run.
@@ -363,7 +366,20 @@ pub fn consume(cfg: &Config) -> Result<Summary, BoxError> {
                 match answer {
                     Ok(Delivery::Handled(_)) => summary.handled += 1,
                     Ok(Delivery::Duplicate(_)) => summary.duplicates += 1,
-                    Ok(other) => return Err(format!("entry {}: {other:?}", entry.id).into()),
+                    Ok(Delivery::Conflict) => {
+                        // The payment id was used for another payment: a
+                        // producer's bug. Acked (a dead-letter queue would
+                        // take it here), never applied.
+                        eprintln!("entry {}: payment id reused with other content", entry.id);
+                        summary.conflicts += 1;
+                    }
+                    Ok(other) => {
+                        // InFlight (claimed through the Store API) or a
+                        // future answer: left pending, claimed again later.
+                        eprintln!("entry {}: {other:?}", entry.id);
+                        summary.failed += 1;
+                        continue;
+                    }
                     Err(e) => {
                         // Left pending: claimed and tried again after min_idle.
                         eprintln!("entry {}: {e}", entry.id);
@@ -545,13 +561,14 @@ fn main() -> Result<(), BoxError> {
         "consume" => {
             let s = consume(&cfg)?;
             println!(
-                "{}: {} messages in {} batches ({} handled, {} duplicates, {} claimed from dead consumers, {} failed) in {:.2?}: {:.0} messages/s",
+                "{}: {} messages in {} batches ({} handled, {} duplicates, {} claimed from dead consumers, {} conflicts, {} failed) in {:.2?}: {:.0} messages/s",
                 cfg.consumer,
                 s.messages,
                 s.batches,
                 s.handled,
                 s.duplicates,
                 s.claimed,
+                s.conflicts,
                 s.failed,
                 s.elapsed,
                 s.messages as f64 / s.elapsed.as_secs_f64()

@@ -36,7 +36,8 @@
 //! - `admin/`: operator access ([`admin`]: facts, scans, verify, evict,
 //!   import, the export line format), for the `idemstore` binary and the
 //!   testkit's crash checker;
-//! - `inbox.rs`: the co-transactional inbox for message consumers;
+//! - `inbox/`: the co-transactional inbox for message consumers (`batch.rs`:
+//!   a batch of deliveries in one transaction, re-run without a failed one);
 //! - this file: the public type, the read paths, the `Store` impl.
 
 pub mod admin;

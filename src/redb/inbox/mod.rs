@@ -3,8 +3,8 @@
 //! A consumer's handler gets the store's own redb write transaction, so its
 //! writes to its own tables and the DONE record for the message id commit
 //! together or not at all. [`Inbox::handle`] takes one delivery (one
-//! commit, one fsync); [`Inbox::handle_batch`] takes a batch of them (one
-//! commit, one fsync for the whole batch): the way to consume a stream.
+//! durable commit); [`Inbox::handle_batch`] takes a batch of them (one
+//! durable commit for the whole batch): the way to consume a stream.
 //!
 //! ## Why a direct write transaction, not a commit group
 //!
@@ -23,7 +23,7 @@
 //! lock, so no group commits while handlers run; it first takes in what the
 //! memtable holds (so every message is decided on the latest state), and
 //! its commit retires the write-ahead log. One handled message is one
-//! commit and one fsync: the rate of one claim per transaction, whatever
+//! durable commit: the rate of one claim per transaction, whatever
 //! the number of consumer threads; a batch of 100 shares one
 //! (`docs/performance.md`). Redeliveries of messages that are already DONE
 //! are answered from the memtable or a read transaction and cost no write
@@ -245,7 +245,7 @@ impl Inbox {
     /// store, as a failed group commit does. A handler's panic reaches the
     /// caller and does not poison the store. It is a batch of one
     /// ([`handle_batch`](Inbox::handle_batch)) that never runs twice; to
-    /// consume a stream, batch: one fsync per batch instead of per message.
+    /// consume a stream, batch: one commit per batch instead of per message.
     ///
     /// ```
     /// use idemstore::{Fingerprint, Key, RedbStore, Response};
@@ -290,7 +290,9 @@ impl Inbox {
     }
 
     /// Handles a batch of deliveries in one durable transaction: one commit
-    /// and one fsync for the batch, an answer per delivery, in order.
+    /// for the batch (redb's durable commit: two fsyncs with quick-repair,
+    /// one without, [`quick_repair`](Inbox::quick_repair)), an answer per
+    /// delivery, in order.
     ///
     /// Each delivery is decided in order against the latest state, the
     /// batch's own earlier messages included, as [`handle`](Inbox::handle)
