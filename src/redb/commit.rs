@@ -897,7 +897,7 @@ impl Group<'_> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::redb::RedbStoreBuilder;
     use crate::redb::open;
@@ -916,7 +916,9 @@ mod tests {
         }
     }
 
-    fn shared(log: bool) -> Arc<Shared> {
+    /// A store's shared state on in-memory backends, with no thread
+    /// started: the tests lead groups themselves.
+    pub(in crate::redb) fn shared(log: bool) -> Arc<Shared> {
         let config = RedbStoreBuilder::default().config;
         let backend = ::redb::backends::InMemoryBackend::new();
         let wal: Option<Box<dyn ::redb::StorageBackend>> =

@@ -199,3 +199,118 @@ impl Drop for Submitted {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fingerprint::Fingerprint;
+    use crate::time::Timestamp;
+    use std::task::Waker;
+    use std::time::Duration;
+
+    const D: Duration = Duration::from_secs(10);
+
+    fn begin(id: usize) -> Op {
+        Op::Begin {
+            key: format!("\0{id}").into_bytes(),
+            fingerprint: Fingerprint::of(b"fp"),
+            now: Timestamp::from_millis(1_000),
+            lease: D,
+            retention: D,
+        }
+    }
+
+    fn poll(f: &mut Submitted) -> Poll<Result<Reply>> {
+        Pin::new(f).poll(&mut Context::from_waker(Waker::noop()))
+    }
+
+    fn lead_all(shared: &Shared) {
+        while !shared.lock_queue().waiting.is_empty() {
+            let _ = shared.lead_once(None);
+        }
+    }
+
+    #[test]
+    fn a_full_line_keeps_the_op_until_a_group_makes_room() {
+        // No committer runs here: this test leads.
+        let shared = super::super::commit::tests::shared(true);
+        let mut queued: Vec<Submitted> = (0..WRITE_QUEUE_DEPTH)
+            .map(|i| shared.submit_async(begin(i)).unwrap())
+            .collect();
+        assert!(
+            shared.lock_queue().committer,
+            "the role went to the committer"
+        );
+        let mut late = shared.submit_async(begin(WRITE_QUEUE_DEPTH)).unwrap();
+        assert!(matches!(late.state, State::Room(_)));
+        assert!(poll(&mut late).is_pending());
+        assert_eq!(shared.lock_queue().room.len(), 1);
+        let _ = shared.lead_once(None);
+        assert!(shared.lock_queue().room.is_empty(), "woken");
+        assert!(poll(&mut late).is_pending());
+        assert!(matches!(late.state, State::Queued(_)));
+        lead_all(&shared);
+        assert!(matches!(
+            poll(&mut late),
+            Poll::Ready(Ok(Reply::Begin(Begin::Claimed(_))))
+        ));
+        for f in &mut queued {
+            assert!(matches!(
+                poll(f),
+                Poll::Ready(Ok(Reply::Begin(Begin::Claimed(_))))
+            ));
+        }
+        let q = shared.lock_queue();
+        assert!(!q.committer && q.waiting.is_empty());
+    }
+
+    #[test]
+    fn a_dropped_future_leaves_the_line_or_gives_its_claim_back() {
+        let shared = super::super::commit::tests::shared(true);
+        // Dropped while queued: out of the line, nothing written.
+        drop(shared.submit_async(begin(1)).unwrap());
+        assert!(shared.lock_queue().waiting.is_empty());
+        // Dropped after its group committed, answer unread: released.
+        let answered = shared.submit_async(begin(2)).unwrap();
+        lead_all(&shared);
+        assert!(matches!(shared.read(b"\x002"), Ok(Some(_))));
+        drop(answered);
+        assert_eq!(
+            shared.lock_queue().waiting.len(),
+            1,
+            "the release is queued"
+        );
+        lead_all(&shared);
+        assert!(matches!(shared.read(b"\x002"), Ok(None)));
+        // Dropped while its group commits: the leader releases it.
+        let taken = shared.submit_async(begin(3)).unwrap();
+        let State::Queued(slot) = &taken.state else {
+            panic!("queued")
+        };
+        assert!(slot.abandon().is_none());
+        std::mem::forget(taken);
+        lead_all(&shared);
+        assert!(matches!(shared.read(b"\x003"), Ok(None)));
+        assert!(matches!(shared.read(b"\x001"), Ok(None)));
+    }
+
+    #[test]
+    fn a_closed_line_refuses_new_requests() {
+        let shared = super::super::commit::tests::shared(true);
+        let mut queued = shared.submit_async(begin(1)).unwrap();
+        shared.close_line();
+        assert!(matches!(shared.submit_async(begin(2)), Err(Error::Closed)));
+        assert!(matches!(shared.submit(begin(3)), Err(Error::Closed)));
+        // What was queued before is still answered (the committer drains).
+        lead_all(&shared);
+        assert!(matches!(poll(&mut queued), Poll::Ready(Ok(_))));
+        shared.run_committer();
+        assert!(shared.lock_queue().stopped);
+        // A dropped future's release after the stop is not queued.
+        shared.detach(Op::Release {
+            key: b"\x001".to_vec(),
+            claim: crate::record::Claim::unprotected(),
+        });
+        assert!(shared.lock_queue().waiting.is_empty());
+    }
+}

@@ -21,6 +21,8 @@ mod guard;
 mod inbox;
 mod memory;
 mod model;
+#[cfg(all(feature = "redb", feature = "tokio"))]
+mod native_async;
 #[cfg(all(feature = "metrics", feature = "tracing", feature = "redb"))]
 mod observability;
 #[cfg(all(feature = "redb", feature = "tower"))]
