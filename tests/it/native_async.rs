@@ -285,7 +285,7 @@ async fn async_answers_match_the_blocking_calls() {
         let slot = usize::try_from(seed % 4).unwrap();
         let k = key(format!("eq-{slot}"));
         let now = T0 + Duration::from_millis(step * 700);
-        let fingerprint = Fingerprint::of(&[u8::from(seed % 5 == 0)]);
+        let fingerprint = Fingerprint::of([u8::from(seed.is_multiple_of(5))]);
         let lease = Duration::from_secs(2);
         let response = Response::new(200, format!("r{step}"));
         let answers: Vec<String> = match (seed >> 8) % 3 {
