@@ -295,7 +295,10 @@ impl Shared {
 /// acknowledged claim is durable. A background thread checkpoints what was
 /// written into the store file. A `begin` whose answer writes nothing
 /// (Replay, InFlight, Conflict) is answered on the read fast path without
-/// joining the line. After a failed commit the store is poisoned: every
+/// joining the line. The native async entry ([`Store::begin_async`] and
+/// friends, what `Guard::run_async` uses) joins the same line as a future
+/// woken when its group is durable: no thread waits per request, and the
+/// store's one committer thread leads when only futures are in line. After a failed commit the store is poisoned: every
 /// later write is [`Error::Poisoned`] until it is reopened. See the module
 /// source (`src/redb/mod.rs`) for the write path.
 ///

@@ -7,6 +7,7 @@ use idemstore::{
     Begin, Claim, Error, Fingerprint, Guard, Key, MemoryStore, Outcome, Record, RedbStore,
     Response, State, Store, StoreFuture, Timestamp,
 };
+use idemstore_testkit::BlockingOnly;
 use idemstore_testkit::conformance::T0;
 use idemstore_testkit::crash::{CrashBackend, Fault, FaultOn};
 use std::convert::Infallible;
@@ -30,42 +31,6 @@ fn fp() -> Fingerprint {
 
 fn redb(dir: &tempfile::TempDir) -> RedbStore {
     RedbStore::open(dir.path().join("s.idem")).unwrap()
-}
-
-/// Any store with its native entry hidden: the guard falls back to tokio's
-/// blocking pool, as for a store written without it.
-struct Blocking<S>(S);
-
-impl<S: Store> Store for Blocking<S> {
-    fn begin(
-        &self,
-        key: &Key,
-        fp: &Fingerprint,
-        now: Timestamp,
-        lease: Duration,
-        retention: Duration,
-    ) -> idemstore::Result<Begin> {
-        self.0.begin(key, fp, now, lease, retention)
-    }
-    fn complete(
-        &self,
-        key: &Key,
-        claim: &Claim,
-        response: &Response,
-        now: Timestamp,
-        retention: Duration,
-    ) -> idemstore::Result<()> {
-        self.0.complete(key, claim, response, now, retention)
-    }
-    fn release(&self, key: &Key, claim: &Claim) -> idemstore::Result<()> {
-        self.0.release(key, claim)
-    }
-    fn get(&self, key: &Key, now: Timestamp) -> idemstore::Result<Option<Record>> {
-        self.0.get(key, now)
-    }
-    fn sweep_expired(&self, now: Timestamp, max: usize) -> idemstore::Result<usize> {
-        self.0.sweep_expired(now, max)
-    }
 }
 
 /// Threads of this process whose name starts with `prefix` (a runtime's
@@ -140,7 +105,7 @@ fn a_thousand_concurrent_runs_need_no_thread_each() {
     assert!(native <= 4, "native: {native} runtime threads at peak");
     // The test of the test: through the blocking pool the count grows.
     let dir = tempfile::tempdir().unwrap();
-    let blocking = peak_threads_for(Blocking(redb(&dir)), "blk-async-rt");
+    let blocking = peak_threads_for(BlockingOnly(redb(&dir)), "blk-async-rt");
     assert!(blocking > 8, "blocking pool: {blocking} threads at peak");
     eprintln!("runtime threads at peak: native {native}, blocking pool {blocking}");
 }
