@@ -5,7 +5,7 @@
 
 use idemstore::{
     Begin, Claim, Error, Fingerprint, Guard, Key, MemoryStore, Outcome, Record, RedbStore,
-    Response, State, Store, StoreFuture, Timestamp,
+    Response, State, Store, StoreFuture,
 };
 use idemstore_testkit::BlockingOnly;
 use idemstore_testkit::conformance::T0;
