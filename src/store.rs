@@ -29,10 +29,10 @@ pub const MAX_SWEEP_BATCH: usize = 10_000;
 /// use std::time::Duration;
 ///
 /// let store = MemoryStore::new();
-/// let d = Duration::from_secs(5);
-/// let key = Key::new("", "k")?;
+/// let (key, fp, d) = (Key::new("", "k")?, Fingerprint::of(b""), Duration::from_secs(5));
+/// // It borrows `store`, `key` and `fp`: the store outlives every future of its own.
 /// let future: StoreFuture<'_, Begin> = store
-///     .begin_async(&key, &Fingerprint::of(b""), Timestamp::EPOCH, d, d)
+///     .begin_async(&key, &fp, Timestamp::EPOCH, d, d)
 ///     .expect("MemoryStore answers natively");
 /// # let _ = future;
 /// # Ok::<(), idemstore::Error>(())
@@ -232,8 +232,8 @@ pub trait Store: Send + Sync {
     /// let store = MemoryStore::new();
     /// let (key, fp, d, t) = (Key::new("", "k")?, Fingerprint::of(b"x"), Duration::from_secs(5), Timestamp::EPOCH);
     /// let Begin::Claimed(claim) = store.begin(&key, &fp, t, d, d)? else { unreachable!() };
-    /// let done = store.complete_async(&key, &claim, &Response::new(200, "ok"), t, d);
-    /// done.expect("native").await?;
+    /// let response = Response::new(200, "ok");
+    /// store.complete_async(&key, &claim, &response, t, d).expect("native").await?;
     /// assert!(matches!(store.begin(&key, &fp, t, d, d)?, Begin::Replay(_)));
     /// # Ok(()) }
     /// ```
