@@ -388,3 +388,17 @@ async fn dropping_the_store_commits_what_is_queued() {
         assert!(store.get(k, T0).unwrap().is_none(), "{k:?}");
     }
 }
+
+/// The HTTP layer's guard holds its store as `Arc<dyn Store>`: the native
+/// entry must survive the erasure (and `BlockingOnly` must hide it).
+#[test]
+fn the_native_entry_survives_arc_dyn_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let (k, d) = (key("erased"), Duration::from_secs(1));
+    let erased: Arc<dyn Store> = Arc::new(redb(&dir));
+    assert!(erased.begin_async(&k, &FP, T0, d, d).is_some());
+    let memory: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    assert!(memory.begin_async(&k, &FP, T0, d, d).is_some());
+    let hidden: Arc<dyn Store> = Arc::new(BlockingOnly(MemoryStore::new()));
+    assert!(hidden.begin_async(&k, &FP, T0, d, d).is_none());
+}
