@@ -70,7 +70,9 @@ pub type StoreFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T>> + Send + 'a
 /// The contract of the async entry is the blocking method's (same answers,
 /// same durability when the future completes), plus **cancellation**: a
 /// future dropped before it completes leaves no claim its caller cannot
-/// see and no half-applied write (a future that does its work on its first
+/// see and no half-applied write (a claim made while its future was being
+/// dropped may be released just after the drop, so a retry may see it for
+/// that long; a future that does its work on its first
 /// poll and answers in that same poll, as `MemoryStore`'s does, has no
 /// window to be dropped in). A dropped `begin_async` whose request
 /// would claim (or did claim) the key must not leave the key claimed: the

@@ -27,9 +27,9 @@
 //!   or not at all (one group, one frame). A `begin` that claimed is
 //!   released at once: by the leader when it answers an abandoned slot, or
 //!   by the drop when the answer had arrived but was not read. The release
-//!   is queued like any request, so it is durable by the same path; if it
-//!   fails (a poisoned store) the claim ends with its lease, as a crashed
-//!   owner's would.
+//!   is queued like any request, so it is durable by the same path (a
+//!   retry that comes before it gets InFlight); if it fails (a poisoned
+//!   store) the claim ends with its lease, as a crashed owner's would.
 //!
 //! Closing: [`RedbStore`](super::RedbStore)'s drop marks the line closed
 //! and joins the committer, which commits everything still in line first
