@@ -74,7 +74,8 @@
 //! - `sled`: `SledStore`, the store on sled 0.34.7, fsynced for real.
 //! - `postgres`: `PostgresStore`, the same contract in a PostgreSQL table shared by
 //!   several replicas (one statement per call, fencing tokens from a sequence).
-//! - `tokio`: `Guard::run_async`.
+//! - `tokio`: `Guard::run_async` (a store's native async entry where it has
+//!   one, [`Store::begin_async`]; tokio's blocking pool otherwise).
 //! - `tower`: HTTP middleware (`Idempotency-Key`), in `tower` (behaviour and status codes in its docs).
 //! - `cli`: the `idemstore` operator binary (read-only inspection, explain,
 //!   evict, sweep, compact, verify, salvage, export, import), built on the
@@ -143,7 +144,7 @@ pub use memory::MemoryStore;
 pub use memory::Op;
 pub use record::{Begin, Claim, Record, State};
 pub use response::Response;
-pub use store::Store;
+pub use store::{Store, StoreFuture};
 pub use sweeper::{Sweeper, SweeperConfig, SweeperErrors};
 #[cfg(feature = "test-util")]
 pub use testing::FaultyStore;

@@ -6,7 +6,7 @@ use crate::key::Key;
 use crate::logic;
 use crate::record::{Begin, Claim, Record, check_durations};
 use crate::response::{DEFAULT_MAX_BODY_BYTES, Response, check_body_limit};
-use crate::store::{MAX_SWEEP_BATCH, Store};
+use crate::store::{MAX_SWEEP_BATCH, Store, StoreFuture};
 use crate::time::{Clock, SystemClock, Timestamp};
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -308,5 +308,39 @@ impl Store for MemoryStore {
 
     fn clock(&self) -> Arc<dyn Clock> {
         Arc::clone(&self.clock)
+    }
+
+    // The async entry answers inline: every call is a short critical
+    // section in memory. The work happens on the first poll and answers in
+    // it, so a future dropped unpolled did nothing and one that was polled
+    // has answered: there is no window for a claim nobody sees.
+    fn begin_async<'a>(
+        &'a self,
+        key: &'a Key,
+        fingerprint: &'a Fingerprint,
+        now: Timestamp,
+        lease: Duration,
+        retention: Duration,
+    ) -> Option<StoreFuture<'a, Begin>> {
+        Some(Box::pin(async move {
+            self.begin(key, fingerprint, now, lease, retention)
+        }))
+    }
+
+    fn complete_async<'a>(
+        &'a self,
+        key: &'a Key,
+        claim: &'a Claim,
+        response: &'a Response,
+        now: Timestamp,
+        retention: Duration,
+    ) -> Option<StoreFuture<'a, ()>> {
+        Some(Box::pin(async move {
+            self.complete(key, claim, response, now, retention)
+        }))
+    }
+
+    fn release_async<'a>(&'a self, key: &'a Key, claim: &'a Claim) -> Option<StoreFuture<'a, ()>> {
+        Some(Box::pin(async move { self.release(key, claim) }))
     }
 }

@@ -6,12 +6,38 @@ use crate::key::Key;
 use crate::record::{Begin, Claim, Record};
 use crate::response::Response;
 use crate::time::{Clock, SystemClock, Timestamp};
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
 /// Most records one [`Store::sweep_expired`] call may be asked to delete.
 /// Larger requests are clamped, so one sweep never holds a commit group for long.
 pub const MAX_SWEEP_BATCH: usize = 10_000;
+
+/// The answer of a store's native async entry ([`Store::begin_async`],
+/// [`Store::complete_async`], [`Store::release_async`]): a boxed future that
+/// may borrow the store and the call's arguments (`'a`) and may be sent to
+/// another thread.
+///
+/// It is runtime-agnostic: whoever fills it in wakes it through the
+/// [`Waker`](std::task::Waker) it was polled with, so it runs on tokio,
+/// async-std or a hand-written executor alike.
+///
+/// ```
+/// use idemstore::{Begin, Fingerprint, Key, MemoryStore, Store, StoreFuture, Timestamp};
+/// use std::time::Duration;
+///
+/// let store = MemoryStore::new();
+/// let (key, fp, d) = (Key::new("", "k")?, Fingerprint::of(b""), Duration::from_secs(5));
+/// // It borrows `store`, `key` and `fp`: the store outlives every future of its own.
+/// let future: StoreFuture<'_, Begin> = store
+///     .begin_async(&key, &fp, Timestamp::EPOCH, d, d)
+///     .expect("MemoryStore answers natively");
+/// # let _ = future;
+/// # Ok::<(), idemstore::Error>(())
+/// ```
+pub type StoreFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T>> + Send + 'a>>;
 
 /// A durable idempotency store.
 ///
@@ -27,6 +53,32 @@ pub const MAX_SWEEP_BATCH: usize = 10_000;
 /// Durations are taken in whole milliseconds. `lease` must be at least 1 ms
 /// and `retention` at least `lease`, or the call is
 /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) before any I/O.
+///
+/// # Native async
+///
+/// The writes have an optional async entry: [`begin_async`](Store::begin_async),
+/// [`complete_async`](Store::complete_async) and
+/// [`release_async`](Store::release_async). Each returns `None` by default,
+/// meaning "no native async here": an async caller such as
+/// [`Guard::run_async`](crate::Guard) then runs the blocking method on a
+/// blocking thread (tokio's `spawn_blocking`). A store that can answer
+/// without a thread per waiting caller returns `Some(future)`:
+/// [`MemoryStore`](crate::MemoryStore) answers at once, `RedbStore` joins
+/// its commit line and is woken when its group is durable. A store written
+/// outside this crate needs none of this to work with the async guard.
+///
+/// The contract of the async entry is the blocking method's (same answers,
+/// same durability when the future completes), plus **cancellation**: a
+/// future dropped before it completes leaves no claim its caller cannot
+/// see and no half-applied write (a claim made while its future was being
+/// dropped may be released just after the drop, so a retry may see it for
+/// that long; a future that does its work on its first
+/// poll and answers in that same poll, as `MemoryStore`'s does, has no
+/// window to be dropped in). A dropped `begin_async` whose request
+/// would claim (or did claim) the key must not leave the key claimed: the
+/// claim is released (or never made). A dropped `complete_async` or
+/// `release_async` writes everything or nothing; the caller does not learn
+/// which, and finds out with [`get`](Store::get).
 ///
 /// ```
 /// use idemstore::{Begin, Fingerprint, Key, MemoryStore, Response, Store, Timestamp};
@@ -131,6 +183,104 @@ pub trait Store: Send + Sync {
     fn clock(&self) -> Arc<dyn Clock> {
         Arc::new(SystemClock)
     }
+
+    /// [`begin`](Store::begin) as a future that blocks no thread, or `None`
+    /// (the default) when this store has no native async entry and the
+    /// caller should run `begin` on a blocking thread. See
+    /// [Native async](Store#native-async) for the contract; a dropped future
+    /// never leaves a claim behind.
+    ///
+    /// Checks that need no I/O (durations, a poisoned store) may fail
+    /// before the future is made: the future then answers the error.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), idemstore::Error> {
+    /// use idemstore::{Begin, Fingerprint, Key, MemoryStore, Store, Timestamp};
+    /// use std::time::Duration;
+    ///
+    /// let store = MemoryStore::new();
+    /// let (key, fp, d) = (Key::new("", "k")?, Fingerprint::of(b"x"), Duration::from_secs(5));
+    /// let begun = match store.begin_async(&key, &fp, Timestamp::EPOCH, d, d) {
+    ///     Some(native) => native.await?,
+    ///     // What a caller does for a store without it (tokio shown).
+    ///     None => store.begin(&key, &fp, Timestamp::EPOCH, d, d)?,
+    /// };
+    /// assert!(matches!(begun, Begin::Claimed(_)));
+    /// # Ok(()) }
+    /// ```
+    fn begin_async<'a>(
+        &'a self,
+        key: &'a Key,
+        fingerprint: &'a Fingerprint,
+        now: Timestamp,
+        lease: Duration,
+        retention: Duration,
+    ) -> Option<StoreFuture<'a, Begin>> {
+        let _ = (key, fingerprint, now, lease, retention);
+        None
+    }
+
+    /// [`complete`](Store::complete) as a future that blocks no thread, or
+    /// `None` (the default): see [`begin_async`](Store::begin_async). A
+    /// dropped future stores the response whole or not at all.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), idemstore::Error> {
+    /// use idemstore::{Begin, Fingerprint, Key, MemoryStore, Response, Store, Timestamp};
+    /// use std::time::Duration;
+    ///
+    /// let store = MemoryStore::new();
+    /// let (key, fp, d, t) = (Key::new("", "k")?, Fingerprint::of(b"x"), Duration::from_secs(5), Timestamp::EPOCH);
+    /// let Begin::Claimed(claim) = store.begin(&key, &fp, t, d, d)? else { unreachable!() };
+    /// let response = Response::new(200, "ok");
+    /// store.complete_async(&key, &claim, &response, t, d).expect("native").await?;
+    /// assert!(matches!(store.begin(&key, &fp, t, d, d)?, Begin::Replay(_)));
+    /// # Ok(()) }
+    /// ```
+    fn complete_async<'a>(
+        &'a self,
+        key: &'a Key,
+        claim: &'a Claim,
+        response: &'a Response,
+        now: Timestamp,
+        retention: Duration,
+    ) -> Option<StoreFuture<'a, ()>> {
+        let _ = (key, claim, response, now, retention);
+        None
+    }
+
+    /// [`release`](Store::release) as a future that blocks no thread, or
+    /// `None` (the default): see [`begin_async`](Store::begin_async). A
+    /// dropped future releases the claim or leaves it as it was.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), idemstore::Error> {
+    /// use idemstore::{Begin, Fingerprint, Key, MemoryStore, Store, Timestamp};
+    /// use std::time::Duration;
+    ///
+    /// let store = MemoryStore::new();
+    /// let (key, fp, d, t) = (Key::new("", "k")?, Fingerprint::of(b"x"), Duration::from_secs(5), Timestamp::EPOCH);
+    /// let Begin::Claimed(claim) = store.begin(&key, &fp, t, d, d)? else { unreachable!() };
+    /// store.release_async(&key, &claim).expect("native").await?;
+    /// assert!(store.get(&key, t)?.is_none());
+    /// # Ok(()) }
+    /// ```
+    fn release_async<'a>(&'a self, key: &'a Key, claim: &'a Claim) -> Option<StoreFuture<'a, ()>> {
+        let _ = (key, claim);
+        None
+    }
+}
+
+/// A future that is already answered (an error found before any I/O).
+#[cfg_attr(
+    not(feature = "redb"),
+    allow(dead_code, reason = "the redb backend answers early errors with it")
+)]
+pub(crate) fn ready<'a, T: Send + 'a>(answer: Result<T>) -> StoreFuture<'a, T> {
+    Box::pin(std::future::ready(answer))
 }
 
 impl<S: Store + ?Sized> Store for Arc<S> {
@@ -165,5 +315,28 @@ impl<S: Store + ?Sized> Store for Arc<S> {
     }
     fn clock(&self) -> Arc<dyn Clock> {
         (**self).clock()
+    }
+    fn begin_async<'a>(
+        &'a self,
+        key: &'a Key,
+        fingerprint: &'a Fingerprint,
+        now: Timestamp,
+        lease: Duration,
+        retention: Duration,
+    ) -> Option<StoreFuture<'a, Begin>> {
+        (**self).begin_async(key, fingerprint, now, lease, retention)
+    }
+    fn complete_async<'a>(
+        &'a self,
+        key: &'a Key,
+        claim: &'a Claim,
+        response: &'a Response,
+        now: Timestamp,
+        retention: Duration,
+    ) -> Option<StoreFuture<'a, ()>> {
+        (**self).complete_async(key, claim, response, now, retention)
+    }
+    fn release_async<'a>(&'a self, key: &'a Key, claim: &'a Claim) -> Option<StoreFuture<'a, ()>> {
+        (**self).release_async(key, claim)
     }
 }

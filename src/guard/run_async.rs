@@ -1,5 +1,7 @@
 //! [`Guard::run_async`] (feature `tokio`): the same decisions as
-//! [`Guard::run`], with the store calls on tokio's blocking pool.
+//! [`Guard::run`], with the store calls through the store's native async
+//! entry ([`Store::begin_async`] and friends) where it has one, and on
+//! tokio's blocking pool where it has not.
 
 use super::Guard;
 use super::decide::{Settle, Start};
@@ -11,16 +13,29 @@ use crate::key::Key;
 use crate::observability::{RequestSpan, store_op_async};
 use crate::record::Claim;
 use crate::response::Response;
-use crate::store::Store;
+use crate::store::{Store, StoreFuture};
 use std::sync::Arc;
 use std::time::Instant;
 
 impl<S: Store + 'static> Guard<S> {
     /// The async [`run`](Guard::run) (feature `tokio`), with the same
-    /// decisions. Store calls run on tokio's blocking pool, so no runtime
-    /// worker ever waits on an fsync; the handler is awaited on the caller's
-    /// task. It is named `run_async` rather than `run` because one type
-    /// cannot have both.
+    /// decisions. No runtime worker ever waits on an fsync: a store with a
+    /// native async entry ([`Store::begin_async`]: `MemoryStore`,
+    /// `RedbStore`) is awaited without any thread per request (`RedbStore`
+    /// wakes the task when its commit group is durable); any other store's
+    /// calls run on tokio's blocking pool. The handler is awaited on the
+    /// caller's task. It is named `run_async` rather than `run` because one
+    /// type cannot have both.
+    ///
+    /// **Cancellation.** The future may be dropped at any await point. Dropped
+    /// while `begin` is pending, it leaves no claim behind on a store with a
+    /// native entry (on a blocking-pool store, a `begin` already running
+    /// finishes, and a claim it made stays PROCESSING until its lease ends).
+    /// Dropped while the handler runs or the response is being stored, the
+    /// claim stays PROCESSING until its lease ends, as for a process that
+    /// died there: the handler may have done part of its side effect, so a
+    /// retry is not let in early (a `complete` already queued is stored
+    /// whole or not at all).
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]
@@ -91,11 +106,16 @@ impl<S: Store + 'static> Guard<S> {
         // One store call per turn, as in `run`.
         loop {
             let mut entry = self.enter(key);
-            let (store, k, fp) = (Arc::clone(&self.store), key.clone(), *fingerprint);
             let (now, lease, retention) = (self.clock.now(), self.lease, self.retention);
+            let native = self
+                .store
+                .begin_async(key, fingerprint, now, lease, retention);
             let begun = store_op_async(
                 "begin",
-                blocking(move || store.begin(&k, &fp, now, lease, retention)),
+                native_or_blocking(native, || {
+                    let (store, k, fp) = (Arc::clone(&self.store), key.clone(), *fingerprint);
+                    move || store.begin(&k, &fp, now, lease, retention)
+                }),
             )
             .await;
             match self.classify(begun, entry.as_mut()) {
@@ -115,22 +135,28 @@ impl<S: Store + 'static> Guard<S> {
                 }
                 Start::Execute(claim) => {
                     let result = handler(claim.clone()).await;
-                    let (store, k) = (Arc::clone(&self.store), key.clone());
+                    let store = &self.store;
                     let written = match self.settle(&result, &release) {
                         Settle::Complete(response) => {
-                            // The blocking pool needs its own copy.
-                            let (response, now) = (response.clone(), self.clock.now());
-                            store_op_async(
-                                "complete",
-                                blocking(move || {
-                                    store.complete(&k, &claim, &response, now, retention)
-                                }),
-                            )
-                            .await
+                            let now = self.clock.now();
+                            let native =
+                                store.complete_async(key, &claim, response, now, retention);
+                            let call = native_or_blocking(native, || {
+                                // The blocking pool needs its own copies.
+                                let (store, k) = (Arc::clone(store), key.clone());
+                                let (claim, response) = (claim.clone(), response.clone());
+                                move || store.complete(&k, &claim, &response, now, retention)
+                            });
+                            store_op_async("complete", call).await
                         }
                         Settle::Release => {
-                            store_op_async("release", blocking(move || store.release(&k, &claim)))
-                                .await
+                            let native = store.release_async(key, &claim);
+                            let call = native_or_blocking(native, || {
+                                let (store, k, claim) =
+                                    (Arc::clone(store), key.clone(), claim.clone());
+                                move || store.release(&k, &claim)
+                            });
+                            store_op_async("release", call).await
                         }
                         Settle::Keep => Ok(()),
                     };
@@ -147,6 +173,23 @@ async fn wait_async(entry: &Entered, deadline: Instant) -> Waited {
     tokio::time::timeout_at(tokio::time::Instant::from_std(deadline), answer)
         .await
         .unwrap_or(Waited::InFlight)
+}
+
+/// Awaits the store's native future, or, for a store without one, runs the
+/// blocking call that `make` builds (only then are its owned copies made)
+/// on tokio's blocking pool.
+async fn native_or_blocking<T, B>(
+    native: Option<StoreFuture<'_, T>>,
+    make: impl FnOnce() -> B,
+) -> Result<T>
+where
+    T: Send + 'static,
+    B: FnOnce() -> Result<T> + Send + 'static,
+{
+    match native {
+        Some(future) => future.await,
+        None => blocking(make()).await,
+    }
 }
 
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {

@@ -7,7 +7,14 @@
 //! write-ahead log, `fdatasync`s it, publishes the group's records into the
 //! memtable, hands the leader role to the next caller in line and wakes
 //! its followers. A lone caller pays no thread hand-off; under load the
-//! role moves from caller to caller. There is no writer thread.
+//! role moves from caller to caller.
+//!
+//! Futures (the native async entry, native.rs) join the same line but
+//! never lead: a runtime thread must not wait on an fsync. The role goes
+//! to the first blocked thread in line, and when the line holds only
+//! futures, to the store's one committer thread; a leader wakes each
+//! future's task when its group is durable. So the threads involved are the
+//! blocked callers plus one, however many futures wait.
 //!
 //! Requests in one group apply in order: a duplicate later in a group sees
 //! the claim made earlier in it (the group's own writes are an overlay on
@@ -46,7 +53,8 @@ use crate::time::Timestamp;
 use ::redb::{ReadableDatabase, WriteTransaction};
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 /// A write, as queued. Keys are already encoded.
@@ -84,11 +92,35 @@ pub(super) enum Reply {
     Swept(usize),
 }
 
+/// Who waits on a [`Slot`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(super) enum Waiter {
+    /// A blocked thread (`submit`): it may be made the leader.
+    #[default]
+    Thread,
+    /// A future (`submit_async`, native.rs): woken through its waker; it
+    /// never leads, since leading would block its runtime thread on an fsync.
+    Task,
+    /// Nobody: a release queued on behalf of a dropped future.
+    Nobody,
+}
+
 /// Where one queued caller waits.
 #[derive(Debug, Default)]
 pub(super) struct Slot {
-    state: Mutex<SlotState>,
+    state: Mutex<SlotInner>,
     cv: Condvar,
+    waiter: Waiter,
+}
+
+#[derive(Debug, Default)]
+struct SlotInner {
+    state: SlotState,
+    /// A task's waker, from its latest poll.
+    waker: Option<Waker>,
+    /// Nobody will take the answer (a dropped future, a detached op): the
+    /// leader keeps it (see [`Slot::answer`]).
+    abandoned: bool,
 }
 
 #[derive(Debug, Default)]
@@ -101,14 +133,29 @@ enum SlotState {
 }
 
 impl Slot {
+    pub(super) fn new(waiter: Waiter) -> Slot {
+        Slot {
+            state: Mutex::new(SlotInner {
+                abandoned: waiter == Waiter::Nobody,
+                ..SlotInner::default()
+            }),
+            cv: Condvar::new(),
+            waiter,
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, SlotInner> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Sleeps until this caller is answered (`Some`) or made the leader
     /// (`None`).
     fn wait(&self) -> Option<Result<Reply>> {
-        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut inner = self.lock();
         loop {
-            match std::mem::take(&mut *state) {
+            match std::mem::take(&mut inner.state) {
                 SlotState::Waiting => {
-                    state = self.cv.wait(state).unwrap_or_else(|p| p.into_inner());
+                    inner = self.cv.wait(inner).unwrap_or_else(|p| p.into_inner());
                 }
                 SlotState::Lead => return None,
                 SlotState::Done(answer) => return Some(answer),
@@ -116,19 +163,77 @@ impl Slot {
         }
     }
 
-    fn set(&self, state: SlotState) {
-        *self.state.lock().unwrap_or_else(|p| p.into_inner()) = state;
+    /// Makes this (thread) caller the leader.
+    fn lead(&self) {
+        self.lock().state = SlotState::Lead;
         self.cv.notify_one();
+    }
+
+    /// Hands the caller its answer and wakes it. An abandoned slot's answer
+    /// comes back: nobody else will see it.
+    fn answer(&self, answer: Result<Reply>) -> Option<Result<Reply>> {
+        let waker = {
+            let mut inner = self.lock();
+            if inner.abandoned {
+                return Some(answer);
+            }
+            inner.state = SlotState::Done(answer);
+            inner.waker.take()
+        };
+        match waker {
+            Some(waker) => waker.wake(),
+            None => self.cv.notify_one(),
+        }
+        None
+    }
+
+    /// A task's poll: its answer, or `Pending` with its waker kept.
+    pub(super) fn poll(&self, cx: &mut Context<'_>) -> Poll<Result<Reply>> {
+        let mut inner = self.lock();
+        match std::mem::take(&mut inner.state) {
+            SlotState::Done(answer) => Poll::Ready(answer),
+            other => {
+                inner.state = other;
+                match &inner.waker {
+                    Some(w) if w.will_wake(cx.waker()) => {}
+                    _ => inner.waker = Some(cx.waker().clone()),
+                }
+                Poll::Pending
+            }
+        }
+    }
+
+    /// A dropped future gives its slot up: the answer if it came already
+    /// (its caller must deal with it), or `None` and the leader will.
+    pub(super) fn abandon(&self) -> Option<Result<Reply>> {
+        let mut inner = self.lock();
+        inner.abandoned = true;
+        inner.waker = None;
+        match std::mem::take(&mut inner.state) {
+            SlotState::Done(answer) => Some(answer),
+            _ => None,
+        }
     }
 }
 
 /// The line of callers.
 #[derive(Debug, Default)]
 pub(super) struct Queue {
-    waiting: VecDeque<(Op, Arc<Slot>)>,
-    /// A leader is committing. When false the line is empty, so a caller
-    /// that finds no leader is at the front of the line.
+    pub(super) waiting: VecDeque<(Op, Arc<Slot>)>,
+    /// Someone holds the leader role. When false the line is empty, so a
+    /// caller that finds no leader is at the front of the line.
     leading: bool,
+    /// Threads ([`Waiter::Thread`]) in the line: only they, or the
+    /// committer, can take the role.
+    threads: usize,
+    /// The committer thread holds the role (native.rs).
+    pub(super) committer: bool,
+    /// The store is being dropped: no caller joins the line any more.
+    pub(super) closed: bool,
+    /// The committer has stopped: nothing joins the line at all.
+    pub(super) stopped: bool,
+    /// Tasks waiting for room in a full line.
+    pub(super) room: Vec<Waker>,
 }
 
 /// What only the leader (or a direct transaction) touches: held for the
@@ -153,72 +258,38 @@ impl Shared {
         }
     }
 
-    /// Queues `op` and returns its answer, leading groups while this caller
-    /// is at the front of the line. A full line (`WRITE_QUEUE_DEPTH`) waits
-    /// for room.
-    pub(super) fn submit(&self, op: Op) -> Result<Reply> {
+    /// The checks before a request joins the line: writable, not poisoned.
+    pub(super) fn check_submit(&self) -> Result<()> {
         self.check_writable()?;
         if self.poisoned.load(Ordering::SeqCst) {
             return Err(Error::Poisoned);
         }
-        let mine = Arc::new(Slot::default());
+        Ok(())
+    }
+
+    /// Queues `op` and returns its answer, leading groups while this caller
+    /// is at the front of the line. A full line (`WRITE_QUEUE_DEPTH`) waits
+    /// for room.
+    pub(super) fn submit(&self, op: Op) -> Result<Reply> {
+        self.check_submit()?;
+        let mine = Arc::new(Slot::new(Waiter::Thread));
         let lead = {
             let mut q = self.lock_queue();
-            while q.waiting.len() >= super::WRITE_QUEUE_DEPTH {
+            while q.waiting.len() >= super::WRITE_QUEUE_DEPTH && !q.closed {
                 q = self.queue_room.wait(q).unwrap_or_else(|p| p.into_inner());
             }
-            q.waiting.push_back((op, Arc::clone(&mine)));
-            !std::mem::replace(&mut q.leading, true)
+            if q.closed {
+                return Err(Error::Closed);
+            }
+            let lead = !q.leading;
+            self.push(&mut q, op, Arc::clone(&mine));
+            lead
         };
         if !lead && let Some(answer) = mine.wait() {
             return answer;
         }
-        self.lead(&mine)
-    }
-
-    /// Commits groups from the front of the line until `mine` is answered,
-    /// then passes the role on.
-    fn lead(&self, mine: &Arc<Slot>) -> Result<Reply> {
         loop {
-            let group: Vec<(Op, Arc<Slot>)> = {
-                let mut q = self.lock_queue();
-                let full = q.waiting.len() >= super::WRITE_QUEUE_DEPTH;
-                let n = q.waiting.len().min(self.max_batch);
-                let group = q.waiting.drain(..n).collect();
-                // A notify is a syscall even with nobody waiting: only a
-                // full line can have callers waiting for room.
-                if full {
-                    self.queue_room.notify_all();
-                }
-                group
-            };
-            let (ops, slots): (Vec<Op>, Vec<Arc<Slot>>) = group.into_iter().unzip();
-            let answers =
-                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.commit_group(&ops)))
-                    .unwrap_or_else(|_| {
-                        // A bug while leading: what was written is unknown.
-                        self.poisoned.store(true, Ordering::SeqCst);
-                        crate::observability::poisoned("redb", &"a panic while committing a group");
-                        ops.iter().map(|_| Err(Error::Poisoned)).collect()
-                    });
-            // Pass the role on first: the next group's commit overlaps
-            // the wake-ups of this one's followers.
-            {
-                let mut q = self.lock_queue();
-                match q.waiting.front() {
-                    Some((_, next)) => next.set(SlotState::Lead),
-                    None => q.leading = false,
-                }
-            }
-            let mut own = None;
-            for (slot, answer) in slots.into_iter().zip(answers) {
-                if Arc::ptr_eq(&slot, mine) {
-                    own = Some(answer);
-                } else {
-                    slot.set(SlotState::Done(answer));
-                }
-            }
-            if let Some(answer) = own {
+            if let Some(answer) = self.lead_once(Some(&mine)) {
                 return answer;
             }
             // Not in this group (the line was longer than a group): wait
@@ -227,6 +298,117 @@ impl Shared {
                 return answer;
             }
         }
+    }
+
+    /// Puts `op` at the back of the line. A thread that finds no leader
+    /// takes the role itself (its caller leads); a task or a detached op
+    /// hands it to the committer thread.
+    pub(super) fn push(&self, q: &mut Queue, op: Op, slot: Arc<Slot>) {
+        let waiter = slot.waiter;
+        q.waiting.push_back((op, slot));
+        if waiter == Waiter::Thread {
+            q.threads += 1;
+        }
+        if !std::mem::replace(&mut q.leading, true) && waiter != Waiter::Thread {
+            self.wake_committer(q);
+        }
+    }
+
+    /// Gives the leader role to the committer thread.
+    fn wake_committer(&self, q: &mut Queue) {
+        if !std::mem::replace(&mut q.committer, true) {
+            self.committer_cv.notify_one();
+        }
+    }
+
+    /// Queues a release nobody waits for (a dropped future's claim); the
+    /// committer leads it if no one else does. Nothing is queued once the
+    /// committer has stopped: the claim then ends with its lease.
+    pub(super) fn detach(&self, op: Op) {
+        let mut q = self.lock_queue();
+        if !q.stopped {
+            self.push(&mut q, op, Arc::new(Slot::new(Waiter::Nobody)));
+        }
+    }
+
+    /// One turn of the role: commits the group at the front of the line,
+    /// passes the role on, answers the group. Returns `mine`'s answer when
+    /// it was in the group.
+    pub(super) fn lead_once(&self, mine: Option<&Arc<Slot>>) -> Option<Result<Reply>> {
+        let (group, room) = {
+            let mut q = self.lock_queue();
+            let full = q.waiting.len() >= super::WRITE_QUEUE_DEPTH;
+            let n = q.waiting.len().min(self.max_batch);
+            let group: Vec<(Op, Arc<Slot>)> = q.waiting.drain(..n).collect();
+            let threads = group
+                .iter()
+                .filter(|(_, s)| s.waiter == Waiter::Thread)
+                .count();
+            q.threads = q.threads.saturating_sub(threads);
+            // A notify is a syscall even with nobody waiting: only a
+            // full line can have callers waiting for room.
+            if full {
+                self.queue_room.notify_all();
+            }
+            (
+                group,
+                if full {
+                    std::mem::take(&mut q.room)
+                } else {
+                    Vec::new()
+                },
+            )
+        };
+        room.into_iter().for_each(Waker::wake);
+        let (ops, slots): (Vec<Op>, Vec<Arc<Slot>>) = group.into_iter().unzip();
+        // A dropped future can empty the line under the committer.
+        let answers = if ops.is_empty() {
+            Vec::new()
+        } else {
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.commit_group(&ops)))
+                .unwrap_or_else(|_| {
+                    // A bug while leading: what was written is unknown.
+                    self.poisoned.store(true, Ordering::SeqCst);
+                    crate::observability::poisoned("redb", &"a panic while committing a group");
+                    ops.iter().map(|_| Err(Error::Poisoned)).collect()
+                })
+        };
+        // Pass the role on first: the next group's commit overlaps the
+        // wake-ups of this one's followers.
+        self.pass_role(&mut self.lock_queue());
+        let mut own = None;
+        for ((op, slot), answer) in ops.into_iter().zip(slots).zip(answers) {
+            if mine.is_some_and(|m| Arc::ptr_eq(m, &slot)) {
+                own = Some(answer);
+            } else if let Some(unseen) = slot.answer(answer) {
+                // Its future was dropped while the group committed: a claim
+                // nobody will see is given back at once.
+                if let (Op::Begin { key, .. }, Ok(Reply::Begin(Begin::Claimed(claim)))) =
+                    (op, unseen)
+                {
+                    self.detach(Op::Release { key, claim });
+                }
+            }
+        }
+        own
+    }
+
+    /// The role goes to the first thread in line (it is blocked anyway),
+    /// else to the committer while the line holds tasks, else to nobody.
+    fn pass_role(&self, q: &mut Queue) {
+        if q.waiting.is_empty() {
+            q.leading = false;
+            q.committer = false;
+            return;
+        }
+        if q.threads > 0
+            && let Some((_, next)) = q.waiting.iter().find(|(_, s)| s.waiter == Waiter::Thread)
+        {
+            q.committer = false;
+            next.lead();
+            return;
+        }
+        self.wake_committer(q);
     }
 
     /// One group, under the commit lock: an answer per op.
@@ -731,7 +913,7 @@ impl Group<'_> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::redb::RedbStoreBuilder;
     use crate::redb::open;
@@ -750,7 +932,9 @@ mod tests {
         }
     }
 
-    fn shared(log: bool) -> Arc<Shared> {
+    /// A store's shared state on in-memory backends, with no thread
+    /// started: the tests lead groups themselves.
+    pub(in crate::redb) fn shared(log: bool) -> Arc<Shared> {
         let config = RedbStoreBuilder::default().config;
         let backend = ::redb::backends::InMemoryBackend::new();
         let wal: Option<Box<dyn ::redb::StorageBackend>> =

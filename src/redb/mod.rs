@@ -23,6 +23,8 @@
 //!
 //! - `commit.rs`: leader/follower group commit, the group's decisions,
 //!   direct transactions (inbox, admin, compaction);
+//! - `native.rs`: the native async entry (futures in the line, the
+//!   committer thread that leads for them);
 //! - `memtable.rs`: the records written since the last checkpoint;
 //! - `wal.rs`: the write-ahead log (two segments, 4 KiB-aligned frames);
 //! - `checkpoint.rs`: the background thread that writes frozen memtables
@@ -47,6 +49,7 @@ mod errors;
 mod inbox;
 mod loss;
 mod memtable;
+mod native;
 mod open;
 mod options;
 mod overlay;
@@ -74,7 +77,7 @@ use crate::key::Key;
 use crate::logic;
 use crate::record::{Begin, Claim, Record, check_durations};
 use crate::response::Response;
-use crate::store::{MAX_SWEEP_BATCH, Store};
+use crate::store::{MAX_SWEEP_BATCH, Store, StoreFuture, ready};
 use crate::sweeper::Sweeper;
 use crate::time::{Clock, Timestamp};
 use ::redb::{Database, ReadableDatabase, StorageBackend};
@@ -112,6 +115,9 @@ struct Shared {
     queue: Mutex<Queue>,
     /// Signalled when a leader takes a group out of a full line.
     queue_room: Condvar,
+    /// Wakes the committer thread (native.rs) when it is given the leader
+    /// role, or the line closes.
+    committer_cv: Condvar,
     /// The commit lock: the leader holds it for a group, a direct
     /// transaction for its transaction.
     core: Mutex<Core>,
@@ -145,6 +151,7 @@ impl Shared {
             mem: RwLock::new(Mem::default()),
             queue: Mutex::new(Queue::default()),
             queue_room: Condvar::new(),
+            committer_cv: Condvar::new(),
             core: Mutex::new(Core {
                 wal: opened.wal,
                 token_hwm: opened.token_hwm,
@@ -289,7 +296,10 @@ impl Shared {
 /// acknowledged claim is durable. A background thread checkpoints what was
 /// written into the store file. A `begin` whose answer writes nothing
 /// (Replay, InFlight, Conflict) is answered on the read fast path without
-/// joining the line. After a failed commit the store is poisoned: every
+/// joining the line. The native async entry ([`Store::begin_async`] and
+/// friends, what `Guard::run_async` uses) joins the same line as a future
+/// woken when its group is durable: no thread waits per request, and the
+/// store's one committer thread leads when only futures are in line. After a failed commit the store is poisoned: every
 /// later write is [`Error::Poisoned`] until it is reopened. See the module
 /// source (`src/redb/mod.rs`) for the write path.
 ///
@@ -316,6 +326,8 @@ pub struct RedbStore {
     shared: Arc<Shared>,
     /// The checkpointer (checkpoint.rs).
     background: Option<JoinHandle<()>>,
+    /// The committer (native.rs); none for a read-only store.
+    committer: Option<JoinHandle<()>>,
     sweeper: Option<Sweeper>,
     /// The builder's clock: read by recovery at open and the sweeper, and
     /// handed out by [`Store::clock`].
@@ -438,9 +450,26 @@ impl RedbStore {
                 .spawn(move || checkpoint::run(shared))
                 .map_err(Error::Io)?
         };
+        let committer = match &shared.read_only {
+            Some(_) => None,
+            None => {
+                let leader = Arc::clone(&shared);
+                let spawned = std::thread::Builder::new()
+                    .name("idemstore-redb-committer".to_owned())
+                    .spawn(move || leader.run_committer());
+                match spawned {
+                    Ok(handle) => Some(handle),
+                    Err(e) => {
+                        stop_background(&shared, Some(background));
+                        return Err(Error::Io(e));
+                    }
+                }
+            }
+        };
         let mut store = RedbStore {
             shared,
             background: Some(background),
+            committer,
             sweeper: None,
             clock: Arc::clone(&config.clock),
             path,
@@ -617,6 +646,38 @@ impl RedbStore {
     }
 }
 
+/// Stops the checkpointer and waits for it (it finishes a checkpoint in progress).
+fn stop_background(shared: &Shared, background: Option<JoinHandle<()>>) {
+    {
+        let mut bg = shared.lock_bg();
+        bg.shutdown = true;
+        shared.bg_cv.notify_all();
+    }
+    if let Some(background) = background {
+        let _ = background.join();
+    }
+}
+
+/// What `begin` does next: answered on the fast path, or a request for the line.
+enum Next {
+    Answered(Begin),
+    Queue(Op),
+}
+
+fn begun(reply: Reply) -> Result<Begin> {
+    match reply {
+        Reply::Begin(answer) => Ok(answer),
+        other => Err(unexpected(&other)),
+    }
+}
+
+fn done(reply: Reply) -> Result<()> {
+    match reply {
+        Reply::Done => Ok(()),
+        other => Err(unexpected(&other)),
+    }
+}
+
 fn unexpected(reply: &Reply) -> Error {
     Error::backend(format!(
         "the commit path answered with the wrong kind of reply: {reply:?}"
@@ -631,16 +692,82 @@ impl Drop for RedbStore {
         // replay, and the file is closed (its lock released) when drop
         // returns.
         drop(self.sweeper.take());
-        {
-            let mut bg = self.shared.lock_bg();
-            bg.shutdown = true;
-            self.shared.bg_cv.notify_all();
+        // Futures may outlive the store (they hold the shared state): the
+        // committer answers what is in line before it stops; it may need
+        // the checkpointer, so it goes first.
+        self.shared.close_line();
+        if let Some(committer) = self.committer.take() {
+            let _ = committer.join();
         }
-        if let Some(background) = self.background.take() {
-            let _ = background.join();
-        }
+        stop_background(&self.shared, self.background.take());
         if !self.is_poisoned() && self.shared.close().is_err() {
             self.shared.poisoned.store(true, Ordering::SeqCst);
+        }
+    }
+}
+
+impl RedbStore {
+    /// `begin` up to the line: the checks, then the fast path.
+    fn prepare_begin(
+        &self,
+        key: &Key,
+        fingerprint: &Fingerprint,
+        now: Timestamp,
+        lease: Duration,
+        retention: Duration,
+    ) -> Result<Next> {
+        check_durations(lease, retention)?;
+        if self.is_poisoned() {
+            return Err(Error::Poisoned);
+        }
+        let key_bytes = codec::encode_key(key);
+        if let Some(answer) = self.fast_begin(&key_bytes, fingerprint, now, lease, retention)? {
+            return Ok(Next::Answered(answer));
+        }
+        Ok(Next::Queue(Op::Begin {
+            key: key_bytes,
+            fingerprint: *fingerprint,
+            now,
+            lease,
+            retention,
+        }))
+    }
+
+    fn complete_op(
+        &self,
+        key: &Key,
+        claim: &Claim,
+        response: &Response,
+        now: Timestamp,
+        retention: Duration,
+    ) -> Result<Op> {
+        logic::check_response(response, self.max_body_bytes)?;
+        Ok(Op::Complete {
+            key: codec::encode_key(key),
+            claim: claim.clone(),
+            response: response.clone(),
+            now,
+            retention,
+        })
+    }
+
+    fn release_op(key: &Key, claim: &Claim) -> Op {
+        Op::Release {
+            key: codec::encode_key(key),
+            claim: claim.clone(),
+        }
+    }
+
+    /// `op` through the line as a future mapped by `answer`; refusals
+    /// before the line are a ready error.
+    fn queue_async<'a, T: Send + 'a>(
+        &self,
+        op: Result<Op>,
+        answer: fn(Reply) -> Result<T>,
+    ) -> StoreFuture<'a, T> {
+        match op.and_then(|op| self.shared.submit_async(op)) {
+            Ok(submitted) => Box::pin(async move { answer(submitted.await?) }),
+            Err(refused) => ready(Err(refused)),
         }
     }
 }
@@ -654,23 +781,9 @@ impl Store for RedbStore {
         lease: Duration,
         retention: Duration,
     ) -> Result<Begin> {
-        check_durations(lease, retention)?;
-        if self.is_poisoned() {
-            return Err(Error::Poisoned);
-        }
-        let key_bytes = codec::encode_key(key);
-        if let Some(answer) = self.fast_begin(&key_bytes, fingerprint, now, lease, retention)? {
-            return Ok(answer);
-        }
-        match self.shared.submit(Op::Begin {
-            key: key_bytes,
-            fingerprint: *fingerprint,
-            now,
-            lease,
-            retention,
-        })? {
-            Reply::Begin(answer) => Ok(answer),
-            other => Err(unexpected(&other)),
+        match self.prepare_begin(key, fingerprint, now, lease, retention)? {
+            Next::Answered(answer) => Ok(answer),
+            Next::Queue(op) => begun(self.shared.submit(op)?),
         }
     }
 
@@ -682,27 +795,12 @@ impl Store for RedbStore {
         now: Timestamp,
         retention: Duration,
     ) -> Result<()> {
-        logic::check_response(response, self.max_body_bytes)?;
-        match self.shared.submit(Op::Complete {
-            key: codec::encode_key(key),
-            claim: claim.clone(),
-            response: response.clone(),
-            now,
-            retention,
-        })? {
-            Reply::Done => Ok(()),
-            other => Err(unexpected(&other)),
-        }
+        let op = self.complete_op(key, claim, response, now, retention)?;
+        done(self.shared.submit(op)?)
     }
 
     fn release(&self, key: &Key, claim: &Claim) -> Result<()> {
-        match self.shared.submit(Op::Release {
-            key: codec::encode_key(key),
-            claim: claim.clone(),
-        })? {
-            Reply::Done => Ok(()),
-            other => Err(unexpected(&other)),
-        }
+        done(self.shared.submit(RedbStore::release_op(key, claim))?)
     }
 
     fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>> {
@@ -725,5 +823,45 @@ impl Store for RedbStore {
 
     fn clock(&self) -> Arc<dyn Clock> {
         Arc::clone(&self.clock)
+    }
+
+    /// The fast path (Replay, InFlight, Conflict from memory or a redb
+    /// read) answers at once; a claim joins the commit line and the future
+    /// completes when its group is durable, with no thread waiting for it.
+    /// Dropped before it completes, it leaves no claim: see
+    /// [Native async](Store#native-async).
+    fn begin_async<'a>(
+        &'a self,
+        key: &'a Key,
+        fingerprint: &'a Fingerprint,
+        now: Timestamp,
+        lease: Duration,
+        retention: Duration,
+    ) -> Option<StoreFuture<'a, Begin>> {
+        Some(
+            match self.prepare_begin(key, fingerprint, now, lease, retention) {
+                Ok(Next::Answered(answer)) => ready(Ok(answer)),
+                Ok(Next::Queue(op)) => self.queue_async(Ok(op), begun),
+                Err(refused) => ready(Err(refused)),
+            },
+        )
+    }
+
+    /// Joins the commit line; completes when the DONE record is durable.
+    fn complete_async<'a>(
+        &'a self,
+        key: &'a Key,
+        claim: &'a Claim,
+        response: &'a Response,
+        now: Timestamp,
+        retention: Duration,
+    ) -> Option<StoreFuture<'a, ()>> {
+        let op = self.complete_op(key, claim, response, now, retention);
+        Some(self.queue_async(op, done))
+    }
+
+    /// Joins the commit line; completes when the release is durable.
+    fn release_async<'a>(&'a self, key: &'a Key, claim: &'a Claim) -> Option<StoreFuture<'a, ()>> {
+        Some(self.queue_async(Ok(RedbStore::release_op(key, claim)), done))
     }
 }

@@ -47,7 +47,10 @@
 //! - [`StorePolicy`] picks which responses are stored; a handler keeps one
 //!   response out with the [`DoNotStore`] extension. Either way the claim is
 //!   released, so a retry runs the handler again.
-//! - Store calls run on tokio's blocking pool; with
+//! - Store calls go through the store's native async entry
+//!   ([`Store::begin_async`](crate::Store::begin_async): no thread per
+//!   waiting request on `RedbStore` and `MemoryStore`), or tokio's blocking
+//!   pool for a store without one; with
 //!   [`wait_for_duplicates`](crate::GuardBuilder::wait_for_duplicates) on the
 //!   guard, a duplicate that arrives while the first request runs in this
 //!   process waits for its response instead of getting 409.

@@ -14,6 +14,8 @@
 //! - `crash` (feature `redb`, default): a redb `StorageBackend` that
 //!   simulates power loss (torn and garbage sectors, lying fsyncs), and the
 //!   `RedbStore` workloads and checkers built on it.
+//! - [`BlockingOnly`]: a store with its native async entry hidden, to
+//!   compare `Guard::run_async` on tokio's blocking pool with the native path.
 //! - [`codec`]: the record decoder's round-trip property (idemstore's own
 //!   format; for its fuzz target).
 //!
@@ -25,9 +27,12 @@
     reason = "test support: a panic is a failure with a location"
 )]
 
+mod blocking;
 pub mod codec;
 pub mod conformance;
 #[cfg(feature = "redb")]
 pub mod crash;
 pub mod kill;
 pub mod model;
+
+pub use blocking::BlockingOnly;

@@ -23,6 +23,8 @@ mod inbox;
 mod inbox_batch;
 mod memory;
 mod model;
+#[cfg(all(feature = "redb", feature = "tokio"))]
+mod native_async;
 #[cfg(all(feature = "metrics", feature = "tracing", feature = "redb"))]
 mod observability;
 #[cfg(all(feature = "redb", feature = "tower"))]

@@ -1,0 +1,62 @@
+//! [`BlockingOnly`]: a store seen without its native async entry.
+
+use idemstore::{
+    Begin, Claim, Clock, Fingerprint, Key, Record, Response, Result, Store, Timestamp,
+};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Any [`Store`] with its native async entry hidden
+/// ([`Store::begin_async`] and friends answer `None`), so that
+/// `Guard::run_async` runs its calls on tokio's blocking pool, as it does
+/// for a store written without one. For comparing the two paths (the
+/// thread-count test, the `async` bench) and for testing the fallback.
+///
+/// ```
+/// use idemstore::{Fingerprint, Key, MemoryStore, Store, Timestamp};
+/// use idemstore_testkit::BlockingOnly;
+/// use std::time::Duration;
+///
+/// let store = BlockingOnly(MemoryStore::new());
+/// let (key, d) = (Key::new("", "k")?, Duration::from_secs(1));
+/// assert!(store.begin_async(&key, &Fingerprint::of(b""), Timestamp::EPOCH, d, d).is_none());
+/// assert!(store.begin(&key, &Fingerprint::of(b""), Timestamp::EPOCH, d, d).is_ok());
+/// # Ok::<(), idemstore::Error>(())
+/// ```
+#[derive(Debug, Default)]
+pub struct BlockingOnly<S>(pub S);
+
+impl<S: Store> Store for BlockingOnly<S> {
+    fn begin(
+        &self,
+        key: &Key,
+        fingerprint: &Fingerprint,
+        now: Timestamp,
+        lease: Duration,
+        retention: Duration,
+    ) -> Result<Begin> {
+        self.0.begin(key, fingerprint, now, lease, retention)
+    }
+    fn complete(
+        &self,
+        key: &Key,
+        claim: &Claim,
+        response: &Response,
+        now: Timestamp,
+        retention: Duration,
+    ) -> Result<()> {
+        self.0.complete(key, claim, response, now, retention)
+    }
+    fn release(&self, key: &Key, claim: &Claim) -> Result<()> {
+        self.0.release(key, claim)
+    }
+    fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>> {
+        self.0.get(key, now)
+    }
+    fn sweep_expired(&self, now: Timestamp, max: usize) -> Result<usize> {
+        self.0.sweep_expired(now, max)
+    }
+    fn clock(&self) -> Arc<dyn Clock> {
+        self.0.clock()
+    }
+}
