@@ -101,10 +101,19 @@ pub(super) fn run(shared: Arc<Shared>) {
 /// The commit lock is only tried: a leader holding it may be waiting for
 /// this thread to finish a checkpoint, and a busy store's leaders freeze
 /// old memtables themselves.
-fn tick(shared: &Shared, last_sync: &mut Instant) -> Result<()> {
+///
+/// A leader may freeze the memtable between this thread's check and its
+/// taking the lock. That frozen table is this thread's to write, and
+/// `freeze` first waits for the frozen table to be written: it would wait
+/// for itself, holding the commit lock, and every writer would wait behind
+/// it. So, under the lock, a frozen table already waiting means there is
+/// nothing to freeze (only the holder of the commit lock freezes, so the
+/// check cannot go stale).
+pub(super) fn tick(shared: &Shared, last_sync: &mut Instant) -> Result<()> {
     if shared.log_file.is_some()
         && shared.checkpoint_due()
         && let Some(mut core) = shared.try_lock_core()
+        && shared.read_mem().frozen.is_none()
     {
         shared.freeze(&mut core)?;
     }
