@@ -13,14 +13,14 @@
 //!   `--require-postgres` fails instead).
 //!
 //! ```text
-//! cargo run --release -p idemstore-bench --all-features --bin http_load             # 3 rounds × 5 s per cell
+//! cargo run --release -p idemstore-bench --all-features --bin http_load             # 3 rounds × (2 s warm-up + 5 s) per cell
 //! cargo run --release -p idemstore-bench --all-features --bin http_load -- --smoke  # CI: one short round
 //! cargo run --release -p idemstore-bench --bin http_load -- --variants none,redb --connections 1024 --json
 //! ```
 //!
 //! Options: `--variants LIST` (default `none,memory,redb,postgres`),
 //! `--connections LIST` (default `64,1024,4096`), `--duration SECONDS` per
-//! cell (default 5), `--warmup SECONDS` (default 1), `--rounds N` (default
+//! cell (default 5), `--warmup SECONDS` (default 2), `--rounds N` (default
 //! 3; cells interleaved round by round, medians printed), `--dup F` (share
 //! of requests that re-send a recent key, default 0.1), `--server-workers N`
 //! and `--client-workers N` (tokio worker threads of each runtime, default
@@ -72,7 +72,7 @@ fn parse() -> BoxResult<Args> {
         variants: VARIANTS.iter().map(|v| (*v).to_owned()).collect(),
         connections: vec![64, 1024, 4096],
         duration: 5.0,
-        warmup: 1.0,
+        warmup: 2.0,
         rounds: 3,
         dup: 0.1,
         server_workers: cores,
