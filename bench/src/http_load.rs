@@ -460,3 +460,73 @@ async fn connection(
     }
     stats
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use idemstore::MemoryStore;
+
+    fn params() -> CellParams {
+        CellParams {
+            variant: "test".into(),
+            connections: 8,
+            warmup: Duration::from_millis(50),
+            duration: Duration::from_millis(300),
+            dup_ratio: 0.3,
+            server_workers: 1,
+            client_workers: 1,
+            max_blocking_threads: None,
+        }
+    }
+
+    /// Serves `app` and runs the load against it, expecting replays when
+    /// `layered`.
+    fn drive(app: Router, layered: bool) -> Vec<ConnStats> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                .await
+                .expect("bind");
+            let addr = listener.local_addr().expect("addr");
+            tokio::spawn(async move { axum::serve(listener, app).await });
+            load(addr, &params(), layered).await.expect("load").0
+        })
+    }
+
+    fn errors(stats: &[ConnStats]) -> BTreeMap<String, u64> {
+        let mut all = BTreeMap::new();
+        for s in stats {
+            for (kind, n) in &s.errors {
+                *all.entry(kind.clone()).or_default() += n;
+            }
+        }
+        all
+    }
+
+    #[test]
+    fn the_layer_passes_every_check() {
+        let layer = IdempotencyLayer::new(Guard::new(MemoryStore::new()));
+        let stats = drive(app(Some(layer)), true);
+        assert_eq!(errors(&stats), BTreeMap::new());
+        assert!(stats.iter().map(|s| s.replays).sum::<u64>() > 0);
+        assert!(stats.iter().map(|s| s.latencies_us.len()).sum::<usize>() > 0);
+    }
+
+    /// A layer that never replays must not produce a clean number: the app
+    /// without the layer, checked as if it had one.
+    #[test]
+    fn a_layer_that_does_not_replay_fails_the_checks() {
+        let stats = drive(app(None), true);
+        let errors = errors(&stats);
+        assert!(
+            errors
+                .get("re-sent key not replayed")
+                .is_some_and(|&n| n > 0),
+            "{errors:?}"
+        );
+    }
+}
