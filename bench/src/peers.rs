@@ -49,6 +49,11 @@ pub trait Backend: Send + Sync {
     fn avg_batch(&self) -> Option<f64> {
         None
     }
+    /// The idemstore `Store` behind it, for tools that build a `Guard` on
+    /// it (`http_load`); `None` for the peers.
+    fn store(&self) -> Option<Arc<dyn Store>> {
+        None
+    }
 }
 
 /// One load thread's connection.
@@ -89,6 +94,9 @@ impl Backend for StoreBackend {
     }
     fn avg_batch(&self) -> Option<f64> {
         self.batch.as_ref().and_then(|f| f())
+    }
+    fn store(&self) -> Option<Arc<dyn Store>> {
+        Some(Arc::clone(&self.store))
     }
 }
 
@@ -381,6 +389,11 @@ pub fn percentile(values: &mut [f64], q: f64) -> f64 {
     values.get(i).or(values.last()).copied().unwrap_or(0.0)
 }
 
+/// The median of `values` (sorts them); 0 when empty.
+pub fn median(values: &mut [f64]) -> f64 {
+    percentile(values, 0.5)
+}
+
 /// Opens the named backend in `dir`.
 pub fn open_backend(name: &str, dir: &Path, durability: &str) -> BoxResult<Box<dyn Backend>> {
     Ok(match name {
@@ -524,6 +537,9 @@ impl Backend for Postgres {
     }
     fn file_bytes(&self) -> u64 {
         0 // on the server, not in the run's directory
+    }
+    fn store(&self) -> Option<Arc<dyn Store>> {
+        Some(Arc::clone(&self.store) as Arc<dyn Store>)
     }
 }
 

@@ -3,6 +3,7 @@
 //! completed, which must replay.
 
 use crate::peers::{Backend, BoxResult, Claimed, percentile};
+use crate::procstat::peak_rss_bytes;
 use idemstore::{Clock, Fingerprint, Key, Response, SystemClock};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
@@ -200,16 +201,4 @@ pub fn run(backend: &dyn Backend, p: &Params) -> BoxResult<Report> {
         cycles,
         seconds,
     })
-}
-
-/// Peak resident set size of this process (Linux `VmHWM`), 0 elsewhere.
-pub fn peak_rss_bytes() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-        })
-        .map_or(0, |kb| kb * 1024)
 }

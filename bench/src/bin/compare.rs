@@ -72,7 +72,7 @@ fn open(name: &str, dir: &Path) -> BoxResult<Box<dyn Backend>> {
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
-    peers::percentile(&mut v, 0.5)
+    peers::median(&mut v)
 }
 
 fn cell(map: &BTreeMap<(String, usize), Vec<f64>>, name: &str, clients: usize) -> f64 {

@@ -1,0 +1,532 @@
+//! The HTTP load benchmark (`http_load`): an axum service with
+//! idemstore's `IdempotencyLayer` on one store (or none), on its own tokio
+//! runtime, driven over loopback by a hyper client on a second runtime in
+//! the same process, one keep-alive connection per concurrent client.
+//!
+//! Every response is checked, so a broken layer cannot produce a fast
+//! number: a fresh key must get 201 without `Idempotent-Replayed`; a
+//! re-sent key (same body, a recent key of the same connection, so its
+//! first request is done) must get 201, `Idempotent-Replayed: true` and the
+//! first response's body. Without the layer (`none`) a re-sent key simply
+//! runs again and must get 201.
+
+use crate::peers::{BoxResult, open_backend, percentile};
+use crate::procstat::{ThreadSampler, ensure_open_files, peak_rss_bytes, threads};
+use axum::Router;
+use axum::extract::Extension;
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use axum::routing::post;
+use axum::serve::ListenerExt;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::TokioIo;
+use idemstore::tower::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, IdempotencyLayer};
+use idemstore::{Claim, Guard};
+use std::collections::{BTreeMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// The variants, in table order: no layer, then the layer on each store.
+pub const VARIANTS: [&str; 4] = ["none", "memory", "redb", "postgres"];
+
+/// The route under load.
+pub const PATH: &str = "/orders";
+
+/// Recent completed keys each connection keeps for duplicates.
+const RECENT_KEYS: usize = 16;
+
+/// Files a cell needs besides its sockets (two per connection): the store,
+/// the runtimes, `/proc` reads.
+const SPARE_FILES: u64 = 256;
+
+/// How long a cell waits for its connections to finish their last request.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// One cell: one variant at one concurrency.
+#[derive(Clone, Debug)]
+pub struct CellParams {
+    /// `none`, `memory`, `redb` or `postgres`.
+    pub variant: String,
+    /// Concurrent clients, one keep-alive connection each.
+    pub connections: usize,
+    /// Load before the measurement, not counted.
+    pub warmup: Duration,
+    /// The measured window.
+    pub duration: Duration,
+    /// The share (0..=1) of requests that re-send a recent key.
+    pub dup_ratio: f64,
+    /// The server runtime's worker threads.
+    pub server_workers: usize,
+    /// The client runtime's worker threads.
+    pub client_workers: usize,
+    /// The server runtime's blocking-pool limit; `None`: tokio's default (512).
+    pub max_blocking_threads: Option<usize>,
+}
+
+/// What one cell measured; [`CellReport::json`] is its `--json` form.
+#[derive(Clone, Debug, Default)]
+pub struct CellReport {
+    /// The variant.
+    pub variant: String,
+    /// Concurrent connections.
+    pub connections: usize,
+    /// Requests completed (and checked) in the measured window.
+    pub requests: u64,
+    /// The measured window, seconds.
+    pub seconds: f64,
+    /// Median latency, µs.
+    pub p50_us: f64,
+    /// 99th-percentile latency, µs.
+    pub p99_us: f64,
+    /// 99.9th-percentile latency, µs.
+    pub p999_us: f64,
+    /// Responses that were replays, in the window.
+    pub replays: u64,
+    /// Responses that failed their check (warm-up included), by kind: the
+    /// status (`"409"`), or what was wrong.
+    pub errors: BTreeMap<String, u64>,
+    /// The process's threads when the load started (runtimes, store, sampler).
+    pub threads_at_start: u64,
+    /// The process's peak thread count, sampled every 10 ms.
+    pub peak_threads: u64,
+    /// The process's peak resident set size (`VmHWM`).
+    pub peak_rss_bytes: u64,
+}
+
+impl CellReport {
+    /// Requests per second in the window.
+    pub fn requests_per_sec(&self) -> f64 {
+        self.requests as f64 / self.seconds.max(f64::MIN_POSITIVE)
+    }
+
+    /// All errors.
+    pub fn error_count(&self) -> u64 {
+        self.errors.values().sum()
+    }
+
+    /// One JSON object.
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "variant": self.variant,
+            "connections": self.connections,
+            "requests_per_sec": round1(self.requests_per_sec()),
+            "p50_us": round1(self.p50_us),
+            "p99_us": round1(self.p99_us),
+            "p999_us": round1(self.p999_us),
+            "requests": self.requests,
+            "replays": self.replays,
+            "errors": self.errors,
+            "threads_at_start": self.threads_at_start,
+            "peak_threads": self.peak_threads,
+            "peak_rss_bytes": self.peak_rss_bytes,
+            "seconds": (self.seconds * 1000.0).round() / 1000.0,
+        })
+    }
+
+    /// Reads [`CellReport::json`]'s form back.
+    pub fn from_json(v: &serde_json::Value) -> BoxResult<CellReport> {
+        let num = |k: &str| v.get(k).and_then(serde_json::Value::as_f64).unwrap_or(0.0);
+        let int = |k: &str| v.get(k).and_then(serde_json::Value::as_u64).unwrap_or(0);
+        let seconds = num("seconds");
+        Ok(CellReport {
+            variant: v
+                .get("variant")
+                .and_then(serde_json::Value::as_str)
+                .ok_or("cell report without a variant")?
+                .to_owned(),
+            connections: usize::try_from(int("connections"))?,
+            requests: int("requests"),
+            seconds,
+            p50_us: num("p50_us"),
+            p99_us: num("p99_us"),
+            p999_us: num("p999_us"),
+            replays: int("replays"),
+            errors: v
+                .get("errors")
+                .and_then(serde_json::Value::as_object)
+                .map(|m| {
+                    m.iter()
+                        .map(|(k, n)| (k.clone(), n.as_u64().unwrap_or(0)))
+                        .collect()
+                })
+                .unwrap_or_default(),
+            threads_at_start: int("threads_at_start"),
+            peak_threads: int("peak_threads"),
+            peak_rss_bytes: int("peak_rss_bytes"),
+        })
+    }
+}
+
+fn round1(x: f64) -> f64 {
+    (x * 10.0).round() / 10.0
+}
+
+/// Creates an order: 201 with a small JSON body naming the order, the
+/// fencing token (0 without the layer) and the request's size.
+async fn create_order(claim: Option<Extension<Claim>>, body: Bytes) -> impl IntoResponse {
+    static ORDERS: AtomicU64 = AtomicU64::new(0);
+    let order = ORDERS.fetch_add(1, Ordering::Relaxed) + 1;
+    let token = claim.map_or(0, |Extension(c)| c.token());
+    (
+        StatusCode::CREATED,
+        [(header::CONTENT_TYPE, "application/json")],
+        format!(
+            "{{\"order\":{order},\"token\":{token},\"request_bytes\":{}}}",
+            body.len()
+        ),
+    )
+}
+
+/// The app: `POST /orders`, behind the layer when there is one.
+pub fn app(layer: Option<IdempotencyLayer>) -> Router {
+    let router = Router::new().route(PATH, post(create_order));
+    match layer {
+        Some(layer) => router.layer(layer),
+        None => router,
+    }
+}
+
+/// Measurement phases, shared by the connections and the controller.
+const WARMUP: u8 = 0;
+const MEASURE: u8 = 1;
+const STOP: u8 = 2;
+
+/// One connection's counts.
+#[derive(Default)]
+struct ConnStats {
+    latencies_us: Vec<u32>,
+    replays: u64,
+    errors: BTreeMap<String, u64>,
+}
+
+impl ConnStats {
+    fn error(&mut self, kind: impl Into<String>) {
+        *self.errors.entry(kind.into()).or_default() += 1;
+    }
+}
+
+/// Runs one cell in this process: the store, the server, the load, the
+/// counts. The process's threads and peak RSS are the cell's only when
+/// nothing else runs in it (`http_load` runs each cell in a child process).
+pub fn run_cell(p: &CellParams) -> BoxResult<CellReport> {
+    ensure_open_files(2 * p.connections as u64 + SPARE_FILES)?;
+    let sampler = ThreadSampler::start()?;
+    let dir = tempfile::tempdir()?;
+    let (backend, layer) = match p.variant.as_str() {
+        "none" => (None, None),
+        // Each claim and completion durable (the default), a fresh store.
+        name => {
+            let backend = open_backend(name, dir.path(), "immediate")?;
+            let store = backend
+                .store()
+                .ok_or_else(|| format!("{name} is not an idemstore store"))?;
+            (
+                Some(backend),
+                Some(IdempotencyLayer::new(Guard::new(store))),
+            )
+        }
+    };
+    let layered = layer.is_some();
+
+    let mut server = tokio::runtime::Builder::new_multi_thread();
+    server
+        .worker_threads(p.server_workers.max(1))
+        .thread_name("http-server")
+        .enable_all();
+    if let Some(n) = p.max_blocking_threads {
+        server.max_blocking_threads(n.max(1));
+    }
+    let server = server.build()?;
+    let listener = server.block_on(async {
+        let socket = tokio::net::TcpSocket::new_v4()?;
+        socket.set_reuseaddr(true)?;
+        socket.bind(SocketAddr::from(([127, 0, 0, 1], 0)))?;
+        // The kernel caps the backlog at net.core.somaxconn.
+        socket.listen(u32::try_from(p.connections.max(1024)).unwrap_or(u32::MAX))
+    })?;
+    let addr = listener.local_addr()?;
+    let app = app(layer);
+    server.spawn(async move {
+        let listener = listener.tap_io(|tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
+        if let Err(e) = axum::serve(listener, app).await {
+            eprintln!("http_load: server: {e}");
+        }
+    });
+
+    let client = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(p.client_workers.max(1))
+        .thread_name("http-client")
+        .enable_all()
+        .build()?;
+    let load = client.block_on(load(addr, p, layered));
+    let peak_threads = sampler.stop();
+    client.shutdown_timeout(Duration::from_secs(1));
+    server.shutdown_timeout(Duration::from_secs(1));
+    let (stats, seconds, threads_at_start) = load?;
+    drop(backend); // the PostgreSQL table is dropped here
+
+    let mut latencies: Vec<f64> = stats
+        .iter()
+        .flat_map(|s| s.latencies_us.iter().map(|&us| f64::from(us)))
+        .collect();
+    let mut errors = BTreeMap::new();
+    for s in &stats {
+        for (kind, n) in &s.errors {
+            *errors.entry(kind.clone()).or_default() += n;
+        }
+    }
+    Ok(CellReport {
+        variant: p.variant.clone(),
+        connections: p.connections,
+        requests: latencies.len() as u64,
+        seconds,
+        p50_us: percentile(&mut latencies, 0.50),
+        p99_us: percentile(&mut latencies, 0.99),
+        p999_us: percentile(&mut latencies, 0.999),
+        replays: stats.iter().map(|s| s.replays).sum(),
+        errors,
+        threads_at_start,
+        peak_threads,
+        peak_rss_bytes: peak_rss_bytes(),
+    })
+}
+
+/// Connects every client, warms up, measures; returns each connection's
+/// counts, the window in seconds and the threads at the start.
+async fn load(
+    addr: SocketAddr,
+    p: &CellParams,
+    layered: bool,
+) -> BoxResult<(Vec<ConnStats>, f64, u64)> {
+    let phase = Arc::new(AtomicU8::new(WARMUP));
+    let connected = Arc::new(tokio::sync::Barrier::new(p.connections + 1));
+    let tasks: Vec<_> = (0..p.connections)
+        .map(|i| {
+            let (phase, connected) = (Arc::clone(&phase), Arc::clone(&connected));
+            let dup_ratio = p.dup_ratio;
+            tokio::spawn(
+                async move { connection(i, addr, phase, connected, dup_ratio, layered).await },
+            )
+        })
+        .collect();
+    connected.wait().await;
+    let threads_at_start = threads();
+    tokio::time::sleep(p.warmup).await;
+    let started = Instant::now();
+    phase.store(MEASURE, Ordering::Relaxed);
+    tokio::time::sleep(p.duration).await;
+    phase.store(STOP, Ordering::Relaxed);
+    let seconds = started.elapsed().as_secs_f64();
+    let mut stats = Vec::with_capacity(tasks.len());
+    let mut unfinished = 0u64;
+    let drain = tokio::time::Instant::now() + DRAIN_TIMEOUT;
+    for task in tasks {
+        match tokio::time::timeout_at(drain, task).await {
+            Ok(Ok(s)) => stats.push(s),
+            Ok(Err(join)) => return Err(format!("a connection task failed: {join}").into()),
+            Err(_) => unfinished += 1,
+        }
+    }
+    if unfinished > 0 {
+        let mut s = ConnStats::default();
+        *s.errors
+            .entry("no answer within the drain timeout".into())
+            .or_default() = unfinished;
+        stats.push(s);
+    }
+    Ok((stats, seconds, threads_at_start))
+}
+
+type Sender = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
+
+async fn connect(addr: SocketAddr) -> BoxResult<Sender> {
+    let tcp = tokio::net::TcpStream::connect(addr).await?;
+    tcp.set_nodelay(true)?;
+    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp)).await?;
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    Ok(sender)
+}
+
+/// One client: a keep-alive connection sending one request at a time until
+/// the phase is STOP; fresh keys, and with `dup_ratio` a recent key again.
+async fn connection(
+    i: usize,
+    addr: SocketAddr,
+    phase: Arc<AtomicU8>,
+    connected: Arc<tokio::sync::Barrier>,
+    dup_ratio: f64,
+    layered: bool,
+) -> ConnStats {
+    let mut stats = ConnStats::default();
+    let mut sender = connect(addr).await;
+    connected.wait().await;
+    let mut rng = (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    let mut recent: VecDeque<(u64, Bytes)> = VecDeque::with_capacity(RECENT_KEYS);
+    let mut next = 0u64;
+    while phase.load(Ordering::Relaxed) != STOP {
+        let s = match &mut sender {
+            Ok(s) => s,
+            Err(e) => {
+                stats.error(format!("connect: {e}"));
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                sender = connect(addr).await;
+                continue;
+            }
+        };
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        let dup = !recent.is_empty() && (rng % 10_000) as f64 / 10_000.0 < dup_ratio;
+        let (n, first_body) = match recent.get((rng >> 32) as usize % recent.len().max(1)) {
+            Some((n, body)) if dup => (*n, Some(body.clone())),
+            _ => {
+                next += 1;
+                (next, None)
+            }
+        };
+        let req = http::Request::post(PATH)
+            .header(header::HOST, "127.0.0.1")
+            .header(header::CONTENT_TYPE, "application/json")
+            .header(IDEMPOTENCY_KEY, format!("c{i}-{n}"))
+            .body(Full::new(Bytes::from(format!(
+                "{{\"sku\":\"sku-{}\",\"qty\":{}}}",
+                n % 100,
+                n % 9 + 1
+            ))));
+        let Ok(req) = req else {
+            stats.error("request not built");
+            continue;
+        };
+        let started = Instant::now();
+        let answer = async {
+            s.ready().await?;
+            let res = s.send_request(req).await?;
+            let (parts, body) = res.into_parts();
+            let body = body.collect().await?.to_bytes();
+            Ok::<_, hyper::Error>((parts, body))
+        }
+        .await;
+        let elapsed = started.elapsed();
+        let (parts, body) = match answer {
+            Ok(a) => a,
+            Err(e) => {
+                stats.error(format!("transport: {e}"));
+                sender = connect(addr).await;
+                continue;
+            }
+        };
+        let replayed = parts
+            .headers
+            .get(IDEMPOTENT_REPLAYED)
+            .is_some_and(|v| v == "true");
+        let expect_replay = layered && first_body.is_some();
+        let verdict = if parts.status != StatusCode::CREATED {
+            Err(parts.status.as_str().to_owned())
+        } else if replayed != expect_replay {
+            Err(if replayed {
+                "fresh key replayed".to_owned()
+            } else {
+                "re-sent key not replayed".to_owned()
+            })
+        } else if expect_replay && first_body.as_ref() != Some(&body) {
+            Err("replay differs from the first response".to_owned())
+        } else {
+            Ok(())
+        };
+        if let Err(kind) = verdict {
+            stats.error(kind);
+            continue;
+        }
+        if first_body.is_none() {
+            if recent.len() == RECENT_KEYS {
+                recent.pop_front();
+            }
+            recent.push_back((n, body));
+        }
+        // Counted when it completes inside the measured window.
+        if phase.load(Ordering::Relaxed) == MEASURE {
+            stats
+                .latencies_us
+                .push(u32::try_from(elapsed.as_micros()).unwrap_or(u32::MAX));
+            stats.replays += u64::from(replayed);
+        }
+    }
+    stats
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use idemstore::MemoryStore;
+
+    fn params() -> CellParams {
+        CellParams {
+            variant: "test".into(),
+            connections: 8,
+            warmup: Duration::from_millis(50),
+            duration: Duration::from_millis(300),
+            dup_ratio: 0.3,
+            server_workers: 1,
+            client_workers: 1,
+            max_blocking_threads: None,
+        }
+    }
+
+    /// Serves `app` and runs the load against it, expecting replays when
+    /// `layered`.
+    fn drive(app: Router, layered: bool) -> Vec<ConnStats> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                .await
+                .expect("bind");
+            let addr = listener.local_addr().expect("addr");
+            tokio::spawn(async move { axum::serve(listener, app).await });
+            load(addr, &params(), layered).await.expect("load").0
+        })
+    }
+
+    fn errors(stats: &[ConnStats]) -> BTreeMap<String, u64> {
+        let mut all = BTreeMap::new();
+        for s in stats {
+            for (kind, n) in &s.errors {
+                *all.entry(kind.clone()).or_default() += n;
+            }
+        }
+        all
+    }
+
+    #[test]
+    fn the_layer_passes_every_check() {
+        let layer = IdempotencyLayer::new(Guard::new(MemoryStore::new()));
+        let stats = drive(app(Some(layer)), true);
+        assert_eq!(errors(&stats), BTreeMap::new());
+        assert!(stats.iter().map(|s| s.replays).sum::<u64>() > 0);
+        assert!(stats.iter().map(|s| s.latencies_us.len()).sum::<usize>() > 0);
+    }
+
+    /// A layer that never replays must not produce a clean number: the app
+    /// without the layer, checked as if it had one.
+    #[test]
+    fn a_layer_that_does_not_replay_fails_the_checks() {
+        let stats = drive(app(None), true);
+        let errors = errors(&stats);
+        assert!(
+            errors
+                .get("re-sent key not replayed")
+                .is_some_and(|&n| n > 0),
+            "{errors:?}"
+        );
+    }
+}
