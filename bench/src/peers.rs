@@ -502,7 +502,7 @@ impl Postgres {
         );
         let store = idemstore::PostgresStore::builder()
             .table(&table)
-            .pool_size(PG_POOL_SIZE)
+            .max_size(PG_POOL_SIZE)
             .connect(&url)?;
         store.migrate()?;
         Ok(Postgres {

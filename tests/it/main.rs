@@ -27,6 +27,8 @@ mod observability;
 mod orders_service;
 #[cfg(feature = "postgres")]
 mod postgres;
+#[cfg(all(feature = "postgres", feature = "tokio"))]
+mod postgres_runtime;
 #[cfg(feature = "redb")]
 mod read_only;
 #[cfg(feature = "redb")]
