@@ -660,6 +660,17 @@ fn server_down_is_a_typed_error() {
     // Not a timing assertion on performance: a hang would never get here,
     // and a bound far above the timeout says the timeout is what ended it.
     assert!(started.elapsed() < Duration::from_secs(20));
+
+    // The build timeout bounds the whole build, whatever the connect timeout.
+    let started = Instant::now();
+    let err = PostgresStore::builder()
+        .connect_timeout(Duration::from_secs(120))
+        .build_timeout(Duration::from_millis(300))
+        .connect(&format!("postgres://u@127.0.0.1:{port}/db"))
+        .unwrap_err();
+    assert!(matches!(err, Error::Backend(_)), "{err}");
+    assert!(err.to_string().contains("build timeout"), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(20));
 }
 
 // ---- Several processes, one table ----
