@@ -222,6 +222,43 @@ fn dropped_begin_async_gives_its_claim_back() {
     });
 }
 
+/// The async entry's futures are woken by the store, not by a tokio
+/// runtime: a hand-written executor with no runtime around it drives them.
+#[test]
+fn async_entry_runs_on_any_executor() {
+    if !enabled() {
+        return;
+    }
+    let (store, _drop) = fresh_store("executor", 2);
+    let fp = Fingerprint::of(b"a");
+    let c = claimed(block_on(store.begin_async(&key("k"), &fp, T0, SEC, HOUR)).unwrap());
+    block_on(store.complete_async(&key("k"), &c, &Response::new(200, "ok"), T0, HOUR)).unwrap();
+    assert_eq!(
+        block_on(store.begin_async(&key("k"), &fp, T0, SEC, HOUR)).unwrap(),
+        Begin::Replay(Response::new(200, "ok"))
+    );
+    assert!(tokio::runtime::Handle::try_current().is_err());
+}
+
+/// The smallest executor: polls on this thread, parks until woken.
+fn block_on<F: std::future::Future>(future: F) -> F::Output {
+    struct Unpark(std::thread::Thread);
+    impl std::task::Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = std::task::Waker::from(Arc::new(Unpark(std::thread::current())));
+    let mut cx = std::task::Context::from_waker(&waker);
+    let mut future = std::pin::pin!(future);
+    loop {
+        if let std::task::Poll::Ready(out) = future.as_mut().poll(&mut cx) {
+            return out;
+        }
+        std::thread::park();
+    }
+}
+
 // ---- The lazy pool ----
 
 /// `min_idle` connections at build, more on demand, never above `max_size`.
