@@ -3,6 +3,7 @@
 //! statements, the schema and the clock are described on [`PostgresStore`].
 
 mod errors;
+mod inbox;
 mod ops;
 mod options;
 mod pool;
@@ -12,12 +13,16 @@ mod schema;
 mod sql;
 mod stats;
 
+pub use inbox::{Delivery, HandlerFuture, PgInbox};
 pub use options::{
     DEFAULT_BUILD_TIMEOUT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_SIZE, DEFAULT_MIN_IDLE,
     DEFAULT_PROBE_INTERVAL, DEFAULT_STATEMENT_TIMEOUT, DEFAULT_TABLE, MAX_POOL_SIZE,
     MAX_TABLE_NAME_BYTES, PostgresStoreBuilder,
 };
 pub use stats::PostgresStats;
+/// The PostgreSQL client a [`PgInbox`] handler writes through
+/// (`tokio-postgres`), re-exported so that its version is the store's.
+pub use tokio_postgres as engine;
 
 use crate::error::Result;
 use crate::fingerprint::Fingerprint;

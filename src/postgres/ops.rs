@@ -99,52 +99,18 @@ impl Core {
         retention: Duration,
     ) -> Result<Begin> {
         check_durations(lease, retention)?;
-        let (scope, id, fp) = (key.scope(), key.id(), &fingerprint.as_bytes()[..]);
-        let (at, lease_until, expires_at) = (
-            row::millis(now),
-            row::millis(now + lease),
-            row::millis(now + retention),
-        );
         let lock = sql::key_lock(&self.sql.table, key);
-        let counters = &self.counters;
-        self.retrying(|conn, _| async move {
-            for _ in 0..MAX_BEGIN_ATTEMPTS {
-                let rows = conn
-                    .query(
-                        Stmt::Begin,
-                        &[&scope, &id, &fp, &at, &lease_until, &expires_at, &lock],
-                    )
-                    .await?;
-                // No row: another begin is claiming the key, or committed it
-                // after this statement's snapshot was taken (see sql.rs).
-                // Wait for that claim to commit, then run it again.
-                let Some(first) = rows.first() else {
-                    Counters::bump(&counters.snapshot_retries);
-                    conn.execute(Stmt::WaitKey, &[&lock]).await?;
-                    continue;
-                };
-                let claimed: bool = first.try_get(0)?;
-                let record = row::record(key, first, 1)?;
-                if claimed {
-                    return Ok(Begin::Claimed(claim_of(&record)));
-                }
-                // Nothing was written: the answer is logic::begin's, from the
-                // row as read. If that row would have been claimed, another
-                // begin is claiming it or has (a newer row than the snapshot
-                // shows); wait for it and run the statement again.
-                let step =
-                    logic::begin(Some(record), fingerprint, now, lease, retention, || Ok(0))?;
-                if step.write.is_none() {
-                    return Ok(step.answer);
-                }
-                Counters::bump(&counters.snapshot_retries);
-                conn.execute(Stmt::WaitKey, &[&lock]).await?;
-            }
-            Err(RunError::Store(Error::backend(format!(
-                "begin on {key} raced with concurrent writers {MAX_BEGIN_ATTEMPTS} times in a row"
-            ))))
-        })
-        .await
+        let step = BeginStep {
+            key,
+            fingerprint,
+            now,
+            lease,
+            retention,
+            lock,
+        };
+        let step = &step;
+        self.retrying(|conn, _| async move { step.run(&conn, &self.counters).await })
+            .await
     }
 
     pub(super) async fn complete(
@@ -163,22 +129,7 @@ impl Core {
         let (at, expires_at) = (row::millis(now), row::millis(now + retention));
         let done = self
             .retrying(|conn, retried| async move {
-                let updated = conn
-                    .execute(
-                        Stmt::Complete,
-                        &[
-                            &key.scope(),
-                            &key.id(),
-                            &token,
-                            &at,
-                            &expires_at,
-                            &r.status,
-                            &r.names,
-                            &r.values,
-                            &r.body,
-                        ],
-                    )
-                    .await?;
+                let updated = complete_on(&conn, key, token, (at, expires_at), r).await?;
                 if updated > 0 || !retried {
                     return Ok(updated > 0);
                 }
@@ -241,6 +192,100 @@ impl Core {
     }
 }
 
+/// One `begin`'s statement and its reruns on one connection: the atomic
+/// step of [`Core::begin`], and the claim an inbox delivery makes inside
+/// its transaction.
+pub(super) struct BeginStep<'a> {
+    pub(super) key: &'a Key,
+    pub(super) fingerprint: &'a Fingerprint,
+    pub(super) now: Timestamp,
+    pub(super) lease: Duration,
+    pub(super) retention: Duration,
+    /// `sql::key_lock` of the key.
+    pub(super) lock: i64,
+}
+
+impl BeginStep<'_> {
+    pub(super) async fn run(&self, conn: &Conn, counters: &Counters) -> Result<Begin, RunError> {
+        let (key, fingerprint, now, lease, retention, lock) = (
+            self.key,
+            self.fingerprint,
+            self.now,
+            self.lease,
+            self.retention,
+            self.lock,
+        );
+        let (scope, id, fp) = (key.scope(), key.id(), &fingerprint.as_bytes()[..]);
+        let (at, lease_until, expires_at) = (
+            row::millis(now),
+            row::millis(now + lease),
+            row::millis(now + retention),
+        );
+        for _ in 0..MAX_BEGIN_ATTEMPTS {
+            let rows = conn
+                .query(
+                    Stmt::Begin,
+                    &[&scope, &id, &fp, &at, &lease_until, &expires_at, &lock],
+                )
+                .await?;
+            // No row: another begin is claiming the key, or committed it
+            // after this statement's snapshot was taken (see sql.rs).
+            // Wait for that claim to commit, then run it again.
+            let Some(first) = rows.first() else {
+                Counters::bump(&counters.snapshot_retries);
+                conn.execute(Stmt::WaitKey, &[&lock]).await?;
+                continue;
+            };
+            let claimed: bool = first.try_get(0)?;
+            let record = row::record(key, first, 1)?;
+            if claimed {
+                return Ok(Begin::Claimed(claim_of(&record)));
+            }
+            // Nothing was written: the answer is logic::begin's, from the
+            // row as read. If that row would have been claimed, another
+            // begin is claiming it or has (a newer row than the snapshot
+            // shows); wait for it and run the statement again.
+            let step = logic::begin(Some(record), fingerprint, now, lease, retention, || Ok(0))?;
+            if step.write.is_none() {
+                return Ok(step.answer);
+            }
+            Counters::bump(&counters.snapshot_retries);
+            conn.execute(Stmt::WaitKey, &[&lock]).await?;
+        }
+        Err(RunError::Store(Error::backend(format!(
+            "begin on {key} raced with concurrent writers {MAX_BEGIN_ATTEMPTS} times in a row"
+        ))))
+    }
+}
+
+/// The conditional DONE write of `complete` on `conn`: rows updated (0 or
+/// 1). `times` are the completion time and the new expiry, as stored.
+pub(super) async fn complete_on(
+    conn: &Conn,
+    key: &Key,
+    token: i64,
+    times: (i64, i64),
+    r: &row::ResponseColumns<'_>,
+) -> Result<u64, RunError> {
+    let (at, expires_at) = times;
+    Ok(conn
+        .execute(
+            Stmt::Complete,
+            &[
+                &key.scope(),
+                &key.id(),
+                &token,
+                &at,
+                &expires_at,
+                &r.status,
+                &r.names,
+                &r.values,
+                &r.body,
+            ],
+        )
+        .await?)
+}
+
 /// The record for `key` as stored (expired or not), on `conn`.
 async fn stored(conn: &Conn, key: &Key) -> Result<Option<Record>, RunError> {
     let rows = conn.query(Stmt::Get, &[&key.scope(), &key.id()]).await?;
@@ -252,7 +297,7 @@ async fn stored(conn: &Conn, key: &Key) -> Result<Option<Record>, RunError> {
 
 /// What one run of a statement can fail with: the server's error (which
 /// [`Core::retrying`] looks at) or one of ours.
-enum RunError {
+pub(super) enum RunError {
     Db(tokio_postgres::Error),
     Store(Error),
 }

@@ -27,6 +27,8 @@ mod observability;
 mod orders_service;
 #[cfg(feature = "postgres")]
 mod postgres;
+#[cfg(feature = "postgres")]
+mod postgres_inbox;
 #[cfg(all(feature = "postgres", feature = "tokio"))]
 mod postgres_runtime;
 #[cfg(feature = "redb")]
