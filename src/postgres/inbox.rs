@@ -99,7 +99,7 @@ impl Delivery {
 ///     .connect("postgres://app@db.internal/payments")?;
 /// let inbox = PgInbox::new(store);
 /// let key = Key::new("payments-queue", "msg-7")?;
-/// let delivery = inbox.handle(&key, &Fingerprint::of(b"alice+10"), |client, claim| {
+/// let delivery: Delivery = inbox.handle::<idemstore::Error, _>(&key, &Fingerprint::of(b"alice+10"), |client, claim| {
 ///     Box::pin(async move {
 ///         client
 ///             .execute("UPDATE balances SET amount = amount + 10 WHERE name = 'alice'", &[])
