@@ -503,8 +503,8 @@ impl Postgres {
         let store = idemstore::PostgresStore::builder()
             .table(&table)
             .max_size(PG_POOL_SIZE)
+            .migrate_on_build(true)
             .connect(&url)?;
-        store.migrate()?;
         Ok(Postgres {
             store: Arc::new(store),
             url,
