@@ -515,9 +515,9 @@ impl Postgres {
         );
         let store = idemstore::PostgresStore::builder()
             .table(&table)
-            .pool_size(PG_POOL_SIZE)
+            .max_size(PG_POOL_SIZE)
+            .migrate_on_build(true)
             .connect(&url)?;
-        store.migrate()?;
         Ok(Postgres {
             store: Arc::new(store),
             url,

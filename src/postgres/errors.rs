@@ -2,12 +2,14 @@
 //!
 //! Everything the server or the network says becomes [`Error::Backend`]
 //! (transient: a retry may succeed), boxed with a message that names what
-//! to do; the client's error is the source. No `postgres` or `r2d2` type
-//! reaches the public API.
+//! to do; the client's error is the source. No `tokio-postgres` type
+//! reaches the public API. A missing or older schema found at build is not
+//! transient (see `schema.rs`).
 
 use crate::error::Error;
-use ::postgres::error::SqlState;
 use std::fmt;
+use std::time::Duration;
+use tokio_postgres::error::SqlState;
 
 /// A backend failure with the store's explanation in front of the engine's.
 #[derive(Debug)]
@@ -29,11 +31,11 @@ impl std::error::Error for PgFailure {
 }
 
 /// An error from a statement on `table`.
-pub(super) fn db_error(err: ::postgres::Error, table: &str) -> Error {
+pub(super) fn db_error(err: tokio_postgres::Error, table: &str) -> Error {
     let what = match err.code() {
         Some(code) if *code == SqlState::UNDEFINED_TABLE => format!(
             "PostgreSQL table {table} (or its sequence) does not exist: \
-             run PostgresStore::migrate() once before use"
+             run PostgresStore::migrate() (or build with migrate_on_build(true))"
         ),
         Some(code) if *code == SqlState::QUERY_CANCELED => format!(
             "a statement on {table} ran past the statement timeout \
@@ -62,22 +64,60 @@ pub(super) fn db_error(err: ::postgres::Error, table: &str) -> Error {
 /// True when the server ended the connection (a restart, a failover, an
 /// administrator's `pg_terminate_backend`) or the client found it closed:
 /// the pooled connection is dead, and a new one may well work.
-pub(super) fn is_dead_connection(err: &::postgres::Error) -> bool {
+pub(super) fn is_dead_connection(err: &tokio_postgres::Error) -> bool {
     err.is_closed()
         || err.code().is_some_and(|code| {
             *code == SqlState::ADMIN_SHUTDOWN || *code == SqlState::CRASH_SHUTDOWN
         })
 }
 
-/// No connection within the connect timeout: the server is down or
-/// unreachable, or every pooled connection stayed busy.
-pub(super) fn pool_error(err: r2d2::Error) -> Error {
+fn failure(what: String, source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Error {
     Error::Backend(Box::new(PgFailure {
-        what: "no PostgreSQL connection within the connect timeout \
-               (server down or unreachable, or the pool exhausted)"
-            .to_owned(),
-        source: Box::new(err),
+        what,
+        source: source.into(),
     }))
+}
+
+/// A connection attempt the server or the network refused.
+pub(super) fn connect_error(err: tokio_postgres::Error) -> Error {
+    failure("could not connect to PostgreSQL".to_owned(), err)
+}
+
+/// A connection attempt that did not finish within the connect timeout.
+pub(super) fn connect_timeout(timeout: Duration) -> Error {
+    failure(
+        "could not connect to PostgreSQL".to_owned(),
+        format!("no answer within the connect timeout ({timeout:?})"),
+    )
+}
+
+/// Every connection stayed busy for the whole connect timeout.
+pub(super) fn pool_exhausted(timeout: Duration) -> Error {
+    failure(
+        "no PostgreSQL connection within the connect timeout \
+         (every pooled connection stayed busy)"
+            .to_owned(),
+        format!("waited {timeout:?}"),
+    )
+}
+
+/// The circuit breaker is open: refused without trying the server.
+pub(super) fn unavailable(why: &str, probe_interval: Duration) -> Error {
+    failure(
+        format!(
+            "PostgreSQL is unreachable; calls fail at once until the background probe \
+             (every {probe_interval:?}) reconnects"
+        ),
+        why.to_owned(),
+    )
+}
+
+/// Build did not finish within its timeout.
+pub(super) fn build_timeout(timeout: Duration) -> Error {
+    failure(
+        "PostgresStore build did not finish".to_owned(),
+        format!("no answer within the build timeout ({timeout:?})"),
+    )
 }
 
 #[cfg(test)]

@@ -3,27 +3,37 @@
 //! statements, the schema and the clock are described on [`PostgresStore`].
 
 mod errors;
+mod inbox;
+mod ops;
 mod options;
 mod pool;
 mod row;
+mod runtime;
 mod schema;
 mod sql;
+mod stats;
 
+pub use inbox::{Delivery, HandlerFuture, PgInbox};
 pub use options::{
-    DEFAULT_CONNECT_TIMEOUT, DEFAULT_POOL_SIZE, DEFAULT_STATEMENT_TIMEOUT, DEFAULT_TABLE,
-    MAX_POOL_SIZE, MAX_TABLE_NAME_BYTES, PostgresStoreBuilder,
+    DEFAULT_BUILD_TIMEOUT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_SIZE, DEFAULT_MIN_IDLE,
+    DEFAULT_PROBE_INTERVAL, DEFAULT_STATEMENT_TIMEOUT, DEFAULT_TABLE, MAX_POOL_SIZE,
+    MAX_TABLE_NAME_BYTES, PostgresStoreBuilder,
 };
+pub use stats::PostgresStats;
+/// The PostgreSQL client a [`PgInbox`] handler writes through
+/// (`tokio-postgres`), re-exported so that its version is the store's.
+pub use tokio_postgres as engine;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::fingerprint::Fingerprint;
 use crate::key::Key;
-use crate::logic;
-use crate::record::{Begin, Claim, Record, State, check_durations};
+use crate::record::{Begin, Claim, Record};
 use crate::response::Response;
-use crate::store::{MAX_SWEEP_BATCH, Store};
+use crate::store::{Store, StoreFuture};
 use crate::time::{Clock, Timestamp};
-use errors::{db_error, pool_error};
-use sql::{Sql, Stmt};
+use ops::Core;
+use runtime::StoreRuntime;
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -44,8 +54,9 @@ pub const MAX_BEGIN_ATTEMPTS: usize = 8;
 /// use idemstore::{Begin, Fingerprint, Key, PostgresStore, Response, Store, Timestamp};
 /// use std::time::Duration;
 ///
-/// let store = PostgresStore::connect("postgres://app@db.internal/orders")?;
-/// store.migrate()?;
+/// let store = PostgresStore::builder()
+///     .migrate_on_build(true) // or store.migrate() once per deploy
+///     .connect("postgres://app@db.internal/orders")?;
 /// let key = Key::new("tenant-42", "order-1")?;
 /// let fp = Fingerprint::of(b"sku=A&qty=1");
 /// let now = Timestamp::from_system_time(std::time::SystemTime::now());
@@ -55,6 +66,23 @@ pub const MAX_BEGIN_ATTEMPTS: usize = 8;
 /// }
 /// # Ok::<(), idemstore::Error>(())
 /// ```
+///
+/// # Sync and async callers, any context
+///
+/// The statements are written once, as async code on `tokio-postgres`, and
+/// run on a current-thread tokio runtime the store owns (a thread named
+/// `idemstore-postgres`, holding every connection). The blocking [`Store`]
+/// methods spawn their work there and wait on a channel; the `_async`
+/// methods ([`begin_async`](Self::begin_async) and the rest) spawn it and
+/// return a future any executor can await. So a store can be built, used
+/// and dropped inside a tokio runtime (either flavour), on a
+/// `spawn_blocking` thread or with no runtime at all. A blocking call on a
+/// tokio worker holds that worker for its round trip, as any blocking call
+/// does: async code should use the `_async` methods.
+///
+/// The builder checks the schema at build, bounds the build, sizes a lazy
+/// pool and opens a circuit breaker while the server is unreachable: see
+/// [`PostgresStoreBuilder`]. [`stats`](Self::stats) shows all of it.
 ///
 /// # One statement per call
 ///
@@ -111,21 +139,21 @@ pub const MAX_BEGIN_ATTEMPTS: usize = 8;
 /// built with `NoTls`): reach the server over a trusted network or a local
 /// TLS proxy.
 pub struct PostgresStore {
-    pool: pool::Pool,
-    sql: Arc<Sql>,
-    max_body_bytes: usize,
+    core: Arc<Core>,
+    runtime: StoreRuntime,
     /// Never read by the store: handed out by [`Store::clock`].
     clock: Arc<dyn Clock>,
 }
 
 impl std::fmt::Debug for PostgresStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let state = self.pool.state();
+        let (connections, idle) = self.core.pool.state();
         f.debug_struct("PostgresStore")
-            .field("table", &self.sql.table)
-            .field("connections", &state.connections)
-            .field("idle_connections", &state.idle_connections)
-            .field("max_body_bytes", &self.max_body_bytes)
+            .field("table", &self.core.sql.table)
+            .field("connections", &connections)
+            .field("idle_connections", &idle)
+            .field("breaker_open", &self.core.pool.breaker_is_open())
+            .field("max_body_bytes", &self.core.max_body_bytes)
             .finish_non_exhaustive()
     }
 }
@@ -137,7 +165,8 @@ impl PostgresStore {
     ///
     /// ```no_run
     /// let store = idemstore::PostgresStore::builder()
-    ///     .pool_size(32)
+    ///     .max_size(32)
+    ///     .migrate_on_build(true)
     ///     .connect("postgres://app@db.internal/orders")?;
     /// # Ok::<(), idemstore::Error>(())
     /// ```
@@ -145,8 +174,9 @@ impl PostgresStore {
         PostgresStoreBuilder::new()
     }
 
-    /// A store with the default options on the server at `url`; see
-    /// [`PostgresStoreBuilder::connect`] for the errors.
+    /// A store with the default options on the server at `url`, whose
+    /// table must already exist (see [`PostgresStoreBuilder::connect`] for
+    /// the errors, and [`PostgresStoreBuilder::migrate_on_build`]).
     ///
     /// ```no_run
     /// let store = idemstore::PostgresStore::connect("postgres://app@db.internal/orders")?;
@@ -159,20 +189,38 @@ impl PostgresStore {
     /// Creates the table, its token sequence and its expiry index unless
     /// they exist. Idempotent, and safe to run from several replicas at once
     /// (they serialise on an advisory lock); run it once at deploy, with a
-    /// role allowed to create tables.
+    /// role allowed to create tables, or build with
+    /// [`migrate_on_build(true)`](PostgresStoreBuilder::migrate_on_build).
     ///
-    /// Errors: [`Error::Corrupt`] when a table of that name exists but is
-    /// not an idemstore table (nothing is changed); [`Error::UnsupportedFormat`]
-    /// when a newer idemstore created it; [`Error::Backend`] for server errors.
+    /// Errors: [`Error::Corrupt`](crate::Error::Corrupt) when a table of
+    /// that name exists but is not an idemstore table (nothing is changed);
+    /// [`Error::UnsupportedFormat`](crate::Error::UnsupportedFormat) when
+    /// another schema version created it;
+    /// [`Error::Backend`](crate::Error::Backend) for server errors.
     ///
     /// ```no_run
-    /// let store = idemstore::PostgresStore::connect("postgres://app@db.internal/orders")?;
-    /// store.migrate()?;
+    /// let store = idemstore::PostgresStore::builder()
+    ///     .migrate_on_build(true)
+    ///     .connect("postgres://app@db.internal/orders")?;
     /// store.migrate()?; // a second run changes nothing
     /// # Ok::<(), idemstore::Error>(())
     /// ```
     pub fn migrate(&self) -> Result<()> {
-        schema::migrate(&mut *self.conn()?, &self.sql)
+        let core = Arc::clone(&self.core);
+        self.runtime.block_on(async move { core.migrate().await })
+    }
+
+    /// [`migrate`](Self::migrate) as a future that blocks no thread.
+    ///
+    /// ```no_run
+    /// # async fn f(store: idemstore::PostgresStore) -> Result<(), idemstore::Error> {
+    /// store.migrate_async().await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn migrate_async(&self) -> impl Future<Output = Result<()>> + Send + 'static {
+        let core = Arc::clone(&self.core);
+        self.runtime
+            .spawn(async move { core.migrate().await }, None)
     }
 
     /// The table this store uses.
@@ -183,60 +231,254 @@ impl PostgresStore {
     /// # Ok::<(), idemstore::Error>(())
     /// ```
     pub fn table(&self) -> &str {
-        &self.sql.table
+        &self.core.sql.table
     }
 
-    fn conn(&self) -> Result<r2d2::PooledConnection<pool::Manager>> {
-        self.pool.get().map_err(pool_error)
+    /// What the store has done, and the state of its pool and circuit
+    /// breaker now; reading it costs a few atomic loads (no I/O).
+    ///
+    /// ```no_run
+    /// use idemstore::{Fingerprint, Key, PostgresStore, Store, Timestamp};
+    ///
+    /// let store = PostgresStore::connect("postgres://app@db.internal/orders")?;
+    /// let before = store.stats();
+    /// let _ = store.get(&Key::new("", "k")?, Timestamp::EPOCH)?;
+    /// assert_eq!(store.stats().calls, before.calls + 1);
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn stats(&self) -> PostgresStats {
+        let mut stats = self.core.counters.snapshot();
+        (stats.connections, stats.idle_connections) = self.core.pool.state();
+        stats.breaker_open = self.core.pool.breaker_is_open();
+        stats
     }
 
-    /// Runs `op` on a pooled connection; when the server had ended that
-    /// connection (after a restart or failover every idle pooled connection
-    /// is dead), runs it again on another one, up to the pool size + 1
-    /// times. `op` is told whether this is such a repetition: the first run
-    /// may have committed before the connection died (its answer was lost),
-    /// so a repeated `complete` or `release` that finds nothing to do checks
-    /// whether its own first run did it. A repeated `begin` that finds its
-    /// own lost claim answers InFlight: fail closed, as the error would.
-    fn retrying<T>(
+    /// [`Store::begin`] as a future that blocks no thread: the statement
+    /// runs on the store's own runtime and the future, which any executor
+    /// can await, is woken with the answer. The work starts when this is
+    /// called. Dropping the future before it answers never leaves a claim
+    /// behind: a claim it made is released.
+    ///
+    /// ```no_run
+    /// # #[tokio::main]
+    /// # async fn main() -> Result<(), idemstore::Error> {
+    /// use idemstore::{Begin, Fingerprint, Key, PostgresStore, Timestamp};
+    /// use std::time::Duration;
+    ///
+    /// let store = PostgresStore::builder()
+    ///     .migrate_on_build(true)
+    ///     .connect("postgres://app@db.internal/orders")?;
+    /// let (key, fp, d) = (Key::new("t", "k")?, Fingerprint::of(b"x"), Duration::from_secs(30));
+    /// let now = Timestamp::from_system_time(std::time::SystemTime::now());
+    /// if let Begin::Claimed(claim) = store.begin_async(&key, &fp, now, d, d).await? {
+    ///     store.release_async(&key, &claim).await?;
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn begin_async(
         &self,
-        mut op: impl FnMut(&mut pool::Conn, bool) -> Result<T, RunError>,
-    ) -> Result<T> {
-        let attempts = self.pool.max_size().saturating_add(1);
-        let mut last = None;
-        for _ in 0..attempts {
-            let mut conn = self.conn()?;
-            match op(&mut conn, last.is_some()) {
-                Err(RunError::Db(err)) if errors::is_dead_connection(&err) => {
-                    // Returned to the pool closed, so r2d2 drops it.
-                    last = Some(err);
+        key: &Key,
+        fingerprint: &Fingerprint,
+        now: Timestamp,
+        lease: Duration,
+        retention: Duration,
+    ) -> impl Future<Output = Result<Begin>> + Send + 'static {
+        // A claim nobody will see is given back at once, on the store's runtime.
+        let give_back: runtime::Abandoned<Begin> = {
+            let (core, key) = (Arc::clone(&self.core), key.clone());
+            let handle = self.runtime.handle();
+            Arc::new(move |answer| {
+                if let Ok(Begin::Claimed(claim)) = answer {
+                    let (core, key) = (Arc::clone(&core), key.clone());
+                    handle.spawn(async move {
+                        let _ = core.release(&key, &claim).await;
+                    });
                 }
-                Err(RunError::Db(err)) => return Err(self.db(err)),
-                Err(RunError::Store(err)) => return Err(err),
-                Ok(value) => return Ok(value),
-            }
-        }
-        Err(match last {
-            Some(err) => self.db(err),
-            None => Error::backend("no PostgreSQL connection attempt was made"),
-        })
+            })
+        };
+        let work = self.begin_work(key, fingerprint, now, lease, retention);
+        self.runtime.spawn(work, Some(give_back))
     }
 
-    /// The record for `key` as stored (expired or not), on `conn`.
-    fn stored(conn: &mut pool::Conn, key: &Key) -> Result<Option<Record>, RunError> {
-        let rows = conn.query(Stmt::Get, &[&key.scope(), &key.id()])?;
-        Ok(match rows.first() {
-            Some(found) => Some(row::record(key, found, 0)?),
-            None => None,
-        })
+    /// [`Store::complete`] as a future that blocks no thread (see
+    /// [`begin_async`](Self::begin_async)). Dropped before it answers, the
+    /// completion still runs to its end: the response is stored whole or
+    /// not at all; [`Store::get`] tells which.
+    ///
+    /// ```no_run
+    /// # async fn f(store: idemstore::PostgresStore, key: idemstore::Key, claim: idemstore::Claim)
+    /// # -> Result<(), idemstore::Error> {
+    /// use idemstore::{Response, Timestamp};
+    /// let now = Timestamp::from_system_time(std::time::SystemTime::now());
+    /// let day = std::time::Duration::from_secs(24 * 3600);
+    /// store.complete_async(&key, &claim, &Response::new(201, "charged"), now, day).await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn complete_async(
+        &self,
+        key: &Key,
+        claim: &Claim,
+        response: &Response,
+        now: Timestamp,
+        retention: Duration,
+    ) -> impl Future<Output = Result<()>> + Send + 'static {
+        let work = self.complete_work(key, claim, response, now, retention);
+        self.runtime.spawn(work, None)
     }
 
-    fn db(&self, err: ::postgres::Error) -> Error {
-        db_error(err, &self.sql.table)
+    /// [`Store::release`] as a future that blocks no thread (see
+    /// [`begin_async`](Self::begin_async)); dropped, it still runs.
+    ///
+    /// ```no_run
+    /// # async fn f(store: idemstore::PostgresStore, key: idemstore::Key, claim: idemstore::Claim)
+    /// # -> Result<(), idemstore::Error> {
+    /// store.release_async(&key, &claim).await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn release_async(
+        &self,
+        key: &Key,
+        claim: &Claim,
+    ) -> impl Future<Output = Result<()>> + Send + 'static {
+        self.runtime.spawn(self.release_work(key, claim), None)
+    }
+
+    /// [`Store::get`] as a future that blocks no thread.
+    ///
+    /// ```no_run
+    /// # async fn f(store: idemstore::PostgresStore, key: idemstore::Key) -> Result<(), idemstore::Error> {
+    /// let now = idemstore::Timestamp::from_system_time(std::time::SystemTime::now());
+    /// let record = store.get_async(&key, now).await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn get_async(
+        &self,
+        key: &Key,
+        now: Timestamp,
+    ) -> impl Future<Output = Result<Option<Record>>> + Send + 'static {
+        self.runtime.spawn(self.get_work(key, now), None)
+    }
+
+    /// [`Store::sweep_expired`] as a future that blocks no thread.
+    ///
+    /// ```no_run
+    /// # async fn f(store: idemstore::PostgresStore) -> Result<(), idemstore::Error> {
+    /// let now = idemstore::Timestamp::from_system_time(std::time::SystemTime::now());
+    /// while store.sweep_expired_async(now, 1_000).await? == 1_000 {}
+    /// # Ok(()) }
+    /// ```
+    pub fn sweep_expired_async(
+        &self,
+        now: Timestamp,
+        max: usize,
+    ) -> impl Future<Output = Result<usize>> + Send + 'static {
+        self.runtime.spawn(self.sweep_work(now, max), None)
+    }
+
+    // The work of each call, owning what it needs (it runs on the store's
+    // runtime, maybe after its caller is gone): the one place each
+    // operation is wired to the core, for the blocking and async entries.
+
+    fn begin_work(
+        &self,
+        key: &Key,
+        fingerprint: &Fingerprint,
+        now: Timestamp,
+        lease: Duration,
+        retention: Duration,
+    ) -> impl Future<Output = Result<Begin>> + Send + 'static {
+        let core = Arc::clone(&self.core);
+        let (key, fingerprint) = (key.clone(), *fingerprint);
+        async move { core.begin(&key, &fingerprint, now, lease, retention).await }
+    }
+
+    fn complete_work(
+        &self,
+        key: &Key,
+        claim: &Claim,
+        response: &Response,
+        now: Timestamp,
+        retention: Duration,
+    ) -> impl Future<Output = Result<()>> + Send + 'static {
+        let core = Arc::clone(&self.core);
+        let (key, claim, response) = (key.clone(), claim.clone(), response.clone());
+        async move { core.complete(&key, &claim, &response, now, retention).await }
+    }
+
+    fn release_work(
+        &self,
+        key: &Key,
+        claim: &Claim,
+    ) -> impl Future<Output = Result<()>> + Send + 'static {
+        let core = Arc::clone(&self.core);
+        let (key, claim) = (key.clone(), claim.clone());
+        async move { core.release(&key, &claim).await }
+    }
+
+    fn get_work(
+        &self,
+        key: &Key,
+        now: Timestamp,
+    ) -> impl Future<Output = Result<Option<Record>>> + Send + 'static {
+        let core = Arc::clone(&self.core);
+        let key = key.clone();
+        async move { core.get(&key, now).await }
+    }
+
+    fn sweep_work(
+        &self,
+        now: Timestamp,
+        max: usize,
+    ) -> impl Future<Output = Result<usize>> + Send + 'static {
+        let core = Arc::clone(&self.core);
+        async move { core.sweep_expired(now, max).await }
     }
 }
 
+/// The blocking API: each call runs the same async operation on the
+/// store's runtime and waits for it on a channel. Safe on any thread; on a
+/// tokio worker it holds that worker for the round trip, as any blocking
+/// call does — async code should use the `_async` methods (or a guard's
+/// `run_async`).
 impl Store for PostgresStore {
+    /// The store's own runtime runs the statement; the future is woken
+    /// when it answers (no blocking thread). Dropped before it answers, it
+    /// gives back any claim it made.
+    fn begin_async<'a>(
+        &'a self,
+        key: &'a Key,
+        fingerprint: &'a Fingerprint,
+        now: Timestamp,
+        lease: Duration,
+        retention: Duration,
+    ) -> Option<StoreFuture<'a, Begin>> {
+        Some(Box::pin(PostgresStore::begin_async(
+            self,
+            key,
+            fingerprint,
+            now,
+            lease,
+            retention,
+        )))
+    }
+
+    fn complete_async<'a>(
+        &'a self,
+        key: &'a Key,
+        claim: &'a Claim,
+        response: &'a Response,
+        now: Timestamp,
+        retention: Duration,
+    ) -> Option<StoreFuture<'a, ()>> {
+        Some(Box::pin(PostgresStore::complete_async(
+            self, key, claim, response, now, retention,
+        )))
+    }
+
+    fn release_async<'a>(&'a self, key: &'a Key, claim: &'a Claim) -> Option<StoreFuture<'a, ()>> {
+        Some(Box::pin(PostgresStore::release_async(self, key, claim)))
+    }
+
     fn begin(
         &self,
         key: &Key,
@@ -245,47 +487,8 @@ impl Store for PostgresStore {
         lease: Duration,
         retention: Duration,
     ) -> Result<Begin> {
-        check_durations(lease, retention)?;
-        let (scope, id, fp) = (key.scope(), key.id(), &fingerprint.as_bytes()[..]);
-        let (at, lease_until, expires_at) = (
-            row::millis(now),
-            row::millis(now + lease),
-            row::millis(now + retention),
-        );
-        let lock = sql::key_lock(&self.sql.table, key);
-        self.retrying(|conn, _| {
-            for _ in 0..MAX_BEGIN_ATTEMPTS {
-                let rows = conn.query(
-                    Stmt::Begin,
-                    &[&scope, &id, &fp, &at, &lease_until, &expires_at, &lock],
-                )?;
-                // No row: another begin is claiming the key, or committed it
-                // after this statement's snapshot was taken (see sql.rs).
-                // Wait for that claim to commit, then run it again.
-                let Some(first) = rows.first() else {
-                    conn.execute(Stmt::WaitKey, &[&lock])?;
-                    continue;
-                };
-                let claimed: bool = first.try_get(0)?;
-                let record = row::record(key, first, 1)?;
-                if claimed {
-                    return Ok(Begin::Claimed(claim_of(&record)));
-                }
-                // Nothing was written: the answer is logic::begin's, from the
-                // row as read. If that row would have been claimed, another
-                // begin is claiming it or has (a newer row than the snapshot
-                // shows); wait for it and run the statement again.
-                let step =
-                    logic::begin(Some(record), fingerprint, now, lease, retention, || Ok(0))?;
-                if step.write.is_none() {
-                    return Ok(step.answer);
-                }
-                conn.execute(Stmt::WaitKey, &[&lock])?;
-            }
-            Err(RunError::Store(Error::backend(format!(
-                "begin on {key} raced with concurrent writers {MAX_BEGIN_ATTEMPTS} times in a row"
-            ))))
-        })
+        self.runtime
+            .block_on(self.begin_work(key, fingerprint, now, lease, retention))
     }
 
     fn complete(
@@ -296,111 +499,23 @@ impl Store for PostgresStore {
         now: Timestamp,
         retention: Duration,
     ) -> Result<()> {
-        logic::check_response(response, self.max_body_bytes)?;
-        let Some(token) = row::token(claim.token) else {
-            return Err(Error::StaleClaim);
-        };
-        let r = row::response_columns(response);
-        let (at, expires_at) = (row::millis(now), row::millis(now + retention));
-        let done = self.retrying(|conn, retried| {
-            let updated = conn.execute(
-                Stmt::Complete,
-                &[
-                    &key.scope(),
-                    &key.id(),
-                    &token,
-                    &at,
-                    &expires_at,
-                    &r.status,
-                    &r.names,
-                    &r.values,
-                    &r.body,
-                ],
-            )?;
-            if updated > 0 || !retried {
-                return Ok(updated > 0);
-            }
-            // Only this claim's holder can have stored a DONE record under
-            // its token: if it holds this response, the lost first run did.
-            Ok(PostgresStore::stored(conn, key)?.is_some_and(|rec| {
-                rec.state == State::Done
-                    && rec.token == claim.token
-                    && rec.response.as_ref() == Some(response)
-            }))
-        })?;
-        if done { Ok(()) } else { Err(Error::StaleClaim) }
+        self.runtime
+            .block_on(self.complete_work(key, claim, response, now, retention))
     }
 
     fn release(&self, key: &Key, claim: &Claim) -> Result<()> {
-        let Some(token) = row::token(claim.token) else {
-            return Err(Error::StaleClaim);
-        };
-        let released = self.retrying(|conn, retried| {
-            let deleted = conn.execute(Stmt::Release, &[&key.scope(), &key.id(), &token])?;
-            if deleted > 0 || !retried {
-                return Ok(deleted > 0);
-            }
-            // Gone: the lost first run deleted it (or, if another owner took
-            // over and then gave it up, the key is free all the same).
-            Ok(PostgresStore::stored(conn, key)?.is_none())
-        })?;
-        if released {
-            Ok(())
-        } else {
-            Err(Error::StaleClaim)
-        }
+        self.runtime.block_on(self.release_work(key, claim))
     }
 
     fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>> {
-        let record = self.retrying(|conn, _| PostgresStore::stored(conn, key))?;
-        Ok(logic::visible(record, now))
+        self.runtime.block_on(self.get_work(key, now))
     }
 
     fn sweep_expired(&self, now: Timestamp, max: usize) -> Result<usize> {
-        let max = max.min(MAX_SWEEP_BATCH);
-        if max == 0 {
-            return Ok(0);
-        }
-        let limit = i64::try_from(max).unwrap_or(i64::MAX);
-        let deleted =
-            self.retrying(|conn, _| Ok(conn.execute(Stmt::Sweep, &[&row::millis(now), &limit])?))?;
-        let deleted = usize::try_from(deleted).unwrap_or(usize::MAX);
-        crate::observability::swept("postgres", deleted);
-        Ok(deleted)
+        self.runtime.block_on(self.sweep_work(now, max))
     }
 
     fn clock(&self) -> Arc<dyn Clock> {
         Arc::clone(&self.clock)
-    }
-}
-
-/// What one run of a statement can fail with: the server's error (which
-/// [`PostgresStore::retrying`] looks at) or one of ours.
-enum RunError {
-    Db(::postgres::Error),
-    Store(Error),
-}
-
-impl From<::postgres::Error> for RunError {
-    fn from(err: ::postgres::Error) -> RunError {
-        RunError::Db(err)
-    }
-}
-
-impl From<Error> for RunError {
-    fn from(err: Error) -> RunError {
-        RunError::Store(err)
-    }
-}
-
-/// The claim for a record the statement just claimed. `logic::begin` gives
-/// a fresh record attempt 1 and a takeover the previous attempts + 1, so
-/// "attempt > 1" is exactly "this was a takeover".
-fn claim_of(record: &Record) -> Claim {
-    Claim {
-        token: record.token,
-        lease_until: record.lease_until.unwrap_or(Timestamp::EPOCH),
-        takeover: record.attempts > 1,
-        attempt: record.attempts,
     }
 }

@@ -2,10 +2,12 @@
 //! connections, how long to wait.
 
 use super::PostgresStore;
-use super::errors::pool_error;
-use super::pool::{Manager, Pool};
-use super::schema;
+use super::errors::build_timeout;
+use super::ops::Core;
+use super::pool::{Pool, PoolOptions};
+use super::runtime::StoreRuntime;
 use super::sql::Sql;
+use super::stats::Counters;
 use crate::error::{Error, Result};
 use crate::response::{DEFAULT_MAX_BODY_BYTES, check_body_limit};
 use crate::time::{Clock, SystemClock};
@@ -28,22 +30,44 @@ pub const DEFAULT_TABLE: &str = "idemstore_records";
 /// assert!(matches!(err, Err(idemstore::Error::InvalidArgument { .. })));
 /// ```
 pub const MAX_TABLE_NAME_BYTES: usize = 48;
-/// Connections per store unless [`PostgresStoreBuilder::pool_size`] says otherwise.
+/// Most connections per store unless [`PostgresStoreBuilder::max_size`] says otherwise.
 ///
 /// ```
-/// assert!(idemstore::postgres::DEFAULT_POOL_SIZE <= idemstore::postgres::MAX_POOL_SIZE);
+/// assert!(idemstore::postgres::DEFAULT_MAX_SIZE <= idemstore::postgres::MAX_POOL_SIZE);
 /// ```
-pub const DEFAULT_POOL_SIZE: u32 = 16;
+pub const DEFAULT_MAX_SIZE: u32 = 16;
+/// Connections opened at build and kept, unless
+/// [`PostgresStoreBuilder::min_idle`] says otherwise.
+///
+/// ```
+/// assert_eq!(idemstore::postgres::DEFAULT_MIN_IDLE, 1);
+/// ```
+pub const DEFAULT_MIN_IDLE: u32 = 1;
 /// Most connections one store may hold (the server's `max_connections`,
 /// 100 by default, is usually the tighter bound: sum it over the replicas).
 ///
 /// ```
 /// let b = idemstore::PostgresStore::builder();
-/// assert!(b.pool_size(idemstore::postgres::MAX_POOL_SIZE + 1).connect("postgres://localhost/app").is_err()); // before connecting
+/// assert!(b.max_size(idemstore::postgres::MAX_POOL_SIZE + 1).connect("postgres://localhost/app").is_err()); // before connecting
 /// ```
 pub const MAX_POOL_SIZE: u32 = 1_024;
-/// How long a call waits for a connection (from the pool, or a new one)
-/// before it fails with [`Error::Backend`], unless configured otherwise.
+/// How long the whole of [`PostgresStoreBuilder::connect`] may take
+/// (connecting, checking or migrating the schema, opening `min_idle`
+/// connections) unless configured otherwise.
+///
+/// ```
+/// assert_eq!(idemstore::postgres::DEFAULT_BUILD_TIMEOUT.as_secs(), 10);
+/// ```
+pub const DEFAULT_BUILD_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often, while the server is unreachable, the store tries to
+/// reconnect in the background, unless configured otherwise.
+///
+/// ```
+/// assert_eq!(idemstore::postgres::DEFAULT_PROBE_INTERVAL.as_millis(), 250);
+/// ```
+pub const DEFAULT_PROBE_INTERVAL: Duration = Duration::from_millis(250);
+/// How long one connection attempt, or a wait for a busy pool, may take
+/// before the call fails with [`Error::Backend`], unless configured otherwise.
 ///
 /// ```
 /// assert_eq!(idemstore::postgres::DEFAULT_CONNECT_TIMEOUT.as_secs(), 5);
@@ -57,7 +81,7 @@ pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// ```
 pub const DEFAULT_STATEMENT_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Options for a [`PostgresStore`]; [`connect`](PostgresStoreBuilder::connect) connects.
+/// Options for a [`PostgresStore`]; [`connect`](PostgresStoreBuilder::connect) builds it.
 ///
 /// ```no_run
 /// use idemstore::PostgresStore;
@@ -65,20 +89,61 @@ pub const DEFAULT_STATEMENT_TIMEOUT: Duration = Duration::from_secs(10);
 ///
 /// let store = PostgresStore::builder()
 ///     .table("checkout_idempotency")
-///     .pool_size(32)
+///     .max_size(32)
+///     .min_idle(4)
 ///     .connect_timeout(Duration::from_secs(2))
 ///     .statement_timeout(Duration::from_secs(5))
+///     .build_timeout(Duration::from_secs(15))
+///     .probe_interval(Duration::from_millis(500))
 ///     .max_body_bytes(256 * 1024)
+///     .migrate_on_build(true)
 ///     .connect("postgres://app@db.internal/orders")?;
-/// store.migrate()?; // once per deploy; idempotent
 /// # Ok::<(), idemstore::Error>(())
 /// ```
+///
+/// # Failing at start-up
+///
+/// [`connect`](Self::connect) connects and checks that the table exists
+/// and is an idemstore table of this schema version, or creates it when
+/// [`migrate_on_build`](Self::migrate_on_build) is set. A missing table, a
+/// foreign one or another schema version is an error at build (none of
+/// them transient), not an [`Error::Backend`] on every request later. The
+/// whole build is bounded by [`build_timeout`](Self::build_timeout); a
+/// server that refuses the connection fails it at once. Build does not
+/// retry: a service started before its database retries at its own level
+/// (a supervisor's restart).
+///
+/// # Pool sizing
+///
+/// The pool is lazy: [`min_idle`](Self::min_idle) connections are opened
+/// at build and kept; more are opened on demand, up to
+/// [`max_size`](Self::max_size), and kept open once opened (a connection
+/// the server ends is dropped and replaced on demand). Each call holds one
+/// connection for its statement, so `max_size` bounds this replica's calls
+/// in flight at the server; callers beyond it wait up to the connect
+/// timeout. With `N` replicas the server must allow `N × max_size` plus its
+/// other clients: with the default `max_connections = 100`, 4 replicas and
+/// room for 20 other connections, `max_size` at most 20.
+///
+/// # When the server is unreachable
+///
+/// A failed connection attempt opens a circuit breaker: every call then
+/// fails at once with a transient [`Error::Backend`] (a guard answers
+/// Unavailable, 503) instead of each waiting out the connect timeout, and a
+/// background probe tries to reconnect every
+/// [`probe_interval`](Self::probe_interval); its first success closes the
+/// breaker. Connections the server ended (a restart, a failover) are
+/// dropped, and the call moves on to another connection.
 #[derive(Clone)]
 pub struct PostgresStoreBuilder {
     table: String,
-    pool_size: u32,
+    max_size: u32,
+    min_idle: u32,
     connect_timeout: Duration,
     statement_timeout: Duration,
+    build_timeout: Duration,
+    probe_interval: Duration,
+    migrate_on_build: bool,
     max_body_bytes: usize,
     clock: Arc<dyn Clock>,
 }
@@ -87,9 +152,13 @@ impl std::fmt::Debug for PostgresStoreBuilder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PostgresStoreBuilder")
             .field("table", &self.table)
-            .field("pool_size", &self.pool_size)
+            .field("max_size", &self.max_size)
+            .field("min_idle", &self.min_idle)
             .field("connect_timeout", &self.connect_timeout)
             .field("statement_timeout", &self.statement_timeout)
+            .field("build_timeout", &self.build_timeout)
+            .field("probe_interval", &self.probe_interval)
+            .field("migrate_on_build", &self.migrate_on_build)
             .field("max_body_bytes", &self.max_body_bytes)
             .field("clock", &self.clock)
             .finish_non_exhaustive()
@@ -100,9 +169,13 @@ impl PostgresStoreBuilder {
     pub(super) fn new() -> PostgresStoreBuilder {
         PostgresStoreBuilder {
             table: DEFAULT_TABLE.to_owned(),
-            pool_size: DEFAULT_POOL_SIZE,
+            max_size: DEFAULT_MAX_SIZE,
+            min_idle: DEFAULT_MIN_IDLE,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             statement_timeout: DEFAULT_STATEMENT_TIMEOUT,
+            build_timeout: DEFAULT_BUILD_TIMEOUT,
+            probe_interval: DEFAULT_PROBE_INTERVAL,
+            migrate_on_build: false,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             clock: Arc::new(SystemClock),
         }
@@ -123,25 +196,39 @@ impl PostgresStoreBuilder {
         self
     }
 
-    /// The connections the store holds (default [`DEFAULT_POOL_SIZE`],
-    /// 1..=[`MAX_POOL_SIZE`]), all opened by [`connect`](Self::connect) and
-    /// kept open. Each call uses one connection for one statement, so this
-    /// bounds the calls in flight at the server; callers beyond it wait up
-    /// to the connect timeout. Sum it over the replicas against the server's
-    /// `max_connections`.
+    /// The most connections the store opens (default [`DEFAULT_MAX_SIZE`],
+    /// 1..=[`MAX_POOL_SIZE`]); see [Pool sizing](Self#pool-sizing) for
+    /// choosing it against the server's `max_connections`.
     ///
     /// ```
-    /// let b = idemstore::PostgresStore::builder().pool_size(64);
+    /// let b = idemstore::PostgresStore::builder().max_size(64);
     /// # let _ = b;
     /// ```
-    pub fn pool_size(mut self, pool_size: u32) -> Self {
-        self.pool_size = pool_size;
+    pub fn max_size(mut self, max_size: u32) -> Self {
+        self.max_size = max_size;
         self
     }
 
-    /// How long a call waits for a connection before failing with
-    /// [`Error::Backend`] (default [`DEFAULT_CONNECT_TIMEOUT`]): the bound
-    /// on a call when the server is down or every connection is busy.
+    /// Connections opened at build and kept open (default
+    /// [`DEFAULT_MIN_IDLE`], at most `max_size`; build opens one even at 0,
+    /// to check the schema, and keeps it). More than one spares the first
+    /// burst of requests the connection setup (a server process fork and an
+    /// authentication each).
+    ///
+    /// ```
+    /// let b = idemstore::PostgresStore::builder().max_size(32).min_idle(8);
+    /// # let _ = b;
+    /// ```
+    pub fn min_idle(mut self, min_idle: u32) -> Self {
+        self.min_idle = min_idle;
+        self
+    }
+
+    /// The bound on one connection attempt, and on a call's wait for a
+    /// connection when every one is busy (default [`DEFAULT_CONNECT_TIMEOUT`]);
+    /// either way the call fails with [`Error::Backend`]. While the server
+    /// is unreachable calls do not wait for it: see
+    /// [`probe_interval`](Self::probe_interval).
     ///
     /// ```
     /// use std::time::Duration;
@@ -166,6 +253,52 @@ impl PostgresStoreBuilder {
     /// ```
     pub fn statement_timeout(mut self, timeout: Duration) -> Self {
         self.statement_timeout = timeout;
+        self
+    }
+
+    /// The bound on the whole of [`connect`](Self::connect) (default
+    /// [`DEFAULT_BUILD_TIMEOUT`]): a server that accepts connections and
+    /// never answers fails the build with [`Error::Backend`] after it.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let b = idemstore::PostgresStore::builder().build_timeout(Duration::from_secs(3));
+    /// # let _ = b;
+    /// ```
+    pub fn build_timeout(mut self, timeout: Duration) -> Self {
+        self.build_timeout = timeout;
+        self
+    }
+
+    /// How often the background probe tries to reconnect while the circuit
+    /// breaker is open (default [`DEFAULT_PROBE_INTERVAL`], at least 1 ms):
+    /// calls succeed again at most about this long after the server is
+    /// back. Shorter costs more connection attempts against a server that is
+    /// down; one attempt per interval per replica.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let b = idemstore::PostgresStore::builder().probe_interval(Duration::from_millis(100));
+    /// # let _ = b;
+    /// ```
+    pub fn probe_interval(mut self, interval: Duration) -> Self {
+        self.probe_interval = interval;
+        self
+    }
+
+    /// Whether [`connect`](Self::connect) creates the schema when it is
+    /// missing (default `false`: build refuses a missing table, and
+    /// [`PostgresStore::migrate`] creates it, once per deploy, with a role
+    /// allowed to create tables). Turning it on suits a service whose role
+    /// may create tables; migrating is idempotent and safe from several
+    /// replicas at once.
+    ///
+    /// ```
+    /// let b = idemstore::PostgresStore::builder().migrate_on_build(true);
+    /// # let _ = b;
+    /// ```
+    pub fn migrate_on_build(mut self, migrate: bool) -> Self {
+        self.migrate_on_build = migrate;
         self
     }
 
@@ -198,15 +331,19 @@ impl PostgresStoreBuilder {
         self
     }
 
-    /// Checks the options, connects once, and checks that the table, if it
-    /// exists, is an idemstore table of this schema version. It does not
-    /// create anything: call [`PostgresStore::migrate`] for that.
+    /// Checks the options, starts the store's runtime thread, connects,
+    /// and checks the schema (or creates it, with
+    /// [`migrate_on_build`](Self::migrate_on_build)); see
+    /// [Failing at start-up](Self#failing-at-start-up). Safe to call from
+    /// any thread, inside an async runtime or not (it blocks the calling
+    /// thread for the build).
     ///
-    /// Errors: [`Error::InvalidArgument`] for a bad option or URL;
-    /// [`Error::Backend`] when the server cannot be reached within the
-    /// connect timeout; [`Error::Corrupt`] when the table exists but is not
-    /// an idemstore table; [`Error::UnsupportedFormat`] when it was created
-    /// by a newer schema version.
+    /// Errors: [`Error::InvalidArgument`] for a bad option or URL, or when
+    /// the table does not exist and `migrate_on_build` is off;
+    /// [`Error::Backend`] when the server cannot be reached or the build
+    /// timeout passes; [`Error::Corrupt`] when the table exists but is not
+    /// an idemstore table; [`Error::UnsupportedFormat`] when another schema
+    /// version created it.
     ///
     /// `url` is `postgres://user[:password]@host[:port]/database[?options]`,
     /// or the `key=value` form libpq accepts. No error message repeats it
@@ -219,21 +356,33 @@ impl PostgresStoreBuilder {
     pub fn connect(self, url: &str) -> Result<PostgresStore> {
         let max_body_bytes = check_body_limit(self.max_body_bytes)?;
         check_table_name(&self.table)?;
-        if !(1..=MAX_POOL_SIZE).contains(&self.pool_size) {
+        if !(1..=MAX_POOL_SIZE).contains(&self.max_size) {
             return Err(Error::invalid_argument(format!(
-                "pool size {} is outside 1..={MAX_POOL_SIZE}",
-                self.pool_size
+                "pool max size {} is outside 1..={MAX_POOL_SIZE}",
+                self.max_size
             )));
         }
-        if self.connect_timeout.is_zero() {
-            return Err(Error::invalid_argument("connect timeout must not be zero"));
+        if self.min_idle > self.max_size {
+            return Err(Error::invalid_argument(format!(
+                "pool min_idle {} is above max_size {}",
+                self.min_idle, self.max_size
+            )));
+        }
+        for (what, d) in [
+            ("connect timeout", self.connect_timeout),
+            ("build timeout", self.build_timeout),
+            ("probe interval", self.probe_interval),
+        ] {
+            if d.is_zero() {
+                return Err(Error::invalid_argument(format!("{what} must not be zero")));
+            }
         }
         if self.statement_timeout.as_millis() == 0 {
             return Err(Error::invalid_argument(
                 "statement timeout must be at least 1 ms",
             ));
         }
-        let mut config: ::postgres::Config = url.parse().map_err(|e| {
+        let mut config: tokio_postgres::Config = url.parse().map_err(|e| {
             // The parser's message never repeats the URL, so no password leaks.
             Error::invalid_argument(format!("not a PostgreSQL connection URL: {e}"))
         })?;
@@ -250,28 +399,41 @@ impl PostgresStoreBuilder {
             config.application_name("idemstore");
         }
         let sql = Arc::new(Sql::new(&self.table));
-        let pool: Pool = r2d2::Pool::builder()
-            .max_size(self.pool_size)
-            // Every connection is opened here and kept open (r2d2 replaces
-            // one that dies): opening one takes a server process fork and
-            // an authentication, milliseconds that would otherwise land on
-            // the first burst of requests, as a latency spike.
-            .min_idle(None)
-            .connection_timeout(self.connect_timeout)
-            // A validity check per checkout would cost a round trip per call;
-            // a connection the server ended is noticed by its failed
-            // statement instead, and the call moves on to another one.
-            .test_on_check_out(false)
-            .build(Manager::new(config, Arc::clone(&sql)))
-            .map_err(pool_error)?;
-        let store = PostgresStore {
+        let counters = Arc::new(Counters::default());
+        let pool = Pool::new(
+            PoolOptions {
+                config,
+                max_size: self.max_size,
+                connect_timeout: self.connect_timeout,
+                probe_interval: self.probe_interval,
+            },
+            Arc::clone(&sql),
+            Arc::clone(&counters),
+        );
+        let core = Arc::new(Core {
             pool,
             sql,
             max_body_bytes,
-            clock: self.clock,
+            counters,
+        });
+        let runtime = StoreRuntime::start()?;
+        let setup = {
+            let core = Arc::clone(&core);
+            let (min_idle, migrate, limit) =
+                (self.min_idle, self.migrate_on_build, self.build_timeout);
+            async move {
+                tokio::time::timeout(limit, core.setup(min_idle, migrate))
+                    .await
+                    .unwrap_or_else(|_| Err(build_timeout(limit)))
+            }
         };
-        schema::check(&mut *store.conn()?, &store.sql)?;
-        Ok(store)
+        // On an error the runtime is dropped here, closing what was opened.
+        runtime.block_on(setup)?;
+        Ok(PostgresStore {
+            core,
+            runtime,
+            clock: self.clock,
+        })
     }
 }
 
@@ -337,11 +499,21 @@ mod tests {
                 .err()
                 .map(|e| e.to_string())
         };
-        assert!(err(b().pool_size(0)).unwrap().contains("pool size"));
+        assert!(err(b().max_size(0)).unwrap().contains("max size"));
         assert!(
-            err(b().pool_size(MAX_POOL_SIZE + 1))
+            err(b().max_size(MAX_POOL_SIZE + 1))
                 .unwrap()
-                .contains("pool size")
+                .contains("max size")
+        );
+        assert!(
+            err(b().max_size(2).min_idle(3))
+                .unwrap()
+                .contains("min_idle")
+        );
+        assert!(
+            err(b().probe_interval(Duration::ZERO))
+                .unwrap()
+                .contains("probe interval")
         );
         assert!(err(b().table("X")).unwrap().contains("table name"));
         assert!(

@@ -1,88 +1,325 @@
-//! The connection pool: r2d2 over the synchronous `postgres` client, with
-//! the store's statements prepared once per connection.
+//! The connection pool and its circuit breaker, on the store's runtime.
+//!
+//! A small pool of our own rather than `deadpool-postgres`: it is lazy
+//! (`min_idle` connections at build, more on demand up to `max_size`), it
+//! owns each connection's prepared statements, it counts what
+//! [`PostgresStats`](super::PostgresStats) reports, and its connect path is
+//! where the circuit breaker sits — none of which deadpool's API offers
+//! without wrapping it as thickly, and it is one dependency tree less.
+//!
+//! **The breaker.** A connection that cannot be opened opens the breaker:
+//! from then on every checkout fails at once (no connect attempt, no
+//! timeout waited) until a probe on the store's runtime, retrying every
+//! probe interval, opens a connection; that connection joins the pool and
+//! the breaker closes. So while the server is down a call costs
+//! microseconds, not the connect timeout, and the first call after the
+//! server is back within one probe interval succeeds.
 
+use super::errors::{connect_error, connect_timeout, pool_exhausted, unavailable};
 use super::sql::{Sql, Stmt};
-use ::postgres::types::ToSql;
-use ::postgres::{Client, Config, NoTls, Row, Statement};
-use std::sync::Arc;
+use super::stats::Counters;
+use crate::error::{Error, Result};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_postgres::types::ToSql;
+use tokio_postgres::{Client, Config, NoTls, Row, Statement};
 
-pub(super) type Pool = r2d2::Pool<Manager>;
-
-/// Opens connections for the pool. (A small hand-written manager rather than
-/// the `r2d2_postgres` crate: it also owns the per-connection statement
-/// cache, which is what makes each call one round trip.)
-#[derive(Debug)]
-pub(super) struct Manager {
-    config: Config,
-    sql: Arc<Sql>,
+/// How the pool opens connections and how long it waits.
+pub(super) struct PoolOptions {
+    pub(super) config: Config,
+    pub(super) max_size: u32,
+    /// The bound on one connection attempt, and on a wait for a busy pool.
+    pub(super) connect_timeout: Duration,
+    pub(super) probe_interval: Duration,
 }
 
-impl Manager {
-    pub(super) fn new(config: Config, sql: Arc<Sql>) -> Manager {
-        Manager { config, sql }
+/// A pool of connections; cheap to clone (one shared state).
+#[derive(Clone)]
+pub(super) struct Pool {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    options: PoolOptions,
+    sql: Arc<Sql>,
+    idle: Mutex<Vec<Arc<Conn>>>,
+    /// One permit per connection in use: idle + in use never exceeds
+    /// `max_size`, since a connection is opened only under a permit and
+    /// only when none is idle.
+    permits: Arc<Semaphore>,
+    open: Arc<AtomicU64>,
+    /// Mirrors `breaker.open.is_some()`, for a lock-free check per call.
+    breaker_open: AtomicBool,
+    breaker: Mutex<Breaker>,
+    counters: Arc<Counters>,
+}
+
+#[derive(Default)]
+struct Breaker {
+    /// Why it is open: the last connection failure.
+    open: Option<String>,
+    /// A probe task is running.
+    probing: bool,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // The data behind these locks stays consistent at every point a panic
+    // could occur (single pushes, pops and field writes).
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Pool {
+    pub(super) fn new(options: PoolOptions, sql: Arc<Sql>, counters: Arc<Counters>) -> Pool {
+        let permits = Arc::new(Semaphore::new(options.max_size as usize));
+        Pool {
+            inner: Arc::new(Inner {
+                options,
+                sql,
+                idle: Mutex::new(Vec::new()),
+                permits,
+                open: Arc::new(AtomicU64::new(0)),
+                breaker_open: AtomicBool::new(false),
+                breaker: Mutex::new(Breaker::default()),
+                counters,
+            }),
+        }
+    }
+
+    pub(super) fn max_size(&self) -> u32 {
+        self.inner.options.max_size
+    }
+
+    /// Connections open, and of those idle.
+    pub(super) fn state(&self) -> (u64, u64) {
+        let idle = lock(&self.inner.idle).len() as u64;
+        (self.inner.open.load(Ordering::Relaxed), idle)
+    }
+
+    pub(super) fn breaker_is_open(&self) -> bool {
+        self.inner.breaker_open.load(Ordering::Relaxed)
+    }
+
+    /// Opens connections until `n` are idle (at build: `min_idle`). Does not
+    /// touch the breaker: a failure here fails the build.
+    pub(super) async fn warm(&self, n: u32) -> Result<()> {
+        for _ in 0..n.min(self.max_size()) {
+            let conn = self.inner.connect().await?;
+            lock(&self.inner.idle).push(conn);
+        }
+        Ok(())
+    }
+
+    /// A connection: an idle one, else a new one. Fails at once while the
+    /// breaker is open; waits at most the connect timeout for a busy pool.
+    pub(super) async fn get(&self) -> Result<Pooled> {
+        let inner = &self.inner;
+        inner.refuse_if_open()?;
+        let permit = match Arc::clone(&inner.permits).try_acquire_owned() {
+            Ok(permit) => permit,
+            Err(_) => {
+                Counters::bump(&inner.counters.pool_waits);
+                let wait = Arc::clone(&inner.permits).acquire_owned();
+                match tokio::time::timeout(inner.options.connect_timeout, wait).await {
+                    Ok(Ok(permit)) => permit,
+                    Ok(Err(_)) => return Err(Error::Closed),
+                    Err(_) => return Err(pool_exhausted(inner.options.connect_timeout)),
+                }
+            }
+        };
+        // The breaker may have opened while this call waited.
+        inner.refuse_if_open()?;
+        loop {
+            let Some(conn) = lock(&inner.idle).pop() else {
+                break;
+            };
+            if conn.client.is_closed() {
+                // Ended while idle (a server restart): drop it, try the next.
+                Counters::bump(&inner.counters.connections_lost);
+                continue;
+            }
+            return Ok(self.pooled(conn, permit));
+        }
+        match inner.connect().await {
+            Ok(conn) => Ok(self.pooled(conn, permit)),
+            Err(err) => {
+                Inner::trip(inner, &err);
+                Err(err)
+            }
+        }
+    }
+
+    fn pooled(&self, conn: Arc<Conn>, permit: OwnedSemaphorePermit) -> Pooled {
+        Pooled {
+            conn,
+            keep: true,
+            _permit: permit,
+            pool: Arc::clone(&self.inner),
+        }
+    }
+}
+
+impl Inner {
+    fn refuse_if_open(&self) -> Result<()> {
+        if !self.breaker_open.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        let why = lock(&self.breaker).open.clone();
+        match why {
+            Some(why) => {
+                Counters::bump(&self.counters.refusals);
+                Err(unavailable(&why, self.options.probe_interval))
+            }
+            None => Ok(()), // closed in the meantime
+        }
+    }
+
+    /// Opens one connection and spawns its I/O task on the store's runtime.
+    async fn connect(&self) -> Result<Arc<Conn>> {
+        let connecting = self.options.config.connect(NoTls);
+        let (client, connection) =
+            match tokio::time::timeout(self.options.connect_timeout, connecting).await {
+                Ok(Ok(pair)) => pair,
+                Ok(Err(err)) => {
+                    Counters::bump(&self.counters.connect_failures);
+                    return Err(connect_error(err));
+                }
+                Err(_) => {
+                    Counters::bump(&self.counters.connect_failures);
+                    return Err(connect_timeout(self.options.connect_timeout));
+                }
+            };
+        // Ends when the client is dropped or the server closes the socket.
+        tokio::spawn(async move {
+            let _ = connection.await;
+        });
+        Counters::bump(&self.counters.connections_opened);
+        self.open.fetch_add(1, Ordering::Relaxed);
+        Ok(Arc::new(Conn {
+            client,
+            sql: Arc::clone(&self.sql),
+            prepared: Mutex::new(Default::default()),
+            open: Arc::clone(&self.open),
+        }))
+    }
+
+    /// Opens the breaker after `err`, and starts the probe unless it runs.
+    fn trip(inner: &Arc<Inner>, err: &Error) {
+        let mut breaker = lock(&inner.breaker);
+        if breaker.open.is_none() {
+            Counters::bump(&inner.counters.breaker_trips);
+        }
+        breaker.open = Some(err.to_string());
+        inner.breaker_open.store(true, Ordering::Relaxed);
+        if !breaker.probing {
+            breaker.probing = true;
+            tokio::spawn(Inner::probe(Arc::clone(inner)));
+        }
+    }
+
+    /// Every probe interval, tries to open a connection; the first that
+    /// opens joins the pool and closes the breaker.
+    async fn probe(inner: Arc<Inner>) {
+        loop {
+            tokio::time::sleep(inner.options.probe_interval).await;
+            // Under a permit, so the pool never holds more than max_size.
+            let Ok(permit) = Arc::clone(&inner.permits).acquire_owned().await else {
+                return;
+            };
+            match inner.connect().await {
+                Ok(conn) => {
+                    lock(&inner.idle).push(conn);
+                    drop(permit);
+                    let mut breaker = lock(&inner.breaker);
+                    breaker.open = None;
+                    breaker.probing = false;
+                    inner.breaker_open.store(false, Ordering::Relaxed);
+                    return;
+                }
+                Err(err) => lock(&inner.breaker).open = Some(err.to_string()),
+            }
+        }
+    }
+}
+
+/// A connection taken from the pool; back to it on drop unless discarded
+/// or closed.
+pub(super) struct Pooled {
+    conn: Arc<Conn>,
+    /// False once discarded: the connection is dropped, not pooled.
+    keep: bool,
+    _permit: OwnedSemaphorePermit,
+    pool: Arc<Inner>,
+}
+
+impl Pooled {
+    /// The connection, for a statement run that may outlive this borrow.
+    pub(super) fn conn(&self) -> Arc<Conn> {
+        Arc::clone(&self.conn)
+    }
+
+    /// Drops the connection instead of returning it (it is dead, or a
+    /// transaction on it did not finish).
+    pub(super) fn discard(mut self) {
+        self.keep = false;
+        Counters::bump(&self.pool.counters.connections_lost);
+    }
+}
+
+impl Drop for Pooled {
+    fn drop(&mut self) {
+        if self.keep && !self.conn.client.is_closed() {
+            lock(&self.pool.idle).push(Arc::clone(&self.conn));
+        }
     }
 }
 
 /// A connection and its prepared statements. Statements are prepared on
-/// first use, not at connect: before `migrate()` the table does not exist
-/// and preparing would fail.
+/// first use, not at connect: before the schema exists preparing would fail.
 pub(super) struct Conn {
     pub(super) client: Client,
     sql: Arc<Sql>,
-    prepared: [Option<Statement>; Stmt::COUNT],
+    prepared: Mutex<[Option<Statement>; Stmt::COUNT]>,
+    open: Arc<AtomicU64>,
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        self.open.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 impl Conn {
     /// Prepares `stmt` on this connection if it is not yet (one extra round
     /// trip, once per connection), then runs it.
-    pub(super) fn query(
-        &mut self,
+    pub(super) async fn query(
+        &self,
         stmt: Stmt,
         params: &[&(dyn ToSql + Sync)],
-    ) -> Result<Vec<Row>, ::postgres::Error> {
-        let prepared = self.prepared(stmt)?;
-        self.client.query(&prepared, params)
+    ) -> Result<Vec<Row>, tokio_postgres::Error> {
+        let prepared = self.prepared(stmt).await?;
+        self.client.query(&prepared, params).await
     }
 
     /// Like [`query`](Conn::query), returning the number of rows affected.
-    pub(super) fn execute(
-        &mut self,
+    pub(super) async fn execute(
+        &self,
         stmt: Stmt,
         params: &[&(dyn ToSql + Sync)],
-    ) -> Result<u64, ::postgres::Error> {
-        let prepared = self.prepared(stmt)?;
-        self.client.execute(&prepared, params)
+    ) -> Result<u64, tokio_postgres::Error> {
+        let prepared = self.prepared(stmt).await?;
+        self.client.execute(&prepared, params).await
     }
 
-    fn prepared(&mut self, stmt: Stmt) -> Result<Statement, ::postgres::Error> {
-        if let Some(Some(prepared)) = self.prepared.get(stmt as usize) {
+    async fn prepared(&self, stmt: Stmt) -> Result<Statement, tokio_postgres::Error> {
+        if let Some(Some(prepared)) = lock(&self.prepared).get(stmt as usize) {
             return Ok(prepared.clone());
         }
-        let prepared = self.client.prepare(self.sql.text(stmt))?;
-        if let Some(slot) = self.prepared.get_mut(stmt as usize) {
+        let prepared = self.client.prepare(self.sql.text(stmt)).await?;
+        if let Some(slot) = lock(&self.prepared).get_mut(stmt as usize) {
             *slot = Some(prepared.clone());
         }
         Ok(prepared)
-    }
-}
-
-impl r2d2::ManageConnection for Manager {
-    type Connection = Conn;
-    type Error = ::postgres::Error;
-
-    fn connect(&self) -> Result<Conn, ::postgres::Error> {
-        Ok(Conn {
-            client: self.config.connect(NoTls)?,
-            sql: Arc::clone(&self.sql),
-            prepared: Default::default(),
-        })
-    }
-
-    fn is_valid(&self, conn: &mut Conn) -> Result<(), ::postgres::Error> {
-        conn.client.simple_query("").map(|_| ())
-    }
-
-    fn has_broken(&self, conn: &mut Conn) -> bool {
-        conn.client.is_closed()
     }
 }

@@ -17,7 +17,7 @@ use crate::key::Key;
 use crate::record::{Record, State};
 use crate::response::Response;
 use crate::time::Timestamp;
-use ::postgres::Row;
+use tokio_postgres::Row;
 
 /// A timestamp as stored (saturating at `i64::MAX`).
 pub(super) fn millis(t: Timestamp) -> i64 {
@@ -52,7 +52,7 @@ pub(super) fn response_columns(r: &Response) -> ResponseColumns<'_> {
 pub(super) fn record(key: &Key, row: &Row, first: usize) -> Result<Record> {
     let corrupt = |detail: String| Error::corrupt(Some(key.to_string()), detail);
     let col = |i: usize| first + i;
-    let get_err = |e: ::postgres::Error| corrupt(format!("row does not decode: {e}"));
+    let get_err = |e: tokio_postgres::Error| corrupt(format!("row does not decode: {e}"));
     let fingerprint: Vec<u8> = row.try_get(col(0)).map_err(get_err)?;
     let fingerprint: [u8; 32] = fingerprint
         .try_into()

@@ -7,9 +7,9 @@
 //! instead of written to.
 
 use super::errors::db_error;
-use super::pool::Conn;
 use super::sql::{STATE_DONE, STATE_PROCESSING, Sql};
 use crate::error::{Error, Result};
+use tokio_postgres::Client;
 
 /// The schema this build creates and reads.
 pub(super) const SCHEMA_VERSION: u32 = 1;
@@ -21,40 +21,54 @@ enum Found {
     Current,
 }
 
-/// Checks the table, if it exists: ours, and of this schema version.
-pub(super) fn check(conn: &mut Conn, sql: &Sql) -> Result<()> {
-    inspect(&mut conn.client, sql).map(|_| ())
+/// The check at build: the table must exist and be ours, of this schema
+/// version. A missing table is [`Error::InvalidArgument`] (the store was
+/// pointed at a table nobody created: migrate, or name another), an older
+/// or newer version [`Error::UnsupportedFormat`], a table that is not ours
+/// [`Error::Corrupt`]; none of them is transient, so a service fails at
+/// start-up instead of answering 503 to every request.
+pub(super) async fn check(client: &Client, sql: &Sql) -> Result<()> {
+    match inspect(client, sql).await? {
+        Found::Current => Ok(()),
+        Found::Absent => Err(Error::invalid_argument(format!(
+            "PostgreSQL table {} does not exist: run PostgresStore::migrate() once \
+             (with a role allowed to create tables), or build with migrate_on_build(true)",
+            sql.table
+        ))),
+    }
 }
 
 /// Creates the sequence, table and index unless they exist, in one
 /// transaction under an advisory lock, so replicas migrating at the same
-/// time do not trip over each other.
-pub(super) fn migrate(conn: &mut Conn, sql: &Sql) -> Result<()> {
-    let mut tx = conn
-        .client
-        .transaction()
-        .map_err(|e| db_error(e, &sql.table))?;
-    tx.execute(
-        "SELECT pg_advisory_xact_lock(hashtext($1))",
-        &[&format!("idemstore migrate {}", sql.table)],
-    )
-    .map_err(|e| db_error(e, &sql.table))?;
-    if let Found::Absent = inspect(&mut tx, sql)? {
-        tx.batch_execute(&ddl(sql))
-            .map_err(|e| db_error(e, &sql.table))?;
+/// time do not trip over each other. On an error the transaction may still
+/// be open: the caller drops the connection.
+pub(super) async fn migrate(client: &Client, sql: &Sql) -> Result<()> {
+    let db = |e| db_error(e, &sql.table);
+    client.batch_execute("BEGIN").await.map_err(db)?;
+    client
+        .execute(
+            "SELECT pg_advisory_xact_lock(hashtext($1))",
+            &[&format!("idemstore migrate {}", sql.table)],
+        )
+        .await
+        .map_err(db)?;
+    if let Found::Absent = inspect(client, sql).await? {
+        client.batch_execute(&ddl(sql)).await.map_err(db)?;
     }
-    tx.commit().map_err(|e| db_error(e, &sql.table))
+    client.batch_execute("COMMIT").await.map_err(db)
 }
 
-fn inspect(client: &mut impl ::postgres::GenericClient, sql: &Sql) -> Result<Found> {
+async fn inspect(client: &Client, sql: &Sql) -> Result<Found> {
+    let db = |e| db_error(e, &sql.table);
     let row = client
         .query_one(
             "SELECT to_regclass($1) IS NOT NULL, obj_description(to_regclass($1), 'pg_class')",
             &[&format!("\"{}\"", sql.table)],
         )
-        .map_err(|e| db_error(e, &sql.table))?;
-    let exists: bool = row.try_get(0).map_err(|e| db_error(e, &sql.table))?;
-    let comment: Option<String> = row.try_get(1).map_err(|e| db_error(e, &sql.table))?;
+        .await
+        .map_err(db)?;
+    let exists: bool = row.try_get(0).map_err(db)?;
+    let comment: Option<String> = row.try_get(1).map_err(db)?;
     if !exists {
         return Ok(Found::Absent);
     }
@@ -77,11 +91,12 @@ fn inspect(client: &mut impl ::postgres::GenericClient, sql: &Sql) -> Result<Fou
         .map_err(|_| foreign("its schema marker has no version number"))?;
     match version {
         SCHEMA_VERSION => Ok(Found::Current),
-        found if found > SCHEMA_VERSION => Err(Error::UnsupportedFormat {
+        // Newer: written by a later release. Older: there is none yet
+        // (version 1 is the first); a later release migrates it forward.
+        found => Err(Error::UnsupportedFormat {
             found,
             supported: SCHEMA_VERSION,
         }),
-        _ => Err(foreign("its schema marker has an unknown version")),
     }
 }
 

@@ -31,6 +31,10 @@ mod observability;
 mod orders_service;
 #[cfg(feature = "postgres")]
 mod postgres;
+#[cfg(feature = "postgres")]
+mod postgres_inbox;
+#[cfg(all(feature = "postgres", feature = "tokio"))]
+mod postgres_runtime;
 #[cfg(feature = "redb")]
 mod read_only;
 #[cfg(feature = "redb")]

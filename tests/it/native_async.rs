@@ -48,7 +48,7 @@ fn threads_named(prefix: &str) -> usize {
 
 /// Runs 1,000 concurrent `run_async` over `store` on a 2-worker runtime
 /// named `name` and returns the peak number of that runtime's threads.
-fn peak_threads_for(store: impl Store + 'static, name: &'static str) -> usize {
+pub fn peak_threads_for(store: impl Store + 'static, name: &'static str) -> usize {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name(name)

@@ -26,7 +26,7 @@ const HOUR: Duration = Duration::from_secs(3600);
 
 /// The server's URL, or `None` (after one line on stderr) when the tests
 /// are to be skipped. Panics under CI without a URL.
-fn pg_url() -> Option<String> {
+pub fn pg_url() -> Option<String> {
     if let Ok(url) = std::env::var(URL_VAR) {
         return Some(url);
     }
@@ -48,12 +48,12 @@ fn pg_url() -> Option<String> {
     None
 }
 
-fn enabled() -> bool {
+pub fn enabled() -> bool {
     pg_url().is_some()
 }
 
 /// A table name unique to this process and call.
-fn fresh_table(prefix: &str) -> String {
+pub fn fresh_table(prefix: &str) -> String {
     static NEXT: AtomicUsize = AtomicUsize::new(0);
     format!(
         "{prefix}_{}_{}",
@@ -63,14 +63,14 @@ fn fresh_table(prefix: &str) -> String {
 }
 
 /// A raw client, for setting up and inspecting what the store cannot.
-fn raw(url: &str) -> ::postgres::Client {
+pub fn raw(url: &str) -> ::postgres::Client {
     ::postgres::Client::connect(url, ::postgres::NoTls).unwrap()
 }
 
 /// Drops its table (and the sequence it owns) when dropped.
-struct DropTable {
-    url: String,
-    table: String,
+pub struct DropTable {
+    pub url: String,
+    pub table: String,
 }
 
 impl Drop for DropTable {
@@ -82,17 +82,18 @@ impl Drop for DropTable {
 }
 
 /// A migrated store on a fresh table, and the guard that drops the table.
-fn fresh_store(prefix: &str, pool_size: u32) -> (PostgresStore, DropTable) {
+pub fn fresh_store(prefix: &str, pool_size: u32) -> (PostgresStore, DropTable) {
     let url = pg_url().expect("checked by the caller");
     let table = fresh_table(prefix);
     let store = PostgresStore::builder()
         .table(&table)
-        .pool_size(pool_size)
+        .max_size(pool_size)
         // Generous: the machine running the tests may be busy.
         .connect_timeout(Duration::from_secs(30))
+        .build_timeout(Duration::from_secs(60))
+        .migrate_on_build(true)
         .connect(&url)
         .unwrap();
-    store.migrate().unwrap();
     (store, DropTable { url, table })
 }
 
@@ -103,11 +104,11 @@ fn subject() -> Subject {
 
 idemstore_testkit::conformance!(subject, when: enabled);
 
-fn key(id: &str) -> Key {
+pub fn key(id: &str) -> Key {
     Key::new("pg", id).unwrap()
 }
 
-fn claimed(b: Begin) -> idemstore::Claim {
+pub fn claimed(b: Begin) -> idemstore::Claim {
     match b {
         Begin::Claimed(c) => c,
         other => panic!("expected Claimed, got {other:?}"),
@@ -200,33 +201,55 @@ fn foreign_or_newer_table_is_a_typed_error() {
         "{err}"
     );
 
-    // A store built before the foreign table appeared: migrate refuses it.
-    let later = fresh_table("foreign_later");
-    let _drop_later = DropTable {
-        url: url.clone(),
-        table: later.clone(),
-    };
-    let store = PostgresStore::builder()
-        .table(&later)
-        .connect(&url)
-        .unwrap();
+    // A store built before its table was replaced by a foreign one:
+    // migrate refuses it.
+    let (store, later) = fresh_store("foreign_later", 1);
     client
-        .batch_execute(&format!("CREATE TABLE \"{later}\" (x int)"))
+        .batch_execute(&format!(
+            "DROP TABLE \"{0}\"; CREATE TABLE \"{0}\" (x int)",
+            later.table
+        ))
         .unwrap();
     assert!(matches!(store.migrate(), Err(Error::Corrupt { .. })));
+    // So does a store built with migrate_on_build.
+    let err = PostgresStore::builder()
+        .table(&later.table)
+        .migrate_on_build(true)
+        .connect(&url)
+        .unwrap_err();
+    assert!(matches!(err, Error::Corrupt { .. }), "{err}");
 }
 
+/// Regression: a store built on a table nobody had created built fine, and
+/// then every call was a transient `Error::Backend` (503 for every request)
+/// instead of an error at start-up.
 #[test]
-fn use_before_migrate_says_to_migrate() {
+fn build_refuses_a_missing_table_unless_it_migrates() {
     let Some(url) = pg_url() else { return };
     let table = fresh_table("unmigrated");
-    let store = PostgresStore::builder()
+    let _drop = DropTable {
+        url: url.clone(),
+        table: table.clone(),
+    };
+    let err = PostgresStore::builder()
         .table(&table)
         .connect(&url)
-        .unwrap();
-    let err = store
-        .begin(&key("a"), &Fingerprint::of(b"a"), T0, SEC, HOUR)
         .unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument { .. }), "{err}");
+    assert!(!err.is_transient());
+    assert!(err.to_string().contains("migrate_on_build(true)"), "{err}");
+    let store = PostgresStore::builder()
+        .table(&table)
+        .migrate_on_build(true)
+        .connect(&url)
+        .unwrap();
+    let fp = Fingerprint::of(b"a");
+    let _ = claimed(store.begin(&key("a"), &fp, T0, SEC, HOUR).unwrap());
+    // Dropped behind the store's back: calls say what to do.
+    raw(&url)
+        .batch_execute(&format!("DROP TABLE \"{table}\""))
+        .unwrap();
+    let err = store.begin(&key("b"), &fp, T0, SEC, HOUR).unwrap_err();
     assert!(matches!(err, Error::Backend(_)), "{err}");
     assert!(err.to_string().contains("migrate()"), "{err}");
 }
@@ -315,8 +338,10 @@ fn begin_racing_an_uncommitted_insert_answers_from_the_committed_row() {
         std::thread::spawn(move || store.begin(&key("k"), &fp, T0 + SEC, SEC, HOUR))
     };
     wait_for_lock_waiter(&url);
+    let retries = store.stats().snapshot_retries;
     tx.commit().unwrap();
     let answer = racing.join().unwrap().unwrap();
+    assert!(store.stats().snapshot_retries > retries);
     assert_eq!(
         answer,
         Begin::InFlight {
@@ -458,7 +483,7 @@ fn calls_survive_the_server_ending_pooled_connections() {
     let store = Arc::new(
         PostgresStore::builder()
             .table(&guard.table)
-            .pool_size(4)
+            .max_size(4)
             .connect(&format!("{url}{sep}application_name={app}"))
             .unwrap(),
     );
@@ -562,7 +587,7 @@ fn pool_exhaustion_and_stuck_statements_are_typed_errors() {
     let store = Arc::new(
         PostgresStore::builder()
             .table(&guard.table)
-            .pool_size(1)
+            .max_size(1)
             .connect_timeout(Duration::from_millis(300))
             .statement_timeout(Duration::from_secs(2))
             .connect(&url)
@@ -587,9 +612,11 @@ fn pool_exhaustion_and_stuck_statements_are_typed_errors() {
         std::thread::spawn(move || store.begin(&key("k"), &fp, T0 + 2 * SEC, SEC, HOUR))
     };
     wait_for_lock_waiter(&url);
+    let waits = store.stats().pool_waits;
     let err = store.get(&key("other"), T0).unwrap_err();
     assert!(matches!(err, Error::Backend(_)), "{err}");
     assert!(err.to_string().contains("connect timeout"), "{err}");
+    assert_eq!(store.stats().pool_waits, waits + 1);
     let err = stuck.join().unwrap().unwrap_err();
     assert!(matches!(err, Error::Backend(_)), "{err}");
     assert!(err.to_string().contains("statement timeout"), "{err}");
@@ -633,6 +660,17 @@ fn server_down_is_a_typed_error() {
     // Not a timing assertion on performance: a hang would never get here,
     // and a bound far above the timeout says the timeout is what ended it.
     assert!(started.elapsed() < Duration::from_secs(20));
+
+    // The build timeout bounds the whole build, whatever the connect timeout.
+    let started = Instant::now();
+    let err = PostgresStore::builder()
+        .connect_timeout(Duration::from_secs(120))
+        .build_timeout(Duration::from_millis(300))
+        .connect(&format!("postgres://u@127.0.0.1:{port}/db"))
+        .unwrap_err();
+    assert!(matches!(err, Error::Backend(_)), "{err}");
+    assert!(err.to_string().contains("build timeout"), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(20));
 }
 
 // ---- Several processes, one table ----
@@ -658,7 +696,7 @@ fn race_child_entry() {
     };
     let store = PostgresStore::builder()
         .table(&table)
-        .pool_size(RACE_THREADS as u32)
+        .max_size(RACE_THREADS as u32)
         .connect(&url)
         .unwrap();
     let guard = Guard::builder(store)

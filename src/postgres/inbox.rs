@@ -1,0 +1,385 @@
+//! [`PgInbox`]: the co-transactional inbox on PostgreSQL.
+//!
+//! A consumer's handler runs inside a PostgreSQL transaction that also
+//! holds the message id's claim; the handler's own writes and the DONE
+//! record commit together, or neither does. The claim is the same atomic
+//! step as [`Store::begin`](crate::Store::begin) (the same statement), made
+//! inside the transaction: its advisory lock on the key is held until the
+//! commit, so a concurrent delivery of the same message waits for it and
+//! then answers Duplicate.
+
+use super::errors::db_error;
+use super::ops::{BeginStep, Core, RunError, complete_on};
+use super::pool::Pooled;
+use super::stats::Counters;
+use super::{PostgresStore, row, sql};
+use crate::error::Error;
+use crate::fingerprint::Fingerprint;
+use crate::guard::{DEFAULT_LEASE, DEFAULT_RETENTION};
+use crate::key::Key;
+use crate::logic;
+use crate::record::{Begin, Claim, check_durations};
+use crate::response::Response;
+use crate::store::Store;
+use crate::time::{Clock, Timestamp};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_postgres::Client;
+
+/// What a [`PgInbox`] handler returns: a future borrowing the transaction's
+/// client for `'c`.
+pub type HandlerFuture<'c, E> = Pin<Box<dyn Future<Output = Result<Response, E>> + Send + 'c>>;
+
+/// What [`PgInbox::handle`] did with one delivery of a message (the same
+/// outcomes as the redb inbox's).
+///
+/// ```
+/// use idemstore::Response;
+/// use idemstore::postgres::Delivery;
+/// assert_eq!(Delivery::Duplicate(Response::new(200, "ok")).response(), Some(&Response::new(200, "ok")));
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Delivery {
+    /// First delivery: the handler ran and its writes committed together
+    /// with the DONE record; this is the result it returned.
+    Handled(Response),
+    /// A redelivery: the handler did not run; this is the result stored by
+    /// the delivery that was handled.
+    Duplicate(Response),
+    /// The message id was already used by a message with a different
+    /// fingerprint: the handler did not run and nothing was written.
+    Conflict,
+    /// The id is claimed through the [`Store`] API by an owner whose lease is
+    /// still live: the handler did not run; redeliver later.
+    InFlight {
+        /// When the owner's lease ends.
+        lease_until: Timestamp,
+    },
+}
+
+impl Delivery {
+    /// The handler's result, fresh or stored; `None` for `Conflict` and `InFlight`.
+    ///
+    /// ```
+    /// assert_eq!(idemstore::postgres::Delivery::Conflict.response(), None);
+    /// ```
+    pub fn response(&self) -> Option<&Response> {
+        match self {
+            Delivery::Handled(r) | Delivery::Duplicate(r) => Some(r),
+            Delivery::Conflict | Delivery::InFlight { .. } => None,
+        }
+    }
+}
+
+/// A transactional inbox on a [`PostgresStore`]: exactly-once effects for
+/// an at-least-once consumer whose state lives in the same database.
+///
+/// [`handle`](PgInbox::handle) opens a transaction, claims the message id
+/// in it, runs the handler with the transaction's [`Client`] (re-exported as
+/// `idemstore::postgres::engine`), and commits the handler's writes with the
+/// DONE record. A redelivered message is answered from the stored record
+/// without running the handler; a handler error rolls everything back; a
+/// panic rolls everything back (the connection is dropped) and is resumed
+/// on the caller. Only writes through the given client are covered: effects
+/// elsewhere still need the fencing token ([`Claim::token`]).
+///
+/// The handler runs on the store's runtime thread, with the other calls of
+/// the store: it must not block (no blocking I/O, no blocking store calls),
+/// and must not end the transaction itself (`COMMIT`, `ROLLBACK`).
+///
+/// ```no_run
+/// use idemstore::postgres::{Delivery, PgInbox};
+/// use idemstore::{Fingerprint, Key, PostgresStore, Response};
+///
+/// let store = PostgresStore::builder()
+///     .migrate_on_build(true)
+///     .connect("postgres://app@db.internal/payments")?;
+/// let inbox = PgInbox::new(store);
+/// let key = Key::new("payments-queue", "msg-7")?;
+/// let delivery: Delivery = inbox.handle::<idemstore::Error, _>(&key, &Fingerprint::of(b"alice+10"), |client, claim| {
+///     Box::pin(async move {
+///         client
+///             .execute("UPDATE balances SET amount = amount + 10 WHERE name = 'alice'", &[])
+///             .await
+///             .map_err(idemstore::Error::backend)?;
+///         Ok(Response::new(200, format!("credited, token {}", claim.token())))
+///     })
+/// })?;
+/// assert!(matches!(delivery, Delivery::Handled(_) | Delivery::Duplicate(_)));
+/// # Ok::<(), idemstore::Error>(())
+/// ```
+pub struct PgInbox {
+    store: Arc<PostgresStore>,
+    retention: Duration,
+    clock: Arc<dyn Clock>,
+}
+
+impl std::fmt::Debug for PgInbox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgInbox")
+            .field("store", &self.store)
+            .field("retention", &self.retention)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PgInbox {
+    /// An inbox over `store`, remembering handled ids for the default
+    /// retention (24 h) and reading the store's clock.
+    ///
+    /// ```no_run
+    /// let store = idemstore::PostgresStore::connect("postgres://app@db.internal/payments")?;
+    /// let inbox = idemstore::postgres::PgInbox::new(store);
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn new(store: impl Into<Arc<PostgresStore>>) -> PgInbox {
+        let store = store.into();
+        PgInbox {
+            clock: store.clock(),
+            store,
+            retention: DEFAULT_RETENTION,
+        }
+    }
+
+    /// How long a handled message id is remembered; must cover the queue's
+    /// longest redelivery horizon.
+    ///
+    /// ```no_run
+    /// let store = idemstore::PostgresStore::connect("postgres://app@db.internal/payments")?;
+    /// let inbox = idemstore::postgres::PgInbox::new(store)
+    ///     .retention(std::time::Duration::from_secs(7 * 24 * 3600));
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn retention(mut self, retention: Duration) -> PgInbox {
+        self.retention = retention;
+        self
+    }
+
+    /// The clock for record timestamps and expiry (default: the store's).
+    ///
+    /// ```no_run
+    /// let store = idemstore::PostgresStore::connect("postgres://app@db.internal/payments")?;
+    /// let inbox = idemstore::postgres::PgInbox::new(store).clock(idemstore::SystemClock);
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn clock(mut self, clock: impl Clock + 'static) -> PgInbox {
+        self.clock = Arc::new(clock);
+        self
+    }
+
+    /// The store this inbox writes to.
+    ///
+    /// ```no_run
+    /// let store = idemstore::PostgresStore::connect("postgres://app@db.internal/payments")?;
+    /// let inbox = idemstore::postgres::PgInbox::new(store);
+    /// assert_eq!(inbox.store().table(), idemstore::postgres::DEFAULT_TABLE);
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn store(&self) -> &Arc<PostgresStore> {
+        &self.store
+    }
+
+    /// Handles one delivery of the message `key` whose payload digests to
+    /// `fingerprint`, blocking this thread until it is committed (or rolled
+    /// back). See [`PgInbox`]; safe on any thread.
+    ///
+    /// Errors: the handler's own (everything rolled back), or the store's
+    /// ([`Error::Backend`], [`Error::ResponseTooLarge`], [`Error::Corrupt`])
+    /// converted into `E`. A failed `COMMIT` is an [`Error::Backend`]
+    /// whose outcome is unknown: a redelivery finds out.
+    ///
+    /// ```no_run
+    /// use idemstore::{Fingerprint, Key, PostgresStore, Response};
+    /// use idemstore::postgres::{Delivery, PgInbox};
+    /// let inbox = PgInbox::new(PostgresStore::connect("postgres://app@db.internal/payments")?);
+    /// let key = Key::new("orders-queue", "msg-8")?;
+    /// let failed: Result<Delivery, idemstore::Error> = inbox.handle(&key, &Fingerprint::of(b"m"), |_client, _claim| {
+    ///     Box::pin(async { Err(idemstore::Error::backend("downstream said no")) })
+    /// });
+    /// assert!(failed.is_err()); // nothing recorded: a redelivery runs the handler again
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn handle<E, F>(
+        &self,
+        key: &Key,
+        fingerprint: &Fingerprint,
+        handler: F,
+    ) -> Result<Delivery, E>
+    where
+        E: From<Error> + Send + 'static,
+        F: for<'c> FnOnce(&'c Client, Claim) -> HandlerFuture<'c, E> + Send + 'static,
+    {
+        let handle = self.store.runtime.handle();
+        let task = handle.spawn(self.work(key, fingerprint, handler));
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        handle.spawn(async move {
+            let _ = tx.send(task.await);
+        });
+        match rx.recv() {
+            Ok(joined) => resume(joined),
+            Err(_) => Err(Error::Closed.into()),
+        }
+    }
+
+    /// [`handle`](Self::handle) as a future that blocks no thread (any
+    /// executor can await it). Dropped before it answers, the delivery
+    /// still runs to its commit or rollback.
+    ///
+    /// ```no_run
+    /// # async fn f(inbox: idemstore::postgres::PgInbox) -> Result<(), idemstore::Error> {
+    /// use idemstore::{Fingerprint, Key, Response};
+    /// let key = Key::new("orders-queue", "msg-9")?;
+    /// let delivery = inbox
+    ///     .handle_async(&key, &Fingerprint::of(b"m"), |_client, _claim| {
+    ///         Box::pin(async { Ok::<_, idemstore::Error>(Response::new(200, "ok")) })
+    ///     })
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn handle_async<E, F>(
+        &self,
+        key: &Key,
+        fingerprint: &Fingerprint,
+        handler: F,
+    ) -> impl Future<Output = Result<Delivery, E>> + Send + 'static
+    where
+        E: From<Error> + Send + 'static,
+        F: for<'c> FnOnce(&'c Client, Claim) -> HandlerFuture<'c, E> + Send + 'static,
+    {
+        let task = self
+            .store
+            .runtime
+            .handle()
+            .spawn(self.work(key, fingerprint, handler));
+        async move { resume(task.await) }
+    }
+
+    fn work<E, F>(
+        &self,
+        key: &Key,
+        fingerprint: &Fingerprint,
+        handler: F,
+    ) -> impl Future<Output = Result<Delivery, E>> + Send + 'static
+    where
+        E: From<Error> + Send + 'static,
+        F: for<'c> FnOnce(&'c Client, Claim) -> HandlerFuture<'c, E> + Send + 'static,
+    {
+        let core = Arc::clone(&self.store.core);
+        let (key, fingerprint) = (key.clone(), *fingerprint);
+        let (now, retention) = (self.clock.now(), self.retention);
+        async move { deliver(&core, &key, &fingerprint, now, retention, handler).await }
+    }
+}
+
+/// The delivery's answer, or its panic resumed on the caller.
+fn resume<E: From<Error>>(
+    joined: Result<Result<Delivery, E>, tokio::task::JoinError>,
+) -> Result<Delivery, E> {
+    match joined {
+        Ok(answer) => answer,
+        Err(join) if join.is_panic() => std::panic::resume_unwind(join.into_panic()),
+        // The store's runtime shut down under it.
+        Err(_) => Err(Error::Closed.into()),
+    }
+}
+
+/// A connection with a transaction open on it: dropped before
+/// [`finish`](OpenTx::finish) (an error, a panic), it is discarded, and the
+/// server rolls the transaction back when the connection closes.
+struct OpenTx(Option<Pooled>);
+
+impl OpenTx {
+    fn finish(&mut self) {
+        // Back to the pool: the transaction ended.
+        drop(self.0.take());
+    }
+}
+
+impl Drop for OpenTx {
+    fn drop(&mut self) {
+        if let Some(pooled) = self.0.take() {
+            pooled.discard();
+        }
+    }
+}
+
+async fn deliver<E, F>(
+    core: &Core,
+    key: &Key,
+    fingerprint: &Fingerprint,
+    now: Timestamp,
+    retention: Duration,
+    handler: F,
+) -> Result<Delivery, E>
+where
+    E: From<Error>,
+    F: for<'c> FnOnce(&'c Client, Claim) -> HandlerFuture<'c, E>,
+{
+    check_durations(DEFAULT_LEASE, retention)?;
+    Counters::bump(&core.counters.calls);
+    let pooled = core.pool.get().await?;
+    let conn = pooled.conn();
+    let mut open = OpenTx(Some(pooled));
+    let table = &core.sql.table;
+    let db = |e| -> E { db_error(e, table).into() };
+    let run = |e| -> E {
+        match e {
+            RunError::Db(e) => db_error(e, table).into(),
+            RunError::Store(e) => e.into(),
+        }
+    };
+    conn.client.batch_execute("BEGIN").await.map_err(db)?;
+    let step = BeginStep {
+        key,
+        fingerprint,
+        now,
+        lease: DEFAULT_LEASE,
+        retention,
+        lock: sql::key_lock(table, key),
+    };
+    let early = match step.run(&conn, &core.counters).await.map_err(run)? {
+        Begin::Claimed(claim) => Err(claim),
+        Begin::Replay(response) => Ok(Delivery::Duplicate(response)),
+        Begin::Conflict => Ok(Delivery::Conflict),
+        Begin::InFlight { lease_until } => Ok(Delivery::InFlight { lease_until }),
+    };
+    let claim = match early {
+        Ok(answer) => {
+            conn.client.batch_execute("ROLLBACK").await.map_err(db)?;
+            open.finish();
+            return Ok(answer);
+        }
+        Err(claim) => claim,
+    };
+    let handled = match handler(&conn.client, claim.clone()).await {
+        Ok(response) => logic::check_response(&response, core.max_body_bytes)
+            .map(|()| response)
+            .map_err(E::from),
+        Err(err) => Err(err),
+    };
+    let response = match handled {
+        Ok(response) => response,
+        Err(err) => {
+            conn.client.batch_execute("ROLLBACK").await.map_err(db)?;
+            open.finish();
+            return Err(err);
+        }
+    };
+    let token = row::token(claim.token).ok_or(Error::StaleClaim)?;
+    let times = (row::millis(now), row::millis(now + retention));
+    let columns = row::response_columns(&response);
+    // The claim is this transaction's own row, locked by it: the update
+    // cannot miss it.
+    let updated = complete_on(&conn, key, token, times, &columns)
+        .await
+        .map_err(run)?;
+    if updated != 1 {
+        return Err(Error::StaleClaim.into());
+    }
+    conn.client.batch_execute("COMMIT").await.map_err(db)?;
+    open.finish();
+    Ok(Delivery::Handled(response))
+}

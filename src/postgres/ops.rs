@@ -1,0 +1,327 @@
+//! The store's operations, written once, as async functions on the store's
+//! runtime: the blocking [`Store`](crate::Store) methods and the `_async`
+//! methods of [`PostgresStore`](super::PostgresStore) both run these.
+
+use super::errors::{self, db_error};
+use super::pool::{Conn, Pool};
+use super::schema;
+use super::sql::{self, Sql, Stmt};
+use super::stats::Counters;
+use super::{MAX_BEGIN_ATTEMPTS, row};
+use crate::error::{Error, Result};
+use crate::fingerprint::Fingerprint;
+use crate::key::Key;
+use crate::logic;
+use crate::record::{Begin, Claim, Record, State, check_durations};
+use crate::response::Response;
+use crate::store::MAX_SWEEP_BATCH;
+use crate::time::Timestamp;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// What every operation needs: the pool, the statements, the limits and
+/// the counters. Shared (`Arc`) by the store and the work it spawns.
+pub(super) struct Core {
+    pub(super) pool: Pool,
+    pub(super) sql: Arc<Sql>,
+    pub(super) max_body_bytes: usize,
+    pub(super) counters: Arc<Counters>,
+}
+
+impl Core {
+    /// At build: opens `min_idle` connections (at least one), then checks
+    /// the schema, or migrates it when `migrate` is set.
+    pub(super) async fn setup(&self, min_idle: u32, migrate: bool) -> Result<()> {
+        self.pool.warm(min_idle.max(1)).await?;
+        if migrate {
+            return self.migrate().await;
+        }
+        let pooled = self.pool.get().await?;
+        schema::check(&pooled.conn().client, &self.sql).await
+    }
+
+    pub(super) async fn migrate(&self) -> Result<()> {
+        Counters::bump(&self.counters.calls);
+        let pooled = self.pool.get().await?;
+        let done = schema::migrate(&pooled.conn().client, &self.sql).await;
+        if done.is_err() {
+            // Its transaction may still be open: never hand it out again.
+            pooled.discard();
+        }
+        done
+    }
+
+    /// Runs `op` on a pooled connection; when the server had ended that
+    /// connection (after a restart or failover every idle pooled connection
+    /// is dead), runs it again on another one, up to the pool size + 1
+    /// times. `op` is told whether this is such a repetition: the first run
+    /// may have committed before the connection died (its answer was lost),
+    /// so a repeated `complete` or `release` that finds nothing to do checks
+    /// whether its own first run did it. A repeated `begin` that finds its
+    /// own lost claim answers InFlight: fail closed, as the error would.
+    async fn retrying<T, F, Fut>(&self, mut op: F) -> Result<T>
+    where
+        F: FnMut(Arc<Conn>, bool) -> Fut,
+        Fut: Future<Output = Result<T, RunError>>,
+    {
+        Counters::bump(&self.counters.calls);
+        let attempts = self.pool.max_size().saturating_add(1);
+        let mut last = None;
+        for _ in 0..attempts {
+            let pooled = self.pool.get().await?;
+            match op(pooled.conn(), last.is_some()).await {
+                Err(RunError::Db(err)) if errors::is_dead_connection(&err) => {
+                    pooled.discard();
+                    last = Some(err);
+                }
+                Err(RunError::Db(err)) => return Err(self.db(err)),
+                Err(RunError::Store(err)) => return Err(err),
+                Ok(value) => return Ok(value),
+            }
+        }
+        Err(match last {
+            Some(err) => self.db(err),
+            None => Error::backend("no PostgreSQL connection attempt was made"),
+        })
+    }
+
+    fn db(&self, err: tokio_postgres::Error) -> Error {
+        db_error(err, &self.sql.table)
+    }
+
+    pub(super) async fn begin(
+        &self,
+        key: &Key,
+        fingerprint: &Fingerprint,
+        now: Timestamp,
+        lease: Duration,
+        retention: Duration,
+    ) -> Result<Begin> {
+        check_durations(lease, retention)?;
+        let lock = sql::key_lock(&self.sql.table, key);
+        let step = BeginStep {
+            key,
+            fingerprint,
+            now,
+            lease,
+            retention,
+            lock,
+        };
+        let step = &step;
+        self.retrying(|conn, _| async move { step.run(&conn, &self.counters).await })
+            .await
+    }
+
+    pub(super) async fn complete(
+        &self,
+        key: &Key,
+        claim: &Claim,
+        response: &Response,
+        now: Timestamp,
+        retention: Duration,
+    ) -> Result<()> {
+        logic::check_response(response, self.max_body_bytes)?;
+        let Some(token) = row::token(claim.token) else {
+            return Err(Error::StaleClaim);
+        };
+        let r = &row::response_columns(response);
+        let (at, expires_at) = (row::millis(now), row::millis(now + retention));
+        let done = self
+            .retrying(|conn, retried| async move {
+                let updated = complete_on(&conn, key, token, (at, expires_at), r).await?;
+                if updated > 0 || !retried {
+                    return Ok(updated > 0);
+                }
+                // Only this claim's holder can have stored a DONE record under
+                // its token: if it holds this response, the lost first run did.
+                Ok(stored(&conn, key).await?.is_some_and(|rec| {
+                    rec.state == State::Done
+                        && rec.token == claim.token
+                        && rec.response.as_ref() == Some(response)
+                }))
+            })
+            .await?;
+        if done { Ok(()) } else { Err(Error::StaleClaim) }
+    }
+
+    pub(super) async fn release(&self, key: &Key, claim: &Claim) -> Result<()> {
+        let Some(token) = row::token(claim.token) else {
+            return Err(Error::StaleClaim);
+        };
+        let released = self
+            .retrying(|conn, retried| async move {
+                let deleted = conn
+                    .execute(Stmt::Release, &[&key.scope(), &key.id(), &token])
+                    .await?;
+                if deleted > 0 || !retried {
+                    return Ok(deleted > 0);
+                }
+                // Gone: the lost first run deleted it (or, if another owner took
+                // over and then gave it up, the key is free all the same).
+                Ok(stored(&conn, key).await?.is_none())
+            })
+            .await?;
+        if released {
+            Ok(())
+        } else {
+            Err(Error::StaleClaim)
+        }
+    }
+
+    pub(super) async fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>> {
+        let record = self
+            .retrying(|conn, _| async move { stored(&conn, key).await })
+            .await?;
+        Ok(logic::visible(record, now))
+    }
+
+    pub(super) async fn sweep_expired(&self, now: Timestamp, max: usize) -> Result<usize> {
+        let max = max.min(MAX_SWEEP_BATCH);
+        if max == 0 {
+            return Ok(0);
+        }
+        let limit = i64::try_from(max).unwrap_or(i64::MAX);
+        let at = row::millis(now);
+        let deleted = self
+            .retrying(|conn, _| async move { Ok(conn.execute(Stmt::Sweep, &[&at, &limit]).await?) })
+            .await?;
+        let deleted = usize::try_from(deleted).unwrap_or(usize::MAX);
+        crate::observability::swept("postgres", deleted);
+        Ok(deleted)
+    }
+}
+
+/// One `begin`'s statement and its reruns on one connection: the atomic
+/// step of [`Core::begin`], and the claim an inbox delivery makes inside
+/// its transaction.
+pub(super) struct BeginStep<'a> {
+    pub(super) key: &'a Key,
+    pub(super) fingerprint: &'a Fingerprint,
+    pub(super) now: Timestamp,
+    pub(super) lease: Duration,
+    pub(super) retention: Duration,
+    /// `sql::key_lock` of the key.
+    pub(super) lock: i64,
+}
+
+impl BeginStep<'_> {
+    pub(super) async fn run(&self, conn: &Conn, counters: &Counters) -> Result<Begin, RunError> {
+        let (key, fingerprint, now, lease, retention, lock) = (
+            self.key,
+            self.fingerprint,
+            self.now,
+            self.lease,
+            self.retention,
+            self.lock,
+        );
+        let (scope, id, fp) = (key.scope(), key.id(), &fingerprint.as_bytes()[..]);
+        let (at, lease_until, expires_at) = (
+            row::millis(now),
+            row::millis(now + lease),
+            row::millis(now + retention),
+        );
+        for _ in 0..MAX_BEGIN_ATTEMPTS {
+            let rows = conn
+                .query(
+                    Stmt::Begin,
+                    &[&scope, &id, &fp, &at, &lease_until, &expires_at, &lock],
+                )
+                .await?;
+            // No row: another begin is claiming the key, or committed it
+            // after this statement's snapshot was taken (see sql.rs).
+            // Wait for that claim to commit, then run it again.
+            let Some(first) = rows.first() else {
+                Counters::bump(&counters.snapshot_retries);
+                conn.execute(Stmt::WaitKey, &[&lock]).await?;
+                continue;
+            };
+            let claimed: bool = first.try_get(0)?;
+            let record = row::record(key, first, 1)?;
+            if claimed {
+                return Ok(Begin::Claimed(claim_of(&record)));
+            }
+            // Nothing was written: the answer is logic::begin's, from the
+            // row as read. If that row would have been claimed, another
+            // begin is claiming it or has (a newer row than the snapshot
+            // shows); wait for it and run the statement again.
+            let step = logic::begin(Some(record), fingerprint, now, lease, retention, || Ok(0))?;
+            if step.write.is_none() {
+                return Ok(step.answer);
+            }
+            Counters::bump(&counters.snapshot_retries);
+            conn.execute(Stmt::WaitKey, &[&lock]).await?;
+        }
+        Err(RunError::Store(Error::backend(format!(
+            "begin on {key} raced with concurrent writers {MAX_BEGIN_ATTEMPTS} times in a row"
+        ))))
+    }
+}
+
+/// The conditional DONE write of `complete` on `conn`: rows updated (0 or
+/// 1). `times` are the completion time and the new expiry, as stored.
+pub(super) async fn complete_on(
+    conn: &Conn,
+    key: &Key,
+    token: i64,
+    times: (i64, i64),
+    r: &row::ResponseColumns<'_>,
+) -> Result<u64, RunError> {
+    let (at, expires_at) = times;
+    Ok(conn
+        .execute(
+            Stmt::Complete,
+            &[
+                &key.scope(),
+                &key.id(),
+                &token,
+                &at,
+                &expires_at,
+                &r.status,
+                &r.names,
+                &r.values,
+                &r.body,
+            ],
+        )
+        .await?)
+}
+
+/// The record for `key` as stored (expired or not), on `conn`.
+async fn stored(conn: &Conn, key: &Key) -> Result<Option<Record>, RunError> {
+    let rows = conn.query(Stmt::Get, &[&key.scope(), &key.id()]).await?;
+    Ok(match rows.first() {
+        Some(found) => Some(row::record(key, found, 0)?),
+        None => None,
+    })
+}
+
+/// What one run of a statement can fail with: the server's error (which
+/// [`Core::retrying`] looks at) or one of ours.
+pub(super) enum RunError {
+    Db(tokio_postgres::Error),
+    Store(Error),
+}
+
+impl From<tokio_postgres::Error> for RunError {
+    fn from(err: tokio_postgres::Error) -> RunError {
+        RunError::Db(err)
+    }
+}
+
+impl From<Error> for RunError {
+    fn from(err: Error) -> RunError {
+        RunError::Store(err)
+    }
+}
+
+/// The claim for a record the statement just claimed. `logic::begin` gives
+/// a fresh record attempt 1 and a takeover the previous attempts + 1, so
+/// "attempt > 1" is exactly "this was a takeover".
+fn claim_of(record: &Record) -> Claim {
+    Claim {
+        token: record.token,
+        lease_until: record.lease_until.unwrap_or(Timestamp::EPOCH),
+        takeover: record.attempts > 1,
+        attempt: record.attempts,
+    }
+}

@@ -1,0 +1,257 @@
+//! `PgInbox` against a real server: the consumer's rows and the message's
+//! DONE record commit together or not at all, with the redb inbox's
+//! delivery outcomes. Gated like the other PostgreSQL tests.
+
+use crate::postgres::{claimed, enabled, fresh_store, key, pg_url, raw};
+use idemstore::postgres::{Delivery, PgInbox};
+use idemstore::{Error, Fingerprint, Response, Store};
+use std::sync::{Arc, Barrier};
+use std::time::Duration;
+
+/// An inbox on a fresh table, with a ledger table of the consumer's own
+/// (dropped with the store's table: it is named after it).
+fn inbox() -> (PgInbox, String, crate::postgres::DropTable, LedgerDrop) {
+    let (store, drop_table) = fresh_store("inbox", 4);
+    let url = pg_url().unwrap();
+    let ledger = format!("{}_ledger", drop_table.table);
+    raw(&url)
+        .batch_execute(&format!(
+            "CREATE TABLE \"{ledger}\" (id text PRIMARY KEY, amount int NOT NULL)"
+        ))
+        .unwrap();
+    let guard = LedgerDrop {
+        url,
+        table: ledger.clone(),
+    };
+    (PgInbox::new(store), ledger, drop_table, guard)
+}
+
+struct LedgerDrop {
+    url: String,
+    table: String,
+}
+
+impl Drop for LedgerDrop {
+    fn drop(&mut self) {
+        if let Ok(mut c) = ::postgres::Client::connect(&self.url, ::postgres::NoTls) {
+            let _ = c.batch_execute(&format!("DROP TABLE IF EXISTS \"{}\"", self.table));
+        }
+    }
+}
+
+fn rows(ledger: &str) -> i64 {
+    raw(&pg_url().unwrap())
+        .query_one(&format!("SELECT count(*) FROM \"{ledger}\""), &[])
+        .unwrap()
+        .get(0)
+}
+
+/// Credits `amount` in the ledger under the message id, in the delivery's
+/// transaction.
+fn credit(
+    inbox: &PgInbox,
+    ledger: &str,
+    id: &str,
+    amount: i32,
+    fail: bool,
+) -> Result<Delivery, Error> {
+    let sql = format!("INSERT INTO \"{ledger}\" (id, amount) VALUES ($1, $2)");
+    let row_id = id.to_owned();
+    inbox.handle(
+        &key(id),
+        &Fingerprint::of(amount.to_be_bytes()),
+        move |client, claim| {
+            Box::pin(async move {
+                client
+                    .execute(&sql, &[&row_id, &amount])
+                    .await
+                    .map_err(Error::backend)?;
+                if fail {
+                    return Err(Error::backend("the consumer failed after its write"));
+                }
+                Ok(Response::new(
+                    200,
+                    format!("credited {amount}, token {}", claim.token()),
+                ))
+            })
+        },
+    )
+}
+
+#[test]
+fn handled_once_then_duplicate_and_conflict() {
+    if !enabled() {
+        return;
+    }
+    let (inbox, ledger, _t, _l) = inbox();
+    let first = credit(&inbox, &ledger, "m1", 10, false).unwrap();
+    assert!(matches!(&first, Delivery::Handled(_)), "{first:?}");
+    let again = credit(&inbox, &ledger, "m1", 10, false).unwrap();
+    assert_eq!(
+        again,
+        Delivery::Duplicate(first.response().unwrap().clone())
+    );
+    assert_eq!(
+        credit(&inbox, &ledger, "m1", 99, false).unwrap(),
+        Delivery::Conflict
+    );
+    assert_eq!(rows(&ledger), 1);
+    let record = inbox.store().get(&key("m1"), inbox_now()).unwrap().unwrap();
+    assert_eq!(record.response(), first.response());
+}
+
+fn inbox_now() -> idemstore::Timestamp {
+    idemstore::Timestamp::from_system_time(std::time::SystemTime::now())
+}
+
+/// A handler error after its write leaves neither the write nor the
+/// record; the redelivery runs the handler again.
+#[test]
+fn a_failed_handler_leaves_nothing() {
+    if !enabled() {
+        return;
+    }
+    let (inbox, ledger, _t, _l) = inbox();
+    let err = credit(&inbox, &ledger, "m1", 10, true).unwrap_err();
+    assert!(err.to_string().contains("consumer failed"), "{err}");
+    assert_eq!(rows(&ledger), 0);
+    assert!(
+        inbox
+            .store()
+            .get(&key("m1"), inbox_now())
+            .unwrap()
+            .is_none()
+    );
+    assert!(matches!(
+        credit(&inbox, &ledger, "m1", 10, false).unwrap(),
+        Delivery::Handled(_)
+    ));
+    assert_eq!(rows(&ledger), 1);
+}
+
+/// A panicking handler: the panic reaches the caller, and neither the
+/// write nor the record is left; the inbox keeps working.
+#[test]
+fn a_panicking_handler_leaves_nothing() {
+    if !enabled() {
+        return;
+    }
+    let (inbox, ledger, _t, _l) = inbox();
+    let sql = format!("INSERT INTO \"{ledger}\" (id, amount) VALUES ('m1', 1)");
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        inbox.handle(&key("m1"), &Fingerprint::of(b"1"), move |client, _claim| {
+            Box::pin(async move {
+                client.execute(&sql, &[]).await.map_err(Error::backend)?;
+                panic!("the consumer panicked after its write");
+                #[allow(unreachable_code, reason = "the future's output type")]
+                Ok::<_, Error>(Response::new(200, ""))
+            })
+        })
+    }));
+    assert!(caught.is_err(), "the panic did not reach the caller");
+    assert_eq!(rows(&ledger), 0);
+    assert!(
+        inbox
+            .store()
+            .get(&key("m1"), inbox_now())
+            .unwrap()
+            .is_none()
+    );
+    assert!(matches!(
+        credit(&inbox, &ledger, "m1", 1, false).unwrap(),
+        Delivery::Handled(_)
+    ));
+}
+
+/// An id claimed through the Store API with a live lease: InFlight, and
+/// the handler does not run.
+#[test]
+fn an_id_claimed_through_the_store_is_in_flight() {
+    if !enabled() {
+        return;
+    }
+    let (inbox, ledger, _t, _l) = inbox();
+    let now = inbox_now();
+    let _ = claimed(
+        inbox
+            .store()
+            .begin(
+                &key("m1"),
+                &Fingerprint::of(10i32.to_be_bytes()),
+                now,
+                Duration::from_secs(60),
+                Duration::from_secs(3600),
+            )
+            .unwrap(),
+    );
+    assert!(matches!(
+        credit(&inbox, &ledger, "m1", 10, false).unwrap(),
+        Delivery::InFlight { .. }
+    ));
+    assert_eq!(rows(&ledger), 0);
+}
+
+/// The same message delivered to many consumers at once: one Handled, the
+/// rest Duplicate of it, one ledger row.
+#[test]
+fn concurrent_deliveries_handle_once() {
+    if !enabled() {
+        return;
+    }
+    const CONSUMERS: usize = 8;
+    let (inbox, ledger, _t, _l) = inbox();
+    let inbox = Arc::new(inbox);
+    let barrier = Arc::new(Barrier::new(CONSUMERS));
+    let answers: Vec<Delivery> = (0..CONSUMERS)
+        .map(|_| {
+            let (inbox, barrier, ledger) =
+                (Arc::clone(&inbox), Arc::clone(&barrier), ledger.clone());
+            std::thread::spawn(move || {
+                barrier.wait();
+                credit(&inbox, &ledger, "m1", 5, false).unwrap()
+            })
+        })
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|h| h.join().unwrap())
+        .collect();
+    let handled: Vec<&Delivery> = answers
+        .iter()
+        .filter(|d| matches!(d, Delivery::Handled(_)))
+        .collect();
+    assert_eq!(handled.len(), 1, "{answers:?}");
+    for d in &answers {
+        assert_eq!(d.response(), handled[0].response(), "{answers:?}");
+    }
+    assert_eq!(rows(&ledger), 1);
+}
+
+/// The async entry, inside a tokio runtime.
+#[test]
+fn handle_async_inside_a_runtime() {
+    if !enabled() {
+        return;
+    }
+    let (inbox, ledger, _t, _l) = inbox();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let sql = format!("INSERT INTO \"{ledger}\" (id, amount) VALUES ('a1', 1)");
+        let d: Result<Delivery, Error> = inbox
+            .handle_async(
+                &key("a1"),
+                &Fingerprint::of(b"a1"),
+                move |client, _claim| {
+                    Box::pin(async move {
+                        client.execute(&sql, &[]).await.map_err(Error::backend)?;
+                        Ok(Response::new(201, "async"))
+                    })
+                },
+            )
+            .await;
+        assert_eq!(d.unwrap(), Delivery::Handled(Response::new(201, "async")));
+    });
+    assert_eq!(rows(&ledger), 1);
+}

@@ -1,0 +1,517 @@
+//! `PostgresStore` in every calling context (a tokio runtime of either
+//! flavour, a `spawn_blocking` thread, no runtime), its async entry, its
+//! lazy pool and its circuit breaker under a real server outage. Gated like
+//! the other PostgreSQL tests (`IDEMSTORE_PG_URL`; failing under CI).
+
+use crate::postgres::{DropTable, claimed, enabled, fresh_store, fresh_table, key, pg_url};
+use idemstore::{Begin, Error, Fingerprint, Guard, Outcome, PostgresStore, Response, Store};
+use idemstore_testkit::conformance::T0;
+use std::io::Write;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+const SEC: Duration = Duration::from_secs(1);
+const HOUR: Duration = Duration::from_secs(3600);
+const CONTEXT_VAR: &str = "IDEMSTORE_PG_CONTEXT";
+const CONTEXT_TABLE_VAR: &str = "IDEMSTORE_PG_CONTEXT_TABLE";
+
+// ---- Calling contexts, each in a child process ----
+
+/// Builds (two pooled connections: the second one aborted the process
+/// with the blocking client), migrates, uses every API and drops a store.
+fn every_api_sync(url: &str, table: &str) {
+    let store = PostgresStore::builder()
+        .table(table)
+        .max_size(4)
+        .min_idle(2)
+        .migrate_on_build(true)
+        .connect(url)
+        .unwrap();
+    store.migrate().unwrap();
+    let fp = Fingerprint::of(b"a");
+    let c = claimed(store.begin(&key("s1"), &fp, T0, SEC, HOUR).unwrap());
+    store
+        .complete(&key("s1"), &c, &Response::new(200, "ok"), T0, HOUR)
+        .unwrap();
+    let c = claimed(store.begin(&key("s2"), &fp, T0, SEC, HOUR).unwrap());
+    store.release(&key("s2"), &c).unwrap();
+    assert!(store.get(&key("s1"), T0).unwrap().is_some());
+    assert_eq!(store.sweep_expired(T0, 10).unwrap(), 0);
+    let guard = Guard::new(store);
+    let out = guard.run(&key("s3"), &fp, |_| {
+        Ok::<_, std::io::Error>(Response::new(201, "sync guard"))
+    });
+    assert!(matches!(out, Outcome::Executed(_)), "{out:?}");
+    drop(guard);
+}
+
+/// The same through the async entry, then the sync API and a drop, all on
+/// a runtime worker.
+async fn every_api_async(url: String, table: String) {
+    let store = PostgresStore::builder()
+        .table(&table)
+        .max_size(4)
+        .min_idle(2)
+        .migrate_on_build(true)
+        .connect(&url)
+        .unwrap();
+    store.migrate_async().await.unwrap();
+    let fp = Fingerprint::of(b"a");
+    let c = claimed(
+        store
+            .begin_async(&key("a1"), &fp, T0, SEC, HOUR)
+            .await
+            .unwrap(),
+    );
+    store
+        .complete_async(&key("a1"), &c, &Response::new(200, "ok"), T0, HOUR)
+        .await
+        .unwrap();
+    let c = claimed(
+        store
+            .begin_async(&key("a2"), &fp, T0, SEC, HOUR)
+            .await
+            .unwrap(),
+    );
+    store.release_async(&key("a2"), &c).await.unwrap();
+    assert!(store.get_async(&key("a1"), T0).await.unwrap().is_some());
+    assert_eq!(store.sweep_expired_async(T0, 10).await.unwrap(), 0);
+    let guard = Guard::new(store);
+    let out = guard
+        .run_async(&key("a3"), &fp, |_| async {
+            Ok::<_, std::io::Error>(Response::new(201, "async guard"))
+        })
+        .await;
+    assert!(matches!(out, Outcome::Executed(_)), "{out:?}");
+    drop(guard);
+    // And the blocking API, from this worker.
+    every_api_sync(&url, &table);
+}
+
+/// The child side of the context tests; does nothing unless started by one.
+#[test]
+#[ignore = "a child process of the postgres_runtime context tests"]
+fn context_child_entry() {
+    let (Ok(url), Ok(context), Ok(table)) = (
+        std::env::var("IDEMSTORE_PG_URL"),
+        std::env::var(CONTEXT_VAR),
+        std::env::var(CONTEXT_TABLE_VAR),
+    ) else {
+        return;
+    };
+    match context.as_str() {
+        "no_runtime" => every_api_sync(&url, &table),
+        "current_thread" => tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(every_api_async(url, table)),
+        "multi_thread" => tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(every_api_async(url, table)),
+        "spawn_blocking" => tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(async move {
+                tokio::task::spawn_blocking(move || every_api_sync(&url, &table))
+                    .await
+                    .unwrap();
+            }),
+        other => panic!("unknown context {other}"),
+    }
+    writeln!(std::io::stdout(), "CONTEXT OK {context}").unwrap();
+}
+
+/// Runs the child in `context`; a panic or an abort there fails this test
+/// (and only this test).
+fn in_child(context: &str) {
+    if !enabled() {
+        return;
+    }
+    let table = fresh_table(&format!("ctx_{context}"));
+    let _drop = DropTable {
+        url: pg_url().unwrap(),
+        table: table.clone(),
+    };
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "postgres_runtime::context_child_entry",
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CONTEXT_VAR, context)
+        .env(CONTEXT_TABLE_VAR, &table)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains(&format!("CONTEXT OK {context}")),
+        "child in context {context} failed ({}):\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Regression: with the blocking client, building a store inside
+/// `#[tokio::main]` panicked (and with two pooled connections aborted the
+/// process), as did migrate, a sync guard run and dropping the store.
+#[test]
+fn works_inside_a_current_thread_runtime() {
+    in_child("current_thread");
+}
+
+/// As above, on a multi-thread runtime's worker.
+#[test]
+fn works_inside_a_multi_thread_runtime() {
+    in_child("multi_thread");
+}
+
+/// From a `spawn_blocking` thread (inside a runtime, not on a worker).
+#[test]
+fn works_on_a_spawn_blocking_thread() {
+    in_child("spawn_blocking");
+}
+
+/// With no runtime anywhere.
+#[test]
+fn works_without_any_runtime() {
+    in_child("no_runtime");
+}
+
+// ---- The async entry ----
+
+/// Through the `Store` trait's native async entry, a guard's `run_async`
+/// takes no blocking thread per request: 1,000 concurrent runs keep the
+/// runtime at its two workers (the blocking pool would grow to hundreds).
+#[cfg(feature = "redb")]
+#[test]
+fn a_thousand_concurrent_runs_need_no_thread_each() {
+    if !enabled() {
+        return;
+    }
+    let (store, _table) = fresh_store("pg_threads", 8);
+    assert!(
+        Store::begin_async(
+            &store,
+            &key("probe"),
+            &Fingerprint::of(b"x"),
+            T0,
+            Duration::from_secs(30),
+            Duration::from_secs(60)
+        )
+        .is_some(),
+        "PostgresStore has the native entry"
+    );
+    let peak = crate::native_async::peak_threads_for(store, "pg-async-rt");
+    assert!(
+        peak <= 4,
+        "{peak} runtime threads for 1,000 concurrent runs"
+    );
+}
+
+/// A `begin_async` future dropped before it answers must not leave its
+/// claim behind: the key is free again, for a fresh claim.
+#[test]
+fn dropped_begin_async_gives_its_claim_back() {
+    if !enabled() {
+        return;
+    }
+    let (store, _drop) = fresh_store("abandon", 2);
+    let fp = Fingerprint::of(b"a");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        for i in 0..5 {
+            let k = key(&format!("k{i}"));
+            drop(store.begin_async(&k, &fp, T0, SEC, HOUR));
+            let deadline = Instant::now() + Duration::from_secs(20);
+            // The claim is made and then released on the store's runtime.
+            loop {
+                if let Begin::Claimed(c) = store.begin(&k, &fp, T0, SEC, HOUR).unwrap() {
+                    assert!(!c.is_takeover(), "a fresh claim, not a takeover");
+                    break;
+                }
+                assert!(Instant::now() < deadline, "the abandoned claim was kept");
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+    });
+}
+
+/// The async entry's futures are woken by the store, not by a tokio
+/// runtime: a hand-written executor with no runtime around it drives them.
+#[test]
+fn async_entry_runs_on_any_executor() {
+    if !enabled() {
+        return;
+    }
+    let (store, _drop) = fresh_store("executor", 2);
+    let fp = Fingerprint::of(b"a");
+    let c = claimed(block_on(store.begin_async(&key("k"), &fp, T0, SEC, HOUR)).unwrap());
+    block_on(store.complete_async(&key("k"), &c, &Response::new(200, "ok"), T0, HOUR)).unwrap();
+    assert_eq!(
+        block_on(store.begin_async(&key("k"), &fp, T0, SEC, HOUR)).unwrap(),
+        Begin::Replay(Response::new(200, "ok"))
+    );
+    assert!(tokio::runtime::Handle::try_current().is_err());
+}
+
+/// The smallest executor: polls on this thread, parks until woken.
+fn block_on<F: std::future::Future>(future: F) -> F::Output {
+    struct Unpark(std::thread::Thread);
+    impl std::task::Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = std::task::Waker::from(Arc::new(Unpark(std::thread::current())));
+    let mut cx = std::task::Context::from_waker(&waker);
+    let mut future = std::pin::pin!(future);
+    loop {
+        if let std::task::Poll::Ready(out) = future.as_mut().poll(&mut cx) {
+            return out;
+        }
+        std::thread::park();
+    }
+}
+
+// ---- The lazy pool ----
+
+/// `min_idle` connections at build, more on demand, never above `max_size`.
+#[test]
+fn the_pool_opens_min_idle_then_on_demand_up_to_max_size() {
+    let Some(url) = pg_url() else { return };
+    let (_, guard) = fresh_store("lazy", 1);
+    let store = Arc::new(
+        PostgresStore::builder()
+            .table(&guard.table)
+            .max_size(3)
+            .min_idle(2)
+            .connect(&url)
+            .unwrap(),
+    );
+    let stats = store.stats();
+    assert_eq!((stats.connections, stats.idle_connections), (2, 2));
+    assert_eq!(stats.connections_opened, 2);
+    let fp = Fingerprint::of(b"a");
+    std::thread::scope(|s| {
+        for t in 0..8 {
+            let store = &store;
+            s.spawn(move || {
+                for i in 0..20 {
+                    let _ = store
+                        .begin(&key(&format!("t{t}-{i}")), &fp, T0, SEC, HOUR)
+                        .unwrap();
+                }
+            });
+        }
+    });
+    let stats = store.stats();
+    assert!(stats.connections <= 3, "{stats:?}");
+    assert_eq!(stats.calls, 160);
+    assert!(!stats.breaker_open);
+}
+
+// ---- A real outage: the test's own cluster, stopped and restarted ----
+
+/// A throwaway cluster of this test's own (scripts/pg-test-cluster),
+/// stopped and removed when dropped.
+struct OwnCluster {
+    dir: tempfile::TempDir,
+    url: String,
+}
+
+fn cluster_script(command: &str, dir: &std::path::Path) -> String {
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/pg-test-cluster");
+    let out = Command::new(script).arg(command).arg(dir).output().unwrap();
+    assert!(
+        out.status.success(),
+        "pg-test-cluster {command}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+impl OwnCluster {
+    fn start() -> OwnCluster {
+        let dir = tempfile::tempdir().unwrap();
+        let out = cluster_script("start", dir.path());
+        let url = out
+            .trim()
+            .strip_prefix("export IDEMSTORE_PG_URL=")
+            .unwrap()
+            .to_owned();
+        OwnCluster { dir, url }
+    }
+    fn stop(&self) {
+        cluster_script("stop", self.dir.path());
+    }
+    fn restart(&self) {
+        cluster_script("restart", self.dir.path());
+    }
+}
+
+impl Drop for OwnCluster {
+    fn drop(&mut self) {
+        let script =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/pg-test-cluster");
+        let _ = Command::new(script)
+            .arg("stop")
+            .arg(self.dir.path())
+            .stderr(Stdio::null())
+            .status();
+    }
+}
+
+/// One call under load: when it started, how long it took, how it ended.
+struct Call {
+    started: Instant,
+    took: Duration,
+    ok: bool,
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted.get(i).copied().unwrap_or_default()
+}
+
+/// Regression: with the server down every call waited the whole connect
+/// timeout (5 s) before failing. Under load, the server is stopped: calls
+/// must fail with a transient error at once (the breaker), the guard must
+/// not run handlers, and calls must succeed again soon after the server is
+/// back. The numbers are printed; the bounds asserted are an order of
+/// magnitude looser than the behaviour they check (not a benchmark).
+#[test]
+fn server_outage_fails_fast_and_recovers() {
+    if !enabled() {
+        return;
+    }
+    const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+    const PROBE: Duration = Duration::from_millis(100);
+    let cluster = OwnCluster::start();
+    let store = Arc::new(
+        PostgresStore::builder()
+            .max_size(4)
+            .connect_timeout(CONNECT_TIMEOUT)
+            .probe_interval(PROBE)
+            .migrate_on_build(true)
+            .connect(&cluster.url)
+            .unwrap(),
+    );
+    let stop = Arc::new(AtomicBool::new(false));
+    let workers: Vec<_> = (0..4)
+        .map(|t| {
+            let (store, stop) = (Arc::clone(&store), Arc::clone(&stop));
+            std::thread::spawn(move || {
+                let mut calls = Vec::new();
+                let fp = Fingerprint::of(b"a");
+                let mut i = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    i += 1;
+                    let started = Instant::now();
+                    let answer = store.begin(&key(&format!("t{t}-{i}")), &fp, T0, SEC, HOUR);
+                    let took = started.elapsed();
+                    if let Err(err) = &answer {
+                        assert!(err.is_transient(), "{err}");
+                        assert!(matches!(err, Error::Backend(_)), "{err}");
+                    }
+                    calls.push(Call {
+                        started,
+                        took,
+                        ok: answer.is_ok(),
+                    });
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                calls
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    cluster.stop();
+    let down = Instant::now();
+    std::thread::sleep(Duration::from_millis(300));
+    // While down: a new store fails its build at once (connection refused),
+    // well inside its build timeout.
+    let build_started = Instant::now();
+    let err = PostgresStore::builder()
+        .build_timeout(Duration::from_secs(30))
+        .connect(&cluster.url)
+        .unwrap_err();
+    let build_down = build_started.elapsed();
+    assert!(err.is_transient(), "{err}");
+    std::thread::sleep(Duration::from_millis(1_200));
+    let restart_began = Instant::now();
+    cluster.restart();
+    let up = Instant::now();
+    // Until calls succeed again (bounded), then a little longer so that
+    // every worker has had a success.
+    let deadline = up + Duration::from_secs(30);
+    while store.get(&key("probe"), T0).is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "no success 30 s after the restart"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    stop.store(true, Ordering::Relaxed);
+    let calls: Vec<Call> = workers
+        .into_iter()
+        .flat_map(|w| w.join().unwrap())
+        .collect();
+
+    // Failures of calls that started while the server was down (the first
+    // 50 ms after the stop left out: calls caught by the shutdown itself).
+    let mut failing: Vec<Duration> = calls
+        .iter()
+        .filter(|c| !c.ok && c.started > down + Duration::from_millis(50))
+        .filter(|c| c.started + c.took < restart_began)
+        .map(|c| c.took)
+        .collect();
+    failing.sort();
+    assert!(
+        failing.len() > 10,
+        "too few calls while down: {}",
+        failing.len()
+    );
+    assert!(
+        calls
+            .iter()
+            .all(|c| !c.ok || c.started < down || c.started + c.took > restart_began),
+        "a call succeeded while the server was down"
+    );
+    let first_ok_after = calls
+        .iter()
+        .filter(|c| c.ok && c.started + c.took > up)
+        .map(|c| (c.started + c.took).duration_since(up))
+        .min()
+        .expect("no call succeeded after the server came back");
+    let p50 = percentile(&failing, 0.50);
+    let p99 = percentile(&failing, 0.99);
+    let stats = store.stats();
+    eprintln!(
+        "outage: {} failed calls while down, p50 {p50:?}, p99 {p99:?}, max {:?}; \
+         first success {first_ok_after:?} after the server was back (probe every {PROBE:?}); \
+         a build while down failed in {build_down:?}; {stats:?}",
+        failing.len(),
+        failing.last().copied().unwrap_or_default(),
+    );
+    // Far below the connect timeout each call used to wait.
+    assert!(p99 < CONNECT_TIMEOUT / 5, "p99 {p99:?}");
+    assert!(build_down < CONNECT_TIMEOUT, "build took {build_down:?}");
+    assert!(stats.breaker_trips >= 1 && stats.refusals > 0, "{stats:?}");
+    assert!(!stats.breaker_open);
+}
