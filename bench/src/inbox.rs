@@ -280,6 +280,102 @@ impl Pg {
     }
 }
 
+/// idemstore's inbox on PostgreSQL: `PgInbox::handle_batch`, each new
+/// message's claim, its account update and its DONE record in a savepoint
+/// of the batch's one transaction.
+#[cfg(feature = "postgres")]
+pub struct PgOurs {
+    inbox: idemstore::postgres::PgInbox,
+    accounts: String,
+    admin: postgres::Client,
+}
+
+#[cfg(feature = "postgres")]
+impl PgOurs {
+    /// A fresh store table and account table (named after this process and
+    /// `tag`) on the server at `url`.
+    pub fn open(url: &str, tag: &str) -> BoxResult<PgOurs> {
+        let mut admin = postgres::Client::connect(url, postgres::NoTls)?;
+        let table = format!("bench_pginbox_{}_{tag}", std::process::id());
+        let accounts = format!("bench_pgaccounts_{}_{tag}", std::process::id());
+        admin.batch_execute(&format!(
+            "DROP TABLE IF EXISTS {table}; DROP TABLE IF EXISTS {accounts};
+             CREATE TABLE {accounts} (id bigint PRIMARY KEY, balance bigint NOT NULL);
+             INSERT INTO {accounts} SELECT g, 0 FROM generate_series(0, {}) g;",
+            ACCOUNTS - 1
+        ))?;
+        let store = idemstore::PostgresStore::builder()
+            .table(&table)
+            .migrate_on_build(true)
+            .connect(url)?;
+        Ok(PgOurs {
+            inbox: idemstore::postgres::PgInbox::new(store),
+            accounts,
+            admin,
+        })
+    }
+
+    /// One batch through `handle_batch`.
+    pub fn batch(&self, payments: &[Payment]) -> BoxResult<Tally> {
+        let sql = format!(
+            "UPDATE {} SET balance = balance + $1 WHERE id = $2",
+            self.accounts
+        );
+        let messages = payments
+            .iter()
+            .map(|p| {
+                let m = p.message();
+                (m.key, m.fingerprint, *p)
+            })
+            .collect();
+        let answers = self
+            .inbox
+            .handle_batch(messages, move |client, _claim, p: &Payment| {
+                let (sql, amount, account) = (sql.clone(), p.amount, p.account as i64);
+                Box::pin(async move {
+                    client
+                        .execute(&sql, &[&amount, &account])
+                        .await
+                        .map_err(idemstore::Error::backend)?;
+                    Ok::<_, idemstore::Error>(Response::new(200, "ok"))
+                })
+            })?;
+        let mut tally = Tally {
+            messages: payments.len() as u64,
+            handled: 0,
+        };
+        for a in answers {
+            if matches!(a?, idemstore::postgres::Delivery::Handled(_)) {
+                tally.handled += 1;
+            }
+        }
+        Ok(tally)
+    }
+
+    /// The sum of all balances.
+    pub fn total(&mut self) -> BoxResult<i64> {
+        let row = self.admin.query_one(
+            &format!(
+                "SELECT coalesce(sum(balance), 0)::bigint FROM {}",
+                self.accounts
+            ),
+            &[],
+        )?;
+        Ok(row.get(0))
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl Drop for PgOurs {
+    fn drop(&mut self) {
+        let table = self.inbox.store().table().to_owned();
+        let _ = self.admin.batch_execute(&format!(
+            "DROP TABLE IF EXISTS {table}; DROP TABLE IF EXISTS {};",
+            self.accounts
+        ));
+    }
+}
+
 #[cfg(feature = "postgres")]
 impl Drop for Pg {
     fn drop(&mut self) {

@@ -383,3 +383,241 @@ where
     open.finish();
     Ok(Delivery::Handled(response))
 }
+
+/// Most deliveries one [`PgInbox::handle_batch`] takes.
+///
+/// ```
+/// assert_eq!(idemstore::postgres::MAX_PG_INBOX_BATCH, 4_096);
+/// ```
+pub const MAX_PG_INBOX_BATCH: usize = 4_096;
+
+impl PgInbox {
+    /// Handles a batch of deliveries in one PostgreSQL transaction, one
+    /// commit for the batch, and answers each in input order: `Handled`,
+    /// `Duplicate`, `Conflict`, `InFlight`, or that message's error.
+    ///
+    /// Each message is `(key, fingerprint, payload)`. Each new message runs
+    /// inside a savepoint: its claim, the handler's writes and its DONE
+    /// record are kept, or (the handler returned an error, panicked —
+    /// [`Error::HandlerPanicked`] — or returned a result over the limits)
+    /// rolled back to the savepoint, so a failed message takes none of its
+    /// batch-mates' writes with it and leaves none of its own. The same id
+    /// twice in a batch is handled once: the later one is `Duplicate` of
+    /// the first's result (`Conflict` when its fingerprint differs). The
+    /// outer error is the batch's: a lost connection or a failed `COMMIT`
+    /// (then nothing, or everything, committed: a redelivery finds out).
+    /// Blocks this thread until the commit; the handler runs on the store's
+    /// runtime thread and must not block. An empty batch commits nothing.
+    ///
+    /// ```no_run
+    /// use idemstore::postgres::{Delivery, PgInbox};
+    /// use idemstore::{Fingerprint, Key, PostgresStore, Response};
+    ///
+    /// let inbox = PgInbox::new(PostgresStore::builder().migrate_on_build(true).connect("postgres://app@db/payments")?);
+    /// let batch: Vec<(Key, Fingerprint, i64)> = (0..100)
+    ///     .map(|i| Ok((Key::new("payments", format!("msg-{i}"))?, Fingerprint::of(b"+1"), 1)))
+    ///     .collect::<idemstore::Result<_>>()?;
+    /// let answers = inbox.handle_batch(batch, |client, _claim, amount: &i64| {
+    ///     let amount = *amount;
+    ///     Box::pin(async move {
+    ///         client
+    ///             .execute("UPDATE balances SET amount = amount + $1 WHERE name = 'alice'", &[&amount])
+    ///             .await
+    ///             .map_err(idemstore::Error::backend)?;
+    ///         Ok::<_, idemstore::Error>(Response::new(200, "credited"))
+    ///     })
+    /// })?;
+    /// assert!(answers.iter().all(|a| matches!(a, Ok(Delivery::Handled(_) | Delivery::Duplicate(_)))));
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn handle_batch<T, E, F>(
+        &self,
+        messages: Vec<(Key, Fingerprint, T)>,
+        handler: F,
+    ) -> Result<Vec<Result<Delivery, E>>, Error>
+    where
+        T: Send + Sync + 'static,
+        E: From<Error> + Send + 'static,
+        F: for<'c> FnMut(&'c Client, Claim, &'c T) -> HandlerFuture<'c, E> + Send + 'static,
+    {
+        if messages.len() > MAX_PG_INBOX_BATCH {
+            return Err(Error::invalid_argument(format!(
+                "a batch of {} messages is over the limit of {MAX_PG_INBOX_BATCH}",
+                messages.len()
+            )));
+        }
+        if messages.is_empty() {
+            return Ok(Vec::new());
+        }
+        let core = Arc::clone(&self.store.core);
+        let (now, retention) = (self.clock.now(), self.retention);
+        let handle = self.store.runtime.handle();
+        let task = handle
+            .spawn(async move { deliver_batch(&core, messages, now, retention, handler).await });
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        handle.spawn(async move {
+            let _ = tx.send(task.await);
+        });
+        match rx.recv() {
+            Ok(Ok(answer)) => answer,
+            Ok(Err(join)) if join.is_panic() => std::panic::resume_unwind(join.into_panic()),
+            _ => Err(Error::Closed),
+        }
+    }
+}
+
+/// A future whose poll's panic becomes [`Error::HandlerPanicked`].
+struct CatchPanic<F>(F);
+
+impl<F: Future + Unpin> Future for CatchPanic<F> {
+    type Output = Result<F::Output, String>;
+
+    fn poll(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        let inner = &mut self.0;
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Pin::new(inner).poll(cx))) {
+            Ok(std::task::Poll::Ready(out)) => std::task::Poll::Ready(Ok(out)),
+            Ok(std::task::Poll::Pending) => std::task::Poll::Pending,
+            Err(payload) => std::task::Poll::Ready(Err(panic_text(payload.as_ref()))),
+        }
+    }
+}
+
+fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic without a message".to_owned()
+    }
+}
+
+async fn deliver_batch<T, E, F>(
+    core: &Core,
+    messages: Vec<(Key, Fingerprint, T)>,
+    now: Timestamp,
+    retention: Duration,
+    mut handler: F,
+) -> Result<Vec<Result<Delivery, E>>, Error>
+where
+    E: From<Error>,
+    F: for<'c> FnMut(&'c Client, Claim, &'c T) -> HandlerFuture<'c, E>,
+{
+    check_durations(DEFAULT_LEASE, retention)?;
+    Counters::bump(&core.counters.calls);
+    let pooled = core.pool.get().await?;
+    let conn = pooled.conn();
+    let mut open = OpenTx(Some(pooled));
+    let table = &core.sql.table;
+    let db = |e| db_error(e, table);
+    let run = |e| match e {
+        RunError::Db(e) => db_error(e, table),
+        RunError::Store(e) => e,
+    };
+    conn.client.batch_execute("BEGIN").await.map_err(db)?;
+    // What this batch already answered for an id: its fingerprint and the
+    // result it stored (None: the id's message failed).
+    let mut seen: std::collections::HashMap<Key, (Fingerprint, Option<Response>)> =
+        std::collections::HashMap::new();
+    let mut answers = Vec::with_capacity(messages.len());
+    let times = (row::millis(now), row::millis(now + retention));
+    for (key, fingerprint, payload) in &messages {
+        if let Some((first, stored)) = seen.get(key) {
+            if first != fingerprint {
+                answers.push(Ok(Delivery::Conflict));
+                continue;
+            }
+            if let Some(response) = stored {
+                answers.push(Ok(Delivery::Duplicate(response.clone())));
+                continue;
+            }
+            // The earlier delivery failed: this one is tried afresh.
+        }
+        conn.client.batch_execute("SAVEPOINT m").await.map_err(db)?;
+        let step = BeginStep {
+            key,
+            fingerprint,
+            now,
+            lease: DEFAULT_LEASE,
+            retention,
+            lock: sql::key_lock(table, key),
+        };
+        let claim = match step.run(&conn, &core.counters).await.map_err(run)? {
+            Begin::Claimed(claim) => claim,
+            Begin::Replay(response) => {
+                conn.client
+                    .batch_execute("RELEASE SAVEPOINT m")
+                    .await
+                    .map_err(db)?;
+                seen.insert(key.clone(), (*fingerprint, Some(response.clone())));
+                answers.push(Ok(Delivery::Duplicate(response)));
+                continue;
+            }
+            Begin::Conflict => {
+                conn.client
+                    .batch_execute("RELEASE SAVEPOINT m")
+                    .await
+                    .map_err(db)?;
+                answers.push(Ok(Delivery::Conflict));
+                continue;
+            }
+            Begin::InFlight { lease_until } => {
+                conn.client
+                    .batch_execute("RELEASE SAVEPOINT m")
+                    .await
+                    .map_err(db)?;
+                answers.push(Ok(Delivery::InFlight { lease_until }));
+                continue;
+            }
+        };
+        let ran = CatchPanic(handler(&conn.client, claim.clone(), payload)).await;
+        let handled: Result<Response, E> = match ran {
+            Ok(Ok(response)) => logic::check_response(&response, core.max_body_bytes)
+                .map(|()| response)
+                .map_err(E::from),
+            Ok(Err(err)) => Err(err),
+            Err(message) => Err(Error::HandlerPanicked { message }.into()),
+        };
+        let written = match handled {
+            Ok(response) => {
+                let token = row::token(claim.token).ok_or(Error::StaleClaim)?;
+                let columns = row::response_columns(&response);
+                // This transaction's own row, locked by it.
+                let updated = complete_on(&conn, key, token, times, &columns)
+                    .await
+                    .map_err(run)?;
+                if updated == 1 {
+                    Ok(response)
+                } else {
+                    Err(E::from(Error::StaleClaim))
+                }
+            }
+            Err(err) => Err(err),
+        };
+        match written {
+            Ok(response) => {
+                conn.client
+                    .batch_execute("RELEASE SAVEPOINT m")
+                    .await
+                    .map_err(db)?;
+                seen.insert(key.clone(), (*fingerprint, Some(response.clone())));
+                answers.push(Ok(Delivery::Handled(response)));
+            }
+            Err(err) => {
+                // The claim, the handler's writes: all undone.
+                conn.client
+                    .batch_execute("ROLLBACK TO SAVEPOINT m; RELEASE SAVEPOINT m")
+                    .await
+                    .map_err(db)?;
+                seen.insert(key.clone(), (*fingerprint, None));
+                answers.push(Err(err));
+            }
+        }
+    }
+    conn.client.batch_execute("COMMIT").await.map_err(db)?;
+    open.finish();
+    Ok(answers)
+}

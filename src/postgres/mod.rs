@@ -13,7 +13,7 @@ mod schema;
 mod sql;
 mod stats;
 
-pub use inbox::{Delivery, HandlerFuture, PgInbox};
+pub use inbox::{Delivery, HandlerFuture, MAX_PG_INBOX_BATCH, PgInbox};
 pub use options::{
     DEFAULT_BUILD_TIMEOUT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_SIZE, DEFAULT_MIN_IDLE,
     DEFAULT_PROBE_INTERVAL, DEFAULT_STATEMENT_TIMEOUT, DEFAULT_TABLE, MAX_POOL_SIZE,

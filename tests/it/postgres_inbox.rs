@@ -255,3 +255,146 @@ fn handle_async_inside_a_runtime() {
     });
     assert_eq!(rows(&ledger), 1);
 }
+
+/// What a batch message does in the test handler.
+#[derive(Clone, Copy, Debug)]
+enum Act {
+    Credit(i32),
+    FailAfterWrite,
+    PanicAfterWrite,
+}
+
+/// Runs `batch` (ids and acts) through `handle_batch`, each new message
+/// inserting its ledger row before it acts.
+fn credit_batch(
+    inbox: &PgInbox,
+    ledger: &str,
+    batch: &[(&str, Act)],
+) -> Vec<Result<Delivery, Error>> {
+    let sql = format!("INSERT INTO \"{ledger}\" (id, amount) VALUES ($1, $2)");
+    let messages = batch
+        .iter()
+        .map(|(id, act)| {
+            let fp = match act {
+                Act::Credit(n) => Fingerprint::of(n.to_be_bytes()),
+                _ => Fingerprint::of(b"bad"),
+            };
+            (key(id), fp, ((*id).to_owned(), *act))
+        })
+        .collect();
+    inbox
+        .handle_batch(
+            messages,
+            move |client, _claim, (id, act): &(String, Act)| {
+                let (sql, id, act) = (sql.clone(), id.clone(), *act);
+                Box::pin(async move {
+                    let amount = match act {
+                        Act::Credit(n) => n,
+                        _ => 1,
+                    };
+                    client
+                        .execute(&sql, &[&id, &amount])
+                        .await
+                        .map_err(Error::backend)?;
+                    match act {
+                        Act::Credit(n) => Ok(Response::new(200, format!("credited {n}"))),
+                        Act::FailAfterWrite => Err(Error::backend("the consumer failed")),
+                        Act::PanicAfterWrite => panic!("the consumer panicked"),
+                    }
+                })
+            },
+        )
+        .unwrap()
+}
+
+/// One transaction for the batch: a failing and a panicking message in the
+/// middle leave none of their writes and take none of their batch-mates'
+/// with them; the same id twice is handled once; a redelivered batch is
+/// all duplicates.
+#[test]
+fn a_batch_commits_once_and_a_failed_message_takes_nothing_with_it() {
+    if !enabled() {
+        return;
+    }
+    let (inbox, ledger, _t, _l) = inbox();
+    let batch = [
+        ("b1", Act::Credit(1)),
+        ("b2", Act::FailAfterWrite),
+        ("b3", Act::Credit(3)),
+        ("b4", Act::PanicAfterWrite),
+        ("b1", Act::Credit(1)),
+        ("b1", Act::Credit(7)),
+        ("b5", Act::Credit(5)),
+    ];
+    let answers = credit_batch(&inbox, &ledger, &batch);
+    assert_eq!(answers.len(), batch.len());
+    assert!(matches!(&answers[0], Ok(Delivery::Handled(r)) if r.body() == b"credited 1"));
+    assert!(matches!(&answers[1], Err(e) if e.to_string().contains("consumer failed")));
+    assert!(matches!(&answers[2], Ok(Delivery::Handled(_))));
+    assert!(
+        matches!(&answers[3], Err(Error::HandlerPanicked { message }) if message.contains("panicked"))
+    );
+    assert!(matches!(&answers[4], Ok(Delivery::Duplicate(r)) if r.body() == b"credited 1"));
+    assert!(matches!(&answers[5], Ok(Delivery::Conflict)));
+    assert!(matches!(&answers[6], Ok(Delivery::Handled(_))));
+    assert_eq!(rows(&ledger), 3, "b1, b3, b5: nothing of b2 or b4");
+    for failed in ["b2", "b4"] {
+        assert!(
+            inbox
+                .store()
+                .get(&key(failed), inbox_now())
+                .unwrap()
+                .is_none()
+        );
+    }
+    // Redelivered: nothing runs again.
+    let again = credit_batch(
+        &inbox,
+        &ledger,
+        &[("b1", Act::Credit(1)), ("b3", Act::Credit(3))],
+    );
+    assert!(
+        again
+            .iter()
+            .all(|a| matches!(a, Ok(Delivery::Duplicate(_)))),
+        "{again:?}"
+    );
+    assert_eq!(rows(&ledger), 3);
+    // The failed ones run when redelivered well.
+    let fixed = credit_batch(
+        &inbox,
+        &ledger,
+        &[("b2", Act::Credit(2)), ("b4", Act::Credit(4))],
+    );
+    assert!(
+        fixed.iter().all(|a| matches!(a, Ok(Delivery::Handled(_)))),
+        "{fixed:?}"
+    );
+    assert_eq!(rows(&ledger), 5);
+    assert!(credit_batch(&inbox, &ledger, &[]).is_empty());
+}
+
+/// `PgInbox::handle_batch` throughput at batch 100 (fresh messages, one
+/// ledger insert each), printed for the docs: not a timed assertion.
+#[test]
+fn batch_throughput_is_reported() {
+    if !enabled() {
+        return;
+    }
+    let (inbox, ledger, _t, _l) = inbox();
+    let batches = 20;
+    let started = std::time::Instant::now();
+    for b in 0..batches {
+        let ids: Vec<String> = (0..100).map(|i| format!("t{b}-{i}")).collect();
+        let batch: Vec<(&str, Act)> = ids.iter().map(|id| (id.as_str(), Act::Credit(1))).collect();
+        let answers = credit_batch(&inbox, &ledger, &batch);
+        assert!(
+            answers
+                .iter()
+                .all(|a| matches!(a, Ok(Delivery::Handled(_))))
+        );
+    }
+    let per_s = f64::from(batches * 100) / started.elapsed().as_secs_f64();
+    println!("PgInbox::handle_batch, batch 100: {per_s:.0} messages/s (debug build)");
+    assert_eq!(rows(&ledger), i64::from(batches * 100));
+}

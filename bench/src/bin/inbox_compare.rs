@@ -40,6 +40,8 @@ enum Side {
     BatchOnePhase,
     /// PostgreSQL, one transaction per batch.
     Postgres,
+    /// idemstore's `PgInbox::handle_batch` on PostgreSQL.
+    PgInbox,
 }
 
 impl Side {
@@ -49,6 +51,7 @@ impl Side {
             Side::Batch => "idemstore Inbox::handle_batch",
             Side::BatchOnePhase => "idemstore Inbox::handle_batch, quick_repair(false)",
             Side::Postgres => "PostgreSQL (inbox table + UPDATE, one txn per batch)",
+            Side::PgInbox => "idemstore PgInbox::handle_batch (PostgreSQL)",
         }
     }
 }
@@ -91,20 +94,58 @@ fn cell(
             assert_eq!(total.handled, seen.len() as u64);
             Ok(total.messages as f64 / elapsed)
         }
-        Side::Postgres => pg_cell(&mut feed, batch, duration, tag),
+        Side::Postgres => pg_cell(&mut feed, batch, duration, tag, false),
+        Side::PgInbox => pg_cell(&mut feed, batch, duration, tag, true),
     }
 }
 
+/// A PostgreSQL cell: as a user writes it, or (`ours`) through `PgInbox`.
 #[cfg(feature = "postgres")]
-fn pg_cell(feed: &mut Feed, batch: usize, duration: Duration, tag: &str) -> BoxResult<f64> {
+fn pg_cell(
+    feed: &mut Feed,
+    batch: usize,
+    duration: Duration,
+    tag: &str,
+    ours: bool,
+) -> BoxResult<f64> {
     let url = pg_url().ok_or("IDEMSTORE_PG_URL is not set")?;
+    if ours {
+        let pg = std::cell::RefCell::new(idemstore_bench::inbox::PgOurs::open(&url, tag)?);
+        return drive(
+            feed,
+            batch,
+            duration,
+            |p| pg.borrow().batch(p),
+            || pg.borrow_mut().total(),
+        );
+    }
     let mut pg = idemstore_bench::inbox::Pg::open(&url, tag)?;
+    let pg = std::cell::RefCell::new(&mut pg);
+    drive(
+        feed,
+        batch,
+        duration,
+        |p| pg.borrow_mut().batch(p),
+        || pg.borrow_mut().total(),
+    )
+}
+
+/// Feeds batches to `run` for `duration` and checks the credited total
+/// (exactly once) at the end: messages/s.
+#[cfg(feature = "postgres")]
+fn drive(
+    feed: &mut Feed,
+    batch: usize,
+    duration: Duration,
+    mut run: impl FnMut(&[idemstore_bench::inbox::Payment]) -> BoxResult<Tally>,
+    total: impl FnOnce() -> BoxResult<i64>,
+) -> BoxResult<f64> {
     let mut seen = std::collections::HashSet::new();
     let (mut messages, mut handled, mut credited) = (0u64, 0u64, 0i64);
     let start = Instant::now();
     while start.elapsed() < duration {
         let payments = feed.batch(batch);
-        let t = pg.batch(&payments)?;
+        let t = run(&payments)?;
         for p in &payments {
             if seen.insert(p.id) {
                 credited += p.amount;
@@ -114,13 +155,13 @@ fn pg_cell(feed: &mut Feed, batch: usize, duration: Duration, tag: &str) -> BoxR
         handled += t.handled;
     }
     let elapsed = start.elapsed().as_secs_f64();
-    assert_eq!(pg.total()?, credited, "postgres {batch}");
+    assert_eq!(total()?, credited, "postgres {batch}");
     assert_eq!(handled, seen.len() as u64);
     Ok(messages as f64 / elapsed)
 }
 
 #[cfg(not(feature = "postgres"))]
-fn pg_cell(_: &mut Feed, _: usize, _: Duration, _: &str) -> BoxResult<f64> {
+fn pg_cell(_: &mut Feed, _: usize, _: Duration, _: &str, _: bool) -> BoxResult<f64> {
     Err("built without the postgres feature".into())
 }
 
@@ -176,6 +217,7 @@ fn main() -> BoxResult<()> {
     }
     if pg {
         sides.push(Side::Postgres);
+        sides.push(Side::PgInbox);
     }
     let duration = Duration::from_secs_f64(seconds);
     if !json {
