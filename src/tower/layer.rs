@@ -1,5 +1,6 @@
 //! [`IdempotencyLayer`]: the configuration, and the [`Layer`] that applies it.
 
+use super::problem::Problem;
 use super::service::Idempotency;
 use crate::guard::Guard;
 use crate::response::{DEFAULT_MAX_BODY_BYTES, MAX_BODY_BYTES_HARD_CAP};
@@ -60,6 +61,19 @@ pub(crate) struct Config {
     pub(crate) store_policy: StorePolicy,
     pub(crate) deny_headers: Vec<HeaderName>,
     pub(crate) unavailable_retry_after: Duration,
+    /// Problem `type` URIs that replace [`Problem::type_uri`]'s.
+    pub(crate) problem_types: std::collections::HashMap<Problem, String>,
+}
+
+impl Config {
+    /// The `type` of `kind`'s problem bodies: the one set with
+    /// [`IdempotencyLayer::problem_type`], else [`Problem::type_uri`].
+    pub(crate) fn problem_type(&self, kind: Problem) -> String {
+        self.problem_types
+            .get(&kind)
+            .cloned()
+            .unwrap_or_else(|| kind.type_uri())
+    }
 }
 
 impl Default for Config {
@@ -74,6 +88,7 @@ impl Default for Config {
             store_policy: StorePolicy::All,
             deny_headers: vec![header::SET_COOKIE, header::DATE],
             unavailable_retry_after: DEFAULT_UNAVAILABLE_RETRY_AFTER,
+            problem_types: std::collections::HashMap::new(),
         }
     }
 }
@@ -191,6 +206,23 @@ impl IdempotencyLayer {
     /// (default [`DEFAULT_UNAVAILABLE_RETRY_AFTER`]).
     pub fn unavailable_retry_after(self, after: Duration) -> IdempotencyLayer {
         self.config(|c| c.unavailable_retry_after = after)
+    }
+
+    /// The problem `type` URI the layer sends for `kind` (default
+    /// [`Problem::type_uri`]: its entry in these docs), for a service that
+    /// documents its errors at its own addresses. The title stays.
+    ///
+    /// ```
+    /// use idemstore::tower::{IdempotencyLayer, Problem};
+    /// use idemstore::{Guard, MemoryStore};
+    /// let layer = IdempotencyLayer::new(Guard::new(MemoryStore::new()))
+    ///     .problem_type(Problem::KeyReused, "https://api.example.com/errors/idempotency-key-reused");
+    /// ```
+    pub fn problem_type(self, kind: Problem, uri: impl Into<String>) -> IdempotencyLayer {
+        let uri = uri.into();
+        self.config(|c| {
+            c.problem_types.insert(kind, uri);
+        })
     }
 }
 

@@ -2,6 +2,7 @@
 
 use super::body::ResponseBody;
 use super::header::IDEMPOTENT_REPLAYED;
+use super::layer::Config;
 use super::problem::Problem;
 use crate::fingerprint::Fingerprint;
 use crate::response::Response as Snapshot;
@@ -50,7 +51,11 @@ pub(crate) fn snapshot(parts: &response::Parts, body: &Bytes, deny: &[HeaderName
 }
 
 /// A stored response as an HTTP response; `replayed` adds `Idempotent-Replayed: true`.
-pub(crate) fn from_snapshot<B>(s: Snapshot, replayed: bool) -> Response<ResponseBody<B>> {
+pub(crate) fn from_snapshot<B>(
+    config: &Config,
+    s: Snapshot,
+    replayed: bool,
+) -> Response<ResponseBody<B>> {
     let (status, headers, body) = s.into_parts();
     let mut res = Response::new(ResponseBody::from_bytes(body));
     // A stored status or header that does not parse was not written by this
@@ -58,6 +63,7 @@ pub(crate) fn from_snapshot<B>(s: Snapshot, replayed: bool) -> Response<Response
     // rather than half-replayed.
     let Ok(status) = StatusCode::from_u16(status) else {
         return problem(
+            config,
             Problem::StoredResponseInvalid,
             "the stored response has an invalid status",
         );
@@ -69,6 +75,7 @@ pub(crate) fn from_snapshot<B>(s: Snapshot, replayed: bool) -> Response<Response
             HeaderValue::from_bytes(&value),
         ) else {
             return problem(
+                config,
                 Problem::StoredResponseInvalid,
                 "the stored response has an invalid header",
             );
@@ -83,10 +90,14 @@ pub(crate) fn from_snapshot<B>(s: Snapshot, replayed: bool) -> Response<Response
 }
 
 /// An RFC 9457 problem response (`application/problem+json`).
-pub(crate) fn problem<B>(kind: Problem, detail: &str) -> Response<ResponseBody<B>> {
+pub(crate) fn problem<B>(
+    config: &Config,
+    kind: Problem,
+    detail: &str,
+) -> Response<ResponseBody<B>> {
     let status = kind.status();
     let body = serde_json::json!({
-        "type": kind.type_uri(),
+        "type": config.problem_type(kind),
         "title": kind.title(),
         "status": status.as_u16(),
         "detail": detail,
@@ -102,11 +113,12 @@ pub(crate) fn problem<B>(kind: Problem, detail: &str) -> Response<ResponseBody<B
 
 /// A problem with `Retry-After: seconds` (rounded up, at least 1).
 pub(crate) fn problem_retry_after<B>(
+    config: &Config,
     kind: Problem,
     detail: &str,
     after: Duration,
 ) -> Response<ResponseBody<B>> {
-    let mut res = problem(kind, detail);
+    let mut res = problem(config, kind, detail);
     let secs = after.as_millis().div_ceil(1000).max(1);
     res.headers_mut().insert(
         header::RETRY_AFTER,
@@ -126,9 +138,15 @@ mod tests {
 
     #[test]
     fn retry_after_rounds_up() {
-        let r = problem_retry_after::<()>(Problem::InFlight, "x", Duration::from_millis(1001));
+        let r = problem_retry_after::<()>(
+            &Config::default(),
+            Problem::InFlight,
+            "x",
+            Duration::from_millis(1001),
+        );
         assert_eq!(r.headers()[header::RETRY_AFTER], "2");
-        let r = problem_retry_after::<()>(Problem::InFlight, "x", Duration::ZERO);
+        let r =
+            problem_retry_after::<()>(&Config::default(), Problem::InFlight, "x", Duration::ZERO);
         assert_eq!(r.headers()[header::RETRY_AFTER], "1");
     }
 

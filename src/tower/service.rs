@@ -152,11 +152,12 @@ where
             Ok(None) if !self.config.require_key => return self.passthrough(req),
             Ok(None) => {
                 return ready(problem(
+                    &self.config,
                     Problem::KeyMissing,
                     "this request needs an Idempotency-Key header",
                 ));
             }
-            Err(why) => return ready(problem(Problem::KeyInvalid, &why)),
+            Err(why) => return ready(problem(&self.config, Problem::KeyInvalid, &why)),
         };
         // The instance that was polled ready serves this request (tower's
         // clone-and-swap idiom).
@@ -224,18 +225,18 @@ where
                 "the request body is over the limit of {} bytes",
                 config.max_request_body_bytes
             );
-            return Ok(problem(Problem::RequestTooLarge, &detail));
+            return Ok(problem(&config, Problem::RequestTooLarge, &detail));
         }
         Err(e) => {
             let detail = format!("the request body could not be read: {e}");
-            return Ok(problem(Problem::BodyUnreadable, &detail));
+            return Ok(problem(&config, Problem::BodyUnreadable, &detail));
         }
     };
     let scope = config.scope.as_ref().map_or_else(Vec::new, |f| f(&parts));
     let key = match Key::new(scope, id) {
         Ok(key) => key,
         // The id was checked in `call`, so this is the scope: a server bug.
-        Err(e) => return Ok(problem(Problem::ScopeInvalid, &e.to_string())),
+        Err(e) => return Ok(problem(&config, Problem::ScopeInvalid, &e.to_string())),
     };
     let fp = fingerprint(&parts, &body, &config.fingerprint_headers);
     let mut req = Request::from_parts(parts, ReqBody::from(body));
@@ -297,23 +298,26 @@ fn answer<B, E>(
     guard: &Guard<Arc<dyn Store>>,
     config: &Config,
 ) -> Answer<B, E> {
-    let executed = |s: Snapshot| first.unwrap_or_else(|| from_snapshot(s, false));
+    let executed = |s: Snapshot| first.unwrap_or_else(|| from_snapshot(config, s, false));
     Ok(match outcome {
         Outcome::Executed(s) | Outcome::FailedOpen(Ok(s)) => executed(s),
         // Sent as the handler made it; nothing stored, the record stays
         // PROCESSING until its lease ends (the guard's contract).
         Outcome::NotStored { response, .. } => executed(response),
-        Outcome::Replayed(s) => from_snapshot(s, true),
+        Outcome::Replayed(s) => from_snapshot(config, s, true),
         Outcome::InFlight { lease_until } => problem_retry_after(
+            config,
             Problem::InFlight,
             "a request with this Idempotency-Key is being processed; retry later",
             remaining(guard.now(), lease_until),
         ),
         Outcome::Conflicted => problem(
+            config,
             Problem::KeyReused,
             "this Idempotency-Key was used with a different request",
         ),
         Outcome::Unavailable(_) => problem_retry_after(
+            config,
             Problem::StoreUnavailable,
             "the idempotency store is unavailable; the request was not processed",
             config.unavailable_retry_after,
@@ -322,6 +326,7 @@ fn answer<B, E>(
         // guard says reconcile, which HTTP cannot do: the claim is kept (it
         // expires with its lease) and the client is told to stop retrying blindly.
         Outcome::Unknown(_) => problem(
+            config,
             Problem::OutcomeUnknown,
             "an earlier attempt with this Idempotency-Key ended with an unknown outcome",
         ),
@@ -329,6 +334,7 @@ fn answer<B, E>(
             Failure::Inner(e) => return Err(e),
             Failure::Skip(res) | Failure::TooLarge(res) => res,
             Failure::BodyFailed => problem(
+                config,
                 Problem::ResponseBodyFailed,
                 "the response body failed while it was read",
             ),

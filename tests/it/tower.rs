@@ -649,3 +649,22 @@ async fn the_handler_reads_the_parsed_key() {
     let r = fetch(&client, req).await;
     assert_eq!(r.body, r#""/k"|"a\"b""#, "{r:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_problem_type_can_point_at_the_services_own_docs() {
+    const OURS: &str = "https://api.example.com/errors/idempotency-key-reused";
+    let app = start(
+        layer().problem_type(Problem::KeyReused, OURS),
+        Duration::ZERO,
+    )
+    .await;
+    assert_eq!(app.post("k-t", "qty=1").await.status, StatusCode::CREATED);
+    let r = app.post("k-t", "qty=2").await;
+    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY);
+    let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+    assert_eq!(v["type"], OURS);
+    assert_eq!(v["title"], Problem::KeyReused.title());
+    // The others keep theirs.
+    let missing = app.send("POST", "/orders", &["k-a", "k-b"], "x").await;
+    missing.assert_problem(Problem::KeyInvalid);
+}
