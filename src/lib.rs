@@ -96,6 +96,8 @@
     )
 )]
 mod codec;
+#[cfg(any(feature = "redb", feature = "postgres"))]
+mod delivery;
 mod error;
 mod fingerprint;
 mod guard;

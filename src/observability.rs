@@ -154,10 +154,14 @@ pub(crate) fn waited() {
 /// `call()` as store operation `op` (`begin`, `complete`, `release`): a
 /// DEBUG span `idemstore.store` around it, and its time in the histograms.
 pub(crate) fn store_op<T>(op: &'static str, call: impl FnOnce() -> T) -> T {
+    let _ = op;
     #[cfg(feature = "tracing")]
     let _span = tracing::debug_span!("idemstore.store", op).entered();
+    // The clock is read only when a histogram wants it.
+    #[cfg(feature = "metrics")]
     let started = std::time::Instant::now();
     let out = call();
+    #[cfg(feature = "metrics")]
     store_call(op, started.elapsed());
     out
 }
@@ -165,12 +169,15 @@ pub(crate) fn store_op<T>(op: &'static str, call: impl FnOnce() -> T) -> T {
 /// [`store_op`] for a store call that is a future.
 #[cfg(feature = "tokio")]
 pub(crate) async fn store_op_async<F: std::future::Future>(op: &'static str, call: F) -> F::Output {
+    let _ = op;
+    #[cfg(feature = "metrics")]
     let started = std::time::Instant::now();
     #[cfg(feature = "tracing")]
     let out =
         tracing::Instrument::instrument(call, tracing::debug_span!("idemstore.store", op)).await;
     #[cfg(not(feature = "tracing"))]
     let out = call.await;
+    #[cfg(feature = "metrics")]
     store_call(op, started.elapsed());
     out
 }
@@ -194,9 +201,8 @@ pub(crate) fn stale_claim() {
 }
 
 /// How long a store call took, for the request's histograms.
+#[cfg(feature = "metrics")]
 fn store_call(op: &'static str, took: Duration) {
-    let _ = (op, took);
-    #[cfg(feature = "metrics")]
     match op {
         "begin" => metrics::histogram!(GUARD_BEGIN_SECONDS).record(took.as_secs_f64()),
         "complete" => metrics::histogram!(GUARD_COMPLETE_SECONDS).record(took.as_secs_f64()),

@@ -32,47 +32,7 @@ use tokio_postgres::Client;
 /// client for `'c`.
 pub type HandlerFuture<'c, E> = Pin<Box<dyn Future<Output = Result<Response, E>> + Send + 'c>>;
 
-/// What [`PgInbox::handle`] did with one delivery of a message (the same
-/// outcomes as the redb inbox's).
-///
-/// ```
-/// use idemstore::Response;
-/// use idemstore::postgres::Delivery;
-/// assert_eq!(Delivery::Duplicate(Response::new(200, "ok")).response(), Some(&Response::new(200, "ok")));
-/// ```
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Delivery {
-    /// First delivery: the handler ran and its writes committed together
-    /// with the DONE record; this is the result it returned.
-    Handled(Response),
-    /// A redelivery: the handler did not run; this is the result stored by
-    /// the delivery that was handled.
-    Duplicate(Response),
-    /// The message id was already used by a message with a different
-    /// fingerprint: the handler did not run and nothing was written.
-    Conflict,
-    /// The id is claimed through the [`Store`] API by an owner whose lease is
-    /// still live: the handler did not run; redeliver later.
-    InFlight {
-        /// When the owner's lease ends.
-        lease_until: Timestamp,
-    },
-}
-
-impl Delivery {
-    /// The handler's result, fresh or stored; `None` for `Conflict` and `InFlight`.
-    ///
-    /// ```
-    /// assert_eq!(idemstore::postgres::Delivery::Conflict.response(), None);
-    /// ```
-    pub fn response(&self) -> Option<&Response> {
-        match self {
-            Delivery::Handled(r) | Delivery::Duplicate(r) => Some(r),
-            Delivery::Conflict | Delivery::InFlight { .. } => None,
-        }
-    }
-}
+pub use crate::delivery::Delivery;
 
 /// A transactional inbox on a [`PostgresStore`]: exactly-once effects for
 /// an at-least-once consumer whose state lives in the same database.
@@ -212,16 +172,10 @@ impl PgInbox {
         E: From<Error> + Send + 'static,
         F: for<'c> FnOnce(&'c Client, Claim) -> HandlerFuture<'c, E> + Send + 'static,
     {
-        let handle = self.store.runtime.handle();
-        let task = handle.spawn(self.work(key, fingerprint, handler));
-        let (tx, rx) = std::sync::mpsc::sync_channel(1);
-        handle.spawn(async move {
-            let _ = tx.send(task.await);
-        });
-        match rx.recv() {
-            Ok(joined) => resume(joined),
-            Err(_) => Err(Error::Closed.into()),
-        }
+        self.store
+            .runtime
+            .block_on_task(self.work(key, fingerprint, handler))
+            .unwrap_or_else(|| Err(Error::Closed.into()))
     }
 
     /// [`handle`](Self::handle) as a future that blocks no thread (any
@@ -451,18 +405,12 @@ impl PgInbox {
         }
         let core = Arc::clone(&self.store.core);
         let (now, retention) = (self.clock.now(), self.retention);
-        let handle = self.store.runtime.handle();
-        let task = handle
-            .spawn(async move { deliver_batch(&core, messages, now, retention, handler).await });
-        let (tx, rx) = std::sync::mpsc::sync_channel(1);
-        handle.spawn(async move {
-            let _ = tx.send(task.await);
-        });
-        match rx.recv() {
-            Ok(Ok(answer)) => answer,
-            Ok(Err(join)) if join.is_panic() => std::panic::resume_unwind(join.into_panic()),
-            _ => Err(Error::Closed),
-        }
+        self.store
+            .runtime
+            .block_on_task(
+                async move { deliver_batch(&core, messages, now, retention, handler).await },
+            )
+            .unwrap_or(Err(Error::Closed))
     }
 }
 
@@ -480,18 +428,10 @@ impl<F: Future + Unpin> Future for CatchPanic<F> {
         match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Pin::new(inner).poll(cx))) {
             Ok(std::task::Poll::Ready(out)) => std::task::Poll::Ready(Ok(out)),
             Ok(std::task::Poll::Pending) => std::task::Poll::Pending,
-            Err(payload) => std::task::Poll::Ready(Err(panic_text(payload.as_ref()))),
+            Err(payload) => {
+                std::task::Poll::Ready(Err(crate::delivery::panic_message(payload.as_ref())))
+            }
         }
-    }
-}
-
-fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
-    if let Some(s) = payload.downcast_ref::<&str>() {
-        (*s).to_owned()
-    } else if let Some(s) = payload.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "a panic without a message".to_owned()
     }
 }
 

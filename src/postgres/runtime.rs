@@ -75,6 +75,25 @@ impl StoreRuntime {
         rx.recv().unwrap_or(Err(Error::Closed))
     }
 
+    /// Runs `work` as a task on the store's runtime and blocks this thread
+    /// until it ends; a panic in it is resumed on this thread (an inbox
+    /// handler's). `None` when the runtime is gone.
+    pub(super) fn block_on_task<T: Send + 'static>(
+        &self,
+        work: impl Future<Output = T> + Send + 'static,
+    ) -> Option<T> {
+        let task = self.handle.spawn(work);
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        self.handle.spawn(async move {
+            let _ = tx.send(task.await);
+        });
+        match rx.recv() {
+            Ok(Ok(answer)) => Some(answer),
+            Ok(Err(join)) if join.is_panic() => std::panic::resume_unwind(join.into_panic()),
+            _ => None,
+        }
+    }
+
     /// Runs `work` on the store's runtime; the answer is a future that any
     /// executor can await. `abandoned` gets the answer when the caller drops
     /// the future before taking it (a claim to give back).

@@ -120,21 +120,10 @@ impl<E: From<Error>> Failed<E> {
         match self {
             Failed::Error(e) => e,
             Failed::Panic(payload) => Error::HandlerPanicked {
-                message: panic_message(payload.as_ref()),
+                message: crate::delivery::panic_message(payload.as_ref()),
             }
             .into(),
         }
-    }
-}
-
-/// The text of a panic's payload (what `panic!` was given, when it was text).
-fn panic_message(payload: &(dyn Any + Send)) -> String {
-    if let Some(s) = payload.downcast_ref::<&str>() {
-        (*s).to_owned()
-    } else if let Some(s) = payload.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "a panic whose payload is not text".to_owned()
     }
 }
 
@@ -359,17 +348,5 @@ pub(super) fn item<'a>(key: &Key, fingerprint: &'a Fingerprint) -> Item<'a> {
     Item {
         key: crate::codec::encode_key(key),
         fingerprint,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_panic_payload_becomes_its_text() {
-        assert_eq!(panic_message(&"boom"), "boom");
-        assert_eq!(panic_message(&String::from("bang")), "bang");
-        assert_eq!(panic_message(&7u8), "a panic whose payload is not text");
     }
 }

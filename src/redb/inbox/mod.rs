@@ -46,49 +46,12 @@ use crate::key::Key;
 use crate::record::Claim;
 use crate::response::Response;
 use crate::store::Store;
-use crate::time::{Clock, Timestamp};
+use crate::time::Clock;
 use ::redb::{ReadTransaction, ReadableDatabase, WriteTransaction};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// What [`Inbox::handle`] did with one delivery of a message.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Delivery {
-    /// First delivery: the handler ran and its writes committed together
-    /// with the DONE record; this is the result it returned.
-    Handled(Response),
-    /// A redelivery: the handler did not run; this is the result stored by
-    /// the delivery that was handled.
-    Duplicate(Response),
-    /// The message id was already used by a message with a different
-    /// fingerprint: the handler did not run and nothing was written.
-    Conflict,
-    /// The id is claimed through the [`Store`](crate::Store) API by an owner
-    /// whose lease is still live (not something the inbox itself leaves
-    /// behind): the handler did not run; redeliver later.
-    InFlight {
-        /// When the owner's lease ends.
-        lease_until: Timestamp,
-    },
-}
-
-impl Delivery {
-    /// The handler's result, fresh or stored; `None` for `Conflict` and `InFlight`.
-    ///
-    /// ```
-    /// use idemstore::Response;
-    /// use idemstore::redb::Delivery;
-    /// assert_eq!(Delivery::Duplicate(Response::new(200, "ok")).response(), Some(&Response::new(200, "ok")));
-    /// assert_eq!(Delivery::Conflict.response(), None);
-    /// ```
-    pub fn response(&self) -> Option<&Response> {
-        match self {
-            Delivery::Handled(r) | Delivery::Duplicate(r) => Some(r),
-            Delivery::Conflict | Delivery::InFlight { .. } => None,
-        }
-    }
-}
+pub use crate::delivery::Delivery;
 
 /// A transactional inbox on a [`RedbStore`]: exactly-once effects for an
 /// at-least-once message consumer whose state lives in the same file.
