@@ -342,19 +342,21 @@ fn decide(
     };
     Ok(match step.answer {
         Begin::Claimed(claim) => {
+            let token = claim.token();
             let (name, why) = match existing {
                 None => (
                     "claim",
-                    "no record for this key: the request claims it (fencing token {token}) \
-                     and the handler runs"
-                        .to_owned(),
+                    format!(
+                        "no record for this key: the request claims it (fencing token {token}) \
+                         and the handler runs"
+                    ),
                 ),
                 Some(r) if r.is_expired(now) => (
                     "claim",
                     format!(
                         "the record expired {} ago (retention over; invisible, not yet \
                          swept): it counts as absent, the request claims the key (token \
-                         {{token}}) and the handler runs",
+                         {token}) and the handler runs",
                         duration_ms(now.as_millis().saturating_sub(r.expires_at().as_millis()))
                     ),
                 ),
@@ -363,7 +365,7 @@ fn decide(
                     format!(
                         "the record is PROCESSING and its owner's lease passed {} ago (the \
                          owner crashed or stalled): the request takes the claim over (token \
-                         {{token}}, attempt {}) and the handler runs again; a guard with \
+                         {token}, attempt {}) and the handler runs again; a guard with \
                          TakeoverPolicy::Reconcile answers 500 instead, for a check first",
                         duration_ms(
                             now.as_millis()
@@ -376,10 +378,7 @@ fn decide(
             Verdict {
                 name,
                 http: None,
-                why: format!(
-                    "{}{same}",
-                    why.replace("{token}", &claim.token().to_string())
-                ),
+                why: format!("{why}.{same}"),
             }
         }
         Begin::Replay(response) => Verdict {
