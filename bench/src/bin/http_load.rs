@@ -11,6 +11,12 @@
 //! - `postgres`: the layer on `PostgresStore`, when `IDEMSTORE_PG_URL` names
 //!   a server and the `postgres` feature is on ("skipped" otherwise;
 //!   `--require-postgres` fails instead).
+//! - `redb-relaxed` (only when listed): the layer on `RedbStore` with
+//!   `Durability::Periodic` (a durable commit every 100 ms), which shows
+//!   how much of `redb`'s cost is the disk and how much the commit line.
+//!
+//! The `group` column is the store's mean requests per commit group
+//! (warm-up included), where it has groups.
 //!
 //! ```text
 //! cargo run --release -p idemstore-bench --all-features --bin http_load             # 3 rounds × (2 s warm-up + 5 s) per cell
@@ -35,7 +41,7 @@
 //! runtime, which shares the machine's cores with the server. The run fails
 //! (exit 1, after the table) when any response failed its check.
 
-use idemstore_bench::http_load::{CellParams, CellReport, VARIANTS, run_cell};
+use idemstore_bench::http_load::{CellParams, CellReport, EXTRA_VARIANTS, VARIANTS, run_cell};
 use idemstore_bench::peers::{BoxResult, median};
 use std::collections::BTreeMap;
 use std::process::{Command, Stdio};
@@ -111,8 +117,17 @@ fn parse() -> BoxResult<Args> {
             other => return Err(format!("unknown option {other}").into()),
         }
     }
-    if let Some(v) = a.variants.iter().find(|v| !VARIANTS.contains(&v.as_str())) {
-        return Err(format!("unknown variant {v} (known: {})", VARIANTS.join(",")).into());
+    if let Some(v) = a
+        .variants
+        .iter()
+        .find(|v| !VARIANTS.contains(&v.as_str()) && !EXTRA_VARIANTS.contains(&v.as_str()))
+    {
+        return Err(format!(
+            "unknown variant {v} (known: {},{})",
+            VARIANTS.join(","),
+            EXTRA_VARIANTS.join(",")
+        )
+        .into());
     }
     if !(0.0..=1.0).contains(&a.dup)
         || a.connections.contains(&0)
@@ -230,6 +245,8 @@ impl Cell {
             "threads_at_start": self.median(|r| r.threads_at_start as f64),
             "peak_threads": self.median(|r| r.peak_threads as f64),
             "peak_rss_bytes": self.median(|r| r.peak_rss_bytes as f64),
+            "mean_group": self.rounds.iter().any(|r| r.mean_group.is_some())
+                .then(|| (self.median(|r| r.mean_group.unwrap_or(0.0)) * 10.0).round() / 10.0),
         })
     }
 }
@@ -286,7 +303,7 @@ fn main() -> BoxResult<()> {
     if !a.json {
         println!();
         println!(
-            "{:>6} {:<9} {:>9} {:>7} {:>8} {:>8} {:>8} {:>10} {:>8} {:>8} {:>9}",
+            "{:>6} {:<12} {:>9} {:>7} {:>8} {:>8} {:>8} {:>10} {:>8} {:>8} {:>9} {:>6}",
             "conns",
             "variant",
             "req/s",
@@ -297,7 +314,8 @@ fn main() -> BoxResult<()> {
             "replays/s",
             "errors",
             "threads",
-            "RSS MiB"
+            "RSS MiB",
+            "group"
         );
     }
     let mut failed = 0u64;
@@ -317,7 +335,7 @@ fn main() -> BoxResult<()> {
             }
             let num = |k: &str| v.get(k).and_then(serde_json::Value::as_f64).unwrap_or(0.0);
             println!(
-                "{:>6} {:<9} {:>9.0} {:>7} {:>8} {:>8} {:>8} {:>10.0} {:>8} {:>8.0} {:>9.1}",
+                "{:>6} {:<12} {:>9.0} {:>7} {:>8} {:>8} {:>8} {:>10.0} {:>8} {:>8.0} {:>9.1} {:>6}",
                 connections,
                 variant,
                 cell.rps(),
@@ -329,6 +347,9 @@ fn main() -> BoxResult<()> {
                 errors.values().sum::<u64>(),
                 num("peak_threads"),
                 num("peak_rss_bytes") / 1_048_576.0,
+                v.get("mean_group")
+                    .and_then(serde_json::Value::as_f64)
+                    .map_or("-".to_owned(), |g| format!("{g:.1}")),
             );
             for (kind, n) in &errors {
                 println!("{:>16} {n} × {kind}", "");
