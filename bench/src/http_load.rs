@@ -531,6 +531,28 @@ mod tests {
         assert!(stats.iter().map(|s| s.latencies_us.len()).sum::<usize>() > 0);
     }
 
+    /// A child's report reaches the parent whole, the group size included
+    /// (and absent for a store without groups).
+    #[test]
+    fn a_cell_report_survives_its_json() {
+        let mut report = CellReport {
+            variant: "redb".into(),
+            connections: 64,
+            requests: 1_000,
+            seconds: 2.0,
+            p50_us: 1_500.0,
+            mean_group: Some(12.5),
+            ..CellReport::default()
+        };
+        let back = CellReport::from_json(&report.json()).expect("parse");
+        assert_eq!(back.mean_group, Some(12.5));
+        assert_eq!(back.requests_per_sec(), 500.0);
+        assert_eq!(back.p50_us, 1_500.0);
+        report.mean_group = None;
+        let back = CellReport::from_json(&report.json()).expect("parse");
+        assert_eq!(back.mean_group, None);
+    }
+
     /// A layer that never replays must not produce a clean number: the app
     /// without the layer, checked as if it had one.
     #[test]
