@@ -18,7 +18,9 @@
 //! short round), `--json` (one JSON object on stdout instead of the table),
 //! `--require-pg` (fail when PostgreSQL is not there: the feature is off or
 //! `IDEMSTORE_PG_URL` is not set), `--batches 10,100` (other batch sizes),
-//! `--no-handle` (without the one-message rows).
+//! `--no-handle` (without the one-message rows), `--page-log` (a row of
+//! `handle_batch` on a store file behind the page-level redo log prototype,
+//! `bench/src/pagelog.rs`: what a commit costs as one log append and sync).
 
 use idemstore_bench::inbox::{Feed, Ours, Tally};
 use idemstore_bench::peers::{self, BoxResult};
@@ -38,6 +40,9 @@ enum Side {
     Batch,
     /// `Inbox::handle_batch` on an inbox with `quick_repair(false)`.
     BatchOnePhase,
+    /// `Inbox::handle_batch` on a store file behind the page-level redo log
+    /// prototype (`--page-log`).
+    BatchPageLog,
     /// PostgreSQL, one transaction per batch.
     Postgres,
     /// idemstore's `PgInbox::handle_batch` on PostgreSQL.
@@ -50,6 +55,7 @@ impl Side {
             Side::Handle => "idemstore Inbox::handle (one message per commit)",
             Side::Batch => "idemstore Inbox::handle_batch",
             Side::BatchOnePhase => "idemstore Inbox::handle_batch, quick_repair(false)",
+            Side::BatchPageLog => "idemstore Inbox::handle_batch, page-log prototype",
             Side::Postgres => "PostgreSQL (inbox table + UPDATE, one txn per batch)",
             Side::PgInbox => "idemstore PgInbox::handle_batch (PostgreSQL)",
         }
@@ -69,9 +75,13 @@ fn cell(
     let mut credited = 0i64;
     let start = Instant::now();
     match side {
-        Side::Handle | Side::Batch | Side::BatchOnePhase => {
+        Side::Handle | Side::Batch | Side::BatchOnePhase | Side::BatchPageLog => {
             let dir = tempfile::tempdir()?;
-            let ours = Ours::open(dir.path(), side != Side::BatchOnePhase)?;
+            let ours = if side == Side::BatchPageLog {
+                Ours::open_page_logged(dir.path())?
+            } else {
+                Ours::open(dir.path(), side != Side::BatchOnePhase)?
+            };
             let mut seen = std::collections::HashSet::new();
             while start.elapsed() < duration {
                 let payments = feed.batch(batch);
@@ -180,6 +190,7 @@ fn main() -> BoxResult<()> {
     let mut require_pg = false;
     let mut batches = BATCHES.to_vec();
     let mut with_handle = true;
+    let mut page_log = false;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -200,6 +211,7 @@ fn main() -> BoxResult<()> {
                     .collect::<Result<_, _>>()?
             }
             "--no-handle" => with_handle = false,
+            "--page-log" => page_log = true,
             other => return Err(format!("unknown option {other}").into()),
         }
     }
@@ -212,6 +224,9 @@ fn main() -> BoxResult<()> {
         );
     }
     let mut sides = vec![Side::Batch, Side::BatchOnePhase];
+    if page_log {
+        sides.push(Side::BatchPageLog);
+    }
     if with_handle {
         sides.insert(0, Side::Handle);
     }
@@ -288,7 +303,10 @@ fn main() -> BoxResult<()> {
         }
         let handle = med(r, Side::Handle, 1).unwrap_or(f64::NAN);
         for &b in &batches {
-            for side in [Side::Batch, Side::BatchOnePhase] {
+            for side in [Side::Batch, Side::BatchOnePhase, Side::BatchPageLog] {
+                if !sides.contains(&side) {
+                    continue;
+                }
                 let ours = med(r, side, b).unwrap_or(f64::NAN);
                 let vs_pg = med(r, Side::Postgres, b)
                     .map(|p| format!(", {:.1}× PostgreSQL", ours / p))
