@@ -132,13 +132,16 @@ impl Ours {
         })
     }
 
-    /// The same inbox on a store whose file is behind the page-level redo
-    /// log prototype ([`crate::pagelog`]): each redb commit one frame
-    /// appended to a log and one sync of it.
+    /// The same inbox on a store with the page log
+    /// (`RedbStoreBuilder::page_log`): each redb commit one frame appended
+    /// to `<file>-pages` and one sync of it.
     pub fn open_page_logged(dir: &Path) -> BoxResult<Ours> {
-        let backend = crate::pagelog::PageLogged::create(&dir.join("inbox.idem"))?;
         Ok(Ours {
-            inbox: Inbox::new(RedbStore::builder().open_backend(backend)?),
+            inbox: Inbox::new(
+                RedbStore::builder()
+                    .page_log(true)
+                    .open(dir.join("inbox.idem"))?,
+            ),
         })
     }
 

@@ -22,7 +22,6 @@
 
 pub mod http_load;
 pub mod inbox;
-pub mod pagelog;
 pub mod peers;
 pub mod procstat;
 pub mod workload;

@@ -5,6 +5,7 @@
 use super::errors::engine;
 use super::loss::LossReport;
 use super::overlay::Overlay;
+use super::pages::{self, PageLog};
 use super::tables::{
     EXPIRY, META, META_FORMAT_VERSION, META_STORE_ID, META_TOKEN_HWM, META_WAL_BOOT,
     META_WAL_BYTES, META_WAL_EPOCH, META_WAL_STATE, RECORDS, WAL_CLOSED, WAL_OPEN, WriteTables,
@@ -201,6 +202,8 @@ pub(super) fn open_read_only(path: &Path, config: &Config) -> Result<Opened> {
         Err(std::fs::TryLockError::Error(e)) => return Err(e.into()),
     }
     let overlay = Overlay::new(file)?;
+    // The page log's run, in memory, as a writer's open would replay it.
+    pages::replay_beside(path, &overlay, true)?;
     // A missing log reads as an empty one: after a clean stop it holds
     // nothing; after an unclean one the plan refuses it, as an open would.
     let log: Box<dyn StorageBackend> = match FileLog::open_read_only(path)? {
@@ -236,12 +239,39 @@ fn open_file(path: &Path, config: &Config) -> Result<Opened> {
     } else {
         None
     };
+    // The page log, when this open uses one or an earlier one left one:
+    // locked like the store (a second writer is Locked here, before
+    // anything is replayed), and its run replayed into the store file.
+    let pages_path = pages::pages_path(path);
+    let pages_log = if config.page_log || pages_path.exists() {
+        let pages_file = open_owner_only(&pages_path)?;
+        lock_exclusive(&pages_file, path, &pages_path)?;
+        Some(::redb::backends::FileBackend::new(pages_file).map_err(|e| map_open(e, path))?)
+    } else {
+        None
+    };
     // Every open makes the directory entries durable, not only the open
     // that created them: a crash between creating (or linking) a file and
     // its directory's fsync would otherwise leave an entry that no later
     // open syncs, and a power cut could then drop the whole file.
     sync_parent(path)?;
-    let opened = open_backend(backend, log, boot_id().as_deref(), config, path);
+    let boot = boot_id();
+    let opened = match pages_log {
+        Some(pages_log) if config.page_log => {
+            let paged = PageLog::open(Box::new(backend), Box::new(pages_log))?;
+            open_backend(paged, log, boot.as_deref(), config, path)
+        }
+        Some(pages_log) => {
+            // Opened without the page log after an open with it: the run
+            // goes into the store file (synced), then the log goes.
+            pages::replay(&pages_log, &backend)?;
+            drop(pages_log);
+            std::fs::remove_file(&pages_path)?;
+            sync_parent(path)?;
+            open_backend(backend, log, boot.as_deref(), config, path)
+        }
+        None => open_backend(backend, log, boot.as_deref(), config, path),
+    };
     if opened.is_err() && !wal_existed {
         // Refused (a log that must exist does not): the empty file this
         // open made is not left behind as if it were the log.
@@ -252,6 +282,19 @@ fn open_file(path: &Path, config: &Config) -> Result<Opened> {
         opened.wal = None;
     }
     Ok(opened)
+}
+
+/// Takes `file`'s exclusive lock (the page log's: the store's own lock is
+/// redb's), or says who holds it.
+fn lock_exclusive(file: &std::fs::File, store: &Path, locked: &Path) -> Result<()> {
+    match file.try_lock() {
+        Ok(()) => Ok(()),
+        Err(std::fs::TryLockError::WouldBlock) => Err(Error::Locked {
+            path: store.display().to_string(),
+            holder: crate::holder::lock_holder(locked),
+        }),
+        Err(std::fs::TryLockError::Error(e)) => Err(e.into()),
+    }
 }
 
 /// The temporary name a new store is built under.

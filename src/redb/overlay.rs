@@ -21,6 +21,8 @@ use std::sync::Mutex;
 /// [`Overlay`]. `Ok(Err(detail))` when redb refuses the file or panics on it.
 pub(super) fn open_overlay(path: &Path) -> Result<std::result::Result<Database, String>> {
     let overlay = Overlay::new(std::fs::File::open(path)?)?;
+    // The caller holds the store (a view's shared lock, or a writer).
+    super::pages::replay_beside(path, &overlay, false)?;
     check_foreign(&overlay)?;
     Ok(
         match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {

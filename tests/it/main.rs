@@ -29,6 +29,8 @@ mod native_async;
 mod observability;
 #[cfg(all(feature = "redb", feature = "tower"))]
 mod orders_service;
+#[cfg(feature = "redb")]
+mod page_log;
 #[cfg(feature = "postgres")]
 mod postgres;
 #[cfg(feature = "postgres")]

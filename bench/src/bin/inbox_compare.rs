@@ -19,8 +19,7 @@
 //! `--require-pg` (fail when PostgreSQL is not there: the feature is off or
 //! `IDEMSTORE_PG_URL` is not set), `--batches 10,100` (other batch sizes),
 //! `--no-handle` (without the one-message rows), `--page-log` (a row of
-//! `handle_batch` on a store file behind the page-level redo log prototype,
-//! `bench/src/pagelog.rs`: what a commit costs as one log append and sync).
+//! `handle_batch` on a store with `RedbStoreBuilder::page_log(true)`).
 
 use idemstore_bench::inbox::{Feed, Ours, Tally};
 use idemstore_bench::peers::{self, BoxResult};
@@ -40,8 +39,7 @@ enum Side {
     Batch,
     /// `Inbox::handle_batch` on an inbox with `quick_repair(false)`.
     BatchOnePhase,
-    /// `Inbox::handle_batch` on a store file behind the page-level redo log
-    /// prototype (`--page-log`).
+    /// `Inbox::handle_batch` on a store with the page log (`--page-log`).
     BatchPageLog,
     /// PostgreSQL, one transaction per batch.
     Postgres,
@@ -55,7 +53,7 @@ impl Side {
             Side::Handle => "idemstore Inbox::handle (one message per commit)",
             Side::Batch => "idemstore Inbox::handle_batch",
             Side::BatchOnePhase => "idemstore Inbox::handle_batch, quick_repair(false)",
-            Side::BatchPageLog => "idemstore Inbox::handle_batch, page-log prototype",
+            Side::BatchPageLog => "idemstore Inbox::handle_batch, page_log(true)",
             Side::Postgres => "PostgreSQL (inbox table + UPDATE, one txn per batch)",
             Side::PgInbox => "idemstore PgInbox::handle_batch (PostgreSQL)",
         }

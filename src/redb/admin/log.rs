@@ -130,3 +130,14 @@ pub fn check_log(store: impl AsRef<Path>) -> Result<LogCheck> {
 pub fn log_path(store: impl AsRef<Path>) -> PathBuf {
     wal::wal_path(store.as_ref())
 }
+
+/// The page log's path beside a store file: `<name>-pages`
+/// ([`RedbStoreBuilder::page_log`](crate::redb::RedbStoreBuilder::page_log)).
+///
+/// ```
+/// use idemstore::redb::admin::page_log_path;
+/// assert_eq!(page_log_path("/data/orders.idem"), std::path::Path::new("/data/orders.idem-pages"));
+/// ```
+pub fn page_log_path(store: impl AsRef<Path>) -> PathBuf {
+    crate::redb::pages::pages_path(store.as_ref())
+}
