@@ -244,8 +244,7 @@ fn open_file(path: &Path, config: &Config) -> Result<Opened> {
     // anything is replayed), and its run replayed into the store file.
     let pages_path = pages::pages_path(path);
     let pages_log = if config.page_log || pages_path.exists() {
-        let pages_file = open_owner_only(&pages_path)?;
-        lock_exclusive(&pages_file, path, &pages_path)?;
+        let pages_file = open_locked(&pages_path, path)?;
         Some(::redb::backends::FileBackend::new(pages_file).map_err(|e| map_open(e, path))?)
     } else {
         None
@@ -265,8 +264,10 @@ fn open_file(path: &Path, config: &Config) -> Result<Opened> {
             // Opened without the page log after an open with it: the run
             // goes into the store file (synced), then the log goes.
             pages::replay(&pages_log, &backend)?;
-            drop(pages_log);
+            // Removed while still locked: an open that waits for the lock
+            // finds the name gone (see `open_locked`).
             std::fs::remove_file(&pages_path)?;
+            drop(pages_log);
             sync_parent(path)?;
             open_backend(backend, log, boot.as_deref(), config, path)
         }
@@ -282,6 +283,44 @@ fn open_file(path: &Path, config: &Config) -> Result<Opened> {
         opened.wal = None;
     }
     Ok(opened)
+}
+
+/// Opens (creating it) and exclusively locks the page log at `pages`. A
+/// page log is removed only by its lock's holder, so once the lock is ours
+/// and the name still leads to the file we locked, it is the page log; a
+/// file removed while we waited for its lock is let go and the name opened
+/// again.
+fn open_locked(pages: &Path, store: &Path) -> Result<std::fs::File> {
+    for _ in 0..8 {
+        let file = open_owner_only(pages)?;
+        lock_exclusive(&file, store, pages)?;
+        if same_file(&file, pages)? {
+            return Ok(file);
+        }
+    }
+    Err(Error::Io(std::io::Error::other(format!(
+        "{} keeps being replaced while it is opened",
+        pages.display()
+    ))))
+}
+
+/// Whether `path` names the file `file` has open.
+fn same_file(file: &std::fs::File, path: &Path) -> Result<bool> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        let held = file.metadata()?;
+        match std::fs::metadata(path) {
+            Ok(named) => Ok(held.dev() == named.dev() && held.ino() == named.ino()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(e.into()),
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = (file, path);
+        Ok(true)
+    }
 }
 
 /// Takes `file`'s exclusive lock (the page log's: the store's own lock is
