@@ -114,14 +114,14 @@ impl std::fmt::Debug for PageLog {
 /// What a replay found: frames applied (the marker not counted) and the
 /// run's epoch.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(super) struct Replayed {
-    pub(super) frames: u64,
-    pub(super) epoch: Option<u64>,
+pub(crate) struct Replayed {
+    pub(crate) frames: u64,
+    pub(crate) epoch: Option<u64>,
 }
 
 /// Applies the log's current run to `target` in order, then syncs
 /// `target` when anything was applied. Reads `log` only.
-pub(super) fn replay(log: &dyn StorageBackend, target: &dyn StorageBackend) -> Result<Replayed> {
+pub(crate) fn replay(log: &dyn StorageBackend, target: &dyn StorageBackend) -> Result<Replayed> {
     let log_len = log.len()?;
     let mut at = 0u64;
     let mut out = Replayed::default();
@@ -248,6 +248,37 @@ fn apply(target: &dyn StorageBackend, mut payload: &[u8]) -> Result<()> {
     Ok(())
 }
 
+/// One frame: header (magic, epoch, sequence number, payload length,
+/// CRC-32 of those and the payload) and payload.
+pub(crate) fn encode_frame(epoch: u64, seq: u64, payload: &[u8]) -> std::io::Result<Vec<u8>> {
+    let len = u32::try_from(payload.len()).map_err(|_| IoError::from(ErrorKind::InvalidInput))?;
+    let mut frame = Vec::with_capacity(HEADER + payload.len());
+    frame.extend_from_slice(MAGIC);
+    frame.extend_from_slice(&epoch.to_le_bytes());
+    frame.extend_from_slice(&seq.to_le_bytes());
+    frame.extend_from_slice(&len.to_le_bytes());
+    let mut crc = crc32fast::Hasher::new();
+    crc.update(&frame);
+    crc.update(payload);
+    frame.extend_from_slice(&crc.finalize().to_le_bytes());
+    frame.extend_from_slice(payload);
+    Ok(frame)
+}
+
+/// Appends a write of `data` at `offset` to a frame's payload.
+pub(crate) fn encode_write(payload: &mut Vec<u8>, offset: u64, data: &[u8]) {
+    payload.push(OP_WRITE);
+    payload.extend_from_slice(&offset.to_le_bytes());
+    payload.extend_from_slice(&(data.len() as u64).to_le_bytes());
+    payload.extend_from_slice(data);
+}
+
+/// Appends a `set_len(len)` to a frame's payload.
+pub(crate) fn encode_set_len(payload: &mut Vec<u8>, len: u64) {
+    payload.push(OP_SET_LEN);
+    payload.extend_from_slice(&len.to_le_bytes());
+}
+
 /// An epoch no frame left in the log has: after `found`, or from the clock
 /// when no run was readable.
 fn next_epoch(found: Option<u64>) -> u64 {
@@ -339,18 +370,7 @@ impl PageLog {
         (at, epoch, seq): &mut (u64, u64, u64),
         payload: &[u8],
     ) -> std::io::Result<()> {
-        let len =
-            u32::try_from(payload.len()).map_err(|_| IoError::from(ErrorKind::InvalidInput))?;
-        let mut frame = Vec::with_capacity(HEADER + payload.len());
-        frame.extend_from_slice(MAGIC);
-        frame.extend_from_slice(&epoch.to_le_bytes());
-        frame.extend_from_slice(&seq.to_le_bytes());
-        frame.extend_from_slice(&len.to_le_bytes());
-        let mut crc = crc32fast::Hasher::new();
-        crc.update(&frame);
-        crc.update(payload);
-        frame.extend_from_slice(&crc.finalize().to_le_bytes());
-        frame.extend_from_slice(payload);
+        let frame = encode_frame(*epoch, *seq, payload)?;
         self.log.write(*at, &frame)?;
         self.log.sync_data()?;
         *at += frame.len() as u64;
@@ -438,8 +458,7 @@ impl StorageBackend for PageLog {
             }
         }
         s.len = len;
-        s.pending.push(OP_SET_LEN);
-        s.pending.extend_from_slice(&len.to_le_bytes());
+        encode_set_len(&mut s.pending, len);
         Ok(())
     }
 
@@ -496,11 +515,7 @@ impl StorageBackend for PageLog {
             done += n;
         }
         s.len = s.len.max(offset + data.len() as u64);
-        s.pending.push(OP_WRITE);
-        s.pending.extend_from_slice(&offset.to_le_bytes());
-        s.pending
-            .extend_from_slice(&(data.len() as u64).to_le_bytes());
-        s.pending.extend_from_slice(data);
+        encode_write(&mut s.pending, offset, data);
         Ok(())
     }
 
