@@ -47,9 +47,9 @@
 //!
 //! [`RedbStoreBuilder::page_log`]: super::RedbStoreBuilder::page_log
 
+use super::overlay::Pages;
 use crate::error::{Error, Result};
 use ::redb::{BackendError, StorageBackend};
-use std::collections::HashMap;
 use std::io::{Error as IoError, ErrorKind};
 use std::ops::Bound;
 use std::path::{Path, PathBuf};
@@ -60,8 +60,6 @@ use std::sync::Mutex;
 /// pages kept in memory are at most about this much.
 pub const PAGE_LOG_BYTES: u64 = 32 << 20;
 
-/// The unit of the in-memory page images; redb's pages are multiples.
-const PAGE: u64 = 4096;
 const MAGIC: &[u8; 4] = b"IDPG";
 /// Magic, epoch, sequence number, payload length, CRC-32.
 const HEADER: usize = 4 + 8 + 8 + 4 + 4;
@@ -94,7 +92,7 @@ struct State {
     /// zeros: redb cut the file there since the last checkpoint.
     zero_from: u64,
     /// The latest image of every page written since the last checkpoint.
-    pages: HashMap<u64, Box<[u8]>>,
+    pages: Pages,
     /// Operations since the last sync, encoded.
     pending: Vec<u8>,
     /// Where the next frame goes.
@@ -315,7 +313,7 @@ impl PageLog {
                 len: file_len,
                 file_len,
                 zero_from: file_len,
-                pages: HashMap::new(),
+                pages: Pages::default(),
                 pending: Vec::new(),
                 at: 0,
                 epoch: replayed.epoch.unwrap_or(0),
@@ -333,10 +331,9 @@ impl PageLog {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Fills `out` from the store file at `offset`: zeros past its length
-    /// or past a cut since the last checkpoint.
-    fn read_file(&self, s: &State, offset: u64, out: &mut [u8]) -> std::io::Result<()> {
-        let valid = s.file_len.min(s.zero_from);
+    /// Fills `out` from the store file at `offset`: zeros at and past
+    /// `valid` (its length, or a cut since the last checkpoint).
+    fn read_file(&self, valid: u64, offset: u64, out: &mut [u8]) -> std::io::Result<()> {
         let n = valid.saturating_sub(offset).min(out.len() as u64) as usize;
         let (head, tail) = out.split_at_mut(n);
         if !head.is_empty() {
@@ -344,15 +341,6 @@ impl PageLog {
         }
         tail.fill(0);
         Ok(())
-    }
-
-    fn page(&self, s: &State, index: u64) -> std::io::Result<Box<[u8]>> {
-        if let Some(page) = s.pages.get(&index) {
-            return Ok(page.clone());
-        }
-        let mut page = vec![0u8; PAGE as usize].into_boxed_slice();
-        self.read_file(s, index * PAGE, &mut page)?;
-        Ok(page)
     }
 
     /// Appends `payload` as the run's next frame and syncs the log.
@@ -396,17 +384,12 @@ impl PageLog {
         if s.zero_from.min(s.file_len) != s.len {
             self.file.set_len(s.len)?;
         }
-        let mut indexes: Vec<u64> = s.pages.keys().copied().collect();
-        indexes.sort_unstable();
-        for index in indexes {
-            let at = index * PAGE;
+        for (at, page) in s.pages.in_order() {
             if at >= s.len {
                 continue;
             }
-            if let Some(page) = s.pages.get(&index) {
-                let n = (s.len - at).min(PAGE) as usize;
-                self.file.write(at, page.get(..n).unwrap_or_default())?;
-            }
+            let n = (s.len - at).min(page.len() as u64) as usize;
+            self.file.write(at, page.get(..n).unwrap_or_default())?;
         }
         self.file.sync_data()?;
         s.pages.clear();
@@ -428,34 +411,16 @@ impl StorageBackend for PageLog {
         if offset + out.len() as u64 > s.len {
             return Err(ErrorKind::UnexpectedEof.into());
         }
-        if s.pages.is_empty() {
-            return self.read_file(&s, offset, out);
-        }
-        let mut done = 0usize;
-        while done < out.len() {
-            let at = offset + done as u64;
-            let index = at / PAGE;
-            let from = (at % PAGE) as usize;
-            let n = (PAGE as usize - from).min(out.len() - done);
-            let to = out.get_mut(done..done + n).unwrap_or_default();
-            match s.pages.get(&index) {
-                Some(page) => to.copy_from_slice(page.get(from..from + n).unwrap_or_default()),
-                None => self.read_file(&s, at, to)?,
-            }
-            done += n;
-        }
-        Ok(())
+        let valid = s.file_len.min(s.zero_from);
+        s.pages
+            .read(offset, out, |at, to| self.read_file(valid, at, to))
     }
 
     fn set_len(&self, len: u64) -> std::io::Result<()> {
         let mut s = self.lock();
         if len < s.len {
             s.zero_from = s.zero_from.min(len);
-            s.pages.retain(|&index, _| index * PAGE < len);
-            let from = (len % PAGE) as usize;
-            if let Some(page) = s.pages.get_mut(&(len / PAGE)) {
-                page.get_mut(from..).unwrap_or_default().fill(0);
-            }
+            s.pages.cut(len);
         }
         s.len = len;
         encode_set_len(&mut s.pending, len);
@@ -496,24 +461,9 @@ impl StorageBackend for PageLog {
 
     fn write(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
         let mut s = self.lock();
-        let mut done = 0usize;
-        while done < data.len() {
-            let at = offset + done as u64;
-            let index = at / PAGE;
-            let from = (at % PAGE) as usize;
-            let n = (PAGE as usize - from).min(data.len() - done);
-            // A whole page needs nothing of the old one.
-            let mut page = if n == PAGE as usize {
-                vec![0u8; PAGE as usize].into_boxed_slice()
-            } else {
-                self.page(&s, index)?
-            };
-            page.get_mut(from..from + n)
-                .unwrap_or_default()
-                .copy_from_slice(data.get(done..done + n).unwrap_or_default());
-            s.pages.insert(index, page);
-            done += n;
-        }
+        let valid = s.file_len.min(s.zero_from);
+        s.pages
+            .write(offset, data, |at, to| self.read_file(valid, at, to))?;
         s.len = s.len.max(offset + data.len() as u64);
         encode_write(&mut s.pending, offset, data);
         Ok(())
