@@ -750,6 +750,36 @@ mod tests {
         assert_eq!(missing(&plain, 120), Vec::<u64>::new());
     }
 
+    /// A cut and a regrowth read zeros where the cut was, before and after
+    /// a checkpoint, and the checkpointed file agrees.
+    #[test]
+    fn a_cut_file_reads_zeros_past_the_cut() {
+        let (file, log) = (MemDisk::default(), MemDisk::default());
+        let paged =
+            PageLog::with_capacity(Box::new(file.clone()), Box::new(log), SMALL).expect("page log");
+        paged.set_len(3 * 4096).expect("grow");
+        paged.write(100, &[7u8; 9000]).expect("write");
+        paged.sync_data().expect("sync");
+        {
+            let mut s = paged.lock();
+            paged.checkpoint(&mut s).expect("checkpoint");
+        }
+        paged.set_len(4096 + 10).expect("cut");
+        paged.set_len(3 * 4096).expect("regrow");
+        let mut out = vec![1u8; 3 * 4096];
+        paged.read(0, &mut out).expect("read");
+        assert!(out.get(100..4106).expect("kept").iter().all(|&b| b == 7));
+        assert!(out.get(4106..).expect("cut").iter().all(|&b| b == 0));
+        paged.sync_data().expect("sync");
+        {
+            let mut s = paged.lock();
+            paged.checkpoint(&mut s).expect("checkpoint");
+        }
+        let mut on_disk = vec![1u8; 3 * 4096];
+        file.read(0, &mut on_disk).expect("file");
+        assert_eq!(on_disk, out);
+    }
+
     /// A sync that fails keeps what it held: the next sync writes it, in
     /// order before what came after, and the replay has both.
     #[test]
