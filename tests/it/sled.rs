@@ -37,8 +37,37 @@ fn claim(store: &SledStore, id: &str, now: idemstore::Timestamp) -> idemstore::C
 }
 
 /// Opens the raw sled database of a closed store, to inspect or damage it.
-fn raw(dir: &std::path::Path) -> ::sled::Db {
-    ::sled::open(dir).unwrap()
+fn raw(dir: &std::path::Path) -> Raw {
+    Raw(Some(::sled::open(dir).unwrap()), dir.join("db"))
+}
+
+/// The sled database under a store, opened directly. Dropped, it waits
+/// until sled has let go of its file lock: sled's own threads can hold the
+/// database a moment after the last handle goes, and a store opened in
+/// that moment is (rightly) `Locked`.
+struct Raw(Option<::sled::Db>, std::path::PathBuf);
+
+impl std::ops::Deref for Raw {
+    type Target = ::sled::Db;
+    fn deref(&self) -> &::sled::Db {
+        self.0.as_ref().unwrap()
+    }
+}
+
+impl Drop for Raw {
+    fn drop(&mut self) {
+        drop(self.0.take());
+        let Ok(file) = std::fs::File::open(&self.1) else {
+            return;
+        };
+        for _ in 0..1_000 {
+            if file.try_lock().is_ok() {
+                let _ = file.unlock();
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    }
 }
 
 /// A reopened store must replay what was DONE, keep PROCESSING leases as
