@@ -206,9 +206,9 @@ impl PgInbox {
         let task = self
             .store
             .runtime
-            .handle()
-            .spawn(self.work(key, fingerprint, handler));
-        async move { resume(task.await) }
+            .spawn_task(self.work(key, fingerprint, handler));
+        // `None`: the store's runtime shut down under it.
+        async move { task.await.unwrap_or_else(|| Err(Error::Closed.into())) }
     }
 
     fn work<E, F>(
@@ -225,18 +225,6 @@ impl PgInbox {
         let (key, fingerprint) = (key.clone(), *fingerprint);
         let (now, retention) = (self.clock.now(), self.retention);
         async move { deliver(&core, &key, &fingerprint, now, retention, handler).await }
-    }
-}
-
-/// The delivery's answer, or its panic resumed on the caller.
-fn resume<E: From<Error>>(
-    joined: Result<Result<Delivery, E>, tokio::task::JoinError>,
-) -> Result<Delivery, E> {
-    match joined {
-        Ok(answer) => answer,
-        Err(join) if join.is_panic() => std::panic::resume_unwind(join.into_panic()),
-        // The store's runtime shut down under it.
-        Err(_) => Err(Error::Closed.into()),
     }
 }
 

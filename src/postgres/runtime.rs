@@ -87,11 +87,17 @@ impl StoreRuntime {
         self.handle.spawn(async move {
             let _ = tx.send(task.await);
         });
-        match rx.recv() {
-            Ok(Ok(answer)) => Some(answer),
-            Ok(Err(join)) if join.is_panic() => std::panic::resume_unwind(join.into_panic()),
-            _ => None,
-        }
+        rx.recv().ok().and_then(joined)
+    }
+
+    /// [`block_on_task`](Self::block_on_task) as a future any executor can
+    /// await: the panic is resumed on its awaiter.
+    pub(super) fn spawn_task<T: Send + 'static>(
+        &self,
+        work: impl Future<Output = T> + Send + 'static,
+    ) -> impl Future<Output = Option<T>> + Send + 'static {
+        let task = self.handle.spawn(work);
+        async move { joined(task.await) }
     }
 
     /// Runs `work` on the store's runtime; the answer is a future that any
@@ -119,6 +125,16 @@ impl StoreRuntime {
     /// work spawned after the shutdown is dropped unrun).
     pub(super) fn handle(&self) -> Handle {
         self.handle.clone()
+    }
+}
+
+/// A task's end as its caller sees it: the answer, the task's panic
+/// resumed, or `None` when the runtime shut down under it.
+fn joined<T>(ended: std::result::Result<T, tokio::task::JoinError>) -> Option<T> {
+    match ended {
+        Ok(answer) => Some(answer),
+        Err(join) if join.is_panic() => std::panic::resume_unwind(join.into_panic()),
+        Err(_) => None,
     }
 }
 
