@@ -191,16 +191,7 @@ pub(super) fn open_read_only(path: &Path, config: &Config) -> Result<Opened> {
         ));
     }
     let file = std::fs::File::open(path)?;
-    match file.try_lock_shared() {
-        Ok(()) => {}
-        Err(std::fs::TryLockError::WouldBlock) => {
-            return Err(Error::Locked {
-                path: path.display().to_string(),
-                holder: crate::holder::lock_holder(path),
-            });
-        }
-        Err(std::fs::TryLockError::Error(e)) => return Err(e.into()),
-    }
+    try_lock(&file, Lock::Shared, path, path)?;
     let overlay = Overlay::new(file)?;
     // The page log's run, in memory, as a writer's open would replay it.
     pages::replay_beside(path, &overlay, true)?;
@@ -293,7 +284,7 @@ fn open_file(path: &Path, config: &Config) -> Result<Opened> {
 fn open_locked(pages: &Path, store: &Path) -> Result<std::fs::File> {
     for _ in 0..8 {
         let file = open_owner_only(pages)?;
-        lock_exclusive(&file, store, pages)?;
+        try_lock(&file, Lock::Exclusive, store, pages)?;
         if same_file(&file, pages)? {
             return Ok(file);
         }
@@ -323,10 +314,22 @@ fn same_file(file: &std::fs::File, path: &Path) -> Result<bool> {
     }
 }
 
-/// Takes `file`'s exclusive lock (the page log's: the store's own lock is
-/// redb's), or says who holds it.
-fn lock_exclusive(file: &std::fs::File, store: &Path, locked: &Path) -> Result<()> {
-    match file.try_lock() {
+/// How [`try_lock`] locks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Lock {
+    Shared,
+    Exclusive,
+}
+
+/// Takes `file`'s `flock` (the store file's for a read-only view, the page
+/// log's: the store's own writer lock is redb's), or says who holds it:
+/// [`Error::Locked`] naming the store, its holder read from `locked`.
+pub(super) fn try_lock(file: &std::fs::File, how: Lock, store: &Path, locked: &Path) -> Result<()> {
+    let taken = match how {
+        Lock::Shared => file.try_lock_shared(),
+        Lock::Exclusive => file.try_lock(),
+    };
+    match taken {
         Ok(()) => Ok(()),
         Err(std::fs::TryLockError::WouldBlock) => Err(Error::Locked {
             path: store.display().to_string(),

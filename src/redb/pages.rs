@@ -93,7 +93,8 @@ struct State {
     zero_from: u64,
     /// The latest image of every page written since the last checkpoint.
     pages: Pages,
-    /// Operations since the last sync, encoded.
+    /// Operations since the last sync, encoded, after [`HEADER`] bytes
+    /// reserved for their frame's header (empty when there are none).
     pending: Vec<u8>,
     /// Where the next frame goes.
     at: u64,
@@ -156,16 +157,7 @@ pub(super) fn replay_beside(
         other => other?,
     };
     if lock {
-        match file.try_lock_shared() {
-            Ok(()) => {}
-            Err(std::fs::TryLockError::WouldBlock) => {
-                return Err(Error::Locked {
-                    path: store.display().to_string(),
-                    holder: crate::holder::lock_holder(&path),
-                });
-            }
-            Err(std::fs::TryLockError::Error(e)) => return Err(e.into()),
-        }
+        super::open::try_lock(&file, super::open::Lock::Shared, store, &path)?;
     }
     let log = ::redb::backends::FileBackend::new(file)
         .map_err(|e| Error::Io(IoError::other(e.to_string())))?;
@@ -249,18 +241,38 @@ fn apply(target: &dyn StorageBackend, mut payload: &[u8]) -> Result<()> {
 /// One frame: header (magic, epoch, sequence number, payload length,
 /// CRC-32 of those and the payload) and payload.
 pub(crate) fn encode_frame(epoch: u64, seq: u64, payload: &[u8]) -> std::io::Result<Vec<u8>> {
-    let len = u32::try_from(payload.len()).map_err(|_| IoError::from(ErrorKind::InvalidInput))?;
-    let mut frame = Vec::with_capacity(HEADER + payload.len());
-    frame.extend_from_slice(MAGIC);
-    frame.extend_from_slice(&epoch.to_le_bytes());
-    frame.extend_from_slice(&seq.to_le_bytes());
-    frame.extend_from_slice(&len.to_le_bytes());
-    let mut crc = crc32fast::Hasher::new();
-    crc.update(&frame);
-    crc.update(payload);
-    frame.extend_from_slice(&crc.finalize().to_le_bytes());
+    let mut frame = vec![0u8; HEADER];
     frame.extend_from_slice(payload);
+    seal(&mut frame, epoch, seq)?;
     Ok(frame)
+}
+
+/// Fills the header of `frame`, whose first [`HEADER`] bytes are reserved
+/// for it and the rest is the payload: the payload is never copied.
+fn seal(frame: &mut [u8], epoch: u64, seq: u64) -> std::io::Result<()> {
+    let (header, payload) = frame
+        .split_at_mut_checked(HEADER)
+        .ok_or_else(|| IoError::from(ErrorKind::InvalidInput))?;
+    let len = u32::try_from(payload.len()).map_err(|_| IoError::from(ErrorKind::InvalidInput))?;
+    let mut fields = Vec::with_capacity(HEADER);
+    fields.extend_from_slice(MAGIC);
+    fields.extend_from_slice(&epoch.to_le_bytes());
+    fields.extend_from_slice(&seq.to_le_bytes());
+    fields.extend_from_slice(&len.to_le_bytes());
+    let mut crc = crc32fast::Hasher::new();
+    crc.update(&fields);
+    crc.update(payload);
+    fields.extend_from_slice(&crc.finalize().to_le_bytes());
+    header.copy_from_slice(&fields);
+    Ok(())
+}
+
+/// The state's pending operations, with their frame's header reserved.
+fn pending(s: &mut State) -> &mut Vec<u8> {
+    if s.pending.is_empty() {
+        s.pending.resize(HEADER, 0);
+    }
+    &mut s.pending
 }
 
 /// Appends a write of `data` at `offset` to a frame's payload.
@@ -277,13 +289,13 @@ pub(crate) fn encode_set_len(payload: &mut Vec<u8>, len: u64) {
     payload.extend_from_slice(&len.to_le_bytes());
 }
 
-/// An epoch no frame left in the log has: after `found`, or from the clock
-/// when no run was readable.
-fn next_epoch(found: Option<u64>) -> u64 {
+/// An epoch no frame left in the log has: above the last run's (0 when
+/// none was readable) and the clock's nanoseconds.
+fn next_epoch(last: u64) -> u64 {
     let clock = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64);
-    found.map_or(clock, |e| e.wrapping_add(1)).max(clock)
+    last.wrapping_add(1).max(clock)
 }
 
 impl PageLog {
@@ -322,7 +334,7 @@ impl PageLog {
         };
         {
             let mut s = paged.lock();
-            paged.marker(&mut s, replayed.epoch)?;
+            paged.marker(&mut s)?;
         }
         Ok(paged)
     }
@@ -343,23 +355,24 @@ impl PageLog {
         Ok(())
     }
 
-    /// Appends `payload` as the run's next frame and syncs the log.
-    fn frame(&self, s: &mut State, payload: &[u8]) -> std::io::Result<()> {
+    /// Appends an empty frame (a marker) as the run's next and syncs the log.
+    fn frame(&self, s: &mut State) -> std::io::Result<()> {
         let mut at_seq = (s.at, s.epoch, s.seq);
-        self.write_frame(&mut at_seq, payload)?;
+        self.write_frame(&mut at_seq, &mut [0u8; HEADER])?;
         (s.at, s.seq) = (at_seq.0, at_seq.2);
         Ok(())
     }
 
-    /// Writes `payload` as frame `(epoch, seq)` at `at` and syncs the log;
-    /// on success `at` and `seq` move past it.
+    /// Seals `frame` (header reserved, then payload) as frame `(epoch, seq)`,
+    /// writes it at `at` and syncs the log; on success `at` and `seq` move
+    /// past it.
     fn write_frame(
         &self,
         (at, epoch, seq): &mut (u64, u64, u64),
-        payload: &[u8],
+        frame: &mut [u8],
     ) -> std::io::Result<()> {
-        let frame = encode_frame(*epoch, *seq, payload)?;
-        self.log.write(*at, &frame)?;
+        seal(frame, *epoch, *seq)?;
+        self.log.write(*at, frame)?;
         self.log.sync_data()?;
         *at += frame.len() as u64;
         *seq += 1;
@@ -368,11 +381,11 @@ impl PageLog {
 
     /// A new run: its marker at the log's start, synced. Only once the
     /// store file holds everything the old run held.
-    fn marker(&self, s: &mut State, found: Option<u64>) -> std::io::Result<()> {
-        s.epoch = next_epoch(found.or(Some(s.epoch)));
+    fn marker(&self, s: &mut State) -> std::io::Result<()> {
+        s.epoch = next_epoch(s.epoch);
         s.seq = 0;
         s.at = 0;
-        self.frame(s, &[])
+        self.frame(s)
     }
 
     /// Every page image (and the pending writes) into the store file,
@@ -396,8 +409,7 @@ impl PageLog {
         s.pending.clear();
         s.file_len = s.len;
         s.zero_from = s.len;
-        let epoch = s.epoch;
-        self.marker(s, Some(epoch))
+        self.marker(s)
     }
 }
 
@@ -423,7 +435,7 @@ impl StorageBackend for PageLog {
             s.pages.cut(len);
         }
         s.len = len;
-        encode_set_len(&mut s.pending, len);
+        encode_set_len(pending(&mut s), len);
         Ok(())
     }
 
@@ -431,18 +443,18 @@ impl StorageBackend for PageLog {
         // One sync at a time; reads and writes go on meanwhile (the state
         // lock is not held while the frame is written and synced).
         let _syncing = self.syncing.lock().unwrap_or_else(|p| p.into_inner());
-        let (payload, mut at_seq) = {
+        let (mut frame, mut at_seq) = {
             let mut s = self.lock();
             if s.pending.is_empty() {
                 return Ok(());
             }
-            if s.at + (HEADER + s.pending.len()) as u64 > self.capacity {
+            if s.at + s.pending.len() as u64 > self.capacity {
                 return self.checkpoint(&mut s);
             }
-            let payload = std::mem::take(&mut s.pending);
-            (payload, (s.at, s.epoch, s.seq))
+            let frame = std::mem::take(&mut s.pending);
+            (frame, (s.at, s.epoch, s.seq))
         };
-        match self.write_frame(&mut at_seq, &payload) {
+        match self.write_frame(&mut at_seq, &mut frame) {
             Ok(()) => {
                 let mut s = self.lock();
                 (s.at, s.seq) = (at_seq.0, at_seq.2);
@@ -452,8 +464,9 @@ impl StorageBackend for PageLog {
                 // Not durable: put back in front of anything written since,
                 // so that a retried sync writes it again, in order.
                 let mut s = self.lock();
-                let later = std::mem::replace(&mut s.pending, payload);
-                s.pending.extend_from_slice(&later);
+                let later = std::mem::replace(&mut s.pending, frame);
+                s.pending
+                    .extend_from_slice(later.get(HEADER..).unwrap_or_default());
                 Err(e)
             }
         }
@@ -465,7 +478,7 @@ impl StorageBackend for PageLog {
         s.pages
             .write(offset, data, |at, to| self.read_file(valid, at, to))?;
         s.len = s.len.max(offset + data.len() as u64);
-        encode_write(&mut s.pending, offset, data);
+        encode_write(pending(&mut s), offset, data);
         Ok(())
     }
 
