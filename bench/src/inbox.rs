@@ -127,21 +127,18 @@ impl Ours {
     /// A fresh store in `dir` (the defaults: immediate durability), with
     /// redb's quick-repair on the inbox's commits or not.
     pub fn open(dir: &Path, quick_repair: bool) -> BoxResult<Ours> {
-        Ok(Ours {
-            inbox: Inbox::new(RedbStore::open(dir.join("inbox.idem"))?).quick_repair(quick_repair),
-        })
+        Ours::open_with(dir, quick_repair, false)
     }
 
-    /// The same inbox on a store with the page log
-    /// (`RedbStoreBuilder::page_log`): each redb commit one frame appended
+    /// [`Ours::open`], and with `page_log` the store's redb commits through
+    /// its page log (`RedbStoreBuilder::page_log`): each one frame appended
     /// to `<file>-pages` and one sync of it.
-    pub fn open_page_logged(dir: &Path) -> BoxResult<Ours> {
+    pub fn open_with(dir: &Path, quick_repair: bool, page_log: bool) -> BoxResult<Ours> {
+        let store = RedbStore::builder()
+            .page_log(page_log)
+            .open(dir.join("inbox.idem"))?;
         Ok(Ours {
-            inbox: Inbox::new(
-                RedbStore::builder()
-                    .page_log(true)
-                    .open(dir.join("inbox.idem"))?,
-            ),
+            inbox: Inbox::new(store).quick_repair(quick_repair),
         })
     }
 

@@ -75,11 +75,11 @@ fn cell(
     match side {
         Side::Handle | Side::Batch | Side::BatchOnePhase | Side::BatchPageLog => {
             let dir = tempfile::tempdir()?;
-            let ours = if side == Side::BatchPageLog {
-                Ours::open_page_logged(dir.path())?
-            } else {
-                Ours::open(dir.path(), side != Side::BatchOnePhase)?
-            };
+            let ours = Ours::open_with(
+                dir.path(),
+                side != Side::BatchOnePhase,
+                side == Side::BatchPageLog,
+            )?;
             let mut seen = std::collections::HashSet::new();
             while start.elapsed() < duration {
                 let payments = feed.batch(batch);
