@@ -54,7 +54,7 @@ fn poisoned_and_nothing_acknowledged_lost(store: RedbStore, disk: &CrashBackend)
     assert!(store.is_poisoned());
     assert!(matches!(
         store.begin(&key("c"), &Fingerprint::of(b"c"), T0, LEASE, KEEP),
-        Err(Error::Poisoned)
+        Err(Error::Poisoned { .. })
     ));
     let image = disk.power_loss_all(7);
     drop(store);
@@ -103,7 +103,7 @@ fn eio_on_a_checkpoint_commit_poisons_and_the_log_keeps_the_writes() {
     disk.fail_next(FaultOn::Write, Fault::Eio);
     let err = store.admin().checkpoint().unwrap_err();
     assert!(
-        !matches!(err, Error::Poisoned),
+        !matches!(err, Error::Poisoned { .. }),
         "the first error is the cause: {err}"
     );
     poisoned_and_nothing_acknowledged_lost(store, &disk);

@@ -538,7 +538,7 @@ fn a_failed_inbox_commit_poisons_the_store() {
         .handle(&msg_key(5), &msg_fp(&m), |txn, c| apply(txn, &m, c.token()))
         .unwrap_err();
     assert!(
-        matches!(again.downcast_ref::<Error>(), Some(Error::Poisoned)),
+        matches!(again.downcast_ref::<Error>(), Some(Error::Poisoned { .. })),
         "{again}"
     );
     let lease = Duration::from_secs(1);
@@ -546,7 +546,7 @@ fn a_failed_inbox_commit_poisons_the_store() {
         inbox
             .store()
             .begin(&msg_key(6), &msg_fp(&m), T0, lease, lease),
-        Err(Error::Poisoned)
+        Err(Error::Poisoned { .. })
     ));
 }
 

@@ -345,7 +345,7 @@ async fn a_poisoned_store_refuses_the_async_entry() {
         .begin_async(&key("b"), &fp(), T0, LEASE, KEEP)
         .unwrap()
         .await;
-    assert!(matches!(refused, Err(Error::Poisoned)));
+    assert!(matches!(refused, Err(Error::Poisoned { .. })));
     let guard = Guard::new(store);
     let out = guard
         .run_async(&key("c"), &fp(), |_| async {
@@ -354,7 +354,7 @@ async fn a_poisoned_store_refuses_the_async_entry() {
             Ok::<_, Infallible>(Response::new(200, ""))
         })
         .await;
-    assert!(matches!(out, Outcome::Unavailable(Error::Poisoned)));
+    assert!(matches!(out, Outcome::Unavailable(Error::Poisoned { .. })));
 }
 
 /// More futures than the line holds (`WRITE_QUEUE_DEPTH`) on one runtime

@@ -203,17 +203,17 @@ fn a_failed_fsync_poisons_the_store_until_reopened() {
     assert!(store.is_poisoned(), "{failed:?}");
     assert!(matches!(
         store.begin(&key("b"), &fp, T0, LEASE, KEEP),
-        Err(Error::Poisoned)
+        Err(Error::Poisoned { .. })
     ));
-    assert!(matches!(store.sweep_expired(T0, 10), Err(Error::Poisoned)));
-    assert!(matches!(store.compact(), Err(Error::Poisoned)));
+    assert!(matches!(store.sweep_expired(T0, 10), Err(Error::Poisoned { .. })));
+    assert!(matches!(store.compact(), Err(Error::Poisoned { .. })));
     // The guard fails closed: the handler does not run.
     let guard = Guard::new(Arc::clone(&store));
     let outcome = guard.run(&key("c"), &fp, |_| -> Result<Response, std::io::Error> {
         panic!("the handler must not run on a poisoned store")
     });
     assert!(
-        matches!(outcome, Outcome::Unavailable(Error::Poisoned)),
+        matches!(outcome, Outcome::Unavailable(Error::Poisoned { .. })),
         "{outcome:?}"
     );
     drop(guard);
