@@ -395,16 +395,28 @@ mod tests {
         assert_eq!(cause.message(), "input/output error");
         assert!(cause.heals());
         let refused = Error::Poisoned { cause: Some(cause) };
-        assert!(refused.to_string().starts_with("writes are refused: log append failed"));
-        assert!(refused.to_string().contains("retries with back-off"), "{refused}");
+        assert!(
+            refused
+                .to_string()
+                .starts_with("writes are refused: log append failed")
+        );
+        assert!(
+            refused.to_string().contains("retries with back-off"),
+            "{refused}"
+        );
         assert!(refused.is_transient());
         let damaged = Cause::new("recovery", None, &Error::corrupt(None, "bad page"));
         assert!(!damaged.heals());
         assert_eq!(damaged.io_kind(), None);
         assert!(damaged.to_string().contains("bad page"));
-        let refused = Error::Poisoned { cause: Some(damaged) };
+        let refused = Error::Poisoned {
+            cause: Some(damaged),
+        };
         assert!(!refused.is_transient());
-        assert!(refused.to_string().contains("cannot recover by itself"), "{refused}");
+        assert!(
+            refused.to_string().contains("cannot recover by itself"),
+            "{refused}"
+        );
         assert!(!(Error::Poisoned { cause: None }).is_transient());
     }
 

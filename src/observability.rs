@@ -236,6 +236,15 @@ pub(crate) fn healed(store: &'static str, cause: &dyn std::fmt::Display, after: 
     metrics::counter!(HEALINGS, "store" => store).increment(1);
 }
 
+/// An attempt to heal a poisoned store failed (the cause is still there);
+/// the next comes after `retry_in` doubled, at most `HEAL_BACKOFF_MAX`.
+#[cfg(feature = "redb")]
+pub(crate) fn heal_failed(store: &'static str, error: &dyn std::fmt::Display, retry_in: Duration) {
+    let _ = (store, error, retry_in);
+    #[cfg(feature = "tracing")]
+    tracing::debug!(store, error = %error, retry_in_ms = retry_in.as_millis() as u64, "store not healed yet");
+}
+
 /// A store's health changed: 0 healthy, 1 degraded, 2 failed.
 #[cfg(feature = "redb")]
 pub(crate) fn health(store: &'static str, level: u8) {

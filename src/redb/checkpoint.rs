@@ -58,7 +58,10 @@ pub(super) fn run(shared: Arc<Shared>) {
             drop(bg);
             backoff = match shared.heal() {
                 Ok(()) => HEAL_BACKOFF_MIN,
-                Err(_) => (backoff * 2).min(HEAL_BACKOFF_MAX),
+                Err(e) => {
+                    crate::observability::heal_failed("redb", &e, backoff);
+                    (backoff * 2).min(HEAL_BACKOFF_MAX)
+                }
             };
             bg = shared.lock_bg();
             shared.bg_cv.notify_all();

@@ -97,11 +97,7 @@ impl StorageBackend for SharedBackend {
     ) -> Result<(), ::redb::BackendError> {
         self.0.lock_shared_range(start, end)
     }
-    fn unlock_range(
-        &self,
-        start: Bound<u64>,
-        end: Bound<u64>,
-    ) -> Result<(), ::redb::BackendError> {
+    fn unlock_range(&self, start: Bound<u64>, end: Bound<u64>) -> Result<(), ::redb::BackendError> {
         self.0.unlock_range(start, end)
     }
     fn query_lock_range(
@@ -130,7 +126,10 @@ impl Shared {
             Ok(meta) => meta,
             Err(e) => return Err(self.unhealed(&mut engine, e)),
         };
-        let name = self.path.clone().unwrap_or_else(|| "<storage backend>".into());
+        let name = self
+            .path
+            .clone()
+            .unwrap_or_else(|| "<storage backend>".into());
         let recovered = match core.wal.as_ref().map(super::wal::Wal::file) {
             Some(file) => {
                 super::open::heal_log(&engine.db, file, &meta, &self.heal_config, &name).map(Some)

@@ -146,6 +146,8 @@ impl Shared {
             }
             self.health.poisoned.store(true, Ordering::SeqCst);
         }
+        // The background thread heals; it may be asleep for long.
+        self.wake_background();
         match error {
             Error::Io(e) => Error::Io(std::io::Error::new(e.kind(), cause.to_string())),
             other => other,
@@ -170,12 +172,7 @@ impl Shared {
     /// Whether the background thread should try to heal: poisoned by a
     /// cause that may go away.
     pub(super) fn heals(&self) -> bool {
-        self.is_poisoned()
-            && self
-                .health
-                .lock()
-                .as_ref()
-                .is_none_or(|f| f.cause.heals())
+        self.is_poisoned() && self.health.lock().as_ref().is_none_or(|f| f.cause.heals())
     }
 
     /// Writes are accepted again (the store healed).

@@ -429,7 +429,11 @@ impl RedbStoreBuilder {
         pages: impl ::redb::StorageBackend,
     ) -> Result<RedbStore> {
         self.config.page_log = true;
-        self.open_backends(Arc::new(backend), Some(Box::new(log)), Some(Arc::new(pages)))
+        self.open_backends(
+            Arc::new(backend),
+            Some(Box::new(log)),
+            Some(Arc::new(pages)),
+        )
     }
 
     /// The three `open_backend*`: the store's backends are kept (shared

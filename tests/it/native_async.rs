@@ -9,7 +9,7 @@ use idemstore::{
 };
 use idemstore_testkit::BlockingOnly;
 use idemstore_testkit::conformance::T0;
-use idemstore_testkit::crash::{CrashBackend, Fault, FaultOn};
+use idemstore_testkit::crash::CrashBackend;
 use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;
@@ -334,7 +334,8 @@ async fn a_poisoned_store_refuses_the_async_entry() {
     let store = RedbStore::builder()
         .open_backend_with_log(disk.clone(), log.clone())
         .unwrap();
-    log.fail_next(FaultOn::Write, Fault::Eio);
+    // A full disk that stays full: the store stays poisoned.
+    disk.set_disk_full(true);
     let failed = store
         .begin_async(&key("a"), &fp(), T0, LEASE, KEEP)
         .unwrap()
