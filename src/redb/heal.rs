@@ -5,7 +5,7 @@
 //! a database after an I/O error of its own (`PreviousIo`) until it is
 //! opened again. So a heal does what an open does, inside the running
 //! store, under the commit lock and the database's write lock (no group
-//! commits, no transaction is live):
+//! commits, no transaction is live, reads wait):
 //!
 //! 1. the old engine is closed first (its file locks must go before the
 //!    files are opened again; an empty in-memory stand-in marked unusable
@@ -119,7 +119,11 @@ fn stand_in() -> Result<Database> {
 impl Shared {
     /// One attempt to heal a poisoned store (see the module docs).
     pub(super) fn heal(&self) -> Result<()> {
+        // The documented lock order: the commit lock, the memtable, the
+        // database. Reads wait for the attempt (bounded: one reopen and
+        // one replay of the log).
         let mut core = self.lock_core();
+        let mut mem = self.write_mem();
         let mut engine = self.write_db();
         self.reopen(&mut engine)?;
         let meta = match self.reopened_meta(&engine.db) {
@@ -151,15 +155,14 @@ impl Shared {
         }
         core.unflushed = false;
         core.last_durable = Instant::now();
-        {
-            let mut mem = self.write_mem();
-            mem.active.clear();
-            mem.active_bytes = 0;
-            mem.frozen = None;
-        }
+        // Every record the memtable held is in the store file now.
+        mem.active.clear();
+        mem.active_bytes = 0;
+        mem.frozen = None;
         self.log_unsynced.store(false, Ordering::SeqCst);
         self.start_memtable_clock();
         drop(engine);
+        drop(mem);
         self.healthy_again();
         Ok(())
     }
