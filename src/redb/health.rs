@@ -34,9 +34,13 @@ pub const HEAL_BACKOFF_MIN: Duration = Duration::from_millis(10);
 /// about this long after the cause of its failure went away.
 ///
 /// ```
-/// assert_eq!(idemstore::redb::HEAL_BACKOFF_MAX, std::time::Duration::from_millis(500));
+/// Each attempt reopens the engine and replays the log (up to a segment):
+/// at this rate a cause that lasts costs a few percent of a core.
+///
 /// ```
-pub const HEAL_BACKOFF_MAX: Duration = Duration::from_millis(500);
+/// assert_eq!(idemstore::redb::HEAL_BACKOFF_MAX, std::time::Duration::from_secs(1));
+/// ```
+pub const HEAL_BACKOFF_MAX: Duration = Duration::from_secs(1);
 
 /// Whether a [`RedbStore`](crate::RedbStore) is writing, and if not, why.
 ///
