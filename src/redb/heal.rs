@@ -109,6 +109,21 @@ impl StorageBackend for SharedBackend {
     }
 }
 
+/// Free space a full disk must gain before the next attempt to heal.
+const FREED_BYTES: u64 = 64 * 1024;
+
+/// Longest wait for free space to grow before a full disk's heal is tried
+/// anyway.
+const RETRY_ANYWAY: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// What the last failed attempt to heal saw (only the background thread
+/// heals; the lock is never contended).
+#[derive(Debug, Default)]
+pub(super) struct Attempts {
+    last: Option<Instant>,
+    free_at_last: Option<u64>,
+}
+
 /// The empty engine that holds a closed one's place.
 fn stand_in() -> Result<Database> {
     Database::builder()
@@ -125,10 +140,20 @@ impl Shared {
         let mut core = self.lock_core();
         let mut mem = self.write_mem();
         let mut engine = self.write_db();
-        self.reopen(&mut engine)?;
+        let mut attempts = self.lock_attempts();
+        if !self.worth_an_attempt(&mut attempts) {
+            return Err(self.poisoned_error());
+        }
+        if let Err(e) = self.reopen(&mut engine) {
+            self.attempted(&mut attempts);
+            return Err(e);
+        }
         let meta = match self.reopened_meta(&engine.db) {
             Ok(meta) => meta,
-            Err(e) => return Err(self.unhealed(&mut engine, e)),
+            Err(e) => {
+                self.attempted(&mut attempts);
+                return Err(self.unhealed(&mut engine, e));
+            }
         };
         let name = self
             .path
@@ -144,8 +169,13 @@ impl Shared {
         };
         let wal = match recovered {
             Ok(wal) => wal,
-            Err(e) => return Err(self.unhealed(&mut engine, e)),
+            Err(e) => {
+                let e = self.unhealed(&mut engine, e);
+                self.attempted(&mut attempts);
+                return Err(e);
+            }
         };
+        *attempts = Attempts::default();
         let hwm = self
             .reopened_meta(&engine.db)
             .map_or(meta.token_hwm, |m| m.token_hwm);
@@ -167,6 +197,33 @@ impl Shared {
         Ok(())
     }
 
+    /// Whether an attempt is worth making: after a full disk, only once the
+    /// store file's filesystem has more room than at the last failed
+    /// attempt (one `statvfs` instead of a replay of the log that would
+    /// fail again), or after [`RETRY_ANYWAY`] in case the free space does
+    /// not tell (quotas, reserved blocks). True for every other cause, and
+    /// where the free space cannot be read.
+    fn worth_an_attempt(&self, state: &mut Attempts) -> bool {
+        let full = self.health_cause_kind() == Some(std::io::ErrorKind::StorageFull);
+        let (Some(path), true) = (&self.path, full) else {
+            return true;
+        };
+        let Some(free) = free_bytes(path) else {
+            return true;
+        };
+        let grew = state
+            .free_at_last
+            .is_none_or(|before| free > before.saturating_add(FREED_BYTES));
+        let stale = state.last.is_none_or(|at| at.elapsed() >= RETRY_ANYWAY);
+        grew || stale
+    }
+
+    /// After a failed attempt: what the next one compares with.
+    fn attempted(&self, state: &mut Attempts) {
+        state.last = Some(Instant::now());
+        state.free_at_last = self.path.as_deref().and_then(free_bytes);
+    }
+
     /// Closes the engine and opens it again from the files. On failure the
     /// stand-in stays, marked unusable.
     fn reopen(&self, engine: &mut Engine) -> Result<()> {
@@ -177,6 +234,10 @@ impl Shared {
         engine.db = db;
         engine.usable = true;
         Ok(())
+    }
+
+    fn lock_attempts(&self) -> std::sync::MutexGuard<'_, Attempts> {
+        self.attempts.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn reopened_meta(&self, db: &Database) -> Result<super::open::MetaEntries> {
@@ -191,6 +252,22 @@ impl Shared {
         let _ = self.reopen(engine);
         error
     }
+}
+
+/// Bytes an unprivileged writer may still use on `path`'s filesystem.
+#[cfg(unix)]
+fn free_bytes(path: &std::path::Path) -> Option<u64> {
+    let dir = match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => std::path::Path::new("."),
+    };
+    let fs = rustix::fs::statvfs(dir).ok()?;
+    Some(fs.f_bavail.saturating_mul(fs.f_frsize))
+}
+
+#[cfg(not(unix))]
+fn free_bytes(_path: &std::path::Path) -> Option<u64> {
+    None
 }
 
 /// A durable commit of the token high-water mark.

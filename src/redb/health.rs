@@ -179,6 +179,11 @@ impl Shared {
         self.is_poisoned() && self.health.lock().as_ref().is_none_or(|f| f.cause.heals())
     }
 
+    /// The I/O kind of the failure being healed.
+    pub(super) fn health_cause_kind(&self) -> Option<std::io::ErrorKind> {
+        self.health.lock().as_ref().and_then(|f| f.cause.io_kind())
+    }
+
     /// Writes are accepted again (the store healed).
     pub(super) fn healthy_again(&self) {
         let mut fault = self.health.lock();

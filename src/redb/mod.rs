@@ -135,6 +135,8 @@ struct Shared {
     health: health::HealthCell,
     /// Where a heal reopens the engine from (heal.rs).
     source: heal::Source,
+    /// What the last failed attempt to heal saw.
+    attempts: Mutex<heal::Attempts>,
     /// The options a heal reopens with (no lease ended, nothing verified).
     heal_config: Config,
     /// The store's clock (when a failure happened).
@@ -184,6 +186,7 @@ impl Shared {
             }),
             health: health::HealthCell::default(),
             source: opened.source,
+            attempts: Mutex::new(heal::Attempts::default()),
             heal_config: Config {
                 recovery: RecoveryPolicy::WaitForLease,
                 verify_on_open: false,
