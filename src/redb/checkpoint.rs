@@ -24,9 +24,9 @@ use super::memtable::Frozen;
 use super::tables::{META, META_TOKEN_HWM, META_WAL_EPOCH, WriteTables};
 use super::{Durability, Shared};
 use crate::error::{Error, Result};
-use std::sync::Arc;
-use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
+use crate::sync::atomic::Ordering;
+use crate::sync::{Arc, Instant};
+use std::time::Duration;
 
 /// The thread's body: runs until the store is dropped (after writing out a
 /// frozen memtable that is still waiting) or poisoned.

@@ -49,13 +49,13 @@ use crate::fingerprint::Fingerprint;
 use crate::logic;
 use crate::record::{Begin, Claim, Record};
 use crate::response::Response;
+use crate::sync::atomic::Ordering;
+use crate::sync::{Arc, Condvar, Instant, Mutex, MutexGuard};
 use crate::time::Timestamp;
 use ::redb::{ReadableDatabase, WriteTransaction};
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::atomic::Ordering;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// A write, as queued. Keys are already encoded.
 #[derive(Debug)]
