@@ -979,7 +979,10 @@ pub(super) mod tests {
             ));
         });
         let ticked = rx.recv_timeout(Duration::from_secs(10));
-        assert!(matches!(ticked, Ok(Ok(()))), "the tick hung: {ticked:?}");
+        assert!(
+            matches!(ticked, Ok(Ok(super::super::checkpoint::Tick::Done))),
+            "the tick hung: {ticked:?}"
+        );
         // The commit lock is free: a writer gets through.
         assert!(shared.try_lock_core().is_some());
     }
