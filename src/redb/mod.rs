@@ -54,6 +54,8 @@ mod open;
 mod options;
 mod overlay;
 pub(crate) mod pages;
+#[cfg(all(test, shuttle))]
+mod shuttle_tests;
 mod stats;
 mod tables;
 mod wal;
