@@ -50,13 +50,13 @@ use crate::fingerprint::Fingerprint;
 use crate::logic;
 use crate::record::{Begin, Claim, Record};
 use crate::response::Response;
+use crate::sync::atomic::Ordering;
+use crate::sync::{Arc, Condvar, Instant, Mutex, MutexGuard};
 use crate::time::Timestamp;
 use ::redb::{ReadableDatabase, WriteTransaction};
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::atomic::Ordering;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// A write, as queued. Keys are already encoded.
 #[derive(Debug)]
@@ -974,7 +974,10 @@ pub(super) mod tests {
             ));
         });
         let ticked = rx.recv_timeout(Duration::from_secs(10));
-        assert!(matches!(ticked, Ok(Ok(()))), "the tick hung: {ticked:?}");
+        assert!(
+            matches!(ticked, Ok(Ok(super::super::checkpoint::Tick::Done))),
+            "the tick hung: {ticked:?}"
+        );
         // The commit lock is free: a writer gets through.
         assert!(shared.try_lock_core().is_some());
     }

@@ -30,12 +30,12 @@ use super::errors::engine;
 use super::tables::{META, META_TOKEN_HWM};
 use super::{Engine, Shared};
 use crate::error::{Error, Result};
+use crate::sync::atomic::Ordering;
+use crate::sync::{Instant, MutexGuard};
 use ::redb::{Database, ReadableDatabase, StorageBackend};
 use std::ops::Bound;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
-use std::time::Instant;
 
 /// Where a heal reopens the engine from.
 pub(super) enum Source {
@@ -236,7 +236,7 @@ impl Shared {
         Ok(())
     }
 
-    fn lock_attempts(&self) -> std::sync::MutexGuard<'_, Attempts> {
+    fn lock_attempts(&self) -> MutexGuard<'_, Attempts> {
         self.attempts.lock().unwrap_or_else(|p| p.into_inner())
     }
 

@@ -17,9 +17,9 @@
 
 use super::Shared;
 use crate::error::{Cause, Error};
+use crate::sync::atomic::{AtomicBool, Ordering};
+use crate::sync::{Mutex, MutexGuard};
 use crate::time::Timestamp;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 /// First wait before the background thread tries to heal a store whose
