@@ -420,8 +420,7 @@ impl Shared {
             .largest_batch
             .fetch_max(ops.len() as u64, Ordering::Relaxed);
         let mut core = self.lock_core();
-        if self.is_poisoned() {
-            let refused = self.poisoned_error();
+        if let Err(refused) = self.check_healthy() {
             return ops.iter().map(|_| Err(refused.replicate())).collect();
         }
         let result = if core.wal.is_some() {
@@ -430,7 +429,17 @@ impl Shared {
             self.commit_direct(&mut core, ops)
         };
         match result {
-            Ok(answers) => answers,
+            Ok(answers) => {
+                // A request that failed on an I/O error of the engine's
+                // (a read while deciding) leaves redb refusing every later
+                // use until it is reopened: the store heals.
+                if let Some(Err(e @ Error::Io(_))) =
+                    answers.iter().find(|a| matches!(a, Err(Error::Io(_))))
+                {
+                    self.fail("read", On::Store, e.replicate());
+                }
+                answers
+            }
             Err(error) => ops.iter().map(|_| Err(error.replicate())).collect(),
         }
     }

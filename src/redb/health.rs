@@ -166,11 +166,19 @@ impl Shared {
     }
 
     /// [`Err`] of [`poisoned_error`](Self::poisoned_error) while poisoned.
+    /// The flag and the cause are set and cleared together under the
+    /// cause's lock, so a write that races the end of a heal is either
+    /// refused with the cause or let through, never refused without one.
     pub(super) fn check_healthy(&self) -> crate::error::Result<()> {
-        if self.is_poisoned() {
-            return Err(self.poisoned_error());
+        if !self.is_poisoned() {
+            return Ok(());
         }
-        Ok(())
+        match &*self.health.lock() {
+            Some(fault) => Err(Error::Poisoned {
+                cause: Some(fault.cause.clone()),
+            }),
+            None => Ok(()),
+        }
     }
 
     /// Whether the background thread should try to heal: poisoned by a
@@ -187,12 +195,12 @@ impl Shared {
     /// Writes are accepted again (the store healed).
     pub(super) fn healthy_again(&self) {
         let mut fault = self.health.lock();
+        self.health.poisoned.store(false, Ordering::SeqCst);
         if let Some(fault) = fault.take() {
             let since = fault.since.until(self.clock.now());
             crate::observability::healed("redb", &fault.cause, since);
             crate::observability::health("redb", 0);
         }
-        self.health.poisoned.store(false, Ordering::SeqCst);
     }
 
     /// The store's health.
