@@ -66,8 +66,14 @@ pub enum Error {
         supported: u32,
     },
     /// A previous commit or fsync failed, so whether it reached the disk is
-    /// unknown. The store refuses further writes until it is reopened.
-    Poisoned,
+    /// unknown: the store refuses writes until it has recovered. A
+    /// `RedbStore` recovers by itself once the cause is gone (space freed,
+    /// a transient I/O error), as an open would, and reads go on meanwhile;
+    /// see `RedbStore::health`. Other stores are reopened.
+    Poisoned {
+        /// The failure that stopped the writes, when the store knows it.
+        cause: Option<Cause>,
+    },
     /// The store file is held by another open store (in this or another
     /// process). Nothing was read or written.
     Locked {
@@ -110,7 +116,9 @@ impl Error {
     pub(crate) fn replicate(&self) -> Error {
         match self {
             Error::Io(e) => Error::Io(std::io::Error::new(e.kind(), e.to_string())),
-            Error::Poisoned => Error::Poisoned,
+            Error::Poisoned { cause } => Error::Poisoned {
+                cause: cause.clone(),
+            },
             Error::Closed => Error::Closed,
             Error::Corrupt { key, detail } => Error::corrupt(key.clone(), detail.clone()),
             other => Error::backend(other.to_string()),
@@ -150,7 +158,31 @@ impl Error {
     /// assert!(Error::backend("timeout").is_transient());
     /// ```
     pub fn is_transient(&self) -> bool {
-        matches!(self, Error::Io(_) | Error::Backend(_))
+        match self {
+            Error::Io(_) | Error::Backend(_) => true,
+            // A store that heals by itself: writes come back without a restart.
+            Error::Poisoned { cause: Some(cause) } => cause.heals(),
+            _ => false,
+        }
+    }
+
+    /// The [`std::io::ErrorKind`] of an I/O failure: of an [`Error::Io`], or
+    /// of the failure that poisoned the store ([`Error::Poisoned`]'s
+    /// cause). `StorageFull` is a full disk (ENOSPC, EDQUOT).
+    ///
+    /// ```
+    /// use idemstore::Error;
+    /// use std::io::{self, ErrorKind};
+    /// let full = Error::from(io::Error::new(ErrorKind::StorageFull, "no space left on device"));
+    /// assert_eq!(full.io_kind(), Some(ErrorKind::StorageFull));
+    /// assert_eq!(Error::StaleClaim.io_kind(), None);
+    /// ```
+    pub fn io_kind(&self) -> Option<std::io::ErrorKind> {
+        match self {
+            Error::Io(e) => Some(e.kind()),
+            Error::Poisoned { cause: Some(cause) } => cause.io_kind(),
+            _ => None,
+        }
     }
 }
 
@@ -178,8 +210,11 @@ impl fmt::Display for Error {
                 "unsupported format version {found} (this build reads up to version {supported}); \
                  upgrade idemstore or open a different file"
             ),
-            Error::Poisoned => {
+            Error::Poisoned { cause: None } => {
                 f.write_str("store poisoned by an earlier failed commit or fsync; reopen the store")
+            }
+            Error::Poisoned { cause: Some(cause) } => {
+                write!(f, "writes are refused: {cause}; {}", cause.advice())
             }
             Error::Locked {
                 path,
@@ -224,6 +259,113 @@ impl From<std::io::Error> for Error {
     }
 }
 
+/// Why a store stopped writing: the first failure of a commit, a sync or
+/// a checkpoint, kept so that every later refusal
+/// ([`Error::Poisoned`]) and the store's health say what it was, on
+/// which file, during what, and not only that something failed.
+///
+/// ```
+/// use idemstore::{Cause, Error};
+/// use std::io::{self, ErrorKind};
+/// let full = io::Error::new(ErrorKind::StorageFull, "no space left on device");
+/// let cause = Cause::new("checkpoint", Some("/var/lib/app/orders.idem"), &Error::Io(full));
+/// assert_eq!(cause.io_kind(), Some(ErrorKind::StorageFull));
+/// assert_eq!(cause.during(), "checkpoint");
+/// assert_eq!(
+///     cause.to_string(),
+///     "checkpoint failed: no space left on device, on /var/lib/app/orders.idem"
+/// );
+/// let refused = Error::Poisoned { cause: Some(cause) };
+/// assert!(refused.to_string().contains("resume by themselves once space is freed"), "{refused}");
+/// assert_eq!(refused.io_kind(), Some(ErrorKind::StorageFull));
+/// ```
+#[derive(Clone, Debug)]
+pub struct Cause(std::sync::Arc<CauseInner>);
+
+#[derive(Debug)]
+struct CauseInner {
+    during: &'static str,
+    path: Option<String>,
+    io_kind: Option<std::io::ErrorKind>,
+    message: String,
+    heals: bool,
+}
+
+impl Cause {
+    /// The cause `error` gives, met `during` an operation (`"log append"`,
+    /// `"checkpoint"`, ...) on the file at `path`. Damage
+    /// ([`Error::Corrupt`], [`Error::UnsupportedFormat`]) does not heal by
+    /// itself; an I/O or engine error may.
+    pub fn new(during: &'static str, path: Option<&str>, error: &Error) -> Cause {
+        let (io_kind, message) = match error {
+            // The operating system's text, without our "I/O error: " prefix.
+            Error::Io(e) => (Some(e.kind()), e.to_string()),
+            Error::Poisoned { cause: Some(c) } => (c.io_kind(), c.0.message.clone()),
+            other => (None, other.to_string()),
+        };
+        let heals = !matches!(
+            error,
+            Error::Corrupt { .. } | Error::UnsupportedFormat { .. }
+        );
+        Cause(std::sync::Arc::new(CauseInner {
+            during,
+            path: path.map(str::to_owned),
+            io_kind,
+            message,
+            heals,
+        }))
+    }
+
+    /// What was being done: `"log append"`, `"checkpoint"`, `"commit"`,
+    /// `"read"`, `"recovery"`, ...
+    pub fn during(&self) -> &'static str {
+        self.0.during
+    }
+
+    /// The file the failure was met on, when known.
+    pub fn path(&self) -> Option<&str> {
+        self.0.path.as_deref()
+    }
+
+    /// The failure's [`std::io::ErrorKind`], for an I/O failure
+    /// (`StorageFull` for a full disk).
+    pub fn io_kind(&self) -> Option<std::io::ErrorKind> {
+        self.0.io_kind
+    }
+
+    /// The failure's own message (the operating system's, the engine's).
+    pub fn message(&self) -> &str {
+        &self.0.message
+    }
+
+    /// Whether the store may recover by itself once this cause is gone
+    /// (false for damage, which needs an operator).
+    pub fn heals(&self) -> bool {
+        self.0.heals
+    }
+
+    /// What the operator (or the caller) can expect or do.
+    pub(crate) fn advice(&self) -> &'static str {
+        if !self.heals() {
+            "the store cannot recover by itself: see docs/operations.md (verify, salvage)"
+        } else if self.io_kind() == Some(std::io::ErrorKind::StorageFull) {
+            "writes resume by themselves once space is freed"
+        } else {
+            "the store retries with back-off and resumes writing by itself once the cause is gone"
+        }
+    }
+}
+
+impl fmt::Display for Cause {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} failed: {}", self.0.during, self.0.message)?;
+        if let Some(path) = &self.0.path {
+            write!(f, ", on {path}")?;
+        }
+        Ok(())
+    }
+}
+
 /// `Result` with [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -238,6 +380,44 @@ mod tests {
         assert!(err.source().is_some());
         assert!(err.to_string().contains("disk full"));
         assert!(err.is_transient());
+    }
+
+    #[test]
+    fn a_cause_names_the_operation_the_file_and_the_kind() {
+        let eio = Error::from(std::io::Error::other("input/output error"));
+        let cause = Cause::new("log append", Some("/d/s.idem-wal"), &eio);
+        assert_eq!(
+            cause.to_string(),
+            "log append failed: input/output error, on /d/s.idem-wal"
+        );
+        assert_eq!(cause.io_kind(), Some(std::io::ErrorKind::Other));
+        assert_eq!(cause.path(), Some("/d/s.idem-wal"));
+        assert_eq!(cause.message(), "input/output error");
+        assert!(cause.heals());
+        let refused = Error::Poisoned { cause: Some(cause) };
+        assert!(
+            refused
+                .to_string()
+                .starts_with("writes are refused: log append failed")
+        );
+        assert!(
+            refused.to_string().contains("retries with back-off"),
+            "{refused}"
+        );
+        assert!(refused.is_transient());
+        let damaged = Cause::new("recovery", None, &Error::corrupt(None, "bad page"));
+        assert!(!damaged.heals());
+        assert_eq!(damaged.io_kind(), None);
+        assert!(damaged.to_string().contains("bad page"));
+        let refused = Error::Poisoned {
+            cause: Some(damaged),
+        };
+        assert!(!refused.is_transient());
+        assert!(
+            refused.to_string().contains("cannot recover by itself"),
+            "{refused}"
+        );
+        assert!(!(Error::Poisoned { cause: None }).is_transient());
     }
 
     #[test]
@@ -259,7 +439,14 @@ mod tests {
         assert!(matches!(&copy, Error::Io(e) if e.kind() == std::io::ErrorKind::StorageFull));
         assert_eq!(copy.to_string(), io.to_string());
         assert_eq!(copy.is_transient(), io.is_transient());
-        assert!(matches!(Error::Poisoned.replicate(), Error::Poisoned));
+        assert!(matches!(
+            (Error::Poisoned { cause: None }).replicate(),
+            Error::Poisoned { cause: None }
+        ));
+        let cause = Cause::new("checkpoint", Some("/s"), &io);
+        let poisoned = Error::Poisoned { cause: Some(cause) }.replicate();
+        assert_eq!(poisoned.io_kind(), Some(std::io::ErrorKind::StorageFull));
+        assert!(poisoned.is_transient());
         assert!(matches!(Error::Closed.replicate(), Error::Closed));
         let corrupt = Error::corrupt(Some("t/o".into()), "bad crc");
         assert_eq!(corrupt.replicate().to_string(), corrupt.to_string());

@@ -137,7 +137,7 @@ pub use crate::postgres::PostgresStore;
 pub use crate::redb::RedbStore;
 #[cfg(feature = "sled")]
 pub use crate::sled::SledStore;
-pub use error::{BoxError, Error, Result};
+pub use error::{BoxError, Cause, Error, Result};
 pub use fingerprint::Fingerprint;
 pub use guard::{Guard, GuardBuilder, GuardStats, OnHandlerError, Outcome, TakeoverPolicy};
 pub use key::Key;

@@ -51,6 +51,12 @@ pub const SWEPT_RECORDS: &str = "idemstore_swept_records_total";
 /// Counter: stores that refused all further writes after a failed commit or
 /// fsync (poisoning).
 pub const POISONINGS: &str = "idemstore_poisoned_total";
+/// Counter: stores that healed by themselves after a failed write (the
+/// cause went away; `RedbStore`).
+pub const HEALINGS: &str = "idemstore_healed_total";
+/// Gauge: a store's health, 0 healthy, 1 degraded (writes refused while it
+/// heals), 2 failed (needs an operator); label `store` (`RedbStore`).
+pub const STORE_HEALTH: &str = "idemstore_store_health";
 
 use std::time::Duration;
 
@@ -215,9 +221,36 @@ fn store_call(op: &'static str, took: Duration) {
 pub(crate) fn poisoned(store: &'static str, why: &dyn std::fmt::Display) {
     let _ = (store, why);
     #[cfg(feature = "tracing")]
-    tracing::error!(store, error = %why, "store poisoned: it refuses writes until reopened");
+    tracing::error!(store, error = %why, "store poisoned: it refuses writes until it heals");
     #[cfg(feature = "metrics")]
     metrics::counter!(POISONINGS, "store" => store).increment(1);
+}
+
+/// A store that was poisoned by `cause` writes again, `after` it failed.
+#[cfg(feature = "redb")]
+pub(crate) fn healed(store: &'static str, cause: &dyn std::fmt::Display, after: Duration) {
+    let _ = (store, cause, after);
+    #[cfg(feature = "tracing")]
+    tracing::warn!(store, cause = %cause, after_ms = after.as_millis() as u64, "store healed: it writes again");
+    #[cfg(feature = "metrics")]
+    metrics::counter!(HEALINGS, "store" => store).increment(1);
+}
+
+/// An attempt to heal a poisoned store failed (the cause is still there);
+/// the next comes after `retry_in` doubled, at most `HEAL_BACKOFF_MAX`.
+#[cfg(feature = "redb")]
+pub(crate) fn heal_failed(store: &'static str, error: &dyn std::fmt::Display, retry_in: Duration) {
+    let _ = (store, error, retry_in);
+    #[cfg(feature = "tracing")]
+    tracing::debug!(store, error = %error, retry_in_ms = retry_in.as_millis() as u64, "store not healed yet");
+}
+
+/// A store's health changed: 0 healthy, 1 degraded, 2 failed.
+#[cfg(feature = "redb")]
+pub(crate) fn health(store: &'static str, level: u8) {
+    let _ = (store, level);
+    #[cfg(feature = "metrics")]
+    metrics::gauge!(STORE_HEALTH, "store" => store).set(f64::from(level));
 }
 
 /// A sweep removed `removed` records.

@@ -11,7 +11,12 @@
 //! the other segment and a new active memtable.
 //!
 //! A failed checkpoint poisons the store: the frozen records are still in
-//! the log (its segment is never reused), so a reopen replays them.
+//! the log (its segment is never reused), so a reopen replays them. The
+//! thread then stops checkpointing and heals the store instead (heal.rs),
+//! with back-off between attempts ([`HEAL_BACKOFF_MIN`] doubling to
+//! [`HEAL_BACKOFF_MAX`]), sleeping on the condition variable in between: a
+//! failure that persists costs one attempt per back-off, never a spinning
+//! core, and a drop wakes it at once and ends it.
 //!
 //! The thread also freezes the active memtable when it is older than the
 //! checkpoint interval (so an idle store does not keep its records in the
@@ -20,6 +25,7 @@
 //! window.
 
 use super::errors::engine;
+use super::health::{HEAL_BACKOFF_MAX, HEAL_BACKOFF_MIN, On};
 use super::memtable::Frozen;
 use super::tables::{META, META_TOKEN_HWM, META_WAL_EPOCH, WriteTables};
 use super::{Durability, Shared};
@@ -29,11 +35,38 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 /// The thread's body: runs until the store is dropped (after writing out a
-/// frozen memtable that is still waiting) or poisoned.
+/// frozen memtable that is still waiting, when it can) or fails for good.
 pub(super) fn run(shared: Arc<Shared>) {
     let mut last_sync = Instant::now();
+    let mut backoff = HEAL_BACKOFF_MIN;
     let mut bg = shared.lock_bg();
     loop {
+        if shared.is_poisoned() {
+            // Wake anyone waiting for a checkpoint that will not come.
+            shared.bg_cv.notify_all();
+            if bg.shutdown || !shared.heals() {
+                break;
+            }
+            bg = shared
+                .bg_cv
+                .wait_timeout(bg, backoff)
+                .map(|(g, _)| g)
+                .unwrap_or_else(|p| p.into_inner().0);
+            if bg.shutdown {
+                break;
+            }
+            drop(bg);
+            backoff = match shared.heal() {
+                Ok(()) => HEAL_BACKOFF_MIN,
+                Err(e) => {
+                    crate::observability::heal_failed("redb", &e, backoff);
+                    (backoff * 2).min(HEAL_BACKOFF_MAX)
+                }
+            };
+            bg = shared.lock_bg();
+            shared.bg_cv.notify_all();
+            continue;
+        }
         let frozen = shared.read_mem().frozen.clone();
         if let Some(frozen) = frozen {
             drop(bg);
@@ -45,18 +78,17 @@ pub(super) fn run(shared: Arc<Shared>) {
                     shared.stats.durable_commits.fetch_add(1, Ordering::Relaxed);
                     crate::observability::checkpointed(frozen.records.len(), started.elapsed());
                 }
-                // The frames are still in the log: a reopen replays them.
+                // The frames are still in the log: a heal (or a reopen)
+                // replays them. The loop goes on to heal, not to retry.
                 Err(e) => {
-                    shared.poisoned.store(true, Ordering::SeqCst);
-                    crate::observability::poisoned("redb", &e);
+                    shared.fail("checkpoint", On::Store, e);
                 }
             }
             bg = shared.lock_bg();
             shared.bg_cv.notify_all();
             continue;
         }
-        if bg.shutdown || shared.poisoned.load(Ordering::SeqCst) {
-            // Wake anyone waiting for a checkpoint that will not come.
+        if bg.shutdown {
             shared.bg_cv.notify_all();
             break;
         }
@@ -87,10 +119,9 @@ pub(super) fn run(shared: Arc<Shared>) {
             continue;
         }
         drop(bg);
-        let result = tick(&shared, &mut last_sync);
-        if result.is_err() {
-            shared.poisoned.store(true, Ordering::SeqCst);
-        }
+        // A failure is recorded (the store poisoned, with its cause) where
+        // it happened; the loop then heals.
+        let _ = tick(&shared, &mut last_sync);
         bg = shared.lock_bg();
     }
 }
@@ -123,8 +154,10 @@ pub(super) fn tick(shared: &Shared, last_sync: &mut Instant) -> Result<()> {
         match &shared.log_file {
             Some(file) => {
                 *last_sync = Instant::now();
-                if shared.log_unsynced.swap(false, Ordering::SeqCst) {
-                    file.sync_data().map_err(Error::Io)?;
+                if shared.log_unsynced.swap(false, Ordering::SeqCst)
+                    && let Err(e) = file.sync_data()
+                {
+                    return Err(shared.fail("log sync", On::Log, Error::Io(e)));
                 }
             }
             // A leader holding the lock makes its own commit durable once
@@ -145,7 +178,7 @@ pub(super) fn tick(shared: &Shared, last_sync: &mut Instant) -> Result<()> {
 /// Writes `frozen` into redb in one durable commit that also retires its
 /// log epoch.
 fn checkpoint(shared: &Shared, frozen: &Frozen) -> Result<()> {
-    let db = shared.read_db();
+    let db = shared.read_db()?;
     let mut txn = db.begin_write().map_err(engine)?;
     txn.set_durability(::redb::Durability::Immediate)
         .map_err(engine)?;

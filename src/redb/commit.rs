@@ -26,8 +26,8 @@
 //!   durable: the memtable is published after the log's `fdatasync`;
 //! - a frame that cannot be written or synced may or may not be on disk:
 //!   every caller in the group gets the error, nothing is published, and
-//!   the store is poisoned (every later write is [`Error::Poisoned`]) until
-//!   it is reopened;
+//!   the store is poisoned (every later write is [`Error::Poisoned`], with the cause) until
+//!   it heals (health.rs, heal.rs: the log is replayed as an open would);
 //! - a request that fails while being decided (stale claim, corrupt record,
 //!   an invariant check, a read error) fails alone and writes nothing;
 //! - a panic while leading poisons the store and answers the whole group,
@@ -39,6 +39,7 @@
 //! the background thread within the loss window).
 
 use super::errors::engine;
+use super::health::On;
 use super::memtable::{Entry, MEMTABLE_BYTES, Mem};
 use super::tables::{META, META_TOKEN_HWM, META_WAL_EPOCH, ReadTables, Source, WriteTables};
 use super::wal::{Journal, Wal};
@@ -261,10 +262,7 @@ impl Shared {
     /// The checks before a request joins the line: writable, not poisoned.
     pub(super) fn check_submit(&self) -> Result<()> {
         self.check_writable()?;
-        if self.poisoned.load(Ordering::SeqCst) {
-            return Err(Error::Poisoned);
-        }
-        Ok(())
+        self.check_healthy()
     }
 
     /// Queues `op` and returns its answer, leading groups while this caller
@@ -368,9 +366,9 @@ impl Shared {
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.commit_group(&ops)))
                 .unwrap_or_else(|_| {
                     // A bug while leading: what was written is unknown.
-                    self.poisoned.store(true, Ordering::SeqCst);
-                    crate::observability::poisoned("redb", &"a panic while committing a group");
-                    ops.iter().map(|_| Err(Error::Poisoned)).collect()
+                    let error = Error::backend("a panic while committing a group");
+                    let error = self.fail("commit", On::Store, error);
+                    ops.iter().map(|_| Err(error.replicate())).collect()
                 })
         };
         // Pass the role on first: the next group's commit overlaps the
@@ -422,8 +420,9 @@ impl Shared {
             .largest_batch
             .fetch_max(ops.len() as u64, Ordering::Relaxed);
         let mut core = self.lock_core();
-        if self.poisoned.load(Ordering::SeqCst) {
-            return ops.iter().map(|_| Err(Error::Poisoned)).collect();
+        if self.is_poisoned() {
+            let refused = self.poisoned_error();
+            return ops.iter().map(|_| Err(refused.replicate())).collect();
         }
         let result = if core.wal.is_some() {
             self.commit_logged(&mut core, ops)
@@ -442,9 +441,11 @@ impl Shared {
         let decided = {
             // The memtable first, then the read transaction (see memtable.rs).
             let mem = self.read_mem();
-            let db = self.read_db();
-            let txn = db.begin_read().map_err(engine)?;
-            let base = ReadTables::open(&txn)?;
+            let db = self.read_db()?;
+            let txn = db
+                .begin_read()
+                .map_err(|e| self.engine_failed("read", engine(e)))?;
+            let base = ReadTables::open(&txn).map_err(|e| self.engine_failed("read", e))?;
             decide(ops, Some(&mem), &base, &mut hwm, true)
         };
         if decided.writes.is_empty() {
@@ -482,10 +483,10 @@ impl Shared {
         };
         let appending = Instant::now();
         if let Err(e) = wal.append(&mut journal, sync) {
-            // The frame may or may not be on disk.
-            self.poisoned.store(true, Ordering::SeqCst);
-            crate::observability::poisoned("redb", &e);
-            return Err(e);
+            // The frame may or may not be on disk. Its tokens are never
+            // handed out again (a heal replays what reached the log).
+            core.token_hwm = hwm;
+            return Err(self.fail("log append", On::Log, e));
         }
         let (log_sync, log_fill) = (appending.elapsed(), wal.fill());
         if !sync {
@@ -526,8 +527,10 @@ impl Shared {
     /// Without the log: the group is one redb write transaction.
     fn commit_direct(&self, core: &mut Core, ops: &[Op]) -> Result<Vec<Result<Reply>>> {
         let mut hwm = core.token_hwm;
-        let db = self.read_db();
-        let mut txn = db.begin_write().map_err(engine)?;
+        let db = self.read_db()?;
+        let mut txn = db
+            .begin_write()
+            .map_err(|e| self.engine_failed("commit", engine(e)))?;
         let decided = {
             let tables = WriteTables::open(&txn)?;
             decide(ops, None, &tables, &mut hwm, false)
@@ -556,9 +559,7 @@ impl Shared {
             // A storage failure while writing (redb may sync while it
             // allocates): what reached the disk is unknown.
             let _ = txn.abort();
-            self.poisoned.store(true, Ordering::SeqCst);
-            crate::observability::poisoned("redb", &e);
-            return Err(e);
+            return Err(self.fail("commit", On::Store, e));
         }
         let durable = match self.durability {
             Durability::Periodic { max_loss } => core.last_durable.elapsed() >= max_loss,
@@ -573,9 +574,7 @@ impl Shared {
         txn.set_quick_repair(durable);
         if let Err(e) = txn.commit() {
             // It may or may not be on disk: refuse every later write.
-            self.poisoned.store(true, Ordering::SeqCst);
-            crate::observability::poisoned("redb", &e);
-            return Err(engine(e));
+            return Err(self.fail("commit", On::Store, engine(e)));
         }
         core.token_hwm = hwm;
         self.stats.commits.fetch_add(1, Ordering::Relaxed);
@@ -656,12 +655,12 @@ impl Shared {
         f: impl FnOnce(&WriteTransaction, &mut u64) -> Result<T, E>,
     ) -> Result<T, E> {
         self.check_writable()?;
-        if self.poisoned.load(Ordering::SeqCst) {
-            return Err(Error::Poisoned.into());
-        }
+        self.check_healthy()?;
         self.wait_checkpointed()?;
-        let db = self.read_db();
-        let mut txn = db.begin_write().map_err(engine)?;
+        let db = self.read_db()?;
+        let mut txn = db
+            .begin_write()
+            .map_err(|e| self.engine_failed("commit", engine(e)))?;
         txn.set_durability(::redb::Durability::Immediate)
             .map_err(engine)?;
         txn.set_quick_repair(quick_repair);
@@ -686,9 +685,7 @@ impl Shared {
             }
         }
         if let Err(e) = txn.commit() {
-            self.poisoned.store(true, Ordering::SeqCst);
-            crate::observability::poisoned("redb", &e);
-            return Err(engine(e).into());
+            return Err(self.fail("commit", On::Store, engine(e)).into());
         }
         core.token_hwm = hwm;
         core.unflushed = false;
@@ -711,9 +708,7 @@ impl Shared {
     pub(super) fn wait_checkpointed(&self) -> Result<()> {
         let mut bg = self.lock_bg();
         loop {
-            if self.poisoned.load(Ordering::SeqCst) {
-                return Err(Error::Poisoned);
-            }
+            self.check_healthy()?;
             if self.read_mem().frozen.is_none() {
                 return Ok(());
             }

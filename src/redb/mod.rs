@@ -46,6 +46,8 @@ pub mod admin;
 mod checkpoint;
 mod commit;
 mod errors;
+mod heal;
+mod health;
 mod inbox;
 mod loss;
 mod memtable;
@@ -62,6 +64,7 @@ mod wal;
 /// tables (`TableDefinition`, `ReadableTable`, `WriteTransaction`): the same
 /// version as the store's, whatever the caller's own dependency says.
 pub use ::redb as engine;
+pub use health::{HEAL_BACKOFF_MAX, HEAL_BACKOFF_MIN, Health};
 pub use inbox::{Delivery, Inbox, MAX_INBOX_BATCH, Message};
 pub use loss::LossReport;
 pub use memtable::MEMTABLE_BYTES;
@@ -104,12 +107,40 @@ struct Bg {
     shutdown: bool,
 }
 
+/// The engine behind the store's database lock.
+struct Engine {
+    db: Database,
+    /// False while a heal could not reopen the files: `db` is then an
+    /// empty stand-in, and reads fail with the cause instead of reading it.
+    usable: bool,
+}
+
+/// A read lock on a usable engine (see [`Shared::read_db`]).
+struct DbRead<'a>(RwLockReadGuard<'a, Engine>);
+
+impl std::ops::Deref for DbRead<'_> {
+    type Target = Database;
+    fn deref(&self) -> &Database {
+        &self.0.db
+    }
+}
+
 /// What the callers and the background thread share.
 struct Shared {
-    /// A read lock for every transaction; [`RedbStore::compact`] takes the
-    /// write lock, which is how it waits out every live transaction.
-    db: RwLock<Database>,
-    poisoned: AtomicBool,
+    /// A read lock for every transaction; [`RedbStore::compact`] and a
+    /// heal take the write lock, which is how they wait out every live
+    /// transaction.
+    db: RwLock<Engine>,
+    /// Poisoned or not, and why (health.rs).
+    health: health::HealthCell,
+    /// Where a heal reopens the engine from (heal.rs).
+    source: heal::Source,
+    /// The options a heal reopens with (no lease ended, nothing verified).
+    heal_config: Config,
+    /// The store's clock (when a failure happened).
+    clock: Arc<dyn Clock>,
+    /// The store file, in errors (`None` for a storage backend).
+    path: Option<PathBuf>,
     stats: Counters,
     /// The active and frozen memtables (see memtable.rs for the read order).
     mem: RwLock<Mem>,
@@ -147,8 +178,21 @@ impl Shared {
     fn new(opened: open::Opened, config: &Config, path: Option<&Path>) -> Arc<Shared> {
         let log_file = opened.wal.as_ref().map(wal::Wal::file);
         Arc::new(Shared {
-            db: RwLock::new(opened.db),
-            poisoned: AtomicBool::new(false),
+            db: RwLock::new(Engine {
+                db: opened.db,
+                usable: true,
+            }),
+            health: health::HealthCell::default(),
+            source: opened.source,
+            heal_config: Config {
+                recovery: RecoveryPolicy::WaitForLease,
+                verify_on_open: false,
+                accept_loss: false,
+                sweeper: None,
+                ..config.clone()
+            },
+            clock: Arc::clone(&config.clock),
+            path: path.map(Path::to_path_buf),
             stats: Counters::default(),
             mem: RwLock::new(Mem::default()),
             queue: Mutex::new(Queue::default()),
@@ -181,8 +225,17 @@ impl Shared {
     // None of these locks guards an invariant a panic could leave half-done
     // (a panic while leading poisons the store), so a poisoned lock is
     // taken as it is.
-    fn read_db(&self) -> RwLockReadGuard<'_, Database> {
-        self.db.read().unwrap_or_else(|p| p.into_inner())
+    /// The engine for a transaction, or the cause when a heal could not
+    /// reopen it yet.
+    fn read_db(&self) -> Result<DbRead<'_>> {
+        let engine = self.db.read().unwrap_or_else(|p| p.into_inner());
+        if !engine.usable {
+            return Err(self.poisoned_error());
+        }
+        Ok(DbRead(engine))
+    }
+    fn write_db(&self) -> RwLockWriteGuard<'_, Engine> {
+        self.db.write().unwrap_or_else(|p| p.into_inner())
     }
     fn read_mem(&self) -> RwLockReadGuard<'_, Mem> {
         self.mem.read().unwrap_or_else(|p| p.into_inner())
@@ -246,12 +299,26 @@ impl Shared {
             }
         }
         // Opened after the memtable was read: see memtable.rs.
-        let db = self.read_db();
-        let txn = db.begin_read().map_err(engine)?;
-        let table = txn.open_table(tables::RECORDS).map_err(engine)?;
-        match table.get(key_bytes).map_err(engine)? {
-            Some(v) => Ok(Some(codec::decode_record(key_bytes, v.value())?)),
-            None => Ok(None),
+        let db = self.read_db()?;
+        (|| {
+            let txn = db.begin_read().map_err(engine)?;
+            let table = txn.open_table(tables::RECORDS).map_err(engine)?;
+            match table.get(key_bytes).map_err(engine)? {
+                Some(v) => Ok(Some(codec::decode_record(key_bytes, v.value())?)),
+                None => Ok(None),
+            }
+        })()
+        .map_err(|e| self.engine_failed("read", e))
+    }
+
+    /// An engine error met `during` an operation: an I/O error (redb then
+    /// refuses every later use until it is reopened) poisons the store, so
+    /// that it heals; a store already poisoned answers with its cause.
+    fn engine_failed(&self, during: &'static str, error: Error) -> Error {
+        match error {
+            Error::Io(_) if self.is_poisoned() => self.poisoned_error(),
+            Error::Io(_) => self.fail(during, health::On::Store, error),
+            other => other,
         }
     }
 
@@ -301,8 +368,14 @@ impl Shared {
 /// joining the line. The native async entry ([`Store::begin_async`] and
 /// friends, what `Guard::run_async` uses) joins the same line as a future
 /// woken when its group is durable: no thread waits per request, and the
-/// store's one committer thread leads when only futures are in line. After a failed commit the store is poisoned: every
-/// later write is [`Error::Poisoned`] until it is reopened. See the module
+/// store's one committer thread leads when only futures are in line.
+///
+/// After a failed write (a full disk, an I/O error) the store is
+/// poisoned: the call that hit it gets the I/O error, naming the file and
+/// the operation, and every later write is [`Error::Poisoned`] with that
+/// cause, while reads and replays go on. It heals by itself once the cause
+/// is gone, reopening the engine and replaying the log as an open would,
+/// with nothing lost; [`health`](Self::health) says which it is. See the module
 /// source (`src/redb/mod.rs`) for the write path.
 ///
 /// ```
@@ -575,7 +648,9 @@ impl RedbStore {
         }
     }
 
-    /// True after a failed commit: writes are refused until the store is reopened.
+    /// True after a failed write, until the store has healed: writes are
+    /// refused meanwhile ([`Error::Poisoned`], with the cause). See
+    /// [`health`](Self::health).
     ///
     /// ```
     /// # let dir = tempfile::tempdir()?;
@@ -583,7 +658,25 @@ impl RedbStore {
     /// # Ok::<(), idemstore::Error>(())
     /// ```
     pub fn is_poisoned(&self) -> bool {
-        self.shared.poisoned.load(Ordering::SeqCst)
+        self.shared.is_poisoned()
+    }
+
+    /// Whether the store writes: [`Health::Healthy`]; or
+    /// [`Health::Degraded`] after a failed write, with the cause and when
+    /// it happened, while it heals by itself (reads and replays go on,
+    /// writes are refused); or [`Health::Failed`] when it found damage that
+    /// needs an operator. `docs/operations.md` ("Disk full and I/O
+    /// errors") says what to do in each.
+    ///
+    /// ```
+    /// use idemstore::redb::Health;
+    /// # let dir = tempfile::tempdir()?;
+    /// let store = idemstore::RedbStore::open(dir.path().join("s.idem"))?;
+    /// assert!(matches!(store.health(), Health::Healthy));
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn health(&self) -> Health {
+        self.shared.health()
     }
 
     /// Reclaims free space in the file (after sweeps), returning whether
@@ -605,15 +698,19 @@ impl RedbStore {
     /// ```
     pub fn compact(&self) -> Result<bool> {
         self.shared.check_writable()?;
-        if self.is_poisoned() {
-            return Err(Error::Poisoned);
-        }
+        self.shared.check_healthy()?;
         let mut core = self.shared.lock_core();
         // Compaction moves pages of the durable state only: make everything
         // in memory part of it first (and retire the log).
         self.shared.flush_locked(&mut core)?;
-        let mut db = self.shared.db.write().unwrap_or_else(|p| p.into_inner());
-        db.compact().map_err(engine)
+        let mut engine = self.shared.write_db();
+        if !engine.usable {
+            return Err(self.shared.poisoned_error());
+        }
+        engine
+            .db
+            .compact()
+            .map_err(|e| self.shared.engine_failed("compaction", errors::engine(e)))
     }
 
     /// The read fast path. Answers `begin` without joining the line when
@@ -702,8 +799,9 @@ impl Drop for RedbStore {
             let _ = committer.join();
         }
         stop_background(&self.shared, self.background.take());
-        if !self.is_poisoned() && self.shared.close().is_err() {
-            self.shared.poisoned.store(true, Ordering::SeqCst);
+        if !self.is_poisoned() {
+            // A failure is recorded (poisoned, with its cause) by the commit.
+            let _ = self.shared.close();
         }
     }
 }
@@ -719,9 +817,6 @@ impl RedbStore {
         retention: Duration,
     ) -> Result<Next> {
         check_durations(lease, retention)?;
-        if self.is_poisoned() {
-            return Err(Error::Poisoned);
-        }
         let key_bytes = codec::encode_key(key);
         if let Some(answer) = self.fast_begin(&key_bytes, fingerprint, now, lease, retention)? {
             return Ok(Next::Answered(answer));

@@ -50,6 +50,9 @@ pub(super) struct Opened {
     pub(super) frames_replayed: u64,
     /// What an open with `accept_loss` gave up (empty otherwise).
     pub(super) loss: LossReport,
+    /// Where a heal reopens the engine from: set by the open's caller
+    /// (none for a read-only view, which never writes).
+    pub(super) source: super::heal::Source,
 }
 
 /// Opens the store file at `path`, creating it (mode 0600) when it does
@@ -273,6 +276,7 @@ fn open_file(path: &Path, config: &Config) -> Result<Opened> {
     if !config.write_ahead_log {
         opened.wal = None;
     }
+    opened.source = super::heal::Source::Path(path.to_path_buf());
     Ok(opened)
 }
 
@@ -404,29 +408,7 @@ pub(super) fn open_backend(
     config: &Config,
     name: &Path,
 ) -> Result<Opened> {
-    check_foreign(&backend)?;
-    let mut builder = Database::builder();
-    builder
-        .set_cache_size(config.cache_bytes)
-        .set_check_integrity_on_open(config.verify_on_open);
-    // redb documents that a plain open may panic on a file damaged outside
-    // redb. A panic must not reach the caller: it becomes Error::Corrupt.
-    let opened = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        builder.create_with_backend(backend)
-    }));
-    let db = match opened {
-        Ok(Ok(db)) => db,
-        Ok(Err(e)) => return Err(map_open(e, name)),
-        Err(_) => {
-            return Err(Error::corrupt(
-                None,
-                format!(
-                    "{} is damaged: the storage engine could not read it",
-                    name.display()
-                ),
-            ));
-        }
-    };
+    let db = engine_open(backend, config, name)?;
     let MetaEntries {
         format_version,
         store_id,
@@ -462,7 +444,9 @@ pub(super) fn open_backend(
                 format: format_version,
                 boot,
                 name,
+                heal: false,
             };
+            let file = std::sync::Arc::from(file);
             let (wal, frames) = recover_log(&db, file, &found, config, &mut loss)?;
             if frames > 0 {
                 // The frames carry the high-water mark of their claims.
@@ -485,7 +469,111 @@ pub(super) fn open_backend(
         wal,
         frames_replayed,
         loss,
+        source: super::heal::Source::None,
     })
+}
+
+/// The engine over `backend`, as an open and a heal start: a foreign file
+/// refused before redb sees it, and a panic of redb's over a damaged file
+/// turned into [`Error::Corrupt`].
+fn engine_open(backend: impl StorageBackend, config: &Config, name: &Path) -> Result<Database> {
+    check_foreign(&backend)?;
+    let mut builder = Database::builder();
+    builder
+        .set_cache_size(config.cache_bytes)
+        .set_check_integrity_on_open(config.verify_on_open);
+    // redb documents that a plain open may panic on a file damaged outside
+    // redb. A panic must not reach the caller: it becomes Error::Corrupt.
+    let opened = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        builder.create_with_backend(backend)
+    }));
+    match opened {
+        Ok(Ok(db)) => Ok(db),
+        Ok(Err(e)) => Err(map_open(e, name)),
+        Err(_) => Err(Error::corrupt(
+            None,
+            format!(
+                "{} is damaged: the storage engine could not read it",
+                name.display()
+            ),
+        )),
+    }
+}
+
+/// A heal's first step: the engine over the store's files again, and its
+/// meta entries. Nothing is written (redb's own recovery of a file not
+/// closed cleanly aside); the log is replayed by [`heal_log`].
+pub(super) fn reopen_engine(
+    source: &super::heal::Source,
+    config: &Config,
+) -> Result<(Database, MetaEntries)> {
+    use super::heal::{SharedBackend, Source};
+    let (db, name) = match source {
+        Source::Path(path) => {
+            let file = open_owner_only(path)?;
+            let backend =
+                ::redb::backends::FileBackend::new(file).map_err(|e| map_open(e, path))?;
+            let db = if config.page_log {
+                let pages_file = open_locked(&pages::pages_path(path), path)?;
+                let pages_log = ::redb::backends::FileBackend::new(pages_file)
+                    .map_err(|e| map_open(e, path))?;
+                let paged = PageLog::open(Box::new(backend), Box::new(pages_log))?;
+                engine_open(paged, config, path)?
+            } else {
+                engine_open(backend, config, path)?
+            };
+            (db, path.as_path())
+        }
+        Source::Backend { store, pages } => {
+            let name = Path::new("<storage backend>");
+            let backend = SharedBackend(std::sync::Arc::clone(store));
+            let db = match pages {
+                Some(pages) => {
+                    let pages = SharedBackend(std::sync::Arc::clone(pages));
+                    engine_open(
+                        PageLog::open(Box::new(backend), Box::new(pages))?,
+                        config,
+                        name,
+                    )?
+                }
+                None => engine_open(backend, config, name)?,
+            };
+            (db, name)
+        }
+        Source::None => {
+            return Err(Error::backend("a read-only view is never reopened"));
+        }
+    };
+    match read_meta(&db)? {
+        Some(meta) => Ok((db, meta)),
+        None => Err(Error::corrupt(
+            None,
+            format!("{} lost its idemstore tables", name.display()),
+        )),
+    }
+}
+
+/// A heal's second step: the log's live frames replayed into the reopened
+/// engine and a durable commit with a new epoch, as an open does. A frame
+/// damaged at the end of the log is the end (it is the one whose write
+/// failed, never acknowledged), as after a power cut.
+pub(super) fn heal_log(
+    db: &Database,
+    file: std::sync::Arc<dyn StorageBackend>,
+    meta: &MetaEntries,
+    config: &Config,
+    name: &Path,
+) -> Result<Wal> {
+    let boot = boot_id();
+    let found = Found {
+        store_id: meta.store_id,
+        format: meta.format_version,
+        boot: boot.as_deref(),
+        name,
+        heal: true,
+    };
+    let mut loss = LossReport::default();
+    recover_log(db, file, &found, config, &mut loss).map(|(wal, _)| wal)
 }
 
 /// Replays the log's frames of the current epoch, then commits durably with
@@ -526,7 +614,9 @@ pub(super) fn plan_log(
         layout_len: len,
         // No reboot since the open that wrote these frames: no power loss
         // can have torn one, so a damaged last frame is damage.
-        no_reboot: found.boot.is_some() && read_wal_boot(db)?.as_deref() == found.boot,
+        no_reboot: !found.heal
+            && found.boot.is_some()
+            && read_wal_boot(db)?.as_deref() == found.boot,
         problems: Vec::new(),
     };
     let Some(state) = read_wal_state(db)?.filter(|s| s.open) else {
@@ -631,17 +721,19 @@ pub(super) struct Found<'a> {
     pub(super) boot: Option<&'a str>,
     /// The store, in errors.
     pub(super) name: &'a Path,
+    /// A heal in a running process: the log's last frame may be one whose
+    /// write failed, so a damaged last frame is the end, as after a reboot.
+    pub(super) heal: bool,
 }
 
 fn recover_log(
     db: &Database,
-    file: Box<dyn StorageBackend>,
+    file: std::sync::Arc<dyn StorageBackend>,
     found: &Found<'_>,
     config: &Config,
     loss: &mut LossReport,
 ) -> Result<(Wal, u64)> {
     let (store_id, boot) = (found.store_id, found.boot);
-    let file: std::sync::Arc<dyn StorageBackend> = std::sync::Arc::from(file);
     let mut plan = plan_log(db, file.as_ref(), found)?;
     let len = plan.file_len;
     for problem in std::mem::take(&mut plan.problems) {

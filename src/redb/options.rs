@@ -383,15 +383,7 @@ impl RedbStoreBuilder {
     /// # Ok::<(), idemstore::Error>(())
     /// ```
     pub fn open_backend(self, backend: impl ::redb::StorageBackend) -> Result<RedbStore> {
-        self.check()?;
-        let opened = open::open_backend(
-            backend,
-            None,
-            None,
-            &self.config,
-            Path::new("<storage backend>"),
-        )?;
-        RedbStore::start(opened, self.config, None)
+        self.open_backends(Arc::new(backend), None, None)
     }
 
     /// Like [`open_backend`](Self::open_backend), with the write-ahead log
@@ -411,14 +403,62 @@ impl RedbStoreBuilder {
         backend: impl ::redb::StorageBackend,
         log: impl ::redb::StorageBackend,
     ) -> Result<RedbStore> {
-        self.check()?;
-        let opened = open::open_backend(
-            backend,
+        self.open_backends(Arc::new(backend), Some(Box::new(log)), None)
+    }
+
+    /// Like [`open_backend_with_log`](Self::open_backend_with_log), with
+    /// redb's commits made durable through a page log on a third backend,
+    /// as [`page_log`](Self::page_log) keeps it in `<file>-pages` (this
+    /// method turns the option on). The three must come from the same
+    /// store.
+    ///
+    /// ```
+    /// use idemstore::RedbStore;
+    /// use redb::backends::InMemoryBackend;
+    /// let store = RedbStore::builder().open_backend_with_logs(
+    ///     InMemoryBackend::new(),
+    ///     InMemoryBackend::new(),
+    ///     InMemoryBackend::new(),
+    /// )?;
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn open_backend_with_logs(
+        mut self,
+        backend: impl ::redb::StorageBackend,
+        log: impl ::redb::StorageBackend,
+        pages: impl ::redb::StorageBackend,
+    ) -> Result<RedbStore> {
+        self.config.page_log = true;
+        self.open_backends(
+            Arc::new(backend),
             Some(Box::new(log)),
-            None,
-            &self.config,
-            Path::new("<storage backend>"),
-        )?;
+            Some(Arc::new(pages)),
+        )
+    }
+
+    /// The three `open_backend*`: the store's backends are kept (shared
+    /// with the engine) so that a heal can open them again.
+    fn open_backends(
+        self,
+        store: Arc<dyn ::redb::StorageBackend>,
+        log: Option<Box<dyn ::redb::StorageBackend>>,
+        pages: Option<Arc<dyn ::redb::StorageBackend>>,
+    ) -> Result<RedbStore> {
+        use super::heal::{SharedBackend, Source};
+        self.check()?;
+        let name = Path::new("<storage backend>");
+        let backend = SharedBackend(Arc::clone(&store));
+        let mut opened = match &pages {
+            Some(pages) => {
+                let paged = super::pages::PageLog::open(
+                    Box::new(backend),
+                    Box::new(SharedBackend(Arc::clone(pages))),
+                )?;
+                open::open_backend(paged, log, None, &self.config, name)?
+            }
+            None => open::open_backend(backend, log, None, &self.config, name)?,
+        };
+        opened.source = Source::Backend { store, pages };
         RedbStore::start(opened, self.config, None)
     }
 

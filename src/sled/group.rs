@@ -125,7 +125,7 @@ impl GroupSync {
                 return Err(error.replicate());
             }
             if state.poisoned {
-                return Err(Error::Poisoned);
+                return Err(Error::Poisoned { cause: None });
             }
             if state.leader {
                 state = self.wake.wait(state).unwrap_or_else(|p| p.into_inner());
@@ -251,7 +251,7 @@ mod tests {
         let horizon = g.read_horizon();
         assert!(matches!(
             g.wait_durable(horizon, || Ok(())),
-            Err(Error::Poisoned)
+            Err(Error::Poisoned { cause: None })
         ));
     }
 
@@ -271,7 +271,7 @@ mod tests {
         g.finish(later);
         assert!(matches!(
             g.wait_durable(later, || Ok(())),
-            Err(Error::Poisoned)
+            Err(Error::Poisoned { cause: None })
         ));
         assert!(g.is_poisoned());
     }
@@ -325,7 +325,7 @@ mod tests {
         g.finish(later);
         assert!(matches!(
             g.wait_durable(later, || Ok(())),
-            Err(Error::Poisoned)
+            Err(Error::Poisoned { cause: None })
         ));
     }
 }

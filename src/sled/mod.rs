@@ -275,7 +275,7 @@ impl SledStore {
     /// store.fail_next_syncs(1);
     /// let (k, fp, d) = (Key::new("", "k")?, Fingerprint::of(b""), Duration::from_secs(1));
     /// assert!(matches!(store.begin(&k, &fp, Timestamp::EPOCH, d, d), Err(Error::Io(_))));
-    /// assert!(matches!(store.begin(&k, &fp, Timestamp::EPOCH, d, d), Err(Error::Poisoned)));
+    /// assert!(matches!(store.begin(&k, &fp, Timestamp::EPOCH, d, d), Err(Error::Poisoned { .. })));
     /// # Ok::<(), idemstore::Error>(())
     /// ```
     #[cfg(feature = "test-util")]
@@ -294,7 +294,7 @@ impl Inner {
     /// Fails fast on a poisoned store, before any read or write.
     fn check_writable(&self) -> Result<()> {
         if self.group.is_poisoned() {
-            return Err(Error::Poisoned);
+            return Err(Error::Poisoned { cause: None });
         }
         Ok(())
     }

@@ -156,12 +156,12 @@ pub fn clocked_inbox() -> (Inbox, ManualClock, tempfile::TempDir) {
     (Inbox::new(store), clock, dir)
 }
 
-/// An inbox in memory whose next sync fails once the flag is set.
+/// An inbox in memory whose syncs fail while the flag is set.
 pub fn flaky_inbox() -> (Inbox, Arc<AtomicBool>) {
     let fail = Arc::new(AtomicBool::new(false));
     let backend = FlakySync {
         inner: Arc::new(idemstore::redb::engine::backends::InMemoryBackend::new()),
-        fail_next_sync: Arc::clone(&fail),
+        failing_sync: Arc::clone(&fail),
     };
     let inbox = Inbox::new(RedbStore::builder().open_backend(backend).unwrap());
     (inbox, fail)
@@ -523,7 +523,7 @@ fn an_oversized_result_aborts_the_handler_writes() {
 }
 
 #[test]
-fn a_failed_inbox_commit_poisons_the_store() {
+fn a_failed_inbox_commit_poisons_the_store_until_it_heals() {
     // Reproduces an fsync error on the inbox's own commit: like a failed
     // group commit, it may or may not be on disk, so later writes must stop.
     let (inbox, fail) = flaky_inbox();
@@ -538,7 +538,7 @@ fn a_failed_inbox_commit_poisons_the_store() {
         .handle(&msg_key(5), &msg_fp(&m), |txn, c| apply(txn, &m, c.token()))
         .unwrap_err();
     assert!(
-        matches!(again.downcast_ref::<Error>(), Some(Error::Poisoned)),
+        matches!(again.downcast_ref::<Error>(), Some(Error::Poisoned { .. })),
         "{again}"
     );
     let lease = Duration::from_secs(1);
@@ -546,8 +546,15 @@ fn a_failed_inbox_commit_poisons_the_store() {
         inbox
             .store()
             .begin(&msg_key(6), &msg_fp(&m), T0, lease, lease),
-        Err(Error::Poisoned)
+        Err(Error::Poisoned { .. })
     ));
+    // Once the disk works again the same inbox handles messages.
+    fail.store(false, std::sync::atomic::Ordering::SeqCst);
+    crate::redb::wait_healthy(inbox.store());
+    let handled = inbox
+        .handle(&msg_key(5), &msg_fp(&m), |txn, c| apply(txn, &m, c.token()))
+        .unwrap();
+    assert!(matches!(handled, Delivery::Handled(_)), "{handled:?}");
 }
 
 /// Messages in the SIGKILL test's queue.

@@ -338,14 +338,17 @@ fn a_poisoned_store_refuses_a_batch_and_runs_no_handler() {
     let (inbox, fail) = flaky_inbox();
     fail.store(true, std::sync::atomic::Ordering::SeqCst);
     let err = inbox.handle_batch(&deliveries(&[1, 2]), plain).unwrap_err();
-    assert!(!matches!(err, Error::Poisoned), "the cause first: {err}");
+    assert!(
+        !matches!(err, Error::Poisoned { .. }),
+        "the cause first: {err}"
+    );
     assert!(inbox.store().is_poisoned());
     let err = inbox
         .handle_batch(&deliveries(&[3]), |_, _, _| -> Result<_, BoxError> {
             panic!("must not run")
         })
         .unwrap_err();
-    assert!(matches!(err, Error::Poisoned), "{err}");
+    assert!(matches!(err, Error::Poisoned { .. }), "{err}");
 }
 
 /// The model: messages handled one at a time, in batch order, by

@@ -9,7 +9,7 @@ use idemstore::{
 };
 use idemstore_testkit::BlockingOnly;
 use idemstore_testkit::conformance::T0;
-use idemstore_testkit::crash::{CrashBackend, Fault, FaultOn};
+use idemstore_testkit::crash::CrashBackend;
 use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;
@@ -334,7 +334,8 @@ async fn a_poisoned_store_refuses_the_async_entry() {
     let store = RedbStore::builder()
         .open_backend_with_log(disk.clone(), log.clone())
         .unwrap();
-    log.fail_next(FaultOn::Write, Fault::Eio);
+    // A full disk that stays full: the store stays poisoned.
+    disk.set_disk_full(true);
     let failed = store
         .begin_async(&key("a"), &fp(), T0, LEASE, KEEP)
         .unwrap()
@@ -345,7 +346,7 @@ async fn a_poisoned_store_refuses_the_async_entry() {
         .begin_async(&key("b"), &fp(), T0, LEASE, KEEP)
         .unwrap()
         .await;
-    assert!(matches!(refused, Err(Error::Poisoned)));
+    assert!(matches!(refused, Err(Error::Poisoned { .. })));
     let guard = Guard::new(store);
     let out = guard
         .run_async(&key("c"), &fp(), |_| async {
@@ -354,7 +355,7 @@ async fn a_poisoned_store_refuses_the_async_entry() {
             Ok::<_, Infallible>(Response::new(200, ""))
         })
         .await;
-    assert!(matches!(out, Outcome::Unavailable(Error::Poisoned)));
+    assert!(matches!(out, Outcome::Unavailable(Error::Poisoned { .. })));
 }
 
 /// More futures than the line holds (`WRITE_QUEUE_DEPTH`) on one runtime

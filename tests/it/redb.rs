@@ -153,12 +153,12 @@ fn a_thousand_concurrent_claims_on_a_hundred_keys_make_a_hundred_winners_in_few_
     assert!(stats.largest_batch > 1, "{stats:?}");
 }
 
-/// A redb backend over shared memory whose `sync_data` fails once when armed:
-/// a disk that reports an fsync error.
+/// A redb backend over shared memory whose `sync_data` fails while armed:
+/// a disk that reports fsync errors until the cause is gone.
 #[derive(Debug, Clone)]
 pub struct FlakySync {
     pub inner: Arc<redb::backends::InMemoryBackend>,
-    pub fail_next_sync: Arc<AtomicBool>,
+    pub failing_sync: Arc<AtomicBool>,
 }
 
 impl StorageBackend for FlakySync {
@@ -172,7 +172,7 @@ impl StorageBackend for FlakySync {
         self.inner.set_len(len)
     }
     fn sync_data(&self) -> Result<(), std::io::Error> {
-        if self.fail_next_sync.swap(false, Ordering::SeqCst) {
+        if self.failing_sync.load(Ordering::SeqCst) {
             return Err(std::io::Error::other("injected fsync failure"));
         }
         self.inner.sync_data()
@@ -182,45 +182,73 @@ impl StorageBackend for FlakySync {
     }
 }
 
+/// Waits (bounded) until `store` writes again after a failure went away.
+pub fn wait_healthy(store: &RedbStore) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !matches!(store.health(), idemstore::redb::Health::Healthy) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not healed after 10 s: {:?}",
+            store.health()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 #[test]
-fn a_failed_fsync_poisons_the_store_until_reopened() {
-    // Reproduces a disk whose fsync fails once: the claim in that commit may
+fn a_failed_fsync_poisons_the_store_until_it_heals() {
+    // Reproduces a disk whose fsync fails: the claim in that commit may
     // or may not be on disk, so the store must refuse every later write
-    // rather than carry on as if nothing happened.
+    // rather than carry on as if nothing happened, until the disk works
+    // again and the store has reopened its engine.
     let backend = FlakySync {
         inner: Arc::new(redb::backends::InMemoryBackend::new()),
-        fail_next_sync: Arc::new(AtomicBool::new(false)),
+        failing_sync: Arc::new(AtomicBool::new(false)),
     };
     let store = Arc::new(RedbStore::builder().open_backend(backend.clone()).unwrap());
     let fp = Fingerprint::of(b"fp");
     claim(&store, &key("before"));
-    backend.fail_next_sync.store(true, Ordering::SeqCst);
+    backend.failing_sync.store(true, Ordering::SeqCst);
     let failed = store.begin(&key("a"), &fp, T0, LEASE, KEEP);
+    assert!(matches!(failed, Err(Error::Io(_))), "{failed:?}");
+    let failed = failed.unwrap_err().to_string();
     assert!(
-        matches!(failed, Err(Error::Io(_) | Error::Backend(_))),
-        "{failed:?}"
+        failed.contains("injected fsync failure") && failed.contains("commit failed"),
+        "the operation and the cause: {failed}"
     );
     assert!(store.is_poisoned(), "{failed:?}");
     assert!(matches!(
-        store.begin(&key("b"), &fp, T0, LEASE, KEEP),
-        Err(Error::Poisoned)
+        store.health(),
+        idemstore::redb::Health::Degraded { cause, .. } if cause.message().contains("injected")
     ));
-    assert!(matches!(store.sweep_expired(T0, 10), Err(Error::Poisoned)));
-    assert!(matches!(store.compact(), Err(Error::Poisoned)));
+    assert!(matches!(
+        store.begin(&key("b"), &fp, T0, LEASE, KEEP),
+        Err(Error::Poisoned { .. })
+    ));
+    assert!(matches!(
+        store.sweep_expired(T0, 10),
+        Err(Error::Poisoned { .. })
+    ));
+    assert!(matches!(store.compact(), Err(Error::Poisoned { .. })));
     // The guard fails closed: the handler does not run.
     let guard = Guard::new(Arc::clone(&store));
     let outcome = guard.run(&key("c"), &fp, |_| -> Result<Response, std::io::Error> {
         panic!("the handler must not run on a poisoned store")
     });
     assert!(
-        matches!(outcome, Outcome::Unavailable(Error::Poisoned)),
+        matches!(outcome, Outcome::Unavailable(Error::Poisoned { .. })),
         "{outcome:?}"
     );
     drop(guard);
+    // The same store value writes again once the disk does.
+    backend.failing_sync.store(false, Ordering::SeqCst);
+    wait_healthy(&store);
+    claim(&store, &key("healed"));
     drop(store);
-    // Reopened, the store works again, and the claim made before is intact.
+    // Reopened, the store works, and the claims made before are intact.
     let store = RedbStore::builder().open_backend(backend).unwrap();
     assert!(!store.is_poisoned());
+    assert!(store.get(&key("healed"), T0).unwrap().is_some());
     assert_eq!(
         store.get(&key("before"), T0).unwrap().map(|r| r.state()),
         Some(State::Processing)
@@ -573,7 +601,7 @@ fn store_ops_corpus_on_redb_with_reopens() {
         let ops = idemstore_testkit::model::decode_ops(&std::fs::read(&path).unwrap());
         let backend = FlakySync {
             inner: Arc::new(redb::backends::InMemoryBackend::new()),
-            fail_next_sync: Arc::new(AtomicBool::new(false)),
+            failing_sync: Arc::new(AtomicBool::new(false)),
         };
         let mut open = || -> Arc<dyn Store> {
             Arc::new(RedbStore::builder().open_backend(backend.clone()).unwrap())

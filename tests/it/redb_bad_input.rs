@@ -230,7 +230,7 @@ fn a_full_disk_poisons_and_loses_nothing_acknowledged() {
     assert!(store.is_poisoned());
     assert!(matches!(
         store.begin(&key("e"), &fp("e"), T0, LEASE, RETENTION),
-        Err(Error::Poisoned)
+        Err(Error::Poisoned { .. })
     ));
     // Reads still answer from what is committed.
     assert_intact_reads(&store, &["a", "b"]);

@@ -252,7 +252,7 @@ fn failed_fsync_poisons_until_reopen() {
         s.release(&key("before"), &ok),
         s.sweep_expired(T0 + 2 * HOUR, 10).map(|_| ()),
     ] {
-        assert!(matches!(r, Err(Error::Poisoned)), "{r:?}");
+        assert!(matches!(r, Err(Error::Poisoned { .. })), "{r:?}");
     }
     drop(s);
     let s = SledStore::open(dir.path()).unwrap();
@@ -700,7 +700,7 @@ fn every_caller_of_a_failed_group_flush_gets_the_same_error() {
     for r in results {
         match r {
             Err(Error::Io(e)) => flush_errors.push(Error::Io(e)),
-            Err(Error::Poisoned) => {}
+            Err(Error::Poisoned { .. }) => {}
             other => panic!("neither the failed flush's error nor Poisoned: {other:?}"),
         }
     }

@@ -415,7 +415,7 @@ fn a_full_disk_while_logging_poisons_and_loses_nothing_acknowledged() {
     assert!(store.is_poisoned());
     assert!(matches!(
         store.begin(&key("b"), &fp("b"), T0, LEASE, KEEP),
-        Err(Error::Poisoned)
+        Err(Error::Poisoned { .. })
     ));
     disk.set_disk_full(false);
     let image = disk.power_loss_all(4);

@@ -89,6 +89,7 @@ pub fn check_log(store: impl AsRef<Path>) -> Result<LogCheck> {
         format: meta.format_version,
         boot: boot.as_deref(),
         name: store,
+        heal: false,
     };
     let plan = open::plan_log(&db, log.as_ref(), &found)?;
     let mut check = LogCheck {

@@ -233,7 +233,7 @@ impl Admin<'_> {
     /// # Ok::<(), idemstore::Error>(())
     /// ```
     pub fn facts(&self) -> Result<Facts> {
-        let db = self.store.shared.read_db();
+        let db = self.store.shared.read_db()?;
         let txn = db.begin_read().map_err(engine)?;
         let meta = super::open::read_meta_entries(&txn)?;
         let records = txn
@@ -320,7 +320,7 @@ impl Admin<'_> {
         prefix: &[u8],
         mut f: impl FnMut(RawKey<'_>, Result<Record>) -> ControlFlow<()>,
     ) -> Result<()> {
-        let db = self.store.shared.read_db();
+        let db = self.store.shared.read_db()?;
         let txn = db.begin_read().map_err(engine)?;
         let table = txn.open_table(RECORDS).map_err(engine)?;
         for entry in table.range::<&[u8]>(prefix..).map_err(engine)? {
@@ -369,7 +369,7 @@ impl Admin<'_> {
     /// # Ok::<(), idemstore::Error>(())
     /// ```
     pub fn expiry_bounds(&self) -> Result<Option<(Timestamp, Timestamp)>> {
-        let db = self.store.shared.read_db();
+        let db = self.store.shared.read_db()?;
         let txn = db.begin_read().map_err(engine)?;
         let expiry = txn.open_table(EXPIRY).map_err(engine)?;
         let first = expiry.first().map_err(engine)?;
@@ -393,7 +393,7 @@ impl Admin<'_> {
     /// # Ok::<(), idemstore::Error>(())
     /// ```
     pub fn count_due(&self, now: Timestamp, limit: u64) -> Result<u64> {
-        let db = self.store.shared.read_db();
+        let db = self.store.shared.read_db()?;
         let txn = db.begin_read().map_err(engine)?;
         let expiry = txn.open_table(EXPIRY).map_err(engine)?;
         // Entries are (expires_at BE | key): every one due sorts below now + 1.
@@ -430,9 +430,7 @@ impl Admin<'_> {
     /// # Ok::<(), idemstore::Error>(())
     /// ```
     pub fn evict(&self, key: &Key) -> Result<Option<Evicted>> {
-        if self.store.is_poisoned() {
-            return Err(Error::Poisoned);
-        }
+        self.store.shared.check_healthy()?;
         let key_bytes = codec::encode_key(key);
         // A direct transaction: it takes in the memtable first, so the
         // record removed is the latest, and it retires the log.
@@ -536,9 +534,7 @@ impl Admin<'_> {
     /// # Ok::<(), idemstore::Error>(())
     /// ```
     pub fn import(&self, records: impl IntoIterator<Item = Result<(Key, Record)>>) -> Result<u64> {
-        if self.store.is_poisoned() {
-            return Err(Error::Poisoned);
-        }
+        self.store.shared.check_healthy()?;
         let mut hwm = self.facts()?.token_hwm;
         let mut written = 0u64;
         let mut records = records.into_iter().peekable();

@@ -214,7 +214,7 @@ impl Admin<'_> {
                 // exclusive lock waits out every transaction, as compact
                 // does.
                 let mut db = shared.db.write().unwrap_or_else(|p| p.into_inner());
-                if !db.check_integrity().map_err(engine)? {
+                if !db.db.check_integrity().map_err(engine)? {
                     report.add(
                         ProblemKind::EngineRepaired,
                         None,
@@ -230,7 +230,7 @@ impl Admin<'_> {
                 None
             }
         };
-        let db = shared.read_db();
+        let db = shared.read_db()?;
         let txn = db.begin_read().map_err(engine)?;
         let records = txn.open_table(RECORDS).map_err(engine)?;
         let expiry = txn.open_table(EXPIRY).map_err(engine)?;

@@ -178,9 +178,7 @@ where
             items.len()
         )));
     }
-    if store.is_poisoned() {
-        return Err(Error::Poisoned);
-    }
+    store.shared.check_healthy()?;
     if let Some(answers) = all_redelivered(store, items, settings.now) {
         return Ok(answers.into_iter().map(Ok).collect());
     }

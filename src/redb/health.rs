@@ -1,0 +1,219 @@
+//! The store's health: what failed, since when, and whether it heals.
+//!
+//! A failed log append, log sync or engine commit may or may not have
+//! reached the disk, so the store stops writing (it is *poisoned*: a write
+//! whose fate is unknown is never followed by more). The first failure is
+//! kept as the [`Cause`]: the call that hit it gets the I/O error with the
+//! file and the operation in its message (its [`std::io::ErrorKind`]
+//! kept), and every later write gets [`Error::Poisoned`] carrying the same
+//! cause. Reads go on (memtable, then the store file).
+//!
+//! The background thread then heals the store with back-off
+//! ([`HEAL_BACKOFF_MIN`] doubling to [`HEAL_BACKOFF_MAX`], waiting on a
+//! condition variable: never a busy loop, and a drop wakes it): it reopens
+//! the engine from the files and replays the write-ahead log as an open
+//! would (`heal.rs`). Damage ([`Error::Corrupt`]) does not heal: the store
+//! stays [`Health::Failed`] until an operator acts.
+
+use super::Shared;
+use crate::error::{Cause, Error};
+use crate::time::Timestamp;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+/// First wait before the background thread tries to heal a store whose
+/// writes failed; each failed attempt doubles it, up to [`HEAL_BACKOFF_MAX`].
+///
+/// ```
+/// assert!(idemstore::redb::HEAL_BACKOFF_MIN < idemstore::redb::HEAL_BACKOFF_MAX);
+/// ```
+pub const HEAL_BACKOFF_MIN: Duration = Duration::from_millis(10);
+
+/// Longest wait between two attempts to heal: a store writes again at most
+/// about this long after the cause of its failure went away.
+///
+/// ```
+/// assert_eq!(idemstore::redb::HEAL_BACKOFF_MAX, std::time::Duration::from_millis(500));
+/// ```
+pub const HEAL_BACKOFF_MAX: Duration = Duration::from_millis(500);
+
+/// Whether a [`RedbStore`](crate::RedbStore) is writing, and if not, why.
+///
+/// ```
+/// use idemstore::redb::Health;
+/// # let dir = tempfile::tempdir()?;
+/// let store = idemstore::RedbStore::open(dir.path().join("s.idem"))?;
+/// match store.health() {
+///     Health::Healthy => {}
+///     Health::Degraded { cause, since } => eprintln!("writes refused since {since}: {cause}"),
+///     Health::Failed { cause } => eprintln!("needs an operator: {cause}"),
+///     _ => {}
+/// }
+/// assert!(matches!(store.health(), Health::Healthy));
+/// # Ok::<(), idemstore::Error>(())
+/// ```
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub enum Health {
+    /// Writes are accepted.
+    Healthy,
+    /// A write failed: writes are refused ([`Error::Poisoned`] with this
+    /// cause) and reads go on, while the store tries to heal by itself
+    /// (a full disk that gets space, a transient I/O error).
+    Degraded {
+        /// The first failure.
+        cause: Cause,
+        /// When it happened (the store's clock).
+        since: Timestamp,
+    },
+    /// The store found damage it cannot heal from: writes stay refused
+    /// until an operator acts (`docs/operations.md`: verify, salvage).
+    Failed {
+        /// What was found.
+        cause: Cause,
+    },
+}
+
+impl Health {
+    /// A short name: `healthy`, `degraded` or `failed` (for `idemstore
+    /// stats`, logs and the metrics gauge's documentation).
+    ///
+    /// ```
+    /// assert_eq!(idemstore::redb::Health::Healthy.name(), "healthy");
+    /// ```
+    pub fn name(&self) -> &'static str {
+        match self {
+            Health::Healthy => "healthy",
+            Health::Degraded { .. } => "degraded",
+            Health::Failed { .. } => "failed",
+        }
+    }
+}
+
+/// A failure being healed.
+#[derive(Debug)]
+struct Fault {
+    cause: Cause,
+    since: Timestamp,
+}
+
+/// The poisoned flag (read on every write) and its cause.
+#[derive(Debug, Default)]
+pub(super) struct HealthCell {
+    poisoned: AtomicBool,
+    fault: Mutex<Option<Fault>>,
+}
+
+impl HealthCell {
+    fn lock(&self) -> MutexGuard<'_, Option<Fault>> {
+        self.fault.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// The file an operation was on, for the cause's message.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum On {
+    /// The store file (redb's commits and reads; with the page log, its
+    /// frames too).
+    Store,
+    /// The write-ahead log.
+    Log,
+}
+
+impl Shared {
+    /// Whether writes are refused.
+    pub(super) fn is_poisoned(&self) -> bool {
+        self.health.poisoned.load(Ordering::SeqCst)
+    }
+
+    /// Records `error`, met `during` an operation on `on`, as the reason
+    /// writes stop (the first failure stays the cause until the store
+    /// heals), and returns it for the caller that hit it: an I/O error
+    /// keeps its kind and gains the file and the operation.
+    pub(super) fn fail(&self, during: &'static str, on: On, error: Error) -> Error {
+        let path = self.file_name(on);
+        let cause = Cause::new(during, Some(&path), &error);
+        {
+            let mut fault = self.health.lock();
+            if fault.is_none() {
+                *fault = Some(Fault {
+                    cause: cause.clone(),
+                    since: self.clock.now(),
+                });
+                crate::observability::poisoned("redb", &cause);
+                crate::observability::health("redb", if cause.heals() { 1 } else { 2 });
+            }
+            self.health.poisoned.store(true, Ordering::SeqCst);
+        }
+        // The background thread heals; it may be asleep for long.
+        self.wake_background();
+        match error {
+            Error::Io(e) => Error::Io(std::io::Error::new(e.kind(), cause.to_string())),
+            other => other,
+        }
+    }
+
+    /// The error a write gets while the store is poisoned.
+    pub(super) fn poisoned_error(&self) -> Error {
+        Error::Poisoned {
+            cause: self.health.lock().as_ref().map(|f| f.cause.clone()),
+        }
+    }
+
+    /// [`Err`] of [`poisoned_error`](Self::poisoned_error) while poisoned.
+    pub(super) fn check_healthy(&self) -> crate::error::Result<()> {
+        if self.is_poisoned() {
+            return Err(self.poisoned_error());
+        }
+        Ok(())
+    }
+
+    /// Whether the background thread should try to heal: poisoned by a
+    /// cause that may go away.
+    pub(super) fn heals(&self) -> bool {
+        self.is_poisoned() && self.health.lock().as_ref().is_none_or(|f| f.cause.heals())
+    }
+
+    /// Writes are accepted again (the store healed).
+    pub(super) fn healthy_again(&self) {
+        let mut fault = self.health.lock();
+        if let Some(fault) = fault.take() {
+            let since = fault.since.until(self.clock.now());
+            crate::observability::healed("redb", &fault.cause, since);
+            crate::observability::health("redb", 0);
+        }
+        self.health.poisoned.store(false, Ordering::SeqCst);
+    }
+
+    /// The store's health.
+    pub(super) fn health(&self) -> Health {
+        let fault = self.health.lock();
+        match (&*fault, self.is_poisoned()) {
+            (_, false) => Health::Healthy,
+            (Some(f), true) if f.cause.heals() => Health::Degraded {
+                cause: f.cause.clone(),
+                since: f.since,
+            },
+            (Some(f), true) => Health::Failed {
+                cause: f.cause.clone(),
+            },
+            (None, true) => Health::Failed {
+                cause: Cause::new(
+                    "commit",
+                    None,
+                    &Error::backend("the store was poisoned without a recorded cause"),
+                ),
+            },
+        }
+    }
+
+    fn file_name(&self, on: On) -> String {
+        match (&self.path, on) {
+            (Some(path), On::Store) => path.display().to_string(),
+            (Some(path), On::Log) => super::wal::wal_path(path).display().to_string(),
+            (None, On::Store) => "<storage backend>".to_owned(),
+            (None, On::Log) => "<log backend>".to_owned(),
+        }
+    }
+}
