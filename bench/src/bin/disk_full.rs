@@ -27,9 +27,17 @@ const BALLAST_BYTES: usize = 3 << 20;
 /// This process's CPU time (user + system) so far.
 fn process_cpu() -> Duration {
     let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
-    let rest = stat.rfind(')').and_then(|i| stat.get(i + 2..)).unwrap_or("");
+    let rest = stat
+        .rfind(')')
+        .and_then(|i| stat.get(i + 2..))
+        .unwrap_or("");
     let fields: Vec<&str> = rest.split(' ').collect();
-    let ticks = |i: usize| fields.get(i).and_then(|f| f.parse::<u64>().ok()).unwrap_or(0);
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|f| f.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
     Duration::from_millis(10 * (ticks(11) + ticks(12)))
 }
 
@@ -54,7 +62,10 @@ fn cycle(store: &RedbStore, i: u64, body: &[u8], now: Timestamp) -> idemstore::R
 
 fn main() {
     let mut args = std::env::args().skip(1);
-    let dir = PathBuf::from(args.next().expect("usage: disk_full DIR [--response-bytes N]"));
+    let dir = PathBuf::from(
+        args.next()
+            .expect("usage: disk_full DIR [--response-bytes N]"),
+    );
     let mut response_bytes = 2048;
     while let Some(arg) = args.next() {
         if arg == "--response-bytes" {
@@ -77,7 +88,10 @@ fn main() {
         }
         i += 1;
     };
-    println!("acknowledged before the failure: {} completions", acked.len());
+    println!(
+        "acknowledged before the failure: {} completions",
+        acked.len()
+    );
     println!("first error: {error}");
     println!("  io kind: {:?}", error.io_kind());
     let later = cycle(&store, u64::MAX, &body, now).expect_err("refused while full");
@@ -88,13 +102,19 @@ fn main() {
         let key = Key::new("disk-full", format!("k{k}")).unwrap_or_else(|e| panic!("{e}"));
         store.begin(&key, &Fingerprint::of(&k.to_be_bytes()), now, LEASE, KEEP)
     });
-    println!("a replay while full: {:?}", replayed.map(|r| r.map(|b| matches!(b, Begin::Replay(_)))));
+    println!(
+        "a replay while full: {:?}",
+        replayed.map(|r| r.map(|b| matches!(b, Begin::Replay(_))))
+    );
     std::thread::sleep(Duration::from_millis(200));
     let cpu = process_cpu();
     let idle = Instant::now();
     std::thread::sleep(Duration::from_secs(3));
     let idle_cpu = process_cpu().saturating_sub(cpu).as_secs_f64() / idle.elapsed().as_secs_f64();
-    println!("idle CPU after the failure: {:.1}% of a core", idle_cpu * 100.0);
+    println!(
+        "idle CPU after the failure: {:.1}% of a core",
+        idle_cpu * 100.0
+    );
 
     std::fs::remove_file(&first).expect("free space");
     let freed = Instant::now();
@@ -142,7 +162,10 @@ fn main() {
             !matches!(store.get(&key, now), Ok(Some(r)) if r.response().is_some_and(|r| r.body() == body.as_slice()))
         })
         .count();
-    println!("acknowledged completions lost after a reopen: {lost} of {}", acked.len());
+    println!(
+        "acknowledged completions lost after a reopen: {lost} of {}",
+        acked.len()
+    );
     let ok = error.io_kind() == Some(std::io::ErrorKind::StorageFull)
         && idle_cpu < 0.05
         && healed_in.is_some_and(|d| d < Duration::from_secs(2))
