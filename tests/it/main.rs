@@ -21,6 +21,8 @@ mod guard;
 mod inbox;
 #[cfg(feature = "redb")]
 mod inbox_batch;
+#[cfg(feature = "redb")]
+mod io_sweep;
 mod memory;
 mod model;
 #[cfg(all(feature = "redb", feature = "tokio"))]

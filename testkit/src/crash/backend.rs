@@ -82,16 +82,61 @@ impl CrashImage {
     }
 }
 
-/// Which call of one file an injected [`Fault`] fails
-/// ([`CrashBackend::fail_next`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Which kind of call of a file an injected [`Fault`] fails
+/// ([`CrashBackend::fail_next`], [`Injection::on`]), and the kinds of call
+/// [`IoCounts`] counts.
+///
+/// ```
+/// use idemstore_testkit::crash::FaultOn;
+/// assert_eq!(FaultOn::ALL.len(), 4);
+/// assert_eq!(FaultOn::SetLen.to_string(), "set_len");
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum FaultOn {
-    /// The next `read`.
+    /// A `read`.
     Read,
-    /// The next `write` (nothing of it is written).
+    /// A `write` (nothing of it is written).
     Write,
-    /// The next `sync_data` (nothing more becomes durable).
+    /// A `sync_data` (nothing more becomes durable).
     Sync,
+    /// A `set_len` (the length does not change).
+    SetLen,
+}
+
+impl FaultOn {
+    /// Every kind, in the order [`IoCounts`] lists them.
+    pub const ALL: [FaultOn; 4] = [
+        FaultOn::Read,
+        FaultOn::Write,
+        FaultOn::Sync,
+        FaultOn::SetLen,
+    ];
+
+    fn index(self) -> usize {
+        match self {
+            FaultOn::Read => 0,
+            FaultOn::Write => 1,
+            FaultOn::Sync => 2,
+            FaultOn::SetLen => 3,
+        }
+    }
+
+    /// The name of the `StorageBackend` method: `read`, `write`,
+    /// `sync_data`, `set_len`.
+    pub fn name(self) -> &'static str {
+        match self {
+            FaultOn::Read => "read",
+            FaultOn::Write => "write",
+            FaultOn::Sync => "sync_data",
+            FaultOn::SetLen => "set_len",
+        }
+    }
+}
+
+impl std::fmt::Display for FaultOn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
 }
 
 /// The error an injected failure returns.
@@ -104,6 +149,22 @@ pub enum Fault {
 }
 
 impl Fault {
+    /// The [`ErrorKind`] of the error this fault returns: `Other` for EIO
+    /// (std has no stable kind for it), `StorageFull` for ENOSPC.
+    ///
+    /// ```
+    /// use idemstore_testkit::crash::Fault;
+    /// use std::io::ErrorKind;
+    /// assert_eq!(Fault::Eio.kind(), ErrorKind::Other);
+    /// assert_eq!(Fault::Enospc.kind(), ErrorKind::StorageFull);
+    /// ```
+    pub fn kind(self) -> ErrorKind {
+        match self {
+            Fault::Eio => ErrorKind::Other,
+            Fault::Enospc => ErrorKind::StorageFull,
+        }
+    }
+
     fn error(self) -> IoError {
         match self {
             Fault::Eio => IoError::other("input/output error (injected EIO)"),
@@ -111,6 +172,127 @@ impl Fault {
                 IoError::new(ErrorKind::StorageFull, "no space left on device (injected)")
             }
         }
+    }
+}
+
+/// A planned, counted failure ([`CrashBackend::inject`]): the `nth` call
+/// of kind `on` on file `file` (or on any file of the disk), counted from
+/// the moment it is armed, fails with `fault`; once, or from then on.
+///
+/// The shape of SQLite's I/O-error tests: count the calls of a clean run
+/// of a workload ([`CrashBackend::io_counts`]), then run it once for every
+/// `nth` up to that count.
+///
+/// ```
+/// use idemstore_testkit::crash::{CrashBackend, Fault, FaultOn, Injection};
+/// use redb::StorageBackend;
+///
+/// let disk = CrashBackend::new();
+/// disk.inject(Injection { file: Some(0), on: FaultOn::Write, nth: 2, fault: Fault::Enospc, persistent: false });
+/// assert!(disk.write(0, b"a").is_ok());  // the 1st
+/// assert!(disk.write(1, b"b").is_err()); // the 2nd fails
+/// assert!(disk.write(1, b"b").is_ok());  // transient: once
+/// # Ok::<(), std::io::Error>(())
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Injection {
+    /// The file whose calls count and fail (0 is the first file, then the
+    /// siblings in order); `None`: the calls of every file count.
+    pub file: Option<usize>,
+    /// The kind of call that counts and fails.
+    pub on: FaultOn,
+    /// Which of those calls fails first, from 1 (the next one); 0 is read
+    /// as 1.
+    pub nth: u64,
+    /// The error it returns.
+    pub fault: Fault,
+    /// `false`: the `nth` call fails and the later ones work (a transient
+    /// error); `true`: it and every later call of that kind fail until
+    /// [`CrashBackend::clear_injection`] (a dead sector, a full disk).
+    pub persistent: bool,
+}
+
+impl Injection {
+    /// Whether a call of kind `on` on file `file` counts for this injection.
+    fn matches(&self, file: usize, on: FaultOn) -> bool {
+        self.on == on && self.file.is_none_or(|f| f == file)
+    }
+}
+
+/// An armed [`Injection`] and its progress.
+#[derive(Clone, Copy, Debug)]
+struct Armed {
+    plan: Injection,
+    /// Matching calls since it was armed.
+    seen: u64,
+    /// Matching calls it failed.
+    failed: u64,
+}
+
+/// Calls of each kind on each file of a disk since it was made
+/// ([`CrashBackend::io_counts`]); every call counts, also those that
+/// failed. Its `Display` is a table, a row per file.
+///
+/// ```
+/// use idemstore_testkit::crash::{CrashBackend, FaultOn};
+/// use redb::StorageBackend;
+///
+/// let disk = CrashBackend::new();
+/// let log = disk.sibling();
+/// log.write(0, b"frame")?;
+/// log.sync_data()?;
+/// disk.set_len(4096)?;
+/// let counts = disk.io_counts();
+/// assert_eq!(counts.files(), 2);
+/// assert_eq!(counts.get(1, FaultOn::Write), 1);
+/// assert_eq!(counts.get(1, FaultOn::Sync), 1);
+/// assert_eq!(counts.get(0, FaultOn::Write), 0);
+/// assert_eq!(counts.total(FaultOn::SetLen), 1);
+/// assert!(counts.to_string().contains("sync_data"));
+/// # Ok::<(), std::io::Error>(())
+/// ```
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct IoCounts {
+    /// Per file, the calls of each kind in [`FaultOn::ALL`] order.
+    per_file: Vec<[u64; 4]>,
+}
+
+impl IoCounts {
+    /// Calls of kind `on` on file number `file` (0 when there is no such file).
+    pub fn get(&self, file: usize, on: FaultOn) -> u64 {
+        self.per_file
+            .get(file)
+            .and_then(|c| c.get(on.index()))
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Calls of kind `on` on every file.
+    pub fn total(&self, on: FaultOn) -> u64 {
+        (0..self.files()).map(|f| self.get(f, on)).sum()
+    }
+
+    /// How many files the disk has.
+    pub fn files(&self) -> usize {
+        self.per_file.len()
+    }
+}
+
+impl std::fmt::Display for IoCounts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:>6}", "file")?;
+        for on in FaultOn::ALL {
+            write!(f, " {:>10}", on.name())?;
+        }
+        writeln!(f)?;
+        for file in 0..self.files() {
+            write!(f, "{file:>6}")?;
+            for on in FaultOn::ALL {
+                write!(f, " {:>10}", self.get(file, on))?;
+            }
+            writeln!(f)?;
+        }
+        Ok(())
     }
 }
 
@@ -129,6 +311,8 @@ struct File {
     torn: TornSectors,
     /// Injected failures still to come, each for the next call of its kind.
     faults: Vec<(FaultOn, Fault)>,
+    /// Calls so far of each kind, in [`FaultOn::ALL`] order.
+    calls: [u64; 4],
 }
 
 #[derive(Debug, Default)]
@@ -152,6 +336,8 @@ struct State {
     read_only: bool,
     /// Syncs that returned `Ok`.
     syncs: u64,
+    /// The planned failure in force ([`CrashBackend::inject`]).
+    injection: Option<Armed>,
 }
 
 /// A redb [`StorageBackend`](redb::StorageBackend) in memory that keeps the
@@ -164,8 +350,11 @@ struct State {
 /// Power losses are planned at mutation counts ([`plan`](Self::plan)); the
 /// run goes on afterwards, so one run yields many crash images, each the
 /// file a crash at that instant would have left. Besides that: a lying
-/// `sync_data` ([`SyncMode::Lies`]) and a full disk
-/// ([`set_disk_full`](Self::set_disk_full)).
+/// `sync_data` ([`SyncMode::Lies`]), a full disk
+/// ([`set_disk_full`](Self::set_disk_full)), one-shot faults
+/// ([`fail_next`](Self::fail_next)) and a planned fault at the n-th call
+/// of a kind ([`inject`](Self::inject), with per-file call counts in
+/// [`io_counts`](Self::io_counts)).
 ///
 /// ```
 /// use idemstore_testkit::crash::CrashBackend;
@@ -318,7 +507,8 @@ impl CrashBackend {
     /// Makes the next `on` call of this handle's file fail with `fault`
     /// (once; several calls queue up in order). Failures beyond power loss:
     /// an `EIO` on a log append or a read during replay, an `ENOSPC` on a
-    /// sync.
+    /// sync. For the n-th call, or every call from then on, see
+    /// [`inject`](Self::inject).
     ///
     /// ```
     /// use idemstore_testkit::crash::{CrashBackend, Fault, FaultOn};
@@ -333,6 +523,86 @@ impl CrashBackend {
         let mut s = self.lock();
         if let Ok(f) = file_mut(&mut s, self.file) {
             f.faults.push((on, fault));
+        }
+    }
+
+    /// Arms a planned failure (replacing the one in force, if any): the
+    /// [`nth`](Injection::nth) call of its kind on its file from now on
+    /// fails, and with [`persistent`](Injection::persistent) every later
+    /// one too, until [`clear_injection`](Self::clear_injection). Any
+    /// handle of the disk arms it. Queued [`fail_next`](Self::fail_next)
+    /// faults still apply, after it.
+    ///
+    /// ```
+    /// use idemstore_testkit::crash::{CrashBackend, Fault, FaultOn, Injection};
+    /// use redb::StorageBackend;
+    /// use std::io::ErrorKind;
+    ///
+    /// let disk = CrashBackend::new();
+    /// let log = disk.sibling();
+    /// disk.inject(Injection { file: None, on: FaultOn::Sync, nth: 2, fault: Fault::Eio, persistent: true });
+    /// assert!(disk.sync_data().is_ok());  // the 1st sync on any file
+    /// assert!(log.sync_data().is_err());  // the 2nd
+    /// assert!(disk.sync_data().is_err()); // and from then on
+    /// assert_eq!(disk.clear_injection(), 2);
+    /// assert!(log.sync_data().is_ok());
+    ///
+    /// disk.inject(Injection { file: Some(1), on: FaultOn::SetLen, nth: 1, fault: Fault::Enospc, persistent: false });
+    /// assert!(disk.set_len(10).is_ok()); // file 0 does not count
+    /// assert_eq!(log.set_len(10).unwrap_err().kind(), ErrorKind::StorageFull);
+    /// assert_eq!(log.len()?, 0, "the failed call changed nothing");
+    /// # Ok::<(), std::io::Error>(())
+    /// ```
+    pub fn inject(&self, injection: Injection) {
+        self.lock().injection = Some(Armed {
+            plan: injection,
+            seen: 0,
+            failed: 0,
+        });
+    }
+
+    /// Disarms the planned failure, returning how many calls it failed
+    /// (0: the run never reached its call).
+    ///
+    /// ```
+    /// use idemstore_testkit::crash::{CrashBackend, Fault, FaultOn, Injection};
+    /// use redb::StorageBackend;
+    ///
+    /// let disk = CrashBackend::new();
+    /// disk.inject(Injection { file: Some(0), on: FaultOn::Read, nth: 5, fault: Fault::Eio, persistent: true });
+    /// disk.write(0, b"x")?;
+    /// disk.read(0, &mut [0; 1])?; // the 1st read: fine
+    /// assert_eq!(disk.clear_injection(), 0, "the 5th read never came");
+    /// assert_eq!(disk.clear_injection(), 0, "nothing armed");
+    /// # Ok::<(), std::io::Error>(())
+    /// ```
+    pub fn clear_injection(&self) -> u64 {
+        self.lock().injection.take().map_or(0, |a| a.failed)
+    }
+
+    /// Calls the planned failure in force has failed so far (0 when none is
+    /// armed): whether a run reached its call.
+    ///
+    /// ```
+    /// use idemstore_testkit::crash::{CrashBackend, Fault, FaultOn, Injection};
+    /// use redb::StorageBackend;
+    ///
+    /// let disk = CrashBackend::new();
+    /// disk.inject(Injection { file: None, on: FaultOn::Write, nth: 1, fault: Fault::Eio, persistent: false });
+    /// assert_eq!(disk.injected_failures(), 0);
+    /// assert!(disk.write(0, b"x").is_err());
+    /// assert_eq!(disk.injected_failures(), 1);
+    /// ```
+    pub fn injected_failures(&self) -> u64 {
+        self.lock().injection.map_or(0, |a| a.failed)
+    }
+
+    /// Calls of each kind on each file of the disk so far, failed ones
+    /// included (see [`IoCounts`]): a clean run's counts bound the `nth`
+    /// a sweep of [`inject`](Self::inject) goes through.
+    pub fn io_counts(&self) -> IoCounts {
+        IoCounts {
+            per_file: self.lock().files.iter().map(|f| f.calls).collect(),
         }
     }
 
@@ -415,6 +685,35 @@ impl CrashBackend {
             .map(|f| f.live.clone())
             .unwrap_or_default()
     }
+
+    /// Every file of the disk as the running program sees them: what a
+    /// process that stops now (a crash, or a store never closed) leaves on
+    /// a disk that keeps power. [`CrashImage::restore`] it for a disk
+    /// without this one's faults and counters. `at` is the mutation count,
+    /// `seed` 0.
+    ///
+    /// ```
+    /// use idemstore_testkit::crash::CrashBackend;
+    /// use redb::StorageBackend;
+    /// let disk = CrashBackend::new();
+    /// let log = disk.sibling();
+    /// disk.write(0, b"store")?;
+    /// log.write(0, b"log")?; // never synced: still there without a power loss
+    /// let image = disk.live_image_all();
+    /// assert_eq!((image.bytes.as_slice(), image.siblings.as_slice()), (&b"store"[..], &[b"log".to_vec()][..]));
+    /// assert_eq!(image.restore().file(1).unwrap().live_image(), b"log");
+    /// # Ok::<(), std::io::Error>(())
+    /// ```
+    pub fn live_image_all(&self) -> CrashImage {
+        let s = self.lock();
+        let mut files = s.files.iter().map(|f| f.live.clone());
+        CrashImage {
+            at: s.mutations,
+            seed: 0,
+            bytes: files.next().unwrap_or_default(),
+            siblings: files.collect(),
+        }
+    }
 }
 
 fn disk_full() -> IoError {
@@ -474,10 +773,37 @@ impl State {
         }
     }
 
-    /// Counts a mutating call; images due before it are taken first.
-    fn mutate(&mut self) -> Result<(), IoError> {
+    /// Counts a call of kind `on` on file `file`, and fails it when the
+    /// planned failure says so.
+    fn count(&mut self, file: usize, on: FaultOn) -> Result<(), IoError> {
+        if let Some(c) = self
+            .files
+            .get_mut(file)
+            .and_then(|f| f.calls.get_mut(on.index()))
+        {
+            *c += 1;
+        }
+        let Some(armed) = self.injection.as_mut() else {
+            return Ok(());
+        };
+        if !armed.plan.matches(file, on) {
+            return Ok(());
+        }
+        armed.seen += 1;
+        let nth = armed.plan.nth.max(1);
+        if armed.seen == nth || (armed.plan.persistent && armed.seen > nth) {
+            armed.failed += 1;
+            return Err(armed.plan.fault.error());
+        }
+        Ok(())
+    }
+
+    /// Counts a mutating call of kind `on` on file `file`; images due
+    /// before it are taken first.
+    fn mutate(&mut self, file: usize, on: FaultOn) -> Result<(), IoError> {
         self.take_due();
         self.mutations += 1;
+        self.count(file, on)?;
         if self.read_only {
             return Err(read_only());
         }
@@ -628,6 +954,7 @@ impl redb::StorageBackend for CrashBackend {
 
     fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), IoError> {
         let mut s = self.lock();
+        s.count(self.file, FaultOn::Read)?;
         injected(file_mut(&mut s, self.file)?, FaultOn::Read)?;
         let start = to_usize(offset)?;
         let src = start
@@ -640,7 +967,8 @@ impl redb::StorageBackend for CrashBackend {
 
     fn set_len(&self, len: u64) -> Result<(), IoError> {
         let mut s = self.lock();
-        s.mutate()?;
+        s.mutate(self.file, FaultOn::SetLen)?;
+        injected(file_mut(&mut s, self.file)?, FaultOn::SetLen)?;
         let full = s.disk_full;
         let f = file_mut(&mut s, self.file)?;
         if full && len > f.live.len() as u64 {
@@ -654,7 +982,7 @@ impl redb::StorageBackend for CrashBackend {
 
     fn sync_data(&self) -> Result<(), IoError> {
         let mut s = self.lock();
-        s.mutate()?;
+        s.mutate(self.file, FaultOn::Sync)?;
         injected(file_mut(&mut s, self.file)?, FaultOn::Sync)?;
         s.syncs += 1;
         let mode = s.sync_mode;
@@ -675,7 +1003,7 @@ impl redb::StorageBackend for CrashBackend {
 
     fn write(&self, offset: u64, data: &[u8]) -> Result<(), IoError> {
         let mut s = self.lock();
-        s.mutate()?;
+        s.mutate(self.file, FaultOn::Write)?;
         injected(file_mut(&mut s, self.file)?, FaultOn::Write)?;
         if s.disk_full {
             return Err(disk_full());
@@ -874,6 +1202,153 @@ mod tests {
             b.sync_data().unwrap();
         }
         assert_eq!(b.take_images().len(), 5);
+    }
+
+    fn plan(file: Option<usize>, on: FaultOn, nth: u64, persistent: bool) -> Injection {
+        Injection {
+            file,
+            on,
+            nth,
+            fault: Fault::Eio,
+            persistent,
+        }
+    }
+
+    /// One call of `on` on `b`, with arguments that work on any file.
+    fn call(b: &CrashBackend, on: FaultOn) -> Result<(), IoError> {
+        match on {
+            FaultOn::Read => b.read(0, &mut []),
+            FaultOn::Write => b.write(0, &[7]),
+            FaultOn::Sync => b.sync_data(),
+            FaultOn::SetLen => b.set_len(1),
+        }
+    }
+
+    #[test]
+    fn a_transient_injection_fails_exactly_the_nth_call_of_its_kind_and_file() {
+        for on in FaultOn::ALL {
+            for nth in 1..=4 {
+                let disk = CrashBackend::new();
+                let log = disk.sibling();
+                disk.inject(plan(Some(1), on, nth, false));
+                let mut failed = Vec::new();
+                for i in 1..=6 {
+                    // Calls of other kinds and of the other file never count.
+                    for other in FaultOn::ALL {
+                        call(&disk, other).unwrap();
+                        if other != on {
+                            call(&log, other).unwrap();
+                        }
+                    }
+                    if call(&log, on).is_err() {
+                        failed.push(i);
+                    }
+                }
+                assert_eq!(failed, [nth], "{on} nth {nth}");
+                assert_eq!(disk.injected_failures(), 1);
+                assert_eq!(disk.clear_injection(), 1);
+            }
+        }
+    }
+
+    #[test]
+    fn a_persistent_injection_fails_from_the_nth_call_until_cleared() {
+        let disk = CrashBackend::new();
+        let log = disk.sibling();
+        disk.inject(Injection {
+            fault: Fault::Enospc,
+            ..plan(None, FaultOn::Write, 3, true)
+        });
+        let results: Vec<bool> = (0..6)
+            .map(|i| call(if i % 2 == 0 { &disk } else { &log }, FaultOn::Write).is_ok())
+            .collect();
+        assert_eq!(results, [true, true, false, false, false, false]);
+        let err = log.write(0, &[1]).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::StorageFull);
+        assert_eq!(err.kind(), Fault::Enospc.kind());
+        assert_eq!(log.clear_injection(), 5);
+        assert_eq!(disk.injected_failures(), 0);
+        call(&disk, FaultOn::Write).unwrap();
+        call(&log, FaultOn::Write).unwrap();
+    }
+
+    /// A failed call changes nothing: a write writes no byte, a sync makes
+    /// nothing durable, a set_len keeps the length.
+    #[test]
+    fn an_injected_failure_changes_nothing() {
+        let b = CrashBackend::new();
+        b.write(0, &[1; 4]).unwrap();
+        b.sync_data().unwrap();
+        b.write(0, &[2; 4]).unwrap();
+        b.inject(plan(Some(0), FaultOn::Sync, 1, false));
+        b.sync_data().unwrap_err();
+        assert!(
+            (0..32).any(|seed| b.power_loss(seed) == [1; 4]),
+            "not durable"
+        );
+        b.inject(plan(Some(0), FaultOn::Write, 1, false));
+        b.write(0, &[3; 8]).unwrap_err();
+        assert_eq!(b.live_image(), [2; 4]);
+        b.inject(plan(Some(0), FaultOn::SetLen, 1, false));
+        b.set_len(0).unwrap_err();
+        assert_eq!(b.len().unwrap(), 4);
+        b.inject(plan(Some(0), FaultOn::Read, 1, false));
+        let mut out = [9; 4];
+        b.read(0, &mut out).unwrap_err();
+        assert_eq!(out, [9; 4]);
+        b.read(0, &mut out).unwrap();
+        assert_eq!(out, [2; 4]);
+    }
+
+    #[test]
+    fn io_counts_count_every_call_failed_ones_included() {
+        let disk = CrashBackend::new();
+        let log = disk.sibling();
+        disk.fail_next(FaultOn::SetLen, Fault::Eio);
+        disk.set_len(10).unwrap_err();
+        disk.set_len(10).unwrap();
+        log.write(0, &[1]).unwrap();
+        log.read(5, &mut [0; 1]).unwrap_err(); // past the end
+        disk.set_read_only(true);
+        log.sync_data().unwrap_err();
+        disk.set_read_only(false);
+        let counts = disk.io_counts();
+        assert_eq!(counts.files(), 2);
+        let table: Vec<[u64; 4]> = (0..2)
+            .map(|f| FaultOn::ALL.map(|on| counts.get(f, on)))
+            .collect();
+        assert_eq!(table, [[0, 0, 0, 2], [1, 1, 1, 0]]);
+        assert_eq!(counts.total(FaultOn::SetLen), 2);
+        assert_eq!(counts.get(9, FaultOn::Read), 0);
+        assert_eq!(disk.mutations(), 4);
+        let text = counts.to_string();
+        assert_eq!(text.lines().count(), 3, "{text}");
+        // A restored image starts counting afresh.
+        assert_eq!(
+            disk.live_image_all()
+                .restore()
+                .io_counts()
+                .total(FaultOn::SetLen),
+            0
+        );
+    }
+
+    /// The planned failure and the one-shot queue work side by side: the
+    /// planned one decides first, a one-shot fault waits for a call the
+    /// planned one lets through.
+    #[test]
+    fn fail_next_still_works_beside_an_injection() {
+        let b = CrashBackend::new();
+        b.fail_next(FaultOn::Write, Fault::Enospc);
+        b.inject(plan(Some(0), FaultOn::Write, 1, false));
+        assert_eq!(b.write(0, &[1]).unwrap_err().kind(), ErrorKind::Other);
+        assert_eq!(b.write(0, &[1]).unwrap_err().kind(), ErrorKind::StorageFull);
+        b.write(0, &[1]).unwrap();
+        // nth 0 is read as 1; a new injection replaces the old.
+        b.inject(plan(Some(0), FaultOn::Read, 0, false));
+        b.inject(plan(Some(0), FaultOn::Read, 2, false));
+        b.read(0, &mut [0; 1]).unwrap();
+        b.read(0, &mut [0; 1]).unwrap_err();
     }
 
     #[test]

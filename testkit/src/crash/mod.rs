@@ -5,7 +5,9 @@
 //!   file as last synced plus the writes since, and yields the file a power
 //!   loss would leave (synced + a seeded subset of the unsynced writes, torn
 //!   at 512-byte sectors; with [`TornSectors::Garbage`], sectors being
-//!   written may also read back as garbage);
+//!   written may also read back as garbage), and fails calls on demand
+//!   (the n-th read, write, sync or resize of a file, once or from then on:
+//!   [`Injection`], with the call counts a sweep needs in [`IoCounts`]);
 //! - `raw.rs`: the same kind of check against plain redb, which proves the
 //!   backend and the checking before they judge idemstore;
 //! - `workload.rs`: logged begin/complete/release/sweep threads on the real
@@ -27,7 +29,10 @@ mod recovery;
 mod rng;
 mod workload;
 
-pub use backend::{CrashBackend, CrashImage, Fault, FaultOn, SECTOR_BYTES, SyncMode, TornSectors};
+pub use backend::{
+    CrashBackend, CrashImage, Fault, FaultOn, Injection, IoCounts, SECTOR_BYTES, SyncMode,
+    TornSectors,
+};
 pub use case::{CrashCase, MAX_CASE_POINTS, MAX_CASE_STEPS, crash_recovery};
 pub use ops::store_ops_power_loss;
 pub use raw::{RawRun, raw_redb_run, raw_redb_run_all_points};
