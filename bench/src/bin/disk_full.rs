@@ -64,7 +64,7 @@ fn fill(dir: &Path) -> PathBuf {
 /// One claim + complete; `Ok(true)` when both were acknowledged.
 fn cycle(store: &RedbStore, i: u64, body: &[u8], now: Timestamp) -> idemstore::Result<bool> {
     let key = Key::new("disk-full", format!("k{i}"))?;
-    let fp = Fingerprint::of(&i.to_be_bytes());
+    let fp = Fingerprint::of(i.to_be_bytes());
     match store.begin(&key, &fp, now, LEASE, KEEP)? {
         Begin::Claimed(claim) => {
             store.complete(&key, &claim, &Response::new(201, body.to_vec()), now, KEEP)?;
@@ -114,7 +114,7 @@ fn main() {
     // A replay still answers.
     let replayed = acked.first().map(|&k| {
         let key = Key::new("disk-full", format!("k{k}")).unwrap_or_else(|e| panic!("{e}"));
-        store.begin(&key, &Fingerprint::of(&k.to_be_bytes()), now, LEASE, KEEP)
+        store.begin(&key, &Fingerprint::of(k.to_be_bytes()), now, LEASE, KEEP)
     });
     println!(
         "a replay while full: {:?}",
