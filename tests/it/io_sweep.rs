@@ -6,26 +6,34 @@
 //! ENOSPC, once (transient) or from then on (persistent). At every `N`:
 //!
 //! - every call returns, promptly, `Ok` or an error of the injected kind
-//!   (or the store's poisoned refusal); nothing panics;
-//! - on a subset of `N`, the store's threads stay idle after the failure
-//!   (no retry loop): under 5 % of one core over an idle interval;
-//! - the drop returns within a second;
+//!   (`Error::io_kind`: the I/O error itself, or the poisoned store's
+//!   refusal carrying it); reads and replays answer while only writes
+//!   fail; nothing panics, the store's own threads included;
+//! - the store is never `Health::Failed` for an I/O error;
+//! - on a subset of `N`, the store's threads stay idle while the fault
+//!   stays (no retry loop): under 5 % of one core over an idle interval;
+//! - the drop returns within a second (with half of the persistent faults
+//!   still there);
 //! - the files, reopened on a healthy disk (as the program left them, and
 //!   as a power loss would), hold every acknowledged write and no write
 //!   that was never attempted;
-//! - after a transient error, the same store value becomes healthy again
-//!   within 2 s and a new claim and completion succeed.
+//! - once the fault is gone (a transient one at once, half of the
+//!   persistent ones cleared before the drop), the same store value is
+//!   healthy again within 2 s and a new claim and completion succeed.
 //!
 //! The workload: an open that replays a log left by a store never closed,
-//! claims and completions, a replay, a manual checkpoint (and, in the
-//! `Background` variant, the checkpointer's own on a short interval),
-//! `sweep_expired`, `compact`, an inbox batch, and the close.
+//! claims and completions, a replay, a manual checkpoint (and the
+//! checkpointer's own when a segment of the 16 KiB log fills, or, in the
+//! `Background` variant, on a short interval), `sweep_expired`, `compact`,
+//! an inbox batch, and the close; the `Paged` variant has the page log.
 //!
 //! The default test runs a shortened sweep (a few `N` per file and kind);
 //! the ignored `..._full` test, or `IDEMSTORE_FULL_SWEEP=1`, runs every
 //! `N`. Both print the injection points per file and kind. Each runs in a
 //! child process of the test binary, so that the threads whose CPU time is
 //! measured are this store's only, and a call that hangs ends with it.
+//! Breaches the store is known to commit are pinned by ignored tests at
+//! the bottom ([`KNOWN`]); the sweep reports them and fails on any other.
 
 use idemstore::redb::engine::{ReadableTable, TableDefinition, WriteTransaction};
 use idemstore::redb::{Delivery, Health, Inbox, Message};
@@ -97,8 +105,9 @@ fn response(id: &str) -> Response {
 /// How the workload's store is opened.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Variant {
-    /// Checkpoints only when asked: the calls come in the same order every
-    /// run, so `N` names the same call each time.
+    /// No checkpoint on a timer: the calls come in nearly the same order
+    /// every run (a full log segment still starts the checkpointer), so
+    /// `N` names nearly the same call each time.
     Manual,
     /// The checkpointer on a short interval, with pauses for it to run:
     /// its calls interleave with the caller's.
@@ -979,11 +988,9 @@ fn sweep(depth: Depth) {
         count(&seen_before),
     );
     for (what, cases) in seen_before.iter().chain(&unknown) {
-        if let Some(test) = known(what) {
-            eprintln!("- known, pinned by io_sweep::{test}:");
-        }
+        let pinned = known(what).map_or(String::new(), |t| format!(" [known: io_sweep::{t}]"));
         eprintln!(
-            "- {what}\n  in {} runs: {}",
+            "- {what}{pinned}\n  in {} runs: {}",
             cases.len(),
             cases.iter().take(6).cloned().collect::<Vec<_>>().join("; ")
         );
