@@ -121,6 +121,10 @@ mod response;
 pub mod sled;
 mod store;
 mod sweeper;
+// The redb write path's locks, condvars, atomics and threads: std's, or
+// the Shuttle model checker's under `--cfg shuttle` in tests.
+#[cfg(feature = "redb")]
+mod sync;
 #[cfg(feature = "test-util")]
 mod testing;
 mod time;

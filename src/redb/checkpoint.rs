@@ -30,15 +30,17 @@ use super::memtable::Frozen;
 use super::tables::{META, META_TOKEN_HWM, META_WAL_EPOCH, WriteTables};
 use super::{Durability, Shared};
 use crate::error::{Error, Result};
-use std::sync::Arc;
-use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
+use crate::sync::atomic::Ordering;
+use crate::sync::{Arc, Instant};
+use std::time::Duration;
 
 /// The thread's body: runs until the store is dropped (after writing out a
 /// frozen memtable that is still waiting, when it can) or fails for good.
 pub(super) fn run(shared: Arc<Shared>) {
     let mut last_sync = Instant::now();
     let mut backoff = HEAL_BACKOFF_MIN;
+    // The last tick found the commit lock held.
+    let mut busy = false;
     let mut bg = shared.lock_bg();
     loop {
         if shared.is_poisoned() {
@@ -110,6 +112,19 @@ pub(super) fn run(shared: Arc<Shared>) {
             work |= left.is_zero();
             wait = wait.min(left.max(Duration::from_millis(1)));
         }
+        if std::mem::take(&mut busy) {
+            // Another thread holds the commit lock. Trying again at once
+            // would spin for as long as it does (a whole inbox handler's
+            // transaction; found by the model checker, shuttle_tests.rs).
+            // The holder does the work itself: a leader freezes a due
+            // memtable (which wakes this thread) and makes a relaxed commit
+            // durable once the window has passed; a direct transaction
+            // takes the memtable in, durably. The wait is a backstop. It
+            // starts here, under the lock, after the checks above: a freeze
+            // or a shutdown since the tick is not missed.
+            work = false;
+            wait = busy_backoff(&shared);
+        }
         if !work {
             bg = shared
                 .bg_cv
@@ -121,9 +136,30 @@ pub(super) fn run(shared: Arc<Shared>) {
         drop(bg);
         // A failure is recorded (the store poisoned, with its cause) where
         // it happened; the loop then heals.
-        let _ = tick(&shared, &mut last_sync);
+        let result = tick(&shared, &mut last_sync);
+        busy = matches!(result, Ok(Tick::Busy));
         bg = shared.lock_bg();
     }
+}
+
+/// How long the thread waits after [`tick`] found the commit lock held:
+/// the checkpoint interval, and under relaxed durability no longer than
+/// the loss window (the log's sync does not wait for the lock).
+fn busy_backoff(shared: &Shared) -> Duration {
+    let backoff = match shared.durability {
+        Durability::Periodic { max_loss } => shared.checkpoint_interval.min(max_loss),
+        Durability::Immediate => shared.checkpoint_interval,
+    };
+    backoff.max(Duration::from_millis(1))
+}
+
+/// What [`tick`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Tick {
+    /// What was due is done.
+    Done,
+    /// Work under the commit lock was due and another thread held the lock.
+    Busy,
 }
 
 /// The timed work: an old memtable is frozen; under relaxed durability the
@@ -140,13 +176,20 @@ pub(super) fn run(shared: Arc<Shared>) {
 /// it. So, under the lock, a frozen table already waiting means there is
 /// nothing to freeze (only the holder of the commit lock freezes, so the
 /// check cannot go stale).
-pub(super) fn tick(shared: &Shared, last_sync: &mut Instant) -> Result<()> {
-    if shared.log_file.is_some()
-        && shared.checkpoint_due()
-        && let Some(mut core) = shared.try_lock_core()
-        && shared.read_mem().frozen.is_none()
-    {
-        shared.freeze(&mut core)?;
+///
+/// [`Tick::Busy`] when the lock was held, so that the caller waits rather
+/// than tries again at once.
+pub(super) fn tick(shared: &Shared, last_sync: &mut Instant) -> Result<Tick> {
+    let mut done = Tick::Done;
+    if shared.log_file.is_some() && shared.checkpoint_due() {
+        match shared.try_lock_core() {
+            Some(mut core) => {
+                if shared.read_mem().frozen.is_none() {
+                    shared.freeze(&mut core)?;
+                }
+            }
+            None => done = Tick::Busy,
+        }
     }
     if let Durability::Periodic { max_loss } = shared.durability
         && last_sync.elapsed() >= max_loss
@@ -162,17 +205,18 @@ pub(super) fn tick(shared: &Shared, last_sync: &mut Instant) -> Result<()> {
             }
             // A leader holding the lock makes its own commit durable once
             // the window has passed; otherwise this is tried again shortly.
-            None => {
-                if let Some(mut core) = shared.try_lock_core() {
+            None => match shared.try_lock_core() {
+                Some(mut core) => {
                     *last_sync = Instant::now();
                     if core.unflushed {
                         shared.direct_locked(&mut core, |_, _| Ok::<_, Error>(()))?;
                     }
                 }
-            }
+                None => done = Tick::Busy,
+            },
         }
     }
-    Ok(())
+    Ok(done)
 }
 
 /// Writes `frozen` into redb in one durable commit that also retires its
@@ -200,4 +244,48 @@ fn checkpoint(shared: &Shared, frozen: &Frozen) -> Result<()> {
     }
     txn.commit().map_err(engine)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::redb::RedbStoreBuilder;
+    use crate::redb::commit::Op;
+    use crate::redb::open;
+    use std::path::Path;
+
+    /// The checkpointer spun while another thread held the commit lock
+    /// with a memtable due: `tick` found the lock busy and the loop tried
+    /// again at once, for as long as the lock was held (found by the
+    /// model checker's PCT scheduler, shuttle_tests.rs). `tick` now says
+    /// so, and the loop waits.
+    #[test]
+    fn a_tick_that_finds_the_commit_lock_held_says_so() {
+        let config = RedbStoreBuilder::default()
+            .checkpoint_interval(Duration::from_millis(1))
+            .config;
+        let wal: Option<Box<dyn ::redb::StorageBackend>> =
+            Some(Box::new(::redb::backends::InMemoryBackend::new()));
+        let backend = ::redb::backends::InMemoryBackend::new();
+        let opened = open::open_backend(backend, wal, None, &config, Path::new("memory")).unwrap();
+        let shared = Shared::new(opened, &config, None);
+        let begin = Op::Begin {
+            key: b"\0a".to_vec(),
+            fingerprint: crate::fingerprint::Fingerprint::of(b"fp"),
+            now: crate::time::Timestamp::from_millis(1_000),
+            lease: Duration::from_secs(10),
+            retention: Duration::from_secs(10),
+        };
+        let _ = shared.submit(begin).unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(shared.checkpoint_due());
+        let held = shared.lock_core();
+        let ticked = tick(&shared, &mut Instant::now());
+        assert!(matches!(ticked, Ok(Tick::Busy)), "{ticked:?}");
+        drop(held);
+        // With the lock free the due memtable is frozen.
+        let ticked = tick(&shared, &mut Instant::now());
+        assert!(matches!(ticked, Ok(Tick::Done)), "{ticked:?}");
+        assert!(shared.read_mem().frozen.is_some());
+    }
 }

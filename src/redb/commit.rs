@@ -50,13 +50,13 @@ use crate::fingerprint::Fingerprint;
 use crate::logic;
 use crate::record::{Begin, Claim, Record};
 use crate::response::Response;
+use crate::sync::atomic::Ordering;
+use crate::sync::{Arc, Condvar, Instant, Mutex, MutexGuard};
 use crate::time::Timestamp;
 use ::redb::{ReadableDatabase, WriteTransaction};
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::atomic::Ordering;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// A write, as queued. Keys are already encoded.
 #[derive(Debug)]
@@ -420,8 +420,7 @@ impl Shared {
             .largest_batch
             .fetch_max(ops.len() as u64, Ordering::Relaxed);
         let mut core = self.lock_core();
-        if self.is_poisoned() {
-            let refused = self.poisoned_error();
+        if let Err(refused) = self.check_healthy() {
             return ops.iter().map(|_| Err(refused.replicate())).collect();
         }
         let result = if core.wal.is_some() {
@@ -430,7 +429,17 @@ impl Shared {
             self.commit_direct(&mut core, ops)
         };
         match result {
-            Ok(answers) => answers,
+            Ok(answers) => {
+                // A request that failed on an I/O error of the engine's
+                // (a read while deciding) leaves redb refusing every later
+                // use until it is reopened: the store heals.
+                if let Some(Err(e @ Error::Io(_))) =
+                    answers.iter().find(|a| matches!(a, Err(Error::Io(_))))
+                {
+                    self.fail("read", On::Store, e.replicate());
+                }
+                answers
+            }
             Err(error) => ops.iter().map(|_| Err(error.replicate())).collect(),
         }
     }
@@ -974,7 +983,10 @@ pub(super) mod tests {
             ));
         });
         let ticked = rx.recv_timeout(Duration::from_secs(10));
-        assert!(matches!(ticked, Ok(Ok(()))), "the tick hung: {ticked:?}");
+        assert!(
+            matches!(ticked, Ok(Ok(super::super::checkpoint::Tick::Done))),
+            "the tick hung: {ticked:?}"
+        );
         // The commit lock is free: a writer gets through.
         assert!(shared.try_lock_core().is_some());
     }

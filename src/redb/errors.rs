@@ -11,6 +11,11 @@ use crate::error::Error;
 pub(super) fn engine(err: impl Into<::redb::Error>) -> Error {
     match err.into() {
         ::redb::Error::Io(io) => Error::Io(io),
+        // redb refuses every use after an I/O error of its own until it is
+        // reopened: an I/O failure, so that the store poisons and heals.
+        ::redb::Error::PreviousIo => Error::Io(std::io::Error::other(
+            "an earlier I/O error left the storage engine unusable until it is reopened",
+        )),
         ::redb::Error::Corrupted(detail) => {
             Error::corrupt(None, format!("the storage engine found damage: {detail}"))
         }
@@ -29,6 +34,8 @@ mod tests {
         let bad = engine(::redb::StorageError::Corrupted("bad page".into()));
         assert!(matches!(bad, Error::Corrupt { key: None, .. }));
         assert!(bad.to_string().contains("bad page"), "{bad}");
+        let latched = engine(::redb::StorageError::PreviousIo);
+        assert!(matches!(latched, Error::Io(_)), "{latched}");
         let other = engine(::redb::TransactionError::WouldBlock);
         assert!(matches!(other, Error::Backend(_)));
     }

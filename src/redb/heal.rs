@@ -5,7 +5,7 @@
 //! a database after an I/O error of its own (`PreviousIo`) until it is
 //! opened again. So a heal does what an open does, inside the running
 //! store, under the commit lock and the database's write lock (no group
-//! commits, no transaction is live):
+//! commits, no transaction is live, reads wait):
 //!
 //! 1. the old engine is closed first (its file locks must go before the
 //!    files are opened again; an empty in-memory stand-in marked unusable
@@ -30,12 +30,12 @@ use super::errors::engine;
 use super::tables::{META, META_TOKEN_HWM};
 use super::{Engine, Shared};
 use crate::error::{Error, Result};
+use crate::sync::atomic::Ordering;
+use crate::sync::{Instant, MutexGuard};
 use ::redb::{Database, ReadableDatabase, StorageBackend};
 use std::ops::Bound;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
-use std::time::Instant;
 
 /// Where a heal reopens the engine from.
 pub(super) enum Source {
@@ -109,6 +109,21 @@ impl StorageBackend for SharedBackend {
     }
 }
 
+/// Free space a full disk must gain before the next attempt to heal.
+const FREED_BYTES: u64 = 64 * 1024;
+
+/// Longest wait for free space to grow before a full disk's heal is tried
+/// anyway.
+const RETRY_ANYWAY: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// What the last failed attempt to heal saw (only the background thread
+/// heals; the lock is never contended).
+#[derive(Debug, Default)]
+pub(super) struct Attempts {
+    last: Option<Instant>,
+    free_at_last: Option<u64>,
+}
+
 /// The empty engine that holds a closed one's place.
 fn stand_in() -> Result<Database> {
     Database::builder()
@@ -119,12 +134,26 @@ fn stand_in() -> Result<Database> {
 impl Shared {
     /// One attempt to heal a poisoned store (see the module docs).
     pub(super) fn heal(&self) -> Result<()> {
+        // The documented lock order: the commit lock, the memtable, the
+        // database. Reads wait for the attempt (bounded: one reopen and
+        // one replay of the log).
         let mut core = self.lock_core();
+        let mut mem = self.write_mem();
         let mut engine = self.write_db();
-        self.reopen(&mut engine)?;
+        let mut attempts = self.lock_attempts();
+        if !self.worth_an_attempt(&mut attempts) {
+            return Err(self.poisoned_error());
+        }
+        if let Err(e) = self.reopen(&mut engine) {
+            self.attempted(&mut attempts);
+            return Err(e);
+        }
         let meta = match self.reopened_meta(&engine.db) {
             Ok(meta) => meta,
-            Err(e) => return Err(self.unhealed(&mut engine, e)),
+            Err(e) => {
+                self.attempted(&mut attempts);
+                return Err(self.unhealed(&mut engine, e));
+            }
         };
         let name = self
             .path
@@ -140,8 +169,13 @@ impl Shared {
         };
         let wal = match recovered {
             Ok(wal) => wal,
-            Err(e) => return Err(self.unhealed(&mut engine, e)),
+            Err(e) => {
+                let e = self.unhealed(&mut engine, e);
+                self.attempted(&mut attempts);
+                return Err(e);
+            }
         };
+        *attempts = Attempts::default();
         let hwm = self
             .reopened_meta(&engine.db)
             .map_or(meta.token_hwm, |m| m.token_hwm);
@@ -151,17 +185,43 @@ impl Shared {
         }
         core.unflushed = false;
         core.last_durable = Instant::now();
-        {
-            let mut mem = self.write_mem();
-            mem.active.clear();
-            mem.active_bytes = 0;
-            mem.frozen = None;
-        }
+        // Every record the memtable held is in the store file now.
+        mem.active.clear();
+        mem.active_bytes = 0;
+        mem.frozen = None;
         self.log_unsynced.store(false, Ordering::SeqCst);
         self.start_memtable_clock();
         drop(engine);
+        drop(mem);
         self.healthy_again();
         Ok(())
+    }
+
+    /// Whether an attempt is worth making: after a full disk, only once the
+    /// store file's filesystem has more room than at the last failed
+    /// attempt (one `statvfs` instead of a replay of the log that would
+    /// fail again), or after [`RETRY_ANYWAY`] in case the free space does
+    /// not tell (quotas, reserved blocks). True for every other cause, and
+    /// where the free space cannot be read.
+    fn worth_an_attempt(&self, state: &mut Attempts) -> bool {
+        let full = self.health_cause_kind() == Some(std::io::ErrorKind::StorageFull);
+        let (Some(path), true) = (&self.path, full) else {
+            return true;
+        };
+        let Some(free) = free_bytes(path) else {
+            return true;
+        };
+        let grew = state
+            .free_at_last
+            .is_none_or(|before| free > before.saturating_add(FREED_BYTES));
+        let stale = state.last.is_none_or(|at| at.elapsed() >= RETRY_ANYWAY);
+        grew || stale
+    }
+
+    /// After a failed attempt: what the next one compares with.
+    fn attempted(&self, state: &mut Attempts) {
+        state.last = Some(Instant::now());
+        state.free_at_last = self.path.as_deref().and_then(free_bytes);
     }
 
     /// Closes the engine and opens it again from the files. On failure the
@@ -176,6 +236,10 @@ impl Shared {
         Ok(())
     }
 
+    fn lock_attempts(&self) -> MutexGuard<'_, Attempts> {
+        self.attempts.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     fn reopened_meta(&self, db: &Database) -> Result<super::open::MetaEntries> {
         let txn = db.begin_read().map_err(engine)?;
         super::open::read_meta_entries(&txn)
@@ -188,6 +252,22 @@ impl Shared {
         let _ = self.reopen(engine);
         error
     }
+}
+
+/// Bytes an unprivileged writer may still use on `path`'s filesystem.
+#[cfg(unix)]
+fn free_bytes(path: &std::path::Path) -> Option<u64> {
+    let dir = match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => std::path::Path::new("."),
+    };
+    let fs = rustix::fs::statvfs(dir).ok()?;
+    Some(fs.f_bavail.saturating_mul(fs.f_frsize))
+}
+
+#[cfg(not(unix))]
+fn free_bytes(_path: &std::path::Path) -> Option<u64> {
+    None
 }
 
 /// A durable commit of the token high-water mark.

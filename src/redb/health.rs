@@ -17,9 +17,9 @@
 
 use super::Shared;
 use crate::error::{Cause, Error};
+use crate::sync::atomic::{AtomicBool, Ordering};
+use crate::sync::{Mutex, MutexGuard};
 use crate::time::Timestamp;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 /// First wait before the background thread tries to heal a store whose
@@ -34,9 +34,13 @@ pub const HEAL_BACKOFF_MIN: Duration = Duration::from_millis(10);
 /// about this long after the cause of its failure went away.
 ///
 /// ```
-/// assert_eq!(idemstore::redb::HEAL_BACKOFF_MAX, std::time::Duration::from_millis(500));
+/// Each attempt reopens the engine and replays the log (up to a segment):
+/// at this rate a cause that lasts costs a few percent of a core.
+///
 /// ```
-pub const HEAL_BACKOFF_MAX: Duration = Duration::from_millis(500);
+/// assert_eq!(idemstore::redb::HEAL_BACKOFF_MAX, std::time::Duration::from_secs(1));
+/// ```
+pub const HEAL_BACKOFF_MAX: Duration = Duration::from_secs(1);
 
 /// Whether a [`RedbStore`](crate::RedbStore) is writing, and if not, why.
 ///
@@ -162,11 +166,19 @@ impl Shared {
     }
 
     /// [`Err`] of [`poisoned_error`](Self::poisoned_error) while poisoned.
+    /// The flag and the cause are set and cleared together under the
+    /// cause's lock, so a write that races the end of a heal is either
+    /// refused with the cause or let through, never refused without one.
     pub(super) fn check_healthy(&self) -> crate::error::Result<()> {
-        if self.is_poisoned() {
-            return Err(self.poisoned_error());
+        if !self.is_poisoned() {
+            return Ok(());
         }
-        Ok(())
+        match &*self.health.lock() {
+            Some(fault) => Err(Error::Poisoned {
+                cause: Some(fault.cause.clone()),
+            }),
+            None => Ok(()),
+        }
     }
 
     /// Whether the background thread should try to heal: poisoned by a
@@ -175,15 +187,20 @@ impl Shared {
         self.is_poisoned() && self.health.lock().as_ref().is_none_or(|f| f.cause.heals())
     }
 
+    /// The I/O kind of the failure being healed.
+    pub(super) fn health_cause_kind(&self) -> Option<std::io::ErrorKind> {
+        self.health.lock().as_ref().and_then(|f| f.cause.io_kind())
+    }
+
     /// Writes are accepted again (the store healed).
     pub(super) fn healthy_again(&self) {
         let mut fault = self.health.lock();
+        self.health.poisoned.store(false, Ordering::SeqCst);
         if let Some(fault) = fault.take() {
             let since = fault.since.until(self.clock.now());
             crate::observability::healed("redb", &fault.cause, since);
             crate::observability::health("redb", 0);
         }
-        self.health.poisoned.store(false, Ordering::SeqCst);
     }
 
     /// The store's health.

@@ -56,6 +56,8 @@ mod open;
 mod options;
 mod overlay;
 pub(crate) mod pages;
+#[cfg(all(test, shuttle))]
+mod shuttle_tests;
 mod stats;
 mod tables;
 mod wal;
@@ -84,16 +86,19 @@ use crate::record::{Begin, Claim, Record, check_durations};
 use crate::response::Response;
 use crate::store::{MAX_SWEEP_BATCH, Store, StoreFuture, ready};
 use crate::sweeper::Sweeper;
+use crate::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use crate::sync::thread::{self, JoinHandle};
+use crate::sync::{
+    Arc, Condvar, Instant, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard,
+    TryLockError,
+};
 use crate::time::{Clock, Timestamp};
 use ::redb::{Database, ReadableDatabase, StorageBackend};
 use commit::{Core, Op, Queue, Reply};
 use errors::engine;
 use memtable::Mem;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
-use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Requests that may wait in a store's line. A caller that finds it full
 /// waits for room (back-pressure); nothing is ever dropped.
@@ -135,6 +140,8 @@ struct Shared {
     health: health::HealthCell,
     /// Where a heal reopens the engine from (heal.rs).
     source: heal::Source,
+    /// What the last failed attempt to heal saw.
+    attempts: Mutex<heal::Attempts>,
     /// The options a heal reopens with (no lease ended, nothing verified).
     heal_config: Config,
     /// The store's clock (when a failure happened).
@@ -184,6 +191,7 @@ impl Shared {
             }),
             health: health::HealthCell::default(),
             source: opened.source,
+            attempts: Mutex::new(heal::Attempts::default()),
             heal_config: Config {
                 recovery: RecoveryPolicy::WaitForLease,
                 verify_on_open: false,
@@ -249,8 +257,8 @@ impl Shared {
     fn try_lock_core(&self) -> Option<MutexGuard<'_, Core>> {
         match self.core.try_lock() {
             Ok(guard) => Some(guard),
-            Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
-            Err(std::sync::TryLockError::WouldBlock) => None,
+            Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(TryLockError::WouldBlock) => None,
         }
     }
     fn lock_queue(&self) -> MutexGuard<'_, Queue> {
@@ -520,7 +528,7 @@ impl RedbStore {
         let shared = Shared::new(opened, &config, path.as_deref());
         let background = {
             let shared = Arc::clone(&shared);
-            std::thread::Builder::new()
+            thread::Builder::new()
                 .name("idemstore-redb-checkpointer".to_owned())
                 .spawn(move || checkpoint::run(shared))
                 .map_err(Error::Io)?
@@ -529,7 +537,7 @@ impl RedbStore {
             Some(_) => None,
             None => {
                 let leader = Arc::clone(&shared);
-                let spawned = std::thread::Builder::new()
+                let spawned = thread::Builder::new()
                     .name("idemstore-redb-committer".to_owned())
                     .spawn(move || leader.run_committer());
                 match spawned {

@@ -40,9 +40,9 @@ use super::commit::{Op, Queue, Reply, Slot, Waiter};
 use super::{Shared, WRITE_QUEUE_DEPTH};
 use crate::error::{Error, Result};
 use crate::record::Begin;
+use crate::sync::Arc;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::task::{Context, Poll};
 
 /// A request in the line, as a future. See the module docs.

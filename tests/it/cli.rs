@@ -129,6 +129,8 @@ fn stats_counts_records_by_state() {
     assert_eq!(v["index_entries"], 6);
     assert_eq!(v["format_version"], 3);
     assert_eq!(v["token_high_water_mark"], 6);
+    assert_eq!(v["health"], "healthy");
+    assert!(v["health_cause"].is_null());
     assert!(v["file_bytes"].as_u64().unwrap() > 0);
     assert!(v["oldest_expiry_ms"].as_u64() < v["newest_expiry_ms"].as_u64());
     let table = idemstore().args(["stats", p]).assert().success();

@@ -422,6 +422,47 @@ async fn store_unavailable_is_503_and_the_handler_does_not_run() {
     assert_eq!(app.runs(), 1);
 }
 
+/// A `RedbStore` on a full disk: a new key is 503 with `Retry-After` and
+/// the handler does not run, a request whose response is stored is still
+/// replayed, and once space is freed the same store serves new keys.
+#[cfg(feature = "redb")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_disk_is_503_for_new_keys_and_replays_go_on() {
+    use idemstore_testkit::crash::CrashBackend;
+    let disk = CrashBackend::new();
+    let store = Arc::new(
+        idemstore::RedbStore::builder()
+            .open_backend_with_log(disk.clone(), disk.sibling())
+            .unwrap(),
+    );
+    let guard = Guard::from_arc(Arc::clone(&store));
+    let app = start(
+        IdempotencyLayer::new(guard).unavailable_retry_after(Duration::from_secs(2)),
+        Duration::ZERO,
+    )
+    .await;
+    assert_eq!(app.post("k-before", "x").await.status, StatusCode::CREATED);
+    disk.set_disk_full(true);
+    let r = app.post("k-full", "x").await;
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(r.is_problem());
+    assert_eq!(r.headers["retry-after"], "2");
+    assert_eq!(app.runs(), 1);
+    let again = app.post("k-before", "x").await;
+    assert_eq!(
+        (again.status, again.replayed()),
+        (StatusCode::CREATED, true)
+    );
+    disk.set_disk_full(false);
+    let healed = Arc::clone(&store);
+    tokio::task::spawn_blocking(move || crate::redb::wait_healthy(&healed))
+        .await
+        .unwrap();
+    let r = app.post("k-full", "x").await;
+    assert_eq!((r.status, r.replayed()), (StatusCode::CREATED, false));
+    assert_eq!(app.runs(), 2);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replay_keeps_headers_but_drops_the_deny_list() {
     let app = start(layer(), Duration::ZERO).await;

@@ -47,6 +47,20 @@ fn ballast(dir: &Path, n: u32) -> PathBuf {
     path
 }
 
+/// Writes a file in `dir` until the filesystem is full.
+fn fill(dir: &Path) -> PathBuf {
+    use std::io::Write;
+    let path = dir.join("filler");
+    let mut file = std::fs::File::create(&path).expect("create the filler");
+    let chunk = vec![0x5Au8; 64 << 10];
+    while file
+        .write_all(&chunk)
+        .and_then(|()| file.sync_data())
+        .is_ok()
+    {}
+    path
+}
+
 /// One claim + complete; `Ok(true)` when both were acknowledged.
 fn cycle(store: &RedbStore, i: u64, body: &[u8], now: Timestamp) -> idemstore::Result<bool> {
     let key = Key::new("disk-full", format!("k{i}"))?;
@@ -135,24 +149,22 @@ fn main() {
         std::thread::sleep(Duration::from_millis(1));
     }
     println!("space freed → first successful write: {healed_in:?}");
-    // Fill again, then drop while full.
-    let mut refilled = 0;
-    loop {
-        match cycle(&store, i, &body, now) {
-            Ok(true) => {
-                acked.push(i);
-                refilled += 1;
-            }
-            Ok(false) => {}
-            Err(_) => break,
+    // A hundred more, then the disk is filled by another file and the
+    // store dropped while it is full (its closing commit fails).
+    let mut more = 0;
+    while more < 100 {
+        if let Ok(true) = cycle(&store, i, &body, now) {
+            acked.push(i);
+            more += 1;
         }
         i += 1;
     }
-    println!("acknowledged after healing until full again: {refilled}");
+    let filler = fill(&dir);
     let dropping = Instant::now();
     drop(store);
     let drop_took = dropping.elapsed();
     println!("drop while full: {drop_took:?}");
+    std::fs::remove_file(&filler).expect("free space");
     std::fs::remove_file(&second).expect("free space");
     let store = RedbStore::open(&path).expect("reopen after freeing space");
     let lost = acked

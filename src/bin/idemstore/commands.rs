@@ -102,6 +102,16 @@ fn size(bytes: u64, disk: u64) -> String {
     )
 }
 
+/// The cause of a store's failure, when its health is not good: for the
+/// view `stats` reads through, a read of the files that failed.
+fn health_cause(store: &RedbStore) -> Option<String> {
+    use idemstore::redb::Health;
+    match store.health() {
+        Health::Degraded { cause, .. } | Health::Failed { cause } => Some(cause.to_string()),
+        _ => None,
+    }
+}
+
 pub(crate) fn stats(store: &RedbStore, path: &Path, io: &mut Io<'_>) -> Outcome {
     let now = io.now;
     let facts = store.admin().facts()?;
@@ -141,6 +151,8 @@ pub(crate) fn stats(store: &RedbStore, path: &Path, io: &mut Io<'_>) -> Outcome 
             "oldest_expiry_ms": bounds.map(|b| b.0.as_millis()),
             "newest_expiry_ms": bounds.map(|b| b.1.as_millis()),
             "now_ms": now.as_millis(),
+            "health": store.health().name(),
+            "health_cause": health_cause(store),
         });
         writeln!(io.out, "{v}")?;
         return Ok(EXIT_OK);
@@ -167,6 +179,13 @@ pub(crate) fn stats(store: &RedbStore, path: &Path, io: &mut Io<'_>) -> Outcome 
                 "{} (this build reads up to {})",
                 facts.format_version, facts.supported_version
             ),
+        ),
+        (
+            "health",
+            match health_cause(store) {
+                Some(cause) => format!("{}: {cause}", store.health().name()),
+                None => store.health().name().to_owned(),
+            },
         ),
         ("store id", store_id(facts.store_id)),
         ("token high-water mark", facts.token_hwm.to_string()),

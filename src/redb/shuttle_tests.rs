@@ -1,0 +1,471 @@
+//! The commit line under the Shuttle model checker: the production code of
+//! commit.rs, native.rs, checkpoint.rs and this module's `Shared` and
+//! `Drop`, run under many schedules of its threads (callers, futures, the
+//! committer, the checkpointer) with Shuttle's primitives in place of
+//! std's (src/sync.rs explains the switch, the virtual clock, and why redb's
+//! own locks cannot hang a run).
+//!
+//! ```sh
+//! RUSTFLAGS="--cfg shuttle" cargo test --lib shuttle
+//! IDEMSTORE_SHUTTLE_SCHEDULES=1000 RUSTFLAGS="--cfg shuttle" cargo test --lib shuttle
+//! ```
+//!
+//! Each scenario runs [`schedules`] schedules of the random scheduler and
+//! as many of PCT's (bug depth [`PCT_DEPTH`]), on redb's in-memory backend
+//! with a log of [`MIN_WAL_BYTES`] and a 1 ms checkpoint interval, so that
+//! runs freeze memtables and checkpoint them. A deadlock fails a run
+//! (Shuttle's own check: every thread blocked), and so does a spin
+//! ([`MAX_STEPS`] scheduling points). A failure prints its schedule: saved
+//! to a file named by `IDEMSTORE_SHUTTLE_REPLAY`, it replays alone.
+
+use super::commit::{Op, Reply};
+use super::{MIN_WAL_BYTES, RedbStore};
+use crate::codec;
+use crate::error::Error;
+use crate::fingerprint::Fingerprint;
+use crate::key::Key;
+use crate::record::Begin;
+use crate::response::Response;
+use crate::store::Store;
+use crate::sync::thread;
+use crate::time::Timestamp;
+use ::redb::StorageBackend;
+use ::redb::backends::InMemoryBackend;
+use shuttle::rand::{Rng, thread_rng};
+use shuttle::scheduler::{PctScheduler, RandomScheduler, Scheduler};
+use shuttle::{Config, MaxSteps, Runner};
+use std::future::Future;
+use std::io::Write;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, mpsc};
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+
+/// Schedules per scheduler and scenario, unless `IDEMSTORE_SHUTTLE_SCHEDULES`
+/// says otherwise.
+const DEFAULT_SCHEDULES: usize = 100;
+/// PCT's bug depth: the ordering constraints a bug may need (PCT places
+/// one priority change fewer in each schedule).
+const PCT_DEPTH: usize = 3;
+/// Scheduling points one run may take. A run of these scenarios takes
+/// fewer than 1,000; a thread that loops without blocking reaches the bound.
+const MAX_STEPS: usize = 20_000;
+/// Each Shuttle thread's stack (the default 60 KiB is too little for redb
+/// under an unoptimised build of this crate).
+const STACK_BYTES: usize = 1 << 20;
+/// Wall-clock time one scheduler's runs of a scenario may take, unless
+/// `IDEMSTORE_SHUTTLE_WATCHDOG_SECS` says otherwise, before the watchdog
+/// aborts the test binary: a run that blocks inside redb, outside
+/// Shuttle's control, would otherwise hang (src/sync.rs).
+const WATCHDOG: Duration = Duration::from_secs(300);
+
+const T: Timestamp = Timestamp::from_millis(1_000_000);
+const D: Duration = Duration::from_secs(10);
+
+fn schedules() -> usize {
+    std::env::var("IDEMSTORE_SHUTTLE_SCHEDULES")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(DEFAULT_SCHEDULES)
+}
+
+fn watchdog() -> Duration {
+    std::env::var("IDEMSTORE_SHUTTLE_WATCHDOG_SECS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .map_or(WATCHDOG, Duration::from_secs)
+}
+
+fn config() -> Config {
+    let mut config = Config::new();
+    config.max_steps = MaxSteps::FailAfter(MAX_STEPS);
+    config.stack_size = STACK_BYTES;
+    // Shuttle warns that its atomics are sequentially consistent whatever
+    // the ordering asked (the write path relies on no weaker one: its
+    // atomics are flags and a timestamp beside its locks) and that lazy
+    // statics are dropped after each run (the virtual clock should be).
+    config.silence_warnings = true;
+    config
+}
+
+/// Runs `f` under `schedules()` random schedules, then as many PCT ones
+/// (`shuttle::check_random` and `check_pct`, with this module's stack
+/// size and step bound, under a watchdog); or, when
+/// `IDEMSTORE_SHUTTLE_REPLAY` names a file holding a failing schedule (the
+/// string a failure prints), that schedule alone.
+fn explore(name: &str, f: impl Fn() + Send + Sync + 'static) {
+    let n = schedules();
+    let f = Arc::new(f);
+    if let Ok(path) = std::env::var("IDEMSTORE_SHUTTLE_REPLAY") {
+        let scheduler =
+            shuttle::scheduler::ReplayScheduler::new_from_file(path).expect("a schedule");
+        Runner::new(scheduler, config()).run(move || f());
+        return;
+    }
+    let run = |scheduler: Box<dyn Scheduler + Send>, label: &str| {
+        let (done, watched) = mpsc::channel::<()>();
+        let what = format!("{name} ({label})");
+        let limit = watchdog();
+        let watchdog = std::thread::spawn(move || {
+            if let Err(mpsc::RecvTimeoutError::Timeout) = watched.recv_timeout(limit) {
+                // Past the test harness's capture, which an abort loses.
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "{what}: no answer in {limit:?}: a run blocked outside the model \
+                     checker's control (a std lock in redb or a backend?)"
+                );
+                std::process::abort();
+            }
+        });
+        let f = Arc::clone(&f);
+        Runner::new(scheduler, config()).run(move || f());
+        let _ = done.send(());
+        let _ = watchdog.join();
+    };
+    run(Box::new(RandomScheduler::new(n)), "random");
+    run(Box::new(PctScheduler::new(PCT_DEPTH, n)), "PCT");
+}
+
+/// redb's in-memory backend, shared (a store reopened on it sees what the
+/// last one wrote) and able to fail: once `fail` is set every write, length
+/// change and sync is an I/O error. Only std primitives, and no scheduling
+/// point: redb calls it holding its own std locks (src/sync.rs).
+#[derive(Debug, Clone, Default)]
+struct Disk {
+    inner: Arc<InMemoryBackend>,
+    fail: Arc<AtomicBool>,
+}
+
+impl Disk {
+    fn check(&self) -> std::io::Result<()> {
+        if self.fail.load(Ordering::SeqCst) {
+            return Err(std::io::Error::other("injected write failure"));
+        }
+        Ok(())
+    }
+}
+
+impl StorageBackend for Disk {
+    fn len(&self) -> std::io::Result<u64> {
+        self.inner.len()
+    }
+    fn read(&self, offset: u64, out: &mut [u8]) -> std::io::Result<()> {
+        self.inner.read(offset, out)
+    }
+    fn set_len(&self, len: u64) -> std::io::Result<()> {
+        self.check()?;
+        self.inner.set_len(len)
+    }
+    fn sync_data(&self) -> std::io::Result<()> {
+        self.check()?;
+        self.inner.sync_data()
+    }
+    fn write(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
+        self.check()?;
+        self.inner.write(offset, data)
+    }
+}
+
+/// A store with both of its threads, a log of two segments of two frames
+/// (a freeze every few groups) and a 1 ms checkpoint interval.
+fn open(file: &Disk, log: &Disk) -> RedbStore {
+    RedbStore::builder()
+        .wal_bytes(MIN_WAL_BYTES)
+        .checkpoint_interval(Duration::from_millis(1))
+        .open_backend_with_log(file.clone(), log.clone())
+        .expect("open")
+}
+
+fn key(id: &str) -> Key {
+    Key::new("t", id).expect("key")
+}
+
+fn begin_op(id: &str) -> Op {
+    Op::Begin {
+        key: codec::encode_key(&key(id)),
+        fingerprint: Fingerprint::of(b"fp"),
+        now: T,
+        lease: D,
+        retention: D,
+    }
+}
+
+/// A claim through the blocking line, completed with `id` as the body.
+fn claim_and_complete(store: &RedbStore, id: &str) -> Result<Begin, Error> {
+    let k = key(id);
+    let answer = store.begin(&k, &Fingerprint::of(b"fp"), T, D, D)?;
+    if let Begin::Claimed(claim) = &answer {
+        store.complete(&k, claim, &Response::new(201, id), T, D)?;
+    }
+    Ok(answer)
+}
+
+/// The same through the async entry (the committer leads for it).
+async fn claim_and_complete_async(store: &RedbStore, id: &str) -> Result<Begin, Error> {
+    let k = key(id);
+    let fp = Fingerprint::of(b"fp");
+    let answer = store
+        .begin_async(&k, &fp, T, D, D)
+        .expect("native async")
+        .await?;
+    if let Begin::Claimed(claim) = &answer {
+        let response = Response::new(201, id);
+        store
+            .complete_async(&k, claim, &response, T, D)
+            .expect("native async")
+            .await?;
+    }
+    Ok(answer)
+}
+
+fn poll_once<F: Future + Unpin>(f: &mut F) -> Poll<F::Output> {
+    Pin::new(f).poll(&mut Context::from_waker(Waker::noop()))
+}
+
+/// Yields to the scheduler 0 to 3 times: the caller's next step lands at a
+/// point the schedule picks.
+fn dawdle() {
+    for _ in 0..thread_rng().gen_range(0..4) {
+        thread::yield_now();
+    }
+}
+
+/// Runs in which a checkpoint was written: the scenario reached the
+/// checkpointer, not just the line.
+static CHECKPOINTED_RUNS: AtomicUsize = AtomicUsize::new(0);
+
+/// The checkpointer's timed freeze once waited, holding the commit lock,
+/// for a memtable a leader had just frozen, which only it could write
+/// (fixed in ae82d3c; with that fix reverted this fails every time at 200
+/// schedules), and it busy-waited while another thread held the commit
+/// lock with a memtable due (PCT found it here). Callers in the line with
+/// both threads running: two threads race for one key (one claim, the
+/// other InFlight or the Replay), a third claims its own, a task claims
+/// through the committer; every completed record is there after the drop
+/// and after a reopen, and the drop returns.
+#[test]
+fn shuttle_callers_the_committer_and_the_checkpointer() {
+    explore("callers, committer, checkpointer", || {
+        let (file, log) = (Disk::default(), Disk::default());
+        let store = Arc::new(open(&file, &log));
+        let racers: Vec<_> = ["a", "a", "b"]
+            .into_iter()
+            .map(|id| {
+                let store = Arc::clone(&store);
+                thread::spawn(move || claim_and_complete(&store, id))
+            })
+            .collect();
+        let task = {
+            let store = Arc::clone(&store);
+            thread::spawn(move || shuttle::future::block_on(claim_and_complete_async(&store, "c")))
+        };
+        let answers: Vec<_> = racers
+            .into_iter()
+            .map(|t| t.join().expect("a caller"))
+            .collect();
+        let claims = answers
+            .iter()
+            .take(2)
+            .filter(|a| matches!(a, Ok(Begin::Claimed(_))))
+            .count();
+        assert_eq!(claims, 1, "one claim for key a: {answers:?}");
+        assert!(
+            answers.iter().take(2).all(|a| matches!(
+                a,
+                Ok(Begin::Claimed(_) | Begin::InFlight { .. } | Begin::Replay(_))
+            )),
+            "{answers:?}"
+        );
+        assert!(matches!(answers.get(2), Some(Ok(Begin::Claimed(_)))));
+        let task = task.join().expect("the task");
+        assert!(matches!(task, Ok(Begin::Claimed(_))), "{task:?}");
+        let store = Arc::into_inner(store).expect("every caller is done");
+        if store.stats().checkpoints > 0 {
+            CHECKPOINTED_RUNS.fetch_add(1, Ordering::Relaxed);
+        }
+        drop(store);
+        let reopened = open(&file, &log);
+        for id in ["a", "b", "c"] {
+            let record = reopened.get(&key(id), T).expect("get");
+            assert!(
+                record.is_some_and(|r| r.response() == Some(&Response::new(201, id))),
+                "{id} is done"
+            );
+        }
+    });
+    assert!(
+        CHECKPOINTED_RUNS.load(Ordering::Relaxed) > 0,
+        "no run reached a checkpoint"
+    );
+}
+
+/// A future dropped at a point the schedule picks (still in line, taken by
+/// a leader, answered but unread) leaves no claim behind, while a thread
+/// leads groups beside the committer; the drop returns.
+#[test]
+fn shuttle_a_future_dropped_mid_commit_gives_its_claim_back() {
+    explore("a dropped future", || {
+        let (file, log) = (Disk::default(), Disk::default());
+        let store = Arc::new(open(&file, &log));
+        let dropper = {
+            let shared = Arc::clone(&store.shared);
+            thread::spawn(move || {
+                let mut submitted = shared.submit_async(begin_op("gone")).expect("queued");
+                if let Poll::Ready(answer) = poll_once(&mut submitted) {
+                    return Some(answer);
+                }
+                dawdle();
+                drop(submitted);
+                None
+            })
+        };
+        let other = {
+            let store = Arc::clone(&store);
+            thread::spawn(move || claim_and_complete(&store, "kept"))
+        };
+        let read = dropper.join().expect("the dropper");
+        assert!(matches!(
+            other.join().expect("the other"),
+            Ok(Begin::Claimed(_))
+        ));
+        let store = Arc::into_inner(store).expect("every caller is done");
+        let shared = Arc::clone(&store.shared);
+        // The committer leads every release queued for the dropped future
+        // before it stops.
+        drop(store);
+        let gone = shared.read(&codec::encode_key(&key("gone"))).expect("read");
+        match read {
+            // Answered before it was dropped: the claim is its caller's.
+            Some(answer) => {
+                assert!(matches!(answer, Ok(Reply::Begin(Begin::Claimed(_)))));
+                assert!(gone.is_some());
+            }
+            None => assert!(gone.is_none(), "a claim nobody saw stayed: {gone:?}"),
+        }
+        drop(shared);
+        let reopened = open(&file, &log);
+        assert!(reopened.get(&key("kept"), T).expect("get").is_some());
+    });
+}
+
+/// The store dropped while futures are in line or joining it: every future
+/// is answered (its claim, or Closed), every claim answered survives the
+/// close (a reopen sees it), and the drop returns.
+#[test]
+fn shuttle_dropping_the_store_answers_every_caller_in_line() {
+    explore("drop with callers in line", || {
+        let (file, log) = (Disk::default(), Disk::default());
+        let store = open(&file, &log);
+        // One queued before the drop begins, two that join while it runs.
+        let queued = store.shared.submit_async(begin_op("q")).expect("queued");
+        let mut waiting = vec![(
+            "q",
+            thread::spawn(move || shuttle::future::block_on(queued)),
+        )];
+        for id in ["x", "y"] {
+            let shared = Arc::clone(&store.shared);
+            waiting.push((
+                id,
+                thread::spawn(move || {
+                    let submitted = shared.submit_async(begin_op(id))?;
+                    shuttle::future::block_on(submitted)
+                }),
+            ));
+        }
+        dawdle();
+        drop(store);
+        let mut claimed = Vec::new();
+        for (id, t) in waiting {
+            match t.join().expect("a caller") {
+                Ok(Reply::Begin(Begin::Claimed(_))) => claimed.push(id),
+                Err(Error::Closed) => {}
+                other => panic!("{id}: {other:?}"),
+            }
+        }
+        assert!(
+            claimed.contains(&"q"),
+            "a future in line before the drop is answered"
+        );
+        let reopened = open(&file, &log);
+        for id in claimed {
+            assert!(
+                reopened.get(&key(id), T).expect("get").is_some(),
+                "{id} was claimed, then lost"
+            );
+        }
+    });
+}
+
+/// Every answer a caller gets once the store's disk fails: its claim, or
+/// the error.
+fn answered_or_failed(answer: &Result<Begin, Error>) -> bool {
+    matches!(
+        answer,
+        Ok(Begin::Claimed(_)) | Err(Error::Poisoned { .. } | Error::Backend(_) | Error::Io(_))
+    )
+}
+
+/// The log's disk fails while callers are in line: the group's callers get
+/// the error, later ones Poisoned, nobody waits forever, and the drop
+/// returns (the checkpointer stops: the store file still works).
+#[test]
+fn shuttle_a_failed_log_write_answers_everyone_and_the_drop_returns() {
+    explore("a failed log write", || {
+        let (file, log) = (Disk::default(), Disk::default());
+        let store = Arc::new(open(&file, &log));
+        let callers: Vec<_> = ["a", "b"]
+            .into_iter()
+            .map(|id| {
+                let store = Arc::clone(&store);
+                thread::spawn(move || claim_and_complete(&store, id))
+            })
+            .collect();
+        let task = {
+            let store = Arc::clone(&store);
+            thread::spawn(move || shuttle::future::block_on(claim_and_complete_async(&store, "c")))
+        };
+        dawdle();
+        log.fail.store(true, Ordering::SeqCst);
+        for t in callers {
+            let answer = t.join().expect("a caller");
+            assert!(answered_or_failed(&answer), "{answer:?}");
+        }
+        let answer = task.join().expect("the task");
+        assert!(answered_or_failed(&answer), "{answer:?}");
+        drop(Arc::into_inner(store).expect("every caller is done"));
+    });
+}
+
+/// The store file's disk fails, so a checkpoint fails, then the store is
+/// dropped: the drop must return and no thread may spin. On this branch
+/// the checkpointer retries the failed checkpoint forever (the store is
+/// poisoned, the frozen memtable stays, the shutdown check is never
+/// reached) and the drop waits for it: the run ends at the step bound.
+#[test]
+fn shuttle_a_failed_checkpoint_then_a_drop_returns() {
+    explore("a failed checkpoint", || {
+        let (file, log) = (Disk::default(), Disk::default());
+        let store = Arc::new(open(&file, &log));
+        // From now on redb cannot write the store file: the first
+        // checkpoint fails (the log still works, so groups commit).
+        file.fail.store(true, Ordering::SeqCst);
+        let callers: Vec<_> = ["a", "b"]
+            .into_iter()
+            .map(|id| {
+                let store = Arc::clone(&store);
+                thread::spawn(move || {
+                    let first = claim_and_complete(&store, &format!("{id}1"));
+                    let second = claim_and_complete(&store, &format!("{id}2"));
+                    (first, second)
+                })
+            })
+            .collect();
+        for t in callers {
+            let (first, second) = t.join().expect("a caller");
+            assert!(answered_or_failed(&first), "{first:?}");
+            assert!(answered_or_failed(&second), "{second:?}");
+        }
+        drop(Arc::into_inner(store).expect("every caller is done"));
+    });
+}
