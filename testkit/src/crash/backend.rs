@@ -149,25 +149,30 @@ pub enum Fault {
 }
 
 impl Fault {
-    /// The [`ErrorKind`] of the error this fault returns: `Other` for EIO
-    /// (std has no stable kind for it), `StorageFull` for ENOSPC.
+    /// The [`ErrorKind`] of the error this fault returns: for EIO the kind
+    /// the operating system's own EIO has (on Unix; std does not name it,
+    /// and it is not `Other`, so an error a store makes up in its place is
+    /// told apart), `StorageFull` for ENOSPC.
     ///
     /// ```
     /// use idemstore_testkit::crash::Fault;
     /// use std::io::ErrorKind;
-    /// assert_eq!(Fault::Eio.kind(), ErrorKind::Other);
+    /// if cfg!(unix) {
+    ///     assert_eq!(Fault::Eio.kind(), std::io::Error::from_raw_os_error(5).kind());
+    ///     assert_ne!(Fault::Eio.kind(), ErrorKind::Other);
+    /// }
     /// assert_eq!(Fault::Enospc.kind(), ErrorKind::StorageFull);
     /// ```
     pub fn kind(self) -> ErrorKind {
         match self {
-            Fault::Eio => ErrorKind::Other,
+            Fault::Eio => eio_kind(),
             Fault::Enospc => ErrorKind::StorageFull,
         }
     }
 
     fn error(self) -> IoError {
         match self {
-            Fault::Eio => IoError::other("input/output error (injected EIO)"),
+            Fault::Eio => IoError::new(eio_kind(), "input/output error (injected EIO)"),
             Fault::Enospc => {
                 IoError::new(ErrorKind::StorageFull, "no space left on device (injected)")
             }
@@ -293,6 +298,16 @@ impl std::fmt::Display for IoCounts {
             writeln!(f)?;
         }
         Ok(())
+    }
+}
+
+/// The kind of the operating system's EIO (5 on every Unix); `Other`
+/// elsewhere.
+fn eio_kind() -> ErrorKind {
+    if cfg!(unix) {
+        IoError::from_raw_os_error(5).kind()
+    } else {
+        ErrorKind::Other
     }
 }
 
@@ -1341,7 +1356,7 @@ mod tests {
         let b = CrashBackend::new();
         b.fail_next(FaultOn::Write, Fault::Enospc);
         b.inject(plan(Some(0), FaultOn::Write, 1, false));
-        assert_eq!(b.write(0, &[1]).unwrap_err().kind(), ErrorKind::Other);
+        assert_eq!(b.write(0, &[1]).unwrap_err().kind(), Fault::Eio.kind());
         assert_eq!(b.write(0, &[1]).unwrap_err().kind(), ErrorKind::StorageFull);
         b.write(0, &[1]).unwrap();
         // nth 0 is read as 1; a new injection replaces the old.
