@@ -359,4 +359,25 @@ mod tests {
         // Nothing was due: the record is still in the active memtable.
         assert!(!shared.read_mem().active.is_empty());
     }
+
+    /// Damage does not heal: the thread stops rather than reopening the
+    /// store, which would let writes resume over a corrupt file (found by
+    /// mutation testing: a loop that went on healing unless the store was
+    /// also being dropped).
+    #[test]
+    fn a_damaged_store_stays_poisoned() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = RedbStoreBuilder::default()
+            .open(dir.path().join("store.redb"))
+            .unwrap();
+        let shared = &store.shared;
+        let _ = shared.fail("test", On::Store, Error::corrupt(None, "test damage"));
+        assert!(!shared.heals());
+        std::thread::sleep(HEAL_BACKOFF_MIN * 10);
+        assert!(shared.is_poisoned());
+        assert!(matches!(
+            shared.check_healthy(),
+            Err(Error::Poisoned { .. })
+        ));
+    }
 }
