@@ -62,7 +62,7 @@ pub(super) fn run(shared: Arc<Shared>) {
                 Ok(()) => HEAL_BACKOFF_MIN,
                 Err(e) => {
                     crate::observability::heal_failed("redb", &e, backoff);
-                    (backoff * 2).min(HEAL_BACKOFF_MAX)
+                    next_backoff(backoff)
                 }
             };
             bg = shared.lock_bg();
@@ -140,6 +140,12 @@ pub(super) fn run(shared: Arc<Shared>) {
         busy = matches!(result, Ok(Tick::Busy));
         bg = shared.lock_bg();
     }
+}
+
+/// The wait before the next attempt to heal after one failed: doubled, up
+/// to [`HEAL_BACKOFF_MAX`].
+fn next_backoff(backoff: Duration) -> Duration {
+    (backoff * 2).min(HEAL_BACKOFF_MAX)
 }
 
 /// How long the thread waits after [`tick`] found the commit lock held:
@@ -287,5 +293,91 @@ mod tests {
         let ticked = tick(&shared, &mut Instant::now());
         assert!(matches!(ticked, Ok(Tick::Done)), "{ticked:?}");
         assert!(shared.read_mem().frozen.is_some());
+    }
+
+    /// After a tick found the commit lock held, the thread waits the
+    /// checkpoint interval, and under relaxed durability no longer than the
+    /// loss window: a zero wait would poll the lock every millisecond for
+    /// as long as it is held (found by mutation testing).
+    #[test]
+    fn a_busy_tick_waits_the_interval_or_the_loss_window() {
+        let shared = |builder: RedbStoreBuilder| {
+            let config = builder
+                .checkpoint_interval(Duration::from_millis(500))
+                .config;
+            let backend = ::redb::backends::InMemoryBackend::new();
+            let opened =
+                open::open_backend(backend, None, None, &config, Path::new("memory")).unwrap();
+            Shared::new(opened, &config, None)
+        };
+        let immediate = shared(RedbStoreBuilder::default());
+        assert_eq!(busy_backoff(&immediate), Duration::from_millis(500));
+        let max_loss = Duration::from_millis(20);
+        let periodic =
+            shared(RedbStoreBuilder::default().durability(Durability::Periodic { max_loss }));
+        assert_eq!(busy_backoff(&periodic), max_loss);
+    }
+
+    /// Each failed heal doubles the wait before the next, up to
+    /// [`HEAL_BACKOFF_MAX`]: a wait that shrank instead would retry a
+    /// persistent failure in a busy loop (found by mutation testing).
+    #[test]
+    fn the_heal_backoff_doubles_up_to_its_maximum() {
+        assert_eq!(next_backoff(HEAL_BACKOFF_MIN), HEAL_BACKOFF_MIN * 2);
+        assert_eq!(next_backoff(HEAL_BACKOFF_MAX), HEAL_BACKOFF_MAX);
+        assert_eq!(next_backoff(HEAL_BACKOFF_MAX * 3 / 4), HEAL_BACKOFF_MAX);
+    }
+
+    /// Under relaxed durability this thread syncs the log within the loss
+    /// window even when no checkpoint is due: a loop that did not count the
+    /// window as work left an idle store's writes unsynced until the next
+    /// checkpoint (found by mutation testing).
+    #[test]
+    fn an_idle_relaxed_store_syncs_its_log_within_the_window() {
+        let dir = tempfile::tempdir().unwrap();
+        let max_loss = Duration::from_millis(10);
+        let store = RedbStoreBuilder::default()
+            .durability(Durability::Periodic { max_loss })
+            .checkpoint_interval(Duration::from_secs(3600))
+            .open(dir.path().join("store.redb"))
+            .unwrap();
+        let shared = &store.shared;
+        assert!(shared.log_file.is_some());
+        let begin = Op::Begin {
+            key: b"\0a".to_vec(),
+            fingerprint: crate::fingerprint::Fingerprint::of(b"fp"),
+            now: crate::time::Timestamp::from_millis(1_000),
+            lease: Duration::from_secs(10),
+            retention: Duration::from_secs(10),
+        };
+        let _ = shared.submit(begin).unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while shared.log_unsynced.load(Ordering::SeqCst) && std::time::Instant::now() < deadline {
+            std::thread::sleep(max_loss);
+        }
+        assert!(!shared.log_unsynced.load(Ordering::SeqCst));
+        // Nothing was due: the record is still in the active memtable.
+        assert!(!shared.read_mem().active.is_empty());
+    }
+
+    /// Damage does not heal: the thread stops rather than reopening the
+    /// store, which would let writes resume over a corrupt file (found by
+    /// mutation testing: a loop that went on healing unless the store was
+    /// also being dropped).
+    #[test]
+    fn a_damaged_store_stays_poisoned() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = RedbStoreBuilder::default()
+            .open(dir.path().join("store.redb"))
+            .unwrap();
+        let shared = &store.shared;
+        let _ = shared.fail("test", On::Store, Error::corrupt(None, "test damage"));
+        assert!(!shared.heals());
+        std::thread::sleep(HEAL_BACKOFF_MIN * 10);
+        assert!(shared.is_poisoned());
+        assert!(matches!(
+            shared.check_healthy(),
+            Err(Error::Poisoned { .. })
+        ));
     }
 }

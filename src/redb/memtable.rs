@@ -183,4 +183,18 @@ mod tests {
         mem.publish([(b"k".to_vec(), Some(record(2)))]);
         assert_eq!(mem.active_bytes, once);
     }
+
+    /// An entry's size is its key, its response body and a fixed
+    /// allowance; the memtable freezes on it ([`MEMTABLE_BYTES`]), so a
+    /// size that ignored the body or the key would let a table of large
+    /// responses grow without bound (found by mutation testing).
+    #[test]
+    fn entry_bytes_count_the_key_and_the_body() {
+        let mut with_body = record(1);
+        with_body.response = Some(crate::response::Response::new(200, vec![0; 1000]));
+        let deletion = entry_bytes(b"abc", &None);
+        assert_eq!(entry_bytes(b"abc", &Some(with_body)) - deletion, 1000);
+        assert_eq!(entry_bytes(b"abcd", &None) - deletion, 1);
+        assert_eq!(MEMTABLE_BYTES, 4 << 20);
+    }
 }
