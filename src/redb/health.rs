@@ -31,11 +31,9 @@ use std::time::Duration;
 pub const HEAL_BACKOFF_MIN: Duration = Duration::from_millis(10);
 
 /// Longest wait between two attempts to heal: a store writes again at most
-/// about this long after the cause of its failure went away.
-///
-/// ```
-/// Each attempt reopens the engine and replays the log (up to a segment):
-/// at this rate a cause that lasts costs a few percent of a core.
+/// about this long after the cause of its failure went away. Each attempt
+/// reopens the engine and replays the log (up to a segment): at this rate
+/// a cause that lasts costs a few percent of a core.
 ///
 /// ```
 /// assert_eq!(idemstore::redb::HEAL_BACKOFF_MAX, std::time::Duration::from_secs(1));
