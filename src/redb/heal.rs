@@ -10,7 +10,7 @@
 //! 1. the old engine is closed first (its file locks must go before the
 //!    files are opened again; an empty in-memory stand-in marked unusable
 //!    holds its place, so no read ever sees it), and reopened from the
-//!    same files ([`Source`]): the store file, and the page log when the
+//!    same files (`source.rs`): the store file, and the page log when the
 //!    store has one;
 //! 2. the write-ahead log's live frames are replayed into it and committed
 //!    durably with a new epoch, as an open does (`open::heal_log`). What
@@ -32,82 +32,7 @@ use super::{Engine, Shared};
 use crate::error::{Error, Result};
 use crate::sync::atomic::Ordering;
 use crate::sync::{Instant, MutexGuard};
-use ::redb::{Database, ReadableDatabase, StorageBackend};
-use std::ops::Bound;
-use std::path::PathBuf;
-use std::sync::Arc;
-
-/// Where a heal reopens the engine from.
-pub(super) enum Source {
-    /// A store file, opened as `open` opens it.
-    Path(PathBuf),
-    /// A caller's backends (`open_backend*`), shared with the engine
-    /// through [`SharedBackend`] so that a heal can open them again.
-    Backend {
-        store: Arc<dyn StorageBackend>,
-        pages: Option<Arc<dyn StorageBackend>>,
-    },
-    /// A read-only view: it writes nothing, so it never heals.
-    None,
-}
-
-/// A backend the engine shares with the store: every call goes to the one
-/// underneath but `close`, which is left to the last owner (dropping it),
-/// since a heal opens the same backend again after the engine closed it.
-#[derive(Debug)]
-pub(super) struct SharedBackend(pub(super) Arc<dyn StorageBackend>);
-
-impl StorageBackend for SharedBackend {
-    fn len(&self) -> std::io::Result<u64> {
-        self.0.len()
-    }
-    fn read(&self, offset: u64, out: &mut [u8]) -> std::io::Result<()> {
-        self.0.read(offset, out)
-    }
-    fn set_len(&self, len: u64) -> std::io::Result<()> {
-        self.0.set_len(len)
-    }
-    fn sync_data(&self) -> std::io::Result<()> {
-        self.0.sync_data()
-    }
-    fn write(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
-        self.0.write(offset, data)
-    }
-    fn try_lock_range(
-        &self,
-        start: Bound<u64>,
-        end: Bound<u64>,
-    ) -> Result<bool, ::redb::BackendError> {
-        self.0.try_lock_range(start, end)
-    }
-    fn try_lock_shared_range(
-        &self,
-        start: Bound<u64>,
-        end: Bound<u64>,
-    ) -> Result<bool, ::redb::BackendError> {
-        self.0.try_lock_shared_range(start, end)
-    }
-    fn lock_range(&self, start: Bound<u64>, end: Bound<u64>) -> Result<(), ::redb::BackendError> {
-        self.0.lock_range(start, end)
-    }
-    fn lock_shared_range(
-        &self,
-        start: Bound<u64>,
-        end: Bound<u64>,
-    ) -> Result<(), ::redb::BackendError> {
-        self.0.lock_shared_range(start, end)
-    }
-    fn unlock_range(&self, start: Bound<u64>, end: Bound<u64>) -> Result<(), ::redb::BackendError> {
-        self.0.unlock_range(start, end)
-    }
-    fn query_lock_range(
-        &self,
-        start: Bound<u64>,
-        end: Bound<u64>,
-    ) -> Result<bool, ::redb::BackendError> {
-        self.0.query_lock_range(start, end)
-    }
-}
+use ::redb::{Database, ReadableDatabase};
 
 /// Free space a full disk must gain before the next attempt to heal.
 const FREED_BYTES: u64 = 64 * 1024;

@@ -46,6 +46,7 @@ pub mod admin;
 mod checkpoint;
 mod commit;
 mod errors;
+mod file;
 mod heal;
 mod health;
 mod inbox;
@@ -58,6 +59,7 @@ mod overlay;
 pub(crate) mod pages;
 #[cfg(all(test, shuttle))]
 mod shuttle_tests;
+mod source;
 mod stats;
 mod tables;
 mod wal;
@@ -139,7 +141,7 @@ struct Shared {
     /// Poisoned or not, and why (health.rs).
     health: health::HealthCell,
     /// Where a heal reopens the engine from (heal.rs).
-    source: heal::Source,
+    source: source::Source,
     /// What the last failed attempt to heal saw.
     attempts: Mutex<heal::Attempts>,
     /// The options a heal reopens with (no lease ended, nothing verified).

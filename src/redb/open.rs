@@ -3,6 +3,9 @@
 //! meta table, and the recovery policy.
 
 use super::errors::engine;
+use super::file::{
+    FILE_MODE, Lock, check_foreign, not_ours, open_owner_only, sync_parent, try_lock,
+};
 use super::loss::LossReport;
 use super::overlay::Overlay;
 use super::pages::{self, PageLog};
@@ -29,16 +32,6 @@ use std::path::Path;
 /// that an older build, which would misread the log, refuses it.
 pub(super) const STORE_FORMAT_VERSION: u32 = 3;
 
-/// redb's file magic (redb's `MAGICNUMBER`, private in redb 4.x; it is part
-/// of redb's file format, so it does not change within a major version).
-/// Checked before redb sees the file so that a foreign file is refused
-/// without redb touching it.
-const REDB_MAGIC: [u8; 9] = [b'r', b'e', b'd', b'b', 0x1A, 0x0A, 0xA9, 0x0D, 0x0A];
-
-/// Owner-only: response snapshots can hold personal data.
-#[cfg(unix)]
-pub(super) const FILE_MODE: u32 = 0o600;
-
 /// What an open found.
 pub(super) struct Opened {
     pub(super) db: Database,
@@ -52,7 +45,7 @@ pub(super) struct Opened {
     pub(super) loss: LossReport,
     /// Where a heal reopens the engine from: set by the open's caller
     /// (none for a read-only view, which never writes).
-    pub(super) source: super::heal::Source,
+    pub(super) source: super::source::Source,
 }
 
 /// Opens the store file at `path`, creating it (mode 0600) when it does
@@ -210,17 +203,6 @@ pub(super) fn open_read_only(path: &Path, config: &Config) -> Result<Opened> {
     Ok(opened)
 }
 
-/// Opens `path` for reading and writing, creating it owner-only
-/// ([`FILE_MODE`]) if it does not exist: the store file, its temporary
-/// creation name and its write-ahead log.
-pub(super) fn open_owner_only(path: &Path) -> Result<std::fs::File> {
-    let mut options = std::fs::OpenOptions::new();
-    options.read(true).write(true).create(true);
-    #[cfg(unix)]
-    std::os::unix::fs::OpenOptionsExt::mode(&mut options, FILE_MODE);
-    Ok(options.open(path)?)
-}
-
 fn open_file(path: &Path, config: &Config) -> Result<Opened> {
     let file = open_owner_only(path)?;
     let backend = ::redb::backends::FileBackend::new(file).map_err(|e| map_open(e, path))?;
@@ -276,7 +258,7 @@ fn open_file(path: &Path, config: &Config) -> Result<Opened> {
     if !config.write_ahead_log {
         opened.wal = None;
     }
-    opened.source = super::heal::Source::Path(path.to_path_buf());
+    opened.source = super::source::Source::Path(path.to_path_buf());
     Ok(opened)
 }
 
@@ -318,31 +300,6 @@ fn same_file(file: &std::fs::File, path: &Path) -> Result<bool> {
     }
 }
 
-/// How [`try_lock`] locks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Lock {
-    Shared,
-    Exclusive,
-}
-
-/// Takes `file`'s `flock` (the store file's for a read-only view, the page
-/// log's: the store's own writer lock is redb's), or says who holds it:
-/// [`Error::Locked`] naming the store, its holder read from `locked`.
-pub(super) fn try_lock(file: &std::fs::File, how: Lock, store: &Path, locked: &Path) -> Result<()> {
-    let taken = match how {
-        Lock::Shared => file.try_lock_shared(),
-        Lock::Exclusive => file.try_lock(),
-    };
-    match taken {
-        Ok(()) => Ok(()),
-        Err(std::fs::TryLockError::WouldBlock) => Err(Error::Locked {
-            path: store.display().to_string(),
-            holder: crate::holder::lock_holder(locked),
-        }),
-        Err(std::fs::TryLockError::Error(e)) => Err(e.into()),
-    }
-}
-
 /// The temporary name a new store is built under.
 pub(super) fn creating_path(path: &Path) -> std::path::PathBuf {
     let mut name = path.file_name().unwrap_or_default().to_os_string();
@@ -378,21 +335,6 @@ fn create_then_open(path: &Path, config: &Config) -> Result<Opened> {
     std::fs::remove_file(&temp)?;
     sync_parent(path)?;
     open_file(path, config)
-}
-
-/// Makes a new directory entry durable.
-pub(super) fn sync_parent(path: &Path) -> Result<()> {
-    #[cfg(unix)]
-    {
-        let parent = match path.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p,
-            _ => Path::new("."),
-        };
-        std::fs::File::open(parent)?.sync_all()?;
-    }
-    #[cfg(not(unix))]
-    let _ = path;
-    Ok(())
 }
 
 /// Opens or creates a store over any redb backend, with its write-ahead
@@ -469,7 +411,7 @@ pub(super) fn open_backend(
         wal,
         frames_replayed,
         loss,
-        source: super::heal::Source::None,
+        source: super::source::Source::None,
     })
 }
 
@@ -504,10 +446,10 @@ fn engine_open(backend: impl StorageBackend, config: &Config, name: &Path) -> Re
 /// meta entries. Nothing is written (redb's own recovery of a file not
 /// closed cleanly aside); the log is replayed by [`heal_log`].
 pub(super) fn reopen_engine(
-    source: &super::heal::Source,
+    source: &super::source::Source,
     config: &Config,
 ) -> Result<(Database, MetaEntries)> {
-    use super::heal::{SharedBackend, Source};
+    use super::source::{SharedBackend, Source};
     let (db, name) = match source {
         Source::Path(path) => {
             let file = open_owner_only(path)?;
@@ -923,34 +865,6 @@ fn map_open(err: DatabaseError, path: &Path) -> Error {
         }
         other => engine(other),
     }
-}
-
-fn not_ours(detail: impl std::fmt::Display) -> Error {
-    Error::corrupt(None, format!("not an idemstore store file: {detail}"))
-}
-
-/// Refuses a non-empty file that does not start with a redb header, before
-/// redb reads (or writes) anything else in it.
-pub(super) fn check_foreign(backend: &impl StorageBackend) -> Result<()> {
-    let len = backend
-        .len()
-        .map_err(|e| engine(::redb::StorageError::from(e)))?;
-    if len == 0 {
-        return Ok(());
-    }
-    let mut head = [0u8; REDB_MAGIC.len()];
-    if len < head.len() as u64 {
-        return Err(not_ours(format!(
-            "{len} bytes, shorter than a storage header"
-        )));
-    }
-    backend
-        .read(0, &mut head)
-        .map_err(|e| engine(::redb::StorageError::from(e)))?;
-    if head != REDB_MAGIC {
-        return Err(not_ours("it does not start with a redb header"));
-    }
-    Ok(())
 }
 
 fn table_error(err: TableError) -> Error {

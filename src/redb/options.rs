@@ -444,7 +444,7 @@ impl RedbStoreBuilder {
         log: Option<Box<dyn ::redb::StorageBackend>>,
         pages: Option<Arc<dyn ::redb::StorageBackend>>,
     ) -> Result<RedbStore> {
-        use super::heal::{SharedBackend, Source};
+        use super::source::{SharedBackend, Source};
         self.check()?;
         let name = Path::new("<storage backend>");
         let backend = SharedBackend(Arc::clone(&store));

@@ -9,7 +9,7 @@
 //!
 //! [`RedbStore::open_read_only`]: super::RedbStore::open_read_only
 
-use super::open::check_foreign;
+use super::file::check_foreign;
 use super::wal;
 use crate::error::Result;
 use ::redb::{Database, StorageBackend};

@@ -157,7 +157,7 @@ pub(super) fn replay_beside(
         other => other?,
     };
     if lock {
-        super::open::try_lock(&file, super::open::Lock::Shared, store, &path)?;
+        super::file::try_lock(&file, super::file::Lock::Shared, store, &path)?;
     }
     let log = ::redb::backends::FileBackend::new(file)
         .map_err(|e| Error::Io(IoError::other(e.to_string())))?;

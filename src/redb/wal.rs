@@ -799,10 +799,10 @@ impl FileLog {
     pub(super) fn open(store: &Path) -> Result<FileLog> {
         let path = wal_path(store);
         let existed = path.exists();
-        let file = super::open::open_owner_only(&path)?;
+        let file = super::file::open_owner_only(&path)?;
         if !existed {
             file.sync_all()?;
-            super::open::sync_parent(&path)?;
+            super::file::sync_parent(&path)?;
         }
         Ok(FileLog { file })
     }

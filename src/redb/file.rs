@@ -1,0 +1,98 @@
+//! The bottom of the redb backend's file handling: owner-only opening,
+//! directory syncs, `flock` locks and the redb header check. It imports
+//! nothing of the backend above it (open, the logs, the overlay), so every
+//! one of them can use it without a cycle.
+
+use super::errors::engine;
+use crate::error::{Error, Result};
+use ::redb::StorageBackend;
+use std::path::Path;
+
+/// redb's file magic (redb's `MAGICNUMBER`, private in redb 4.x; it is part
+/// of redb's file format, so it does not change within a major version).
+/// Checked before redb sees the file so that a foreign file is refused
+/// without redb touching it.
+const REDB_MAGIC: [u8; 9] = [b'r', b'e', b'd', b'b', 0x1A, 0x0A, 0xA9, 0x0D, 0x0A];
+
+/// Owner-only: response snapshots can hold personal data.
+#[cfg(unix)]
+pub(super) const FILE_MODE: u32 = 0o600;
+
+/// Opens `path` for reading and writing, creating it owner-only
+/// ([`FILE_MODE`]) if it does not exist: the store file, its temporary
+/// creation name and its write-ahead log.
+pub(super) fn open_owner_only(path: &Path) -> Result<std::fs::File> {
+    let mut options = std::fs::OpenOptions::new();
+    options.read(true).write(true).create(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut options, FILE_MODE);
+    Ok(options.open(path)?)
+}
+
+/// How [`try_lock`] locks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Lock {
+    Shared,
+    Exclusive,
+}
+
+/// Takes `file`'s `flock` (the store file's for a read-only view, the page
+/// log's: the store's own writer lock is redb's), or says who holds it:
+/// [`Error::Locked`] naming the store, its holder read from `locked`.
+pub(super) fn try_lock(file: &std::fs::File, how: Lock, store: &Path, locked: &Path) -> Result<()> {
+    let taken = match how {
+        Lock::Shared => file.try_lock_shared(),
+        Lock::Exclusive => file.try_lock(),
+    };
+    match taken {
+        Ok(()) => Ok(()),
+        Err(std::fs::TryLockError::WouldBlock) => Err(Error::Locked {
+            path: store.display().to_string(),
+            holder: crate::holder::lock_holder(locked),
+        }),
+        Err(std::fs::TryLockError::Error(e)) => Err(e.into()),
+    }
+}
+
+/// Makes a new directory entry durable.
+pub(super) fn sync_parent(path: &Path) -> Result<()> {
+    #[cfg(unix)]
+    {
+        let parent = match path.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p,
+            _ => Path::new("."),
+        };
+        std::fs::File::open(parent)?.sync_all()?;
+    }
+    #[cfg(not(unix))]
+    let _ = path;
+    Ok(())
+}
+
+/// Refuses a non-empty file that does not start with a redb header, before
+/// redb reads (or writes) anything else in it.
+pub(super) fn check_foreign(backend: &impl StorageBackend) -> Result<()> {
+    let len = backend
+        .len()
+        .map_err(|e| engine(::redb::StorageError::from(e)))?;
+    if len == 0 {
+        return Ok(());
+    }
+    let mut head = [0u8; REDB_MAGIC.len()];
+    if len < head.len() as u64 {
+        return Err(not_ours(format!(
+            "{len} bytes, shorter than a storage header"
+        )));
+    }
+    backend
+        .read(0, &mut head)
+        .map_err(|e| engine(::redb::StorageError::from(e)))?;
+    if head != REDB_MAGIC {
+        return Err(not_ours("it does not start with a redb header"));
+    }
+    Ok(())
+}
+
+pub(super) fn not_ours(detail: impl std::fmt::Display) -> Error {
+    Error::corrupt(None, format!("not an idemstore store file: {detail}"))
+}
