@@ -56,6 +56,7 @@ mod native;
 mod open;
 mod options;
 mod overlay;
+mod page_images;
 pub(crate) mod pages;
 #[cfg(all(test, shuttle))]
 mod shuttle_tests;

@@ -47,7 +47,7 @@
 //!
 //! [`RedbStoreBuilder::page_log`]: super::RedbStoreBuilder::page_log
 
-use super::overlay::Pages;
+use super::page_images::Pages;
 use crate::error::{Error, Result};
 use ::redb::{BackendError, StorageBackend};
 use std::io::{Error as IoError, ErrorKind};
