@@ -228,7 +228,7 @@ pub(super) fn tick(shared: &Shared, last_sync: &mut Instant) -> Result<Tick> {
 /// Writes `frozen` into redb in one durable commit that also retires its
 /// log epoch.
 fn checkpoint(shared: &Shared, frozen: &Frozen) -> Result<()> {
-    let db = shared.read_db()?;
+    let db = shared.write_ready_db()?;
     let mut txn = db.begin_write().map_err(engine)?;
     txn.set_durability(::redb::Durability::Immediate)
         .map_err(engine)?;

@@ -536,7 +536,7 @@ impl Shared {
     /// Without the log: the group is one redb write transaction.
     fn commit_direct(&self, core: &mut Core, ops: &[Op]) -> Result<Vec<Result<Reply>>> {
         let mut hwm = core.token_hwm;
-        let db = self.read_db()?;
+        let db = self.write_ready_db()?;
         let mut txn = db
             .begin_write()
             .map_err(|e| self.engine_failed("commit", engine(e)))?;
@@ -666,7 +666,7 @@ impl Shared {
         self.check_writable()?;
         self.check_healthy()?;
         self.wait_checkpointed()?;
-        let db = self.read_db()?;
+        let db = self.write_ready_db()?;
         let mut txn = db
             .begin_write()
             .map_err(|e| self.engine_failed("commit", engine(e)))?;

@@ -20,15 +20,18 @@
 //!    replayed or not: its callers were told it failed, and either way the
 //!    result is what a crash at that moment followed by an open gives.
 //!
-//! If step 1 fails (the files cannot be read), reads fail with the cause
-//! until a later attempt succeeds. If step 2 fails (the disk is still
+//! If step 1 fails, the files are opened once more as a view that writes
+//! nothing (`overlay::open_view_of`; the open failed because it writes:
+//! redb repairs a file it did not close), and reads and replays go on from
+//! it and the memtable; only if the files cannot be read at all do reads
+//! fail with the cause until a later attempt succeeds. If step 2 fails (the disk is still
 //! full), redb refuses the engine again, so it is reopened once more for
 //! reads, and the memtable is kept: reads and replays go on, writes stay
 //! refused, and the background thread tries again after its back-off.
 
 use super::errors::engine;
 use super::tables::{META, META_TOKEN_HWM};
-use super::{Engine, Shared};
+use super::{Engine, Shared, Usable};
 use crate::error::{Error, Result};
 use crate::sync::atomic::Ordering;
 use crate::sync::{Instant, MutexGuard};
@@ -149,16 +152,28 @@ impl Shared {
         state.free_at_last = self.path.as_deref().and_then(free_bytes);
     }
 
-    /// Closes the engine and opens it again from the files. On failure the
-    /// stand-in stays, marked unusable.
+    /// Closes the engine and opens it again from the files. When they
+    /// cannot be opened for writing, a view of them that writes nothing
+    /// takes the engine's place, so that reads go on; when they cannot be
+    /// read either, the stand-in stays, marked unusable.
     fn reopen(&self, engine: &mut Engine) -> Result<()> {
         let old = std::mem::replace(&mut engine.db, stand_in()?);
-        engine.usable = false;
+        engine.usable = Usable::No;
         drop(old);
-        let (db, _) = super::open::reopen_engine(&self.source, &self.heal_config)?;
-        engine.db = db;
-        engine.usable = true;
-        Ok(())
+        match super::open::reopen_engine(&self.source, &self.heal_config, &self.witness) {
+            Ok((db, _)) => {
+                engine.db = db;
+                engine.usable = Usable::Yes;
+                Ok(())
+            }
+            Err(e) => {
+                if let Ok(view) = super::overlay::open_view_of(&self.source) {
+                    engine.db = view;
+                    engine.usable = Usable::ForReads;
+                }
+                Err(e)
+            }
+        }
     }
 
     fn lock_attempts(&self) -> MutexGuard<'_, Attempts> {

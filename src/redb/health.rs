@@ -134,6 +134,7 @@ impl Shared {
     /// heals), and returns it for the caller that hit it: an I/O error
     /// keeps its kind and gains the file and the operation.
     pub(super) fn fail(&self, during: &'static str, on: On, error: Error) -> Error {
+        let error = self.named(error);
         let path = self.file_name(on);
         let cause = Cause::new(during, Some(&path), &error);
         {
@@ -154,6 +155,16 @@ impl Shared {
             Error::Io(e) => Error::Io(std::io::Error::new(e.kind(), cause.to_string())),
             other => other,
         }
+    }
+
+    /// `error`, or, when it is the engine's refusal after an earlier I/O
+    /// error (which names none), the last I/O error the engine's storage
+    /// returned: the cause, with its kind.
+    pub(super) fn named(&self, error: Error) -> Error {
+        if !super::errors::is_latched(&error) {
+            return error;
+        }
+        self.witness.last().map_or(error, Error::Io)
     }
 
     /// The error a write gets while the store is poisoned.

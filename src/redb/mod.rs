@@ -31,6 +31,16 @@
 //!   into redb;
 //! - `open.rs`: creating (0600) and opening a file, refusing foreign,
 //!   damaged and newer files, replaying the log, the recovery policy;
+//! - `pages.rs`: the page log (`page_log`: redb's commits as frames in
+//!   `<file>-pages`), and `overlay.rs`: a file read through in-memory pages
+//!   (inspections, and a heal's view for reads); `page_images.rs`: the
+//!   page images both keep;
+//! - `health.rs`: poisoning, the cause and [`Health`]; `heal.rs`: the heal
+//!   that reopens the engine (from `source.rs`); `witness.rs`: the last
+//!   I/O error the engine met;
+//! - `file.rs`: owner-only files, directory sync, locks, the redb header
+//!   check;
+//! - `loss.rs`: what an open that accepts loss gave up;
 //! - `tables.rs`: the three tables and the record + index pair helpers;
 //! - `errors.rs`: redb's errors as the one public [`Error`];
 //! - `options.rs`: durability, recovery policy, the builder;
@@ -64,6 +74,7 @@ mod source;
 mod stats;
 mod tables;
 mod wal;
+mod witness;
 
 /// The redb crate the store is built on, for an [`Inbox`] handler's own
 /// tables (`TableDefinition`, `ReadableTable`, `WriteTransaction`): the same
@@ -118,9 +129,21 @@ struct Bg {
 /// The engine behind the store's database lock.
 struct Engine {
     db: Database,
-    /// False while a heal could not reopen the files: `db` is then an
-    /// empty stand-in, and reads fail with the cause instead of reading it.
-    usable: bool,
+    usable: Usable,
+}
+
+/// What the engine in [`Engine::db`] may be used for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Usable {
+    /// The store's files, opened for writing.
+    Yes,
+    /// While a heal cannot open the files for writing: a view of them that
+    /// writes nothing (`overlay::open_view_of`). Reads go on; a write
+    /// transaction is refused with the cause (it would reach memory only).
+    ForReads,
+    /// While a heal cannot open the files at all: an empty stand-in, and
+    /// reads fail with the cause instead of reading it.
+    No,
 }
 
 /// A read lock on a usable engine (see [`Shared::read_db`]).
@@ -143,6 +166,8 @@ struct Shared {
     health: health::HealthCell,
     /// Where a heal reopens the engine from (heal.rs).
     source: source::Source,
+    /// Sees every I/O error of the engine's storage (witness.rs).
+    witness: Arc<witness::IoWitness>,
     /// What the last failed attempt to heal saw.
     attempts: Mutex<heal::Attempts>,
     /// The options a heal reopens with (no lease ended, nothing verified).
@@ -190,10 +215,11 @@ impl Shared {
         Arc::new(Shared {
             db: RwLock::new(Engine {
                 db: opened.db,
-                usable: true,
+                usable: Usable::Yes,
             }),
             health: health::HealthCell::default(),
             source: opened.source,
+            witness: opened.witness,
             attempts: Mutex::new(heal::Attempts::default()),
             heal_config: Config {
                 recovery: RecoveryPolicy::WaitForLease,
@@ -240,7 +266,16 @@ impl Shared {
     /// reopen it yet.
     fn read_db(&self) -> Result<DbRead<'_>> {
         let engine = self.db.read().unwrap_or_else(|p| p.into_inner());
-        if !engine.usable {
+        if engine.usable == Usable::No {
+            return Err(self.poisoned_error());
+        }
+        Ok(DbRead(engine))
+    }
+    /// The engine for a write transaction: the files opened for writing,
+    /// or the cause.
+    fn write_ready_db(&self) -> Result<DbRead<'_>> {
+        let engine = self.db.read().unwrap_or_else(|p| p.into_inner());
+        if engine.usable != Usable::Yes {
             return Err(self.poisoned_error());
         }
         Ok(DbRead(engine))
@@ -715,7 +750,7 @@ impl RedbStore {
         // in memory part of it first (and retire the log).
         self.shared.flush_locked(&mut core)?;
         let mut engine = self.shared.write_db();
-        if !engine.usable {
+        if engine.usable != Usable::Yes {
             return Err(self.shared.poisoned_error());
         }
         engine

@@ -14,12 +14,14 @@ use super::tables::{
     META_WAL_BYTES, META_WAL_EPOCH, META_WAL_STATE, RECORDS, WAL_CLOSED, WAL_OPEN, WriteTables,
 };
 use super::wal::{self, FileLog, Wal};
+use super::witness::{IoWitness, Witnessed};
 use super::{Config, RecoveryPolicy};
 use crate::error::{Error, Result};
 use crate::record::State;
 use ::redb::{Database, DatabaseError, ReadableDatabase, StorageBackend, TableError, TableHandle};
 use std::hash::{BuildHasher, Hasher};
 use std::path::Path;
+use std::sync::Arc;
 
 /// The store format this build writes, and the newest it opens. It covers
 /// the table layout, the meta entries and the write-ahead log; the record
@@ -46,6 +48,9 @@ pub(super) struct Opened {
     /// Where a heal reopens the engine from: set by the open's caller
     /// (none for a read-only view, which never writes).
     pub(super) source: super::source::Source,
+    /// What sees the engine's I/O errors (witness.rs); a heal reopens the
+    /// engine with the same one.
+    pub(super) witness: Arc<IoWitness>,
 }
 
 /// Opens the store file at `path`, creating it (mode 0600) when it does
@@ -350,7 +355,8 @@ pub(super) fn open_backend(
     config: &Config,
     name: &Path,
 ) -> Result<Opened> {
-    let db = engine_open(backend, config, name)?;
+    let witness = Arc::new(IoWitness::default());
+    let db = engine_open(backend, config, name, &witness)?;
     let MetaEntries {
         format_version,
         store_id,
@@ -412,14 +418,21 @@ pub(super) fn open_backend(
         frames_replayed,
         loss,
         source: super::source::Source::None,
+        witness,
     })
 }
 
 /// The engine over `backend`, as an open and a heal start: a foreign file
 /// refused before redb sees it, and a panic of redb's over a damaged file
 /// turned into [`Error::Corrupt`].
-fn engine_open(backend: impl StorageBackend, config: &Config, name: &Path) -> Result<Database> {
+fn engine_open(
+    backend: impl StorageBackend,
+    config: &Config,
+    name: &Path,
+    witness: &Arc<IoWitness>,
+) -> Result<Database> {
     check_foreign(&backend)?;
+    let backend = Witnessed::new(backend, Arc::clone(witness));
     let mut builder = Database::builder();
     builder
         .set_cache_size(config.cache_bytes)
@@ -448,6 +461,7 @@ fn engine_open(backend: impl StorageBackend, config: &Config, name: &Path) -> Re
 pub(super) fn reopen_engine(
     source: &super::source::Source,
     config: &Config,
+    witness: &Arc<IoWitness>,
 ) -> Result<(Database, MetaEntries)> {
     use super::source::{SharedBackend, Source};
     let (db, name) = match source {
@@ -460,9 +474,9 @@ pub(super) fn reopen_engine(
                 let pages_log = ::redb::backends::FileBackend::new(pages_file)
                     .map_err(|e| map_open(e, path))?;
                 let paged = PageLog::open(Box::new(backend), Box::new(pages_log))?;
-                engine_open(paged, config, path)?
+                engine_open(paged, config, path, witness)?
             } else {
-                engine_open(backend, config, path)?
+                engine_open(backend, config, path, witness)?
             };
             (db, path.as_path())
         }
@@ -476,9 +490,10 @@ pub(super) fn reopen_engine(
                         PageLog::open(Box::new(backend), Box::new(pages))?,
                         config,
                         name,
+                        witness,
                     )?
                 }
-                None => engine_open(backend, config, name)?,
+                None => engine_open(backend, config, name, witness)?,
             };
             (db, name)
         }

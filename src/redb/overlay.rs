@@ -4,18 +4,20 @@
 //! store) reaches the file.
 //!
 //! Used by every reading that must not write: [`RedbStore::open_read_only`]
-//! (the operator's inspections), `admin::check_log` and the engine check of
-//! `Admin::verify`.
+//! (the operator's inspections), `admin::check_log`, the engine check of
+//! `Admin::verify`, and a heal that cannot reopen the files for writing
+//! ([`open_view_of`]: the store goes on answering reads from them).
 //!
 //! [`RedbStore::open_read_only`]: super::RedbStore::open_read_only
 
 use super::file::check_foreign;
 use super::page_images::Pages;
+use super::source::Source;
 use super::wal;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use ::redb::{Database, StorageBackend};
 use std::path::Path;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 /// Opens the store file at `path` as a redb database through a private
 /// [`Overlay`]. `Ok(Err(detail))` when redb refuses the file or panics on it.
@@ -23,6 +25,31 @@ pub(super) fn open_overlay(path: &Path) -> Result<std::result::Result<Database, 
     let overlay = Overlay::new(std::fs::File::open(path)?)?;
     // The caller holds the store (a view's shared lock, or a writer).
     super::pages::replay_beside(path, &overlay, false)?;
+    engine_over(overlay)
+}
+
+/// A database over a store's files (`source`) that writes nothing to
+/// them: what a heal leaves in the engine's place when it cannot open the
+/// files for writing (an open writes: redb repairs a file it did not
+/// close), so that reads go on. The store file through an [`Overlay`],
+/// with the page log's current run replayed into it when there is one.
+pub(super) fn open_view_of(source: &Source) -> Result<Database> {
+    let opened = match source {
+        Source::Path(path) => open_overlay(path)?,
+        Source::Backend { store, pages } => {
+            let overlay = Overlay::over_backend(Arc::clone(store))?;
+            if let Some(pages) = pages {
+                super::pages::replay(pages.as_ref(), &overlay)?;
+            }
+            engine_over(overlay)?
+        }
+        Source::None => return Err(Error::backend("a read-only view has no files to view")),
+    };
+    opened.map_err(|detail| Error::corrupt(None, detail))
+}
+
+/// The engine over `overlay`, once its header is redb's.
+fn engine_over(overlay: Overlay) -> Result<std::result::Result<Database, String>> {
     check_foreign(&overlay)?;
     Ok(
         match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -42,10 +69,17 @@ pub(super) fn open_overlay(path: &Path) -> Result<std::result::Result<Database, 
 /// the file so that no writer changes it meanwhile (a shared lock), or
 /// reads a copy.
 pub(super) struct Overlay {
-    file: std::fs::File,
+    base: Base,
     /// The file's length when the overlay was made.
     file_len: u64,
     state: Mutex<OverlayState>,
+}
+
+/// What an overlay reads from.
+enum Base {
+    File(std::fs::File),
+    /// A caller's backend, shared with the store (only read here).
+    Backend(Arc<dyn StorageBackend>),
 }
 
 struct OverlayState {
@@ -58,14 +92,24 @@ struct OverlayState {
 impl Overlay {
     pub(super) fn new(file: std::fs::File) -> std::io::Result<Overlay> {
         let file_len = file.metadata()?.len();
-        Ok(Overlay {
-            file,
+        Ok(Overlay::with_base(Base::File(file), file_len))
+    }
+
+    /// An overlay over a backend: its `read` and `len` only are called.
+    pub(super) fn over_backend(backend: Arc<dyn StorageBackend>) -> std::io::Result<Overlay> {
+        let file_len = backend.len()?;
+        Ok(Overlay::with_base(Base::Backend(backend), file_len))
+    }
+
+    fn with_base(base: Base, file_len: u64) -> Overlay {
+        Overlay {
+            base,
             file_len,
             state: Mutex::new(OverlayState {
                 len: file_len,
                 pages: Pages::default(),
             }),
-        })
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, OverlayState> {
@@ -77,7 +121,10 @@ impl Overlay {
         let in_file = self.file_len.saturating_sub(offset).min(out.len() as u64) as usize;
         let (head, tail) = out.split_at_mut(in_file);
         if !head.is_empty() {
-            wal::read_at(&self.file, head, offset)?;
+            match &self.base {
+                Base::File(file) => wal::read_at(file, head, offset)?,
+                Base::Backend(backend) => backend.read(offset, head)?,
+            }
         }
         tail.fill(0);
         Ok(())

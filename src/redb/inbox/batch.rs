@@ -34,6 +34,7 @@
 //! before it leaves none of the batch, a crash after it all of it.
 
 use super::super::RedbStore;
+use super::super::health::On;
 use super::super::tables::{Source, WriteTables};
 use super::Delivery;
 use crate::error::{Error, Result};
@@ -188,6 +189,7 @@ where
     let mut core = shared.lock_core();
     loop {
         let mut burned = 0;
+        let io_errors = shared.witness.count();
         let pass = shared.direct_locked_with(&mut core, settings.quick_repair, |txn, hwm| {
             one_pass(
                 store,
@@ -214,6 +216,20 @@ where
                 return Ok(answers.collect());
             }
             Err(Abort::Store(e)) => return Err(e),
+            // A handler failed after the engine's storage returned an I/O
+            // error in this pass (the handler's transaction grew the file
+            // on a full disk): the failure is the store's, not the
+            // message's. redb refuses the database from now on, so the
+            // store poisons and heals; the batch fails with the error
+            // itself, its kind kept (the handler's error type may not
+            // carry it).
+            Err(Abort::Message(..)) if shared.witness.count() != io_errors => {
+                let error = shared.witness.last().map_or_else(
+                    || Error::backend("the storage engine failed an I/O"),
+                    Error::Io,
+                );
+                return Err(shared.fail("inbox batch", On::Store, error));
+            }
             Err(Abort::Message(index, failure)) => {
                 // Tokens of the aborted pass may have been seen by a
                 // handler: never hand them out again.
