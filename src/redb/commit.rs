@@ -947,6 +947,37 @@ pub(super) mod tests {
         Shared::new(opened, &config, None)
     }
 
+    /// Counts its wakes.
+    #[derive(Default)]
+    struct Wakes(std::sync::atomic::AtomicUsize);
+
+    impl std::task::Wake for Wakes {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    /// A future polled again with another waker (a task moved between
+    /// executors, or `select!` polling it from a new task) is woken through
+    /// the last one: a slot that kept the first waker would leave its
+    /// future asleep with its answer.
+    #[test]
+    fn a_slot_wakes_the_waker_of_its_last_poll() {
+        let slot = Slot::new(Waiter::Task);
+        let (first, last) = (Arc::new(Wakes::default()), Arc::new(Wakes::default()));
+        for wakes in [&first, &first, &last] {
+            let waker = std::task::Waker::from(Arc::clone(wakes));
+            let mut cx = Context::from_waker(&waker);
+            assert!(slot.poll(&mut cx).is_pending());
+        }
+        assert!(slot.answer(Ok(Reply::Done)).is_none(), "not abandoned");
+        let count = |w: &Arc<Wakes>| w.0.load(std::sync::atomic::Ordering::SeqCst);
+        assert_eq!((count(&first), count(&last)), (0, 1));
+        let waker = std::task::Waker::from(Arc::clone(&last));
+        let mut cx = Context::from_waker(&waker);
+        assert!(matches!(slot.poll(&mut cx), Poll::Ready(Ok(Reply::Done))));
+    }
+
     /// The checkpointer's timed freeze, when a leader froze the memtable
     /// just before: it must return (the frozen table is its own to write),
     /// not wait for that table holding the commit lock. Before the fix
