@@ -978,6 +978,46 @@ pub(super) mod tests {
         assert!(matches!(slot.poll(&mut cx), Poll::Ready(Ok(Reply::Done))));
     }
 
+    /// A thread that finds the line full waits for room
+    /// (`WRITE_QUEUE_DEPTH`): the line never grows past it. Closing the
+    /// line lets the waiter go with `Error::Closed`.
+    #[test]
+    fn a_full_line_makes_a_thread_wait_for_room() {
+        let shared = shared(true);
+        {
+            let mut q = shared.lock_queue();
+            for i in 0..crate::redb::WRITE_QUEUE_DEPTH {
+                let id = format!("k{i}");
+                shared.push(
+                    &mut q,
+                    begin(id.as_bytes()),
+                    Arc::new(Slot::new(Waiter::Nobody)),
+                );
+            }
+        }
+        let (tx, rx) = std::sync::mpsc::channel();
+        let submitter = Arc::clone(&shared);
+        std::thread::spawn(move || {
+            let _ = tx.send(submitter.submit(begin(b"late")));
+        });
+        assert!(
+            rx.recv_timeout(Duration::from_millis(100)).is_err(),
+            "the caller waits"
+        );
+        assert_eq!(
+            shared.lock_queue().waiting.len(),
+            crate::redb::WRITE_QUEUE_DEPTH
+        );
+        shared.lock_queue().closed = true;
+        shared.queue_room.notify_all();
+        let answer = rx.recv_timeout(Duration::from_secs(10));
+        assert!(matches!(answer, Ok(Err(Error::Closed))), "{answer:?}");
+        assert_eq!(
+            shared.lock_queue().waiting.len(),
+            crate::redb::WRITE_QUEUE_DEPTH
+        );
+    }
+
     /// The checkpointer's timed freeze, when a leader froze the memtable
     /// just before: it must return (the frozen table is its own to write),
     /// not wait for that table holding the commit lock. Before the fix
