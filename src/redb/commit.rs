@@ -1018,6 +1018,41 @@ pub(super) mod tests {
         );
     }
 
+    /// After its group, a leader passes the role to the first thread in
+    /// line (it is blocked anyway), past the tasks before it: not to the
+    /// committer, which would cost that thread a wake-up round trip.
+    #[test]
+    fn the_role_passes_to_the_first_thread_in_line() {
+        let mut shared = shared(true);
+        Arc::get_mut(&mut shared).expect("not shared yet").max_batch = 1;
+        let slot = |waiter| Arc::new(Slot::new(waiter));
+        let (leader, task, next) = (
+            slot(Waiter::Thread),
+            slot(Waiter::Task),
+            slot(Waiter::Thread),
+        );
+        {
+            let mut q = shared.lock_queue();
+            shared.push(&mut q, begin(b"a"), Arc::clone(&leader));
+            shared.push(&mut q, begin(b"b"), Arc::clone(&task));
+            shared.push(&mut q, begin(b"c"), Arc::clone(&next));
+            q.committer = false; // the task's push asked for it: none runs here
+        }
+        let own = shared.lead_once(Some(&leader));
+        assert!(
+            matches!(own, Some(Ok(Reply::Begin(Begin::Claimed(_))))),
+            "{own:?}"
+        );
+        assert!(
+            matches!(next.lock().state, SlotState::Lead),
+            "the thread leads next"
+        );
+        assert!(matches!(task.lock().state, SlotState::Waiting));
+        let q = shared.lock_queue();
+        assert!(!q.committer, "the committer was not asked");
+        assert_eq!((q.waiting.len(), q.threads), (2, 1));
+    }
+
     /// The checkpointer's timed freeze, when a leader froze the memtable
     /// just before: it must return (the frozen table is its own to write),
     /// not wait for that table holding the commit lock. Before the fix
