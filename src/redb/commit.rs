@@ -1036,7 +1036,8 @@ pub(super) mod tests {
             shared.push(&mut q, begin(b"a"), Arc::clone(&leader));
             shared.push(&mut q, begin(b"b"), Arc::clone(&task));
             shared.push(&mut q, begin(b"c"), Arc::clone(&next));
-            q.committer = false; // the task's push asked for it: none runs here
+            // A thread leads: the task behind it does not call the committer.
+            assert!(!q.committer);
         }
         let own = shared.lead_once(Some(&leader));
         assert!(
