@@ -89,7 +89,8 @@ impl Shared {
             .unwrap_or_else(|| "<storage backend>".into());
         let recovered = match core.wal.as_ref().map(super::wal::Wal::file) {
             Some(file) => {
-                super::open::heal_log(&engine.db, file, &meta, &self.heal_config, &name).map(Some)
+                super::recovery::heal_log(&engine.db, file, &meta, &self.heal_config, &name)
+                    .map(Some)
             }
             // Without a log the state is the engine's: a durable commit
             // proves it writes again.
@@ -180,9 +181,9 @@ impl Shared {
         self.attempts.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn reopened_meta(&self, db: &Database) -> Result<super::open::MetaEntries> {
+    fn reopened_meta(&self, db: &Database) -> Result<super::meta::MetaEntries> {
         let txn = db.begin_read().map_err(engine)?;
-        super::open::read_meta_entries(&txn)
+        super::meta::read_meta_entries(&txn)
     }
 
     /// A heal's replay or probe failed: redb refuses the engine after its

@@ -30,7 +30,11 @@
 //! - `checkpoint.rs`: the background thread that writes frozen memtables
 //!   into redb;
 //! - `open.rs`: creating (0600) and opening a file, refusing foreign,
-//!   damaged and newer files, replaying the log, the recovery policy;
+//!   damaged and newer files, the recovery policy; `recovery.rs`: the
+//!   log's recovery at an open and a heal (what is wrong with the log, the
+//!   walk over its live frames, the replay's durable commit); `meta.rs`:
+//!   the meta table's reads and writes (format version, store id, the
+//!   log's recorded state);
 //! - `pages.rs`: the page log (`page_log`: redb's commits as frames in
 //!   `<file>-pages`), and `overlay.rs`: a file read through in-memory pages
 //!   (inspections, and a heal's view for reads); `page_images.rs`: the
@@ -62,12 +66,14 @@ mod health;
 mod inbox;
 mod loss;
 mod memtable;
+mod meta;
 mod native;
 mod open;
 mod options;
 mod overlay;
 mod page_images;
 pub(crate) mod pages;
+mod recovery;
 #[cfg(all(test, shuttle))]
 mod shuttle_tests;
 mod source;

@@ -1,38 +1,26 @@
 //! Opening a store file: owner-only creation, refusing foreign, damaged and
-//! newer files with a typed error (never a panic, never an empty store), the
-//! meta table, and the recovery policy.
+//! newer files with a typed error (never a panic, never an empty store),
+//! the page log's run replayed before the engine opens the file, the
+//! engine reopened for a heal, and the recovery policy. The meta table's
+//! reads and writes are in meta.rs; what an open does with the record log,
+//! in recovery.rs.
 
 use super::errors::engine;
-use super::file::{
-    FILE_MODE, Lock, check_foreign, not_ours, open_owner_only, sync_parent, try_lock,
-};
+use super::file::{FILE_MODE, Lock, check_foreign, open_owner_only, sync_parent, try_lock};
 use super::loss::LossReport;
+use super::meta::{MetaEntries, init_meta, read_meta, read_wal_state};
 use super::overlay::Overlay;
 use super::pages::{self, PageLog};
-use super::tables::{
-    EXPIRY, META, META_FORMAT_VERSION, META_STORE_ID, META_TOKEN_HWM, META_WAL_BOOT,
-    META_WAL_BYTES, META_WAL_EPOCH, META_WAL_STATE, RECORDS, WAL_CLOSED, WAL_OPEN, WriteTables,
-};
+use super::recovery::{Found, boot_id, log_missing, recover_log};
+use super::tables::WriteTables;
 use super::wal::{self, FileLog, Wal};
 use super::witness::{IoWitness, Witnessed};
 use super::{Config, RecoveryPolicy};
 use crate::error::{Error, Result};
 use crate::record::State;
-use ::redb::{Database, DatabaseError, ReadableDatabase, StorageBackend, TableError, TableHandle};
-use std::hash::{BuildHasher, Hasher};
+use ::redb::{Database, DatabaseError, StorageBackend};
 use std::path::Path;
 use std::sync::Arc;
-
-/// The store format this build writes, and the newest it opens. It covers
-/// the table layout, the meta entries and the write-ahead log; the record
-/// envelope has its own version inside every value.
-///
-/// 2 added the write-ahead log (`<file>-wal`, the `wal_epoch` meta entry);
-/// 3 changed the log to two segments of 4 KiB-aligned frames that carry no
-/// index entries (docs/format.md). A version 1 or 2 store opens (a version 2 log is replayed
-/// in its own layout) and is marked 3 at its first open by this build, so
-/// that an older build, which would misread the log, refuses it.
-pub(super) const STORE_FORMAT_VERSION: u32 = 3;
 
 /// What an open found.
 pub(super) struct Opened {
@@ -457,7 +445,8 @@ fn engine_open(
 
 /// A heal's first step: the engine over the store's files again, and its
 /// meta entries. Nothing is written (redb's own recovery of a file not
-/// closed cleanly aside); the log is replayed by [`heal_log`].
+/// closed cleanly aside); the log is replayed by
+/// [`heal_log`](super::recovery::heal_log).
 pub(super) fn reopen_engine(
     source: &super::source::Source,
     config: &Config,
@@ -510,296 +499,6 @@ pub(super) fn reopen_engine(
     }
 }
 
-/// A heal's second step: the log's live frames replayed into the reopened
-/// engine and a durable commit with a new epoch, as an open does. A frame
-/// damaged at the end of the log is the end (it is the one whose write
-/// failed, never acknowledged), as after a power cut.
-pub(super) fn heal_log(
-    db: &Database,
-    file: std::sync::Arc<dyn StorageBackend>,
-    meta: &MetaEntries,
-    config: &Config,
-    name: &Path,
-) -> Result<Wal> {
-    let boot = boot_id();
-    let found = Found {
-        store_id: meta.store_id,
-        format: meta.format_version,
-        boot: boot.as_deref(),
-        name,
-        heal: true,
-    };
-    let mut loss = LossReport::default();
-    recover_log(db, file, &found, config, &mut loss).map(|(wal, _)| wal)
-}
-
-/// Replays the log's frames of the current epoch, then commits durably with
-/// a new epoch (retiring every frame found, whole or torn) and the current
-/// format version, and makes sure the log file has its full size.
-/// How the live frames of a store's log are to be read, and what is wrong
-/// with the log before any frame is read: [`plan_log`].
-pub(super) struct LogPlan {
-    /// The log file's size.
-    pub(super) file_len: u64,
-    /// The durable epoch: its frames, then the next epoch's, are live.
-    pub(super) epoch: u64,
-    /// The size the frames were laid out for: the file's, unless the store
-    /// recorded another.
-    pub(super) layout_len: u64,
-    /// No reboot since the open that wrote the frames (see `wal::walk`).
-    pub(super) no_reboot: bool,
-    /// What an open refuses (each an [`Error::Corrupt`]), in order.
-    pub(super) problems: Vec<Error>,
-}
-
-/// Reads the log's record in the store file and checks the log against
-/// it, without reading a frame. After an unclean stop the log is part of
-/// the store: without it, cut short, or another store's, the replay would
-/// find nothing (or only part) and the open would succeed without the
-/// writes acknowledged since the last checkpoint. Shared by the open
-/// ([`recover_log`]) and the read-only check (`admin::check_log`).
-pub(super) fn plan_log(
-    db: &Database,
-    file: &dyn StorageBackend,
-    found: &Found<'_>,
-) -> Result<LogPlan> {
-    let name = found.name;
-    let len = file.len().map_err(Error::Io)?;
-    let mut plan = LogPlan {
-        file_len: len,
-        epoch: read_wal_epoch(db)?,
-        layout_len: len,
-        // No reboot since the open that wrote these frames: no power loss
-        // can have torn one, so a damaged last frame is damage.
-        no_reboot: !found.heal
-            && found.boot.is_some()
-            && read_wal_boot(db)?.as_deref() == found.boot,
-        problems: Vec::new(),
-    };
-    let Some(state) = read_wal_state(db)?.filter(|s| s.open) else {
-        return Ok(plan);
-    };
-    match state.bytes {
-        // The last open stopped before its log had a size: no frame was
-        // ever written, nothing can be missing.
-        Some(0) => {}
-        _ if len == 0 => plan
-            .problems
-            .push(log_missing(name, "its log is missing or empty")),
-        Some(recorded) if len < recorded => {
-            plan.problems.push(Error::corrupt(
-                None,
-                format!(
-                    "{} was not closed cleanly, and its write-ahead log {} is {len} bytes where \
-                     the store left it at {recorded}: the log was cut short, or another file is \
-                     in its place, so the writes acknowledged since the last checkpoint cannot \
-                     all be found in it. Put back the log that belongs to this store (a store \
-                     and its log are copied together); see docs/operations.md",
-                    name.display(),
-                    wal::wal_path(name).display()
-                ),
-            ));
-            // What is left is read where it was written.
-            plan.layout_len = recorded;
-        }
-        // A longer file (extended by hand) still holds the frames where
-        // they were written.
-        Some(recorded) => plan.layout_len = recorded,
-        None => {}
-    }
-    // The log must be this store's: its frames verify under this store's
-    // id. A log with frames of which none does (another store's, put in
-    // its place) cannot hold this store's writes. One frame that does not
-    // verify may be this store's first, torn by a crash: two or more
-    // cannot all be.
-    if found.format >= 3 {
-        let (seen, ours) = wal::frames_seen(file, &found.store_id, plan.layout_len)?;
-        if seen >= 2 && ours == 0 {
-            plan.problems.push(Error::corrupt(
-                None,
-                format!(
-                    "{} was not closed cleanly, and none of the {seen} frames in its \
-                     write-ahead log {} verifies for this store: the log belongs to another \
-                     store, so the writes acknowledged since the last checkpoint are not in \
-                     it. Put back the log that belongs to this store; see docs/operations.md",
-                    name.display(),
-                    wal::wal_path(name).display()
-                ),
-            ));
-        }
-    }
-    Ok(plan)
-}
-
-/// Walks the live frames as `plan` says (`wal::walk`): a format-2 log's
-/// one region, or this format's durable epoch and then the next one (a
-/// checkpoint may have been running). Returns the frames handed to
-/// `on_frame`.
-pub(super) fn walk_live(
-    file: &dyn StorageBackend,
-    found: &Found<'_>,
-    plan: &LogPlan,
-    mut loss: Option<&mut LossReport>,
-    mut on_frame: impl FnMut(u64, &[u8]) -> Result<()>,
-) -> Result<u64> {
-    let epochs = if found.format < 3 {
-        vec![(plan.epoch, wal::Layout::v2(plan.layout_len))]
-    } else {
-        let next = plan.epoch.wrapping_add(1);
-        vec![
-            (
-                plan.epoch,
-                wal::Layout::segment(plan.layout_len, plan.epoch),
-            ),
-            (next, wal::Layout::segment(plan.layout_len, next)),
-        ]
-    };
-    let mut frames = 0;
-    for (epoch, layout) in epochs {
-        frames += wal::walk(
-            file,
-            &found.store_id,
-            epoch,
-            &layout,
-            plan.no_reboot,
-            loss.as_deref_mut(),
-            &mut on_frame,
-        )?;
-    }
-    Ok(frames)
-}
-
-/// What the open found out before the log's recovery.
-pub(super) struct Found<'a> {
-    pub(super) store_id: [u8; 16],
-    /// The store format the file was written in.
-    pub(super) format: u32,
-    /// This boot's id, for a log on a real file.
-    pub(super) boot: Option<&'a str>,
-    /// The store, in errors.
-    pub(super) name: &'a Path,
-    /// A heal in a running process: the log's last frame may be one whose
-    /// write failed, so a damaged last frame is the end, as after a reboot.
-    pub(super) heal: bool,
-}
-
-fn recover_log(
-    db: &Database,
-    file: std::sync::Arc<dyn StorageBackend>,
-    found: &Found<'_>,
-    config: &Config,
-    loss: &mut LossReport,
-) -> Result<(Wal, u64)> {
-    let (store_id, boot) = (found.store_id, found.boot);
-    let mut plan = plan_log(db, file.as_ref(), found)?;
-    let len = plan.file_len;
-    for problem in std::mem::take(&mut plan.problems) {
-        if !config.accept_loss {
-            return Err(problem);
-        }
-        loss.findings.push(format!("accepted: {problem}"));
-    }
-    let epoch = plan.epoch;
-    let mut txn = db.begin_write().map_err(engine)?;
-    txn.set_quick_repair(true);
-    // Replayed with the layout the log was written in, before its size
-    // may change below (a larger `wal_bytes` moves the segments).
-    let frames = walk_live(
-        file.as_ref(),
-        found,
-        &plan,
-        config.accept_loss.then_some(&mut *loss),
-        wal::applier(&txn)?,
-    )?;
-    // Both epochs are now retired; new frames start a fresh one.
-    let fresh = epoch.wrapping_add(2);
-    // Without the log this open's commits go straight to the file, so the
-    // log will hold nothing needed: it is marked closed at once.
-    let state = if config.write_ahead_log {
-        WAL_OPEN
-    } else {
-        WAL_CLOSED
-    };
-    {
-        let mut meta = txn.open_table(META).map_err(engine)?;
-        meta.insert(META_WAL_EPOCH, fresh.to_be_bytes().as_slice())
-            .map_err(engine)?;
-        meta.insert(META_WAL_STATE, [state].as_slice())
-            .map_err(engine)?;
-        match boot {
-            Some(boot) => meta.insert(META_WAL_BOOT, boot.as_bytes()).map(|_| ()),
-            None => meta.remove(META_WAL_BOOT).map(|_| ()),
-        }
-        .map_err(engine)?;
-        // The size as it is: a crash while `preallocate` grows the file
-        // below leaves it longer than recorded, which is allowed (no frame
-        // of the new epoch exists before the size is recorded again).
-        meta.insert(META_WAL_BYTES, len.to_be_bytes().as_slice())
-            .map_err(engine)?;
-        meta.insert(
-            META_FORMAT_VERSION,
-            STORE_FORMAT_VERSION.to_be_bytes().as_slice(),
-        )
-        .map_err(engine)?;
-    }
-    txn.commit().map_err(engine)?;
-    // A read-only open replayed into memory (an overlay) and leaves the
-    // log file as it is.
-    let new_len = if config.read_only {
-        len
-    } else {
-        wal::preallocate(file.as_ref(), config.wal_bytes)?
-    };
-    if new_len != len {
-        // The new size, durably, before any frame is laid out for it.
-        let txn = db.begin_write().map_err(engine)?;
-        {
-            let mut meta = txn.open_table(META).map_err(engine)?;
-            meta.insert(META_WAL_BYTES, new_len.to_be_bytes().as_slice())
-                .map_err(engine)?;
-        }
-        txn.commit().map_err(engine)?;
-    }
-    Ok((Wal::new(file, store_id, fresh, new_len), frames))
-}
-
-/// [`META_WAL_STATE`] and [`META_WAL_BYTES`] as stored.
-#[derive(Clone, Copy, Debug)]
-pub(super) struct WalState {
-    /// The log may hold acknowledged frames (the last stop was not clean).
-    pub(super) open: bool,
-    /// The log's size as the last open left it.
-    pub(super) bytes: Option<u64>,
-}
-
-/// The log's state, or `None` when no open with this check has recorded it.
-pub(super) fn read_wal_state(db: &Database) -> Result<Option<WalState>> {
-    let txn = db.begin_read().map_err(engine)?;
-    let meta = txn.open_table(META).map_err(table_error)?;
-    let Some(state) = meta.get(META_WAL_STATE).map_err(engine)? else {
-        return Ok(None);
-    };
-    let [state] = fixed::<1>(META_WAL_STATE, state.value())?;
-    let bytes = match meta.get(META_WAL_BYTES).map_err(engine)? {
-        Some(v) => Some(u64::from_be_bytes(fixed(META_WAL_BYTES, v.value())?)),
-        None => None,
-    };
-    Ok(Some(WalState {
-        open: state == WAL_OPEN,
-        bytes,
-    }))
-}
-
-/// The boot id the log's last open recorded ([`META_WAL_BOOT`]).
-pub(super) fn read_wal_boot(db: &Database) -> Result<Option<String>> {
-    let txn = db.begin_read().map_err(engine)?;
-    let meta = txn.open_table(META).map_err(table_error)?;
-    Ok(meta
-        .get(META_WAL_BOOT)
-        .map_err(engine)?
-        .map(|v| String::from_utf8_lossy(v.value()).into_owned()))
-}
-
 /// `<path>.<suffix>`, or `<path>.<suffix>.N` for the first free `N`.
 fn free_name(path: &Path, suffix: &str) -> std::path::PathBuf {
     let mut name = path.as_os_str().to_os_string();
@@ -813,49 +512,6 @@ fn free_name(path: &Path, suffix: &str) -> std::path::PathBuf {
         n += 1;
     }
     candidate
-}
-
-/// This boot of the machine: Linux's random id, new at every boot. An
-/// open after a process crash (the same boot) knows the page cache held
-/// every write the process made, so no frame can have been torn by a power
-/// loss. `None` where the system does not say.
-pub(super) fn boot_id() -> Option<String> {
-    #[cfg(target_os = "linux")]
-    {
-        std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
-            .ok()
-            .map(|id| id.trim().to_owned())
-            .filter(|id| !id.is_empty())
-    }
-    #[cfg(not(target_os = "linux"))]
-    {
-        None
-    }
-}
-
-/// The store was not closed cleanly and its log is gone: the writes
-/// acknowledged since the last checkpoint exist only in that log.
-fn log_missing(name: &Path, what: &str) -> Error {
-    Error::corrupt(
-        None,
-        format!(
-            "{} was not closed cleanly, and {what} ({}): the writes acknowledged since its last \
-             checkpoint are only in that log. Put back the log that belongs to this store (a \
-             store and its log are copied together, with no process holding them); see \
-             docs/operations.md",
-            name.display(),
-            wal::wal_path(name).display()
-        ),
-    )
-}
-
-pub(super) fn read_wal_epoch(db: &Database) -> Result<u64> {
-    let txn = db.begin_read().map_err(engine)?;
-    let meta = txn.open_table(META).map_err(table_error)?;
-    match meta.get(META_WAL_EPOCH).map_err(engine)? {
-        None => Ok(0),
-        Some(v) => Ok(u64::from_be_bytes(fixed(META_WAL_EPOCH, v.value())?)),
-    }
 }
 
 fn map_open(err: DatabaseError, path: &Path) -> Error {
@@ -880,131 +536,6 @@ fn map_open(err: DatabaseError, path: &Path) -> Error {
         }
         other => engine(other),
     }
-}
-
-fn table_error(err: TableError) -> Error {
-    match err {
-        TableError::TableTypeMismatch { .. } | TableError::TableIsMultimap(_) => {
-            not_ours(format!("a table has a foreign layout ({err})"))
-        }
-        other => engine(other),
-    }
-}
-
-/// The meta entries, or `None` for a file with no tables at all (new, or
-/// created by redb just before a crash). A redb file with other tables but
-/// no meta table is someone else's database.
-fn read_meta(db: &Database) -> Result<Option<MetaEntries>> {
-    let txn = db.begin_read().map_err(engine)?;
-    let names: Vec<String> = txn
-        .list_tables()
-        .map_err(engine)?
-        .map(|t| t.name().to_owned())
-        .collect();
-    if !names.iter().any(|n| n == META.name()) {
-        if names.is_empty() {
-            return Ok(None);
-        }
-        return Err(not_ours(format!(
-            "a redb database without idemstore's meta table (tables: {})",
-            names.join(", ")
-        )));
-    }
-    let meta = read_meta_entries(&txn)?;
-    if meta.format_version > STORE_FORMAT_VERSION {
-        return Err(Error::UnsupportedFormat {
-            found: meta.format_version,
-            supported: STORE_FORMAT_VERSION,
-        });
-    }
-    if meta.format_version == 0 {
-        return Err(Error::corrupt(None, "meta format version is 0"));
-    }
-    // Opening the record tables proves they have our layout.
-    txn.open_table(RECORDS).map_err(table_error)?;
-    txn.open_table(EXPIRY).map_err(table_error)?;
-    Ok(Some(meta))
-}
-
-/// The three meta entries, as stored (no version policy applied).
-pub(super) struct MetaEntries {
-    pub(super) format_version: u32,
-    pub(super) store_id: [u8; 16],
-    pub(super) token_hwm: u64,
-}
-
-/// Reads the meta entries; a missing or mis-sized entry is `Corrupt`.
-/// Shared by open (which then checks the version) and `Admin::facts`.
-pub(super) fn read_meta_entries(txn: &::redb::ReadTransaction) -> Result<MetaEntries> {
-    let meta = txn.open_table(META).map_err(table_error)?;
-    let get = |name: &str| -> Result<Vec<u8>> {
-        match meta.get(name).map_err(engine)? {
-            Some(v) => Ok(v.value().to_vec()),
-            None => Err(Error::corrupt(
-                None,
-                format!("meta entry {name:?} is missing"),
-            )),
-        }
-    };
-    Ok(MetaEntries {
-        format_version: u32::from_be_bytes(fixed(META_FORMAT_VERSION, &get(META_FORMAT_VERSION)?)?),
-        store_id: fixed(META_STORE_ID, &get(META_STORE_ID)?)?,
-        token_hwm: u64::from_be_bytes(fixed(META_TOKEN_HWM, &get(META_TOKEN_HWM)?)?),
-    })
-}
-
-fn fixed<const N: usize>(name: &str, bytes: &[u8]) -> Result<[u8; N]> {
-    bytes.try_into().map_err(|_| {
-        Error::corrupt(
-            None,
-            format!("meta entry {name:?} is {} bytes, not {N}", bytes.len()),
-        )
-    })
-}
-
-/// Writes the meta table and the empty record tables of a new store.
-fn init_meta(db: &Database, config: &Config) -> Result<MetaEntries> {
-    let store_id = new_store_id(config);
-    let mut txn = db.begin_write().map_err(engine)?;
-    txn.set_quick_repair(true);
-    {
-        let mut meta = txn.open_table(META).map_err(engine)?;
-        meta.insert(
-            META_FORMAT_VERSION,
-            STORE_FORMAT_VERSION.to_be_bytes().as_slice(),
-        )
-        .map_err(engine)?;
-        meta.insert(META_STORE_ID, store_id.as_slice())
-            .map_err(engine)?;
-        meta.insert(META_TOKEN_HWM, 0u64.to_be_bytes().as_slice())
-            .map_err(engine)?;
-        txn.open_table(RECORDS).map_err(engine)?;
-        txn.open_table(EXPIRY).map_err(engine)?;
-    }
-    txn.commit().map_err(engine)?;
-    Ok(MetaEntries {
-        format_version: STORE_FORMAT_VERSION,
-        store_id,
-        token_hwm: 0,
-    })
-}
-
-/// 16 bytes unlikely to repeat: the std hasher's per-process random keys,
-/// the time and the process id, through SHA-256 (no RNG dependency for this).
-fn new_store_id(config: &Config) -> [u8; 16] {
-    use sha2::Digest;
-    let mut h = sha2::Sha256::new();
-    for _ in 0..2 {
-        let mut r = std::collections::hash_map::RandomState::new().build_hasher();
-        r.write_u64(config.clock.now().as_millis());
-        h.update(r.finish().to_be_bytes());
-    }
-    h.update(std::process::id().to_be_bytes());
-    h.update(config.clock.now().as_millis().to_be_bytes());
-    let digest = h.finalize();
-    let mut id = [0u8; 16];
-    id.copy_from_slice(digest.get(..16).unwrap_or(&[0; 16]));
-    id
 }
 
 /// [`RecoveryPolicy::ExpireLeases`]: one process holds the file, so every

@@ -3,8 +3,9 @@
 
 use super::super::errors::engine;
 use super::super::loss::LossReport;
-use super::super::open::{self, Found, read_meta_entries};
+use super::super::meta::{read_meta_entries, read_wal_state};
 use super::super::overlay::open_overlay;
+use super::super::recovery::{Found, boot_id, plan_log, walk_live};
 use super::super::wal::{self, FileLog};
 use crate::error::{Error, Result};
 use ::redb::backends::InMemoryBackend;
@@ -77,13 +78,13 @@ pub fn check_log(store: impl AsRef<Path>) -> Result<LogCheck> {
         let txn = db.begin_read().map_err(engine)?;
         read_meta_entries(&txn)?
     };
-    let state = open::read_wal_state(&db)?;
+    let state = read_wal_state(&db)?;
     // A missing log reads as an empty one.
     let log: Box<dyn StorageBackend> = match FileLog::open_read_only(store)? {
         Some(log) => Box::new(log),
         None => Box::new(InMemoryBackend::new()),
     };
-    let boot = open::boot_id();
+    let boot = boot_id();
     let found = Found {
         store_id: meta.store_id,
         format: meta.format_version,
@@ -91,7 +92,7 @@ pub fn check_log(store: impl AsRef<Path>) -> Result<LogCheck> {
         name: store,
         heal: false,
     };
-    let plan = open::plan_log(&db, log.as_ref(), &found)?;
+    let plan = plan_log(&db, log.as_ref(), &found)?;
     let mut check = LogCheck {
         path: log_path(store),
         present: log_path(store).exists(),
@@ -104,7 +105,7 @@ pub fn check_log(store: impl AsRef<Path>) -> Result<LogCheck> {
     // would refuse is written down, and the walk goes on.
     let mut loss = LossReport::default();
     let mut undecodable = Vec::new();
-    check.frames = open::walk_live(
+    check.frames = walk_live(
         log.as_ref(),
         &found,
         &plan,

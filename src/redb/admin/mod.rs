@@ -43,7 +43,7 @@ pub use verify::{MAX_LISTED_PROBLEMS, Problem, ProblemKind, VerifyReport};
 
 use super::RedbStore;
 use super::errors::engine;
-use super::open::STORE_FORMAT_VERSION;
+use super::meta::STORE_FORMAT_VERSION;
 use super::tables::{EXPIRY, RECORDS, WriteTables};
 use crate::codec;
 use crate::error::{Error, Result};
@@ -235,7 +235,7 @@ impl Admin<'_> {
     pub fn facts(&self) -> Result<Facts> {
         let db = self.store.shared.read_db()?;
         let txn = db.begin_read().map_err(engine)?;
-        let meta = super::open::read_meta_entries(&txn)?;
+        let meta = super::meta::read_meta_entries(&txn)?;
         let records = txn
             .open_table(RECORDS)
             .map_err(engine)?

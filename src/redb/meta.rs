@@ -1,0 +1,200 @@
+//! The meta table (`idemstore.meta`): the store format this build writes
+//! and opens ([`STORE_FORMAT_VERSION`]), reading and checking a file's meta
+//! entries ([`read_meta`], [`read_meta_entries`]), writing a new store's
+//! ([`init_meta`]), and the record log's state as the store file keeps it
+//! (its epoch, whether its last open stopped cleanly, its size, the boot
+//! that wrote it). The entries' names are in tables.rs; opening is in
+//! open.rs, the log's recovery in recovery.rs.
+
+use super::Config;
+use super::errors::engine;
+use super::file::not_ours;
+use super::tables::{
+    EXPIRY, META, META_FORMAT_VERSION, META_STORE_ID, META_TOKEN_HWM, META_WAL_BOOT,
+    META_WAL_BYTES, META_WAL_EPOCH, META_WAL_STATE, RECORDS, WAL_OPEN,
+};
+use crate::error::{Error, Result};
+use ::redb::{Database, ReadableDatabase, TableError, TableHandle};
+use std::hash::{BuildHasher, Hasher};
+
+/// The store format this build writes, and the newest it opens. It covers
+/// the table layout, the meta entries and the write-ahead log; the record
+/// envelope has its own version inside every value.
+///
+/// 2 added the write-ahead log (`<file>-wal`, the `wal_epoch` meta entry);
+/// 3 changed the log to two segments of 4 KiB-aligned frames that carry no
+/// index entries (docs/format.md). A version 1 or 2 store opens (a version 2 log is replayed
+/// in its own layout) and is marked 3 at its first open by this build, so
+/// that an older build, which would misread the log, refuses it.
+pub(super) const STORE_FORMAT_VERSION: u32 = 3;
+
+/// The three meta entries, as stored (no version policy applied).
+pub(super) struct MetaEntries {
+    pub(super) format_version: u32,
+    pub(super) store_id: [u8; 16],
+    pub(super) token_hwm: u64,
+}
+
+/// The meta entries, or `None` for a file with no tables at all (new, or
+/// created by redb just before a crash). A redb file with other tables but
+/// no meta table is someone else's database.
+pub(super) fn read_meta(db: &Database) -> Result<Option<MetaEntries>> {
+    let txn = db.begin_read().map_err(engine)?;
+    let names: Vec<String> = txn
+        .list_tables()
+        .map_err(engine)?
+        .map(|t| t.name().to_owned())
+        .collect();
+    if !names.iter().any(|n| n == META.name()) {
+        if names.is_empty() {
+            return Ok(None);
+        }
+        return Err(not_ours(format!(
+            "a redb database without idemstore's meta table (tables: {})",
+            names.join(", ")
+        )));
+    }
+    let meta = read_meta_entries(&txn)?;
+    if meta.format_version > STORE_FORMAT_VERSION {
+        return Err(Error::UnsupportedFormat {
+            found: meta.format_version,
+            supported: STORE_FORMAT_VERSION,
+        });
+    }
+    if meta.format_version == 0 {
+        return Err(Error::corrupt(None, "meta format version is 0"));
+    }
+    // Opening the record tables proves they have our layout.
+    txn.open_table(RECORDS).map_err(table_error)?;
+    txn.open_table(EXPIRY).map_err(table_error)?;
+    Ok(Some(meta))
+}
+
+/// Reads the meta entries; a missing or mis-sized entry is `Corrupt`.
+/// Shared by open (which then checks the version) and `Admin::facts`.
+pub(super) fn read_meta_entries(txn: &::redb::ReadTransaction) -> Result<MetaEntries> {
+    let meta = txn.open_table(META).map_err(table_error)?;
+    let get = |name: &str| -> Result<Vec<u8>> {
+        match meta.get(name).map_err(engine)? {
+            Some(v) => Ok(v.value().to_vec()),
+            None => Err(Error::corrupt(
+                None,
+                format!("meta entry {name:?} is missing"),
+            )),
+        }
+    };
+    Ok(MetaEntries {
+        format_version: u32::from_be_bytes(fixed(META_FORMAT_VERSION, &get(META_FORMAT_VERSION)?)?),
+        store_id: fixed(META_STORE_ID, &get(META_STORE_ID)?)?,
+        token_hwm: u64::from_be_bytes(fixed(META_TOKEN_HWM, &get(META_TOKEN_HWM)?)?),
+    })
+}
+
+fn fixed<const N: usize>(name: &str, bytes: &[u8]) -> Result<[u8; N]> {
+    bytes.try_into().map_err(|_| {
+        Error::corrupt(
+            None,
+            format!("meta entry {name:?} is {} bytes, not {N}", bytes.len()),
+        )
+    })
+}
+
+fn table_error(err: TableError) -> Error {
+    match err {
+        TableError::TableTypeMismatch { .. } | TableError::TableIsMultimap(_) => {
+            not_ours(format!("a table has a foreign layout ({err})"))
+        }
+        other => engine(other),
+    }
+}
+
+/// Writes the meta table and the empty record tables of a new store.
+pub(super) fn init_meta(db: &Database, config: &Config) -> Result<MetaEntries> {
+    let store_id = new_store_id(config);
+    let mut txn = db.begin_write().map_err(engine)?;
+    txn.set_quick_repair(true);
+    {
+        let mut meta = txn.open_table(META).map_err(engine)?;
+        meta.insert(
+            META_FORMAT_VERSION,
+            STORE_FORMAT_VERSION.to_be_bytes().as_slice(),
+        )
+        .map_err(engine)?;
+        meta.insert(META_STORE_ID, store_id.as_slice())
+            .map_err(engine)?;
+        meta.insert(META_TOKEN_HWM, 0u64.to_be_bytes().as_slice())
+            .map_err(engine)?;
+        txn.open_table(RECORDS).map_err(engine)?;
+        txn.open_table(EXPIRY).map_err(engine)?;
+    }
+    txn.commit().map_err(engine)?;
+    Ok(MetaEntries {
+        format_version: STORE_FORMAT_VERSION,
+        store_id,
+        token_hwm: 0,
+    })
+}
+
+/// 16 bytes unlikely to repeat: the std hasher's per-process random keys,
+/// the time and the process id, through SHA-256 (no RNG dependency for this).
+fn new_store_id(config: &Config) -> [u8; 16] {
+    use sha2::Digest;
+    let mut h = sha2::Sha256::new();
+    for _ in 0..2 {
+        let mut r = std::collections::hash_map::RandomState::new().build_hasher();
+        r.write_u64(config.clock.now().as_millis());
+        h.update(r.finish().to_be_bytes());
+    }
+    h.update(std::process::id().to_be_bytes());
+    h.update(config.clock.now().as_millis().to_be_bytes());
+    let digest = h.finalize();
+    let mut id = [0u8; 16];
+    id.copy_from_slice(digest.get(..16).unwrap_or(&[0; 16]));
+    id
+}
+
+/// [`META_WAL_STATE`] and [`META_WAL_BYTES`] as stored.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct WalState {
+    /// The log may hold acknowledged frames (the last stop was not clean).
+    pub(super) open: bool,
+    /// The log's size as the last open left it.
+    pub(super) bytes: Option<u64>,
+}
+
+/// The log's state, or `None` when no open with this check has recorded it.
+pub(super) fn read_wal_state(db: &Database) -> Result<Option<WalState>> {
+    let txn = db.begin_read().map_err(engine)?;
+    let meta = txn.open_table(META).map_err(table_error)?;
+    let Some(state) = meta.get(META_WAL_STATE).map_err(engine)? else {
+        return Ok(None);
+    };
+    let [state] = fixed::<1>(META_WAL_STATE, state.value())?;
+    let bytes = match meta.get(META_WAL_BYTES).map_err(engine)? {
+        Some(v) => Some(u64::from_be_bytes(fixed(META_WAL_BYTES, v.value())?)),
+        None => None,
+    };
+    Ok(Some(WalState {
+        open: state == WAL_OPEN,
+        bytes,
+    }))
+}
+
+/// The boot id the log's last open recorded ([`META_WAL_BOOT`]).
+pub(super) fn read_wal_boot(db: &Database) -> Result<Option<String>> {
+    let txn = db.begin_read().map_err(engine)?;
+    let meta = txn.open_table(META).map_err(table_error)?;
+    Ok(meta
+        .get(META_WAL_BOOT)
+        .map_err(engine)?
+        .map(|v| String::from_utf8_lossy(v.value()).into_owned()))
+}
+
+pub(super) fn read_wal_epoch(db: &Database) -> Result<u64> {
+    let txn = db.begin_read().map_err(engine)?;
+    let meta = txn.open_table(META).map_err(table_error)?;
+    match meta.get(META_WAL_EPOCH).map_err(engine)? {
+        None => Ok(0),
+        Some(v) => Ok(u64::from_be_bytes(fixed(META_WAL_EPOCH, v.value())?)),
+    }
+}

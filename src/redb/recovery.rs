@@ -1,0 +1,309 @@
+//! The record log's recovery, at an open and at a heal: what the store file
+//! says about its write-ahead log and what is wrong with the log before a
+//! frame is read ([`plan_log`]), the walk over its live frames
+//! ([`walk_live`]), and their replay into the store file in one durable
+//! commit that starts a new epoch ([`recover_log`], [`heal_log`]). The
+//! frames and the walk over one epoch are the log's own (wal.rs); the meta
+//! entries that record the log's state are read in meta.rs.
+
+use super::Config;
+use super::errors::engine;
+use super::loss::LossReport;
+use super::meta::{
+    MetaEntries, STORE_FORMAT_VERSION, read_wal_boot, read_wal_epoch, read_wal_state,
+};
+use super::tables::{
+    META, META_FORMAT_VERSION, META_WAL_BOOT, META_WAL_BYTES, META_WAL_EPOCH, META_WAL_STATE,
+    WAL_CLOSED, WAL_OPEN,
+};
+use super::wal::{self, Wal};
+use crate::error::{Error, Result};
+use ::redb::{Database, StorageBackend};
+use std::path::Path;
+
+/// What the open found out before the log's recovery.
+pub(super) struct Found<'a> {
+    pub(super) store_id: [u8; 16],
+    /// The store format the file was written in.
+    pub(super) format: u32,
+    /// This boot's id, for a log on a real file.
+    pub(super) boot: Option<&'a str>,
+    /// The store, in errors.
+    pub(super) name: &'a Path,
+    /// A heal in a running process: the log's last frame may be one whose
+    /// write failed, so a damaged last frame is the end, as after a reboot.
+    pub(super) heal: bool,
+}
+
+/// How the live frames of a store's log are to be read, and what is wrong
+/// with the log before any frame is read: [`plan_log`].
+pub(super) struct LogPlan {
+    /// The log file's size.
+    pub(super) file_len: u64,
+    /// The durable epoch: its frames, then the next epoch's, are live.
+    pub(super) epoch: u64,
+    /// The size the frames were laid out for: the file's, unless the store
+    /// recorded another.
+    pub(super) layout_len: u64,
+    /// No reboot since the open that wrote the frames (see `wal::walk`).
+    pub(super) no_reboot: bool,
+    /// What an open refuses (each an [`Error::Corrupt`]), in order.
+    pub(super) problems: Vec<Error>,
+}
+
+/// Reads the log's record in the store file and checks the log against
+/// it, without reading a frame. After an unclean stop the log is part of
+/// the store: without it, cut short, or another store's, the replay would
+/// find nothing (or only part) and the open would succeed without the
+/// writes acknowledged since the last checkpoint. Shared by the open
+/// ([`recover_log`]) and the read-only check (`admin::check_log`).
+pub(super) fn plan_log(
+    db: &Database,
+    file: &dyn StorageBackend,
+    found: &Found<'_>,
+) -> Result<LogPlan> {
+    let name = found.name;
+    let len = file.len().map_err(Error::Io)?;
+    let mut plan = LogPlan {
+        file_len: len,
+        epoch: read_wal_epoch(db)?,
+        layout_len: len,
+        // No reboot since the open that wrote these frames: no power loss
+        // can have torn one, so a damaged last frame is damage.
+        no_reboot: !found.heal
+            && found.boot.is_some()
+            && read_wal_boot(db)?.as_deref() == found.boot,
+        problems: Vec::new(),
+    };
+    let Some(state) = read_wal_state(db)?.filter(|s| s.open) else {
+        return Ok(plan);
+    };
+    match state.bytes {
+        // The last open stopped before its log had a size: no frame was
+        // ever written, nothing can be missing.
+        Some(0) => {}
+        _ if len == 0 => plan
+            .problems
+            .push(log_missing(name, "its log is missing or empty")),
+        Some(recorded) if len < recorded => {
+            plan.problems.push(Error::corrupt(
+                None,
+                format!(
+                    "{} was not closed cleanly, and its write-ahead log {} is {len} bytes where \
+                     the store left it at {recorded}: the log was cut short, or another file is \
+                     in its place, so the writes acknowledged since the last checkpoint cannot \
+                     all be found in it. Put back the log that belongs to this store (a store \
+                     and its log are copied together); see docs/operations.md",
+                    name.display(),
+                    wal::wal_path(name).display()
+                ),
+            ));
+            // What is left is read where it was written.
+            plan.layout_len = recorded;
+        }
+        // A longer file (extended by hand) still holds the frames where
+        // they were written.
+        Some(recorded) => plan.layout_len = recorded,
+        None => {}
+    }
+    // The log must be this store's: its frames verify under this store's
+    // id. A log with frames of which none does (another store's, put in
+    // its place) cannot hold this store's writes. One frame that does not
+    // verify may be this store's first, torn by a crash: two or more
+    // cannot all be.
+    if found.format >= 3 {
+        let (seen, ours) = wal::frames_seen(file, &found.store_id, plan.layout_len)?;
+        if seen >= 2 && ours == 0 {
+            plan.problems.push(Error::corrupt(
+                None,
+                format!(
+                    "{} was not closed cleanly, and none of the {seen} frames in its \
+                     write-ahead log {} verifies for this store: the log belongs to another \
+                     store, so the writes acknowledged since the last checkpoint are not in \
+                     it. Put back the log that belongs to this store; see docs/operations.md",
+                    name.display(),
+                    wal::wal_path(name).display()
+                ),
+            ));
+        }
+    }
+    Ok(plan)
+}
+
+/// Walks the live frames as `plan` says (`wal::walk`): a format-2 log's
+/// one region, or this format's durable epoch and then the next one (a
+/// checkpoint may have been running). Returns the frames handed to
+/// `on_frame`.
+pub(super) fn walk_live(
+    file: &dyn StorageBackend,
+    found: &Found<'_>,
+    plan: &LogPlan,
+    mut loss: Option<&mut LossReport>,
+    mut on_frame: impl FnMut(u64, &[u8]) -> Result<()>,
+) -> Result<u64> {
+    let epochs = if found.format < 3 {
+        vec![(plan.epoch, wal::Layout::v2(plan.layout_len))]
+    } else {
+        let next = plan.epoch.wrapping_add(1);
+        vec![
+            (
+                plan.epoch,
+                wal::Layout::segment(plan.layout_len, plan.epoch),
+            ),
+            (next, wal::Layout::segment(plan.layout_len, next)),
+        ]
+    };
+    let mut frames = 0;
+    for (epoch, layout) in epochs {
+        frames += wal::walk(
+            file,
+            &found.store_id,
+            epoch,
+            &layout,
+            plan.no_reboot,
+            loss.as_deref_mut(),
+            &mut on_frame,
+        )?;
+    }
+    Ok(frames)
+}
+
+/// Replays the log's frames of the current epoch, then commits durably with
+/// a new epoch (retiring every frame found, whole or torn) and the current
+/// format version, and makes sure the log file has its full size.
+pub(super) fn recover_log(
+    db: &Database,
+    file: std::sync::Arc<dyn StorageBackend>,
+    found: &Found<'_>,
+    config: &Config,
+    loss: &mut LossReport,
+) -> Result<(Wal, u64)> {
+    let (store_id, boot) = (found.store_id, found.boot);
+    let mut plan = plan_log(db, file.as_ref(), found)?;
+    let len = plan.file_len;
+    for problem in std::mem::take(&mut plan.problems) {
+        if !config.accept_loss {
+            return Err(problem);
+        }
+        loss.findings.push(format!("accepted: {problem}"));
+    }
+    let epoch = plan.epoch;
+    let mut txn = db.begin_write().map_err(engine)?;
+    txn.set_quick_repair(true);
+    // Replayed with the layout the log was written in, before its size
+    // may change below (a larger `wal_bytes` moves the segments).
+    let frames = walk_live(
+        file.as_ref(),
+        found,
+        &plan,
+        config.accept_loss.then_some(&mut *loss),
+        wal::applier(&txn)?,
+    )?;
+    // Both epochs are now retired; new frames start a fresh one.
+    let fresh = epoch.wrapping_add(2);
+    // Without the log this open's commits go straight to the file, so the
+    // log will hold nothing needed: it is marked closed at once.
+    let state = if config.write_ahead_log {
+        WAL_OPEN
+    } else {
+        WAL_CLOSED
+    };
+    {
+        let mut meta = txn.open_table(META).map_err(engine)?;
+        meta.insert(META_WAL_EPOCH, fresh.to_be_bytes().as_slice())
+            .map_err(engine)?;
+        meta.insert(META_WAL_STATE, [state].as_slice())
+            .map_err(engine)?;
+        match boot {
+            Some(boot) => meta.insert(META_WAL_BOOT, boot.as_bytes()).map(|_| ()),
+            None => meta.remove(META_WAL_BOOT).map(|_| ()),
+        }
+        .map_err(engine)?;
+        // The size as it is: a crash while `preallocate` grows the file
+        // below leaves it longer than recorded, which is allowed (no frame
+        // of the new epoch exists before the size is recorded again).
+        meta.insert(META_WAL_BYTES, len.to_be_bytes().as_slice())
+            .map_err(engine)?;
+        meta.insert(
+            META_FORMAT_VERSION,
+            STORE_FORMAT_VERSION.to_be_bytes().as_slice(),
+        )
+        .map_err(engine)?;
+    }
+    txn.commit().map_err(engine)?;
+    // A read-only open replayed into memory (an overlay) and leaves the
+    // log file as it is.
+    let new_len = if config.read_only {
+        len
+    } else {
+        wal::preallocate(file.as_ref(), config.wal_bytes)?
+    };
+    if new_len != len {
+        // The new size, durably, before any frame is laid out for it.
+        let txn = db.begin_write().map_err(engine)?;
+        {
+            let mut meta = txn.open_table(META).map_err(engine)?;
+            meta.insert(META_WAL_BYTES, new_len.to_be_bytes().as_slice())
+                .map_err(engine)?;
+        }
+        txn.commit().map_err(engine)?;
+    }
+    Ok((Wal::new(file, store_id, fresh, new_len), frames))
+}
+
+/// A heal's second step: the log's live frames replayed into the reopened
+/// engine and a durable commit with a new epoch, as an open does. A frame
+/// damaged at the end of the log is the end (it is the one whose write
+/// failed, never acknowledged), as after a power cut.
+pub(super) fn heal_log(
+    db: &Database,
+    file: std::sync::Arc<dyn StorageBackend>,
+    meta: &MetaEntries,
+    config: &Config,
+    name: &Path,
+) -> Result<Wal> {
+    let boot = boot_id();
+    let found = Found {
+        store_id: meta.store_id,
+        format: meta.format_version,
+        boot: boot.as_deref(),
+        name,
+        heal: true,
+    };
+    let mut loss = LossReport::default();
+    recover_log(db, file, &found, config, &mut loss).map(|(wal, _)| wal)
+}
+
+/// The store was not closed cleanly and its log is gone: the writes
+/// acknowledged since the last checkpoint exist only in that log.
+pub(super) fn log_missing(name: &Path, what: &str) -> Error {
+    Error::corrupt(
+        None,
+        format!(
+            "{} was not closed cleanly, and {what} ({}): the writes acknowledged since its last \
+             checkpoint are only in that log. Put back the log that belongs to this store (a \
+             store and its log are copied together, with no process holding them); see \
+             docs/operations.md",
+            name.display(),
+            wal::wal_path(name).display()
+        ),
+    )
+}
+
+/// This boot of the machine: Linux's random id, new at every boot. An
+/// open after a process crash (the same boot) knows the page cache held
+/// every write the process made, so no frame can have been torn by a power
+/// loss. `None` where the system does not say.
+pub(super) fn boot_id() -> Option<String> {
+    #[cfg(target_os = "linux")]
+    {
+        std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+            .ok()
+            .map(|id| id.trim().to_owned())
+            .filter(|id| !id.is_empty())
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        None
+    }
+}
