@@ -41,8 +41,8 @@
 use super::errors::engine;
 use super::health::On;
 use super::memtable::{Entry, MEMTABLE_BYTES, Mem};
+use super::record_log::{Journal, Wal};
 use super::tables::{META, META_TOKEN_HWM, META_WAL_EPOCH, ReadTables, Source, WriteTables};
-use super::wal::{Journal, Wal};
 use super::{Durability, Shared};
 use crate::codec;
 use crate::error::{Error, Result};

@@ -87,7 +87,7 @@ impl Shared {
             .path
             .clone()
             .unwrap_or_else(|| "<storage backend>".into());
-        let recovered = match core.wal.as_ref().map(super::wal::Wal::file) {
+        let recovered = match core.wal.as_ref().map(super::record_log::Wal::file) {
             Some(file) => {
                 super::recovery::heal_log(&engine.db, file, &meta, &self.heal_config, &name)
                     .map(Some)

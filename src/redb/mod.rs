@@ -26,7 +26,9 @@
 //! - `native.rs`: the native async entry (futures in the line, the
 //!   committer thread that leads for them);
 //! - `memtable.rs`: the records written since the last checkpoint;
-//! - `wal.rs`: the write-ahead log (two segments, 4 KiB-aligned frames);
+//! - `record_log/`: the write-ahead log of records (two segments,
+//!   4 KiB-aligned frames): `frame.rs` its bytes, `writer.rs` the appends,
+//!   `reader.rs` the walk a replay makes;
 //! - `checkpoint.rs`: the background thread that writes frozen memtables
 //!   into redb;
 //! - `open.rs`: creating (0600) and opening a file, refusing foreign,
@@ -73,13 +75,13 @@ mod options;
 mod overlay;
 mod page_images;
 pub(crate) mod pages;
+mod record_log;
 mod recovery;
 #[cfg(all(test, shuttle))]
 mod shuttle_tests;
 mod source;
 mod stats;
 mod tables;
-mod wal;
 mod witness;
 
 /// The redb crate the store is built on, for an [`Inbox`] handler's own
@@ -93,9 +95,9 @@ pub use memtable::MEMTABLE_BYTES;
 use options::Config;
 pub use options::{DEFAULT_CACHE_BYTES, Durability, RecoveryPolicy, RedbStoreBuilder};
 pub use pages::PAGE_LOG_BYTES;
+pub use record_log::{CHECKPOINT_INTERVAL, FRAME_ALIGN, MIN_WAL_BYTES, WAL_BYTES};
 use stats::Counters;
 pub use stats::RedbStats;
-pub use wal::{CHECKPOINT_INTERVAL, FRAME_ALIGN, MIN_WAL_BYTES, WAL_BYTES};
 
 use crate::codec;
 use crate::error::{Error, Result};
@@ -217,7 +219,7 @@ struct Shared {
 
 impl Shared {
     fn new(opened: open::Opened, config: &Config, path: Option<&Path>) -> Arc<Shared> {
-        let log_file = opened.wal.as_ref().map(wal::Wal::file);
+        let log_file = opened.wal.as_ref().map(record_log::Wal::file);
         Arc::new(Shared {
             db: RwLock::new(Engine {
                 db: opened.db,
@@ -400,7 +402,7 @@ impl Shared {
     /// [`flush`](Self::flush) with the commit lock held.
     fn flush_locked(&self, core: &mut Core) -> Result<()> {
         let dirty = !self.read_mem().is_empty()
-            || core.wal.as_ref().is_some_and(wal::Wal::is_dirty)
+            || core.wal.as_ref().is_some_and(record_log::Wal::is_dirty)
             || core.unflushed;
         if dirty {
             self.direct_locked(core, |_, _| Ok::<_, Error>(()))?;

@@ -11,9 +11,9 @@ use super::loss::LossReport;
 use super::meta::{MetaEntries, init_meta, read_meta, read_wal_state};
 use super::overlay::Overlay;
 use super::pages::{self, PageLog};
+use super::record_log::{self, FileLog, Wal};
 use super::recovery::{Found, boot_id, log_missing, recover_log};
 use super::tables::WriteTables;
-use super::wal::{self, FileLog, Wal};
 use super::witness::{IoWitness, Witnessed};
 use super::{Config, RecoveryPolicy};
 use crate::error::{Error, Result};
@@ -89,7 +89,7 @@ fn refuse_over_log(
     if !log_holds_frames(path)? {
         return Ok(());
     }
-    let log = wal::wal_path(path);
+    let log = record_log::wal_path(path);
     if config.accept_loss {
         let aside = free_name(&log, "lost");
         std::fs::rename(&log, &aside)?;
@@ -118,7 +118,7 @@ fn store_lost_beside_log(path: &Path, what: &str) -> Error {
              to the log, or move the log away to start a new store; see \
              docs/operations.md",
             path.display(),
-            wal::wal_path(path).display()
+            record_log::wal_path(path).display()
         ),
     )
 }
@@ -127,7 +127,7 @@ fn store_lost_beside_log(path: &Path, what: &str) -> Error {
 /// all zeros until its first frame). Reads only.
 fn log_holds_frames(path: &Path) -> Result<bool> {
     use std::io::Read;
-    let mut file = match std::fs::File::open(wal::wal_path(path)) {
+    let mut file = match std::fs::File::open(record_log::wal_path(path)) {
         Ok(file) => file,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
         Err(e) => return Err(e.into()),
@@ -202,7 +202,7 @@ fn open_file(path: &Path, config: &Config) -> Result<Opened> {
     // Opened after the store file: its lock keeps other processes out of
     // both. A log left by an earlier open is recovered even when this open
     // does without one.
-    let wal_existed = wal::wal_path(path).exists();
+    let wal_existed = record_log::wal_path(path).exists();
     let log: Option<Box<dyn StorageBackend>> = if config.write_ahead_log || wal_existed {
         Some(Box::new(FileLog::open(path)?))
     } else {
@@ -245,7 +245,7 @@ fn open_file(path: &Path, config: &Config) -> Result<Opened> {
     if opened.is_err() && !wal_existed {
         // Refused (a log that must exist does not): the empty file this
         // open made is not left behind as if it were the log.
-        let _ = std::fs::remove_file(wal::wal_path(path));
+        let _ = std::fs::remove_file(record_log::wal_path(path));
     }
     let mut opened = opened?;
     if !config.write_ahead_log {

@@ -12,8 +12,8 @@
 
 use super::file::check_foreign;
 use super::page_images::Pages;
+use super::record_log;
 use super::source::Source;
-use super::wal;
 use crate::error::{Error, Result};
 use ::redb::{Database, StorageBackend};
 use std::path::Path;
@@ -122,7 +122,7 @@ impl Overlay {
         let (head, tail) = out.split_at_mut(in_file);
         if !head.is_empty() {
             match &self.base {
-                Base::File(file) => wal::read_at(file, head, offset)?,
+                Base::File(file) => record_log::read_at(file, head, offset)?,
                 Base::Backend(backend) => backend.read(offset, head)?,
             }
         }

@@ -3,7 +3,7 @@
 //! commit is one sequential append and one `fdatasync` of the log instead
 //! of a write of every dirty page and an `fdatasync` of the store file.
 //! The inbox commits a batch this way; the request path's own write-ahead
-//! log (wal.rs) is unchanged above it.
+//! log (record_log/) is unchanged above it.
 //!
 //! [`PageLog`] is a redb [`StorageBackend`] over the store file and the log:
 //!
@@ -316,7 +316,7 @@ impl PageLog {
         capacity: u64,
     ) -> Result<PageLog> {
         let replayed = replay(&*log, &*file)?;
-        let capacity = super::wal::preallocate(&*log, capacity)?;
+        let capacity = super::record_log::preallocate(&*log, capacity)?;
         let file_len = file.len()?;
         let paged = PageLog {
             file,

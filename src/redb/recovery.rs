@@ -3,7 +3,7 @@
 //! frame is read ([`plan_log`]), the walk over its live frames
 //! ([`walk_live`]), and their replay into the store file in one durable
 //! commit that starts a new epoch ([`recover_log`], [`heal_log`]). The
-//! frames and the walk over one epoch are the log's own (wal.rs); the meta
+//! frames and the walk over one epoch are the log's own (`record_log/`); the meta
 //! entries that record the log's state are read in meta.rs.
 
 use super::Config;
@@ -12,11 +12,11 @@ use super::loss::LossReport;
 use super::meta::{
     MetaEntries, STORE_FORMAT_VERSION, read_wal_boot, read_wal_epoch, read_wal_state,
 };
+use super::record_log::{self, Wal};
 use super::tables::{
     META, META_FORMAT_VERSION, META_WAL_BOOT, META_WAL_BYTES, META_WAL_EPOCH, META_WAL_STATE,
     WAL_CLOSED, WAL_OPEN,
 };
-use super::wal::{self, Wal};
 use crate::error::{Error, Result};
 use ::redb::{Database, StorageBackend};
 use std::path::Path;
@@ -45,7 +45,7 @@ pub(super) struct LogPlan {
     /// The size the frames were laid out for: the file's, unless the store
     /// recorded another.
     pub(super) layout_len: u64,
-    /// No reboot since the open that wrote the frames (see `wal::walk`).
+    /// No reboot since the open that wrote the frames (see `record_log::walk`).
     pub(super) no_reboot: bool,
     /// What an open refuses (each an [`Error::Corrupt`]), in order.
     pub(super) problems: Vec<Error>,
@@ -95,7 +95,7 @@ pub(super) fn plan_log(
                      all be found in it. Put back the log that belongs to this store (a store \
                      and its log are copied together); see docs/operations.md",
                     name.display(),
-                    wal::wal_path(name).display()
+                    record_log::wal_path(name).display()
                 ),
             ));
             // What is left is read where it was written.
@@ -112,7 +112,7 @@ pub(super) fn plan_log(
     // verify may be this store's first, torn by a crash: two or more
     // cannot all be.
     if found.format >= 3 {
-        let (seen, ours) = wal::frames_seen(file, &found.store_id, plan.layout_len)?;
+        let (seen, ours) = record_log::frames_seen(file, &found.store_id, plan.layout_len)?;
         if seen >= 2 && ours == 0 {
             plan.problems.push(Error::corrupt(
                 None,
@@ -122,7 +122,7 @@ pub(super) fn plan_log(
                      store, so the writes acknowledged since the last checkpoint are not in \
                      it. Put back the log that belongs to this store; see docs/operations.md",
                     name.display(),
-                    wal::wal_path(name).display()
+                    record_log::wal_path(name).display()
                 ),
             ));
         }
@@ -130,7 +130,7 @@ pub(super) fn plan_log(
     Ok(plan)
 }
 
-/// Walks the live frames as `plan` says (`wal::walk`): a format-2 log's
+/// Walks the live frames as `plan` says (`record_log::walk`): a format-2 log's
 /// one region, or this format's durable epoch and then the next one (a
 /// checkpoint may have been running). Returns the frames handed to
 /// `on_frame`.
@@ -142,20 +142,20 @@ pub(super) fn walk_live(
     mut on_frame: impl FnMut(u64, &[u8]) -> Result<()>,
 ) -> Result<u64> {
     let epochs = if found.format < 3 {
-        vec![(plan.epoch, wal::Layout::v2(plan.layout_len))]
+        vec![(plan.epoch, record_log::Layout::v2(plan.layout_len))]
     } else {
         let next = plan.epoch.wrapping_add(1);
         vec![
             (
                 plan.epoch,
-                wal::Layout::segment(plan.layout_len, plan.epoch),
+                record_log::Layout::segment(plan.layout_len, plan.epoch),
             ),
-            (next, wal::Layout::segment(plan.layout_len, next)),
+            (next, record_log::Layout::segment(plan.layout_len, next)),
         ]
     };
     let mut frames = 0;
     for (epoch, layout) in epochs {
-        frames += wal::walk(
+        frames += record_log::walk(
             file,
             &found.store_id,
             epoch,
@@ -197,7 +197,7 @@ pub(super) fn recover_log(
         found,
         &plan,
         config.accept_loss.then_some(&mut *loss),
-        wal::applier(&txn)?,
+        record_log::applier(&txn)?,
     )?;
     // Both epochs are now retired; new frames start a fresh one.
     let fresh = epoch.wrapping_add(2);
@@ -236,7 +236,7 @@ pub(super) fn recover_log(
     let new_len = if config.read_only {
         len
     } else {
-        wal::preallocate(file.as_ref(), config.wal_bytes)?
+        record_log::preallocate(file.as_ref(), config.wal_bytes)?
     };
     if new_len != len {
         // The new size, durably, before any frame is laid out for it.
@@ -285,7 +285,7 @@ pub(super) fn log_missing(name: &Path, what: &str) -> Error {
              store and its log are copied together, with no process holding them); see \
              docs/operations.md",
             name.display(),
-            wal::wal_path(name).display()
+            record_log::wal_path(name).display()
         ),
     )
 }

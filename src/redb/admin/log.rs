@@ -5,8 +5,8 @@ use super::super::errors::engine;
 use super::super::loss::LossReport;
 use super::super::meta::{read_meta_entries, read_wal_state};
 use super::super::overlay::open_overlay;
+use super::super::record_log::{self, FileLog};
 use super::super::recovery::{Found, boot_id, plan_log, walk_live};
-use super::super::wal::{self, FileLog};
 use crate::error::{Error, Result};
 use ::redb::backends::InMemoryBackend;
 use ::redb::{ReadableDatabase, StorageBackend};
@@ -111,7 +111,7 @@ pub fn check_log(store: impl AsRef<Path>) -> Result<LogCheck> {
         &plan,
         Some(&mut loss),
         |at, payload| {
-            if let Err(e) = wal::entries(at, payload, |_| Ok(())) {
+            if let Err(e) = record_log::entries(at, payload, |_| Ok(())) {
                 undecodable.push(e.to_string());
             }
             Ok(())
@@ -130,7 +130,7 @@ pub fn check_log(store: impl AsRef<Path>) -> Result<LogCheck> {
 /// assert_eq!(log_path("/data/orders.idem"), std::path::Path::new("/data/orders.idem-wal"));
 /// ```
 pub fn log_path(store: impl AsRef<Path>) -> PathBuf {
-    wal::wal_path(store.as_ref())
+    record_log::wal_path(store.as_ref())
 }
 
 /// The page log's path beside a store file: `<name>-pages`

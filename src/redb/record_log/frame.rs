@@ -1,0 +1,377 @@
+//! The record log's bytes: where frames go in the file (two segments,
+//! [`FRAME_ALIGN`]ed offsets: [`Layout`]), how a batch's table writes are
+//! laid out and sealed as a frame ([`Journal`]), and how a frame and its
+//! entries are read back and checked ([`read_frame`], [`entries`]).
+//!
+//! The CRC covers the store's 16-byte id (not stored in the frame), magic,
+//! epoch, length and payload: a log left beside another store (a store
+//! file deleted and created again, a copy that mixed two stores' files)
+//! never verifies, so it is never replayed into the wrong store.
+//!
+//! All integers are big-endian, as everywhere in idemstore's formats but
+//! the page log's frames, which are little-endian: a difference with no
+//! reason in the formats themselves (the page log kept the byte order of
+//! the bench prototype it grew out of). docs/format.md is the reference
+//! for both.
+
+use crate::error::{Error, Result};
+use ::redb::StorageBackend;
+
+// A frame, at a multiple of FRAME_ALIGN from the start of its epoch's
+// segment (a format-2 log's follow each other with no padding); integers
+// big-endian:
+//
+// offset  size  field
+// ------  ----  ----------------------------------------------------------
+//      0     4  magic "IDWL"                                        MAGIC
+//      4     8  epoch u64: the frame's, which picks the segment (e % 2)
+//     12     4  payload length u32 (n)
+//     16     4  CRC-32 over the store's 16-byte id (not stored here),
+//               bytes 0..16 and the payload
+//     20     n  payload                                 FRAME_HEADER = 20
+//   20+n        padding to the next FRAME_ALIGN boundary (left as it was)
+//
+// The payload: entries back to back, each
+//
+// size  field
+// ----  ------------------------------------------------------------------
+//    1  tag: 1 record put, 2 record delete, 5 meta put         TAG_*
+//          (3 index put, 4 index delete: written by format 2 only)
+//    4  length u32 (a) of the first field
+//    a  the stored key (1, 2), the index entry (3, 4) or the meta
+//       entry's name (5)
+//    4  length u32 (b): only for tags 1 and 5
+//    b  the record envelope (1) or the meta entry's value (5)
+
+pub(super) const MAGIC: [u8; 4] = *b"IDWL";
+pub(super) const FRAME_HEADER: u64 = 20;
+
+const TAG_RECORD_PUT: u8 = 1;
+const TAG_RECORD_DEL: u8 = 2;
+const TAG_INDEX_PUT: u8 = 3;
+const TAG_INDEX_DEL: u8 = 4;
+const TAG_META_PUT: u8 = 5;
+
+/// Every frame starts on a multiple of this many bytes from the start of
+/// its segment (the previous frame's last block is left padded), so an
+/// append never writes a sector that holds acknowledged bytes: a device
+/// that tears a sector into garbage during a power cut can only damage the
+/// frame being written, never one already acknowledged.
+///
+/// ```
+/// assert_eq!(idemstore::redb::FRAME_ALIGN, 4096);
+/// ```
+pub const FRAME_ALIGN: u64 = 4096;
+
+/// Rounds `n` up to the next multiple of [`FRAME_ALIGN`].
+pub(super) fn align_up(n: u64) -> u64 {
+    n.div_ceil(FRAME_ALIGN) * FRAME_ALIGN
+}
+
+/// The size of each of the log's two segments for a log file of `len`
+/// bytes: half of it, in whole aligned blocks.
+pub(super) fn segment_bytes(len: u64) -> u64 {
+    len / 2 / FRAME_ALIGN * FRAME_ALIGN
+}
+
+/// Where the frames of `epoch` live: segment `epoch % 2`.
+pub(super) fn segment_range(len: u64, epoch: u64) -> std::ops::Range<u64> {
+    let seg = segment_bytes(len);
+    let start = (epoch % 2) * seg;
+    start..start + seg
+}
+
+/// How the frames of one epoch are laid out in the file.
+#[derive(Clone, Debug)]
+pub(in crate::redb) struct Layout {
+    /// The bytes the epoch's frames may occupy.
+    pub(super) region: std::ops::Range<u64>,
+    /// Frames start at multiples of this from `region.start` (1 for a
+    /// format-2 log, whose frames follow each other with no padding).
+    pub(super) align: u64,
+}
+
+impl Layout {
+    /// A format-2 log: one region, the whole file, frames back to back.
+    pub(in crate::redb) fn v2(len: u64) -> Layout {
+        Layout {
+            region: 0..len,
+            align: 1,
+        }
+    }
+
+    /// This format's log: `epoch`'s segment, aligned frames.
+    pub(in crate::redb) fn segment(len: u64, epoch: u64) -> Layout {
+        Layout {
+            region: segment_range(len, epoch),
+            align: FRAME_ALIGN,
+        }
+    }
+}
+
+/// The table writes of one batch, in the order they were made, already
+/// laid out as a frame: the header's room comes first and is filled in by
+/// [`Wal::append`], so the batch is never copied into a second buffer.
+#[derive(Debug)]
+pub(in crate::redb) struct Journal {
+    bytes: Vec<u8>,
+}
+
+impl Default for Journal {
+    fn default() -> Journal {
+        Journal {
+            bytes: vec![0; FRAME_HEADER as usize],
+        }
+    }
+}
+
+impl Journal {
+    pub(in crate::redb) fn record_put(&mut self, key: &[u8], value: &[u8]) {
+        self.entry(TAG_RECORD_PUT, key, Some(value));
+    }
+    pub(in crate::redb) fn record_del(&mut self, key: &[u8]) {
+        self.entry(TAG_RECORD_DEL, key, None);
+    }
+    pub(in crate::redb) fn meta_put(&mut self, name: &str, value: &[u8]) {
+        self.entry(TAG_META_PUT, name.as_bytes(), Some(value));
+    }
+
+    /// Bytes recorded so far (the payload, without the header's room).
+    pub(in crate::redb) fn len(&self) -> usize {
+        self.bytes.len() - FRAME_HEADER as usize
+    }
+
+    /// Fills in the header for `store_id` and `epoch` and returns the frame.
+    pub(super) fn seal(&mut self, store_id: &[u8; 16], epoch: u64) -> Result<&[u8]> {
+        let len = u32::try_from(self.len())
+            .map_err(|_| Error::backend("a write batch too large for the log"))?;
+        let (header, payload) = self.bytes.split_at_mut(FRAME_HEADER as usize);
+        let (fixed, crc_field) = header.split_at_mut(16);
+        fixed.copy_from_slice(&[&MAGIC[..], &epoch.to_be_bytes(), &len.to_be_bytes()].concat());
+        let mut crc = crc32fast::Hasher::new();
+        crc.update(store_id);
+        crc.update(fixed);
+        crc.update(payload);
+        crc_field.copy_from_slice(&crc.finalize().to_be_bytes());
+        Ok(&self.bytes)
+    }
+
+    fn entry(&mut self, tag: u8, a: &[u8], b: Option<&[u8]>) {
+        self.bytes.push(tag);
+        // Keys and values are bounded far below 4 GiB (Key and Response
+        // limits), so the length always fits.
+        self.bytes
+            .extend_from_slice(&u32::try_from(a.len()).unwrap_or(u32::MAX).to_be_bytes());
+        self.bytes.extend_from_slice(a);
+        if let Some(b) = b {
+            self.bytes
+                .extend_from_slice(&u32::try_from(b.len()).unwrap_or(u32::MAX).to_be_bytes());
+            self.bytes.extend_from_slice(b);
+        }
+    }
+}
+
+/// What lies at one offset of the log.
+pub(super) enum Frame {
+    /// A frame of the current epoch that verifies; the next starts at `next`.
+    Whole { payload: Vec<u8>, next: u64 },
+    /// A frame header of the current epoch whose checksum fails (torn by a
+    /// crash, or damaged); where the next frame would start.
+    Damaged { next: u64 },
+    /// Anything else: zeros, an older epoch's bytes, a cut-off header.
+    End,
+}
+
+pub(super) fn read_frame(
+    file: &dyn StorageBackend,
+    store_id: &[u8; 16],
+    epoch: u64,
+    at: u64,
+    len: u64,
+) -> Result<Frame> {
+    if at + FRAME_HEADER > len {
+        return Ok(Frame::End);
+    }
+    let mut header = [0u8; FRAME_HEADER as usize];
+    file.read(at, &mut header).map_err(Error::Io)?;
+    let (magic, rest) = header.split_at(4);
+    let (frame_epoch, rest) = rest.split_at(8);
+    let (payload_len, crc) = rest.split_at(4);
+    let frame_epoch = u64::from_be_bytes(frame_epoch.try_into().unwrap_or_default());
+    let payload_len = u64::from(u32::from_be_bytes(
+        payload_len.try_into().unwrap_or_default(),
+    ));
+    let next = at + FRAME_HEADER + payload_len;
+    if magic != MAGIC || frame_epoch != epoch || next > len {
+        return Ok(Frame::End);
+    }
+    let mut payload = vec![0u8; payload_len as usize];
+    file.read(at + FRAME_HEADER, &mut payload)
+        .map_err(Error::Io)?;
+    let mut hasher = crc32fast::Hasher::new();
+    hasher.update(store_id);
+    hasher.update(header.get(..16).unwrap_or_default());
+    hasher.update(&payload);
+    if hasher.finalize().to_be_bytes() != crc {
+        return Ok(Frame::Damaged { next });
+    }
+    Ok(Frame::Whole { payload, next })
+}
+
+/// One entry of a frame's payload.
+pub(in crate::redb) enum Entry<'a> {
+    /// A record put: stored key, stored value, the record's expiry.
+    Put(&'a [u8], &'a [u8], crate::time::Timestamp),
+    /// A record delete.
+    Del(&'a [u8]),
+    /// A format-2 explicit index put.
+    IndexPut(&'a [u8]),
+    /// A format-2 explicit index delete.
+    IndexDel(&'a [u8]),
+    /// A meta entry.
+    Meta(&'a str, &'a [u8]),
+}
+
+/// Parses the payload of the frame at `at` (which verified) into entries,
+/// in order. An entry cut short, an unknown tag, a record that does not
+/// decode or a meta name that is not UTF-8 is damage no crash can cause:
+/// [`Error::Corrupt`].
+pub(in crate::redb) fn entries<'a>(
+    at: u64,
+    payload: &'a [u8],
+    mut f: impl FnMut(Entry<'a>) -> Result<()>,
+) -> Result<()> {
+    let damaged = |detail: &str| {
+        Error::corrupt(
+            None,
+            format!("write-ahead log frame at offset {at} verifies but {detail}"),
+        )
+    };
+    let mut cursor = payload;
+    while let Some((&tag, rest)) = cursor.split_first() {
+        cursor = rest;
+        let a = take(&mut cursor).ok_or_else(|| damaged("an entry is cut short"))?;
+        match tag {
+            TAG_RECORD_PUT => {
+                let b = take(&mut cursor).ok_or_else(|| damaged("an entry is cut short"))?;
+                let expires_at = crate::codec::decode_record(a, b)
+                    .map_err(|_| damaged("holds a record that does not decode"))?
+                    .expires_at;
+                f(Entry::Put(a, b, expires_at))?;
+            }
+            TAG_RECORD_DEL => f(Entry::Del(a))?,
+            TAG_INDEX_PUT => f(Entry::IndexPut(a))?,
+            TAG_INDEX_DEL => f(Entry::IndexDel(a))?,
+            TAG_META_PUT => {
+                let b = take(&mut cursor).ok_or_else(|| damaged("an entry is cut short"))?;
+                let name =
+                    std::str::from_utf8(a).map_err(|_| damaged("a meta name is not UTF-8"))?;
+                f(Entry::Meta(name, b))?;
+            }
+            other => return Err(damaged(&format!("has an unknown entry tag {other}"))),
+        }
+    }
+    Ok(())
+}
+
+/// Splits a `len u32 | bytes` field off the front of `cursor`.
+fn take<'a>(cursor: &mut &'a [u8]) -> Option<&'a [u8]> {
+    let (len, rest) = cursor.split_first_chunk::<4>()?;
+    let len = u32::from_be_bytes(*len) as usize;
+    if rest.len() < len {
+        return None;
+    }
+    let (bytes, rest) = rest.split_at(len);
+    *cursor = rest;
+    Some(bytes)
+}
+
+/// The record keys a damaged frame's payload (`from..to`) names, read as
+/// far as its entries parse: what a skipped frame may have written.
+pub(super) fn keys_in(file: &dyn StorageBackend, from: u64, to: u64) -> Vec<String> {
+    let Some(len) = to.checked_sub(from).filter(|&n| n <= MAX_FRAME_READ) else {
+        return Vec::new();
+    };
+    let mut payload = vec![0u8; len as usize];
+    if file.read(from, &mut payload).is_err() {
+        return Vec::new();
+    }
+    let mut keys = Vec::new();
+    let mut cursor = payload.as_slice();
+    while let Some((&tag, rest)) = cursor.split_first() {
+        cursor = rest;
+        let Some(a) = take(&mut cursor) else { break };
+        match tag {
+            TAG_RECORD_PUT | TAG_META_PUT => {
+                if take(&mut cursor).is_none() {
+                    break;
+                }
+            }
+            TAG_RECORD_DEL | TAG_INDEX_PUT | TAG_INDEX_DEL => {}
+            _ => break,
+        }
+        if matches!(tag, TAG_RECORD_PUT | TAG_RECORD_DEL) {
+            keys.push(crate::codec::printable_key(a));
+        }
+    }
+    keys
+}
+
+/// Most bytes [`keys_in`] reads from a damaged frame (its length field may
+/// be damaged too).
+const MAX_FRAME_READ: u64 = 64 * 1024 * 1024;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn take_splits_length_prefixed_fields_and_refuses_short_ones() {
+        let mut j = Journal::default();
+        j.record_put(b"k", b"value");
+        let bytes = j.bytes.clone();
+        let mut cursor = bytes.get(FRAME_HEADER as usize + 1..).unwrap();
+        assert_eq!(take(&mut cursor), Some(&b"k"[..]));
+        assert_eq!(take(&mut cursor), Some(&b"value"[..]));
+        assert!(cursor.is_empty());
+        let mut short: &[u8] = &[0, 0, 0, 9, 1, 2];
+        assert_eq!(take(&mut short), None);
+    }
+
+    #[test]
+    fn frames_verify_only_whole_in_their_epoch_and_for_their_store() {
+        let mut j = Journal::default();
+        j.record_del(b"k");
+        let id = [1; 16];
+        let frame = j.seal(&id, 7).unwrap().to_vec();
+        assert_eq!(frame.len() as u64, FRAME_HEADER + 6);
+        assert_eq!(frame.get(..4), Some(&MAGIC[..]));
+        let file = ::redb::backends::InMemoryBackend::new();
+        file.set_len(64).unwrap();
+        file.write(0, &frame).unwrap();
+        let read = |id: &[u8; 16], epoch| read_frame(&file, id, epoch, 0, 64).unwrap();
+        assert!(
+            matches!(read(&id, 7), Frame::Whole { payload, next: 26 } if payload == b"\x02\0\0\0\x01k")
+        );
+        assert!(matches!(read(&id, 8), Frame::End));
+        assert!(matches!(read(&[2; 16], 7), Frame::Damaged { next: 26 }));
+        // Cut short: the frame runs past the end of the file.
+        assert!(matches!(
+            read_frame(&file, &id, 7, 0, 25).unwrap(),
+            Frame::End
+        ));
+    }
+
+    #[test]
+    fn segments_are_aligned_halves_and_epochs_alternate() {
+        assert_eq!(align_up(0), 0);
+        assert_eq!(align_up(1), FRAME_ALIGN);
+        assert_eq!(align_up(FRAME_ALIGN), FRAME_ALIGN);
+        assert_eq!(align_up(FRAME_ALIGN + 1), 2 * FRAME_ALIGN);
+        let len = 8 * FRAME_ALIGN + 100; // a ragged tail is never used
+        assert_eq!(segment_bytes(len), 4 * FRAME_ALIGN);
+        assert_eq!(segment_range(len, 6), 0..4 * FRAME_ALIGN);
+        assert_eq!(segment_range(len, 7), 4 * FRAME_ALIGN..8 * FRAME_ALIGN);
+        assert_eq!(segment_range(len, 8), segment_range(len, 6));
+    }
+}

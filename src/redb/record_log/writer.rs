@@ -1,0 +1,217 @@
+//! The record log's writer: [`Wal`] appends a group's [`Journal`] as one
+//! frame at the next aligned offset of the current epoch's segment, syncs
+//! it, and moves to the next epoch's segment when a checkpoint takes the
+//! memtable; [`preallocate`] gives the log file its full size in zeros.
+
+use super::frame::{FRAME_HEADER, Journal, align_up, segment_bytes, segment_range};
+use crate::error::{Error, Result};
+use ::redb::StorageBackend;
+use std::fmt;
+
+/// The log file and where the next frame goes.
+///
+/// The file is two segments. The frames of epoch `e` go to segment
+/// `e % 2`: while a checkpoint writes the frozen memtable (whose frames are
+/// in one segment) into redb, new groups append to the other segment. The
+/// durable epoch stored in redb (`META_WAL_EPOCH`) is the oldest epoch
+/// whose frames are not all in redb yet; at most it and the next one hold
+/// live frames, and a segment is reused only after the checkpoint that
+/// retires its epoch is durable.
+pub(in crate::redb) struct Wal {
+    file: std::sync::Arc<dyn StorageBackend>,
+    /// The epoch new frames are written in.
+    epoch: u64,
+    /// Where the next frame goes, from the start of the epoch's segment.
+    offset: u64,
+    /// The file's size when opened: it fixes the segments.
+    len: u64,
+    /// Every frame's CRC covers it, so no other store's frames verify here.
+    store_id: [u8; 16],
+}
+
+impl fmt::Debug for Wal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Wal")
+            .field("epoch", &self.epoch)
+            .field("offset", &self.offset)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Wal {
+    /// A log whose next frames are of `epoch`, from the start of its segment.
+    pub(in crate::redb) fn new(
+        file: std::sync::Arc<dyn StorageBackend>,
+        store_id: [u8; 16],
+        epoch: u64,
+        len: u64,
+    ) -> Wal {
+        Wal {
+            file,
+            epoch,
+            offset: 0,
+            len,
+            store_id,
+        }
+    }
+
+    /// The log file (the background thread syncs it under relaxed durability).
+    pub(in crate::redb) fn file(&self) -> std::sync::Arc<dyn StorageBackend> {
+        std::sync::Arc::clone(&self.file)
+    }
+
+    /// The epoch new frames are written in.
+    pub(in crate::redb) fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// How full the current epoch's segment is, 0..=1 (a metric).
+    pub(in crate::redb) fn fill(&self) -> f64 {
+        let segment = segment_bytes(self.len);
+        if segment == 0 {
+            return 0.0;
+        }
+        self.offset as f64 / segment as f64
+    }
+
+    /// Frames were written in the current epoch.
+    pub(in crate::redb) fn is_dirty(&self) -> bool {
+        self.offset > 0
+    }
+
+    /// A frame with this much journal fits in what is left of the segment.
+    pub(in crate::redb) fn fits(&self, journal_bytes: usize) -> bool {
+        self.offset + align_up(FRAME_HEADER + journal_bytes as u64) <= segment_bytes(self.len)
+    }
+
+    /// A frame with this much journal fits in an empty segment.
+    pub(in crate::redb) fn fits_at_all(&self, journal_bytes: usize) -> bool {
+        align_up(FRAME_HEADER + journal_bytes as u64) <= segment_bytes(self.len)
+    }
+
+    /// The current epoch's frames are all durable elsewhere (a checkpoint
+    /// took them, or will before it retires them): new frames go to the
+    /// next epoch, in the other segment.
+    pub(in crate::redb) fn rotate(&mut self) {
+        self.epoch = self.epoch.wrapping_add(1);
+        self.offset = 0;
+    }
+
+    /// Appends `journal` as one frame, on an aligned offset, and makes it
+    /// durable when `sync`. An error leaves the frame's fate unknown: the
+    /// caller must not publish the group and must poison the store.
+    pub(in crate::redb) fn append(&mut self, journal: &mut Journal, sync: bool) -> Result<()> {
+        let start = segment_range(self.len, self.epoch).start + self.offset;
+        let frame = journal.seal(&self.store_id, self.epoch)?;
+        let framed = align_up(frame.len() as u64);
+        self.file.write(start, frame).map_err(Error::Io)?;
+        if sync {
+            self.file.sync_data().map_err(Error::Io)?;
+        }
+        self.offset += framed;
+        Ok(())
+    }
+}
+
+/// Makes sure the log file is `capacity` bytes long, writing zeros over
+/// any part that is missing (a new file, or one cut short), and syncs it.
+/// Returns the size frames may use: `capacity`, or more if the file is
+/// already larger (a log made with a larger `wal_bytes`).
+pub(in crate::redb) fn preallocate(file: &dyn StorageBackend, capacity: u64) -> Result<u64> {
+    let len = file.len().map_err(Error::Io)?;
+    if len >= capacity {
+        return Ok(len);
+    }
+    // Grown first (some backends write only within their length), then
+    // written: a sparse tail would make every later append allocate blocks,
+    // and each fdatasync write that metadata too.
+    file.set_len(capacity).map_err(Error::Io)?;
+    const CHUNK: usize = 1024 * 1024;
+    let zeros = vec![0u8; CHUNK];
+    let mut at = len;
+    while at < capacity {
+        let n = (capacity - at).min(CHUNK as u64) as usize;
+        file.write(at, zeros.get(..n).unwrap_or_default())
+            .map_err(Error::Io)?;
+        at += n as u64;
+    }
+    file.sync_data().map_err(Error::Io)?;
+    Ok(capacity)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::frame::{FRAME_ALIGN, Frame, Layout, read_frame};
+    use super::super::reader::{applier, walk};
+    use super::*;
+
+    #[test]
+    fn appends_start_on_aligned_offsets_in_the_epochs_segment_and_rotate() {
+        let file = std::sync::Arc::new(::redb::backends::InMemoryBackend::new());
+        let len = 4 * FRAME_ALIGN;
+        file.set_len(len).unwrap();
+        let mut wal = Wal::new(file.clone(), [3; 16], 5, len);
+        let journal = |n: usize| {
+            let record = crate::record::Record {
+                fingerprint: crate::fingerprint::Fingerprint::of(b"x"),
+                state: crate::record::State::Done,
+                response: Some(crate::response::Response::new(200, vec![7; n])),
+                lease_until: None,
+                expires_at: crate::time::Timestamp::from_millis(10),
+                created_at: crate::time::Timestamp::from_millis(1),
+                token: 1,
+                attempts: 1,
+            };
+            let mut j = Journal::default();
+            j.record_put(b"\0k", &crate::codec::encode_record(&record).unwrap());
+            j
+        };
+        // Epoch 5 writes segment 1; each frame takes whole blocks.
+        assert!(wal.fits(100) && !wal.is_dirty());
+        wal.append(&mut journal(100), true).unwrap();
+        assert!(wal.is_dirty());
+        assert!(wal.fits(100));
+        wal.append(&mut journal(100), true).unwrap();
+        // The segment (two blocks) is full.
+        assert!(!wal.fits(1) && wal.fits_at_all(1));
+        assert!(!wal.fits_at_all(2 * FRAME_ALIGN as usize));
+        let first = 2 * FRAME_ALIGN;
+        let read = |at, epoch| read_frame(file.as_ref(), &[3; 16], epoch, at, len).unwrap();
+        assert!(matches!(read(first, 5), Frame::Whole { .. }));
+        assert!(matches!(read(first + FRAME_ALIGN, 5), Frame::Whole { .. }));
+        assert!(matches!(read(0, 5), Frame::End));
+        // The next epoch starts at the start of the other segment.
+        wal.rotate();
+        assert_eq!(wal.epoch(), 6);
+        assert!(!wal.is_dirty());
+        wal.append(&mut journal(10), false).unwrap();
+        assert!(matches!(read(0, 6), Frame::Whole { .. }));
+        // Replay follows the aligned starts and stops at the segment's end.
+        let db = ::redb::Database::builder()
+            .create_with_backend(::redb::backends::InMemoryBackend::new())
+            .unwrap();
+        let txn = db.begin_write().unwrap();
+        let n = walk(
+            file.as_ref(),
+            &[3; 16],
+            5,
+            &Layout::segment(len, 5),
+            false,
+            None,
+            applier(&txn).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(n, 2);
+        let n = walk(
+            file.as_ref(),
+            &[3; 16],
+            6,
+            &Layout::segment(len, 6),
+            false,
+            None,
+            applier(&txn).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(n, 1);
+    }
+}
