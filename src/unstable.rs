@@ -65,17 +65,17 @@ pub type PageOp = std::result::Result<(u64, Vec<u8>), u64>;
 /// frame per entry of `frames`, in the page log's format (docs/format.md).
 #[cfg(feature = "redb")]
 pub fn page_log_run(epoch: u64, frames: &[Vec<PageOp>]) -> Vec<u8> {
-    use crate::redb::pages;
-    let mut log = pages::encode_frame(epoch, 0, &[]).unwrap_or_default();
+    use crate::redb::page_log;
+    let mut log = page_log::encode_frame(epoch, 0, &[]).unwrap_or_default();
     for (seq, ops) in (1u64..).zip(frames) {
         let mut payload = Vec::new();
         for op in ops {
             match op {
-                Ok((offset, data)) => pages::encode_write(&mut payload, *offset, data),
-                Err(len) => pages::encode_set_len(&mut payload, *len),
+                Ok((offset, data)) => page_log::encode_write(&mut payload, *offset, data),
+                Err(len) => page_log::encode_set_len(&mut payload, *len),
             }
         }
-        log.extend(pages::encode_frame(epoch, seq, &payload).unwrap_or_default());
+        log.extend(page_log::encode_frame(epoch, seq, &payload).unwrap_or_default());
     }
     log
 }
@@ -86,7 +86,7 @@ pub fn page_log_run(epoch: u64, frames: &[Vec<PageOp>]) -> Vec<u8> {
 pub fn replay_page_log(log: &[u8], base: &[u8]) -> Result<(Vec<u8>, u64)> {
     let log = FileImage(std::sync::Mutex::new(log.to_vec()));
     let target = FileImage(std::sync::Mutex::new(base.to_vec()));
-    let replayed = crate::redb::pages::replay(&log, &target)?;
+    let replayed = crate::redb::page_log::replay(&log, &target)?;
     let out = target.0.into_inner().unwrap_or_else(|p| p.into_inner());
     Ok((out, replayed.frames))
 }

@@ -168,7 +168,7 @@ impl Shared {
                 Ok(())
             }
             Err(e) => {
-                if let Ok(view) = super::overlay::open_view_of(&self.source) {
+                if let Ok(view) = super::page_log::open_view_of(&self.source) {
                     engine.db = view;
                     engine.usable = Usable::ForReads;
                 }

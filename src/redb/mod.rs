@@ -37,10 +37,11 @@
 //!   walk over its live frames, the replay's durable commit); `meta.rs`:
 //!   the meta table's reads and writes (format version, store id, the
 //!   log's recorded state);
-//! - `pages.rs`: the page log (`page_log`: redb's commits as frames in
-//!   `<file>-pages`), and `overlay.rs`: a file read through in-memory pages
-//!   (inspections, and a heal's view for reads); `page_images.rs`: the
-//!   page images both keep;
+//! - `page_log/`: the page log (`page_log`: redb's commits as frames in
+//!   `<file>-pages`): `frame.rs` its frames and their replay, `backend.rs`
+//!   the store file behind the log; and `overlay.rs`: a file read through
+//!   in-memory pages (inspections, and a heal's view for reads);
+//!   `page_images.rs`: the page images both keep;
 //! - `health.rs`: poisoning, the cause and [`Health`]; `heal.rs`: the heal
 //!   that reopens the engine (from `source.rs`); `witness.rs`: the last
 //!   I/O error the engine met;
@@ -72,9 +73,7 @@ mod meta;
 mod native;
 mod open;
 mod options;
-mod overlay;
-mod page_images;
-pub(crate) mod pages;
+pub(crate) mod page_log;
 mod record_log;
 mod recovery;
 #[cfg(all(test, shuttle))]
@@ -94,7 +93,7 @@ pub use loss::LossReport;
 pub use memtable::MEMTABLE_BYTES;
 use options::Config;
 pub use options::{DEFAULT_CACHE_BYTES, Durability, RecoveryPolicy, RedbStoreBuilder};
-pub use pages::PAGE_LOG_BYTES;
+pub use page_log::PAGE_LOG_BYTES;
 pub use record_log::{CHECKPOINT_INTERVAL, FRAME_ALIGN, MIN_WAL_BYTES, WAL_BYTES};
 use stats::Counters;
 pub use stats::RedbStats;

@@ -9,8 +9,7 @@ use super::errors::engine;
 use super::file::{FILE_MODE, Lock, check_foreign, open_owner_only, sync_parent, try_lock};
 use super::loss::LossReport;
 use super::meta::{MetaEntries, init_meta, read_meta, read_wal_state};
-use super::overlay::Overlay;
-use super::pages::{self, PageLog};
+use super::page_log::{self, Overlay, PageLog};
 use super::record_log::{self, FileLog, Wal};
 use super::recovery::{Found, boot_id, log_missing, recover_log};
 use super::tables::WriteTables;
@@ -183,7 +182,7 @@ pub(super) fn open_read_only(path: &Path, config: &Config) -> Result<Opened> {
     try_lock(&file, Lock::Shared, path, path)?;
     let overlay = Overlay::new(file)?;
     // The page log's run, in memory, as a writer's open would replay it.
-    pages::replay_beside(path, &overlay, true)?;
+    page_log::replay_beside(path, &overlay, true)?;
     // A missing log reads as an empty one: after a clean stop it holds
     // nothing; after an unclean one the plan refuses it, as an open would.
     let log: Box<dyn StorageBackend> = match FileLog::open_read_only(path)? {
@@ -211,7 +210,7 @@ fn open_file(path: &Path, config: &Config) -> Result<Opened> {
     // The page log, when this open uses one or an earlier one left one:
     // locked like the store (a second writer is Locked here, before
     // anything is replayed), and its run replayed into the store file.
-    let pages_path = pages::pages_path(path);
+    let pages_path = page_log::pages_path(path);
     let pages_log = if config.page_log || pages_path.exists() {
         let pages_file = open_locked(&pages_path, path)?;
         Some(::redb::backends::FileBackend::new(pages_file).map_err(|e| map_open(e, path))?)
@@ -232,7 +231,7 @@ fn open_file(path: &Path, config: &Config) -> Result<Opened> {
         Some(pages_log) => {
             // Opened without the page log after an open with it: the run
             // goes into the store file (synced), then the log goes.
-            pages::replay(&pages_log, &backend)?;
+            page_log::replay(&pages_log, &backend)?;
             // Removed while still locked: an open that waits for the lock
             // finds the name gone (see `open_locked`).
             std::fs::remove_file(&pages_path)?;
@@ -459,7 +458,7 @@ pub(super) fn reopen_engine(
             let backend =
                 ::redb::backends::FileBackend::new(file).map_err(|e| map_open(e, path))?;
             let db = if config.page_log {
-                let pages_file = open_locked(&pages::pages_path(path), path)?;
+                let pages_file = open_locked(&page_log::pages_path(path), path)?;
                 let pages_log = ::redb::backends::FileBackend::new(pages_file)
                     .map_err(|e| map_open(e, path))?;
                 let paged = PageLog::open(Box::new(backend), Box::new(pages_log))?;

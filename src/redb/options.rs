@@ -450,7 +450,7 @@ impl RedbStoreBuilder {
         let backend = SharedBackend(Arc::clone(&store));
         let mut opened = match &pages {
             Some(pages) => {
-                let paged = super::pages::PageLog::open(
+                let paged = super::page_log::PageLog::open(
                     Box::new(backend),
                     Box::new(SharedBackend(Arc::clone(pages))),
                 )?;

@@ -4,7 +4,7 @@
 use super::super::errors::engine;
 use super::super::loss::LossReport;
 use super::super::meta::{read_meta_entries, read_wal_state};
-use super::super::overlay::open_overlay;
+use super::super::page_log::open_overlay;
 use super::super::record_log::{self, FileLog};
 use super::super::recovery::{Found, boot_id, plan_log, walk_live};
 use crate::error::{Error, Result};
@@ -141,5 +141,5 @@ pub fn log_path(store: impl AsRef<Path>) -> PathBuf {
 /// assert_eq!(page_log_path("/data/orders.idem"), std::path::Path::new("/data/orders.idem-pages"));
 /// ```
 pub fn page_log_path(store: impl AsRef<Path>) -> PathBuf {
-    crate::redb::pages::pages_path(store.as_ref())
+    crate::redb::page_log::pages_path(store.as_ref())
 }

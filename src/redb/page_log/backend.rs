@@ -1,11 +1,6 @@
-//! The page log (`<file>-pages`, [`RedbStoreBuilder::page_log`]): the store
-//! file behind a redo log of redb's page writes, so that a durable redb
-//! commit is one sequential append and one `fdatasync` of the log instead
-//! of a write of every dirty page and an `fdatasync` of the store file.
-//! The inbox commits a batch this way; the request path's own write-ahead
-//! log (record_log/) is unchanged above it.
-//!
-//! [`PageLog`] is a redb [`StorageBackend`] over the store file and the log:
+//! [`PageLog`], the page log's writer: a redb [`StorageBackend`] over the
+//! store file and the log (the directory's module docs say why what it
+//! acknowledges is durable):
 //!
 //! - `write` and `set_len` land in memory: the latest image of every page
 //!   written since the last checkpoint (reads see them), and the operations
@@ -16,65 +11,18 @@
 //!   checkpoint instead writes every page image into the store file, syncs
 //!   it, and starts a new run of the log with a marker frame at its start;
 //! - `close` (redb's last call, after a clean stop) checkpoints.
-//!
-//! # Durability reasoning
-//!
-//! redb's contract is that what was written before a `sync_data` that
-//! returned is durable. Here it is durable in the log: the frame holding
-//! those writes was synced before `sync_data` returned. The store file is
-//! written only by a checkpoint, with pages whose frames are durable (or, in
-//! a checkpoint that stands in for a frame, with the pending writes too,
-//! made durable by the file's own sync before `sync_data` returns).
-//!
-//! Frames: `IDPG`, epoch, sequence number, payload length, CRC-32 (of all
-//! that and the payload), payload (`1, offset, len, bytes` for a write,
-//! `2, len` for a `set_len`). A run of the log starts with a marker (an
-//! empty frame, sequence 0) at offset 0 and continues with frames of the
-//! same epoch and consecutive sequence numbers. Replay (at every open, and
-//! in memory for a read-only view) applies the run's frames in order to the
-//! store file and stops at the first frame that does not verify: a torn
-//! last frame was never acknowledged.
-//!
-//! A new run begins only after the store file holds everything (a
-//! checkpoint synced it, or a replay applied and synced the old run), and
-//! its marker is synced before any frame follows it. So the frames a
-//! replay applies are always a whole run from its start: either the run
-//! the store file already holds (replaying it again rewrites the same
-//! images: nothing changes), or the current one. A marker torn at a crash
-//! reads as no run at all, which is right: the file already holds
-//! everything. The old run's frames after a new marker are never read:
-//! their epoch differs.
-//!
-//! [`RedbStoreBuilder::page_log`]: super::RedbStoreBuilder::page_log
 
+use super::PAGE_LOG_BYTES;
+use super::frame::{HEADER, encode_set_len, encode_write, replay, seal};
 use super::page_images::Pages;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use ::redb::{BackendError, StorageBackend};
-use std::io::{Error as IoError, ErrorKind};
+use std::io::ErrorKind;
 use std::ops::Bound;
-use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-/// The page log's size (`<file>-pages`, preallocated): a commit whose
-/// frame would not fit makes a checkpoint of the store file instead, so the
-/// pages kept in memory are at most about this much.
-pub const PAGE_LOG_BYTES: u64 = 32 << 20;
-
-const MAGIC: &[u8; 4] = b"IDPG";
-/// Magic, epoch, sequence number, payload length, CRC-32.
-const HEADER: usize = 4 + 8 + 8 + 4 + 4;
-const OP_WRITE: u8 = 1;
-const OP_SET_LEN: u8 = 2;
-
-/// The page log's path beside the store file: `<name>-pages`.
-pub(super) fn pages_path(store: &Path) -> PathBuf {
-    let mut name = store.file_name().unwrap_or_default().to_os_string();
-    name.push("-pages");
-    store.with_file_name(name)
-}
-
 /// The store file behind a page log. See the module docs.
-pub(super) struct PageLog {
+pub(in crate::redb) struct PageLog {
     file: Box<dyn StorageBackend>,
     log: Box<dyn StorageBackend>,
     capacity: u64,
@@ -110,185 +58,12 @@ impl std::fmt::Debug for PageLog {
     }
 }
 
-/// What a replay found: frames applied (the marker not counted) and the
-/// run's epoch.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct Replayed {
-    pub(crate) frames: u64,
-    pub(crate) epoch: Option<u64>,
-}
-
-/// Applies the log's current run to `target` in order, then syncs
-/// `target` when anything was applied. Reads `log` only.
-pub(crate) fn replay(log: &dyn StorageBackend, target: &dyn StorageBackend) -> Result<Replayed> {
-    let log_len = log.len()?;
-    let mut at = 0u64;
-    let mut out = Replayed::default();
-    let mut expect_seq = 0u64;
-    while let Some((epoch, seq, payload)) = read_frame(log, log_len, at)? {
-        if out.epoch.is_some_and(|e| e != epoch) || seq != expect_seq {
-            break;
-        }
-        out.epoch = Some(epoch);
-        apply(target, &payload)?;
-        at += (HEADER + payload.len()) as u64;
-        expect_seq += 1;
-        if seq > 0 {
-            out.frames += 1;
-        }
-    }
-    if out.frames > 0 {
-        target.sync_data()?;
-    }
-    Ok(out)
-}
-
-/// Replays the page log beside `store`, if there is one, into `target`
-/// (an in-memory overlay of a read-only view): the log is opened read-only
-/// and, with `lock`, shared-locked, so a writer is [`Error::Locked`].
-pub(super) fn replay_beside(
-    store: &Path,
-    target: &dyn StorageBackend,
-    lock: bool,
-) -> Result<Replayed> {
-    let path = pages_path(store);
-    let file = match std::fs::File::open(&path) {
-        Err(e) if e.kind() == ErrorKind::NotFound => return Ok(Replayed::default()),
-        other => other?,
-    };
-    if lock {
-        super::file::try_lock(&file, super::file::Lock::Shared, store, &path)?;
-    }
-    let log = ::redb::backends::FileBackend::new(file)
-        .map_err(|e| Error::Io(IoError::other(e.to_string())))?;
-    replay(&log, target)
-}
-
-/// The frame at `at`, if one verifies there.
-fn read_frame(
-    log: &dyn StorageBackend,
-    log_len: u64,
-    at: u64,
-) -> Result<Option<(u64, u64, Vec<u8>)>> {
-    if at + HEADER as u64 > log_len {
-        return Ok(None);
-    }
-    let mut header = [0u8; HEADER];
-    log.read(at, &mut header)?;
-    let field = |from: usize, to: usize| header.get(from..to).unwrap_or_default();
-    if field(0, 4) != MAGIC {
-        return Ok(None);
-    }
-    let u64_at =
-        |from: usize| u64::from_le_bytes(field(from, from + 8).try_into().unwrap_or_default());
-    let epoch = u64_at(4);
-    let seq = u64_at(12);
-    let len = u32::from_le_bytes(field(20, 24).try_into().unwrap_or_default());
-    let crc = u32::from_le_bytes(field(24, 28).try_into().unwrap_or_default());
-    if at + HEADER as u64 + u64::from(len) > log_len {
-        return Ok(None);
-    }
-    let mut payload = vec![0u8; len as usize];
-    log.read(at + HEADER as u64, &mut payload)?;
-    let mut hasher = crc32fast::Hasher::new();
-    hasher.update(field(0, 24));
-    hasher.update(&payload);
-    if hasher.finalize() != crc {
-        return Ok(None);
-    }
-    Ok(Some((epoch, seq, payload)))
-}
-
-/// Applies one frame's operations. A payload that does not parse after its
-/// checksum verified is a bug or a foreign file: refused, nothing guessed.
-fn apply(target: &dyn StorageBackend, mut payload: &[u8]) -> Result<()> {
-    let malformed = || {
-        Error::corrupt(
-            None,
-            "a page log frame's operations do not parse".to_owned(),
-        )
-    };
-    let take = |p: &mut &[u8], n: usize| -> Result<Vec<u8>> {
-        let (head, rest) = p.split_at_checked(n).ok_or_else(malformed)?;
-        *p = rest;
-        Ok(head.to_vec())
-    };
-    let take_u64 = |p: &mut &[u8]| -> Result<u64> {
-        let bytes = take(p, 8)?;
-        Ok(u64::from_le_bytes(
-            bytes.try_into().map_err(|_| malformed())?,
-        ))
-    };
-    while let Some((&op, rest)) = payload.split_first() {
-        payload = rest;
-        match op {
-            OP_WRITE => {
-                let offset = take_u64(&mut payload)?;
-                let len = usize::try_from(take_u64(&mut payload)?).map_err(|_| malformed())?;
-                let data = take(&mut payload, len)?;
-                target.write(offset, &data)?;
-            }
-            OP_SET_LEN => {
-                let len = take_u64(&mut payload)?;
-                target.set_len(len)?;
-            }
-            _ => return Err(malformed()),
-        }
-    }
-    Ok(())
-}
-
-/// One frame: header (magic, epoch, sequence number, payload length,
-/// CRC-32 of those and the payload) and payload (the fuzz harness's; the
-/// log seals its frames in place).
-#[cfg(feature = "unstable-internals")]
-pub(crate) fn encode_frame(epoch: u64, seq: u64, payload: &[u8]) -> std::io::Result<Vec<u8>> {
-    let mut frame = vec![0u8; HEADER];
-    frame.extend_from_slice(payload);
-    seal(&mut frame, epoch, seq)?;
-    Ok(frame)
-}
-
-/// Fills the header of `frame`, whose first [`HEADER`] bytes are reserved
-/// for it and the rest is the payload: the payload is never copied.
-fn seal(frame: &mut [u8], epoch: u64, seq: u64) -> std::io::Result<()> {
-    let (header, payload) = frame
-        .split_at_mut_checked(HEADER)
-        .ok_or_else(|| IoError::from(ErrorKind::InvalidInput))?;
-    let len = u32::try_from(payload.len()).map_err(|_| IoError::from(ErrorKind::InvalidInput))?;
-    let mut fields = Vec::with_capacity(HEADER);
-    fields.extend_from_slice(MAGIC);
-    fields.extend_from_slice(&epoch.to_le_bytes());
-    fields.extend_from_slice(&seq.to_le_bytes());
-    fields.extend_from_slice(&len.to_le_bytes());
-    let mut crc = crc32fast::Hasher::new();
-    crc.update(&fields);
-    crc.update(payload);
-    fields.extend_from_slice(&crc.finalize().to_le_bytes());
-    header.copy_from_slice(&fields);
-    Ok(())
-}
-
 /// The state's pending operations, with their frame's header reserved.
 fn pending(s: &mut State) -> &mut Vec<u8> {
     if s.pending.is_empty() {
         s.pending.resize(HEADER, 0);
     }
     &mut s.pending
-}
-
-/// Appends a write of `data` at `offset` to a frame's payload.
-pub(crate) fn encode_write(payload: &mut Vec<u8>, offset: u64, data: &[u8]) {
-    payload.push(OP_WRITE);
-    payload.extend_from_slice(&offset.to_le_bytes());
-    payload.extend_from_slice(&(data.len() as u64).to_le_bytes());
-    payload.extend_from_slice(data);
-}
-
-/// Appends a `set_len(len)` to a frame's payload.
-pub(crate) fn encode_set_len(payload: &mut Vec<u8>, len: u64) {
-    payload.push(OP_SET_LEN);
-    payload.extend_from_slice(&len.to_le_bytes());
 }
 
 /// An epoch no frame left in the log has: above the last run's (0 when
@@ -303,20 +78,20 @@ fn next_epoch(last: u64) -> u64 {
 impl PageLog {
     /// Replays `log`'s current run into `file` (see [`replay`]), makes
     /// sure `log` is [`PAGE_LOG_BYTES`] long, and starts a new run.
-    pub(super) fn open(
+    pub(in crate::redb) fn open(
         file: Box<dyn StorageBackend>,
         log: Box<dyn StorageBackend>,
     ) -> Result<PageLog> {
         PageLog::with_capacity(file, log, PAGE_LOG_BYTES)
     }
 
-    pub(super) fn with_capacity(
+    fn with_capacity(
         file: Box<dyn StorageBackend>,
         log: Box<dyn StorageBackend>,
         capacity: u64,
     ) -> Result<PageLog> {
         let replayed = replay(&*log, &*file)?;
-        let capacity = super::record_log::preallocate(&*log, capacity)?;
+        let capacity = super::super::record_log::preallocate(&*log, capacity)?;
         let file_len = file.len()?;
         let paged = PageLog {
             file,
@@ -547,6 +322,7 @@ impl StorageBackend for PageLog {
 mod tests {
     use super::*;
     use ::redb::{Database, ReadableDatabase, TableDefinition};
+    use std::io::Error as IoError;
     use std::sync::Arc;
 
     const T: TableDefinition<u64, u64> = TableDefinition::new("t");

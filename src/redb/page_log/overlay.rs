@@ -8,12 +8,12 @@
 //! `Admin::verify`, and a heal that cannot reopen the files for writing
 //! ([`open_view_of`]: the store goes on answering reads from them).
 //!
-//! [`RedbStore::open_read_only`]: super::RedbStore::open_read_only
+//! [`RedbStore::open_read_only`]: crate::redb::RedbStore::open_read_only
 
-use super::file::check_foreign;
+use super::super::file::check_foreign;
+use super::super::record_log;
+use super::super::source::Source;
 use super::page_images::Pages;
-use super::record_log;
-use super::source::Source;
 use crate::error::{Error, Result};
 use ::redb::{Database, StorageBackend};
 use std::path::Path;
@@ -21,10 +21,10 @@ use std::sync::{Arc, Mutex};
 
 /// Opens the store file at `path` as a redb database through a private
 /// [`Overlay`]. `Ok(Err(detail))` when redb refuses the file or panics on it.
-pub(super) fn open_overlay(path: &Path) -> Result<std::result::Result<Database, String>> {
+pub(in crate::redb) fn open_overlay(path: &Path) -> Result<std::result::Result<Database, String>> {
     let overlay = Overlay::new(std::fs::File::open(path)?)?;
     // The caller holds the store (a view's shared lock, or a writer).
-    super::pages::replay_beside(path, &overlay, false)?;
+    super::replay_beside(path, &overlay, false)?;
     engine_over(overlay)
 }
 
@@ -33,13 +33,13 @@ pub(super) fn open_overlay(path: &Path) -> Result<std::result::Result<Database, 
 /// files for writing (an open writes: redb repairs a file it did not
 /// close), so that reads go on. The store file through an [`Overlay`],
 /// with the page log's current run replayed into it when there is one.
-pub(super) fn open_view_of(source: &Source) -> Result<Database> {
+pub(in crate::redb) fn open_view_of(source: &Source) -> Result<Database> {
     let opened = match source {
         Source::Path(path) => open_overlay(path)?,
         Source::Backend { store, pages } => {
             let overlay = Overlay::over_backend(Arc::clone(store))?;
             if let Some(pages) = pages {
-                super::pages::replay(pages.as_ref(), &overlay)?;
+                super::replay(pages.as_ref(), &overlay)?;
             }
             engine_over(overlay)?
         }
@@ -68,7 +68,7 @@ fn engine_over(overlay: Overlay) -> Result<std::result::Result<Database, String>
 /// The file's length is read once: whoever reads through an overlay holds
 /// the file so that no writer changes it meanwhile (a shared lock), or
 /// reads a copy.
-pub(super) struct Overlay {
+pub(in crate::redb) struct Overlay {
     base: Base,
     /// The file's length when the overlay was made.
     file_len: u64,
@@ -90,13 +90,13 @@ struct OverlayState {
 }
 
 impl Overlay {
-    pub(super) fn new(file: std::fs::File) -> std::io::Result<Overlay> {
+    pub(in crate::redb) fn new(file: std::fs::File) -> std::io::Result<Overlay> {
         let file_len = file.metadata()?.len();
         Ok(Overlay::with_base(Base::File(file), file_len))
     }
 
     /// An overlay over a backend: its `read` and `len` only are called.
-    pub(super) fn over_backend(backend: Arc<dyn StorageBackend>) -> std::io::Result<Overlay> {
+    fn over_backend(backend: Arc<dyn StorageBackend>) -> std::io::Result<Overlay> {
         let file_len = backend.len()?;
         Ok(Overlay::with_base(Base::Backend(backend), file_len))
     }

@@ -1,6 +1,6 @@
 //! Page images over a file: the bytes of every page written, kept in
 //! memory. Shared by the read-only overlay (overlay.rs) and the page log
-//! (pages.rs); a bottom module, importing neither.
+//! (backend.rs); a bottom module, importing neither.
 
 use std::collections::HashMap;
 
@@ -10,7 +10,7 @@ pub(super) const PAGE: u64 = 4096;
 /// Page images over a file: the latest bytes of every page written, by
 /// index, each [`PAGE`] long. Reads and writes take the bytes no image
 /// covers from `file(offset, out)`. Shared by the read-only overlay
-/// (overlay.rs) and the page log (pages.rs).
+/// (overlay.rs) and the page log (backend.rs).
 #[derive(Default)]
 pub(super) struct Pages(HashMap<u64, Box<[u8]>>);
 
