@@ -3,8 +3,8 @@
 //! frame is read ([`plan_log`]), the walk over its live frames
 //! ([`walk_live`]), and their replay into the store file in one durable
 //! commit that starts a new epoch ([`recover_log`], [`heal_log`]). The
-//! frames and the walk over one epoch are the log's own (`record_log/`); the meta
-//! entries that record the log's state are read in meta.rs.
+//! frames and the walk over one epoch are the log's own (`record_log/`);
+//! the meta entries that record the log's state are read in meta.rs.
 
 use super::Config;
 use super::errors::engine;

@@ -111,7 +111,8 @@ impl Layout {
 
 /// The table writes of one batch, in the order they were made, already
 /// laid out as a frame: the header's room comes first and is filled in by
-/// [`Wal::append`], so the batch is never copied into a second buffer.
+/// [`Wal::append`](super::Wal::append), so the batch is never copied into
+/// a second buffer.
 #[derive(Debug)]
 pub(in crate::redb) struct Journal {
     bytes: Vec<u8>,
