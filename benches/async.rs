@@ -11,7 +11,7 @@
 //! the measurement is printed beside each bench.
 //!
 //! ```text
-//! cargo bench -p idemstore-bench --bench async -- --quick
+//! cargo bench --bench async -- --quick
 //! ```
 #![allow(
     missing_docs,

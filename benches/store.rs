@@ -13,8 +13,8 @@
 //! Durable benches fsync: their figures are the disk's as much as ours.
 //!
 //! ```text
-//! cargo bench -p idemstore-bench --all-features --bench store                # all
-//! cargo bench -p idemstore-bench --all-features --bench store -- store/redb # one group
+//! cargo bench --all-features --bench store                # all
+//! cargo bench --all-features --bench store -- store/redb # one group
 //! ```
 //! The HTML report is in `target/criterion/report/index.html`.
 #![allow(

@@ -7,10 +7,10 @@
 //! - `inbox/redb/redelivery`: a message already handled, answered from a
 //!   read transaction;
 //! - `inbox/redb/batch_{10,100,1000}`: `handle_batch` of that many new
-//!   payments (one commit each; throughput in messages), and
+//!   messages (one commit each; throughput in messages), and
 //!   `inbox/redb/batch_100_one_phase` with `quick_repair(false)`. The
 //!   same-run table against PostgreSQL is `inbox_compare`
-//!   (`src/bin/inbox_compare.rs`).
+//!   (`bench/src/bin/inbox_compare.rs`).
 //!
 //! Every ID starts with `inbox/`, this file's subject, so its saved
 //! baselines never mix with `store`'s, `redb`'s or `sled`'s.
@@ -19,7 +19,7 @@
 //! rate as much as ours.
 //!
 //! ```text
-//! cargo bench -p idemstore-bench --bench inbox
+//! cargo bench --bench inbox
 //! ```
 #![allow(
     missing_docs,
@@ -28,10 +28,10 @@
 )]
 
 use criterion::{Criterion, Throughput, black_box};
+use idemstore::redb::Message;
 use idemstore::redb::engine::{ReadableTable, TableDefinition};
 use idemstore::redb::{Delivery, Inbox};
 use idemstore::{BoxError, Fingerprint, Key, RedbStore, Response};
-use idemstore_bench::inbox::{Feed, Ours};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -100,8 +100,10 @@ fn main() {
     g.sample_size(10).measurement_time(Duration::from_secs(4));
     for (batch, quick_repair) in [(10, true), (100, true), (1_000, true), (100, false)] {
         let dir = tempfile::tempdir().unwrap();
-        let ours = Ours::open(dir.path(), quick_repair).unwrap();
-        let mut feed = Feed::new(0, batch as u64);
+        let store = RedbStore::builder()
+            .open(dir.path().join("batch.idem"))
+            .unwrap();
+        let inbox = Inbox::new(store).quick_repair(quick_repair);
         let id = if quick_repair {
             format!("batch_{batch}")
         } else {
@@ -110,8 +112,22 @@ fn main() {
         g.throughput(Throughput::Elements(batch as u64));
         g.bench_function(id, |b| {
             b.iter(|| {
-                let t = ours.batch(&feed.batch(batch)).unwrap();
-                assert_eq!(t.handled, batch as u64);
+                let messages: Vec<Message<()>> = (0..batch)
+                    .map(|_| Message::new(fresh_key(), Fingerprint::of(b"+1"), ()))
+                    .collect();
+                let answers = inbox
+                    .handle_batch(&messages, |txn, _, _| {
+                        let mut t = txn.open_table(BALANCES)?;
+                        let new = t.get("acct")?.map_or(0, |v| v.value()) + 1;
+                        t.insert("acct", new)?;
+                        Ok::<_, BoxError>(Response::new(200, ""))
+                    })
+                    .unwrap();
+                assert!(
+                    answers
+                        .iter()
+                        .all(|a| matches!(a, Ok(Delivery::Handled(_))))
+                );
             })
         });
     }

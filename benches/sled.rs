@@ -16,7 +16,7 @@
 //! ratio, and the fsyncs per claim counted by `SledStore::stats`.
 //!
 //! ```text
-//! cargo bench -p idemstore-bench --features sled --bench sled    # IDEMSTORE_BENCH_DIR=/path to pick the disk
+//! cargo bench --features sled --bench sled    # IDEMSTORE_BENCH_DIR=/path to pick the disk
 //! ```
 #![allow(
     missing_docs,

@@ -14,7 +14,7 @@
 //! sets targets for, plus per-operation p50s measured here.
 //!
 //! ```text
-//! cargo bench -p idemstore-bench --bench redb    # IDEMSTORE_BENCH_DIR=/path to pick the disk
+//! cargo bench --bench redb    # IDEMSTORE_BENCH_DIR=/path to pick the disk
 //! ```
 #![allow(
     missing_docs,
@@ -24,8 +24,10 @@
 )]
 
 use criterion::{BenchmarkId, Criterion, Throughput};
+use idemstore::redb::engine::{
+    ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition,
+};
 use idemstore::{Begin, Fingerprint, Key, RedbStore, Response, Store, Timestamp};
-use redb::{ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition};
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::Write;
@@ -196,7 +198,7 @@ fn group_commit_vs_raw(c: &mut Criterion, dir: &Path) {
 
     // The same claim, the way one would write it on redb without group
     // commit: read, write record + index entry, one durable commit each.
-    let db = redb::Database::create(dir.join("raw.redb")).unwrap();
+    let db = idemstore::redb::engine::Database::create(dir.join("raw.redb")).unwrap();
     let txn = db.begin_write().unwrap();
     txn.open_table(RECORDS).unwrap();
     txn.open_table(EXPIRY).unwrap();
