@@ -1054,6 +1054,60 @@ pub(super) mod tests {
         assert_eq!((q.waiting.len(), q.threads), (2, 1));
     }
 
+    /// A shared state on in-memory backends opened with `builder`'s
+    /// configuration and the log.
+    fn shared_with(builder: RedbStoreBuilder) -> Arc<Shared> {
+        let config = builder.config;
+        let wal: Option<Box<dyn ::redb::StorageBackend>> =
+            Some(Box::new(::redb::backends::InMemoryBackend::new()));
+        let backend = ::redb::backends::InMemoryBackend::new();
+        let opened = open::open_backend(backend, wal, None, &config, Path::new("memory")).unwrap();
+        Shared::new(opened, &config, None)
+    }
+
+    /// Under `Durability::Periodic` a group's frame is appended without a
+    /// sync, and the store marks the log for the background thread's sync
+    /// within the loss window; under `Immediate` the frame is synced
+    /// before the answer and nothing is left to sync.
+    #[test]
+    fn an_unsynced_append_is_left_to_the_background_sync() {
+        let periodic = crate::redb::Durability::Periodic {
+            max_loss: Duration::from_millis(50),
+        };
+        for (durability, unsynced) in [
+            (crate::redb::Durability::Immediate, false),
+            (periodic, true),
+        ] {
+            let shared = shared_with(RedbStoreBuilder::default().durability(durability));
+            let answers = shared.commit_group(&[begin(b"a")]);
+            assert!(matches!(
+                answers.as_slice(),
+                [Ok(Reply::Begin(Begin::Claimed(_)))]
+            ));
+            assert_eq!(
+                shared.log_unsynced.load(Ordering::SeqCst),
+                unsynced,
+                "{durability:?}"
+            );
+        }
+    }
+
+    /// A memtable that reaches its budget (`MEMTABLE_BYTES`) is handed to
+    /// the checkpointer at the next group, however long before the
+    /// checkpoint interval ends.
+    #[test]
+    fn a_full_memtable_is_frozen_before_the_interval_ends() {
+        let shared =
+            shared_with(RedbStoreBuilder::default().checkpoint_interval(Duration::from_secs(3600)));
+        shared.commit_group(&[begin(b"a")]);
+        assert!(shared.read_mem().frozen.is_none(), "small and young: kept");
+        // A deletion whose key alone fills the budget.
+        let big = vec![7u8; crate::redb::MEMTABLE_BYTES];
+        shared.write_mem().publish([(big, None)]);
+        shared.commit_group(&[begin(b"b")]);
+        assert!(shared.read_mem().frozen.is_some(), "full: frozen");
+    }
+
     /// The checkpointer's timed freeze, when a leader froze the memtable
     /// just before: it must return (the frozen table is its own to write),
     /// not wait for that table holding the commit lock. Before the fix

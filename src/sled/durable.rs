@@ -20,8 +20,8 @@
 //! So after sled's flush this step fsyncs every blob file it has not synced
 //! yet and the `blobs` directory, and then fdatasyncs `db`. Blobs go first:
 //! a log entry that is durable must never point at a blob that is not.
+//! What an acknowledged write survives is the store's [`Durability`].
 
-use super::options::Durability;
 use super::stats::Counters;
 use crate::error::{Error, Result};
 use std::collections::HashSet;
@@ -31,6 +31,34 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Instant;
+
+/// What an acknowledged write survives on a [`SledStore`](crate::SledStore).
+///
+/// A separate type from redb's durability setting because the relaxed
+/// levels of the two engines survive different things: sled's flush
+/// already hands the data to the operating system (it survives a process
+/// kill), redb's non-durable commit does not.
+///
+/// ```
+/// use idemstore::sled::Durability;
+/// assert_eq!(Durability::default(), Durability::Immediate);
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Durability {
+    /// Survives a process crash and a power loss: every acknowledged write
+    /// is flushed by sled and then fdatasynced (data file) and fsynced (new
+    /// blob files), one flush + fsync per group of concurrent writers.
+    #[default]
+    Immediate,
+    /// Survives a process crash, not a power loss: every acknowledged write
+    /// is in the operating system's page cache (sled's flush, which ends in
+    /// `sync_file_range`), but nothing is fsynced before the answer. sled's
+    /// own background thread fsyncs the data file about every 500 ms, on a
+    /// best-effort basis; the store fsyncs everything (blobs included) at
+    /// open and at a clean close.
+    OsBuffered,
+}
 
 /// The data file and blob directory of one open store, and the flush step.
 #[derive(Debug)]
@@ -98,7 +126,7 @@ impl DiskSync {
         let c = &self.counters;
         c.flushes.fetch_add(1, Ordering::Relaxed);
         let started = Instant::now();
-        db.flush().map_err(super::open::from_sled)?;
+        db.flush().map_err(super::errors::from_sled)?;
         c.flush_micros
             .fetch_add(micros_since(started), Ordering::Relaxed);
         if !fsync {

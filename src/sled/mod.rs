@@ -29,6 +29,7 @@
 //! `Store` impl.
 
 mod durable;
+mod errors;
 mod group;
 mod marker;
 mod open;
@@ -36,7 +37,8 @@ mod options;
 mod stats;
 mod tx;
 
-pub use options::{Durability, SledStoreBuilder};
+pub use durable::Durability;
+pub use options::SledStoreBuilder;
 pub use stats::SledStats;
 
 use crate::codec::{decode_index, decode_record, encode_key};
@@ -234,7 +236,7 @@ impl SledStore {
     /// # Ok::<(), idemstore::Error>(())
     /// ```
     pub fn size_on_disk(&self) -> Result<u64> {
-        self.inner.db.size_on_disk().map_err(open::from_sled)
+        self.inner.db.size_on_disk().map_err(errors::from_sled)
     }
 
     /// True once a failed flush or fsync has poisoned the store: every
@@ -312,7 +314,7 @@ impl Inner {
 
     /// The record under `key_bytes`, read outside any transaction.
     fn read(&self, key_bytes: &[u8]) -> Result<Option<Record>> {
-        match self.records.get(key_bytes).map_err(open::from_sled)? {
+        match self.records.get(key_bytes).map_err(errors::from_sled)? {
             None => Ok(None),
             Some(bytes) => decode_record(key_bytes, &bytes).map(Some),
         }
@@ -350,7 +352,7 @@ impl Inner {
                     // A commit that failed half-way may or may not be in
                     // sled's log: nothing after it may be acknowledged.
                     self.group.poison();
-                    return Err(open::from_sled(e));
+                    return Err(errors::from_sled(e));
                 }
             }
         };
@@ -449,7 +451,7 @@ impl Inner {
         self.check_writable()?;
         let mut due = Vec::new();
         for entry in self.expiry.iter() {
-            let (index_key, _) = entry.map_err(open::from_sled)?;
+            let (index_key, _) = entry.map_err(errors::from_sled)?;
             let (expires_at, key_bytes) = decode_index(&index_key)?;
             if !logic::sweepable(expires_at, now) || due.len() == max {
                 break;

@@ -2,10 +2,10 @@
 //! without letting it panic, and check or write the meta tree.
 
 use super::durable::{BLOBS_DIR, CONF_FILE, DATA_FILE};
+use super::errors::{from_sled, from_tx};
 use super::marker::{MARKER_FILE, MARKER_TMP};
 use crate::error::{Error, Result};
 use crate::time::{Clock, SystemClock};
-use ::sled::transaction::TransactionError;
 use std::fs::File;
 use std::hash::{BuildHasher, RandomState};
 use std::path::Path;
@@ -122,26 +122,6 @@ pub(crate) fn open_sled(dir: &Path) -> Result<::sled::Db> {
                 format!("sled failed to open {}: {what}", dir.display()),
             ))
         }
-    }
-}
-
-/// Maps a sled error: I/O stays I/O, corruption is [`Error::Corrupt`], the
-/// rest (unsupported use, a sled bug) is [`Error::Backend`].
-pub(crate) fn from_sled(err: ::sled::Error) -> Error {
-    match err {
-        ::sled::Error::Io(e) => Error::Io(e),
-        e @ ::sled::Error::Corruption { .. } => {
-            Error::corrupt(None, format!("sled reports corruption: {e}"))
-        }
-        other => Error::backend(other),
-    }
-}
-
-/// Maps a transaction error whose abort value is already an idemstore error.
-pub(crate) fn from_tx(err: TransactionError<Error>) -> Error {
-    match err {
-        TransactionError::Abort(e) => e,
-        TransactionError::Storage(e) => from_sled(e),
     }
 }
 

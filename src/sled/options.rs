@@ -1,7 +1,7 @@
-//! Opening options: [`Durability`] and the builder, whose
-//! [`open`](SledStoreBuilder::open) checks, locks and opens the directory.
+//! Opening options: the builder, whose [`open`](SledStoreBuilder::open)
+//! checks, locks and opens the directory.
 
-use super::durable::DiskSync;
+use super::durable::{DiskSync, Durability};
 use super::group::GroupSync;
 use super::marker::{self, Marker};
 use super::open::{self, EXPIRY_TREE, META_TREE, RECORDS_TREE, STORE_FORMAT_VERSION};
@@ -14,34 +14,6 @@ use crate::time::{Clock, SystemClock};
 use crate::{error::Error, store::Store};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
-
-/// What an acknowledged write survives on a [`SledStore`](crate::SledStore).
-///
-/// A separate type from redb's durability setting because the relaxed
-/// levels of the two engines survive different things: sled's flush
-/// already hands the data to the operating system (it survives a process
-/// kill), redb's non-durable commit does not.
-///
-/// ```
-/// use idemstore::sled::Durability;
-/// assert_eq!(Durability::default(), Durability::Immediate);
-/// ```
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum Durability {
-    /// Survives a process crash and a power loss: every acknowledged write
-    /// is flushed by sled and then fdatasynced (data file) and fsynced (new
-    /// blob files), one flush + fsync per group of concurrent writers.
-    #[default]
-    Immediate,
-    /// Survives a process crash, not a power loss: every acknowledged write
-    /// is in the operating system's page cache (sled's flush, which ends in
-    /// `sync_file_range`), but nothing is fsynced before the answer. sled's
-    /// own background thread fsyncs the data file about every 500 ms, on a
-    /// best-effort basis; the store fsyncs everything (blobs included) at
-    /// open and at a clean close.
-    OsBuffered,
-}
 
 /// How a [`SledStore`] is opened: [`SledStore::builder`].
 ///
@@ -143,7 +115,7 @@ impl SledStoreBuilder {
             return Err(marker::lost_everything(path, recorded));
         }
         open::check_foreign(&db)?;
-        let tree = |name: &[u8]| db.open_tree(name).map_err(open::from_sled);
+        let tree = |name: &[u8]| db.open_tree(name).map_err(super::errors::from_sled);
         let (meta, records, expiry) = (tree(META_TREE)?, tree(RECORDS_TREE)?, tree(EXPIRY_TREE)?);
         let found = match (open::read_meta(&meta, &records, &expiry)?, recorded) {
             (Some(found), Some(recorded)) => {
