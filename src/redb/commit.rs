@@ -1055,11 +1055,11 @@ pub(super) mod tests {
     }
 
     /// A shared state on in-memory backends opened with `builder`'s
-    /// configuration and the log.
-    fn shared_with(builder: RedbStoreBuilder) -> Arc<Shared> {
+    /// configuration, with the log or without.
+    fn shared_with(builder: RedbStoreBuilder, log: bool) -> Arc<Shared> {
         let config = builder.config;
         let wal: Option<Box<dyn ::redb::StorageBackend>> =
-            Some(Box::new(::redb::backends::InMemoryBackend::new()));
+            log.then(|| Box::new(::redb::backends::InMemoryBackend::new()) as _);
         let backend = ::redb::backends::InMemoryBackend::new();
         let opened = open::open_backend(backend, wal, None, &config, Path::new("memory")).unwrap();
         Shared::new(opened, &config, None)
@@ -1078,7 +1078,7 @@ pub(super) mod tests {
             (crate::redb::Durability::Immediate, false),
             (periodic, true),
         ] {
-            let shared = shared_with(RedbStoreBuilder::default().durability(durability));
+            let shared = shared_with(RedbStoreBuilder::default().durability(durability), true);
             let answers = shared.commit_group(&[begin(b"a")]);
             assert!(matches!(
                 answers.as_slice(),
@@ -1097,8 +1097,10 @@ pub(super) mod tests {
     /// checkpoint interval ends.
     #[test]
     fn a_full_memtable_is_frozen_before_the_interval_ends() {
-        let shared =
-            shared_with(RedbStoreBuilder::default().checkpoint_interval(Duration::from_secs(3600)));
+        let shared = shared_with(
+            RedbStoreBuilder::default().checkpoint_interval(Duration::from_secs(3600)),
+            true,
+        );
         shared.commit_group(&[begin(b"a")]);
         assert!(shared.read_mem().frozen.is_none(), "small and young: kept");
         // A deletion whose key alone fills the budget.
@@ -1106,6 +1108,99 @@ pub(super) mod tests {
         shared.write_mem().publish([(big, None)]);
         shared.commit_group(&[begin(b"b")]);
         assert!(shared.read_mem().frozen.is_some(), "full: frozen");
+    }
+
+    /// `op`'s group committed on a thread of its own; its answers come on
+    /// the channel.
+    fn commit_aside(shared: &Arc<Shared>, op: Op) -> std::sync::mpsc::Receiver<Vec<Result<Reply>>> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let shared = Arc::clone(shared);
+        std::thread::spawn(move || {
+            let _ = tx.send(shared.commit_group(&[op]));
+        });
+        rx
+    }
+
+    /// While the checkpointer writes a frozen memtable, the active one may
+    /// grow to twice the budget without anyone waiting; past that, a group
+    /// waits for the checkpoint (back-pressure on memory) and then freezes
+    /// the full memtable. A freeze never replaces a frozen memtable that
+    /// is not written yet: its records would exist nowhere but in the log.
+    #[test]
+    fn past_twice_the_budget_a_group_waits_for_the_checkpoint() {
+        const WAIT: Duration = Duration::from_secs(10);
+        let shared = shared_with(
+            RedbStoreBuilder::default().checkpoint_interval(Duration::from_secs(3600)),
+            true,
+        );
+        shared.write_mem().publish([(b"first".to_vec(), None)]);
+        shared.freeze(&mut shared.lock_core()).unwrap();
+        assert!(shared.read_mem().frozen.is_some());
+        // Over the budget, under twice it: no wait.
+        let budget = crate::redb::MEMTABLE_BYTES;
+        shared
+            .write_mem()
+            .publish([(vec![7u8; budget + 1024], None)]);
+        let answers = commit_aside(&shared, begin(b"a")).recv_timeout(WAIT);
+        assert!(matches!(answers.as_deref(), Ok([Ok(_)])), "{answers:?}");
+        // Past twice the budget: the group waits for the checkpoint.
+        shared.write_mem().publish([(vec![8u8; budget], None)]);
+        let waiting = commit_aside(&shared, begin(b"b"));
+        assert!(
+            waiting.recv_timeout(Duration::from_millis(200)).is_err(),
+            "waits while the frozen memtable is not written"
+        );
+        assert!(
+            shared.read_mem().get(b"first").is_some(),
+            "the frozen memtable is still there"
+        );
+        // What the checkpointer does once its commit is durable.
+        {
+            let _bg = shared.lock_bg();
+            shared.write_mem().frozen = None;
+            shared.bg_cv.notify_all();
+        }
+        let answers = waiting.recv_timeout(WAIT);
+        assert!(matches!(answers.as_deref(), Ok([Ok(_)])), "{answers:?}");
+        let mem = shared.read_mem();
+        assert!(
+            mem.frozen.is_some() && mem.active.is_empty(),
+            "frozen in turn"
+        );
+    }
+
+    /// A freeze with nothing logged since the last one (an idle store's
+    /// timed checkpoint) does nothing: no empty memtable for the
+    /// checkpointer, no new log epoch.
+    #[test]
+    fn a_freeze_with_nothing_logged_does_nothing() {
+        let shared = shared(true);
+        let mut core = shared.lock_core();
+        let epoch = core.wal.as_ref().map(Wal::epoch);
+        shared.freeze(&mut core).unwrap();
+        assert!(shared.read_mem().frozen.is_none());
+        assert_eq!(core.wal.as_ref().map(Wal::epoch), epoch);
+    }
+
+    /// Without the log, `Durability::Periodic` commits a group without an
+    /// fsync while its window is open, and durably once it has passed.
+    #[test]
+    fn without_the_log_a_periodic_group_is_durable_once_its_window_has_passed() {
+        let window = Duration::from_millis(200);
+        let shared = shared_with(
+            RedbStoreBuilder::default()
+                .durability(crate::redb::Durability::Periodic { max_loss: window }),
+            false,
+        );
+        let durable = || shared.stats.durable_commits.load(Ordering::SeqCst);
+        let before = durable();
+        shared.commit_group(&[begin(b"a")]);
+        assert_eq!(durable(), before, "inside the window: not durable");
+        assert!(shared.lock_core().unflushed);
+        std::thread::sleep(window + Duration::from_millis(20));
+        shared.commit_group(&[begin(b"b")]);
+        assert_eq!(durable(), before + 1, "past the window: durable");
+        assert!(!shared.lock_core().unflushed);
     }
 
     /// The checkpointer's timed freeze, when a leader froze the memtable
