@@ -1288,6 +1288,33 @@ pub(super) mod tests {
         assert_eq!(index_len(), 0, "both entries are gone");
     }
 
+    /// A sweep in the same group as a new claim of an expired key checks
+    /// the memtable's nominee against the group's own write: the new claim
+    /// stays.
+    #[test]
+    fn a_sweep_keeps_a_claim_made_earlier_in_its_group() {
+        let shared = shared(true);
+        let claim = |at: u64| Op::Begin {
+            key: b"\0x".to_vec(),
+            fingerprint: Fingerprint::of(b"fp"),
+            now: Timestamp::from_millis(at),
+            lease: Duration::from_millis(1),
+            retention: Duration::from_millis(1),
+        };
+        shared.commit_group(&[claim(10)]);
+        let now = Timestamp::from_millis(1_000);
+        let answers = shared.commit_group(&[claim(1_000), Op::Sweep { now, max: 10 }]);
+        assert!(
+            matches!(
+                answers.as_slice(),
+                [Ok(Reply::Begin(Begin::Claimed(_))), Ok(Reply::Swept(0))]
+            ),
+            "{answers:?}"
+        );
+        let record = shared.read(b"\0x").unwrap();
+        assert!(record.is_some_and(|r| r.state == crate::State::Processing));
+    }
+
     /// The checkpointer's timed freeze, when a leader froze the memtable
     /// just before: it must return (the frozen table is its own to write),
     /// not wait for that table holding the commit lock. Before the fix
