@@ -1203,6 +1203,118 @@ pub(super) mod tests {
         assert!(!shared.lock_core().unflushed);
     }
 
+    /// An index entry whose record has another expiry (left by damage or
+    /// by a bug) never gets its record swept early: the sweep checks each
+    /// nominee against its record, drops the stale entry, and sweeps the
+    /// record through its own entry.
+    #[test]
+    fn a_sweep_drops_an_index_entry_that_names_another_expiry() {
+        use ::redb::{ReadableDatabase, ReadableTableMetadata};
+        let shared = shared(false);
+        let claim = Op::Begin {
+            key: b"\0r".to_vec(),
+            fingerprint: Fingerprint::of(b"fp"),
+            now: Timestamp::from_millis(10),
+            lease: Duration::from_millis(1),
+            retention: Duration::from_millis(1),
+        };
+        shared.commit_group(&[claim]);
+        let stale = codec::encode_index(Timestamp::from_millis(5), b"\0r");
+        shared
+            .direct(|txn, _| {
+                let mut index = txn
+                    .open_table(super::super::tables::EXPIRY)
+                    .map_err(engine)?;
+                index.insert(stale.as_slice(), ()).map_err(engine)?;
+                Ok::<_, Error>(())
+            })
+            .unwrap();
+        let index_len = || {
+            let db = shared.read_db().unwrap();
+            let txn = db.begin_read().unwrap();
+            let index = txn.open_table(super::super::tables::EXPIRY).unwrap();
+            index.len().unwrap()
+        };
+        assert_eq!(index_len(), 2);
+        // Before the record's own expiry: nothing is swept, the stale
+        // entry goes.
+        let answers = shared.commit_group(&[Op::Sweep {
+            now: Timestamp::from_millis(8),
+            max: 10,
+        }]);
+        assert!(
+            matches!(answers.as_slice(), [Ok(Reply::Swept(0))]),
+            "{answers:?}"
+        );
+        assert_eq!(index_len(), 1, "the stale entry is gone");
+        assert!(shared.read(b"\0r").unwrap().is_some(), "not swept early");
+        // Past it: the record goes through its own entry.
+        let answers = shared.commit_group(&[Op::Sweep {
+            now: Timestamp::from_millis(1_000),
+            max: 10,
+        }]);
+        assert!(
+            matches!(answers.as_slice(), [Ok(Reply::Swept(1))]),
+            "{answers:?}"
+        );
+        assert_eq!(index_len(), 0);
+        // A stale entry met when its record is due as well: the record goes
+        // once, through its own entry, and the stale entry goes too.
+        shared.commit_group(&[Op::Begin {
+            key: b"\0q".to_vec(),
+            fingerprint: Fingerprint::of(b"fp"),
+            now: Timestamp::from_millis(10),
+            lease: Duration::from_millis(1),
+            retention: Duration::from_millis(1),
+        }]);
+        let stale = codec::encode_index(Timestamp::from_millis(5), b"\0q");
+        shared
+            .direct(|txn, _| {
+                let mut index = txn
+                    .open_table(super::super::tables::EXPIRY)
+                    .map_err(engine)?;
+                index.insert(stale.as_slice(), ()).map_err(engine)?;
+                Ok::<_, Error>(())
+            })
+            .unwrap();
+        let answers = shared.commit_group(&[Op::Sweep {
+            now: Timestamp::from_millis(1_000),
+            max: 10,
+        }]);
+        assert!(
+            matches!(answers.as_slice(), [Ok(Reply::Swept(1))]),
+            "{answers:?}"
+        );
+        assert_eq!(index_len(), 0, "both entries are gone");
+    }
+
+    /// A sweep in the same group as a new claim of an expired key checks
+    /// the memtable's nominee against the group's own write: the new claim
+    /// stays.
+    #[test]
+    fn a_sweep_keeps_a_claim_made_earlier_in_its_group() {
+        let shared = shared(true);
+        let claim = |at: u64| Op::Begin {
+            key: b"\0x".to_vec(),
+            fingerprint: Fingerprint::of(b"fp"),
+            now: Timestamp::from_millis(at),
+            lease: Duration::from_millis(1),
+            retention: Duration::from_millis(1),
+        };
+        shared.commit_group(&[claim(10)]);
+        let now = Timestamp::from_millis(1_000);
+        let answers = shared.commit_group(&[claim(1_000), Op::Sweep { now, max: 10 }]);
+        assert!(
+            matches!(
+                answers.as_slice(),
+                [Ok(Reply::Begin(Begin::Claimed(_))), Ok(Reply::Swept(0))]
+            ),
+            "{answers:?}"
+        );
+        let record = shared.read(b"\0x").unwrap();
+        assert!(record.is_some_and(|r| r.state == crate::State::Processing));
+    }
+
     /// The checkpointer's timed freeze, when a leader froze the memtable
     /// just before: it must return (the frozen table is its own to write),
     /// not wait for that table holding the commit lock. Before the fix
