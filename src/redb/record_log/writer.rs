@@ -168,10 +168,18 @@ mod tests {
         };
         // Epoch 5 writes segment 1; each frame takes whole blocks.
         assert!(wal.fits(100) && !wal.is_dirty());
+        assert_eq!(wal.fill(), 0.0);
         wal.append(&mut journal(100), true).unwrap();
         assert!(wal.is_dirty());
         assert!(wal.fits(100));
+        assert_eq!(wal.fill(), 0.5, "one block of the segment's two");
+        let shown = format!("{wal:?}");
+        assert!(
+            shown.contains("epoch: 5") && shown.contains(&format!("offset: {FRAME_ALIGN}")),
+            "{shown}"
+        );
         wal.append(&mut journal(100), true).unwrap();
+        assert_eq!(wal.fill(), 1.0);
         // The segment (two blocks) is full.
         assert!(!wal.fits(1) && wal.fits_at_all(1));
         assert!(!wal.fits_at_all(2 * FRAME_ALIGN as usize));
