@@ -326,6 +326,34 @@ const MAX_FRAME_READ: u64 = 64 * 1024 * 1024;
 mod tests {
     use super::*;
 
+    /// A damaged frame's entries are read as far as they parse, for the
+    /// loss report: the record keys it names (puts and deletions, not the
+    /// meta table's), up to a cut, and nothing for a range that cannot be
+    /// a frame. The payload is over a MiB: a large response's frame.
+    #[test]
+    fn a_damaged_frames_keys_are_read_as_far_as_its_entries_parse() {
+        let mut j = Journal::default();
+        j.record_put(b"\0big", &vec![1u8; 2 << 20]);
+        j.meta_put("token_hwm", &[0; 8]);
+        j.record_del(b"\0gone");
+        let file = ::redb::backends::InMemoryBackend::new();
+        let len = j.bytes.len() as u64;
+        file.set_len(len).unwrap();
+        file.write(0, &j.bytes).unwrap();
+        let key = |k: &[u8]| crate::codec::printable_key(k);
+        assert_eq!(
+            keys_in(&file, FRAME_HEADER, len),
+            vec![key(b"\0big"), key(b"\0gone")]
+        );
+        // Cut inside the deletion: the put alone.
+        assert_eq!(keys_in(&file, FRAME_HEADER, len - 2), vec![key(b"\0big")]);
+        assert!(keys_in(&file, len, FRAME_HEADER).is_empty());
+        assert!(
+            keys_in(&file, FRAME_HEADER, len + 1).is_empty(),
+            "past the file"
+        );
+    }
+
     #[test]
     fn take_splits_length_prefixed_fields_and_refuses_short_ones() {
         let mut j = Journal::default();
