@@ -326,6 +326,27 @@ const MAX_FRAME_READ: u64 = 64 * 1024 * 1024;
 mod tests {
     use super::*;
 
+    /// A frame that ends exactly where its region ends is whole; one byte
+    /// less of region and it is the end.
+    #[test]
+    fn a_frame_may_end_exactly_at_its_regions_end() {
+        let mut j = Journal::default();
+        j.record_del(b"\0k");
+        let frame = j.seal(&[9; 16], 3).unwrap().to_vec();
+        let file = ::redb::backends::InMemoryBackend::new();
+        let len = frame.len() as u64;
+        file.set_len(len).unwrap();
+        file.write(0, &frame).unwrap();
+        assert!(matches!(
+            read_frame(&file, &[9; 16], 3, 0, len).unwrap(),
+            Frame::Whole { next, .. } if next == len
+        ));
+        assert!(matches!(
+            read_frame(&file, &[9; 16], 3, 0, len - 1).unwrap(),
+            Frame::End
+        ));
+    }
+
     /// A damaged frame's entries are read as far as they parse, for the
     /// loss report: the record keys it names (puts and deletions, not the
     /// meta table's), up to a cut, and nothing for a range that cannot be
