@@ -35,7 +35,7 @@ pub(crate) const META_FORMAT_VERSION: &str = "format_version";
 pub(crate) const META_STORE_ID: &str = "store_id";
 /// Meta key: the largest fencing token ever handed out, u64 BE.
 pub(crate) const META_TOKEN_HWM: &str = "token_high_water_mark";
-/// Meta key: the write-ahead log's epoch, u64 BE (see `wal.rs`); absent in
+/// Meta key: the write-ahead log's epoch, u64 BE (see `record_log/`); absent in
 /// a store that never had a log, read as 0.
 pub(crate) const META_WAL_EPOCH: &str = "wal_epoch";
 /// Meta key: whether the log may hold acknowledged frames not yet in this

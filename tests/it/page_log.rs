@@ -4,7 +4,7 @@
 //! read-only view (in memory, nothing written), and after an open without
 //! the option (which replays the log into the file and removes it).
 //! Power cuts of the page log itself are the unit tests in
-//! `src/redb/pages.rs` (a simulated disk, a lying one, torn writes).
+//! `src/redb/page_log/backend.rs` (a simulated disk, a lying one, torn writes).
 
 use idemstore::redb::engine::{ReadableTable, TableDefinition, WriteTransaction};
 use idemstore::redb::{Delivery, Inbox, Message};
@@ -117,7 +117,9 @@ fn the_inbox_commits_through_the_page_log_and_a_clean_close_leaves_the_file_whol
             .count(),
         10
     );
-    assert!(dir.path().join("s.idem-pages").exists());
+    // Preallocated to its full size at open: appends never grow it.
+    let pages = std::fs::metadata(dir.path().join("s.idem-pages")).unwrap();
+    assert_eq!(pages.len(), idemstore::redb::PAGE_LOG_BYTES);
     drop(inbox);
     // Closed cleanly: the store file alone holds everything.
     let copy = tempfile::tempdir().unwrap();

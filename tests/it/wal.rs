@@ -204,7 +204,7 @@ fn a_frame_that_verifies_but_does_not_decode_is_corrupt_not_skipped() {
     let mut frame = b"IDWL".to_vec();
     frame.extend_from_slice(&epoch);
     frame.extend_from_slice(&(payload.len() as u32).to_be_bytes());
-    // The CRC covers the store's id first (see wal.rs).
+    // The CRC covers the store's id first (see src/redb/record_log/frame.rs).
     let mut crc = crc32fast::Hasher::new();
     crc.update(&store_id.to_be_bytes());
     crc.update(&frame);
