@@ -198,3 +198,17 @@ fn a_page_logged_store_is_locked_against_every_other_open() {
         Err(idemstore::Error::Locked { .. })
     ));
 }
+
+/// A page log beside the store that cannot be opened (here a symbolic
+/// link to itself) fails a view with the I/O error: it is never taken for
+/// a store without a page log, whose view would miss its commits.
+#[cfg(unix)]
+#[test]
+fn a_page_log_that_cannot_be_opened_fails_a_view() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.idem");
+    drop(RedbStore::open(&path).unwrap());
+    std::os::unix::fs::symlink("s.idem-pages", dir.path().join("s.idem-pages")).unwrap();
+    let err = RedbStore::open_read_only(&path).unwrap_err();
+    assert!(matches!(err, idemstore::Error::Io(_)), "{err}");
+}

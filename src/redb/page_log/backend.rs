@@ -532,6 +532,12 @@ mod tests {
     #[test]
     fn a_clean_close_leaves_a_complete_store_file() {
         let (file, log) = (MemDisk::default(), MemDisk::default());
+        let shown = format!(
+            "{:?}",
+            PageLog::with_capacity(Box::new(file.clone()), Box::new(log.clone()), SMALL)
+                .expect("page log")
+        );
+        assert!(shown.contains(&format!("capacity: {SMALL}")), "{shown}");
         let db = open(&file, &log);
         commit_each(&db, 0..120);
         drop(db);
