@@ -1,5 +1,6 @@
 //! The bottom of the redb backend's file handling: owner-only opening,
-//! directory syncs, `flock` locks and the redb header check. It imports
+//! directory syncs, `flock` locks, the redb header check, positional reads
+//! and preallocation (both logs'). It imports
 //! nothing of the backend above it (open, the logs, the overlay), so every
 //! one of them can use it without a cycle.
 
@@ -95,4 +96,50 @@ pub(super) fn check_foreign(backend: &impl StorageBackend) -> Result<()> {
 
 pub(super) fn not_ours(detail: impl std::fmt::Display) -> Error {
     Error::corrupt(None, format!("not an idemstore store file: {detail}"))
+}
+
+/// Fills `out` from `file` at `offset` (positional: no shared cursor).
+pub(super) fn read_at(file: &std::fs::File, out: &mut [u8], offset: u64) -> std::io::Result<()> {
+    #[cfg(unix)]
+    {
+        std::os::unix::fs::FileExt::read_exact_at(file, out, offset)
+    }
+    #[cfg(windows)]
+    {
+        let mut done = 0;
+        while let Some(rest) = out.get_mut(done..).filter(|r| !r.is_empty()) {
+            let n = std::os::windows::fs::FileExt::seek_read(file, rest, offset + done as u64)?;
+            if n == 0 {
+                return Err(std::io::ErrorKind::UnexpectedEof.into());
+            }
+            done += n;
+        }
+        Ok(())
+    }
+}
+
+/// Makes sure the log file is `capacity` bytes long, writing zeros over
+/// any part that is missing (a new file, or one cut short), and syncs it.
+/// Returns the size frames may use: `capacity`, or more if the file is
+/// already larger (a log made with a larger `wal_bytes`).
+pub(super) fn preallocate(file: &dyn StorageBackend, capacity: u64) -> Result<u64> {
+    let len = file.len().map_err(Error::Io)?;
+    if len >= capacity {
+        return Ok(len);
+    }
+    // Grown first (some backends write only within their length), then
+    // written: a sparse tail would make every later append allocate blocks,
+    // and each fdatasync write that metadata too.
+    file.set_len(capacity).map_err(Error::Io)?;
+    const CHUNK: usize = 1024 * 1024;
+    let zeros = vec![0u8; CHUNK];
+    let mut at = len;
+    while at < capacity {
+        let n = (capacity - at).min(CHUNK as u64) as usize;
+        file.write(at, zeros.get(..n).unwrap_or_default())
+            .map_err(Error::Io)?;
+        at += n as u64;
+    }
+    file.sync_data().map_err(Error::Io)?;
+    Ok(capacity)
 }

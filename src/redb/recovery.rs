@@ -236,7 +236,7 @@ pub(super) fn recover_log(
     let new_len = if config.read_only {
         len
     } else {
-        record_log::preallocate(file.as_ref(), config.wal_bytes)?
+        super::file::preallocate(file.as_ref(), config.wal_bytes)?
     };
     if new_len != len {
         // The new size, durably, before any frame is laid out for it.

@@ -91,7 +91,7 @@ impl PageLog {
         capacity: u64,
     ) -> Result<PageLog> {
         let replayed = replay(&*log, &*file)?;
-        let capacity = super::super::record_log::preallocate(&*log, capacity)?;
+        let capacity = super::super::file::preallocate(&*log, capacity)?;
         let file_len = file.len()?;
         let paged = PageLog {
             file,

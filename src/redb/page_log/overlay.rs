@@ -11,7 +11,6 @@
 //! [`RedbStore::open_read_only`]: crate::redb::RedbStore::open_read_only
 
 use super::super::file::check_foreign;
-use super::super::record_log;
 use super::super::source::Source;
 use super::page_images::Pages;
 use crate::error::{Error, Result};
@@ -122,7 +121,7 @@ impl Overlay {
         let (head, tail) = out.split_at_mut(in_file);
         if !head.is_empty() {
             match &self.base {
-                Base::File(file) => record_log::read_at(file, head, offset)?,
+                Base::File(file) => super::super::file::read_at(file, head, offset)?,
                 Base::Backend(backend) => backend.read(offset, head)?,
             }
         }

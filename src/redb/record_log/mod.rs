@@ -75,7 +75,7 @@ mod writer;
 pub use frame::FRAME_ALIGN;
 pub(super) use frame::{Journal, Layout, entries};
 pub(super) use reader::{applier, frames_seen, walk};
-pub(super) use writer::{Wal, preallocate};
+pub(super) use writer::Wal;
 
 /// Size of a store's write-ahead log file (`<file>-wal`): two segments of
 /// half this size each. It is written with zeros at creation (so appends
@@ -147,32 +147,12 @@ impl FileLog {
     }
 }
 
-/// Fills `out` from `file` at `offset` (positional: no shared cursor).
-pub(super) fn read_at(file: &std::fs::File, out: &mut [u8], offset: u64) -> std::io::Result<()> {
-    #[cfg(unix)]
-    {
-        std::os::unix::fs::FileExt::read_exact_at(file, out, offset)
-    }
-    #[cfg(windows)]
-    {
-        let mut done = 0;
-        while let Some(rest) = out.get_mut(done..).filter(|r| !r.is_empty()) {
-            let n = std::os::windows::fs::FileExt::seek_read(file, rest, offset + done as u64)?;
-            if n == 0 {
-                return Err(std::io::ErrorKind::UnexpectedEof.into());
-            }
-            done += n;
-        }
-        Ok(())
-    }
-}
-
 impl StorageBackend for FileLog {
     fn len(&self) -> std::io::Result<u64> {
         Ok(self.file.metadata()?.len())
     }
     fn read(&self, offset: u64, out: &mut [u8]) -> std::io::Result<()> {
-        read_at(&self.file, out, offset)
+        super::file::read_at(&self.file, out, offset)
     }
     fn set_len(&self, len: u64) -> std::io::Result<()> {
         self.file.set_len(len)

@@ -1,7 +1,7 @@
 //! The record log's writer: [`Wal`] appends a group's [`Journal`] as one
 //! frame at the next aligned offset of the current epoch's segment, syncs
 //! it, and moves to the next epoch's segment when a checkpoint takes the
-//! memtable; [`preallocate`] gives the log file its full size in zeros.
+//! memtable; `file::preallocate` gives the log file its full size in zeros.
 
 use super::frame::{FRAME_HEADER, Journal, align_up, segment_bytes, segment_range};
 use crate::error::{Error, Result};
@@ -111,32 +111,6 @@ impl Wal {
         self.offset += framed;
         Ok(())
     }
-}
-
-/// Makes sure the log file is `capacity` bytes long, writing zeros over
-/// any part that is missing (a new file, or one cut short), and syncs it.
-/// Returns the size frames may use: `capacity`, or more if the file is
-/// already larger (a log made with a larger `wal_bytes`).
-pub(in crate::redb) fn preallocate(file: &dyn StorageBackend, capacity: u64) -> Result<u64> {
-    let len = file.len().map_err(Error::Io)?;
-    if len >= capacity {
-        return Ok(len);
-    }
-    // Grown first (some backends write only within their length), then
-    // written: a sparse tail would make every later append allocate blocks,
-    // and each fdatasync write that metadata too.
-    file.set_len(capacity).map_err(Error::Io)?;
-    const CHUNK: usize = 1024 * 1024;
-    let zeros = vec![0u8; CHUNK];
-    let mut at = len;
-    while at < capacity {
-        let n = (capacity - at).min(CHUNK as u64) as usize;
-        file.write(at, zeros.get(..n).unwrap_or_default())
-            .map_err(Error::Io)?;
-        at += n as u64;
-    }
-    file.sync_data().map_err(Error::Io)?;
-    Ok(capacity)
 }
 
 #[cfg(test)]
