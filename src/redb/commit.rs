@@ -939,10 +939,16 @@ pub(super) mod tests {
     /// A store's shared state on in-memory backends, with no thread
     /// started: the tests lead groups themselves.
     pub(in crate::redb) fn shared(log: bool) -> Arc<Shared> {
-        let config = RedbStoreBuilder::default().config;
-        let backend = ::redb::backends::InMemoryBackend::new();
+        shared_with(RedbStoreBuilder::default(), log)
+    }
+
+    /// A shared state on in-memory backends opened with `builder`'s
+    /// configuration, with the log or without.
+    fn shared_with(builder: RedbStoreBuilder, log: bool) -> Arc<Shared> {
+        let config = builder.config;
         let wal: Option<Box<dyn ::redb::StorageBackend>> =
             log.then(|| Box::new(::redb::backends::InMemoryBackend::new()) as _);
+        let backend = ::redb::backends::InMemoryBackend::new();
         let opened = open::open_backend(backend, wal, None, &config, Path::new("memory")).unwrap();
         Shared::new(opened, &config, None)
     }
@@ -1052,17 +1058,6 @@ pub(super) mod tests {
         let q = shared.lock_queue();
         assert!(!q.committer, "the committer was not asked");
         assert_eq!((q.waiting.len(), q.threads), (2, 1));
-    }
-
-    /// A shared state on in-memory backends opened with `builder`'s
-    /// configuration, with the log or without.
-    fn shared_with(builder: RedbStoreBuilder, log: bool) -> Arc<Shared> {
-        let config = builder.config;
-        let wal: Option<Box<dyn ::redb::StorageBackend>> =
-            log.then(|| Box::new(::redb::backends::InMemoryBackend::new()) as _);
-        let backend = ::redb::backends::InMemoryBackend::new();
-        let opened = open::open_backend(backend, wal, None, &config, Path::new("memory")).unwrap();
-        Shared::new(opened, &config, None)
     }
 
     /// Under `Durability::Periodic` a group's frame is appended without a
@@ -1211,37 +1206,18 @@ pub(super) mod tests {
     fn a_sweep_drops_an_index_entry_that_names_another_expiry() {
         use ::redb::{ReadableDatabase, ReadableTableMetadata};
         let shared = shared(false);
-        let claim = Op::Begin {
-            key: b"\0r".to_vec(),
-            fingerprint: Fingerprint::of(b"fp"),
-            now: Timestamp::from_millis(10),
-            lease: Duration::from_millis(1),
-            retention: Duration::from_millis(1),
-        };
-        shared.commit_group(&[claim]);
-        let stale = codec::encode_index(Timestamp::from_millis(5), b"\0r");
-        shared
-            .direct(|txn, _| {
-                let mut index = txn
-                    .open_table(super::super::tables::EXPIRY)
-                    .map_err(engine)?;
-                index.insert(stale.as_slice(), ()).map_err(engine)?;
-                Ok::<_, Error>(())
-            })
-            .unwrap();
         let index_len = || {
             let db = shared.read_db().unwrap();
             let txn = db.begin_read().unwrap();
             let index = txn.open_table(super::super::tables::EXPIRY).unwrap();
             index.len().unwrap()
         };
+        shared.commit_group(&[short_claim(b"\0r", 10)]);
+        plant_stale_index_entry(&shared, b"\0r", 5);
         assert_eq!(index_len(), 2);
         // Before the record's own expiry: nothing is swept, the stale
         // entry goes.
-        let answers = shared.commit_group(&[Op::Sweep {
-            now: Timestamp::from_millis(8),
-            max: 10,
-        }]);
+        let answers = shared.commit_group(&[sweep_at(8)]);
         assert!(
             matches!(answers.as_slice(), [Ok(Reply::Swept(0))]),
             "{answers:?}"
@@ -1249,10 +1225,7 @@ pub(super) mod tests {
         assert_eq!(index_len(), 1, "the stale entry is gone");
         assert!(shared.read(b"\0r").unwrap().is_some(), "not swept early");
         // Past it: the record goes through its own entry.
-        let answers = shared.commit_group(&[Op::Sweep {
-            now: Timestamp::from_millis(1_000),
-            max: 10,
-        }]);
+        let answers = shared.commit_group(&[sweep_at(1_000)]);
         assert!(
             matches!(answers.as_slice(), [Ok(Reply::Swept(1))]),
             "{answers:?}"
@@ -1260,14 +1233,39 @@ pub(super) mod tests {
         assert_eq!(index_len(), 0);
         // A stale entry met when its record is due as well: the record goes
         // once, through its own entry, and the stale entry goes too.
-        shared.commit_group(&[Op::Begin {
-            key: b"\0q".to_vec(),
+        shared.commit_group(&[short_claim(b"\0q", 10)]);
+        plant_stale_index_entry(&shared, b"\0q", 5);
+        let answers = shared.commit_group(&[sweep_at(1_000)]);
+        assert!(
+            matches!(answers.as_slice(), [Ok(Reply::Swept(1))]),
+            "{answers:?}"
+        );
+        assert_eq!(index_len(), 0, "both entries are gone");
+    }
+
+    /// A claim at `at` ms whose lease and retention are 1 ms each.
+    fn short_claim(id: &[u8], at: u64) -> Op {
+        Op::Begin {
+            key: id.to_vec(),
             fingerprint: Fingerprint::of(b"fp"),
-            now: Timestamp::from_millis(10),
+            now: Timestamp::from_millis(at),
             lease: Duration::from_millis(1),
             retention: Duration::from_millis(1),
-        }]);
-        let stale = codec::encode_index(Timestamp::from_millis(5), b"\0q");
+        }
+    }
+
+    /// A sweep at `at` ms of up to 10 records.
+    fn sweep_at(at: u64) -> Op {
+        Op::Sweep {
+            now: Timestamp::from_millis(at),
+            max: 10,
+        }
+    }
+
+    /// An expiry index entry for `key` at `at` ms that its record does not
+    /// have, written into redb directly.
+    fn plant_stale_index_entry(shared: &Shared, key: &[u8], at: u64) {
+        let stale = codec::encode_index(Timestamp::from_millis(at), key);
         shared
             .direct(|txn, _| {
                 let mut index = txn
@@ -1277,15 +1275,6 @@ pub(super) mod tests {
                 Ok::<_, Error>(())
             })
             .unwrap();
-        let answers = shared.commit_group(&[Op::Sweep {
-            now: Timestamp::from_millis(1_000),
-            max: 10,
-        }]);
-        assert!(
-            matches!(answers.as_slice(), [Ok(Reply::Swept(1))]),
-            "{answers:?}"
-        );
-        assert_eq!(index_len(), 0, "both entries are gone");
     }
 
     /// A sweep in the same group as a new claim of an expired key checks
@@ -1294,16 +1283,8 @@ pub(super) mod tests {
     #[test]
     fn a_sweep_keeps_a_claim_made_earlier_in_its_group() {
         let shared = shared(true);
-        let claim = |at: u64| Op::Begin {
-            key: b"\0x".to_vec(),
-            fingerprint: Fingerprint::of(b"fp"),
-            now: Timestamp::from_millis(at),
-            lease: Duration::from_millis(1),
-            retention: Duration::from_millis(1),
-        };
-        shared.commit_group(&[claim(10)]);
-        let now = Timestamp::from_millis(1_000);
-        let answers = shared.commit_group(&[claim(1_000), Op::Sweep { now, max: 10 }]);
+        shared.commit_group(&[short_claim(b"\0x", 10)]);
+        let answers = shared.commit_group(&[short_claim(b"\0x", 1_000), sweep_at(1_000)]);
         assert!(
             matches!(
                 answers.as_slice(),
@@ -1321,14 +1302,10 @@ pub(super) mod tests {
     /// every writer stopped behind it (found by the HTTP load benchmark).
     #[test]
     fn a_timed_freeze_never_waits_for_the_checkpoint_it_must_write() {
-        let config = RedbStoreBuilder::default()
-            .checkpoint_interval(Duration::from_millis(1))
-            .config;
-        let wal: Option<Box<dyn ::redb::StorageBackend>> =
-            Some(Box::new(::redb::backends::InMemoryBackend::new()));
-        let backend = ::redb::backends::InMemoryBackend::new();
-        let opened = open::open_backend(backend, wal, None, &config, Path::new("memory")).unwrap();
-        let shared = Shared::new(opened, &config, None);
+        let shared = shared_with(
+            RedbStoreBuilder::default().checkpoint_interval(Duration::from_millis(1)),
+            true,
+        );
         let answers = shared.commit_group(&[begin(b"a")]);
         assert!(matches!(
             answers.as_slice(),
@@ -1411,13 +1388,7 @@ pub(super) mod tests {
     #[test]
     fn a_sweep_takes_expired_records_from_memory_and_redb_in_order() {
         let shared = shared(true);
-        let claim = |id: &[u8], at: u64| Op::Begin {
-            key: id.to_vec(),
-            fingerprint: Fingerprint::of(b"fp"),
-            now: Timestamp::from_millis(at),
-            lease: Duration::from_millis(1),
-            retention: Duration::from_millis(1),
-        };
+        let claim = short_claim;
         shared.commit_group(&[claim(b"\0r1", 10), claim(b"\0r2", 20)]);
         // Into redb: the memtable is checkpointed by a direct transaction.
         shared.direct(|_, _| Ok::<_, Error>(())).unwrap();

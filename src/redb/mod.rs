@@ -139,18 +139,18 @@ struct Engine {
     usable: Usable,
 }
 
-/// What the engine in [`Engine::db`] may be used for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// What the engine in [`Engine::db`] may be used for, from least to most.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Usable {
-    /// The store's files, opened for writing.
-    Yes,
+    /// While a heal cannot open the files at all: an empty stand-in, and
+    /// reads fail with the cause instead of reading it.
+    No,
     /// While a heal cannot open the files for writing: a view of them that
     /// writes nothing (`overlay::open_view_of`). Reads go on; a write
     /// transaction is refused with the cause (it would reach memory only).
     ForReads,
-    /// While a heal cannot open the files at all: an empty stand-in, and
-    /// reads fail with the cause instead of reading it.
-    No,
+    /// The store's files, opened for writing.
+    Yes,
 }
 
 /// A read lock on a usable engine (see [`Shared::read_db`]).
@@ -272,17 +272,16 @@ impl Shared {
     /// The engine for a transaction, or the cause when a heal could not
     /// reopen it yet.
     fn read_db(&self) -> Result<DbRead<'_>> {
-        let engine = self.db.read().unwrap_or_else(|p| p.into_inner());
-        if engine.usable == Usable::No {
-            return Err(self.poisoned_error());
-        }
-        Ok(DbRead(engine))
+        self.db_for(Usable::ForReads)
     }
     /// The engine for a write transaction: the files opened for writing,
     /// or the cause.
     fn write_ready_db(&self) -> Result<DbRead<'_>> {
+        self.db_for(Usable::Yes)
+    }
+    fn db_for(&self, need: Usable) -> Result<DbRead<'_>> {
         let engine = self.db.read().unwrap_or_else(|p| p.into_inner());
-        if engine.usable != Usable::Yes {
+        if engine.usable < need {
             return Err(self.poisoned_error());
         }
         Ok(DbRead(engine))
