@@ -143,3 +143,55 @@ pub(super) fn preallocate(file: &dyn StorageBackend, capacity: u64) -> Result<u6
     file.sync_data().map_err(Error::Io)?;
     Ok(capacity)
 }
+
+/// The six lock methods of a [`StorageBackend`] that wraps another in the
+/// field `$inner`, each passed on unchanged: the wrappers of this backend
+/// (`source::SharedBackend`, `witness::Witnessed`, `page_log::PageLog`)
+/// change what they do with data, never how the file is locked.
+macro_rules! forward_locks {
+    ($inner:tt) => {
+        fn try_lock_range(
+            &self,
+            start: ::std::ops::Bound<u64>,
+            end: ::std::ops::Bound<u64>,
+        ) -> ::std::result::Result<bool, ::redb::BackendError> {
+            self.$inner.try_lock_range(start, end)
+        }
+        fn try_lock_shared_range(
+            &self,
+            start: ::std::ops::Bound<u64>,
+            end: ::std::ops::Bound<u64>,
+        ) -> ::std::result::Result<bool, ::redb::BackendError> {
+            self.$inner.try_lock_shared_range(start, end)
+        }
+        fn lock_range(
+            &self,
+            start: ::std::ops::Bound<u64>,
+            end: ::std::ops::Bound<u64>,
+        ) -> ::std::result::Result<(), ::redb::BackendError> {
+            self.$inner.lock_range(start, end)
+        }
+        fn lock_shared_range(
+            &self,
+            start: ::std::ops::Bound<u64>,
+            end: ::std::ops::Bound<u64>,
+        ) -> ::std::result::Result<(), ::redb::BackendError> {
+            self.$inner.lock_shared_range(start, end)
+        }
+        fn unlock_range(
+            &self,
+            start: ::std::ops::Bound<u64>,
+            end: ::std::ops::Bound<u64>,
+        ) -> ::std::result::Result<(), ::redb::BackendError> {
+            self.$inner.unlock_range(start, end)
+        }
+        fn query_lock_range(
+            &self,
+            start: ::std::ops::Bound<u64>,
+            end: ::std::ops::Bound<u64>,
+        ) -> ::std::result::Result<bool, ::redb::BackendError> {
+            self.$inner.query_lock_range(start, end)
+        }
+    };
+}
+pub(super) use forward_locks;

@@ -1,9 +1,8 @@
 //! Where a store's engine is opened from, kept so that a heal (heal.rs)
 //! can open it again: the path, or the caller's backends shared through
-//! [`SharedBackend`]. A bottom module: it imports nothing of the backend.
+//! [`SharedBackend`]. A bottom module: it imports only `file.rs`.
 
 use ::redb::StorageBackend;
-use std::ops::Bound;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -43,38 +42,5 @@ impl StorageBackend for SharedBackend {
     fn write(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
         self.0.write(offset, data)
     }
-    fn try_lock_range(
-        &self,
-        start: Bound<u64>,
-        end: Bound<u64>,
-    ) -> Result<bool, ::redb::BackendError> {
-        self.0.try_lock_range(start, end)
-    }
-    fn try_lock_shared_range(
-        &self,
-        start: Bound<u64>,
-        end: Bound<u64>,
-    ) -> Result<bool, ::redb::BackendError> {
-        self.0.try_lock_shared_range(start, end)
-    }
-    fn lock_range(&self, start: Bound<u64>, end: Bound<u64>) -> Result<(), ::redb::BackendError> {
-        self.0.lock_range(start, end)
-    }
-    fn lock_shared_range(
-        &self,
-        start: Bound<u64>,
-        end: Bound<u64>,
-    ) -> Result<(), ::redb::BackendError> {
-        self.0.lock_shared_range(start, end)
-    }
-    fn unlock_range(&self, start: Bound<u64>, end: Bound<u64>) -> Result<(), ::redb::BackendError> {
-        self.0.unlock_range(start, end)
-    }
-    fn query_lock_range(
-        &self,
-        start: Bound<u64>,
-        end: Bound<u64>,
-    ) -> Result<bool, ::redb::BackendError> {
-        self.0.query_lock_range(start, end)
-    }
+    super::file::forward_locks!(0);
 }

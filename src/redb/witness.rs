@@ -8,11 +8,10 @@
 //! The [`IoWitness`] beside every backend the engine writes through keeps
 //! the last error's kind and text, so the store can name the cause (a full
 //! disk stays `StorageFull`) wherever the engine's own answer has lost it.
-//! A bottom module: it imports nothing of the backend.
+//! A bottom module: it imports only `file.rs`.
 
 use ::redb::StorageBackend;
 use std::io::{Error as IoError, ErrorKind};
-use std::ops::Bound;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -98,40 +97,7 @@ impl<B: StorageBackend> StorageBackend for Witnessed<B> {
     fn close(&self) -> std::io::Result<()> {
         self.inner.close()
     }
-    fn try_lock_range(
-        &self,
-        start: Bound<u64>,
-        end: Bound<u64>,
-    ) -> Result<bool, ::redb::BackendError> {
-        self.inner.try_lock_range(start, end)
-    }
-    fn try_lock_shared_range(
-        &self,
-        start: Bound<u64>,
-        end: Bound<u64>,
-    ) -> Result<bool, ::redb::BackendError> {
-        self.inner.try_lock_shared_range(start, end)
-    }
-    fn lock_range(&self, start: Bound<u64>, end: Bound<u64>) -> Result<(), ::redb::BackendError> {
-        self.inner.lock_range(start, end)
-    }
-    fn lock_shared_range(
-        &self,
-        start: Bound<u64>,
-        end: Bound<u64>,
-    ) -> Result<(), ::redb::BackendError> {
-        self.inner.lock_shared_range(start, end)
-    }
-    fn unlock_range(&self, start: Bound<u64>, end: Bound<u64>) -> Result<(), ::redb::BackendError> {
-        self.inner.unlock_range(start, end)
-    }
-    fn query_lock_range(
-        &self,
-        start: Bound<u64>,
-        end: Bound<u64>,
-    ) -> Result<bool, ::redb::BackendError> {
-        self.inner.query_lock_range(start, end)
-    }
+    super::file::forward_locks!(inner);
 }
 
 #[cfg(test)]

@@ -16,9 +16,8 @@ use super::PAGE_LOG_BYTES;
 use super::frame::{HEADER, encode_set_len, encode_write, replay, seal};
 use super::page_images::Pages;
 use crate::error::Result;
-use ::redb::{BackendError, StorageBackend};
+use ::redb::StorageBackend;
 use std::io::ErrorKind;
-use std::ops::Bound;
 use std::sync::Mutex;
 
 /// The store file behind a page log. See the module docs.
@@ -269,53 +268,7 @@ impl StorageBackend for PageLog {
         checkpointed.and(closed)
     }
 
-    fn try_lock_range(
-        &self,
-        start: Bound<u64>,
-        end: Bound<u64>,
-    ) -> std::result::Result<bool, BackendError> {
-        self.file.try_lock_range(start, end)
-    }
-
-    fn try_lock_shared_range(
-        &self,
-        start: Bound<u64>,
-        end: Bound<u64>,
-    ) -> std::result::Result<bool, BackendError> {
-        self.file.try_lock_shared_range(start, end)
-    }
-
-    fn lock_range(
-        &self,
-        start: Bound<u64>,
-        end: Bound<u64>,
-    ) -> std::result::Result<(), BackendError> {
-        self.file.lock_range(start, end)
-    }
-
-    fn lock_shared_range(
-        &self,
-        start: Bound<u64>,
-        end: Bound<u64>,
-    ) -> std::result::Result<(), BackendError> {
-        self.file.lock_shared_range(start, end)
-    }
-
-    fn unlock_range(
-        &self,
-        start: Bound<u64>,
-        end: Bound<u64>,
-    ) -> std::result::Result<(), BackendError> {
-        self.file.unlock_range(start, end)
-    }
-
-    fn query_lock_range(
-        &self,
-        start: Bound<u64>,
-        end: Bound<u64>,
-    ) -> std::result::Result<bool, BackendError> {
-        self.file.query_lock_range(start, end)
-    }
+    super::super::file::forward_locks!(file);
 }
 
 #[cfg(test)]
