@@ -260,6 +260,17 @@ mod tests {
     use crate::redb::open;
     use std::path::Path;
 
+    /// A claim of `a` with a 10 s lease.
+    fn begin_a() -> Op {
+        Op::Begin {
+            key: b"\0a".to_vec(),
+            fingerprint: crate::fingerprint::Fingerprint::of(b"fp"),
+            now: crate::time::Timestamp::from_millis(1_000),
+            lease: Duration::from_secs(10),
+            retention: Duration::from_secs(10),
+        }
+    }
+
     /// The checkpointer spun while another thread held the commit lock
     /// with a memtable due: `tick` found the lock busy and the loop tried
     /// again at once, for as long as the lock was held (found by the
@@ -267,22 +278,11 @@ mod tests {
     /// so, and the loop waits.
     #[test]
     fn a_tick_that_finds_the_commit_lock_held_says_so() {
-        let config = RedbStoreBuilder::default()
-            .checkpoint_interval(Duration::from_millis(1))
-            .config;
-        let wal: Option<Box<dyn ::redb::StorageBackend>> =
-            Some(Box::new(::redb::backends::InMemoryBackend::new()));
-        let backend = ::redb::backends::InMemoryBackend::new();
-        let opened = open::open_backend(backend, wal, None, &config, Path::new("memory")).unwrap();
-        let shared = Shared::new(opened, &config, None);
-        let begin = Op::Begin {
-            key: b"\0a".to_vec(),
-            fingerprint: crate::fingerprint::Fingerprint::of(b"fp"),
-            now: crate::time::Timestamp::from_millis(1_000),
-            lease: Duration::from_secs(10),
-            retention: Duration::from_secs(10),
-        };
-        let _ = shared.submit(begin).unwrap();
+        let shared = super::super::commit::tests::shared_with(
+            RedbStoreBuilder::default().checkpoint_interval(Duration::from_millis(1)),
+            true,
+        );
+        let _ = shared.submit(begin_a()).unwrap();
         std::thread::sleep(Duration::from_millis(20));
         assert!(shared.checkpoint_due());
         let held = shared.lock_core();
@@ -343,14 +343,7 @@ mod tests {
             .unwrap();
         let shared = &store.shared;
         assert!(shared.log_file.is_some());
-        let begin = Op::Begin {
-            key: b"\0a".to_vec(),
-            fingerprint: crate::fingerprint::Fingerprint::of(b"fp"),
-            now: crate::time::Timestamp::from_millis(1_000),
-            lease: Duration::from_secs(10),
-            retention: Duration::from_secs(10),
-        };
-        let _ = shared.submit(begin).unwrap();
+        let _ = shared.submit(begin_a()).unwrap();
         let deadline = std::time::Instant::now() + Duration::from_secs(5);
         while shared.log_unsynced.load(Ordering::SeqCst) && std::time::Instant::now() < deadline {
             std::thread::sleep(max_loss);

@@ -944,7 +944,7 @@ pub(super) mod tests {
 
     /// A shared state on in-memory backends opened with `builder`'s
     /// configuration, with the log or without.
-    fn shared_with(builder: RedbStoreBuilder, log: bool) -> Arc<Shared> {
+    pub(in crate::redb) fn shared_with(builder: RedbStoreBuilder, log: bool) -> Arc<Shared> {
         let config = builder.config;
         let wal: Option<Box<dyn ::redb::StorageBackend>> =
             log.then(|| Box::new(::redb::backends::InMemoryBackend::new()) as _);
