@@ -153,3 +153,24 @@ impl ::redb::StorageBackend for FileImage {
         Ok(())
     }
 }
+
+/// The redb store's fixed sizes, for tests of its file format and its
+/// commit line. Not configurable; `docs/format.md` and `docs/design.md`
+/// give their values.
+///
+/// ```
+/// assert_eq!(idemstore::unstable::redb::FRAME_ALIGN, 4096);
+/// assert_eq!(idemstore::unstable::redb::MEMTABLE_BYTES, 4 << 20);
+/// ```
+#[cfg(feature = "redb")]
+pub mod redb {
+    /// Record log frames start on multiples of this (bytes) from the start
+    /// of their segment.
+    pub const FRAME_ALIGN: u64 = crate::redb::FRAME_ALIGN;
+    /// The memtable's budget (bytes of records) before it is frozen.
+    pub const MEMTABLE_BYTES: usize = crate::redb::MEMTABLE_BYTES;
+    /// The page log's preallocated size (bytes).
+    pub const PAGE_LOG_BYTES: u64 = crate::redb::PAGE_LOG_BYTES;
+    /// Requests that may wait in a store's commit line.
+    pub const WRITE_QUEUE_DEPTH: usize = crate::redb::WRITE_QUEUE_DEPTH;
+}

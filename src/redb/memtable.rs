@@ -23,11 +23,7 @@ use std::sync::Arc;
 /// freezes it and hands it to the checkpointer. It bounds the memory the
 /// store holds beyond redb's cache (at most two tables: the active one and
 /// the one being checkpointed) and the work of one checkpoint.
-///
-/// ```
-/// assert_eq!(idemstore::redb::MEMTABLE_BYTES, 4 << 20);
-/// ```
-pub const MEMTABLE_BYTES: usize = 4 * 1024 * 1024;
+pub(crate) const MEMTABLE_BYTES: usize = 4 * 1024 * 1024;
 
 /// One key's latest state: a record, or `None` for a deletion (released or
 /// swept) that redb must see at the next checkpoint.

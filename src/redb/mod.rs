@@ -21,8 +21,14 @@
 //!                                                             checkpointer ─► redb (durable)
 //! ```
 //!
-//! - `commit.rs`: leader/follower group commit, the group's decisions,
-//!   direct transactions (inbox, admin, compaction);
+//! - `shared.rs`: what the callers and the background thread share (the
+//!   engine, the memtable, the line, the commit lock) and the read path;
+//!   `requests.rs`: the `Store` impl, the read fast path, the ops a call
+//!   puts in the line;
+//! - `commit/`: leader/follower group commit (`mod.rs`: a group's commit,
+//!   with the log or without); `line.rs`: the line of callers and the
+//!   leader role; `decide.rs`: the group's decisions through `logic`;
+//!   `direct.rs`: direct transactions (inbox, admin, compaction, close);
 //! - `native.rs`: the native async entry (futures in the line, the
 //!   committer thread that leads for them);
 //! - `memtable.rs`: the records written since the last checkpoint;
@@ -57,7 +63,7 @@
 //!   testkit's crash checker;
 //! - `inbox/`: the co-transactional inbox for message consumers (`batch.rs`:
 //!   a batch of deliveries in one transaction, re-run without a failed one);
-//! - this file: the public type, the read paths, the `Store` impl.
+//! - this file: the public type, its opening, inspection and drop.
 
 pub mod admin;
 mod checkpoint;
@@ -76,6 +82,8 @@ mod options;
 pub(crate) mod page_log;
 mod record_log;
 mod recovery;
+mod requests;
+mod shared;
 #[cfg(all(test, shuttle))]
 mod shuttle_tests;
 mod source;
@@ -90,324 +98,28 @@ pub use ::redb as engine;
 pub use health::{HEAL_BACKOFF_MAX, HEAL_BACKOFF_MIN, Health};
 pub use inbox::{Delivery, Inbox, MAX_INBOX_BATCH, Message};
 pub use loss::LossReport;
-pub use memtable::MEMTABLE_BYTES;
 use options::Config;
 pub use options::{DEFAULT_CACHE_BYTES, Durability, RecoveryPolicy, RedbStoreBuilder};
-pub use page_log::PAGE_LOG_BYTES;
-pub use record_log::{CHECKPOINT_INTERVAL, FRAME_ALIGN, MIN_WAL_BYTES, WAL_BYTES};
-use stats::Counters;
+pub use record_log::{CHECKPOINT_INTERVAL, MIN_WAL_BYTES, WAL_BYTES};
+// The write path's fixed sizes: not configurable, so not public; the
+// crate's own tests read them through `idemstore::unstable::redb`.
 pub use stats::RedbStats;
-
-use crate::codec;
-use crate::error::{Error, Result};
-use crate::fingerprint::Fingerprint;
-use crate::key::Key;
-use crate::logic;
-use crate::record::{Begin, Claim, Record, check_durations};
-use crate::response::Response;
-use crate::store::{MAX_SWEEP_BATCH, Store, StoreFuture, ready};
-use crate::sweeper::Sweeper;
-use crate::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use crate::sync::thread::{self, JoinHandle};
-use crate::sync::{
-    Arc, Condvar, Instant, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard,
-    TryLockError,
+#[cfg(feature = "unstable-internals")]
+pub(crate) use {
+    commit::WRITE_QUEUE_DEPTH, memtable::MEMTABLE_BYTES, page_log::PAGE_LOG_BYTES,
+    record_log::FRAME_ALIGN,
 };
-use crate::time::{Clock, Timestamp};
-use ::redb::{Database, ReadableDatabase, StorageBackend};
-use commit::{Core, Op, Queue, Reply};
-use errors::engine;
-use memtable::Mem;
+
+use crate::error::{Error, Result};
+use crate::sweeper::Sweeper;
+use crate::sync::Arc;
+use crate::sync::atomic::Ordering;
+use crate::sync::thread::{self, JoinHandle};
+use crate::time::Clock;
+use commit::{Op, Reply};
+use requests::unexpected;
+use shared::{Engine, Shared, Usable};
 use std::path::{Path, PathBuf};
-use std::time::Duration;
-
-/// Requests that may wait in a store's line. A caller that finds it full
-/// waits for room (back-pressure); nothing is ever dropped.
-pub const WRITE_QUEUE_DEPTH: usize = 4_096;
-/// Most requests a leader commits in one group (one log frame).
-pub const MAX_WRITE_BATCH: usize = 1_024;
-
-/// The background thread's flags (guarded by `Shared::bg`).
-#[derive(Debug, Default)]
-struct Bg {
-    shutdown: bool,
-}
-
-/// The engine behind the store's database lock.
-struct Engine {
-    db: Database,
-    usable: Usable,
-}
-
-/// What the engine in [`Engine::db`] may be used for, from least to most.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-enum Usable {
-    /// While a heal cannot open the files at all: an empty stand-in, and
-    /// reads fail with the cause instead of reading it.
-    No,
-    /// While a heal cannot open the files for writing: a view of them that
-    /// writes nothing (`overlay::open_view_of`). Reads go on; a write
-    /// transaction is refused with the cause (it would reach memory only).
-    ForReads,
-    /// The store's files, opened for writing.
-    Yes,
-}
-
-/// A read lock on a usable engine (see [`Shared::read_db`]).
-struct DbRead<'a>(RwLockReadGuard<'a, Engine>);
-
-impl std::ops::Deref for DbRead<'_> {
-    type Target = Database;
-    fn deref(&self) -> &Database {
-        &self.0.db
-    }
-}
-
-/// What the callers and the background thread share.
-struct Shared {
-    /// A read lock for every transaction; [`RedbStore::compact`] and a
-    /// heal take the write lock, which is how they wait out every live
-    /// transaction.
-    db: RwLock<Engine>,
-    /// Poisoned or not, and why (health.rs).
-    health: health::HealthCell,
-    /// Where a heal reopens the engine from (heal.rs).
-    source: source::Source,
-    /// Sees every I/O error of the engine's storage (witness.rs).
-    witness: Arc<witness::IoWitness>,
-    /// What the last failed attempt to heal saw.
-    attempts: Mutex<heal::Attempts>,
-    /// The options a heal reopens with (no lease ended, nothing verified).
-    heal_config: Config,
-    /// The store's clock (when a failure happened).
-    clock: Arc<dyn Clock>,
-    /// The store file, in errors (`None` for a storage backend).
-    path: Option<PathBuf>,
-    stats: Counters,
-    /// The active and frozen memtables (see memtable.rs for the read order).
-    mem: RwLock<Mem>,
-    /// The line of callers (commit.rs).
-    queue: Mutex<Queue>,
-    /// Signalled when a leader takes a group out of a full line.
-    queue_room: Condvar,
-    /// Wakes the committer thread (native.rs) when it is given the leader
-    /// role, or the line closes.
-    committer_cv: Condvar,
-    /// The commit lock: the leader holds it for a group, a direct
-    /// transaction for its transaction.
-    core: Mutex<Core>,
-    /// The background thread's flags; `bg_cv` wakes it (a frozen memtable,
-    /// shutdown) and wakes those waiting for a checkpoint to finish.
-    bg: Mutex<Bg>,
-    bg_cv: Condvar,
-    /// Relaxed durability with the log: frames written since the last sync.
-    log_unsynced: AtomicBool,
-    /// The log file (`None` without a log), for the background sync.
-    log_file: Option<Arc<dyn StorageBackend>>,
-    durability: Durability,
-    checkpoint_interval: Duration,
-    max_batch: usize,
-    /// When the active memtable began (a freeze, a direct transaction, or
-    /// the first record after either), in ms since `started`.
-    started: Instant,
-    memtable_since_ms: AtomicU64,
-    /// `Some(path)` for a store opened read-only: every write is refused
-    /// ([`Error::ReadOnly`]) before it reaches the commit path.
-    read_only: Option<String>,
-}
-
-impl Shared {
-    fn new(opened: open::Opened, config: &Config, path: Option<&Path>) -> Arc<Shared> {
-        let log_file = opened.wal.as_ref().map(record_log::Wal::file);
-        Arc::new(Shared {
-            db: RwLock::new(Engine {
-                db: opened.db,
-                usable: Usable::Yes,
-            }),
-            health: health::HealthCell::default(),
-            source: opened.source,
-            witness: opened.witness,
-            attempts: Mutex::new(heal::Attempts::default()),
-            heal_config: Config {
-                recovery: RecoveryPolicy::WaitForLease,
-                verify_on_open: false,
-                accept_loss: false,
-                sweeper: None,
-                ..config.clone()
-            },
-            clock: Arc::clone(&config.clock),
-            path: path.map(Path::to_path_buf),
-            stats: Counters::default(),
-            mem: RwLock::new(Mem::default()),
-            queue: Mutex::new(Queue::default()),
-            queue_room: Condvar::new(),
-            committer_cv: Condvar::new(),
-            core: Mutex::new(Core {
-                wal: opened.wal,
-                token_hwm: opened.token_hwm,
-                unflushed: false,
-                last_durable: Instant::now(),
-            }),
-            bg: Mutex::new(Bg::default()),
-            bg_cv: Condvar::new(),
-            log_unsynced: AtomicBool::new(false),
-            log_file,
-            durability: config.durability,
-            checkpoint_interval: config.checkpoint_interval,
-            max_batch: MAX_WRITE_BATCH,
-            started: Instant::now(),
-            memtable_since_ms: AtomicU64::new(0),
-            read_only: config.read_only.then(|| {
-                path.map_or_else(
-                    || "<storage backend>".to_owned(),
-                    |p| p.display().to_string(),
-                )
-            }),
-        })
-    }
-
-    // None of these locks guards an invariant a panic could leave half-done
-    // (a panic while leading poisons the store), so a poisoned lock is
-    // taken as it is.
-    /// The engine for a transaction, or the cause when a heal could not
-    /// reopen it yet.
-    fn read_db(&self) -> Result<DbRead<'_>> {
-        self.db_for(Usable::ForReads)
-    }
-    /// The engine for a write transaction: the files opened for writing,
-    /// or the cause.
-    fn write_ready_db(&self) -> Result<DbRead<'_>> {
-        self.db_for(Usable::Yes)
-    }
-    fn db_for(&self, need: Usable) -> Result<DbRead<'_>> {
-        let engine = self.db.read().unwrap_or_else(|p| p.into_inner());
-        if engine.usable < need {
-            return Err(self.poisoned_error());
-        }
-        Ok(DbRead(engine))
-    }
-    fn write_db(&self) -> RwLockWriteGuard<'_, Engine> {
-        self.db.write().unwrap_or_else(|p| p.into_inner())
-    }
-    fn read_mem(&self) -> RwLockReadGuard<'_, Mem> {
-        self.mem.read().unwrap_or_else(|p| p.into_inner())
-    }
-    fn write_mem(&self) -> RwLockWriteGuard<'_, Mem> {
-        self.mem.write().unwrap_or_else(|p| p.into_inner())
-    }
-    fn lock_core(&self) -> MutexGuard<'_, Core> {
-        self.core.lock().unwrap_or_else(|p| p.into_inner())
-    }
-    fn try_lock_core(&self) -> Option<MutexGuard<'_, Core>> {
-        match self.core.try_lock() {
-            Ok(guard) => Some(guard),
-            Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
-            Err(TryLockError::WouldBlock) => None,
-        }
-    }
-    fn lock_queue(&self) -> MutexGuard<'_, Queue> {
-        self.queue.lock().unwrap_or_else(|p| p.into_inner())
-    }
-    fn lock_bg(&self) -> MutexGuard<'_, Bg> {
-        self.bg.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Wakes the background thread (a memtable was frozen, or shutdown).
-    fn wake_background(&self) {
-        let _bg = self.lock_bg();
-        self.bg_cv.notify_all();
-    }
-
-    fn now_ms(&self) -> u64 {
-        u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
-    }
-
-    /// The active memtable begins now (a freeze, a direct transaction, or
-    /// its first record).
-    fn start_memtable_clock(&self) {
-        self.memtable_since_ms
-            .store(self.now_ms(), Ordering::Relaxed);
-    }
-
-    /// How long until the active memtable is old enough to checkpoint.
-    fn checkpoint_left(&self) -> Duration {
-        let since = self
-            .now_ms()
-            .saturating_sub(self.memtable_since_ms.load(Ordering::Relaxed));
-        self.checkpoint_interval
-            .saturating_sub(Duration::from_millis(since))
-    }
-
-    fn checkpoint_due(&self) -> bool {
-        self.checkpoint_left().is_zero()
-    }
-
-    /// The latest state of `key_bytes`: the memtable, then redb (verified).
-    fn read(&self, key_bytes: &[u8]) -> Result<Option<Record>> {
-        {
-            let mem = self.read_mem();
-            if let Some(entry) = mem.get(key_bytes) {
-                return Ok(entry.clone());
-            }
-        }
-        // Opened after the memtable was read: see memtable.rs.
-        let db = self.read_db()?;
-        (|| {
-            let txn = db.begin_read().map_err(engine)?;
-            let table = txn.open_table(tables::RECORDS).map_err(engine)?;
-            match table.get(key_bytes).map_err(engine)? {
-                Some(v) => Ok(Some(codec::decode_record(key_bytes, v.value())?)),
-                None => Ok(None),
-            }
-        })()
-        .map_err(|e| self.engine_failed("read", e))
-    }
-
-    /// An engine error met `during` an operation: an I/O error (redb then
-    /// refuses every later use until it is reopened) poisons the store, so
-    /// that it heals; a store already poisoned answers with its cause.
-    fn engine_failed(&self, during: &'static str, error: Error) -> Error {
-        match error {
-            Error::Io(_) if self.is_poisoned() => self.poisoned_error(),
-            Error::Io(_) => self.fail(during, health::On::Store, error),
-            other => other,
-        }
-    }
-
-    /// Makes everything in memory durable in redb and retires the log.
-    fn flush(&self) -> Result<()> {
-        let mut core = self.lock_core();
-        self.flush_locked(&mut core)
-    }
-
-    /// The last commit of a clean stop: everything in memory goes into the
-    /// file durably, and with a log the same commit marks it closed
-    /// ([`META_WAL_STATE`](tables::META_WAL_STATE)), so the next open knows
-    /// the log holds nothing it needs and may be missing.
-    fn close(&self) -> Result<()> {
-        let mut core = self.lock_core();
-        if core.wal.is_none() {
-            return self.flush_locked(&mut core);
-        }
-        self.direct_locked(&mut core, |txn, _| {
-            let mut meta = txn.open_table(tables::META).map_err(engine)?;
-            meta.insert(tables::META_WAL_STATE, [tables::WAL_CLOSED].as_slice())
-                .map_err(engine)?;
-            Ok::<_, Error>(())
-        })
-    }
-
-    /// [`flush`](Self::flush) with the commit lock held.
-    fn flush_locked(&self, core: &mut Core) -> Result<()> {
-        let dirty = !self.read_mem().is_empty()
-            || core.wal.as_ref().is_some_and(record_log::Wal::is_dirty)
-            || core.unflushed;
-        if dirty {
-            self.direct_locked(core, |_, _| Ok::<_, Error>(()))?;
-        }
-        Ok(())
-    }
-}
 
 /// The durable idempotency store on redb: one file, one process.
 ///
@@ -764,37 +476,6 @@ impl RedbStore {
             .compact()
             .map_err(|e| self.shared.engine_failed("compaction", errors::engine(e)))
     }
-
-    /// The read fast path. Answers `begin` without joining the line when
-    /// the answer writes nothing (Replay, InFlight, Conflict): the same
-    /// state machine decides, on the latest state (memtable, then redb),
-    /// and only a claim goes through a group. What the memtable or redb
-    /// shows is durable, so the answer is the one a leader would give.
-    fn fast_begin(
-        &self,
-        key_bytes: &[u8],
-        fingerprint: &Fingerprint,
-        now: Timestamp,
-        lease: Duration,
-        retention: Duration,
-    ) -> Result<Option<Begin>> {
-        let existing = self.shared.read(key_bytes)?;
-        if existing.is_none() {
-            return Ok(None);
-        }
-        // A claim needs a token and a write: that is the leader's. The
-        // token handed to the state machine here is never stored.
-        let step = logic::begin(existing, fingerprint, now, lease, retention, || Ok(0))?;
-        if step.write.is_some() {
-            return Ok(None);
-        }
-        let counter = match step.answer {
-            Begin::Replay(_) => &self.shared.stats.fast_replays,
-            _ => &self.shared.stats.fast_refusals,
-        };
-        counter.fetch_add(1, Ordering::Relaxed);
-        Ok(Some(step.answer))
-    }
 }
 
 /// Stops the checkpointer and waits for it (it finishes a checkpoint in progress).
@@ -807,32 +488,6 @@ fn stop_background(shared: &Shared, background: Option<JoinHandle<()>>) {
     if let Some(background) = background {
         let _ = background.join();
     }
-}
-
-/// What `begin` does next: answered on the fast path, or a request for the line.
-enum Next {
-    Answered(Begin),
-    Queue(Op),
-}
-
-fn begun(reply: Reply) -> Result<Begin> {
-    match reply {
-        Reply::Begin(answer) => Ok(answer),
-        other => Err(unexpected(&other)),
-    }
-}
-
-fn done(reply: Reply) -> Result<()> {
-    match reply {
-        Reply::Done => Ok(()),
-        other => Err(unexpected(&other)),
-    }
-}
-
-fn unexpected(reply: &Reply) -> Error {
-    Error::backend(format!(
-        "the commit path answered with the wrong kind of reply: {reply:?}"
-    ))
 }
 
 impl Drop for RedbStore {
@@ -855,162 +510,5 @@ impl Drop for RedbStore {
             // A failure is recorded (poisoned, with its cause) by the commit.
             let _ = self.shared.close();
         }
-    }
-}
-
-impl RedbStore {
-    /// `begin` up to the line: the checks, then the fast path.
-    fn prepare_begin(
-        &self,
-        key: &Key,
-        fingerprint: &Fingerprint,
-        now: Timestamp,
-        lease: Duration,
-        retention: Duration,
-    ) -> Result<Next> {
-        check_durations(lease, retention)?;
-        let key_bytes = codec::encode_key(key);
-        if let Some(answer) = self.fast_begin(&key_bytes, fingerprint, now, lease, retention)? {
-            return Ok(Next::Answered(answer));
-        }
-        Ok(Next::Queue(Op::Begin {
-            key: key_bytes,
-            fingerprint: *fingerprint,
-            now,
-            lease,
-            retention,
-        }))
-    }
-
-    fn complete_op(
-        &self,
-        key: &Key,
-        claim: &Claim,
-        response: &Response,
-        now: Timestamp,
-        retention: Duration,
-    ) -> Result<Op> {
-        logic::check_response(response, self.max_body_bytes)?;
-        Ok(Op::Complete {
-            key: codec::encode_key(key),
-            claim: claim.clone(),
-            response: response.clone(),
-            now,
-            retention,
-        })
-    }
-
-    fn release_op(key: &Key, claim: &Claim) -> Op {
-        Op::Release {
-            key: codec::encode_key(key),
-            claim: claim.clone(),
-        }
-    }
-
-    /// `op` through the line as a future mapped by `answer`; refusals
-    /// before the line are a ready error.
-    fn queue_async<'a, T: Send + 'a>(
-        &self,
-        op: Result<Op>,
-        answer: fn(Reply) -> Result<T>,
-    ) -> StoreFuture<'a, T> {
-        match op.and_then(|op| self.shared.submit_async(op)) {
-            Ok(submitted) => Box::pin(async move { answer(submitted.await?) }),
-            Err(refused) => ready(Err(refused)),
-        }
-    }
-}
-
-impl Store for RedbStore {
-    fn begin(
-        &self,
-        key: &Key,
-        fingerprint: &Fingerprint,
-        now: Timestamp,
-        lease: Duration,
-        retention: Duration,
-    ) -> Result<Begin> {
-        match self.prepare_begin(key, fingerprint, now, lease, retention)? {
-            Next::Answered(answer) => Ok(answer),
-            Next::Queue(op) => begun(self.shared.submit(op)?),
-        }
-    }
-
-    fn complete(
-        &self,
-        key: &Key,
-        claim: &Claim,
-        response: &Response,
-        now: Timestamp,
-        retention: Duration,
-    ) -> Result<()> {
-        let op = self.complete_op(key, claim, response, now, retention)?;
-        done(self.shared.submit(op)?)
-    }
-
-    fn release(&self, key: &Key, claim: &Claim) -> Result<()> {
-        done(self.shared.submit(RedbStore::release_op(key, claim))?)
-    }
-
-    fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>> {
-        Ok(logic::visible(
-            self.shared.read(&codec::encode_key(key))?,
-            now,
-        ))
-    }
-
-    fn sweep_expired(&self, now: Timestamp, max: usize) -> Result<usize> {
-        let max = max.min(MAX_SWEEP_BATCH);
-        if max == 0 {
-            return Ok(0);
-        }
-        match self.shared.submit(Op::Sweep { now, max })? {
-            Reply::Swept(n) => Ok(n),
-            other => Err(unexpected(&other)),
-        }
-    }
-
-    fn clock(&self) -> Arc<dyn Clock> {
-        Arc::clone(&self.clock)
-    }
-
-    /// The fast path (Replay, InFlight, Conflict from memory or a redb
-    /// read) answers at once; a claim joins the commit line and the future
-    /// completes when its group is durable, with no thread waiting for it.
-    /// Dropped before it completes, it leaves no claim: see
-    /// [Native async](Store#native-async).
-    fn begin_async<'a>(
-        &'a self,
-        key: &'a Key,
-        fingerprint: &'a Fingerprint,
-        now: Timestamp,
-        lease: Duration,
-        retention: Duration,
-    ) -> Option<StoreFuture<'a, Begin>> {
-        Some(
-            match self.prepare_begin(key, fingerprint, now, lease, retention) {
-                Ok(Next::Answered(answer)) => ready(Ok(answer)),
-                Ok(Next::Queue(op)) => self.queue_async(Ok(op), begun),
-                Err(refused) => ready(Err(refused)),
-            },
-        )
-    }
-
-    /// Joins the commit line; completes when the DONE record is durable.
-    fn complete_async<'a>(
-        &'a self,
-        key: &'a Key,
-        claim: &'a Claim,
-        response: &'a Response,
-        now: Timestamp,
-        retention: Duration,
-    ) -> Option<StoreFuture<'a, ()>> {
-        let op = self.complete_op(key, claim, response, now, retention);
-        Some(self.queue_async(op, done))
-    }
-
-    /// Joins the commit line; completes when the release is durable.
-    fn release_async<'a>(&'a self, key: &'a Key, claim: &'a Claim) -> Option<StoreFuture<'a, ()>> {
-        Some(self.queue_async(Ok(RedbStore::release_op(key, claim)), done))
     }
 }

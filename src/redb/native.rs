@@ -36,8 +36,8 @@
 //! (so every queued future gets its real answer); a future still waiting
 //! for room then answers [`Error::Closed`].
 
-use super::commit::{Op, Queue, Reply, Slot, Waiter};
-use super::{Shared, WRITE_QUEUE_DEPTH};
+use super::Shared;
+use super::commit::{Op, Queue, Reply, Slot, WRITE_QUEUE_DEPTH, Waiter};
 use crate::error::{Error, Result};
 use crate::record::Begin;
 use crate::sync::Arc;

@@ -226,8 +226,7 @@ impl RedbStoreBuilder {
 
     /// Makes redb's own commits durable through the page log `<file>-pages`
     /// (off by default): a commit's page writes are kept in memory and
-    /// appended as one frame to a preallocated log of
-    /// [`PAGE_LOG_BYTES`](crate::redb::PAGE_LOG_BYTES), with one `fdatasync`
+    /// appended as one frame to a preallocated log of 32 MiB, with one `fdatasync`
     /// of it, instead of a write of every dirty page and an `fdatasync` of
     /// the store file; the pages reach the store file when the log is full
     /// and at a clean close. What it speeds up is the commits that are
@@ -238,7 +237,7 @@ impl RedbStoreBuilder {
     /// Every open replays a page log it finds (and a store opened without
     /// this option then removes the file), as does
     /// [`open_read_only`](Self::open_read_only), in memory. It costs up to
-    /// [`PAGE_LOG_BYTES`](crate::redb::PAGE_LOG_BYTES) of memory and of disk.
+    /// 32 MiB of memory and of disk (the log's fixed size).
     ///
     /// ```
     /// use idemstore::redb::Inbox;
@@ -258,8 +257,7 @@ impl RedbStoreBuilder {
     /// Longest time a logged write waits before the checkpointer starts
     /// writing it into the store file ([`CHECKPOINT_INTERVAL`](crate::redb::CHECKPOINT_INTERVAL)
     /// by default; at least 1 ms). A checkpoint also starts when the log
-    /// segment or the memtable ([`MEMTABLE_BYTES`](crate::redb::MEMTABLE_BYTES))
-    /// is full. Longer: fewer checkpoints (each rewrites the pages its
+    /// segment or the memtable (4 MiB of records) is full. Longer: fewer checkpoints (each rewrites the pages its
     /// records land on), more to replay after a crash.
     ///
     /// ```

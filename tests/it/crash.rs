@@ -198,7 +198,7 @@ fn redb_store_survives_power_loss_with_garbage_sectors() {
 /// write survives. A frame must never share a sector with an acknowledged
 /// frame before it, nor anything else the log needs after a crash. Every
 /// run uses the log; as many crash points as the main test.
-/// Frames start on 4 KiB boundaries ([`idemstore::redb::FRAME_ALIGN`]); with
+/// Frames start on 4 KiB boundaries ([`idemstore::unstable::redb::FRAME_ALIGN`]); with
 /// the format-2 log, whose frames followed each other, 11 % of crash
 /// points lost acknowledged writes here.
 #[test]

@@ -45,7 +45,7 @@ fn logged_image(ids: &[&str]) -> CrashImage {
 
 /// Where each frame of a log image starts (4 KiB-aligned, back to back).
 fn frame_starts(log: &[u8]) -> Vec<usize> {
-    let align = idemstore::redb::FRAME_ALIGN as usize;
+    let align = idemstore::unstable::redb::FRAME_ALIGN as usize;
     let mut starts = Vec::new();
     let mut at = 0;
     while log.len() >= at + 20 && log[at..at + 4] == *b"IDWL" {
@@ -127,7 +127,7 @@ fn a_middle_frame_overwritten_with_zeros_is_corrupt() {
     let ids = ["a", "b", "c"];
     let mut image = logged_image(&ids);
     let starts = frame_starts(&image.siblings[0]);
-    let block = idemstore::redb::FRAME_ALIGN as usize;
+    let block = idemstore::unstable::redb::FRAME_ALIGN as usize;
     image.siblings[0][starts[1]..starts[1] + block].fill(0);
     let err = reopen(&image).map(|_| ()).unwrap_err();
     assert!(matches!(err, Error::Corrupt { .. }), "{err}");
@@ -353,7 +353,7 @@ fn a_log_of_zeros_is_no_evidence_and_a_new_store_is_made() {
 /// The offset and length of the last frame of the newest epoch in a log
 /// file's bytes (frames start on 4 KiB blocks).
 fn last_frame(log: &[u8]) -> (usize, usize) {
-    let align = idemstore::redb::FRAME_ALIGN as usize;
+    let align = idemstore::unstable::redb::FRAME_ALIGN as usize;
     let mut best: Option<(u64, usize, usize)> = None;
     for at in (0..log.len().saturating_sub(20)).step_by(align) {
         if log[at..at + 4] != *b"IDWL" {
@@ -400,7 +400,7 @@ fn a_damaged_last_frame_after_a_process_crash_is_corrupt() {
     let log_path = damaged.path().join("s.idem-wal");
     let mut log = std::fs::read(&log_path).unwrap();
     let (at, len) = last_frame(&log);
-    assert!(len <= idemstore::redb::FRAME_ALIGN as usize);
+    assert!(len <= idemstore::unstable::redb::FRAME_ALIGN as usize);
     log[at + len - 1] ^= 0x01;
     std::fs::write(&log_path, &log).unwrap();
     let err = RedbStore::open(damaged.path().join("s.idem"))

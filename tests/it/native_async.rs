@@ -367,7 +367,7 @@ async fn a_poisoned_store_refuses_the_async_entry() {
 async fn more_futures_than_the_line_holds_all_complete() {
     let dir = tempfile::tempdir().unwrap();
     let store = Arc::new(redb(&dir));
-    let n = idemstore::redb::WRITE_QUEUE_DEPTH + 1_000;
+    let n = idemstore::unstable::redb::WRITE_QUEUE_DEPTH + 1_000;
     let tasks: Vec<_> = (0..n)
         .map(|i| {
             let store = Arc::clone(&store);

@@ -119,7 +119,7 @@ fn the_inbox_commits_through_the_page_log_and_a_clean_close_leaves_the_file_whol
     );
     // Preallocated to its full size at open: appends never grow it.
     let pages = std::fs::metadata(dir.path().join("s.idem-pages")).unwrap();
-    assert_eq!(pages.len(), idemstore::redb::PAGE_LOG_BYTES);
+    assert_eq!(pages.len(), idemstore::unstable::redb::PAGE_LOG_BYTES);
     drop(inbox);
     // Closed cleanly: the store file alone holds everything.
     let copy = tempfile::tempdir().unwrap();

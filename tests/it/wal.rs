@@ -175,8 +175,8 @@ fn a_damaged_frame_before_a_whole_one_is_corrupt_not_a_silent_stop() {
 fn frame_ends(log: &[u8]) -> Vec<usize> {
     let mut ends = Vec::new();
     let mut at = 0;
-    // Frames start on 4 KiB boundaries (idemstore::redb::FRAME_ALIGN).
-    let align = idemstore::redb::FRAME_ALIGN as usize;
+    // Frames start on 4 KiB boundaries (idemstore::unstable::redb::FRAME_ALIGN).
+    let align = idemstore::unstable::redb::FRAME_ALIGN as usize;
     while log.len() >= at + 20 && log[at..at + 4] == *b"IDWL" {
         let len = u32::from_be_bytes(log[at + 12..at + 16].try_into().unwrap()) as usize;
         let end = at + 20 + len;

@@ -59,7 +59,7 @@ pub(super) use overlay::{Overlay, open_overlay, open_view_of};
 /// The page log's size (`<file>-pages`, preallocated): a commit whose
 /// frame would not fit makes a checkpoint of the store file instead, so the
 /// pages kept in memory are at most about this much.
-pub const PAGE_LOG_BYTES: u64 = 32 << 20;
+pub(crate) const PAGE_LOG_BYTES: u64 = 32 << 20;
 
 /// The page log's path beside the store file: `<name>-pages`.
 pub(super) fn pages_path(store: &Path) -> PathBuf {

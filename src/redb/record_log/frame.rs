@@ -57,11 +57,7 @@ const TAG_META_PUT: u8 = 5;
 /// append never writes a sector that holds acknowledged bytes: a device
 /// that tears a sector into garbage during a power cut can only damage the
 /// frame being written, never one already acknowledged.
-///
-/// ```
-/// assert_eq!(idemstore::redb::FRAME_ALIGN, 4096);
-/// ```
-pub const FRAME_ALIGN: u64 = 4096;
+pub(crate) const FRAME_ALIGN: u64 = 4096;
 
 /// Rounds `n` up to the next multiple of [`FRAME_ALIGN`].
 pub(super) fn align_up(n: u64) -> u64 {

@@ -34,7 +34,7 @@
 //!    nothing is visible before it is durable.
 //! 3. The file is two segments. Frames of epoch `e` go to segment `e % 2`.
 //!    When the memtable is handed to the checkpointer (its segment is
-//!    full, it is larger than [`MEMTABLE_BYTES`](super::MEMTABLE_BYTES),
+//!    full, it is larger than [`MEMTABLE_BYTES`](super::memtable::MEMTABLE_BYTES),
 //!    or older than [`CHECKPOINT_INTERVAL`]), the log moves to epoch `e + 1`
 //!    in the other segment, and commits go on there while the checkpoint
 //!    writes epoch `e`'s records into redb. The checkpoint's durable commit
@@ -72,7 +72,7 @@ mod frame;
 mod reader;
 mod writer;
 
-pub use frame::FRAME_ALIGN;
+pub(crate) use frame::FRAME_ALIGN;
 pub(super) use frame::{Journal, Layout, entries};
 pub(super) use reader::{applier, frames_seen, walk};
 pub(super) use writer::Wal;

@@ -1,0 +1,388 @@
+//! The group's decisions ([`decide`]): every op of a group in order through
+//! the one state machine (`logic`), against the group's own earlier writes,
+//! then the memtable, then redb. Pure of I/O but for reads: it writes
+//! nothing anywhere, and its caller (`commit/mod.rs`) makes the writes
+//! durable (a log frame, or a redb transaction).
+
+use super::super::memtable::{Entry, Mem};
+use super::super::record_log::Journal;
+use super::{Op, Reply};
+use crate::codec;
+use crate::error::{Error, Result};
+use crate::logic;
+use crate::record::Record;
+use crate::redb::tables::Source;
+use crate::time::Timestamp;
+use std::collections::BTreeMap;
+
+/// What deciding a group produced.
+#[derive(Debug, Default)]
+pub(super) struct Decided {
+    /// One per op, in order.
+    pub(super) answers: Vec<Result<Reply>>,
+    /// Each written key's final state (a deletion is `None`).
+    pub(super) writes: BTreeMap<Vec<u8>, Entry>,
+    /// The writes in the order they were made, for the log.
+    pub(super) journal: Option<Journal>,
+    /// Expiry-index entries whose record no longer matches (no log only:
+    /// with the log, redb's index lags the memtable by design).
+    pub(super) stale: Vec<Vec<u8>>,
+    /// Records deleted by sweeps.
+    pub(super) swept: usize,
+}
+
+/// Decides every op of a group in order, against the group's own earlier
+/// writes, then `mem`, then `base`. Writes nothing anywhere: the caller
+/// makes [`Decided::writes`] durable.
+pub(super) fn decide(
+    ops: &[Op],
+    mem: Option<&Mem>,
+    base: &dyn Source,
+    hwm: &mut u64,
+    journal: bool,
+) -> Decided {
+    let mut group = Group {
+        mem,
+        base,
+        out: Decided {
+            journal: journal.then(Journal::default),
+            ..Decided::default()
+        },
+    };
+    for op in ops {
+        let answer = group.step(op, hwm);
+        group.out.answers.push(answer);
+    }
+    group.out
+}
+
+struct Group<'a> {
+    mem: Option<&'a Mem>,
+    base: &'a dyn Source,
+    out: Decided,
+}
+
+impl Group<'_> {
+    /// The current state of `key`: this group's writes, the memtable, redb.
+    fn current(&self, key: &[u8]) -> Result<Option<Record>> {
+        if let Some(entry) = self.out.writes.get(key) {
+            return Ok(entry.clone());
+        }
+        if let Some(entry) = self.mem.and_then(|m| m.get(key)) {
+            return Ok(entry.clone());
+        }
+        self.base.read(key)
+    }
+
+    /// True when redb's copy of `key` is hidden by a newer one in memory.
+    fn shadowed(&self, key: &[u8]) -> bool {
+        self.out.writes.contains_key(key) || self.mem.is_some_and(|m| m.get(key).is_some())
+    }
+
+    fn put(&mut self, key: &[u8], record: Record) -> Result<()> {
+        // Encoded (and its invariants checked) before anything is kept.
+        let value = codec::encode_record(&record)?;
+        if let Some(journal) = &mut self.out.journal {
+            journal.record_put(key, &value);
+        }
+        self.out.writes.insert(key.to_vec(), Some(record));
+        Ok(())
+    }
+
+    fn delete(&mut self, key: &[u8]) {
+        if let Some(journal) = &mut self.out.journal {
+            journal.record_del(key);
+        }
+        self.out.writes.insert(key.to_vec(), None);
+    }
+
+    fn step(&mut self, op: &Op, hwm: &mut u64) -> Result<Reply> {
+        match op {
+            Op::Begin {
+                key,
+                fingerprint,
+                now,
+                lease,
+                retention,
+            } => {
+                let existing = self.current(key)?;
+                let last = *hwm;
+                let decided =
+                    logic::begin(existing, fingerprint, *now, *lease, *retention, || {
+                        last.checked_add(1)
+                            .ok_or_else(|| Error::invalid_argument("fencing tokens exhausted"))
+                    })?;
+                if let Some(record) = decided.write {
+                    let token = record.token;
+                    self.put(key, record)?;
+                    *hwm = (*hwm).max(token);
+                }
+                Ok(Reply::Begin(decided.answer))
+            }
+            Op::Complete {
+                key,
+                claim,
+                response,
+                now,
+                retention,
+            } => {
+                let existing = self.current(key)?;
+                let record = logic::complete(existing, claim, response, *now, *retention)?;
+                self.put(key, record)?;
+                Ok(Reply::Done)
+            }
+            Op::Release { key, claim } => {
+                let existing = self.current(key)?;
+                let present = existing.is_some();
+                logic::release(existing, claim)?;
+                if present {
+                    self.delete(key);
+                }
+                Ok(Reply::Done)
+            }
+            Op::Sweep { now, max } => {
+                let swept = self.sweep(*now, *max)?;
+                self.out.swept += swept;
+                Ok(Reply::Swept(swept))
+            }
+        }
+    }
+
+    /// Deletes up to `max` expired records, oldest expiry first (ties in
+    /// key order), wherever they are: this group, the memtable, redb.
+    fn sweep(&mut self, now: Timestamp, max: usize) -> Result<usize> {
+        let mut candidates: Vec<(Timestamp, Vec<u8>)> = Vec::new();
+        if let Some(mem) = self.mem {
+            candidates.extend(mem.due(now));
+        }
+        for (key, entry) in &self.out.writes {
+            if let Some(r) = entry
+                && logic::sweepable(r.expires_at, now)
+            {
+                candidates.push((r.expires_at, key.clone()));
+            }
+        }
+        // redb's index, in (expiry, key) order: its first `max` live
+        // entries are all it can contribute. Keys decided in memory are
+        // the memtable's business above.
+        let mut from_base = 0;
+        let mut stale = Vec::new();
+        self.base.due(now, &mut |index_key| {
+            let (expires_at, key) = codec::decode_index(index_key)?;
+            if self.shadowed(key) {
+                return Ok(true);
+            }
+            match self.base.read(key)? {
+                Some(r) if r.expires_at == expires_at && logic::sweepable(r.expires_at, now) => {
+                    candidates.push((expires_at, key.to_vec()));
+                    from_base += 1;
+                }
+                _ => stale.push(index_key.to_vec()),
+            }
+            Ok(from_base < max)
+        })?;
+        candidates.sort();
+        candidates.dedup();
+        let mut swept = 0;
+        for (expires_at, key) in candidates {
+            if swept >= max {
+                break;
+            }
+            // Re-check against the current state: the index and the
+            // memtable only nominate.
+            match self.current(&key)? {
+                Some(r) if r.expires_at == expires_at && logic::sweepable(r.expires_at, now) => {
+                    self.delete(&key);
+                    swept += 1;
+                }
+                _ => {}
+            }
+        }
+        if self.out.journal.is_none() {
+            self.out.stale.extend(stale);
+        }
+        Ok(swept)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::super::errors::engine;
+    use super::super::tests::{D, T, begin, shared};
+    use super::*;
+    use crate::fingerprint::Fingerprint;
+    use crate::record::{Begin, Claim};
+    use crate::response::Response;
+    use crate::sync::atomic::Ordering;
+    use std::time::Duration;
+
+    /// An index entry whose record has another expiry (left by damage or
+    /// by a bug) never gets its record swept early: the sweep checks each
+    /// nominee against its record, drops the stale entry, and sweeps the
+    /// record through its own entry.
+    #[test]
+    fn a_sweep_drops_an_index_entry_that_names_another_expiry() {
+        use ::redb::{ReadableDatabase, ReadableTableMetadata};
+        let shared = shared(false);
+        let index_len = || {
+            let db = shared.read_db().unwrap();
+            let txn = db.begin_read().unwrap();
+            let index = txn.open_table(crate::redb::tables::EXPIRY).unwrap();
+            index.len().unwrap()
+        };
+        shared.commit_group(&[short_claim(b"\0r", 10)]);
+        plant_stale_index_entry(&shared, b"\0r", 5);
+        assert_eq!(index_len(), 2);
+        // Before the record's own expiry: nothing is swept, the stale
+        // entry goes.
+        let answers = shared.commit_group(&[sweep_at(8)]);
+        assert!(
+            matches!(answers.as_slice(), [Ok(Reply::Swept(0))]),
+            "{answers:?}"
+        );
+        assert_eq!(index_len(), 1, "the stale entry is gone");
+        assert!(shared.read(b"\0r").unwrap().is_some(), "not swept early");
+        // Past it: the record goes through its own entry.
+        let answers = shared.commit_group(&[sweep_at(1_000)]);
+        assert!(
+            matches!(answers.as_slice(), [Ok(Reply::Swept(1))]),
+            "{answers:?}"
+        );
+        assert_eq!(index_len(), 0);
+        // A stale entry met when its record is due as well: the record goes
+        // once, through its own entry, and the stale entry goes too.
+        shared.commit_group(&[short_claim(b"\0q", 10)]);
+        plant_stale_index_entry(&shared, b"\0q", 5);
+        let answers = shared.commit_group(&[sweep_at(1_000)]);
+        assert!(
+            matches!(answers.as_slice(), [Ok(Reply::Swept(1))]),
+            "{answers:?}"
+        );
+        assert_eq!(index_len(), 0, "both entries are gone");
+    }
+
+    /// A claim at `at` ms whose lease and retention are 1 ms each.
+    fn short_claim(id: &[u8], at: u64) -> Op {
+        Op::Begin {
+            key: id.to_vec(),
+            fingerprint: Fingerprint::of(b"fp"),
+            now: Timestamp::from_millis(at),
+            lease: Duration::from_millis(1),
+            retention: Duration::from_millis(1),
+        }
+    }
+
+    /// A sweep at `at` ms of up to 10 records.
+    fn sweep_at(at: u64) -> Op {
+        Op::Sweep {
+            now: Timestamp::from_millis(at),
+            max: 10,
+        }
+    }
+
+    /// An expiry index entry for `key` at `at` ms that its record does not
+    /// have, written into redb directly.
+    fn plant_stale_index_entry(shared: &crate::redb::Shared, key: &[u8], at: u64) {
+        let stale = codec::encode_index(Timestamp::from_millis(at), key);
+        shared
+            .direct(|txn, _| {
+                let mut index = txn
+                    .open_table(crate::redb::tables::EXPIRY)
+                    .map_err(engine)?;
+                index.insert(stale.as_slice(), ()).map_err(engine)?;
+                Ok::<_, Error>(())
+            })
+            .unwrap();
+    }
+
+    /// A sweep in the same group as a new claim of an expired key checks
+    /// the memtable's nominee against the group's own write: the new claim
+    /// stays.
+    #[test]
+    fn a_sweep_keeps_a_claim_made_earlier_in_its_group() {
+        let shared = shared(true);
+        shared.commit_group(&[short_claim(b"\0x", 10)]);
+        let answers = shared.commit_group(&[short_claim(b"\0x", 1_000), sweep_at(1_000)]);
+        assert!(
+            matches!(
+                answers.as_slice(),
+                [Ok(Reply::Begin(Begin::Claimed(_))), Ok(Reply::Swept(0))]
+            ),
+            "{answers:?}"
+        );
+        let record = shared.read(b"\0x").unwrap();
+        assert!(record.is_some_and(|r| r.state == crate::State::Processing));
+    }
+
+    #[test]
+    fn one_group_applies_in_order_and_a_bad_request_fails_alone() {
+        for log in [true, false] {
+            let shared = shared(log);
+            let bogus = Claim {
+                token: 99,
+                lease_until: T,
+                takeover: false,
+                attempt: 1,
+            };
+            let answers = shared.commit_group(&[
+                begin(b"\0a"),
+                // A duplicate in the same group sees the claim made just before it.
+                begin(b"\0a"),
+                // Fails validation: it fails alone, the group still commits.
+                Op::Complete {
+                    key: b"\0b".to_vec(),
+                    claim: bogus,
+                    response: Response::new(200, ""),
+                    now: T,
+                    retention: D,
+                },
+                begin(b"\0c"),
+            ]);
+            let mut it = answers.into_iter();
+            assert!(matches!(it.next(), Some(Ok(Reply::Begin(Begin::Claimed(c)))) if c.token == 1));
+            assert!(matches!(
+                it.next(),
+                Some(Ok(Reply::Begin(Begin::InFlight { .. })))
+            ));
+            assert!(matches!(it.next(), Some(Err(Error::StaleClaim))));
+            assert!(matches!(it.next(), Some(Ok(Reply::Begin(Begin::Claimed(c)))) if c.token == 2));
+            assert_eq!(shared.stats.commits.load(Ordering::Relaxed), 1);
+            assert_eq!(shared.lock_core().token_hwm, 2);
+            // With the log the records are in the memtable, without it in redb.
+            assert_eq!(shared.read_mem().active.len(), if log { 2 } else { 0 });
+        }
+    }
+
+    #[test]
+    fn a_group_of_answers_only_commits_nothing() {
+        for log in [true, false] {
+            let shared = shared(log);
+            let answers = shared.commit_group(&[Op::Sweep { now: T, max: 10 }]);
+            assert!(matches!(answers.as_slice(), [Ok(Reply::Swept(0))]));
+            assert_eq!(shared.stats.commits.load(Ordering::Relaxed), 0);
+        }
+    }
+
+    #[test]
+    fn a_sweep_takes_expired_records_from_memory_and_redb_in_order() {
+        let shared = shared(true);
+        let claim = short_claim;
+        shared.commit_group(&[claim(b"\0r1", 10), claim(b"\0r2", 20)]);
+        // Into redb: the memtable is checkpointed by a direct transaction.
+        shared.direct(|_, _| Ok::<_, Error>(())).unwrap();
+        assert!(shared.read_mem().is_empty());
+        shared.commit_group(&[claim(b"\0m1", 15), claim(b"\0m2", 25)]);
+        let later = Timestamp::from_millis(1_000);
+        let answers = shared.commit_group(&[Op::Sweep { now: later, max: 3 }]);
+        assert!(matches!(answers.as_slice(), [Ok(Reply::Swept(3))]));
+        // Oldest first: r1 (11), m1 (16), r2 (21) went; m2 (26) is left.
+        let mem = shared.read_mem();
+        assert!(matches!(mem.get(b"\0r1"), Some(None)));
+        assert!(matches!(mem.get(b"\0m1"), Some(None)));
+        assert!(matches!(mem.get(b"\0r2"), Some(None)));
+        assert!(matches!(mem.get(b"\0m2"), Some(Some(_))));
+        drop(mem);
+        let answers = shared.commit_group(&[Op::Sweep { now: later, max: 3 }]);
+        assert!(matches!(answers.as_slice(), [Ok(Reply::Swept(1))]));
+    }
+}

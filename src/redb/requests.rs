@@ -1,0 +1,235 @@
+//! The [`Store`] impl of [`RedbStore`]: each call's checks, the read fast
+//! path that answers a `begin` whose answer writes nothing (Replay,
+//! InFlight, Conflict) without joining the line, and the ops a call puts in
+//! the line (`commit/`), blocking or as a future.
+
+use super::RedbStore;
+use super::commit::{Op, Reply};
+use crate::codec;
+use crate::error::{Error, Result};
+use crate::fingerprint::Fingerprint;
+use crate::key::Key;
+use crate::logic;
+use crate::record::{Begin, Claim, Record, check_durations};
+use crate::response::Response;
+use crate::store::{MAX_SWEEP_BATCH, Store, StoreFuture, ready};
+use crate::sync::Arc;
+use crate::sync::atomic::Ordering;
+use crate::time::{Clock, Timestamp};
+use std::time::Duration;
+
+impl RedbStore {
+    /// The read fast path. Answers `begin` without joining the line when
+    /// the answer writes nothing (Replay, InFlight, Conflict): the same
+    /// state machine decides, on the latest state (memtable, then redb),
+    /// and only a claim goes through a group. What the memtable or redb
+    /// shows is durable, so the answer is the one a leader would give.
+    fn fast_begin(
+        &self,
+        key_bytes: &[u8],
+        fingerprint: &Fingerprint,
+        now: Timestamp,
+        lease: Duration,
+        retention: Duration,
+    ) -> Result<Option<Begin>> {
+        let existing = self.shared.read(key_bytes)?;
+        if existing.is_none() {
+            return Ok(None);
+        }
+        // A claim needs a token and a write: that is the leader's. The
+        // token handed to the state machine here is never stored.
+        let step = logic::begin(existing, fingerprint, now, lease, retention, || Ok(0))?;
+        if step.write.is_some() {
+            return Ok(None);
+        }
+        let counter = match step.answer {
+            Begin::Replay(_) => &self.shared.stats.fast_replays,
+            _ => &self.shared.stats.fast_refusals,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        Ok(Some(step.answer))
+    }
+}
+
+/// What `begin` does next: answered on the fast path, or a request for the line.
+enum Next {
+    Answered(Begin),
+    Queue(Op),
+}
+
+fn begun(reply: Reply) -> Result<Begin> {
+    match reply {
+        Reply::Begin(answer) => Ok(answer),
+        other => Err(unexpected(&other)),
+    }
+}
+
+fn done(reply: Reply) -> Result<()> {
+    match reply {
+        Reply::Done => Ok(()),
+        other => Err(unexpected(&other)),
+    }
+}
+
+pub(super) fn unexpected(reply: &Reply) -> Error {
+    Error::backend(format!(
+        "the commit path answered with the wrong kind of reply: {reply:?}"
+    ))
+}
+
+impl RedbStore {
+    /// `begin` up to the line: the checks, then the fast path.
+    fn prepare_begin(
+        &self,
+        key: &Key,
+        fingerprint: &Fingerprint,
+        now: Timestamp,
+        lease: Duration,
+        retention: Duration,
+    ) -> Result<Next> {
+        check_durations(lease, retention)?;
+        let key_bytes = codec::encode_key(key);
+        if let Some(answer) = self.fast_begin(&key_bytes, fingerprint, now, lease, retention)? {
+            return Ok(Next::Answered(answer));
+        }
+        Ok(Next::Queue(Op::Begin {
+            key: key_bytes,
+            fingerprint: *fingerprint,
+            now,
+            lease,
+            retention,
+        }))
+    }
+
+    fn complete_op(
+        &self,
+        key: &Key,
+        claim: &Claim,
+        response: &Response,
+        now: Timestamp,
+        retention: Duration,
+    ) -> Result<Op> {
+        logic::check_response(response, self.max_body_bytes)?;
+        Ok(Op::Complete {
+            key: codec::encode_key(key),
+            claim: claim.clone(),
+            response: response.clone(),
+            now,
+            retention,
+        })
+    }
+
+    fn release_op(key: &Key, claim: &Claim) -> Op {
+        Op::Release {
+            key: codec::encode_key(key),
+            claim: claim.clone(),
+        }
+    }
+
+    /// `op` through the line as a future mapped by `answer`; refusals
+    /// before the line are a ready error.
+    fn queue_async<'a, T: Send + 'a>(
+        &self,
+        op: Result<Op>,
+        answer: fn(Reply) -> Result<T>,
+    ) -> StoreFuture<'a, T> {
+        match op.and_then(|op| self.shared.submit_async(op)) {
+            Ok(submitted) => Box::pin(async move { answer(submitted.await?) }),
+            Err(refused) => ready(Err(refused)),
+        }
+    }
+}
+
+impl Store for RedbStore {
+    fn begin(
+        &self,
+        key: &Key,
+        fingerprint: &Fingerprint,
+        now: Timestamp,
+        lease: Duration,
+        retention: Duration,
+    ) -> Result<Begin> {
+        match self.prepare_begin(key, fingerprint, now, lease, retention)? {
+            Next::Answered(answer) => Ok(answer),
+            Next::Queue(op) => begun(self.shared.submit(op)?),
+        }
+    }
+
+    fn complete(
+        &self,
+        key: &Key,
+        claim: &Claim,
+        response: &Response,
+        now: Timestamp,
+        retention: Duration,
+    ) -> Result<()> {
+        let op = self.complete_op(key, claim, response, now, retention)?;
+        done(self.shared.submit(op)?)
+    }
+
+    fn release(&self, key: &Key, claim: &Claim) -> Result<()> {
+        done(self.shared.submit(RedbStore::release_op(key, claim))?)
+    }
+
+    fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>> {
+        Ok(logic::visible(
+            self.shared.read(&codec::encode_key(key))?,
+            now,
+        ))
+    }
+
+    fn sweep_expired(&self, now: Timestamp, max: usize) -> Result<usize> {
+        let max = max.min(MAX_SWEEP_BATCH);
+        if max == 0 {
+            return Ok(0);
+        }
+        match self.shared.submit(Op::Sweep { now, max })? {
+            Reply::Swept(n) => Ok(n),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    fn clock(&self) -> Arc<dyn Clock> {
+        Arc::clone(&self.clock)
+    }
+
+    /// The fast path (Replay, InFlight, Conflict from memory or a redb
+    /// read) answers at once; a claim joins the commit line and the future
+    /// completes when its group is durable, with no thread waiting for it.
+    /// Dropped before it completes, it leaves no claim: see
+    /// [Native async](Store#native-async).
+    fn begin_async<'a>(
+        &'a self,
+        key: &'a Key,
+        fingerprint: &'a Fingerprint,
+        now: Timestamp,
+        lease: Duration,
+        retention: Duration,
+    ) -> Option<StoreFuture<'a, Begin>> {
+        Some(
+            match self.prepare_begin(key, fingerprint, now, lease, retention) {
+                Ok(Next::Answered(answer)) => ready(Ok(answer)),
+                Ok(Next::Queue(op)) => self.queue_async(Ok(op), begun),
+                Err(refused) => ready(Err(refused)),
+            },
+        )
+    }
+
+    /// Joins the commit line; completes when the DONE record is durable.
+    fn complete_async<'a>(
+        &'a self,
+        key: &'a Key,
+        claim: &'a Claim,
+        response: &'a Response,
+        now: Timestamp,
+        retention: Duration,
+    ) -> Option<StoreFuture<'a, ()>> {
+        let op = self.complete_op(key, claim, response, now, retention);
+        Some(self.queue_async(op, done))
+    }
+
+    /// Joins the commit line; completes when the release is durable.
+    fn release_async<'a>(&'a self, key: &'a Key, claim: &'a Claim) -> Option<StoreFuture<'a, ()>> {
+        Some(self.queue_async(Ok(RedbStore::release_op(key, claim)), done))
+    }
+}

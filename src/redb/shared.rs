@@ -1,0 +1,307 @@
+//! What the callers and the background thread share ([`Shared`]): the
+//! engine behind its lock (and what it may be used for while a heal cannot
+//! reopen it), the memtable, the commit line and the commit lock, the
+//! background thread's flags, and their lock helpers; the read path
+//! (memtable, then redb); a flush and the clean close. The write path's
+//! methods are in `commit/`, poisoning in health.rs, the heal in heal.rs.
+
+use super::commit::{Core, MAX_WRITE_BATCH, Queue};
+use super::errors::engine;
+use super::memtable::Mem;
+use super::options::Config;
+use super::stats::Counters;
+use super::{Durability, RecoveryPolicy, heal, health, open, record_log, source, tables, witness};
+use crate::codec;
+use crate::error::{Error, Result};
+use crate::record::Record;
+use crate::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use crate::sync::{
+    Arc, Condvar, Instant, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard,
+    TryLockError,
+};
+use crate::time::Clock;
+use ::redb::{Database, ReadableDatabase, StorageBackend};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// The background thread's flags (guarded by `Shared::bg`).
+#[derive(Debug, Default)]
+pub(super) struct Bg {
+    pub(super) shutdown: bool,
+}
+
+/// The engine behind the store's database lock.
+pub(super) struct Engine {
+    pub(super) db: Database,
+    pub(super) usable: Usable,
+}
+
+/// What the engine in [`Engine::db`] may be used for, from least to most.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(super) enum Usable {
+    /// While a heal cannot open the files at all: an empty stand-in, and
+    /// reads fail with the cause instead of reading it.
+    No,
+    /// While a heal cannot open the files for writing: a view of them that
+    /// writes nothing (`overlay::open_view_of`). Reads go on; a write
+    /// transaction is refused with the cause (it would reach memory only).
+    ForReads,
+    /// The store's files, opened for writing.
+    Yes,
+}
+
+/// A read lock on a usable engine (see [`Shared::read_db`]).
+pub(super) struct DbRead<'a>(RwLockReadGuard<'a, Engine>);
+
+impl std::ops::Deref for DbRead<'_> {
+    type Target = Database;
+    fn deref(&self) -> &Database {
+        &self.0.db
+    }
+}
+
+/// What the callers and the background thread share.
+pub(super) struct Shared {
+    /// A read lock for every transaction; [`RedbStore::compact`] and a
+    /// heal take the write lock, which is how they wait out every live
+    /// transaction.
+    pub(super) db: RwLock<Engine>,
+    /// Poisoned or not, and why (health.rs).
+    pub(super) health: health::HealthCell,
+    /// Where a heal reopens the engine from (heal.rs).
+    pub(super) source: source::Source,
+    /// Sees every I/O error of the engine's storage (witness.rs).
+    pub(super) witness: Arc<witness::IoWitness>,
+    /// What the last failed attempt to heal saw.
+    pub(super) attempts: Mutex<heal::Attempts>,
+    /// The options a heal reopens with (no lease ended, nothing verified).
+    pub(super) heal_config: Config,
+    /// The store's clock (when a failure happened).
+    pub(super) clock: Arc<dyn Clock>,
+    /// The store file, in errors (`None` for a storage backend).
+    pub(super) path: Option<PathBuf>,
+    pub(super) stats: Counters,
+    /// The active and frozen memtables (see memtable.rs for the read order).
+    pub(super) mem: RwLock<Mem>,
+    /// The line of callers (commit.rs).
+    pub(super) queue: Mutex<Queue>,
+    /// Signalled when a leader takes a group out of a full line.
+    pub(super) queue_room: Condvar,
+    /// Wakes the committer thread (native.rs) when it is given the leader
+    /// role, or the line closes.
+    pub(super) committer_cv: Condvar,
+    /// The commit lock: the leader holds it for a group, a direct
+    /// transaction for its transaction.
+    pub(super) core: Mutex<Core>,
+    /// The background thread's flags; `bg_cv` wakes it (a frozen memtable,
+    /// shutdown) and wakes those waiting for a checkpoint to finish.
+    pub(super) bg: Mutex<Bg>,
+    pub(super) bg_cv: Condvar,
+    /// Relaxed durability with the log: frames written since the last sync.
+    pub(super) log_unsynced: AtomicBool,
+    /// The log file (`None` without a log), for the background sync.
+    pub(super) log_file: Option<Arc<dyn StorageBackend>>,
+    pub(super) durability: Durability,
+    pub(super) checkpoint_interval: Duration,
+    pub(super) max_batch: usize,
+    /// When the active memtable began (a freeze, a direct transaction, or
+    /// the first record after either), in ms since `started`.
+    pub(super) started: Instant,
+    pub(super) memtable_since_ms: AtomicU64,
+    /// `Some(path)` for a store opened read-only: every write is refused
+    /// ([`Error::ReadOnly`]) before it reaches the commit path.
+    pub(super) read_only: Option<String>,
+}
+
+impl Shared {
+    pub(super) fn new(opened: open::Opened, config: &Config, path: Option<&Path>) -> Arc<Shared> {
+        let log_file = opened.wal.as_ref().map(record_log::Wal::file);
+        Arc::new(Shared {
+            db: RwLock::new(Engine {
+                db: opened.db,
+                usable: Usable::Yes,
+            }),
+            health: health::HealthCell::default(),
+            source: opened.source,
+            witness: opened.witness,
+            attempts: Mutex::new(heal::Attempts::default()),
+            heal_config: Config {
+                recovery: RecoveryPolicy::WaitForLease,
+                verify_on_open: false,
+                accept_loss: false,
+                sweeper: None,
+                ..config.clone()
+            },
+            clock: Arc::clone(&config.clock),
+            path: path.map(Path::to_path_buf),
+            stats: Counters::default(),
+            mem: RwLock::new(Mem::default()),
+            queue: Mutex::new(Queue::default()),
+            queue_room: Condvar::new(),
+            committer_cv: Condvar::new(),
+            core: Mutex::new(Core {
+                wal: opened.wal,
+                token_hwm: opened.token_hwm,
+                unflushed: false,
+                last_durable: Instant::now(),
+            }),
+            bg: Mutex::new(Bg::default()),
+            bg_cv: Condvar::new(),
+            log_unsynced: AtomicBool::new(false),
+            log_file,
+            durability: config.durability,
+            checkpoint_interval: config.checkpoint_interval,
+            max_batch: MAX_WRITE_BATCH,
+            started: Instant::now(),
+            memtable_since_ms: AtomicU64::new(0),
+            read_only: config.read_only.then(|| {
+                path.map_or_else(
+                    || "<storage backend>".to_owned(),
+                    |p| p.display().to_string(),
+                )
+            }),
+        })
+    }
+
+    // None of these locks guards an invariant a panic could leave half-done
+    // (a panic while leading poisons the store), so a poisoned lock is
+    // taken as it is.
+    /// The engine for a transaction, or the cause when a heal could not
+    /// reopen it yet.
+    pub(super) fn read_db(&self) -> Result<DbRead<'_>> {
+        self.db_for(Usable::ForReads)
+    }
+    /// The engine for a write transaction: the files opened for writing,
+    /// or the cause.
+    pub(super) fn write_ready_db(&self) -> Result<DbRead<'_>> {
+        self.db_for(Usable::Yes)
+    }
+    pub(super) fn db_for(&self, need: Usable) -> Result<DbRead<'_>> {
+        let engine = self.db.read().unwrap_or_else(|p| p.into_inner());
+        if engine.usable < need {
+            return Err(self.poisoned_error());
+        }
+        Ok(DbRead(engine))
+    }
+    pub(super) fn write_db(&self) -> RwLockWriteGuard<'_, Engine> {
+        self.db.write().unwrap_or_else(|p| p.into_inner())
+    }
+    pub(super) fn read_mem(&self) -> RwLockReadGuard<'_, Mem> {
+        self.mem.read().unwrap_or_else(|p| p.into_inner())
+    }
+    pub(super) fn write_mem(&self) -> RwLockWriteGuard<'_, Mem> {
+        self.mem.write().unwrap_or_else(|p| p.into_inner())
+    }
+    pub(super) fn lock_core(&self) -> MutexGuard<'_, Core> {
+        self.core.lock().unwrap_or_else(|p| p.into_inner())
+    }
+    pub(super) fn try_lock_core(&self) -> Option<MutexGuard<'_, Core>> {
+        match self.core.try_lock() {
+            Ok(guard) => Some(guard),
+            Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(TryLockError::WouldBlock) => None,
+        }
+    }
+    pub(super) fn lock_queue(&self) -> MutexGuard<'_, Queue> {
+        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    }
+    pub(super) fn lock_bg(&self) -> MutexGuard<'_, Bg> {
+        self.bg.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Wakes the background thread (a memtable was frozen, or shutdown).
+    pub(super) fn wake_background(&self) {
+        let _bg = self.lock_bg();
+        self.bg_cv.notify_all();
+    }
+
+    pub(super) fn now_ms(&self) -> u64 {
+        u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// The active memtable begins now (a freeze, a direct transaction, or
+    /// its first record).
+    pub(super) fn start_memtable_clock(&self) {
+        self.memtable_since_ms
+            .store(self.now_ms(), Ordering::Relaxed);
+    }
+
+    /// How long until the active memtable is old enough to checkpoint.
+    pub(super) fn checkpoint_left(&self) -> Duration {
+        let since = self
+            .now_ms()
+            .saturating_sub(self.memtable_since_ms.load(Ordering::Relaxed));
+        self.checkpoint_interval
+            .saturating_sub(Duration::from_millis(since))
+    }
+
+    pub(super) fn checkpoint_due(&self) -> bool {
+        self.checkpoint_left().is_zero()
+    }
+
+    /// The latest state of `key_bytes`: the memtable, then redb (verified).
+    pub(super) fn read(&self, key_bytes: &[u8]) -> Result<Option<Record>> {
+        {
+            let mem = self.read_mem();
+            if let Some(entry) = mem.get(key_bytes) {
+                return Ok(entry.clone());
+            }
+        }
+        // Opened after the memtable was read: see memtable.rs.
+        let db = self.read_db()?;
+        (|| {
+            let txn = db.begin_read().map_err(engine)?;
+            let table = txn.open_table(tables::RECORDS).map_err(engine)?;
+            match table.get(key_bytes).map_err(engine)? {
+                Some(v) => Ok(Some(codec::decode_record(key_bytes, v.value())?)),
+                None => Ok(None),
+            }
+        })()
+        .map_err(|e| self.engine_failed("read", e))
+    }
+
+    /// An engine error met `during` an operation: an I/O error (redb then
+    /// refuses every later use until it is reopened) poisons the store, so
+    /// that it heals; a store already poisoned answers with its cause.
+    pub(super) fn engine_failed(&self, during: &'static str, error: Error) -> Error {
+        match error {
+            Error::Io(_) if self.is_poisoned() => self.poisoned_error(),
+            Error::Io(_) => self.fail(during, health::On::Store, error),
+            other => other,
+        }
+    }
+
+    /// Makes everything in memory durable in redb and retires the log.
+    pub(super) fn flush(&self) -> Result<()> {
+        let mut core = self.lock_core();
+        self.flush_locked(&mut core)
+    }
+
+    /// The last commit of a clean stop: everything in memory goes into the
+    /// file durably, and with a log the same commit marks it closed
+    /// ([`META_WAL_STATE`](tables::META_WAL_STATE)), so the next open knows
+    /// the log holds nothing it needs and may be missing.
+    pub(super) fn close(&self) -> Result<()> {
+        let mut core = self.lock_core();
+        if core.wal.is_none() {
+            return self.flush_locked(&mut core);
+        }
+        self.direct_locked(&mut core, |txn, _| {
+            let mut meta = txn.open_table(tables::META).map_err(engine)?;
+            meta.insert(tables::META_WAL_STATE, [tables::WAL_CLOSED].as_slice())
+                .map_err(engine)?;
+            Ok::<_, Error>(())
+        })
+    }
+
+    /// [`flush`](Self::flush) with the commit lock held.
+    pub(super) fn flush_locked(&self, core: &mut Core) -> Result<()> {
+        let dirty = !self.read_mem().is_empty()
+            || core.wal.as_ref().is_some_and(record_log::Wal::is_dirty)
+            || core.unflushed;
+        if dirty {
+            self.direct_locked(core, |_, _| Ok::<_, Error>(()))?;
+        }
+        Ok(())
+    }
+}
