@@ -129,7 +129,7 @@ use std::path::{Path, PathBuf};
 /// acknowledged claim is durable. A background thread checkpoints what was
 /// written into the store file. A `begin` whose answer writes nothing
 /// (Replay, InFlight, Conflict) is answered on the read fast path without
-/// joining the line. The native async entry ([`Store::begin_async`] and
+/// joining the line. The native async entry ([`Store::begin_async`](crate::Store::begin_async) and
 /// friends, what `Guard::run_async` uses) joins the same line as a future
 /// woken when its group is durable: no thread waits per request, and the
 /// store's one committer thread leads when only futures are in line.
@@ -169,7 +169,7 @@ pub struct RedbStore {
     committer: Option<JoinHandle<()>>,
     sweeper: Option<Sweeper>,
     /// The builder's clock: read by recovery at open and the sweeper, and
-    /// handed out by [`Store::clock`].
+    /// handed out by [`Store::clock`](crate::Store::clock).
     clock: Arc<dyn Clock>,
     path: Option<PathBuf>,
     store_id: [u8; 16],
@@ -208,8 +208,8 @@ impl RedbStore {
     /// the replay of the log's frames happen in memory. The view holds
     /// everything a writer's open would ([`RedbStats::frames_replayed_on_open`]
     /// says how many log frames that took) and ends no lease. Reads
-    /// ([`Store::get`], [`admin`](Self::admin)'s facts, scans and verify)
-    /// work; every write ([`Store::begin`] when it would claim,
+    /// ([`Store::get`](crate::Store::get), [`admin`](Self::admin)'s facts, scans and verify)
+    /// work; every write ([`Store::begin`](crate::Store::begin) when it would claim,
     /// `complete`, `release`, `sweep_expired`, [`compact`](Self::compact),
     /// evict, import, an [`Inbox`]) is [`Error::ReadOnly`].
     ///

@@ -62,7 +62,7 @@ impl std::ops::Deref for DbRead<'_> {
 
 /// What the callers and the background thread share.
 pub(super) struct Shared {
-    /// A read lock for every transaction; [`RedbStore::compact`] and a
+    /// A read lock for every transaction; [`RedbStore::compact`](super::RedbStore::compact) and a
     /// heal take the write lock, which is how they wait out every live
     /// transaction.
     pub(super) db: RwLock<Engine>,

@@ -82,7 +82,7 @@ pub(super) use writer::Wal;
 /// never change the file's size or allocation, and `fdatasync` has no
 /// metadata to write), then each segment is reused from its start once the
 /// checkpoint of the frames it held is durable. A group's frame takes whole
-/// [`FRAME_ALIGN`] blocks; a group too large for a whole segment commits
+/// 4 KiB blocks; a group too large for a whole segment commits
 /// straight into the store file (durably) instead.
 ///
 /// ```
@@ -91,10 +91,10 @@ pub(super) use writer::Wal;
 pub const WAL_BYTES: u64 = 8 * 1024 * 1024;
 
 /// Smallest log the builder accepts (`wal_bytes`): two segments of two
-/// aligned blocks each.
+/// aligned 4 KiB blocks each.
 ///
 /// ```
-/// assert_eq!(idemstore::redb::MIN_WAL_BYTES, 4 * idemstore::redb::FRAME_ALIGN);
+/// assert_eq!(idemstore::redb::MIN_WAL_BYTES, 16 * 1024);
 /// ```
 pub const MIN_WAL_BYTES: u64 = 4 * FRAME_ALIGN;
 
