@@ -24,7 +24,7 @@
 //! without a log, makes redb's in-memory commits durable) within the loss
 //! window.
 
-use super::errors::engine;
+use super::errors::engine_error;
 use super::health::{HEAL_BACKOFF_MAX, HEAL_BACKOFF_MIN, On};
 use super::memtable::Frozen;
 use super::tables::{META, META_TOKEN_HWM, META_WAL_EPOCH, WriteTables};
@@ -229,9 +229,9 @@ pub(super) fn tick(shared: &Shared, last_sync: &mut Instant) -> Result<Tick> {
 /// log epoch.
 fn checkpoint(shared: &Shared, frozen: &Frozen) -> Result<()> {
     let db = shared.write_ready_db()?;
-    let mut txn = db.begin_write().map_err(engine)?;
+    let mut txn = db.begin_write().map_err(engine_error)?;
     txn.set_durability(::redb::Durability::Immediate)
-        .map_err(engine)?;
+        .map_err(engine_error)?;
     txn.set_quick_repair(true);
     {
         let mut tables = WriteTables::open(&txn)?;
@@ -241,14 +241,14 @@ fn checkpoint(shared: &Shared, frozen: &Frozen) -> Result<()> {
         // The frozen table's mark is the store's: every durable commit
         // before this one (an earlier checkpoint, a direct transaction, the
         // open) stored a mark from before this table was frozen.
-        let mut meta = txn.open_table(META).map_err(engine)?;
+        let mut meta = txn.open_table(META).map_err(engine_error)?;
         meta.insert(META_TOKEN_HWM, frozen.token_hwm.to_be_bytes().as_slice())
-            .map_err(engine)?;
+            .map_err(engine_error)?;
         let next = frozen.epoch.wrapping_add(1);
         meta.insert(META_WAL_EPOCH, next.to_be_bytes().as_slice())
-            .map_err(engine)?;
+            .map_err(engine_error)?;
     }
-    txn.commit().map_err(engine)?;
+    txn.commit().map_err(engine_error)?;
     Ok(())
 }
 

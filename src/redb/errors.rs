@@ -8,7 +8,7 @@ use crate::error::Error;
 /// Any redb error as an [`Error`]: I/O stays [`Error::Io`], corruption that
 /// redb detected is [`Error::Corrupt`], everything else is [`Error::Backend`]
 /// with the redb error as its source.
-pub(super) fn engine(err: impl Into<::redb::Error>) -> Error {
+pub(super) fn engine_error(err: impl Into<::redb::Error>) -> Error {
     match err.into() {
         ::redb::Error::Io(io) => Error::Io(io),
         // redb refuses every use after an I/O error of its own until it is
@@ -48,12 +48,12 @@ mod tests {
 
     #[test]
     fn io_stays_io_and_corruption_is_corrupt() {
-        let io = engine(::redb::StorageError::Io(std::io::Error::other("disk gone")));
+        let io = engine_error(::redb::StorageError::Io(std::io::Error::other("disk gone")));
         assert!(matches!(io, Error::Io(_)));
-        let bad = engine(::redb::StorageError::Corrupted("bad page".into()));
+        let bad = engine_error(::redb::StorageError::Corrupted("bad page".into()));
         assert!(matches!(bad, Error::Corrupt { key: None, .. }));
         assert!(bad.to_string().contains("bad page"), "{bad}");
-        let latched = engine(::redb::StorageError::PreviousIo);
+        let latched = engine_error(::redb::StorageError::PreviousIo);
         assert!(matches!(latched, Error::Io(_)), "{latched}");
         assert!(is_latched(&latched));
         assert!(
@@ -62,7 +62,7 @@ mod tests {
         );
         assert!(!is_latched(&io));
         assert!(!is_latched(&Error::Io(std::io::Error::other("disk gone"))));
-        let other = engine(::redb::TransactionError::WouldBlock);
+        let other = engine_error(::redb::TransactionError::WouldBlock);
         assert!(matches!(other, Error::Backend(_)));
     }
 }

@@ -4,7 +4,7 @@
 //! nothing of the backend above it (open, the logs, the overlay), so every
 //! one of them can use it without a cycle.
 
-use super::errors::engine;
+use super::errors::engine_error;
 use crate::error::{Error, Result};
 use ::redb::StorageBackend;
 use std::path::Path;
@@ -75,7 +75,7 @@ pub(super) fn sync_parent(path: &Path) -> Result<()> {
 pub(super) fn check_foreign(backend: &impl StorageBackend) -> Result<()> {
     let len = backend
         .len()
-        .map_err(|e| engine(::redb::StorageError::from(e)))?;
+        .map_err(|e| engine_error(::redb::StorageError::from(e)))?;
     if len == 0 {
         return Ok(());
     }
@@ -87,7 +87,7 @@ pub(super) fn check_foreign(backend: &impl StorageBackend) -> Result<()> {
     }
     backend
         .read(0, &mut head)
-        .map_err(|e| engine(::redb::StorageError::from(e)))?;
+        .map_err(|e| engine_error(::redb::StorageError::from(e)))?;
     if head != REDB_MAGIC {
         return Err(not_ours("it does not start with a redb header"));
     }

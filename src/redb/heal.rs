@@ -29,7 +29,7 @@
 //! reads, and the memtable is kept: reads and replays go on, writes stay
 //! refused, and the background thread tries again after its back-off.
 
-use super::errors::engine;
+use super::errors::engine_error;
 use super::tables::{META, META_TOKEN_HWM};
 use super::{Engine, Shared, Usable};
 use crate::error::{Error, Result};
@@ -56,7 +56,7 @@ pub(super) struct Attempts {
 fn stand_in() -> Result<Database> {
     Database::builder()
         .create_with_backend(::redb::backends::InMemoryBackend::new())
-        .map_err(engine)
+        .map_err(engine_error)
 }
 
 impl Shared {
@@ -182,7 +182,7 @@ impl Shared {
     }
 
     fn reopened_meta(&self, db: &Database) -> Result<super::meta::MetaEntries> {
-        let txn = db.begin_read().map_err(engine)?;
+        let txn = db.begin_read().map_err(engine_error)?;
         super::meta::read_meta_entries(&txn)
     }
 
@@ -213,11 +213,11 @@ fn free_bytes(_path: &std::path::Path) -> Option<u64> {
 
 /// A durable commit of the token high-water mark.
 fn probe(db: &Database, token_hwm: u64) -> Result<()> {
-    let txn = db.begin_write().map_err(engine)?;
+    let txn = db.begin_write().map_err(engine_error)?;
     {
-        let mut meta = txn.open_table(META).map_err(engine)?;
+        let mut meta = txn.open_table(META).map_err(engine_error)?;
         meta.insert(META_TOKEN_HWM, token_hwm.to_be_bytes().as_slice())
-            .map_err(engine)?;
+            .map_err(engine_error)?;
     }
-    txn.commit().map_err(engine)
+    txn.commit().map_err(engine_error)
 }

@@ -100,7 +100,12 @@ struct Fault {
     since: Timestamp,
 }
 
-/// The poisoned flag (read on every write) and its cause.
+/// The store's one poison: the flag every write reads (an atomic, so a
+/// healthy store pays one load) and the fault behind it. The flag and the
+/// fault are set and cleared together under the fault's lock, so whoever
+/// sees the flag set and then takes the lock finds the cause, unless the
+/// store healed in between (then the write may go on). Nothing else in the
+/// store sets or reads the flag.
 #[derive(Debug, Default)]
 pub(super) struct HealthCell {
     poisoned: AtomicBool,
@@ -110,6 +115,73 @@ pub(super) struct HealthCell {
 impl HealthCell {
     fn lock(&self) -> MutexGuard<'_, Option<Fault>> {
         self.fault.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether writes are refused.
+    fn is_poisoned(&self) -> bool {
+        self.poisoned.load(Ordering::SeqCst)
+    }
+
+    /// Poisons with `cause` at `since`, unless a first failure is kept
+    /// already (it stays the cause). True when this was the first.
+    fn poison(&self, cause: &Cause, since: Timestamp) -> bool {
+        let mut fault = self.lock();
+        let first = fault.is_none();
+        if first {
+            *fault = Some(Fault {
+                cause: cause.clone(),
+                since,
+            });
+        }
+        self.poisoned.store(true, Ordering::SeqCst);
+        first
+    }
+
+    /// Clears the poison; the fault that was healed, if one was kept.
+    fn clear(&self) -> Option<Fault> {
+        let mut fault = self.lock();
+        self.poisoned.store(false, Ordering::SeqCst);
+        fault.take()
+    }
+
+    /// The kept cause, while poisoned. A store poisoned without one (none
+    /// is ever set so) has `None` here too.
+    fn cause(&self) -> Option<Cause> {
+        self.lock().as_ref().map(|f| f.cause.clone())
+    }
+
+    /// [`Error::Poisoned`] with the cause while poisoned; `None` when
+    /// writes may go on (also when a heal ended since the flag was read).
+    fn refusal(&self) -> Option<Error> {
+        if !self.is_poisoned() {
+            return None;
+        }
+        self.lock().as_ref().map(|fault| Error::Poisoned {
+            cause: Some(fault.cause.clone()),
+        })
+    }
+
+    /// The health the cell says: healthy, degraded (a cause that heals)
+    /// or failed.
+    fn health(&self) -> Health {
+        let fault = self.lock();
+        match (&*fault, self.is_poisoned()) {
+            (_, false) => Health::Healthy,
+            (Some(f), true) if f.cause.heals() => Health::Degraded {
+                cause: f.cause.clone(),
+                since: f.since,
+            },
+            (Some(f), true) => Health::Failed {
+                cause: f.cause.clone(),
+            },
+            (None, true) => Health::Failed {
+                cause: Cause::new(
+                    "commit",
+                    None,
+                    &Error::backend("the store was poisoned without a recorded cause"),
+                ),
+            },
+        }
     }
 }
 
@@ -126,7 +198,7 @@ pub(super) enum On {
 impl Shared {
     /// Whether writes are refused.
     pub(super) fn is_poisoned(&self) -> bool {
-        self.health.poisoned.load(Ordering::SeqCst)
+        self.health.is_poisoned()
     }
 
     /// Records `error`, met `during` an operation on `on`, as the reason
@@ -137,17 +209,9 @@ impl Shared {
         let error = self.named(error);
         let path = self.file_name(on);
         let cause = Cause::new(during, Some(&path), &error);
-        {
-            let mut fault = self.health.lock();
-            if fault.is_none() {
-                *fault = Some(Fault {
-                    cause: cause.clone(),
-                    since: self.clock.now(),
-                });
-                crate::observability::poisoned("redb", &cause);
-                crate::observability::health("redb", if cause.heals() { 1 } else { 2 });
-            }
-            self.health.poisoned.store(true, Ordering::SeqCst);
+        if self.health.poison(&cause, self.clock.now()) {
+            crate::observability::poisoned("redb", &cause);
+            crate::observability::health("redb", if cause.heals() { 1 } else { 2 });
         }
         // The background thread heals; it may be asleep for long.
         self.wake_background();
@@ -170,7 +234,7 @@ impl Shared {
     /// The error a write gets while the store is poisoned.
     pub(super) fn poisoned_error(&self) -> Error {
         Error::Poisoned {
-            cause: self.health.lock().as_ref().map(|f| f.cause.clone()),
+            cause: self.health.cause(),
         }
     }
 
@@ -179,33 +243,23 @@ impl Shared {
     /// cause's lock, so a write that races the end of a heal is either
     /// refused with the cause or let through, never refused without one.
     pub(super) fn check_healthy(&self) -> crate::error::Result<()> {
-        if !self.is_poisoned() {
-            return Ok(());
-        }
-        match &*self.health.lock() {
-            Some(fault) => Err(Error::Poisoned {
-                cause: Some(fault.cause.clone()),
-            }),
-            None => Ok(()),
-        }
+        self.health.refusal().map_or(Ok(()), Err)
     }
 
     /// Whether the background thread should try to heal: poisoned by a
     /// cause that may go away.
     pub(super) fn heals(&self) -> bool {
-        self.is_poisoned() && self.health.lock().as_ref().is_none_or(|f| f.cause.heals())
+        self.is_poisoned() && self.health.cause().is_none_or(|c| c.heals())
     }
 
     /// The I/O kind of the failure being healed.
     pub(super) fn health_cause_kind(&self) -> Option<std::io::ErrorKind> {
-        self.health.lock().as_ref().and_then(|f| f.cause.io_kind())
+        self.health.cause().and_then(|c| c.io_kind())
     }
 
     /// Writes are accepted again (the store healed).
     pub(super) fn healthy_again(&self) {
-        let mut fault = self.health.lock();
-        self.health.poisoned.store(false, Ordering::SeqCst);
-        if let Some(fault) = fault.take() {
+        if let Some(fault) = self.health.clear() {
             let since = fault.since.until(self.clock.now());
             crate::observability::healed("redb", &fault.cause, since);
             crate::observability::health("redb", 0);
@@ -214,24 +268,7 @@ impl Shared {
 
     /// The store's health.
     pub(super) fn health(&self) -> Health {
-        let fault = self.health.lock();
-        match (&*fault, self.is_poisoned()) {
-            (_, false) => Health::Healthy,
-            (Some(f), true) if f.cause.heals() => Health::Degraded {
-                cause: f.cause.clone(),
-                since: f.since,
-            },
-            (Some(f), true) => Health::Failed {
-                cause: f.cause.clone(),
-            },
-            (None, true) => Health::Failed {
-                cause: Cause::new(
-                    "commit",
-                    None,
-                    &Error::backend("the store was poisoned without a recorded cause"),
-                ),
-            },
-        }
+        self.health.health()
     }
 
     fn file_name(&self, on: On) -> String {
@@ -241,5 +278,50 @@ impl Shared {
             (None, On::Store) => "<storage backend>".to_owned(),
             (None, On::Log) => "<log backend>".to_owned(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cause(during: &'static str, kind: std::io::ErrorKind) -> Cause {
+        Cause::new(
+            during,
+            Some("s.idem"),
+            &Error::Io(std::io::Error::from(kind)),
+        )
+    }
+
+    /// The first failure stays the cause until the poison is cleared; the
+    /// refusal carries it; clearing hands back the fault that healed.
+    #[test]
+    fn the_first_cause_is_kept_until_cleared() {
+        let cell = HealthCell::default();
+        assert!(cell.refusal().is_none() && !cell.is_poisoned());
+        assert!(matches!(cell.health(), Health::Healthy));
+        let t = Timestamp::from_millis(5);
+        assert!(cell.poison(&cause("log append", std::io::ErrorKind::StorageFull), t));
+        assert!(!cell.poison(&cause("checkpoint", std::io::ErrorKind::Other), t));
+        assert!(cell.is_poisoned());
+        let refused = cell.refusal();
+        assert!(
+            matches!(&refused, Some(Error::Poisoned { cause: Some(c) }) if c.during() == "log append"),
+            "{refused:?}"
+        );
+        assert!(matches!(cell.health(), Health::Degraded { since, .. } if since == t));
+        let healed = cell.clear();
+        assert!(healed.is_some_and(|f| f.cause.during() == "log append"));
+        assert!(cell.refusal().is_none() && cell.cause().is_none());
+        assert!(matches!(cell.health(), Health::Healthy));
+    }
+
+    /// Damage does not heal: the cell says Failed.
+    #[test]
+    fn damage_is_failed_not_degraded() {
+        let cell = HealthCell::default();
+        let damage = Cause::new("open", None, &Error::corrupt(None, "test damage"));
+        cell.poison(&damage, Timestamp::from_millis(1));
+        assert!(matches!(cell.health(), Health::Failed { .. }));
     }
 }

@@ -7,7 +7,8 @@
 //! open.rs, the log's recovery in recovery.rs.
 
 use super::Config;
-use super::errors::engine;
+use super::damage::Damage;
+use super::errors::engine_error;
 use super::file::not_ours;
 use super::tables::{
     EXPIRY, META, META_FORMAT_VERSION, META_STORE_ID, META_TOKEN_HWM, META_WAL_BOOT,
@@ -39,10 +40,10 @@ pub(super) struct MetaEntries {
 /// created by redb just before a crash). A redb file with other tables but
 /// no meta table is someone else's database.
 pub(super) fn read_meta(db: &Database) -> Result<Option<MetaEntries>> {
-    let txn = db.begin_read().map_err(engine)?;
+    let txn = db.begin_read().map_err(engine_error)?;
     let names: Vec<String> = txn
         .list_tables()
-        .map_err(engine)?
+        .map_err(engine_error)?
         .map(|t| t.name().to_owned())
         .collect();
     if !names.iter().any(|n| n == META.name()) {
@@ -62,7 +63,7 @@ pub(super) fn read_meta(db: &Database) -> Result<Option<MetaEntries>> {
         });
     }
     if meta.format_version == 0 {
-        return Err(Error::corrupt(None, "meta format version is 0"));
+        return Err(Damage::MetaVersionZero.into());
     }
     // Opening the record tables proves they have our layout.
     txn.open_table(RECORDS).map_err(table_error)?;
@@ -75,12 +76,12 @@ pub(super) fn read_meta(db: &Database) -> Result<Option<MetaEntries>> {
 pub(super) fn read_meta_entries(txn: &::redb::ReadTransaction) -> Result<MetaEntries> {
     let meta = txn.open_table(META).map_err(table_error)?;
     let get = |name: &str| -> Result<Vec<u8>> {
-        match meta.get(name).map_err(engine)? {
+        match meta.get(name).map_err(engine_error)? {
             Some(v) => Ok(v.value().to_vec()),
-            None => Err(Error::corrupt(
-                None,
-                format!("meta entry {name:?} is missing"),
-            )),
+            None => Err(Damage::MetaEntryMissing {
+                name: name.to_owned(),
+            }
+            .into()),
         }
     };
     Ok(MetaEntries {
@@ -92,10 +93,12 @@ pub(super) fn read_meta_entries(txn: &::redb::ReadTransaction) -> Result<MetaEnt
 
 fn fixed<const N: usize>(name: &str, bytes: &[u8]) -> Result<[u8; N]> {
     bytes.try_into().map_err(|_| {
-        Error::corrupt(
-            None,
-            format!("meta entry {name:?} is {} bytes, not {N}", bytes.len()),
-        )
+        Damage::MetaEntrySize {
+            name: name.to_owned(),
+            len: bytes.len(),
+            want: N,
+        }
+        .into()
     })
 }
 
@@ -104,30 +107,30 @@ fn table_error(err: TableError) -> Error {
         TableError::TableTypeMismatch { .. } | TableError::TableIsMultimap(_) => {
             not_ours(format!("a table has a foreign layout ({err})"))
         }
-        other => engine(other),
+        other => engine_error(other),
     }
 }
 
 /// Writes the meta table and the empty record tables of a new store.
 pub(super) fn init_meta(db: &Database, config: &Config) -> Result<MetaEntries> {
     let store_id = new_store_id(config);
-    let mut txn = db.begin_write().map_err(engine)?;
+    let mut txn = db.begin_write().map_err(engine_error)?;
     txn.set_quick_repair(true);
     {
-        let mut meta = txn.open_table(META).map_err(engine)?;
+        let mut meta = txn.open_table(META).map_err(engine_error)?;
         meta.insert(
             META_FORMAT_VERSION,
             STORE_FORMAT_VERSION.to_be_bytes().as_slice(),
         )
-        .map_err(engine)?;
+        .map_err(engine_error)?;
         meta.insert(META_STORE_ID, store_id.as_slice())
-            .map_err(engine)?;
+            .map_err(engine_error)?;
         meta.insert(META_TOKEN_HWM, 0u64.to_be_bytes().as_slice())
-            .map_err(engine)?;
-        txn.open_table(RECORDS).map_err(engine)?;
-        txn.open_table(EXPIRY).map_err(engine)?;
+            .map_err(engine_error)?;
+        txn.open_table(RECORDS).map_err(engine_error)?;
+        txn.open_table(EXPIRY).map_err(engine_error)?;
     }
-    txn.commit().map_err(engine)?;
+    txn.commit().map_err(engine_error)?;
     Ok(MetaEntries {
         format_version: STORE_FORMAT_VERSION,
         store_id,
@@ -164,13 +167,13 @@ pub(super) struct WalState {
 
 /// The log's state, or `None` when no open with this check has recorded it.
 pub(super) fn read_wal_state(db: &Database) -> Result<Option<WalState>> {
-    let txn = db.begin_read().map_err(engine)?;
+    let txn = db.begin_read().map_err(engine_error)?;
     let meta = txn.open_table(META).map_err(table_error)?;
-    let Some(state) = meta.get(META_WAL_STATE).map_err(engine)? else {
+    let Some(state) = meta.get(META_WAL_STATE).map_err(engine_error)? else {
         return Ok(None);
     };
     let [state] = fixed::<1>(META_WAL_STATE, state.value())?;
-    let bytes = match meta.get(META_WAL_BYTES).map_err(engine)? {
+    let bytes = match meta.get(META_WAL_BYTES).map_err(engine_error)? {
         Some(v) => Some(u64::from_be_bytes(fixed(META_WAL_BYTES, v.value())?)),
         None => None,
     };
@@ -182,18 +185,18 @@ pub(super) fn read_wal_state(db: &Database) -> Result<Option<WalState>> {
 
 /// The boot id the log's last open recorded ([`META_WAL_BOOT`]).
 pub(super) fn read_wal_boot(db: &Database) -> Result<Option<String>> {
-    let txn = db.begin_read().map_err(engine)?;
+    let txn = db.begin_read().map_err(engine_error)?;
     let meta = txn.open_table(META).map_err(table_error)?;
     Ok(meta
         .get(META_WAL_BOOT)
-        .map_err(engine)?
+        .map_err(engine_error)?
         .map(|v| String::from_utf8_lossy(v.value()).into_owned()))
 }
 
 pub(super) fn read_wal_epoch(db: &Database) -> Result<u64> {
-    let txn = db.begin_read().map_err(engine)?;
+    let txn = db.begin_read().map_err(engine_error)?;
     let meta = txn.open_table(META).map_err(table_error)?;
-    match meta.get(META_WAL_EPOCH).map_err(engine)? {
+    match meta.get(META_WAL_EPOCH).map_err(engine_error)? {
         None => Ok(0),
         Some(v) => Ok(u64::from_be_bytes(fixed(META_WAL_EPOCH, v.value())?)),
     }

@@ -68,6 +68,7 @@
 pub mod admin;
 mod checkpoint;
 mod commit;
+mod damage;
 mod errors;
 mod file;
 mod heal;
@@ -471,10 +472,10 @@ impl RedbStore {
         if engine.usable != Usable::Yes {
             return Err(self.shared.poisoned_error());
         }
-        engine
-            .db
-            .compact()
-            .map_err(|e| self.shared.engine_failed("compaction", errors::engine(e)))
+        engine.db.compact().map_err(|e| {
+            self.shared
+                .engine_failed("compaction", errors::engine_error(e))
+        })
     }
 }
 

@@ -5,7 +5,8 @@
 //! reads and writes are in meta.rs; what an open does with the record log,
 //! in recovery.rs.
 
-use super::errors::engine;
+use super::damage::Damage;
+use super::errors::engine_error;
 use super::file::{FILE_MODE, Lock, check_foreign, open_owner_only, sync_parent, try_lock};
 use super::loss::LossReport;
 use super::meta::{MetaEntries, init_meta, read_meta, read_wal_state};
@@ -81,7 +82,7 @@ pub(super) fn open_path(path: &Path, config: &Config) -> Result<Opened> {
 /// never overwritten, and that is written down in `found`.
 fn refuse_over_log(
     path: &Path,
-    what: &str,
+    what: &'static str,
     config: &Config,
     found: &mut Vec<String>,
 ) -> Result<()> {
@@ -107,19 +108,13 @@ fn refuse_over_log(
 
 /// [`Error::Corrupt`]: the store file at `path` `what` ("is missing", "is
 /// empty") while its log holds frames.
-fn store_lost_beside_log(path: &Path, what: &str) -> Error {
-    Error::corrupt(
-        None,
-        format!(
-            "{} {what}, but its write-ahead log {} is beside it and holds frames: the \
-             store file was lost or replaced, and a new store here would overwrite the \
-             only copy of the writes in that log. Restore the store file that belongs \
-             to the log, or move the log away to start a new store; see \
-             docs/operations.md",
-            path.display(),
-            record_log::wal_path(path).display()
-        ),
-    )
+fn store_lost_beside_log(path: &Path, what: &'static str) -> Error {
+    Damage::StoreLostBesideLog {
+        store: path.to_path_buf(),
+        log: record_log::wal_path(path),
+        what,
+    }
+    .into()
 }
 
 /// Whether the log beside `path` holds anything but zeros (a new log is
@@ -173,10 +168,10 @@ pub(super) fn open_read_only(path: &Path, config: &Config) -> Result<Opened> {
         if log_holds_frames(path)? {
             return Err(store_lost_beside_log(path, "is empty"));
         }
-        return Err(Error::corrupt(
-            None,
-            format!("{} is empty (0 bytes): not a store file", path.display()),
-        ));
+        return Err(Damage::EmptyStoreFile {
+            store: path.to_path_buf(),
+        }
+        .into());
     }
     let file = std::fs::File::open(path)?;
     try_lock(&file, Lock::Shared, path, path)?;
@@ -312,7 +307,7 @@ fn create_then_open(path: &Path, config: &Config) -> Result<Opened> {
         let backend = ::redb::backends::FileBackend::new(file).map_err(|e| map_open(e, path))?;
         backend
             .set_len(0)
-            .map_err(|e| engine(::redb::StorageError::from(e)))?;
+            .map_err(|e| engine_error(::redb::StorageError::from(e)))?;
         let created = open_backend(backend, None, None, config, path)?;
         drop(created); // closes the database and releases the lock
     }
@@ -351,13 +346,10 @@ pub(super) fn open_backend(
     } = match read_meta(&db)? {
         Some(meta) => meta,
         None if config.read_only => {
-            return Err(Error::corrupt(
-                None,
-                format!(
-                    "{} holds no idemstore tables (a store whose creation did not finish)",
-                    name.display()
-                ),
-            ));
+            return Err(Damage::NoTables {
+                store: name.to_path_buf(),
+            }
+            .into());
         }
         None => init_meta(&db, config)?,
     };
@@ -367,7 +359,7 @@ pub(super) fn open_backend(
             if read_wal_state(&db)?.is_some_and(|s| s.open) {
                 let err = log_missing(name, "it is being opened without its log");
                 if !config.accept_loss {
-                    return Err(err);
+                    return Err(err.into());
                 }
                 loss.findings.push(format!("accepted: {err}"));
             }
@@ -432,13 +424,10 @@ fn engine_open(
     match opened {
         Ok(Ok(db)) => Ok(db),
         Ok(Err(e)) => Err(map_open(e, name)),
-        Err(_) => Err(Error::corrupt(
-            None,
-            format!(
-                "{} is damaged: the storage engine could not read it",
-                name.display()
-            ),
-        )),
+        Err(_) => Err(Damage::Unreadable {
+            store: name.to_path_buf(),
+        }
+        .into()),
     }
 }
 
@@ -491,10 +480,10 @@ pub(super) fn reopen_engine(
     };
     match read_meta(&db)? {
         Some(meta) => Ok((db, meta)),
-        None => Err(Error::corrupt(
-            None,
-            format!("{} lost its idemstore tables", name.display()),
-        )),
+        None => Err(Damage::TablesLost {
+            store: name.to_path_buf(),
+        }
+        .into()),
     }
 }
 
@@ -525,15 +514,12 @@ fn map_open(err: DatabaseError, path: &Path) -> Error {
         DatabaseError::Storage(::redb::StorageError::Io(io))
             if io.kind() == std::io::ErrorKind::UnexpectedEof =>
         {
-            Error::corrupt(
-                None,
-                format!(
-                    "{} is truncated: shorter than its own header says",
-                    path.display()
-                ),
-            )
+            Damage::Truncated {
+                store: path.to_path_buf(),
+            }
+            .into()
         }
-        other => engine(other),
+        other => engine_error(other),
     }
 }
 
@@ -543,7 +529,7 @@ fn map_open(err: DatabaseError, path: &Path) -> Error {
 /// with a new fencing token. Reads every record: O(records) at open.
 fn expire_leases(db: &Database, config: &Config) -> Result<u64> {
     let now = config.clock.now();
-    let mut txn = db.begin_write().map_err(engine)?;
+    let mut txn = db.begin_write().map_err(engine_error)?;
     txn.set_quick_repair(true);
     let mut expired = 0u64;
     {
@@ -564,6 +550,6 @@ fn expire_leases(db: &Database, config: &Config) -> Result<u64> {
             expired += 1;
         }
     }
-    txn.commit().map_err(engine)?;
+    txn.commit().map_err(engine_error)?;
     Ok(expired)
 }

@@ -7,7 +7,8 @@
 //! the meta entries that record the log's state are read in meta.rs.
 
 use super::Config;
-use super::errors::engine;
+use super::damage::Damage;
+use super::errors::engine_error;
 use super::loss::LossReport;
 use super::meta::{
     MetaEntries, STORE_FORMAT_VERSION, read_wal_boot, read_wal_epoch, read_wal_state,
@@ -48,7 +49,7 @@ pub(super) struct LogPlan {
     /// No reboot since the open that wrote the frames (see `record_log::walk`).
     pub(super) no_reboot: bool,
     /// What an open refuses (each an [`Error::Corrupt`]), in order.
-    pub(super) problems: Vec<Error>,
+    pub(super) problems: Vec<Damage>,
 }
 
 /// Reads the log's record in the store file and checks the log against
@@ -86,18 +87,12 @@ pub(super) fn plan_log(
             .problems
             .push(log_missing(name, "its log is missing or empty")),
         Some(recorded) if len < recorded => {
-            plan.problems.push(Error::corrupt(
-                None,
-                format!(
-                    "{} was not closed cleanly, and its write-ahead log {} is {len} bytes where \
-                     the store left it at {recorded}: the log was cut short, or another file is \
-                     in its place, so the writes acknowledged since the last checkpoint cannot \
-                     all be found in it. Put back the log that belongs to this store (a store \
-                     and its log are copied together); see docs/operations.md",
-                    name.display(),
-                    record_log::wal_path(name).display()
-                ),
-            ));
+            plan.problems.push(Damage::LogCutShort {
+                store: name.to_path_buf(),
+                log: record_log::wal_path(name),
+                len,
+                recorded,
+            });
             // What is left is read where it was written.
             plan.layout_len = recorded;
         }
@@ -114,17 +109,11 @@ pub(super) fn plan_log(
     if found.format >= 3 {
         let (seen, ours) = record_log::frames_seen(file, &found.store_id, plan.layout_len)?;
         if seen >= 2 && ours == 0 {
-            plan.problems.push(Error::corrupt(
-                None,
-                format!(
-                    "{} was not closed cleanly, and none of the {seen} frames in its \
-                     write-ahead log {} verifies for this store: the log belongs to another \
-                     store, so the writes acknowledged since the last checkpoint are not in \
-                     it. Put back the log that belongs to this store; see docs/operations.md",
-                    name.display(),
-                    record_log::wal_path(name).display()
-                ),
-            ));
+            plan.problems.push(Damage::LogOfAnotherStore {
+                store: name.to_path_buf(),
+                log: record_log::wal_path(name),
+                seen,
+            });
         }
     }
     Ok(plan)
@@ -183,12 +172,12 @@ pub(super) fn recover_log(
     let len = plan.file_len;
     for problem in std::mem::take(&mut plan.problems) {
         if !config.accept_loss {
-            return Err(problem);
+            return Err(problem.into());
         }
         loss.findings.push(format!("accepted: {problem}"));
     }
     let epoch = plan.epoch;
-    let mut txn = db.begin_write().map_err(engine)?;
+    let mut txn = db.begin_write().map_err(engine_error)?;
     txn.set_quick_repair(true);
     // Replayed with the layout the log was written in, before its size
     // may change below (a larger `wal_bytes` moves the segments).
@@ -209,28 +198,28 @@ pub(super) fn recover_log(
         WAL_CLOSED
     };
     {
-        let mut meta = txn.open_table(META).map_err(engine)?;
+        let mut meta = txn.open_table(META).map_err(engine_error)?;
         meta.insert(META_WAL_EPOCH, fresh.to_be_bytes().as_slice())
-            .map_err(engine)?;
+            .map_err(engine_error)?;
         meta.insert(META_WAL_STATE, [state].as_slice())
-            .map_err(engine)?;
+            .map_err(engine_error)?;
         match boot {
             Some(boot) => meta.insert(META_WAL_BOOT, boot.as_bytes()).map(|_| ()),
             None => meta.remove(META_WAL_BOOT).map(|_| ()),
         }
-        .map_err(engine)?;
+        .map_err(engine_error)?;
         // The size as it is: a crash while `preallocate` grows the file
         // below leaves it longer than recorded, which is allowed (no frame
         // of the new epoch exists before the size is recorded again).
         meta.insert(META_WAL_BYTES, len.to_be_bytes().as_slice())
-            .map_err(engine)?;
+            .map_err(engine_error)?;
         meta.insert(
             META_FORMAT_VERSION,
             STORE_FORMAT_VERSION.to_be_bytes().as_slice(),
         )
-        .map_err(engine)?;
+        .map_err(engine_error)?;
     }
-    txn.commit().map_err(engine)?;
+    txn.commit().map_err(engine_error)?;
     // A read-only open replayed into memory (an overlay) and leaves the
     // log file as it is.
     let new_len = if config.read_only {
@@ -240,13 +229,13 @@ pub(super) fn recover_log(
     };
     if new_len != len {
         // The new size, durably, before any frame is laid out for it.
-        let txn = db.begin_write().map_err(engine)?;
+        let txn = db.begin_write().map_err(engine_error)?;
         {
-            let mut meta = txn.open_table(META).map_err(engine)?;
+            let mut meta = txn.open_table(META).map_err(engine_error)?;
             meta.insert(META_WAL_BYTES, new_len.to_be_bytes().as_slice())
-                .map_err(engine)?;
+                .map_err(engine_error)?;
         }
-        txn.commit().map_err(engine)?;
+        txn.commit().map_err(engine_error)?;
     }
     Ok((Wal::new(file, store_id, fresh, new_len), frames))
 }
@@ -276,18 +265,12 @@ pub(super) fn heal_log(
 
 /// The store was not closed cleanly and its log is gone: the writes
 /// acknowledged since the last checkpoint exist only in that log.
-pub(super) fn log_missing(name: &Path, what: &str) -> Error {
-    Error::corrupt(
-        None,
-        format!(
-            "{} was not closed cleanly, and {what} ({}): the writes acknowledged since its last \
-             checkpoint are only in that log. Put back the log that belongs to this store (a \
-             store and its log are copied together, with no process holding them); see \
-             docs/operations.md",
-            name.display(),
-            record_log::wal_path(name).display()
-        ),
-    )
+pub(super) fn log_missing(name: &Path, what: &'static str) -> Damage {
+    Damage::LogMissing {
+        store: name.to_path_buf(),
+        log: record_log::wal_path(name),
+        what,
+    }
 }
 
 /// This boot of the machine: Linux's random id, new at every boot. An

@@ -6,7 +6,7 @@
 //! methods are in `commit/`, poisoning in health.rs, the heal in heal.rs.
 
 use super::commit::{Core, MAX_WRITE_BATCH, Queue};
-use super::errors::engine;
+use super::errors::engine_error;
 use super::memtable::Mem;
 use super::options::Config;
 use super::stats::Counters;
@@ -250,9 +250,9 @@ impl Shared {
         // Opened after the memtable was read: see memtable.rs.
         let db = self.read_db()?;
         (|| {
-            let txn = db.begin_read().map_err(engine)?;
-            let table = txn.open_table(tables::RECORDS).map_err(engine)?;
-            match table.get(key_bytes).map_err(engine)? {
+            let txn = db.begin_read().map_err(engine_error)?;
+            let table = txn.open_table(tables::RECORDS).map_err(engine_error)?;
+            match table.get(key_bytes).map_err(engine_error)? {
                 Some(v) => Ok(Some(codec::decode_record(key_bytes, v.value())?)),
                 None => Ok(None),
             }
@@ -287,9 +287,9 @@ impl Shared {
             return self.flush_locked(&mut core);
         }
         self.direct_locked(&mut core, |txn, _| {
-            let mut meta = txn.open_table(tables::META).map_err(engine)?;
+            let mut meta = txn.open_table(tables::META).map_err(engine_error)?;
             meta.insert(tables::META_WAL_STATE, [tables::WAL_CLOSED].as_slice())
-                .map_err(engine)?;
+                .map_err(engine_error)?;
             Ok::<_, Error>(())
         })
     }

@@ -10,7 +10,7 @@
 //! The names carry an `idemstore.` prefix so that a caller's own tables can
 //! share the file (the co-transactional inbox) without a clash.
 
-use super::errors::engine;
+use super::errors::engine_error;
 use crate::codec;
 use crate::error::Result;
 use crate::record::Record;
@@ -67,8 +67,8 @@ impl<'txn> WriteTables<'txn> {
     /// Opens (creating if needed) both tables in `txn`.
     pub(super) fn open(txn: &'txn WriteTransaction) -> Result<WriteTables<'txn>> {
         Ok(WriteTables {
-            records: txn.open_table(RECORDS).map_err(engine)?,
-            expiry: txn.open_table(EXPIRY).map_err(engine)?,
+            records: txn.open_table(RECORDS).map_err(engine_error)?,
+            expiry: txn.open_table(EXPIRY).map_err(engine_error)?,
         })
     }
 
@@ -104,7 +104,7 @@ impl<'txn> WriteTables<'txn> {
             Some((value, _)) => self.records.insert(key_bytes, value),
             None => self.records.remove(key_bytes),
         }
-        .map_err(engine)?
+        .map_err(engine_error)?
         .and_then(|v| codec::decode_record(key_bytes, v.value()).ok())
         .map(|r| r.expires_at);
         let new = entry.map(|(_, expires_at)| expires_at);
@@ -123,21 +123,21 @@ impl<'txn> WriteTables<'txn> {
     /// Removes one index entry (a sweep found it stale, its record moved
     /// or went, or a format-2 log frame says so).
     pub(super) fn unindex(&mut self, index_key: &[u8]) -> Result<()> {
-        self.expiry.remove(index_key).map_err(engine)?;
+        self.expiry.remove(index_key).map_err(engine_error)?;
         Ok(())
     }
 
     /// Adds one index entry (a record's, or a format-2 log frame's).
     pub(super) fn index(&mut self, index_key: &[u8]) -> Result<()> {
-        self.expiry.insert(index_key, ()).map_err(engine)?;
+        self.expiry.insert(index_key, ()).map_err(engine_error)?;
         Ok(())
     }
 
     /// Every `(key bytes, record)` pair, for the open-time recovery pass.
     pub(super) fn all(&self) -> Result<Vec<(Vec<u8>, Record)>> {
         let mut out = Vec::new();
-        for entry in self.records.iter().map_err(engine)? {
-            let (k, v) = entry.map_err(engine)?;
+        for entry in self.records.iter().map_err(engine_error)? {
+            let (k, v) = entry.map_err(engine_error)?;
             let key_bytes = k.value().to_vec();
             let record = codec::decode_record(&key_bytes, v.value())?;
             out.push((key_bytes, record));
@@ -160,7 +160,7 @@ fn read_from(
     records: &impl ReadableTable<&'static [u8], &'static [u8]>,
     key_bytes: &[u8],
 ) -> Result<Option<Record>> {
-    match records.get(key_bytes).map_err(engine)? {
+    match records.get(key_bytes).map_err(engine_error)? {
         Some(guard) => Ok(Some(codec::decode_record(key_bytes, guard.value())?)),
         None => Ok(None),
     }
@@ -174,8 +174,11 @@ fn due_from(
     // Every index entry of an expiry <= now sorts before this bound:
     // entries are (expires_at BE | key) and the bound is (now + 1 BE).
     let bound = now.as_millis().saturating_add(1).to_be_bytes();
-    for entry in expiry.range::<&[u8]>(..bound.as_slice()).map_err(engine)? {
-        let (index_key, _) = entry.map_err(engine)?;
+    for entry in expiry
+        .range::<&[u8]>(..bound.as_slice())
+        .map_err(engine_error)?
+    {
+        let (index_key, _) = entry.map_err(engine_error)?;
         if !f(index_key.value())? {
             break;
         }
@@ -201,8 +204,8 @@ pub(super) struct ReadTables {
 impl ReadTables {
     pub(super) fn open(txn: &ReadTransaction) -> Result<ReadTables> {
         Ok(ReadTables {
-            records: txn.open_table(RECORDS).map_err(engine)?,
-            expiry: txn.open_table(EXPIRY).map_err(engine)?,
+            records: txn.open_table(RECORDS).map_err(engine_error)?,
+            expiry: txn.open_table(EXPIRY).map_err(engine_error)?,
         })
     }
 }

@@ -1,7 +1,7 @@
 //! [`check_log`]: what an open would find in a store's write-ahead log,
 //! without opening the store and without writing anything.
 
-use super::super::errors::engine;
+use super::super::errors::engine_error;
 use super::super::loss::LossReport;
 use super::super::meta::{read_meta_entries, read_wal_state};
 use super::super::page_log::open_overlay;
@@ -75,7 +75,7 @@ pub fn check_log(store: impl AsRef<Path>) -> Result<LogCheck> {
         Error::corrupt(None, format!("{} is damaged: {detail}", store.display()))
     })?;
     let meta = {
-        let txn = db.begin_read().map_err(engine)?;
+        let txn = db.begin_read().map_err(engine_error)?;
         read_meta_entries(&txn)?
     };
     let state = read_wal_state(&db)?;

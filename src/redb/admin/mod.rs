@@ -42,7 +42,7 @@ pub use log::{LogCheck, check_log, log_path, page_log_path};
 pub use verify::{MAX_LISTED_PROBLEMS, Problem, ProblemKind, VerifyReport};
 
 use super::RedbStore;
-use super::errors::engine;
+use super::errors::engine_error;
 use super::meta::STORE_FORMAT_VERSION;
 use super::tables::{EXPIRY, RECORDS, WriteTables};
 use crate::codec;
@@ -234,18 +234,18 @@ impl Admin<'_> {
     /// ```
     pub fn facts(&self) -> Result<Facts> {
         let db = self.store.shared.read_db()?;
-        let txn = db.begin_read().map_err(engine)?;
+        let txn = db.begin_read().map_err(engine_error)?;
         let meta = super::meta::read_meta_entries(&txn)?;
         let records = txn
             .open_table(RECORDS)
-            .map_err(engine)?
+            .map_err(engine_error)?
             .len()
-            .map_err(engine)?;
+            .map_err(engine_error)?;
         let index_entries = txn
             .open_table(EXPIRY)
-            .map_err(engine)?
+            .map_err(engine_error)?
             .len()
-            .map_err(engine)?;
+            .map_err(engine_error)?;
         Ok(Facts {
             format_version: meta.format_version,
             supported_version: STORE_FORMAT_VERSION,
@@ -321,10 +321,10 @@ impl Admin<'_> {
         mut f: impl FnMut(RawKey<'_>, Result<Record>) -> ControlFlow<()>,
     ) -> Result<()> {
         let db = self.store.shared.read_db()?;
-        let txn = db.begin_read().map_err(engine)?;
-        let table = txn.open_table(RECORDS).map_err(engine)?;
-        for entry in table.range::<&[u8]>(prefix..).map_err(engine)? {
-            let (k, v) = entry.map_err(engine)?;
+        let txn = db.begin_read().map_err(engine_error)?;
+        let table = txn.open_table(RECORDS).map_err(engine_error)?;
+        for entry in table.range::<&[u8]>(prefix..).map_err(engine_error)? {
+            let (k, v) = entry.map_err(engine_error)?;
             let key_bytes = k.value();
             if !key_bytes.starts_with(prefix) {
                 break;
@@ -370,10 +370,10 @@ impl Admin<'_> {
     /// ```
     pub fn expiry_bounds(&self) -> Result<Option<(Timestamp, Timestamp)>> {
         let db = self.store.shared.read_db()?;
-        let txn = db.begin_read().map_err(engine)?;
-        let expiry = txn.open_table(EXPIRY).map_err(engine)?;
-        let first = expiry.first().map_err(engine)?;
-        let last = expiry.last().map_err(engine)?;
+        let txn = db.begin_read().map_err(engine_error)?;
+        let expiry = txn.open_table(EXPIRY).map_err(engine_error)?;
+        let first = expiry.first().map_err(engine_error)?;
+        let last = expiry.last().map_err(engine_error)?;
         match (first, last) {
             (Some((a, _)), Some((b, _))) => Ok(Some((
                 codec::decode_index(a.value())?.0,
@@ -394,13 +394,16 @@ impl Admin<'_> {
     /// ```
     pub fn count_due(&self, now: Timestamp, limit: u64) -> Result<u64> {
         let db = self.store.shared.read_db()?;
-        let txn = db.begin_read().map_err(engine)?;
-        let expiry = txn.open_table(EXPIRY).map_err(engine)?;
+        let txn = db.begin_read().map_err(engine_error)?;
+        let expiry = txn.open_table(EXPIRY).map_err(engine_error)?;
         // Entries are (expires_at BE | key): every one due sorts below now + 1.
         let bound = now.as_millis().saturating_add(1).to_be_bytes();
         let mut n = 0u64;
-        for entry in expiry.range::<&[u8]>(..bound.as_slice()).map_err(engine)? {
-            entry.map_err(engine)?;
+        for entry in expiry
+            .range::<&[u8]>(..bound.as_slice())
+            .map_err(engine_error)?
+        {
+            entry.map_err(engine_error)?;
             n += 1;
             if n >= limit {
                 break;
@@ -435,9 +438,9 @@ impl Admin<'_> {
         // A direct transaction: it takes in the memtable first, so the
         // record removed is the latest, and it retires the log.
         self.store.shared.direct(|txn, _| {
-            let mut records = txn.open_table(RECORDS).map_err(engine)?;
-            let mut expiry = txn.open_table(EXPIRY).map_err(engine)?;
-            let Some(value) = records.remove(key_bytes.as_slice()).map_err(engine)? else {
+            let mut records = txn.open_table(RECORDS).map_err(engine_error)?;
+            let mut expiry = txn.open_table(EXPIRY).map_err(engine_error)?;
+            let Some(value) = records.remove(key_bytes.as_slice()).map_err(engine_error)? else {
                 return Ok(None);
             };
             let record = codec::decode_record(&key_bytes, value.value()).ok();
@@ -446,8 +449,8 @@ impl Admin<'_> {
                 Some(r) => vec![codec::encode_index(r.expires_at, &key_bytes)],
                 None => {
                     let mut found = Vec::new();
-                    for entry in expiry.iter().map_err(engine)? {
-                        let (k, _) = entry.map_err(engine)?;
+                    for entry in expiry.iter().map_err(engine_error)? {
+                        let (k, _) = entry.map_err(engine_error)?;
                         if matches!(codec::decode_index(k.value()), Ok((_, kb)) if kb == key_bytes)
                         {
                             found.push(k.value().to_vec());
@@ -460,7 +463,7 @@ impl Admin<'_> {
             for index_key in stale {
                 if expiry
                     .remove(index_key.as_slice())
-                    .map_err(engine)?
+                    .map_err(engine_error)?
                     .is_some()
                 {
                     index_entries += 1;

@@ -3,7 +3,7 @@
 use super::Admin;
 use crate::codec;
 use crate::error::Result;
-use crate::redb::errors::engine;
+use crate::redb::errors::engine_error;
 use crate::redb::tables::{EXPIRY, RECORDS};
 use ::redb::{ReadableDatabase, ReadableTable};
 
@@ -214,7 +214,7 @@ impl Admin<'_> {
                 // exclusive lock waits out every transaction, as compact
                 // does.
                 let mut db = shared.db.write().unwrap_or_else(|p| p.into_inner());
-                if !db.db.check_integrity().map_err(engine)? {
+                if !db.db.check_integrity().map_err(engine_error)? {
                     report.add(
                         ProblemKind::EngineRepaired,
                         None,
@@ -231,12 +231,12 @@ impl Admin<'_> {
             }
         };
         let db = shared.read_db()?;
-        let txn = db.begin_read().map_err(engine)?;
-        let records = txn.open_table(RECORDS).map_err(engine)?;
-        let expiry = txn.open_table(EXPIRY).map_err(engine)?;
+        let txn = db.begin_read().map_err(engine_error)?;
+        let records = txn.open_table(RECORDS).map_err(engine_error)?;
+        let expiry = txn.open_table(EXPIRY).map_err(engine_error)?;
         let mut read = 0u64;
-        for entry in records.iter().map_err(engine)? {
-            let (k, v) = entry.map_err(engine)?;
+        for entry in records.iter().map_err(engine_error)? {
+            let (k, v) = entry.map_err(engine_error)?;
             let key_bytes = k.value();
             let name = codec::printable_key(key_bytes);
             report.records += 1;
@@ -253,7 +253,11 @@ impl Admin<'_> {
                 }
             };
             let index_key = codec::encode_index(record.expires_at, key_bytes);
-            if expiry.get(index_key.as_slice()).map_err(engine)?.is_none() {
+            if expiry
+                .get(index_key.as_slice())
+                .map_err(engine_error)?
+                .is_none()
+            {
                 report.add(
                     ProblemKind::MissingIndex,
                     Some(name.clone()),
@@ -276,8 +280,8 @@ impl Admin<'_> {
                 );
             }
         }
-        for entry in expiry.iter().map_err(engine)? {
-            let (k, _) = entry.map_err(engine)?;
+        for entry in expiry.iter().map_err(engine_error)? {
+            let (k, _) = entry.map_err(engine_error)?;
             let index_key = k.value();
             report.index_entries += 1;
             read += 1;
@@ -290,7 +294,7 @@ impl Admin<'_> {
                 }
             };
             let name = codec::printable_key(key_bytes);
-            let Some(value) = records.get(key_bytes).map_err(engine)? else {
+            let Some(value) = records.get(key_bytes).map_err(engine_error)? else {
                 report.add(
                     ProblemKind::OrphanIndex,
                     Some(name),

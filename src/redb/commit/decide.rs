@@ -207,7 +207,7 @@ impl Group<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::super::errors::engine;
+    use super::super::super::errors::engine_error;
     use super::super::tests::{D, T, begin, shared};
     use super::*;
     use crate::fingerprint::Fingerprint;
@@ -288,8 +288,8 @@ mod tests {
             .direct(|txn, _| {
                 let mut index = txn
                     .open_table(crate::redb::tables::EXPIRY)
-                    .map_err(engine)?;
-                index.insert(stale.as_slice(), ()).map_err(engine)?;
+                    .map_err(engine_error)?;
+                index.insert(stale.as_slice(), ()).map_err(engine_error)?;
                 Ok::<_, Error>(())
             })
             .unwrap();

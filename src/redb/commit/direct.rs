@@ -7,7 +7,7 @@
 //! transaction make first.
 
 use super::super::Shared;
-use super::super::errors::engine;
+use super::super::errors::engine_error;
 use super::super::health::On;
 use super::super::tables::{META, META_TOKEN_HWM, META_WAL_EPOCH, WriteTables};
 use super::Core;
@@ -63,9 +63,9 @@ impl Shared {
         let db = self.write_ready_db()?;
         let mut txn = db
             .begin_write()
-            .map_err(|e| self.engine_failed("commit", engine(e)))?;
+            .map_err(|e| self.engine_failed("commit", engine_error(e)))?;
         txn.set_durability(::redb::Durability::Immediate)
-            .map_err(engine)?;
+            .map_err(engine_error)?;
         txn.set_quick_repair(quick_repair);
         {
             let mem = self.read_mem();
@@ -78,17 +78,17 @@ impl Shared {
         let out = f(&txn, &mut hwm)?;
         let hwm = hwm.max(core.token_hwm);
         {
-            let mut meta = txn.open_table(META).map_err(engine)?;
+            let mut meta = txn.open_table(META).map_err(engine_error)?;
             meta.insert(META_TOKEN_HWM, hwm.to_be_bytes().as_slice())
-                .map_err(engine)?;
+                .map_err(engine_error)?;
             if let Some(wal) = &core.wal {
                 let next = wal.epoch().wrapping_add(1);
                 meta.insert(META_WAL_EPOCH, next.to_be_bytes().as_slice())
-                    .map_err(engine)?;
+                    .map_err(engine_error)?;
             }
         }
         if let Err(e) = txn.commit() {
-            return Err(self.fail("commit", On::Store, engine(e)).into());
+            return Err(self.fail("commit", On::Store, engine_error(e)).into());
         }
         core.token_hwm = hwm;
         core.unflushed = false;

@@ -56,7 +56,7 @@ mod decide;
 mod direct;
 mod line;
 
-use super::errors::engine;
+use super::errors::engine_error;
 use super::health::On;
 use super::memtable::MEMTABLE_BYTES;
 use super::record_log::Wal;
@@ -168,7 +168,7 @@ impl Shared {
             let db = self.read_db()?;
             let txn = db
                 .begin_read()
-                .map_err(|e| self.engine_failed("read", engine(e)))?;
+                .map_err(|e| self.engine_failed("read", engine_error(e)))?;
             let base = ReadTables::open(&txn).map_err(|e| self.engine_failed("read", e))?;
             decide(ops, Some(&mem), &base, &mut hwm, true)
         };
@@ -254,7 +254,7 @@ impl Shared {
         let db = self.write_ready_db()?;
         let mut txn = db
             .begin_write()
-            .map_err(|e| self.engine_failed("commit", engine(e)))?;
+            .map_err(|e| self.engine_failed("commit", engine_error(e)))?;
         let decided = {
             let tables = WriteTables::open(&txn)?;
             decide(ops, None, &tables, &mut hwm, false)
@@ -273,9 +273,9 @@ impl Shared {
             }
             drop(tables);
             if hwm != core.token_hwm {
-                let mut meta = txn.open_table(META).map_err(engine)?;
+                let mut meta = txn.open_table(META).map_err(engine_error)?;
                 meta.insert(META_TOKEN_HWM, hwm.to_be_bytes().as_slice())
-                    .map_err(engine)?;
+                    .map_err(engine_error)?;
             }
             Ok(())
         })();
@@ -294,11 +294,11 @@ impl Shared {
         } else {
             ::redb::Durability::None
         };
-        txn.set_durability(level).map_err(engine)?;
+        txn.set_durability(level).map_err(engine_error)?;
         txn.set_quick_repair(durable);
         if let Err(e) = txn.commit() {
             // It may or may not be on disk: refuse every later write.
-            return Err(self.fail("commit", On::Store, engine(e)));
+            return Err(self.fail("commit", On::Store, engine_error(e)));
         }
         core.token_hwm = hwm;
         self.stats.commits.fetch_add(1, Ordering::Relaxed);

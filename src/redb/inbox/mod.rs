@@ -38,7 +38,7 @@ mod batch;
 pub use batch::{MAX_INBOX_BATCH, Message};
 
 use super::RedbStore;
-use super::errors::engine;
+use super::errors::engine_error;
 use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
 use crate::guard::DEFAULT_RETENTION;
@@ -381,7 +381,7 @@ impl Inbox {
         F: FnOnce(&ReadTransaction) -> Result<T, E>,
     {
         let db = self.store.shared.read_db()?;
-        let txn = db.begin_read().map_err(engine)?;
+        let txn = db.begin_read().map_err(engine_error)?;
         f(&txn)
     }
 }

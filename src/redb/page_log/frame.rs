@@ -17,6 +17,7 @@
 //! the bench prototype it grew out of). docs/format.md is the reference
 //! for both.
 
+use super::super::damage::Damage;
 use crate::error::{Error, Result};
 use ::redb::StorageBackend;
 use std::io::{Error as IoError, ErrorKind};
@@ -119,12 +120,7 @@ fn read_frame(
 /// Applies one frame's operations. A payload that does not parse after its
 /// checksum verified is a bug or a foreign file: refused, nothing guessed.
 fn apply(target: &dyn StorageBackend, mut payload: &[u8]) -> Result<()> {
-    let malformed = || {
-        Error::corrupt(
-            None,
-            "a page log frame's operations do not parse".to_owned(),
-        )
-    };
+    let malformed = || Error::from(Damage::PageFrameMalformed);
     let take = |p: &mut &[u8], n: usize| -> Result<Vec<u8>> {
         let (head, rest) = p.split_at_checked(n).ok_or_else(malformed)?;
         *p = rest;

@@ -14,6 +14,7 @@
 //! the bench prototype it grew out of). docs/format.md is the reference
 //! for both.
 
+use super::super::damage::Damage;
 use crate::error::{Error, Result};
 use ::redb::StorageBackend;
 
@@ -239,10 +240,10 @@ pub(in crate::redb) fn entries<'a>(
     mut f: impl FnMut(Entry<'a>) -> Result<()>,
 ) -> Result<()> {
     let damaged = |detail: &str| {
-        Error::corrupt(
-            None,
-            format!("write-ahead log frame at offset {at} verifies but {detail}"),
-        )
+        Error::from(Damage::FrameEntries {
+            at,
+            detail: detail.to_owned(),
+        })
     };
     let mut cursor = payload;
     while let Some((&tag, rest)) = cursor.split_first() {

@@ -30,7 +30,8 @@
 //! `Corrupt` but the last becomes a skip: replay goes on at the next frame
 //! that verifies, and the [`LossReport`] says what was skipped.
 
-use super::super::errors::engine;
+use super::super::damage::{Damage, Stop};
+use super::super::errors::engine_error;
 use super::super::loss::LossReport;
 use super::super::tables::{META, WriteTables};
 use super::FRAME_ALIGN;
@@ -53,7 +54,7 @@ pub(in crate::redb) fn applier<'t>(
     txn: &'t WriteTransaction,
 ) -> Result<impl FnMut(u64, &[u8]) -> Result<()> + 't> {
     let mut tables = WriteTables::open(txn)?;
-    let mut meta = txn.open_table(META).map_err(engine)?;
+    let mut meta = txn.open_table(META).map_err(engine_error)?;
     Ok(move |at, payload: &[u8]| {
         entries(at, payload, |entry| match entry {
             Entry::Put(key, value, expires_at) => {
@@ -64,7 +65,7 @@ pub(in crate::redb) fn applier<'t>(
             // already made the same moves, so these change nothing.
             Entry::IndexPut(entry) => tables.index(entry),
             Entry::IndexDel(entry) => tables.unindex(entry),
-            Entry::Meta(name, value) => meta.insert(name, value).map(|_| ()).map_err(engine),
+            Entry::Meta(name, value) => meta.insert(name, value).map(|_| ()).map_err(engine_error),
         })
     })
 }
@@ -113,9 +114,9 @@ pub(in crate::redb) fn walk(
                 // damage the last frame only: a frame that verifies after
                 // the stop means the stop is damage to synced data, and
                 // replaying only up to it would drop acknowledged writes.
-                let (what, damaged_end) = match stop {
-                    Frame::Damaged { next } => ("fails its checksum", Some(next)),
-                    _ => ("ends", None),
+                let (how, damaged_end) = match stop {
+                    Frame::Damaged { next } => (Stop::Damaged, Some(next)),
+                    _ => (Stop::Ends, None),
                 };
                 let later = find_later(file, store_id, epoch, layout, at, end)?;
                 // After a process crash (no reboot), a last frame of one
@@ -127,52 +128,30 @@ pub(in crate::redb) fn walk(
                 if later.is_none() && !damaged_last {
                     break;
                 }
+                let damage = match later {
+                    Some(later) => Damage::FrameGap {
+                        stop: how,
+                        at,
+                        later,
+                    },
+                    None => Damage::LastFrameDamaged { at },
+                };
                 let Some(loss) = loss.as_deref_mut() else {
-                    return Err(match later {
-                        Some(x) => Error::corrupt(
-                            None,
-                            format!(
-                                "the write-ahead log {what} at offset {at}, but a later frame of \
-                                 the same epoch at offset {x} verifies: the log is damaged, and \
-                                 replaying only up to offset {at} would lose acknowledged writes"
-                            ),
-                        ),
-                        None => Error::corrupt(
-                            None,
-                            format!(
-                                "the last write-ahead log frame, at offset {at}, fails its \
-                                 checksum, and the machine has not restarted since the store was \
-                                 opened: no power loss can have torn it, and a process killed \
-                                 while writing a frame of one block leaves it whole or absent. \
-                                 It was damaged after it was written and may hold acknowledged \
-                                 writes"
-                            ),
-                        ),
-                    });
+                    return Err(damage.into());
                 };
                 loss.frames_skipped += 1;
                 if let Some(next) = damaged_end {
                     loss.keys_possibly_lost
                         .extend(keys_in(file, at + FRAME_HEADER, next.min(end)));
                 }
+                loss.findings.push(damage.finding(epoch));
                 match later {
+                    // The walk goes on at the next frame that verifies.
                     Some(x) => {
-                        loss.findings.push(format!(
-                            "epoch {epoch}: the log {what} at offset {at}, but a later frame of \
-                             the same epoch verifies at offset {x}: damage (with accept_loss, \
-                             the bytes between are skipped and replay goes on)"
-                        ));
                         at = x;
                         continue;
                     }
-                    None => {
-                        loss.findings.push(format!(
-                            "epoch {epoch}: the last frame, at offset {at}, fails its checksum \
-                             with no reboot since it was written: damage, not a torn write \
-                             (with accept_loss, it is skipped)"
-                        ));
-                        break;
-                    }
+                    None => break,
                 }
             }
         };

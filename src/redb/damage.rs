@@ -1,0 +1,273 @@
+//! What the store finds wrong with its files, as one private type:
+//! [`Damage`]. Recovery code names what it found (`Damage::LogCutShort {
+//! .. }`) and goes on with its logic; the words an operator reads are
+//! written once, in [`Damage`]'s `Display`, and `From<Damage> for Error` is
+//! the one mapping to [`Error::Corrupt`]. When an open accepts loss, the
+//! record log's walk writes the same findings into its
+//! [`LossReport`](super::LossReport) instead ([`Damage::finding`]).
+//!
+//! A bottom module: it imports nothing of `src/redb`. Whoever finds the
+//! damage names the files (the log's path beside the store is
+//! `record_log::wal_path`).
+
+use crate::error::Error;
+use std::fmt;
+use std::path::PathBuf;
+
+/// Damage found in a store's files, at an open, a heal, an inspection or
+/// a replay. Every kind is [`Error::Corrupt`]: it does not heal by itself.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) enum Damage {
+    /// The store file `what` ("is missing", "is empty") while its log
+    /// beside it holds frames: a new store here would overwrite the only
+    /// copy of the writes in that log.
+    StoreLostBesideLog {
+        store: PathBuf,
+        log: PathBuf,
+        what: &'static str,
+    },
+    /// The store file is empty (0 bytes), and no log holds frames.
+    EmptyStoreFile { store: PathBuf },
+    /// A read-only open found none of the store's tables (a store whose
+    /// creation did not finish).
+    NoTables { store: PathBuf },
+    /// A heal's reopen found the store's tables gone.
+    TablesLost { store: PathBuf },
+    /// The storage engine panicked reading the file.
+    Unreadable { store: PathBuf },
+    /// The file is shorter than its own header says.
+    Truncated { store: PathBuf },
+    /// The meta table's format version is 0.
+    MetaVersionZero,
+    /// A meta entry is missing.
+    MetaEntryMissing { name: String },
+    /// A meta entry has the wrong size.
+    MetaEntrySize {
+        name: String,
+        len: usize,
+        want: usize,
+    },
+    /// The store was not closed cleanly and its log is gone (`what`).
+    LogMissing {
+        store: PathBuf,
+        log: PathBuf,
+        what: &'static str,
+    },
+    /// The store was not closed cleanly and its log is shorter (`len`)
+    /// than the store left it (`recorded`).
+    LogCutShort {
+        store: PathBuf,
+        log: PathBuf,
+        len: u64,
+        recorded: u64,
+    },
+    /// The store was not closed cleanly and none of the `seen` frames in
+    /// its log verifies for it: another store's log.
+    LogOfAnotherStore {
+        store: PathBuf,
+        log: PathBuf,
+        seen: u64,
+    },
+    /// The frames of an epoch stop at `at` (how: `stop`), but a later
+    /// frame of the same epoch verifies at `later`.
+    FrameGap { stop: Stop, at: u64, later: u64 },
+    /// The last frame, of one block, fails its checksum although the
+    /// machine has not restarted since it was written: no torn write.
+    LastFrameDamaged { at: u64 },
+    /// A record log frame at `at` verifies but its entries do not parse.
+    FrameEntries { at: u64, detail: String },
+    /// A page log frame verifies but its operations do not parse.
+    PageFrameMalformed,
+}
+
+/// How the frames of an epoch stop where the walk stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Stop {
+    /// A frame header is there, but the frame fails its checksum.
+    Damaged,
+    /// No frame of the epoch starts there.
+    Ends,
+}
+
+impl fmt::Display for Stop {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Stop::Damaged => "fails its checksum",
+            Stop::Ends => "ends",
+        })
+    }
+}
+
+impl Damage {
+    /// The line a [`LossReport`](super::LossReport) gets for this damage,
+    /// met in `epoch` by an open that accepts loss, which skips it.
+    pub(super) fn finding(&self, epoch: u64) -> String {
+        match self {
+            Damage::FrameGap { stop, at, later } => format!(
+                "epoch {epoch}: the log {stop} at offset {at}, but a later frame of the same \
+                 epoch verifies at offset {later}: damage (with accept_loss, the bytes between \
+                 are skipped and replay goes on)"
+            ),
+            Damage::LastFrameDamaged { at } => format!(
+                "epoch {epoch}: the last frame, at offset {at}, fails its checksum with no \
+                 reboot since it was written: damage, not a torn write (with accept_loss, it \
+                 is skipped)"
+            ),
+            other => format!("epoch {epoch}: {other}"),
+        }
+    }
+}
+
+impl fmt::Display for Damage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Damage::StoreLostBesideLog { store, log, what } => write!(
+                f,
+                "{} {what}, but its write-ahead log {} is beside it and holds frames: the \
+                 store file was lost or replaced, and a new store here would overwrite the \
+                 only copy of the writes in that log. Restore the store file that belongs \
+                 to the log, or move the log away to start a new store; see \
+                 docs/operations.md",
+                store.display(),
+                log.display()
+            ),
+            Damage::EmptyStoreFile { store } => {
+                write!(
+                    f,
+                    "{} is empty (0 bytes): not a store file",
+                    store.display()
+                )
+            }
+            Damage::NoTables { store } => write!(
+                f,
+                "{} holds no idemstore tables (a store whose creation did not finish)",
+                store.display()
+            ),
+            Damage::TablesLost { store } => {
+                write!(f, "{} lost its idemstore tables", store.display())
+            }
+            Damage::Unreadable { store } => write!(
+                f,
+                "{} is damaged: the storage engine could not read it",
+                store.display()
+            ),
+            Damage::Truncated { store } => write!(
+                f,
+                "{} is truncated: shorter than its own header says",
+                store.display()
+            ),
+            Damage::MetaVersionZero => f.write_str("meta format version is 0"),
+            Damage::MetaEntryMissing { name } => write!(f, "meta entry {name:?} is missing"),
+            Damage::MetaEntrySize { name, len, want } => {
+                write!(f, "meta entry {name:?} is {len} bytes, not {want}")
+            }
+            Damage::LogMissing { store, log, what } => write!(
+                f,
+                "{} was not closed cleanly, and {what} ({}): the writes acknowledged since its \
+                 last checkpoint are only in that log. Put back the log that belongs to this \
+                 store (a store and its log are copied together, with no process holding \
+                 them); see docs/operations.md",
+                store.display(),
+                log.display()
+            ),
+            Damage::LogCutShort {
+                store,
+                log,
+                len,
+                recorded,
+            } => write!(
+                f,
+                "{} was not closed cleanly, and its write-ahead log {} is {len} bytes where \
+                 the store left it at {recorded}: the log was cut short, or another file is \
+                 in its place, so the writes acknowledged since the last checkpoint cannot \
+                 all be found in it. Put back the log that belongs to this store (a store \
+                 and its log are copied together); see docs/operations.md",
+                store.display(),
+                log.display()
+            ),
+            Damage::LogOfAnotherStore { store, log, seen } => write!(
+                f,
+                "{} was not closed cleanly, and none of the {seen} frames in its \
+                 write-ahead log {} verifies for this store: the log belongs to another \
+                 store, so the writes acknowledged since the last checkpoint are not in \
+                 it. Put back the log that belongs to this store; see docs/operations.md",
+                store.display(),
+                log.display()
+            ),
+            Damage::FrameGap { stop, at, later } => write!(
+                f,
+                "the write-ahead log {stop} at offset {at}, but a later frame of the same \
+                 epoch at offset {later} verifies: the log is damaged, and replaying only up \
+                 to offset {at} would lose acknowledged writes"
+            ),
+            Damage::LastFrameDamaged { at } => write!(
+                f,
+                "the last write-ahead log frame, at offset {at}, fails its checksum, and the \
+                 machine has not restarted since the store was opened: no power loss can have \
+                 torn it, and a process killed while writing a frame of one block leaves it \
+                 whole or absent. It was damaged after it was written and may hold \
+                 acknowledged writes"
+            ),
+            Damage::FrameEntries { at, detail } => {
+                write!(
+                    f,
+                    "write-ahead log frame at offset {at} verifies but {detail}"
+                )
+            }
+            Damage::PageFrameMalformed => f.write_str("a page log frame's operations do not parse"),
+        }
+    }
+}
+
+impl From<Damage> for Error {
+    fn from(damage: Damage) -> Error {
+        Error::corrupt(None, damage.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every kind is `Corrupt`, with its own words; a walk's finding names
+    /// the epoch and what an open that accepts loss did.
+    #[test]
+    fn damage_is_corrupt_and_a_finding_names_its_epoch() {
+        let gap = Damage::FrameGap {
+            stop: Stop::Damaged,
+            at: 4096,
+            later: 12288,
+        };
+        let error = Error::from(gap.clone());
+        assert!(matches!(&error, Error::Corrupt { key: None, detail }
+            if detail.starts_with("the write-ahead log fails its checksum at offset 4096, but a later frame")
+                && detail.contains("offset 12288 verifies")));
+        let finding = gap.finding(7);
+        assert!(finding.starts_with("epoch 7: the log fails its checksum at offset 4096"));
+        assert!(finding.ends_with("the bytes between are skipped and replay goes on)"));
+        let last = Damage::LastFrameDamaged { at: 8192 }.finding(3);
+        assert!(last.starts_with("epoch 3: the last frame, at offset 8192, fails its checksum"));
+        assert_eq!(
+            Damage::MetaVersionZero.finding(1),
+            "epoch 1: meta format version is 0"
+        );
+        let ends = Damage::FrameGap {
+            stop: Stop::Ends,
+            at: 0,
+            later: 4096,
+        };
+        assert!(
+            ends.to_string()
+                .starts_with("the write-ahead log ends at offset 0")
+        );
+        assert_eq!(
+            Damage::MetaEntrySize {
+                name: "token_hwm".to_owned(),
+                len: 3,
+                want: 8
+            }
+            .to_string(),
+            "meta entry \"token_hwm\" is 3 bytes, not 8"
+        );
+    }
+}
