@@ -256,7 +256,7 @@ fn checkpoint(shared: &Shared, frozen: &Frozen) -> Result<()> {
 mod tests {
     use super::*;
     use crate::redb::RedbStoreBuilder;
-    use crate::redb::commit::Op;
+    use crate::redb::line::Op;
     use crate::redb::open;
     use std::path::Path;
 

@@ -30,6 +30,7 @@
 //! refused, and the background thread tries again after its back-off.
 
 use super::errors::engine_error;
+use super::health::Attempts;
 use super::tables::{META, META_TOKEN_HWM};
 use super::{Engine, Shared, Usable};
 use crate::error::{Error, Result};
@@ -43,14 +44,6 @@ const FREED_BYTES: u64 = 64 * 1024;
 /// Longest wait for free space to grow before a full disk's heal is tried
 /// anyway.
 const RETRY_ANYWAY: std::time::Duration = std::time::Duration::from_secs(30);
-
-/// What the last failed attempt to heal saw (only the background thread
-/// heals; the lock is never contended).
-#[derive(Debug, Default)]
-pub(super) struct Attempts {
-    last: Option<Instant>,
-    free_at_last: Option<u64>,
-}
 
 /// The empty engine that holds a closed one's place.
 fn stand_in() -> Result<Database> {

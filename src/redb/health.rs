@@ -15,10 +15,9 @@
 //! would (`heal.rs`). Damage ([`Error::Corrupt`]) does not heal: the store
 //! stays [`Health::Failed`] until an operator acts.
 
-use super::Shared;
 use crate::error::{Cause, Error};
 use crate::sync::atomic::{AtomicBool, Ordering};
-use crate::sync::{Mutex, MutexGuard};
+use crate::sync::{Instant, Mutex, MutexGuard};
 use crate::time::Timestamp;
 use std::time::Duration;
 
@@ -95,9 +94,9 @@ impl Health {
 
 /// A failure being healed.
 #[derive(Debug)]
-struct Fault {
-    cause: Cause,
-    since: Timestamp,
+pub(super) struct Fault {
+    pub(super) cause: Cause,
+    pub(super) since: Timestamp,
 }
 
 /// The store's one poison: the flag every write reads (an atomic, so a
@@ -118,13 +117,13 @@ impl HealthCell {
     }
 
     /// Whether writes are refused.
-    fn is_poisoned(&self) -> bool {
+    pub(super) fn is_poisoned(&self) -> bool {
         self.poisoned.load(Ordering::SeqCst)
     }
 
     /// Poisons with `cause` at `since`, unless a first failure is kept
     /// already (it stays the cause). True when this was the first.
-    fn poison(&self, cause: &Cause, since: Timestamp) -> bool {
+    pub(super) fn poison(&self, cause: &Cause, since: Timestamp) -> bool {
         let mut fault = self.lock();
         let first = fault.is_none();
         if first {
@@ -138,7 +137,7 @@ impl HealthCell {
     }
 
     /// Clears the poison; the fault that was healed, if one was kept.
-    fn clear(&self) -> Option<Fault> {
+    pub(super) fn clear(&self) -> Option<Fault> {
         let mut fault = self.lock();
         self.poisoned.store(false, Ordering::SeqCst);
         fault.take()
@@ -146,13 +145,13 @@ impl HealthCell {
 
     /// The kept cause, while poisoned. A store poisoned without one (none
     /// is ever set so) has `None` here too.
-    fn cause(&self) -> Option<Cause> {
+    pub(super) fn cause(&self) -> Option<Cause> {
         self.lock().as_ref().map(|f| f.cause.clone())
     }
 
     /// [`Error::Poisoned`] with the cause while poisoned; `None` when
     /// writes may go on (also when a heal ended since the flag was read).
-    fn refusal(&self) -> Option<Error> {
+    pub(super) fn refusal(&self) -> Option<Error> {
         if !self.is_poisoned() {
             return None;
         }
@@ -163,7 +162,7 @@ impl HealthCell {
 
     /// The health the cell says: healthy, degraded (a cause that heals)
     /// or failed.
-    fn health(&self) -> Health {
+    pub(super) fn health(&self) -> Health {
         let fault = self.lock();
         match (&*fault, self.is_poisoned()) {
             (_, false) => Health::Healthy,
@@ -185,6 +184,14 @@ impl HealthCell {
     }
 }
 
+/// What the last failed attempt to heal saw (only the background thread
+/// heals, heal.rs; the lock is never contended).
+#[derive(Debug, Default)]
+pub(super) struct Attempts {
+    pub(super) last: Option<Instant>,
+    pub(super) free_at_last: Option<u64>,
+}
+
 /// The file an operation was on, for the cause's message.
 #[derive(Clone, Copy, Debug)]
 pub(super) enum On {
@@ -193,92 +200,6 @@ pub(super) enum On {
     Store,
     /// The write-ahead log.
     Log,
-}
-
-impl Shared {
-    /// Whether writes are refused.
-    pub(super) fn is_poisoned(&self) -> bool {
-        self.health.is_poisoned()
-    }
-
-    /// Records `error`, met `during` an operation on `on`, as the reason
-    /// writes stop (the first failure stays the cause until the store
-    /// heals), and returns it for the caller that hit it: an I/O error
-    /// keeps its kind and gains the file and the operation.
-    pub(super) fn fail(&self, during: &'static str, on: On, error: Error) -> Error {
-        let error = self.named(error);
-        let path = self.file_name(on);
-        let cause = Cause::new(during, Some(&path), &error);
-        if self.health.poison(&cause, self.clock.now()) {
-            crate::observability::poisoned("redb", &cause);
-            crate::observability::health("redb", if cause.heals() { 1 } else { 2 });
-        }
-        // The background thread heals; it may be asleep for long.
-        self.wake_background();
-        match error {
-            Error::Io(e) => Error::Io(std::io::Error::new(e.kind(), cause.to_string())),
-            other => other,
-        }
-    }
-
-    /// `error`, or, when it is the engine's refusal after an earlier I/O
-    /// error (which names none), the last I/O error the engine's storage
-    /// returned: the cause, with its kind.
-    pub(super) fn named(&self, error: Error) -> Error {
-        if !super::errors::is_latched(&error) {
-            return error;
-        }
-        self.witness.last().map_or(error, Error::Io)
-    }
-
-    /// The error a write gets while the store is poisoned.
-    pub(super) fn poisoned_error(&self) -> Error {
-        Error::Poisoned {
-            cause: self.health.cause(),
-        }
-    }
-
-    /// [`Err`] of [`poisoned_error`](Self::poisoned_error) while poisoned.
-    /// The flag and the cause are set and cleared together under the
-    /// cause's lock, so a write that races the end of a heal is either
-    /// refused with the cause or let through, never refused without one.
-    pub(super) fn check_healthy(&self) -> crate::error::Result<()> {
-        self.health.refusal().map_or(Ok(()), Err)
-    }
-
-    /// Whether the background thread should try to heal: poisoned by a
-    /// cause that may go away.
-    pub(super) fn heals(&self) -> bool {
-        self.is_poisoned() && self.health.cause().is_none_or(|c| c.heals())
-    }
-
-    /// The I/O kind of the failure being healed.
-    pub(super) fn health_cause_kind(&self) -> Option<std::io::ErrorKind> {
-        self.health.cause().and_then(|c| c.io_kind())
-    }
-
-    /// Writes are accepted again (the store healed).
-    pub(super) fn healthy_again(&self) {
-        if let Some(fault) = self.health.clear() {
-            let since = fault.since.until(self.clock.now());
-            crate::observability::healed("redb", &fault.cause, since);
-            crate::observability::health("redb", 0);
-        }
-    }
-
-    /// The store's health.
-    pub(super) fn health(&self) -> Health {
-        self.health.health()
-    }
-
-    fn file_name(&self, on: On) -> String {
-        match (&self.path, on) {
-            (Some(path), On::Store) => path.display().to_string(),
-            (Some(path), On::Log) => super::record_log::wal_path(path).display().to_string(),
-            (None, On::Store) => "<storage backend>".to_owned(),
-            (None, On::Log) => "<log backend>".to_owned(),
-        }
-    }
 }
 
 #[cfg(test)]

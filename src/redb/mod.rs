@@ -56,7 +56,8 @@
 //! - `loss.rs`: what an open that accepts loss gave up;
 //! - `tables.rs`: the three tables and the record + index pair helpers;
 //! - `errors.rs`: redb's errors as the one public [`Error`];
-//! - `options.rs`: durability, recovery policy, the builder;
+//! - `config.rs`: the options as data (durability, recovery policy, the
+//!   config an open reads); `builder.rs`: the builder and its opens;
 //! - `stats.rs`: the counters;
 //! - `admin/`: operator access ([`admin`]: facts, scans, verify, evict,
 //!   import, the export line format), for the `idemstore` binary and the
@@ -66,20 +67,22 @@
 //! - this file: the public type, its opening, inspection and drop.
 
 pub mod admin;
+mod builder;
 mod checkpoint;
 mod commit;
+mod config;
 mod damage;
 mod errors;
 mod file;
 mod heal;
 mod health;
 mod inbox;
+mod line;
 mod loss;
 mod memtable;
 mod meta;
 mod native;
 mod open;
-mod options;
 pub(crate) mod page_log;
 mod record_log;
 mod recovery;
@@ -96,18 +99,19 @@ mod witness;
 /// tables (`TableDefinition`, `ReadableTable`, `WriteTransaction`): the same
 /// version as the store's, whatever the caller's own dependency says.
 pub use ::redb as engine;
+pub use builder::RedbStoreBuilder;
+use config::Config;
+pub use config::{DEFAULT_CACHE_BYTES, Durability, RecoveryPolicy};
 pub use health::{HEAL_BACKOFF_MAX, HEAL_BACKOFF_MIN, Health};
 pub use inbox::{Delivery, Inbox, MAX_INBOX_BATCH, Message};
 pub use loss::LossReport;
-use options::Config;
-pub use options::{DEFAULT_CACHE_BYTES, Durability, RecoveryPolicy, RedbStoreBuilder};
 pub use record_log::{CHECKPOINT_INTERVAL, MIN_WAL_BYTES, WAL_BYTES};
 // The write path's fixed sizes: not configurable, so not public; the
 // crate's own tests read them through `idemstore::unstable::redb`.
 pub use stats::RedbStats;
 #[cfg(feature = "unstable-internals")]
 pub(crate) use {
-    commit::WRITE_QUEUE_DEPTH, memtable::MEMTABLE_BYTES, page_log::PAGE_LOG_BYTES,
+    line::WRITE_QUEUE_DEPTH, memtable::MEMTABLE_BYTES, page_log::PAGE_LOG_BYTES,
     record_log::FRAME_ALIGN,
 };
 
@@ -117,7 +121,7 @@ use crate::sync::Arc;
 use crate::sync::atomic::Ordering;
 use crate::sync::thread::{self, JoinHandle};
 use crate::time::Clock;
-use commit::{Op, Reply};
+use line::{Op, Reply};
 use requests::unexpected;
 use shared::{Engine, Shared, Usable};
 use std::path::{Path, PathBuf};

@@ -37,7 +37,7 @@
 //! for room then answers [`Error::Closed`].
 
 use super::Shared;
-use super::commit::{Op, Queue, Reply, Slot, WRITE_QUEUE_DEPTH, Waiter};
+use super::line::{Op, Queue, Reply, Slot, WRITE_QUEUE_DEPTH, Waiter};
 use crate::error::{Error, Result};
 use crate::record::Begin;
 use crate::sync::Arc;

@@ -4,7 +4,7 @@
 //! the line (`commit/`), blocking or as a future.
 
 use super::RedbStore;
-use super::commit::{Op, Reply};
+use super::line::{Op, Reply};
 use crate::codec;
 use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;

@@ -5,14 +5,16 @@
 //! (memtable, then redb); a flush and the clean close. The write path's
 //! methods are in `commit/`, poisoning in health.rs, the heal in heal.rs.
 
-use super::commit::{Core, MAX_WRITE_BATCH, Queue};
+use super::config::Config;
 use super::errors::engine_error;
+use super::health::{Health, On};
+use super::line::{MAX_WRITE_BATCH, Queue};
 use super::memtable::Mem;
-use super::options::Config;
+use super::record_log::Wal;
 use super::stats::Counters;
-use super::{Durability, RecoveryPolicy, heal, health, open, record_log, source, tables, witness};
+use super::{Durability, RecoveryPolicy, health, open, record_log, source, tables, witness};
 use crate::codec;
-use crate::error::{Error, Result};
+use crate::error::{Cause, Error, Result};
 use crate::record::Record;
 use crate::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use crate::sync::{
@@ -73,7 +75,7 @@ pub(super) struct Shared {
     /// Sees every I/O error of the engine's storage (witness.rs).
     pub(super) witness: Arc<witness::IoWitness>,
     /// What the last failed attempt to heal saw.
-    pub(super) attempts: Mutex<heal::Attempts>,
+    pub(super) attempts: Mutex<health::Attempts>,
     /// The options a heal reopens with (no lease ended, nothing verified).
     pub(super) heal_config: Config,
     /// The store's clock (when a failure happened).
@@ -113,6 +115,19 @@ pub(super) struct Shared {
     pub(super) read_only: Option<String>,
 }
 
+/// What only the leader (or a direct transaction) touches: held for the
+/// whole of a group's commit. Lock order: the queue is never held while
+/// taking this; this, then the memtable, then the database.
+#[derive(Debug)]
+pub(super) struct Core {
+    pub(super) wal: Option<Wal>,
+    /// The largest fencing token handed out.
+    pub(super) token_hwm: u64,
+    /// No log, relaxed durability: commits made since the last durable one.
+    pub(super) unflushed: bool,
+    pub(super) last_durable: Instant,
+}
+
 impl Shared {
     pub(super) fn new(opened: open::Opened, config: &Config, path: Option<&Path>) -> Arc<Shared> {
         let log_file = opened.wal.as_ref().map(record_log::Wal::file);
@@ -124,7 +139,7 @@ impl Shared {
             health: health::HealthCell::default(),
             source: opened.source,
             witness: opened.witness,
-            attempts: Mutex::new(heal::Attempts::default()),
+            attempts: Mutex::new(health::Attempts::default()),
             heal_config: Config {
                 recovery: RecoveryPolicy::WaitForLease,
                 verify_on_open: false,
@@ -303,5 +318,91 @@ impl Shared {
             self.direct_locked(core, |_, _| Ok::<_, Error>(()))?;
         }
         Ok(())
+    }
+}
+
+impl Shared {
+    /// Whether writes are refused.
+    pub(super) fn is_poisoned(&self) -> bool {
+        self.health.is_poisoned()
+    }
+
+    /// Records `error`, met `during` an operation on `on`, as the reason
+    /// writes stop (the first failure stays the cause until the store
+    /// heals), and returns it for the caller that hit it: an I/O error
+    /// keeps its kind and gains the file and the operation.
+    pub(super) fn fail(&self, during: &'static str, on: On, error: Error) -> Error {
+        let error = self.named(error);
+        let path = self.file_name(on);
+        let cause = Cause::new(during, Some(&path), &error);
+        if self.health.poison(&cause, self.clock.now()) {
+            crate::observability::poisoned("redb", &cause);
+            crate::observability::health("redb", if cause.heals() { 1 } else { 2 });
+        }
+        // The background thread heals; it may be asleep for long.
+        self.wake_background();
+        match error {
+            Error::Io(e) => Error::Io(std::io::Error::new(e.kind(), cause.to_string())),
+            other => other,
+        }
+    }
+
+    /// `error`, or, when it is the engine's refusal after an earlier I/O
+    /// error (which names none), the last I/O error the engine's storage
+    /// returned: the cause, with its kind.
+    pub(super) fn named(&self, error: Error) -> Error {
+        if !super::errors::is_latched(&error) {
+            return error;
+        }
+        self.witness.last().map_or(error, Error::Io)
+    }
+
+    /// The error a write gets while the store is poisoned.
+    pub(super) fn poisoned_error(&self) -> Error {
+        Error::Poisoned {
+            cause: self.health.cause(),
+        }
+    }
+
+    /// [`Err`] of [`poisoned_error`](Self::poisoned_error) while poisoned.
+    /// The flag and the cause are set and cleared together under the
+    /// cause's lock, so a write that races the end of a heal is either
+    /// refused with the cause or let through, never refused without one.
+    pub(super) fn check_healthy(&self) -> crate::error::Result<()> {
+        self.health.refusal().map_or(Ok(()), Err)
+    }
+
+    /// Whether the background thread should try to heal: poisoned by a
+    /// cause that may go away.
+    pub(super) fn heals(&self) -> bool {
+        self.is_poisoned() && self.health.cause().is_none_or(|c| c.heals())
+    }
+
+    /// The I/O kind of the failure being healed.
+    pub(super) fn health_cause_kind(&self) -> Option<std::io::ErrorKind> {
+        self.health.cause().and_then(|c| c.io_kind())
+    }
+
+    /// Writes are accepted again (the store healed).
+    pub(super) fn healthy_again(&self) {
+        if let Some(fault) = self.health.clear() {
+            let since = fault.since.until(self.clock.now());
+            crate::observability::healed("redb", &fault.cause, since);
+            crate::observability::health("redb", 0);
+        }
+    }
+
+    /// The store's health.
+    pub(super) fn health(&self) -> Health {
+        self.health.health()
+    }
+
+    fn file_name(&self, on: On) -> String {
+        match (&self.path, on) {
+            (Some(path), On::Store) => path.display().to_string(),
+            (Some(path), On::Log) => super::record_log::wal_path(path).display().to_string(),
+            (None, On::Store) => "<storage backend>".to_owned(),
+            (None, On::Log) => "<log backend>".to_owned(),
+        }
     }
 }

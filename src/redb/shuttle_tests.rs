@@ -18,7 +18,7 @@
 //! ([`MAX_STEPS`] scheduling points). A failure prints its schedule: saved
 //! to a file named by `IDEMSTORE_SHUTTLE_REPLAY`, it replays alone.
 
-use super::commit::{Op, Reply};
+use super::line::{Op, Reply};
 use super::{MIN_WAL_BYTES, RedbStore};
 use crate::codec;
 use crate::error::Error;

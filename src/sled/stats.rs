@@ -1,10 +1,9 @@
 //! [`SledStats`]: the counters of the durable path.
 
-#[cfg(doc)]
-use super::{Durability, SledStore};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// Counters of a [`SledStore`]'s durable path, from [`SledStore::stats`].
+/// Counters of a [`SledStore`](crate::SledStore)'s durable path, from
+/// [`SledStore::stats`](crate::SledStore::stats).
 ///
 /// `data_fsyncs` close to `commits` means one fsync per write (one client);
 /// far below means group flushing works (many clients).
@@ -15,7 +14,7 @@ pub struct SledStats {
     pub commits: u64,
     /// sled flushes run (one per group round).
     pub flushes: u64,
-    /// `fdatasync` calls on the data file (at [`Durability::OsBuffered`]
+    /// `fdatasync` calls on the data file (at [`Durability::OsBuffered`](super::Durability::OsBuffered)
     /// only the one at open).
     pub data_fsyncs: u64,
     /// Blob files fsynced (sled never does).

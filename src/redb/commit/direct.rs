@@ -6,11 +6,10 @@
 //! checkpoint ([`Shared::wait_checkpointed`]) that a freeze and a direct
 //! transaction make first.
 
-use super::super::Shared;
 use super::super::errors::engine_error;
 use super::super::health::On;
+use super::super::shared::{Core, Shared};
 use super::super::tables::{META, META_TOKEN_HWM, META_WAL_EPOCH, WriteTables};
-use super::Core;
 use crate::error::{Error, Result};
 use crate::sync::Instant;
 use crate::sync::atomic::Ordering;

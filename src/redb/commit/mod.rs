@@ -54,74 +54,20 @@
 
 mod decide;
 mod direct;
-mod line;
+mod leader;
 
 use super::errors::engine_error;
 use super::health::On;
+use super::line::{Op, Reply};
 use super::memtable::MEMTABLE_BYTES;
-use super::record_log::Wal;
+use super::shared::Core;
 use super::tables::{META, META_TOKEN_HWM, ReadTables, WriteTables};
 use super::{Durability, Shared};
 use crate::error::{Error, Result};
-use crate::fingerprint::Fingerprint;
-use crate::record::{Begin, Claim};
-use crate::response::Response;
 use crate::sync::Instant;
 use crate::sync::atomic::Ordering;
-use crate::time::Timestamp;
 use ::redb::ReadableDatabase;
 use decide::decide;
-pub(crate) use line::WRITE_QUEUE_DEPTH;
-pub(super) use line::{MAX_WRITE_BATCH, Queue, Slot, Waiter};
-use std::time::Duration;
-
-/// A write, as queued. Keys are already encoded.
-#[derive(Debug)]
-pub(super) enum Op {
-    Begin {
-        key: Vec<u8>,
-        fingerprint: Fingerprint,
-        now: Timestamp,
-        lease: Duration,
-        retention: Duration,
-    },
-    Complete {
-        key: Vec<u8>,
-        claim: Claim,
-        response: Response,
-        now: Timestamp,
-        retention: Duration,
-    },
-    Release {
-        key: Vec<u8>,
-        claim: Claim,
-    },
-    Sweep {
-        now: Timestamp,
-        max: usize,
-    },
-}
-
-/// The answer to one [`Op`].
-#[derive(Debug)]
-pub(super) enum Reply {
-    Begin(Begin),
-    Done,
-    Swept(usize),
-}
-
-/// What only the leader (or a direct transaction) touches: held for the
-/// whole of a group's commit. Lock order: the queue is never held while
-/// taking this; this, then the memtable, then the database.
-#[derive(Debug)]
-pub(super) struct Core {
-    pub(super) wal: Option<Wal>,
-    /// The largest fencing token handed out.
-    pub(super) token_hwm: u64,
-    /// No log, relaxed durability: commits made since the last durable one.
-    pub(super) unflushed: bool,
-    pub(super) last_durable: Instant,
-}
 
 impl Shared {
     /// One group, under the commit lock: an answer per op.
@@ -342,10 +288,15 @@ impl Shared {
 #[cfg(test)]
 pub(in crate::redb) mod tests {
     use super::*;
+    use crate::fingerprint::Fingerprint;
+    use crate::record::Begin;
     use crate::redb::RedbStoreBuilder;
     use crate::redb::open;
+    use crate::redb::record_log::Wal;
     use crate::sync::Arc;
+    use crate::time::Timestamp;
     use std::path::Path;
+    use std::time::Duration;
 
     pub(super) const T: Timestamp = Timestamp::from_millis(1_000_000);
     pub(super) const D: Duration = Duration::from_secs(10);

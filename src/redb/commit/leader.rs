@@ -1,5 +1,5 @@
-//! The line of callers and the leader role: a caller queues its request
-//! in a [`Slot`]; the first thread in line leads a group
+//! The leader role over the line of callers (the line's data is
+//! `line.rs`): a caller queues its request in a [`Slot`]; the first thread in line leads a group
 //! ([`Shared::lead_once`], the commit in `commit/mod.rs`), passes the role
 //! on and answers the group. Futures wait in the same line but never lead:
 //! the committer thread (native.rs) leads for them. A full line
@@ -7,162 +7,11 @@
 
 use super::super::Shared;
 use super::super::health::On;
-use super::{Op, Reply};
+use super::super::line::{Op, Queue, Reply, Slot, WRITE_QUEUE_DEPTH, Waiter};
 use crate::error::{Error, Result};
 use crate::record::Begin;
-use crate::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::collections::VecDeque;
-use std::task::{Context, Poll, Waker};
-
-/// Requests that may wait in a store's line. A caller that finds it full
-/// waits for room (back-pressure); nothing is ever dropped.
-pub(crate) const WRITE_QUEUE_DEPTH: usize = 4_096;
-/// Most requests a leader commits in one group (one log frame).
-pub(crate) const MAX_WRITE_BATCH: usize = 1_024;
-
-/// Who waits on a [`Slot`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub(in crate::redb) enum Waiter {
-    /// A blocked thread (`submit`): it may be made the leader.
-    #[default]
-    Thread,
-    /// A future (`submit_async`, native.rs): woken through its waker; it
-    /// never leads, since leading would block its runtime thread on an fsync.
-    Task,
-    /// Nobody: a release queued on behalf of a dropped future.
-    Nobody,
-}
-
-/// Where one queued caller waits.
-#[derive(Debug, Default)]
-pub(in crate::redb) struct Slot {
-    state: Mutex<SlotInner>,
-    cv: Condvar,
-    waiter: Waiter,
-}
-
-#[derive(Debug, Default)]
-struct SlotInner {
-    state: SlotState,
-    /// A task's waker, from its latest poll.
-    waker: Option<Waker>,
-    /// Nobody will take the answer (a dropped future, a detached op): the
-    /// leader keeps it (see [`Slot::answer`]).
-    abandoned: bool,
-}
-
-#[derive(Debug, Default)]
-enum SlotState {
-    #[default]
-    Waiting,
-    /// The caller is now the leader.
-    Lead,
-    Done(Result<Reply>),
-}
-
-impl Slot {
-    pub(in crate::redb) fn new(waiter: Waiter) -> Slot {
-        Slot {
-            state: Mutex::new(SlotInner {
-                abandoned: waiter == Waiter::Nobody,
-                ..SlotInner::default()
-            }),
-            cv: Condvar::new(),
-            waiter,
-        }
-    }
-
-    fn lock(&self) -> MutexGuard<'_, SlotInner> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Sleeps until this caller is answered (`Some`) or made the leader
-    /// (`None`).
-    fn wait(&self) -> Option<Result<Reply>> {
-        let mut inner = self.lock();
-        loop {
-            match std::mem::take(&mut inner.state) {
-                SlotState::Waiting => {
-                    inner = self.cv.wait(inner).unwrap_or_else(|p| p.into_inner());
-                }
-                SlotState::Lead => return None,
-                SlotState::Done(answer) => return Some(answer),
-            }
-        }
-    }
-
-    /// Makes this (thread) caller the leader.
-    fn lead(&self) {
-        self.lock().state = SlotState::Lead;
-        self.cv.notify_one();
-    }
-
-    /// Hands the caller its answer and wakes it. An abandoned slot's answer
-    /// comes back: nobody else will see it.
-    fn answer(&self, answer: Result<Reply>) -> Option<Result<Reply>> {
-        let waker = {
-            let mut inner = self.lock();
-            if inner.abandoned {
-                return Some(answer);
-            }
-            inner.state = SlotState::Done(answer);
-            inner.waker.take()
-        };
-        match waker {
-            Some(waker) => waker.wake(),
-            None => self.cv.notify_one(),
-        }
-        None
-    }
-
-    /// A task's poll: its answer, or `Pending` with its waker kept.
-    pub(in crate::redb) fn poll(&self, cx: &mut Context<'_>) -> Poll<Result<Reply>> {
-        let mut inner = self.lock();
-        match std::mem::take(&mut inner.state) {
-            SlotState::Done(answer) => Poll::Ready(answer),
-            other => {
-                inner.state = other;
-                match &inner.waker {
-                    Some(w) if w.will_wake(cx.waker()) => {}
-                    _ => inner.waker = Some(cx.waker().clone()),
-                }
-                Poll::Pending
-            }
-        }
-    }
-
-    /// A dropped future gives its slot up: the answer if it came already
-    /// (its caller must deal with it), or `None` and the leader will.
-    pub(in crate::redb) fn abandon(&self) -> Option<Result<Reply>> {
-        let mut inner = self.lock();
-        inner.abandoned = true;
-        inner.waker = None;
-        match std::mem::take(&mut inner.state) {
-            SlotState::Done(answer) => Some(answer),
-            _ => None,
-        }
-    }
-}
-
-/// The line of callers.
-#[derive(Debug, Default)]
-pub(in crate::redb) struct Queue {
-    pub(in crate::redb) waiting: VecDeque<(Op, Arc<Slot>)>,
-    /// Someone holds the leader role. When false the line is empty, so a
-    /// caller that finds no leader is at the front of the line.
-    leading: bool,
-    /// Threads ([`Waiter::Thread`]) in the line: only they, or the
-    /// committer, can take the role.
-    threads: usize,
-    /// The committer thread holds the role (native.rs).
-    pub(in crate::redb) committer: bool,
-    /// The store is being dropped: no caller joins the line any more.
-    pub(in crate::redb) closed: bool,
-    /// The committer has stopped: nothing joins the line at all.
-    pub(in crate::redb) stopped: bool,
-    /// Tasks waiting for room in a full line.
-    pub(in crate::redb) room: Vec<Waker>,
-}
+use crate::sync::Arc;
+use std::task::Waker;
 
 impl Shared {
     /// [`Error::ReadOnly`] for a store opened read-only.
@@ -330,37 +179,6 @@ mod tests {
     use super::*;
     use std::time::Duration;
 
-    /// Counts its wakes.
-    #[derive(Default)]
-    struct Wakes(std::sync::atomic::AtomicUsize);
-
-    impl std::task::Wake for Wakes {
-        fn wake(self: Arc<Self>) {
-            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        }
-    }
-
-    /// A future polled again with another waker (a task moved between
-    /// executors, or `select!` polling it from a new task) is woken through
-    /// the last one: a slot that kept the first waker would leave its
-    /// future asleep with its answer.
-    #[test]
-    fn a_slot_wakes_the_waker_of_its_last_poll() {
-        let slot = Slot::new(Waiter::Task);
-        let (first, last) = (Arc::new(Wakes::default()), Arc::new(Wakes::default()));
-        for wakes in [&first, &first, &last] {
-            let waker = std::task::Waker::from(Arc::clone(wakes));
-            let mut cx = Context::from_waker(&waker);
-            assert!(slot.poll(&mut cx).is_pending());
-        }
-        assert!(slot.answer(Ok(Reply::Done)).is_none(), "not abandoned");
-        let count = |w: &Arc<Wakes>| w.0.load(std::sync::atomic::Ordering::SeqCst);
-        assert_eq!((count(&first), count(&last)), (0, 1));
-        let waker = std::task::Waker::from(Arc::clone(&last));
-        let mut cx = Context::from_waker(&waker);
-        assert!(matches!(slot.poll(&mut cx), Poll::Ready(Ok(Reply::Done))));
-    }
-
     /// A thread that finds the line full waits for room
     /// (`WRITE_QUEUE_DEPTH`): the line never grows past it. Closing the
     /// line lets the waiter go with `Error::Closed`.
@@ -421,11 +239,8 @@ mod tests {
             matches!(own, Some(Ok(Reply::Begin(Begin::Claimed(_))))),
             "{own:?}"
         );
-        assert!(
-            matches!(next.lock().state, SlotState::Lead),
-            "the thread leads next"
-        );
-        assert!(matches!(task.lock().state, SlotState::Waiting));
+        assert!(next.is_leading(), "the thread leads next");
+        assert!(task.is_waiting());
         let q = shared.lock_queue();
         assert!(!q.committer, "the committer was not asked");
         assert_eq!((q.waiting.len(), q.threads), (2, 1));

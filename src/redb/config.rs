@@ -1,0 +1,101 @@
+//! The options of a store as data: [`Durability`], [`RecoveryPolicy`],
+//! [`DEFAULT_CACHE_BYTES`], and `Config`, what an open, a recovery and a
+//! heal read. A bottom module: the builder that fills it in (builder.rs) is
+//! above the open that reads it.
+
+use crate::sweeper::SweeperConfig;
+use crate::time::Clock;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// redb's page cache size unless [`RedbStoreBuilder::cache_bytes`](super::RedbStoreBuilder::cache_bytes) says otherwise.
+pub const DEFAULT_CACHE_BYTES: usize = 64 * 1024 * 1024;
+
+/// What survives a crash: the promise behind every acknowledged write.
+///
+/// ```
+/// use idemstore::RedbStore;
+/// use idemstore::redb::Durability;
+/// use std::time::Duration;
+///
+/// # let dir = tempfile::tempdir()?;
+/// // The default: every acknowledged claim survives power loss.
+/// assert_eq!(Durability::default(), Durability::Immediate);
+/// // Chosen explicitly: at most 50 ms of acknowledged writes may be lost.
+/// let store = RedbStore::builder()
+///     .durability(Durability::Periodic { max_loss: Duration::from_millis(50) })
+///     .open(dir.path().join("relaxed.idem"))?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Durability {
+    /// Every write batch is durable before any caller in it is answered: an
+    /// acknowledged claim or completion survives a process crash and a power
+    /// loss. Concurrent callers share one fsync (group commit). With the
+    /// write-ahead log (the default for [`RedbStore::open`](super::RedbStore::open)) that fsync is of
+    /// a small append to `<file>-wal`; without it, of a redb commit.
+    #[default]
+    Immediate,
+    /// Batches are committed without an fsync, and a durable commit is made
+    /// once `max_loss` has passed since the last one (also when the store is
+    /// idle, and at a clean shutdown). A process crash **or** a power loss
+    /// loses the acknowledged writes of at most the last `max_loss` (plus the
+    /// duration of one batch): redb keeps non-durable commits out of the
+    /// file's header until a durable one. A lost claim lets a retry claim the
+    /// key again and run the side effect twice, so choose this only where
+    /// the downstream system deduplicates by the fencing token anyway.
+    Periodic {
+        /// The loss window; at least 1 ms.
+        max_loss: Duration,
+    },
+}
+
+/// What opening a store does with PROCESSING records it finds.
+///
+/// One process holds a store file (a second open is [`Error::Locked`](crate::Error::Locked)), so
+/// a PROCESSING record found at open belongs to a process that died.
+///
+/// ```
+/// use idemstore::RedbStore;
+/// use idemstore::redb::RecoveryPolicy;
+/// # let dir = tempfile::tempdir()?;
+/// let store = RedbStore::builder()
+///     .recovery(RecoveryPolicy::ExpireLeases)
+///     .open(dir.path().join("orders.idem"))?;
+/// assert_eq!(store.stats().leases_expired_on_open, 0);
+/// # Ok::<(), idemstore::Error>(())
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RecoveryPolicy {
+    /// Leave leases alone: a retry waits until the dead owner's lease ends
+    /// (the default, and the conservative choice: a call the dead owner
+    /// made downstream may still be landing, and the lease it was promised
+    /// holds until it ends).
+    #[default]
+    WaitForLease,
+    /// End every live lease at open, so a retry takes over at once (with a
+    /// new fencing token). Reads every record once at open.
+    ExpireLeases,
+}
+
+/// Options of a store being opened.
+#[derive(Clone, Debug)]
+pub(super) struct Config {
+    pub(super) durability: Durability,
+    pub(super) cache_bytes: usize,
+    pub(super) max_body_bytes: usize,
+    pub(super) recovery: RecoveryPolicy,
+    pub(super) sweeper: Option<SweeperConfig>,
+    pub(super) clock: Arc<dyn Clock>,
+    pub(super) verify_on_open: bool,
+    pub(super) write_ahead_log: bool,
+    pub(super) checkpoint_interval: Duration,
+    pub(super) wal_bytes: u64,
+    pub(super) accept_loss: bool,
+    /// redb's commits through the page log (`<file>-pages`).
+    pub(super) page_log: bool,
+    /// An inspection: nothing is written (`RedbStore::open_read_only`).
+    pub(super) read_only: bool,
+}
