@@ -1,15 +1,13 @@
 //! [`Outcome`]: what a run of the guard answers, and the counters of
 //! those answers ([`GuardStats`]).
 
-#[cfg(doc)]
-use super::{Guard, GuardBuilder, OnHandlerError, TakeoverPolicy};
 use crate::error::Error;
 use crate::record::Claim;
 use crate::response::Response;
 use crate::time::Timestamp;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// The result of [`Guard::run`].
+/// The result of [`Guard::run`](super::Guard::run).
 ///
 /// `E` is the handler's error type.
 #[derive(Debug)]
@@ -28,12 +26,12 @@ pub enum Outcome<E> {
     Conflicted,
     /// The store could not answer `begin`: fail closed, handler not run.
     Unavailable(Error),
-    /// [`TakeoverPolicy::Reconcile`]: a previous owner's lease expired with
+    /// [`TakeoverPolicy::Reconcile`](super::TakeoverPolicy::Reconcile): a previous owner's lease expired with
     /// its outcome unknown. Handler not run; the caller holds the new claim
-    /// and must [`complete`](Guard::complete) or [`release`](Guard::release) it.
+    /// and must [`complete`](super::Guard::complete) or [`release`](super::Guard::release) it.
     Unknown(Claim),
     /// The handler ran and returned `Err`; the claim was kept or released
-    /// per [`OnHandlerError`].
+    /// per [`OnHandlerError`](super::OnHandlerError).
     HandlerFailed(E),
     /// The handler ran and returned a response, but storing it failed. The
     /// record stays PROCESSING; after the lease a retry runs the handler
@@ -100,7 +98,7 @@ impl<E> Outcome<E> {
     }
 }
 
-/// Counters kept by a guard (and its clones), from [`Guard::stats`].
+/// Counters kept by a guard (and its clones), from [`Guard::stats`](super::Guard::stats).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct GuardStats {
@@ -121,7 +119,7 @@ pub struct GuardStats {
     /// Completions or releases refused because the claim had gone stale.
     pub stale: u64,
     /// Duplicates that waited for an owner in this process and replayed its
-    /// response ([`GuardBuilder::wait_for_duplicates`]); also in `replayed`.
+    /// response ([`GuardBuilder::wait_for_duplicates`](super::GuardBuilder::wait_for_duplicates)); also in `replayed`.
     pub waited: u64,
 }
 

@@ -1,4 +1,8 @@
-//! The store's health: what failed, since when, and whether it heals.
+//! The store's health: what failed, since when, and whether it heals:
+//! [`Health`], the one poison (`HealthCell`: the flag every write reads and
+//! the first failure's [`Cause`]), the heal's back-off and its attempts.
+//! `Shared`'s methods that poison and refuse are in shared.rs; the heal is
+//! heal.rs.
 //!
 //! A failed log append, log sync or engine commit may or may not have
 //! reached the disk, so the store stops writing (it is *poisoned*: a write

@@ -22,13 +22,16 @@
 //! ```
 //!
 //! - `shared.rs`: what the callers and the background thread share (the
-//!   engine, the memtable, the line, the commit lock) and the read path;
+//!   engine, the memtable, the line, the commit lock), the read path, and
+//!   poisoning (a failure's cause kept, writes refused with it);
 //!   `requests.rs`: the `Store` impl, the read fast path, the ops a call
 //!   puts in the line;
+//! - `line.rs`: the commit line's data (a queued op and its reply, the
+//!   slot its caller waits in, the queue, the line's sizes);
 //! - `commit/`: leader/follower group commit (`mod.rs`: a group's commit,
-//!   with the log or without); `line.rs`: the line of callers and the
-//!   leader role; `decide.rs`: the group's decisions through `logic`;
-//!   `direct.rs`: direct transactions (inbox, admin, compaction, close);
+//!   with the log or without); `leader.rs`: who leads, who is answered;
+//!   `decide.rs`: the group's decisions through `logic`; `direct.rs`:
+//!   direct transactions (inbox, admin, compaction, close);
 //! - `native.rs`: the native async entry (futures in the line, the
 //!   committer thread that leads for them);
 //! - `memtable.rs`: the records written since the last checkpoint;
@@ -48,12 +51,15 @@
 //!   the store file behind the log; and `overlay.rs`: a file read through
 //!   in-memory pages (inspections, and a heal's view for reads);
 //!   `page_images.rs`: the page images both keep;
-//! - `health.rs`: poisoning, the cause and [`Health`]; `heal.rs`: the heal
+//! - `health.rs`: the one poison (flag and cause), [`Health`], the heal's
+//!   back-off; `heal.rs`: the heal
 //!   that reopens the engine (from `source.rs`); `witness.rs`: the last
 //!   I/O error the engine met;
 //! - `file.rs`: owner-only files, directory sync, locks, the redb header
 //!   check;
-//! - `loss.rs`: what an open that accepts loss gave up;
+//! - `damage.rs`: what is wrong with a store's files, typed (one text,
+//!   one mapping to [`Error::Corrupt`]); `loss.rs`: what an open that
+//!   accepts loss gave up;
 //! - `tables.rs`: the three tables and the record + index pair helpers;
 //! - `errors.rs`: redb's errors as the one public [`Error`];
 //! - `config.rs`: the options as data (durability, recovery policy, the

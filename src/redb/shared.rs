@@ -2,8 +2,10 @@
 //! engine behind its lock (and what it may be used for while a heal cannot
 //! reopen it), the memtable, the commit line and the commit lock, the
 //! background thread's flags, and their lock helpers; the read path
-//! (memtable, then redb); a flush and the clean close. The write path's
-//! methods are in `commit/`, poisoning in health.rs, the heal in heal.rs.
+//! (memtable, then redb); a flush and the clean close; and poisoning: a
+//! failure is kept as the cause in the store's one poison
+//! (`health::HealthCell`), and every later write is refused with it. The
+//! write path's methods are in `commit/`, the heal in heal.rs.
 
 use super::config::Config;
 use super::errors::engine_error;

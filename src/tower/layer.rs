@@ -1,97 +1,16 @@
-//! [`IdempotencyLayer`]: the configuration, and the [`Layer`] that applies it.
+//! [`IdempotencyLayer`]: the builder of the configuration (config.rs), and
+//! the [`Layer`] that applies it.
 
+use super::config::{Config, StorePolicy};
 use super::problem::Problem;
 use super::service::Idempotency;
 use crate::guard::Guard;
-use crate::response::{DEFAULT_MAX_BODY_BYTES, MAX_BODY_BYTES_HARD_CAP};
+use crate::response::MAX_BODY_BYTES_HARD_CAP;
 use crate::store::Store;
-use http::{HeaderName, Method, header, request};
+use http::{HeaderName, Method, request};
 use std::sync::Arc;
 use std::time::Duration;
 use tower_layer::Layer;
-
-/// Default limit on a request body read for the fingerprint (1 MiB); larger
-/// bodies get 413 without reaching the handler.
-pub const DEFAULT_MAX_REQUEST_BODY_BYTES: usize = 1024 * 1024;
-/// Default `Retry-After` on a 503 when the store is unavailable.
-pub const DEFAULT_UNAVAILABLE_RETRY_AFTER: Duration = Duration::from_secs(1);
-
-/// Which handler responses are stored for replay.
-///
-/// ```
-/// assert_eq!(idemstore::tower::StorePolicy::default(), idemstore::tower::StorePolicy::All);
-/// ```
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub enum StorePolicy {
-    /// Every response, errors included (the IETF draft's and Stripe's
-    /// practice: a retry sees exactly what the first attempt saw).
-    #[default]
-    All,
-    /// Every response but 5xx: a server error is sent but not stored, and the
-    /// claim is released so that a retry runs the handler again. Use it when
-    /// your 5xx responses mean "nothing happened".
-    AllButServerErrors,
-}
-
-/// A response extension that keeps one response out of the store: the
-/// response is sent, nothing is stored, and the claim is released so that a
-/// retry runs the handler again.
-///
-/// ```
-/// use idemstore::tower::DoNotStore;
-/// let mut res = http::Response::new(());
-/// res.extensions_mut().insert(DoNotStore);
-/// // in axum: `(StatusCode::ACCEPTED, axum::Extension(DoNotStore), "try later")`
-/// assert!(res.extensions().get::<DoNotStore>().is_some());
-/// ```
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct DoNotStore;
-
-pub(crate) type ScopeFn = Arc<dyn Fn(&request::Parts) -> Vec<u8> + Send + Sync>;
-
-#[derive(Clone)]
-pub(crate) struct Config {
-    pub(crate) methods: Vec<Method>,
-    pub(crate) require_key: bool,
-    pub(crate) scope: Option<ScopeFn>,
-    pub(crate) fingerprint_headers: Vec<HeaderName>,
-    pub(crate) max_request_body_bytes: usize,
-    pub(crate) max_response_body_bytes: usize,
-    pub(crate) store_policy: StorePolicy,
-    pub(crate) deny_headers: Vec<HeaderName>,
-    pub(crate) unavailable_retry_after: Duration,
-    /// Problem `type` URIs that replace [`Problem::type_uri`]'s.
-    pub(crate) problem_types: std::collections::HashMap<Problem, String>,
-}
-
-impl Config {
-    /// The `type` of `kind`'s problem bodies: the one set with
-    /// [`IdempotencyLayer::problem_type`], else [`Problem::type_uri`].
-    pub(crate) fn problem_type(&self, kind: Problem) -> String {
-        self.problem_types
-            .get(&kind)
-            .cloned()
-            .unwrap_or_else(|| kind.type_uri())
-    }
-}
-
-impl Default for Config {
-    fn default() -> Config {
-        Config {
-            methods: vec![Method::POST, Method::PATCH],
-            require_key: false,
-            scope: None,
-            fingerprint_headers: Vec::new(),
-            max_request_body_bytes: DEFAULT_MAX_REQUEST_BODY_BYTES,
-            max_response_body_bytes: DEFAULT_MAX_BODY_BYTES,
-            store_policy: StorePolicy::All,
-            deny_headers: vec![header::SET_COOKIE, header::DATE],
-            unavailable_retry_after: DEFAULT_UNAVAILABLE_RETRY_AFTER,
-            problem_types: std::collections::HashMap::new(),
-        }
-    }
-}
 
 /// Puts an [`Idempotency`] service in front of a service: requests with an
 /// `Idempotency-Key` go through a [`Guard`]. See the [module docs](super)
@@ -177,14 +96,14 @@ impl IdempotencyLayer {
     }
 
     /// The largest request body read for the fingerprint (default
-    /// [`DEFAULT_MAX_REQUEST_BODY_BYTES`], at most
+    /// [`DEFAULT_MAX_REQUEST_BODY_BYTES`](super::DEFAULT_MAX_REQUEST_BODY_BYTES), at most
     /// [`MAX_BODY_BYTES_HARD_CAP`]); a larger one gets 413.
     pub fn max_request_body_bytes(self, limit: usize) -> IdempotencyLayer {
         self.config(|c| c.max_request_body_bytes = limit.min(MAX_BODY_BYTES_HARD_CAP))
     }
 
     /// The largest response body buffered for storage (default
-    /// [`DEFAULT_MAX_BODY_BYTES`], at most [`MAX_BODY_BYTES_HARD_CAP`]). A
+    /// [`DEFAULT_MAX_BODY_BYTES`](crate::limits::DEFAULT_MAX_BODY_BYTES), at most [`MAX_BODY_BYTES_HARD_CAP`]). A
     /// larger response is streamed to the client and not stored; the claim
     /// then follows the guard's [`OnHandlerError`](crate::OnHandlerError).
     pub fn max_response_body_bytes(self, limit: usize) -> IdempotencyLayer {
@@ -203,7 +122,7 @@ impl IdempotencyLayer {
     }
 
     /// The `Retry-After` sent with a 503 when the store is unavailable
-    /// (default [`DEFAULT_UNAVAILABLE_RETRY_AFTER`]).
+    /// (default [`DEFAULT_UNAVAILABLE_RETRY_AFTER`](super::DEFAULT_UNAVAILABLE_RETRY_AFTER)).
     pub fn unavailable_retry_after(self, after: Duration) -> IdempotencyLayer {
         self.config(|c| c.unavailable_retry_after = after)
     }

@@ -81,6 +81,7 @@
 //! to this request.
 
 mod body;
+mod config;
 mod header;
 mod layer;
 mod problem;
@@ -88,10 +89,10 @@ mod reply;
 mod service;
 
 pub use body::ResponseBody;
-pub use header::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
-pub use layer::{
-    DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_UNAVAILABLE_RETRY_AFTER, DoNotStore, IdempotencyLayer,
-    StorePolicy,
+pub use config::{
+    DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_UNAVAILABLE_RETRY_AFTER, DoNotStore, StorePolicy,
 };
+pub use header::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
+pub use layer::IdempotencyLayer;
 pub use problem::Problem;
 pub use service::{Idempotency, ResponseFuture};

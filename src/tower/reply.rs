@@ -1,8 +1,8 @@
 //! Turning requests into fingerprints and snapshots into HTTP responses.
 
 use super::body::ResponseBody;
+use super::config::Config;
 use super::header::IDEMPOTENT_REPLAYED;
-use super::layer::Config;
 use super::problem::Problem;
 use crate::fingerprint::Fingerprint;
 use crate::response::Response as Snapshot;

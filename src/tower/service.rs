@@ -1,8 +1,8 @@
 //! [`Idempotency`]: the service, and its [`ResponseFuture`].
 
 use super::body::{Buffered, ResponseBody, buffer};
+use super::config::{Config, DoNotStore, StorePolicy};
 use super::header::parse_key;
-use super::layer::{Config, DoNotStore, StorePolicy};
 use super::problem::Problem;
 use super::reply::{fingerprint, from_snapshot, problem, problem_retry_after, remaining, snapshot};
 use crate::error::BoxError;
