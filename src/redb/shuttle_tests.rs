@@ -224,6 +224,33 @@ fn poll_once<F: Future + Unpin>(f: &mut F) -> Poll<F::Output> {
 }
 
 /// Yields to the scheduler 0 to 3 times: the caller's next step lands at a
+/// A thread per id in `threads` claiming and completing its key, and one
+/// thread driving a future that does the same for `task`.
+#[allow(
+    clippy::type_complexity,
+    reason = "two join handles of one answer type"
+)]
+fn race(
+    store: &Arc<RedbStore>,
+    threads: &[&'static str],
+    task: &'static str,
+) -> (
+    Vec<thread::JoinHandle<Result<Begin, Error>>>,
+    thread::JoinHandle<Result<Begin, Error>>,
+) {
+    let callers = threads
+        .iter()
+        .map(|&id| {
+            let store = Arc::clone(store);
+            thread::spawn(move || claim_and_complete(&store, id))
+        })
+        .collect();
+    let store = Arc::clone(store);
+    let future =
+        thread::spawn(move || shuttle::future::block_on(claim_and_complete_async(&store, task)));
+    (callers, future)
+}
+
 /// point the schedule picks.
 fn dawdle() {
     for _ in 0..thread_rng().gen_range(0..4) {
@@ -249,17 +276,7 @@ fn shuttle_callers_the_committer_and_the_checkpointer() {
     explore("callers, committer, checkpointer", || {
         let (file, log) = (Disk::default(), Disk::default());
         let store = Arc::new(open(&file, &log));
-        let racers: Vec<_> = ["a", "a", "b"]
-            .into_iter()
-            .map(|id| {
-                let store = Arc::clone(&store);
-                thread::spawn(move || claim_and_complete(&store, id))
-            })
-            .collect();
-        let task = {
-            let store = Arc::clone(&store);
-            thread::spawn(move || shuttle::future::block_on(claim_and_complete_async(&store, "c")))
-        };
+        let (racers, task) = race(&store, &["a", "a", "b"], "c");
         let answers: Vec<_> = racers
             .into_iter()
             .map(|t| t.join().expect("a caller"))
@@ -414,17 +431,7 @@ fn shuttle_a_failed_log_write_answers_everyone_and_the_drop_returns() {
     explore("a failed log write", || {
         let (file, log) = (Disk::default(), Disk::default());
         let store = Arc::new(open(&file, &log));
-        let callers: Vec<_> = ["a", "b"]
-            .into_iter()
-            .map(|id| {
-                let store = Arc::clone(&store);
-                thread::spawn(move || claim_and_complete(&store, id))
-            })
-            .collect();
-        let task = {
-            let store = Arc::clone(&store);
-            thread::spawn(move || shuttle::future::block_on(claim_and_complete_async(&store, "c")))
-        };
+        let (callers, task) = race(&store, &["a", "b"], "c");
         dawdle();
         log.fail.store(true, Ordering::SeqCst);
         for t in callers {
