@@ -48,6 +48,12 @@
 //!         g.0.remove(key);
 //!         Ok(())
 //!     }
+//!     fn renew(&self, key: &Key, claim: &Claim, now: Timestamp, lease: Duration) -> Result<Claim> {
+//!         let mut g = self.0.lock().expect("not poisoned");
+//!         let step = logic::renew(g.0.get(key).cloned(), claim, now, lease)?;
+//!         g.0.insert(key.clone(), step.write);
+//!         Ok(step.claim)
+//!     }
 //!     fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>> {
 //!         Ok(logic::visible(self.0.lock().expect("not poisoned").0.get(key).cloned(), now))
 //!     }
@@ -182,12 +188,12 @@ pub fn begin(
 }
 
 fn claimed(record: Record, takeover: bool) -> BeginStep {
-    let claim = Claim {
-        token: record.token,
-        lease_until: record.lease_until.unwrap_or(Timestamp::EPOCH),
+    let claim = Claim::new(
+        record.token,
+        record.lease_until.unwrap_or(Timestamp::EPOCH),
         takeover,
-        attempt: record.attempts,
-    };
+        record.attempts,
+    );
     BeginStep {
         answer: Begin::Claimed(claim),
         write: Some(record),
@@ -267,6 +273,78 @@ pub fn complete(
 /// ```
 pub fn release(existing: Option<Record>, claim: &Claim) -> Result<()> {
     owned(existing, claim, None).map(|_| ())
+}
+
+/// What [`renew`] decided: the record to write (its lease extended) and
+/// the claim to hand back (same token, the new lease end).
+///
+/// ```
+/// use idemstore::{logic, Fingerprint, Timestamp};
+/// use std::time::Duration;
+///
+/// let (lease, keep) = (Duration::from_secs(10), Duration::from_secs(60));
+/// let t0 = Timestamp::from_millis(0);
+/// let begun = logic::begin(None, &Fingerprint::of(b"x"), t0, lease, keep, || Ok(1))?;
+/// let claim = begun.answer.claim().expect("claimed").clone();
+/// let step = logic::renew(begun.write, &claim, t0 + Duration::from_secs(5), lease)?;
+/// assert_eq!(step.claim.lease_until(), Timestamp::from_millis(15_000));
+/// assert_eq!(step.claim.token(), claim.token());
+/// # Ok::<(), idemstore::Error>(())
+/// ```
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct RenewStep {
+    /// The claim with its new lease end, for the caller.
+    pub claim: Claim,
+    /// The record to write.
+    pub write: Record,
+}
+
+/// `renew`: the claim's lease extended to `now + lease` (never shortened),
+/// with the record's expiry kept at least that late; or
+/// [`Error::StaleClaim`] when `claim` is not the current owner of a live
+/// PROCESSING record (another caller took the key over, or it was
+/// completed, released or swept). A lease that ran out but was not taken
+/// over yet may still be renewed: nobody else owns the key. The token does
+/// not change. `lease` must be at least 1 ms
+/// ([`Error::InvalidArgument`]).
+///
+/// ```
+/// use idemstore::{logic, Error, Fingerprint, Timestamp};
+/// use std::time::Duration;
+///
+/// let d = Duration::from_secs(10);
+/// let t0 = Timestamp::from_millis(0);
+/// let first = logic::begin(None, &Fingerprint::of(b"x"), t0, d, d, || Ok(1))?;
+/// let mine = first.answer.claim().expect("claimed").clone();
+/// // The lease runs out and another caller takes over under token 2 ...
+/// let second = logic::begin(first.write, &Fingerprint::of(b"x"), t0 + d, d, d, || Ok(2))?;
+/// // ... so the first owner can no longer renew.
+/// let late = logic::renew(second.write, &mine, t0 + d, d);
+/// assert!(matches!(late, Err(Error::StaleClaim)));
+/// # Ok::<(), idemstore::Error>(())
+/// ```
+pub fn renew(
+    existing: Option<Record>,
+    claim: &Claim,
+    now: Timestamp,
+    lease: Duration,
+) -> Result<RenewStep> {
+    if lease.as_millis() == 0 {
+        return Err(Error::invalid_argument("lease must be at least 1 ms"));
+    }
+    let record = owned(existing, claim, Some(now))?;
+    let lease_until = record
+        .lease_until
+        .map_or(now + lease, |until| until.max(now + lease));
+    let write = Record {
+        lease_until: Some(lease_until),
+        expires_at: record.expires_at.max(lease_until),
+        ..record
+    };
+    let mut claim = claim.clone();
+    claim.lease_until = lease_until;
+    Ok(RenewStep { claim, write })
 }
 
 /// Whether a record found by a sweep at `now` is to be deleted.

@@ -33,6 +33,8 @@ pub enum Op {
     Complete,
     /// [`Store::release`].
     Release,
+    /// [`Store::renew`].
+    Renew,
     /// [`Store::get`].
     Get,
     /// [`Store::sweep_expired`].
@@ -45,6 +47,7 @@ impl std::fmt::Display for Op {
             Op::Begin => "begin",
             Op::Complete => "complete",
             Op::Release => "release",
+            Op::Renew => "renew",
             Op::Get => "get",
             Op::Sweep => "sweep",
         })
@@ -281,6 +284,14 @@ impl Store for MemoryStore {
         logic::release(inner.records.get(key).cloned(), claim)?;
         inner.remove(key);
         Ok(())
+    }
+
+    fn renew(&self, key: &Key, claim: &Claim, now: Timestamp, lease: Duration) -> Result<Claim> {
+        self.fault(Op::Renew)?;
+        let mut inner = self.lock();
+        let step = logic::renew(inner.records.get(key).cloned(), claim, now, lease)?;
+        inner.put(key, step.write);
+        Ok(step.claim)
     }
 
     fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>> {

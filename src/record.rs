@@ -4,6 +4,8 @@ use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
 use crate::response::Response;
 use crate::time::Timestamp;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 /// The stored state of a key. CONFLICT is an answer ([`Begin::Conflict`]),
 /// never a stored state.
@@ -157,23 +159,140 @@ impl Record {
 /// assert_eq!(second.attempt(), 2);
 /// # Ok::<(), idemstore::Error>(())
 /// ```
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+///
+/// Two claims are equal when their token, lease, takeover flag and attempt
+/// are: what a guard's renewals learned ([`lease_lost`](Claim::lease_lost))
+/// is not compared.
+#[derive(Clone)]
 pub struct Claim {
     pub(crate) token: u64,
     pub(crate) lease_until: Timestamp,
     pub(crate) takeover: bool,
     pub(crate) attempt: u32,
+    /// What a guard's renewals of this claim's lease learned; `None`
+    /// outside a run with renewal on (a claim from [`Store::begin`](crate::Store::begin)).
+    pub(crate) renewal: Option<Arc<Renewal>>,
+}
+
+/// The lease of a claim being renewed in the background (a guard's run):
+/// the latest lease end a renewal stored, and whether a renewal found the
+/// claim taken over. Written by the renewer, read by the handler.
+#[derive(Debug)]
+pub(crate) struct Renewal {
+    lease_until_ms: AtomicU64,
+    lost: AtomicBool,
+}
+
+impl Renewal {
+    pub(crate) fn new(lease_until: Timestamp) -> Renewal {
+        Renewal {
+            lease_until_ms: AtomicU64::new(lease_until.as_millis()),
+            lost: AtomicBool::new(false),
+        }
+    }
+    /// A renewal stored the lease up to `lease_until`.
+    pub(crate) fn renewed(&self, lease_until: Timestamp) {
+        self.lease_until_ms
+            .fetch_max(lease_until.as_millis(), Ordering::SeqCst);
+    }
+    /// A renewal found the claim taken over (or completed, released or
+    /// expired): it is no longer this owner's.
+    pub(crate) fn lose(&self) {
+        self.lost.store(true, Ordering::SeqCst);
+    }
+    pub(crate) fn is_lost(&self) -> bool {
+        self.lost.load(Ordering::SeqCst)
+    }
+    fn lease_until(&self) -> Timestamp {
+        Timestamp::from_millis(self.lease_until_ms.load(Ordering::SeqCst))
+    }
+}
+
+impl PartialEq for Claim {
+    fn eq(&self, other: &Claim) -> bool {
+        self.key_fields() == other.key_fields()
+    }
+}
+
+impl Eq for Claim {}
+
+impl std::hash::Hash for Claim {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.key_fields().hash(state);
+    }
+}
+
+impl std::fmt::Debug for Claim {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut d = f.debug_struct("Claim");
+        d.field("token", &self.token)
+            .field("lease_until", &self.lease_until())
+            .field("takeover", &self.takeover)
+            .field("attempt", &self.attempt);
+        if self.lease_lost() {
+            d.field("lease_lost", &true);
+        }
+        d.finish()
+    }
 }
 
 impl Claim {
+    /// A claim as a store hands it out (no renewal attached).
+    pub(crate) fn new(token: u64, lease_until: Timestamp, takeover: bool, attempt: u32) -> Claim {
+        Claim {
+            token,
+            lease_until,
+            takeover,
+            attempt,
+            renewal: None,
+        }
+    }
+
+    fn key_fields(&self) -> (u64, Timestamp, bool, u32) {
+        (self.token, self.lease_until, self.takeover, self.attempt)
+    }
+
     /// The fencing token: unique in the store, and larger than every token
     /// handed out before it.
     pub fn token(&self) -> u64 {
         self.token
     }
-    /// When this claim's lease ends.
+    /// When this claim's lease ends: as handed out, or, while a
+    /// [`Guard`](crate::Guard) renews it in the background, the end of the
+    /// lease its latest renewal stored.
     pub fn lease_until(&self) -> Timestamp {
-        self.lease_until
+        match &self.renewal {
+            Some(renewal) => renewal.lease_until().max(self.lease_until),
+            None => self.lease_until,
+        }
+    }
+
+    /// True when a renewal of this claim's lease (by the
+    /// [`Guard`](crate::Guard) running the handler) found the claim no
+    /// longer its own: another caller took the key over after the lease
+    /// ran out, or the record was completed, released or expired. A handler
+    /// that runs long checks it before it commits its side effect: the new
+    /// owner is running the same intent. Always false for a claim no guard
+    /// renews ([`GuardBuilder::renew_leases`](crate::GuardBuilder::renew_leases)
+    /// off, or a claim from [`Store::begin`](crate::Store::begin)).
+    ///
+    /// ```
+    /// use idemstore::{Fingerprint, Guard, Key, MemoryStore, Response};
+    ///
+    /// let guard = Guard::new(MemoryStore::new());
+    /// let key = Key::new("tenant-42", "export-7")?;
+    /// let out = guard.run(&key, &Fingerprint::of(b"all"), |claim| {
+    ///     // ... long work ...
+    ///     if claim.lease_lost() {
+    ///         return Err("taken over: not committing");
+    ///     }
+    ///     Ok(Response::new(200, "exported"))
+    /// });
+    /// assert!(out.ran_handler());
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn lease_lost(&self) -> bool {
+        self.renewal.as_ref().is_some_and(|r| r.is_lost())
     }
     /// True when this claim took over an expired lease of an earlier owner,
     /// whose side effects may or may not have happened.
@@ -203,12 +322,7 @@ impl Claim {
     }
 
     pub(crate) fn unprotected() -> Claim {
-        Claim {
-            token: 0,
-            lease_until: Timestamp::EPOCH,
-            takeover: false,
-            attempt: 0,
-        }
+        Claim::new(0, Timestamp::EPOCH, false, 0)
     }
 }
 

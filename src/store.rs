@@ -151,6 +151,42 @@ pub trait Store: Send + Sync {
     /// [`Error::StaleClaim`](crate::Error::StaleClaim). Durable on return.
     fn release(&self, key: &Key, claim: &Claim) -> Result<()>;
 
+    /// Extends the claim's lease to `now + lease` (never shortening it) and
+    /// returns the claim with its new [`lease_until`](Claim::lease_until);
+    /// the record's expiry moves too if the lease would outlive it. The
+    /// token does not change. A long handler's owner calls it before its
+    /// lease ends (a [`Guard`](crate::Guard) does, in the background), so
+    /// that no retry takes the key over while it still runs.
+    ///
+    /// Only the claim's own token renews, and only while the record is
+    /// PROCESSING under it and not expired: after a takeover, a
+    /// `complete`, a `release` or a sweep it is
+    /// [`Error::StaleClaim`](crate::Error::StaleClaim) and nothing changes.
+    /// A lease that ran out but was not taken over yet may be renewed. A
+    /// `lease` under 1 ms is
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument). Durable
+    /// on return, like `begin`'s claim; decided by
+    /// [`logic::renew`](crate::logic::renew).
+    ///
+    /// ```
+    /// use idemstore::{Begin, Fingerprint, Key, MemoryStore, Store, Timestamp};
+    /// use std::time::Duration;
+    ///
+    /// let store = MemoryStore::new();
+    /// let (key, fp) = (Key::new("t", "export-7")?, Fingerprint::of(b"all"));
+    /// let (lease, keep) = (Duration::from_secs(30), Duration::from_secs(3600));
+    /// let t0 = Timestamp::from_millis(0);
+    /// let Begin::Claimed(claim) = store.begin(&key, &fp, t0, lease, keep)? else { panic!() };
+    /// // 20 s in, the work goes on: 30 s more from now.
+    /// let renewed = store.renew(&key, &claim, t0 + Duration::from_secs(20), lease)?;
+    /// assert_eq!(renewed.lease_until(), Timestamp::from_millis(50_000));
+    /// // A retry at 40 s (past the first lease) still finds it in flight.
+    /// let retry = store.begin(&key, &fp, t0 + Duration::from_secs(40), lease, keep)?;
+    /// assert_eq!(retry, Begin::InFlight { lease_until: Timestamp::from_millis(50_000) });
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    fn renew(&self, key: &Key, claim: &Claim, now: Timestamp, lease: Duration) -> Result<Claim>;
+
     /// The record for `key` as of `now`; `None` when there is none or it
     /// has expired (expired records are invisible before any sweep).
     fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>>;
@@ -306,6 +342,9 @@ impl<S: Store + ?Sized> Store for Arc<S> {
     }
     fn release(&self, key: &Key, claim: &Claim) -> Result<()> {
         (**self).release(key, claim)
+    }
+    fn renew(&self, key: &Key, claim: &Claim, now: Timestamp, lease: Duration) -> Result<Claim> {
+        (**self).renew(key, claim, now, lease)
     }
     fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>> {
         (**self).get(key, now)

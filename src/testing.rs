@@ -141,6 +141,10 @@ impl<S: Store> Store for FaultyStore<S> {
         self.check(Op::Release)?;
         self.inner.release(key, claim)
     }
+    fn renew(&self, key: &Key, claim: &Claim, now: Timestamp, lease: Duration) -> Result<Claim> {
+        self.check(Op::Renew)?;
+        self.inner.renew(key, claim, now, lease)
+    }
     fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>> {
         self.check(Op::Get)?;
         self.inner.get(key, now)

@@ -415,6 +415,18 @@ impl PostgresStore {
         async move { core.release(&key, &claim).await }
     }
 
+    fn renew_work(
+        &self,
+        key: &Key,
+        claim: &Claim,
+        now: Timestamp,
+        lease: Duration,
+    ) -> impl Future<Output = Result<Claim>> + Send + 'static {
+        let core = Arc::clone(&self.core);
+        let (key, claim) = (key.clone(), claim.clone());
+        async move { core.renew(&key, &claim, now, lease).await }
+    }
+
     fn get_work(
         &self,
         key: &Key,
@@ -505,6 +517,11 @@ impl Store for PostgresStore {
 
     fn release(&self, key: &Key, claim: &Claim) -> Result<()> {
         self.runtime.block_on(self.release_work(key, claim))
+    }
+
+    fn renew(&self, key: &Key, claim: &Claim, now: Timestamp, lease: Duration) -> Result<Claim> {
+        self.runtime
+            .block_on(self.renew_work(key, claim, now, lease))
     }
 
     fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>> {

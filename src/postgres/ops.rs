@@ -169,6 +169,44 @@ impl Core {
         }
     }
 
+    pub(super) async fn renew(
+        &self,
+        key: &Key,
+        claim: &Claim,
+        now: Timestamp,
+        lease: Duration,
+    ) -> Result<Claim> {
+        if lease.as_millis() == 0 {
+            return Err(Error::invalid_argument("lease must be at least 1 ms"));
+        }
+        let Some(token) = row::token(claim.token) else {
+            return Err(Error::StaleClaim);
+        };
+        let (at, until) = (row::millis(now), row::millis(now + lease));
+        // Running it again after a lost connection is harmless: the lease
+        // only ever grows.
+        let renewed: Option<i64> = self
+            .retrying(|conn, _| async move {
+                let rows = conn
+                    .query(Stmt::Renew, &[&key.scope(), &key.id(), &token, &at, &until])
+                    .await?;
+                match rows.first() {
+                    Some(row) => Ok(Some(row.try_get::<_, i64>(0)?)),
+                    None => Ok(None),
+                }
+            })
+            .await?;
+        match renewed {
+            Some(lease_until) => {
+                let mut claim = claim.clone();
+                claim.lease_until =
+                    Timestamp::from_millis(u64::try_from(lease_until).unwrap_or(0));
+                Ok(claim)
+            }
+            None => Err(Error::StaleClaim),
+        }
+    }
+
     pub(super) async fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>> {
         let record = self
             .retrying(|conn, _| async move { stored(&conn, key).await })
@@ -318,10 +356,10 @@ impl From<Error> for RunError {
 /// a fresh record attempt 1 and a takeover the previous attempts + 1, so
 /// "attempt > 1" is exactly "this was a takeover".
 fn claim_of(record: &Record) -> Claim {
-    Claim {
-        token: record.token,
-        lease_until: record.lease_until.unwrap_or(Timestamp::EPOCH),
-        takeover: record.attempts > 1,
-        attempt: record.attempts,
-    }
+    Claim::new(
+        record.token,
+        record.lease_until.unwrap_or(Timestamp::EPOCH),
+        record.attempts > 1,
+        record.attempts,
+    )
 }

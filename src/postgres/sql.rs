@@ -34,10 +34,13 @@ pub(super) enum Stmt {
     /// `$1 key lock`: waits until no begin holds the key's advisory lock
     /// (and releases it at once: autocommit).
     WaitKey = 5,
+    /// `$1 scope, $2 id, $3 token, $4 now, $5 now + lease` → at most one
+    /// row: the new `lease_until`.
+    Renew = 6,
 }
 
 impl Stmt {
-    pub(super) const COUNT: usize = 6;
+    pub(super) const COUNT: usize = 7;
 }
 
 /// The statement texts and object names for one table.
@@ -141,6 +144,14 @@ impl Sql {
         // logic::release's check: PROCESSING, same token (expiry not checked).
         let release =
             format!("DELETE FROM {t} WHERE scope = $1 AND id = $2 AND state = {p} AND token = $3");
+        // logic::renew: the owner's check (PROCESSING, same token, not
+        // expired), the lease never shortened, the expiry never before it.
+        let renew = format!(
+            "UPDATE {t} SET lease_until = GREATEST(lease_until, $5),
+                    expires_at = GREATEST(expires_at, lease_until, $5)
+              WHERE scope = $1 AND id = $2 AND state = {p} AND token = $3 AND expires_at > $4
+              RETURNING lease_until"
+        );
         let get = format!("SELECT {RECORD_COLUMNS} FROM {t} WHERE scope = $1 AND id = $2");
         // Oldest expiry first through the expiry index, ties in key order
         // (as the other stores and the model sweep them); rows another sweeper
@@ -165,6 +176,7 @@ impl Sql {
                 get,
                 sweep,
                 "SELECT pg_advisory_xact_lock($1::bigint)".to_owned(),
+                renew,
             ],
         }
     }

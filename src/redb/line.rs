@@ -35,6 +35,12 @@ pub(super) enum Op {
         key: Vec<u8>,
         claim: Claim,
     },
+    Renew {
+        key: Vec<u8>,
+        claim: Claim,
+        now: Timestamp,
+        lease: Duration,
+    },
     Sweep {
         now: Timestamp,
         max: usize,
@@ -46,6 +52,7 @@ pub(super) enum Op {
 pub(super) enum Reply {
     Begin(Begin),
     Done,
+    Renewed(Claim),
     Swept(usize),
 }
 

@@ -171,6 +171,19 @@ impl Store for RedbStore {
         done(self.shared.submit(RedbStore::release_op(key, claim))?)
     }
 
+    fn renew(&self, key: &Key, claim: &Claim, now: Timestamp, lease: Duration) -> Result<Claim> {
+        let op = Op::Renew {
+            key: codec::encode_key(key),
+            claim: claim.clone(),
+            now,
+            lease,
+        };
+        match self.shared.submit(op)? {
+            Reply::Renewed(claim) => Ok(claim),
+            other => Err(unexpected(&other)),
+        }
+    }
+
     fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>> {
         Ok(logic::visible(
             self.shared.read(&codec::encode_key(key))?,

@@ -401,6 +401,18 @@ impl Inner {
         })
     }
 
+    fn renew(&self, key: &Key, claim: &Claim, now: Timestamp, lease: Duration) -> Result<Claim> {
+        self.check_writable()?;
+        let kb = encode_key(key);
+        self.write(|tx, _| {
+            let existing = tx.get(&kb)?;
+            let step = logic::renew(existing.clone(), claim, now, lease)
+                .map_err(ConflictableTransactionError::Abort)?;
+            tx.put(&kb, existing.as_ref(), &step.write)?;
+            Ok((step.claim, None, true))
+        })
+    }
+
     fn complete(
         &self,
         key: &Key,
@@ -527,6 +539,10 @@ impl Store for SledStore {
 
     fn release(&self, key: &Key, claim: &Claim) -> Result<()> {
         self.inner.release(key, claim)
+    }
+
+    fn renew(&self, key: &Key, claim: &Claim, now: Timestamp, lease: Duration) -> Result<Claim> {
+        self.inner.renew(key, claim, now, lease)
     }
 
     fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>> {

@@ -50,6 +50,9 @@ impl<S: Store> Store for BlockingOnly<S> {
     fn release(&self, key: &Key, claim: &Claim) -> Result<()> {
         self.0.release(key, claim)
     }
+    fn renew(&self, key: &Key, claim: &Claim, now: Timestamp, lease: Duration) -> Result<Claim> {
+        self.0.renew(key, claim, now, lease)
+    }
     fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>> {
         self.0.get(key, now)
     }

@@ -85,6 +85,11 @@ macro_rules! __conformance_cases {
             expiry_boundaries,
             stale_claim_rejected_after_takeover,
             release_lets_a_retry_claim_at_once,
+            renew_extends_the_lease_and_never_shortens_it,
+            renew_after_takeover_is_stale,
+            renew_of_a_completed_or_released_claim_is_stale,
+            renew_racing_a_takeover_has_one_winner,
+            renew_keeps_the_record_alive_past_its_retention,
             scopes_isolate,
             expired_records_invisible_before_sweep,
             sweep_removes_only_expired_and_is_bounded,
@@ -593,6 +598,171 @@ pub fn release_lets_a_retry_claim_at_once(make: Make<'_>) {
             .unwrap(),
         Begin::Claimed(_)
     ));
+}
+
+/// `renew` moves the lease end to `now + lease` under the same token: a
+/// retry inside the renewed lease is InFlight with the new end, and the
+/// takeover comes one lease after the renewal. It never shortens a lease,
+/// a lease that ran out but was not taken over may still be renewed, and a
+/// lease under 1 ms is refused before any I/O.
+pub fn renew_extends_the_lease_and_never_shortens_it(make: Make<'_>) {
+    let s = make().store_owned();
+    let (k, fp) = (key("k"), Fingerprint::of(b"a"));
+    let half = SEC / 2;
+    let claim = claimed(s.begin(&k, &fp, T0, SEC, HOUR).unwrap());
+    let renewed = s.renew(&k, &claim, T0 + half, SEC).unwrap();
+    assert_eq!(renewed.token(), claim.token());
+    assert_eq!(renewed.lease_until(), T0 + half + SEC);
+    assert_eq!(
+        s.get(&k, T0 + half).unwrap().and_then(|r| r.lease_until()),
+        Some(T0 + half + SEC)
+    );
+    // Past the first lease, inside the renewed one.
+    assert_eq!(
+        s.begin(&k, &fp, T0 + SEC, SEC, HOUR).unwrap(),
+        Begin::InFlight {
+            lease_until: T0 + half + SEC
+        }
+    );
+    // A shorter renewal leaves the lease where it is.
+    let again = s
+        .renew(&k, &renewed, T0 + half, Duration::from_millis(1))
+        .unwrap();
+    assert_eq!(again.lease_until(), T0 + half + SEC);
+    assert!(matches!(
+        s.renew(&k, &claim, T0 + half, Duration::ZERO),
+        Err(Error::InvalidArgument { .. })
+    ));
+    // The lease runs out with nobody taking over: the owner may still renew.
+    let late = s.renew(&k, &claim, T0 + 2 * SEC, SEC).unwrap();
+    assert_eq!(late.lease_until(), T0 + 3 * SEC);
+    assert!(matches!(
+        s.begin(&k, &fp, T0 + 3 * SEC - Duration::from_millis(1), SEC, HOUR)
+            .unwrap(),
+        Begin::InFlight { .. }
+    ));
+    let next = claimed(s.begin(&k, &fp, T0 + 3 * SEC, SEC, HOUR).unwrap());
+    assert!(next.is_takeover() && next.token() > claim.token());
+    // The renewed claim completes as the original would have.
+    assert!(matches!(
+        s.complete(&k, &late, &Response::new(200, "late"), T0 + 3 * SEC, HOUR),
+        Err(Error::StaleClaim)
+    ));
+}
+
+/// After a takeover the old owner's renewal is `StaleClaim` and changes
+/// nothing; the new owner renews.
+pub fn renew_after_takeover_is_stale(make: Make<'_>) {
+    let s = make().store_owned();
+    let (k, fp) = (key("k"), Fingerprint::of(b"a"));
+    let old = claimed(s.begin(&k, &fp, T0, SEC, HOUR).unwrap());
+    let new = claimed(s.begin(&k, &fp, T0 + SEC, SEC, HOUR).unwrap());
+    let before = s.get(&k, T0 + SEC).unwrap();
+    let r = s.renew(&k, &old, T0 + SEC, 10 * SEC);
+    assert!(matches!(r, Err(Error::StaleClaim)), "{r:?}");
+    assert_eq!(
+        s.get(&k, T0 + SEC).unwrap(),
+        before,
+        "a stale renewal changes nothing"
+    );
+    let renewed = s.renew(&k, &new, T0 + SEC, 10 * SEC).unwrap();
+    assert_eq!(renewed.lease_until(), T0 + 11 * SEC);
+}
+
+/// A completed or released claim renews nothing: the DONE record and the
+/// free key stay as they are.
+pub fn renew_of_a_completed_or_released_claim_is_stale(make: Make<'_>) {
+    let s = make().store_owned();
+    let fp = Fingerprint::of(b"a");
+    let done = key("done");
+    let claim = claimed(s.begin(&done, &fp, T0, SEC, HOUR).unwrap());
+    s.complete(&done, &claim, &Response::new(201, "made"), T0, HOUR)
+        .unwrap();
+    assert!(matches!(
+        s.renew(&done, &claim, T0, SEC),
+        Err(Error::StaleClaim)
+    ));
+    assert_eq!(
+        s.begin(&done, &fp, T0, SEC, HOUR).unwrap(),
+        Begin::Replay(Response::new(201, "made"))
+    );
+    let gone = key("released");
+    let claim = claimed(s.begin(&gone, &fp, T0, SEC, HOUR).unwrap());
+    s.release(&gone, &claim).unwrap();
+    assert!(matches!(
+        s.renew(&gone, &claim, T0, SEC),
+        Err(Error::StaleClaim)
+    ));
+    assert!(s.get(&gone, T0).unwrap().is_none(), "nothing was made");
+    // A renewal after the record expired finds nothing to renew.
+    let old = key("expired");
+    let claim = claimed(s.begin(&old, &fp, T0, SEC, SEC).unwrap());
+    assert!(matches!(
+        s.renew(&old, &claim, T0 + SEC, SEC),
+        Err(Error::StaleClaim)
+    ));
+}
+
+/// An owner renewing just as its lease ran out, racing a retry's `begin`:
+/// exactly one wins. Either the renewal stored a new lease (and the retry
+/// is InFlight until it ends), or the retry took over (and the renewal is
+/// `StaleClaim`).
+pub fn renew_racing_a_takeover_has_one_winner(make: Make<'_>) {
+    let s = make().store_owned();
+    let fp = Fingerprint::of(b"a");
+    let (mut renewals, mut takeovers) = (0, 0);
+    for i in 0..24 {
+        let k = key(&format!("race-{i}"));
+        let claim = claimed(s.begin(&k, &fp, T0, SEC, HOUR).unwrap());
+        let at = T0 + SEC; // the lease has just run out
+        let barrier = Barrier::new(2);
+        let (renewed, begun) = std::thread::scope(|scope| {
+            let renewing = scope.spawn(|| {
+                barrier.wait();
+                s.renew(&k, &claim, at, SEC)
+            });
+            let retrying = scope.spawn(|| {
+                barrier.wait();
+                s.begin(&k, &fp, at, SEC, HOUR)
+            });
+            (renewing.join().unwrap(), retrying.join().unwrap())
+        });
+        match (&renewed, &begun) {
+            (Ok(c), Ok(Begin::InFlight { lease_until })) => {
+                assert_eq!(*lease_until, c.lease_until());
+                assert_eq!(c.lease_until(), at + SEC);
+                renewals += 1;
+            }
+            (Err(Error::StaleClaim), Ok(Begin::Claimed(c))) => {
+                assert!(c.is_takeover() && c.token() > claim.token());
+                takeovers += 1;
+            }
+            other => panic!("both or neither won: {other:?}"),
+        }
+    }
+    assert_eq!(renewals + takeovers, 24);
+}
+
+/// A renewal past the record's retention moves its expiry with the lease:
+/// the record stays visible (and unswept) while the lease holds.
+pub fn renew_keeps_the_record_alive_past_its_retention(make: Make<'_>) {
+    let s = make().store_owned();
+    let (k, fp) = (key("k"), Fingerprint::of(b"a"));
+    // Retention equal to the lease: without the renewal it expires at T0 + 1 s.
+    let claim = claimed(s.begin(&k, &fp, T0, SEC, SEC).unwrap());
+    let renewed = s
+        .renew(&k, &claim, T0 + SEC / 2, 3 * SEC)
+        .unwrap();
+    let at = T0 + 2 * SEC;
+    let record = s.get(&k, at).unwrap().expect("still there");
+    assert!(record.expires_at() >= renewed.lease_until());
+    assert_eq!(s.sweep_expired(at, 10).unwrap(), 0);
+    assert!(matches!(
+        s.begin(&k, &fp, at, SEC, SEC).unwrap(),
+        Begin::InFlight { .. }
+    ));
+    s.complete(&k, &renewed, &Response::new(200, "ok"), at, HOUR)
+        .unwrap();
 }
 
 /// The same id under two scopes is two keys.

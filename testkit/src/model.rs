@@ -58,6 +58,13 @@ pub enum Op {
         /// Use the oldest claim seen for the key.
         stale: bool,
     },
+    /// `renew` the newest or oldest claim by [`LEASE`].
+    Renew {
+        /// Key selector.
+        key: u8,
+        /// Use the oldest claim seen for the key.
+        stale: bool,
+    },
     /// `get`.
     Get {
         /// Key selector.
@@ -148,6 +155,19 @@ impl Model {
         }
     }
 
+    /// The lease end after `token`'s renewal, or `None` when it does not
+    /// own the key (the model of `logic::renew`, written apart from it).
+    fn renew(&mut self, key: u8, token: u64) -> Option<u64> {
+        if !self.owns(key, token, true) {
+            return None;
+        }
+        let until = self.now + ms(LEASE);
+        let r = self.records.get_mut(&key)?;
+        r.lease_until = r.lease_until.max(until);
+        r.expires_at = r.expires_at.max(r.lease_until);
+        Some(r.lease_until)
+    }
+
     fn owns(&self, key: u8, token: u64, check_expiry: bool) -> bool {
         self.records.get(&key).is_some_and(|r| {
             r.response.is_none() && r.token == token && (!check_expiry || self.now < r.expires_at)
@@ -165,11 +185,12 @@ fn key(k: u8) -> Key {
 }
 
 fn fault_op(op: u8) -> StoreOp {
-    match op % 5 {
+    match op % 6 {
         0 => StoreOp::Begin,
         1 => StoreOp::Complete,
         2 => StoreOp::Release,
         3 => StoreOp::Get,
+        4 => StoreOp::Renew,
         _ => StoreOp::Sweep,
     }
 }
@@ -269,6 +290,30 @@ pub fn run_ops(
                     return Err(err(&format!("expected StaleClaim, got {got:?}")));
                 }
             }
+            Op::Renew { key: k, stale } => {
+                let Some(c) = pick(&claims, k % 4, stale) else {
+                    continue;
+                };
+                let got = s.renew(&key(k), &c, now, LEASE);
+                if fail(StoreOp::Renew) {
+                    expect_injected(&got).map_err(|e| err(&e))?;
+                    pending_fault = None;
+                    continue;
+                }
+                match (model.renew(k % 4, c.token()), got) {
+                    (Some(until), Ok(renewed)) => {
+                        if renewed.lease_until().as_millis() != until
+                            || renewed.token() != c.token()
+                        {
+                            return Err(err(&format!("renewed {renewed:?}, model until {until}")));
+                        }
+                    }
+                    (None, Err(Error::StaleClaim)) => {}
+                    (want, got) => {
+                        return Err(err(&format!("store {got:?}, model {want:?}")));
+                    }
+                }
+            }
             Op::Get { key: k } => {
                 let got = s.get(&key(k), now);
                 if fail(StoreOp::Get) {
@@ -361,6 +406,7 @@ pub fn plain_op() -> impl Strategy<Value = Op> {
         4 => (0..4u8, 0..2u8).prop_map(|(key, fp)| Op::Begin { key, fp }),
         3 => (0..4u8, any::<bool>(), any::<u8>()).prop_map(|(key, stale, body)| Op::Complete { key, stale, body }),
         1 => (0..4u8, any::<bool>()).prop_map(|(key, stale)| Op::Release { key, stale }),
+        1 => (0..4u8, any::<bool>()).prop_map(|(key, stale)| Op::Renew { key, stale }),
         2 => (0..4u8).prop_map(|key| Op::Get { key }),
         1 => (0..8u8).prop_map(|max| Op::Sweep { max }),
         2 => (0..2_000u16).prop_map(|ms| Op::Advance { ms }),
@@ -485,6 +531,15 @@ mod tests {
             }
             fn release(&self, k: &Key, c: &Claim) -> idemstore::Result<()> {
                 self.0.release(k, c)
+            }
+            fn renew(
+                &self,
+                k: &Key,
+                c: &Claim,
+                n: Timestamp,
+                l: Duration,
+            ) -> idemstore::Result<Claim> {
+                self.0.renew(k, c, n, l)
             }
             fn get(&self, k: &Key, n: Timestamp) -> idemstore::Result<Option<idemstore::Record>> {
                 self.0.get(k, n)

@@ -75,6 +75,13 @@ impl Store for MapStore {
         Ok(())
     }
 
+    fn renew(&self, key: &Key, claim: &Claim, now: Timestamp, lease: Duration) -> Result<Claim> {
+        let mut g = self.inner.lock().unwrap();
+        let step = logic::renew(g.0.get(key).cloned(), claim, now, lease)?;
+        g.0.insert(key.clone(), step.write);
+        Ok(step.claim)
+    }
+
     fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>> {
         Ok(logic::visible(
             self.inner.lock().unwrap().0.get(key).cloned(),

@@ -140,6 +140,17 @@ impl Group<'_> {
                 }
                 Ok(Reply::Done)
             }
+            Op::Renew {
+                key,
+                claim,
+                now,
+                lease,
+            } => {
+                let existing = self.current(key)?;
+                let step = logic::renew(existing, claim, *now, *lease)?;
+                self.put(key, step.write)?;
+                Ok(Reply::Renewed(step.claim))
+            }
             Op::Sweep { now, max } => {
                 let swept = self.sweep(*now, *max)?;
                 self.out.swept += swept;
@@ -318,12 +329,7 @@ mod tests {
     fn one_group_applies_in_order_and_a_bad_request_fails_alone() {
         for log in [true, false] {
             let shared = shared(log);
-            let bogus = Claim {
-                token: 99,
-                lease_until: T,
-                takeover: false,
-                attempt: 1,
-            };
+            let bogus = Claim::new(99, T, false, 1);
             let answers = shared.commit_group(&[
                 begin(b"\0a"),
                 // A duplicate in the same group sees the claim made just before it.
