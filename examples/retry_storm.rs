@@ -159,7 +159,7 @@ struct Service<S> {
     handler_runs: AtomicU64,
 }
 
-impl<S: Store> Service<S> {
+impl<S: Store + 'static> Service<S> {
     fn order(&self, order: u64, qty: u64) -> Outcome<Infallible> {
         let key = Key::new("shop-1", format!("order-{order}")).expect("ids are short");
         let fp = Fingerprint::of_parts([b"POST /orders".as_slice(), &qty.to_be_bytes()]);

@@ -143,7 +143,9 @@ pub use crate::redb::RedbStore;
 pub use crate::sled::SledStore;
 pub use error::{BoxError, Cause, Error, Result};
 pub use fingerprint::Fingerprint;
-pub use guard::{Guard, GuardBuilder, GuardStats, OnHandlerError, Outcome, TakeoverPolicy};
+pub use guard::{
+    Guard, GuardBuilder, GuardStats, OnHandlerError, Outcome, RENEW_FRACTION, TakeoverPolicy,
+};
 pub use key::Key;
 pub use memory::MemoryStore;
 #[cfg(feature = "test-util")]

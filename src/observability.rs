@@ -22,7 +22,7 @@
 
 /// Counter: guarded requests by how they ended; label `outcome` is one of
 /// `executed`, `replayed`, `in_flight`, `conflicted`, `unavailable`,
-/// `fail_open`, `unknown`, `not_stored`, `handler_failed`.
+/// `fail_open`, `unknown`, `not_stored`, `handler_failed`, `lease_lost`.
 pub const GUARD_OUTCOMES: &str = "idemstore_guard_outcomes_total";
 /// Counter: claims taken over after the owner's lease passed.
 pub const GUARD_TAKEOVERS: &str = "idemstore_guard_takeovers_total";

@@ -108,6 +108,44 @@ impl<S> GuardBuilder<S> {
         self.guard.fail_open = on;
         self
     }
+    /// Renews the claim's lease while the handler runs (default on): every
+    /// [`RENEW_FRACTION`](super::RENEW_FRACTION)th of the lease, one timer
+    /// thread for the whole process calls [`Store::renew`] for every running
+    /// handler (no thread per request, sync or async), until the handler
+    /// returns, fails, panics or its future is dropped. So a handler that
+    /// runs longer than the lease keeps its key: retries meanwhile are
+    /// [`Outcome::InFlight`] with the renewed lease end, and a retry takes
+    /// over only one lease after the last renewal (the owner died). If a
+    /// renewal finds the claim taken over anyway (the store was unreachable
+    /// for a whole lease), [`Claim::lease_lost`] turns true for the handler
+    /// and the run answers [`Outcome::LeaseLost`].
+    ///
+    /// Off: the lease is what `begin` set, and a handler that outlives it
+    /// may be taken over while it runs (its fencing token then stops its
+    /// result, not its side effect).
+    ///
+    /// ```
+    /// use idemstore::{Fingerprint, Guard, Key, MemoryStore, Outcome, Response};
+    /// use std::time::Duration;
+    ///
+    /// let guard = Guard::builder(MemoryStore::new())
+    ///     .lease(Duration::from_millis(300))
+    ///     .build()?;
+    /// let key = Key::new("", "export-1")?;
+    /// let out = guard.run(&key, &Fingerprint::of(b"all"), |claim| {
+    ///     let first = claim.lease_until();
+    ///     std::thread::sleep(Duration::from_millis(500)); // longer than the lease
+    ///     assert!(claim.lease_until() > first, "renewed meanwhile");
+    ///     Ok::<_, std::convert::Infallible>(Response::new(200, "done"))
+    /// });
+    /// assert!(matches!(out, Outcome::Executed(_)));
+    /// assert!(guard.stats().renewals >= 1);
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn renew_leases(mut self, on: bool) -> Self {
+        self.guard.renew = on;
+        self
+    }
     /// Lets a duplicate that finds the key in flight *with its owner in this
     /// process* (this guard or a clone) wait up to `max_wait` for the owner's
     /// result and answer [`Outcome::Replayed`] with it, instead of

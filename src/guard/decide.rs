@@ -130,11 +130,17 @@ impl<S: Store> Guard<S> {
     /// `release` lets a caller inside the crate release the claim for some
     /// errors whatever the guard's [`OnHandlerError`] (the HTTP layer's
     /// "do not store this response").
+    /// A claim a renewal found lost writes nothing: the key is another
+    /// owner's.
     pub(super) fn settle<'r, E>(
         &self,
         result: &'r std::result::Result<Response, E>,
         release: impl Fn(&E) -> bool,
+        claim: &Claim,
     ) -> Settle<'r> {
+        if claim.lease_lost() {
+            return Settle::Keep;
+        }
         match (result, self.on_handler_error) {
             (Ok(response), _) => Settle::Complete(response),
             (Err(e), _) if release(e) => Settle::Release,
@@ -149,14 +155,19 @@ impl<S: Store> Guard<S> {
         result: std::result::Result<Response, E>,
         written: Result<()>,
         entry: Option<&mut Entered>,
+        claim: &Claim,
     ) -> Outcome<E> {
         self.count_stale(&written);
+        let lost = claim.lease_lost();
         if let Some(entry) = entry {
             let stored = match (&result, &written) {
-                (Ok(response), Ok(())) => Some(response.clone()),
+                (Ok(response), Ok(())) if !lost => Some(response.clone()),
                 _ => None,
             };
             entry.land(stored);
+        }
+        if lost {
+            return Outcome::LeaseLost(result);
         }
         match (result, written) {
             (Ok(response), Ok(())) => Outcome::Executed(response),

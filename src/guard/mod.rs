@@ -15,6 +15,7 @@
 mod builder;
 mod decide;
 mod outcome;
+mod renew;
 #[cfg(feature = "tokio")]
 mod run_async;
 mod sync;
@@ -23,6 +24,7 @@ mod waiting;
 pub use builder::{GuardBuilder, OnHandlerError, TakeoverPolicy};
 use outcome::{Counters, bump};
 pub use outcome::{GuardStats, Outcome};
+pub use renew::RENEW_FRACTION;
 
 use crate::error::{Error, Result};
 use crate::key::Key;
@@ -53,6 +55,14 @@ pub const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 3600);
 /// | different fingerprint | no | [`Outcome::Conflicted`] |
 /// | handler returns `Err` | — | [`Outcome::HandlerFailed`]; claim kept until the lease ends, or released ([`OnHandlerError`]) |
 /// | handler `Ok`, `complete` fails | — | [`Outcome::NotStored`]; record stays PROCESSING |
+/// | a renewal found the claim taken over while the handler ran | — | [`Outcome::LeaseLost`]; nothing written |
+///
+/// While the handler runs, its claim's lease is renewed in the background
+/// every third of the lease ([`GuardBuilder::renew_leases`], on by
+/// default), so a handler that runs longer than the lease keeps its key:
+/// retries meanwhile are `InFlight`, and a takeover happens only one lease
+/// after the last renewal (the owner process died, or its store calls
+/// failed for a whole lease).
 ///
 /// A deterministic failure (say, 409 out of stock) is an `Ok` response: it is
 /// stored and replayed like any other. Clones share the store and counters.
@@ -86,6 +96,8 @@ pub struct Guard<S> {
     on_handler_error: OnHandlerError,
     takeover: TakeoverPolicy,
     fail_open: bool,
+    /// Renew a claim's lease while its handler runs (renew.rs).
+    renew: bool,
     /// `Some` when duplicates wait for a local owner: the longest wait and
     /// the in-process flights (shared by clones).
     waiting: Option<(Duration, Arc<Flights>)>,
@@ -109,6 +121,7 @@ impl<S> Guard<S> {
             on_handler_error: self.on_handler_error,
             takeover: self.takeover,
             fail_open: self.fail_open,
+            renew: self.renew,
             waiting: self.waiting.clone(),
             counters: Arc::clone(&self.counters),
         }
@@ -141,6 +154,7 @@ impl<S: Store> Guard<S> {
             on_handler_error: OnHandlerError::default(),
             takeover: TakeoverPolicy::default(),
             fail_open: false,
+            renew: true,
             waiting: None,
             counters: Arc::default(),
         }
@@ -182,6 +196,8 @@ impl<S: Store> Guard<S> {
             takeovers: get(&c.takeovers),
             stale: get(&c.stale),
             waited: get(&c.waited),
+            renewals: get(&c.renewals),
+            leases_lost: get(&c.leases_lost),
         }
     }
 

@@ -45,6 +45,13 @@ pub enum Outcome<E> {
     /// The store was down and this guard is configured to fail open: the
     /// handler ran without protection (counted in [`GuardStats::fail_open`]).
     FailedOpen(std::result::Result<Response, E>),
+    /// The handler ran, but while it ran a renewal of its lease found the
+    /// claim taken over (its lease had run out and a retry claimed the key:
+    /// that retry runs the same intent) or gone. Nothing was stored or
+    /// released: the key is the new owner's. The handler could see it
+    /// coming ([`Claim::lease_lost`]); what it returned is here, to send or
+    /// to log. Counted in [`GuardStats::leases_lost`].
+    LeaseLost(std::result::Result<Response, E>),
 }
 
 impl<E> Outcome<E> {
@@ -61,11 +68,12 @@ impl<E> Outcome<E> {
             Outcome::HandlerFailed(_) => "handler_failed",
             Outcome::NotStored { .. } => "not_stored",
             Outcome::FailedOpen(_) => "fail_open",
+            Outcome::LeaseLost(_) => "lease_lost",
         }
     }
 
     /// The response to send, if there is one (`Executed`, `Replayed`,
-    /// `NotStored`, `FailedOpen(Ok)`).
+    /// `NotStored`, `FailedOpen(Ok)`, `LeaseLost(Ok)`).
     ///
     /// ```
     /// use idemstore::{Outcome, Response};
@@ -76,7 +84,7 @@ impl<E> Outcome<E> {
         match self {
             Outcome::Executed(r) | Outcome::Replayed(r) => Some(r),
             Outcome::NotStored { response, .. } => Some(response),
-            Outcome::FailedOpen(Ok(r)) => Some(r),
+            Outcome::FailedOpen(Ok(r)) | Outcome::LeaseLost(Ok(r)) => Some(r),
             _ => None,
         }
     }
@@ -94,6 +102,7 @@ impl<E> Outcome<E> {
                 | Outcome::HandlerFailed(_)
                 | Outcome::NotStored { .. }
                 | Outcome::FailedOpen(_)
+                | Outcome::LeaseLost(_)
         )
     }
 }
@@ -121,6 +130,11 @@ pub struct GuardStats {
     /// Duplicates that waited for an owner in this process and replayed its
     /// response ([`GuardBuilder::wait_for_duplicates`](super::GuardBuilder::wait_for_duplicates)); also in `replayed`.
     pub waited: u64,
+    /// Leases renewed while a handler ran
+    /// ([`GuardBuilder::renew_leases`](super::GuardBuilder::renew_leases)).
+    pub renewals: u64,
+    /// Runs whose claim a renewal found taken over ([`Outcome::LeaseLost`]).
+    pub leases_lost: u64,
 }
 
 #[derive(Debug, Default)]
@@ -134,6 +148,8 @@ pub(super) struct Counters {
     pub(super) takeovers: AtomicU64,
     pub(super) stale: AtomicU64,
     pub(super) waited: AtomicU64,
+    pub(super) renewals: AtomicU64,
+    pub(super) leases_lost: AtomicU64,
 }
 
 pub(super) fn bump(c: &AtomicU64) {

@@ -134,9 +134,14 @@ impl<S: Store + 'static> Guard<S> {
                     return Outcome::FailedOpen(handler(Claim::unprotected()).await);
                 }
                 Start::Execute(claim) => {
+                    // Renewed by the process's timer thread while the
+                    // handler future runs; dropping the registration (the
+                    // handler is done, or this future was dropped) stops it.
+                    let (claim, renewing) = self.renewing(key, claim, false);
                     let result = handler(claim.clone()).await;
+                    drop(renewing);
                     let store = &self.store;
-                    let written = match self.settle(&result, &release) {
+                    let written = match self.settle(&result, &release, &claim) {
                         Settle::Complete(response) => {
                             let now = self.clock.now();
                             let native =
@@ -160,7 +165,7 @@ impl<S: Store + 'static> Guard<S> {
                         }
                         Settle::Keep => Ok(()),
                     };
-                    return self.conclude(result, written, entry.as_mut());
+                    return self.conclude(result, written, entry.as_mut(), &claim);
                 }
             }
         }

@@ -11,7 +11,7 @@ use crate::record::Claim;
 use crate::response::Response;
 use crate::store::Store;
 
-impl<S: Store> Guard<S> {
+impl<S: Store + 'static> Guard<S> {
     /// Runs `handler` at most once per intent: claims `key`, calls the
     /// handler with the claim, stores its response. See the table on [`Guard`].
     pub fn run<E>(
@@ -59,8 +59,12 @@ impl<S: Store> Guard<S> {
                 }
                 Start::FailOpen => return Outcome::FailedOpen(handler(&Claim::unprotected())),
                 Start::Execute(claim) => {
+                    // Renewed in the background until the handler is done
+                    // (returned, failed or panicked: the drop stops it).
+                    let (claim, renewing) = self.renewing(key, claim, true);
                     let result = handler(&claim);
-                    let written = match self.settle(&result, |_| false) {
+                    drop(renewing);
+                    let written = match self.settle(&result, |_| false, &claim) {
                         Settle::Complete(response) => store_op("complete", || {
                             self.store.complete(
                                 key,
@@ -73,7 +77,7 @@ impl<S: Store> Guard<S> {
                         Settle::Release => store_op("release", || self.store.release(key, &claim)),
                         Settle::Keep => Ok(()),
                     };
-                    return self.conclude(result, written, entry.as_mut());
+                    return self.conclude(result, written, entry.as_mut(), &claim);
                 }
             }
         }

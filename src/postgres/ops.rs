@@ -199,8 +199,7 @@ impl Core {
         match renewed {
             Some(lease_until) => {
                 let mut claim = claim.clone();
-                claim.lease_until =
-                    Timestamp::from_millis(u64::try_from(lease_until).unwrap_or(0));
+                claim.lease_until = Timestamp::from_millis(u64::try_from(lease_until).unwrap_or(0));
                 Ok(claim)
             }
             None => Err(Error::StaleClaim),

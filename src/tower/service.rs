@@ -304,6 +304,10 @@ fn answer<B, E>(
         // Sent as the handler made it; nothing stored, the record stays
         // PROCESSING until its lease ends (the guard's contract).
         Outcome::NotStored { response, .. } => executed(response),
+        // A renewal found the claim taken over while the handler ran: its
+        // response is sent, nothing is stored (the new owner's run answers
+        // the retries).
+        Outcome::LeaseLost(Ok(response)) => executed(response),
         Outcome::Replayed(s) => from_snapshot(config, s, true),
         Outcome::InFlight { lease_until } => problem_retry_after(
             config,
@@ -330,7 +334,9 @@ fn answer<B, E>(
             Problem::OutcomeUnknown,
             "an earlier attempt with this Idempotency-Key ended with an unknown outcome",
         ),
-        Outcome::HandlerFailed(failure) | Outcome::FailedOpen(Err(failure)) => match failure {
+        Outcome::HandlerFailed(failure)
+        | Outcome::FailedOpen(Err(failure))
+        | Outcome::LeaseLost(Err(failure)) => match failure {
             Failure::Inner(e) => return Err(e),
             Failure::Skip(res) | Failure::TooLarge(res) => res,
             Failure::BodyFailed => problem(

@@ -750,9 +750,7 @@ pub fn renew_keeps_the_record_alive_past_its_retention(make: Make<'_>) {
     let (k, fp) = (key("k"), Fingerprint::of(b"a"));
     // Retention equal to the lease: without the renewal it expires at T0 + 1 s.
     let claim = claimed(s.begin(&k, &fp, T0, SEC, SEC).unwrap());
-    let renewed = s
-        .renew(&k, &claim, T0 + SEC / 2, 3 * SEC)
-        .unwrap();
+    let renewed = s.renew(&k, &claim, T0 + SEC / 2, 3 * SEC).unwrap();
     let at = T0 + 2 * SEC;
     let record = s.get(&k, at).unwrap().expect("still there");
     assert!(record.expires_at() >= renewed.lease_until());

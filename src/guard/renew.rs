@@ -1,0 +1,342 @@
+//! Lease renewal while a handler runs: one timer thread for the whole
+//! process renews every claim a guard's run registered, so a run costs no
+//! thread of its own (sync or async alike), and a handler that outlives its
+//! lease keeps its key.
+//!
+//! A run registers its claim before it calls the handler ([`renew_while`])
+//! and gets a [`Renewing`] back; dropping it (the handler returned, failed,
+//! panicked, or the async run was cancelled) takes the claim out of the
+//! timer at once. Each renewal is [`Store::renew`](crate::Store::renew)
+//! with the guard's lease, every [`RENEW_FRACTION`]th of it:
+//!
+//! - renewed: the claim's live [`lease_until`](crate::Claim::lease_until)
+//!   moves on, and the next renewal is due one interval later;
+//! - [`Error::StaleClaim`]: another caller took the key over (or the
+//!   record is gone): the claim is marked lost
+//!   ([`Claim::lease_lost`](crate::Claim::lease_lost)) and no longer
+//!   renewed; the guard then writes nothing for it and answers
+//!   [`Outcome::LeaseLost`](crate::Outcome::LeaseLost);
+//! - any other error (the store is down): tried again one interval later,
+//!   while the lease already stored still holds.
+//!
+//! The thread sleeps on a condition variable until the earliest renewal is
+//! due (an idle process: until a claim is registered), never polls, and is
+//! never joined: it holds nothing that a process exit must wait for. A
+//! store call that blocks delays the renewals behind it; an interval of a
+//! third of the lease leaves two more tries before the lease ends.
+
+use super::Guard;
+use super::outcome::Counters;
+use crate::error::{Error, Result};
+use crate::key::Key;
+use crate::record::{Claim, Renewal};
+use crate::store::Store;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+/// A claim's lease is renewed every `lease / RENEW_FRACTION` while its
+/// handler runs (at least every millisecond).
+///
+/// ```
+/// assert_eq!(idemstore::RENEW_FRACTION, 3);
+/// ```
+pub const RENEW_FRACTION: u32 = 3;
+
+/// One renewal: calls the store for the claim and says what it answered.
+type RenewFn = Box<dyn Fn() -> Result<Claim> + Send + Sync>;
+
+/// A registered claim.
+struct Task {
+    renew: RenewFn,
+    every: Duration,
+    lease: Arc<Renewal>,
+    /// The guard's counters (renewals, lost leases).
+    counters: Arc<Counters>,
+}
+
+#[derive(Default)]
+struct State {
+    /// When each registered claim is due, earliest first.
+    due: BinaryHeap<Reverse<(Instant, u64)>>,
+    tasks: HashMap<u64, Arc<Task>>,
+    /// The claim being renewed now (outside the lock).
+    running: Option<u64>,
+    next_id: u64,
+}
+
+struct Timer {
+    state: Mutex<State>,
+    /// Wakes the thread (a new, earlier renewal) and those waiting for a
+    /// renewal in progress to end.
+    cv: Condvar,
+}
+
+impl Timer {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // Every change under the lock is whole before the lock is let go.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The thread's loop: the earliest due renewal, run outside the lock.
+    fn run(&self) {
+        let mut state = self.lock();
+        loop {
+            let (id, task) = match next_due(&mut state) {
+                Next::Run(id, task) => (id, task),
+                Next::Sleep(Some(wait)) => {
+                    state = self
+                        .cv
+                        .wait_timeout(state, wait)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0;
+                    continue;
+                }
+                Next::Sleep(None) => {
+                    state = self.cv.wait(state).unwrap_or_else(|p| p.into_inner());
+                    continue;
+                }
+            };
+            state.running = Some(id);
+            drop(state);
+            let answer = crate::observability::store_op("renew", || (task.renew)());
+            state = self.lock();
+            state.running = None;
+            self.cv.notify_all();
+            if !state.tasks.contains_key(&id) {
+                continue; // the run ended meanwhile
+            }
+            match answer {
+                Ok(claim) => {
+                    task.lease.renewed(claim.lease_until());
+                    super::bump(&task.counters.renewals);
+                    state.due.push(Reverse((Instant::now() + task.every, id)));
+                }
+                Err(Error::StaleClaim) => {
+                    task.lease.lose();
+                    super::bump(&task.counters.leases_lost);
+                    state.tasks.remove(&id);
+                }
+                // The lease stored so far still holds: try again later.
+                Err(_) => state.due.push(Reverse((Instant::now() + task.every, id))),
+            }
+        }
+    }
+}
+
+enum Next {
+    Run(u64, Arc<Task>),
+    /// Nothing due yet: sleep this long, or until woken.
+    Sleep(Option<Duration>),
+}
+
+fn next_due(state: &mut State) -> Next {
+    let now = Instant::now();
+    while let Some(Reverse((at, id))) = state.due.peek().copied() {
+        let Some(task) = state.tasks.get(&id).cloned() else {
+            state.due.pop(); // deregistered
+            continue;
+        };
+        if at > now {
+            return Next::Sleep(Some(at - now));
+        }
+        state.due.pop();
+        return Next::Run(id, task);
+    }
+    Next::Sleep(None)
+}
+
+/// The process's timer, its thread started on first use; `None` when the
+/// thread could not be started (the claim is then not renewed, as with
+/// renewal off).
+fn timer() -> Option<&'static Arc<Timer>> {
+    static TIMER: OnceLock<Option<Arc<Timer>>> = OnceLock::new();
+    TIMER
+        .get_or_init(|| {
+            let timer = Arc::new(Timer {
+                state: Mutex::new(State::default()),
+                cv: Condvar::new(),
+            });
+            let running = Arc::clone(&timer);
+            std::thread::Builder::new()
+                .name("idemstore-renewer".to_owned())
+                .spawn(move || running.run())
+                .ok()
+                .map(|_| timer)
+        })
+        .as_ref()
+}
+
+/// What a registered run holds: dropping it stops the renewals of its claim.
+pub(super) struct Renewing {
+    id: u64,
+    timer: &'static Timer,
+    /// Wait for a renewal in progress to end before the drop returns (the
+    /// blocking run: the store is then free of the renewal's handle before
+    /// the run writes its outcome; never on an async task's thread).
+    wait: bool,
+}
+
+impl Drop for Renewing {
+    fn drop(&mut self) {
+        let mut state = self.timer.lock();
+        state.tasks.remove(&self.id);
+        while self.wait && state.running == Some(self.id) {
+            state = self.timer.cv.wait(state).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+}
+
+/// Registers `claim` for renewal by `renew` every `lease / RENEW_FRACTION`,
+/// and returns the claim the handler gets (its lease live, its loss
+/// visible) with the registration. `None`: the timer could not be started.
+pub(super) fn renew_while(
+    claim: Claim,
+    lease: Duration,
+    renew: RenewFn,
+    counters: Arc<Counters>,
+    wait: bool,
+) -> (Claim, Option<Renewing>) {
+    let Some(timer) = timer() else {
+        return (claim, None);
+    };
+    let every = (lease / RENEW_FRACTION).max(Duration::from_millis(1));
+    let cell = Arc::new(Renewal::new(claim.lease_until()));
+    let mut claim = claim;
+    claim.renewal = Some(Arc::clone(&cell));
+    let task = Arc::new(Task {
+        renew,
+        every,
+        lease: cell,
+        counters,
+    });
+    let id = {
+        let mut state = timer.lock();
+        let id = state.next_id;
+        state.next_id = state.next_id.wrapping_add(1);
+        state.tasks.insert(id, task);
+        let due = Instant::now() + every;
+        // Wake the thread when this renewal comes before everything queued.
+        let earliest = state.due.peek().is_none_or(|Reverse((at, _))| due < *at);
+        state.due.push(Reverse((due, id)));
+        if earliest {
+            timer.cv.notify_all();
+        }
+        id
+    };
+    (claim, Some(Renewing { id, timer, wait }))
+}
+
+impl<S: Store + 'static> Guard<S> {
+    /// `claim` as the handler gets it: registered for renewal while the
+    /// handler runs when this guard renews leases. `wait`: the drop of the registration
+    /// waits out a renewal in progress (the blocking run).
+    pub(super) fn renewing(
+        &self,
+        key: &Key,
+        claim: Claim,
+        wait: bool,
+    ) -> (Claim, Option<Renewing>) {
+        if !self.renew {
+            return (claim, None);
+        }
+        let (store, key, held) = (Arc::clone(&self.store), key.clone(), claim.clone());
+        let (clock, lease) = (Arc::clone(&self.clock), self.lease);
+        let renew: RenewFn = Box::new(move || store.renew(&key, &held, clock.now(), lease));
+        renew_while(claim, lease, renew, Arc::clone(&self.counters), wait)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::time::Timestamp;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    fn counted(c: &Arc<Counters>) -> (u64, u64) {
+        (
+            c.renewals.load(Ordering::SeqCst),
+            c.leases_lost.load(Ordering::SeqCst),
+        )
+    }
+
+    fn claim() -> Claim {
+        Claim::new(7, Timestamp::from_millis(1_000), false, 1)
+    }
+
+    /// Renewals come every third of the lease and move the claim's live
+    /// lease; a stale answer marks it lost and ends its renewals; dropping
+    /// the registration stops them.
+    #[test]
+    fn renewals_move_the_lease_until_one_is_stale() {
+        let calls = Arc::new(AtomicU64::new(0));
+        let seen = Arc::clone(&calls);
+        let renew: RenewFn = Box::new(move || {
+            let n = seen.fetch_add(1, Ordering::SeqCst) + 1;
+            if n < 3 {
+                Ok(Claim::new(
+                    7,
+                    Timestamp::from_millis(1_000 + n * 100),
+                    false,
+                    1,
+                ))
+            } else {
+                Err(Error::StaleClaim)
+            }
+        });
+        let c = Arc::<Counters>::default();
+        let (claim, renewing) = renew_while(
+            claim(),
+            Duration::from_millis(15),
+            renew,
+            Arc::clone(&c),
+            true,
+        );
+        assert!(renewing.is_some());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !claim.lease_lost() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        assert!(claim.lease_lost());
+        assert_eq!(claim.lease_until(), Timestamp::from_millis(1_200));
+        assert_eq!(counted(&c), (2, 1));
+        std::thread::sleep(Duration::from_millis(30));
+        assert_eq!(
+            calls.load(Ordering::SeqCst),
+            3,
+            "no renewal after a stale one"
+        );
+        drop(renewing);
+    }
+
+    /// A dropped registration is renewed no more, and an error other than
+    /// a stale claim is retried.
+    #[test]
+    fn a_dropped_registration_stops_and_errors_are_retried() {
+        let calls = Arc::new(AtomicU64::new(0));
+        let seen = Arc::clone(&calls);
+        let renew: RenewFn = Box::new(move || {
+            seen.fetch_add(1, Ordering::SeqCst);
+            Err(Error::backend("store down"))
+        });
+        let c = Arc::<Counters>::default();
+        let (claim, renewing) = renew_while(
+            claim(),
+            Duration::from_millis(6),
+            renew,
+            Arc::clone(&c),
+            true,
+        );
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while calls.load(Ordering::SeqCst) < 3 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(calls.load(Ordering::SeqCst) >= 3, "retried");
+        assert!(!claim.lease_lost() && counted(&c) == (0, 0));
+        drop(renewing);
+        let after = calls.load(Ordering::SeqCst);
+        std::thread::sleep(Duration::from_millis(30));
+        assert_eq!(calls.load(Ordering::SeqCst), after, "stopped on drop");
+    }
+}
