@@ -90,6 +90,7 @@ macro_rules! __conformance_cases {
             renew_of_a_completed_or_released_claim_is_stale,
             renew_racing_a_takeover_has_one_winner,
             renew_keeps_the_record_alive_past_its_retention,
+            a_handler_five_leases_long_runs_once,
             scopes_isolate,
             expired_records_invisible_before_sweep,
             sweep_removes_only_expired_and_is_bounded,
@@ -761,6 +762,63 @@ pub fn renew_keeps_the_record_alive_past_its_retention(make: Make<'_>) {
     ));
     s.complete(&k, &renewed, &Response::new(200, "ok"), at, HOUR)
         .unwrap();
+}
+
+/// A guard renews its claim while the handler runs: a handler that runs
+/// five leases long executes once, every retry meanwhile is InFlight (with
+/// a lease end in the future: what `Retry-After` is made of), and a retry
+/// after it replays. Real time (the renewals are a timer's): a lease of
+/// 800 ms renewed every third of it leaves a renewal 500 ms to be late.
+pub fn a_handler_five_leases_long_runs_once(make: Make<'_>) {
+    const LEASE: Duration = Duration::from_millis(800);
+    let subject = make();
+    let guard = Guard::builder(Arc::clone(&subject.store))
+        .clock(idemstore::SystemClock)
+        .lease(LEASE)
+        .retention(HOUR)
+        .build()
+        .expect("valid config");
+    let (k, fp) = (key("long-export"), Fingerprint::of(b"all"));
+    let calls = AtomicU32::new(0);
+    let started = Barrier::new(2);
+    let (owner, retries) = std::thread::scope(|s| {
+        let owner = s.spawn(|| {
+            guard.run(&k, &fp, |claim| {
+                calls.fetch_add(1, Ordering::SeqCst);
+                let first = claim.lease_until();
+                started.wait();
+                std::thread::sleep(5 * LEASE);
+                assert!(claim.lease_until() > first, "the lease was renewed");
+                assert!(!claim.lease_lost());
+                Ok::<_, std::convert::Infallible>(Response::new(201, "exported"))
+            })
+        });
+        started.wait();
+        let mut retries = 0;
+        while !owner.is_finished() {
+            let now = idemstore::SystemClock.now();
+            match guard.run(&k, &fp, |_| -> Result<Response, std::convert::Infallible> {
+                calls.fetch_add(1, Ordering::SeqCst);
+                Ok(Response::new(500, "ran twice"))
+            }) {
+                Outcome::InFlight { lease_until } => assert!(lease_until > now),
+                // The owner finished between the check and this retry.
+                Outcome::Replayed(r) => assert_eq!(r.body(), b"exported"),
+                other => panic!("a retry while the owner runs: {other:?}"),
+            }
+            retries += 1;
+            std::thread::sleep(LEASE / 8);
+        }
+        (owner.join().unwrap(), retries)
+    });
+    assert!(matches!(owner, Outcome::Executed(_)), "{owner:?}");
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "executed once");
+    assert!(retries >= 10, "{retries} retries");
+    assert!(guard.stats().renewals >= 5, "{:?}", guard.stats());
+    let after = guard.run(&k, &fp, |_| -> Result<Response, std::convert::Infallible> {
+        unreachable!("replayed")
+    });
+    assert!(matches!(after, Outcome::Replayed(ref r) if r.body() == b"exported"));
 }
 
 /// The same id under two scopes is two keys.
