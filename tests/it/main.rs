@@ -45,6 +45,8 @@ mod read_only;
 mod redb;
 #[cfg(feature = "redb")]
 mod redb_bad_input;
+#[cfg(feature = "redb")]
+mod renewal;
 #[cfg(feature = "sled")]
 mod sled;
 #[cfg(feature = "redb")]

@@ -709,3 +709,33 @@ async fn a_problem_type_can_point_at_the_services_own_docs() {
     let missing = app.send("POST", "/orders", &["k-a", "k-b"], "x").await;
     missing.assert_problem(Problem::KeyInvalid);
 }
+
+/// The guard renews the lease while the handler runs: a retry after the
+/// first lease ran out (without renewal, a takeover and a second run) is
+/// 409 with a `Retry-After` within the renewed lease, and the handler runs
+/// once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_longer_than_its_lease_keeps_the_key_and_retries_get_409() {
+    let lease = Duration::from_secs(1);
+    let guard = Guard::builder(MemoryStore::new())
+        .lease(lease)
+        .build()
+        .unwrap();
+    let app = Arc::new(start(IdempotencyLayer::new(guard), 3 * lease + lease / 2).await);
+    let first = {
+        let app = Arc::clone(&app);
+        tokio::spawn(async move { app.post("k-long", "x").await })
+    };
+    tokio::time::sleep(lease + lease / 2).await;
+    assert_eq!(app.runs(), 1);
+    let r = app.post("k-long", "x").await;
+    assert_eq!(r.status, StatusCode::CONFLICT, "{r:?}");
+    r.assert_problem(Problem::InFlight);
+    let secs: u64 = r.headers["retry-after"].to_str().unwrap().parse().unwrap();
+    assert_eq!(secs, 1, "within the renewed lease");
+    let first = first.await.unwrap();
+    assert_eq!(first.status, StatusCode::CREATED);
+    let again = app.post("k-long", "x").await;
+    assert!(again.replayed() && again.body == first.body);
+    assert_eq!(app.runs(), 1, "executed once");
+}
