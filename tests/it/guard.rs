@@ -1,8 +1,8 @@
 //! Guard policies beyond the conformance suite, on `MemoryStore`.
 
 use idemstore::{
-    Begin, Error, FaultyStore, Fingerprint, Guard, Key, ManualClock, MemoryStore, OnHandlerError,
-    Outcome, Response, Store, TakeoverPolicy,
+    Begin, Clock, Error, FaultyStore, Fingerprint, Guard, Key, ManualClock, MemoryStore,
+    OnHandlerError, Outcome, Response, Store, TakeoverPolicy,
 };
 use idemstore_testkit::conformance::T0;
 use std::convert::Infallible;
@@ -329,4 +329,113 @@ fn a_clock_given_to_the_guard_overrides_the_stores() {
     let wall = Guard::new(MemoryStore::new());
     assert!(wall.now() > T0);
     assert!(idemstore::Clock::now(&*wall.store().clock()) > T0);
+}
+
+/// Renewals that fail for a whole lease let a retry take the key over while
+/// the first handler still runs; the next renewal that reaches the store
+/// finds the claim stale: the handler sees `lease_lost()`, the run answers
+/// `LeaseLost` and writes nothing over the new owner's record. Sync and
+/// async runs alike.
+#[test]
+fn a_claim_taken_over_while_its_handler_runs_is_told_and_writes_nothing() {
+    let lease = Duration::from_millis(150);
+    let store = Arc::new(FaultyStore::new(MemoryStore::new()));
+    let guard = Guard::builder(Arc::clone(&store))
+        .clock(idemstore::SystemClock)
+        .lease(lease)
+        .build()
+        .unwrap();
+    let fp = Fingerprint::of(b"x");
+    // Every renewal fails until the takeover is made.
+    store.set_fault(|op| (op == idemstore::Op::Renew).then(|| Error::backend("store unreachable")));
+    let run = |k: &Key| {
+        guard.run(k, &fp, |claim| {
+            let deadline = std::time::Instant::now() + 20 * SEC;
+            while !claim.lease_lost() && std::time::Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            assert!(claim.lease_lost(), "told before committing");
+            Ok::<_, Infallible>(Response::new(200, "late"))
+        })
+    };
+    let k = key();
+    let (out, taken) = std::thread::scope(|s| {
+        let owner = s.spawn(|| run(&k));
+        std::thread::sleep(lease + lease / 2);
+        let now = idemstore::SystemClock.now();
+        let taken = store.begin(&k, &fp, now, lease, SEC).unwrap();
+        store.clear_fault();
+        (owner.join().unwrap(), taken)
+    });
+    let Begin::Claimed(taken) = taken else {
+        panic!("no takeover: {taken:?}")
+    };
+    assert!(taken.is_takeover());
+    assert!(
+        matches!(out, Outcome::LeaseLost(Ok(ref r)) if r.body() == b"late"),
+        "{out:?}"
+    );
+    assert!(out.ran_handler());
+    let record = store
+        .get(&k, idemstore::SystemClock.now())
+        .unwrap()
+        .unwrap();
+    assert_eq!(record.token(), taken.token(), "the new owner's record");
+    assert_eq!(
+        record.state(),
+        idemstore::State::Processing,
+        "nothing stored"
+    );
+    let stats = guard.stats();
+    assert_eq!((stats.leases_lost, stats.stale), (1, 0), "{stats:?}");
+}
+
+#[cfg(feature = "tokio")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_async_run_is_renewed_and_stops_renewing_when_dropped() {
+    let lease = Duration::from_millis(150);
+    let store = Arc::new(MemoryStore::new());
+    let guard = Guard::builder(Arc::clone(&store))
+        .clock(idemstore::SystemClock)
+        .lease(lease)
+        .build()
+        .unwrap();
+    let (k, fp) = (key(), Fingerprint::of(b"x"));
+    // Renewed while the handler future runs past its lease.
+    let out = guard
+        .run_async(&k, &fp, |claim| async move {
+            let first = claim.lease_until();
+            tokio::time::sleep(3 * lease).await;
+            assert!(claim.lease_until() > first);
+            Ok::<_, Infallible>(Response::new(201, "ok"))
+        })
+        .await;
+    assert!(matches!(out, Outcome::Executed(_)), "{out:?}");
+    let renewed = guard.stats().renewals;
+    assert!(renewed >= 2, "{renewed}");
+    // A run dropped mid-handler stops renewing: its claim ends with its lease.
+    let other = Key::new("t", "dropped").unwrap();
+    let dropped = tokio::time::timeout(
+        lease,
+        guard.run_async(&other, &fp, |_| async {
+            tokio::time::sleep(60 * SEC).await;
+            Ok::<_, Infallible>(Response::new(201, "never"))
+        }),
+    )
+    .await;
+    assert!(dropped.is_err(), "the run was cancelled");
+    let after_drop = guard.stats().renewals;
+    tokio::time::sleep(3 * lease).await;
+    assert_eq!(
+        guard.stats().renewals,
+        after_drop,
+        "no renewal after the drop"
+    );
+    let retry = store
+        .begin(&other, &fp, idemstore::SystemClock.now(), lease, SEC)
+        .unwrap();
+    assert!(
+        matches!(retry, Begin::Claimed(ref c) if c.is_takeover()),
+        "{retry:?}"
+    );
 }
