@@ -116,14 +116,16 @@ mod record;
 #[cfg_attr(docsrs, doc(cfg(feature = "redb")))]
 pub mod redb;
 mod response;
+#[cfg(all(test, shuttle))]
+mod shuttle_support;
 #[cfg(feature = "sled")]
 #[cfg_attr(docsrs, doc(cfg(feature = "sled")))]
 pub mod sled;
 mod store;
 mod sweeper;
-// The redb write path's locks, condvars, atomics and threads: std's, or
-// the Shuttle model checker's under `--cfg shuttle` in tests.
-#[cfg(feature = "redb")]
+// The locks, condvars, atomics and threads of the redb write path and the
+// guard's renewal timer: std's, or the Shuttle model checker's under
+// `--cfg shuttle` in tests.
 mod sync;
 #[cfg(feature = "test-util")]
 mod testing;

@@ -1,5 +1,6 @@
-//! The synchronization primitives of the redb write path (`src/redb/`), in
-//! one place, so that a model checker can stand in for them.
+//! The synchronization primitives of the redb write path (`src/redb/`) and
+//! of the guard's lease-renewal timer (`src/guard/renew.rs`), in one place,
+//! so that a model checker can stand in for them.
 //!
 //! Normally these are `std`'s, re-exported unchanged. In a test build with
 //! `--cfg shuttle` they are [Shuttle]'s: its scheduler then decides which
@@ -44,6 +45,10 @@
 //! [Shuttle]: https://docs.rs/shuttle
 
 #[cfg(not(all(test, shuttle)))]
+#[cfg_attr(
+    not(feature = "redb"),
+    allow(unused_imports, reason = "the redb write path uses the rest")
+)]
 pub(crate) use std::{
     sync::{
         Arc, Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard, TryLockError,
@@ -102,6 +107,18 @@ mod model {
         /// The time from `self` to a new reading.
         pub(crate) fn elapsed(&self) -> Duration {
             Instant::now().0.saturating_sub(self.0)
+        }
+
+        /// The time from `earlier` to `self`, zero if `earlier` is later.
+        pub(crate) fn saturating_duration_since(&self, earlier: Instant) -> Duration {
+            self.0.saturating_sub(earlier.0)
+        }
+    }
+
+    impl std::ops::Add<Duration> for Instant {
+        type Output = Instant;
+        fn add(self, d: Duration) -> Instant {
+            Instant(self.0.saturating_add(d))
         }
     }
 

@@ -31,10 +31,14 @@ use crate::error::{Error, Result};
 use crate::key::Key;
 use crate::record::{Claim, Renewal};
 use crate::store::Store;
+// The timer's lock, condition variable, clock and thread come from the
+// seam a model checker can stand in for (src/sync.rs; the schedules are in
+// this file's `shuttle_tests`).
+use crate::sync::{Condvar, Instant, Mutex, MutexGuard, thread};
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
 /// A claim's lease is renewed every `lease / RENEW_FRACTION` while its
 /// handler runs (at least every millisecond).
@@ -64,6 +68,8 @@ struct State {
     /// The claim being renewed now (outside the lock).
     running: Option<u64>,
     next_id: u64,
+    /// The thread returns (only ever set by a test's own timer).
+    stopped: bool,
 }
 
 struct Timer {
@@ -74,6 +80,28 @@ struct Timer {
 }
 
 impl Timer {
+    /// A timer and its thread; `None` when the thread cannot be started.
+    fn start() -> Option<Arc<Timer>> {
+        let timer = Arc::new(Timer {
+            state: Mutex::new(State::default()),
+            cv: Condvar::new(),
+        });
+        let running = Arc::clone(&timer);
+        thread::Builder::new()
+            .name("idemstore-renewer".to_owned())
+            .spawn(move || running.run())
+            .ok()
+            .map(|_| timer)
+    }
+
+    /// Ends the thread at its next wake-up (the process's timer never ends:
+    /// for the timers of tests).
+    #[cfg(test)]
+    pub(super) fn stop(&self) {
+        self.lock().stopped = true;
+        self.cv.notify_all();
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         // Every change under the lock is whole before the lock is let go.
         self.state.lock().unwrap_or_else(|p| p.into_inner())
@@ -83,6 +111,9 @@ impl Timer {
     fn run(&self) {
         let mut state = self.lock();
         loop {
+            if state.stopped {
+                return;
+            }
             let (id, task) = match next_due(&mut state) {
                 Next::Run(id, task) => (id, task),
                 Next::Sleep(Some(wait)) => {
@@ -104,22 +135,26 @@ impl Timer {
             state = self.lock();
             state.running = None;
             self.cv.notify_all();
-            if !state.tasks.contains_key(&id) {
-                continue; // the run ended meanwhile
-            }
-            match answer {
+            // What the renewal learned is the claim's even if its run ended
+            // meanwhile (a blocking run's drop waits for this, and then reads
+            // it); only a run still registered is renewed again.
+            let again = match answer {
                 Ok(claim) => {
                     task.lease.renewed(claim.lease_until());
                     super::bump(&task.counters.renewals);
-                    state.due.push(Reverse((Instant::now() + task.every, id)));
+                    true
                 }
                 Err(Error::StaleClaim) => {
                     task.lease.lose();
                     super::bump(&task.counters.leases_lost);
                     state.tasks.remove(&id);
+                    false
                 }
                 // The lease stored so far still holds: try again later.
-                Err(_) => state.due.push(Reverse((Instant::now() + task.every, id))),
+                Err(_) => true,
+            };
+            if again && state.tasks.contains_key(&id) {
+                state.due.push(Reverse((Instant::now() + task.every, id)));
             }
         }
     }
@@ -139,7 +174,7 @@ fn next_due(state: &mut State) -> Next {
             continue;
         };
         if at > now {
-            return Next::Sleep(Some(at - now));
+            return Next::Sleep(Some(at.saturating_duration_since(now)));
         }
         state.due.pop();
         return Next::Run(id, task);
@@ -152,26 +187,13 @@ fn next_due(state: &mut State) -> Next {
 /// renewal off).
 fn timer() -> Option<&'static Arc<Timer>> {
     static TIMER: OnceLock<Option<Arc<Timer>>> = OnceLock::new();
-    TIMER
-        .get_or_init(|| {
-            let timer = Arc::new(Timer {
-                state: Mutex::new(State::default()),
-                cv: Condvar::new(),
-            });
-            let running = Arc::clone(&timer);
-            std::thread::Builder::new()
-                .name("idemstore-renewer".to_owned())
-                .spawn(move || running.run())
-                .ok()
-                .map(|_| timer)
-        })
-        .as_ref()
+    TIMER.get_or_init(Timer::start).as_ref()
 }
 
 /// What a registered run holds: dropping it stops the renewals of its claim.
 pub(super) struct Renewing {
     id: u64,
-    timer: &'static Timer,
+    timer: Arc<Timer>,
     /// Wait for a renewal in progress to end before the drop returns (the
     /// blocking run: the store is then free of the renewal's handle before
     /// the run writes its outcome; never on an async task's thread).
@@ -198,9 +220,21 @@ pub(super) fn renew_while(
     counters: Arc<Counters>,
     wait: bool,
 ) -> (Claim, Option<Renewing>) {
-    let Some(timer) = timer() else {
-        return (claim, None);
-    };
+    match timer() {
+        Some(timer) => renew_on(timer, claim, lease, renew, counters, wait),
+        None => (claim, None),
+    }
+}
+
+/// [`renew_while`] on a given timer.
+fn renew_on(
+    timer: &Arc<Timer>,
+    claim: Claim,
+    lease: Duration,
+    renew: RenewFn,
+    counters: Arc<Counters>,
+    wait: bool,
+) -> (Claim, Option<Renewing>) {
     let every = (lease / RENEW_FRACTION).max(Duration::from_millis(1));
     let cell = Arc::new(Renewal::new(claim.lease_until()));
     let mut claim = claim;
@@ -225,6 +259,7 @@ pub(super) fn renew_while(
         }
         id
     };
+    let timer = Arc::clone(timer);
     (claim, Some(Renewing { id, timer, wait }))
 }
 
@@ -286,7 +321,9 @@ mod tests {
             }
         });
         let c = Arc::<Counters>::default();
-        let (claim, renewing) = renew_while(
+        let timer = Timer::start().expect("a thread");
+        let (claim, renewing) = renew_on(
+            &timer,
             claim(),
             Duration::from_millis(15),
             renew,
@@ -308,6 +345,7 @@ mod tests {
             "no renewal after a stale one"
         );
         drop(renewing);
+        timer.stop();
     }
 
     /// A dropped registration is renewed no more, and an error other than
@@ -321,7 +359,9 @@ mod tests {
             Err(Error::backend("store down"))
         });
         let c = Arc::<Counters>::default();
-        let (claim, renewing) = renew_while(
+        let timer = Timer::start().expect("a thread");
+        let (claim, renewing) = renew_on(
+            &timer,
             claim(),
             Duration::from_millis(6),
             renew,
@@ -338,5 +378,105 @@ mod tests {
         let after = calls.load(Ordering::SeqCst);
         std::thread::sleep(Duration::from_millis(30));
         assert_eq!(calls.load(Ordering::SeqCst), after, "stopped on drop");
+        timer.stop();
+    }
+}
+
+/// The timer under the Shuttle model checker (`scripts/shuttle-tests`):
+/// runs register claims, have them renewed and drop their registrations
+/// while the timer thread renews, under many schedules. What must hold in
+/// every one: no deadlock (a drop that waits out a renewal in progress, the
+/// timer asleep while a run registers), no renewal of a claim after its
+/// blocking run's drop returned, no renewal after a stale one, and the
+/// thread ends when told.
+#[cfg(all(test, shuttle))]
+mod shuttle_tests {
+    use super::*;
+    use crate::shuttle_support::explore;
+    use crate::time::Timestamp;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    /// A renewal that counts its calls and answers `stale_from` onwards
+    /// with a stale claim.
+    fn counting(calls: &Arc<AtomicU64>, stale_from: u64) -> RenewFn {
+        let calls = Arc::clone(calls);
+        Box::new(move || {
+            let n = calls.fetch_add(1, Ordering::SeqCst) + 1;
+            if n >= stale_from {
+                return Err(Error::StaleClaim);
+            }
+            Ok(Claim::new(1, Timestamp::from_millis(n), false, 1))
+        })
+    }
+
+    fn register(timer: &Arc<Timer>, renew: RenewFn, wait: bool) -> (Claim, Option<Renewing>) {
+        let claim = Claim::new(1, Timestamp::EPOCH, false, 1);
+        renew_on(
+            timer,
+            claim,
+            Duration::from_millis(3),
+            renew,
+            Arc::default(),
+            wait,
+        )
+    }
+
+    #[test]
+    fn shuttle_two_runs_register_and_drop_while_the_timer_renews() {
+        explore("renewal timer: two runs", || {
+            let timer = Timer::start().expect("a thread");
+            let runs: Vec<_> = (0..2u64)
+                .map(|i| {
+                    let timer = Arc::clone(&timer);
+                    thread::spawn(move || {
+                        let calls = Arc::new(AtomicU64::new(0));
+                        // The second run's claim is found stale at its first renewal.
+                        let stale_from = if i == 0 { u64::MAX } else { 1 };
+                        let (claim, renewing) =
+                            register(&timer, counting(&calls, stale_from), true);
+                        for _ in 0..3 {
+                            thread::yield_now();
+                        }
+                        drop(renewing);
+                        let after_drop = calls.load(Ordering::SeqCst);
+                        for _ in 0..3 {
+                            thread::yield_now();
+                        }
+                        assert_eq!(
+                            calls.load(Ordering::SeqCst),
+                            after_drop,
+                            "renewed after its blocking run's drop returned"
+                        );
+                        if i == 1 {
+                            assert!(after_drop <= 1, "renewed after a stale answer");
+                            assert_eq!(claim.lease_lost(), after_drop == 1);
+                        }
+                    })
+                })
+                .collect();
+            for run in runs {
+                run.join().expect("a run");
+            }
+            timer.stop();
+        });
+    }
+
+    /// An async run's drop does not wait for a renewal in progress, but
+    /// after it nothing new is started for its claim.
+    #[test]
+    fn shuttle_a_run_that_does_not_wait_is_renewed_at_most_once_more() {
+        explore("renewal timer: no wait", || {
+            let timer = Timer::start().expect("a thread");
+            let calls = Arc::new(AtomicU64::new(0));
+            let (_claim, renewing) = register(&timer, counting(&calls, u64::MAX), false);
+            thread::yield_now();
+            drop(renewing);
+            let after_drop = calls.load(Ordering::SeqCst);
+            for _ in 0..4 {
+                thread::yield_now();
+            }
+            assert!(calls.load(Ordering::SeqCst) <= after_drop + 1);
+            timer.stop();
+        });
     }
 }
