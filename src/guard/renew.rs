@@ -348,6 +348,36 @@ mod tests {
         timer.stop();
     }
 
+    /// Renewals keep their cadence, every third of the lease, for answers
+    /// and errors alike: a timer that renewed again at once would call the
+    /// store in a loop. (An upper bound with a wide margin: a loaded
+    /// machine only makes renewals later, never more.)
+    #[test]
+    fn renewals_come_every_third_of_the_lease_not_in_a_loop() {
+        for fails in [false, true] {
+            let calls = Arc::new(AtomicU64::new(0));
+            let seen = Arc::clone(&calls);
+            let renew: RenewFn = Box::new(move || {
+                seen.fetch_add(1, Ordering::SeqCst);
+                if fails {
+                    Err(Error::backend("store down"))
+                } else {
+                    Ok(Claim::new(7, Timestamp::from_millis(2_000), false, 1))
+                }
+            });
+            let timer = Timer::start().expect("a thread");
+            let lease = Duration::from_millis(60);
+            let c = Arc::<Counters>::default();
+            let (_claim, renewing) = renew_on(&timer, claim(), lease, renew, c, true);
+            std::thread::sleep(10 * lease);
+            drop(renewing);
+            timer.stop();
+            // About 30 at the cadence; a loop makes thousands.
+            let n = calls.load(Ordering::SeqCst);
+            assert!((1..=60).contains(&n), "{n} renewals in ten leases");
+        }
+    }
+
     /// A dropped registration is renewed no more, and an error other than
     /// a stale claim is retried.
     #[test]
