@@ -51,6 +51,8 @@ mod sled;
 mod stream_consumer;
 #[cfg(feature = "tower")]
 mod tower;
+#[cfg(feature = "tower")]
+mod tower_json;
 #[cfg(feature = "redb")]
 mod upgrade;
 mod waiting;
