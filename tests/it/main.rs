@@ -33,6 +33,8 @@ mod observability;
 mod orders_service;
 #[cfg(feature = "redb")]
 mod page_log;
+#[cfg(feature = "tower")]
+mod payments_api;
 #[cfg(feature = "postgres")]
 mod postgres;
 #[cfg(feature = "postgres")]
