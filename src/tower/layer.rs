@@ -47,6 +47,8 @@ impl std::fmt::Debug for IdempotencyLayer {
         f.debug_struct("IdempotencyLayer")
             .field("methods", &self.config.methods)
             .field("require_key", &self.config.require_key)
+            .field("key_from_json", &self.config.key_from_json)
+            .field("json_fields", &self.config.json_fields)
             .finish_non_exhaustive()
     }
 }
@@ -107,6 +109,9 @@ impl IdempotencyLayer {
     ///
     /// - The pointers are a set (order and repeats do not matter); a field
     ///   a request does not have counts as absent, which is not an error.
+    ///   The pointer `""` is the whole body, in canonical form: only its
+    ///   key order and whitespace stop mattering. A later call replaces
+    ///   the set.
     /// - A guarded request whose body is not JSON gets 400
     ///   ([`Problem::BodyNotJson`]) and the handler does not run: its
     ///   fingerprint cannot be computed. The `Content-Type` is not looked at.

@@ -236,7 +236,11 @@ where
         }
     };
     let body = ReadBody::new(body);
-    let id = match id.map_or_else(|| key_from_body(&config, &body), |id| Ok(Some(id))) {
+    let found = match id {
+        Some(id) => Ok(Some(id)),
+        None => key_from_body(&config, &body),
+    };
+    let id = match found {
         Ok(Some(id)) => id,
         // No key in the body either: unguarded, as a request without the
         // header is (the body was read only to look).
