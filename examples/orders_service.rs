@@ -15,8 +15,13 @@
 //!   instead of charging twice. The fencing token is recorded with the
 //!   charge, for a downstream payment provider's own idempotency key.
 //!
+//! The layer's effective policy (retention, lease, limits, what is
+//! fingerprinted, where the key comes from) is published at
+//! `GET /idempotency-policy`, as the IETF Idempotency-Key draft asks.
+//!
 //! Run: `cargo run --example orders_service --features tracing,metrics -- /tmp/orders.idem`,
-//! then `curl -i -X POST localhost:3000/orders -H 'Idempotency-Key: o-1' -d '{"sku":"apple","qty":2}'`.
+//! then `curl -i -X POST localhost:3000/orders -H 'Idempotency-Key: o-1' -d '{"sku":"apple","qty":2}'`
+//! and `curl localhost:3000/idempotency-policy`.
 //! It logs through `tracing-subscriber` (`RUST_LOG=idemstore=debug` for
 //! every request's span) and serves the crate's metrics for Prometheus on
 //! `GET /metrics` (`curl localhost:3000/metrics`); without the features the
@@ -27,7 +32,7 @@ use axum::body::Bytes;
 use axum::extract::{Extension, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response as HttpResponse};
-use axum::routing::post;
+use axum::routing::{get, post};
 use idemstore::redb::engine::{ReadableTable, TableDefinition, WriteTransaction};
 use idemstore::redb::{Delivery, Inbox};
 use idemstore::tower::{DoNotStore, IdempotencyLayer};
@@ -58,15 +63,29 @@ pub struct Shop {
     pub delay_after_commit: Duration,
 }
 
-/// The app: `POST /orders` behind the idempotency layer (key required).
+/// Where the idempotency policy is published. Not under `/.well-known/`:
+/// the draft registers no name there.
+pub const POLICY_PATH: &str = "/idempotency-policy";
+
+/// The app: `POST /orders` behind the idempotency layer (key required),
+/// and the layer's policy at [`POLICY_PATH`].
 pub fn router<S: Store + 'static>(guard: Guard<S>, shop: Shop) -> Router {
+    let idempotency = IdempotencyLayer::new(guard)
+        .require_key(true)
+        .max_request_body_bytes(MAX_ORDER_BYTES);
+    // Rendered once: the policy is the layer's configuration, which does
+    // not change while the service runs.
+    let policy = idempotency.policy().to_json().to_string();
     Router::new()
         .route("/orders", post(create_order))
         .with_state(shop)
-        .layer(
-            IdempotencyLayer::new(guard)
-                .require_key(true)
-                .max_request_body_bytes(MAX_ORDER_BYTES),
+        .layer(idempotency)
+        // Added after `layer`, so outside it.
+        .route(
+            POLICY_PATH,
+            get(move || {
+                std::future::ready(([("content-type", "application/json")], policy.clone()))
+            }),
         )
 }
 

@@ -46,6 +46,7 @@
 //! | response body | [`DEFAULT_MAX_BODY_BYTES`](limits::DEFAULT_MAX_BODY_BYTES), configurable up to [`MAX_BODY_BYTES_HARD_CAP`](limits::MAX_BODY_BYTES_HARD_CAP) |
 //! | response headers | [`MAX_HEADERS`](limits::MAX_HEADERS) headers, [`MAX_HEADER_BYTES`](limits::MAX_HEADER_BYTES) bytes in all |
 //! | one sweep | [`MAX_SWEEP_BATCH`](limits::MAX_SWEEP_BATCH) records |
+//! | JSON fields in a fingerprint | [`MAX_JSON_FIELDS`](limits::MAX_JSON_FIELDS) pointers of at most [`MAX_POINTER_BYTES`](limits::MAX_POINTER_BYTES) bytes |
 //!
 //! # Where things are
 //!
@@ -103,6 +104,7 @@ mod fingerprint;
 mod guard;
 #[cfg(any(feature = "redb", feature = "sled"))]
 mod holder;
+mod json_pointer;
 mod key;
 pub mod limits;
 pub mod logic;
@@ -148,6 +150,7 @@ pub use fingerprint::Fingerprint;
 pub use guard::{
     Guard, GuardBuilder, GuardStats, OnHandlerError, Outcome, RENEW_FRACTION, TakeoverPolicy,
 };
+pub use json_pointer::JsonPointer;
 pub use key::Key;
 pub use memory::MemoryStore;
 #[cfg(feature = "test-util")]

@@ -13,6 +13,7 @@
 //! ```
 
 pub use crate::guard::{DEFAULT_LEASE, DEFAULT_RETENTION};
+pub use crate::json_pointer::{MAX_JSON_FIELDS, MAX_POINTER_BYTES};
 pub use crate::key::{MAX_ID_BYTES, MAX_SCOPE_BYTES};
 pub use crate::response::{
     DEFAULT_MAX_BODY_BYTES, MAX_BODY_BYTES_HARD_CAP, MAX_HEADER_BYTES, MAX_HEADERS,

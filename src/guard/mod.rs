@@ -182,6 +182,24 @@ impl<S: Store> Guard<S> {
         self.retention
     }
 
+    /// How often a running handler's lease is renewed: every
+    /// [`RENEW_FRACTION`]th of the lease, or `None` when renewal is off
+    /// ([`GuardBuilder::renew_leases`]).
+    ///
+    /// ```
+    /// use idemstore::{Guard, MemoryStore};
+    /// use std::time::Duration;
+    /// let guard = Guard::builder(MemoryStore::new()).lease(Duration::from_secs(30)).build()?;
+    /// assert_eq!(guard.renewal_interval(), Some(Duration::from_secs(10)));
+    /// let off = Guard::builder(MemoryStore::new()).renew_leases(false).build()?;
+    /// assert_eq!(off.renewal_interval(), None);
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn renewal_interval(&self) -> Option<Duration> {
+        self.renew
+            .then(|| (self.lease / RENEW_FRACTION).max(Duration::from_millis(1)))
+    }
+
     /// A snapshot of the counters (shared by clones of this guard).
     pub fn stats(&self) -> GuardStats {
         let c = &self.counters;

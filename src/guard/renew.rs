@@ -235,7 +235,7 @@ fn renew_on(
     counters: Arc<Counters>,
     wait: bool,
 ) -> (Claim, Option<Renewing>) {
-    let every = (lease / RENEW_FRACTION).max(Duration::from_millis(1));
+    let every = (lease / RENEW_FRACTION).max(Duration::from_millis(1)); // as Guard::renewal_interval
     let cell = Arc::new(Renewal::new(claim.lease_until()));
     let mut claim = claim;
     claim.renewal = Some(Arc::clone(&cell));

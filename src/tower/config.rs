@@ -3,6 +3,7 @@
 //! (layer.rs) and the service and its replies read (service.rs, reply.rs).
 
 use super::problem::Problem;
+use crate::json_pointer::JsonPointer;
 use crate::response::DEFAULT_MAX_BODY_BYTES;
 use http::{HeaderName, Method, header, request};
 use std::sync::Arc;
@@ -54,6 +55,12 @@ pub(crate) struct Config {
     pub(crate) require_key: bool,
     pub(crate) scope: Option<ScopeFn>,
     pub(crate) fingerprint_headers: Vec<HeaderName>,
+    /// `Some`: the body is fingerprinted by these JSON fields (sorted,
+    /// without repeats) instead of as bytes, and must be JSON.
+    pub(crate) json_fields: Option<Vec<JsonPointer>>,
+    /// `Some`: without an `Idempotency-Key` header, the key is this string
+    /// field of a JSON body.
+    pub(crate) key_from_json: Option<JsonPointer>,
     pub(crate) max_request_body_bytes: usize,
     pub(crate) max_response_body_bytes: usize,
     pub(crate) store_policy: StorePolicy,
@@ -81,6 +88,8 @@ impl Default for Config {
             require_key: false,
             scope: None,
             fingerprint_headers: Vec::new(),
+            json_fields: None,
+            key_from_json: None,
             max_request_body_bytes: DEFAULT_MAX_REQUEST_BODY_BYTES,
             max_response_body_bytes: DEFAULT_MAX_BODY_BYTES,
             store_policy: StorePolicy::All,

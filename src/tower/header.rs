@@ -32,18 +32,26 @@ fn parse_value(raw: &[u8]) -> Result<Vec<u8>, String> {
         Some((b'"', rest)) => unquote(rest)?,
         _ => raw.to_vec(),
     };
+    check_id(key, "the Idempotency-Key")
+}
+
+/// `key` if it is 1..=[`MAX_ID_BYTES`] bytes of visible ASCII, else why not,
+/// naming it as `what` (`the Idempotency-Key`, `the key field /request_id`):
+/// a key from a JSON body field is held to the header's rules, so a client
+/// that moves its key from one to the other keeps it.
+pub(crate) fn check_id(key: Vec<u8>, what: &str) -> Result<Vec<u8>, String> {
     if key.is_empty() {
-        return Err("the Idempotency-Key is empty".into());
+        return Err(format!("{what} is empty"));
     }
     if key.len() > MAX_ID_BYTES {
         return Err(format!(
-            "the Idempotency-Key is {} bytes; at most {MAX_ID_BYTES} are allowed",
+            "{what} is {} bytes; at most {MAX_ID_BYTES} are allowed",
             key.len()
         ));
     }
     if let Some(pos) = key.iter().position(|b| !b.is_ascii_graphic()) {
         return Err(format!(
-            "the Idempotency-Key has a byte that is not visible ASCII at offset {pos}"
+            "{what} has a byte that is not visible ASCII at offset {pos}"
         ));
     }
     Ok(key)

@@ -2,9 +2,12 @@
 //! the [`Layer`] that applies it.
 
 use super::config::{Config, StorePolicy};
+use super::policy::Policy;
 use super::problem::Problem;
 use super::service::Idempotency;
+use crate::error::{Error, Result};
 use crate::guard::Guard;
+use crate::json_pointer::{JsonPointer, MAX_JSON_FIELDS};
 use crate::response::MAX_BODY_BYTES_HARD_CAP;
 use crate::store::Store;
 use http::{HeaderName, Method, request};
@@ -44,6 +47,8 @@ impl std::fmt::Debug for IdempotencyLayer {
         f.debug_struct("IdempotencyLayer")
             .field("methods", &self.config.methods)
             .field("require_key", &self.config.require_key)
+            .field("key_from_json", &self.config.key_from_json)
+            .field("json_fields", &self.config.json_fields)
             .finish_non_exhaustive()
     }
 }
@@ -95,6 +100,130 @@ impl IdempotencyLayer {
         self.config(|c| c.fingerprint_headers = names.into_iter().collect())
     }
 
+    /// Fingerprints the request body by these fields of it alone, each an
+    /// RFC 6901 [`JsonPointer`], instead of by its bytes: a retry whose
+    /// client added a timestamp or a trace id, or reordered the members,
+    /// is still the same request. The method, the path and query and the
+    /// [`fingerprint_headers`](Self::fingerprint_headers) stay in the
+    /// fingerprint ([`Fingerprint::of_http_json_fields`](crate::Fingerprint::of_http_json_fields)).
+    ///
+    /// - The pointers are a set (order and repeats do not matter); a field
+    ///   a request does not have counts as absent, which is not an error.
+    ///   The pointer `""` is the whole body, in canonical form: only its
+    ///   key order and whitespace stop mattering. A later call replaces
+    ///   the set.
+    /// - A guarded request whose body is not JSON gets 400
+    ///   ([`Problem::BodyNotJson`]) and the handler does not run: its
+    ///   fingerprint cannot be computed. The `Content-Type` is not looked at.
+    /// - Changing the fields changes every fingerprint: a retry of a request
+    ///   made before the change gets 422.
+    ///
+    /// Errors, when the layer is built and never per request:
+    /// [`Error::InvalidArgument`] for a pointer that is not RFC 6901, for
+    /// no pointer at all, or for more than [`MAX_JSON_FIELDS`](crate::limits::MAX_JSON_FIELDS).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use axum::{Router, body::Body, http::{Request, StatusCode}, routing::post};
+    /// use idemstore::{Guard, MemoryStore, tower::IdempotencyLayer};
+    /// use tower::ServiceExt;
+    ///
+    /// let layer = IdempotencyLayer::new(Guard::new(MemoryStore::new()))
+    ///     .fingerprint_json_fields(["/amount", "/currency"])?;
+    /// let app = Router::new()
+    ///     .route("/payments", post(|| async { StatusCode::CREATED }))
+    ///     .layer(layer);
+    /// let pay = |body: &'static str| {
+    ///     Request::post("/payments").header("idempotency-key", "p-1").body(Body::from(body)).unwrap()
+    /// };
+    /// app.clone().oneshot(pay(r#"{"amount": 100, "currency": "EUR", "sent_at": "12:00:00"}"#)).await?;
+    /// // The retry has another timestamp: still a retry.
+    /// let retry = app.clone().oneshot(pay(r#"{"sent_at": "12:00:09", "currency": "EUR", "amount": 100}"#)).await?;
+    /// assert_eq!(retry.headers()["idempotent-replayed"], "true");
+    /// // Another amount under the same key is another request.
+    /// let other = app.clone().oneshot(pay(r#"{"amount": 200, "currency": "EUR"}"#)).await?;
+    /// assert_eq!(other.status(), StatusCode::UNPROCESSABLE_ENTITY);
+    /// // A body that is not JSON cannot be fingerprinted.
+    /// let form = app.oneshot(pay("amount=100&currency=EUR")).await?;
+    /// assert_eq!(form.status(), StatusCode::BAD_REQUEST);
+    ///
+    /// assert!(IdempotencyLayer::new(Guard::new(MemoryStore::new())).fingerprint_json_fields(["amount"]).is_err());
+    /// # Ok(()) }
+    /// ```
+    pub fn fingerprint_json_fields<I>(self, pointers: I) -> Result<IdempotencyLayer>
+    where
+        I: IntoIterator,
+        I::Item: AsRef<str>,
+    {
+        let mut fields = pointers
+            .into_iter()
+            .map(|p| JsonPointer::new(p.as_ref()))
+            .collect::<Result<Vec<_>>>()?;
+        fields.sort();
+        fields.dedup();
+        if fields.is_empty() {
+            return Err(Error::invalid_argument(
+                "fingerprint_json_fields needs at least one JSON Pointer (\"\" is the whole body)",
+            ));
+        }
+        if fields.len() > MAX_JSON_FIELDS {
+            return Err(Error::invalid_argument(format!(
+                "fingerprint_json_fields got {} JSON Pointers; at most {MAX_JSON_FIELDS} are allowed",
+                fields.len()
+            )));
+        }
+        Ok(self.config(|c| c.json_fields = Some(fields)))
+    }
+
+    /// For a client that cannot send a header: a guarded request without an
+    /// `Idempotency-Key` header takes its key from this string field of
+    /// its JSON body (an RFC 6901 [`JsonPointer`]). The header wins when
+    /// both are there.
+    ///
+    /// - The field is held to the header's rules: a string of
+    ///   1..=[`MAX_ID_BYTES`](crate::limits::MAX_ID_BYTES) bytes of visible
+    ///   ASCII, else 400 ([`Problem::KeyInvalid`]).
+    /// - A body that is not JSON, or has no such field (or `null`), has no
+    ///   key: 400 under [`require_key`](Self::require_key), else the
+    ///   request passes through unguarded.
+    /// - To look, the layer reads the body of every guarded request without
+    ///   the header, up to [`max_request_body_bytes`](Self::max_request_body_bytes)
+    ///   (413 above), before it decides.
+    ///
+    /// Errors: [`Error::InvalidArgument`] for a pointer that is not RFC 6901,
+    /// when the layer is built.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use axum::{Router, body::Body, http::{Request, StatusCode}, routing::post};
+    /// use idemstore::{Guard, Key, MemoryStore, tower::IdempotencyLayer};
+    /// use tower::ServiceExt;
+    ///
+    /// let layer = IdempotencyLayer::new(Guard::new(MemoryStore::new()))
+    ///     .require_key(true)
+    ///     .key_from_json("/request_id")?;
+    /// let app = Router::new()
+    ///     .route("/transfers", post(|axum::Extension(key): axum::Extension<Key>| async move {
+    ///         (StatusCode::CREATED, key.id().to_vec())
+    ///     }))
+    ///     .layer(layer);
+    /// let send = || Request::post("/transfers").body(Body::from(r#"{"request_id": "t-7", "amount": 5}"#)).unwrap();
+    /// let first = app.clone().oneshot(send()).await?;
+    /// assert_eq!(first.status(), StatusCode::CREATED);
+    /// let retry = app.clone().oneshot(send()).await?;
+    /// assert_eq!(retry.headers()["idempotent-replayed"], "true");
+    /// // No header and no field: 400, since the key is required.
+    /// let none = app.oneshot(Request::post("/transfers").body(Body::from("{}")).unwrap()).await?;
+    /// assert_eq!(none.status(), StatusCode::BAD_REQUEST);
+    /// # Ok(()) }
+    /// ```
+    pub fn key_from_json(self, pointer: impl AsRef<str>) -> Result<IdempotencyLayer> {
+        let pointer = JsonPointer::new(pointer.as_ref())?;
+        Ok(self.config(|c| c.key_from_json = Some(pointer)))
+    }
+
     /// The largest request body read for the fingerprint (default
     /// [`DEFAULT_MAX_REQUEST_BODY_BYTES`](super::DEFAULT_MAX_REQUEST_BODY_BYTES), at most
     /// [`MAX_BODY_BYTES_HARD_CAP`]); a larger one gets 413.
@@ -142,6 +271,33 @@ impl IdempotencyLayer {
         self.config(|c| {
             c.problem_types.insert(kind, uri);
         })
+    }
+
+    /// The policy this layer applies, with the guard's lease and retention,
+    /// to publish (the IETF draft asks a resource to publish its
+    /// idempotency specification): [`Policy::to_json`] for clients,
+    /// `Display` for people. Serve each route's own, since each
+    /// `route_layer` may differ.
+    ///
+    /// ```
+    /// use idemstore::{Guard, MemoryStore, tower::IdempotencyLayer};
+    /// use axum::{Router, routing::get};
+    ///
+    /// let layer = IdempotencyLayer::new(Guard::new(MemoryStore::new())).require_key(true);
+    /// let published = layer.policy().to_json().to_string();
+    /// let app: Router = Router::new().route(
+    ///     "/idempotency-policy",
+    ///     get(move || std::future::ready(([("content-type", "application/json")], published))),
+    /// );
+    /// assert!(layer.policy().to_string().contains("required"));
+    /// ```
+    pub fn policy(&self) -> Policy {
+        Policy::new(
+            &self.config,
+            self.guard.lease(),
+            self.guard.renewal_interval(),
+            self.guard.retention(),
+        )
     }
 }
 

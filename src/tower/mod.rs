@@ -27,7 +27,10 @@
 //! Stripe's practice:
 //!
 //! - The key is the `Idempotency-Key` header, as a structured-field string
-//!   (`"8e03978e"`) or a bare value, 1..=255 bytes of visible ASCII.
+//!   (`"8e03978e"`) or a bare value, 1..=255 bytes of visible ASCII. For a
+//!   client that cannot send a header,
+//!   [`key_from_json`](IdempotencyLayer::key_from_json) takes it from a
+//!   string field of a JSON body when the header is absent.
 //! - POST and PATCH are guarded by default ([`IdempotencyLayer::methods`]);
 //!   other methods, and requests without a key unless
 //!   [`require_key`](IdempotencyLayer::require_key) is on, pass through.
@@ -36,6 +39,11 @@
 //!   [`fingerprint_headers`](IdempotencyLayer::fingerprint_headers), computed
 //!   once before the handler runs. The body is read into memory for it, up
 //!   to [`max_request_body_bytes`](IdempotencyLayer::max_request_body_bytes).
+//!   With [`fingerprint_json_fields`](IdempotencyLayer::fingerprint_json_fields)
+//!   only the named fields of a JSON body count, so a retry that adds a
+//!   timestamp or reorders members is still a retry.
+//! - [`IdempotencyLayer::policy`] renders all of this, with the guard's
+//!   lease and retention, for the service to publish ([`Policy`]).
 //! - The handler sees its [`Claim`](crate::Claim) and the parsed
 //!   [`Key`](crate::Key) (scope and id, the header's quoting removed) as
 //!   request extensions (`Extension<Claim>`, `Extension<Key>` in axum):
@@ -63,6 +71,7 @@
 //! | no key, key required | 400 problem+json | no |
 //! | key not 1..=255 visible ASCII, or two keys | 400 problem+json saying why | no |
 //! | request body over the limit | 413 problem+json | no |
+//! | JSON fields fingerprinted and the body is not JSON | 400 problem+json | no |
 //! | first request | the handler's response, stored | yes, once |
 //! | retry after completion | the stored status, headers and body + `Idempotent-Replayed: true` | no |
 //! | retry while the first runs | 409 + `Retry-After` (remaining lease, seconds rounded up) | no |
@@ -79,13 +88,57 @@
 //! `title` for each kind of answer ([`Problem`]: the `type` is the kind's
 //! entry in these docs), the `status`, and a `detail` saying what happened
 //! to this request.
+//!
+//! # Settings per route
+//!
+//! Each route may identify its requests differently: give each its own
+//! layer with axum's `route_layer`, over one guard (one store). Here
+//! `/payments` requires the header and compares the amount and currency
+//! alone; `/transfers` serves a client that cannot send headers, so its key
+//! is the body's `request_id`. Each layer's [`policy`](IdempotencyLayer::policy)
+//! is what to publish for its route (`examples/payments_api.rs` serves them).
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! use axum::{Router, body::Body, http::{Request, StatusCode}, routing::post};
+//! use idemstore::{Guard, MemoryStore, tower::IdempotencyLayer};
+//! use tower::ServiceExt;
+//!
+//! let guard = Guard::new(MemoryStore::new()); // RedbStore in production
+//! let payments = IdempotencyLayer::new(guard.clone())
+//!     .require_key(true)
+//!     .fingerprint_json_fields(["/amount", "/currency"])?;
+//! let transfers = IdempotencyLayer::new(guard)
+//!     .require_key(true)
+//!     .key_from_json("/request_id")?
+//!     .fingerprint_json_fields(["/from", "/to", "/amount"])?;
+//! let app = Router::new()
+//!     .route("/payments", post(|| async { StatusCode::CREATED }).route_layer(payments))
+//!     .route("/transfers", post(|| async { StatusCode::CREATED }).route_layer(transfers));
+//!
+//! let transfer = |sent_at: &str| {
+//!     let body = format!(r#"{{"request_id": "t-1", "from": "a", "to": "b", "amount": 5, "sent_at": "{sent_at}"}}"#);
+//!     Request::post("/transfers").body(Body::from(body)).unwrap()
+//! };
+//! let first = app.clone().oneshot(transfer("09:00")).await?;
+//! let retry = app.clone().oneshot(transfer("09:01")).await?; // a new timestamp: still a retry
+//! assert_eq!((first.status(), retry.status()), (StatusCode::CREATED, StatusCode::CREATED));
+//! assert_eq!(retry.headers()["idempotent-replayed"], "true");
+//! // /payments still requires its header.
+//! let payment = Request::post("/payments").body(Body::from(r#"{"amount": 5}"#))?;
+//! assert_eq!(app.oneshot(payment).await?.status(), StatusCode::BAD_REQUEST);
+//! # Ok(()) }
+//! ```
 
 mod body;
 mod config;
 mod header;
 mod layer;
+mod policy;
 mod problem;
 mod reply;
+mod request;
 mod service;
 
 pub use body::ResponseBody;
@@ -94,5 +147,6 @@ pub use config::{
 };
 pub use header::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
 pub use layer::IdempotencyLayer;
+pub use policy::Policy;
 pub use problem::Problem;
 pub use service::{Idempotency, ResponseFuture};

@@ -27,6 +27,11 @@ pub enum Problem {
     KeyInvalid,
     /// 400: the request body could not be read.
     BodyUnreadable,
+    /// 400: the layer fingerprints JSON body fields
+    /// ([`fingerprint_json_fields`](crate::tower::IdempotencyLayer::fingerprint_json_fields))
+    /// and the body is not JSON, so the request's fingerprint cannot be
+    /// computed: the handler does not run.
+    BodyNotJson,
     /// 413 (Content Too Large): the request body is over the layer's limit.
     RequestTooLarge,
     /// 409 (Conflict) with `Retry-After`: a request with this key is being
@@ -61,9 +66,10 @@ impl Problem {
     /// ```
     pub fn status(self) -> StatusCode {
         match self {
-            Problem::KeyMissing | Problem::KeyInvalid | Problem::BodyUnreadable => {
-                StatusCode::BAD_REQUEST
-            }
+            Problem::KeyMissing
+            | Problem::KeyInvalid
+            | Problem::BodyUnreadable
+            | Problem::BodyNotJson => StatusCode::BAD_REQUEST,
             Problem::RequestTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Problem::InFlight => StatusCode::CONFLICT,
             Problem::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
@@ -86,6 +92,7 @@ impl Problem {
             Problem::KeyMissing => "Idempotency-Key required",
             Problem::KeyInvalid => "Invalid Idempotency-Key",
             Problem::BodyUnreadable => "Request body unreadable",
+            Problem::BodyNotJson => "Request body is not JSON",
             Problem::RequestTooLarge => "Request content too large",
             Problem::InFlight => "Request with this Idempotency-Key in progress",
             Problem::KeyReused => "Idempotency-Key reused with another request",
@@ -113,10 +120,11 @@ impl Problem {
 mod tests {
     use super::*;
 
-    const ALL: [Problem; 11] = [
+    const ALL: [Problem; 12] = [
         Problem::KeyMissing,
         Problem::KeyInvalid,
         Problem::BodyUnreadable,
+        Problem::BodyNotJson,
         Problem::RequestTooLarge,
         Problem::InFlight,
         Problem::KeyReused,

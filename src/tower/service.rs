@@ -4,7 +4,8 @@ use super::body::{Buffered, ResponseBody, buffer};
 use super::config::{Config, DoNotStore, StorePolicy};
 use super::header::parse_key;
 use super::problem::Problem;
-use super::reply::{fingerprint, from_snapshot, problem, problem_retry_after, remaining, snapshot};
+use super::reply::{from_snapshot, problem, problem_retry_after, remaining, snapshot};
+use super::request::{ReadBody, fingerprint, key_from_body, missing_key};
 use crate::error::BoxError;
 use crate::guard::{Guard, Outcome};
 use crate::key::Key;
@@ -148,14 +149,14 @@ where
             return self.passthrough(req);
         }
         let id = match parse_key(req.headers()) {
-            Ok(Some(id)) => id,
+            Ok(Some(id)) => Some(id),
+            // No header: the key may be a field of the body, which the
+            // guarded future reads.
+            Ok(None) if self.config.key_from_json.is_some() => None,
             Ok(None) if !self.config.require_key => return self.passthrough(req),
             Ok(None) => {
-                return ready(problem(
-                    &self.config,
-                    Problem::KeyMissing,
-                    "this request needs an Idempotency-Key header",
-                ));
+                let detail = missing_key(&self.config);
+                return ready(problem(&self.config, Problem::KeyMissing, &detail));
             }
             Err(why) => return ready(problem(&self.config, Problem::KeyInvalid, &why)),
         };
@@ -201,11 +202,13 @@ enum Failure<B, E> {
     BodyFailed,
 }
 
+/// The request under the guard: `id` is the header's key, or `None` when
+/// the key is to be read from the body (`key_from_json`).
 async fn guarded<S, ReqBody, ResBody>(
     mut inner: S,
     guard: Guard<Arc<dyn Store>>,
     config: Arc<Config>,
-    id: Vec<u8>,
+    id: Option<Vec<u8>>,
     req: Request<ReqBody>,
 ) -> Answer<ResBody, S::Error>
 where
@@ -232,14 +235,36 @@ where
             return Ok(problem(&config, Problem::BodyUnreadable, &detail));
         }
     };
+    let body = ReadBody::new(body);
+    let found = match id {
+        Some(id) => Ok(Some(id)),
+        None => key_from_body(&config, &body),
+    };
+    let id = match found {
+        Ok(Some(id)) => id,
+        // No key in the body either: unguarded, as a request without the
+        // header is (the body was read only to look).
+        Ok(None) if !config.require_key => {
+            let req = Request::from_parts(parts, ReqBody::from(body.into_bytes()));
+            let res = inner.call(req).await?;
+            return Ok(res.map(|b| ResponseBody::stream(Bytes::new(), b)));
+        }
+        Ok(None) => return Ok(problem(&config, Problem::KeyMissing, &missing_key(&config))),
+        Err(why) => return Ok(problem(&config, Problem::KeyInvalid, &why)),
+    };
     let scope = config.scope.as_ref().map_or_else(Vec::new, |f| f(&parts));
     let key = match Key::new(scope, id) {
         Ok(key) => key,
-        // The id was checked in `call`, so this is the scope: a server bug.
+        // The id was checked (`parse_key`, `key_from_body`), so this is the
+        // scope: a server bug.
         Err(e) => return Ok(problem(&config, Problem::ScopeInvalid, &e.to_string())),
     };
-    let fp = fingerprint(&parts, &body, &config.fingerprint_headers);
-    let mut req = Request::from_parts(parts, ReqBody::from(body));
+    // Never run the handler under a fingerprint that could not be computed.
+    let fp = match fingerprint(&parts, &body, &config) {
+        Ok(fp) => fp,
+        Err(why) => return Ok(problem(&config, Problem::BodyNotJson, &why)),
+    };
+    let mut req = Request::from_parts(parts, ReqBody::from(body.into_bytes()));
     // The handler reads the key as the layer parsed it (`Extension<Key>`
     // in axum): unquoted, with its scope, never reparsed from the header.
     req.extensions_mut().insert(key.clone());

@@ -1410,3 +1410,109 @@ fn the_fingerprint_command_computes_what_the_library_does() {
         .assert()
         .code(2);
 }
+
+/// A request through the real layer with JSON fields on a `RedbStore`,
+/// then `fingerprint` and `explain` with the same pointers: the CLI must
+/// compute the layer's fingerprint, or an operator asking "why 422?" is
+/// told about another request.
+#[cfg(feature = "tower")]
+#[test]
+fn the_cli_and_the_layer_agree_on_json_fields() {
+    use axum::{Router, body::Body, http::StatusCode, routing::post};
+    use idemstore::{Guard, tower::IdempotencyLayer};
+    use tower::ServiceExt;
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("payments.idem");
+    let p = path.to_str().unwrap();
+    {
+        let store = std::sync::Arc::new(RedbStore::open(&path).unwrap());
+        let layer = IdempotencyLayer::new(Guard::from_arc(std::sync::Arc::clone(&store)))
+            .fingerprint_headers([http::HeaderName::from_static("x-tenant")])
+            .fingerprint_json_fields(["/amount", "/currency"])
+            .unwrap();
+        let app = Router::new()
+            .route("/payments", post(|| async { StatusCode::CREATED }))
+            .layer(layer);
+        let req = http::Request::post("/payments?v=2")
+            .header("idempotency-key", "p-1")
+            .header("x-tenant", "acme")
+            .body(Body::from(
+                r#"{"currency": "EUR", "amount": 1250, "sent_at": "09:00:00"}"#,
+            ))
+            .unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let res = rt.block_on(app.oneshot(req)).unwrap();
+        assert_eq!(res.status(), StatusCode::CREATED);
+    }
+    let stored = store_fingerprint(&path, "p-1");
+    // The client's retry: another timestamp, the members reordered.
+    let retry = dir.path().join("retry.json");
+    std::fs::write(
+        &retry,
+        br#"{"sent_at":"09:00:05","amount":1250,"currency":"EUR"}"#,
+    )
+    .unwrap();
+    let r = retry.to_str().unwrap();
+    let request = [
+        "--method",
+        "POST",
+        "--path",
+        "/payments?v=2",
+        "--header",
+        "x-tenant: acme",
+        "--json-field",
+        "/currency",
+        "--json-field",
+        "/amount",
+        "--body",
+        r,
+    ];
+    let printed = stdout(
+        &idemstore()
+            .arg("fingerprint")
+            .args(request)
+            .assert()
+            .success(),
+    );
+    assert_eq!(printed.trim(), stored);
+    let v = run_json(&[&["explain", p, "p-1"][..], &request].concat());
+    assert_eq!(v["verdict"], "replay", "{v}");
+    assert_eq!(v["fingerprint_matches"], true, "{v}");
+    // Another amount: the 422 the layer gives, and the account names the value.
+    std::fs::write(&retry, br#"{"amount":1251,"currency":"EUR"}"#).unwrap();
+    let text = stdout(
+        &idemstore()
+            .args(["explain", p, "p-1"])
+            .args(request)
+            .assert()
+            .success(),
+    );
+    assert!(text.contains("verdict      CONFLICT (HTTP 422)"), "{text}");
+    assert!(
+        text.contains("/amount = 1251, /currency = \"EUR\""),
+        "{text}"
+    );
+    // Without the pointers the whole body is fingerprinted, which is not
+    // what this layer does: the CLI says DIFFERS even for the same body.
+    std::fs::write(&retry, br#"{"amount":1250,"currency":"EUR"}"#).unwrap();
+    let v = run_json(&[&["explain", p, "p-1"][..], &request[..6], &request[10..]].concat());
+    assert_eq!(v["fingerprint_matches"], false, "{v}");
+    // A pointer that is not RFC 6901 is a usage error.
+    let bad = idemstore()
+        .args(["fingerprint", "--json-field", "amount", "--body", r])
+        .args(["--method", "POST", "--path", "/payments"])
+        .assert()
+        .code(2);
+    assert!(stderr(&bad).contains("RFC 6901"), "{}", stderr(&bad));
+}
+
+/// The stored fingerprint of `id` (empty scope), as `get --json` prints it.
+#[cfg(feature = "tower")]
+fn store_fingerprint(path: &Path, id: &str) -> String {
+    let v = run_json(&["get", path.to_str().unwrap(), id]);
+    v["fingerprint"].as_str().unwrap().to_owned()
+}

@@ -33,6 +33,8 @@ mod observability;
 mod orders_service;
 #[cfg(feature = "redb")]
 mod page_log;
+#[cfg(feature = "tower")]
+mod payments_api;
 #[cfg(feature = "postgres")]
 mod postgres;
 #[cfg(feature = "postgres")]
@@ -53,6 +55,8 @@ mod sled;
 mod stream_consumer;
 #[cfg(feature = "tower")]
 mod tower;
+#[cfg(feature = "tower")]
+mod tower_json;
 #[cfg(feature = "redb")]
 mod upgrade;
 mod waiting;

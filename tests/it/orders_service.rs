@@ -268,3 +268,36 @@ async fn out_of_stock_is_a_stored_409_that_charges_nothing() {
     );
     s.assert_charged_once(&[]);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_idempotency_policy_is_published() {
+    let s = start(Duration::ZERO).await;
+    let req = http::Request::get(format!("http://{}{}", s.addr, app::POLICY_PATH))
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let r = fetch(&s.client, req).await;
+    assert_eq!(r.status, StatusCode::OK, "{r:?}");
+    assert_eq!(r.headers["content-type"], "application/json");
+    let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+    // What this service's layer and guard do, not the defaults.
+    assert_eq!(v["version"], 1, "{v}");
+    assert_eq!(v["methods"], serde_json::json!(["POST", "PATCH"]));
+    assert_eq!(v["key"]["required"], true);
+    assert_eq!(v["key"]["header"], "Idempotency-Key");
+    assert_eq!(v["fingerprint"]["body"], "bytes");
+    assert_eq!(v["lease_ms"], LEASE.as_millis() as u64);
+    assert_eq!(v["retention_ms"], 24 * 3600 * 1000);
+    // Renewed every third of the lease while an order runs.
+    assert_eq!(v["renewal"]["every_ms"], (LEASE / 3).as_millis() as u64);
+    assert_eq!(v["limits"]["request_body_bytes"], app::MAX_ORDER_BYTES);
+    assert_eq!(v["unavailable"]["status"], 503);
+    // Served outside the layer: a key on the GET changes nothing.
+    let keyed = http::Request::get(format!("http://{}{}", s.addr, app::POLICY_PATH))
+        .header("idempotency-key", "o-policy")
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let again = fetch(&s.client, keyed).await;
+    assert_eq!((again.status, again.replayed()), (StatusCode::OK, false));
+    assert_eq!(again.body, r.body);
+    s.assert_charged_once(&[]);
+}

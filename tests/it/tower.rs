@@ -99,12 +99,12 @@ impl Reply {
             .get("idempotent-replayed")
             .is_some_and(|v| v == "true")
     }
-    fn is_problem(&self) -> bool {
+    pub fn is_problem(&self) -> bool {
         self.headers["content-type"] == "application/problem+json"
     }
     /// The problem body's `type`, `title` and `status`, checked against
     /// `kind` (and against the HTTP status).
-    fn assert_problem(&self, kind: Problem) {
+    pub fn assert_problem(&self, kind: Problem) {
         assert!(self.is_problem(), "{self:?}");
         let v: serde_json::Value = serde_json::from_str(&self.body).unwrap();
         assert_eq!(v["type"], kind.type_uri(), "{v}");

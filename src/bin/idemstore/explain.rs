@@ -9,8 +9,8 @@
 use super::format::{duration_ms, rfc3339, when};
 use super::keys::{key_json, shown};
 use super::{EXIT_OK, EXIT_USAGE, Failure, Io, Outcome};
-use idemstore::limits::{DEFAULT_LEASE, DEFAULT_RETENTION};
-use idemstore::{Begin, Fingerprint, Key, Record, RedbStore, State, logic};
+use idemstore::limits::{DEFAULT_LEASE, DEFAULT_RETENTION, MAX_JSON_FIELDS};
+use idemstore::{Begin, Fingerprint, JsonPointer, Key, Record, RedbStore, State, logic};
 use serde_json::json;
 use std::path::PathBuf;
 
@@ -18,14 +18,16 @@ use std::path::PathBuf;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub(crate) enum Kind {
     /// As the HTTP layer (`IdempotencyLayer`): method, path and query,
-    /// body, then the configured headers (`Fingerprint::of_http`).
+    /// body, then the configured headers (`Fingerprint::of_http`; with
+    /// --json-field, `Fingerprint::of_http_json_fields`).
     #[default]
     Http,
     /// The body's bytes alone (`Fingerprint::of`), as a `Guard` caller
     /// that fingerprints a payload does.
     Bytes,
-    /// The body as JSON in canonical form (`Fingerprint::of_json`): key
-    /// order and whitespace do not matter.
+    /// The body as JSON in canonical form (`Fingerprint::of_json`; with
+    /// --json-field, `Fingerprint::of_json_fields`): key order and
+    /// whitespace do not matter.
     Json,
 }
 
@@ -47,6 +49,12 @@ pub(crate) struct RequestArgs {
     /// request does not have (--kind http).
     #[arg(long = "header", value_name = "NAME: VALUE")]
     pub(crate) header: Vec<String>,
+    /// A field of the JSON body that the layer fingerprints
+    /// (`fingerprint_json_fields`), as an RFC 6901 JSON Pointer (`/amount`);
+    /// repeat it for each field, in any order. The body must be JSON
+    /// (--kind http or json).
+    #[arg(long = "json-field", value_name = "POINTER")]
+    pub(crate) json_field: Vec<String>,
     /// The request body (a file; `-` for standard input). Empty when not given.
     #[arg(long)]
     pub(crate) body: Option<PathBuf>,
@@ -78,7 +86,8 @@ impl RequestArgs {
         let given = self.body.is_some()
             || self.method.is_some()
             || self.path.is_some()
-            || !self.header.is_empty();
+            || !self.header.is_empty()
+            || !self.json_field.is_empty();
         if !given {
             return Ok(None);
         }
@@ -110,12 +119,44 @@ impl RequestArgs {
                 "--method, --path and --header are for --kind http",
             ));
         }
+        let fields = parse_fields(&self.json_field)?;
+        if self.kind == Kind::Bytes && !fields.is_empty() {
+            return Err(Failure::new(
+                EXIT_USAGE,
+                "--json-field is for --kind http or --kind json",
+            ));
+        }
+        // With fields, the body must be JSON, as the layer requires (it
+        // answers 400 to a body that is not).
+        let fields_of = || -> Result<Option<serde_json::Value>, Failure> {
+            if fields.is_empty() {
+                return Ok(None);
+            }
+            serde_json::from_slice(&body).map(Some).map_err(|e| {
+                Failure::new(
+                    super::EXIT_ERROR,
+                    format!(
+                        "the body is not JSON ({e}); with --json-field the layer answers 400 \
+                         (Problem::BodyNotJson) and runs no handler"
+                    ),
+                )
+            })
+        };
         match self.kind {
             Kind::Bytes => Ok(Given {
                 fingerprint: Fingerprint::of(&body),
                 from: format!("Fingerprint::of over {body_desc}"),
             }),
             Kind::Json => {
+                if let Some(doc) = fields_of()? {
+                    return Ok(Given {
+                        fingerprint: Fingerprint::of_json_fields(&doc, &fields),
+                        from: format!(
+                            "Fingerprint::of_json_fields over {body_desc}, fields [{}]",
+                            describe_fields(&doc, &fields)
+                        ),
+                    });
+                }
                 let value: serde_json::Value = serde_json::from_slice(&body).map_err(|e| {
                     Failure::new(super::EXIT_ERROR, format!("the body is not JSON: {e}"))
                 })?;
@@ -140,16 +181,76 @@ impl RequestArgs {
                 let refs: Vec<(&str, &[&[u8]])> =
                     borrowed.iter().map(|(n, vs)| (*n, vs.as_slice())).collect();
                 let names: Vec<&str> = headers.iter().map(|(n, _)| n.as_str()).collect();
-                Ok(Given {
-                    fingerprint: Fingerprint::of_http(method, path, &body, &refs),
-                    from: format!(
-                        "the HTTP layer's: {method} {path}, {body_desc}, headers [{}]",
-                        names.join(", ")
-                    ),
+                let names = names.join(", ");
+                Ok(match &fields_of()? {
+                    None => Given {
+                        fingerprint: Fingerprint::of_http(method, path, &body, &refs),
+                        from: format!(
+                            "the HTTP layer's: {method} {path}, {body_desc}, headers [{names}]"
+                        ),
+                    },
+                    Some(doc) => Given {
+                        fingerprint: Fingerprint::of_http_json_fields(
+                            method, path, doc, &fields, &refs,
+                        ),
+                        from: format!(
+                            "the HTTP layer's with JSON fields: {method} {path}, {body_desc}, \
+                             fields [{}], headers [{names}]",
+                            describe_fields(doc, &fields)
+                        ),
+                    },
                 })
             }
         }
     }
+}
+
+/// The --json-field pointers, checked as the layer checks them (sorted,
+/// without repeats: the fingerprint takes them as a set).
+fn parse_fields(args: &[String]) -> Result<Vec<JsonPointer>, Failure> {
+    let mut fields = args
+        .iter()
+        .map(|p| {
+            JsonPointer::new(p.as_str())
+                .map_err(|e| Failure::new(EXIT_USAGE, format!("--json-field {p:?}: {e}")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    fields.sort();
+    fields.dedup();
+    if fields.len() > MAX_JSON_FIELDS {
+        return Err(Failure::new(
+            EXIT_USAGE,
+            format!(
+                "{} --json-field pointers; at most {MAX_JSON_FIELDS} are allowed",
+                fields.len()
+            ),
+        ));
+    }
+    Ok(fields)
+}
+
+/// Longest value shown for a field in a fingerprint's account.
+const SHOWN_VALUE_CHARS: usize = 60;
+
+/// `/amount = 1250, /note absent`: what each field contributed, so that an
+/// operator comparing two requests sees which value differs.
+fn describe_fields(doc: &serde_json::Value, fields: &[JsonPointer]) -> String {
+    let shown: Vec<String> = fields
+        .iter()
+        .map(|p| match p.get(doc) {
+            None => format!("{p} absent"),
+            Some(v) => {
+                let text = v.to_string();
+                if text.chars().count() > SHOWN_VALUE_CHARS {
+                    let cut: String = text.chars().take(SHOWN_VALUE_CHARS).collect();
+                    format!("{p} = {cut}...")
+                } else {
+                    format!("{p} = {text}")
+                }
+            }
+        })
+        .collect();
+    shown.join(", ")
 }
 
 /// `name: value` arguments grouped by name in first-seen order (names
@@ -449,6 +550,7 @@ mod tests {
             method: Some("POST".into()),
             path: Some("/orders".into()),
             header: vec!["x-tenant: acme".into()],
+            json_field: vec![],
             body: None,
         };
         let given = request.fingerprint().expect("fingerprint");
@@ -461,5 +563,61 @@ mod tests {
             ..request
         };
         assert!(no_path.fingerprint().is_err());
+    }
+
+    #[test]
+    fn json_fields_are_the_layers_and_named_with_their_values() {
+        let dir = std::env::temp_dir().join(format!("idemstore-explain-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let body = dir.join("payment.json");
+        std::fs::write(&body, br#"{"currency":"EUR","amount":1250,"ts":"x"}"#).expect("body");
+        let request = RequestArgs {
+            kind: Kind::Http,
+            method: Some("POST".into()),
+            path: Some("/payments".into()),
+            header: vec![],
+            json_field: vec!["/currency".into(), "/amount".into(), "/note".into()],
+            body: Some(body.clone()),
+        };
+        let given = request.fingerprint().expect("fingerprint");
+        let fields: Vec<JsonPointer> = ["/amount", "/currency", "/note"]
+            .iter()
+            .map(|p| JsonPointer::new(*p).expect("pointer"))
+            .collect();
+        let doc = serde_json::json!({"amount": 1250, "currency": "EUR"});
+        assert_eq!(
+            given.fingerprint,
+            Fingerprint::of_http_json_fields("POST", "/payments", &doc, &fields, &[])
+        );
+        assert!(
+            given
+                .from
+                .contains(r#"/amount = 1250, /currency = "EUR", /note absent"#),
+            "{}",
+            given.from
+        );
+        let json = RequestArgs {
+            kind: Kind::Json,
+            method: None,
+            path: None,
+            ..request
+        };
+        assert_eq!(
+            json.fingerprint().expect("fingerprint").fingerprint,
+            Fingerprint::of_json_fields(&doc, &fields)
+        );
+        for (kind, fields) in [(Kind::Bytes, vec!["/amount"]), (Kind::Json, vec!["amount"])] {
+            let bad = RequestArgs {
+                kind,
+                method: None,
+                path: None,
+                header: vec![],
+                json_field: fields.into_iter().map(String::from).collect(),
+                body: Some(body.clone()),
+            };
+            let err = bad.fingerprint().expect_err("usage");
+            assert_eq!(err.code, EXIT_USAGE);
+        }
+        std::fs::remove_dir_all(&dir).expect("cleanup");
     }
 }

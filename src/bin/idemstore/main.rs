@@ -15,7 +15,7 @@
 //! idemstore log         STORE
 //! idemstore verify      STORE
 //! idemstore export      STORE [--format jsonl] [-o FILE]
-//! idemstore fingerprint [--kind http|bytes|json] [--method M --path P] [--header 'name: value']... [--body FILE]
+//! idemstore fingerprint [--kind http|bytes|json] [--method M --path P] [--header 'name: value']... [--json-field POINTER]... [--body FILE]
 //! idemstore evict       STORE [--scope S] KEY [--hex] [--yes]  (writes)
 //! idemstore sweep       STORE
 //! idemstore compact     STORE
@@ -215,7 +215,7 @@ pub(crate) enum Command {
         key: keys::KeyArg,
         /// The request's fingerprint (64 hex digits, as `fingerprint`
         /// prints it) instead of the request options.
-        #[arg(long, conflicts_with_all = ["body", "method", "path", "header"])]
+        #[arg(long, conflicts_with_all = ["body", "method", "path", "header", "json_field"])]
         fingerprint: Option<String>,
         #[command(flatten)]
         request: explain::RequestArgs,
