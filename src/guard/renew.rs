@@ -378,6 +378,37 @@ mod tests {
         }
     }
 
+    /// The first renewal comes a third of the lease after the claim, not at
+    /// once; and a claim due before everything queued wakes the sleeping
+    /// timer (a thread asleep until a long lease's renewal would miss it).
+    #[test]
+    fn the_first_renewal_waits_and_an_earlier_claim_wakes_the_timer() {
+        let counting = |calls: &Arc<AtomicU64>| -> RenewFn {
+            let calls = Arc::clone(calls);
+            Box::new(move || {
+                calls.fetch_add(1, Ordering::SeqCst);
+                Ok(Claim::new(7, Timestamp::from_millis(2_000), false, 1))
+            })
+        };
+        let timer = Timer::start().expect("a thread");
+        let (slow, fast) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+        let c = Arc::<Counters>::default();
+        let long = Duration::from_secs(30);
+        let (_a, a) = renew_on(&timer, claim(), long, counting(&slow), Arc::clone(&c), true);
+        std::thread::sleep(Duration::from_millis(100));
+        assert_eq!(slow.load(Ordering::SeqCst), 0, "renewed at once");
+        // The timer sleeps until the slow claim's renewal, 10 s away.
+        let short = Duration::from_millis(30);
+        let (_b, b) = renew_on(&timer, claim(), short, counting(&fast), c, true);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while fast.load(Ordering::SeqCst) == 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(fast.load(Ordering::SeqCst) > 0, "the timer was not woken");
+        drop((a, b));
+        timer.stop();
+    }
+
     /// A dropped registration is renewed no more, and an error other than
     /// a stale claim is retried.
     #[test]
