@@ -424,12 +424,14 @@ async fn an_async_run_is_renewed_and_stops_renewing_when_dropped() {
     )
     .await;
     assert!(dropped.is_err(), "the run was cancelled");
+    // An async drop does not wait: a renewal already in progress may still
+    // land, but none starts after it.
     let after_drop = guard.stats().renewals;
     tokio::time::sleep(3 * lease).await;
-    assert_eq!(
-        guard.stats().renewals,
-        after_drop,
-        "no renewal after the drop"
+    let renewals = guard.stats().renewals;
+    assert!(
+        renewals <= after_drop + 1,
+        "renewed after the drop: {after_drop} then {renewals}"
     );
     let retry = store
         .begin(&other, &fp, idemstore::SystemClock.now(), lease, SEC)
