@@ -334,9 +334,8 @@ pub fn renew(
         return Err(Error::invalid_argument("lease must be at least 1 ms"));
     }
     let record = owned(existing, claim, Some(now))?;
-    let lease_until = record
-        .lease_until
-        .map_or(now + lease, |until| until.max(now + lease));
+    // A PROCESSING record always has a lease; it is never shortened.
+    let lease_until = (now + lease).max(record.lease_until.unwrap_or(Timestamp::EPOCH));
     let write = Record {
         lease_until: Some(lease_until),
         expires_at: record.expires_at.max(lease_until),
