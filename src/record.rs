@@ -388,3 +388,55 @@ pub(crate) fn check_durations(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::hash::{BuildHasher, RandomState};
+
+    fn at(ms: u64) -> Timestamp {
+        Timestamp::from_millis(ms)
+    }
+
+    /// Claims are equal (and hash alike) by token, lease, takeover and
+    /// attempt, each of which counts; what a guard's renewals learned does
+    /// not. Debug shows the live lease and a lost lease.
+    #[test]
+    fn claims_compare_by_their_fields_not_their_renewal() {
+        let hasher = RandomState::new();
+        let a = Claim::new(7, at(100), false, 1);
+        let mut renewed = a.clone();
+        let cell = Arc::new(Renewal::new(at(100)));
+        cell.renewed(at(500));
+        cell.lose();
+        renewed.renewal = Some(cell);
+        assert_eq!(a, renewed);
+        assert_eq!(hasher.hash_one(&a), hasher.hash_one(&renewed));
+        for other in [
+            Claim::new(8, at(100), false, 1),
+            Claim::new(7, at(101), false, 1),
+            Claim::new(7, at(100), true, 1),
+            Claim::new(7, at(100), false, 2),
+        ] {
+            assert_ne!(a, other);
+            assert_ne!(hasher.hash_one(&a), hasher.hash_one(&other), "{other:?}");
+        }
+        assert_eq!(
+            format!("{a:?}"),
+            format!(
+                "Claim {{ token: 7, lease_until: {:?}, takeover: false, attempt: 1 }}",
+                at(100)
+            )
+        );
+        let shown = format!("{renewed:?}");
+        assert!(
+            shown.contains(&format!("lease_until: {:?}", at(500))),
+            "{shown}"
+        );
+        assert!(shown.ends_with("lease_lost: true }"), "{shown}");
+        assert!(renewed.lease_lost() && !a.lease_lost());
+        assert_eq!((renewed.lease_until(), a.lease_until()), (at(500), at(100)));
+        assert_eq!((a.token(), a.attempt(), a.is_takeover()), (7, 1, false));
+        assert!(!a.is_unprotected() && Claim::unprotected().is_unprotected());
+    }
+}
