@@ -10,6 +10,7 @@
 //! - `builder.rs`: [`GuardBuilder`] and the policies it sets;
 //! - `outcome.rs`: [`Outcome`] and the counters ([`GuardStats`]);
 //! - `waiting.rs`: duplicates waiting for an owner in this process;
+//! - `renew.rs`: the process's timer that renews a running handler's lease;
 //! - this file: the [`Guard`] type, its constructors and accessors.
 
 mod builder;
