@@ -38,6 +38,8 @@ mod payments_api;
 #[cfg(feature = "postgres")]
 mod postgres;
 #[cfg(feature = "postgres")]
+mod postgres_cuts;
+#[cfg(feature = "postgres")]
 mod postgres_inbox;
 #[cfg(all(feature = "postgres", feature = "tokio"))]
 mod postgres_runtime;
