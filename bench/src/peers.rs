@@ -435,6 +435,8 @@ pub fn open_backend(name: &str, dir: &Path, durability: &str) -> BoxResult<Box<d
         "redb-raw" => Box::new(RedbRaw::open(dir)?),
         #[cfg(feature = "postgres")]
         "postgres" => Box::new(Postgres::open()?),
+        #[cfg(feature = "postgres")]
+        "postgres-hand" => Box::new(PgHand::open()?),
         // The server decides durability (its `appendfsync`): `durability`
         // does not apply.
         "redis" | "redis-always" | "redis-everysec" => Box::new(Redis::open(&redis_url(name)?)?),
@@ -548,6 +550,219 @@ impl Drop for Postgres {
     fn drop(&mut self) {
         if let Ok(mut c) = postgres::Client::connect(&self.url, postgres::NoTls) {
             let _ = c.batch_execute(&format!("DROP TABLE IF EXISTS \"{}\"", self.store.table()));
+        }
+    }
+}
+
+/// PostgreSQL as users write the request path by hand, beside
+/// `PostgresStore` on the same server: one `INSERT .. ON CONFLICT DO
+/// NOTHING RETURNING` to claim (a `SELECT` of the state when the key
+/// exists: a replay or busy), one conditional `UPDATE` to complete; one
+/// statement per call, each its own (autocommit) transaction, prepared once
+/// per connection, over a pool of the same size as `PostgresStore`'s
+/// ([`PG_POOL_SIZE`]). A fresh table per backend, dropped with it.
+#[cfg(feature = "postgres")]
+pub struct PgHand {
+    pool: Arc<PgPool>,
+    url: String,
+    table: String,
+}
+
+#[cfg(feature = "postgres")]
+struct PgConn {
+    client: postgres::Client,
+    claim: postgres::Statement,
+    state: postgres::Statement,
+    complete: postgres::Statement,
+}
+
+/// Connections made on demand up to [`PG_POOL_SIZE`], handed out one
+/// call at a time.
+#[cfg(feature = "postgres")]
+struct PgPool {
+    url: String,
+    table: String,
+    idle: std::sync::Mutex<(Vec<PgConn>, u32)>,
+    freed: std::sync::Condvar,
+}
+
+#[cfg(feature = "postgres")]
+impl PgPool {
+    fn connect(&self) -> BoxResult<PgConn> {
+        let mut client = postgres::Client::connect(&self.url, postgres::NoTls)?;
+        let t = &self.table;
+        let claim = client.prepare(&format!(
+            "INSERT INTO \"{t}\" (scope, id, fp, state, lease_until, expires_at, token)
+             VALUES ($1, $2, $3, 0, $4, $5, nextval('\"{t}_seq\"'))
+             ON CONFLICT DO NOTHING RETURNING token"
+        ))?;
+        let state = client.prepare(&format!(
+            "SELECT state FROM \"{t}\" WHERE scope = $1 AND id = $2"
+        ))?;
+        let complete = client.prepare(&format!(
+            "UPDATE \"{t}\" SET state = 1, response = $1, lease_until = NULL, expires_at = $2
+             WHERE scope = $3 AND id = $4 AND token = $5 AND state = 0"
+        ))?;
+        Ok(PgConn {
+            client,
+            claim,
+            state,
+            complete,
+        })
+    }
+
+    /// Runs `f` on a pooled connection (a new one while under the size);
+    /// a connection whose call failed is not returned to the pool.
+    fn with<T>(&self, f: impl FnOnce(&mut PgConn) -> BoxResult<T>) -> BoxResult<T> {
+        let mut conn = {
+            let mut guard = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+            loop {
+                if let Some(conn) = guard.0.pop() {
+                    break Some(conn);
+                }
+                if guard.1 < PG_POOL_SIZE {
+                    guard.1 += 1;
+                    break None;
+                }
+                guard = self.freed.wait(guard).unwrap_or_else(|p| p.into_inner());
+            }
+        };
+        let mut fresh = match conn.take() {
+            Some(conn) => conn,
+            None => match self.connect() {
+                Ok(conn) => conn,
+                Err(e) => {
+                    self.idle.lock().unwrap_or_else(|p| p.into_inner()).1 -= 1;
+                    self.freed.notify_one();
+                    return Err(e);
+                }
+            },
+        };
+        let out = f(&mut fresh);
+        let mut guard = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        if out.is_ok() {
+            guard.0.push(fresh);
+        } else {
+            guard.1 -= 1;
+        }
+        self.freed.notify_one();
+        out
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl PgHand {
+    /// A fresh table (`hand_<pid>_<n>`, with its token sequence and expiry
+    /// index) on the server in [`PG_URL`] (else `IDEMSTORE_PG_URL`).
+    pub fn open() -> BoxResult<PgHand> {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let url = match PG_URL.get() {
+            Some(url) => url.clone(),
+            None => std::env::var("IDEMSTORE_PG_URL")
+                .map_err(|_| "postgres-hand needs --pg-url or IDEMSTORE_PG_URL")?,
+        };
+        let table = format!(
+            "hand_{}_{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        );
+        let mut c = postgres::Client::connect(&url, postgres::NoTls)?;
+        c.batch_execute(&format!(
+            "CREATE TABLE \"{table}\" (
+                 scope bytea NOT NULL, id bytea NOT NULL, fp bytea NOT NULL,
+                 state smallint NOT NULL, response bytea, lease_until bigint,
+                 expires_at bigint NOT NULL, token bigint NOT NULL,
+                 PRIMARY KEY (scope, id));
+             CREATE SEQUENCE \"{table}_seq\";
+             CREATE INDEX ON \"{table}\" (expires_at);"
+        ))?;
+        let pool = Arc::new(PgPool {
+            url: url.clone(),
+            table: table.clone(),
+            idle: std::sync::Mutex::new((Vec::new(), 0)),
+            freed: std::sync::Condvar::new(),
+        });
+        Ok(PgHand { pool, url, table })
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl Backend for PgHand {
+    fn name(&self) -> String {
+        "postgres, by hand (ON CONFLICT + UPDATE)".into()
+    }
+    fn client(&self) -> BoxResult<Box<dyn Client>> {
+        Ok(Box::new(PgHandClient(Arc::clone(&self.pool))))
+    }
+    fn file_bytes(&self) -> u64 {
+        0 // on the server
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl Drop for PgHand {
+    fn drop(&mut self) {
+        if let Ok(mut c) = postgres::Client::connect(&self.url, postgres::NoTls) {
+            let t = &self.table;
+            let _ = c.batch_execute(&format!(
+                "DROP TABLE IF EXISTS \"{t}\"; DROP SEQUENCE IF EXISTS \"{t}_seq\";"
+            ));
+        }
+    }
+}
+
+#[cfg(feature = "postgres")]
+struct PgHandClient(Arc<PgPool>);
+
+#[cfg(feature = "postgres")]
+impl Client for PgHandClient {
+    fn claim(&mut self, key: &Key, fp: &Fingerprint, now: Timestamp) -> BoxResult<Claimed> {
+        let now_ms = now.as_millis() as i64;
+        let (lease, keep) = (
+            now_ms + LEASE.as_millis() as i64,
+            now_ms + RETENTION.as_millis() as i64,
+        );
+        self.0.with(|c| {
+            let fp = fp.as_bytes().as_slice();
+            let rows = c
+                .client
+                .query(&c.claim, &[&key.scope(), &key.id(), &fp, &lease, &keep])?;
+            if let Some(row) = rows.first() {
+                let token: i64 = row.get(0);
+                return Ok(Claimed::Owned(Ticket::Token(token as u64)));
+            }
+            let row = c.client.query_one(&c.state, &[&key.scope(), &key.id()])?;
+            let state: i16 = row.get(0);
+            Ok(if state == 1 {
+                Claimed::Replay
+            } else {
+                Claimed::Busy
+            })
+        })
+    }
+
+    fn complete(
+        &mut self,
+        key: &Key,
+        ticket: Ticket,
+        response: &Response,
+        now: Timestamp,
+    ) -> BoxResult<()> {
+        let Ticket::Token(token) = ticket else {
+            return Err("foreign ticket".into());
+        };
+        let keep = now.as_millis() as i64 + RETENTION.as_millis() as i64;
+        let token = token as i64;
+        let updated = self.0.with(|c| {
+            Ok(c.client.execute(
+                &c.complete,
+                &[&response.body(), &keep, &key.scope(), &key.id(), &token],
+            )?)
+        })?;
+        if updated == 1 {
+            Ok(())
+        } else {
+            Err("stale claim".into())
         }
     }
 }

@@ -48,7 +48,16 @@ fn backends(redis: &[&'static str]) -> Vec<&'static str> {
 fn peers(redis: &[&'static str]) -> Vec<&'static str> {
     let mut v = vec!["sqlite", "redb-raw"];
     v.extend_from_slice(redis);
+    // The request path written by hand on the same PostgreSQL server as
+    // the `postgres` row (one statement per call, a pool of the same size).
+    if with_postgres() {
+        v.push("postgres-hand");
+    }
     v
+}
+
+fn with_postgres() -> bool {
+    cfg!(feature = "postgres") && std::env::var_os("IDEMSTORE_PG_URL").is_some()
 }
 
 fn ours() -> Vec<&'static str> {
@@ -60,7 +69,7 @@ fn ours() -> Vec<&'static str> {
     }
     // PostgresStore when a server is named (a throwaway one:
     // scripts/pg-test-cluster start DIR).
-    if cfg!(feature = "postgres") && std::env::var_os("IDEMSTORE_PG_URL").is_some() {
+    if with_postgres() {
         v.push("postgres");
     }
     v
