@@ -9,7 +9,9 @@
 //! cargo run --release -p idemstore-bench --bin loadgen -- --backend redis --redis-url redis://127.0.0.1:PORT
 //! ```
 //!
-//! Options: `--backend memory|redb|sled|sqlite|redb-raw|postgres|redis|redis-everysec`, `--clients N`,
+//! Options: `--backend memory|redb|sled|sqlite|redb-raw|postgres|postgres-hand|redis|redis-everysec`
+//! (`postgres-hand`: the request path written by hand on the same server as
+//! `postgres`, a peer), `--clients N`,
 //! `--keys N` (records loaded before measuring), `--dup-ratio F` (share of
 //! requests that re-send a completed key), `--response-bytes N`,
 //! `--durability immediate|relaxed|periodic:MS`, `--prefill-durability ...`
