@@ -11,7 +11,10 @@
 //! runs again and must get 201.
 
 use crate::peers::{BoxResult, open_backend, percentile};
-use crate::procstat::{ThreadSampler, ensure_open_files, peak_rss_bytes, threads};
+use crate::procstat::{
+    ThreadSampler, ensure_open_files, peak_rss_bytes, process_cpu_seconds, threads,
+    threads_cpu_seconds,
+};
 use axum::Router;
 use axum::extract::Extension;
 use axum::http::{StatusCode, header};
@@ -100,6 +103,11 @@ pub struct CellReport {
     pub peak_rss_bytes: u64,
     /// Requests per commit group, where the store batches (warm-up included).
     pub mean_group: Option<f64>,
+    /// CPU time per request in the window, µs, of everything but the load
+    /// client (the server runtime, the layer, the store and its threads).
+    pub server_cpu_us: f64,
+    /// CPU time per request in the window, µs, of the load client's threads.
+    pub client_cpu_us: f64,
 }
 
 impl CellReport {
@@ -129,6 +137,8 @@ impl CellReport {
             "peak_threads": self.peak_threads,
             "peak_rss_bytes": self.peak_rss_bytes,
             "mean_group": self.mean_group.map(round1),
+            "server_cpu_us_per_request": round1(self.server_cpu_us),
+            "client_cpu_us_per_request": round1(self.client_cpu_us),
             "seconds": (self.seconds * 1000.0).round() / 1000.0,
         })
     }
@@ -164,6 +174,8 @@ impl CellReport {
             peak_threads: int("peak_threads"),
             peak_rss_bytes: int("peak_rss_bytes"),
             mean_group: v.get("mean_group").and_then(serde_json::Value::as_f64),
+            server_cpu_us: num("server_cpu_us_per_request"),
+            client_cpu_us: num("client_cpu_us_per_request"),
         })
     }
 }
@@ -215,6 +227,10 @@ impl ConnStats {
         *self.errors.entry(kind.into()).or_default() += 1;
     }
 }
+
+/// The load client's runtime threads (their CPU is told apart from the
+/// server's).
+const CLIENT_THREADS: &str = "http-client";
 
 /// Runs one cell in this process: the store, the server, the load, the
 /// counts. The process's threads and peak RSS are the cell's only when
@@ -273,14 +289,14 @@ pub fn run_cell(p: &CellParams) -> BoxResult<CellReport> {
 
     let client = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(p.client_workers.max(1))
-        .thread_name("http-client")
+        .thread_name(CLIENT_THREADS)
         .enable_all()
         .build()?;
     let load = client.block_on(load(addr, p, layered));
     let peak_threads = sampler.stop();
     client.shutdown_timeout(Duration::from_secs(1));
     server.shutdown_timeout(Duration::from_secs(1));
-    let (stats, seconds, threads_at_start) = load?;
+    let (stats, seconds, threads_at_start, cpu) = load?;
     let mean_group = backend.as_ref().and_then(|b| b.avg_batch());
     drop(backend); // the PostgreSQL table is dropped here
 
@@ -294,10 +310,11 @@ pub fn run_cell(p: &CellParams) -> BoxResult<CellReport> {
             *errors.entry(kind.clone()).or_default() += n;
         }
     }
+    let requests = latencies.len() as u64;
     Ok(CellReport {
         variant: p.variant.clone(),
         connections: p.connections,
-        requests: latencies.len() as u64,
+        requests,
         seconds,
         p50_us: percentile(&mut latencies, 0.50),
         p99_us: percentile(&mut latencies, 0.99),
@@ -308,6 +325,8 @@ pub fn run_cell(p: &CellParams) -> BoxResult<CellReport> {
         peak_threads,
         peak_rss_bytes: peak_rss_bytes(),
         mean_group,
+        server_cpu_us: cpu.server * 1e6 / requests.max(1) as f64,
+        client_cpu_us: cpu.client * 1e6 / requests.max(1) as f64,
     })
 }
 
@@ -317,7 +336,7 @@ async fn load(
     addr: SocketAddr,
     p: &CellParams,
     layered: bool,
-) -> BoxResult<(Vec<ConnStats>, f64, u64)> {
+) -> BoxResult<(Vec<ConnStats>, f64, u64, Cpu)> {
     let phase = Arc::new(AtomicU8::new(WARMUP));
     let connected = Arc::new(tokio::sync::Barrier::new(p.connections + 1));
     let tasks: Vec<_> = (0..p.connections)
@@ -333,10 +352,18 @@ async fn load(
     let threads_at_start = threads();
     tokio::time::sleep(p.warmup).await;
     let started = Instant::now();
+    let cpu_at = |()| (process_cpu_seconds(), threads_cpu_seconds(CLIENT_THREADS));
+    let cpu_start = cpu_at(());
     phase.store(MEASURE, Ordering::Relaxed);
     tokio::time::sleep(p.duration).await;
     phase.store(STOP, Ordering::Relaxed);
+    let cpu_end = cpu_at(());
     let seconds = started.elapsed().as_secs_f64();
+    let client_cpu = cpu_end.1 - cpu_start.1;
+    let cpu = Cpu {
+        server: (cpu_end.0 - cpu_start.0 - client_cpu).max(0.0),
+        client: client_cpu,
+    };
     let mut stats = Vec::with_capacity(tasks.len());
     let mut unfinished = 0u64;
     let drain = tokio::time::Instant::now() + DRAIN_TIMEOUT;
@@ -354,7 +381,15 @@ async fn load(
             .or_default() = unfinished;
         stats.push(s);
     }
-    Ok((stats, seconds, threads_at_start))
+    Ok((stats, seconds, threads_at_start, cpu))
+}
+
+/// CPU seconds spent in the measured window.
+struct Cpu {
+    /// Everything but the load client's threads.
+    server: f64,
+    /// The load client's threads.
+    client: f64,
 }
 
 type Sender = hyper::client::conn::http1::SendRequest<Full<Bytes>>;

@@ -1,6 +1,8 @@
 //! This process's resources, from `/proc/self` (Linux; zeros elsewhere):
-//! peak RSS, the thread count sampled while a load runs, and the
-//! file-descriptor limit a load with thousands of sockets needs.
+//! peak RSS, the thread count sampled while a load runs, the CPU time spent
+//! (by the whole process, and by the threads whose names start with a
+//! prefix), and the file-descriptor limit a load with thousands of sockets
+//! needs.
 
 use crate::peers::BoxResult;
 use std::sync::Arc;
@@ -26,6 +28,46 @@ pub fn status_field(name: &str) -> Option<u64> {
 /// Peak resident set size of this process (Linux `VmHWM`), 0 elsewhere.
 pub fn peak_rss_bytes() -> u64 {
     status_field("VmHWM").map_or(0, |kb| kb * 1024)
+}
+
+/// Clock ticks per second of `/proc`'s CPU times (`USER_HZ`: 100 on every
+/// Linux the kernel's ABI supports).
+const USER_HZ: f64 = 100.0;
+
+/// User plus system CPU time in a `stat` line, in seconds: fields 14 and 15,
+/// counted after the `)` that ends the (thread) name.
+fn stat_cpu_seconds(stat: &str) -> Option<f64> {
+    let rest = stat.rsplit_once(')')?.1;
+    let mut fields = rest.split_whitespace().skip(11);
+    let utime: u64 = fields.next()?.parse().ok()?;
+    let stime: u64 = fields.next()?.parse().ok()?;
+    Some((utime + stime) as f64 / USER_HZ)
+}
+
+/// CPU seconds this process has used so far, threads that ended included
+/// (0 where `/proc` is missing).
+pub fn process_cpu_seconds() -> f64 {
+    std::fs::read_to_string("/proc/self/stat")
+        .ok()
+        .and_then(|s| stat_cpu_seconds(&s))
+        .unwrap_or(0.0)
+}
+
+/// CPU seconds used so far by this process's live threads whose name
+/// starts with `prefix` (names are cut to 15 bytes by the kernel).
+pub fn threads_cpu_seconds(prefix: &str) -> f64 {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return 0.0;
+    };
+    tasks
+        .filter_map(Result::ok)
+        .filter_map(|task| std::fs::read_to_string(task.path().join("stat")).ok())
+        .filter(|stat| {
+            stat.split_once('(')
+                .is_some_and(|(_, name)| name.starts_with(prefix))
+        })
+        .filter_map(|stat| stat_cpu_seconds(&stat))
+        .sum()
 }
 
 /// This process's threads now, 0 where `/proc` is missing.

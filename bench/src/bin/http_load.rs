@@ -245,6 +245,8 @@ impl Cell {
             "threads_at_start": self.median(|r| r.threads_at_start as f64),
             "peak_threads": self.median(|r| r.peak_threads as f64),
             "peak_rss_bytes": self.median(|r| r.peak_rss_bytes as f64),
+            "server_cpu_us_per_request": (self.median(|r| r.server_cpu_us) * 10.0).round() / 10.0,
+            "client_cpu_us_per_request": (self.median(|r| r.client_cpu_us) * 10.0).round() / 10.0,
             "mean_group": self.rounds.iter().any(|r| r.mean_group.is_some())
                 .then(|| (self.median(|r| r.mean_group.unwrap_or(0.0)) * 10.0).round() / 10.0),
         })
@@ -303,7 +305,7 @@ fn main() -> BoxResult<()> {
     if !a.json {
         println!();
         println!(
-            "{:>6} {:<12} {:>9} {:>7} {:>8} {:>8} {:>8} {:>10} {:>8} {:>8} {:>9} {:>6}",
+            "{:>6} {:<12} {:>9} {:>7} {:>8} {:>8} {:>8} {:>10} {:>8} {:>8} {:>9} {:>6} {:>10} {:>10}",
             "conns",
             "variant",
             "req/s",
@@ -315,7 +317,9 @@ fn main() -> BoxResult<()> {
             "errors",
             "threads",
             "RSS MiB",
-            "group"
+            "group",
+            "srv µs/req",
+            "cli µs/req"
         );
     }
     let mut failed = 0u64;
@@ -335,7 +339,7 @@ fn main() -> BoxResult<()> {
             }
             let num = |k: &str| v.get(k).and_then(serde_json::Value::as_f64).unwrap_or(0.0);
             println!(
-                "{:>6} {:<12} {:>9.0} {:>7} {:>8} {:>8} {:>8} {:>10.0} {:>8} {:>8.0} {:>9.1} {:>6}",
+                "{:>6} {:<12} {:>9.0} {:>7} {:>8} {:>8} {:>8} {:>10.0} {:>8} {:>8.0} {:>9.1} {:>6} {:>10.1} {:>10.1}",
                 connections,
                 variant,
                 cell.rps(),
@@ -350,6 +354,8 @@ fn main() -> BoxResult<()> {
                 v.get("mean_group")
                     .and_then(serde_json::Value::as_f64)
                     .map_or("-".to_owned(), |g| format!("{g:.1}")),
+                num("server_cpu_us_per_request"),
+                num("client_cpu_us_per_request"),
             );
             for (kind, n) in &errors {
                 println!("{:>16} {n} × {kind}", "");
