@@ -232,34 +232,37 @@ impl ConnStats {
 /// server's).
 const CLIENT_THREADS: &str = "http-client";
 
-/// Runs one cell in this process: the store, the server, the load, the
-/// counts. The process's threads and peak RSS are the cell's only when
-/// nothing else runs in it (`http_load` runs each cell in a child process).
-pub fn run_cell(p: &CellParams) -> BoxResult<CellReport> {
-    ensure_open_files(2 * p.connections as u64 + SPARE_FILES)?;
-    let sampler = ThreadSampler::start()?;
-    let dir = tempfile::tempdir()?;
-    let (backend, layer) = match p.variant.as_str() {
-        "none" => (None, None),
-        // Each claim and completion durable (the default), a fresh store.
-        name => {
-            let backend = match name {
-                // The same store with a durable commit every 100 ms instead
-                // of one per group: what the disk costs the layer.
-                "redb-relaxed" => open_backend("redb", dir.path(), "relaxed")?,
-                _ => open_backend(name, dir.path(), "immediate")?,
-            };
-            let store = backend
-                .store()
-                .ok_or_else(|| format!("{name} is not an idemstore store"))?;
-            (
-                Some(backend),
-                Some(IdempotencyLayer::new(Guard::new(store))),
-            )
-        }
-    };
-    let layered = layer.is_some();
+/// A variant's store (kept for its counters and dropped at the end) and
+/// the layer on it.
+type Variant = (
+    Option<Box<dyn crate::peers::Backend>>,
+    Option<IdempotencyLayer>,
+);
 
+/// A variant's store and layer (`None`, `None` for the bare app), with its
+/// files in `dir`.
+fn variant(name: &str, dir: &std::path::Path) -> BoxResult<Variant> {
+    if name == "none" {
+        return Ok((None, None));
+    }
+    // Each claim and completion durable (the default), a fresh store.
+    let backend = match name {
+        // The same store with a durable commit every 100 ms instead of one
+        // per group: what the disk costs the layer.
+        "redb-relaxed" => open_backend("redb", dir, "relaxed")?,
+        _ => open_backend(name, dir, "immediate")?,
+    };
+    let store = backend
+        .store()
+        .ok_or_else(|| format!("{name} is not an idemstore store"))?;
+    Ok((
+        Some(backend),
+        Some(IdempotencyLayer::new(Guard::new(store))),
+    ))
+}
+
+/// The server's runtime: `server_workers` threads named `http-server`.
+fn server_runtime(p: &CellParams) -> BoxResult<tokio::runtime::Runtime> {
     let mut server = tokio::runtime::Builder::new_multi_thread();
     server
         .worker_threads(p.server_workers.max(1))
@@ -268,7 +271,48 @@ pub fn run_cell(p: &CellParams) -> BoxResult<CellReport> {
     if let Some(n) = p.max_blocking_threads {
         server.max_blocking_threads(n.max(1));
     }
-    let server = server.build()?;
+    Ok(server.build()?)
+}
+
+/// Serves `variant`'s app on `127.0.0.1:port` for `seconds`, for a load
+/// client outside this program (`wrk`, see `bench/wrk/idempotency.lua`),
+/// and prints the address, then every second the process's CPU time so far.
+/// Stops by itself after `seconds`.
+pub fn serve(p: &CellParams, port: u16, seconds: f64) -> BoxResult<()> {
+    ensure_open_files(8_192)?;
+    let dir = tempfile::tempdir()?;
+    let (backend, layer) = variant(&p.variant, dir.path())?;
+    let server = server_runtime(p)?;
+    let listener = server.block_on(tokio::net::TcpListener::bind(("127.0.0.1", port)))?;
+    println!(
+        "http_load: serving {} on http://{} for {seconds} s (POST /orders)",
+        p.variant,
+        listener.local_addr()?
+    );
+    let app = app(layer);
+    server.spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    let until = std::time::Instant::now() + Duration::from_secs_f64(seconds);
+    while std::time::Instant::now() < until {
+        std::thread::sleep(Duration::from_secs(1));
+        println!("cpu {:.2} s", process_cpu_seconds());
+    }
+    server.shutdown_timeout(Duration::from_secs(1));
+    drop(backend);
+    Ok(())
+}
+
+/// Runs one cell in this process: the store, the server, the load, the
+/// counts. The process's threads and peak RSS are the cell's only when
+/// nothing else runs in it (`http_load` runs each cell in a child process).
+pub fn run_cell(p: &CellParams) -> BoxResult<CellReport> {
+    ensure_open_files(2 * p.connections as u64 + SPARE_FILES)?;
+    let sampler = ThreadSampler::start()?;
+    let dir = tempfile::tempdir()?;
+    let (backend, layer) = variant(&p.variant, dir.path())?;
+    let layered = layer.is_some();
+    let server = server_runtime(p)?;
     let listener = server.block_on(async {
         let socket = tokio::net::TcpSocket::new_v4()?;
         socket.set_reuseaddr(true)?;

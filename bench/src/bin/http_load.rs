@@ -35,13 +35,26 @@
 //! `--require-postgres`, `--smoke` (one round, 0.3 s + 0.1 s warm-up per
 //! cell, 16 and 64 connections).
 //!
+//! `--serve VARIANT [--port P] [--serve-seconds S]` runs only the server
+//! (default port 8080, 60 s, then it stops by itself) for a load client of
+//! your own; with `wrk`, `bench/wrk/idempotency.lua` sends every request
+//! with a fresh `Idempotency-Key` and re-sends a recent one for a share of
+//! them (docs/performance.md, "HTTP: the layer under load"):
+//!
+//! ```text
+//! cargo run --release -p idemstore-bench --bin http_load -- --serve redb --port 8080 --serve-seconds 30 &
+//! wrk -t2 -c64 -d10s -s bench/wrk/idempotency.lua http://127.0.0.1:8080/orders
+//! ```
+//!
 //! Each cell (one variant at one concurrency) runs in a child process (this
 //! binary with `--cell`), so that its peak thread count and peak RSS are its
 //! own: the server runtime, its blocking pool, the store, and the client
 //! runtime, which shares the machine's cores with the server. The run fails
 //! (exit 1, after the table) when any response failed its check.
 
-use idemstore_bench::http_load::{CellParams, CellReport, EXTRA_VARIANTS, VARIANTS, run_cell};
+use idemstore_bench::http_load::{
+    CellParams, CellReport, EXTRA_VARIANTS, VARIANTS, run_cell, serve,
+};
 use idemstore_bench::peers::{BoxResult, median};
 use std::collections::BTreeMap;
 use std::process::{Command, Stdio};
@@ -61,6 +74,12 @@ struct Args {
     require_postgres: bool,
     /// Set in a child: run this one variant at `connections[0]` and print its JSON.
     cell: Option<String>,
+    /// `--serve VARIANT`: only the server, for an outside load client.
+    serve: Option<String>,
+    /// `--port P` for `--serve` (0: any free port).
+    port: u16,
+    /// `--serve-seconds S`: how long `--serve` runs before it stops by itself.
+    serve_seconds: f64,
 }
 
 fn list<T: std::str::FromStr>(s: &str) -> BoxResult<Vec<T>>
@@ -87,6 +106,9 @@ fn parse() -> BoxResult<Args> {
         json: false,
         require_postgres: false,
         cell: None,
+        serve: None,
+        port: 8080,
+        serve_seconds: 60.0,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -110,6 +132,9 @@ fn parse() -> BoxResult<Args> {
                 a.rounds = 1;
             }
             "--cell" => a.cell = Some(value()?),
+            "--serve" => a.serve = Some(value()?),
+            "--port" => a.port = value()?.parse()?,
+            "--serve-seconds" => a.serve_seconds = value()?.parse()?,
             "-h" | "--help" => {
                 println!("see the doc comment at the top of bench/src/bin/http_load.rs");
                 std::process::exit(0);
@@ -259,6 +284,9 @@ fn ms(us: f64) -> String {
 
 fn main() -> BoxResult<()> {
     let a = parse()?;
+    if let Some(variant) = &a.serve {
+        return serve(&params(&a, variant, 1), a.port, a.serve_seconds);
+    }
     if let Some(variant) = &a.cell {
         let connections = a.connections.first().copied().ok_or("--connections")?;
         let report = run_cell(&params(&a, variant, connections))?;
