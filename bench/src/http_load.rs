@@ -16,8 +16,9 @@ use crate::procstat::{
     threads_cpu_seconds,
 };
 use axum::Router;
-use axum::extract::Extension;
+use axum::extract::{Extension, Request, State};
 use axum::http::{StatusCode, header};
+use axum::middleware::Next;
 use axum::response::IntoResponse;
 use axum::routing::post;
 use axum::serve::ListenerExt;
@@ -32,8 +33,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-/// The variants, in table order: no layer, then the layer on each store.
-pub const VARIANTS: [&str; 4] = ["none", "memory", "redb", "postgres"];
+/// The variants, in table order: no layer, then the layer on each store,
+/// then `redis-mw`: the idempotency middleware as users write it by hand on
+/// Redis (`SET NX PX` to claim, `SET XX PX` for the result, `GET` for a
+/// replay), when `IDEMSTORE_REDIS_URL` names a server (its durability is
+/// the server's `appendfsync`; CI's runs `always`).
+pub const VARIANTS: [&str; 5] = ["none", "memory", "redb", "postgres", "redis-mw"];
 
 /// Variants run only when listed: `redb-relaxed`, the layer on `RedbStore`
 /// with a durable commit every 100 ms instead of one per group.
@@ -201,11 +206,123 @@ async fn create_order(claim: Option<Extension<Claim>>, body: Bytes) -> impl Into
 }
 
 /// The app: `POST /orders`, behind the layer when there is one.
-pub fn app(layer: Option<IdempotencyLayer>) -> Router {
+pub async fn app(front: Front) -> BoxResult<Router> {
     let router = Router::new().route(PATH, post(create_order));
-    match layer {
-        Some(layer) => router.layer(layer),
-        None => router,
+    Ok(match front {
+        Front::None => router,
+        Front::Layer(layer) => router.layer(layer),
+        Front::Redis(url) => {
+            let con = redis::Client::open(url)?
+                .get_multiplexed_async_connection()
+                .await?;
+            // Keys of this app only: cells share the server, and a key
+            // another cell completed would replay here.
+            let run = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos());
+            let prefix = Arc::from(format!("idem:{}:{run}:", std::process::id()));
+            router.layer(axum::middleware::from_fn_with_state(
+                RedisMiddleware { con, prefix },
+                redis_idempotency,
+            ))
+        }
+    })
+}
+
+/// The hand-written peer's connection (multiplexed: every request shares
+/// it, as the redis crate recommends for async servers).
+#[derive(Clone)]
+struct RedisMiddleware {
+    con: redis::aio::MultiplexedConnection,
+    /// Before every key: this app's own key space.
+    prefix: Arc<str>,
+}
+
+/// How long the peer's claim holds (the guard's default lease) and how
+/// long its result is kept (the guard's default retention).
+const REDIS_LEASE_MS: u64 = 30_000;
+const REDIS_RETENTION_MS: u64 = 24 * 3600 * 1000;
+
+/// The idempotency middleware as users write it on Redis: `SET key P NX PX
+/// lease` claims; the claimant runs the handler and stores `D`, the status
+/// and the body with `SET key .. XX PX retention`; anyone else `GET`s the
+/// key: a stored result is replayed (`Idempotent-Replayed: true`), a claim
+/// is 409. No fingerprint, no fencing token, no Retry-After: what a short
+/// hand-written version has. A Redis error is 503.
+async fn redis_idempotency(
+    State(mw): State<RedisMiddleware>,
+    req: Request,
+    next: Next,
+) -> axum::response::Response {
+    let Some(key) = req
+        .headers()
+        .get(IDEMPOTENCY_KEY)
+        .and_then(|v| v.to_str().ok())
+        .map(|k| format!("{}{k}", mw.prefix))
+    else {
+        return next.run(req).await;
+    };
+    let unavailable = || StatusCode::SERVICE_UNAVAILABLE.into_response();
+    let mut con = mw.con.clone();
+    let claimed: redis::RedisResult<Option<String>> = redis::cmd("SET")
+        .arg(&key)
+        .arg("P")
+        .arg("NX")
+        .arg("PX")
+        .arg(REDIS_LEASE_MS)
+        .query_async(&mut con)
+        .await;
+    match claimed {
+        Ok(Some(_)) => {
+            let (parts, body) = next.run(req).await.into_parts();
+            let Ok(bytes) = body.collect().await.map(|b| b.to_bytes()) else {
+                return unavailable();
+            };
+            let mut value = Vec::with_capacity(3 + bytes.len());
+            value.push(b'D');
+            value.extend_from_slice(&parts.status.as_u16().to_be_bytes());
+            value.extend_from_slice(&bytes);
+            let stored: redis::RedisResult<Option<String>> = redis::cmd("SET")
+                .arg(&key)
+                .arg(value)
+                .arg("XX")
+                .arg("PX")
+                .arg(REDIS_RETENTION_MS)
+                .query_async(&mut con)
+                .await;
+            if stored.is_err() {
+                return unavailable();
+            }
+            axum::response::Response::from_parts(parts, axum::body::Body::from(bytes))
+        }
+        Ok(None) => {
+            let found: redis::RedisResult<Option<Vec<u8>>> =
+                redis::cmd("GET").arg(&key).query_async(&mut con).await;
+            match found {
+                Ok(Some(v)) if matches!(v.as_slice(), [b'D', _, _, ..]) => {
+                    let [_, hi, lo, rest @ ..] = v.as_slice() else {
+                        return unavailable();
+                    };
+                    let status = u16::from_be_bytes([*hi, *lo]);
+                    let body = Bytes::copy_from_slice(rest);
+                    let mut res = axum::response::Response::new(axum::body::Body::from(body));
+                    *res.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::OK);
+                    let headers = res.headers_mut();
+                    headers.insert(
+                        IDEMPOTENT_REPLAYED,
+                        header::HeaderValue::from_static("true"),
+                    );
+                    headers.insert(
+                        header::CONTENT_TYPE,
+                        header::HeaderValue::from_static("application/json"),
+                    );
+                    res
+                }
+                Ok(_) => StatusCode::CONFLICT.into_response(),
+                Err(_) => unavailable(),
+            }
+        }
+        Err(_) => unavailable(),
     }
 }
 
@@ -233,17 +350,31 @@ impl ConnStats {
 const CLIENT_THREADS: &str = "http-client";
 
 /// A variant's store (kept for its counters and dropped at the end) and
-/// the layer on it.
-type Variant = (
-    Option<Box<dyn crate::peers::Backend>>,
-    Option<IdempotencyLayer>,
-);
+/// what is in front of the app.
+type Variant = (Option<Box<dyn crate::peers::Backend>>, Front);
+
+/// What is in front of the app.
+pub enum Front {
+    /// Nothing: the bare app.
+    None,
+    /// idemstore's layer.
+    Layer(IdempotencyLayer),
+    /// The hand-written Redis middleware, on the server named by this URL
+    /// (connected on the server's runtime).
+    Redis(String),
+}
 
 /// A variant's store and layer (`None`, `None` for the bare app), with its
 /// files in `dir`.
 fn variant(name: &str, dir: &std::path::Path) -> BoxResult<Variant> {
-    if name == "none" {
-        return Ok((None, None));
+    match name {
+        "none" => return Ok((None, Front::None)),
+        "redis-mw" => {
+            let url = std::env::var("IDEMSTORE_REDIS_URL")
+                .map_err(|_| "redis-mw needs IDEMSTORE_REDIS_URL (scripts/redis-test-server)")?;
+            return Ok((None, Front::Redis(url)));
+        }
+        _ => {}
     }
     // Each claim and completion durable (the default), a fresh store.
     let backend = match name {
@@ -257,7 +388,7 @@ fn variant(name: &str, dir: &std::path::Path) -> BoxResult<Variant> {
         .ok_or_else(|| format!("{name} is not an idemstore store"))?;
     Ok((
         Some(backend),
-        Some(IdempotencyLayer::new(Guard::new(store))),
+        Front::Layer(IdempotencyLayer::new(Guard::new(store))),
     ))
 }
 
@@ -281,15 +412,15 @@ fn server_runtime(p: &CellParams) -> BoxResult<tokio::runtime::Runtime> {
 pub fn serve(p: &CellParams, port: u16, seconds: f64) -> BoxResult<()> {
     ensure_open_files(8_192)?;
     let dir = tempfile::tempdir()?;
-    let (backend, layer) = variant(&p.variant, dir.path())?;
+    let (backend, front) = variant(&p.variant, dir.path())?;
     let server = server_runtime(p)?;
+    let app = server.block_on(app(front))?;
     let listener = server.block_on(tokio::net::TcpListener::bind(("127.0.0.1", port)))?;
     println!(
         "http_load: serving {} on http://{} for {seconds} s (POST /orders)",
         p.variant,
         listener.local_addr()?
     );
-    let app = app(layer);
     server.spawn(async move {
         let _ = axum::serve(listener, app).await;
     });
@@ -310,9 +441,10 @@ pub fn run_cell(p: &CellParams) -> BoxResult<CellReport> {
     ensure_open_files(2 * p.connections as u64 + SPARE_FILES)?;
     let sampler = ThreadSampler::start()?;
     let dir = tempfile::tempdir()?;
-    let (backend, layer) = variant(&p.variant, dir.path())?;
-    let layered = layer.is_some();
+    let (backend, front) = variant(&p.variant, dir.path())?;
+    let layered = !matches!(front, Front::None);
     let server = server_runtime(p)?;
+    let app = server.block_on(app(front))?;
     let listener = server.block_on(async {
         let socket = tokio::net::TcpSocket::new_v4()?;
         socket.set_reuseaddr(true)?;
@@ -321,7 +453,6 @@ pub fn run_cell(p: &CellParams) -> BoxResult<CellReport> {
         socket.listen(u32::try_from(p.connections.max(1024)).unwrap_or(u32::MAX))
     })?;
     let addr = listener.local_addr()?;
-    let app = app(layer);
     server.spawn(async move {
         let listener = listener.tap_io(|tcp| {
             let _ = tcp.set_nodelay(true);
@@ -575,7 +706,7 @@ mod tests {
 
     /// Serves `app` and runs the load against it, expecting replays when
     /// `layered`.
-    fn drive(app: Router, layered: bool) -> Vec<ConnStats> {
+    fn drive(front: Front, layered: bool) -> Vec<ConnStats> {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
@@ -586,6 +717,7 @@ mod tests {
                 .await
                 .expect("bind");
             let addr = listener.local_addr().expect("addr");
+            let app = app(front).await.expect("app");
             tokio::spawn(async move { axum::serve(listener, app).await });
             load(addr, &params(), layered).await.expect("load").0
         })
@@ -604,10 +736,23 @@ mod tests {
     #[test]
     fn the_layer_passes_every_check() {
         let layer = IdempotencyLayer::new(Guard::new(MemoryStore::new()));
-        let stats = drive(app(Some(layer)), true);
+        let stats = drive(Front::Layer(layer), true);
         assert_eq!(errors(&stats), BTreeMap::new());
         assert!(stats.iter().map(|s| s.replays).sum::<u64>() > 0);
         assert!(stats.iter().map(|s| s.latencies_us.len()).sum::<usize>() > 0);
+    }
+
+    /// The hand-written Redis middleware passes the same checks (replays
+    /// included), against the server `IDEMSTORE_REDIS_URL` names; without
+    /// one there is nothing to check.
+    #[test]
+    fn the_redis_middleware_passes_every_check() {
+        let Ok(url) = std::env::var("IDEMSTORE_REDIS_URL") else {
+            return;
+        };
+        let stats = drive(Front::Redis(url), true);
+        assert_eq!(errors(&stats), BTreeMap::new());
+        assert!(stats.iter().map(|s| s.replays).sum::<u64>() > 0);
     }
 
     /// A child's report reaches the parent whole, the group size included
@@ -621,10 +766,13 @@ mod tests {
             seconds: 2.0,
             p50_us: 1_500.0,
             mean_group: Some(12.5),
+            server_cpu_us: 15.5,
+            client_cpu_us: 8.25,
             ..CellReport::default()
         };
         let back = CellReport::from_json(&report.json()).expect("parse");
         assert_eq!(back.mean_group, Some(12.5));
+        assert_eq!((back.server_cpu_us, back.client_cpu_us), (15.5, 8.3));
         assert_eq!(back.requests_per_sec(), 500.0);
         assert_eq!(back.p50_us, 1_500.0);
         report.mean_group = None;
@@ -636,7 +784,7 @@ mod tests {
     /// without the layer, checked as if it had one.
     #[test]
     fn a_layer_that_does_not_replay_fails_the_checks() {
-        let stats = drive(app(None), true);
+        let stats = drive(Front::None, true);
         let errors = errors(&stats);
         assert!(
             errors

@@ -11,6 +11,11 @@
 //! - `postgres`: the layer on `PostgresStore`, when `IDEMSTORE_PG_URL` names
 //!   a server and the `postgres` feature is on ("skipped" otherwise;
 //!   `--require-postgres` fails instead).
+//! - `redis-mw`: the idempotency middleware as users write it by hand on
+//!   Redis (`SET NX PX` to claim, `SET XX PX` for the result, `GET` for a
+//!   replay; no fingerprint, no fencing token), when `IDEMSTORE_REDIS_URL`
+//!   names a server (CI's and `scripts/redis-test-server`'s default run
+//!   `appendfsync always`), "skipped" otherwise;
 //! - `redb-relaxed` (only when listed): the layer on `RedbStore` with
 //!   `Durability::Periodic` (a durable commit every 100 ms), which shows
 //!   how much of `redb`'s cost is the disk and how much the commit line.
@@ -294,11 +299,19 @@ fn main() -> BoxResult<()> {
         return Ok(());
     }
     let pg = postgres_available(&a)?;
+    // The hand-written Redis middleware peer, where a server is named.
+    let redis = std::env::var_os("IDEMSTORE_REDIS_URL").is_some();
+    if !redis && !a.json && a.variants.iter().any(|v| v == "redis-mw") {
+        println!(
+            "redis-mw: skipped, IDEMSTORE_REDIS_URL not set (scripts/redis-test-server start DIR)"
+        );
+    }
     let variants: Vec<&str> = a
         .variants
         .iter()
         .map(String::as_str)
         .filter(|v| *v != "postgres" || pg)
+        .filter(|v| *v != "redis-mw" || redis)
         .collect();
     if !a.json {
         println!(
