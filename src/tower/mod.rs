@@ -74,11 +74,12 @@
 //! | JSON fields fingerprinted and the body is not JSON | 400 problem+json | no |
 //! | first request | the handler's response, stored | yes, once |
 //! | retry after completion | the stored status, headers and body + `Idempotent-Replayed: true` | no |
-//! | retry while the first runs | 409 + `Retry-After` (remaining lease, seconds rounded up) | no |
+//! | retry while the first runs | 409 + `Retry-After` (remaining lease, seconds rounded up; the guard renews the lease while the handler runs) | no |
 //! | ... with waiting on, first runs in this process | the first's response + `Idempotent-Replayed: true` | no |
 //! | same key, different fingerprint | 422 problem+json | no |
 //! | store unavailable | 503 + `Retry-After` problem+json (fail closed) | no |
 //! | handler ran, storing failed (`NotStored`) | the handler's response, not stored; retries get 409 until the lease ends, then run again | yes |
+//! | handler ran, but a renewal found its claim taken over meanwhile (`LeaseLost`) | the handler's response, not stored (the new owner answers retries) | yes |
 //! | 5xx under `AllButServerErrors`, or `DoNotStore` | the handler's response, not stored, claim released | yes |
 //! | response body over the response limit | the handler's response, streamed, not stored; the claim follows the guard's `OnHandlerError` | yes |
 //! | expired lease under `TakeoverPolicy::Reconcile` (`Unknown`) | 500 problem+json; the claim is kept until its lease ends (reconcile out of band) | no |
