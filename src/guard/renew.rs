@@ -35,13 +35,13 @@ use crate::store::Store;
 // seam a model checker can stand in for (src/sync.rs; the schedules are in
 // this file's `shuttle_tests`).
 use crate::sync::{Condvar, Instant, Mutex, MutexGuard, thread};
-use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 /// A claim's lease is renewed every `lease / RENEW_FRACTION` while its
-/// handler runs (at least every millisecond).
+/// handler runs (at least every millisecond;
+/// [`Guard::renewal_interval`](super::Guard::renewal_interval)).
 ///
 /// ```
 /// assert_eq!(idemstore::RENEW_FRACTION, 3);
@@ -60,11 +60,15 @@ struct Task {
     counters: Arc<Counters>,
 }
 
+/// The registered claims. Every registered claim not being renewed right
+/// now has exactly one entry in `due`, and a run's drop takes its entry
+/// out: nothing is left behind per request, however many requests run.
 #[derive(Default)]
 struct State {
     /// When each registered claim is due, earliest first.
-    due: BinaryHeap<Reverse<(Instant, u64)>>,
-    tasks: HashMap<u64, Arc<Task>>,
+    due: BTreeSet<(Instant, u64)>,
+    /// Each registered claim, and the time of its entry in `due`.
+    tasks: HashMap<u64, (Arc<Task>, Instant)>,
     /// The claim being renewed now (outside the lock).
     running: Option<u64>,
     next_id: u64,
@@ -153,8 +157,8 @@ impl Timer {
                 // The lease stored so far still holds: try again later.
                 Err(_) => true,
             };
-            if again && state.tasks.contains_key(&id) {
-                state.due.push(Reverse((Instant::now() + task.every, id)));
+            if again {
+                state.schedule(id, Instant::now() + task.every);
             }
         }
     }
@@ -167,19 +171,29 @@ enum Next {
 }
 
 fn next_due(state: &mut State) -> Next {
+    let Some(&(at, id)) = state.due.first() else {
+        return Next::Sleep(None);
+    };
     let now = Instant::now();
-    while let Some(Reverse((at, id))) = state.due.peek().copied() {
-        let Some(task) = state.tasks.get(&id).cloned() else {
-            state.due.pop(); // deregistered
-            continue;
-        };
-        if at > now {
-            return Next::Sleep(Some(at.saturating_duration_since(now)));
-        }
-        state.due.pop();
-        return Next::Run(id, task);
+    if at > now {
+        return Next::Sleep(Some(at.saturating_duration_since(now)));
     }
-    Next::Sleep(None)
+    state.due.pop_first();
+    match state.tasks.get(&id) {
+        Some((task, _)) => Next::Run(id, Arc::clone(task)),
+        // Unreachable: an entry of `due` names a registered claim.
+        None => Next::Sleep(Some(Duration::ZERO)),
+    }
+}
+
+impl State {
+    /// `id`, still registered, is due `at` (its one entry in `due`).
+    fn schedule(&mut self, id: u64, at: Instant) {
+        if let Some((_, due)) = self.tasks.get_mut(&id) {
+            *due = at;
+            self.due.insert((at, id));
+        }
+    }
 }
 
 /// The process's timer, its thread started on first use; `None` when the
@@ -203,39 +217,26 @@ pub(super) struct Renewing {
 impl Drop for Renewing {
     fn drop(&mut self) {
         let mut state = self.timer.lock();
-        state.tasks.remove(&self.id);
+        if let Some((_, at)) = state.tasks.remove(&self.id) {
+            state.due.remove(&(at, self.id));
+        }
         while self.wait && state.running == Some(self.id) {
             state = self.timer.cv.wait(state).unwrap_or_else(|p| p.into_inner());
         }
     }
 }
 
-/// Registers `claim` for renewal by `renew` every `lease / RENEW_FRACTION`,
-/// and returns the claim the handler gets (its lease live, its loss
-/// visible) with the registration. `None`: the timer could not be started.
-pub(super) fn renew_while(
-    claim: Claim,
-    lease: Duration,
-    renew: RenewFn,
-    counters: Arc<Counters>,
-    wait: bool,
-) -> (Claim, Option<Renewing>) {
-    match timer() {
-        Some(timer) => renew_on(timer, claim, lease, renew, counters, wait),
-        None => (claim, None),
-    }
-}
-
-/// [`renew_while`] on a given timer.
+/// Registers `claim` for renewal by `renew` `every` so long, and returns
+/// the claim the handler gets (its lease live, its loss visible) with the
+/// registration. `None`: the timer could not be started.
 fn renew_on(
     timer: &Arc<Timer>,
     claim: Claim,
-    lease: Duration,
+    every: Duration,
     renew: RenewFn,
     counters: Arc<Counters>,
     wait: bool,
 ) -> (Claim, Option<Renewing>) {
-    let every = (lease / RENEW_FRACTION).max(Duration::from_millis(1)); // as Guard::renewal_interval
     let cell = Arc::new(Renewal::new(claim.lease_until()));
     let mut claim = claim;
     claim.renewal = Some(Arc::clone(&cell));
@@ -249,11 +250,11 @@ fn renew_on(
         let mut state = timer.lock();
         let id = state.next_id;
         state.next_id = state.next_id.wrapping_add(1);
-        state.tasks.insert(id, task);
         let due = Instant::now() + every;
         // Wake the thread when this renewal comes before everything queued.
-        let earliest = state.due.peek().is_none_or(|Reverse((at, _))| due < *at);
-        state.due.push(Reverse((due, id)));
+        let earliest = state.due.first().is_none_or(|&(at, _)| due < at);
+        state.tasks.insert(id, (task, due));
+        state.due.insert((due, id));
         if earliest {
             timer.cv.notify_all();
         }
@@ -273,14 +274,25 @@ impl<S: Store + 'static> Guard<S> {
         claim: Claim,
         wait: bool,
     ) -> (Claim, Option<Renewing>) {
-        if !self.renew {
+        let (Some(every), Some(timer)) = (self.renewal_interval(), timer()) else {
             return (claim, None);
-        }
+        };
         let (store, key, held) = (Arc::clone(&self.store), key.clone(), claim.clone());
         let (clock, lease) = (Arc::clone(&self.clock), self.lease);
         let renew: RenewFn = Box::new(move || store.renew(&key, &held, clock.now(), lease));
-        renew_while(claim, lease, renew, Arc::clone(&self.counters), wait)
+        renew_on(timer, claim, every, renew, Arc::clone(&self.counters), wait)
     }
+}
+
+/// A renewal for the timer's tests: counts its calls in `calls` and
+/// answers the `n`th with `answer(n)` (from 1).
+#[cfg(test)]
+fn counting(
+    calls: &Arc<std::sync::atomic::AtomicU64>,
+    answer: impl Fn(u64) -> Result<Claim> + Send + Sync + 'static,
+) -> RenewFn {
+    let calls = Arc::clone(calls);
+    Box::new(move || answer(calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1))
 }
 
 #[cfg(test)]
@@ -306,30 +318,19 @@ mod tests {
     #[test]
     fn renewals_move_the_lease_until_one_is_stale() {
         let calls = Arc::new(AtomicU64::new(0));
-        let seen = Arc::clone(&calls);
-        let renew: RenewFn = Box::new(move || {
-            let n = seen.fetch_add(1, Ordering::SeqCst) + 1;
-            if n < 3 {
-                Ok(Claim::new(
-                    7,
-                    Timestamp::from_millis(1_000 + n * 100),
-                    false,
-                    1,
-                ))
-            } else {
-                Err(Error::StaleClaim)
-            }
+        let renew = counting(&calls, |n| match n {
+            1 | 2 => Ok(Claim::new(
+                7,
+                Timestamp::from_millis(1_000 + n * 100),
+                false,
+                1,
+            )),
+            _ => Err(Error::StaleClaim),
         });
         let c = Arc::<Counters>::default();
         let timer = Timer::start().expect("a thread");
-        let (claim, renewing) = renew_on(
-            &timer,
-            claim(),
-            Duration::from_millis(15),
-            renew,
-            Arc::clone(&c),
-            true,
-        );
+        let every = Duration::from_millis(5);
+        let (claim, renewing) = renew_on(&timer, claim(), every, renew, Arc::clone(&c), true);
         assert!(renewing.is_some());
         let deadline = Instant::now() + Duration::from_secs(10);
         while !claim.lease_lost() && Instant::now() < deadline {
@@ -356,20 +357,15 @@ mod tests {
     fn renewals_come_every_third_of_the_lease_not_in_a_loop() {
         for fails in [false, true] {
             let calls = Arc::new(AtomicU64::new(0));
-            let seen = Arc::clone(&calls);
-            let renew: RenewFn = Box::new(move || {
-                seen.fetch_add(1, Ordering::SeqCst);
-                if fails {
-                    Err(Error::backend("store down"))
-                } else {
-                    Ok(Claim::new(7, Timestamp::from_millis(2_000), false, 1))
-                }
+            let renew = counting(&calls, move |_| match fails {
+                true => Err(Error::backend("store down")),
+                false => Ok(Claim::new(7, Timestamp::from_millis(2_000), false, 1)),
             });
             let timer = Timer::start().expect("a thread");
-            let lease = Duration::from_millis(60);
+            let every = Duration::from_millis(20);
             let c = Arc::<Counters>::default();
-            let (_claim, renewing) = renew_on(&timer, claim(), lease, renew, c, true);
-            std::thread::sleep(10 * lease);
+            let (_claim, renewing) = renew_on(&timer, claim(), every, renew, c, true);
+            std::thread::sleep(30 * every); // ten leases
             drop(renewing);
             timer.stop();
             // About 30 at the cadence; a loop makes thousands.
@@ -383,23 +379,24 @@ mod tests {
     /// timer (a thread asleep until a long lease's renewal would miss it).
     #[test]
     fn the_first_renewal_waits_and_an_earlier_claim_wakes_the_timer() {
-        let counting = |calls: &Arc<AtomicU64>| -> RenewFn {
-            let calls = Arc::clone(calls);
-            Box::new(move || {
-                calls.fetch_add(1, Ordering::SeqCst);
-                Ok(Claim::new(7, Timestamp::from_millis(2_000), false, 1))
-            })
-        };
+        let renewed = |_| Ok(Claim::new(7, Timestamp::from_millis(2_000), false, 1));
         let timer = Timer::start().expect("a thread");
         let (slow, fast) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
         let c = Arc::<Counters>::default();
-        let long = Duration::from_secs(30);
-        let (_a, a) = renew_on(&timer, claim(), long, counting(&slow), Arc::clone(&c), true);
+        let long = Duration::from_secs(10);
+        let (_a, a) = renew_on(
+            &timer,
+            claim(),
+            long,
+            counting(&slow, renewed),
+            Arc::clone(&c),
+            true,
+        );
         std::thread::sleep(Duration::from_millis(100));
         assert_eq!(slow.load(Ordering::SeqCst), 0, "renewed at once");
         // The timer sleeps until the slow claim's renewal, 10 s away.
-        let short = Duration::from_millis(30);
-        let (_b, b) = renew_on(&timer, claim(), short, counting(&fast), c, true);
+        let short = Duration::from_millis(10);
+        let (_b, b) = renew_on(&timer, claim(), short, counting(&fast, renewed), c, true);
         let deadline = Instant::now() + Duration::from_secs(5);
         while fast.load(Ordering::SeqCst) == 0 && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(5));
@@ -409,26 +406,44 @@ mod tests {
         timer.stop();
     }
 
+    /// A run's drop takes its claim out of the timer whole: nothing stays
+    /// queued per request (a queue that kept an entry per request until
+    /// its due time would hold rate × interval entries).
+    #[test]
+    fn dropped_registrations_leave_nothing_queued() {
+        let timer = Timer::start().expect("a thread");
+        let calls = Arc::new(AtomicU64::new(0));
+        let runs: Vec<_> = (0..1_000)
+            .map(|_| {
+                let renew = counting(&calls, |_| Err(Error::StaleClaim));
+                renew_on(
+                    &timer,
+                    claim(),
+                    Duration::from_secs(60),
+                    renew,
+                    Arc::default(),
+                    true,
+                )
+            })
+            .collect();
+        assert_eq!(timer.lock().due.len(), 1_000);
+        drop(runs);
+        let state = timer.lock();
+        assert!(state.due.is_empty() && state.tasks.is_empty());
+        drop(state);
+        timer.stop();
+    }
+
     /// A dropped registration is renewed no more, and an error other than
     /// a stale claim is retried.
     #[test]
     fn a_dropped_registration_stops_and_errors_are_retried() {
         let calls = Arc::new(AtomicU64::new(0));
-        let seen = Arc::clone(&calls);
-        let renew: RenewFn = Box::new(move || {
-            seen.fetch_add(1, Ordering::SeqCst);
-            Err(Error::backend("store down"))
-        });
+        let renew = counting(&calls, |_| Err(Error::backend("store down")));
         let c = Arc::<Counters>::default();
         let timer = Timer::start().expect("a thread");
-        let (claim, renewing) = renew_on(
-            &timer,
-            claim(),
-            Duration::from_millis(6),
-            renew,
-            Arc::clone(&c),
-            true,
-        );
+        let every = Duration::from_millis(2);
+        let (claim, renewing) = renew_on(&timer, claim(), every, renew, Arc::clone(&c), true);
         let deadline = Instant::now() + Duration::from_secs(10);
         while calls.load(Ordering::SeqCst) < 3 && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(1));
@@ -457,16 +472,12 @@ mod shuttle_tests {
     use crate::time::Timestamp;
     use std::sync::atomic::{AtomicU64, Ordering};
 
-    /// A renewal that counts its calls and answers `stale_from` onwards
-    /// with a stale claim.
-    fn counting(calls: &Arc<AtomicU64>, stale_from: u64) -> RenewFn {
-        let calls = Arc::clone(calls);
-        Box::new(move || {
-            let n = calls.fetch_add(1, Ordering::SeqCst) + 1;
-            if n >= stale_from {
-                return Err(Error::StaleClaim);
-            }
-            Ok(Claim::new(1, Timestamp::from_millis(n), false, 1))
+    /// A renewal that counts its calls and answers the `stale_from`th and
+    /// later ones with a stale claim.
+    fn stale_from(calls: &Arc<AtomicU64>, stale_from: u64) -> RenewFn {
+        counting(calls, move |n| match n >= stale_from {
+            true => Err(Error::StaleClaim),
+            false => Ok(Claim::new(1, Timestamp::from_millis(n), false, 1)),
         })
     }
 
@@ -475,7 +486,7 @@ mod shuttle_tests {
         renew_on(
             timer,
             claim,
-            Duration::from_millis(3),
+            Duration::from_millis(1),
             renew,
             Arc::default(),
             wait,
@@ -492,9 +503,8 @@ mod shuttle_tests {
                     thread::spawn(move || {
                         let calls = Arc::new(AtomicU64::new(0));
                         // The second run's claim is found stale at its first renewal.
-                        let stale_from = if i == 0 { u64::MAX } else { 1 };
-                        let (claim, renewing) =
-                            register(&timer, counting(&calls, stale_from), true);
+                        let stale = if i == 0 { u64::MAX } else { 1 };
+                        let (claim, renewing) = register(&timer, stale_from(&calls, stale), true);
                         for _ in 0..3 {
                             thread::yield_now();
                         }
@@ -529,7 +539,7 @@ mod shuttle_tests {
         explore("renewal timer: no wait", || {
             let timer = Timer::start().expect("a thread");
             let calls = Arc::new(AtomicU64::new(0));
-            let (_claim, renewing) = register(&timer, counting(&calls, u64::MAX), false);
+            let (_claim, renewing) = register(&timer, stale_from(&calls, u64::MAX), false);
             thread::yield_now();
             drop(renewing);
             let after_drop = calls.load(Ordering::SeqCst);
