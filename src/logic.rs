@@ -330,9 +330,7 @@ pub fn renew(
     now: Timestamp,
     lease: Duration,
 ) -> Result<RenewStep> {
-    if lease.as_millis() == 0 {
-        return Err(Error::invalid_argument("lease must be at least 1 ms"));
-    }
+    crate::record::check_lease(lease)?;
     let record = owned(existing, claim, Some(now))?;
     // A PROCESSING record always has a lease; it is never shortened.
     let lease_until = (now + lease).max(record.lease_until.unwrap_or(Timestamp::EPOCH));

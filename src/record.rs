@@ -371,6 +371,15 @@ impl Begin {
     }
 }
 
+/// A lease of at least 1 ms (durations are taken in whole milliseconds),
+/// else [`Error::InvalidArgument`]: `begin`'s and `renew`'s check.
+pub(crate) fn check_lease(lease: std::time::Duration) -> Result<()> {
+    if lease.as_millis() == 0 {
+        return Err(Error::invalid_argument("lease must be at least 1 ms"));
+    }
+    Ok(())
+}
+
 /// Checks `lease` and `retention` as every store requires them: lease at
 /// least 1 ms, retention at least the lease (a record must not vanish while
 /// its owner still holds the lease).
@@ -378,9 +387,7 @@ pub(crate) fn check_durations(
     lease: std::time::Duration,
     retention: std::time::Duration,
 ) -> Result<()> {
-    if lease.as_millis() == 0 {
-        return Err(Error::invalid_argument("lease must be at least 1 ms"));
-    }
+    check_lease(lease)?;
     if retention < lease {
         return Err(Error::invalid_argument(format!(
             "retention ({retention:?}) must be at least the lease ({lease:?})"

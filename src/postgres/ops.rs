@@ -176,9 +176,7 @@ impl Core {
         now: Timestamp,
         lease: Duration,
     ) -> Result<Claim> {
-        if lease.as_millis() == 0 {
-            return Err(Error::invalid_argument("lease must be at least 1 ms"));
-        }
+        crate::record::check_lease(lease)?;
         let Some(token) = row::token(claim.token) else {
             return Err(Error::StaleClaim);
         };
