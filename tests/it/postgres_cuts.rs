@@ -167,18 +167,35 @@ fn start_proxy(upstream: SocketAddr, cutter: Arc<Cutter>) -> (SocketAddr, tokio:
     (addr, rt)
 }
 
-/// `postgres://user@host:port/db` → the server's address, and the URL
-/// with `proxy` in its place.
-fn through(url: &str, proxy: SocketAddr) -> (SocketAddr, String) {
-    let (scheme, rest) = url.split_once("://").unwrap();
-    let (auth, rest) = rest.rsplit_once('@').map_or(("", rest), |(a, r)| (a, r));
-    let (host_port, path) = rest.split_once('/').unwrap_or((rest, ""));
-    let upstream = std::net::ToSocketAddrs::to_socket_addrs(host_port)
-        .ok()
-        .and_then(|mut a| a.next())
-        .expect("the URL names a host:port");
-    let at = if auth.is_empty() { "" } else { "@" };
-    (upstream, format!("{scheme}://{auth}{at}{proxy}/{path}"))
+/// `postgres://user@host:port/db`: its parts around `host:port`, and the
+/// server's address.
+struct PgUrl {
+    before: String,
+    server: SocketAddr,
+    after: String,
+}
+
+impl PgUrl {
+    fn parse(url: &str) -> PgUrl {
+        let (scheme, rest) = url.split_once("://").unwrap();
+        let (auth, rest) = rest.rsplit_once('@').map_or(("", rest), |(a, r)| (a, r));
+        let (host_port, path) = rest.split_once('/').unwrap_or((rest, ""));
+        let server = std::net::ToSocketAddrs::to_socket_addrs(host_port)
+            .ok()
+            .and_then(|mut a| a.next())
+            .expect("the URL names a host:port");
+        let at = if auth.is_empty() { "" } else { "@" };
+        PgUrl {
+            before: format!("{scheme}://{auth}{at}"),
+            server,
+            after: format!("/{path}"),
+        }
+    }
+
+    /// The same URL with `proxy` in the server's place.
+    fn through(&self, proxy: SocketAddr) -> String {
+        format!("{}{proxy}{}", self.before, self.after)
+    }
 }
 
 /// One handler run: which claim ran, when, and until when its lease held.
@@ -282,9 +299,9 @@ fn a_store_whose_connections_are_cut_keeps_every_promise() {
         per_mille: AtomicU64::new(CUT_PER_MILLE),
         ..Cutter::default()
     });
-    let (upstream, _) = through(&url, "127.0.0.1:1".parse().unwrap());
-    let (proxy, _proxy_rt) = start_proxy(upstream, Arc::clone(&cutter));
-    let (_, proxied) = through(&url, proxy);
+    let pg = PgUrl::parse(&url);
+    let (proxy, _proxy_rt) = start_proxy(pg.server, Arc::clone(&cutter));
+    let proxied = pg.through(proxy);
     let table = fresh_table("cuts");
     let _drop = crate::postgres::DropTable {
         url: url.clone(),
