@@ -11,7 +11,6 @@ use axum::http::StatusCode;
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper_util::client::legacy::{Client, connect::HttpConnector};
-use hyper_util::rt::TokioExecutor;
 use idemstore::redb::Inbox;
 use idemstore::{FaultyStore, Guard, ManualClock, RedbStore, Timestamp};
 use std::net::SocketAddr;
@@ -50,10 +49,7 @@ async fn start(delay_after_commit: Duration) -> Service {
         delay_after_commit,
     };
     let router = app::router(guard, shop);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
-    let client = Client::builder(TokioExecutor::new()).build_http();
+    let (addr, client) = crate::tower::serve(router).await;
     Service {
         addr,
         client,

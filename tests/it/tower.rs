@@ -78,6 +78,15 @@ pub struct Reply {
     pub body: String,
 }
 
+/// Serves `app` on a free loopback port; its address, and a client for it
+/// (also used by the JSON-field and orders service tests).
+pub async fn serve(app: Router) -> (SocketAddr, Client<HttpConnector, Full<Bytes>>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (addr, Client::builder(TokioExecutor::new()).build_http())
+}
+
 /// Sends `req` over `client` and reads the whole answer.
 pub async fn fetch(
     client: &Client<HttpConnector, Full<Bytes>>,
@@ -130,10 +139,7 @@ async fn start(layer: IdempotencyLayer, delay: Duration) -> App {
         .route("/skip", post(skip_first))
         .with_state(state)
         .layer(layer);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    let client = Client::builder(TokioExecutor::new()).build_http();
+    let (addr, client) = serve(app).await;
     App { addr, runs, client }
 }
 
@@ -677,10 +683,7 @@ async fn the_handler_reads_the_parsed_key() {
     let layer = IdempotencyLayer::new(Guard::new(MemoryStore::new()))
         .scope(|parts| parts.uri.path().as_bytes().to_vec());
     let app = Router::new().route("/k", post(echo_key)).layer(layer);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    let client = Client::builder(TokioExecutor::new()).build_http();
+    let (addr, client) = serve(app).await;
     // A structured-field string: the quotes and the escape are the header's,
     // not the key's.
     let req = http::Request::post(format!("http://{addr}/k"))

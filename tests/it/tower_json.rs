@@ -13,7 +13,6 @@ use bytes::Bytes;
 use http::HeaderName;
 use http_body_util::Full;
 use hyper_util::client::legacy::{Client, connect::HttpConnector};
-use hyper_util::rt::TokioExecutor;
 use idemstore::tower::{IdempotencyLayer, Problem};
 use idemstore::{Guard, Key, MemoryStore};
 use std::net::SocketAddr;
@@ -66,10 +65,7 @@ async fn start(payments: IdempotencyLayer, transfers: IdempotencyLayer) -> App {
         .route("/payments", post(handle).route_layer(payments))
         .route("/transfers", post(handle).route_layer(transfers))
         .with_state(Arc::clone(&runs));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    let client = Client::builder(TokioExecutor::new()).build_http();
+    let (addr, client) = crate::tower::serve(app).await;
     App { addr, runs, client }
 }
 
