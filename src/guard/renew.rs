@@ -71,6 +71,11 @@ struct State {
     tasks: HashMap<u64, (Arc<Task>, Instant)>,
     /// The claim being renewed now (outside the lock).
     running: Option<u64>,
+    /// When the thread will look at `due` next: a registration wakes it
+    /// only when it is due before that (a run registers and deregisters
+    /// per request; waking the thread each time would cost a context
+    /// switch per request).
+    alarm: Alarm,
     next_id: u64,
     /// The thread returns (only ever set by a test's own timer).
     stopped: bool,
@@ -121,15 +126,19 @@ impl Timer {
             let (id, task) = match next_due(&mut state) {
                 Next::Run(id, task) => (id, task),
                 Next::Sleep(Some(wait)) => {
+                    state.alarm = Alarm::At(Instant::now() + wait);
                     state = self
                         .cv
                         .wait_timeout(state, wait)
                         .unwrap_or_else(|p| p.into_inner())
                         .0;
+                    state.alarm = Alarm::Awake;
                     continue;
                 }
                 Next::Sleep(None) => {
+                    state.alarm = Alarm::Never;
                     state = self.cv.wait(state).unwrap_or_else(|p| p.into_inner());
+                    state.alarm = Alarm::Awake;
                     continue;
                 }
             };
@@ -160,6 +169,29 @@ impl Timer {
             if again {
                 state.schedule(id, Instant::now() + task.every);
             }
+        }
+    }
+}
+
+/// When the timer thread looks at `due` next.
+#[derive(Clone, Copy, Default)]
+enum Alarm {
+    /// It is awake (it looks before it sleeps again).
+    #[default]
+    Awake,
+    /// It sleeps until this instant.
+    At(Instant),
+    /// It sleeps until woken (nothing was due).
+    Never,
+}
+
+impl Alarm {
+    /// Whether a claim due `at` must wake the thread.
+    fn misses(self, at: Instant) -> bool {
+        match self {
+            Alarm::Awake => false,
+            Alarm::At(wake) => at < wake,
+            Alarm::Never => true,
         }
     }
 }
@@ -251,11 +283,10 @@ fn renew_on(
         let id = state.next_id;
         state.next_id = state.next_id.wrapping_add(1);
         let due = Instant::now() + every;
-        // Wake the thread when this renewal comes before everything queued.
-        let earliest = state.due.first().is_none_or(|&(at, _)| due < at);
         state.tasks.insert(id, (task, due));
         state.due.insert((due, id));
-        if earliest {
+        // Wake the thread only when it would sleep past this renewal.
+        if state.alarm.misses(due) {
             timer.cv.notify_all();
         }
         id
@@ -404,6 +435,19 @@ mod tests {
         assert!(fast.load(Ordering::SeqCst) > 0, "the timer was not woken");
         drop((a, b));
         timer.stop();
+    }
+
+    /// A registration wakes the thread only when the thread would sleep
+    /// past it: not while it is awake, not before an alarm set earlier.
+    #[test]
+    fn a_registration_wakes_the_thread_only_when_it_would_be_missed() {
+        let now = Instant::now();
+        let later = now + Duration::from_secs(1);
+        assert!(!Alarm::Awake.misses(now));
+        assert!(Alarm::Never.misses(later));
+        assert!(Alarm::At(later).misses(now));
+        assert!(!Alarm::At(now).misses(later));
+        assert!(!Alarm::At(now).misses(now));
     }
 
     /// A run's drop takes its claim out of the timer whole: nothing stays
