@@ -540,6 +540,11 @@ impl Backend for Postgres {
     fn file_bytes(&self) -> u64 {
         0 // on the server, not in the run's directory
     }
+    /// Calls per group commit (`PostgresStats`), over the store's life.
+    fn avg_batch(&self) -> Option<f64> {
+        let stats = self.store.stats();
+        (stats.group_commits > 0).then(|| stats.grouped_calls as f64 / stats.group_commits as f64)
+    }
     fn store(&self) -> Option<Arc<dyn Store>> {
         Some(Arc::clone(&self.store) as Arc<dyn Store>)
     }

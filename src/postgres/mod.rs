@@ -3,6 +3,7 @@
 //! statements, the schema and the clock are described on [`PostgresStore`].
 
 mod errors;
+mod group;
 mod inbox;
 mod ops;
 mod options;
@@ -13,6 +14,7 @@ mod schema;
 mod sql;
 mod stats;
 
+pub use group::{MAX_GROUP, MAX_GROUPS_IN_FLIGHT};
 pub use inbox::{Delivery, HandlerFuture, MAX_PG_INBOX_BATCH, PgInbox};
 pub use options::{
     DEFAULT_BUILD_TIMEOUT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_SIZE, DEFAULT_MIN_IDLE,
@@ -84,9 +86,9 @@ pub const MAX_BEGIN_ATTEMPTS: usize = 8;
 /// pool and opens a circuit breaker while the server is unreachable: see
 /// [`PostgresStoreBuilder`]. [`stats`](Self::stats) shows all of it.
 ///
-/// # One statement per call
+/// # One statement per call, one transaction per group of calls
 ///
-/// Every call is one prepared statement in its own transaction: one round
+/// A lone call is one prepared statement in its own transaction: one round
 /// trip, one commit. `begin` is an `INSERT .. ON CONFLICT (scope, id) DO
 /// UPDATE .. WHERE <expired, or same fingerprint with the lease run out>
 /// RETURNING ..` with a read of the existing row in the same statement, so
@@ -102,6 +104,15 @@ pub const MAX_BEGIN_ATTEMPTS: usize = 8;
 /// key get increasing tokens in the order they commit. `complete` and `release`
 /// are conditional on the token. `sweep_expired` deletes one bounded batch,
 /// oldest expiry first, skipping rows another sweeper holds.
+///
+/// **Group commit.** `begin`s and `complete`s that arrive while the store
+/// is busy are gathered (up to [`MAX_GROUP`] calls, at most
+/// [`MAX_GROUPS_IN_FLIGHT`] groups at once) and sent as one transaction:
+/// the completes as one set-based `UPDATE`, the begins as one set-based
+/// form of the statement above, and one `COMMIT`, written in one message.
+/// Every call gets the answer it would get alone; a group that fails runs
+/// each of its calls again alone. [`PostgresStats::group_commits`] and
+/// [`PostgresStats::grouped_calls`] count them.
 ///
 /// After a server restart or failover, a call that meets a connection the
 /// server ended runs again on another one; a repeated `complete` or
@@ -389,7 +400,7 @@ impl PostgresStore {
     ) -> impl Future<Output = Result<Begin>> + Send + 'static {
         let core = Arc::clone(&self.core);
         let (key, fingerprint) = (key.clone(), *fingerprint);
-        async move { core.begin(&key, &fingerprint, now, lease, retention).await }
+        async move { core.begin(key, fingerprint, now, lease, retention).await }
     }
 
     fn complete_work(
@@ -402,7 +413,7 @@ impl PostgresStore {
     ) -> impl Future<Output = Result<()>> + Send + 'static {
         let core = Arc::clone(&self.core);
         let (key, claim, response) = (key.clone(), claim.clone(), response.clone());
-        async move { core.complete(&key, &claim, &response, now, retention).await }
+        async move { core.complete(key, claim, response, now, retention).await }
     }
 
     fn release_work(

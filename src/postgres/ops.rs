@@ -3,6 +3,7 @@
 //! methods of [`PostgresStore`](super::PostgresStore) both run these.
 
 use super::errors::{self, db_error};
+use super::group::{self, BeginJob, CompleteJob, Job, Line};
 use super::pool::{Conn, Pool};
 use super::schema;
 use super::sql::{self, Sql, Stmt};
@@ -27,6 +28,8 @@ pub(super) struct Core {
     pub(super) sql: Arc<Sql>,
     pub(super) max_body_bytes: usize,
     pub(super) counters: Arc<Counters>,
+    /// The group-commit line `begin` and `complete` go through.
+    pub(super) line: Line,
 }
 
 impl Core {
@@ -60,17 +63,18 @@ impl Core {
     /// so a repeated `complete` or `release` that finds nothing to do checks
     /// whether its own first run did it. A repeated `begin` that finds its
     /// own lost claim answers InFlight: fail closed, as the error would.
-    async fn retrying<T, F, Fut>(&self, mut op: F) -> Result<T>
+    /// `repeated`: the first run is already a repetition (a group whose
+    /// connection broke after its `COMMIT` was sent ran it).
+    async fn retrying<T, F, Fut>(&self, repeated: bool, mut op: F) -> Result<T>
     where
         F: FnMut(Arc<Conn>, bool) -> Fut,
         Fut: Future<Output = Result<T, RunError>>,
     {
-        Counters::bump(&self.counters.calls);
         let attempts = self.pool.max_size().saturating_add(1);
         let mut last = None;
         for _ in 0..attempts {
             let pooled = self.pool.get().await?;
-            match op(pooled.conn(), last.is_some()).await {
+            match op(pooled.conn(), repeated || last.is_some()).await {
                 Err(RunError::Db(err)) if errors::is_dead_connection(&err) => {
                     pooled.discard();
                     last = Some(err);
@@ -90,15 +94,43 @@ impl Core {
         db_error(err, &self.sql.table)
     }
 
+    /// `begin` through the group-commit line (see `group`).
     pub(super) async fn begin(
+        self: &Arc<Self>,
+        key: Key,
+        fingerprint: Fingerprint,
+        now: Timestamp,
+        lease: Duration,
+        retention: Duration,
+    ) -> Result<Begin> {
+        Counters::bump(&self.counters.calls);
+        check_durations(lease, retention)?;
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        group::submit(
+            self,
+            Job::Begin(BeginJob {
+                key,
+                fingerprint,
+                now,
+                lease,
+                retention,
+                reply,
+            }),
+        );
+        answer.await.unwrap_or_else(|_| Err(line_ended()))
+    }
+
+    /// A lone `begin`: its statement in its own transaction, run again on
+    /// a snapshot race or a broken connection.
+    pub(super) async fn begin_alone(
         &self,
         key: &Key,
         fingerprint: &Fingerprint,
         now: Timestamp,
         lease: Duration,
         retention: Duration,
+        repeated: bool,
     ) -> Result<Begin> {
-        check_durations(lease, retention)?;
         let lock = sql::key_lock(&self.sql.table, key);
         let step = BeginStep {
             key,
@@ -109,27 +141,57 @@ impl Core {
             lock,
         };
         let step = &step;
-        self.retrying(|conn, _| async move { step.run(&conn, &self.counters).await })
-            .await
+        self.retrying(repeated, |conn, _| async move {
+            step.run(&conn, &self.counters).await
+        })
+        .await
     }
 
+    /// `complete` through the group-commit line (see `group`).
     pub(super) async fn complete(
-        &self,
-        key: &Key,
-        claim: &Claim,
-        response: &Response,
+        self: &Arc<Self>,
+        key: Key,
+        claim: Claim,
+        response: Response,
         now: Timestamp,
         retention: Duration,
     ) -> Result<()> {
-        logic::check_response(response, self.max_body_bytes)?;
+        Counters::bump(&self.counters.calls);
+        logic::check_response(&response, self.max_body_bytes)?;
         let Some(token) = row::token(claim.token) else {
             return Err(Error::StaleClaim);
         };
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        group::submit(
+            self,
+            Job::Complete(CompleteJob {
+                key,
+                claim,
+                token,
+                response,
+                now,
+                retention,
+                reply,
+            }),
+        );
+        answer.await.unwrap_or_else(|_| Err(line_ended()))
+    }
+
+    /// A lone `complete`: its conditional DONE write in its own
+    /// transaction. `times`: the completion time and the new expiry.
+    pub(super) async fn complete_alone(
+        &self,
+        key: &Key,
+        claim: &Claim,
+        token: i64,
+        response: &Response,
+        times: (i64, i64),
+        repeated: bool,
+    ) -> Result<()> {
         let r = &row::response_columns(response);
-        let (at, expires_at) = (row::millis(now), row::millis(now + retention));
         let done = self
-            .retrying(|conn, retried| async move {
-                let updated = complete_on(&conn, key, token, (at, expires_at), r).await?;
+            .retrying(repeated, |conn, retried| async move {
+                let updated = complete_on(&conn, key, token, times, r).await?;
                 if updated > 0 || !retried {
                     return Ok(updated > 0);
                 }
@@ -149,8 +211,9 @@ impl Core {
         let Some(token) = row::token(claim.token) else {
             return Err(Error::StaleClaim);
         };
+        Counters::bump(&self.counters.calls);
         let released = self
-            .retrying(|conn, retried| async move {
+            .retrying(false, |conn, retried| async move {
                 let deleted = conn
                     .execute(Stmt::Release, &[&key.scope(), &key.id(), &token])
                     .await?;
@@ -176,6 +239,7 @@ impl Core {
         now: Timestamp,
         lease: Duration,
     ) -> Result<Claim> {
+        Counters::bump(&self.counters.calls);
         crate::record::check_lease(lease)?;
         let Some(token) = row::token(claim.token) else {
             return Err(Error::StaleClaim);
@@ -184,7 +248,7 @@ impl Core {
         // Running it again after a lost connection is harmless: the lease
         // only ever grows.
         let renewed: Option<i64> = self
-            .retrying(|conn, _| async move {
+            .retrying(false, |conn, _| async move {
                 let rows = conn
                     .query(Stmt::Renew, &[&key.scope(), &key.id(), &token, &at, &until])
                     .await?;
@@ -205,13 +269,15 @@ impl Core {
     }
 
     pub(super) async fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>> {
+        Counters::bump(&self.counters.calls);
         let record = self
-            .retrying(|conn, _| async move { stored(&conn, key).await })
+            .retrying(false, |conn, _| async move { stored(&conn, key).await })
             .await?;
         Ok(logic::visible(record, now))
     }
 
     pub(super) async fn sweep_expired(&self, now: Timestamp, max: usize) -> Result<usize> {
+        Counters::bump(&self.counters.calls);
         let max = max.min(MAX_SWEEP_BATCH);
         if max == 0 {
             return Ok(0);
@@ -219,7 +285,9 @@ impl Core {
         let limit = i64::try_from(max).unwrap_or(i64::MAX);
         let at = row::millis(now);
         let deleted = self
-            .retrying(|conn, _| async move { Ok(conn.execute(Stmt::Sweep, &[&at, &limit]).await?) })
+            .retrying(false, |conn, _| async move {
+                Ok(conn.execute(Stmt::Sweep, &[&at, &limit]).await?)
+            })
             .await?;
         let deleted = usize::try_from(deleted).unwrap_or(usize::MAX);
         crate::observability::swept("postgres", deleted);
@@ -330,6 +398,12 @@ async fn stored(conn: &Conn, key: &Key) -> Result<Option<Record>, RunError> {
     })
 }
 
+/// A call whose answer the line dropped: its runner ended mid-group (the
+/// store is being dropped with the runtime, or a bug panicked in it).
+fn line_ended() -> Error {
+    Error::backend("the store's commit line ended before answering (the store is closing)")
+}
+
 /// What one run of a statement can fail with: the server's error (which
 /// [`Core::retrying`] looks at) or one of ours.
 pub(super) enum RunError {
@@ -352,7 +426,7 @@ impl From<Error> for RunError {
 /// The claim for a record the statement just claimed. `logic::begin` gives
 /// a fresh record attempt 1 and a takeover the previous attempts + 1, so
 /// "attempt > 1" is exactly "this was a takeover".
-fn claim_of(record: &Record) -> Claim {
+pub(super) fn claim_of(record: &Record) -> Claim {
     Claim::new(
         record.token,
         record.lease_until.unwrap_or(Timestamp::EPOCH),

@@ -415,6 +415,7 @@ impl PostgresStoreBuilder {
             sql,
             max_body_bytes,
             counters,
+            line: Default::default(),
         });
         let runtime = StoreRuntime::start()?;
         let setup = {

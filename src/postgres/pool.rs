@@ -312,7 +312,8 @@ impl Conn {
         self.client.execute(&prepared, params).await
     }
 
-    async fn prepared(&self, stmt: Stmt) -> Result<Statement, tokio_postgres::Error> {
+    /// `stmt`, prepared on this connection if it is not yet.
+    pub(super) async fn prepared(&self, stmt: Stmt) -> Result<Statement, tokio_postgres::Error> {
         if let Some(Some(prepared)) = lock(&self.prepared).get(stmt as usize) {
             return Ok(prepared.clone());
         }

@@ -16,6 +16,14 @@ pub(super) const STATE_DONE: i16 = 2;
 pub(super) const RECORD_COLUMNS: &str = "fingerprint, state, lease_until, expires_at, created_at, \
      token, attempts, status, header_names, header_values, body";
 
+/// The record columns as the group statement's `live` reads them (from
+/// the table, aliased `r`).
+const LIVE_COLUMNS: &str = "r.fingerprint, r.state, r.lease_until, r.expires_at, r.created_at, \
+     r.token, r.attempts, r.status, r.header_names, r.header_values, r.body";
+
+/// The record columns as an `INSERT .. RETURNING` of the table aliased `r`.
+const CLAIMED_COLUMNS: &str = LIVE_COLUMNS;
+
 /// The statements a connection prepares (on first use).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Stmt {
@@ -37,10 +45,22 @@ pub(super) enum Stmt {
     /// `$1 scope, $2 id, $3 token, $4 now, $5 now + lease` → at most one
     /// row: the new `lease_until`.
     Renew = 6,
+    /// A group's begins, one statement (see `group`): arrays `$1 scopes,
+    /// $2 ids, $3 fingerprints, $4 nows, $5 lease deadlines, $6 expiries,
+    /// $7 key locks`, one element per job, distinct keys in key order →
+    /// rows of `n` (the job's 1-based position), `claimed bool`, then
+    /// [`RECORD_COLUMNS`]; no row for a job that must run again alone.
+    BeginGroup = 7,
+    /// A group's completes, one statement: arrays `$1 scopes, $2 ids,
+    /// $3 tokens, $4 nows, $5 expiries, $6 statuses, $7 bodies, $8 each
+    /// job's first header's offset in $9/$10, $9 header names, $10 header
+    /// values (all jobs' headers, concatenated)`, distinct keys → the `n` of
+    /// each job that stored its response.
+    CompleteGroup = 8,
 }
 
 impl Stmt {
-    pub(super) const COUNT: usize = 7;
+    pub(super) const COUNT: usize = 9;
 }
 
 /// The statement texts and object names for one table.
@@ -152,6 +172,85 @@ impl Sql {
               WHERE scope = $1 AND id = $2 AND state = {p} AND token = $3 AND expires_at > $4
               RETURNING lease_until"
         );
+        // Stmt::Begin over a group of distinct keys: the same two decisions
+        // per row, each job's own `now` standing where $4 stands above
+        // (`i.at`; in the ON CONFLICT, `excluded.created_at`, which the
+        // INSERT sets to it). Each job's advisory lock is tried before its
+        // token is drawn, as above; the keys come sorted, so the INSERT
+        // takes its row locks in key order.
+        let begin_group = format!(
+            "WITH input AS (
+                SELECT * FROM unnest($1::bytea[], $2::bytea[], $3::bytea[], $4::bigint[],
+                                     $5::bigint[], $6::bigint[], $7::bigint[])
+                       WITH ORDINALITY AS i(scope, id, fp, at, lease_until, expires_at, lock, n)
+            ),
+            live AS (
+                SELECT i.n, i.at, i.fp, {LIVE_COLUMNS}
+                  FROM input i JOIN {t} r ON r.scope = i.scope AND r.id = i.id
+            ),
+            key_lock AS MATERIALIZED (
+                SELECT i.n,
+                       CASE WHEN NOT EXISTS (
+                                SELECT 1 FROM live l
+                                 WHERE l.n = i.n AND l.expires_at > i.at
+                                   AND NOT (l.state = {p} AND l.fingerprint = i.fp
+                                            AND l.lease_until <= i.at))
+                            THEN pg_try_advisory_xact_lock(i.lock)
+                            ELSE false END AS held
+                  FROM input i ORDER BY i.n
+            ),
+            claimed AS (
+                INSERT INTO {t} AS r (scope, id, fingerprint, state, lease_until, expires_at,
+                                      created_at, token, attempts)
+                SELECT i.scope, i.id, i.fp, {p}::smallint, i.lease_until, i.expires_at,
+                       i.at, nextval('{seq}'), 1
+                  FROM input i JOIN key_lock k ON k.n = i.n
+                 WHERE k.held
+                 ORDER BY i.n
+                ON CONFLICT (scope, id) DO UPDATE SET
+                    fingerprint = excluded.fingerprint,
+                    state = {p},
+                    lease_until = excluded.lease_until,
+                    expires_at = CASE WHEN r.expires_at <= excluded.created_at
+                                      THEN excluded.expires_at
+                                      ELSE GREATEST(r.expires_at, excluded.lease_until) END,
+                    created_at = CASE WHEN r.expires_at <= excluded.created_at
+                                      THEN excluded.created_at
+                                      ELSE r.created_at END,
+                    token = excluded.token,
+                    attempts = CASE WHEN r.expires_at <= excluded.created_at THEN 1
+                                    ELSE LEAST(r.attempts + 1, 4294967295) END,
+                    status = NULL, header_names = NULL, header_values = NULL, body = NULL
+                WHERE r.expires_at <= excluded.created_at
+                   OR (r.state = {p} AND r.fingerprint = excluded.fingerprint
+                       AND r.lease_until <= excluded.created_at)
+                RETURNING r.scope, r.id, {CLAIMED_COLUMNS}
+            ),
+            claimed_n AS (
+                SELECT i.n, c.* FROM claimed c JOIN input i ON i.scope = c.scope AND i.id = c.id
+            )
+            SELECT n, true AS claimed, {RECORD_COLUMNS} FROM claimed_n
+            UNION ALL
+            SELECT l.n, false, {RECORD_COLUMNS} FROM live l
+             WHERE NOT EXISTS (SELECT 1 FROM claimed_n c WHERE c.n = l.n)"
+        );
+        // Stmt::Complete over a group of distinct keys; each job's headers
+        // are its slice of the concatenated arrays (an empty slice is `{}`).
+        let complete_group = format!(
+            "UPDATE {t} r SET state = {d}, lease_until = NULL, expires_at = u.expires_at,
+                    status = u.status,
+                    header_names = ($9::bytea[])[u.first + 1 : u.next],
+                    header_values = ($10::bytea[])[u.first + 1 : u.next],
+                    body = u.body
+               FROM (SELECT *, lead(first, 1, cardinality($9::bytea[])) OVER (ORDER BY n) AS next
+                       FROM unnest($1::bytea[], $2::bytea[], $3::bigint[], $4::bigint[],
+                                   $5::bigint[], $6::integer[], $7::bytea[], $8::integer[])
+                            WITH ORDINALITY AS u(scope, id, token, at, expires_at, status, body,
+                                                 first, n)) u
+              WHERE r.scope = u.scope AND r.id = u.id AND r.state = {p} AND r.token = u.token
+                AND r.expires_at > u.at
+              RETURNING u.n"
+        );
         let get = format!("SELECT {RECORD_COLUMNS} FROM {t} WHERE scope = $1 AND id = $2");
         // Oldest expiry first through the expiry index, ties in key order
         // (as the other stores and the model sweep them); rows another sweeper
@@ -177,6 +276,8 @@ impl Sql {
                 sweep,
                 "SELECT pg_advisory_xact_lock($1::bigint)".to_owned(),
                 renew,
+                begin_group,
+                complete_group,
             ],
         }
     }

@@ -33,6 +33,12 @@ pub struct PostgresStats {
     pub snapshot_retries: u64,
     /// Checkouts that found every connection busy and waited.
     pub pool_waits: u64,
+    /// Transactions that carried the `begin`s and `complete`s of several
+    /// concurrent calls (group commits); `grouped_calls / group_commits`
+    /// is the mean group size.
+    pub group_commits: u64,
+    /// Calls answered by a group commit.
+    pub grouped_calls: u64,
     /// Connections opened (at build, on demand, and by the reconnect probe).
     pub connections_opened: u64,
     /// Connections found dead (a server restart or failover, a terminated
@@ -59,6 +65,8 @@ pub(super) struct Counters {
     pub(super) refusals: AtomicU64,
     pub(super) snapshot_retries: AtomicU64,
     pub(super) pool_waits: AtomicU64,
+    pub(super) group_commits: AtomicU64,
+    pub(super) grouped_calls: AtomicU64,
     pub(super) connections_opened: AtomicU64,
     pub(super) connections_lost: AtomicU64,
     pub(super) connect_failures: AtomicU64,
@@ -70,6 +78,10 @@ impl Counters {
         counter.fetch_add(1, Ordering::Relaxed);
     }
 
+    pub(super) fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+
     /// The counters as they are now; the pool fills in its gauges.
     pub(super) fn snapshot(&self) -> PostgresStats {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
@@ -78,6 +90,8 @@ impl Counters {
             refusals: get(&self.refusals),
             snapshot_retries: get(&self.snapshot_retries),
             pool_waits: get(&self.pool_waits),
+            group_commits: get(&self.group_commits),
+            grouped_calls: get(&self.grouped_calls),
             connections_opened: get(&self.connections_opened),
             connections_lost: get(&self.connections_lost),
             connect_failures: get(&self.connect_failures),

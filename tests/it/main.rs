@@ -40,6 +40,8 @@ mod postgres;
 #[cfg(feature = "postgres")]
 mod postgres_cuts;
 #[cfg(feature = "postgres")]
+mod postgres_group;
+#[cfg(feature = "postgres")]
 mod postgres_inbox;
 #[cfg(all(feature = "postgres", feature = "tokio"))]
 mod postgres_runtime;

@@ -1,0 +1,582 @@
+//! Group commit against PostgreSQL: the `begin`s and `complete`s that
+//! callers of one store make at the same time are sent to the server
+//! together, as one set-based statement per kind in one pipelined
+//! transaction, so 64 concurrent requests cost one round trip, two
+//! statements and one commit (one WAL flush) instead of 64 of each.
+//!
+//! # The line
+//!
+//! A call puts its job on the store's queue and waits for its answer. A
+//! *runner* (a task on the store's runtime; at most [`MAX_GROUPS_IN_FLIGHT`] at once,
+//! each on its own pooled connection) takes everything queued, up to
+//! [`MAX_GROUP`] jobs, runs it, answers every job, and takes the next group
+//! while the queue is not empty. A group of one job runs exactly as a lone
+//! call always has (one prepared statement, autocommit), so a single
+//! client pays nothing for the line but a task hand-off.
+//!
+//! # A group of several
+//!
+//! One message carries `BEGIN` (with the plan settings of [`GROUP_BEGIN`]),
+//! the group's completes as one [`Stmt::CompleteGroup`], its begins as one
+//! [`Stmt::BeginGroup`], and `COMMIT`; the answers are read after. The two
+//! statements are [`Stmt::Complete`] and [`Stmt::Begin`] over arrays, with
+//! the same per-key decisions (see `sql.rs`). What a group changes, and
+//! why each answer stays the one a lone call would give:
+//!
+//! - **Nothing is answered before the `COMMIT` succeeds.** A `Claimed` is
+//!   durable when the caller sees it, as before; a `Replay` or `InFlight`
+//!   read inside the transaction is as true at the commit as at the read
+//!   (it wrote nothing, and another writer's change would only be newer).
+//! - **One job per key and kind in a statement.** A set statement cannot
+//!   write one row twice, so a key's second `begin` (or `complete`) in a
+//!   group waits for the commit and runs alone, where it answers as it
+//!   would have after the first one (`InFlight`, `Conflict`, `StaleClaim`).
+//!   The completes run first: a `begin` of a key completed in the same
+//!   group replays that response.
+//! - **A `begin` that must wait** (its statement found another claimer of
+//!   the key mid-commit: no row, or a claimable snapshot) never waits inside
+//!   the group: waiting on an advisory lock while holding the group's row
+//!   locks could deadlock with another group. Its row is left out, and
+//!   after the commit it runs alone, where it waits and retries as a lone
+//!   `begin` does.
+//! - **Lock order.** The keys are sorted, and the statements are planned as
+//!   index lookups in that order ([`GROUP_BEGIN`]), so groups take their row
+//!   locks in key order; a claim only *tries* its advisory lock. A group
+//!   can still meet a lock held by a transaction outside the store's
+//!   statements (an inbox batch, a hand-written one); PostgreSQL's deadlock
+//!   detector then fails one of them, and a failed group falls back as
+//!   below.
+//! - **A group that fails** (a statement's error aborts the transaction,
+//!   the `COMMIT` fails, the connection breaks) commits nothing, or, when
+//!   the connection broke after the `COMMIT` was sent, may have committed:
+//!   the connection is dropped and every job runs again alone. After a
+//!   broken connection each is run as a repetition (see
+//!   `Core::retrying`): a `complete` that finds its own response stored
+//!   reports success, a `begin` that finds its own lost claim answers
+//!   `InFlight` (fail closed). One bad job costs its group a second round
+//!   trip, never a wrong answer.
+//!
+//! Lone reruns are spawned off the runner: a call that waits (for a row
+//! lock, for a connection) keeps only itself waiting, not the line.
+
+use super::errors;
+use super::ops::{Core, claim_of};
+use super::pool::Conn;
+use super::row;
+use super::sql::{self, Stmt};
+use super::stats::Counters;
+use crate::error::{Error, Result};
+use crate::fingerprint::Fingerprint;
+use crate::key::Key;
+use crate::logic;
+use crate::record::{Begin, Claim};
+use crate::response::Response;
+use crate::time::Timestamp;
+use std::collections::VecDeque;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::task::{Context, Poll};
+use std::time::Duration;
+use tokio::sync::oneshot;
+use tokio_postgres::Row;
+use tokio_postgres::types::ToSql;
+
+/// Most jobs one group's transaction carries.
+///
+/// ```
+/// assert_eq!(idemstore::postgres::MAX_GROUP, 128);
+/// ```
+pub const MAX_GROUP: usize = 128;
+
+/// Most groups in flight at once, each on its own connection: while one
+/// waits for its commit's WAL flush, the next is already executing.
+///
+/// ```
+/// assert_eq!(idemstore::postgres::MAX_GROUPS_IN_FLIGHT, 2);
+/// ```
+pub const MAX_GROUPS_IN_FLIGHT: usize = 2;
+
+/// Opens a group's transaction. The group statements join their arrays of
+/// keys against the table; they are prepared, and a prepared statement's
+/// plan is made at its first runs and kept. Were it made while the table is
+/// small (a new deploy), the planner would pick a sequential scan and a
+/// hash join, and keep that plan as the table grows (until an analyze
+/// invalidates it). Every run, and so every planning, of a group statement
+/// happens after these settings, so its plans are always index lookups
+/// per key, whatever the table's size when they were made.
+const GROUP_BEGIN: &str = "BEGIN; SET LOCAL enable_seqscan = off; SET LOCAL enable_hashjoin = off; \
+     SET LOCAL enable_mergejoin = off";
+
+/// One call waiting on the line.
+pub(super) enum Job {
+    Begin(BeginJob),
+    Complete(CompleteJob),
+}
+
+pub(super) struct BeginJob {
+    pub(super) key: Key,
+    pub(super) fingerprint: Fingerprint,
+    pub(super) now: Timestamp,
+    pub(super) lease: Duration,
+    pub(super) retention: Duration,
+    pub(super) reply: oneshot::Sender<Result<Begin>>,
+}
+
+pub(super) struct CompleteJob {
+    pub(super) key: Key,
+    pub(super) claim: Claim,
+    /// `row::token(claim.token)`, checked at submission.
+    pub(super) token: i64,
+    pub(super) response: Response,
+    pub(super) now: Timestamp,
+    pub(super) retention: Duration,
+    pub(super) reply: oneshot::Sender<Result<()>>,
+}
+
+impl Job {
+    fn key(&self) -> &Key {
+        match self {
+            Job::Begin(job) => &job.key,
+            Job::Complete(job) => &job.key,
+        }
+    }
+}
+
+/// The queue and how many runners drain it.
+#[derive(Default)]
+pub(super) struct Line {
+    state: Mutex<LineState>,
+}
+
+#[derive(Default)]
+struct LineState {
+    queue: VecDeque<Job>,
+    runners: usize,
+}
+
+fn lock(line: &Line) -> MutexGuard<'_, LineState> {
+    // Every change under this lock is a single push, drain or count
+    // update: consistent at any point a panic could occur.
+    line.state.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Puts `job` on `core`'s line, starting a runner unless [`MAX_GROUPS_IN_FLIGHT`] run.
+/// Must be called on the store's runtime (it spawns there).
+pub(super) fn submit(core: &Arc<Core>, job: Job) {
+    let start = {
+        let mut state = lock(&core.line);
+        state.queue.push_back(job);
+        let start = state.runners < MAX_GROUPS_IN_FLIGHT;
+        if start {
+            state.runners += 1;
+        }
+        start
+    };
+    if start {
+        tokio::spawn(run(Arc::clone(core)));
+    }
+}
+
+/// Counts a runner out when it ends, however it ends (a panic in a job
+/// included: the line then starts a new runner at the next submission).
+struct Running {
+    core: Arc<Core>,
+    /// Already counted out (the runner found the queue empty).
+    out: bool,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if !self.out {
+            let mut state = lock(&self.core.line);
+            state.runners = state.runners.saturating_sub(1);
+        }
+    }
+}
+
+/// A runner: groups until the queue is empty.
+async fn run(core: Arc<Core>) {
+    let mut running = Running { core, out: false };
+    loop {
+        let core = &running.core;
+        let mut group: Vec<Job> = {
+            let mut state = lock(&core.line);
+            let n = state.queue.len().min(MAX_GROUP);
+            if n == 0 {
+                // Counted out under the same lock the submitter checks, so
+                // a job pushed after this sees the runner gone and starts one.
+                state.runners = state.runners.saturating_sub(1);
+                drop(state);
+                running.out = true;
+                return;
+            }
+            state.queue.drain(..n).collect()
+        };
+        if group.len() == 1 {
+            if let Some(job) = group.pop() {
+                alone(core, job, false).await;
+            }
+        } else {
+            together(core, group).await;
+        }
+    }
+}
+
+/// `job` as a lone call: its own statement in its own transaction, with
+/// the waits and retries of a lone call. `repeated`: an earlier run may
+/// have committed (its group's connection broke after `COMMIT` was sent).
+async fn alone(core: &Core, job: Job, repeated: bool) {
+    match job {
+        Job::Begin(j) => {
+            let answer = core
+                .begin_alone(
+                    &j.key,
+                    &j.fingerprint,
+                    j.now,
+                    j.lease,
+                    j.retention,
+                    repeated,
+                )
+                .await;
+            let _ = j.reply.send(answer);
+        }
+        Job::Complete(j) => {
+            let times = (row::millis(j.now), row::millis(j.now + j.retention));
+            let answer = core
+                .complete_alone(&j.key, &j.claim, j.token, &j.response, times, repeated)
+                .await;
+            let _ = j.reply.send(answer);
+        }
+    }
+}
+
+/// Runs each job alone, all at once (each on its own connection, as lone
+/// calls would), off the runner: a call that waits (for a row lock, a
+/// connection) keeps only itself waiting, not the line.
+fn each_alone(core: &Arc<Core>, jobs: impl IntoIterator<Item = Job>, repeated: bool) {
+    for job in jobs {
+        let core = Arc::clone(core);
+        tokio::spawn(async move { alone(&core, job, repeated).await });
+    }
+}
+
+/// The answer a statement gave inside the group's pipeline.
+enum Ran {
+    Rows(Vec<Row>),
+    Done,
+}
+
+type Sent<'a> = Pin<Box<dyn Future<Output = Result<Ran, tokio_postgres::Error>> + Send + 'a>>;
+
+/// A group split by kind, one job per key in each kind (a key's second job
+/// of a kind waits for the commit and runs alone, as it would have run
+/// after the first one).
+struct Split {
+    begins: Vec<BeginJob>,
+    completes: Vec<CompleteJob>,
+    after: Vec<Job>,
+}
+
+fn split(jobs: Vec<Job>) -> Split {
+    let mut out = Split {
+        begins: Vec::new(),
+        completes: Vec::new(),
+        after: Vec::new(),
+    };
+    for job in jobs {
+        match job {
+            Job::Begin(j) if out.begins.last().is_some_and(|b| b.key == j.key) => {
+                out.after.push(Job::Begin(j));
+            }
+            Job::Begin(j) => out.begins.push(j),
+            Job::Complete(j) if out.completes.last().is_some_and(|c| c.key == j.key) => {
+                out.after.push(Job::Complete(j));
+            }
+            Job::Complete(j) => out.completes.push(j),
+        }
+    }
+    out
+}
+
+/// A group of several jobs: its `complete`s in one statement, its
+/// `begin`s in another, in one pipelined transaction (see the module
+/// docs), then the answers.
+async fn together(core: &Arc<Core>, mut jobs: Vec<Job>) {
+    // Key order, stable: a key's jobs keep their arrival order, and the
+    // set statements get their keys sorted.
+    jobs.sort_by(|a, b| a.key().cmp(b.key()));
+    let pooled = match core.pool.get().await {
+        Ok(pooled) => pooled,
+        // No connection (the breaker is open, the pool is exhausted): each
+        // job meets the same condition alone and reports it.
+        Err(_) => return each_alone(core, jobs, false),
+    };
+    let conn = pooled.conn();
+    let Split {
+        begins,
+        completes,
+        after,
+    } = split(jobs);
+    let (began, completed) = match pipeline(core, &conn, &begins, &completes).await {
+        Ok(answers) => answers,
+        Err(err) => {
+            // Nothing committed, or (the connection broke after COMMIT was
+            // sent) maybe everything did: rerun each job alone, as a
+            // repetition when the outcome is unknown.
+            let broken = errors::is_dead_connection(&err);
+            pooled.discard();
+            let jobs = completes
+                .into_iter()
+                .map(Job::Complete)
+                .chain(begins.into_iter().map(Job::Begin));
+            each_alone(core, jobs, broken);
+            return each_alone(core, after, false);
+        }
+    };
+    drop(pooled);
+    Counters::bump(&core.counters.group_commits);
+    Counters::add(
+        &core.counters.grouped_calls,
+        (begins.len() + completes.len()) as u64,
+    );
+    for (j, done) in completes.into_iter().zip(completed) {
+        let _ = j
+            .reply
+            .send(if done { Ok(()) } else { Err(Error::StaleClaim) });
+    }
+    let mut later = after;
+    for (j, rows) in begins.into_iter().zip(began) {
+        match rows.and_then(|row| settle_begin(&j, &row)) {
+            Some(answer) => {
+                let _ = j.reply.send(answer);
+            }
+            None => {
+                Counters::bump(&core.counters.snapshot_retries);
+                later.push(Job::Begin(j));
+            }
+        }
+    }
+    // Their statements wrote nothing (or they were a key's second job):
+    // each runs alone now, waiting for the other claimer of its key as a
+    // lone begin does.
+    each_alone(core, later, false);
+}
+
+/// Sends `BEGIN`, the group's statements and `COMMIT` without waiting,
+/// then reads the answers: for each begin its row (none: run it again
+/// alone), for each complete whether it stored its response. Any error
+/// means the transaction did not commit (a failed statement aborts it, and
+/// the pipelined `COMMIT` then rolls it back), unless the connection broke
+/// after the `COMMIT` was sent.
+async fn pipeline(
+    core: &Core,
+    conn: &Conn,
+    begins: &[BeginJob],
+    completes: &[CompleteJob],
+) -> Result<(Vec<Option<Row>>, Vec<bool>), tokio_postgres::Error> {
+    // Prepared before anything is sent: a statement prepared on first use
+    // would be sent after the COMMIT, outside the transaction.
+    let begin_group = conn.prepared(Stmt::BeginGroup).await?;
+    let complete_group = conn.prepared(Stmt::CompleteGroup).await?;
+    let table = &core.sql.table;
+
+    let b_scopes: Vec<&[u8]> = begins.iter().map(|j| j.key.scope()).collect();
+    let b_ids: Vec<&[u8]> = begins.iter().map(|j| j.key.id()).collect();
+    let b_fps: Vec<&[u8]> = begins
+        .iter()
+        .map(|j| &j.fingerprint.as_bytes()[..])
+        .collect();
+    let b_ats: Vec<i64> = begins.iter().map(|j| row::millis(j.now)).collect();
+    let b_leases: Vec<i64> = begins
+        .iter()
+        .map(|j| row::millis(j.now + j.lease))
+        .collect();
+    let b_expiries: Vec<i64> = begins
+        .iter()
+        .map(|j| row::millis(j.now + j.retention))
+        .collect();
+    let b_locks: Vec<i64> = begins
+        .iter()
+        .map(|j| sql::key_lock(table, &j.key))
+        .collect();
+    let b_args: [&(dyn ToSql + Sync); 7] = [
+        &b_scopes,
+        &b_ids,
+        &b_fps,
+        &b_ats,
+        &b_leases,
+        &b_expiries,
+        &b_locks,
+    ];
+
+    let c_scopes: Vec<&[u8]> = completes.iter().map(|j| j.key.scope()).collect();
+    let c_ids: Vec<&[u8]> = completes.iter().map(|j| j.key.id()).collect();
+    let c_tokens: Vec<i64> = completes.iter().map(|j| j.token).collect();
+    let c_ats: Vec<i64> = completes.iter().map(|j| row::millis(j.now)).collect();
+    let c_expiries: Vec<i64> = completes
+        .iter()
+        .map(|j| row::millis(j.now + j.retention))
+        .collect();
+    let c_statuses: Vec<i32> = completes
+        .iter()
+        .map(|j| i32::from(j.response.status))
+        .collect();
+    let c_bodies: Vec<&[u8]> = completes.iter().map(|j| &j.response.body[..]).collect();
+    let mut c_firsts: Vec<i32> = Vec::with_capacity(completes.len());
+    let (mut c_names, mut c_values): (Vec<&[u8]>, Vec<&[u8]>) = (Vec::new(), Vec::new());
+    for j in completes {
+        // MAX_GROUP responses of at most MAX_HEADERS headers each: far
+        // below i32::MAX.
+        c_firsts.push(i32::try_from(c_names.len()).unwrap_or(i32::MAX));
+        for (name, value) in &j.response.headers {
+            c_names.push(name.as_bytes());
+            c_values.push(value);
+        }
+    }
+    let c_args: [&(dyn ToSql + Sync); 10] = [
+        &c_scopes,
+        &c_ids,
+        &c_tokens,
+        &c_ats,
+        &c_expiries,
+        &c_statuses,
+        &c_bodies,
+        &c_firsts,
+        &c_names,
+        &c_values,
+    ];
+
+    let client = &conn.client;
+    let mut sent: Vec<Sent<'_>> = Vec::with_capacity(4);
+    sent.push(Box::pin(async move {
+        client.batch_execute(GROUP_BEGIN).await.map(|()| Ran::Done)
+    }));
+    // The completes first: a begin of a key completed in the same group
+    // then answers Replay, as it would have after that complete.
+    if !completes.is_empty() {
+        let (stmt, args) = (&complete_group, &c_args[..]);
+        sent.push(Box::pin(async move {
+            client.query(stmt, args).await.map(Ran::Rows)
+        }));
+    }
+    if !begins.is_empty() {
+        let (stmt, args) = (&begin_group, &b_args[..]);
+        sent.push(Box::pin(async move {
+            client.query(stmt, args).await.map(Ran::Rows)
+        }));
+    }
+    sent.push(Box::pin(async move {
+        client.batch_execute("COMMIT").await.map(|()| Ran::Done)
+    }));
+    let mut answers = InOrder::new(sent).await.into_iter();
+    answers.next().transpose()?; // BEGIN and the plan settings
+    let mut completed = vec![false; completes.len()];
+    if !completes.is_empty()
+        && let Some(Ran::Rows(rows)) = answers.next().transpose()?
+    {
+        for row in rows {
+            if let Some(done) = completed.get_mut(position(&row)?) {
+                *done = true;
+            }
+        }
+    }
+    let mut began: Vec<Option<Row>> = begins.iter().map(|_| None).collect();
+    if !begins.is_empty()
+        && let Some(Ran::Rows(rows)) = answers.next().transpose()?
+    {
+        for row in rows {
+            if let Some(slot) = began.get_mut(position(&row)?) {
+                *slot = Some(row);
+            }
+        }
+    }
+    // COMMIT: looked at last, since a statement's error is the cause and
+    // the COMMIT (then a rollback) only its consequence.
+    answers.next().transpose()?;
+    Ok((began, completed))
+}
+
+/// The job a group statement's row answers: its first column, the job's
+/// 1-based position in the arrays.
+fn position(row: &Row) -> Result<usize, tokio_postgres::Error> {
+    let n: i64 = row.try_get(0)?;
+    Ok(usize::try_from(n.saturating_sub(1)).unwrap_or(usize::MAX))
+}
+
+/// The answer to a group's `begin` from its statement's rows, or `None`
+/// when it must run again alone (another claimer of its key was mid-commit:
+/// no row, or a row it would have claimed). Mirrors `BeginStep::run`.
+fn settle_begin(job: &BeginJob, first: &Row) -> Option<Result<Begin>> {
+    let claimed: bool = match first.try_get(1) {
+        Ok(claimed) => claimed,
+        Err(err) => return Some(Err(Error::backend(err))),
+    };
+    let record = match row::record(&job.key, first, 2) {
+        Ok(record) => record,
+        Err(err) => return Some(Err(err)),
+    };
+    if claimed {
+        return Some(Ok(Begin::Claimed(claim_of(&record))));
+    }
+    let step = logic::begin(
+        Some(record),
+        &job.fingerprint,
+        job.now,
+        job.lease,
+        job.retention,
+        || Ok(0),
+    );
+    match step {
+        Ok(step) if step.write.is_none() => Some(Ok(step.answer)),
+        Ok(_) => None,
+        Err(err) => Some(Err(err)),
+    }
+}
+
+/// Polls every future in index order until all are ready: the first poll
+/// of each sends its request, so the requests reach the socket in order.
+/// (`join_all` may poll out of order for long lists.)
+struct InOrder<'a> {
+    pending: Vec<Option<Sent<'a>>>,
+    done: Vec<Option<Result<Ran, tokio_postgres::Error>>>,
+}
+
+impl<'a> InOrder<'a> {
+    fn new(sent: Vec<Sent<'a>>) -> InOrder<'a> {
+        let done = sent.iter().map(|_| None).collect();
+        InOrder {
+            pending: sent.into_iter().map(Some).collect(),
+            done,
+        }
+    }
+}
+
+impl Future for InOrder<'_> {
+    type Output = Vec<Result<Ran, tokio_postgres::Error>>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = &mut *self;
+        let mut all = true;
+        for (slot, done) in this.pending.iter_mut().zip(this.done.iter_mut()) {
+            if let Some(fut) = slot {
+                match fut.as_mut().poll(cx) {
+                    Poll::Ready(out) => {
+                        *done = Some(out);
+                        *slot = None;
+                    }
+                    Poll::Pending => all = false,
+                }
+            }
+        }
+        if !all {
+            return Poll::Pending;
+        }
+        let out = this
+            .done
+            .iter_mut()
+            .map(|d| d.take().unwrap_or(Ok(Ran::Done)))
+            .collect();
+        Poll::Ready(out)
+    }
+}
