@@ -71,11 +71,12 @@ use crate::key::Key;
 use crate::logic;
 use crate::record::{Begin, Claim};
 use crate::response::Response;
+use crate::sync::{Arc, Mutex, MutexGuard};
 use crate::time::Timestamp;
 use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::PoisonError;
 use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::sync::oneshot;
@@ -144,43 +145,84 @@ impl Job {
     }
 }
 
-/// The queue and how many runners drain it.
-#[derive(Default)]
-pub(super) struct Line {
-    state: Mutex<LineState>,
+/// The queue and how many runners drain it: the line's whole state, kept
+/// apart from what the jobs are so that the model checker can run it with
+/// threads for runners (`shuttle_tests` below).
+pub(super) struct Line<T> {
+    state: Mutex<LineState<T>>,
 }
 
-#[derive(Default)]
-struct LineState {
-    queue: VecDeque<Job>,
+struct LineState<T> {
+    queue: VecDeque<T>,
     runners: usize,
 }
 
-fn lock(line: &Line) -> MutexGuard<'_, LineState> {
-    // Every change under this lock is a single push, drain or count
-    // update: consistent at any point a panic could occur.
-    line.state.lock().unwrap_or_else(PoisonError::into_inner)
+impl<T> Default for Line<T> {
+    fn default() -> Self {
+        Line {
+            state: Mutex::new(LineState {
+                queue: VecDeque::new(),
+                runners: 0,
+            }),
+        }
+    }
 }
 
-/// Puts `job` on `core`'s line, starting a runner unless [`MAX_GROUPS_IN_FLIGHT`] run.
-/// Must be called on the store's runtime (it spawns there).
-pub(super) fn submit(core: &Arc<Core>, job: Job) {
-    let start = {
-        let mut state = lock(&core.line);
+impl<T> Line<T> {
+    fn lock(&self) -> MutexGuard<'_, LineState<T>> {
+        // Every change under this lock is a single push, drain or count
+        // update: consistent at any point a panic could occur.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Queues `job`; true when the caller must start a runner (fewer than
+    /// `max_runners` run; the new one is counted in already).
+    fn push(&self, job: T, max_runners: usize) -> bool {
+        let mut state = self.lock();
         state.queue.push_back(job);
-        let start = state.runners < MAX_GROUPS_IN_FLIGHT;
+        let start = state.runners < max_runners;
         if start {
             state.runners += 1;
         }
         start
-    };
-    if start {
+    }
+
+    /// A runner's next group: up to `max` jobs, oldest first; `None` when
+    /// the queue is empty, and the runner is then counted out, under the
+    /// same lock [`push`](Line::push) takes, so a job queued after this
+    /// sees one runner fewer and starts one if it must. Never lost: a job
+    /// is queued either before this look (and taken) or after it (and
+    /// starts a runner).
+    fn next_group(&self, max: usize) -> Option<Vec<T>> {
+        let mut state = self.lock();
+        let n = state.queue.len().min(max);
+        if n == 0 {
+            state.runners = state.runners.saturating_sub(1);
+            return None;
+        }
+        Some(state.queue.drain(..n).collect())
+    }
+
+    /// Counts out a runner that ended without `next_group` saying so (it
+    /// panicked, or was dropped with the runtime).
+    fn runner_gone(&self) {
+        let mut state = self.lock();
+        state.runners = state.runners.saturating_sub(1);
+    }
+}
+
+/// Puts `job` on `core`'s line, starting a runner unless
+/// [`MAX_GROUPS_IN_FLIGHT`] run. Must be called on the store's runtime (it
+/// spawns there).
+pub(super) fn submit(core: &Arc<Core>, job: Job) {
+    if core.line.push(job, MAX_GROUPS_IN_FLIGHT) {
         tokio::spawn(run(Arc::clone(core)));
     }
 }
 
-/// Counts a runner out when it ends, however it ends (a panic in a job
-/// included: the line then starts a new runner at the next submission).
+/// Counts a runner out when it ends another way than by finding the queue
+/// empty (a panic in a job; the store's runtime dropping it mid-group): the
+/// line then starts a new runner at the next submission.
 struct Running {
     core: Arc<Core>,
     /// Already counted out (the runner found the queue empty).
@@ -190,8 +232,7 @@ struct Running {
 impl Drop for Running {
     fn drop(&mut self) {
         if !self.out {
-            let mut state = lock(&self.core.line);
-            state.runners = state.runners.saturating_sub(1);
+            self.core.line.runner_gone();
         }
     }
 }
@@ -201,18 +242,9 @@ async fn run(core: Arc<Core>) {
     let mut running = Running { core, out: false };
     loop {
         let core = &running.core;
-        let mut group: Vec<Job> = {
-            let mut state = lock(&core.line);
-            let n = state.queue.len().min(MAX_GROUP);
-            if n == 0 {
-                // Counted out under the same lock the submitter checks, so
-                // a job pushed after this sees the runner gone and starts one.
-                state.runners = state.runners.saturating_sub(1);
-                drop(state);
-                running.out = true;
-                return;
-            }
-            state.queue.drain(..n).collect()
+        let Some(mut group) = core.line.next_group(MAX_GROUP) else {
+            running.out = true;
+            return;
         };
         if group.len() == 1 {
             if let Some(job) = group.pop() {
@@ -579,5 +611,101 @@ impl Future for InOrder<'_> {
             .map(|d| d.take().unwrap_or(Ok(Ran::Done)))
             .collect();
         Poll::Ready(out)
+    }
+}
+
+/// The line under the Shuttle model checker (`scripts/shuttle-tests`):
+/// callers queue jobs from several threads while runners (threads here,
+/// tasks on the store's runtime in production) take groups and count
+/// themselves out. What must hold in every schedule: every job is taken
+/// exactly once (none is left queued with no runner to take it: the test
+/// would then wait forever, which Shuttle reports), and no more than the
+/// limit of runners ever run at once.
+#[cfg(all(test, shuttle))]
+mod shuttle_tests {
+    use super::*;
+    use crate::shuttle_support::explore;
+    use crate::sync::{Condvar, thread};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    struct Scenario {
+        line: Line<usize>,
+        /// Jobs taken, and a condvar the test waits on for all of them.
+        taken: Mutex<Vec<usize>>,
+        all_taken: Condvar,
+        running: AtomicUsize,
+        most_running: AtomicUsize,
+    }
+
+    fn runner(s: Arc<Scenario>, max_group: usize) {
+        let now = s.running.fetch_add(1, Ordering::SeqCst) + 1;
+        s.most_running.fetch_max(now, Ordering::SeqCst);
+        loop {
+            let Some(group) = s.line.next_group(max_group) else {
+                s.running.fetch_sub(1, Ordering::SeqCst);
+                return;
+            };
+            assert!(!group.is_empty() && group.len() <= max_group);
+            thread::yield_now(); // the group's round trip
+            let mut taken = s.taken.lock().unwrap_or_else(PoisonError::into_inner);
+            taken.extend(group);
+            s.all_taken.notify_all();
+        }
+    }
+
+    fn scenario(callers: usize, jobs_each: usize, max_runners: usize, max_group: usize) {
+        let s = Arc::new(Scenario {
+            line: Line::default(),
+            taken: Mutex::new(Vec::new()),
+            all_taken: Condvar::new(),
+            running: AtomicUsize::new(0),
+            most_running: AtomicUsize::new(0),
+        });
+        let threads: Vec<_> = (0..callers)
+            .map(|c| {
+                let s = Arc::clone(&s);
+                thread::spawn(move || {
+                    for j in 0..jobs_each {
+                        if s.line.push(c * jobs_each + j, max_runners) {
+                            let s = Arc::clone(&s);
+                            thread::spawn(move || runner(s, max_group));
+                        }
+                    }
+                })
+            })
+            .collect();
+        for caller in threads {
+            caller.join().expect("a caller");
+        }
+        let expected = callers * jobs_each;
+        let mut taken = s.taken.lock().unwrap_or_else(PoisonError::into_inner);
+        while taken.len() < expected {
+            taken = s
+                .all_taken
+                .wait(taken)
+                .unwrap_or_else(PoisonError::into_inner);
+        }
+        let mut seen = taken.clone();
+        seen.sort_unstable();
+        assert_eq!(
+            seen,
+            (0..expected).collect::<Vec<_>>(),
+            "each job taken once"
+        );
+        assert!(s.most_running.load(Ordering::SeqCst) <= max_runners);
+    }
+
+    #[test]
+    fn shuttle_every_queued_job_is_taken_once() {
+        explore("postgres line: three callers, two runners", || {
+            scenario(3, 2, 2, 2)
+        });
+    }
+
+    #[test]
+    fn shuttle_one_runner_drains_what_queues_behind_it() {
+        explore("postgres line: two callers, one runner", || {
+            scenario(2, 3, 1, 4)
+        });
     }
 }

@@ -29,7 +29,7 @@ pub(super) struct Core {
     pub(super) max_body_bytes: usize,
     pub(super) counters: Arc<Counters>,
     /// The group-commit line `begin` and `complete` go through.
-    pub(super) line: Line,
+    pub(super) line: Line<Job>,
 }
 
 impl Core {
