@@ -3,9 +3,10 @@
 //! The record lives in plain columns rather than in the codec's envelope:
 //! the statements compare the fingerprint, state, deadlines and token inside
 //! the server, and an operator can read the table with SQL. PostgreSQL
-//! checksums its own pages (when the cluster has data checksums on) and the
-//! table's CHECK constraints hold the record invariants, so there is no
-//! crc32 here; every row read is still checked against `Record::check`.
+//! checksums its own pages (when the cluster has data checksums on), so
+//! there is no crc32 here; every row read is checked against
+//! `Record::check` (the table has no CHECK constraints since schema
+//! version 2: see `schema.rs`).
 //!
 //! Times are `bigint` milliseconds since the Unix epoch. A deadline past
 //! `i64::MAX` ms (some 292 million years) is stored as `i64::MAX`.
