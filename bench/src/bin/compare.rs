@@ -10,7 +10,11 @@
 //! # ... and PostgresStore when IDEMSTORE_PG_URL names a server
 //! cargo run --release -p idemstore-bench --bin compare -- --smoke       # CI: one short round
 //! cargo run --release -p idemstore-bench --bin compare -- --rounds 5 --seconds 5
+//! cargo run --release -p idemstore-bench --features postgres --bin compare -- --only postgres,postgres-hand
 //! ```
+//!
+//! `--only NAME,..` runs only the named rows (`postgres,postgres-hand`
+//! for the PostgreSQL pair).
 //!
 //! Redis joins as a peer when IDEMSTORE_REDIS_URL (a server with
 //! `appendfsync always`) and/or IDEMSTORE_REDIS_EVERYSEC_URL (one with
@@ -96,6 +100,7 @@ fn main() -> BoxResult<()> {
     let mut rounds = 3usize;
     let mut seconds = 3.0f64;
     let mut require_redis = false;
+    let mut only: Option<Vec<String>> = None;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -106,9 +111,14 @@ fn main() -> BoxResult<()> {
             "--rounds" => rounds = args.next().ok_or("--rounds N")?.parse()?,
             "--seconds" => seconds = args.next().ok_or("--seconds S")?.parse()?,
             "--require-redis" => require_redis = true,
+            "--only" => {
+                let list = args.next().ok_or("--only NAME,NAME..")?;
+                only = Some(list.split(',').map(str::to_owned).collect());
+            }
             other => return Err(format!("unknown option {other}").into()),
         }
     }
+    let chosen = |name: &str| only.as_ref().is_none_or(|o| o.iter().any(|n| n == name));
     let duration = Duration::from_secs_f64(seconds);
     let root = tempfile::tempdir()?;
     println!(
@@ -167,7 +177,7 @@ fn main() -> BoxResult<()> {
         floor.push(ops);
         floor_p50.push(p50);
         for &clients in &CLIENTS {
-            for name in backends(&redis) {
+            for name in backends(&redis).into_iter().filter(|n| chosen(n)) {
                 // A fresh store per cell: no cell inherits another's file size.
                 let dir = root.path().join(format!("{name}-{clients}-{round}"));
                 std::fs::create_dir_all(&dir)?;
@@ -208,7 +218,7 @@ fn main() -> BoxResult<()> {
         );
     }
     println!("{:>14}", "p99 claim @64");
-    for name in backends(&redis) {
+    for name in backends(&redis).into_iter().filter(|n| chosen(n)) {
         print!("{:<34}", label(name));
         for c in CLIENTS {
             print!("{:>12.0}", cell(&cycles, name, c));
@@ -216,11 +226,11 @@ fn main() -> BoxResult<()> {
         println!("{:>11.0} µs", cell(&p99, name, 64));
     }
     println!();
-    for ours in ours() {
+    for ours in ours().into_iter().filter(|n| chosen(n)) {
         for c in CLIENTS {
             let mine = cell(&cycles, ours, c);
             let mut line = format!("{ours} @{c}: {:.1}× disk floor", mine / floor_cycles);
-            for peer in peers(&redis) {
+            for peer in peers(&redis).into_iter().filter(|n| chosen(n)) {
                 let theirs = cell(&cycles, peer, c);
                 line.push_str(&format!(
                     ", {:.1}× {peer}",
