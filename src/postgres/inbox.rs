@@ -7,26 +7,34 @@
 //! inside the transaction: its advisory lock on the key is held until the
 //! commit, so a concurrent delivery of the same message waits for it and
 //! then answers Duplicate.
+//!
+//! A batch ([`PgInbox::handle_batch`]) claims all its ids in one
+//! set-based statement and writes all its DONE records in another
+//! (inbox_sql.rs), with one commit; a failing message rolls the batch back
+//! and it runs again without that message.
 
 use super::errors::db_error;
+use super::inbox_sql::InboxSql;
 use super::ops::{BeginStep, Core, RunError, complete_on};
-use super::pool::Pooled;
+use super::pool::{Conn, Pooled};
 use super::stats::Counters;
-use super::{PostgresStore, row, sql};
+use super::{MAX_BEGIN_ATTEMPTS, PostgresStore, row, sql};
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::guard::{DEFAULT_LEASE, DEFAULT_RETENTION};
 use crate::key::Key;
 use crate::logic;
-use crate::record::{Begin, Claim, check_durations};
+use crate::record::{Begin, Claim, Record, check_durations};
 use crate::response::Response;
 use crate::store::Store;
 use crate::time::{Clock, Timestamp};
+use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_postgres::Client;
+use tokio_postgres::types::{ToSql, Type};
 
 /// What a [`PgInbox`] handler returns: a future borrowing the transaction's
 /// client for `'c`.
@@ -73,6 +81,7 @@ pub use crate::delivery::Delivery;
 /// ```
 pub struct PgInbox {
     store: Arc<PostgresStore>,
+    sql: Arc<InboxSql>,
     retention: Duration,
     clock: Arc<dyn Clock>,
 }
@@ -97,8 +106,13 @@ impl PgInbox {
     /// ```
     pub fn new(store: impl Into<Arc<PostgresStore>>) -> PgInbox {
         let store = store.into();
+        let sql = Arc::new(InboxSql::new(
+            &store.core.sql.table,
+            &store.core.sql.sequence,
+        ));
         PgInbox {
             clock: store.clock(),
+            sql,
             store,
             retention: DEFAULT_RETENTION,
         }
@@ -338,18 +352,39 @@ impl PgInbox {
     /// commit for the batch, and answers each in input order: `Handled`,
     /// `Duplicate`, `Conflict`, `InFlight`, or that message's error.
     ///
-    /// Each message is `(key, fingerprint, payload)`. Each new message runs
-    /// inside a savepoint: its claim, the handler's writes and its DONE
-    /// record are kept, or (the handler returned an error, panicked —
+    /// Each message is `(key, fingerprint, payload)`. The transaction
+    /// claims every distinct id of the batch in one statement (each id
+    /// decided as [`Store::begin`](crate::Store::begin) decides it), runs
+    /// the claimed messages' handlers in input order, one after the other,
+    /// with its [`Client`], writes every DONE record in one statement, and
+    /// commits: three round trips for the batch (the claim leaves with the
+    /// `BEGIN`) besides the handlers' own, where a savepoint per message
+    /// cost five per message. The same id twice in a batch is handled once:
+    /// the later one is `Duplicate` of the first's result (`Conflict` when
+    /// its fingerprint differs). An id that another consumer is claiming
+    /// or handling right now is waited for, then answered `Duplicate` (or
+    /// handled here, if that transaction rolled back); the ids are locked
+    /// in one global order, so overlapping batches do not deadlock.
+    ///
+    /// **A failing message** (the handler returned an error, panicked —
     /// [`Error::HandlerPanicked`] — or returned a result over the limits)
-    /// rolled back to the savepoint, so a failed message takes none of its
-    /// batch-mates' writes with it and leaves none of its own. The same id
-    /// twice in a batch is handled once: the later one is `Duplicate` of
-    /// the first's result (`Conflict` when its fingerprint differs). The
-    /// outer error is the batch's: a lost connection or a failed `COMMIT`
-    /// (then nothing, or everything, committed: a redelivery finds out).
-    /// Blocks this thread until the commit; the handler runs on the store's
-    /// runtime thread and must not block. An empty batch commits nothing.
+    /// rolls the transaction back, and the batch runs again without it: it
+    /// leaves none of its writes, its answer is its error, and its
+    /// batch-mates run again in a new transaction, each with a new claim
+    /// (a new fencing token); their first run's writes were rolled back.
+    /// So a handler may run more than once for one delivery, and its only
+    /// effects must be writes through the client it is given. A second
+    /// failing message makes the third and last pass run each message in a
+    /// savepoint of its own (claim, handler and DONE record, five round
+    /// trips per message), where a failure rolls back only its own message:
+    /// a batch of `n` runs its handlers at most `3n` times, and a batch
+    /// with one poison message costs a second pass at the full speed.
+    ///
+    /// The outer error is the batch's: a lost connection or a failed
+    /// `COMMIT` (then nothing, or everything, committed: a redelivery finds
+    /// out). Blocks this thread until the commit; the handler runs on the
+    /// store's runtime thread and must not block. An empty batch commits
+    /// nothing.
     ///
     /// ```no_run
     /// use idemstore::postgres::{Delivery, PgInbox};
@@ -391,13 +426,13 @@ impl PgInbox {
         if messages.is_empty() {
             return Ok(Vec::new());
         }
-        let core = Arc::clone(&self.store.core);
+        let (core, sql) = (Arc::clone(&self.store.core), Arc::clone(&self.sql));
         let (now, retention) = (self.clock.now(), self.retention);
         self.store
             .runtime
-            .block_on_task(
-                async move { deliver_batch(&core, messages, now, retention, handler).await },
-            )
+            .block_on_task(async move {
+                deliver_batch(&core, &sql, messages, now, retention, handler).await
+            })
             .unwrap_or(Err(Error::Closed))
     }
 }
@@ -423,8 +458,67 @@ impl<F: Future + Unpin> Future for CatchPanic<F> {
     }
 }
 
+/// How many passes of a batch run without savepoints: the first, and one
+/// rerun after a failed message. A batch with a second failed message runs
+/// its last pass with a savepoint per message ([`careful_pass`]), so a
+/// batch of `n` runs its handlers at most `(FAST_PASSES + 1) × n` times.
+const FAST_PASSES: usize = 2;
+
+/// Runs `a` and `b` together, polling `a` first. A statement's future sends
+/// its request at its first poll, so both requests leave in this order
+/// before either reply is awaited: two statements, one round trip.
+async fn pipelined<A: Future, B: Future>(a: A, b: B) -> (A::Output, B::Output) {
+    let (mut a, mut b) = (std::pin::pin!(a), std::pin::pin!(b));
+    let (mut out_a, mut out_b) = (None, None);
+    std::future::poll_fn(|cx| {
+        if out_a.is_none()
+            && let std::task::Poll::Ready(v) = a.as_mut().poll(cx)
+        {
+            out_a = Some(v);
+        }
+        if out_b.is_none()
+            && let std::task::Poll::Ready(v) = b.as_mut().poll(cx)
+        {
+            out_b = Some(v);
+        }
+        match (out_a.take(), out_b.take()) {
+            (Some(a), Some(b)) => std::task::Poll::Ready((a, b)),
+            (a, b) => {
+                (out_a, out_b) = (a, b);
+                std::task::Poll::Pending
+            }
+        }
+    })
+    .await
+}
+
+/// One message of a batch as the passes see it.
+struct Item<'a, T> {
+    key: &'a Key,
+    fingerprint: &'a Fingerprint,
+    payload: &'a T,
+}
+
+/// How a pass ended without its commit.
+enum Abort<E> {
+    /// The batch's error: the connection, the server, a record that does
+    /// not decode.
+    Batch(Error),
+    /// Message `index` failed (its handler's error, a panic, a result over
+    /// the limits, a lost claim): the pass was rolled back; run the batch
+    /// again without it.
+    Message(usize, E),
+}
+
+impl<E> From<Error> for Abort<E> {
+    fn from(e: Error) -> Abort<E> {
+        Abort::Batch(e)
+    }
+}
+
 async fn deliver_batch<T, E, F>(
     core: &Core,
+    sql: &InboxSql,
     messages: Vec<(Key, Fingerprint, T)>,
     now: Timestamp,
     retention: Duration,
@@ -436,30 +530,583 @@ where
 {
     check_durations(DEFAULT_LEASE, retention)?;
     Counters::bump(&core.counters.calls);
+    let items: Vec<Item<'_, T>> = messages
+        .iter()
+        .map(|(key, fingerprint, payload)| Item {
+            key,
+            fingerprint,
+            payload,
+        })
+        .collect();
     let pooled = core.pool.get().await?;
     let conn = pooled.conn();
     let mut open = OpenTx(Some(pooled));
-    let table = &core.sql.table;
-    let db = |e| db_error(e, table);
-    let run = |e| match e {
-        RunError::Db(e) => db_error(e, table),
-        RunError::Store(e) => e,
+    let ctx = PassContext {
+        core,
+        sql,
+        conn: &conn,
+        now,
+        retention,
     };
-    conn.client.batch_execute("BEGIN").await.map_err(db)?;
-    // What this batch already answered for an id: its fingerprint and the
-    // result it stored (None: the id's message failed).
-    let mut seen: std::collections::HashMap<Key, (Fingerprint, Option<Response>)> =
-        std::collections::HashMap::new();
-    let mut answers = Vec::with_capacity(messages.len());
-    let times = (row::millis(now), row::millis(now + retention));
-    for (key, fingerprint, payload) in &messages {
-        if let Some((first, stored)) = seen.get(key) {
-            if first != fingerprint {
-                answers.push(Ok(Delivery::Conflict));
+    // The failures of earlier passes: these messages' answers.
+    let mut failed: Vec<Option<E>> = items.iter().map(|_| None).collect();
+    for _ in 0..FAST_PASSES {
+        if failed.iter().all(Option::is_some) {
+            open.finish();
+            return Ok(merge(Vec::new(), failed));
+        }
+        // Which messages failed (`E` need not be `Sync`: the passes see
+        // flags, not the errors).
+        let mask: Vec<bool> = failed.iter().map(Option::is_some).collect();
+        match fast_pass(&ctx, &items, &mask, &mut handler).await {
+            Ok(answers) => {
+                open.finish();
+                return Ok(merge(answers, failed));
+            }
+            Err(Abort::Batch(e)) => return Err(e),
+            Err(Abort::Message(index, e)) => match failed.get_mut(index) {
+                Some(slot @ None) => *slot = Some(e),
+                // A pass never runs a failed message: stop rather than loop.
+                _ => return Err(Error::backend("an inbox pass failed a message twice")),
+            },
+        }
+    }
+    let mask: Vec<bool> = failed.iter().map(Option::is_some).collect();
+    let answers = careful_pass(&ctx, &items, &mask, &mut handler).await?;
+    open.finish();
+    Ok(merge(answers, failed))
+}
+
+/// The answers of the last pass, with the failures of every pass.
+fn merge<E: From<Error>>(
+    answers: Vec<Option<Result<Delivery, E>>>,
+    failed: Vec<Option<E>>,
+) -> Vec<Result<Delivery, E>> {
+    let mut answers = answers.into_iter();
+    failed
+        .into_iter()
+        .map(|failed| match (answers.next().flatten(), failed) {
+            (_, Some(e)) => Err(e),
+            (Some(answer), None) => answer,
+            (None, None) => Err(Error::backend("an inbox pass skipped a delivery").into()),
+        })
+        .collect()
+}
+
+/// What every pass of one batch shares.
+struct PassContext<'a> {
+    core: &'a Core,
+    sql: &'a InboxSql,
+    conn: &'a Conn,
+    now: Timestamp,
+    retention: Duration,
+}
+
+impl PassContext<'_> {
+    fn db(&self, e: tokio_postgres::Error) -> Error {
+        db_error(e, &self.core.sql.table)
+    }
+
+    fn run(&self, e: RunError) -> Error {
+        match e {
+            RunError::Db(e) => self.db(e),
+            RunError::Store(e) => e,
+        }
+    }
+
+    /// Ends the pass's transaction with `ROLLBACK`, then reports `abort`.
+    async fn roll_back<R, E>(&self, abort: Abort<E>) -> Result<R, Abort<E>> {
+        self.conn
+            .client
+            .batch_execute("ROLLBACK")
+            .await
+            .map_err(|e| self.db(e))?;
+        Err(abort)
+    }
+}
+
+/// What the batch's claim statement decided for one distinct key.
+enum Decided {
+    /// Claimed in this transaction.
+    Claimed(Claim),
+    /// Not claimable: `logic::begin`'s answer (Replay, Conflict, InFlight)
+    /// and the row it was decided on.
+    Answer(Begin, Record),
+}
+
+/// A distinct key of the batch for the claim statement, and its message.
+struct Rep<'a> {
+    key: &'a Key,
+    fingerprint: &'a Fingerprint,
+    lock: i64,
+    /// The message whose claim this is (the key's first one that reaches
+    /// the store in this pass).
+    index: usize,
+}
+
+/// One pass without savepoints: every distinct key claimed in one
+/// statement, the handlers run in input order on the transaction's client,
+/// every DONE record written in one statement, one `COMMIT`. A message
+/// that fails rolls the whole pass back (`Abort::Message`).
+async fn fast_pass<T, E, F>(
+    ctx: &PassContext<'_>,
+    items: &[Item<'_, T>],
+    failed: &[bool],
+    handler: &mut F,
+) -> Result<Vec<Option<Result<Delivery, E>>>, Abort<E>>
+where
+    E: From<Error>,
+    F: for<'c> FnMut(&'c Client, Claim, &'c T) -> HandlerFuture<'c, E>,
+{
+    let (core, conn) = (ctx.core, ctx.conn);
+    // Which message of each key reaches the store: the first that is not
+    // answered from an earlier failure of its id (a failed message makes
+    // the next ones of its id with another fingerprint Conflict, as below).
+    let mut reps: Vec<Rep<'_>> = Vec::new();
+    let mut rep_of: HashMap<&Key, usize> = HashMap::new();
+    let mut failed_fp: HashMap<&Key, &Fingerprint> = HashMap::new();
+    for (index, (item, failed)) in items.iter().zip(failed).enumerate() {
+        if *failed {
+            failed_fp.insert(item.key, item.fingerprint);
+            continue;
+        }
+        if rep_of.contains_key(item.key)
+            || failed_fp
+                .get(item.key)
+                .is_some_and(|fp| *fp != item.fingerprint)
+        {
+            continue;
+        }
+        rep_of.insert(item.key, reps.len());
+        reps.push(Rep {
+            key: item.key,
+            fingerprint: item.fingerprint,
+            lock: sql::key_lock(&core.sql.table, item.key),
+            index,
+        });
+    }
+    // The claim statement takes the keys' locks in this order (see
+    // inbox_sql.rs): by lock id, the same order in every batch.
+    let mut order: Vec<(i64, &Key, usize)> = reps
+        .iter()
+        .enumerate()
+        .map(|(i, rep)| (rep.lock, rep.key, i))
+        .collect();
+    order.sort_unstable();
+    let order: Vec<usize> = order.into_iter().map(|(_, _, i)| i).collect();
+    let sorted: Vec<&Rep<'_>> = order.iter().filter_map(|&i| reps.get(i)).collect();
+    let decided = claim_all(ctx, &sorted).await?;
+    // Per distinct key (indexed like `reps`), what the statement decided.
+    let mut by_rep: Vec<Option<Decided>> = reps.iter().map(|_| None).collect();
+    for (&i, d) in order.iter().zip(decided) {
+        if let Some(slot) = by_rep.get_mut(i) {
+            *slot = Some(d);
+        }
+    }
+
+    // The batch in input order, as the per-message inbox decides it: what
+    // this pass already answered for an id is its fingerprint and its
+    // stored result (None: that message failed in an earlier pass).
+    let mut seen: HashMap<&Key, (&Fingerprint, Option<Response>)> = HashMap::new();
+    let mut answers: Vec<Option<Result<Delivery, E>>> = Vec::with_capacity(items.len());
+    let mut handled: Vec<Done<'_>> = Vec::new();
+    for (index, (item, failed)) in items.iter().zip(failed).enumerate() {
+        if *failed {
+            failed_before(&mut seen, item.key, item.fingerprint);
+            answers.push(None);
+            continue;
+        }
+        if let Some((first, stored)) = seen.get(item.key) {
+            if *first != item.fingerprint {
+                answers.push(Some(Ok(Delivery::Conflict)));
                 continue;
             }
             if let Some(response) = stored {
-                answers.push(Ok(Delivery::Duplicate(response.clone())));
+                answers.push(Some(Ok(Delivery::Duplicate(response.clone()))));
+                continue;
+            }
+            // The earlier delivery failed: this one is tried afresh.
+        }
+        let rep = rep_of.get(item.key).copied();
+        let is_rep = rep
+            .and_then(|r| reps.get(r))
+            .is_some_and(|r| r.index == index);
+        let begin = match rep.and_then(|r| by_rep.get_mut(r)) {
+            Some(slot) if is_rep => match slot {
+                Some(Decided::Claimed(claim)) => Begin::Claimed(claim.clone()),
+                Some(Decided::Answer(answer, _)) => answer.clone(),
+                None => return ctx.roll_back(Abort::Batch(undecided())).await,
+            },
+            // A later message of an id whose first one was answered
+            // Conflict or InFlight: decided on the same row, as a
+            // statement of its own would (and when that row would be
+            // claimed for this fingerprint, by one: `BeginStep`).
+            Some(Some(Decided::Answer(_, record))) => {
+                let step = logic::begin(
+                    Some(record.clone()),
+                    item.fingerprint,
+                    ctx.now,
+                    DEFAULT_LEASE,
+                    ctx.retention,
+                    || Ok(0),
+                )?;
+                if step.write.is_none() {
+                    step.answer
+                } else {
+                    let step = BeginStep {
+                        key: item.key,
+                        fingerprint: item.fingerprint,
+                        now: ctx.now,
+                        lease: DEFAULT_LEASE,
+                        retention: ctx.retention,
+                        lock: sql::key_lock(&core.sql.table, item.key),
+                    };
+                    step.run(conn, &core.counters)
+                        .await
+                        .map_err(|e| ctx.run(e))?
+                }
+            }
+            _ => return ctx.roll_back(Abort::Batch(undecided())).await,
+        };
+        let claim = match begin {
+            Begin::Claimed(claim) => claim,
+            Begin::Replay(response) => {
+                seen.insert(item.key, (item.fingerprint, Some(response.clone())));
+                answers.push(Some(Ok(Delivery::Duplicate(response))));
+                continue;
+            }
+            Begin::Conflict => {
+                answers.push(Some(Ok(Delivery::Conflict)));
+                continue;
+            }
+            Begin::InFlight { lease_until } => {
+                answers.push(Some(Ok(Delivery::InFlight { lease_until })));
+                continue;
+            }
+        };
+        let Some(token) = row::token(claim.token) else {
+            return ctx
+                .roll_back(Abort::Message(index, Error::StaleClaim.into()))
+                .await;
+        };
+        match run_handler(core, handler, conn, claim, item.payload).await {
+            Ok(response) => {
+                seen.insert(item.key, (item.fingerprint, Some(response.clone())));
+                answers.push(Some(Ok(Delivery::Handled(response.clone()))));
+                handled.push(Done {
+                    index,
+                    key: item.key,
+                    token,
+                    response,
+                });
+            }
+            // Its claim and its writes, and its batch-mates' so far: all
+            // undone. The next pass runs without it.
+            Err(e) => return ctx.roll_back(Abort::Message(index, e)).await,
+        }
+    }
+    if !handled.is_empty() {
+        let written = complete_all(ctx, &handled).await?;
+        // Each record is this transaction's own row, locked by it since its
+        // claim: only a handler's own write through its client (a DELETE or
+        // UPDATE of the store's table) can make it miss one.
+        if let Some(index) = handled
+            .iter()
+            .map(|done| done.index)
+            .find(|index| !written.contains(index))
+        {
+            return ctx
+                .roll_back(Abort::Message(index, Error::StaleClaim.into()))
+                .await;
+        }
+    }
+    conn.client
+        .batch_execute("COMMIT")
+        .await
+        .map_err(|e| ctx.db(e))?;
+    Ok(answers)
+}
+
+/// Notes in `seen` a message that failed in an earlier pass: the next
+/// ones of its id with another fingerprint are Conflict, and one with the
+/// same is tried afresh. Unless this pass already stored (or found) a
+/// result for the id: that record is what the store would answer from
+/// (Duplicate of it, or Conflict), and it stays.
+fn failed_before<'a>(
+    seen: &mut HashMap<&'a Key, (&'a Fingerprint, Option<Response>)>,
+    key: &'a Key,
+    fingerprint: &'a Fingerprint,
+) {
+    match seen.get(key) {
+        Some((_, Some(_))) => {}
+        _ => {
+            seen.insert(key, (fingerprint, None));
+        }
+    }
+}
+
+fn undecided() -> Error {
+    Error::backend("an inbox batch left a delivery undecided")
+}
+
+/// Runs one message's handler (a panic becomes [`Error::HandlerPanicked`])
+/// and checks its result against the limits.
+async fn run_handler<'c, T, E, F>(
+    core: &Core,
+    handler: &mut F,
+    conn: &'c Conn,
+    claim: Claim,
+    payload: &'c T,
+) -> Result<Response, E>
+where
+    E: From<Error>,
+    F: for<'h> FnMut(&'h Client, Claim, &'h T) -> HandlerFuture<'h, E>,
+{
+    match CatchPanic(handler(&conn.client, claim, payload)).await {
+        Ok(Ok(response)) => logic::check_response(&response, core.max_body_bytes)
+            .map(|()| response)
+            .map_err(E::from),
+        Ok(Err(err)) => Err(err),
+        Err(message) => Err(Error::HandlerPanicked { message }.into()),
+    }
+}
+
+/// `BEGIN`, then the claim statement for `reps` (sorted by lock), run again
+/// for the keys a concurrent claim left undecided; one answer per key, in
+/// `reps`' order. The first statement leaves with the `BEGIN`: one round
+/// trip. (Should the `BEGIN` fail, the claim statement would run alone and
+/// commit its claims with no handler run: the connection is then broken,
+/// and the claims' leases run out as after a crash.)
+async fn claim_all<E>(ctx: &PassContext<'_>, reps: &[&Rep<'_>]) -> Result<Vec<Decided>, Abort<E>> {
+    let (conn, core) = (ctx.conn, ctx.core);
+    let (at, lease_until, expires_at) = (
+        row::millis(ctx.now),
+        row::millis(ctx.now + DEFAULT_LEASE),
+        row::millis(ctx.now + ctx.retention),
+    );
+    if reps.is_empty() {
+        // Every message was answered from an earlier failure of its id.
+        conn.client
+            .batch_execute("BEGIN")
+            .await
+            .map_err(|e| ctx.db(e))?;
+        return Ok(Vec::new());
+    }
+    let mut decided: Vec<Option<Decided>> = reps.iter().map(|_| None).collect();
+    // Positions (in `reps`) of the keys still to decide.
+    let mut pending: Vec<usize> = (0..reps.len()).collect();
+    for attempt in 0..MAX_BEGIN_ATTEMPTS {
+        if pending.is_empty() {
+            break;
+        }
+        let batch: Vec<&Rep<'_>> = pending
+            .iter()
+            .filter_map(|&p| reps.get(p).copied())
+            .collect();
+        let scopes: Vec<&[u8]> = batch.iter().map(|r| r.key.scope()).collect();
+        let ids: Vec<&[u8]> = batch.iter().map(|r| r.key.id()).collect();
+        let fps: Vec<&[u8]> = batch
+            .iter()
+            .map(|r| &r.fingerprint.as_bytes()[..])
+            .collect();
+        let locks: Vec<i64> = batch.iter().map(|r| r.lock).collect();
+        let params: [(&(dyn ToSql + Sync), Type); 7] = [
+            (&scopes, Type::BYTEA_ARRAY),
+            (&ids, Type::BYTEA_ARRAY),
+            (&fps, Type::BYTEA_ARRAY),
+            (&locks, Type::INT8_ARRAY),
+            (&at, Type::INT8),
+            (&lease_until, Type::INT8),
+            (&expires_at, Type::INT8),
+        ];
+        let claim = conn.client.query_typed(&ctx.sql.claim, &params);
+        let rows = if attempt == 0 {
+            let (begun, rows) = pipelined(conn.client.batch_execute("BEGIN"), claim).await;
+            begun.map_err(|e| ctx.db(e))?;
+            rows
+        } else {
+            Counters::bump(&core.counters.snapshot_retries);
+            claim.await
+        }
+        .map_err(|e| ctx.db(e))?;
+        for found in &rows {
+            let ord: i64 = found.try_get(0).map_err(|e| ctx.db(e))?;
+            let claimed: bool = found.try_get(1).map_err(|e| ctx.db(e))?;
+            let Some(&position) = usize::try_from(ord)
+                .ok()
+                .and_then(|o| o.checked_sub(1))
+                .and_then(|o| pending.get(o))
+            else {
+                return Err(Error::backend(format!("the inbox claim returned row {ord}")).into());
+            };
+            let (Some(rep), Some(slot)) = (reps.get(position), decided.get_mut(position)) else {
+                continue;
+            };
+            let record = row::record(rep.key, found, 2)?;
+            if claimed {
+                *slot = Some(Decided::Claimed(claim_of(&record)));
+                continue;
+            }
+            let step = logic::begin(
+                Some(record.clone()),
+                rep.fingerprint,
+                ctx.now,
+                DEFAULT_LEASE,
+                ctx.retention,
+                || Ok(0),
+            )?;
+            // Claimable as read, yet not claimed: a claim committed after
+            // the snapshot. Decided again below.
+            if step.write.is_none() {
+                *slot = Some(Decided::Answer(step.answer, record));
+            }
+        }
+        // No row at all: the same (a claim committed after the snapshot,
+        // whose statement this one waited for). This transaction now holds
+        // these keys' locks; a new snapshot shows the committed rows.
+        pending.retain(|&p| decided.get(p).is_some_and(Option::is_none));
+    }
+    if !pending.is_empty() {
+        return Err(Error::backend(format!(
+            "an inbox batch raced with concurrent writers {MAX_BEGIN_ATTEMPTS} times in a row"
+        ))
+        .into());
+    }
+    Ok(decided.into_iter().flatten().collect())
+}
+
+/// The claim for a record the statement just claimed: `logic::begin` gives
+/// a fresh record attempt 1 and a takeover the previous attempts + 1.
+fn claim_of(record: &Record) -> Claim {
+    Claim::new(
+        record.token,
+        record.lease_until.unwrap_or(Timestamp::EPOCH),
+        record.attempts > 1,
+        record.attempts,
+    )
+}
+
+/// A handled message of a pass, for the DONE statement.
+struct Done<'a> {
+    index: usize,
+    key: &'a Key,
+    token: i64,
+    response: Response,
+}
+
+/// The DONE statement for every handled message: the indexes whose record
+/// it wrote.
+async fn complete_all<E>(
+    ctx: &PassContext<'_>,
+    handled: &[Done<'_>],
+) -> Result<std::collections::HashSet<usize>, Abort<E>> {
+    let mut scopes: Vec<&[u8]> = Vec::with_capacity(handled.len());
+    let mut ids: Vec<&[u8]> = Vec::with_capacity(handled.len());
+    let mut tokens: Vec<i64> = Vec::with_capacity(handled.len());
+    let mut statuses: Vec<i32> = Vec::with_capacity(handled.len());
+    let mut firsts: Vec<i32> = Vec::with_capacity(handled.len());
+    let mut lasts: Vec<i32> = Vec::with_capacity(handled.len());
+    let mut names: Vec<&[u8]> = Vec::new();
+    let mut values: Vec<&[u8]> = Vec::new();
+    let mut bodies: Vec<&[u8]> = Vec::with_capacity(handled.len());
+    let too_many = || Error::invalid_argument("too many response headers in one inbox batch");
+    for done in handled {
+        scopes.push(done.key.scope());
+        ids.push(done.key.id());
+        tokens.push(done.token);
+        let columns = row::response_columns(&done.response);
+        statuses.push(columns.status);
+        // 1-based, inclusive: an empty response's slice is [n + 1, n].
+        firsts.push(i32::try_from(names.len() + 1).map_err(|_| too_many())?);
+        names.extend(columns.names);
+        values.extend(columns.values);
+        lasts.push(i32::try_from(names.len()).map_err(|_| too_many())?);
+        bodies.push(columns.body);
+    }
+    let (at, expires_at) = (row::millis(ctx.now), row::millis(ctx.now + ctx.retention));
+    let params: [(&(dyn ToSql + Sync), Type); 11] = [
+        (&scopes, Type::BYTEA_ARRAY),
+        (&ids, Type::BYTEA_ARRAY),
+        (&tokens, Type::INT8_ARRAY),
+        (&statuses, Type::INT4_ARRAY),
+        (&firsts, Type::INT4_ARRAY),
+        (&lasts, Type::INT4_ARRAY),
+        (&names, Type::BYTEA_ARRAY),
+        (&values, Type::BYTEA_ARRAY),
+        (&bodies, Type::BYTEA_ARRAY),
+        (&at, Type::INT8),
+        (&expires_at, Type::INT8),
+    ];
+    let rows = ctx
+        .conn
+        .client
+        .query_typed(&ctx.sql.done, &params)
+        .await
+        .map_err(|e| ctx.db(e))?;
+    let mut written = std::collections::HashSet::with_capacity(rows.len());
+    for done in &rows {
+        let ord: i64 = done.try_get(0).map_err(|e| ctx.db(e))?;
+        let index = usize::try_from(ord)
+            .ok()
+            .and_then(|o| o.checked_sub(1))
+            .and_then(|o| handled.get(o))
+            .map(|done| done.index);
+        written.extend(index);
+    }
+    Ok(written)
+}
+
+/// The pass after a second failed message: the per-message path, each new
+/// message's claim (`BeginStep`), handler and DONE record in a savepoint of
+/// its own, so a failure rolls back only its own message. It first takes
+/// every key's lock in lock order (as the claim statement does), so the
+/// claims below never wait for a lock while this transaction holds another.
+async fn careful_pass<T, E, F>(
+    ctx: &PassContext<'_>,
+    items: &[Item<'_, T>],
+    failed: &[bool],
+    handler: &mut F,
+) -> Result<Vec<Option<Result<Delivery, E>>>, Error>
+where
+    E: From<Error>,
+    F: for<'c> FnMut(&'c Client, Claim, &'c T) -> HandlerFuture<'c, E>,
+{
+    let (core, conn) = (ctx.core, ctx.conn);
+    let table = &core.sql.table;
+    let db = |e| ctx.db(e);
+    let mut locks: Vec<i64> = items
+        .iter()
+        .zip(failed)
+        .filter(|(_, failed)| !**failed)
+        .map(|(item, _)| sql::key_lock(table, item.key))
+        .collect();
+    locks.sort_unstable();
+    locks.dedup();
+    let params: [(&(dyn ToSql + Sync), Type); 1] = [(&locks, Type::INT8_ARRAY)];
+    let (begun, locked) = pipelined(
+        conn.client.batch_execute("BEGIN"),
+        conn.client.query_typed(&ctx.sql.lock_all, &params),
+    )
+    .await;
+    begun.map_err(db)?;
+    locked.map_err(db)?;
+    let mut seen: HashMap<&Key, (&Fingerprint, Option<Response>)> = HashMap::new();
+    let mut answers = Vec::with_capacity(items.len());
+    let times = (row::millis(ctx.now), row::millis(ctx.now + ctx.retention));
+    for (item, failed) in items.iter().zip(failed) {
+        let (key, fingerprint) = (item.key, item.fingerprint);
+        if *failed {
+            failed_before(&mut seen, key, fingerprint);
+            answers.push(None);
+            continue;
+        }
+        if let Some((first, stored)) = seen.get(key) {
+            if *first != fingerprint {
+                answers.push(Some(Ok(Delivery::Conflict)));
+                continue;
+            }
+            if let Some(response) = stored {
+                answers.push(Some(Ok(Delivery::Duplicate(response.clone()))));
                 continue;
             }
             // The earlier delivery failed: this one is tried afresh.
@@ -468,55 +1115,43 @@ where
         let step = BeginStep {
             key,
             fingerprint,
-            now,
+            now: ctx.now,
             lease: DEFAULT_LEASE,
-            retention,
+            retention: ctx.retention,
             lock: sql::key_lock(table, key),
         };
-        let claim = match step.run(&conn, &core.counters).await.map_err(run)? {
-            Begin::Claimed(claim) => claim,
+        let begin = step
+            .run(conn, &core.counters)
+            .await
+            .map_err(|e| ctx.run(e))?;
+        let answer = match begin {
+            Begin::Claimed(claim) => Err(claim),
             Begin::Replay(response) => {
-                conn.client
-                    .batch_execute("RELEASE SAVEPOINT m")
-                    .await
-                    .map_err(db)?;
-                seen.insert(key.clone(), (*fingerprint, Some(response.clone())));
-                answers.push(Ok(Delivery::Duplicate(response)));
-                continue;
+                seen.insert(key, (fingerprint, Some(response.clone())));
+                Ok(Delivery::Duplicate(response))
             }
-            Begin::Conflict => {
+            Begin::Conflict => Ok(Delivery::Conflict),
+            Begin::InFlight { lease_until } => Ok(Delivery::InFlight { lease_until }),
+        };
+        let claim = match answer {
+            Err(claim) => claim,
+            Ok(answer) => {
                 conn.client
                     .batch_execute("RELEASE SAVEPOINT m")
                     .await
                     .map_err(db)?;
-                answers.push(Ok(Delivery::Conflict));
-                continue;
-            }
-            Begin::InFlight { lease_until } => {
-                conn.client
-                    .batch_execute("RELEASE SAVEPOINT m")
-                    .await
-                    .map_err(db)?;
-                answers.push(Ok(Delivery::InFlight { lease_until }));
+                answers.push(Some(Ok(answer)));
                 continue;
             }
         };
-        let ran = CatchPanic(handler(&conn.client, claim.clone(), payload)).await;
-        let handled: Result<Response, E> = match ran {
-            Ok(Ok(response)) => logic::check_response(&response, core.max_body_bytes)
-                .map(|()| response)
-                .map_err(E::from),
-            Ok(Err(err)) => Err(err),
-            Err(message) => Err(Error::HandlerPanicked { message }.into()),
-        };
-        let written = match handled {
+        let written = match run_handler(core, handler, conn, claim.clone(), item.payload).await {
             Ok(response) => {
                 let token = row::token(claim.token).ok_or(Error::StaleClaim)?;
                 let columns = row::response_columns(&response);
                 // This transaction's own row, locked by it.
-                let updated = complete_on(&conn, key, token, times, &columns)
+                let updated = complete_on(conn, key, token, times, &columns)
                     .await
-                    .map_err(run)?;
+                    .map_err(|e| ctx.run(e))?;
                 if updated == 1 {
                     Ok(response)
                 } else {
@@ -531,8 +1166,8 @@ where
                     .batch_execute("RELEASE SAVEPOINT m")
                     .await
                     .map_err(db)?;
-                seen.insert(key.clone(), (*fingerprint, Some(response.clone())));
-                answers.push(Ok(Delivery::Handled(response)));
+                seen.insert(key, (fingerprint, Some(response.clone())));
+                answers.push(Some(Ok(Delivery::Handled(response))));
             }
             Err(err) => {
                 // The claim, the handler's writes: all undone.
@@ -540,12 +1175,11 @@ where
                     .batch_execute("ROLLBACK TO SAVEPOINT m; RELEASE SAVEPOINT m")
                     .await
                     .map_err(db)?;
-                seen.insert(key.clone(), (*fingerprint, None));
-                answers.push(Err(err));
+                seen.insert(key, (fingerprint, None));
+                answers.push(Some(Err(err)));
             }
         }
     }
     conn.client.batch_execute("COMMIT").await.map_err(db)?;
-    open.finish();
     Ok(answers)
 }

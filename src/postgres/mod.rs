@@ -4,6 +4,7 @@
 
 mod errors;
 mod inbox;
+mod inbox_sql;
 mod ops;
 mod options;
 mod pool;
