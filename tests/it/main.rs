@@ -41,6 +41,8 @@ mod postgres;
 mod postgres_cuts;
 #[cfg(feature = "postgres")]
 mod postgres_inbox;
+#[cfg(feature = "postgres")]
+mod postgres_inbox_batch;
 #[cfg(all(feature = "postgres", feature = "tokio"))]
 mod postgres_runtime;
 #[cfg(feature = "redb")]
