@@ -277,6 +277,44 @@ impl Pg {
         })
     }
 
+    /// [`batch`](Pg::batch) with the account update written per message,
+    /// as a per-message handler would: one `UPDATE` statement (prepared
+    /// and run, two round trips) for each new payment, in the batch's
+    /// transaction.
+    pub fn batch_per_message(&mut self, payments: &[Payment]) -> BoxResult<Tally> {
+        let ids: Vec<String> = payments.iter().map(|p| format!("p-{}", p.id)).collect();
+        let update = format!(
+            "UPDATE {} SET balance = balance + $1 WHERE id = $2",
+            self.accounts
+        );
+        let mut txn = self.client.transaction()?;
+        let new: std::collections::HashSet<String> = txn
+            .query(
+                &format!(
+                    "INSERT INTO {} (id) SELECT DISTINCT unnest($1::text[]) \
+                     ON CONFLICT DO NOTHING RETURNING id",
+                    self.inbox
+                ),
+                &[&ids],
+            )?
+            .into_iter()
+            .map(|row| row.get(0))
+            .collect();
+        let mut seen = std::collections::HashSet::new();
+        let mut handled = 0;
+        for (p, id) in payments.iter().zip(&ids) {
+            if new.contains(id) && seen.insert(id) {
+                txn.execute(update.as_str(), &[&p.amount, &(p.account as i64)])?;
+                handled += 1;
+            }
+        }
+        txn.commit()?;
+        Ok(Tally {
+            messages: payments.len() as u64,
+            handled,
+        })
+    }
+
     /// The sum of all balances.
     pub fn total(&mut self) -> BoxResult<i64> {
         let row = self.client.query_one(
@@ -290,14 +328,30 @@ impl Pg {
     }
 }
 
-/// idemstore's inbox on PostgreSQL: `PgInbox::handle_batch`, each new
-/// message's claim, its account update and its DONE record in a savepoint
-/// of the batch's one transaction.
+/// What [`PgOurs`]' handler runs for a new payment.
+#[cfg(feature = "postgres")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PgHandler {
+    /// `client.execute(sql, ..)` with the SQL text: the statement prepared
+    /// and run, two round trips (what a handler written plainly does).
+    Execute,
+    /// `client.execute_typed(sql, ..)`: parse, bind and run in one round
+    /// trip.
+    Typed,
+    /// No statement: the inbox's own cost alone. The account is not
+    /// credited, so the exactly-once total is not checked.
+    None,
+}
+
+/// idemstore's inbox on PostgreSQL: `PgInbox::handle_batch`, the batch's
+/// claims in one statement, each new message's account update by its
+/// handler, the DONE records in one statement, one commit.
 #[cfg(feature = "postgres")]
 pub struct PgOurs {
     inbox: idemstore::postgres::PgInbox,
     accounts: String,
     admin: postgres::Client,
+    handler: PgHandler,
 }
 
 #[cfg(feature = "postgres")]
@@ -305,6 +359,11 @@ impl PgOurs {
     /// A fresh store table and account table (named after this process and
     /// `tag`) on the server at `url`.
     pub fn open(url: &str, tag: &str) -> BoxResult<PgOurs> {
+        PgOurs::open_with(url, tag, PgHandler::Execute)
+    }
+
+    /// [`open`](PgOurs::open) with the handler's way of writing.
+    pub fn open_with(url: &str, tag: &str, handler: PgHandler) -> BoxResult<PgOurs> {
         let mut admin = postgres::Client::connect(url, postgres::NoTls)?;
         let table = format!("bench_pginbox_{}_{tag}", std::process::id());
         let accounts = format!("bench_pgaccounts_{}_{tag}", std::process::id());
@@ -322,6 +381,7 @@ impl PgOurs {
             inbox: idemstore::postgres::PgInbox::new(store),
             accounts,
             admin,
+            handler,
         })
     }
 
@@ -338,15 +398,26 @@ impl PgOurs {
                 (m.key, m.fingerprint, *p)
             })
             .collect();
+        let mode = self.handler;
         let answers = self
             .inbox
             .handle_batch(messages, move |client, _claim, p: &Payment| {
                 let (sql, amount, account) = (sql.clone(), p.amount, p.account as i64);
                 Box::pin(async move {
-                    client
-                        .execute(&sql, &[&amount, &account])
-                        .await
-                        .map_err(idemstore::Error::backend)?;
+                    use idemstore::postgres::engine::types::Type;
+                    match mode {
+                        PgHandler::Execute => client.execute(&sql, &[&amount, &account]).await,
+                        PgHandler::Typed => {
+                            client
+                                .execute_typed(
+                                    &sql,
+                                    &[(&amount, Type::INT8), (&account, Type::INT8)],
+                                )
+                                .await
+                        }
+                        PgHandler::None => Ok(0),
+                    }
+                    .map_err(idemstore::Error::backend)?;
                     Ok::<_, idemstore::Error>(Response::new(200, "ok"))
                 })
             })?;
