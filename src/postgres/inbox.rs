@@ -8,13 +8,13 @@
 //! commit, so a concurrent delivery of the same message waits for it and
 //! then answers Duplicate.
 //!
-//! A batch ([`PgInbox::handle_batch`]) claims all its ids in one
-//! set-based statement and writes all its DONE records in another
+//! A batch ([`PgInbox::handle_batch`]) locks and decides all its ids in
+//! one round trip and writes all its DONE records in one statement
 //! (inbox_sql.rs), with one commit; a failing message rolls the batch back
 //! and it runs again without that message.
 
 use super::errors::db_error;
-use super::inbox_sql::InboxSql;
+use super::inbox_sql::{InboxSql, Prepared, pipelined};
 use super::ops::{BeginStep, Core, RunError, complete_on};
 use super::pool::{Conn, Pooled};
 use super::stats::Counters;
@@ -34,7 +34,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_postgres::Client;
-use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::types::ToSql;
 
 /// What a [`PgInbox`] handler returns: a future borrowing the transaction's
 /// client for `'c`.
@@ -352,19 +352,23 @@ impl PgInbox {
     /// commit for the batch, and answers each in input order: `Handled`,
     /// `Duplicate`, `Conflict`, `InFlight`, or that message's error.
     ///
-    /// Each message is `(key, fingerprint, payload)`. The transaction
-    /// claims every distinct id of the batch in one statement (each id
-    /// decided as [`Store::begin`](crate::Store::begin) decides it), runs
-    /// the claimed messages' handlers in input order, one after the other,
-    /// with its [`Client`], writes every DONE record in one statement, and
-    /// commits: three round trips for the batch (the claim leaves with the
-    /// `BEGIN`) besides the handlers' own, where a savepoint per message
-    /// cost five per message. The same id twice in a batch is handled once:
-    /// the later one is `Duplicate` of the first's result (`Conflict` when
-    /// its fingerprint differs). An id that another consumer is claiming
-    /// or handling right now is waited for, then answered `Duplicate` (or
+    /// Each message is `(key, fingerprint, payload)`. The transaction takes
+    /// every distinct id's lock and reads its record (one round trip, with
+    /// the `BEGIN`), decides each id as [`Store::begin`](crate::Store::begin)
+    /// would, runs the claimed messages' handlers in input order, one after
+    /// the other, with its [`Client`], writes every DONE record in one
+    /// statement, and commits: three round trips for the batch besides the
+    /// handlers' own, where a savepoint per message cost five per message.
+    /// (No PROCESSING record is written: inside the transaction no one else
+    /// could see it; the ids' locks keep other claimers out until the
+    /// commit.) The same id twice in a batch is handled once: the later
+    /// one is `Duplicate` of the first's result (`Conflict` when its
+    /// fingerprint differs). An id that another consumer is claiming or
+    /// handling right now is waited for, then answered `Duplicate` (or
     /// handled here, if that transaction rolled back); the ids are locked
-    /// in one global order, so overlapping batches do not deadlock.
+    /// in one global order, so overlapping batches do not deadlock. Each
+    /// id holds an entry of the server's lock table until the commit (see
+    /// `max_locks_per_transaction` for batches of thousands).
     ///
     /// **A failing message** (the handler returned an error, panicked —
     /// [`Error::HandlerPanicked`] — or returned a result over the limits)
@@ -378,7 +382,9 @@ impl PgInbox {
     /// savepoint of its own (claim, handler and DONE record, five round
     /// trips per message), where a failure rolls back only its own message:
     /// a batch of `n` runs its handlers at most `3n` times, and a batch
-    /// with one poison message costs a second pass at the full speed.
+    /// with one poison message costs a second pass at the full speed. (A
+    /// batch also runs again when a record it took over was completed or
+    /// renewed by its previous owner while the handlers ran.)
     ///
     /// The outer error is the batch's: a lost connection or a failed
     /// `COMMIT` (then nothing, or everything, committed: a redelivery finds
@@ -464,34 +470,6 @@ impl<F: Future + Unpin> Future for CatchPanic<F> {
 /// batch of `n` runs its handlers at most `(FAST_PASSES + 1) × n` times.
 const FAST_PASSES: usize = 2;
 
-/// Runs `a` and `b` together, polling `a` first. A statement's future sends
-/// its request at its first poll, so both requests leave in this order
-/// before either reply is awaited: two statements, one round trip.
-async fn pipelined<A: Future, B: Future>(a: A, b: B) -> (A::Output, B::Output) {
-    let (mut a, mut b) = (std::pin::pin!(a), std::pin::pin!(b));
-    let (mut out_a, mut out_b) = (None, None);
-    std::future::poll_fn(|cx| {
-        if out_a.is_none()
-            && let std::task::Poll::Ready(v) = a.as_mut().poll(cx)
-        {
-            out_a = Some(v);
-        }
-        if out_b.is_none()
-            && let std::task::Poll::Ready(v) = b.as_mut().poll(cx)
-        {
-            out_b = Some(v);
-        }
-        match (out_a.take(), out_b.take()) {
-            (Some(a), Some(b)) => std::task::Poll::Ready((a, b)),
-            (a, b) => {
-                (out_a, out_b) = (a, b);
-                std::task::Poll::Pending
-            }
-        }
-    })
-    .await
-}
-
 /// One message of a batch as the passes see it.
 struct Item<'a, T> {
     key: &'a Key,
@@ -505,9 +483,13 @@ enum Abort<E> {
     /// not decode.
     Batch(Error),
     /// Message `index` failed (its handler's error, a panic, a result over
-    /// the limits, a lost claim): the pass was rolled back; run the batch
-    /// again without it.
+    /// the limits): the pass was rolled back; run the batch again without
+    /// it.
     Message(usize, E),
+    /// A record moved between the pass's decision and its DONE write (its
+    /// previous owner completed or renewed it): the pass was rolled back;
+    /// run it again, to decide on the new row.
+    Moved,
 }
 
 impl<E> From<Error> for Abort<E> {
@@ -541,16 +523,22 @@ where
     let pooled = core.pool.get().await?;
     let conn = pooled.conn();
     let mut open = OpenTx(Some(pooled));
+    let statements = sql
+        .prepared(&conn)
+        .await
+        .map_err(|e| db_error(e, &core.sql.table))?;
     let ctx = PassContext {
         core,
         sql,
+        statements: &statements,
         conn: &conn,
         now,
         retention,
     };
     // The failures of earlier passes: these messages' answers.
     let mut failed: Vec<Option<E>> = items.iter().map(|_| None).collect();
-    for _ in 0..FAST_PASSES {
+    let (mut fast, mut moved) = (0, 0);
+    while fast < FAST_PASSES {
         if failed.iter().all(Option::is_some) {
             open.finish();
             return Ok(merge(Vec::new(), failed));
@@ -565,10 +553,23 @@ where
             }
             Err(Abort::Batch(e)) => return Err(e),
             Err(Abort::Message(index, e)) => match failed.get_mut(index) {
-                Some(slot @ None) => *slot = Some(e),
+                Some(slot @ None) => {
+                    *slot = Some(e);
+                    fast += 1;
+                }
                 // A pass never runs a failed message: stop rather than loop.
                 _ => return Err(Error::backend("an inbox pass failed a message twice")),
             },
+            Err(Abort::Moved) => {
+                // Counted with the begins that raced a concurrent writer.
+                Counters::bump(&core.counters.snapshot_retries);
+                moved += 1;
+                if moved >= MAX_BEGIN_ATTEMPTS {
+                    return Err(Error::backend(format!(
+                        "an inbox batch raced with concurrent writers {MAX_BEGIN_ATTEMPTS} times in a row"
+                    )));
+                }
+            }
         }
     }
     let mask: Vec<bool> = failed.iter().map(Option::is_some).collect();
@@ -597,6 +598,7 @@ fn merge<E: From<Error>>(
 struct PassContext<'a> {
     core: &'a Core,
     sql: &'a InboxSql,
+    statements: &'a Prepared,
     conn: &'a Conn,
     now: Timestamp,
     retention: Duration,
@@ -625,16 +627,18 @@ impl PassContext<'_> {
     }
 }
 
-/// What the batch's claim statement decided for one distinct key.
+/// What `logic::begin` decided for one distinct key of a pass, on the row
+/// the `decide` statement read.
 enum Decided {
-    /// Claimed in this transaction.
-    Claimed(Claim),
-    /// Not claimable: `logic::begin`'s answer (Replay, Conflict, InFlight)
-    /// and the row it was decided on.
-    Answer(Begin, Record),
+    /// Claimed: the claim, and the PROCESSING record it would write (never
+    /// written: the DONE record made from it replaces it).
+    Claimed(Claim, Record),
+    /// Not claimable: the answer (Replay, Conflict, InFlight) and the row
+    /// it was decided on.
+    Answer(Begin, Option<Record>),
 }
 
-/// A distinct key of the batch for the claim statement, and its message.
+/// A distinct key of a pass, for the `decide` statement, and its message.
 struct Rep<'a> {
     key: &'a Key,
     fingerprint: &'a Fingerprint,
@@ -644,10 +648,10 @@ struct Rep<'a> {
     index: usize,
 }
 
-/// One pass without savepoints: every distinct key claimed in one
-/// statement, the handlers run in input order on the transaction's client,
-/// every DONE record written in one statement, one `COMMIT`. A message
-/// that fails rolls the whole pass back (`Abort::Message`).
+/// One pass without savepoints: every distinct key locked and decided (one
+/// round trip), the handlers run in input order on the transaction's
+/// client, every DONE record written in one statement, one `COMMIT`. A
+/// message that fails rolls the whole pass back (`Abort::Message`).
 async fn fast_pass<T, E, F>(
     ctx: &PassContext<'_>,
     items: &[Item<'_, T>],
@@ -685,24 +689,12 @@ where
             index,
         });
     }
-    // The claim statement takes the keys' locks in this order (see
-    // inbox_sql.rs): by lock id, the same order in every batch.
-    let mut order: Vec<(i64, &Key, usize)> = reps
-        .iter()
-        .enumerate()
-        .map(|(i, rep)| (rep.lock, rep.key, i))
+    // Per distinct key (indexed like `reps`), what `logic::begin` decided.
+    let mut by_rep: Vec<Option<Decided>> = decide_all(ctx, &reps)
+        .await?
+        .into_iter()
+        .map(Some)
         .collect();
-    order.sort_unstable();
-    let order: Vec<usize> = order.into_iter().map(|(_, _, i)| i).collect();
-    let sorted: Vec<&Rep<'_>> = order.iter().filter_map(|&i| reps.get(i)).collect();
-    let decided = claim_all(ctx, &sorted).await?;
-    // Per distinct key (indexed like `reps`), what the statement decided.
-    let mut by_rep: Vec<Option<Decided>> = reps.iter().map(|_| None).collect();
-    for (&i, d) in order.iter().zip(decided) {
-        if let Some(slot) = by_rep.get_mut(i) {
-            *slot = Some(d);
-        }
-    }
 
     // The batch in input order, as the per-message inbox decides it: what
     // this pass already answered for an id is its fingerprint and its
@@ -732,72 +724,78 @@ where
             .and_then(|r| reps.get(r))
             .is_some_and(|r| r.index == index);
         let begin = match rep.and_then(|r| by_rep.get_mut(r)) {
-            Some(slot) if is_rep => match slot {
-                Some(Decided::Claimed(claim)) => Begin::Claimed(claim.clone()),
-                Some(Decided::Answer(answer, _)) => answer.clone(),
+            Some(slot) if is_rep => match slot.take() {
+                Some(Decided::Claimed(claim, processing)) => {
+                    (Begin::Claimed(claim), Some(processing))
+                }
+                Some(Decided::Answer(answer, record)) => {
+                    // Kept for the id's later messages.
+                    *slot = Some(Decided::Answer(answer.clone(), record));
+                    (answer, None)
+                }
                 None => return ctx.roll_back(Abort::Batch(undecided())).await,
             },
             // A later message of an id whose first one was answered
-            // Conflict or InFlight: decided on the same row, as a
-            // statement of its own would (and when that row would be
-            // claimed for this fingerprint, by one: `BeginStep`).
+            // Conflict or InFlight: decided on the same row (its key is
+            // locked, so the row is current), drawing a token of its own
+            // when that row is claimable for this fingerprint.
             Some(Some(Decided::Answer(_, record))) => {
-                let step = logic::begin(
-                    Some(record.clone()),
-                    item.fingerprint,
-                    ctx.now,
-                    DEFAULT_LEASE,
-                    ctx.retention,
-                    || Ok(0),
-                )?;
-                if step.write.is_none() {
-                    step.answer
-                } else {
-                    let step = BeginStep {
-                        key: item.key,
-                        fingerprint: item.fingerprint,
-                        now: ctx.now,
-                        lease: DEFAULT_LEASE,
-                        retention: ctx.retention,
-                        lock: sql::key_lock(&core.sql.table, item.key),
-                    };
-                    step.run(conn, &core.counters)
-                        .await
-                        .map_err(|e| ctx.run(e))?
+                let begin = |token| {
+                    logic::begin(
+                        record.clone(),
+                        item.fingerprint,
+                        ctx.now,
+                        DEFAULT_LEASE,
+                        ctx.retention,
+                        || Ok(token),
+                    )
+                };
+                let mut step = begin(0)?;
+                if step.write.is_some() {
+                    step = begin(next_token(ctx).await?)?;
                 }
+                (step.answer, step.write)
             }
             _ => return ctx.roll_back(Abort::Batch(undecided())).await,
         };
-        let claim = match begin {
-            Begin::Claimed(claim) => claim,
-            Begin::Replay(response) => {
+        let (claim, processing) = match begin {
+            (Begin::Claimed(claim), Some(processing)) => (claim, processing),
+            (Begin::Claimed(_), None) => {
+                return ctx.roll_back(Abort::Batch(undecided())).await;
+            }
+            (Begin::Replay(response), _) => {
                 seen.insert(item.key, (item.fingerprint, Some(response.clone())));
                 answers.push(Some(Ok(Delivery::Duplicate(response))));
                 continue;
             }
-            Begin::Conflict => {
+            (Begin::Conflict, _) => {
                 answers.push(Some(Ok(Delivery::Conflict)));
                 continue;
             }
-            Begin::InFlight { lease_until } => {
+            (Begin::InFlight { lease_until }, _) => {
                 answers.push(Some(Ok(Delivery::InFlight { lease_until })));
                 continue;
             }
         };
-        let Some(token) = row::token(claim.token) else {
-            return ctx
-                .roll_back(Abort::Message(index, Error::StaleClaim.into()))
-                .await;
-        };
-        match run_handler(core, handler, conn, claim, item.payload).await {
+        match run_handler(core, handler, conn, claim.clone(), item.payload).await {
             Ok(response) => {
+                // The record as `complete` would write it over the claim.
+                let done = match logic::complete(
+                    Some(processing),
+                    &claim,
+                    &response,
+                    ctx.now,
+                    ctx.retention,
+                ) {
+                    Ok(done) => done,
+                    Err(e) => return ctx.roll_back(Abort::Message(index, e.into())).await,
+                };
                 seen.insert(item.key, (item.fingerprint, Some(response.clone())));
-                answers.push(Some(Ok(Delivery::Handled(response.clone()))));
+                answers.push(Some(Ok(Delivery::Handled(response))));
                 handled.push(Done {
                     index,
                     key: item.key,
-                    token,
-                    response,
+                    record: done,
                 });
             }
             // Its claim and its writes, and its batch-mates' so far: all
@@ -806,18 +804,11 @@ where
         }
     }
     if !handled.is_empty() {
-        let written = complete_all(ctx, &handled).await?;
-        // Each record is this transaction's own row, locked by it since its
-        // claim: only a handler's own write through its client (a DELETE or
-        // UPDATE of the store's table) can make it miss one.
-        if let Some(index) = handled
-            .iter()
-            .map(|done| done.index)
-            .find(|index| !written.contains(index))
-        {
-            return ctx
-                .roll_back(Abort::Message(index, Error::StaleClaim.into()))
-                .await;
+        let written = write_all(ctx, &handled).await?;
+        // A row that is no longer claimable: its previous owner completed
+        // or renewed it since `decide` (see inbox_sql.rs). Decided again.
+        if handled.iter().any(|done| !written.contains(&done.index)) {
+            return ctx.roll_back(Abort::Moved).await;
         }
     }
     conn.client
@@ -871,150 +862,137 @@ where
     }
 }
 
-/// `BEGIN`, then the claim statement for `reps` (sorted by lock), run again
-/// for the keys a concurrent claim left undecided; one answer per key, in
-/// `reps`' order. The first statement leaves with the `BEGIN`: one round
-/// trip. (Should the `BEGIN` fail, the claim statement would run alone and
-/// commit its claims with no handler run: the connection is then broken,
-/// and the claims' leases run out as after a crash.)
-async fn claim_all<E>(ctx: &PassContext<'_>, reps: &[&Rep<'_>]) -> Result<Vec<Decided>, Abort<E>> {
-    let (conn, core) = (ctx.conn, ctx.core);
-    let (at, lease_until, expires_at) = (
-        row::millis(ctx.now),
-        row::millis(ctx.now + DEFAULT_LEASE),
-        row::millis(ctx.now + ctx.retention),
-    );
-    if reps.is_empty() {
-        // Every message was answered from an earlier failure of its id.
-        conn.client
-            .batch_execute("BEGIN")
-            .await
-            .map_err(|e| ctx.db(e))?;
-        return Ok(Vec::new());
-    }
-    let mut decided: Vec<Option<Decided>> = reps.iter().map(|_| None).collect();
-    // Positions (in `reps`) of the keys still to decide.
-    let mut pending: Vec<usize> = (0..reps.len()).collect();
-    for attempt in 0..MAX_BEGIN_ATTEMPTS {
-        if pending.is_empty() {
-            break;
-        }
-        let batch: Vec<&Rep<'_>> = pending
-            .iter()
-            .filter_map(|&p| reps.get(p).copied())
-            .collect();
-        let scopes: Vec<&[u8]> = batch.iter().map(|r| r.key.scope()).collect();
-        let ids: Vec<&[u8]> = batch.iter().map(|r| r.key.id()).collect();
-        let fps: Vec<&[u8]> = batch
-            .iter()
-            .map(|r| &r.fingerprint.as_bytes()[..])
-            .collect();
-        let locks: Vec<i64> = batch.iter().map(|r| r.lock).collect();
-        let params: [(&(dyn ToSql + Sync), Type); 7] = [
-            (&scopes, Type::BYTEA_ARRAY),
-            (&ids, Type::BYTEA_ARRAY),
-            (&fps, Type::BYTEA_ARRAY),
-            (&locks, Type::INT8_ARRAY),
-            (&at, Type::INT8),
-            (&lease_until, Type::INT8),
-            (&expires_at, Type::INT8),
-        ];
-        let claim = conn.client.query_typed(&ctx.sql.claim, &params);
-        let rows = if attempt == 0 {
-            let (begun, rows) = pipelined(conn.client.batch_execute("BEGIN"), claim).await;
-            begun.map_err(|e| ctx.db(e))?;
-            rows
-        } else {
-            Counters::bump(&core.counters.snapshot_retries);
-            claim.await
-        }
-        .map_err(|e| ctx.db(e))?;
-        for found in &rows {
-            let ord: i64 = found.try_get(0).map_err(|e| ctx.db(e))?;
-            let claimed: bool = found.try_get(1).map_err(|e| ctx.db(e))?;
-            let Some(&position) = usize::try_from(ord)
-                .ok()
-                .and_then(|o| o.checked_sub(1))
-                .and_then(|o| pending.get(o))
-            else {
-                return Err(Error::backend(format!("the inbox claim returned row {ord}")).into());
-            };
-            let (Some(rep), Some(slot)) = (reps.get(position), decided.get_mut(position)) else {
-                continue;
-            };
-            let record = row::record(rep.key, found, 2)?;
-            if claimed {
-                *slot = Some(Decided::Claimed(claim_of(&record)));
-                continue;
-            }
-            let step = logic::begin(
-                Some(record.clone()),
-                rep.fingerprint,
-                ctx.now,
-                DEFAULT_LEASE,
-                ctx.retention,
-                || Ok(0),
-            )?;
-            // Claimable as read, yet not claimed: a claim committed after
-            // the snapshot. Decided again below.
-            if step.write.is_none() {
-                *slot = Some(Decided::Answer(step.answer, record));
-            }
-        }
-        // No row at all: the same (a claim committed after the snapshot,
-        // whose statement this one waited for). This transaction now holds
-        // these keys' locks; a new snapshot shows the committed rows.
-        pending.retain(|&p| decided.get(p).is_some_and(Option::is_none));
-    }
-    if !pending.is_empty() {
-        return Err(Error::backend(format!(
-            "an inbox batch raced with concurrent writers {MAX_BEGIN_ATTEMPTS} times in a row"
-        ))
-        .into());
-    }
-    Ok(decided.into_iter().flatten().collect())
-}
-
-/// The claim for a record the statement just claimed: `logic::begin` gives
-/// a fresh record attempt 1 and a takeover the previous attempts + 1.
-fn claim_of(record: &Record) -> Claim {
-    Claim::new(
-        record.token,
-        record.lease_until.unwrap_or(Timestamp::EPOCH),
-        record.attempts > 1,
-        record.attempts,
+/// `BEGIN`, every key's lock (in lock order), then the `decide` statement:
+/// sent together, one round trip. `logic::begin`'s decision for each of
+/// `reps`, in order. (Should the `BEGIN` fail, the statements after it
+/// would run alone, each its own transaction: they write nothing.)
+async fn decide_all<E>(ctx: &PassContext<'_>, reps: &[Rep<'_>]) -> Result<Vec<Decided>, Abort<E>> {
+    // Sorted by lock id: every batch takes the locks it shares with
+    // another in the same order, so batches never wait on each other in a
+    // cycle, whatever their overlap. (A claimer waits on a row only while
+    // it holds the key's lock, which no other claimer then holds; the
+    // store's own complete, renew, release and sweep wait for nothing
+    // while they hold a row.)
+    let mut locks: Vec<i64> = reps.iter().map(|rep| rep.lock).collect();
+    locks.sort_unstable();
+    locks.dedup();
+    let scopes: Vec<&[u8]> = reps.iter().map(|r| r.key.scope()).collect();
+    let ids: Vec<&[u8]> = reps.iter().map(|r| r.key.id()).collect();
+    let fps: Vec<&[u8]> = reps.iter().map(|r| &r.fingerprint.as_bytes()[..]).collect();
+    let at = row::millis(ctx.now);
+    let lock_params: [&(dyn ToSql + Sync); 1] = [&locks];
+    let decide_params: [&(dyn ToSql + Sync); 4] = [&scopes, &ids, &fps, &at];
+    let client = &ctx.conn.client;
+    // The key locks are transaction-scoped: held until the COMMIT or
+    // ROLLBACK. A key another consumer is claiming or handling is waited
+    // for here; `decide` then reads its committed row (DONE: Duplicate).
+    let ((begun, locked), rows) = pipelined(
+        pipelined(
+            client.batch_execute("BEGIN"),
+            client.query(&ctx.statements.lock_all, &lock_params),
+        ),
+        client.query(&ctx.statements.decide, &decide_params),
     )
+    .await;
+    begun.map_err(|e| ctx.db(e))?;
+    locked.map_err(|e| ctx.db(e))?;
+    let rows = rows.map_err(|e| ctx.db(e))?;
+    let mut decided: Vec<Option<Decided>> = reps.iter().map(|_| None).collect();
+    for found in &rows {
+        let ord: i64 = found.try_get(0).map_err(|e| ctx.db(e))?;
+        let token: Option<i64> = found.try_get(1).map_err(|e| ctx.db(e))?;
+        let position = usize::try_from(ord).ok().and_then(|o| o.checked_sub(1));
+        let (Some(rep), Some(slot)) = (
+            position.and_then(|p| reps.get(p)),
+            position.and_then(|p| decided.get_mut(p)),
+        ) else {
+            return Err(Error::backend(format!("the inbox's decide returned row {ord}")).into());
+        };
+        // The state column (NOT NULL in the table) is NULL: no row.
+        let state: Option<i16> = found.try_get(3).map_err(|e| ctx.db(e))?;
+        let record = match state {
+            Some(_) => Some(row::record(rep.key, found, 2)?),
+            None => None,
+        };
+        let step = logic::begin(
+            record.clone(),
+            rep.fingerprint,
+            ctx.now,
+            DEFAULT_LEASE,
+            ctx.retention,
+            || {
+                token
+                    .and_then(|t| u64::try_from(t).ok())
+                    .ok_or_else(|| Error::backend("the inbox's decide drew no token for a claim"))
+            },
+        )?;
+        *slot = Some(match (step.answer, step.write) {
+            (Begin::Claimed(claim), Some(processing)) => Decided::Claimed(claim, processing),
+            (answer, _) => Decided::Answer(answer, record),
+        });
+    }
+    decided
+        .into_iter()
+        .map(|d| d.ok_or_else(|| Abort::Batch(undecided())))
+        .collect()
 }
 
-/// A handled message of a pass, for the DONE statement.
+/// One token from the sequence (for a claim `decide` did not foresee).
+async fn next_token<E>(ctx: &PassContext<'_>) -> Result<u64, Abort<E>> {
+    let rows = ctx
+        .conn
+        .client
+        .query_typed(&ctx.sql.next_token, &[])
+        .await
+        .map_err(|e| ctx.db(e))?;
+    let token: i64 = match rows.first() {
+        Some(found) => found.try_get(0).map_err(|e| ctx.db(e))?,
+        None => return Err(Error::backend("nextval returned no row").into()),
+    };
+    u64::try_from(token).map_err(|_| Error::backend(format!("token {token} is negative")).into())
+}
+
+/// A handled message of a pass: its DONE record, to write.
 struct Done<'a> {
     index: usize,
     key: &'a Key,
-    token: i64,
-    response: Response,
+    record: Record,
 }
 
-/// The DONE statement for every handled message: the indexes whose record
-/// it wrote.
-async fn complete_all<E>(
+/// The `write_done` statement for every handled message: the indexes whose
+/// record it wrote.
+async fn write_all<E>(
     ctx: &PassContext<'_>,
     handled: &[Done<'_>],
 ) -> Result<std::collections::HashSet<usize>, Abort<E>> {
-    let mut scopes: Vec<&[u8]> = Vec::with_capacity(handled.len());
-    let mut ids: Vec<&[u8]> = Vec::with_capacity(handled.len());
-    let mut tokens: Vec<i64> = Vec::with_capacity(handled.len());
-    let mut statuses: Vec<i32> = Vec::with_capacity(handled.len());
-    let mut firsts: Vec<i32> = Vec::with_capacity(handled.len());
-    let mut lasts: Vec<i32> = Vec::with_capacity(handled.len());
+    let n = handled.len();
+    let mut scopes: Vec<&[u8]> = Vec::with_capacity(n);
+    let mut ids: Vec<&[u8]> = Vec::with_capacity(n);
+    let mut fps: Vec<&[u8]> = Vec::with_capacity(n);
+    let mut expiries: Vec<i64> = Vec::with_capacity(n);
+    let mut created: Vec<i64> = Vec::with_capacity(n);
+    let mut tokens: Vec<i64> = Vec::with_capacity(n);
+    let mut attempts: Vec<i64> = Vec::with_capacity(n);
+    let mut statuses: Vec<i32> = Vec::with_capacity(n);
+    let mut firsts: Vec<i32> = Vec::with_capacity(n);
+    let mut lasts: Vec<i32> = Vec::with_capacity(n);
     let mut names: Vec<&[u8]> = Vec::new();
     let mut values: Vec<&[u8]> = Vec::new();
-    let mut bodies: Vec<&[u8]> = Vec::with_capacity(handled.len());
+    let mut bodies: Vec<&[u8]> = Vec::with_capacity(n);
     let too_many = || Error::invalid_argument("too many response headers in one inbox batch");
     for done in handled {
+        let record = &done.record;
+        let (Some(response), Some(token)) = (&record.response, row::token(record.token)) else {
+            return Err(Error::StaleClaim.into());
+        };
         scopes.push(done.key.scope());
         ids.push(done.key.id());
-        tokens.push(done.token);
-        let columns = row::response_columns(&done.response);
+        fps.push(&record.fingerprint.as_bytes()[..]);
+        expiries.push(row::millis(record.expires_at));
+        created.push(row::millis(record.created_at));
+        tokens.push(token);
+        attempts.push(i64::from(record.attempts));
+        let columns = row::response_columns(response);
         statuses.push(columns.status);
         // 1-based, inclusive: an empty response's slice is [n + 1, n].
         firsts.push(i32::try_from(names.len() + 1).map_err(|_| too_many())?);
@@ -1023,24 +1001,15 @@ async fn complete_all<E>(
         lasts.push(i32::try_from(names.len()).map_err(|_| too_many())?);
         bodies.push(columns.body);
     }
-    let (at, expires_at) = (row::millis(ctx.now), row::millis(ctx.now + ctx.retention));
-    let params: [(&(dyn ToSql + Sync), Type); 11] = [
-        (&scopes, Type::BYTEA_ARRAY),
-        (&ids, Type::BYTEA_ARRAY),
-        (&tokens, Type::INT8_ARRAY),
-        (&statuses, Type::INT4_ARRAY),
-        (&firsts, Type::INT4_ARRAY),
-        (&lasts, Type::INT4_ARRAY),
-        (&names, Type::BYTEA_ARRAY),
-        (&values, Type::BYTEA_ARRAY),
-        (&bodies, Type::BYTEA_ARRAY),
-        (&at, Type::INT8),
-        (&expires_at, Type::INT8),
+    let at = row::millis(ctx.now);
+    let params: [&(dyn ToSql + Sync); 14] = [
+        &scopes, &ids, &fps, &expiries, &created, &tokens, &attempts, &statuses, &firsts, &lasts,
+        &names, &values, &bodies, &at,
     ];
     let rows = ctx
         .conn
         .client
-        .query_typed(&ctx.sql.done, &params)
+        .query(&ctx.statements.write_done, &params)
         .await
         .map_err(|e| ctx.db(e))?;
     let mut written = std::collections::HashSet::with_capacity(rows.len());
@@ -1082,10 +1051,10 @@ where
         .collect();
     locks.sort_unstable();
     locks.dedup();
-    let params: [(&(dyn ToSql + Sync), Type); 1] = [(&locks, Type::INT8_ARRAY)];
+    let params: [&(dyn ToSql + Sync); 1] = [&locks];
     let (begun, locked) = pipelined(
         conn.client.batch_execute("BEGIN"),
-        conn.client.query_typed(&ctx.sql.lock_all, &params),
+        conn.client.query(&ctx.statements.lock_all, &params),
     )
     .await;
     begun.map_err(db)?;

@@ -485,3 +485,87 @@ fn an_id_being_handled_elsewhere_is_waited_for() {
     handled(&answers[1]);
     assert_eq!(calls.load(Ordering::SeqCst), 1);
 }
+
+/// The previous owner of a claim the batch takes over (its lease ran out)
+/// completes it while the batch's handler runs: the batch's DONE write
+/// finds the row no longer claimable, rolls the pass back, decides again,
+/// and answers Duplicate of the owner's response; the takeover's write is
+/// gone and its handler does not run again.
+#[test]
+fn an_owner_completing_during_a_takeover_wins() {
+    if !enabled() {
+        return;
+    }
+    let f = fixture(2);
+    let url = pg_url().unwrap();
+    // Another replica's store on the same table (a runtime of its own, so
+    // the handler below can call it while the batch holds this one's).
+    let owner_store = Arc::new(
+        PostgresStore::builder()
+            .table(&f._table.table)
+            .connect(&url)
+            .unwrap(),
+    );
+    let keep = Duration::from_secs(3600);
+    let old = now() - Duration::from_secs(10);
+    let owner = claimed(
+        owner_store
+            .begin(
+                &key("t"),
+                &Fingerprint::of([1]),
+                old,
+                Duration::from_secs(1),
+                keep,
+            )
+            .unwrap(),
+    );
+    let calls = Arc::new(AtomicUsize::new(0));
+    let sql = format!("INSERT INTO \"{}\" (id, token) VALUES ($1, $2)", f.runs);
+    let answers = {
+        let (calls, owner_store, owner) =
+            (Arc::clone(&calls), Arc::clone(&owner_store), owner.clone());
+        f.inbox
+            .handle_batch(
+                vec![
+                    (key("t"), Fingerprint::of([1]), "t"),
+                    (key("u"), Fingerprint::of([1]), "u"),
+                ],
+                move |client, claim, id: &&str| {
+                    let first = calls.fetch_add(1, Ordering::SeqCst) == 0;
+                    let (sql, owner_store, owner, id) =
+                        (sql.clone(), Arc::clone(&owner_store), owner.clone(), *id);
+                    Box::pin(async move {
+                        let token = i64::try_from(claim.token()).unwrap();
+                        client
+                            .execute(&sql, &[&id, &token])
+                            .await
+                            .map_err(Error::backend)?;
+                        if first {
+                            assert!(claim.is_takeover());
+                            // The old owner, late but within the record's life.
+                            owner_store
+                                .complete(
+                                    &key("t"),
+                                    &owner,
+                                    &Response::new(200, "late"),
+                                    now(),
+                                    keep,
+                                )
+                                .unwrap();
+                        }
+                        Ok::<_, Error>(Response::new(200, "ours"))
+                    })
+                },
+            )
+            .unwrap()
+    };
+    assert_eq!(
+        answers[0].as_ref().unwrap(),
+        &Delivery::Duplicate(Response::new(200, "late"))
+    );
+    assert_eq!(handled(&answers[1]), &Response::new(200, "ours"));
+    // t's handler ran once (rolled back), u's twice (the first rolled back).
+    assert_eq!(calls.load(Ordering::SeqCst), 3);
+    assert_eq!(f.runs(), runs_of(&[("u", 1)]));
+    assert_eq!(f.record("t").unwrap().token(), owner.token());
+}
