@@ -352,6 +352,11 @@ pub struct PgOurs {
     accounts: String,
     admin: postgres::Client,
     handler: PgHandler,
+    /// Percent of the new payments (by id) whose handler fails its first
+    /// run, after its write; see [`fail_percent`](PgOurs::fail_percent).
+    fail_percent: u64,
+    /// The ids that failed once.
+    failed_once: std::sync::Arc<std::sync::Mutex<std::collections::HashSet<u64>>>,
 }
 
 #[cfg(feature = "postgres")]
@@ -382,11 +387,50 @@ impl PgOurs {
             accounts,
             admin,
             handler,
+            fail_percent: 0,
+            failed_once: Default::default(),
         })
     }
 
-    /// One batch through `handle_batch`.
+    /// Makes `percent` % of the payments (by id) fail in their handler's
+    /// first run, after its write (a transient error): [`batch`](PgOurs::batch)
+    /// then delivers the failed ones again at once, in a batch of their own,
+    /// where they succeed. What a failing message costs its batch.
+    pub fn fail_percent(mut self, percent: u64) -> PgOurs {
+        self.fail_percent = percent;
+        self
+    }
+
+    /// One batch through `handle_batch` (and the failed ones again, with
+    /// [`fail_percent`](PgOurs::fail_percent)).
     pub fn batch(&self, payments: &[Payment]) -> BoxResult<Tally> {
+        let mut tally = Tally {
+            messages: payments.len() as u64,
+            handled: 0,
+        };
+        let mut failed = Vec::new();
+        for (p, a) in payments.iter().zip(self.deliver(payments)?) {
+            match a {
+                Ok(idemstore::postgres::Delivery::Handled(_)) => tally.handled += 1,
+                Ok(_) => {}
+                Err(_) if self.fail_percent > 0 => failed.push(*p),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        if !failed.is_empty() {
+            for a in self.deliver(&failed)? {
+                if matches!(a?, idemstore::postgres::Delivery::Handled(_)) {
+                    tally.handled += 1;
+                }
+            }
+        }
+        Ok(tally)
+    }
+
+    fn deliver(
+        &self,
+        payments: &[Payment],
+    ) -> BoxResult<Vec<Result<idemstore::postgres::Delivery, idemstore::Error>>> {
         let sql = format!(
             "UPDATE {} SET balance = balance + $1 WHERE id = $2",
             self.accounts
@@ -398,11 +442,17 @@ impl PgOurs {
                 (m.key, m.fingerprint, *p)
             })
             .collect();
-        let mode = self.handler;
-        let answers = self
+        let (mode, fail_percent) = (self.handler, self.fail_percent);
+        let failed_once = std::sync::Arc::clone(&self.failed_once);
+        Ok(self
             .inbox
             .handle_batch(messages, move |client, _claim, p: &Payment| {
                 let (sql, amount, account) = (sql.clone(), p.amount, p.account as i64);
+                let fail = p.id % 100 < fail_percent
+                    && failed_once
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .insert(p.id);
                 Box::pin(async move {
                     use idemstore::postgres::engine::types::Type;
                     match mode {
@@ -418,19 +468,12 @@ impl PgOurs {
                         PgHandler::None => Ok(0),
                     }
                     .map_err(idemstore::Error::backend)?;
+                    if fail {
+                        return Err(idemstore::Error::backend("a transient failure"));
+                    }
                     Ok::<_, idemstore::Error>(Response::new(200, "ok"))
                 })
-            })?;
-        let mut tally = Tally {
-            messages: payments.len() as u64,
-            handled: 0,
-        };
-        for a in answers {
-            if matches!(a?, idemstore::postgres::Delivery::Handled(_)) {
-                tally.handled += 1;
-            }
-        }
-        Ok(tally)
+            })?)
     }
 
     /// The sum of all balances.

@@ -25,7 +25,10 @@
 //! `--pg-handler execute|typed|none` (what `PgInbox`'s handler runs: the
 //! SQL text through `execute`, prepared and run, the default; through
 //! `execute_typed`, one round trip; nothing, the inbox's own cost, with the
-//! credited total not checked).
+//! credited total not checked), `--pg-fail-percent P` (P % of the
+//! payments fail in their `PgInbox` handler's first run, after its write,
+//! and are delivered again at once in a batch of their own: what a failing
+//! message costs).
 
 use idemstore_bench::inbox::{Feed, Ours, Tally};
 use idemstore_bench::peers::{self, BoxResult};
@@ -77,7 +80,7 @@ fn cell(
     redelivery: u64,
     duration: Duration,
     tag: &str,
-    pg_handler: PgHandlerArg,
+    pg: PgOptions,
 ) -> BoxResult<f64> {
     let mut feed = Feed::new(redelivery, 0xFEED ^ batch as u64);
     let mut total = Tally::default();
@@ -113,16 +116,11 @@ fn cell(
             assert_eq!(total.handled, seen.len() as u64);
             Ok(total.messages as f64 / elapsed)
         }
-        Side::Postgres => pg_cell(&mut feed, batch, duration, tag, PgSide::Set, pg_handler),
-        Side::PostgresPerMessage => pg_cell(
-            &mut feed,
-            batch,
-            duration,
-            tag,
-            PgSide::PerMessage,
-            pg_handler,
-        ),
-        Side::PgInbox => pg_cell(&mut feed, batch, duration, tag, PgSide::Ours, pg_handler),
+        Side::Postgres => pg_cell(&mut feed, batch, duration, tag, PgSide::Set, pg),
+        Side::PostgresPerMessage => {
+            pg_cell(&mut feed, batch, duration, tag, PgSide::PerMessage, pg)
+        }
+        Side::PgInbox => pg_cell(&mut feed, batch, duration, tag, PgSide::Ours, pg),
     }
 }
 
@@ -146,6 +144,17 @@ enum PgHandlerArg {
     None,
 }
 
+/// The PostgreSQL options: `--pg-handler`, `--pg-fail-percent`.
+#[derive(Clone, Copy, Debug)]
+#[cfg_attr(
+    not(feature = "postgres"),
+    allow(dead_code, reason = "read by the PostgreSQL cells only")
+)]
+struct PgOptions {
+    handler: PgHandlerArg,
+    fail_percent: u64,
+}
+
 fn parse_pg_handler(s: &str) -> BoxResult<PgHandlerArg> {
     Ok(match s {
         "execute" => PgHandlerArg::Execute,
@@ -162,9 +171,10 @@ fn pg_cell(
     duration: Duration,
     tag: &str,
     side: PgSide,
-    handler: PgHandlerArg,
+    pg: PgOptions,
 ) -> BoxResult<f64> {
     use idemstore_bench::inbox::PgHandler;
+    let handler = pg.handler;
     let url = pg_url().ok_or("IDEMSTORE_PG_URL is not set")?;
     if side == PgSide::Ours {
         let handler = match handler {
@@ -172,9 +182,10 @@ fn pg_cell(
             PgHandlerArg::Typed => PgHandler::Typed,
             PgHandlerArg::None => PgHandler::None,
         };
-        let pg = std::cell::RefCell::new(idemstore_bench::inbox::PgOurs::open_with(
-            &url, tag, handler,
-        )?);
+        let pg = std::cell::RefCell::new(
+            idemstore_bench::inbox::PgOurs::open_with(&url, tag, handler)?
+                .fail_percent(pg.fail_percent),
+        );
         return drive(
             feed,
             batch,
@@ -240,7 +251,7 @@ fn pg_cell(
     _: Duration,
     _: &str,
     _: PgSide,
-    _: PgHandlerArg,
+    _: PgOptions,
 ) -> BoxResult<f64> {
     Err("built without the postgres feature".into())
 }
@@ -263,6 +274,7 @@ fn main() -> BoxResult<()> {
     let mut page_log = false;
     let mut per_message = false;
     let mut pg_handler = None;
+    let mut fail_percent = 0u64;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -285,6 +297,9 @@ fn main() -> BoxResult<()> {
             "--no-handle" => with_handle = false,
             "--page-log" => page_log = true,
             "--pg-per-message" => per_message = true,
+            "--pg-fail-percent" => {
+                fail_percent = args.next().ok_or("--pg-fail-percent P")?.parse()?
+            }
             "--pg-handler" => {
                 pg_handler = Some(parse_pg_handler(
                     &args.next().ok_or("--pg-handler execute|typed|none")?,
@@ -315,7 +330,10 @@ fn main() -> BoxResult<()> {
         }
         sides.push(Side::PgInbox);
     }
-    let pg_handler = pg_handler.unwrap_or(PgHandlerArg::Execute);
+    let pg_options = PgOptions {
+        handler: pg_handler.unwrap_or(PgHandlerArg::Execute),
+        fail_percent,
+    };
     let duration = Duration::from_secs_f64(seconds);
     if !json {
         println!(
@@ -339,7 +357,7 @@ fn main() -> BoxResult<()> {
                         continue;
                     }
                     let tag = format!("{round}_{redelivery}_{batch}");
-                    let rate = cell(side, batch, redelivery, duration, &tag, pg_handler)?;
+                    let rate = cell(side, batch, redelivery, duration, &tag, pg_options)?;
                     runs.entry((redelivery, side, batch))
                         .or_default()
                         .push(rate);
