@@ -1028,7 +1028,7 @@ async fn write_all<E>(
 /// The pass after a second failed message: the per-message path, each new
 /// message's claim (`BeginStep`), handler and DONE record in a savepoint of
 /// its own, so a failure rolls back only its own message. It first takes
-/// every key's lock in lock order (as the claim statement does), so the
+/// every key's lock in lock order (as a fast pass does), so the
 /// claims below never wait for a lock while this transaction holds another.
 async fn careful_pass<T, E, F>(
     ctx: &PassContext<'_>,
