@@ -365,8 +365,10 @@ impl PgInbox {
     /// one is `Duplicate` of the first's result (`Conflict` when its
     /// fingerprint differs). An id that another consumer is claiming or
     /// handling right now is waited for, then answered `Duplicate` (or
-    /// handled here, if that transaction rolled back); the ids are locked
-    /// in one global order, so overlapping batches do not deadlock. Each
+    /// handled here, if that transaction rolled back); the wait counts
+    /// against the store's statement timeout (past it the batch fails and
+    /// nothing of it is committed). The ids are locked in one global
+    /// order, so overlapping batches do not deadlock. Each
     /// id holds an entry of the server's lock table until the commit (see
     /// `max_locks_per_transaction` for batches of thousands).
     ///
