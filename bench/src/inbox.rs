@@ -277,6 +277,44 @@ impl Pg {
         })
     }
 
+    /// [`batch`](Pg::batch) with the account update written per message,
+    /// as a per-message handler would: one `UPDATE` statement (prepared
+    /// and run, two round trips) for each new payment, in the batch's
+    /// transaction.
+    pub fn batch_per_message(&mut self, payments: &[Payment]) -> BoxResult<Tally> {
+        let ids: Vec<String> = payments.iter().map(|p| format!("p-{}", p.id)).collect();
+        let update = format!(
+            "UPDATE {} SET balance = balance + $1 WHERE id = $2",
+            self.accounts
+        );
+        let mut txn = self.client.transaction()?;
+        let new: std::collections::HashSet<String> = txn
+            .query(
+                &format!(
+                    "INSERT INTO {} (id) SELECT DISTINCT unnest($1::text[]) \
+                     ON CONFLICT DO NOTHING RETURNING id",
+                    self.inbox
+                ),
+                &[&ids],
+            )?
+            .into_iter()
+            .map(|row| row.get(0))
+            .collect();
+        let mut seen = std::collections::HashSet::new();
+        let mut handled = 0;
+        for (p, id) in payments.iter().zip(&ids) {
+            if new.contains(id) && seen.insert(id) {
+                txn.execute(update.as_str(), &[&p.amount, &(p.account as i64)])?;
+                handled += 1;
+            }
+        }
+        txn.commit()?;
+        Ok(Tally {
+            messages: payments.len() as u64,
+            handled,
+        })
+    }
+
     /// The sum of all balances.
     pub fn total(&mut self) -> BoxResult<i64> {
         let row = self.client.query_one(
@@ -290,14 +328,35 @@ impl Pg {
     }
 }
 
-/// idemstore's inbox on PostgreSQL: `PgInbox::handle_batch`, each new
-/// message's claim, its account update and its DONE record in a savepoint
-/// of the batch's one transaction.
+/// What [`PgOurs`]' handler runs for a new payment.
+#[cfg(feature = "postgres")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PgHandler {
+    /// `client.execute(sql, ..)` with the SQL text: the statement prepared
+    /// and run, two round trips (what a handler written plainly does).
+    Execute,
+    /// `client.execute_typed(sql, ..)`: parse, bind and run in one round
+    /// trip.
+    Typed,
+    /// No statement: the inbox's own cost alone. The account is not
+    /// credited, so the exactly-once total is not checked.
+    None,
+}
+
+/// idemstore's inbox on PostgreSQL: `PgInbox::handle_batch`, the batch's
+/// claims in one statement, each new message's account update by its
+/// handler, the DONE records in one statement, one commit.
 #[cfg(feature = "postgres")]
 pub struct PgOurs {
     inbox: idemstore::postgres::PgInbox,
     accounts: String,
     admin: postgres::Client,
+    handler: PgHandler,
+    /// Percent of the new payments (by id) whose handler fails its first
+    /// run, after its write; see [`fail_percent`](PgOurs::fail_percent).
+    fail_percent: u64,
+    /// The ids that failed once.
+    failed_once: std::sync::Arc<std::sync::Mutex<std::collections::HashSet<u64>>>,
 }
 
 #[cfg(feature = "postgres")]
@@ -305,6 +364,11 @@ impl PgOurs {
     /// A fresh store table and account table (named after this process and
     /// `tag`) on the server at `url`.
     pub fn open(url: &str, tag: &str) -> BoxResult<PgOurs> {
+        PgOurs::open_with(url, tag, PgHandler::Execute)
+    }
+
+    /// [`open`](PgOurs::open) with the handler's way of writing.
+    pub fn open_with(url: &str, tag: &str, handler: PgHandler) -> BoxResult<PgOurs> {
         let mut admin = postgres::Client::connect(url, postgres::NoTls)?;
         let table = format!("bench_pginbox_{}_{tag}", std::process::id());
         let accounts = format!("bench_pgaccounts_{}_{tag}", std::process::id());
@@ -322,11 +386,51 @@ impl PgOurs {
             inbox: idemstore::postgres::PgInbox::new(store),
             accounts,
             admin,
+            handler,
+            fail_percent: 0,
+            failed_once: Default::default(),
         })
     }
 
-    /// One batch through `handle_batch`.
+    /// Makes `percent` % of the payments (by id) fail in their handler's
+    /// first run, after its write (a transient error): [`batch`](PgOurs::batch)
+    /// then delivers the failed ones again at once, in a batch of their own,
+    /// where they succeed. What a failing message costs its batch.
+    pub fn fail_percent(mut self, percent: u64) -> PgOurs {
+        self.fail_percent = percent;
+        self
+    }
+
+    /// One batch through `handle_batch` (and the failed ones again, with
+    /// [`fail_percent`](PgOurs::fail_percent)).
     pub fn batch(&self, payments: &[Payment]) -> BoxResult<Tally> {
+        let mut tally = Tally {
+            messages: payments.len() as u64,
+            handled: 0,
+        };
+        let mut failed = Vec::new();
+        for (p, a) in payments.iter().zip(self.deliver(payments)?) {
+            match a {
+                Ok(idemstore::postgres::Delivery::Handled(_)) => tally.handled += 1,
+                Ok(_) => {}
+                Err(_) if self.fail_percent > 0 => failed.push(*p),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        if !failed.is_empty() {
+            for a in self.deliver(&failed)? {
+                if matches!(a?, idemstore::postgres::Delivery::Handled(_)) {
+                    tally.handled += 1;
+                }
+            }
+        }
+        Ok(tally)
+    }
+
+    fn deliver(
+        &self,
+        payments: &[Payment],
+    ) -> BoxResult<Vec<Result<idemstore::postgres::Delivery, idemstore::Error>>> {
         let sql = format!(
             "UPDATE {} SET balance = balance + $1 WHERE id = $2",
             self.accounts
@@ -338,28 +442,38 @@ impl PgOurs {
                 (m.key, m.fingerprint, *p)
             })
             .collect();
-        let answers = self
+        let (mode, fail_percent) = (self.handler, self.fail_percent);
+        let failed_once = std::sync::Arc::clone(&self.failed_once);
+        Ok(self
             .inbox
             .handle_batch(messages, move |client, _claim, p: &Payment| {
                 let (sql, amount, account) = (sql.clone(), p.amount, p.account as i64);
+                let fail = p.id % 100 < fail_percent
+                    && failed_once
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .insert(p.id);
                 Box::pin(async move {
-                    client
-                        .execute(&sql, &[&amount, &account])
-                        .await
-                        .map_err(idemstore::Error::backend)?;
+                    use idemstore::postgres::engine::types::Type;
+                    match mode {
+                        PgHandler::Execute => client.execute(&sql, &[&amount, &account]).await,
+                        PgHandler::Typed => {
+                            client
+                                .execute_typed(
+                                    &sql,
+                                    &[(&amount, Type::INT8), (&account, Type::INT8)],
+                                )
+                                .await
+                        }
+                        PgHandler::None => Ok(0),
+                    }
+                    .map_err(idemstore::Error::backend)?;
+                    if fail {
+                        return Err(idemstore::Error::backend("a transient failure"));
+                    }
                     Ok::<_, idemstore::Error>(Response::new(200, "ok"))
                 })
-            })?;
-        let mut tally = Tally {
-            messages: payments.len() as u64,
-            handled: 0,
-        };
-        for a in answers {
-            if matches!(a?, idemstore::postgres::Delivery::Handled(_)) {
-                tally.handled += 1;
-            }
-        }
-        Ok(tally)
+            })?)
     }
 
     /// The sum of all balances.

@@ -7,26 +7,34 @@
 //! inside the transaction: its advisory lock on the key is held until the
 //! commit, so a concurrent delivery of the same message waits for it and
 //! then answers Duplicate.
+//!
+//! A batch ([`PgInbox::handle_batch`]) locks and decides all its ids in
+//! one round trip and writes all its DONE records in one statement
+//! (inbox_sql.rs), with one commit; a failing message rolls the batch back
+//! and it runs again without that message.
 
 use super::errors::db_error;
+use super::inbox_sql::{InboxSql, Prepared, pipelined};
 use super::ops::{BeginStep, Core, RunError, complete_on};
-use super::pool::Pooled;
+use super::pool::{Conn, Pooled};
 use super::stats::Counters;
-use super::{PostgresStore, row, sql};
+use super::{MAX_BEGIN_ATTEMPTS, PostgresStore, row, sql};
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::guard::{DEFAULT_LEASE, DEFAULT_RETENTION};
 use crate::key::Key;
 use crate::logic;
-use crate::record::{Begin, Claim, check_durations};
+use crate::record::{Begin, Claim, Record, check_durations};
 use crate::response::Response;
 use crate::store::Store;
 use crate::time::{Clock, Timestamp};
+use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_postgres::Client;
+use tokio_postgres::types::ToSql;
 
 /// What a [`PgInbox`] handler returns: a future borrowing the transaction's
 /// client for `'c`.
@@ -73,6 +81,7 @@ pub use crate::delivery::Delivery;
 /// ```
 pub struct PgInbox {
     store: Arc<PostgresStore>,
+    sql: Arc<InboxSql>,
     retention: Duration,
     clock: Arc<dyn Clock>,
 }
@@ -97,8 +106,13 @@ impl PgInbox {
     /// ```
     pub fn new(store: impl Into<Arc<PostgresStore>>) -> PgInbox {
         let store = store.into();
+        let sql = Arc::new(InboxSql::new(
+            &store.core.sql.table,
+            &store.core.sql.sequence,
+        ));
         PgInbox {
             clock: store.clock(),
+            sql,
             store,
             retention: DEFAULT_RETENTION,
         }
@@ -338,18 +352,47 @@ impl PgInbox {
     /// commit for the batch, and answers each in input order: `Handled`,
     /// `Duplicate`, `Conflict`, `InFlight`, or that message's error.
     ///
-    /// Each message is `(key, fingerprint, payload)`. Each new message runs
-    /// inside a savepoint: its claim, the handler's writes and its DONE
-    /// record are kept, or (the handler returned an error, panicked —
+    /// Each message is `(key, fingerprint, payload)`. The transaction takes
+    /// every distinct id's lock and reads its record (one round trip, with
+    /// the `BEGIN`), decides each id as [`Store::begin`](crate::Store::begin)
+    /// would, runs the claimed messages' handlers in input order, one after
+    /// the other, with its [`Client`], writes every DONE record in one
+    /// statement, and commits: three round trips for the batch besides the
+    /// handlers' own, where a savepoint per message cost five per message.
+    /// (No PROCESSING record is written: inside the transaction no one else
+    /// could see it; the ids' locks keep other claimers out until the
+    /// commit.) The same id twice in a batch is handled once: the later
+    /// one is `Duplicate` of the first's result (`Conflict` when its
+    /// fingerprint differs). An id that another consumer is claiming or
+    /// handling right now is waited for, then answered `Duplicate` (or
+    /// handled here, if that transaction rolled back); the wait counts
+    /// against the store's statement timeout (past it the batch fails and
+    /// nothing of it is committed). The ids are locked in one global
+    /// order, so overlapping batches do not deadlock. Each
+    /// id holds an entry of the server's lock table until the commit (see
+    /// `max_locks_per_transaction` for batches of thousands).
+    ///
+    /// **A failing message** (the handler returned an error, panicked —
     /// [`Error::HandlerPanicked`] — or returned a result over the limits)
-    /// rolled back to the savepoint, so a failed message takes none of its
-    /// batch-mates' writes with it and leaves none of its own. The same id
-    /// twice in a batch is handled once: the later one is `Duplicate` of
-    /// the first's result (`Conflict` when its fingerprint differs). The
-    /// outer error is the batch's: a lost connection or a failed `COMMIT`
-    /// (then nothing, or everything, committed: a redelivery finds out).
-    /// Blocks this thread until the commit; the handler runs on the store's
-    /// runtime thread and must not block. An empty batch commits nothing.
+    /// rolls the transaction back, and the batch runs again without it: it
+    /// leaves none of its writes, its answer is its error, and its
+    /// batch-mates run again in a new transaction, each with a new claim
+    /// (a new fencing token); their first run's writes were rolled back.
+    /// So a handler may run more than once for one delivery, and its only
+    /// effects must be writes through the client it is given. A second
+    /// failing message makes the third and last pass run each message in a
+    /// savepoint of its own (claim, handler and DONE record, five round
+    /// trips per message), where a failure rolls back only its own message:
+    /// a batch of `n` runs its handlers at most `3n` times, and a batch
+    /// with one poison message costs a second pass at the full speed. (A
+    /// batch also runs again when a record it took over was completed or
+    /// renewed by its previous owner while the handlers ran.)
+    ///
+    /// The outer error is the batch's: a lost connection or a failed
+    /// `COMMIT` (then nothing, or everything, committed: a redelivery finds
+    /// out). Blocks this thread until the commit; the handler runs on the
+    /// store's runtime thread and must not block. An empty batch commits
+    /// nothing.
     ///
     /// ```no_run
     /// use idemstore::postgres::{Delivery, PgInbox};
@@ -391,13 +434,13 @@ impl PgInbox {
         if messages.is_empty() {
             return Ok(Vec::new());
         }
-        let core = Arc::clone(&self.store.core);
+        let (core, sql) = (Arc::clone(&self.store.core), Arc::clone(&self.sql));
         let (now, retention) = (self.clock.now(), self.retention);
         self.store
             .runtime
-            .block_on_task(
-                async move { deliver_batch(&core, messages, now, retention, handler).await },
-            )
+            .block_on_task(async move {
+                deliver_batch(&core, &sql, messages, now, retention, handler).await
+            })
             .unwrap_or(Err(Error::Closed))
     }
 }
@@ -423,8 +466,43 @@ impl<F: Future + Unpin> Future for CatchPanic<F> {
     }
 }
 
+/// How many passes of a batch run without savepoints: the first, and one
+/// rerun after a failed message. A batch with a second failed message runs
+/// its last pass with a savepoint per message ([`careful_pass`]), so a
+/// batch of `n` runs its handlers at most `(FAST_PASSES + 1) × n` times.
+const FAST_PASSES: usize = 2;
+
+/// One message of a batch as the passes see it.
+struct Item<'a, T> {
+    key: &'a Key,
+    fingerprint: &'a Fingerprint,
+    payload: &'a T,
+}
+
+/// How a pass ended without its commit.
+enum Abort<E> {
+    /// The batch's error: the connection, the server, a record that does
+    /// not decode.
+    Batch(Error),
+    /// Message `index` failed (its handler's error, a panic, a result over
+    /// the limits): the pass was rolled back; run the batch again without
+    /// it.
+    Message(usize, E),
+    /// A record moved between the pass's decision and its DONE write (its
+    /// previous owner completed or renewed it): the pass was rolled back;
+    /// run it again, to decide on the new row.
+    Moved,
+}
+
+impl<E> From<Error> for Abort<E> {
+    fn from(e: Error) -> Abort<E> {
+        Abort::Batch(e)
+    }
+}
+
 async fn deliver_batch<T, E, F>(
     core: &Core,
+    sql: &InboxSql,
     messages: Vec<(Key, Fingerprint, T)>,
     now: Timestamp,
     retention: Duration,
@@ -436,30 +514,570 @@ where
 {
     check_durations(DEFAULT_LEASE, retention)?;
     Counters::bump(&core.counters.calls);
+    let items: Vec<Item<'_, T>> = messages
+        .iter()
+        .map(|(key, fingerprint, payload)| Item {
+            key,
+            fingerprint,
+            payload,
+        })
+        .collect();
     let pooled = core.pool.get().await?;
     let conn = pooled.conn();
     let mut open = OpenTx(Some(pooled));
-    let table = &core.sql.table;
-    let db = |e| db_error(e, table);
-    let run = |e| match e {
-        RunError::Db(e) => db_error(e, table),
-        RunError::Store(e) => e,
+    let statements = sql
+        .prepared(&conn)
+        .await
+        .map_err(|e| db_error(e, &core.sql.table))?;
+    let ctx = PassContext {
+        core,
+        sql,
+        statements: &statements,
+        conn: &conn,
+        now,
+        retention,
     };
-    conn.client.batch_execute("BEGIN").await.map_err(db)?;
-    // What this batch already answered for an id: its fingerprint and the
-    // result it stored (None: the id's message failed).
-    let mut seen: std::collections::HashMap<Key, (Fingerprint, Option<Response>)> =
-        std::collections::HashMap::new();
-    let mut answers = Vec::with_capacity(messages.len());
-    let times = (row::millis(now), row::millis(now + retention));
-    for (key, fingerprint, payload) in &messages {
-        if let Some((first, stored)) = seen.get(key) {
-            if first != fingerprint {
-                answers.push(Ok(Delivery::Conflict));
+    // The failures of earlier passes: these messages' answers.
+    let mut failed: Vec<Option<E>> = items.iter().map(|_| None).collect();
+    let (mut fast, mut moved) = (0, 0);
+    while fast < FAST_PASSES {
+        if failed.iter().all(Option::is_some) {
+            open.finish();
+            return Ok(merge(Vec::new(), failed));
+        }
+        // Which messages failed (`E` need not be `Sync`: the passes see
+        // flags, not the errors).
+        let mask: Vec<bool> = failed.iter().map(Option::is_some).collect();
+        match fast_pass(&ctx, &items, &mask, &mut handler).await {
+            Ok(answers) => {
+                open.finish();
+                return Ok(merge(answers, failed));
+            }
+            Err(Abort::Batch(e)) => return Err(e),
+            Err(Abort::Message(index, e)) => match failed.get_mut(index) {
+                Some(slot @ None) => {
+                    *slot = Some(e);
+                    fast += 1;
+                }
+                // A pass never runs a failed message: stop rather than loop.
+                _ => return Err(Error::backend("an inbox pass failed a message twice")),
+            },
+            Err(Abort::Moved) => {
+                // Counted with the begins that raced a concurrent writer.
+                Counters::bump(&core.counters.snapshot_retries);
+                moved += 1;
+                if moved >= MAX_BEGIN_ATTEMPTS {
+                    return Err(Error::backend(format!(
+                        "an inbox batch raced with concurrent writers {MAX_BEGIN_ATTEMPTS} times in a row"
+                    )));
+                }
+            }
+        }
+    }
+    let mask: Vec<bool> = failed.iter().map(Option::is_some).collect();
+    let answers = careful_pass(&ctx, &items, &mask, &mut handler).await?;
+    open.finish();
+    Ok(merge(answers, failed))
+}
+
+/// The answers of the last pass, with the failures of every pass.
+fn merge<E: From<Error>>(
+    answers: Vec<Option<Result<Delivery, E>>>,
+    failed: Vec<Option<E>>,
+) -> Vec<Result<Delivery, E>> {
+    let mut answers = answers.into_iter();
+    failed
+        .into_iter()
+        .map(|failed| match (answers.next().flatten(), failed) {
+            (_, Some(e)) => Err(e),
+            (Some(answer), None) => answer,
+            (None, None) => Err(Error::backend("an inbox pass skipped a delivery").into()),
+        })
+        .collect()
+}
+
+/// What every pass of one batch shares.
+struct PassContext<'a> {
+    core: &'a Core,
+    sql: &'a InboxSql,
+    statements: &'a Prepared,
+    conn: &'a Conn,
+    now: Timestamp,
+    retention: Duration,
+}
+
+impl PassContext<'_> {
+    fn db(&self, e: tokio_postgres::Error) -> Error {
+        db_error(e, &self.core.sql.table)
+    }
+
+    fn run(&self, e: RunError) -> Error {
+        match e {
+            RunError::Db(e) => self.db(e),
+            RunError::Store(e) => e,
+        }
+    }
+
+    /// Ends the pass's transaction with `ROLLBACK`, then reports `abort`.
+    async fn roll_back<R, E>(&self, abort: Abort<E>) -> Result<R, Abort<E>> {
+        self.conn
+            .client
+            .batch_execute("ROLLBACK")
+            .await
+            .map_err(|e| self.db(e))?;
+        Err(abort)
+    }
+}
+
+/// What `logic::begin` decided for one distinct key of a pass, on the row
+/// the `decide` statement read.
+enum Decided {
+    /// Claimed: the claim, and the PROCESSING record it would write (never
+    /// written: the DONE record made from it replaces it).
+    Claimed(Claim, Record),
+    /// Not claimable: the answer (Replay, Conflict, InFlight) and the row
+    /// it was decided on.
+    Answer(Begin, Option<Record>),
+}
+
+/// A distinct key of a pass, for the `decide` statement, and its message.
+struct Rep<'a> {
+    key: &'a Key,
+    fingerprint: &'a Fingerprint,
+    lock: i64,
+    /// The message whose claim this is (the key's first one that reaches
+    /// the store in this pass).
+    index: usize,
+}
+
+/// One pass without savepoints: every distinct key locked and decided (one
+/// round trip), the handlers run in input order on the transaction's
+/// client, every DONE record written in one statement, one `COMMIT`. A
+/// message that fails rolls the whole pass back (`Abort::Message`).
+async fn fast_pass<T, E, F>(
+    ctx: &PassContext<'_>,
+    items: &[Item<'_, T>],
+    failed: &[bool],
+    handler: &mut F,
+) -> Result<Vec<Option<Result<Delivery, E>>>, Abort<E>>
+where
+    E: From<Error>,
+    F: for<'c> FnMut(&'c Client, Claim, &'c T) -> HandlerFuture<'c, E>,
+{
+    let (core, conn) = (ctx.core, ctx.conn);
+    // Which message of each key reaches the store: the first that is not
+    // answered from an earlier failure of its id (a failed message makes
+    // the next ones of its id with another fingerprint Conflict, as below).
+    let mut reps: Vec<Rep<'_>> = Vec::new();
+    let mut rep_of: HashMap<&Key, usize> = HashMap::new();
+    let mut failed_fp: HashMap<&Key, &Fingerprint> = HashMap::new();
+    for (index, (item, failed)) in items.iter().zip(failed).enumerate() {
+        if *failed {
+            failed_fp.insert(item.key, item.fingerprint);
+            continue;
+        }
+        if rep_of.contains_key(item.key)
+            || failed_fp
+                .get(item.key)
+                .is_some_and(|fp| *fp != item.fingerprint)
+        {
+            continue;
+        }
+        rep_of.insert(item.key, reps.len());
+        reps.push(Rep {
+            key: item.key,
+            fingerprint: item.fingerprint,
+            lock: sql::key_lock(&core.sql.table, item.key),
+            index,
+        });
+    }
+    // Per distinct key (indexed like `reps`), what `logic::begin` decided.
+    let mut by_rep: Vec<Option<Decided>> = decide_all(ctx, &reps)
+        .await?
+        .into_iter()
+        .map(Some)
+        .collect();
+
+    // The batch in input order, as the per-message inbox decides it: what
+    // this pass already answered for an id is its fingerprint and its
+    // stored result (None: that message failed in an earlier pass).
+    let mut seen: HashMap<&Key, (&Fingerprint, Option<Response>)> = HashMap::new();
+    let mut answers: Vec<Option<Result<Delivery, E>>> = Vec::with_capacity(items.len());
+    let mut handled: Vec<Done<'_>> = Vec::new();
+    for (index, (item, failed)) in items.iter().zip(failed).enumerate() {
+        if *failed {
+            failed_before(&mut seen, item.key, item.fingerprint);
+            answers.push(None);
+            continue;
+        }
+        if let Some((first, stored)) = seen.get(item.key) {
+            if *first != item.fingerprint {
+                answers.push(Some(Ok(Delivery::Conflict)));
                 continue;
             }
             if let Some(response) = stored {
-                answers.push(Ok(Delivery::Duplicate(response.clone())));
+                answers.push(Some(Ok(Delivery::Duplicate(response.clone()))));
+                continue;
+            }
+            // The earlier delivery failed: this one is tried afresh.
+        }
+        let rep = rep_of.get(item.key).copied();
+        let is_rep = rep
+            .and_then(|r| reps.get(r))
+            .is_some_and(|r| r.index == index);
+        let begin = match rep.and_then(|r| by_rep.get_mut(r)) {
+            Some(slot) if is_rep => match slot.take() {
+                Some(Decided::Claimed(claim, processing)) => {
+                    (Begin::Claimed(claim), Some(processing))
+                }
+                Some(Decided::Answer(answer, record)) => {
+                    // Kept for the id's later messages.
+                    *slot = Some(Decided::Answer(answer.clone(), record));
+                    (answer, None)
+                }
+                None => return ctx.roll_back(Abort::Batch(undecided())).await,
+            },
+            // A later message of an id whose first one was answered
+            // Conflict or InFlight: decided on the same row (its key is
+            // locked, so the row is current), drawing a token of its own
+            // when that row is claimable for this fingerprint.
+            Some(Some(Decided::Answer(_, record))) => {
+                let begin = |token| {
+                    logic::begin(
+                        record.clone(),
+                        item.fingerprint,
+                        ctx.now,
+                        DEFAULT_LEASE,
+                        ctx.retention,
+                        || Ok(token),
+                    )
+                };
+                let mut step = begin(0)?;
+                if step.write.is_some() {
+                    step = begin(next_token(ctx).await?)?;
+                }
+                (step.answer, step.write)
+            }
+            _ => return ctx.roll_back(Abort::Batch(undecided())).await,
+        };
+        let (claim, processing) = match begin {
+            (Begin::Claimed(claim), Some(processing)) => (claim, processing),
+            (Begin::Claimed(_), None) => {
+                return ctx.roll_back(Abort::Batch(undecided())).await;
+            }
+            (Begin::Replay(response), _) => {
+                seen.insert(item.key, (item.fingerprint, Some(response.clone())));
+                answers.push(Some(Ok(Delivery::Duplicate(response))));
+                continue;
+            }
+            (Begin::Conflict, _) => {
+                answers.push(Some(Ok(Delivery::Conflict)));
+                continue;
+            }
+            (Begin::InFlight { lease_until }, _) => {
+                answers.push(Some(Ok(Delivery::InFlight { lease_until })));
+                continue;
+            }
+        };
+        match run_handler(core, handler, conn, claim.clone(), item.payload).await {
+            Ok(response) => {
+                // The record as `complete` would write it over the claim.
+                let done = match logic::complete(
+                    Some(processing),
+                    &claim,
+                    &response,
+                    ctx.now,
+                    ctx.retention,
+                ) {
+                    Ok(done) => done,
+                    Err(e) => return ctx.roll_back(Abort::Message(index, e.into())).await,
+                };
+                seen.insert(item.key, (item.fingerprint, Some(response.clone())));
+                answers.push(Some(Ok(Delivery::Handled(response))));
+                handled.push(Done {
+                    index,
+                    key: item.key,
+                    record: done,
+                });
+            }
+            // Its claim and its writes, and its batch-mates' so far: all
+            // undone. The next pass runs without it.
+            Err(e) => return ctx.roll_back(Abort::Message(index, e)).await,
+        }
+    }
+    if !handled.is_empty() {
+        let written = write_all(ctx, &handled).await?;
+        // A row that is no longer claimable: its previous owner completed
+        // or renewed it since `decide` (see inbox_sql.rs). Decided again.
+        if handled.iter().any(|done| !written.contains(&done.index)) {
+            return ctx.roll_back(Abort::Moved).await;
+        }
+    }
+    conn.client
+        .batch_execute("COMMIT")
+        .await
+        .map_err(|e| ctx.db(e))?;
+    Ok(answers)
+}
+
+/// Notes in `seen` a message that failed in an earlier pass: the next
+/// ones of its id with another fingerprint are Conflict, and one with the
+/// same is tried afresh. Unless this pass already stored (or found) a
+/// result for the id: that record is what the store would answer from
+/// (Duplicate of it, or Conflict), and it stays.
+fn failed_before<'a>(
+    seen: &mut HashMap<&'a Key, (&'a Fingerprint, Option<Response>)>,
+    key: &'a Key,
+    fingerprint: &'a Fingerprint,
+) {
+    match seen.get(key) {
+        Some((_, Some(_))) => {}
+        _ => {
+            seen.insert(key, (fingerprint, None));
+        }
+    }
+}
+
+fn undecided() -> Error {
+    Error::backend("an inbox batch left a delivery undecided")
+}
+
+/// Runs one message's handler (a panic becomes [`Error::HandlerPanicked`])
+/// and checks its result against the limits.
+async fn run_handler<'c, T, E, F>(
+    core: &Core,
+    handler: &mut F,
+    conn: &'c Conn,
+    claim: Claim,
+    payload: &'c T,
+) -> Result<Response, E>
+where
+    E: From<Error>,
+    F: for<'h> FnMut(&'h Client, Claim, &'h T) -> HandlerFuture<'h, E>,
+{
+    match CatchPanic(handler(&conn.client, claim, payload)).await {
+        Ok(Ok(response)) => logic::check_response(&response, core.max_body_bytes)
+            .map(|()| response)
+            .map_err(E::from),
+        Ok(Err(err)) => Err(err),
+        Err(message) => Err(Error::HandlerPanicked { message }.into()),
+    }
+}
+
+/// `BEGIN`, every key's lock (in lock order), then the `decide` statement:
+/// sent together, one round trip. `logic::begin`'s decision for each of
+/// `reps`, in order. (Should the `BEGIN` fail, the statements after it
+/// would run alone, each its own transaction: they write nothing.)
+async fn decide_all<E>(ctx: &PassContext<'_>, reps: &[Rep<'_>]) -> Result<Vec<Decided>, Abort<E>> {
+    // Sorted by lock id: every batch takes the locks it shares with
+    // another in the same order, so batches never wait on each other in a
+    // cycle, whatever their overlap. (A claimer waits on a row only while
+    // it holds the key's lock, which no other claimer then holds; the
+    // store's own complete, renew, release and sweep wait for nothing
+    // while they hold a row.)
+    let mut locks: Vec<i64> = reps.iter().map(|rep| rep.lock).collect();
+    locks.sort_unstable();
+    locks.dedup();
+    let scopes: Vec<&[u8]> = reps.iter().map(|r| r.key.scope()).collect();
+    let ids: Vec<&[u8]> = reps.iter().map(|r| r.key.id()).collect();
+    let fps: Vec<&[u8]> = reps.iter().map(|r| &r.fingerprint.as_bytes()[..]).collect();
+    let at = row::millis(ctx.now);
+    let lock_params: [&(dyn ToSql + Sync); 1] = [&locks];
+    let decide_params: [&(dyn ToSql + Sync); 4] = [&scopes, &ids, &fps, &at];
+    let client = &ctx.conn.client;
+    // The key locks are transaction-scoped: held until the COMMIT or
+    // ROLLBACK. A key another consumer is claiming or handling is waited
+    // for here; `decide` then reads its committed row (DONE: Duplicate).
+    let ((begun, locked), rows) = pipelined(
+        pipelined(
+            client.batch_execute("BEGIN"),
+            client.query(&ctx.statements.lock_all, &lock_params),
+        ),
+        client.query(&ctx.statements.decide, &decide_params),
+    )
+    .await;
+    begun.map_err(|e| ctx.db(e))?;
+    locked.map_err(|e| ctx.db(e))?;
+    let rows = rows.map_err(|e| ctx.db(e))?;
+    let mut decided: Vec<Option<Decided>> = reps.iter().map(|_| None).collect();
+    for found in &rows {
+        let ord: i64 = found.try_get(0).map_err(|e| ctx.db(e))?;
+        let token: Option<i64> = found.try_get(1).map_err(|e| ctx.db(e))?;
+        let position = usize::try_from(ord).ok().and_then(|o| o.checked_sub(1));
+        let (Some(rep), Some(slot)) = (
+            position.and_then(|p| reps.get(p)),
+            position.and_then(|p| decided.get_mut(p)),
+        ) else {
+            return Err(Error::backend(format!("the inbox's decide returned row {ord}")).into());
+        };
+        // The state column (NOT NULL in the table) is NULL: no row.
+        let state: Option<i16> = found.try_get(3).map_err(|e| ctx.db(e))?;
+        let record = match state {
+            Some(_) => Some(row::record(rep.key, found, 2)?),
+            None => None,
+        };
+        let step = logic::begin(
+            record.clone(),
+            rep.fingerprint,
+            ctx.now,
+            DEFAULT_LEASE,
+            ctx.retention,
+            || {
+                token
+                    .and_then(|t| u64::try_from(t).ok())
+                    .ok_or_else(|| Error::backend("the inbox's decide drew no token for a claim"))
+            },
+        )?;
+        *slot = Some(match (step.answer, step.write) {
+            (Begin::Claimed(claim), Some(processing)) => Decided::Claimed(claim, processing),
+            (answer, _) => Decided::Answer(answer, record),
+        });
+    }
+    decided
+        .into_iter()
+        .map(|d| d.ok_or_else(|| Abort::Batch(undecided())))
+        .collect()
+}
+
+/// One token from the sequence (for a claim `decide` did not foresee).
+async fn next_token<E>(ctx: &PassContext<'_>) -> Result<u64, Abort<E>> {
+    let rows = ctx
+        .conn
+        .client
+        .query_typed(&ctx.sql.next_token, &[])
+        .await
+        .map_err(|e| ctx.db(e))?;
+    let token: i64 = match rows.first() {
+        Some(found) => found.try_get(0).map_err(|e| ctx.db(e))?,
+        None => return Err(Error::backend("nextval returned no row").into()),
+    };
+    u64::try_from(token).map_err(|_| Error::backend(format!("token {token} is negative")).into())
+}
+
+/// A handled message of a pass: its DONE record, to write.
+struct Done<'a> {
+    index: usize,
+    key: &'a Key,
+    record: Record,
+}
+
+/// The `write_done` statement for every handled message: the indexes whose
+/// record it wrote.
+async fn write_all<E>(
+    ctx: &PassContext<'_>,
+    handled: &[Done<'_>],
+) -> Result<std::collections::HashSet<usize>, Abort<E>> {
+    let n = handled.len();
+    let mut scopes: Vec<&[u8]> = Vec::with_capacity(n);
+    let mut ids: Vec<&[u8]> = Vec::with_capacity(n);
+    let mut fps: Vec<&[u8]> = Vec::with_capacity(n);
+    let mut expiries: Vec<i64> = Vec::with_capacity(n);
+    let mut created: Vec<i64> = Vec::with_capacity(n);
+    let mut tokens: Vec<i64> = Vec::with_capacity(n);
+    let mut attempts: Vec<i64> = Vec::with_capacity(n);
+    let mut statuses: Vec<i32> = Vec::with_capacity(n);
+    let mut firsts: Vec<i32> = Vec::with_capacity(n);
+    let mut lasts: Vec<i32> = Vec::with_capacity(n);
+    let mut names: Vec<&[u8]> = Vec::new();
+    let mut values: Vec<&[u8]> = Vec::new();
+    let mut bodies: Vec<&[u8]> = Vec::with_capacity(n);
+    let too_many = || Error::invalid_argument("too many response headers in one inbox batch");
+    for done in handled {
+        let record = &done.record;
+        let (Some(response), Some(token)) = (&record.response, row::token(record.token)) else {
+            return Err(Error::StaleClaim.into());
+        };
+        scopes.push(done.key.scope());
+        ids.push(done.key.id());
+        fps.push(&record.fingerprint.as_bytes()[..]);
+        expiries.push(row::millis(record.expires_at));
+        created.push(row::millis(record.created_at));
+        tokens.push(token);
+        attempts.push(i64::from(record.attempts));
+        let columns = row::response_columns(response);
+        statuses.push(columns.status);
+        // 1-based, inclusive: an empty response's slice is [n + 1, n].
+        firsts.push(i32::try_from(names.len() + 1).map_err(|_| too_many())?);
+        names.extend(columns.names);
+        values.extend(columns.values);
+        lasts.push(i32::try_from(names.len()).map_err(|_| too_many())?);
+        bodies.push(columns.body);
+    }
+    let at = row::millis(ctx.now);
+    let params: [&(dyn ToSql + Sync); 14] = [
+        &scopes, &ids, &fps, &expiries, &created, &tokens, &attempts, &statuses, &firsts, &lasts,
+        &names, &values, &bodies, &at,
+    ];
+    let rows = ctx
+        .conn
+        .client
+        .query(&ctx.statements.write_done, &params)
+        .await
+        .map_err(|e| ctx.db(e))?;
+    let mut written = std::collections::HashSet::with_capacity(rows.len());
+    for done in &rows {
+        let ord: i64 = done.try_get(0).map_err(|e| ctx.db(e))?;
+        let index = usize::try_from(ord)
+            .ok()
+            .and_then(|o| o.checked_sub(1))
+            .and_then(|o| handled.get(o))
+            .map(|done| done.index);
+        written.extend(index);
+    }
+    Ok(written)
+}
+
+/// The pass after a second failed message: the per-message path, each new
+/// message's claim (`BeginStep`), handler and DONE record in a savepoint of
+/// its own, so a failure rolls back only its own message. It first takes
+/// every key's lock in lock order (as a fast pass does), so the
+/// claims below never wait for a lock while this transaction holds another.
+async fn careful_pass<T, E, F>(
+    ctx: &PassContext<'_>,
+    items: &[Item<'_, T>],
+    failed: &[bool],
+    handler: &mut F,
+) -> Result<Vec<Option<Result<Delivery, E>>>, Error>
+where
+    E: From<Error>,
+    F: for<'c> FnMut(&'c Client, Claim, &'c T) -> HandlerFuture<'c, E>,
+{
+    let (core, conn) = (ctx.core, ctx.conn);
+    let table = &core.sql.table;
+    let db = |e| ctx.db(e);
+    let mut locks: Vec<i64> = items
+        .iter()
+        .zip(failed)
+        .filter(|(_, failed)| !**failed)
+        .map(|(item, _)| sql::key_lock(table, item.key))
+        .collect();
+    locks.sort_unstable();
+    locks.dedup();
+    let params: [&(dyn ToSql + Sync); 1] = [&locks];
+    let (begun, locked) = pipelined(
+        conn.client.batch_execute("BEGIN"),
+        conn.client.query(&ctx.statements.lock_all, &params),
+    )
+    .await;
+    begun.map_err(db)?;
+    locked.map_err(db)?;
+    let mut seen: HashMap<&Key, (&Fingerprint, Option<Response>)> = HashMap::new();
+    let mut answers = Vec::with_capacity(items.len());
+    let times = (row::millis(ctx.now), row::millis(ctx.now + ctx.retention));
+    for (item, failed) in items.iter().zip(failed) {
+        let (key, fingerprint) = (item.key, item.fingerprint);
+        if *failed {
+            failed_before(&mut seen, key, fingerprint);
+            answers.push(None);
+            continue;
+        }
+        if let Some((first, stored)) = seen.get(key) {
+            if *first != fingerprint {
+                answers.push(Some(Ok(Delivery::Conflict)));
+                continue;
+            }
+            if let Some(response) = stored {
+                answers.push(Some(Ok(Delivery::Duplicate(response.clone()))));
                 continue;
             }
             // The earlier delivery failed: this one is tried afresh.
@@ -468,55 +1086,43 @@ where
         let step = BeginStep {
             key,
             fingerprint,
-            now,
+            now: ctx.now,
             lease: DEFAULT_LEASE,
-            retention,
+            retention: ctx.retention,
             lock: sql::key_lock(table, key),
         };
-        let claim = match step.run(&conn, &core.counters).await.map_err(run)? {
-            Begin::Claimed(claim) => claim,
+        let begin = step
+            .run(conn, &core.counters)
+            .await
+            .map_err(|e| ctx.run(e))?;
+        let answer = match begin {
+            Begin::Claimed(claim) => Err(claim),
             Begin::Replay(response) => {
-                conn.client
-                    .batch_execute("RELEASE SAVEPOINT m")
-                    .await
-                    .map_err(db)?;
-                seen.insert(key.clone(), (*fingerprint, Some(response.clone())));
-                answers.push(Ok(Delivery::Duplicate(response)));
-                continue;
+                seen.insert(key, (fingerprint, Some(response.clone())));
+                Ok(Delivery::Duplicate(response))
             }
-            Begin::Conflict => {
+            Begin::Conflict => Ok(Delivery::Conflict),
+            Begin::InFlight { lease_until } => Ok(Delivery::InFlight { lease_until }),
+        };
+        let claim = match answer {
+            Err(claim) => claim,
+            Ok(answer) => {
                 conn.client
                     .batch_execute("RELEASE SAVEPOINT m")
                     .await
                     .map_err(db)?;
-                answers.push(Ok(Delivery::Conflict));
-                continue;
-            }
-            Begin::InFlight { lease_until } => {
-                conn.client
-                    .batch_execute("RELEASE SAVEPOINT m")
-                    .await
-                    .map_err(db)?;
-                answers.push(Ok(Delivery::InFlight { lease_until }));
+                answers.push(Some(Ok(answer)));
                 continue;
             }
         };
-        let ran = CatchPanic(handler(&conn.client, claim.clone(), payload)).await;
-        let handled: Result<Response, E> = match ran {
-            Ok(Ok(response)) => logic::check_response(&response, core.max_body_bytes)
-                .map(|()| response)
-                .map_err(E::from),
-            Ok(Err(err)) => Err(err),
-            Err(message) => Err(Error::HandlerPanicked { message }.into()),
-        };
-        let written = match handled {
+        let written = match run_handler(core, handler, conn, claim.clone(), item.payload).await {
             Ok(response) => {
                 let token = row::token(claim.token).ok_or(Error::StaleClaim)?;
                 let columns = row::response_columns(&response);
                 // This transaction's own row, locked by it.
-                let updated = complete_on(&conn, key, token, times, &columns)
+                let updated = complete_on(conn, key, token, times, &columns)
                     .await
-                    .map_err(run)?;
+                    .map_err(|e| ctx.run(e))?;
                 if updated == 1 {
                     Ok(response)
                 } else {
@@ -531,8 +1137,8 @@ where
                     .batch_execute("RELEASE SAVEPOINT m")
                     .await
                     .map_err(db)?;
-                seen.insert(key.clone(), (*fingerprint, Some(response.clone())));
-                answers.push(Ok(Delivery::Handled(response)));
+                seen.insert(key, (fingerprint, Some(response.clone())));
+                answers.push(Some(Ok(Delivery::Handled(response))));
             }
             Err(err) => {
                 // The claim, the handler's writes: all undone.
@@ -540,12 +1146,11 @@ where
                     .batch_execute("ROLLBACK TO SAVEPOINT m; RELEASE SAVEPOINT m")
                     .await
                     .map_err(db)?;
-                seen.insert(key.clone(), (*fingerprint, None));
-                answers.push(Err(err));
+                seen.insert(key, (fingerprint, None));
+                answers.push(Some(Err(err)));
             }
         }
     }
     conn.client.batch_execute("COMMIT").await.map_err(db)?;
-    open.finish();
     Ok(answers)
 }

@@ -5,6 +5,7 @@
 mod errors;
 mod group;
 mod inbox;
+mod inbox_sql;
 mod ops;
 mod options;
 mod pool;

@@ -43,6 +43,8 @@ mod postgres_cuts;
 mod postgres_group;
 #[cfg(feature = "postgres")]
 mod postgres_inbox;
+#[cfg(feature = "postgres")]
+mod postgres_inbox_batch;
 #[cfg(all(feature = "postgres", feature = "tokio"))]
 mod postgres_runtime;
 #[cfg(feature = "redb")]

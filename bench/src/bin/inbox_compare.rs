@@ -19,7 +19,16 @@
 //! `--require-pg` (fail when PostgreSQL is not there: the feature is off or
 //! `IDEMSTORE_PG_URL` is not set), `--batches 10,100` (other batch sizes),
 //! `--no-handle` (without the one-message rows), `--page-log` (a row of
-//! `handle_batch` on a store with `RedbStoreBuilder::page_log(true)`).
+//! `handle_batch` on a store with `RedbStoreBuilder::page_log(true)`),
+//! `--pg-per-message` (a row of the hand-written PostgreSQL side with one
+//! `UPDATE` statement per message, as a per-message handler writes it),
+//! `--pg-handler execute|typed|none` (what `PgInbox`'s handler runs: the
+//! SQL text through `execute`, prepared and run, the default; through
+//! `execute_typed`, one round trip; nothing, the inbox's own cost, with the
+//! credited total not checked), `--pg-fail-percent P` (P % of the
+//! payments fail in their `PgInbox` handler's first run, after its write,
+//! and are delivered again at once in a batch of their own: what a failing
+//! message costs).
 
 use idemstore_bench::inbox::{Feed, Ours, Tally};
 use idemstore_bench::peers::{self, BoxResult};
@@ -43,6 +52,9 @@ enum Side {
     BatchPageLog,
     /// PostgreSQL, one transaction per batch.
     Postgres,
+    /// PostgreSQL, one transaction per batch, one `UPDATE` per message
+    /// (`--pg-per-message`).
+    PostgresPerMessage,
     /// idemstore's `PgInbox::handle_batch` on PostgreSQL.
     PgInbox,
 }
@@ -55,6 +67,7 @@ impl Side {
             Side::BatchOnePhase => "idemstore Inbox::handle_batch, quick_repair(false)",
             Side::BatchPageLog => "idemstore Inbox::handle_batch, page_log(true)",
             Side::Postgres => "PostgreSQL (inbox table + UPDATE, one txn per batch)",
+            Side::PostgresPerMessage => "PostgreSQL (inbox table, one UPDATE per message)",
             Side::PgInbox => "idemstore PgInbox::handle_batch (PostgreSQL)",
         }
     }
@@ -67,6 +80,7 @@ fn cell(
     redelivery: u64,
     duration: Duration,
     tag: &str,
+    pg: PgOptions,
 ) -> BoxResult<f64> {
     let mut feed = Feed::new(redelivery, 0xFEED ^ batch as u64);
     let mut total = Tally::default();
@@ -102,29 +116,83 @@ fn cell(
             assert_eq!(total.handled, seen.len() as u64);
             Ok(total.messages as f64 / elapsed)
         }
-        Side::Postgres => pg_cell(&mut feed, batch, duration, tag, false),
-        Side::PgInbox => pg_cell(&mut feed, batch, duration, tag, true),
+        Side::Postgres => pg_cell(&mut feed, batch, duration, tag, PgSide::Set, pg),
+        Side::PostgresPerMessage => {
+            pg_cell(&mut feed, batch, duration, tag, PgSide::PerMessage, pg)
+        }
+        Side::PgInbox => pg_cell(&mut feed, batch, duration, tag, PgSide::Ours, pg),
     }
 }
 
-/// A PostgreSQL cell: as a user writes it, or (`ours`) through `PgInbox`.
+/// Which PostgreSQL side a cell runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PgSide {
+    /// The hand-written set-based SQL.
+    Set,
+    /// The hand-written SQL with one `UPDATE` per message.
+    PerMessage,
+    /// `PgInbox::handle_batch`.
+    Ours,
+}
+
+/// `--pg-handler`: what `PgInbox`'s handler runs (see
+/// `idemstore_bench::inbox::PgHandler`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PgHandlerArg {
+    Execute,
+    Typed,
+    None,
+}
+
+/// The PostgreSQL options: `--pg-handler`, `--pg-fail-percent`.
+#[derive(Clone, Copy, Debug)]
+#[cfg_attr(
+    not(feature = "postgres"),
+    allow(dead_code, reason = "read by the PostgreSQL cells only")
+)]
+struct PgOptions {
+    handler: PgHandlerArg,
+    fail_percent: u64,
+}
+
+fn parse_pg_handler(s: &str) -> BoxResult<PgHandlerArg> {
+    Ok(match s {
+        "execute" => PgHandlerArg::Execute,
+        "typed" => PgHandlerArg::Typed,
+        "none" => PgHandlerArg::None,
+        other => return Err(format!("--pg-handler {other}: execute, typed or none").into()),
+    })
+}
+
 #[cfg(feature = "postgres")]
 fn pg_cell(
     feed: &mut Feed,
     batch: usize,
     duration: Duration,
     tag: &str,
-    ours: bool,
+    side: PgSide,
+    pg: PgOptions,
 ) -> BoxResult<f64> {
+    use idemstore_bench::inbox::PgHandler;
+    let handler = pg.handler;
     let url = pg_url().ok_or("IDEMSTORE_PG_URL is not set")?;
-    if ours {
-        let pg = std::cell::RefCell::new(idemstore_bench::inbox::PgOurs::open(&url, tag)?);
+    if side == PgSide::Ours {
+        let handler = match handler {
+            PgHandlerArg::Execute => PgHandler::Execute,
+            PgHandlerArg::Typed => PgHandler::Typed,
+            PgHandlerArg::None => PgHandler::None,
+        };
+        let pg = std::cell::RefCell::new(
+            idemstore_bench::inbox::PgOurs::open_with(&url, tag, handler)?
+                .fail_percent(pg.fail_percent),
+        );
         return drive(
             feed,
             batch,
             duration,
             |p| pg.borrow().batch(p),
-            || pg.borrow_mut().total(),
+            // Without a statement nothing is credited: no total to check.
+            (handler != PgHandler::None).then_some(|| pg.borrow_mut().total()),
         );
     }
     let mut pg = idemstore_bench::inbox::Pg::open(&url, tag)?;
@@ -133,8 +201,14 @@ fn pg_cell(
         feed,
         batch,
         duration,
-        |p| pg.borrow_mut().batch(p),
-        || pg.borrow_mut().total(),
+        |p| {
+            if side == PgSide::PerMessage {
+                pg.borrow_mut().batch_per_message(p)
+            } else {
+                pg.borrow_mut().batch(p)
+            }
+        },
+        Some(|| pg.borrow_mut().total()),
     )
 }
 
@@ -146,7 +220,7 @@ fn drive(
     batch: usize,
     duration: Duration,
     mut run: impl FnMut(&[idemstore_bench::inbox::Payment]) -> BoxResult<Tally>,
-    total: impl FnOnce() -> BoxResult<i64>,
+    total: Option<impl FnOnce() -> BoxResult<i64>>,
 ) -> BoxResult<f64> {
     let mut seen = std::collections::HashSet::new();
     let (mut messages, mut handled, mut credited) = (0u64, 0u64, 0i64);
@@ -163,13 +237,22 @@ fn drive(
         handled += t.handled;
     }
     let elapsed = start.elapsed().as_secs_f64();
-    assert_eq!(total()?, credited, "postgres {batch}");
+    if let Some(total) = total {
+        assert_eq!(total()?, credited, "postgres {batch}");
+    }
     assert_eq!(handled, seen.len() as u64);
     Ok(messages as f64 / elapsed)
 }
 
 #[cfg(not(feature = "postgres"))]
-fn pg_cell(_: &mut Feed, _: usize, _: Duration, _: &str, _: bool) -> BoxResult<f64> {
+fn pg_cell(
+    _: &mut Feed,
+    _: usize,
+    _: Duration,
+    _: &str,
+    _: PgSide,
+    _: PgOptions,
+) -> BoxResult<f64> {
     Err("built without the postgres feature".into())
 }
 
@@ -189,6 +272,9 @@ fn main() -> BoxResult<()> {
     let mut batches = BATCHES.to_vec();
     let mut with_handle = true;
     let mut page_log = false;
+    let mut per_message = false;
+    let mut pg_handler = None;
+    let mut fail_percent = 0u64;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -210,6 +296,15 @@ fn main() -> BoxResult<()> {
             }
             "--no-handle" => with_handle = false,
             "--page-log" => page_log = true,
+            "--pg-per-message" => per_message = true,
+            "--pg-fail-percent" => {
+                fail_percent = args.next().ok_or("--pg-fail-percent P")?.parse()?
+            }
+            "--pg-handler" => {
+                pg_handler = Some(parse_pg_handler(
+                    &args.next().ok_or("--pg-handler execute|typed|none")?,
+                )?)
+            }
             other => return Err(format!("unknown option {other}").into()),
         }
     }
@@ -230,8 +325,15 @@ fn main() -> BoxResult<()> {
     }
     if pg {
         sides.push(Side::Postgres);
+        if per_message {
+            sides.push(Side::PostgresPerMessage);
+        }
         sides.push(Side::PgInbox);
     }
+    let pg_options = PgOptions {
+        handler: pg_handler.unwrap_or(PgHandlerArg::Execute),
+        fail_percent,
+    };
     let duration = Duration::from_secs_f64(seconds);
     if !json {
         println!(
@@ -255,7 +357,7 @@ fn main() -> BoxResult<()> {
                         continue;
                     }
                     let tag = format!("{round}_{redelivery}_{batch}");
-                    let rate = cell(side, batch, redelivery, duration, &tag)?;
+                    let rate = cell(side, batch, redelivery, duration, &tag, pg_options)?;
                     runs.entry((redelivery, side, batch))
                         .or_default()
                         .push(rate);
