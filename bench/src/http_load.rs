@@ -9,6 +9,10 @@
 //! first request is done) must get 201, `Idempotent-Replayed: true` and the
 //! first response's body. Without the layer (`none`) a re-sent key simply
 //! runs again and must get 201.
+//!
+//! Two variants put a hand-written idempotency middleware in front of the
+//! app instead of the layer, the way users write one without idemstore:
+//! `redis-mw` on Redis, `pg-mw` on PostgreSQL (the `postgres` feature).
 
 use crate::peers::{BoxResult, open_backend, percentile};
 use crate::procstat::{
@@ -34,11 +38,15 @@ use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// The variants, in table order: no layer, then the layer on each store,
-/// then `redis-mw`: the idempotency middleware as users write it by hand on
-/// Redis (`SET NX PX` to claim, `SET XX PX` for the result, `GET` for a
-/// replay), when `IDEMSTORE_REDIS_URL` names a server (its durability is
-/// the server's `appendfsync`; CI's runs `always`).
-pub const VARIANTS: [&str; 5] = ["none", "memory", "redb", "postgres", "redis-mw"];
+/// `pg-mw` after `postgres`: the idempotency middleware as users write it
+/// by hand on PostgreSQL (`INSERT .. ON CONFLICT DO NOTHING RETURNING` to
+/// claim, `UPDATE` for the result, `SELECT` for a replay), on the same
+/// server as `postgres` (`IDEMSTORE_PG_URL`, the `postgres` feature); then
+/// `redis-mw`: the same middleware on Redis (`SET NX PX` to claim, `SET XX
+/// PX` for the result, `GET` for a replay), when `IDEMSTORE_REDIS_URL`
+/// names a server (its durability is the server's `appendfsync`; CI's runs
+/// `always`).
+pub const VARIANTS: [&str; 6] = ["none", "memory", "redb", "postgres", "pg-mw", "redis-mw"];
 
 /// Variants run only when listed: `redb-relaxed`, the layer on `RedbStore`
 /// with a durable commit every 100 ms instead of one per group.
@@ -60,7 +68,7 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 /// One cell: one variant at one concurrency.
 #[derive(Clone, Debug)]
 pub struct CellParams {
-    /// `none`, `memory`, `redb` or `postgres`.
+    /// One of [`VARIANTS`] or [`EXTRA_VARIANTS`].
     pub variant: String,
     /// Concurrent clients, one keep-alive connection each.
     pub connections: usize,
@@ -226,6 +234,11 @@ pub async fn app(front: Front) -> BoxResult<Router> {
                 redis_idempotency,
             ))
         }
+        #[cfg(feature = "postgres")]
+        Front::Postgres { url, table } => router.layer(axum::middleware::from_fn_with_state(
+            pg_mw::PgMiddleware::connect(&url, table).await?,
+            pg_mw::pg_idempotency,
+        )),
     })
 }
 
@@ -238,10 +251,11 @@ struct RedisMiddleware {
     prefix: Arc<str>,
 }
 
-/// How long the peer's claim holds (the guard's default lease) and how
-/// long its result is kept (the guard's default retention).
-const REDIS_LEASE_MS: u64 = 30_000;
-const REDIS_RETENTION_MS: u64 = 24 * 3600 * 1000;
+/// How long the hand-written peers' claim holds (the guard's default
+/// lease) and how long their result is kept (the guard's default
+/// retention).
+const MW_LEASE_MS: u64 = 30_000;
+const MW_RETENTION_MS: u64 = 24 * 3600 * 1000;
 
 /// The idempotency middleware as users write it on Redis: `SET key P NX PX
 /// lease` claims; the claimant runs the handler and stores `D`, the status
@@ -269,7 +283,7 @@ async fn redis_idempotency(
         .arg("P")
         .arg("NX")
         .arg("PX")
-        .arg(REDIS_LEASE_MS)
+        .arg(MW_LEASE_MS)
         .query_async(&mut con)
         .await;
     match claimed {
@@ -287,7 +301,7 @@ async fn redis_idempotency(
                 .arg(value)
                 .arg("XX")
                 .arg("PX")
-                .arg(REDIS_RETENTION_MS)
+                .arg(MW_RETENTION_MS)
                 .query_async(&mut con)
                 .await;
             if stored.is_err() {
@@ -326,6 +340,280 @@ async fn redis_idempotency(
     }
 }
 
+/// The idempotency middleware as users write it on PostgreSQL (`pg-mw`).
+#[cfg(feature = "postgres")]
+pub mod pg_mw {
+    use super::{MW_LEASE_MS, MW_RETENTION_MS};
+    use crate::peers::{BoxResult, PG_POOL_SIZE};
+    use axum::extract::{Request, State};
+    use axum::http::{StatusCode, header};
+    use axum::middleware::Next;
+    use axum::response::{IntoResponse, Response};
+    use http_body_util::BodyExt;
+    use idemstore::postgres::engine as pg;
+    use idemstore::tower::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
+    use std::sync::{Arc, Mutex, PoisonError};
+
+    /// A row's `state`: claimed, the handler running.
+    const CLAIMED: i16 = 0;
+    /// A row's `state`: the handler's response stored.
+    const DONE: i16 = 1;
+
+    /// The middleware's table on the server, named after the process and a
+    /// nanosecond stamp (cells share the server, and a key another cell
+    /// completed would replay here), dropped with this value. Made and
+    /// dropped with the synchronous client, outside any runtime: the
+    /// middleware's own connections are the server runtime's.
+    pub struct PgMwTable {
+        url: String,
+        name: String,
+    }
+
+    impl PgMwTable {
+        /// Creates the table (and the index on `expires_at` a clean-up job
+        /// deletes by) on the server `url` names.
+        pub fn create(url: &str) -> BoxResult<PgMwTable> {
+            let stamp = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos());
+            let name = format!("idem_mw_{}_{stamp}", std::process::id());
+            let mut c = postgres::Client::connect(url, postgres::NoTls)?;
+            c.batch_execute(&format!(
+                "CREATE TABLE \"{name}\" (
+                     key        text     PRIMARY KEY,
+                     state      smallint NOT NULL,
+                     status     integer,
+                     body       bytea,
+                     expires_at bigint   NOT NULL);
+                 CREATE INDEX ON \"{name}\" (expires_at);"
+            ))?;
+            Ok(PgMwTable {
+                url: url.to_owned(),
+                name,
+            })
+        }
+
+        /// The table's name.
+        pub fn name(&self) -> &str {
+            &self.name
+        }
+
+        /// The middleware on this table, for [`super::app`].
+        pub fn front(&self) -> super::Front {
+            super::Front::Postgres {
+                url: self.url.clone(),
+                table: self.name.clone(),
+            }
+        }
+    }
+
+    impl Drop for PgMwTable {
+        fn drop(&mut self) {
+            if let Ok(mut c) = postgres::Client::connect(&self.url, postgres::NoTls) {
+                let _ = c.batch_execute(&format!("DROP TABLE IF EXISTS \"{}\"", self.name));
+            }
+        }
+    }
+
+    /// The middleware's state: its connection pool.
+    #[derive(Clone)]
+    pub struct PgMiddleware {
+        pool: Arc<Pool>,
+    }
+
+    impl PgMiddleware {
+        /// A pool of up to [`PG_POOL_SIZE`] connections (`PostgresStore`'s
+        /// size in the bench) to `url`, on `table`, made on demand on the
+        /// calling runtime; one is made now, so that a wrong URL or a
+        /// missing table fails here.
+        pub async fn connect(url: &str, table: String) -> BoxResult<PgMiddleware> {
+            let pool = Pool {
+                config: url.parse()?,
+                table,
+                permits: tokio::sync::Semaphore::new(PG_POOL_SIZE as usize),
+                idle: Mutex::new(Vec::new()),
+            };
+            let first = pool.connect().await?;
+            pool.idle
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push(first);
+            Ok(PgMiddleware {
+                pool: Arc::new(pool),
+            })
+        }
+    }
+
+    /// Connections made on demand up to the semaphore's permits, one
+    /// statement at a time each (what deadpool or bb8 do).
+    struct Pool {
+        config: pg::Config,
+        table: String,
+        permits: tokio::sync::Semaphore,
+        idle: Mutex<Vec<Conn>>,
+    }
+
+    /// A connection with its statements, prepared once.
+    struct Conn {
+        client: pg::Client,
+        claim: pg::Statement,
+        look: pg::Statement,
+        complete: pg::Statement,
+    }
+
+    impl Pool {
+        async fn connect(&self) -> BoxResult<Conn> {
+            let (client, connection) = self.config.connect(pg::NoTls).await?;
+            tokio::spawn(async move {
+                let _ = connection.await;
+            });
+            let t = &self.table;
+            let claim = client
+                .prepare(&format!(
+                    "INSERT INTO \"{t}\" (key, state, expires_at) VALUES ($1, {CLAIMED}, $2)
+                     ON CONFLICT DO NOTHING RETURNING 1"
+                ))
+                .await?;
+            let look = client
+                .prepare(&format!(
+                    "SELECT state, status, body FROM \"{t}\" WHERE key = $1"
+                ))
+                .await?;
+            let complete = client
+                .prepare(&format!(
+                    "UPDATE \"{t}\" SET state = {DONE}, status = $2, body = $3, expires_at = $4
+                     WHERE key = $1"
+                ))
+                .await?;
+            Ok(Conn {
+                client,
+                claim,
+                look,
+                complete,
+            })
+        }
+
+        /// Runs one statement (autocommit) on a pooled connection, a new
+        /// one when none is idle. The connection goes back to the pool
+        /// only when the statement succeeded: a failed or cancelled one is
+        /// closed, and its permit lets the next caller open another.
+        async fn query(
+            &self,
+            statement: fn(&Conn) -> &pg::Statement,
+            params: &[&(dyn pg::types::ToSql + Sync)],
+        ) -> BoxResult<Vec<pg::Row>> {
+            let permit = self.permits.acquire().await?;
+            let idle = self
+                .idle
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .pop();
+            let conn = match idle {
+                Some(conn) if !conn.client.is_closed() => conn,
+                _ => self.connect().await?,
+            };
+            let rows = conn.client.query(statement(&conn), params).await?;
+            self.idle
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push(conn);
+            drop(permit); // after the push: the next holder finds it idle
+            Ok(rows)
+        }
+    }
+
+    /// The stored response again, marked as a replay.
+    fn replay(status: i32, body: Vec<u8>) -> Response {
+        let mut res = Response::new(axum::body::Body::from(body));
+        *res.status_mut() = u16::try_from(status)
+            .ok()
+            .and_then(|s| StatusCode::from_u16(s).ok())
+            .unwrap_or(StatusCode::OK);
+        let headers = res.headers_mut();
+        headers.insert(
+            IDEMPOTENT_REPLAYED,
+            header::HeaderValue::from_static("true"),
+        );
+        headers.insert(
+            header::CONTENT_TYPE,
+            header::HeaderValue::from_static("application/json"),
+        );
+        res
+    }
+
+    fn now_ms() -> i64 {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+    }
+
+    /// The idempotency middleware as users write it on PostgreSQL: `INSERT
+    /// (key, CLAIMED, lease) .. ON CONFLICT DO NOTHING RETURNING 1` claims;
+    /// the claimant runs the handler and stores `DONE`, the status and the
+    /// body with an `UPDATE`; anyone else `SELECT`s the row: a stored
+    /// result is replayed (`Idempotent-Replayed: true`), a claim is 409.
+    /// Each statement its own (autocommit) transaction, prepared once per
+    /// connection. No fingerprint, no fencing token, no Retry-After: what
+    /// a short hand-written version has, like `redis-mw`. A database error
+    /// is 503.
+    pub async fn pg_idempotency(
+        State(mw): State<PgMiddleware>,
+        req: Request,
+        next: Next,
+    ) -> Response {
+        let Some(key) = req
+            .headers()
+            .get(IDEMPOTENCY_KEY)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+        else {
+            return next.run(req).await;
+        };
+        let unavailable = || StatusCode::SERVICE_UNAVAILABLE.into_response();
+        let lease = now_ms().saturating_add(MW_LEASE_MS as i64);
+        let claimed = mw.pool.query(|c| &c.claim, &[&key, &lease]).await;
+        match claimed {
+            Ok(rows) if !rows.is_empty() => {
+                let (parts, body) = next.run(req).await.into_parts();
+                let Ok(bytes) = body.collect().await.map(|b| b.to_bytes()) else {
+                    return unavailable();
+                };
+                let status = i32::from(parts.status.as_u16());
+                let keep = now_ms().saturating_add(MW_RETENTION_MS as i64);
+                let stored = mw
+                    .pool
+                    .query(|c| &c.complete, &[&key, &status, &bytes.as_ref(), &keep])
+                    .await;
+                if stored.is_err() {
+                    return unavailable();
+                }
+                Response::from_parts(parts, axum::body::Body::from(bytes))
+            }
+            Ok(_) => match mw.pool.query(|c| &c.look, &[&key]).await {
+                Ok(rows) => {
+                    // No row: a clean-up job deleted it since; busy, as
+                    // Redis's `GET` of an expired key.
+                    let Some(row) = rows.first() else {
+                        return StatusCode::CONFLICT.into_response();
+                    };
+                    let stored = (
+                        row.try_get::<_, i16>(0),
+                        row.try_get::<_, Option<i32>>(1),
+                        row.try_get::<_, Option<Vec<u8>>>(2),
+                    );
+                    match stored {
+                        (Ok(DONE), Ok(Some(status)), Ok(Some(body))) => replay(status, body),
+                        (Ok(CLAIMED), ..) => StatusCode::CONFLICT.into_response(),
+                        _ => unavailable(),
+                    }
+                }
+                Err(_) => unavailable(),
+            },
+            Err(_) => unavailable(),
+        }
+    }
+}
+
 /// Measurement phases, shared by the connections and the controller.
 const WARMUP: u8 = 0;
 const MEASURE: u8 = 1;
@@ -349,9 +637,15 @@ impl ConnStats {
 /// server's).
 const CLIENT_THREADS: &str = "http-client";
 
-/// A variant's store (kept for its counters and dropped at the end) and
-/// what is in front of the app.
-type Variant = (Option<Box<dyn crate::peers::Backend>>, Front);
+/// A variant's store (kept for its counters and dropped at the end), what
+/// is in front of the app, and `pg-mw`'s table (dropped after the server).
+type Variant = (Option<Box<dyn crate::peers::Backend>>, Front, Option<Table>);
+
+/// `pg-mw`'s table; nothing without the `postgres` feature.
+#[cfg(feature = "postgres")]
+type Table = pg_mw::PgMwTable;
+#[cfg(not(feature = "postgres"))]
+enum Table {}
 
 /// What is in front of the app.
 pub enum Front {
@@ -362,18 +656,40 @@ pub enum Front {
     /// The hand-written Redis middleware, on the server named by this URL
     /// (connected on the server's runtime).
     Redis(String),
+    /// The hand-written PostgreSQL middleware (`pg-mw`), on `table` (see
+    /// [`pg_mw::PgMwTable`]) of the server named by `url` (connected on the
+    /// server's runtime).
+    #[cfg(feature = "postgres")]
+    Postgres {
+        /// The server.
+        url: String,
+        /// The middleware's table.
+        table: String,
+    },
 }
 
 /// A variant's store and layer (`None`, `None` for the bare app), with its
 /// files in `dir`.
 fn variant(name: &str, dir: &std::path::Path) -> BoxResult<Variant> {
     match name {
-        "none" => return Ok((None, Front::None)),
+        "none" => return Ok((None, Front::None, None)),
         "redis-mw" => {
             let url = std::env::var("IDEMSTORE_REDIS_URL")
                 .map_err(|_| "redis-mw needs IDEMSTORE_REDIS_URL (scripts/redis-test-server)")?;
-            return Ok((None, Front::Redis(url)));
+            return Ok((None, Front::Redis(url), None));
         }
+        #[cfg(feature = "postgres")]
+        "pg-mw" => {
+            let url = match crate::peers::PG_URL.get() {
+                Some(url) => url.clone(),
+                None => std::env::var("IDEMSTORE_PG_URL")
+                    .map_err(|_| "pg-mw needs IDEMSTORE_PG_URL (scripts/pg-test-cluster)")?,
+            };
+            let table = pg_mw::PgMwTable::create(&url)?;
+            return Ok((None, table.front(), Some(table)));
+        }
+        #[cfg(not(feature = "postgres"))]
+        "pg-mw" => return Err("pg-mw needs the postgres feature".into()),
         _ => {}
     }
     // Each claim and completion durable (the default), a fresh store.
@@ -389,6 +705,7 @@ fn variant(name: &str, dir: &std::path::Path) -> BoxResult<Variant> {
     Ok((
         Some(backend),
         Front::Layer(IdempotencyLayer::new(Guard::new(store))),
+        None,
     ))
 }
 
@@ -412,7 +729,9 @@ fn server_runtime(p: &CellParams) -> BoxResult<tokio::runtime::Runtime> {
 pub fn serve(p: &CellParams, port: u16, seconds: f64) -> BoxResult<()> {
     ensure_open_files(8_192)?;
     let dir = tempfile::tempdir()?;
-    let (backend, front) = variant(&p.variant, dir.path())?;
+    // `_table` (pg-mw's) is dropped on return, after the server runtime
+    // and its connections.
+    let (backend, front, _table) = variant(&p.variant, dir.path())?;
     let server = server_runtime(p)?;
     let app = server.block_on(app(front))?;
     let listener = server.block_on(tokio::net::TcpListener::bind(("127.0.0.1", port)))?;
@@ -441,7 +760,9 @@ pub fn run_cell(p: &CellParams) -> BoxResult<CellReport> {
     ensure_open_files(2 * p.connections as u64 + SPARE_FILES)?;
     let sampler = ThreadSampler::start()?;
     let dir = tempfile::tempdir()?;
-    let (backend, front) = variant(&p.variant, dir.path())?;
+    // `_table` (pg-mw's) is dropped on return, after the server runtime
+    // and its connections.
+    let (backend, front, _table) = variant(&p.variant, dir.path())?;
     let layered = !matches!(front, Front::None);
     let server = server_runtime(p)?;
     let app = server.block_on(app(front))?;
@@ -753,6 +1074,33 @@ mod tests {
         let stats = drive(Front::Redis(url), true);
         assert_eq!(errors(&stats), BTreeMap::new());
         assert!(stats.iter().map(|s| s.replays).sum::<u64>() > 0);
+    }
+
+    /// The hand-written PostgreSQL middleware passes the same checks
+    /// (replays included), against the server `IDEMSTORE_PG_URL` names, and
+    /// its table is gone afterwards; without a server there is nothing to
+    /// check.
+    #[cfg(feature = "postgres")]
+    #[test]
+    fn the_postgres_middleware_passes_every_check() {
+        let Ok(url) = std::env::var("IDEMSTORE_PG_URL") else {
+            return;
+        };
+        let table = pg_mw::PgMwTable::create(&url).expect("table");
+        let name = table.name().to_owned();
+        let stats = drive(table.front(), true);
+        assert_eq!(errors(&stats), BTreeMap::new());
+        assert!(stats.iter().map(|s| s.replays).sum::<u64>() > 0);
+        drop(table);
+        let mut c = postgres::Client::connect(&url, postgres::NoTls).expect("connect");
+        let left: i64 = c
+            .query_one(
+                "SELECT count(*) FROM pg_tables WHERE tablename = $1",
+                &[&name],
+            )
+            .expect("pg_tables")
+            .get(0);
+        assert_eq!(left, 0, "{name} not dropped");
     }
 
     /// A child's report reaches the parent whole, the group size included

@@ -11,6 +11,14 @@
 //! - `postgres`: the layer on `PostgresStore`, when `IDEMSTORE_PG_URL` names
 //!   a server and the `postgres` feature is on ("skipped" otherwise;
 //!   `--require-postgres` fails instead).
+//! - `pg-mw`: the idempotency middleware as users write it by hand on
+//!   PostgreSQL, on the same server and under the same conditions as
+//!   `postgres`: a table of its own (`key text PRIMARY KEY`, state, status,
+//!   body, expiry; dropped at the end of the cell), `INSERT .. ON CONFLICT
+//!   DO NOTHING RETURNING 1` to claim, `UPDATE` for the result, `SELECT`
+//!   for a replay, each statement autocommit and prepared once per
+//!   connection, on tokio-postgres over a pool of `PostgresStore`'s size
+//!   in the bench (64); no fingerprint, no fencing token;
 //! - `redis-mw`: the idempotency middleware as users write it by hand on
 //!   Redis (`SET NX PX` to claim, `SET XX PX` for the result, `GET` for a
 //!   replay; no fingerprint, no fencing token), when `IDEMSTORE_REDIS_URL`
@@ -29,7 +37,7 @@
 //! cargo run --release -p idemstore-bench --bin http_load -- --variants none,redb --connections 1024 --json
 //! ```
 //!
-//! Options: `--variants LIST` (default `none,memory,redb,postgres`),
+//! Options: `--variants LIST` (default `none,memory,redb,postgres,pg-mw,redis-mw`),
 //! `--connections LIST` (default `64,1024,4096`), `--duration SECONDS` per
 //! cell (default 5), `--warmup SECONDS` (default 2), `--rounds N` (default
 //! 3; cells interleaved round by round, medians printed), `--dup F` (share
@@ -37,8 +45,9 @@
 //! and `--client-workers N` (tokio worker threads of each runtime, default
 //! the cores), `--max-blocking-threads N` (the server runtime's blocking
 //! pool, default tokio's 512), `--json` (one object per cell, medians),
-//! `--require-postgres`, `--smoke` (one round, 0.3 s + 0.1 s warm-up per
-//! cell, 16 and 64 connections).
+//! `--require-postgres` (fail instead of skipping `postgres` and `pg-mw`),
+//! `--smoke` (one round, 0.3 s + 0.1 s warm-up per cell, 16 and 64
+//! connections).
 //!
 //! `--serve VARIANT [--port P] [--serve-seconds S]` runs only the server
 //! (default port 8080, 60 s, then it stops by itself) for a load client of
@@ -211,8 +220,8 @@ fn run_child(a: &Args, variant: &str, connections: usize) -> BoxResult<CellRepor
     CellReport::from_json(&serde_json::from_str(line)?)
 }
 
-/// Whether the `postgres` variant can run; says why not, or fails under
-/// `--require-postgres`.
+/// Whether the PostgreSQL variants (`postgres`, `pg-mw`) can run; says
+/// why not for those listed, or fails under `--require-postgres`.
 fn postgres_available(a: &Args) -> BoxResult<bool> {
     let why_not = if !cfg!(feature = "postgres") {
         Some("built without the postgres feature (--features postgres)")
@@ -225,13 +234,22 @@ fn postgres_available(a: &Args) -> BoxResult<bool> {
         None => Ok(true),
         Some(why) if a.require_postgres => Err(format!("--require-postgres: {why}").into()),
         Some(why) => {
-            if !a.json {
-                println!("postgres: skipped, {why}");
+            let listed: Vec<&str> = a
+                .variants
+                .iter()
+                .map(String::as_str)
+                .filter(|v| PG_VARIANTS.contains(v))
+                .collect();
+            if !a.json && !listed.is_empty() {
+                println!("{}: skipped, {why}", listed.join(", "));
             }
             Ok(false)
         }
     }
 }
+
+/// The variants on the PostgreSQL server `IDEMSTORE_PG_URL` names.
+const PG_VARIANTS: [&str; 2] = ["postgres", "pg-mw"];
 
 /// The medians of one variant at one concurrency over the rounds.
 struct Cell {
@@ -310,7 +328,7 @@ fn main() -> BoxResult<()> {
         .variants
         .iter()
         .map(String::as_str)
-        .filter(|v| *v != "postgres" || pg)
+        .filter(|v| !PG_VARIANTS.contains(v) || pg)
         .filter(|v| *v != "redis-mw" || redis)
         .collect();
     if !a.json {
