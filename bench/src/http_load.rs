@@ -317,20 +317,7 @@ async fn redis_idempotency(
                     let [_, hi, lo, rest @ ..] = v.as_slice() else {
                         return unavailable();
                     };
-                    let status = u16::from_be_bytes([*hi, *lo]);
-                    let body = Bytes::copy_from_slice(rest);
-                    let mut res = axum::response::Response::new(axum::body::Body::from(body));
-                    *res.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::OK);
-                    let headers = res.headers_mut();
-                    headers.insert(
-                        IDEMPOTENT_REPLAYED,
-                        header::HeaderValue::from_static("true"),
-                    );
-                    headers.insert(
-                        header::CONTENT_TYPE,
-                        header::HeaderValue::from_static("application/json"),
-                    );
-                    res
+                    replayed(u16::from_be_bytes([*hi, *lo]), Bytes::copy_from_slice(rest))
                 }
                 Ok(_) => StatusCode::CONFLICT.into_response(),
                 Err(_) => unavailable(),
@@ -346,12 +333,12 @@ pub mod pg_mw {
     use super::{MW_LEASE_MS, MW_RETENTION_MS};
     use crate::peers::{BoxResult, PG_POOL_SIZE};
     use axum::extract::{Request, State};
-    use axum::http::{StatusCode, header};
+    use axum::http::StatusCode;
     use axum::middleware::Next;
     use axum::response::{IntoResponse, Response};
     use http_body_util::BodyExt;
     use idemstore::postgres::engine as pg;
-    use idemstore::tower::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
+    use idemstore::tower::IDEMPOTENCY_KEY;
     use std::sync::{Arc, Mutex, PoisonError};
 
     /// A row's `state`: claimed, the handler running.
@@ -522,25 +509,6 @@ pub mod pg_mw {
         }
     }
 
-    /// The stored response again, marked as a replay.
-    fn replay(status: i32, body: Vec<u8>) -> Response {
-        let mut res = Response::new(axum::body::Body::from(body));
-        *res.status_mut() = u16::try_from(status)
-            .ok()
-            .and_then(|s| StatusCode::from_u16(s).ok())
-            .unwrap_or(StatusCode::OK);
-        let headers = res.headers_mut();
-        headers.insert(
-            IDEMPOTENT_REPLAYED,
-            header::HeaderValue::from_static("true"),
-        );
-        headers.insert(
-            header::CONTENT_TYPE,
-            header::HeaderValue::from_static("application/json"),
-        );
-        res
-    }
-
     fn now_ms() -> i64 {
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -602,7 +570,10 @@ pub mod pg_mw {
                         row.try_get::<_, Option<Vec<u8>>>(2),
                     );
                     match stored {
-                        (Ok(DONE), Ok(Some(status)), Ok(Some(body))) => replay(status, body),
+                        (Ok(DONE), Ok(Some(status)), Ok(Some(body))) => {
+                            let status = u16::try_from(status).unwrap_or(200);
+                            super::replayed(status, body.into())
+                        }
                         (Ok(CLAIMED), ..) => StatusCode::CONFLICT.into_response(),
                         _ => unavailable(),
                     }
@@ -612,6 +583,23 @@ pub mod pg_mw {
             Err(_) => unavailable(),
         }
     }
+}
+
+/// A hand-written middleware's stored response again, marked as a replay
+/// (the app's responses are JSON).
+fn replayed(status: u16, body: Bytes) -> axum::response::Response {
+    let mut res = axum::response::Response::new(axum::body::Body::from(body));
+    *res.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::OK);
+    let headers = res.headers_mut();
+    headers.insert(
+        IDEMPOTENT_REPLAYED,
+        header::HeaderValue::from_static("true"),
+    );
+    headers.insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("application/json"),
+    );
+    res
 }
 
 /// Measurement phases, shared by the connections and the controller.
