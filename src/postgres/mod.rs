@@ -6,6 +6,7 @@ mod errors;
 mod group;
 mod inbox;
 mod inbox_sql;
+mod line;
 mod ops;
 mod options;
 mod pool;

@@ -3,7 +3,7 @@
 //! methods of [`PostgresStore`](super::PostgresStore) both run these.
 
 use super::errors::{self, db_error};
-use super::group::{self, BeginJob, CompleteJob, Job, Line};
+use super::line::{Job, Line};
 use super::pool::{Conn, Pool};
 use super::schema;
 use super::sql::{self, Sql, Stmt};
@@ -13,7 +13,7 @@ use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
 use crate::key::Key;
 use crate::logic;
-use crate::record::{Begin, Claim, Record, State, check_durations};
+use crate::record::{Begin, Claim, Record, State};
 use crate::response::Response;
 use crate::store::MAX_SWEEP_BATCH;
 use crate::time::Timestamp;
@@ -94,32 +94,6 @@ impl Core {
         db_error(err, &self.sql.table)
     }
 
-    /// `begin` through the group-commit line (see `group`).
-    pub(super) async fn begin(
-        self: &Arc<Self>,
-        key: Key,
-        fingerprint: Fingerprint,
-        now: Timestamp,
-        lease: Duration,
-        retention: Duration,
-    ) -> Result<Begin> {
-        Counters::bump(&self.counters.calls);
-        check_durations(lease, retention)?;
-        let (reply, answer) = tokio::sync::oneshot::channel();
-        group::submit(
-            self,
-            Job::Begin(BeginJob {
-                key,
-                fingerprint,
-                now,
-                lease,
-                retention,
-                reply,
-            }),
-        );
-        answer.await.unwrap_or_else(|_| Err(line_ended()))
-    }
-
     /// A lone `begin`: its statement in its own transaction, run again on
     /// a snapshot race or a broken connection.
     pub(super) async fn begin_alone(
@@ -145,36 +119,6 @@ impl Core {
             step.run(&conn, &self.counters).await
         })
         .await
-    }
-
-    /// `complete` through the group-commit line (see `group`).
-    pub(super) async fn complete(
-        self: &Arc<Self>,
-        key: Key,
-        claim: Claim,
-        response: Response,
-        now: Timestamp,
-        retention: Duration,
-    ) -> Result<()> {
-        Counters::bump(&self.counters.calls);
-        logic::check_response(&response, self.max_body_bytes)?;
-        let Some(token) = row::token(claim.token) else {
-            return Err(Error::StaleClaim);
-        };
-        let (reply, answer) = tokio::sync::oneshot::channel();
-        group::submit(
-            self,
-            Job::Complete(CompleteJob {
-                key,
-                claim,
-                token,
-                response,
-                now,
-                retention,
-                reply,
-            }),
-        );
-        answer.await.unwrap_or_else(|_| Err(line_ended()))
     }
 
     /// A lone `complete`: its conditional DONE write in its own
@@ -396,12 +340,6 @@ async fn stored(conn: &Conn, key: &Key) -> Result<Option<Record>, RunError> {
         Some(found) => Some(row::record(key, found, 0)?),
         None => None,
     })
-}
-
-/// A call whose answer the line dropped: its runner ended mid-group (the
-/// store is being dropped with the runtime, or a bug panicked in it).
-fn line_ended() -> Error {
-    Error::backend("the store's commit line ended before answering (the store is closing)")
 }
 
 /// What one run of a statement can fail with: the server's error (which
