@@ -97,11 +97,30 @@ pub(crate) fn lock(dir: &Path) -> Result<File> {
     }
 }
 
+/// How long an open waits for sled's own file lock, which a store just
+/// dropped in this process may hold a moment longer (see [`open_sled`]).
+pub(crate) const SLED_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Opens sled, turning its errors and panics into idemstore errors: sled
 /// 0.34 asserts on some damaged files instead of returning an error.
+///
+/// Called with the store's own lock file held, so no other open store has
+/// the directory. sled's file lock can still be held for a moment by the
+/// threads of a store this process just dropped (sled 0.34 lets its flusher
+/// finish after the last handle goes): that is waited out, up to
+/// [`SLED_LOCK_WAIT`], before the directory is reported `Locked`.
 pub(crate) fn open_sled(dir: &Path) -> Result<::sled::Db> {
     let config = ::sled::Config::new().path(dir);
-    let opened = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| config.open()));
+    let deadline = std::time::Instant::now() + SLED_LOCK_WAIT;
+    let opened = loop {
+        let opened = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| config.open()));
+        let held = matches!(&opened, Ok(Err(::sled::Error::Io(e)))
+            if e.to_string().contains("could not acquire lock"));
+        if !held || std::time::Instant::now() >= deadline {
+            break opened;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    };
     match opened {
         Ok(Ok(db)) => Ok(db),
         Ok(Err(::sled::Error::Io(e))) if e.to_string().contains("could not acquire lock") => {

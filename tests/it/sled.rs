@@ -710,3 +710,21 @@ fn every_caller_of_a_failed_group_flush_gets_the_same_error() {
         assert_eq!(err.is_transient(), first.is_transient());
     }
 }
+
+/// Regression: a store dropped and opened again at once in the same
+/// process was now and then `Locked` (CI, under load): sled's flusher held
+/// sled's own file lock a moment after the last handle went. The open now
+/// waits that moment out (`open_sled`).
+#[test]
+fn a_store_dropped_and_opened_again_at_once_opens() {
+    let dir = tempfile::tempdir().unwrap();
+    let fp = Fingerprint::of(b"x");
+    for i in 0..30 {
+        let store = SledStore::open(dir.path()).unwrap();
+        let key = Key::new("reopen", format!("k{i}")).unwrap();
+        assert!(matches!(
+            store.begin(&key, &fp, T0, SEC, HOUR).unwrap(),
+            Begin::Claimed(_)
+        ));
+    }
+}
