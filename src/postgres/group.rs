@@ -61,7 +61,7 @@
 
 use super::errors;
 use super::line::{BeginJob, CompleteJob, Job};
-use super::ops::{Core, claim_of};
+use super::ops::{BeginStep, Core};
 use super::pool::Conn;
 use super::row;
 use super::sql::{self, Stmt};
@@ -113,7 +113,7 @@ const GROUP_BEGIN: &str = "BEGIN; SET LOCAL enable_seqscan = off; SET LOCAL enab
 
 /// The line's entries: `begin` and `complete` queue their job and wait.
 impl Core {
-    /// `begin` through the group-commit line .
+    /// `begin` through the group-commit line.
     pub(super) async fn begin(
         self: &Arc<Self>,
         key: Key,
@@ -139,7 +139,7 @@ impl Core {
         answer.await.unwrap_or_else(|_| Err(line_ended()))
     }
 
-    /// `complete` through the group-commit line .
+    /// `complete` through the group-commit line.
     pub(super) async fn complete(
         self: &Arc<Self>,
         key: Key,
@@ -179,7 +179,7 @@ fn line_ended() -> Error {
 /// Puts `job` on `core`'s line, starting a runner unless
 /// [`MAX_GROUPS_IN_FLIGHT`] run. Must be called on the store's runtime (it
 /// spawns there).
-pub(super) fn submit(core: &Arc<Core>, job: Job) {
+fn submit(core: &Arc<Core>, job: Job) {
     if core.line.push(job, MAX_GROUPS_IN_FLIGHT) {
         tokio::spawn(run(Arc::clone(core)));
     }
@@ -345,7 +345,7 @@ async fn together(core: &Arc<Core>, mut jobs: Vec<Job>) {
     }
     let mut later = after;
     for (j, rows) in begins.into_iter().zip(began) {
-        match rows.and_then(|row| settle_begin(&j, &row)) {
+        match rows.and_then(|row| settle_begin(core, &j, &row)) {
             Some(answer) => {
                 let _ = j.reply.send(answer);
             }
@@ -470,23 +470,15 @@ async fn pipeline(
     let mut answers = InOrder::new(sent).await.into_iter();
     answers.next().transpose()?; // BEGIN and the plan settings
     let mut completed = vec![false; completes.len()];
-    if !completes.is_empty()
-        && let Some(Ran::Rows(rows)) = answers.next().transpose()?
-    {
-        for row in rows {
-            if let Some(done) = completed.get_mut(position(&row)?) {
-                *done = true;
-            }
+    if !completes.is_empty() {
+        for (slot, _) in by_position(&mut completed, answers.next())? {
+            *slot = true;
         }
     }
     let mut began: Vec<Option<Row>> = begins.iter().map(|_| None).collect();
-    if !begins.is_empty()
-        && let Some(Ran::Rows(rows)) = answers.next().transpose()?
-    {
-        for row in rows {
-            if let Some(slot) = began.get_mut(position(&row)?) {
-                *slot = Some(row);
-            }
+    if !begins.is_empty() {
+        for (slot, row) in by_position(&mut began, answers.next())? {
+            *slot = Some(row);
         }
     }
     // COMMIT: looked at last, since a statement's error is the cause and
@@ -495,41 +487,47 @@ async fn pipeline(
     Ok((began, completed))
 }
 
-/// The job a group statement's row answers: its first column, the job's
-/// 1-based position in the arrays.
-fn position(row: &Row) -> Result<usize, tokio_postgres::Error> {
-    let n: i64 = row.try_get(0)?;
-    Ok(usize::try_from(n.saturating_sub(1)).unwrap_or(usize::MAX))
+/// A group statement's rows, each with the slot of the job it answers:
+/// its first column is the job's 1-based position in the arrays. A
+/// position out of range (never sent) is skipped.
+fn by_position<'s, T>(
+    slots: &'s mut [T],
+    answer: Option<Result<Ran, tokio_postgres::Error>>,
+) -> Result<Vec<(&'s mut T, Row)>, tokio_postgres::Error> {
+    let rows = match answer.transpose()? {
+        Some(Ran::Rows(rows)) => rows,
+        _ => Vec::new(),
+    };
+    let mut positions = Vec::with_capacity(rows.len());
+    for row in rows {
+        let n: i64 = row.try_get(0)?;
+        positions.push((
+            usize::try_from(n.saturating_sub(1)).unwrap_or(usize::MAX),
+            row,
+        ));
+    }
+    let mut slots: Vec<Option<&'s mut T>> = slots.iter_mut().map(Some).collect();
+    Ok(positions
+        .into_iter()
+        .filter_map(|(i, row)| Some((slots.get_mut(i)?.take()?, row)))
+        .collect())
 }
 
-/// The answer to a group's `begin` from its statement's rows, or `None`
-/// when it must run again alone (another claimer of its key was mid-commit:
-/// no row, or a row it would have claimed). Mirrors `BeginStep::run`.
-fn settle_begin(job: &BeginJob, first: &Row) -> Option<Result<Begin>> {
-    let claimed: bool = match first.try_get(1) {
-        Ok(claimed) => claimed,
-        Err(err) => return Some(Err(Error::backend(err))),
+/// The answer to a group's `begin` from its row in the group statement's
+/// answer (its position first, then the lone statement's columns), or
+/// `None` when it must run again alone: `BeginStep::answer_of_row`.
+fn settle_begin(core: &Core, job: &BeginJob, found: &Row) -> Option<Result<Begin>> {
+    let step = BeginStep {
+        key: &job.key,
+        fingerprint: &job.fingerprint,
+        now: job.now,
+        lease: job.lease,
+        retention: job.retention,
+        lock: 0, // not used to read a row
     };
-    let record = match row::record(&job.key, first, 2) {
-        Ok(record) => record,
-        Err(err) => return Some(Err(err)),
-    };
-    if claimed {
-        return Some(Ok(Begin::Claimed(claim_of(&record))));
-    }
-    let step = logic::begin(
-        Some(record),
-        &job.fingerprint,
-        job.now,
-        job.lease,
-        job.retention,
-        || Ok(0),
-    );
-    match step {
-        Ok(step) if step.write.is_none() => Some(Ok(step.answer)),
-        Ok(_) => None,
-        Err(err) => Some(Err(err)),
-    }
+    step.answer_of_row(found, 1)
+        .map_err(|err| err.into_error(&core.sql.table))
+        .transpose()
 }
 
 /// Polls every future in index order until all are ready: the first poll

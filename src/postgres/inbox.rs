@@ -281,12 +281,7 @@ where
     let mut open = OpenTx(Some(pooled));
     let table = &core.sql.table;
     let db = |e| -> E { db_error(e, table).into() };
-    let run = |e| -> E {
-        match e {
-            RunError::Db(e) => db_error(e, table).into(),
-            RunError::Store(e) => e.into(),
-        }
-    };
+    let run = |e: RunError| -> E { e.into_error(table).into() };
     conn.client.batch_execute("BEGIN").await.map_err(db)?;
     let step = BeginStep {
         key,
@@ -612,10 +607,7 @@ impl PassContext<'_> {
     }
 
     fn run(&self, e: RunError) -> Error {
-        match e {
-            RunError::Db(e) => self.db(e),
-            RunError::Store(e) => e,
-        }
+        e.into_error(&self.core.sql.table)
     }
 
     /// Ends the pass's transaction with `ROLLBACK`, then reports `abort`.

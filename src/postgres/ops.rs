@@ -20,6 +20,7 @@ use crate::time::Timestamp;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
+use tokio_postgres::Row;
 
 /// What every operation needs: the pool, the statements, the limits and
 /// the counters. Shared (`Arc`) by the store and the work it spawns.
@@ -278,23 +279,10 @@ impl BeginStep<'_> {
             // No row: another begin is claiming the key, or committed it
             // after this statement's snapshot was taken (see sql.rs).
             // Wait for that claim to commit, then run it again.
-            let Some(first) = rows.first() else {
-                Counters::bump(&counters.snapshot_retries);
-                conn.execute(Stmt::WaitKey, &[&lock]).await?;
-                continue;
-            };
-            let claimed: bool = first.try_get(0)?;
-            let record = row::record(key, first, 1)?;
-            if claimed {
-                return Ok(Begin::Claimed(claim_of(&record)));
-            }
-            // Nothing was written: the answer is logic::begin's, from the
-            // row as read. If that row would have been claimed, another
-            // begin is claiming it or has (a newer row than the snapshot
-            // shows); wait for it and run the statement again.
-            let step = logic::begin(Some(record), fingerprint, now, lease, retention, || Ok(0))?;
-            if step.write.is_none() {
-                return Ok(step.answer);
+            if let Some(first) = rows.first()
+                && let Some(answer) = self.answer_of_row(first, 0)?
+            {
+                return Ok(answer);
             }
             Counters::bump(&counters.snapshot_retries);
             conn.execute(Stmt::WaitKey, &[&lock]).await?;
@@ -302,6 +290,30 @@ impl BeginStep<'_> {
         Err(RunError::Store(Error::backend(format!(
             "begin on {key} raced with concurrent writers {MAX_BEGIN_ATTEMPTS} times in a row"
         ))))
+    }
+}
+
+impl BeginStep<'_> {
+    /// What one row of a claim statement answers (`claimed_at`: the column
+    /// of its `claimed` flag, the record's columns after it): the claim it
+    /// made, or, when it wrote nothing, `logic::begin`'s answer on the row
+    /// as read. `None` when that row would have been claimed: another begin
+    /// is claiming the key or has (a newer row than the snapshot shows),
+    /// and the statement must run again once that one commits. The lone
+    /// statement and the group's (`group.rs`) both answer through this.
+    pub(super) fn answer_of_row(
+        &self,
+        found: &Row,
+        claimed_at: usize,
+    ) -> Result<Option<Begin>, RunError> {
+        let claimed: bool = found.try_get(claimed_at)?;
+        let record = row::record(self.key, found, claimed_at + 1)?;
+        if claimed {
+            return Ok(Some(Begin::Claimed(claim_of(&record))));
+        }
+        let (fp, now, lease, keep) = (self.fingerprint, self.now, self.lease, self.retention);
+        let step = logic::begin(Some(record), fp, now, lease, keep, || Ok(0))?;
+        Ok(step.write.is_none().then_some(step.answer))
     }
 }
 
@@ -347,6 +359,16 @@ async fn stored(conn: &Conn, key: &Key) -> Result<Option<Record>, RunError> {
 pub(super) enum RunError {
     Db(tokio_postgres::Error),
     Store(Error),
+}
+
+impl RunError {
+    /// As the caller sees it: the server's error named for `table`.
+    pub(super) fn into_error(self, table: &str) -> Error {
+        match self {
+            RunError::Db(err) => db_error(err, table),
+            RunError::Store(err) => err,
+        }
+    }
 }
 
 impl From<tokio_postgres::Error> for RunError {
