@@ -234,20 +234,7 @@ impl Pg {
     pub fn batch(&mut self, payments: &[Payment]) -> BoxResult<Tally> {
         let ids: Vec<String> = payments.iter().map(|p| format!("p-{}", p.id)).collect();
         let mut txn = self.client.transaction()?;
-        // Duplicates inside the batch are handled once: the first row
-        // wins, ON CONFLICT skips the rest.
-        let new: std::collections::HashSet<String> = txn
-            .query(
-                &format!(
-                    "INSERT INTO {} (id) SELECT DISTINCT unnest($1::text[]) \
-                     ON CONFLICT DO NOTHING RETURNING id",
-                    self.inbox
-                ),
-                &[&ids],
-            )?
-            .into_iter()
-            .map(|row| row.get(0))
-            .collect();
+        let new = claim_new(&mut txn, &self.inbox, &ids)?;
         let mut accounts = Vec::new();
         let mut amounts = Vec::new();
         let mut seen = std::collections::HashSet::new();
@@ -288,18 +275,7 @@ impl Pg {
             self.accounts
         );
         let mut txn = self.client.transaction()?;
-        let new: std::collections::HashSet<String> = txn
-            .query(
-                &format!(
-                    "INSERT INTO {} (id) SELECT DISTINCT unnest($1::text[]) \
-                     ON CONFLICT DO NOTHING RETURNING id",
-                    self.inbox
-                ),
-                &[&ids],
-            )?
-            .into_iter()
-            .map(|row| row.get(0))
-            .collect();
+        let new = claim_new(&mut txn, &self.inbox, &ids)?;
         let mut seen = std::collections::HashSet::new();
         let mut handled = 0;
         for (p, id) in payments.iter().zip(&ids) {
@@ -341,6 +317,28 @@ pub enum PgHandler {
     /// No statement: the inbox's own cost alone. The account is not
     /// credited, so the exactly-once total is not checked.
     None,
+}
+
+/// Records the batch's new ids in the inbox table and returns them, in one
+/// statement. Duplicates inside the batch are recorded once: the first row
+/// wins, ON CONFLICT skips the rest.
+#[cfg(feature = "postgres")]
+fn claim_new(
+    txn: &mut postgres::Transaction<'_>,
+    inbox: &str,
+    ids: &[String],
+) -> BoxResult<std::collections::HashSet<String>> {
+    Ok(txn
+        .query(
+            &format!(
+                "INSERT INTO {inbox} (id) SELECT DISTINCT unnest($1::text[]) \
+                 ON CONFLICT DO NOTHING RETURNING id"
+            ),
+            &[&ids],
+        )?
+        .into_iter()
+        .map(|row| row.get(0))
+        .collect())
 }
 
 /// idemstore's inbox on PostgreSQL: `PgInbox::handle_batch`, the batch's
