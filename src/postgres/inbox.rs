@@ -80,10 +80,10 @@ pub use crate::delivery::Delivery;
 /// # Ok::<(), idemstore::Error>(())
 /// ```
 pub struct PgInbox {
-    store: Arc<PostgresStore>,
-    sql: Arc<InboxSql>,
-    retention: Duration,
-    clock: Arc<dyn Clock>,
+    pub(super) store: Arc<PostgresStore>,
+    pub(super) sql: Arc<InboxSql>,
+    pub(super) retention: Duration,
+    pub(super) clock: Arc<dyn Clock>,
 }
 
 impl std::fmt::Debug for PgInbox {
@@ -245,10 +245,10 @@ impl PgInbox {
 /// A connection with a transaction open on it: dropped before
 /// [`finish`](OpenTx::finish) (an error, a panic), it is discarded, and the
 /// server rolls the transaction back when the connection closes.
-struct OpenTx(Option<Pooled>);
+pub(super) struct OpenTx(pub(super) Option<Pooled>);
 
 impl OpenTx {
-    fn finish(&mut self) {
+    pub(super) fn finish(&mut self) {
         // Back to the pool: the transaction ended.
         drop(self.0.take());
     }
@@ -420,12 +420,7 @@ impl PgInbox {
         E: From<Error> + Send + 'static,
         F: for<'c> FnMut(&'c Client, Claim, &'c T) -> HandlerFuture<'c, E> + Send + 'static,
     {
-        if messages.len() > MAX_PG_INBOX_BATCH {
-            return Err(Error::invalid_argument(format!(
-                "a batch of {} messages is over the limit of {MAX_PG_INBOX_BATCH}",
-                messages.len()
-            )));
-        }
+        check_batch_len(messages.len())?;
         if messages.is_empty() {
             return Ok(Vec::new());
         }
@@ -440,8 +435,18 @@ impl PgInbox {
     }
 }
 
+/// A batch of `len` messages is within [`MAX_PG_INBOX_BATCH`].
+pub(super) fn check_batch_len(len: usize) -> Result<(), Error> {
+    if len > MAX_PG_INBOX_BATCH {
+        return Err(Error::invalid_argument(format!(
+            "a batch of {len} messages is over the limit of {MAX_PG_INBOX_BATCH}"
+        )));
+    }
+    Ok(())
+}
+
 /// A future whose poll's panic becomes [`Error::HandlerPanicked`].
-struct CatchPanic<F>(F);
+pub(super) struct CatchPanic<F>(pub(super) F);
 
 impl<F: Future + Unpin> Future for CatchPanic<F> {
     type Output = Result<F::Output, String>;
@@ -475,7 +480,7 @@ struct Item<'a, T> {
 }
 
 /// How a pass ended without its commit.
-enum Abort<E> {
+pub(super) enum Abort<E> {
     /// The batch's error: the connection, the server, a record that does
     /// not decode.
     Batch(Error),
@@ -592,17 +597,17 @@ fn merge<E: From<Error>>(
 }
 
 /// What every pass of one batch shares.
-struct PassContext<'a> {
-    core: &'a Core,
-    sql: &'a InboxSql,
-    statements: &'a Prepared,
-    conn: &'a Conn,
-    now: Timestamp,
-    retention: Duration,
+pub(super) struct PassContext<'a> {
+    pub(super) core: &'a Core,
+    pub(super) sql: &'a InboxSql,
+    pub(super) statements: &'a Prepared,
+    pub(super) conn: &'a Conn,
+    pub(super) now: Timestamp,
+    pub(super) retention: Duration,
 }
 
 impl PassContext<'_> {
-    fn db(&self, e: tokio_postgres::Error) -> Error {
+    pub(super) fn db(&self, e: tokio_postgres::Error) -> Error {
         db_error(e, &self.core.sql.table)
     }
 
@@ -623,7 +628,7 @@ impl PassContext<'_> {
 
 /// What `logic::begin` decided for one distinct key of a pass, on the row
 /// the `decide` statement read.
-enum Decided {
+pub(super) enum Decided {
     /// Claimed: the claim, and the PROCESSING record it would write (never
     /// written: the DONE record made from it replaces it).
     Claimed(Claim, Record),
@@ -633,13 +638,13 @@ enum Decided {
 }
 
 /// A distinct key of a pass, for the `decide` statement, and its message.
-struct Rep<'a> {
-    key: &'a Key,
-    fingerprint: &'a Fingerprint,
-    lock: i64,
+pub(super) struct Rep<'a> {
+    pub(super) key: &'a Key,
+    pub(super) fingerprint: &'a Fingerprint,
+    pub(super) lock: i64,
     /// The message whose claim this is (the key's first one that reaches
     /// the store in this pass).
-    index: usize,
+    pub(super) index: usize,
 }
 
 /// One pass without savepoints: every distinct key locked and decided (one
@@ -830,7 +835,7 @@ fn failed_before<'a>(
     }
 }
 
-fn undecided() -> Error {
+pub(super) fn undecided() -> Error {
     Error::backend("an inbox batch left a delivery undecided")
 }
 
@@ -860,7 +865,10 @@ where
 /// sent together, one round trip. `logic::begin`'s decision for each of
 /// `reps`, in order. (Should the `BEGIN` fail, the statements after it
 /// would run alone, each its own transaction: they write nothing.)
-async fn decide_all<E>(ctx: &PassContext<'_>, reps: &[Rep<'_>]) -> Result<Vec<Decided>, Abort<E>> {
+pub(super) async fn decide_all<E>(
+    ctx: &PassContext<'_>,
+    reps: &[Rep<'_>],
+) -> Result<Vec<Decided>, Abort<E>> {
     // Sorted by lock id: every batch takes the locks it shares with
     // another in the same order, so batches never wait on each other in a
     // cycle, whatever their overlap. (A claimer waits on a row only while
@@ -947,15 +955,15 @@ async fn next_token<E>(ctx: &PassContext<'_>) -> Result<u64, Abort<E>> {
 }
 
 /// A handled message of a pass: its DONE record, to write.
-struct Done<'a> {
-    index: usize,
-    key: &'a Key,
-    record: Record,
+pub(super) struct Done<'a> {
+    pub(super) index: usize,
+    pub(super) key: &'a Key,
+    pub(super) record: Record,
 }
 
 /// The `write_done` statement for every handled message: the indexes whose
 /// record it wrote.
-async fn write_all<E>(
+pub(super) async fn write_all<E>(
     ctx: &PassContext<'_>,
     handled: &[Done<'_>],
 ) -> Result<std::collections::HashSet<usize>, Abort<E>> {

@@ -5,6 +5,7 @@
 mod errors;
 mod group;
 mod inbox;
+mod inbox_set;
 mod inbox_sql;
 mod line;
 mod ops;
@@ -18,6 +19,7 @@ mod stats;
 
 pub use group::{MAX_GROUP, MAX_GROUPS_IN_FLIGHT};
 pub use inbox::{Delivery, HandlerFuture, MAX_PG_INBOX_BATCH, PgInbox};
+pub use inbox_set::{Claimed, SetHandlerFuture};
 pub use options::{
     DEFAULT_BUILD_TIMEOUT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_SIZE, DEFAULT_MIN_IDLE,
     DEFAULT_PROBE_INTERVAL, DEFAULT_STATEMENT_TIMEOUT, DEFAULT_TABLE, MAX_POOL_SIZE,

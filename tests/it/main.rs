@@ -45,6 +45,8 @@ mod postgres_group;
 mod postgres_inbox;
 #[cfg(feature = "postgres")]
 mod postgres_inbox_batch;
+#[cfg(feature = "postgres")]
+mod postgres_inbox_set;
 #[cfg(all(feature = "postgres", feature = "tokio"))]
 mod postgres_runtime;
 #[cfg(feature = "redb")]

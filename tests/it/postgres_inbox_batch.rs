@@ -14,11 +14,11 @@ use std::time::Duration;
 /// An inbox on a fresh table, and the name of a `runs` table its handlers
 /// write one row to per run (no key: a run that committed twice would
 /// show as two rows).
-struct Fixture {
-    inbox: PgInbox,
-    runs: String,
-    url: String,
-    _table: DropTable,
+pub(crate) struct Fixture {
+    pub(crate) inbox: PgInbox,
+    pub(crate) runs: String,
+    pub(crate) url: String,
+    pub(crate) _table: DropTable,
 }
 
 impl Drop for Fixture {
@@ -29,7 +29,7 @@ impl Drop for Fixture {
     }
 }
 
-fn fixture(pool: u32) -> Fixture {
+pub(crate) fn fixture(pool: u32) -> Fixture {
     let (store, table) = fresh_store("inbatch", pool);
     let url = pg_url().unwrap();
     let runs = format!("{}_runs", table.table);
@@ -48,7 +48,7 @@ fn fixture(pool: u32) -> Fixture {
 
 impl Fixture {
     /// Committed runs per id, sorted by id.
-    fn runs(&self) -> Vec<(String, i64)> {
+    pub(crate) fn runs(&self) -> Vec<(String, i64)> {
         raw(&self.url)
             .query(
                 &format!(
@@ -63,18 +63,18 @@ impl Fixture {
             .collect()
     }
 
-    fn record(&self, id: &str) -> Option<idemstore::Record> {
+    pub(crate) fn record(&self, id: &str) -> Option<idemstore::Record> {
         self.inbox.store().get(&key(id), now()).unwrap()
     }
 }
 
-fn now() -> Timestamp {
+pub(crate) fn now() -> Timestamp {
     Timestamp::from_system_time(std::time::SystemTime::now())
 }
 
 /// What a message's handler does after writing its run row.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Act {
+pub(crate) enum Act {
     /// Answers 200 with "<id> <token> <takeover>".
     Ok,
     Fail,
@@ -129,14 +129,14 @@ fn run_batch_on(
     })
 }
 
-fn handled(d: &Result<Delivery, Error>) -> &Response {
+pub(crate) fn handled(d: &Result<Delivery, Error>) -> &Response {
     match d {
         Ok(Delivery::Handled(r)) => r,
         other => panic!("expected Handled, got {other:?}"),
     }
 }
 
-fn runs_of(pairs: &[(&str, i64)]) -> Vec<(String, i64)> {
+pub(crate) fn runs_of(pairs: &[(&str, i64)]) -> Vec<(String, i64)> {
     pairs.iter().map(|&(id, n)| (id.to_owned(), n)).collect()
 }
 
