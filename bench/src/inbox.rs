@@ -245,17 +245,7 @@ impl Pg {
             }
         }
         if !accounts.is_empty() {
-            txn.execute(
-                &format!(
-                    "UPDATE {0} a SET balance = a.balance + d.amount \
-                     FROM (SELECT account, sum(amount)::bigint AS amount \
-                           FROM unnest($1::bigint[], $2::bigint[]) AS t(account, amount) \
-                           GROUP BY account) d \
-                     WHERE a.id = d.account",
-                    self.accounts
-                ),
-                &[&accounts, &amounts],
-            )?;
+            txn.execute(&credit_all(&self.accounts), &[&accounts, &amounts])?;
         }
         txn.commit()?;
         Ok(Tally {
@@ -304,6 +294,19 @@ impl Pg {
     }
 }
 
+/// The set-based credit of a batch's new payments: `$1` accounts and `$2`
+/// amounts (one element per payment), summed per account, one statement.
+#[cfg(feature = "postgres")]
+fn credit_all(accounts: &str) -> String {
+    format!(
+        "UPDATE {accounts} a SET balance = a.balance + d.amount \
+         FROM (SELECT account, sum(amount)::bigint AS amount \
+               FROM unnest($1::bigint[], $2::bigint[]) AS t(account, amount) \
+               GROUP BY account) d \
+         WHERE a.id = d.account"
+    )
+}
+
 /// What [`PgOurs`]' handler runs for a new payment.
 #[cfg(feature = "postgres")]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -317,6 +320,10 @@ pub enum PgHandler {
     /// No statement: the inbox's own cost alone. The account is not
     /// credited, so the exactly-once total is not checked.
     None,
+    /// `PgInbox::handle_set`: one handler call for the batch's new
+    /// payments, crediting them all in one statement, the hand-written
+    /// side's (`execute_typed`: one round trip).
+    Set,
 }
 
 /// Records the batch's new ids in the inbox table and returns them, in one
@@ -442,6 +449,9 @@ impl PgOurs {
             .collect();
         let (mode, fail_percent) = (self.handler, self.fail_percent);
         let failed_once = std::sync::Arc::clone(&self.failed_once);
+        if mode == PgHandler::Set {
+            return self.deliver_set(messages);
+        }
         Ok(self
             .inbox
             .handle_batch(messages, move |client, _claim, p: &Payment| {
@@ -463,13 +473,56 @@ impl PgOurs {
                                 )
                                 .await
                         }
-                        PgHandler::None => Ok(0),
+                        PgHandler::None | PgHandler::Set => Ok(0),
                     }
                     .map_err(idemstore::Error::backend)?;
                     if fail {
                         return Err(idemstore::Error::backend("a transient failure"));
                     }
                     Ok::<_, idemstore::Error>(Response::new(200, "ok"))
+                })
+            })?)
+    }
+
+    /// [`deliver`](PgOurs::deliver) through `handle_set`: the new
+    /// payments credited in one statement; a failing payment (see
+    /// [`fail_percent`](PgOurs::fail_percent)) fails its whole set, which
+    /// the inbox halves down to it.
+    fn deliver_set(
+        &self,
+        messages: Vec<(idemstore::Key, idemstore::Fingerprint, Payment)>,
+    ) -> BoxResult<Vec<Result<idemstore::postgres::Delivery, idemstore::Error>>> {
+        use idemstore::postgres::Claimed;
+        use idemstore::postgres::engine::types::Type;
+        let sql = credit_all(&self.accounts);
+        let fail_percent = self.fail_percent;
+        let failed_once = std::sync::Arc::clone(&self.failed_once);
+        Ok(self
+            .inbox
+            .handle_set(messages, move |client, set: &[Claimed<'_, Payment>]| {
+                let accounts: Vec<i64> = set.iter().map(|m| m.payload.account as i64).collect();
+                let amounts: Vec<i64> = set.iter().map(|m| m.payload.amount).collect();
+                let fail = set.iter().any(|m| {
+                    m.payload.id % 100 < fail_percent
+                        && failed_once
+                            .lock()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner)
+                            .insert(m.payload.id)
+                });
+                let (sql, n) = (sql.clone(), set.len());
+                Box::pin(async move {
+                    let params: [(
+                        &(dyn idemstore::postgres::engine::types::ToSql + Sync),
+                        Type,
+                    ); 2] = [(&accounts, Type::INT8_ARRAY), (&amounts, Type::INT8_ARRAY)];
+                    client
+                        .execute_typed(&sql, &params)
+                        .await
+                        .map_err(idemstore::Error::backend)?;
+                    if fail {
+                        return Err(idemstore::Error::backend("a transient failure"));
+                    }
+                    Ok::<_, idemstore::Error>(vec![Response::new(200, "ok"); n])
                 })
             })?)
     }

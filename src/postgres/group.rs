@@ -16,7 +16,7 @@
 //!
 //! # A group of several
 //!
-//! One message carries `BEGIN` (with the plan settings of [`GROUP_BEGIN`]),
+//! One message carries `BEGIN` (with the plan settings of [`SET_BEGIN`]),
 //! the group's completes as one [`Stmt::CompleteGroup`], its begins as one
 //! [`Stmt::BeginGroup`], and `COMMIT`; the answers are read after. The two
 //! statements are [`Stmt::Complete`] and [`Stmt::Begin`] over arrays, with
@@ -40,7 +40,7 @@
 //!   after the commit it runs alone, where it waits and retries as a lone
 //!   `begin` does.
 //! - **Lock order.** The keys are sorted, and the statements are planned as
-//!   index lookups in that order ([`GROUP_BEGIN`]), so groups take their row
+//!   index lookups in that order ([`SET_BEGIN`]), so groups take their row
 //!   locks in key order; a claim only *tries* its advisory lock. A group
 //!   can still meet a lock held by a transaction outside the store's
 //!   statements (an inbox batch, a hand-written one); PostgreSQL's deadlock
@@ -64,7 +64,7 @@ use super::line::{BeginJob, CompleteJob, Job};
 use super::ops::{BeginStep, Core};
 use super::pool::Conn;
 use super::row;
-use super::sql::{self, Stmt};
+use super::sql::{self, SET_BEGIN, Stmt};
 use super::stats::Counters;
 use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
@@ -98,18 +98,6 @@ pub const MAX_GROUP: usize = 128;
 /// assert_eq!(idemstore::postgres::MAX_GROUPS_IN_FLIGHT, 4);
 /// ```
 pub const MAX_GROUPS_IN_FLIGHT: usize = 4;
-
-/// Opens a group's transaction, with the settings its statements are
-/// planned under. The group statements join their arrays of keys against
-/// the table, and are prepared. Left to itself, PostgreSQL would plan them
-/// afresh at every run (a custom plan looks cheaper than the generic one,
-/// since it knows the arrays' lengths), about 0.8 ms each, and, planned
-/// while the table is small (a new deploy), would pick a sequential scan
-/// and a hash join and keep that plan as the table grows. Every run of a
-/// group statement happens after these settings: one generic plan per
-/// connection, made of index lookups per key whatever the table's size.
-const GROUP_BEGIN: &str = "BEGIN; SET LOCAL enable_seqscan = off; SET LOCAL enable_hashjoin = off; \
-     SET LOCAL enable_mergejoin = off; SET LOCAL plan_cache_mode = force_generic_plan";
 
 /// The line's entries: `begin` and `complete` queue their job and wait.
 impl Core {
@@ -448,7 +436,7 @@ async fn pipeline(
     let client = &conn.client;
     let mut sent: Vec<Sent<'_>> = Vec::with_capacity(4);
     sent.push(Box::pin(async move {
-        client.batch_execute(GROUP_BEGIN).await.map(|()| Ran::Done)
+        client.batch_execute(SET_BEGIN).await.map(|()| Ran::Done)
     }));
     // The completes first: a begin of a key completed in the same group
     // then answers Replay, as it would have after that complete.

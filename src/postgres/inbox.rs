@@ -34,6 +34,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_postgres::Client;
+use tokio_postgres::error::SqlState;
 use tokio_postgres::types::ToSql;
 
 /// What a [`PgInbox`] handler returns: a future borrowing the transaction's
@@ -352,8 +353,11 @@ impl PgInbox {
     /// the `BEGIN`), decides each id as [`Store::begin`](crate::Store::begin)
     /// would, runs the claimed messages' handlers in input order, one after
     /// the other, with its [`Client`], writes every DONE record in one
-    /// statement, and commits: three round trips for the batch besides the
-    /// handlers' own, where a savepoint per message cost five per message.
+    /// statement, and commits: two round trips for the batch besides the
+    /// handlers' own when every id is new (the DONE records, plain inserts,
+    /// go with the `COMMIT`), three when a record already exists (written
+    /// under the claim's conditions, then `COMMIT`), where a savepoint per
+    /// message cost five per message.
     /// (No PROCESSING record is written: inside the transaction no one else
     /// could see it; the ids' locks keep other claimers out until the
     /// commit.) The same id twice in a batch is handled once: the later
@@ -629,9 +633,10 @@ impl PassContext<'_> {
 /// What `logic::begin` decided for one distinct key of a pass, on the row
 /// the `decide` statement read.
 pub(super) enum Decided {
-    /// Claimed: the claim, and the PROCESSING record it would write (never
-    /// written: the DONE record made from it replaces it).
-    Claimed(Claim, Record),
+    /// Claimed: the claim, the PROCESSING record it would write (never
+    /// written: the DONE record made from it replaces it), and whether the
+    /// key had no row (see [`write_and_commit`]).
+    Claimed(Claim, Record, bool),
     /// Not claimable: the answer (Replay, Conflict, InFlight) and the row
     /// it was decided on.
     Answer(Begin, Option<Record>),
@@ -724,13 +729,13 @@ where
             .is_some_and(|r| r.index == index);
         let begin = match rep.and_then(|r| by_rep.get_mut(r)) {
             Some(slot) if is_rep => match slot.take() {
-                Some(Decided::Claimed(claim, processing)) => {
-                    (Begin::Claimed(claim), Some(processing))
+                Some(Decided::Claimed(claim, processing, fresh)) => {
+                    (Begin::Claimed(claim), Some(processing), fresh)
                 }
                 Some(Decided::Answer(answer, record)) => {
                     // Kept for the id's later messages.
                     *slot = Some(Decided::Answer(answer.clone(), record));
-                    (answer, None)
+                    (answer, None, false)
                 }
                 None => return ctx.roll_back(Abort::Batch(undecided())).await,
             },
@@ -753,25 +758,25 @@ where
                 if step.write.is_some() {
                     step = begin(next_token(ctx).await?)?;
                 }
-                (step.answer, step.write)
+                (step.answer, step.write, false)
             }
             _ => return ctx.roll_back(Abort::Batch(undecided())).await,
         };
-        let (claim, processing) = match begin {
-            (Begin::Claimed(claim), Some(processing)) => (claim, processing),
-            (Begin::Claimed(_), None) => {
+        let (claim, processing, fresh) = match begin {
+            (Begin::Claimed(claim), Some(processing), fresh) => (claim, processing, fresh),
+            (Begin::Claimed(_), None, _) => {
                 return ctx.roll_back(Abort::Batch(undecided())).await;
             }
-            (Begin::Replay(response), _) => {
+            (Begin::Replay(response), _, _) => {
                 seen.insert(item.key, (item.fingerprint, Some(response.clone())));
                 answers.push(Some(Ok(Delivery::Duplicate(response))));
                 continue;
             }
-            (Begin::Conflict, _) => {
+            (Begin::Conflict, _, _) => {
                 answers.push(Some(Ok(Delivery::Conflict)));
                 continue;
             }
-            (Begin::InFlight { lease_until }, _) => {
+            (Begin::InFlight { lease_until }, _, _) => {
                 answers.push(Some(Ok(Delivery::InFlight { lease_until })));
                 continue;
             }
@@ -795,6 +800,7 @@ where
                     index,
                     key: item.key,
                     record: done,
+                    fresh,
                 });
             }
             // Its claim and its writes, and its batch-mates' so far: all
@@ -802,19 +808,55 @@ where
             Err(e) => return ctx.roll_back(Abort::Message(index, e)).await,
         }
     }
+    write_and_commit(ctx, &handled).await?;
+    Ok(answers)
+}
+
+/// Writes every DONE record of a pass and commits.
+///
+/// When every key was without a row at `decide`, the records are new rows
+/// that nothing can have written since: only a holder of the key's lock
+/// inserts a row for a key (a begin, an inbox batch), and the other
+/// writers (complete, renew, release, sweep) touch existing rows only. The
+/// plain `insert_done` and the `COMMIT` then go together, one round trip:
+/// should a row exist after all, the insert fails (a unique violation), the
+/// `COMMIT` finds the transaction failed and rolls it back, and the pass
+/// runs again (`Abort::Moved`), nothing of it written. Otherwise
+/// `write_done` checks each row under its row lock, and a row no longer
+/// claimable (its previous owner completed or renewed it) rolls the pass
+/// back (`Abort::Moved`) before any `COMMIT`.
+pub(super) async fn write_and_commit<E>(
+    ctx: &PassContext<'_>,
+    handled: &[Done<'_>],
+) -> Result<(), Abort<E>> {
+    let client = &ctx.conn.client;
+    if !handled.is_empty() && handled.iter().all(|done| done.fresh) {
+        let columns = DoneColumns::of(handled)?;
+        let params = columns.params();
+        let (inserted, committed) = pipelined(
+            client.execute(&ctx.statements.insert_done, &params[..13]),
+            client.batch_execute("COMMIT"),
+        )
+        .await;
+        if let Err(e) = inserted {
+            // The COMMIT ended the failed transaction: nothing committed.
+            if e.code() == Some(&SqlState::UNIQUE_VIOLATION) {
+                return Err(Abort::Moved);
+            }
+            return Err(Abort::Batch(ctx.db(e)));
+        }
+        return committed.map_err(|e| Abort::Batch(ctx.db(e)));
+    }
     if !handled.is_empty() {
-        let written = write_all(ctx, &handled).await?;
-        // A row that is no longer claimable: its previous owner completed
-        // or renewed it since `decide` (see inbox_sql.rs). Decided again.
+        let written = write_all(ctx, handled).await?;
         if handled.iter().any(|done| !written.contains(&done.index)) {
             return ctx.roll_back(Abort::Moved).await;
         }
     }
-    conn.client
+    client
         .batch_execute("COMMIT")
         .await
-        .map_err(|e| ctx.db(e))?;
-    Ok(answers)
+        .map_err(|e| Abort::Batch(ctx.db(e)))
 }
 
 /// Notes in `seen` a message that failed in an earlier pass: the next
@@ -861,8 +903,9 @@ where
     }
 }
 
-/// `BEGIN`, every key's lock (in lock order), then the `decide` statement:
-/// sent together, one round trip. `logic::begin`'s decision for each of
+/// `BEGIN` (with [`sql::SET_BEGIN`]'s plan settings), every key's lock
+/// (in lock order), the `decide` statement, and the settings put back: sent
+/// together, one round trip. `logic::begin`'s decision for each of
 /// `reps`, in order. (Should the `BEGIN` fail, the statements after it
 /// would run alone, each its own transaction: they write nothing.)
 pub(super) async fn decide_all<E>(
@@ -888,16 +931,22 @@ pub(super) async fn decide_all<E>(
     // The key locks are transaction-scoped: held until the COMMIT or
     // ROLLBACK. A key another consumer is claiming or handling is waited
     // for here; `decide` then reads its committed row (DONE: Duplicate).
-    let ((begun, locked), rows) = pipelined(
+    // `decide` runs under the set-based plan settings, which are put back
+    // before the handlers' own statements run.
+    let (((begun, locked), rows), reset) = pipelined(
         pipelined(
-            client.batch_execute("BEGIN"),
-            client.query(&ctx.statements.lock_all, &lock_params),
+            pipelined(
+                client.batch_execute(sql::SET_BEGIN),
+                client.query(&ctx.statements.lock_all, &lock_params),
+            ),
+            client.query(&ctx.statements.decide, &decide_params),
         ),
-        client.query(&ctx.statements.decide, &decide_params),
+        client.batch_execute(sql::SET_END),
     )
     .await;
     begun.map_err(|e| ctx.db(e))?;
     locked.map_err(|e| ctx.db(e))?;
+    reset.map_err(|e| ctx.db(e))?;
     let rows = rows.map_err(|e| ctx.db(e))?;
     let mut decided: Vec<Option<Decided>> = reps.iter().map(|_| None).collect();
     for found in &rows {
@@ -929,7 +978,9 @@ pub(super) async fn decide_all<E>(
             },
         )?;
         *slot = Some(match (step.answer, step.write) {
-            (Begin::Claimed(claim), Some(processing)) => Decided::Claimed(claim, processing),
+            (Begin::Claimed(claim), Some(processing)) => {
+                Decided::Claimed(claim, processing, record.is_none())
+            }
             (answer, _) => Decided::Answer(answer, record),
         });
     }
@@ -959,6 +1010,94 @@ pub(super) struct Done<'a> {
     pub(super) index: usize,
     pub(super) key: &'a Key,
     pub(super) record: Record,
+    /// The key had no row at `decide` (see [`write_and_commit`]).
+    pub(super) fresh: bool,
+}
+
+/// The DONE records of a pass as the columns of `write_done` and
+/// `insert_done` (one array element per record; the headers of all of them
+/// as two flat arrays, each record's a slice, 1-based and inclusive).
+pub(super) struct DoneColumns<'a> {
+    scopes: Vec<&'a [u8]>,
+    ids: Vec<&'a [u8]>,
+    fps: Vec<&'a [u8]>,
+    expiries: Vec<i64>,
+    created: Vec<i64>,
+    tokens: Vec<i64>,
+    attempts: Vec<i64>,
+    statuses: Vec<i32>,
+    firsts: Vec<i32>,
+    lasts: Vec<i32>,
+    names: Vec<&'a [u8]>,
+    values: Vec<&'a [u8]>,
+    bodies: Vec<&'a [u8]>,
+}
+
+impl<'a> DoneColumns<'a> {
+    pub(super) fn of(handled: &'a [Done<'a>]) -> Result<DoneColumns<'a>, Error> {
+        let n = handled.len();
+        let mut c = DoneColumns {
+            scopes: Vec::with_capacity(n),
+            ids: Vec::with_capacity(n),
+            fps: Vec::with_capacity(n),
+            expiries: Vec::with_capacity(n),
+            created: Vec::with_capacity(n),
+            tokens: Vec::with_capacity(n),
+            attempts: Vec::with_capacity(n),
+            statuses: Vec::with_capacity(n),
+            firsts: Vec::with_capacity(n),
+            lasts: Vec::with_capacity(n),
+            names: Vec::new(),
+            values: Vec::new(),
+            bodies: Vec::with_capacity(n),
+        };
+        let too_many = || Error::invalid_argument("too many response headers in one inbox batch");
+        for done in handled {
+            let record = &done.record;
+            let (Some(response), Some(token)) = (&record.response, row::token(record.token)) else {
+                return Err(Error::StaleClaim);
+            };
+            c.scopes.push(done.key.scope());
+            c.ids.push(done.key.id());
+            c.fps.push(&record.fingerprint.as_bytes()[..]);
+            c.expiries.push(row::millis(record.expires_at));
+            c.created.push(row::millis(record.created_at));
+            c.tokens.push(token);
+            c.attempts.push(i64::from(record.attempts));
+            let columns = row::response_columns(response);
+            c.statuses.push(columns.status);
+            // An empty response's slice is [n + 1, n].
+            c.firsts
+                .push(i32::try_from(c.names.len() + 1).map_err(|_| too_many())?);
+            c.names.extend(columns.names);
+            c.values.extend(columns.values);
+            c.lasts
+                .push(i32::try_from(c.names.len()).map_err(|_| too_many())?);
+            c.bodies.push(columns.body);
+        }
+        Ok(c)
+    }
+
+    /// `$1` to `$13` of both statements, and a placeholder for
+    /// `write_done`'s `$14` (its caller's `now`).
+    pub(super) fn params(&self) -> [&(dyn ToSql + Sync); 14] {
+        [
+            &self.scopes,
+            &self.ids,
+            &self.fps,
+            &self.expiries,
+            &self.created,
+            &self.tokens,
+            &self.attempts,
+            &self.statuses,
+            &self.firsts,
+            &self.lasts,
+            &self.names,
+            &self.values,
+            &self.bodies,
+            &0i64,
+        ]
+    }
 }
 
 /// The `write_done` statement for every handled message: the indexes whose
@@ -967,51 +1106,14 @@ pub(super) async fn write_all<E>(
     ctx: &PassContext<'_>,
     handled: &[Done<'_>],
 ) -> Result<std::collections::HashSet<usize>, Abort<E>> {
-    let n = handled.len();
-    let mut scopes: Vec<&[u8]> = Vec::with_capacity(n);
-    let mut ids: Vec<&[u8]> = Vec::with_capacity(n);
-    let mut fps: Vec<&[u8]> = Vec::with_capacity(n);
-    let mut expiries: Vec<i64> = Vec::with_capacity(n);
-    let mut created: Vec<i64> = Vec::with_capacity(n);
-    let mut tokens: Vec<i64> = Vec::with_capacity(n);
-    let mut attempts: Vec<i64> = Vec::with_capacity(n);
-    let mut statuses: Vec<i32> = Vec::with_capacity(n);
-    let mut firsts: Vec<i32> = Vec::with_capacity(n);
-    let mut lasts: Vec<i32> = Vec::with_capacity(n);
-    let mut names: Vec<&[u8]> = Vec::new();
-    let mut values: Vec<&[u8]> = Vec::new();
-    let mut bodies: Vec<&[u8]> = Vec::with_capacity(n);
-    let too_many = || Error::invalid_argument("too many response headers in one inbox batch");
-    for done in handled {
-        let record = &done.record;
-        let (Some(response), Some(token)) = (&record.response, row::token(record.token)) else {
-            return Err(Error::StaleClaim.into());
-        };
-        scopes.push(done.key.scope());
-        ids.push(done.key.id());
-        fps.push(&record.fingerprint.as_bytes()[..]);
-        expiries.push(row::millis(record.expires_at));
-        created.push(row::millis(record.created_at));
-        tokens.push(token);
-        attempts.push(i64::from(record.attempts));
-        let columns = row::response_columns(response);
-        statuses.push(columns.status);
-        // 1-based, inclusive: an empty response's slice is [n + 1, n].
-        firsts.push(i32::try_from(names.len() + 1).map_err(|_| too_many())?);
-        names.extend(columns.names);
-        values.extend(columns.values);
-        lasts.push(i32::try_from(names.len()).map_err(|_| too_many())?);
-        bodies.push(columns.body);
-    }
+    let columns = DoneColumns::of(handled)?;
     let at = row::millis(ctx.now);
-    let params: [&(dyn ToSql + Sync); 14] = [
-        &scopes, &ids, &fps, &expiries, &created, &tokens, &attempts, &statuses, &firsts, &lasts,
-        &names, &values, &bodies, &at,
-    ];
+    let mut params = columns.params();
+    params[13] = &at;
     let rows = ctx
         .conn
         .client
-        .query(&ctx.statements.write_done, &params)
+        .query(&ctx.statements.write_done, &params[..])
         .await
         .map_err(|e| ctx.db(e))?;
     let mut written = std::collections::HashSet::with_capacity(rows.len());

@@ -4,7 +4,8 @@
 //! A pass is one transaction over messages of distinct ids: `BEGIN`, the
 //! ids' locks and records (`decide_all`, one round trip), the handler once
 //! with every claimed message, every DONE record in one statement, one
-//! `COMMIT`: the same statements as a pass of
+//! `COMMIT` (sent with the DONE records when every key was new): the same
+//! statements as a pass of
 //! [`handle_batch`](PgInbox::handle_batch), with one handler call in place
 //! of one per message.
 //!
@@ -23,7 +24,8 @@
 
 use super::errors::db_error;
 use super::inbox::{
-    Abort, CatchPanic, Decided, Done, OpenTx, PassContext, PgInbox, Rep, decide_all, write_all,
+    Abort, CatchPanic, Decided, Done, OpenTx, PassContext, PgInbox, Rep, decide_all,
+    write_and_commit,
 };
 use super::inbox_sql::InboxSql;
 use super::ops::Core;
@@ -349,7 +351,7 @@ where
     let mut claimed = Vec::new();
     for (rep, decided) in reps.iter().zip(decided) {
         match decided {
-            Decided::Claimed(claim, processing) => {
+            Decided::Claimed(claim, processing, fresh) => {
                 let Some((key, _, payload)) = messages.get(rep.index) else {
                     return roll_back(ctx, SetAbort::Batch(super::inbox::undecided())).await;
                 };
@@ -358,7 +360,7 @@ where
                     claim: claim.clone(),
                     payload,
                 });
-                claimed.push((rep, claim, processing));
+                claimed.push((rep, claim, processing, fresh));
             }
             Decided::Answer(Begin::Replay(response), _) => {
                 answers.push((rep.index, Delivery::Duplicate(response)));
@@ -378,7 +380,7 @@ where
         commit(ctx).await?;
         return Ok(answers);
     }
-    let indexes: Vec<usize> = claimed.iter().map(|(rep, _, _)| rep.index).collect();
+    let indexes: Vec<usize> = claimed.iter().map(|(rep, ..)| rep.index).collect();
     let responses = match CatchPanic(handler(&ctx.conn.client, &set)).await {
         Ok(Ok(responses)) => responses,
         Ok(Err(e)) => return roll_back(ctx, SetAbort::Failed(indexes, e)).await,
@@ -397,7 +399,7 @@ where
         return roll_back(ctx, SetAbort::Failed(indexes, e.into())).await;
     }
     let mut handled = Vec::with_capacity(claimed.len());
-    for ((rep, claim, processing), response) in claimed.into_iter().zip(responses) {
+    for ((rep, claim, processing, fresh), response) in claimed.into_iter().zip(responses) {
         let checked = logic::check_response(&response, ctx.core.max_body_bytes).and_then(|()| {
             logic::complete(Some(processing), &claim, &response, ctx.now, ctx.retention)
         });
@@ -410,13 +412,10 @@ where
             index: rep.index,
             key: rep.key,
             record,
+            fresh,
         });
     }
-    let written = write_all(ctx, &handled).await?;
-    if handled.iter().any(|done| !written.contains(&done.index)) {
-        return roll_back(ctx, SetAbort::Moved).await;
-    }
-    commit(ctx).await?;
+    write_and_commit(ctx, &handled).await?;
     Ok(answers)
 }
 

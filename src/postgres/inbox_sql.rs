@@ -34,6 +34,10 @@ pub(super) struct InboxSql {
     /// bytea[], $12 header values bytea[], $13 bodies bytea[], $14 now` →
     /// one row (`ord bigint`, the 1-based position) per DONE record written.
     pub(super) write_done: String,
+    /// `write_done`'s `$1` to `$13` → rows inserted: every record a new
+    /// row, with no conflict check (a row that exists fails the statement;
+    /// see `write_and_commit`).
+    pub(super) insert_done: String,
     /// `SELECT nextval(..)`: one token.
     pub(super) next_token: String,
     /// The statements prepared on each connection that ran a batch; an
@@ -47,6 +51,7 @@ pub(super) struct Prepared {
     pub(super) lock_all: Statement,
     pub(super) decide: Statement,
     pub(super) write_done: Statement,
+    pub(super) insert_done: Statement,
 }
 
 impl InboxSql {
@@ -129,6 +134,20 @@ impl InboxSql {
             )
             SELECT u.ord FROM written w JOIN u ON u.scope = w.scope AND u.id = w.id"
         );
+        // write_done's INSERT alone, for keys that had no row.
+        let insert_done = format!(
+            "INSERT INTO {t} (scope, id, fingerprint, state, lease_until, expires_at, created_at,
+                              token, attempts, status, header_names, header_values, body)
+             SELECT u.scope, u.id, u.fingerprint, {d}::smallint, NULL, u.expires_at,
+                    u.created_at, u.token, u.attempts, u.status,
+                    ($11::bytea[])[u.first_header:u.last_header],
+                    ($12::bytea[])[u.first_header:u.last_header], u.body
+               FROM unnest($1::bytea[], $2::bytea[], $3::bytea[], $4::bigint[], $5::bigint[],
+                           $6::bigint[], $7::bigint[], $8::int[], $9::int[], $10::int[],
+                           $13::bytea[])
+                    AS u(scope, id, fingerprint, expires_at, created_at, token, attempts,
+                         status, first_header, last_header, body)"
+        );
         // The locks in array order: the LATERAL function scan runs once per
         // element, in order (a nested loop over the unnest).
         let lock_all = "SELECT count(*) FROM unnest($1::bigint[]) AS u(lock), \
@@ -138,13 +157,14 @@ impl InboxSql {
             lock_all,
             decide,
             write_done,
+            insert_done,
             next_token: format!("SELECT nextval('{seq}')"),
             cache: Mutex::new(Vec::new()),
         }
     }
 
     /// The statements prepared on `conn`: from the cache, or prepared now
-    /// (the three requests sent together, one round trip).
+    /// (the four requests sent together, one round trip).
     pub(super) async fn prepared(
         &self,
         conn: &Arc<Conn>,
@@ -178,18 +198,22 @@ impl InboxSql {
             bytea,
             Type::INT8,
         ];
-        let ((lock_all, decide), write_done) = pipelined(
+        let (((lock_all, decide), write_done), insert_done) = pipelined(
             pipelined(
-                client.prepare_typed(&self.lock_all, &[int8]),
-                client.prepare_typed(&self.decide, &decide_types),
+                pipelined(
+                    client.prepare_typed(&self.lock_all, &[int8]),
+                    client.prepare_typed(&self.decide, &decide_types),
+                ),
+                client.prepare_typed(&self.write_done, &done_types),
             ),
-            client.prepare_typed(&self.write_done, &done_types),
+            client.prepare_typed(&self.insert_done, &done_types[..13]),
         )
         .await;
         let prepared = Arc::new(Prepared {
             lock_all: lock_all?,
             decide: decide?,
             write_done: write_done?,
+            insert_done: insert_done?,
         });
         let mut cache = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
         // A connection the pool dropped (dead, or discarded after a failed

@@ -24,6 +24,27 @@ const LIVE_COLUMNS: &str = "r.fingerprint, r.state, r.lease_until, r.expires_at,
 /// The record columns as an `INSERT .. RETURNING` of the table aliased `r`.
 const CLAIMED_COLUMNS: &str = LIVE_COLUMNS;
 
+/// Opens a transaction with the settings that set-based statements (a
+/// group's, an inbox batch's `decide`) are planned under. They join arrays
+/// of keys against the table, and are prepared. Left to itself, PostgreSQL
+/// would plan them afresh at every run (a custom plan looks cheaper than
+/// the generic one, since it knows the arrays' lengths), about 0.8 ms
+/// each, and, planned while the table is small (a new deploy), would pick
+/// a sequential scan and a hash join and keep that plan as the table grows
+/// (an inbox batch's `decide` took 3 ms at 100 keys on a 100,000-row
+/// table). Every run of such a statement happens after these settings: one
+/// generic plan per connection, made of index lookups per key whatever the
+/// table's size.
+pub(super) const SET_BEGIN: &str = "BEGIN; SET LOCAL enable_seqscan = off; \
+     SET LOCAL enable_hashjoin = off; SET LOCAL enable_mergejoin = off; \
+     SET LOCAL plan_cache_mode = force_generic_plan";
+
+/// Puts [`SET_BEGIN`]'s settings back to the session's for the rest of
+/// the transaction: sent before a handler's own statements run.
+pub(super) const SET_END: &str = "SET LOCAL enable_seqscan TO DEFAULT; \
+     SET LOCAL enable_hashjoin TO DEFAULT; SET LOCAL enable_mergejoin TO DEFAULT; \
+     SET LOCAL plan_cache_mode TO DEFAULT";
+
 /// The statements a connection prepares (on first use).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Stmt {

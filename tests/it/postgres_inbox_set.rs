@@ -380,3 +380,90 @@ fn racing_consumers_never_both_handle_a_message() {
     assert_eq!(runs.len(), 180);
     assert!(runs.iter().all(|(_, n)| *n == 1), "{runs:?}");
 }
+
+/// A row that appears for a new id while the handler runs, written without
+/// the id's lock (a hand-written INSERT copying another id's record): the
+/// plain insert of the DONE records fails with the `COMMIT` sent beside
+/// it, nothing of the pass is committed, and the pass runs again and
+/// answers from that row. Through both `handle_set` and `handle_batch`.
+#[test]
+fn a_row_written_behind_the_locks_reruns_the_pass() {
+    if !enabled() {
+        return;
+    }
+    let f = fixture(2);
+    let calls = Arc::new(AtomicUsize::new(0));
+    let first = run_set(&f, &[("origin", 1, Act::Ok)], &calls);
+    let origin = handled(&first[0]).clone();
+    let table = f._table.table.clone();
+    let copy = move |id: &str| {
+        format!(
+            "INSERT INTO \"{table}\" (scope, id, fingerprint, state, lease_until, expires_at, \
+             created_at, token, attempts, status, header_names, header_values, body) \
+             SELECT scope, convert_to('{id}', 'UTF8'), fingerprint, state, lease_until, \
+             expires_at, created_at, token, attempts, status, header_names, header_values, body \
+             FROM \"{table}\" WHERE id = convert_to('origin', 'UTF8')"
+        )
+    };
+    let url = pg_url().unwrap();
+    for via_set in [true, false] {
+        let (target, other) = if via_set { ("s1", "s2") } else { ("b1", "b2") };
+        let (sql, url) = (copy(target), url.clone());
+        let once = Arc::new(AtomicUsize::new(0));
+        // The copy, once, from a connection of its own (committed at once).
+        let act = move || {
+            if once.fetch_add(1, Ordering::SeqCst) == 0 {
+                let mut c = ::postgres::Client::connect(&url, ::postgres::NoTls).unwrap();
+                c.batch_execute(&sql).unwrap();
+            }
+        };
+        let messages = vec![
+            (key(target), Fingerprint::of([1]), target.to_owned()),
+            (key(other), Fingerprint::of([1]), other.to_owned()),
+        ];
+        let handler_calls = Arc::clone(&calls);
+        let retries = f.inbox.store().stats().snapshot_retries;
+        let answers = if via_set {
+            f.inbox
+                .handle_set(messages, move |_client, set: &[Claimed<'_, String>]| {
+                    handler_calls.fetch_add(1, Ordering::SeqCst);
+                    let n = set.len();
+                    let act = act.clone();
+                    Box::pin(async move {
+                        tokio::task::spawn_blocking(act).await.unwrap();
+                        Ok::<_, Error>(vec![Response::new(201, "new"); n])
+                    })
+                })
+                .unwrap()
+        } else {
+            f.inbox
+                .handle_batch(messages, move |_client, _claim, _id: &String| {
+                    handler_calls.fetch_add(1, Ordering::SeqCst);
+                    let act = act.clone();
+                    Box::pin(async move {
+                        tokio::task::spawn_blocking(act).await.unwrap();
+                        Ok::<_, Error>(Response::new(201, "new"))
+                    })
+                })
+                .unwrap()
+        };
+        assert_eq!(
+            answers[0].as_ref().unwrap(),
+            &Delivery::Duplicate(origin.clone()),
+            "{answers:?}"
+        );
+        assert_eq!(
+            answers[1].as_ref().unwrap(),
+            &Delivery::Handled(Response::new(201, "new"))
+        );
+        assert_eq!(
+            f.record(other).unwrap().response(),
+            Some(&Response::new(201, "new"))
+        );
+        assert_eq!(
+            f.inbox.store().stats().snapshot_retries,
+            retries + 1,
+            "one pass ran again"
+        );
+    }
+}

@@ -22,10 +22,11 @@
 //! `handle_batch` on a store with `RedbStoreBuilder::page_log(true)`),
 //! `--pg-per-message` (a row of the hand-written PostgreSQL side with one
 //! `UPDATE` statement per message, as a per-message handler writes it),
-//! `--pg-handler execute|typed|none` (what `PgInbox`'s handler runs: the
-//! SQL text through `execute`, prepared and run, the default; through
+//! `--pg-handler execute|typed|none|set` (what `PgInbox`'s handler runs:
+//! the SQL text through `execute`, prepared and run, the default; through
 //! `execute_typed`, one round trip; nothing, the inbox's own cost, with the
-//! credited total not checked), `--pg-fail-percent P` (P % of the
+//! credited total not checked; `set`: `PgInbox::handle_set`, the batch's
+//! new payments credited in one statement, as the hand-written side does), `--pg-fail-percent P` (P % of the
 //! payments fail in their `PgInbox` handler's first run, after its write,
 //! and are delivered again at once in a batch of their own: what a failing
 //! message costs).
@@ -142,6 +143,7 @@ enum PgHandlerArg {
     Execute,
     Typed,
     None,
+    Set,
 }
 
 /// The PostgreSQL options: `--pg-handler`, `--pg-fail-percent`.
@@ -160,7 +162,8 @@ fn parse_pg_handler(s: &str) -> BoxResult<PgHandlerArg> {
         "execute" => PgHandlerArg::Execute,
         "typed" => PgHandlerArg::Typed,
         "none" => PgHandlerArg::None,
-        other => return Err(format!("--pg-handler {other}: execute, typed or none").into()),
+        "set" => PgHandlerArg::Set,
+        other => return Err(format!("--pg-handler {other}: execute, typed, none or set").into()),
     })
 }
 
@@ -181,6 +184,7 @@ fn pg_cell(
             PgHandlerArg::Execute => PgHandler::Execute,
             PgHandlerArg::Typed => PgHandler::Typed,
             PgHandlerArg::None => PgHandler::None,
+            PgHandlerArg::Set => PgHandler::Set,
         };
         let pg = std::cell::RefCell::new(
             idemstore_bench::inbox::PgOurs::open_with(&url, tag, handler)?
@@ -302,7 +306,7 @@ fn main() -> BoxResult<()> {
             }
             "--pg-handler" => {
                 pg_handler = Some(parse_pg_handler(
-                    &args.next().ok_or("--pg-handler execute|typed|none")?,
+                    &args.next().ok_or("--pg-handler execute|typed|none|set")?,
                 )?)
             }
             other => return Err(format!("unknown option {other}").into()),
