@@ -429,7 +429,7 @@ fn a_store_whose_connections_are_cut_keeps_every_promise() {
          executions of {KEYS} keys ({twice} keys run again after their lease), {} \
          acknowledged, {} replays; answers that left a key open: in flight {in_flight}, \
          unavailable {unavailable}, not stored {not_stored}, lease lost {lost}; \
-         connections opened {}, lost {}; breaker trips {}",
+         connections opened {}, lost {}; breaker trips {}; group commits {} ({} calls)",
         cutter.total(),
         cut_for.as_secs_f64(),
         acked.len(),
@@ -437,5 +437,195 @@ fn a_store_whose_connections_are_cut_keeps_every_promise() {
         stats.connections_opened,
         stats.connections_lost,
         stats.breaker_trips,
+        stats.group_commits,
+        stats.grouped_calls,
     );
+}
+
+/// `PgInbox` behind the same proxy: two consumers deliver rounds of 600
+/// messages (until the cuts reach half of `IDEMSTORE_CUTS`) in batches of
+/// 20, in opposite orders, one through `handle_set`, the other
+/// through `handle_batch`; each handler writes one effect row per message
+/// in the batch's transaction. A batch whose connection is cut fails as a
+/// whole (or, cut after its `COMMIT` was sent, may have committed: its
+/// messages are delivered again and answer Duplicate). Asserts: every
+/// message's effect is committed exactly once, every `Handled` response is
+/// the stored one, and after the cuts stop every message answers
+/// Duplicate.
+#[test]
+fn an_inbox_whose_connections_are_cut_commits_each_message_once() {
+    use idemstore::postgres::{Claimed, Delivery, PgInbox};
+    if !enabled() {
+        return;
+    }
+    const MESSAGES: usize = 600;
+    const BATCH: usize = 20;
+    let url = pg_url().unwrap();
+    let cutter = Arc::new(Cutter {
+        rng: AtomicU64::new(0x9E37_79B9_7F4A_7C15),
+        per_mille: AtomicU64::new(CUT_PER_MILLE * 2),
+        ..Cutter::default()
+    });
+    let pg = PgUrl::parse(&url);
+    let (proxy, _proxy_rt) = start_proxy(pg.server, Arc::clone(&cutter));
+    let table = fresh_table("inbox_cuts");
+    let effects = format!("{table}_effects");
+    let _drop = crate::postgres::DropTable {
+        url: url.clone(),
+        table: table.clone(),
+    };
+    raw(&url)
+        .batch_execute(&format!(
+            "DROP TABLE IF EXISTS \"{effects}\"; CREATE TABLE \"{effects}\" (id text NOT NULL)"
+        ))
+        .unwrap();
+    let inbox = PgInbox::new(
+        PostgresStore::builder()
+            .table(&table)
+            .max_size(4)
+            .connect_timeout(Duration::from_secs(30))
+            .build_timeout(Duration::from_secs(60))
+            .migrate_on_build(true)
+            .connect(&pg.through(proxy))
+            .unwrap(),
+    );
+    let insert = format!("INSERT INTO \"{effects}\" (id) SELECT unnest($1::text[])");
+    let message = |i: usize| {
+        (
+            Key::new("inbox-cuts", format!("m{i}")).unwrap(),
+            Fingerprint::of(b"m"),
+            format!("m{i}"),
+        )
+    };
+    // One batch through either API: its answers, or None when the batch
+    // failed (its messages are delivered again).
+    let deliver = |ids: &[usize], set: bool| -> Option<Vec<Result<Delivery, Error>>> {
+        let messages: Vec<_> = ids.iter().map(|&i| message(i)).collect();
+        let insert = insert.clone();
+        let answers = if set {
+            inbox.handle_set(messages, move |client, set: &[Claimed<'_, String>]| {
+                let ids: Vec<String> = set.iter().map(|m| m.payload.clone()).collect();
+                let responses = ids
+                    .iter()
+                    .map(|id| Response::new(200, id.clone()))
+                    .collect();
+                let insert = insert.clone();
+                Box::pin(async move {
+                    client
+                        .execute(&insert, &[&ids])
+                        .await
+                        .map_err(Error::backend)?;
+                    Ok::<_, Error>(responses)
+                })
+            })
+        } else {
+            inbox.handle_batch(messages, move |client, _claim, id: &String| {
+                let (insert, id) = (insert.clone(), id.clone());
+                Box::pin(async move {
+                    client
+                        .execute(&insert, &[&vec![id.clone()]])
+                        .await
+                        .map_err(Error::backend)?;
+                    Ok::<_, Error>(Response::new(200, id))
+                })
+            })
+        };
+        answers.ok()
+    };
+    let handled = Mutex::new(HashMap::<usize, Vec<u8>>::new());
+    let failed_batches = AtomicU64::new(0);
+    // Rounds of MESSAGES new messages until the cuts reach half of
+    // IDEMSTORE_CUTS (the store test's figure; default 200).
+    let target = std::env::var("IDEMSTORE_CUTS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(200u64)
+        / 2;
+    cutter.on.store(true, Ordering::SeqCst);
+    let started = Instant::now();
+    let mut rounds = 0;
+    while rounds == 0 || cutter.total() < target {
+        let first = rounds * MESSAGES;
+        rounds += 1;
+        std::thread::scope(|s| {
+            for set in [true, false] {
+                let (deliver, handled, failed_batches) = (&deliver, &handled, &failed_batches);
+                s.spawn(move || {
+                    let mut open: Vec<usize> = (first..first + MESSAGES).collect();
+                    if !set {
+                        open.reverse();
+                    }
+                    while !open.is_empty() {
+                        let mut left = Vec::new();
+                        for chunk in open.chunks(BATCH) {
+                            let Some(answers) = deliver(chunk, set) else {
+                                failed_batches.fetch_add(1, Ordering::Relaxed);
+                                left.extend_from_slice(chunk);
+                                continue;
+                            };
+                            for (&i, answer) in chunk.iter().zip(answers) {
+                                match answer {
+                                    Ok(Delivery::Handled(r)) => {
+                                        let first =
+                                            handled.lock().unwrap().insert(i, r.body().to_vec());
+                                        assert!(first.is_none(), "m{i} handled twice");
+                                    }
+                                    Ok(Delivery::Duplicate(_)) => {}
+                                    Ok(other) => panic!("m{i}: {other:?}"),
+                                    Err(_) => left.push(i),
+                                }
+                            }
+                        }
+                        open = left;
+                    }
+                });
+            }
+        });
+    }
+    cutter.on.store(false, Ordering::SeqCst);
+    let cut_for = started.elapsed();
+    // Every message once more, without cuts: all Duplicate of the stored
+    // response (a batch cut after its COMMIT committed without its answer).
+    let all: Vec<usize> = (0..rounds * MESSAGES).collect();
+    for chunk in all.chunks(BATCH) {
+        let answers = deliver(chunk, true).expect("no cuts any more");
+        for (&i, answer) in chunk.iter().zip(answers) {
+            let stored = match answer {
+                Ok(Delivery::Duplicate(r)) => r.body().to_vec(),
+                other => panic!("m{i}: {other:?}"),
+            };
+            assert_eq!(stored, format!("m{i}").into_bytes());
+            if let Some(acked) = handled.lock().unwrap().get(&i) {
+                assert_eq!(acked, &stored, "m{i}: the acknowledged response");
+            }
+        }
+    }
+    let rows = raw(&url)
+        .query(
+            &format!("SELECT id, count(*) FROM \"{effects}\" GROUP BY id"),
+            &[],
+        )
+        .unwrap();
+    assert_eq!(
+        rows.len(),
+        rounds * MESSAGES,
+        "every message's effect committed"
+    );
+    for row in &rows {
+        let (id, n): (String, i64) = (row.get(0), row.get(1));
+        assert_eq!(n, 1, "{id}: its effect committed once");
+    }
+    let _ = raw(&url).batch_execute(&format!("DROP TABLE IF EXISTS \"{effects}\""));
+    let [before, unknown, after] = cutter.counts();
+    eprintln!(
+        "inbox connection cuts: {} in {:.1} s (before a statement {before}, after a \
+         statement was sent and before its reply {unknown}, after a reply {after}); \
+         {} messages, {} handled with their answer, {} failed batches delivered again",
+        cutter.total(),
+        cut_for.as_secs_f64(),
+        rounds * MESSAGES,
+        handled.lock().unwrap().len(),
+        failed_batches.load(Ordering::Relaxed),
+    );
+    assert!(cutter.total() > 0, "the proxy cut something");
 }
