@@ -465,9 +465,7 @@ async fn pipeline(
     }
     let mut began: Vec<Option<Row>> = begins.iter().map(|_| None).collect();
     if !begins.is_empty() {
-        for (slot, row) in by_position(&mut began, answers.next())? {
-            *slot = Some(row);
-        }
+        place_begin_rows(begins, &mut began, answers.next())?;
     }
     // COMMIT: looked at last, since a statement's error is the cause and
     // the COMMIT (then a rollback) only its consequence.
@@ -499,6 +497,46 @@ fn by_position<'s, T>(
         .into_iter()
         .filter_map(|(i, row)| Some((slots.get_mut(i)?.take()?, row)))
         .collect())
+}
+
+/// The rows of [`Stmt::BeginGroup`], each in the slot of the job it
+/// answers: a claim first (its key names its job), else the key's row as
+/// read (its position names its job). A row that names no job is skipped.
+fn place_begin_rows(
+    begins: &[BeginJob],
+    slots: &mut [Option<Row>],
+    answer: Option<Result<Ran, tokio_postgres::Error>>,
+) -> Result<(), tokio_postgres::Error> {
+    let rows = match answer.transpose()? {
+        Some(Ran::Rows(rows)) => rows,
+        _ => return Ok(()),
+    };
+    // The keys of a group are distinct.
+    let position: std::collections::HashMap<(&[u8], &[u8]), usize> = begins
+        .iter()
+        .enumerate()
+        .map(|(i, j)| ((j.key.scope(), j.key.id()), i))
+        .collect();
+    let mut read = Vec::new();
+    for row in rows {
+        if !row.try_get::<_, bool>(1)? {
+            read.push(row);
+            continue;
+        }
+        let last = row.len().saturating_sub(1);
+        let key: (&[u8], &[u8]) = (row.try_get(last.saturating_sub(1))?, row.try_get(last)?);
+        if let Some(slot) = position.get(&key).and_then(|&i| slots.get_mut(i)) {
+            slot.get_or_insert(row);
+        }
+    }
+    for row in read {
+        let n: i64 = row.try_get(0)?;
+        let i = usize::try_from(n.saturating_sub(1)).unwrap_or(usize::MAX);
+        if let Some(slot) = slots.get_mut(i) {
+            slot.get_or_insert(row);
+        }
+    }
+    Ok(())
 }
 
 /// The answer to a group's `begin` from its row in the group statement's

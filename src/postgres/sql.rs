@@ -69,8 +69,10 @@ pub(super) enum Stmt {
     /// A group's begins, one statement (see `group`): arrays `$1 scopes,
     /// $2 ids, $3 fingerprints, $4 nows, $5 lease deadlines, $6 expiries,
     /// $7 key locks`, one element per job, distinct keys in key order →
-    /// rows of `n` (the job's 1-based position), `claimed bool`, then
-    /// [`RECORD_COLUMNS`]; no row for a job that must run again alone.
+    /// rows of `n bigint`, `claimed bool`, [`RECORD_COLUMNS`], `scope`,
+    /// `id`: a claim (`n` NULL, the key naming its job), or a key's row as
+    /// read (`n` the job's 1-based position, the key NULL); a job with
+    /// neither must run again alone.
     BeginGroup = 7,
     /// A group's completes, one statement: arrays `$1 scopes, $2 ids,
     /// $3 tokens, $4 nows, $5 expiries, $6 statuses, $7 bodies, $8 each
@@ -195,39 +197,45 @@ impl Sql {
         );
         // Stmt::Begin over a group of distinct keys: the same two decisions
         // per row, each job's own `now` standing where $4 stands above
-        // (`i.at`; in the ON CONFLICT, `excluded.created_at`, which the
-        // INSERT sets to it). Each job's advisory lock is tried before its
-        // token is drawn, as above; the keys come sorted, so the INSERT
-        // takes its row locks in key order.
+        // (`p.at`; in the ON CONFLICT, `excluded.created_at`, which the
+        // INSERT sets to it). `probe` reads each key's row (an index lookup
+        // per key) and tries the key's advisory lock when that row is
+        // absent or claimable, as `key_lock` above; the claimable keys then
+        // draw their tokens in key order. The keys come sorted, so the
+        // INSERT takes its row locks in key order.
+        //
+        // Rows: each claim (`n` NULL: the key, last, names its job), then
+        // every key's row as read (`n` its 1-based position, `claimed`
+        // false). Nothing joins the claims back to the input: without hash
+        // joins (SET_BEGIN) that join was a nested loop over both lists,
+        // quadratic in the group's size.
         let begin_group = format!(
             "WITH input AS (
                 SELECT * FROM unnest($1::bytea[], $2::bytea[], $3::bytea[], $4::bigint[],
                                      $5::bigint[], $6::bigint[], $7::bigint[])
                        WITH ORDINALITY AS i(scope, id, fp, at, lease_until, expires_at, lock, n)
             ),
-            live AS (
-                SELECT i.n, i.at, i.fp, {LIVE_COLUMNS}
-                  FROM input i JOIN {t} r ON r.scope = i.scope AND r.id = i.id
-            ),
-            key_lock AS MATERIALIZED (
-                SELECT i.n,
-                       CASE WHEN NOT EXISTS (
-                                SELECT 1 FROM live l
-                                 WHERE l.n = i.n AND l.expires_at > i.at
-                                   AND NOT (l.state = {p} AND l.fingerprint = i.fp
-                                            AND l.lease_until <= i.at))
+            probe AS MATERIALIZED (
+                SELECT i.n, i.scope AS k_scope, i.id AS k_id, i.fp, i.at,
+                       i.lease_until AS k_lease_until, i.expires_at AS k_expires_at,
+                       {LIVE_COLUMNS},
+                       CASE WHEN r.state IS NULL
+                                 OR NOT coalesce(r.expires_at > i.at
+                                                 AND NOT (r.state = {p} AND r.fingerprint = i.fp
+                                                          AND r.lease_until <= i.at), false)
                             THEN pg_try_advisory_xact_lock(i.lock)
                             ELSE false END AS held
-                  FROM input i ORDER BY i.n
+                  FROM input i LEFT JOIN {t} r ON r.scope = i.scope AND r.id = i.id
+                 ORDER BY i.n
             ),
             claimed AS (
                 INSERT INTO {t} AS r (scope, id, fingerprint, state, lease_until, expires_at,
                                       created_at, token, attempts)
-                SELECT i.scope, i.id, i.fp, {p}::smallint, i.lease_until, i.expires_at,
-                       i.at, nextval('{seq}'), 1
-                  FROM input i JOIN key_lock k ON k.n = i.n
-                 WHERE k.held
-                 ORDER BY i.n
+                SELECT p.k_scope, p.k_id, p.fp, {p}::smallint, p.k_lease_until,
+                       p.k_expires_at, p.at, nextval('{seq}'), 1
+                  FROM probe p
+                 WHERE p.held
+                 ORDER BY p.n
                 ON CONFLICT (scope, id) DO UPDATE SET
                     fingerprint = excluded.fingerprint,
                     state = {p},
@@ -245,15 +253,12 @@ impl Sql {
                 WHERE r.expires_at <= excluded.created_at
                    OR (r.state = {p} AND r.fingerprint = excluded.fingerprint
                        AND r.lease_until <= excluded.created_at)
-                RETURNING r.scope, r.id, {CLAIMED_COLUMNS}
-            ),
-            claimed_n AS (
-                SELECT i.n, c.* FROM claimed c JOIN input i ON i.scope = c.scope AND i.id = c.id
+                RETURNING {CLAIMED_COLUMNS}, r.scope, r.id
             )
-            SELECT n, true AS claimed, {RECORD_COLUMNS} FROM claimed_n
+            SELECT NULL::bigint AS n, true AS claimed, {RECORD_COLUMNS}, scope, id FROM claimed
             UNION ALL
-            SELECT l.n, false, {RECORD_COLUMNS} FROM live l
-             WHERE NOT EXISTS (SELECT 1 FROM claimed_n c WHERE c.n = l.n)"
+            SELECT n, false, {RECORD_COLUMNS}, NULL::bytea, NULL::bytea FROM probe
+             WHERE state IS NOT NULL"
         );
         // Stmt::Complete over a group of distinct keys; each job's headers
         // are its slice of the concatenated arrays (an empty slice is `{}`).
