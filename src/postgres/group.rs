@@ -89,15 +89,18 @@ use tokio_postgres::types::ToSql;
 pub const MAX_GROUP: usize = 128;
 
 /// Most groups in flight at once, each on its own connection: while one
-/// waits for its commit's WAL flush, the others are already executing.
-/// Fewer makes larger groups (2 was best at 256 clients) but leaves a
-/// moderate load waiting in line (at 8 clients, 2 in flight ran 0.63× the
-/// hand-written path, 4 ran 0.76×); more makes groups too small to pay.
+/// waits for its commit's WAL flush, the other is already executing.
+/// Fewer in flight makes larger groups, whose fixed cost (a transaction,
+/// two statements' executor start-up, a commit) is shared by more calls;
+/// more in flight serves a moderate load sooner. On the 2-core test
+/// machine, with the server beside the clients, 2 gave 2.1 to 2.4× the
+/// hand-written path at 64 clients where 4 gave 1.9 to 2.1× and 1 gave
+/// 1.9× (at 8 clients all three ran 0.5 to 0.6×; docs/performance.md).
 ///
 /// ```
-/// assert_eq!(idemstore::postgres::MAX_GROUPS_IN_FLIGHT, 4);
+/// assert_eq!(idemstore::postgres::MAX_GROUPS_IN_FLIGHT, 2);
 /// ```
-pub const MAX_GROUPS_IN_FLIGHT: usize = 4;
+pub const MAX_GROUPS_IN_FLIGHT: usize = 2;
 
 /// The line's entries: `begin` and `complete` queue their job and wait.
 impl Core {
