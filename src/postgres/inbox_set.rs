@@ -10,12 +10,15 @@
 //! of one per message.
 //!
 //! **Failure isolation by halving.** A set handler that fails does not say
-//! which message made it fail. The pass is rolled back and its messages run
-//! again as two passes, the first half of its claimed messages, then the
-//! second, and so on down to the one message that fails alone: that one's
-//! answer is the error, and nothing of it is written. Every other message
-//! is handled in a pass that commits. One poison message among `n` costs
-//! about `2 log2(n)` extra passes; each pass is a transaction of its own.
+//! which message made it fail. The pass is rolled back and runs again
+//! *carefully*: decided afresh, its claimed messages run in halves, each
+//! set in a savepoint, a failing set rolled back to its savepoint and
+//! halved again, down to the message that fails alone (its answer is the
+//! error, and nothing of it is written). The sets that succeed keep their
+//! writes, and the careful pass commits once. One poison message among
+//! `n` costs one rolled-back pass and about `2 log2(n)` more handler calls,
+//! not more commits. (A response over the limits names its message: the
+//! pass runs again at once without it.)
 //!
 //! **The same id twice.** A pass holds each id once; a later message of an
 //! id runs in a pass after the one that holds its first, and is decided on
@@ -27,7 +30,7 @@ use super::inbox::{
     Abort, CatchPanic, Decided, Done, OpenTx, PassContext, PgInbox, Rep, decide_all,
     write_and_commit,
 };
-use super::inbox_sql::InboxSql;
+use super::inbox_sql::{InboxSql, pipelined};
 use super::ops::Core;
 use super::stats::Counters;
 use super::{MAX_BEGIN_ATTEMPTS, sql};
@@ -88,13 +91,14 @@ impl PgInbox {
     ///
     /// **A failing handler** (an error, a panic — [`Error::HandlerPanicked`]
     /// — or a response over the limits) rolls its transaction back, and its
-    /// messages run again in halves, each half its own transaction, down to
-    /// the message that fails alone: its answer is the handler's error, it
-    /// leaves no writes, and every other message is handled without it.
-    /// (A response over the limits names its message at once.) So the
-    /// handler may run several times over a message before that message's
-    /// transaction commits, each time with a new claim: its only effects
-    /// must be writes through the client it is given. A handler that
+    /// messages run again in one new transaction, in halves, each in a
+    /// savepoint, a failing half halved again, down to the message that
+    /// fails alone: its answer is the handler's error, it leaves no writes,
+    /// and every other message is handled without it, in one commit. (A
+    /// response over the limits names its message at once.) So the handler
+    /// may run several times over a message before its writes commit (with
+    /// a new claim after the rollback): its only effects must be writes
+    /// through the client it is given. A handler that
     /// returns the wrong number of responses fails with
     /// [`Error::InvalidArgument`].
     ///
@@ -229,9 +233,11 @@ where
     // its messages is answered from a stored result or handled: the next
     // ones with another fingerprint are Conflict (as in handle_batch).
     let mut failed_fp: HashMap<&Key, &Fingerprint> = HashMap::new();
-    let mut work: VecDeque<Vec<usize>> = VecDeque::from([(0..messages.len()).collect()]);
+    // Lists of messages to run, and whether carefully (after a failure).
+    let mut work: VecDeque<(Vec<usize>, bool)> =
+        VecDeque::from([((0..messages.len()).collect(), false)]);
     let mut moved = 0;
-    while let Some(list) = work.pop_front() {
+    while let Some((list, careful)) = work.pop_front() {
         // The first message of each id runs now, the later ones after it.
         let mut ids: HashSet<&Key> = HashSet::new();
         let (mut pass, mut later) = (Vec::new(), Vec::new());
@@ -252,22 +258,28 @@ where
             }
         }
         if !later.is_empty() {
-            work.push_front(later);
+            work.push_front((later, false));
         }
         if pass.is_empty() {
             continue;
         }
-        match set_pass(&ctx, &messages, &pass, &mut handler).await {
+        match set_pass(&ctx, &messages, &pass, careful, &mut handler).await {
             Ok(done) => {
                 moved = 0;
                 for (index, answer) in done {
-                    if let Some((key, _, _)) = messages.get(index)
-                        && matches!(answer, Delivery::Handled(_) | Delivery::Duplicate(_))
-                    {
-                        failed_fp.remove(key);
+                    if let Some((key, fingerprint, _)) = messages.get(index) {
+                        match &answer {
+                            Ok(Delivery::Handled(_) | Delivery::Duplicate(_)) => {
+                                failed_fp.remove(key);
+                            }
+                            Err(_) => {
+                                failed_fp.insert(key, fingerprint);
+                            }
+                            Ok(_) => {}
+                        }
                     }
                     if let Some(slot) = answers.get_mut(index) {
-                        *slot = Some(Ok(answer));
+                        *slot = Some(answer);
                     }
                 }
             }
@@ -280,7 +292,7 @@ where
                         "an inbox batch raced with concurrent writers {MAX_BEGIN_ATTEMPTS} times in a row"
                     )));
                 }
-                work.push_front(pass);
+                work.push_front((pass, careful));
             }
             Err(SetAbort::Failed(claimed, e)) => match claimed.as_slice() {
                 [] => return Err(Error::backend("an inbox set pass failed with no message")),
@@ -294,18 +306,12 @@ where
                     }
                     pass.retain(|&i| i != alone);
                     if !pass.is_empty() {
-                        work.push_front(pass);
+                        work.push_front((pass, false));
                     }
                 }
-                _ => {
-                    // Halves by the claimed messages; the others go with
-                    // the first half (they are answered wherever they run).
-                    let mid = claimed.get(claimed.len() / 2).copied().unwrap_or(0);
-                    let (first, second): (Vec<usize>, Vec<usize>) =
-                        pass.into_iter().partition(|&i| i < mid);
-                    work.push_front(second);
-                    work.push_front(first);
-                }
+                // Which one failed is unknown: the same messages again,
+                // carefully (a careful pass answers its failures itself).
+                _ => work.push_front((pass, true)),
             },
         }
     }
@@ -320,12 +326,16 @@ where
 
 /// One pass over `pass` (indexes into `messages`, distinct ids): decided,
 /// handled as one set, written, committed. The answers of its messages.
+/// A `careful` pass runs the claimed messages in halves, each in a
+/// savepoint, halving a failing set again down to the messages that fail
+/// alone (their answers are their errors), and commits the rest once.
 async fn set_pass<T, E, F>(
     ctx: &PassContext<'_>,
     messages: &[(Key, Fingerprint, T)],
     pass: &[usize],
+    careful: bool,
     handler: &mut F,
-) -> Result<Vec<(usize, Delivery)>, SetAbort<E>>
+) -> Result<Vec<(usize, Result<Delivery, E>)>, SetAbort<E>>
 where
     E: From<Error>,
     F: for<'c> FnMut(&'c Client, &'c [Claimed<'c, T>]) -> SetHandlerFuture<'c, E>,
@@ -378,45 +388,148 @@ where
         // Nothing written: the commit only ends the transaction (and
         // releases the locks).
         commit(ctx).await?;
-        return Ok(answers);
+        return Ok(answers
+            .into_iter()
+            .map(|(index, answer)| (index, Ok(answer)))
+            .collect());
     }
-    let indexes: Vec<usize> = claimed.iter().map(|(rep, ..)| rep.index).collect();
-    let responses = match CatchPanic(handler(&ctx.conn.client, &set)).await {
-        Ok(Ok(responses)) => responses,
-        Ok(Err(e)) => return roll_back(ctx, SetAbort::Failed(indexes, e)).await,
-        Err(message) => {
-            let e = Error::HandlerPanicked { message }.into();
-            return roll_back(ctx, SetAbort::Failed(indexes, e)).await;
+    // The claimed messages' sets, as ranges of `set`; a stack (the last is
+    // run next). A careful pass starts from the halves, each set in a
+    // savepoint, and halves a failing set again: the handler's writes of
+    // the sets that succeed stay, and the pass commits once.
+    let mut todo = vec![0..set.len()];
+    if careful && set.len() > 1 {
+        let mid = set.len() / 2;
+        todo = vec![mid..set.len(), 0..mid];
+    }
+    let mut results: Vec<(usize, Result<Delivery, E>)> = answers
+        .into_iter()
+        .map(|(index, answer)| (index, Ok(answer)))
+        .collect();
+    let mut handled = Vec::with_capacity(claimed.len());
+    let client = &ctx.conn.client;
+    while let Some(range) = todo.pop() {
+        let (start, end) = (range.start, range.end);
+        let Some(subset) = set.get(range.clone()) else {
+            return roll_back(ctx, SetAbort::Batch(super::inbox::undecided())).await;
+        };
+        // A careful set's savepoint goes out with the handler's first
+        // statement. (Savepoints of sets that succeed are not released:
+        // the next one shadows them, and the commit ends them all.)
+        let ran = if careful {
+            let (saved, ran) = pipelined(
+                client.batch_execute("SAVEPOINT idemstore_set"),
+                run_set(handler, client, subset),
+            )
+            .await;
+            saved.map_err(|e| SetAbort::Batch(ctx.db(e)))?;
+            ran
+        } else {
+            run_set(handler, client, subset).await
+        };
+        // What failed: the whole set (None), or one message of it.
+        let outcome = match ran {
+            Ok(responses) => {
+                let mut records = Vec::with_capacity(responses.len());
+                let mut bad = None;
+                for (i, response) in (start..end).zip(responses) {
+                    let Some((_, claim, processing, _)) = claimed.get(i) else {
+                        continue;
+                    };
+                    let (now, keep, max) = (ctx.now, ctx.retention, ctx.core.max_body_bytes);
+                    let checked = logic::check_response(&response, max).and_then(|()| {
+                        logic::complete(Some(processing.clone()), claim, &response, now, keep)
+                    });
+                    match checked {
+                        Ok(record) => records.push((i, response, record)),
+                        Err(e) => {
+                            bad = Some((i, E::from(e)));
+                            break;
+                        }
+                    }
+                }
+                match bad {
+                    None => Ok(records),
+                    Some((i, e)) => Err((Some(i), e)),
+                }
+            }
+            Err(e) => Err((None, e)),
+        };
+        match outcome {
+            Ok(records) => {
+                for (i, response, record) in records {
+                    let Some((rep, _, _, fresh)) = claimed.get(i) else {
+                        continue;
+                    };
+                    results.push((rep.index, Ok(Delivery::Handled(response))));
+                    handled.push(Done {
+                        index: rep.index,
+                        key: rep.key,
+                        record,
+                        fresh: *fresh,
+                    });
+                }
+            }
+            Err((culprit, e)) if !careful => {
+                let failed = match culprit.and_then(|i| claimed.get(i)) {
+                    Some((rep, ..)) => vec![rep.index],
+                    None => claimed.iter().map(|(rep, ..)| rep.index).collect(),
+                };
+                return roll_back(ctx, SetAbort::Failed(failed, e)).await;
+            }
+            Err((culprit, e)) => {
+                client
+                    .batch_execute("ROLLBACK TO SAVEPOINT idemstore_set")
+                    .await
+                    .map_err(|e| SetAbort::Batch(ctx.db(e)))?;
+                let alone = match culprit {
+                    Some(i) => Some(i),
+                    None if end - start == 1 => Some(start),
+                    None => None,
+                };
+                match alone.and_then(|i| claimed.get(i).map(|(rep, ..)| (i, rep.index))) {
+                    // That message's answer is its error; the rest of its
+                    // set runs again without it.
+                    Some((i, index)) => {
+                        results.push((index, Err(e)));
+                        todo.extend([i + 1..end, start..i].into_iter().filter(|r| !r.is_empty()));
+                    }
+                    None => {
+                        let mid = start + (end - start) / 2;
+                        todo.extend([mid..end, start..mid]);
+                    }
+                }
+            }
         }
-    };
+    }
     drop(set);
-    if responses.len() != claimed.len() {
-        let e = Error::invalid_argument(format!(
+    write_and_commit(ctx, &handled).await?;
+    Ok(results)
+}
+
+/// Runs the handler over `subset` (a panic becomes
+/// [`Error::HandlerPanicked`]) and checks it answered one response per
+/// message.
+async fn run_set<'c, T, E, F>(
+    handler: &mut F,
+    client: &'c Client,
+    subset: &'c [Claimed<'c, T>],
+) -> Result<Vec<Response>, E>
+where
+    E: From<Error>,
+    F: for<'h> FnMut(&'h Client, &'h [Claimed<'h, T>]) -> SetHandlerFuture<'h, E>,
+{
+    match CatchPanic(handler(client, subset)).await {
+        Ok(Ok(responses)) if responses.len() == subset.len() => Ok(responses),
+        Ok(Ok(responses)) => Err(Error::invalid_argument(format!(
             "the set handler returned {} responses for {} messages",
             responses.len(),
-            claimed.len()
-        ));
-        return roll_back(ctx, SetAbort::Failed(indexes, e.into())).await;
+            subset.len()
+        ))
+        .into()),
+        Ok(Err(e)) => Err(e),
+        Err(message) => Err(Error::HandlerPanicked { message }.into()),
     }
-    let mut handled = Vec::with_capacity(claimed.len());
-    for ((rep, claim, processing, fresh), response) in claimed.into_iter().zip(responses) {
-        let checked = logic::check_response(&response, ctx.core.max_body_bytes).and_then(|()| {
-            logic::complete(Some(processing), &claim, &response, ctx.now, ctx.retention)
-        });
-        let record = match checked {
-            Ok(record) => record,
-            Err(e) => return roll_back(ctx, SetAbort::Failed(vec![rep.index], e.into())).await,
-        };
-        answers.push((rep.index, Delivery::Handled(response)));
-        handled.push(Done {
-            index: rep.index,
-            key: rep.key,
-            record,
-            fresh,
-        });
-    }
-    write_and_commit(ctx, &handled).await?;
-    Ok(answers)
 }
 
 async fn commit<E>(ctx: &PassContext<'_>) -> Result<(), SetAbort<E>> {

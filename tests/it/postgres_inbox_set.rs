@@ -81,9 +81,10 @@ fn failed(d: &Result<Delivery, Error>) -> bool {
     matches!(d, Err(e) if e.to_string().contains("consumer failed"))
 }
 
-/// One failing message among eight: the set is halved down to it (7
-/// handler calls, counted below); it leaves no write and no record, every
-/// other message commits its run once, headers included in its record.
+/// One failing message among eight: the set is halved down to it in
+/// savepoints of one transaction (7 handler calls, counted below); it
+/// leaves no write and no record, every other message commits its run
+/// once, headers included in its record, in one commit.
 #[test]
 fn a_failing_message_is_found_by_halving_and_leaves_nothing() {
     if !enabled() {
@@ -108,9 +109,22 @@ fn a_failing_message_is_found_by_halving_and_leaves_nothing() {
             assert_eq!(handled(answer).header("x-id"), Some(ids[i].as_bytes()));
         }
     }
-    // All 8 (fail), 0..4 (ok), 4..8 (fail), 4..6 (fail), 4, 5 (fails
-    // alone), 6..8.
+    // All 8 (fail, rolled back), then in one transaction, each set in a
+    // savepoint: 0..4 (ok), 4..8 (fail), 4..6 (fail), 4, 5 (fails alone),
+    // 6..8.
     assert_eq!(calls.load(Ordering::SeqCst), 7);
+    // One commit for the seven: their records share a transaction id.
+    let xids = crate::postgres::raw(&f.url)
+        .query_one(
+            &format!(
+                "SELECT count(DISTINCT xmin::text) FROM \"{}\"",
+                f._table.table
+            ),
+            &[],
+        )
+        .unwrap()
+        .get::<_, i64>(0);
+    assert_eq!(xids, 1, "the halves committed together");
     assert!(f.record("h5").is_none());
     let ok: Vec<(&str, i64)> = ids
         .iter()
