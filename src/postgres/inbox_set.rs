@@ -397,10 +397,12 @@ where
     // run next). A careful pass starts from the halves, each set in a
     // savepoint, and halves a failing set again: the handler's writes of
     // the sets that succeed stay, and the pass commits once.
-    let mut todo = vec![0..set.len()];
+    let mut todo: Vec<std::ops::Range<usize>> = Vec::with_capacity(2);
     if careful && set.len() > 1 {
         let mid = set.len() / 2;
-        todo = vec![mid..set.len(), 0..mid];
+        todo.extend([mid..set.len(), 0..mid]);
+    } else {
+        todo.push(0..set.len());
     }
     let mut results: Vec<(usize, Result<Delivery, E>)> = answers
         .into_iter()
