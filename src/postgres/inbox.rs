@@ -424,23 +424,38 @@ impl PgInbox {
         E: From<Error> + Send + 'static,
         F: for<'c> FnMut(&'c Client, Claim, &'c T) -> HandlerFuture<'c, E> + Send + 'static,
     {
+        self.run_batch(messages, |core, sql, messages, now, retention| async move {
+            deliver_batch(&core, &sql, messages, now, retention, handler).await
+        })
+    }
+
+    /// A batch's checks (its size; an empty batch answers at once), then
+    /// `work` on the store's runtime, this thread blocked until it ends.
+    pub(super) fn run_batch<T, R, W, Fut>(
+        &self,
+        messages: Vec<(Key, Fingerprint, T)>,
+        work: W,
+    ) -> Result<Vec<R>, Error>
+    where
+        R: Send + 'static,
+        W: FnOnce(Arc<Core>, Arc<InboxSql>, Vec<(Key, Fingerprint, T)>, Timestamp, Duration) -> Fut,
+        Fut: Future<Output = Result<Vec<R>, Error>> + Send + 'static,
+    {
         check_batch_len(messages.len())?;
         if messages.is_empty() {
             return Ok(Vec::new());
         }
         let (core, sql) = (Arc::clone(&self.store.core), Arc::clone(&self.sql));
-        let (now, retention) = (self.clock.now(), self.retention);
+        let work = work(core, sql, messages, self.clock.now(), self.retention);
         self.store
             .runtime
-            .block_on_task(async move {
-                deliver_batch(&core, &sql, messages, now, retention, handler).await
-            })
+            .block_on_task(work)
             .unwrap_or(Err(Error::Closed))
     }
 }
 
 /// A batch of `len` messages is within [`MAX_PG_INBOX_BATCH`].
-pub(super) fn check_batch_len(len: usize) -> Result<(), Error> {
+fn check_batch_len(len: usize) -> Result<(), Error> {
     if len > MAX_PG_INBOX_BATCH {
         return Err(Error::invalid_argument(format!(
             "a batch of {len} messages is over the limit of {MAX_PG_INBOX_BATCH}"

@@ -46,7 +46,6 @@ use crate::time::Timestamp;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::time::Duration;
 use tokio_postgres::Client;
 
@@ -83,8 +82,9 @@ impl PgInbox {
     /// message: the handler gets every claimed message of the transaction
     /// and returns one response per message, in the same order. Its writes
     /// can then be set-based (one `UPDATE .. FROM unnest(..)` for the whole
-    /// batch) rather than a round trip per message: the batch costs four
-    /// round trips and one commit, besides the handler's own.
+    /// batch) rather than a round trip per message: the batch costs two
+    /// round trips and one commit besides the handler's own (three when it
+    /// takes over a record; see [`handle_batch`](PgInbox::handle_batch)).
     ///
     /// Answers come in input order: `Handled`, `Duplicate`, `Conflict`,
     /// `InFlight`, or that message's error.
@@ -154,18 +154,9 @@ impl PgInbox {
             + Send
             + 'static,
     {
-        super::inbox::check_batch_len(messages.len())?;
-        if messages.is_empty() {
-            return Ok(Vec::new());
-        }
-        let (core, sql) = (Arc::clone(&self.store.core), Arc::clone(&self.sql));
-        let (now, retention) = (self.clock.now(), self.retention);
-        self.store
-            .runtime
-            .block_on_task(async move {
-                deliver_set(&core, &sql, messages, now, retention, handler).await
-            })
-            .unwrap_or(Err(Error::Closed))
+        self.run_batch(messages, |core, sql, messages, now, retention| async move {
+            deliver_set(&core, &sql, messages, now, retention, handler).await
+        })
     }
 }
 
