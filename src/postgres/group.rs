@@ -16,7 +16,7 @@
 //!
 //! # A group of several
 //!
-//! One message carries `BEGIN` (with the plan settings of [`SET_BEGIN`]),
+//! One message carries `BEGIN` (with the plan settings of [`Stmt::PlanSettings`]),
 //! the group's completes as one [`Stmt::CompleteGroup`], its begins as one
 //! [`Stmt::BeginGroup`], and `COMMIT`; the answers are read after. The two
 //! statements are [`Stmt::Complete`] and [`Stmt::Begin`] over arrays, with
@@ -40,7 +40,7 @@
 //!   after the commit it runs alone, where it waits and retries as a lone
 //!   `begin` does.
 //! - **Lock order.** The keys are sorted, and the statements are planned as
-//!   index lookups in that order ([`SET_BEGIN`]), so groups take their row
+//!   index lookups in that order ([`Stmt::PlanSettings`]), so groups take their row
 //!   locks in key order; a claim only *tries* its advisory lock. A group
 //!   can still meet a lock held by a transaction outside the store's
 //!   statements (an inbox batch, a hand-written one); PostgreSQL's deadlock
@@ -64,7 +64,7 @@ use super::line::{BeginJob, CompleteJob, Job};
 use super::ops::{BeginStep, Core};
 use super::pool::Conn;
 use super::row;
-use super::sql::{self, SET_BEGIN, Stmt};
+use super::sql::{self, Stmt};
 use super::stats::Counters;
 use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
@@ -368,6 +368,7 @@ async fn pipeline(
     // would be sent after the COMMIT, outside the transaction.
     let begin_group = conn.prepared(Stmt::BeginGroup).await?;
     let complete_group = conn.prepared(Stmt::CompleteGroup).await?;
+    let plan_settings = conn.prepared(Stmt::PlanSettings).await?;
     let table = &core.sql.table;
 
     let b_scopes: Vec<&[u8]> = begins.iter().map(|j| j.key.scope()).collect();
@@ -439,7 +440,11 @@ async fn pipeline(
     let client = &conn.client;
     let mut sent: Vec<Sent<'_>> = Vec::with_capacity(4);
     sent.push(Box::pin(async move {
-        client.batch_execute(SET_BEGIN).await.map(|()| Ran::Done)
+        client.batch_execute("BEGIN").await.map(|()| Ran::Done)
+    }));
+    let settings = &plan_settings;
+    sent.push(Box::pin(async move {
+        client.query(settings, &[]).await.map(Ran::Rows)
     }));
     // The completes first: a begin of a key completed in the same group
     // then answers Replay, as it would have after that complete.
@@ -459,7 +464,8 @@ async fn pipeline(
         client.batch_execute("COMMIT").await.map(|()| Ran::Done)
     }));
     let mut answers = InOrder::new(sent).await.into_iter();
-    answers.next().transpose()?; // BEGIN and the plan settings
+    answers.next().transpose()?; // BEGIN
+    answers.next().transpose()?; // the plan settings
     let mut completed = vec![false; completes.len()];
     if !completes.is_empty() {
         for (slot, _) in by_position(&mut completed, answers.next())? {

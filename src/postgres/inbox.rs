@@ -918,7 +918,7 @@ where
     }
 }
 
-/// `BEGIN` (with [`sql::SET_BEGIN`]'s plan settings), every key's lock
+/// `BEGIN` with the set-based plan settings ([`sql::Stmt::PlanSettings`]), every key's lock
 /// (in lock order), the `decide` statement, and the settings put back: sent
 /// together, one round trip. `logic::begin`'s decision for each of
 /// `reps`, in order. (Should the `BEGIN` fail, the statements after it
@@ -948,10 +948,15 @@ pub(super) async fn decide_all<E>(
     // for here; `decide` then reads its committed row (DONE: Duplicate).
     // `decide` runs under the set-based plan settings, which are put back
     // before the handlers' own statements run.
-    let (((begun, locked), rows), reset) = pipelined(
+    let settings = ctx
+        .conn
+        .prepared(sql::Stmt::PlanSettings)
+        .await
+        .map_err(|e| ctx.db(e))?;
+    let ((((begun, set), locked), rows), reset) = pipelined(
         pipelined(
             pipelined(
-                client.batch_execute(sql::SET_BEGIN),
+                pipelined(client.batch_execute("BEGIN"), client.query(&settings, &[])),
                 client.query(&ctx.statements.lock_all, &lock_params),
             ),
             client.query(&ctx.statements.decide, &decide_params),
@@ -960,6 +965,7 @@ pub(super) async fn decide_all<E>(
     )
     .await;
     begun.map_err(|e| ctx.db(e))?;
+    set.map_err(|e| ctx.db(e))?;
     locked.map_err(|e| ctx.db(e))?;
     reset.map_err(|e| ctx.db(e))?;
     let rows = rows.map_err(|e| ctx.db(e))?;

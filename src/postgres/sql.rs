@@ -24,22 +24,26 @@ const LIVE_COLUMNS: &str = "r.fingerprint, r.state, r.lease_until, r.expires_at,
 /// The record columns as an `INSERT .. RETURNING` of the table aliased `r`.
 const CLAIMED_COLUMNS: &str = LIVE_COLUMNS;
 
-/// Opens a transaction with the settings that set-based statements (a
-/// group's, an inbox batch's `decide`) are planned under. They join arrays
-/// of keys against the table, and are prepared. Left to itself, PostgreSQL
-/// would plan them afresh at every run (a custom plan looks cheaper than
-/// the generic one, since it knows the arrays' lengths), about 0.8 ms
-/// each, and, planned while the table is small (a new deploy), would pick
-/// a sequential scan and a hash join and keep that plan as the table grows
-/// (an inbox batch's `decide` took 3 ms at 100 keys on a 100,000-row
-/// table). Every run of such a statement happens after these settings: one
-/// generic plan per connection, made of index lookups per key whatever the
-/// table's size.
-pub(super) const SET_BEGIN: &str = "BEGIN; SET LOCAL enable_seqscan = off; \
-     SET LOCAL enable_hashjoin = off; SET LOCAL enable_mergejoin = off; \
-     SET LOCAL plan_cache_mode = force_generic_plan";
+/// The settings that set-based statements (a group's, an inbox batch's
+/// `decide`) are planned under, for the rest of the transaction: the text
+/// of [`Stmt::PlanSettings`], run right after `BEGIN`. Those statements
+/// join arrays of keys against the table, and are prepared. Left to
+/// itself, PostgreSQL would plan them afresh at every run (a custom plan
+/// looks cheaper than the generic one, since it knows the arrays'
+/// lengths), about 0.8 ms each, and, planned while the table is small (a
+/// new deploy), would pick a sequential scan and a hash join and keep that
+/// plan as the table grows (an inbox batch's `decide` took 3 ms at 100
+/// keys on a 100,000-row table). Every run of such a statement happens
+/// after these settings: one generic plan per connection, made of index
+/// lookups per key whatever the table's size. A prepared `set_config`
+/// costs next to nothing; the same four settings as `SET LOCAL` commands
+/// (a simple query, parsed every time) added about 90 µs per transaction
+/// (`pgbench`, one client).
+const PLAN_SETTINGS: &str = "SELECT set_config('enable_seqscan', 'off', true), \
+     set_config('enable_hashjoin', 'off', true), set_config('enable_mergejoin', 'off', true), \
+     set_config('plan_cache_mode', 'force_generic_plan', true)";
 
-/// Puts [`SET_BEGIN`]'s settings back to the session's for the rest of
+/// Puts [`Stmt::PlanSettings`]' settings back to the session's for the rest of
 /// the transaction: sent before a handler's own statements run.
 pub(super) const SET_END: &str = "SET LOCAL enable_seqscan TO DEFAULT; \
      SET LOCAL enable_hashjoin TO DEFAULT; SET LOCAL enable_mergejoin TO DEFAULT; \
@@ -80,10 +84,12 @@ pub(super) enum Stmt {
     /// values (all jobs' headers, concatenated)`, distinct keys → the `n` of
     /// each job that stored its response.
     CompleteGroup = 8,
+    /// [`PLAN_SETTINGS`]: one row, the four settings as set.
+    PlanSettings = 9,
 }
 
 impl Stmt {
-    pub(super) const COUNT: usize = 9;
+    pub(super) const COUNT: usize = 10;
 }
 
 /// The statement texts and object names for one table.
@@ -207,7 +213,7 @@ impl Sql {
         // Rows: each claim (`n` NULL: the key, last, names its job), then
         // every key's row as read (`n` its 1-based position, `claimed`
         // false). Nothing joins the claims back to the input: without hash
-        // joins (SET_BEGIN) that join was a nested loop over both lists,
+        // joins (PLAN_SETTINGS) that join was a nested loop over both lists,
         // quadratic in the group's size.
         let begin_group = format!(
             "WITH input AS (
@@ -304,6 +310,7 @@ impl Sql {
                 renew,
                 begin_group,
                 complete_group,
+                PLAN_SETTINGS.to_owned(),
             ],
         }
     }
