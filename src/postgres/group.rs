@@ -495,11 +495,7 @@ fn by_position<'s, T>(
     };
     let mut positions = Vec::with_capacity(rows.len());
     for row in rows {
-        let n: i64 = row.try_get(0)?;
-        positions.push((
-            usize::try_from(n.saturating_sub(1)).unwrap_or(usize::MAX),
-            row,
-        ));
+        positions.push((job_index(&row)?, row));
     }
     let mut slots: Vec<Option<&'s mut T>> = slots.iter_mut().map(Some).collect();
     Ok(positions
@@ -539,13 +535,19 @@ fn place_begin_rows(
         }
     }
     for row in read {
-        let n: i64 = row.try_get(0)?;
-        let i = usize::try_from(n.saturating_sub(1)).unwrap_or(usize::MAX);
-        if let Some(slot) = slots.get_mut(i) {
+        if let Some(slot) = slots.get_mut(job_index(&row)?) {
             slot.get_or_insert(row);
         }
     }
     Ok(())
+}
+
+/// The 0-based index of the job a group statement's row answers, from its
+/// first column (the job's 1-based position; out of range when it is not
+/// a position at all).
+fn job_index(row: &Row) -> Result<usize, tokio_postgres::Error> {
+    let n: i64 = row.try_get(0)?;
+    Ok(usize::try_from(n.saturating_sub(1)).unwrap_or(usize::MAX))
 }
 
 /// The answer to a group's `begin` from its row in the group statement's

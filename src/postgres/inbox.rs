@@ -634,13 +634,14 @@ impl PassContext<'_> {
         e.into_error(&self.core.sql.table)
     }
 
-    /// Ends the pass's transaction with `ROLLBACK`, then reports `abort`.
-    async fn roll_back<R, E>(&self, abort: Abort<E>) -> Result<R, Abort<E>> {
+    /// Ends the pass's transaction with `ROLLBACK`, then reports `abort`
+    /// (a failed `ROLLBACK` is reported instead, as the batch's error).
+    pub(super) async fn roll_back<R, A: From<Error>>(&self, abort: A) -> Result<R, A> {
         self.conn
             .client
             .batch_execute("ROLLBACK")
             .await
-            .map_err(|e| self.db(e))?;
+            .map_err(|e| A::from(self.db(e)))?;
         Err(abort)
     }
 }

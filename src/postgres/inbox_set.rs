@@ -354,7 +354,9 @@ where
         match decided {
             Decided::Claimed(claim, processing, fresh) => {
                 let Some((key, _, payload)) = messages.get(rep.index) else {
-                    return roll_back(ctx, SetAbort::Batch(super::inbox::undecided())).await;
+                    return ctx
+                        .roll_back(SetAbort::Batch(super::inbox::undecided()))
+                        .await;
                 };
                 set.push(Claimed {
                     key,
@@ -371,14 +373,16 @@ where
                 answers.push((rep.index, Delivery::InFlight { lease_until }));
             }
             Decided::Answer(Begin::Claimed(_), _) => {
-                return roll_back(ctx, SetAbort::Batch(super::inbox::undecided())).await;
+                return ctx
+                    .roll_back(SetAbort::Batch(super::inbox::undecided()))
+                    .await;
             }
         }
     }
     if set.is_empty() {
         // Nothing written: the commit only ends the transaction (and
         // releases the locks).
-        commit(ctx).await?;
+        write_and_commit(ctx, &[]).await?;
         return Ok(answers
             .into_iter()
             .map(|(index, answer)| (index, Ok(answer)))
@@ -404,7 +408,9 @@ where
     while let Some(range) = todo.pop() {
         let (start, end) = (range.start, range.end);
         let Some(subset) = set.get(range.clone()) else {
-            return roll_back(ctx, SetAbort::Batch(super::inbox::undecided())).await;
+            return ctx
+                .roll_back(SetAbort::Batch(super::inbox::undecided()))
+                .await;
         };
         // A careful set's savepoint goes out with the handler's first
         // statement. (Savepoints of sets that succeed are not released:
@@ -468,18 +474,14 @@ where
                     Some((rep, ..)) => vec![rep.index],
                     None => claimed.iter().map(|(rep, ..)| rep.index).collect(),
                 };
-                return roll_back(ctx, SetAbort::Failed(failed, e)).await;
+                return ctx.roll_back(SetAbort::Failed(failed, e)).await;
             }
             Err((culprit, e)) => {
                 client
                     .batch_execute("ROLLBACK TO SAVEPOINT idemstore_set")
                     .await
                     .map_err(|e| SetAbort::Batch(ctx.db(e)))?;
-                let alone = match culprit {
-                    Some(i) => Some(i),
-                    None if end - start == 1 => Some(start),
-                    None => None,
-                };
+                let alone = culprit.or((end - start == 1).then_some(start));
                 match alone.and_then(|i| claimed.get(i).map(|(rep, ..)| (i, rep.index))) {
                     // That message's answer is its error; the rest of its
                     // set runs again without it.
@@ -495,7 +497,6 @@ where
             }
         }
     }
-    drop(set);
     write_and_commit(ctx, &handled).await?;
     Ok(results)
 }
@@ -523,22 +524,4 @@ where
         Ok(Err(e)) => Err(e),
         Err(message) => Err(Error::HandlerPanicked { message }.into()),
     }
-}
-
-async fn commit<E>(ctx: &PassContext<'_>) -> Result<(), SetAbort<E>> {
-    ctx.conn
-        .client
-        .batch_execute("COMMIT")
-        .await
-        .map_err(|e| SetAbort::Batch(ctx.db(e)))
-}
-
-/// Ends the pass's transaction with `ROLLBACK`, then reports `abort`.
-async fn roll_back<R, E>(ctx: &PassContext<'_>, abort: SetAbort<E>) -> Result<R, SetAbort<E>> {
-    ctx.conn
-        .client
-        .batch_execute("ROLLBACK")
-        .await
-        .map_err(|e| SetAbort::Batch(ctx.db(e)))?;
-    Err(abort)
 }

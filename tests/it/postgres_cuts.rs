@@ -167,6 +167,49 @@ fn start_proxy(upstream: SocketAddr, cutter: Arc<Cutter>) -> (SocketAddr, tokio:
     (addr, rt)
 }
 
+/// A migrated store on a fresh table, its connections through a cutting
+/// proxy (off until `cutter.on` is set), and what must outlive it.
+struct Proxied {
+    store: PostgresStore,
+    cutter: Arc<Cutter>,
+    table: String,
+    _drop: crate::postgres::DropTable,
+    _proxy: tokio::runtime::Runtime,
+}
+
+/// [`Proxied`] with a pool of `max_size`, the proxy's random sequence
+/// starting at `seed`, cutting `per_mille` of the opportunities.
+fn proxied_store(prefix: &str, max_size: u32, seed: u64, per_mille: u64) -> Proxied {
+    let url = pg_url().unwrap();
+    let cutter = Arc::new(Cutter {
+        rng: AtomicU64::new(seed),
+        per_mille: AtomicU64::new(per_mille),
+        ..Cutter::default()
+    });
+    let pg = PgUrl::parse(&url);
+    let (proxy, runtime) = start_proxy(pg.server, Arc::clone(&cutter));
+    let table = fresh_table(prefix);
+    let drop = crate::postgres::DropTable {
+        url: url.clone(),
+        table: table.clone(),
+    };
+    let store = PostgresStore::builder()
+        .table(&table)
+        .max_size(max_size)
+        .connect_timeout(Duration::from_secs(30))
+        .build_timeout(Duration::from_secs(60))
+        .migrate_on_build(true)
+        .connect(&pg.through(proxy))
+        .unwrap();
+    Proxied {
+        store,
+        cutter,
+        table,
+        _drop: drop,
+        _proxy: runtime,
+    }
+}
+
 /// `postgres://user@host:port/db`: its parts around `host:port`, and the
 /// server's address.
 struct PgUrl {
@@ -294,27 +337,13 @@ fn a_store_whose_connections_are_cut_keeps_every_promise() {
         .and_then(|n| n.parse().ok())
         .unwrap_or(200);
     let url = pg_url().unwrap();
-    let cutter = Arc::new(Cutter {
-        rng: AtomicU64::new(0x2545_F491_4F6C_DD1D),
-        per_mille: AtomicU64::new(CUT_PER_MILLE),
-        ..Cutter::default()
-    });
-    let pg = PgUrl::parse(&url);
-    let (proxy, _proxy_rt) = start_proxy(pg.server, Arc::clone(&cutter));
-    let proxied = pg.through(proxy);
-    let table = fresh_table("cuts");
-    let _drop = crate::postgres::DropTable {
-        url: url.clone(),
-        table: table.clone(),
-    };
-    let store = PostgresStore::builder()
-        .table(&table)
-        .max_size(8)
-        .connect_timeout(Duration::from_secs(30))
-        .build_timeout(Duration::from_secs(60))
-        .migrate_on_build(true)
-        .connect(&proxied)
-        .unwrap();
+    let Proxied {
+        store,
+        cutter,
+        table,
+        _drop,
+        _proxy,
+    } = proxied_store("cuts", 8, 0x2545_F491_4F6C_DD1D, CUT_PER_MILLE);
     let guard = Guard::builder(store)
         .clock(SystemClock)
         .lease(LEASE)
@@ -461,34 +490,25 @@ fn an_inbox_whose_connections_are_cut_commits_each_message_once() {
     const MESSAGES: usize = 600;
     const BATCH: usize = 20;
     let url = pg_url().unwrap();
-    let cutter = Arc::new(Cutter {
-        rng: AtomicU64::new(0x9E37_79B9_7F4A_7C15),
-        per_mille: AtomicU64::new(CUT_PER_MILLE * 2),
-        ..Cutter::default()
-    });
-    let pg = PgUrl::parse(&url);
-    let (proxy, _proxy_rt) = start_proxy(pg.server, Arc::clone(&cutter));
-    let table = fresh_table("inbox_cuts");
+    let Proxied {
+        store,
+        cutter,
+        table,
+        _drop,
+        _proxy,
+    } = proxied_store("inbox_cuts", 4, 0x9E37_79B9_7F4A_7C15, CUT_PER_MILLE * 2);
     let effects = format!("{table}_effects");
-    let _drop = crate::postgres::DropTable {
+    // Dropped however the test ends.
+    let _drop_effects = crate::postgres::DropTable {
         url: url.clone(),
-        table: table.clone(),
+        table: effects.clone(),
     };
     raw(&url)
         .batch_execute(&format!(
             "DROP TABLE IF EXISTS \"{effects}\"; CREATE TABLE \"{effects}\" (id text NOT NULL)"
         ))
         .unwrap();
-    let inbox = PgInbox::new(
-        PostgresStore::builder()
-            .table(&table)
-            .max_size(4)
-            .connect_timeout(Duration::from_secs(30))
-            .build_timeout(Duration::from_secs(60))
-            .migrate_on_build(true)
-            .connect(&pg.through(proxy))
-            .unwrap(),
-    );
+    let inbox = PgInbox::new(store);
     let insert = format!("INSERT INTO \"{effects}\" (id) SELECT unnest($1::text[])");
     let message = |i: usize| {
         (
@@ -615,7 +635,6 @@ fn an_inbox_whose_connections_are_cut_commits_each_message_once() {
         let (id, n): (String, i64) = (row.get(0), row.get(1));
         assert_eq!(n, 1, "{id}: its effect committed once");
     }
-    let _ = raw(&url).batch_execute(&format!("DROP TABLE IF EXISTS \"{effects}\""));
     let [before, unknown, after] = cutter.counts();
     eprintln!(
         "inbox connection cuts: {} in {:.1} s (before a statement {before}, after a \
