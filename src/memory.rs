@@ -8,7 +8,7 @@ use crate::record::{Begin, Claim, Record, check_durations};
 use crate::response::{DEFAULT_MAX_BODY_BYTES, Response, check_body_limit};
 use crate::store::{MAX_SWEEP_BATCH, Store, StoreFuture};
 use crate::time::{Clock, SystemClock, Timestamp};
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -58,7 +58,7 @@ impl std::fmt::Display for Op {
 type FaultHook = Box<dyn Fn(Op) -> Option<Error> + Send + Sync>;
 
 /// The reference [`Store`]: every record in a `HashMap` behind one mutex,
-/// with a `BTreeSet` expiry index.
+/// with a `BTreeMap` expiry index.
 ///
 /// Nothing survives the process: use it in tests, or where duplicates only
 /// matter within one process's life. It is the model the durable backends
@@ -91,21 +91,27 @@ pub struct MemoryStore {
 #[derive(Default)]
 struct Inner {
     records: HashMap<Key, Record>,
-    index: BTreeSet<(Timestamp, Key)>,
+    /// The expiry index, by (expiry, fencing token): a record's token is
+    /// unique in the store (`begin` is the only place one is minted, each
+    /// one above the last), so the pair names one record and comparing it
+    /// is two integers, never the keys' bytes (many records share an
+    /// expiry millisecond under load).
+    index: BTreeMap<(Timestamp, u64), Key>,
     last_token: u64,
 }
 
 impl Inner {
     fn put(&mut self, key: &Key, record: Record) {
-        if let Some(old) = self.records.insert(key.clone(), record.clone()) {
-            self.index.remove(&(old.expires_at, key.clone()));
+        let slot = (record.expires_at, record.token);
+        if let Some(old) = self.records.insert(key.clone(), record) {
+            self.index.remove(&(old.expires_at, old.token));
         }
-        self.index.insert((record.expires_at, key.clone()));
+        self.index.insert(slot, key.clone());
     }
 
     fn remove(&mut self, key: &Key) {
         if let Some(old) = self.records.remove(key) {
-            self.index.remove(&(old.expires_at, key.clone()));
+            self.index.remove(&(old.expires_at, old.token));
         }
     }
 }
@@ -306,7 +312,7 @@ impl Store for MemoryStore {
         let due: Vec<Key> = inner
             .index
             .iter()
-            .take_while(|(expires_at, _)| logic::sweepable(*expires_at, now))
+            .take_while(|((expires_at, _), _)| logic::sweepable(*expires_at, now))
             .take(max)
             .map(|(_, key)| key.clone())
             .collect();

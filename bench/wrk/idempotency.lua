@@ -1,13 +1,16 @@
 -- wrk script for `http_load --serve VARIANT`: every request is a POST to
 -- /orders with an Idempotency-Key; a share of them (DUP, default 0.1)
--- re-sends one of the last keys this thread sent (a retry: a replay once
--- the first is done), the rest are fresh. Each wrk thread has its own
--- key space, so threads never collide by accident.
+-- re-sends a key this thread sent between 1,024 and 4,096 requests ago
+-- (a retry of a request that has completed: a replay, never a 409), the
+-- rest are fresh. Each wrk thread has its own key space, so threads never
+-- collide by accident.
 --
 --   wrk -t2 -c64 -d10s -s bench/wrk/idempotency.lua http://127.0.0.1:8080/orders
 --   DUP=0.9 wrk -t2 -c64 -d10s -s bench/wrk/idempotency.lua http://127.0.0.1:8080/orders
 
 local dup = tonumber(os.getenv("DUP") or "0.1")
+local KEEP = 4096
+local OLD = 1024
 local threads = {}
 local counter = 0
 
@@ -28,18 +31,17 @@ end
 
 function request()
   local key
-  if #recent > 0 and math.random() < dup then
-    key = recent[math.random(#recent)]
+  -- A re-sent key is one this thread sent at least OLD requests ago (its
+  -- first request has long completed, so it is a replay, not a 409), and
+  -- at most KEEP ago.
+  if n > OLD and math.random() < dup then
+    local span = math.min(n, KEEP) - OLD
+    key = recent[(n - OLD - math.random(0, span - 1)) % KEEP + 1]
   else
     n = n + 1
     key = "t" .. id .. "-" .. n
-    recent[(n % 64) + 1] = key
+    recent[n % KEEP + 1] = key
   end
   wrk.headers["Idempotency-Key"] = key
   return wrk.format()
-end
-
-function done(summary, latency, requests)
-  local statuses = summary.errors.status
-  io.write(string.format("non-2xx/3xx responses: %d\n", statuses))
 end
