@@ -75,7 +75,7 @@ pub(super) fn run(shared: Arc<Shared>) {
             let started = Instant::now();
             match checkpoint(&shared, &frozen) {
                 Ok(()) => {
-                    shared.write_mem().frozen = None;
+                    retire(&shared, &frozen);
                     shared.stats.checkpoints.fetch_add(1, Ordering::Relaxed);
                     shared.stats.durable_commits.fetch_add(1, Ordering::Relaxed);
                     crate::observability::checkpointed(frozen.records.len(), started.elapsed());
@@ -223,6 +223,34 @@ pub(super) fn tick(shared: &Shared, last_sync: &mut Instant) -> Result<Tick> {
         }
     }
     Ok(done)
+}
+
+/// Entries taken into the replay cache under one hold of the memtable's
+/// write lock, so that readers and the leader wait for at most one chunk.
+const RETIRE_CHUNK: usize = 512;
+
+/// After its checkpoint: takes `frozen`'s entries into the replay cache,
+/// then drops it (hot.rs: the table shadows its keys until then). Stops if
+/// the table was taken away meanwhile: a heal emptied the memory.
+fn retire(shared: &Shared, frozen: &std::sync::Arc<Frozen>) {
+    let mut entries = frozen.records.iter().peekable();
+    loop {
+        let mut mem = shared.write_mem();
+        let ours = mem
+            .frozen
+            .as_ref()
+            .is_some_and(|f| std::sync::Arc::ptr_eq(f, frozen));
+        if !ours {
+            return;
+        }
+        for (key, entry) in entries.by_ref().take(RETIRE_CHUNK) {
+            mem.hot.take_in(key, entry);
+        }
+        if entries.peek().is_none() {
+            mem.frozen = None;
+            return;
+        }
+    }
 }
 
 /// Writes `frozen` into redb in one durable commit that also retires its

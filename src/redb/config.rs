@@ -92,6 +92,8 @@ pub(super) struct Config {
     pub(super) verify_on_open: bool,
     pub(super) write_ahead_log: bool,
     pub(super) checkpoint_interval: Duration,
+    /// Bytes of the replay cache (hot.rs); 0: off.
+    pub(super) replay_cache_bytes: usize,
     pub(super) wal_bytes: u64,
     pub(super) accept_loss: bool,
     /// redb's commits through the page log (`<file>-pages`).

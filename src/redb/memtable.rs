@@ -14,6 +14,7 @@
 //! the memtable: either the frozen table was still there, or redb already
 //! held its records.
 
+use super::hot::Hot;
 use crate::record::Record;
 use crate::time::Timestamp;
 use std::collections::BTreeMap;
@@ -43,16 +44,26 @@ pub(super) struct Frozen {
     pub(super) token_hwm: u64,
 }
 
-/// Both memtables.
+/// Both memtables, and the replay cache of checkpointed DONE records.
 #[derive(Debug, Default)]
 pub(super) struct Mem {
     pub(super) active: Table,
     /// Approximate bytes held by `active` (see [`entry_bytes`]).
     pub(super) active_bytes: usize,
     pub(super) frozen: Option<Arc<Frozen>>,
+    /// Read after both tables and before redb (hot.rs).
+    pub(super) hot: Hot,
 }
 
 impl Mem {
+    /// Empty tables and a replay cache of at most `replay_cache_bytes`.
+    pub(super) fn new(replay_cache_bytes: usize) -> Mem {
+        Mem {
+            hot: Hot::new(replay_cache_bytes),
+            ..Mem::default()
+        }
+    }
+
     /// The latest state of `key` in memory: `Some(entry)` when the memtable
     /// decides it (a record or a deletion), `None` when redb does.
     pub(super) fn get(&self, key: &[u8]) -> Option<&Entry> {

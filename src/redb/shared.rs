@@ -152,7 +152,7 @@ impl Shared {
             clock: Arc::clone(&config.clock),
             path: path.map(Path::to_path_buf),
             stats: Counters::default(),
-            mem: RwLock::new(Mem::default()),
+            mem: RwLock::new(Mem::new(config.replay_cache_bytes)),
             queue: Mutex::new(Queue::default()),
             queue_room: Condvar::new(),
             committer_cv: Condvar::new(),
@@ -256,12 +256,17 @@ impl Shared {
         self.checkpoint_left().is_zero()
     }
 
-    /// The latest state of `key_bytes`: the memtable, then redb (verified).
+    /// The latest state of `key_bytes`: the memtable, the replay cache,
+    /// then redb (verified).
     pub(super) fn read(&self, key_bytes: &[u8]) -> Result<Option<Record>> {
         {
             let mem = self.read_mem();
             if let Some(entry) = mem.get(key_bytes) {
                 return Ok(entry.clone());
+            }
+            if let Some(record) = mem.hot.get(key_bytes) {
+                self.stats.replay_cache_hits.fetch_add(1, Ordering::Relaxed);
+                return Ok(Some(record.clone()));
             }
         }
         // Opened after the memtable was read: see memtable.rs.

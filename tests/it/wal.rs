@@ -454,22 +454,67 @@ fn an_idle_store_is_checkpointed_after_the_interval_and_reads_move_to_the_file()
     let dir = tempfile::tempdir().unwrap();
     let store = RedbStore::builder()
         .checkpoint_interval(Duration::from_millis(20))
+        .replay_cache_bytes(0)
         .open(dir.path().join("s.idem"))
         .unwrap();
     let c = claim(&store, "a");
     complete(&store, "a", &c);
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while store.stats().checkpoints == 0 {
-        assert!(std::time::Instant::now() < deadline, "no checkpoint");
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    // Read back from the store file now.
+    wait_for_checkpoints(&store, 1);
+    // Read back from the store file now (the replay cache is off).
     assert_eq!(
         store.get(&key("a"), T0).unwrap().unwrap().state(),
         State::Done
     );
+    assert_eq!(store.stats().replay_cache_hits, 0);
     // And a later write starts a fresh log: the frames were retired.
     let stats = store.stats();
     assert_eq!(stats.logged_commits, 2);
     assert!(stats.durable_commits >= 1);
+}
+
+/// Waits until the background checkpointer has written `n` memtables.
+fn wait_for_checkpoints(store: &RedbStore, n: u64) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while store.stats().checkpoints < n {
+        assert!(std::time::Instant::now() < deadline, "no checkpoint");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+#[test]
+fn a_checkpointed_replay_is_answered_from_the_replay_cache_which_never_goes_stale() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = RedbStore::builder()
+        .checkpoint_interval(Duration::from_millis(10))
+        .open(dir.path().join("s.idem"))
+        .unwrap();
+    let (a, b) = (claim(&store, "a"), claim(&store, "b"));
+    complete(&store, "a", &a);
+    complete(&store, "b", &b);
+    wait_for_checkpoints(&store, 1);
+    let begin = |id: &str, at| store.begin(&key(id), &fp(id), at, LEASE, KEEP).unwrap();
+    // In the store file now, and answered from memory.
+    let Begin::Replay(r) = begin("a", T0) else {
+        panic!("expected a replay")
+    };
+    assert_eq!(r.body(), b"done a");
+    assert_eq!(store.stats().replay_cache_hits, 1);
+
+    // The record expires and a new request claims the key: the claim (in
+    // the memtable, then checkpointed) hides the cached response.
+    let later = T0 + KEEP + Duration::from_millis(1);
+    assert!(matches!(begin("a", later), Begin::Claimed(_)));
+    assert!(matches!(begin("a", later), Begin::InFlight { .. }));
+    let done = store.stats().checkpoints;
+    wait_for_checkpoints(&store, done + 1);
+    assert!(matches!(begin("a", later), Begin::InFlight { .. }));
+    let raw = store.admin().get_raw(&key("a")).unwrap().unwrap();
+    assert_eq!(raw.state(), State::Processing);
+
+    // A write that bypasses the memtable (the admin's evict) empties the
+    // cache: the evicted key is claimed again, not replayed.
+    let hits = store.stats().replay_cache_hits;
+    assert!(store.admin().evict(&key("b")).unwrap().is_some());
+    assert!(matches!(begin("b", T0), Begin::Claimed(_)));
+    assert_eq!(store.stats().replay_cache_hits, hits);
 }

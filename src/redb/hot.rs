@@ -1,0 +1,218 @@
+//! The replay cache: completed records kept in memory after their memtable
+//! is checkpointed, so that a retry seconds later is answered from memory
+//! instead of a redb read transaction and a B-tree walk.
+//!
+//! It lives in [`Mem`](super::memtable::Mem), under the memtable's lock,
+//! and readers consult it after the active and the frozen table and before
+//! redb. It is filled at one point only: a checkpoint, after its redb commit
+//! and *before* it drops the frozen table, takes that table's entries in
+//! (a DONE record goes in, any other entry takes its key out). While that
+//! happens the frozen table is still there and shadows the keys, and once
+//! it is gone the cache holds what redb holds for them. A later write to a
+//! key lands in the active table, which shadows the cache until its own
+//! checkpoint replaces the entry. So an entry is never older than the
+//! store's state of its key, with three writers that bypass the memtable:
+//!
+//! - a direct transaction (inbox, admin evict and import, compaction, a
+//!   group too large for the log) empties the cache before it writes;
+//! - a heal empties it (it rebuilds the state from the file and the log);
+//! - a checkpoint whose frozen table was taken away meanwhile (a heal)
+//!   stops filling.
+//!
+//! Eviction is first in, first out, by bytes ([`REPLAY_CACHE_BYTES`] by
+//! default, [`replay_cache_bytes`](super::RedbStoreBuilder::replay_cache_bytes)):
+//! an evicted key is read from redb, which has it.
+
+use super::memtable::{Entry, entry_bytes};
+use crate::record::{Record, State};
+use std::collections::{HashMap, VecDeque};
+
+/// Bytes of completed records the replay cache holds by default (keys,
+/// response bodies and a fixed allowance per entry, as the memtable counts
+/// them): about 80,000 responses of 64 bytes.
+///
+/// ```
+/// assert_eq!(idemstore::redb::REPLAY_CACHE_BYTES, 16 * 1024 * 1024);
+/// ```
+pub const REPLAY_CACHE_BYTES: usize = 16 * 1024 * 1024;
+
+/// Completed records by encoded key, evicted first in, first out.
+#[derive(Debug, Default)]
+pub(super) struct Hot {
+    cap: usize,
+    /// Each record with the number of its place in `order`.
+    map: HashMap<Vec<u8>, (Record, u64)>,
+    /// Keys in the order they came in; a key taken out or put in again
+    /// leaves a stale place behind, skipped when it comes up.
+    order: VecDeque<(u64, Vec<u8>)>,
+    bytes: usize,
+    next: u64,
+}
+
+impl Hot {
+    /// An empty cache of at most `cap` bytes (0: off).
+    pub(super) fn new(cap: usize) -> Hot {
+        Hot {
+            cap,
+            ..Hot::default()
+        }
+    }
+
+    /// The completed record of `key`, if it is held.
+    pub(super) fn get(&self, key: &[u8]) -> Option<&Record> {
+        self.map.get(key).map(|(record, _)| record)
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Takes in a checkpointed entry: a DONE record is held (in place of
+    /// any older one), anything else (a claim, a deletion) takes the key out.
+    pub(super) fn take_in(&mut self, key: &[u8], entry: &Entry) {
+        if self.cap == 0 {
+            return;
+        }
+        self.remove(key);
+        let Some(record) = entry.as_ref().filter(|r| r.state == State::Done) else {
+            return;
+        };
+        let cost = cost(key, entry);
+        if cost > self.cap {
+            return;
+        }
+        let place = self.next;
+        self.next += 1;
+        self.map.insert(key.to_vec(), (record.clone(), place));
+        self.order.push_back((place, key.to_vec()));
+        self.bytes += cost;
+        while self.bytes > self.cap {
+            let Some((place, key)) = self.order.pop_front() else {
+                break;
+            };
+            if self.map.get(&key).is_some_and(|(_, p)| *p == place) {
+                self.remove(&key);
+            }
+        }
+        // Stale places are dropped once they outnumber the live ones.
+        if self.order.len() > 2 * self.map.len() + 1024 {
+            let map = &self.map;
+            self.order
+                .retain(|(place, key)| map.get(key).is_some_and(|(_, p)| p == place));
+        }
+    }
+
+    /// Forgets everything (before a write that bypasses the memtable).
+    pub(super) fn clear(&mut self) {
+        self.map.clear();
+        self.order.clear();
+        self.bytes = 0;
+    }
+
+    fn remove(&mut self, key: &[u8]) {
+        if let Some((record, _)) = self.map.remove(key) {
+            let gone = cost(key, &Some(record));
+            self.bytes = self.bytes.saturating_sub(gone);
+        }
+    }
+}
+
+/// An entry's bytes: the memtable's count, plus the key's second copy in
+/// the eviction order.
+fn cost(key: &[u8], entry: &Entry) -> usize {
+    entry_bytes(key, entry) + key.len()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fingerprint::Fingerprint;
+    use crate::response::Response;
+    use crate::time::Timestamp;
+
+    fn record(state: State, body: &str) -> Record {
+        Record {
+            fingerprint: Fingerprint::of(b"f"),
+            state,
+            response: (state == State::Done).then(|| Response::new(200, body)),
+            lease_until: (state == State::Processing).then(|| Timestamp::from_millis(5)),
+            expires_at: Timestamp::from_millis(10),
+            created_at: Timestamp::from_millis(1),
+            token: 1,
+            attempts: 1,
+        }
+    }
+
+    fn body(hot: &Hot, key: &[u8]) -> Option<Vec<u8>> {
+        hot.get(key)
+            .and_then(|r| r.response.as_ref())
+            .map(|r| r.body().to_vec())
+    }
+
+    #[test]
+    fn done_records_are_held_and_anything_else_takes_the_key_out() {
+        let mut hot = Hot::new(1 << 20);
+        hot.take_in(b"a", &Some(record(State::Done, "one")));
+        hot.take_in(b"b", &Some(record(State::Processing, "")));
+        assert_eq!(body(&hot, b"a"), Some(b"one".to_vec()));
+        assert!(hot.get(b"b").is_none());
+        // A newer DONE record replaces the older one.
+        hot.take_in(b"a", &Some(record(State::Done, "two")));
+        assert_eq!(body(&hot, b"a"), Some(b"two".to_vec()));
+        assert_eq!(hot.len(), 1);
+        // A claim on the key (its record expired and was taken over) and
+        // a deletion both take it out.
+        hot.take_in(b"a", &Some(record(State::Processing, "")));
+        assert!(hot.get(b"a").is_none());
+        hot.take_in(b"c", &Some(record(State::Done, "c")));
+        hot.take_in(b"c", &None);
+        assert!(hot.get(b"c").is_none());
+        assert_eq!((hot.len(), hot.bytes), (0, 0));
+        hot.take_in(b"d", &Some(record(State::Done, "d")));
+        hot.clear();
+        assert!(hot.get(b"d").is_none());
+        assert_eq!((hot.len(), hot.bytes, hot.order.len()), (0, 0, 0));
+    }
+
+    #[test]
+    fn the_oldest_entries_go_first_and_the_bytes_stay_under_the_cap() {
+        let one = cost(b"k0", &Some(record(State::Done, "x")));
+        let mut hot = Hot::new(3 * one);
+        for i in 0..3 {
+            hot.take_in(format!("k{i}").as_bytes(), &Some(record(State::Done, "x")));
+        }
+        assert_eq!(hot.len(), 3);
+        // k0 put in again: it is now the newest, so k1 goes first.
+        hot.take_in(b"k0", &Some(record(State::Done, "x")));
+        hot.take_in(b"k3", &Some(record(State::Done, "x")));
+        assert!(hot.get(b"k1").is_none());
+        for kept in [&b"k0"[..], b"k2", b"k3"] {
+            assert!(hot.get(kept).is_some(), "{kept:?}");
+        }
+        assert_eq!(hot.bytes, 3 * one);
+        // An entry larger than the whole cache is not held, and evicts nothing.
+        let big = "y".repeat(4 * one);
+        hot.take_in(b"big", &Some(record(State::Done, &big)));
+        assert!(hot.get(b"big").is_none());
+        assert_eq!(hot.len(), 3);
+    }
+
+    #[test]
+    fn off_holds_nothing_and_stale_places_are_dropped() {
+        let mut off = Hot::new(0);
+        off.take_in(b"a", &Some(record(State::Done, "a")));
+        assert!(off.get(b"a").is_none());
+        let mut hot = Hot::new(1 << 20);
+        for _ in 0..5_000 {
+            hot.take_in(b"same", &Some(record(State::Done, "a")));
+        }
+        assert_eq!(hot.len(), 1);
+        assert!(
+            hot.order.len() <= 2 * hot.len() + 1024,
+            "{}",
+            hot.order.len()
+        );
+        assert_eq!(hot.bytes, cost(b"same", &Some(record(State::Done, "a"))));
+    }
+}
