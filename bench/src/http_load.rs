@@ -49,8 +49,9 @@ use std::time::{Duration, Instant};
 pub const VARIANTS: [&str; 6] = ["none", "memory", "redb", "postgres", "pg-mw", "redis-mw"];
 
 /// Variants run only when listed: `redb-relaxed`, the layer on `RedbStore`
-/// with a durable commit every 100 ms instead of one per group.
-pub const EXTRA_VARIANTS: [&str; 1] = ["redb-relaxed"];
+/// with a durable commit every 100 ms instead of one per group, and
+/// `redb-nocache`, the layer on `RedbStore` with its replay cache off.
+pub const EXTRA_VARIANTS: [&str; 2] = ["redb-relaxed", "redb-nocache"];
 
 /// The route under load.
 pub const PATH: &str = "/orders";

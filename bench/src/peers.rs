@@ -401,6 +401,13 @@ pub fn open_backend(name: &str, dir: &Path, durability: &str) -> BoxResult<Box<d
         // The same store without its write-ahead log: a durable redb
         // commit per batch (what the log saves is this row's difference).
         "redb-nolog" => Box::new(redb_backend(dir, durability, false)?),
+        // The same store with its replay cache off: a replay of a record
+        // already checkpointed is a redb read transaction.
+        "redb-nocache" => {
+            let mut backend = redb_backend_with(dir, durability, true, 0)?;
+            backend.name = "redb-nocache".into();
+            Box::new(backend)
+        }
         "memory" => Box::new(StoreBackend {
             name: "memory".into(),
             store: std::sync::Arc::new(idemstore::MemoryStore::new()),
@@ -448,6 +455,16 @@ pub fn open_backend(name: &str, dir: &Path, durability: &str) -> BoxResult<Box<d
 /// (a durable commit every 100 ms) or `periodic:MS`; `log`: whether it
 /// keeps its write-ahead log (the default) or commits every batch durably.
 pub fn redb_backend(dir: &Path, durability: &str, log: bool) -> BoxResult<StoreBackend> {
+    redb_backend_with(dir, durability, log, idemstore::redb::REPLAY_CACHE_BYTES)
+}
+
+/// [`redb_backend`] with a replay cache of `replay_cache_bytes` (0: off).
+pub fn redb_backend_with(
+    dir: &Path,
+    durability: &str,
+    log: bool,
+    replay_cache_bytes: usize,
+) -> BoxResult<StoreBackend> {
     let durability = match durability.split_once(':') {
         None if durability.is_empty() || durability == "immediate" => {
             idemstore::redb::Durability::Immediate
@@ -464,6 +481,7 @@ pub fn redb_backend(dir: &Path, durability: &str, log: bool) -> BoxResult<StoreB
         idemstore::RedbStore::builder()
             .durability(durability)
             .write_ahead_log(log)
+            .replay_cache_bytes(replay_cache_bytes)
             .open(dir.join("loadgen.idem"))?,
     );
     let stats = std::sync::Arc::clone(&store);

@@ -1,16 +1,16 @@
 -- wrk script for `http_load --serve VARIANT`: every request is a POST to
 -- /orders with an Idempotency-Key; a share of them (DUP, default 0.1)
--- re-sends a key this thread sent between 1,024 and 4,096 requests ago
--- (a retry of a request that has completed: a replay, never a 409), the
--- rest are fresh. Each wrk thread has its own key space, so threads never
+-- re-sends a key this thread sent between OLD (default 1,024) and KEEP
+-- (default 4,096) requests ago (a retry of a request that has completed:
+-- a replay, never a 409), the rest are fresh. Each wrk thread has its own key space, so threads never
 -- collide by accident.
 --
 --   wrk -t2 -c64 -d10s -s bench/wrk/idempotency.lua http://127.0.0.1:8080/orders
 --   DUP=0.9 wrk -t2 -c64 -d10s -s bench/wrk/idempotency.lua http://127.0.0.1:8080/orders
 
 local dup = tonumber(os.getenv("DUP") or "0.1")
-local KEEP = 4096
-local OLD = 1024
+local KEEP = tonumber(os.getenv("KEEP") or "4096")
+local OLD = tonumber(os.getenv("OLD") or "1024")
 local threads = {}
 local counter = 0
 
