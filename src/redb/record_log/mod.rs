@@ -117,23 +117,9 @@ pub(super) fn wal_path(store: &Path) -> std::path::PathBuf {
 
 /// The log on a real file: positional reads and writes, `fdatasync`. The
 /// store file's lock (taken first) is what keeps a second process out.
-///
-/// On Linux the log is also opened with `O_DIRECT`, and a write of whole
-/// blocks at a block boundary (every append: [`Wal`] pads each frame to
-/// [`FRAME_ALIGN`](frame::FRAME_ALIGN)) goes through it. Such a write is
-/// in the device when it returns, so the `fdatasync` after it finds no
-/// dirty page to write back and only makes the device flush its cache:
-/// the same durability (the file's blocks were all written at creation,
-/// so no allocation or size change waits on the journal either) for about
-/// a third less kernel CPU per append on ext4. Where the filesystem
-/// refuses `O_DIRECT` (tmpfs) the log is written through the page cache.
-/// The kernel drops cached pages of a range written directly, so reads
-/// through the buffered handle (a heal's replay) see what was written.
 #[derive(Debug)]
 pub(super) struct FileLog {
     file: std::fs::File,
-    #[cfg(target_os = "linux")]
-    direct: Option<std::fs::File>,
 }
 
 impl FileLog {
@@ -147,28 +133,14 @@ impl FileLog {
             file.sync_all()?;
             super::file::sync_parent(&path)?;
         }
-        Ok(FileLog {
-            file,
-            #[cfg(target_os = "linux")]
-            direct: open_direct(&path),
-        })
-    }
-
-    /// Whether appends bypass the page cache (a test asks).
-    #[cfg(all(test, target_os = "linux"))]
-    fn is_direct(&self) -> bool {
-        self.direct.is_some()
+        Ok(FileLog { file })
     }
 
     /// Opens the log beside `store` for reading only (`None` when there is
     /// none): every write through it fails, and nothing is created.
     pub(super) fn open_read_only(store: &Path) -> Result<Option<FileLog>> {
         match std::fs::File::open(wal_path(store)) {
-            Ok(file) => Ok(Some(FileLog {
-                file,
-                #[cfg(target_os = "linux")]
-                direct: None,
-            })),
+            Ok(file) => Ok(Some(FileLog { file })),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
             Err(e) => Err(e.into()),
         }
@@ -189,14 +161,6 @@ impl StorageBackend for FileLog {
         self.file.sync_data()
     }
     fn write(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
-        #[cfg(target_os = "linux")]
-        if let Some(direct) = &self.direct
-            && offset.is_multiple_of(DIRECT_BLOCK)
-            && (data.len() as u64).is_multiple_of(DIRECT_BLOCK)
-            && !data.is_empty()
-        {
-            return write_direct(direct, offset, data);
-        }
         #[cfg(unix)]
         {
             std::os::unix::fs::FileExt::write_all_at(&self.file, data, offset)
@@ -220,71 +184,9 @@ impl StorageBackend for FileLog {
     }
 }
 
-/// The block size of `O_DIRECT` writes: a multiple of every logical block
-/// size in use (512 or 4096), and [`FRAME_ALIGN`](frame::FRAME_ALIGN).
-#[cfg(target_os = "linux")]
-const DIRECT_BLOCK: u64 = 4096;
-
-/// The log opened for writing with `O_DIRECT`, or `None` where that is
-/// refused: the log is then written through the page cache.
-#[cfg(target_os = "linux")]
-fn open_direct(path: &Path) -> Option<std::fs::File> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let flags = rustix::fs::OFlags::DIRECT.bits();
-    std::fs::OpenOptions::new()
-        .write(true)
-        .custom_flags(i32::try_from(flags).ok()?)
-        .open(path)
-        .ok()
-}
-
-/// Writes `data` (whole blocks) at `offset` (a block boundary) through the
-/// `O_DIRECT` handle, from a block-aligned copy, as `O_DIRECT` requires
-/// (a buffer one block longer has a block-aligned run of `data.len()`
-/// bytes in it).
-#[cfg(target_os = "linux")]
-fn write_direct(file: &std::fs::File, offset: u64, data: &[u8]) -> std::io::Result<()> {
-    let block = DIRECT_BLOCK as usize;
-    let mut buffer = vec![0u8; data.len() + block];
-    let start = buffer.as_ptr().align_offset(block);
-    let aligned = buffer
-        .get_mut(start..start + data.len())
-        .ok_or_else(|| std::io::Error::other("no aligned run in the write buffer"))?;
-    aligned.copy_from_slice(data);
-    std::os::unix::fs::FileExt::write_all_at(file, aligned, offset)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// An append through the `O_DIRECT` handle reads back through the
-    /// buffered one, over bytes the page cache held from before, and
-    /// writes that are not whole blocks still work (through the page cache).
-    #[cfg(target_os = "linux")]
-    #[test]
-    fn direct_appends_read_back_through_the_page_cache() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = dir.path().join("s.idem");
-        let log = FileLog::open(&store).unwrap();
-        log.set_len(4 * DIRECT_BLOCK).unwrap();
-        log.write(0, &[7; 4 * DIRECT_BLOCK as usize]).unwrap();
-        let mut cached = [0u8; 16];
-        log.read(DIRECT_BLOCK, &mut cached).unwrap();
-        assert_eq!(cached, [7; 16]);
-        let block: Vec<u8> = (0..DIRECT_BLOCK).map(|i| (i % 251) as u8).collect();
-        log.write(DIRECT_BLOCK, &block).unwrap();
-        log.sync_data().unwrap();
-        let mut back = vec![0u8; DIRECT_BLOCK as usize];
-        log.read(DIRECT_BLOCK, &mut back).unwrap();
-        assert_eq!(back, block);
-        log.write(3, b"abc").unwrap();
-        let mut small = [0u8; 4];
-        log.read(2, &mut small).unwrap();
-        assert_eq!(&small, b"\x07abc");
-        // tmpfs refuses O_DIRECT; the test directory's filesystem may too.
-        eprintln!("O_DIRECT in use: {}", log.is_direct());
-    }
 
     #[test]
     fn the_log_sits_beside_the_store() {

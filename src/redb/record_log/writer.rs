@@ -104,12 +104,7 @@ impl Wal {
         let start = segment_range(self.len, self.epoch).start + self.offset;
         let frame = journal.seal(&self.store_id, self.epoch)?;
         let framed = align_up(frame.len() as u64);
-        // Whole blocks, zero-padded: the padding is never read, and a
-        // block-aligned write may bypass the page cache (`FileLog`).
-        let mut padded = Vec::with_capacity(framed as usize);
-        padded.extend_from_slice(frame);
-        padded.resize(framed as usize, 0);
-        self.file.write(start, &padded).map_err(Error::Io)?;
+        self.file.write(start, frame).map_err(Error::Io)?;
         if sync {
             self.file.sync_data().map_err(Error::Io)?;
         }
