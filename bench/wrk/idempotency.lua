@@ -45,3 +45,27 @@ function request()
   wrk.headers["Idempotency-Key"] = key
   return wrk.format()
 end
+
+-- STATUS=1 counts the answers that are not 201 by status and prints them
+-- at the end (off by default: a Lua call per response costs wrk time).
+if os.getenv("STATUS") then
+  function response(status, headers, body)
+    if status ~= 201 then
+      local k = "s" .. status
+      _G[k] = (_G[k] or 0) + 1
+    end
+  end
+
+  function done(summary, latency, requests)
+    local seen = {}
+    for _, t in ipairs(threads) do
+      for _, s in ipairs({ 400, 409, 422, 500, 503 }) do
+        local v = t:get("s" .. s)
+        if v then seen[s] = (seen[s] or 0) + v end
+      end
+    end
+    for s, v in pairs(seen) do
+      io.write(string.format("status %d: %d\n", s, v))
+    end
+  end
+end

@@ -26,7 +26,7 @@
 
 use super::errors::engine_error;
 use super::health::{HEAL_BACKOFF_MAX, HEAL_BACKOFF_MIN, On};
-use super::memtable::Frozen;
+use super::memtable::{Frozen, entry_bytes};
 use super::tables::{META, META_TOKEN_HWM, META_WAL_EPOCH, WriteTables};
 use super::{Durability, Shared};
 use crate::error::{Error, Result};
@@ -244,7 +244,8 @@ fn retire(shared: &Shared, frozen: &std::sync::Arc<Frozen>) {
             return;
         }
         for (key, entry) in entries.by_ref().take(RETIRE_CHUNK) {
-            mem.hot.take_in(key, entry);
+            mem.hot
+                .take_in(key, entry.as_ref(), entry_bytes(key, entry));
         }
         if entries.peek().is_none() {
             mem.frozen = None;
