@@ -109,6 +109,13 @@ impl<T> Line<T> {
         Some(state.queue.drain(..n).collect())
     }
 
+    /// True when no job waits and no runner runs (a hint: it may change
+    /// as soon as the lock is let go).
+    pub(super) fn is_idle(&self) -> bool {
+        let state = self.lock();
+        state.runners == 0 && state.queue.is_empty()
+    }
+
     /// Counts out a runner that ended without `next_group` saying so (it
     /// panicked, or was dropped with the runtime).
     pub(super) fn runner_gone(&self) {

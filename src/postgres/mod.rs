@@ -7,6 +7,7 @@ mod group;
 mod inbox;
 mod inbox_set;
 mod inbox_sql;
+mod lane;
 mod line;
 mod ops;
 mod options;
@@ -37,6 +38,7 @@ use crate::record::{Begin, Claim, Record};
 use crate::response::Response;
 use crate::store::{Store, StoreFuture};
 use crate::time::{Clock, Timestamp};
+use lane::Ran;
 use ops::Core;
 use runtime::StoreRuntime;
 use std::future::Future;
@@ -91,6 +93,14 @@ pub const MAX_BEGIN_ATTEMPTS: usize = 8;
 /// `spawn_blocking` thread or with no runtime at all. A blocking call on a
 /// tokio worker holds that worker for its round trip, as any blocking call
 /// does: async code should use the `_async` methods.
+///
+/// One exception saves the two thread hand-offs a call otherwise costs: a
+/// blocking `begin` or `complete` made while the store is idle, from a
+/// thread outside any tokio runtime, runs its statement on a connection of
+/// its own that the calling thread drives (the way the blocking `postgres`
+/// client works), with the same answers. It holds one of the pool's
+/// `max_size` connections, never the last one;
+/// [`PostgresStats::caller_driven_calls`] counts these calls.
 ///
 /// The builder checks the schema at build, bounds the build, sizes a lazy
 /// pool and opens a circuit breaker while the server is unreachable: see
@@ -162,6 +172,8 @@ pub const MAX_BEGIN_ATTEMPTS: usize = 8;
 pub struct PostgresStore {
     core: Arc<Core>,
     runtime: StoreRuntime,
+    /// The calling thread's lane for blocking calls on an idle store.
+    lane: lane::Lane,
     /// Never read by the store: handed out by [`Store::clock`].
     clock: Arc<dyn Clock>,
 }
@@ -520,8 +532,22 @@ impl Store for PostgresStore {
         lease: Duration,
         retention: Duration,
     ) -> Result<Begin> {
-        self.runtime
-            .block_on(self.begin_work(key, fingerprint, now, lease, retention))
+        let (core, store) = (&*self.core, &self.runtime.handle());
+        match (self.lane).begin(core, store, key, fingerprint, now, lease, retention) {
+            Ran::Answered(answer) => answer,
+            Ran::NotTaken => {
+                self.runtime
+                    .block_on(self.begin_work(key, fingerprint, now, lease, retention))
+            }
+            Ran::Broken => {
+                let core = Arc::clone(&self.core);
+                let (key, fingerprint) = (key.clone(), *fingerprint);
+                self.runtime.block_on(async move {
+                    core.begin_alone(&key, &fingerprint, now, lease, retention, true)
+                        .await
+                })
+            }
+        }
     }
 
     fn complete(
@@ -532,8 +558,25 @@ impl Store for PostgresStore {
         now: Timestamp,
         retention: Duration,
     ) -> Result<()> {
-        self.runtime
-            .block_on(self.complete_work(key, claim, response, now, retention))
+        let (core, store) = (&*self.core, &self.runtime.handle());
+        match (self.lane).complete(core, store, key, claim, response, now, retention) {
+            Ran::Answered(answer) => answer,
+            Ran::NotTaken => self
+                .runtime
+                .block_on(self.complete_work(key, claim, response, now, retention)),
+            Ran::Broken => {
+                let core = Arc::clone(&self.core);
+                let (key, claim, response) = (key.clone(), claim.clone(), response.clone());
+                let Some(token) = row::token(claim.token) else {
+                    return Err(crate::Error::StaleClaim); // the lane ran it: unreachable
+                };
+                let times = (row::millis(now), row::millis(now + retention));
+                self.runtime.block_on(async move {
+                    core.complete_alone(&key, &claim, token, &response, times, true)
+                        .await
+                })
+            }
+        }
     }
 
     fn release(&self, key: &Key, claim: &Claim) -> Result<()> {

@@ -433,6 +433,7 @@ impl PostgresStoreBuilder {
         Ok(PostgresStore {
             core,
             runtime,
+            lane: Default::default(),
             clock: self.clock,
         })
     }

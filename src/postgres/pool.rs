@@ -150,6 +150,33 @@ impl Pool {
         }
     }
 
+    /// A connection of its own for the calling thread's lane (`lane.rs`),
+    /// under a permit it keeps until it is dropped, so the pool and the
+    /// lane together never hold more than `max_size`. Opened on the
+    /// *current* runtime, whose thread then drives its I/O. `None` (nothing
+    /// opened) while the breaker is open, or when fewer than two permits
+    /// are free: the lane never takes the pool's last connection.
+    pub(super) async fn dedicated(&self) -> Option<Result<Dedicated>> {
+        let inner = &self.inner;
+        if self.breaker_is_open() || inner.permits.available_permits() < 2 {
+            return None;
+        }
+        let permit = Arc::clone(&inner.permits).try_acquire_owned().ok()?;
+        Some(inner.connect().await.map(|conn| Dedicated {
+            conn,
+            _permit: permit,
+            counters: Arc::clone(&inner.counters),
+        }))
+    }
+
+    /// Opens the breaker after a connection attempt made off the store's
+    /// runtime failed with `err`; the probe is spawned on `store` (the
+    /// store's runtime), as [`get`](Pool::get)'s would be.
+    pub(super) fn trip_after(&self, err: &Error, store: &tokio::runtime::Handle) {
+        let _on_store = store.enter();
+        Inner::trip(&self.inner, err);
+    }
+
     fn pooled(&self, conn: Arc<Conn>, permit: OwnedSemaphorePermit) -> Pooled {
         Pooled {
             conn,
@@ -272,6 +299,21 @@ impl Drop for Pooled {
         if self.keep && !self.conn.client.is_closed() {
             lock(&self.pool.idle).push(Arc::clone(&self.conn));
         }
+    }
+}
+
+/// A connection outside the pool (see [`Pool::dedicated`]); its permit
+/// goes back to the pool when it is dropped.
+pub(super) struct Dedicated {
+    pub(super) conn: Arc<Conn>,
+    _permit: OwnedSemaphorePermit,
+    counters: Arc<Counters>,
+}
+
+impl Dedicated {
+    /// Drops the connection, found dead, counting it as lost.
+    pub(super) fn lost(self) {
+        Counters::bump(&self.counters.connections_lost);
     }
 }
 

@@ -39,6 +39,10 @@ pub struct PostgresStats {
     pub group_commits: u64,
     /// Calls answered by a group commit.
     pub grouped_calls: u64,
+    /// Blocking `begin`s and `complete`s that ran on the calling thread's
+    /// own connection (the store idle, the caller outside any tokio
+    /// runtime): no hand-off to the store's runtime thread.
+    pub caller_driven_calls: u64,
     /// Connections opened (at build, on demand, and by the reconnect probe).
     pub connections_opened: u64,
     /// Connections found dead (a server restart or failover, a terminated
@@ -67,6 +71,7 @@ pub(super) struct Counters {
     pub(super) pool_waits: AtomicU64,
     pub(super) group_commits: AtomicU64,
     pub(super) grouped_calls: AtomicU64,
+    pub(super) caller_driven_calls: AtomicU64,
     pub(super) connections_opened: AtomicU64,
     pub(super) connections_lost: AtomicU64,
     pub(super) connect_failures: AtomicU64,
@@ -92,6 +97,7 @@ impl Counters {
             pool_waits: get(&self.pool_waits),
             group_commits: get(&self.group_commits),
             grouped_calls: get(&self.grouped_calls),
+            caller_driven_calls: get(&self.caller_driven_calls),
             connections_opened: get(&self.connections_opened),
             connections_lost: get(&self.connections_lost),
             connect_failures: get(&self.connect_failures),

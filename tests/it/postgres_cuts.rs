@@ -458,7 +458,8 @@ fn a_store_whose_connections_are_cut_keeps_every_promise() {
          executions of {KEYS} keys ({twice} keys run again after their lease), {} \
          acknowledged, {} replays; answers that left a key open: in flight {in_flight}, \
          unavailable {unavailable}, not stored {not_stored}, lease lost {lost}; \
-         connections opened {}, lost {}; breaker trips {}; group commits {} ({} calls)",
+         connections opened {}, lost {}; breaker trips {}; group commits {} ({} calls); \
+         {} calls on the calling thread's lane",
         cutter.total(),
         cut_for.as_secs_f64(),
         acked.len(),
@@ -468,6 +469,7 @@ fn a_store_whose_connections_are_cut_keeps_every_promise() {
         stats.breaker_trips,
         stats.group_commits,
         stats.grouped_calls,
+        stats.caller_driven_calls,
     );
 }
 

@@ -515,3 +515,127 @@ fn server_outage_fails_fast_and_recovers() {
     assert!(stats.breaker_trips >= 1 && stats.refusals > 0, "{stats:?}");
     assert!(!stats.breaker_open);
 }
+
+// ---- The calling thread's lane ----
+
+/// A blocking call on an idle store, from a thread outside any runtime,
+/// runs on a connection the calling thread drives (no hand-off to the
+/// store's thread), with the lone path's answers; inside a runtime, or
+/// with a pool of one, the lane is never taken; a lane connection the
+/// server ended is dropped and the call runs again on the store's runtime.
+#[test]
+fn blocking_calls_on_an_idle_store_run_on_the_calling_threads_lane() {
+    let Some(url) = pg_url() else { return };
+    let (_, guard) = fresh_store("lane", 1);
+    let app = fresh_table("idemstore_lane");
+    let sep = if url.contains('?') { '&' } else { '?' };
+    let store = Arc::new(
+        PostgresStore::builder()
+            .table(&guard.table)
+            .max_size(3)
+            .min_idle(1)
+            .connect(&format!("{url}{sep}application_name={app}"))
+            .unwrap(),
+    );
+    let lane = |s: &PostgresStore| s.stats().caller_driven_calls;
+    let (fp, other) = (Fingerprint::of(b"a"), Fingerprint::of(b"b"));
+    assert_eq!(lane(&store), 0);
+
+    // Every answer of begin and complete, on the lane.
+    let c = claimed(store.begin(&key("k"), &fp, T0, SEC, HOUR).unwrap());
+    assert_eq!(
+        store.stats().connections,
+        2,
+        "the pool's one and the lane's"
+    );
+    store
+        .complete(&key("k"), &c, &Response::new(201, "made"), T0, HOUR)
+        .unwrap();
+    assert_eq!(
+        store.begin(&key("k"), &fp, T0, SEC, HOUR).unwrap(),
+        Begin::Replay(Response::new(201, "made"))
+    );
+    assert_eq!(
+        store.begin(&key("k"), &other, T0, SEC, HOUR).unwrap(),
+        Begin::Conflict
+    );
+    let j = claimed(store.begin(&key("j"), &fp, T0, SEC, HOUR).unwrap());
+    assert!(matches!(
+        store.begin(&key("j"), &fp, T0, SEC, HOUR).unwrap(),
+        Begin::InFlight { .. }
+    ));
+    // The lease ran out: taken over, and the first claim is stale.
+    let j2 = claimed(
+        store
+            .begin(&key("j"), &fp, T0 + 2 * SEC, SEC, HOUR)
+            .unwrap(),
+    );
+    assert!(j2.token() > j.token());
+    let err = store
+        .complete(&key("j"), &j, &Response::new(200, "late"), T0, HOUR)
+        .unwrap_err();
+    assert!(matches!(err, Error::StaleClaim), "{err}");
+    assert_eq!(lane(&store), 8);
+    assert_eq!(store.stats().calls, 8);
+
+    // Inside a runtime (a spawn_blocking thread) the lane is not taken.
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let inside = Arc::clone(&store);
+    let answer = rt
+        .block_on(rt.spawn_blocking(move || inside.begin(&key("k"), &fp, T0, SEC, HOUR)))
+        .unwrap()
+        .unwrap();
+    assert_eq!(answer, Begin::Replay(Response::new(201, "made")));
+    assert_eq!(lane(&store), 8);
+    assert_eq!(store.stats().calls, 9);
+
+    // The server ends every connection, the lane's too: the next call
+    // meets the dead lane connection and runs again, once, elsewhere.
+    let ended: i64 = crate::postgres::raw(&url)
+        .query_one(
+            "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+              WHERE application_name = $1) t",
+            &[&app],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(ended, 2, "the pool's connection and the lane's");
+    std::thread::sleep(Duration::from_millis(100));
+    let lost = store.stats().connections_lost;
+    store
+        .complete(
+            &key("j"),
+            &j2,
+            &Response::new(201, "second"),
+            T0 + 2 * SEC,
+            HOUR,
+        )
+        .unwrap();
+    assert!(store.stats().connections_lost > lost);
+    assert_eq!(store.stats().calls, 10);
+    assert_eq!(
+        store
+            .begin(&key("j"), &fp, T0 + 2 * SEC, SEC, HOUR)
+            .unwrap(),
+        Begin::Replay(Response::new(201, "second"))
+    );
+    assert_eq!(lane(&store), 9, "the lane opened a new connection");
+    drop(rt);
+
+    // A pool of one: the lane never takes the only connection.
+    let single = PostgresStore::builder()
+        .table(&guard.table)
+        .max_size(1)
+        .connect(&url)
+        .unwrap();
+    let c = claimed(single.begin(&key("s"), &fp, T0, SEC, HOUR).unwrap());
+    single
+        .complete(&key("s"), &c, &Response::new(201, "one"), T0, HOUR)
+        .unwrap();
+    assert_eq!(lane(&single), 0);
+    assert_eq!(single.stats().connections, 1);
+}

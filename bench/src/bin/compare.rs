@@ -14,7 +14,7 @@
 //! ```
 //!
 //! `--only NAME,..` runs only the named rows (`postgres,postgres-hand`
-//! for the PostgreSQL pair).
+//! for the PostgreSQL pair); `--clients N,..` only those client counts.
 //!
 //! Redis joins as a peer when IDEMSTORE_REDIS_URL (a server with
 //! `appendfsync always`) and/or IDEMSTORE_REDIS_EVERYSEC_URL (one with
@@ -101,6 +101,7 @@ fn main() -> BoxResult<()> {
     let mut seconds = 3.0f64;
     let mut require_redis = false;
     let mut only: Option<Vec<String>> = None;
+    let mut clients_list: Vec<usize> = CLIENTS.to_vec();
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -111,6 +112,10 @@ fn main() -> BoxResult<()> {
             "--rounds" => rounds = args.next().ok_or("--rounds N")?.parse()?,
             "--seconds" => seconds = args.next().ok_or("--seconds S")?.parse()?,
             "--require-redis" => require_redis = true,
+            "--clients" => {
+                let list = args.next().ok_or("--clients N,N..")?;
+                clients_list = list.split(',').map(str::parse).collect::<Result<_, _>>()?;
+            }
             "--only" => {
                 let list = args.next().ok_or("--only NAME,NAME..")?;
                 only = Some(list.split(',').map(str::to_owned).collect());
@@ -122,7 +127,7 @@ fn main() -> BoxResult<()> {
     let duration = Duration::from_secs_f64(seconds);
     let root = tempfile::tempdir()?;
     println!(
-        "compare: {rounds} round(s) × {seconds} s per cell, clients {CLIENTS:?}, dir {}",
+        "compare: {rounds} round(s) × {seconds} s per cell, clients {clients_list:?}, dir {}",
         root.path().display()
     );
 
@@ -176,7 +181,7 @@ fn main() -> BoxResult<()> {
         let (ops, p50) = fdatasync_probe(root.path(), duration)?;
         floor.push(ops);
         floor_p50.push(p50);
-        for &clients in &CLIENTS {
+        for &clients in &clients_list {
             for name in backends(&redis).into_iter().filter(|n| chosen(n)) {
                 // A fresh store per cell: no cell inherits another's file size.
                 let dir = root.path().join(format!("{name}-{clients}-{round}"));
@@ -211,7 +216,7 @@ fn main() -> BoxResult<()> {
     );
     println!();
     print!("{:<34}", "cycles/s (median)");
-    for c in CLIENTS {
+    for &c in &clients_list {
         print!(
             "{:>12}",
             format!("{c} client{}", if c == 1 { "" } else { "s" })
@@ -220,14 +225,14 @@ fn main() -> BoxResult<()> {
     println!("{:>14}", "p99 claim @64");
     for name in backends(&redis).into_iter().filter(|n| chosen(n)) {
         print!("{:<34}", label(name));
-        for c in CLIENTS {
+        for &c in &clients_list {
             print!("{:>12.0}", cell(&cycles, name, c));
         }
         println!("{:>11.0} µs", cell(&p99, name, 64));
     }
     println!();
     for ours in ours().into_iter().filter(|n| chosen(n)) {
-        for c in CLIENTS {
+        for &c in &clients_list {
             let mine = cell(&cycles, ours, c);
             let mut line = format!("{ours} @{c}: {:.1}× disk floor", mine / floor_cycles);
             for peer in peers(&redis).into_iter().filter(|n| chosen(n)) {

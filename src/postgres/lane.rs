@@ -1,0 +1,231 @@
+//! The calling thread's lane: a blocking `begin` or `complete` made while
+//! the store is idle, from a thread outside any tokio runtime, runs its
+//! lone statement on a connection the calling thread drives itself.
+//!
+//! Why: every other call is spawned on the store's runtime thread and its
+//! answer sent back, two thread wake-ups (about 40 µs each on the 2-core
+//! test VM) around a round trip of a few hundred. A caller making one call
+//! at a time (one client thread, a consumer loop) pays them on every call,
+//! and the blocking `postgres` client a user would write by hand does not:
+//! it polls its socket on the calling thread. The lane does the same with
+//! the store's own statements: a current-thread tokio runtime of its own
+//! holds one connection, whose I/O task runs only while a caller is in
+//! that runtime's `block_on`, on the caller's thread.
+//!
+//! When it is taken, and why that keeps every answer the same:
+//!
+//! - Only when the commit line is idle (no job queued, no runner): under
+//!   concurrency calls go to the line, where group commit pays more than a
+//!   saved wake-up. The check is a hint; a call that takes the lane as the
+//!   line fills is one more lone statement, as a group's fallback runs.
+//! - The statement is the lone call's (`BeginStep`, `complete_on`), in its
+//!   own transaction: the answers are the lone path's.
+//! - One caller at a time (`try_lock`); another finds it busy and goes to
+//!   the line.
+//! - A connection the server ended is dropped and the call runs again on
+//!   the store's runtime as a repetition, exactly as `Core::retrying` would
+//!   run it on another pooled connection (a `complete` whose first run
+//!   committed is recognised there).
+//! - The lane's connection holds one of the pool's permits (`max_size`
+//!   bounds both), never the last free one; it is opened only while the
+//!   breaker is closed, and a failed attempt opens the breaker and starts
+//!   the probe on the store's runtime, as a pooled checkout would.
+//! - Inside a tokio runtime (a worker, `spawn_blocking`) the lane is never
+//!   taken: a runtime cannot be driven from inside another.
+//!
+//! The lane's runtime is shut down without blocking when the store is
+//! dropped (`shutdown_background`), so a store dropped inside an async
+//! context does not panic.
+
+use super::errors::{db_error, is_dead_connection};
+use super::ops::{BeginStep, Core, RunError, complete_on};
+use super::pool::{Conn, Dedicated};
+use super::row;
+use super::sql;
+use super::stats::Counters;
+use crate::error::{Error, Result};
+use crate::fingerprint::Fingerprint;
+use crate::key::Key;
+use crate::logic;
+use crate::record::{Begin, Claim, check_durations};
+use crate::response::Response;
+use crate::time::Timestamp;
+use std::future::Future;
+use std::sync::{Arc, Mutex, TryLockError};
+use std::time::Duration;
+use tokio::runtime::{Handle, Runtime};
+
+/// The lane: empty until a call first takes it.
+#[derive(Default)]
+pub(super) struct Lane {
+    slot: Mutex<Option<Held>>,
+}
+
+/// The lane's runtime and, once opened, its connection.
+struct Held {
+    runtime: Option<Runtime>,
+    conn: Option<Dedicated>,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        // The connection's client first (its I/O task then ends), then the
+        // runtime, without blocking: a store may be dropped in async code.
+        drop(self.conn.take());
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
+        }
+    }
+}
+
+/// What became of a call offered to the lane.
+pub(super) enum Ran<T> {
+    /// The lane ran it: its answer.
+    Answered(Result<T>),
+    /// Not taken (the store busy, an async context, the lane busy or
+    /// unable to open a connection): run it the usual way.
+    NotTaken,
+    /// The lane's connection died under it, after the statement may have
+    /// committed: run it again as a repetition.
+    Broken,
+}
+
+impl Lane {
+    /// Runs `op` on the lane's connection when the lane may be taken (see
+    /// the module docs). `store`: the store's runtime, where the probe runs
+    /// if opening the connection fails.
+    fn run<T, F, Fut>(&self, core: &Core, store: &Handle, op: F) -> Ran<T>
+    where
+        F: FnOnce(Arc<Conn>) -> Fut,
+        Fut: Future<Output = Result<T, RunError>>,
+    {
+        if Handle::try_current().is_ok() || !core.line.is_idle() || core.pool.breaker_is_open() {
+            return Ran::NotTaken;
+        }
+        let mut slot = match self.slot.try_lock() {
+            Ok(slot) => slot,
+            Err(TryLockError::WouldBlock) => return Ran::NotTaken,
+            Err(TryLockError::Poisoned(poisoned)) => {
+                // A panic mid-call: its connection's state is unknown.
+                let mut slot = poisoned.into_inner();
+                *slot = None;
+                self.slot.clear_poison();
+                slot
+            }
+        };
+        if slot.is_none() {
+            let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return Ran::NotTaken;
+            };
+            *slot = Some(Held {
+                runtime: Some(runtime),
+                conn: None,
+            });
+        }
+        let Some(Held {
+            runtime: Some(runtime),
+            conn,
+        }) = slot.as_mut()
+        else {
+            return Ran::NotTaken;
+        };
+        if conn.as_ref().is_some_and(|c| c.conn.client.is_closed())
+            && let Some(dead) = conn.take()
+        {
+            dead.lost();
+        }
+        if conn.is_none() {
+            match runtime.block_on(core.pool.dedicated()) {
+                None => return Ran::NotTaken,
+                Some(Err(err)) => {
+                    core.pool.trip_after(&err, store);
+                    return Ran::Answered(Err(err));
+                }
+                Some(Ok(opened)) => *conn = Some(opened),
+            }
+        }
+        let Some(held) = conn.as_ref() else {
+            return Ran::NotTaken;
+        };
+        Counters::bump(&core.counters.calls);
+        let ran = runtime.block_on(op(Arc::clone(&held.conn)));
+        if !matches!(&ran, Err(RunError::Db(err)) if is_dead_connection(err)) {
+            Counters::bump(&core.counters.caller_driven_calls);
+        }
+        match ran {
+            Ok(value) => Ran::Answered(Ok(value)),
+            Err(RunError::Db(err)) if is_dead_connection(&err) => {
+                if let Some(dead) = conn.take() {
+                    dead.lost();
+                }
+                Ran::Broken
+            }
+            Err(RunError::Db(err)) => Ran::Answered(Err(db_error(err, &core.sql.table))),
+            Err(RunError::Store(err)) => Ran::Answered(Err(err)),
+        }
+    }
+
+    /// A blocking `begin` on the lane: the lone statement. Arguments the
+    /// line would refuse are left to it ([`Ran::NotTaken`]).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn begin(
+        &self,
+        core: &Core,
+        store: &Handle,
+        key: &Key,
+        fingerprint: &Fingerprint,
+        now: Timestamp,
+        lease: Duration,
+        retention: Duration,
+    ) -> Ran<Begin> {
+        if check_durations(lease, retention).is_err() {
+            return Ran::NotTaken;
+        }
+        let step = BeginStep {
+            key,
+            fingerprint,
+            now,
+            lease,
+            retention,
+            lock: sql::key_lock(&core.sql.table, key),
+        };
+        let counters = &core.counters;
+        self.run(core, store, |conn| async move {
+            step.run(&conn, counters).await
+        })
+    }
+
+    /// A blocking `complete` on the lane: the conditional DONE write.
+    /// Arguments the line would refuse are left to it.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn complete(
+        &self,
+        core: &Core,
+        store: &Handle,
+        key: &Key,
+        claim: &Claim,
+        response: &Response,
+        now: Timestamp,
+        retention: Duration,
+    ) -> Ran<()> {
+        if logic::check_response(response, core.max_body_bytes).is_err() {
+            return Ran::NotTaken;
+        }
+        let Some(token) = row::token(claim.token) else {
+            return Ran::NotTaken;
+        };
+        let times = (row::millis(now), row::millis(now + retention));
+        let r = &row::response_columns(response);
+        self.run(core, store, |conn| async move {
+            let updated = complete_on(&conn, key, token, times, r).await?;
+            if updated > 0 {
+                Ok(())
+            } else {
+                Err(RunError::Store(Error::StaleClaim))
+            }
+        })
+    }
+}
