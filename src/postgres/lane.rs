@@ -38,10 +38,9 @@
 //! context does not panic.
 
 use super::errors::{db_error, is_dead_connection};
-use super::ops::{BeginStep, Core, RunError, complete_on};
+use super::ops::{Core, RunError, complete_on};
 use super::pool::{Conn, Dedicated};
 use super::row;
-use super::sql;
 use super::stats::Counters;
 use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
@@ -184,14 +183,7 @@ impl Lane {
         if check_durations(lease, retention).is_err() {
             return Ran::NotTaken;
         }
-        let step = BeginStep {
-            key,
-            fingerprint,
-            now,
-            lease,
-            retention,
-            lock: sql::key_lock(&core.sql.table, key),
-        };
+        let step = core.begin_step(key, fingerprint, now, lease, retention);
         let counters = &core.counters;
         self.run(core, store, |conn| async move {
             step.run(&conn, counters).await

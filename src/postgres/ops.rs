@@ -95,6 +95,26 @@ impl Core {
         db_error(err, &self.sql.table)
     }
 
+    /// The lone `begin`'s statement for these arguments (the pooled path's
+    /// and the calling thread's lane's).
+    pub(super) fn begin_step<'a>(
+        &self,
+        key: &'a Key,
+        fingerprint: &'a Fingerprint,
+        now: Timestamp,
+        lease: Duration,
+        retention: Duration,
+    ) -> BeginStep<'a> {
+        BeginStep {
+            key,
+            fingerprint,
+            now,
+            lease,
+            retention,
+            lock: sql::key_lock(&self.sql.table, key),
+        }
+    }
+
     /// A lone `begin`: its statement in its own transaction, run again on
     /// a snapshot race or a broken connection.
     pub(super) async fn begin_alone(
@@ -106,16 +126,7 @@ impl Core {
         retention: Duration,
         repeated: bool,
     ) -> Result<Begin> {
-        let lock = sql::key_lock(&self.sql.table, key);
-        let step = BeginStep {
-            key,
-            fingerprint,
-            now,
-            lease,
-            retention,
-            lock,
-        };
-        let step = &step;
+        let step = &self.begin_step(key, fingerprint, now, lease, retention);
         self.retrying(repeated, |conn, _| async move {
             step.run(&conn, &self.counters).await
         })

@@ -2,7 +2,7 @@
 //! is checkpointed, so that a retry seconds later is answered from memory
 //! instead of a redb read transaction and a B-tree walk.
 //!
-//! It lives in [`Mem`](super::memtable::Mem), under the memtable's lock,
+//! It lives in the memtable's `Mem` (memtable.rs), under its lock,
 //! and readers consult it after the active and the frozen table and before
 //! redb. It is filled at one point only: a checkpoint, after its redb commit
 //! and *before* it drops the frozen table, takes that table's entries in
@@ -126,16 +126,21 @@ impl Hot {
 mod tests {
     use super::*;
     use crate::fingerprint::Fingerprint;
-    use crate::redb::memtable::entry_bytes;
     use crate::response::Response;
     use crate::time::Timestamp;
 
-    /// What a checkpoint does: the memtable's count of the entry's bytes.
+    /// Stands in for the memtable's count, which the cache takes as given.
+    fn entry_bytes(key: &[u8], entry: &Option<Record>) -> usize {
+        let body = entry.as_ref().and_then(|r| r.response.as_ref());
+        key.len() + 100 + body.map_or(0, |r| r.body().len())
+    }
+
+    /// What a checkpoint does: hands in the entry with its bytes.
     fn take(hot: &mut Hot, key: &[u8], entry: &Option<Record>) {
         hot.take_in(key, entry.as_ref(), entry_bytes(key, entry));
     }
 
-    /// What one entry costs the cache.
+    /// What one entry costs the cache: its bytes and the key's second copy.
     fn cost(key: &[u8], entry: &Option<Record>) -> usize {
         entry_bytes(key, entry) + key.len()
     }

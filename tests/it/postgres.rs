@@ -67,6 +67,25 @@ pub fn raw(url: &str) -> ::postgres::Client {
     ::postgres::Client::connect(url, ::postgres::NoTls).unwrap()
 }
 
+/// `url` with the connections' `application_name` set to `app`, so that
+/// [`end_connections`] finds them.
+pub fn named(url: &str, app: &str) -> String {
+    let sep = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{sep}application_name={app}")
+}
+
+/// Has the server end every connection named `app`; how many it ended.
+pub fn end_connections(url: &str, app: &str) -> i64 {
+    raw(url)
+        .query_one(
+            "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+              WHERE application_name = $1) t",
+            &[&app],
+        )
+        .unwrap()
+        .get(0)
+}
+
 /// Drops its table (and the sequence it owns) when dropped.
 pub struct DropTable {
     pub url: String,
@@ -543,12 +562,11 @@ fn calls_survive_the_server_ending_pooled_connections() {
     let Some(url) = pg_url() else { return };
     let (_, guard) = fresh_store("terminated", 1);
     let app = fresh_table("idemstore_terminated");
-    let sep = if url.contains('?') { '&' } else { '?' };
     let store = Arc::new(
         PostgresStore::builder()
             .table(&guard.table)
             .max_size(4)
-            .connect(&format!("{url}{sep}application_name={app}"))
+            .connect(&named(&url, &app))
             .unwrap(),
     );
     let fp = Fingerprint::of(b"a");
@@ -571,15 +589,10 @@ fn calls_survive_the_server_ending_pooled_connections() {
         for h in warm {
             h.join().unwrap();
         }
-        let ended: i64 = raw(&url)
-            .query_one(
-                "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
-                  WHERE application_name = $1) t",
-                &[&app],
-            )
-            .unwrap()
-            .get(0);
-        assert!(ended >= 1, "no pooled connection to end");
+        assert!(
+            end_connections(&url, &app) >= 1,
+            "no pooled connection to end"
+        );
         std::thread::sleep(Duration::from_millis(100));
     };
     warm_and_end();

@@ -3,7 +3,9 @@
 //! lazy pool and its circuit breaker under a real server outage. Gated like
 //! the other PostgreSQL tests (`IDEMSTORE_PG_URL`; failing under CI).
 
-use crate::postgres::{DropTable, claimed, enabled, fresh_store, fresh_table, key, pg_url};
+use crate::postgres::{
+    DropTable, claimed, enabled, end_connections, fresh_store, fresh_table, key, named, pg_url,
+};
 use idemstore::{Begin, Error, Fingerprint, Guard, Outcome, PostgresStore, Response, Store};
 use idemstore_testkit::conformance::T0;
 use std::io::Write;
@@ -528,13 +530,12 @@ fn blocking_calls_on_an_idle_store_run_on_the_calling_threads_lane() {
     let Some(url) = pg_url() else { return };
     let (_, guard) = fresh_store("lane", 1);
     let app = fresh_table("idemstore_lane");
-    let sep = if url.contains('?') { '&' } else { '?' };
     let store = Arc::new(
         PostgresStore::builder()
             .table(&guard.table)
             .max_size(3)
             .min_idle(1)
-            .connect(&format!("{url}{sep}application_name={app}"))
+            .connect(&named(&url, &app))
             .unwrap(),
     );
     let lane = |s: &PostgresStore| s.stats().caller_driven_calls;
@@ -595,15 +596,11 @@ fn blocking_calls_on_an_idle_store_run_on_the_calling_threads_lane() {
 
     // The server ends every connection, the lane's too: the next call
     // meets the dead lane connection and runs again, once, elsewhere.
-    let ended: i64 = crate::postgres::raw(&url)
-        .query_one(
-            "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
-              WHERE application_name = $1) t",
-            &[&app],
-        )
-        .unwrap()
-        .get(0);
-    assert_eq!(ended, 2, "the pool's connection and the lane's");
+    assert_eq!(
+        end_connections(&url, &app),
+        2,
+        "the pool's connection and the lane's"
+    );
     std::thread::sleep(Duration::from_millis(100));
     let lost = store.stats().connections_lost;
     store
