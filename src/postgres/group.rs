@@ -8,7 +8,8 @@
 //!
 //! A call puts its job on the store's queue and waits for its answer. A
 //! *runner* (a task on the store's runtime; at most [`MAX_GROUPS_IN_FLIGHT`] at once,
-//! each on its own pooled connection) takes everything queued, up to
+//! one more while [`GROUP_BACKLOG`] calls wait, each on its own pooled
+//! connection) takes everything queued, up to
 //! [`MAX_GROUP`] jobs, runs it, answers every job, and takes the next group
 //! while the queue is not empty. A group of one job runs exactly as a lone
 //! call always has (one prepared statement, autocommit), so a single
@@ -60,7 +61,7 @@
 //! lock, for a connection) keeps only itself waiting, not the line.
 
 use super::errors;
-use super::line::{BeginJob, CompleteJob, Job};
+use super::line::{BeginJob, CompleteJob, Flight, Job};
 use super::ops::{BeginStep, Core};
 use super::pool::Conn;
 use super::row;
@@ -88,19 +89,49 @@ use tokio_postgres::types::ToSql;
 /// ```
 pub const MAX_GROUP: usize = 128;
 
-/// Most groups in flight at once, each on its own connection: while one
-/// waits for its commit's WAL flush, the other is already executing.
-/// Fewer in flight makes larger groups, whose fixed cost (a transaction,
-/// two statements' executor start-up, a commit) is shared by more calls;
-/// more in flight serves a moderate load sooner. On the 2-core test
-/// machine, with the server beside the clients, 2 gave 2.1 to 2.4× the
-/// hand-written path at 64 clients where 4 gave 1.9 to 2.1× and 1 gave
-/// 1.9× (at 8 clients all three ran 0.5 to 0.6×; docs/performance.md).
+/// Most groups in flight at once, each on its own connection, whenever
+/// calls wait: while one waits for its commit's WAL flush, the other is
+/// already executing. Fewer in flight makes larger groups, whose fixed
+/// cost (a transaction, two statements' executor start-up, a commit) is
+/// shared by more calls; more in flight serves a moderate load sooner. On
+/// the 2-core test machine, with the server beside the clients, 2 gave 2.1
+/// to 2.4× the hand-written path at 64 clients where 4 gave 1.9 to 2.1× and
+/// 1 gave 1.9× (at 8 clients all three ran 0.5 to 0.6×; docs/performance.md).
+/// A backlog of calls starts one more ([`MAX_GROUPS_IN_FLIGHT_BACKLOGGED`]).
 ///
 /// ```
 /// assert_eq!(idemstore::postgres::MAX_GROUPS_IN_FLIGHT, 2);
 /// ```
 pub const MAX_GROUPS_IN_FLIGHT: usize = 2;
+
+/// Most groups in flight while a backlog waits: with at least
+/// [`GROUP_BACKLOG`] calls queued behind the [`MAX_GROUPS_IN_FLIGHT`]
+/// groups already running, one more group starts, and it ends as soon as
+/// fewer than [`GROUP_BACKLOG`] wait. Under a steady heavy load (64 callers
+/// on the 2-core test machine) the two groups left a third of the CPU idle
+/// while both waited for their commits; a third group of at least 16 calls
+/// runs in that wait at nearly the per-call cost of the others, where a
+/// third group at any queue length made small groups (docs/performance.md).
+///
+/// ```
+/// assert_eq!(idemstore::postgres::MAX_GROUPS_IN_FLIGHT_BACKLOGGED, 3);
+/// ```
+pub const MAX_GROUPS_IN_FLIGHT_BACKLOGGED: usize = 3;
+
+/// How many queued calls start a group beyond [`MAX_GROUPS_IN_FLIGHT`]
+/// (see [`MAX_GROUPS_IN_FLIGHT_BACKLOGGED`]).
+///
+/// ```
+/// assert_eq!(idemstore::postgres::GROUP_BACKLOG, 16);
+/// ```
+pub const GROUP_BACKLOG: usize = 16;
+
+/// The line's runner policy, from the constants above.
+const FLIGHT: Flight = Flight {
+    base: MAX_GROUPS_IN_FLIGHT,
+    most: MAX_GROUPS_IN_FLIGHT_BACKLOGGED,
+    backlog: GROUP_BACKLOG,
+};
 
 /// The line's entries: `begin` and `complete` queue their job and wait.
 impl Core {
@@ -168,10 +199,11 @@ fn line_ended() -> Error {
 }
 
 /// Puts `job` on `core`'s line, starting a runner unless
-/// [`MAX_GROUPS_IN_FLIGHT`] run. Must be called on the store's runtime (it
+/// [`MAX_GROUPS_IN_FLIGHT`] run (or, with a backlog,
+/// [`MAX_GROUPS_IN_FLIGHT_BACKLOGGED`]). Must be called on the store's runtime (it
 /// spawns there).
 fn submit(core: &Arc<Core>, job: Job) {
-    if core.line.push(job, MAX_GROUPS_IN_FLIGHT) {
+    if core.line.push(job, FLIGHT) {
         tokio::spawn(run(Arc::clone(core)));
     }
 }
@@ -198,7 +230,7 @@ async fn run(core: Arc<Core>) {
     let mut running = Running { core, out: false };
     loop {
         let core = &running.core;
-        let Some(mut group) = core.line.next_group(MAX_GROUP) else {
+        let Some(mut group) = core.line.next_group(MAX_GROUP, FLIGHT) else {
             running.out = true;
             return;
         };

@@ -16,6 +16,15 @@ use std::sync::PoisonError;
 use std::time::Duration;
 use tokio::sync::oneshot;
 
+/// How many runners the line keeps going: up to `base` whenever jobs
+/// wait, and up to `most` while at least `backlog` jobs wait (`base >= 1`).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Flight {
+    pub(super) base: usize,
+    pub(super) most: usize,
+    pub(super) backlog: usize,
+}
+
 /// One call waiting on the line.
 pub(super) enum Job {
     Begin(BeginJob),
@@ -81,12 +90,14 @@ impl<T> Line<T> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Queues `job`; true when the caller must start a runner (fewer than
-    /// `max_runners` run; the new one is counted in already).
-    pub(super) fn push(&self, job: T, max_runners: usize) -> bool {
+    /// Queues `job`; true when the caller must start a runner (the new one
+    /// is counted in already): fewer than `flight.base` run, or fewer than
+    /// `flight.most` and at least `flight.backlog` jobs wait.
+    pub(super) fn push(&self, job: T, flight: Flight) -> bool {
         let mut state = self.lock();
         state.queue.push_back(job);
-        let start = state.runners < max_runners;
+        let start = state.runners < flight.base
+            || (state.runners < flight.most && state.queue.len() >= flight.backlog);
         if start {
             state.runners += 1;
         }
@@ -94,19 +105,22 @@ impl<T> Line<T> {
     }
 
     /// A runner's next group: up to `max` jobs, oldest first; `None` when
-    /// the queue is empty, and the runner is then counted out, under the
-    /// same lock [`push`](Line::push) takes, so a job queued after this
-    /// sees one runner fewer and starts one if it must. Never lost: a job
-    /// is queued either before this look (and taken) or after it (and
-    /// starts a runner).
-    pub(super) fn next_group(&self, max: usize) -> Option<Vec<T>> {
+    /// the runner is to end, and it is then counted out, under the same
+    /// lock [`push`](Line::push) takes, so a job queued after this sees one
+    /// runner fewer and starts one if it must. A runner ends when the queue
+    /// is empty, or when more than `flight.base` run and fewer than
+    /// `flight.backlog` jobs wait (the other runners take them). Never
+    /// lost: a job is queued either before this look (and taken, now or by
+    /// one of the at least `flight.base` runners left) or after it (and
+    /// starts a runner if fewer than `flight.base` run).
+    pub(super) fn next_group(&self, max: usize, flight: Flight) -> Option<Vec<T>> {
         let mut state = self.lock();
-        let n = state.queue.len().min(max);
-        if n == 0 {
+        let waiting = state.queue.len();
+        if waiting == 0 || (state.runners > flight.base && waiting < flight.backlog) {
             state.runners = state.runners.saturating_sub(1);
             return None;
         }
-        Some(state.queue.drain(..n).collect())
+        Some(state.queue.drain(..waiting.min(max)).collect())
     }
 
     /// True when no job waits and no runner runs (a hint: it may change
@@ -121,6 +135,35 @@ impl<T> Line<T> {
     pub(super) fn runner_gone(&self) {
         let mut state = self.lock();
         state.runners = state.runners.saturating_sub(1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FLIGHT: Flight = Flight {
+        base: 1,
+        most: 2,
+        backlog: 3,
+    };
+
+    #[test]
+    fn a_backlog_starts_one_more_runner_and_a_short_queue_ends_it() {
+        let line = Line::default();
+        assert!(line.push(1, FLIGHT), "the base runner starts");
+        assert!(!line.push(2, FLIGHT), "two waiting: no backlog yet");
+        assert!(line.push(3, FLIGHT), "three waiting: the backlog runner");
+        assert!(!line.push(4, FLIGHT), "never more than `most`");
+        assert_eq!(line.next_group(2, FLIGHT), Some(vec![1, 2]));
+        // Two runners, two waiting (under the backlog): the one asking ends
+        // and leaves them to the other, which takes them.
+        assert_eq!(line.next_group(8, FLIGHT), None);
+        assert_eq!(line.next_group(8, FLIGHT), Some(vec![3, 4]));
+        assert!(!line.is_idle(), "the last runner is still counted in");
+        assert_eq!(line.next_group(8, FLIGHT), None);
+        assert!(line.is_idle());
+        assert!(line.push(5, FLIGHT), "an idle line starts a runner again");
     }
 }
 
@@ -147,11 +190,11 @@ mod shuttle_tests {
         most_running: AtomicUsize,
     }
 
-    fn runner(s: Arc<Scenario>, max_group: usize) {
+    fn runner(s: Arc<Scenario>, max_group: usize, flight: Flight) {
         let now = s.running.fetch_add(1, Ordering::SeqCst) + 1;
         s.most_running.fetch_max(now, Ordering::SeqCst);
         loop {
-            let Some(group) = s.line.next_group(max_group) else {
+            let Some(group) = s.line.next_group(max_group, flight) else {
                 s.running.fetch_sub(1, Ordering::SeqCst);
                 return;
             };
@@ -163,7 +206,7 @@ mod shuttle_tests {
         }
     }
 
-    fn scenario(callers: usize, jobs_each: usize, max_runners: usize, max_group: usize) {
+    fn scenario(callers: usize, jobs_each: usize, flight: Flight, max_group: usize) {
         let s = Arc::new(Scenario {
             line: Line::default(),
             taken: Mutex::new(Vec::new()),
@@ -176,9 +219,9 @@ mod shuttle_tests {
                 let s = Arc::clone(&s);
                 thread::spawn(move || {
                     for j in 0..jobs_each {
-                        if s.line.push(c * jobs_each + j, max_runners) {
+                        if s.line.push(c * jobs_each + j, flight) {
                             let s = Arc::clone(&s);
-                            thread::spawn(move || runner(s, max_group));
+                            thread::spawn(move || runner(s, max_group, flight));
                         }
                     }
                 })
@@ -202,20 +245,50 @@ mod shuttle_tests {
             (0..expected).collect::<Vec<_>>(),
             "each job taken once"
         );
-        assert!(s.most_running.load(Ordering::SeqCst) <= max_runners);
+        assert!(s.most_running.load(Ordering::SeqCst) <= flight.most.max(flight.base));
     }
 
     #[test]
     fn shuttle_every_queued_job_is_taken_once() {
         explore("postgres line: three callers, two runners", || {
-            scenario(3, 2, 2, 2)
+            scenario(3, 2, fixed(2), 2)
         });
     }
 
     #[test]
     fn shuttle_one_runner_drains_what_queues_behind_it() {
         explore("postgres line: two callers, one runner", || {
-            scenario(2, 3, 1, 4)
+            scenario(2, 3, fixed(1), 4)
         });
+    }
+
+    /// A runner beyond the base one starts on a backlog and ends when it
+    /// shrinks, leaving the jobs still queued to the base runner: none is
+    /// stranded, and no more than `most` runners ever run.
+    #[test]
+    fn shuttle_a_backlog_runner_leaves_nothing_stranded() {
+        explore(
+            "postgres line: three callers, one runner, a second on a backlog of 2",
+            || {
+                scenario(
+                    3,
+                    2,
+                    Flight {
+                        base: 1,
+                        most: 2,
+                        backlog: 2,
+                    },
+                    1,
+                )
+            },
+        );
+    }
+
+    fn fixed(runners: usize) -> Flight {
+        Flight {
+            base: runners,
+            most: runners,
+            backlog: usize::MAX,
+        }
     }
 }

@@ -18,7 +18,7 @@ mod schema;
 mod sql;
 mod stats;
 
-pub use group::{MAX_GROUP, MAX_GROUPS_IN_FLIGHT};
+pub use group::{GROUP_BACKLOG, MAX_GROUP, MAX_GROUPS_IN_FLIGHT, MAX_GROUPS_IN_FLIGHT_BACKLOGGED};
 pub use inbox::{Delivery, HandlerFuture, MAX_PG_INBOX_BATCH, PgInbox};
 pub use inbox_set::{Claimed, SetHandlerFuture};
 pub use options::{
@@ -127,7 +127,8 @@ pub const MAX_BEGIN_ATTEMPTS: usize = 8;
 ///
 /// **Group commit.** `begin`s and `complete`s that arrive while the store
 /// is busy are gathered (up to [`MAX_GROUP`] calls, at most
-/// [`MAX_GROUPS_IN_FLIGHT`] groups at once) and sent as one transaction:
+/// [`MAX_GROUPS_IN_FLIGHT`] groups at once, one more while
+/// [`GROUP_BACKLOG`] calls wait) and sent as one transaction:
 /// the completes as one set-based `UPDATE`, the begins as one set-based
 /// form of the statement above, and one `COMMIT`, written in one message.
 /// Every call gets the answer it would get alone; a group that fails runs

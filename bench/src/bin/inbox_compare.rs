@@ -18,7 +18,8 @@
 //! short round), `--json` (one JSON object on stdout instead of the table),
 //! `--require-pg` (fail when PostgreSQL is not there: the feature is off or
 //! `IDEMSTORE_PG_URL` is not set), `--batches 10,100` (other batch sizes),
-//! `--no-handle` (without the one-message rows), `--page-log` (a row of
+//! `--no-handle` (without the one-message rows), `--pg-only` (only the
+//! PostgreSQL rows), `--page-log` (a row of
 //! `handle_batch` on a store with `RedbStoreBuilder::page_log(true)`),
 //! `--pg-per-message` (a row of the hand-written PostgreSQL side with one
 //! `UPDATE` statement per message, as a per-message handler writes it),
@@ -279,6 +280,7 @@ fn main() -> BoxResult<()> {
     let mut per_message = false;
     let mut pg_handler = None;
     let mut fail_percent = 0u64;
+    let mut pg_only = false;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -299,6 +301,7 @@ fn main() -> BoxResult<()> {
                     .collect::<Result<_, _>>()?
             }
             "--no-handle" => with_handle = false,
+            "--pg-only" => pg_only = true,
             "--page-log" => page_log = true,
             "--pg-per-message" => per_message = true,
             "--pg-fail-percent" => {
@@ -321,10 +324,13 @@ fn main() -> BoxResult<()> {
         );
     }
     let mut sides = vec![Side::Batch, Side::BatchOnePhase];
-    if page_log {
+    if pg_only {
+        sides.clear();
+    }
+    if page_log && !pg_only {
         sides.push(Side::BatchPageLog);
     }
-    if with_handle {
+    if with_handle && !pg_only {
         sides.insert(0, Side::Handle);
     }
     if pg {
