@@ -1,6 +1,6 @@
-//! The calling thread's lane: a blocking `begin` or `complete` made while
-//! the store is idle, from a thread outside any tokio runtime, runs its
-//! lone statement on a connection the calling thread drives itself.
+//! The calling threads' lanes: a blocking `begin` or `complete` made while
+//! the commit line is idle, from a thread outside any tokio runtime, runs
+//! its lone statement on a connection the calling thread drives itself.
 //!
 //! Why: every other call is spawned on the store's runtime thread and its
 //! answer sent back, two thread wake-ups (about 40 µs each on the 2-core
@@ -20,20 +20,24 @@
 //!   line fills is one more lone statement, as a group's fallback runs.
 //! - The statement is the lone call's (`BeginStep`, `complete_on`), in its
 //!   own transaction: the answers are the lone path's.
-//! - One caller at a time (`try_lock`); another finds it busy and goes to
-//!   the line.
+//! - One caller per lane at a time (`try_lock`). A store keeps up to
+//!   [`MAX_LANES`] of them (one per four pooled connections): a few
+//!   threads calling at once each drive their own connection, as the
+//!   hand-written path does, instead of queueing for groups of two or
+//!   three. A thread tries its own lane first (threads are spread over
+//!   them), then the others; with all busy it goes to the line.
 //! - A connection the server ended is dropped and the call runs again on
 //!   the store's runtime as a repetition, exactly as `Core::retrying` would
 //!   run it on another pooled connection (a `complete` whose first run
 //!   committed is recognised there).
-//! - The lane's connection holds one of the pool's permits (`max_size`
+//! - A lane's connection holds one of the pool's permits (`max_size`
 //!   bounds both), never the last free one; it is opened only while the
 //!   breaker is closed, and a failed attempt opens the breaker and starts
 //!   the probe on the store's runtime, as a pooled checkout would.
 //! - Inside a tokio runtime (a worker, `spawn_blocking`) the lane is never
 //!   taken: a runtime cannot be driven from inside another.
 //!
-//! The lane's runtime is shut down without blocking when the store is
+//! A lane's runtime is shut down without blocking when the store is
 //! dropped (`shutdown_background`), so a store dropped inside an async
 //! context does not panic.
 
@@ -54,10 +58,44 @@ use std::sync::{Arc, Mutex, TryLockError};
 use std::time::Duration;
 use tokio::runtime::{Handle, Runtime};
 
-/// The lane: empty until a call first takes it.
-#[derive(Default)]
+/// Most calling-thread lanes one store keeps (see the module docs): each
+/// holds a connection, and a store keeps one lane per four connections of
+/// its pool ([`max_size`](super::PostgresStoreBuilder::max_size)), at least
+/// one and at most this many, so that the lanes never hold more than a
+/// quarter of the pool (besides one) while the commit line is busy.
+///
+/// ```
+/// assert_eq!(idemstore::postgres::MAX_LANES, 8);
+/// ```
+pub const MAX_LANES: usize = 8;
+
+/// The lanes: each empty until a call first takes it.
 pub(super) struct Lane {
-    slot: Mutex<Option<Held>>,
+    slots: Box<[Mutex<Option<Held>>]>,
+}
+
+impl Lane {
+    /// The lanes of a store whose pool holds `max_size` connections.
+    pub(super) fn for_pool(max_size: u32) -> Lane {
+        let count = usize::try_from(max_size / 4)
+            .unwrap_or(MAX_LANES)
+            .clamp(1, MAX_LANES);
+        Lane {
+            slots: (0..count).map(|_| Mutex::new(None)).collect(),
+        }
+    }
+}
+
+/// The lane a thread tries first: threads spread over the lanes, and a
+/// thread that calls again finds its own lane's connection (and its
+/// prepared statements) free.
+fn first_slot(count: usize) -> usize {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    thread_local! {
+        static MINE: usize = NEXT.fetch_add(1, Ordering::Relaxed);
+    }
+    MINE.with(|mine| mine % count.max(1))
 }
 
 /// The lane's runtime and, once opened, its connection.
@@ -101,16 +139,23 @@ impl Lane {
         if Handle::try_current().is_ok() || !core.line.is_idle() || core.pool.breaker_is_open() {
             return Ran::NotTaken;
         }
-        let mut slot = match self.slot.try_lock() {
-            Ok(slot) => slot,
-            Err(TryLockError::WouldBlock) => return Ran::NotTaken,
-            Err(TryLockError::Poisoned(poisoned)) => {
-                // A panic mid-call: its connection's state is unknown.
-                let mut slot = poisoned.into_inner();
-                *slot = None;
-                self.slot.clear_poison();
-                slot
+        let count = self.slots.len();
+        let first = first_slot(count);
+        let Some(mut slot) = (0..count).find_map(|i| {
+            let lane = self.slots.get((first + i) % count)?;
+            match lane.try_lock() {
+                Ok(slot) => Some(slot),
+                Err(TryLockError::WouldBlock) => None,
+                Err(TryLockError::Poisoned(poisoned)) => {
+                    // A panic mid-call: its connection's state is unknown.
+                    let mut slot = poisoned.into_inner();
+                    *slot = None;
+                    lane.clear_poison();
+                    Some(slot)
+                }
             }
+        }) else {
+            return Ran::NotTaken;
         };
         if slot.is_none() {
             let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
@@ -219,5 +264,36 @@ impl Lane {
                 Err(RunError::Store(Error::StaleClaim))
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_store_keeps_one_lane_per_four_connections_within_bounds() {
+        let lanes = |max_size| Lane::for_pool(max_size).slots.len();
+        assert_eq!(lanes(1), 1);
+        assert_eq!(lanes(7), 1);
+        assert_eq!(lanes(8), 2);
+        assert_eq!(lanes(16), 4);
+        assert_eq!(lanes(32), MAX_LANES);
+        assert_eq!(lanes(u32::MAX), MAX_LANES);
+    }
+
+    #[test]
+    fn threads_start_on_different_lanes() {
+        let here = first_slot(4);
+        assert_eq!(first_slot(4), here, "a thread keeps its lane");
+        let starts: Vec<usize> = (0..4)
+            .map(|_| std::thread::spawn(|| first_slot(4)))
+            .collect::<Vec<_>>()
+            .into_iter()
+            .map(|t| t.join().expect("a thread"))
+            .collect();
+        assert!(starts.iter().all(|&s| s < 4));
+        assert!(starts.iter().any(|&s| s != starts[0]), "spread: {starts:?}");
+        assert_eq!(first_slot(1), 0);
     }
 }

@@ -21,6 +21,7 @@ mod stats;
 pub use group::{GROUP_BACKLOG, MAX_GROUP, MAX_GROUPS_IN_FLIGHT, MAX_GROUPS_IN_FLIGHT_BACKLOGGED};
 pub use inbox::{Delivery, HandlerFuture, MAX_PG_INBOX_BATCH, PgInbox};
 pub use inbox_set::{Claimed, SetHandlerFuture};
+pub use lane::MAX_LANES;
 pub use options::{
     DEFAULT_BUILD_TIMEOUT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_SIZE, DEFAULT_MIN_IDLE,
     DEFAULT_PROBE_INTERVAL, DEFAULT_STATEMENT_TIMEOUT, DEFAULT_TABLE, MAX_POOL_SIZE,
@@ -95,12 +96,13 @@ pub const MAX_BEGIN_ATTEMPTS: usize = 8;
 /// does: async code should use the `_async` methods.
 ///
 /// One exception saves the two thread hand-offs a call otherwise costs: a
-/// blocking `begin` or `complete` made while the store is idle, from a
-/// thread outside any tokio runtime, runs its statement on a connection of
-/// its own that the calling thread drives (the way the blocking `postgres`
-/// client works), with the same answers. It holds one of the pool's
-/// `max_size` connections, never the last one;
-/// [`PostgresStats::caller_driven_calls`] counts these calls.
+/// blocking `begin` or `complete` made while no group is queued or
+/// running, from a thread outside any tokio runtime, runs its statement on
+/// a connection that the calling thread drives (the way the blocking
+/// `postgres` client works), with the same answers. The store keeps up to
+/// [`MAX_LANES`] such connections (one per four of `max_size`, never the
+/// pool's last one), so a few threads calling at once each drive their
+/// own; [`PostgresStats::caller_driven_calls`] counts these calls.
 ///
 /// The builder checks the schema at build, bounds the build, sizes a lazy
 /// pool and opens a circuit breaker while the server is unreachable: see

@@ -433,7 +433,7 @@ impl PostgresStoreBuilder {
         Ok(PostgresStore {
             core,
             runtime,
-            lane: Default::default(),
+            lane: super::lane::Lane::for_pool(self.max_size),
             clock: self.clock,
         })
     }

@@ -4,7 +4,7 @@
 //! the other PostgreSQL tests (`IDEMSTORE_PG_URL`; failing under CI).
 
 use crate::postgres::{
-    DropTable, claimed, enabled, end_connections, fresh_store, fresh_table, key, named, pg_url,
+    DropTable, claimed, enabled, end_connections, fresh_store, fresh_table, key, named, pg_url, raw,
 };
 use idemstore::{Begin, Error, Fingerprint, Guard, Outcome, PostgresStore, Response, Store};
 use idemstore_testkit::conformance::T0;
@@ -635,4 +635,78 @@ fn blocking_calls_on_an_idle_store_run_on_the_calling_threads_lane() {
         .unwrap();
     assert_eq!(lane(&single), 0);
     assert_eq!(single.stats().connections, 1);
+}
+
+/// A store keeps a lane per four pooled connections: a blocking call made
+/// while another thread's call holds a lane (here, waiting for a row lock)
+/// runs on a second lane, not on the commit line.
+#[test]
+fn a_second_thread_drives_a_second_lane_while_the_first_is_busy() {
+    let Some(url) = pg_url() else { return };
+    let (_, guard) = fresh_store("lanes", 1);
+    let app = fresh_table("idemstore_lanes");
+    let store = Arc::new(
+        PostgresStore::builder()
+            .table(&guard.table)
+            .max_size(8) // two lanes
+            .connect(&named(&url, &app))
+            .unwrap(),
+    );
+    let lane = |s: &PostgresStore| s.stats().caller_driven_calls;
+    let fp = Fingerprint::of(b"a");
+    let c = claimed(store.begin(&key("held"), &fp, T0, SEC, HOUR).unwrap());
+    assert_eq!(lane(&store), 1);
+
+    // Another session locks the claimed row; the complete then waits on
+    // it, holding its lane.
+    let mut locker = raw(&url);
+    let mut tx = locker.transaction().unwrap();
+    let locked = tx
+        .query(
+            &format!("SELECT 1 FROM \"{}\" WHERE id = $1 FOR UPDATE", guard.table),
+            &[&b"held".as_slice()],
+        )
+        .unwrap();
+    assert_eq!(locked.len(), 1);
+    let waiting = {
+        let store = Arc::clone(&store);
+        std::thread::spawn(move || {
+            store.complete(&key("held"), &c, &Response::new(201, "done"), T0, HOUR)
+        })
+    };
+    let mut watch = raw(&url);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let blocked: i64 = watch
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity
+                  WHERE application_name = $1 AND wait_event_type = 'Lock'",
+                &[&app],
+            )
+            .unwrap()
+            .get(0);
+        if blocked == 1 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the complete never waited");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+
+    // The line is idle and one lane busy: this call takes the other lane.
+    let calls = store.stats().calls;
+    let d = claimed(store.begin(&key("free"), &fp, T0, SEC, HOUR).unwrap());
+    assert_eq!(store.stats().calls, calls + 1);
+    assert_eq!(lane(&store), 2, "answered on a second lane");
+    assert!(store.stats().connections <= 8);
+
+    tx.commit().unwrap();
+    waiting.join().unwrap().unwrap();
+    assert_eq!(lane(&store), 3);
+    assert_eq!(
+        store.begin(&key("held"), &fp, T0, SEC, HOUR).unwrap(),
+        Begin::Replay(Response::new(201, "done"))
+    );
+    store
+        .complete(&key("free"), &d, &Response::new(201, "free"), T0, HOUR)
+        .unwrap();
 }
