@@ -98,6 +98,12 @@ fn first_slot(count: usize) -> usize {
     MINE.with(|mine| mine % count.max(1))
 }
 
+/// The lanes' indexes in the order a thread tries them: `first`, then the
+/// others, each once.
+fn slot_order(first: usize, count: usize) -> impl Iterator<Item = usize> {
+    (0..count).map(move |i| (first + i) % count)
+}
+
 /// The lane's runtime and, once opened, its connection.
 struct Held {
     runtime: Option<Runtime>,
@@ -140,9 +146,8 @@ impl Lane {
             return Ran::NotTaken;
         }
         let count = self.slots.len();
-        let first = first_slot(count);
-        let Some(mut slot) = (0..count).find_map(|i| {
-            let lane = self.slots.get((first + i) % count)?;
+        let Some(mut slot) = slot_order(first_slot(count), count).find_map(|i| {
+            let lane = self.slots.get(i)?;
             match lane.try_lock() {
                 Ok(slot) => Some(slot),
                 Err(TryLockError::WouldBlock) => None,
@@ -286,14 +291,32 @@ mod tests {
     fn threads_start_on_different_lanes() {
         let here = first_slot(4);
         assert_eq!(first_slot(4), here, "a thread keeps its lane");
-        let starts: Vec<usize> = (0..4)
-            .map(|_| std::thread::spawn(|| first_slot(4)))
+        let starts: Vec<(usize, usize)> = (0..8)
+            .map(|_| std::thread::spawn(|| (first_slot(4), first_slot(1))))
             .collect::<Vec<_>>()
             .into_iter()
             .map(|t| t.join().expect("a thread"))
             .collect();
-        assert!(starts.iter().all(|&s| s < 4));
-        assert!(starts.iter().any(|&s| s != starts[0]), "spread: {starts:?}");
-        assert_eq!(first_slot(1), 0);
+        assert!(
+            starts.iter().all(|&(s, one)| s < 4 && one == 0),
+            "{starts:?}"
+        );
+        assert!(
+            starts.iter().any(|&(s, _)| s != starts[0].0),
+            "spread: {starts:?}"
+        );
+    }
+
+    #[test]
+    fn a_thread_tries_its_own_lane_then_every_other_once() {
+        for count in 1..6 {
+            for first in 0..count {
+                let order: Vec<usize> = slot_order(first, count).collect();
+                assert_eq!(order.first(), Some(&first));
+                let mut sorted = order.clone();
+                sorted.sort_unstable();
+                assert_eq!(sorted, (0..count).collect::<Vec<_>>(), "{order:?}");
+            }
+        }
     }
 }

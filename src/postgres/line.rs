@@ -164,6 +164,21 @@ mod tests {
         assert_eq!(line.next_group(8, FLIGHT), None);
         assert!(line.is_idle());
         assert!(line.push(5, FLIGHT), "an idle line starts a runner again");
+        // A backlog exactly at the bound keeps the second runner going.
+        assert!(!line.push(6, FLIGHT));
+        assert!(line.push(7, FLIGHT));
+        assert_eq!(line.next_group(8, FLIGHT), Some(vec![5, 6, 7]));
+    }
+
+    #[test]
+    fn a_runner_gone_without_a_word_is_counted_out() {
+        let line = Line::default();
+        assert!(line.push(1, FLIGHT));
+        assert_eq!(line.next_group(8, FLIGHT), Some(vec![1]));
+        // The runner panicked mid-group: its drop guard counts it out.
+        line.runner_gone();
+        assert!(line.is_idle());
+        assert!(line.push(2, FLIGHT), "the next job starts a runner");
     }
 }
 

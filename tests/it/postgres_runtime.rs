@@ -675,22 +675,7 @@ fn a_second_thread_drives_a_second_lane_while_the_first_is_busy() {
         })
     };
     let mut watch = raw(&url);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let blocked: i64 = watch
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity
-                  WHERE application_name = $1 AND wait_event_type = 'Lock'",
-                &[&app],
-            )
-            .unwrap()
-            .get(0);
-        if blocked == 1 {
-            break;
-        }
-        assert!(Instant::now() < deadline, "the complete never waited");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for_a_lock(&mut watch, &app);
 
     // The line is idle and one lane busy: this call takes the other lane.
     let calls = store.stats().calls;
@@ -709,4 +694,97 @@ fn a_second_thread_drives_a_second_lane_while_the_first_is_busy() {
     store
         .complete(&key("free"), &d, &Response::new(201, "free"), T0, HOUR)
         .unwrap();
+
+    // A group on the line (an async call, waiting on a row lock): a
+    // blocking call made meanwhile goes to the line, not to a lane.
+    let e = claimed(store.begin(&key("busy"), &fp, T0, SEC, HOUR).unwrap());
+    let mut tx = locker.transaction().unwrap();
+    let locked = tx
+        .query(
+            &format!("SELECT 1 FROM \"{}\" WHERE id = $1 FOR UPDATE", guard.table),
+            &[&b"busy".as_slice()],
+        )
+        .unwrap();
+    assert_eq!(locked.len(), 1);
+    let on_line =
+        PostgresStore::complete_async(&store, &key("busy"), &e, &Response::new(201, "b"), T0, HOUR);
+    wait_for_a_lock(&mut watch, &app);
+    let driven = lane(&store);
+    let f = claimed(store.begin(&key("later"), &fp, T0, SEC, HOUR).unwrap());
+    assert_eq!(lane(&store), driven, "the line was busy: no lane");
+    tx.commit().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(on_line).unwrap();
+    store
+        .complete(&key("later"), &f, &Response::new(201, "l"), T0, HOUR)
+        .unwrap();
+
+    // The lanes' runtimes are shut down without blocking: the store can be
+    // dropped inside async code after its lanes ran.
+    assert!(lane(&store) > driven);
+    rt.block_on(async move { drop(store) });
+}
+
+/// Waits until a connection named `app` waits for a lock.
+fn wait_for_a_lock(watch: &mut ::postgres::Client, app: &str) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let blocked: i64 = watch
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity
+                  WHERE application_name = $1 AND wait_event_type = 'Lock'",
+                &[&app],
+            )
+            .unwrap()
+            .get(0);
+        if blocked >= 1 {
+            return;
+        }
+        assert!(Instant::now() < deadline, "no call of {app} waited");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A statement that fails on a lane (here, its timeout behind a row lock)
+/// is that call's error, and the lane keeps its connection.
+#[test]
+fn a_failed_statement_on_a_lane_keeps_its_connection() {
+    let Some(url) = pg_url() else { return };
+    let (_, guard) = fresh_store("lane_err", 1);
+    let store = PostgresStore::builder()
+        .table(&guard.table)
+        .max_size(4)
+        .statement_timeout(Duration::from_millis(300))
+        .connect(&url)
+        .unwrap();
+    let fp = Fingerprint::of(b"a");
+    let c = claimed(store.begin(&key("k"), &fp, T0, SEC, HOUR).unwrap());
+    let mut locker = raw(&url);
+    let mut tx = locker.transaction().unwrap();
+    tx.query(
+        &format!("SELECT 1 FROM \"{}\" WHERE id = $1 FOR UPDATE", guard.table),
+        &[&b"k".as_slice()],
+    )
+    .unwrap();
+    let opened = store.stats().connections_opened;
+    let err = store
+        .complete(&key("k"), &c, &Response::new(201, "x"), T0, HOUR)
+        .unwrap_err();
+    assert!(matches!(err, Error::Backend(_)), "{err}");
+    let stats = store.stats();
+    assert_eq!(stats.caller_driven_calls, 2, "answered on the lane");
+    assert_eq!(stats.connections_lost, 0);
+    tx.rollback().unwrap();
+    store
+        .complete(&key("k"), &c, &Response::new(201, "x"), T0, HOUR)
+        .unwrap();
+    assert_eq!(store.stats().caller_driven_calls, 3);
+    assert_eq!(
+        store.stats().connections_opened,
+        opened,
+        "the same connection"
+    );
 }
