@@ -123,7 +123,10 @@ pub const DEFAULT_STATEMENT_TIMEOUT: Duration = Duration::from_secs(10);
 /// in flight at the server; callers beyond it wait up to the connect
 /// timeout. With `N` replicas the server must allow `N × max_size` plus its
 /// other clients: with the default `max_connections = 100`, 4 replicas and
-/// room for 20 other connections, `max_size` at most 20.
+/// room for 20 other connections, `max_size` at most 20. The
+/// calling-thread lanes (blocking calls on an idle store) count within
+/// `max_size` too: up to one connection per four of it, kept open once
+/// opened.
 ///
 /// # When the server is unreachable
 ///
