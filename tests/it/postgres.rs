@@ -420,7 +420,7 @@ fn begin_racing_an_uncommitted_insert_answers_from_the_committed_row() {
         let store = Arc::clone(&store);
         std::thread::spawn(move || store.begin(&key("k"), &fp, T0 + SEC, SEC, HOUR))
     };
-    wait_for_lock_waiter(&url);
+    wait_for_lock_waiter(&url, "idemstore");
     let retries = store.stats().snapshot_retries;
     tx.commit().unwrap();
     let answer = racing.join().unwrap().unwrap();
@@ -451,7 +451,7 @@ fn begin_racing_an_uncommitted_insert_answers_from_the_committed_row() {
         let store = Arc::clone(&store);
         std::thread::spawn(move || store.begin(&key("t"), &fp, T0 + 5 * SEC, SEC, HOUR))
     };
-    wait_for_lock_waiter(&url);
+    wait_for_lock_waiter(&url, "idemstore");
     tx.commit().unwrap();
     assert_eq!(
         racing.join().unwrap().unwrap(),
@@ -633,23 +633,24 @@ fn sweep_breaks_expiry_ties_in_key_order() {
     }
 }
 
-/// Waits until some idemstore connection is blocked on a lock.
-fn wait_for_lock_waiter(url: &str) {
+/// Waits until some connection named `app` (`idemstore` unless the URL
+/// names it otherwise) is blocked on a lock.
+pub fn wait_for_lock_waiter(url: &str, app: &str) {
     let mut c = raw(url);
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let waiting: i64 = c
             .query_one(
                 "SELECT count(*) FROM pg_stat_activity
-                  WHERE application_name = 'idemstore' AND wait_event_type = 'Lock'",
-                &[],
+                  WHERE application_name = $1 AND wait_event_type = 'Lock'",
+                &[&app],
             )
             .unwrap()
             .get(0);
         if waiting > 0 {
             return;
         }
-        assert!(Instant::now() < deadline, "the begin never blocked");
+        assert!(Instant::now() < deadline, "no call of {app} ever blocked");
         std::thread::sleep(Duration::from_millis(5));
     }
 }
@@ -688,7 +689,7 @@ fn pool_exhaustion_and_stuck_statements_are_typed_errors() {
         // for the row lock, holding the pool's only connection.
         std::thread::spawn(move || store.begin(&key("k"), &fp, T0 + 2 * SEC, SEC, HOUR))
     };
-    wait_for_lock_waiter(&url);
+    wait_for_lock_waiter(&url, "idemstore");
     let waits = store.stats().pool_waits;
     let err = store.get(&key("other"), T0).unwrap_err();
     assert!(matches!(err, Error::Backend(_)), "{err}");

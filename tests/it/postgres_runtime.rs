@@ -4,7 +4,8 @@
 //! the other PostgreSQL tests (`IDEMSTORE_PG_URL`; failing under CI).
 
 use crate::postgres::{
-    DropTable, claimed, enabled, end_connections, fresh_store, fresh_table, key, named, pg_url, raw,
+    DropTable, claimed, enabled, end_connections, fresh_store, fresh_table, key, named, pg_url,
+    raw, wait_for_lock_waiter,
 };
 use idemstore::{Begin, Error, Fingerprint, Guard, Outcome, PostgresStore, Response, Store};
 use idemstore_testkit::conformance::T0;
@@ -660,22 +661,14 @@ fn a_second_thread_drives_a_second_lane_while_the_first_is_busy() {
     // Another session locks the claimed row; the complete then waits on
     // it, holding its lane.
     let mut locker = raw(&url);
-    let mut tx = locker.transaction().unwrap();
-    let locked = tx
-        .query(
-            &format!("SELECT 1 FROM \"{}\" WHERE id = $1 FOR UPDATE", guard.table),
-            &[&b"held".as_slice()],
-        )
-        .unwrap();
-    assert_eq!(locked.len(), 1);
+    let tx = lock_row(&mut locker, &guard.table, b"held");
     let waiting = {
         let store = Arc::clone(&store);
         std::thread::spawn(move || {
             store.complete(&key("held"), &c, &Response::new(201, "done"), T0, HOUR)
         })
     };
-    let mut watch = raw(&url);
-    wait_for_a_lock(&mut watch, &app);
+    wait_for_lock_waiter(&url, &app);
 
     // The line is idle and one lane busy: this call takes the other lane.
     let calls = store.stats().calls;
@@ -698,17 +691,10 @@ fn a_second_thread_drives_a_second_lane_while_the_first_is_busy() {
     // A group on the line (an async call, waiting on a row lock): a
     // blocking call made meanwhile goes to the line, not to a lane.
     let e = claimed(store.begin(&key("busy"), &fp, T0, SEC, HOUR).unwrap());
-    let mut tx = locker.transaction().unwrap();
-    let locked = tx
-        .query(
-            &format!("SELECT 1 FROM \"{}\" WHERE id = $1 FOR UPDATE", guard.table),
-            &[&b"busy".as_slice()],
-        )
-        .unwrap();
-    assert_eq!(locked.len(), 1);
+    let tx = lock_row(&mut locker, &guard.table, b"busy");
     let on_line =
         PostgresStore::complete_async(&store, &key("busy"), &e, &Response::new(201, "b"), T0, HOUR);
-    wait_for_a_lock(&mut watch, &app);
+    wait_for_lock_waiter(&url, &app);
     let driven = lane(&store);
     let f = claimed(store.begin(&key("later"), &fp, T0, SEC, HOUR).unwrap());
     assert_eq!(lane(&store), driven, "the line was busy: no lane");
@@ -728,24 +714,22 @@ fn a_second_thread_drives_a_second_lane_while_the_first_is_busy() {
     rt.block_on(async move { drop(store) });
 }
 
-/// Waits until a connection named `app` waits for a lock.
-fn wait_for_a_lock(watch: &mut ::postgres::Client, app: &str) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let blocked: i64 = watch
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity
-                  WHERE application_name = $1 AND wait_event_type = 'Lock'",
-                &[&app],
-            )
-            .unwrap()
-            .get(0);
-        if blocked >= 1 {
-            return;
-        }
-        assert!(Instant::now() < deadline, "no call of {app} waited");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+/// Locks the row of id `id` in `table` in a transaction of `locker`'s
+/// until that transaction ends.
+fn lock_row<'a>(
+    locker: &'a mut ::postgres::Client,
+    table: &str,
+    id: &[u8],
+) -> ::postgres::Transaction<'a> {
+    let mut tx = locker.transaction().unwrap();
+    let locked = tx
+        .query(
+            &format!("SELECT 1 FROM \"{table}\" WHERE id = $1 FOR UPDATE"),
+            &[&id],
+        )
+        .unwrap();
+    assert_eq!(locked.len(), 1);
+    tx
 }
 
 /// A statement that fails on a lane (here, its timeout behind a row lock)
@@ -763,12 +747,7 @@ fn a_failed_statement_on_a_lane_keeps_its_connection() {
     let fp = Fingerprint::of(b"a");
     let c = claimed(store.begin(&key("k"), &fp, T0, SEC, HOUR).unwrap());
     let mut locker = raw(&url);
-    let mut tx = locker.transaction().unwrap();
-    tx.query(
-        &format!("SELECT 1 FROM \"{}\" WHERE id = $1 FOR UPDATE", guard.table),
-        &[&b"k".as_slice()],
-    )
-    .unwrap();
+    let tx = lock_row(&mut locker, &guard.table, b"k");
     let opened = store.stats().connections_opened;
     let err = store
         .complete(&key("k"), &c, &Response::new(201, "x"), T0, HOUR)
