@@ -263,7 +263,7 @@ async fn alone(core: &Core, job: Job, repeated: bool) {
             let _ = j.reply.send(answer);
         }
         Job::Complete(j) => {
-            let times = (row::millis(j.now), row::millis(j.now + j.retention));
+            let times = row::times(j.now, j.retention);
             let answer = core
                 .complete_alone(&j.key, &j.claim, j.token, &j.response, times, repeated)
                 .await;

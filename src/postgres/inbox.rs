@@ -321,7 +321,7 @@ where
         }
     };
     let token = row::token(claim.token).ok_or(Error::StaleClaim)?;
-    let times = (row::millis(now), row::millis(now + retention));
+    let times = row::times(now, retention);
     let columns = row::response_columns(&response);
     // The claim is this transaction's own row, locked by it: the update
     // cannot miss it.
@@ -1187,7 +1187,7 @@ where
     locked.map_err(db)?;
     let mut seen: HashMap<&Key, (&Fingerprint, Option<Response>)> = HashMap::new();
     let mut answers = Vec::with_capacity(items.len());
-    let times = (row::millis(ctx.now), row::millis(ctx.now + ctx.retention));
+    let times = row::times(ctx.now, ctx.retention);
     for (item, failed) in items.iter().zip(failed) {
         let (key, fingerprint) = (item.key, item.fingerprint);
         if *failed {

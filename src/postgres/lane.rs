@@ -70,17 +70,17 @@ use tokio::runtime::{Handle, Runtime};
 pub const MAX_LANES: usize = 8;
 
 /// The lanes: each empty until a call first takes it.
-pub(super) struct Lane {
+pub(super) struct Lanes {
     slots: Box<[Mutex<Option<Held>>]>,
 }
 
-impl Lane {
+impl Lanes {
     /// The lanes of a store whose pool holds `max_size` connections.
-    pub(super) fn for_pool(max_size: u32) -> Lane {
+    pub(super) fn for_pool(max_size: u32) -> Lanes {
         let count = usize::try_from(max_size / 4)
             .unwrap_or(MAX_LANES)
             .clamp(1, MAX_LANES);
-        Lane {
+        Lanes {
             slots: (0..count).map(|_| Mutex::new(None)).collect(),
         }
     }
@@ -96,6 +96,14 @@ fn first_slot(count: usize) -> usize {
         static MINE: usize = NEXT.fetch_add(1, Ordering::Relaxed);
     }
     MINE.with(|mine| mine % count.max(1))
+}
+
+/// Drops a lane's connection, found dead, counting it as lost (its permit
+/// goes back to the pool).
+fn lose(core: &Core, conn: &mut Option<Dedicated>) {
+    if conn.take().is_some() {
+        Counters::bump(&core.counters.connections_lost);
+    }
 }
 
 /// The lanes' indexes in the order a thread tries them: `first`, then the
@@ -133,7 +141,7 @@ pub(super) enum Ran<T> {
     Broken,
 }
 
-impl Lane {
+impl Lanes {
     /// Runs `op` on the lane's connection when the lane may be taken (see
     /// the module docs). `store`: the store's runtime, where the probe runs
     /// if opening the connection fails.
@@ -181,10 +189,8 @@ impl Lane {
         else {
             return Ran::NotTaken;
         };
-        if conn.as_ref().is_some_and(|c| c.conn.client.is_closed())
-            && let Some(dead) = conn.take()
-        {
-            dead.lost();
+        if conn.as_ref().is_some_and(|c| c.conn.client.is_closed()) {
+            lose(core, conn);
         }
         if conn.is_none() {
             match runtime.block_on(core.pool.dedicated()) {
@@ -207,9 +213,7 @@ impl Lane {
         match ran {
             Ok(value) => Ran::Answered(Ok(value)),
             Err(RunError::Db(err)) if is_dead_connection(&err) => {
-                if let Some(dead) = conn.take() {
-                    dead.lost();
-                }
+                lose(core, conn);
                 Ran::Broken
             }
             Err(RunError::Db(err)) => Ran::Answered(Err(db_error(err, &core.sql.table))),
@@ -233,10 +237,10 @@ impl Lane {
         if check_durations(lease, retention).is_err() {
             return Ran::NotTaken;
         }
-        let step = core.begin_step(key, fingerprint, now, lease, retention);
-        let counters = &core.counters;
+        // Built only once the lane is taken (the key lock is a hash).
         self.run(core, store, |conn| async move {
-            step.run(&conn, counters).await
+            let step = core.begin_step(key, fingerprint, now, lease, retention);
+            step.run(&conn, &core.counters).await
         })
     }
 
@@ -259,10 +263,10 @@ impl Lane {
         let Some(token) = row::token(claim.token) else {
             return Ran::NotTaken;
         };
-        let times = (row::millis(now), row::millis(now + retention));
-        let r = &row::response_columns(response);
         self.run(core, store, |conn| async move {
-            let updated = complete_on(&conn, key, token, times, r).await?;
+            let columns = row::response_columns(response);
+            let times = row::times(now, retention);
+            let updated = complete_on(&conn, key, token, times, &columns).await?;
             if updated > 0 {
                 Ok(())
             } else {
@@ -278,7 +282,7 @@ mod tests {
 
     #[test]
     fn a_store_keeps_one_lane_per_four_connections_within_bounds() {
-        let lanes = |max_size| Lane::for_pool(max_size).slots.len();
+        let lanes = |max_size| Lanes::for_pool(max_size).slots.len();
         assert_eq!(lanes(1), 1);
         assert_eq!(lanes(7), 1);
         assert_eq!(lanes(8), 2);

@@ -175,8 +175,8 @@ pub const MAX_BEGIN_ATTEMPTS: usize = 8;
 pub struct PostgresStore {
     core: Arc<Core>,
     runtime: StoreRuntime,
-    /// The calling thread's lane for blocking calls on an idle store.
-    lane: lane::Lane,
+    /// The calling threads' lanes for blocking calls on an idle line.
+    lanes: lane::Lanes,
     /// Never read by the store: handed out by [`Store::clock`].
     clock: Arc<dyn Clock>,
 }
@@ -536,7 +536,7 @@ impl Store for PostgresStore {
         retention: Duration,
     ) -> Result<Begin> {
         let (core, store) = (&*self.core, &self.runtime.handle());
-        match (self.lane).begin(core, store, key, fingerprint, now, lease, retention) {
+        match (self.lanes).begin(core, store, key, fingerprint, now, lease, retention) {
             Ran::Answered(answer) => answer,
             Ran::NotTaken => {
                 self.runtime
@@ -562,7 +562,7 @@ impl Store for PostgresStore {
         retention: Duration,
     ) -> Result<()> {
         let (core, store) = (&*self.core, &self.runtime.handle());
-        match (self.lane).complete(core, store, key, claim, response, now, retention) {
+        match (self.lanes).complete(core, store, key, claim, response, now, retention) {
             Ran::Answered(answer) => answer,
             Ran::NotTaken => self
                 .runtime
@@ -573,7 +573,7 @@ impl Store for PostgresStore {
                 let Some(token) = row::token(claim.token) else {
                     return Err(crate::Error::StaleClaim); // the lane ran it: unreachable
                 };
-                let times = (row::millis(now), row::millis(now + retention));
+                let times = row::times(now, retention);
                 self.runtime.block_on(async move {
                     core.complete_alone(&key, &claim, token, &response, times, true)
                         .await

@@ -436,7 +436,7 @@ impl PostgresStoreBuilder {
         Ok(PostgresStore {
             core,
             runtime,
-            lane: super::lane::Lane::for_pool(self.max_size),
+            lanes: super::lane::Lanes::for_pool(self.max_size),
             clock: self.clock,
         })
     }

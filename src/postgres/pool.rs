@@ -165,7 +165,6 @@ impl Pool {
         Some(inner.connect().await.map(|conn| Dedicated {
             conn,
             _permit: permit,
-            counters: Arc::clone(&inner.counters),
         }))
     }
 
@@ -307,14 +306,6 @@ impl Drop for Pooled {
 pub(super) struct Dedicated {
     pub(super) conn: Arc<Conn>,
     _permit: OwnedSemaphorePermit,
-    counters: Arc<Counters>,
-}
-
-impl Dedicated {
-    /// Drops the connection, found dead, counting it as lost.
-    pub(super) fn lost(self) {
-        Counters::bump(&self.counters.connections_lost);
-    }
 }
 
 /// A connection and its prepared statements. Statements are prepared on

@@ -18,11 +18,18 @@ use crate::key::Key;
 use crate::record::{Record, State};
 use crate::response::Response;
 use crate::time::Timestamp;
+use std::time::Duration;
 use tokio_postgres::Row;
 
 /// A timestamp as stored (saturating at `i64::MAX`).
 pub(super) fn millis(t: Timestamp) -> i64 {
     i64::try_from(t.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// A `complete`'s instants as stored: `now`, and the DONE record's expiry
+/// `now + retention`.
+pub(super) fn times(now: Timestamp, retention: Duration) -> (i64, i64) {
+    (millis(now), millis(now + retention))
 }
 
 /// A token as stored; tokens come from a `bigint` sequence starting at 1,

@@ -39,9 +39,9 @@ pub struct PostgresStats {
     pub group_commits: u64,
     /// Calls answered by a group commit.
     pub grouped_calls: u64,
-    /// Blocking `begin`s and `complete`s that ran on the calling thread's
-    /// own connection (the store idle, the caller outside any tokio
-    /// runtime): no hand-off to the store's runtime thread.
+    /// Blocking `begin`s and `complete`s that ran on a calling-thread lane
+    /// (the commit line idle, the caller outside any tokio runtime): no
+    /// hand-off to the store's runtime thread.
     pub caller_driven_calls: u64,
     /// Connections opened (at build, on demand, and by the reconnect probe).
     pub connections_opened: u64,
