@@ -309,13 +309,21 @@ impl Store for MemoryStore {
         self.fault(Op::Sweep)?;
         let max = max.min(MAX_SWEEP_BATCH);
         let mut inner = self.lock();
-        let due: Vec<Key> = inner
-            .index
-            .iter()
-            .take_while(|((expires_at, _), _)| logic::sweepable(*expires_at, now))
-            .take(max)
-            .map(|(_, key)| key.clone())
-            .collect();
+        // Oldest expiry first and, among records of one expiry, by key, as
+        // every backend sweeps: the index orders ties by token, so the
+        // last expiry taken is read whole and sorted before the cut.
+        let mut due: Vec<(Timestamp, Key)> = Vec::new();
+        for (&(expires_at, _), key) in &inner.index {
+            if !logic::sweepable(expires_at, now)
+                || (due.len() >= max && due.last().is_some_and(|(at, _)| *at != expires_at))
+            {
+                break;
+            }
+            due.push((expires_at, key.clone()));
+        }
+        due.sort_unstable();
+        due.truncate(max);
+        let due: Vec<Key> = due.into_iter().map(|(_, key)| key).collect();
         for key in &due {
             inner.remove(key);
         }
