@@ -278,6 +278,8 @@ fn checkpoint(shared: &Shared, frozen: &Frozen) -> Result<()> {
             .map_err(engine_error)?;
     }
     txn.commit().map_err(engine_error)?;
+    // Before `retire` lets go of the frozen table (snapshot.rs).
+    shared.committed();
     Ok(())
 }
 
@@ -297,6 +299,7 @@ mod tests {
             now: crate::time::Timestamp::from_millis(1_000),
             lease: Duration::from_secs(10),
             retention: Duration::from_secs(10),
+            absent_at: None,
         }
     }
 

@@ -23,6 +23,11 @@ pub(super) enum Op {
         now: Timestamp,
         lease: Duration,
         retention: Duration,
+        /// The redb commit count under which the read path found no record
+        /// of the key anywhere (memtable, replay cache, redb): while the
+        /// count has not moved, the leader need not read redb for it
+        /// (snapshot.rs). `None`: the leader reads.
+        absent_at: Option<u64>,
     },
     Complete {
         key: Vec<u8>,

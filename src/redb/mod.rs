@@ -97,6 +97,7 @@ mod requests;
 mod shared;
 #[cfg(all(test, shuttle))]
 mod shuttle_tests;
+mod snapshot;
 mod source;
 mod stats;
 mod tables;
@@ -485,6 +486,8 @@ impl RedbStore {
         if engine.usable != Usable::Yes {
             return Err(self.shared.poisoned_error());
         }
+        // redb compacts only with no read transaction live (snapshot.rs).
+        self.shared.snapshot.clear();
         engine.db.compact().map_err(|e| {
             self.shared
                 .engine_failed("compaction", errors::engine_error(e))

@@ -31,24 +31,34 @@ impl RedbStore {
         now: Timestamp,
         lease: Duration,
         retention: Duration,
-    ) -> Result<Option<Begin>> {
-        let existing = self.shared.read(key_bytes)?;
+    ) -> Result<Fast> {
+        let (existing, counted) = self.shared.read_counted(key_bytes)?;
         if existing.is_none() {
-            return Ok(None);
+            return Ok(Fast::Absent(counted));
         }
         // A claim needs a token and a write: that is the leader's. The
         // token handed to the state machine here is never stored.
         let step = logic::begin(existing, fingerprint, now, lease, retention, || Ok(0))?;
         if step.write.is_some() {
-            return Ok(None);
+            return Ok(Fast::Write);
         }
         let counter = match step.answer {
             Begin::Replay(_) => &self.shared.stats.fast_replays,
             _ => &self.shared.stats.fast_refusals,
         };
         counter.fetch_add(1, Ordering::Relaxed);
-        Ok(Some(step.answer))
+        Ok(Fast::Answered(step.answer))
     }
+}
+
+/// What the read fast path found for a `begin`.
+enum Fast {
+    /// An answer that writes nothing (Replay, InFlight, Conflict).
+    Answered(Begin),
+    /// No record; `Some(count)` when redb said so under that commit count.
+    Absent(Option<u64>),
+    /// A record the `begin` must write over (expired, or a lease ended).
+    Write,
 }
 
 /// What `begin` does next: answered on the fast path, or a request for the line.
@@ -89,15 +99,18 @@ impl RedbStore {
     ) -> Result<Next> {
         check_durations(lease, retention)?;
         let key_bytes = codec::encode_key(key);
-        if let Some(answer) = self.fast_begin(&key_bytes, fingerprint, now, lease, retention)? {
-            return Ok(Next::Answered(answer));
-        }
+        let absent_at = match self.fast_begin(&key_bytes, fingerprint, now, lease, retention)? {
+            Fast::Answered(answer) => return Ok(Next::Answered(answer)),
+            Fast::Absent(at) => at,
+            Fast::Write => None,
+        };
         Ok(Next::Queue(Op::Begin {
             key: key_bytes,
             fingerprint: *fingerprint,
             now,
             lease,
             retention,
+            absent_at,
         }))
     }
 

@@ -13,6 +13,7 @@ use super::health::{Health, On};
 use super::line::{MAX_WRITE_BATCH, Queue};
 use super::memtable::Mem;
 use super::record_log::Wal;
+use super::snapshot::Snapshot;
 use super::stats::Counters;
 use super::{Durability, RecoveryPolicy, health, open, record_log, source, tables, witness};
 use crate::codec;
@@ -24,7 +25,7 @@ use crate::sync::{
     TryLockError,
 };
 use crate::time::Clock;
-use ::redb::{Database, ReadableDatabase, StorageBackend};
+use ::redb::{Database, StorageBackend};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -66,6 +67,12 @@ impl std::ops::Deref for DbRead<'_> {
 
 /// What the callers and the background thread share.
 pub(super) struct Shared {
+    /// The read path's kept redb snapshot (snapshot.rs); declared before
+    /// `db` so that it is dropped first.
+    pub(super) snapshot: Snapshot,
+    /// The redb commits made since the store opened (snapshot.rs): bumped
+    /// by [`committed`](Shared::committed).
+    pub(super) commits: AtomicU64,
     /// A read lock for every transaction; [`RedbStore::compact`](super::RedbStore::compact) and a
     /// heal take the write lock, which is how they wait out every live
     /// transaction.
@@ -134,6 +141,8 @@ impl Shared {
     pub(super) fn new(opened: open::Opened, config: &Config, path: Option<&Path>) -> Arc<Shared> {
         let log_file = opened.wal.as_ref().map(record_log::Wal::file);
         Arc::new(Shared {
+            snapshot: Snapshot::default(),
+            commits: AtomicU64::new(0),
             db: RwLock::new(Engine {
                 db: opened.db,
                 usable: Usable::Yes,
@@ -259,27 +268,44 @@ impl Shared {
     /// The latest state of `key_bytes`: the memtable, the replay cache,
     /// then redb (verified).
     pub(super) fn read(&self, key_bytes: &[u8]) -> Result<Option<Record>> {
+        self.read_counted(key_bytes).map(|(record, _)| record)
+    }
+
+    /// [`read`](Self::read), and when redb answered, the commit count it
+    /// answered under (a `begin`'s [`absent_at`](super::line::Op::Begin)).
+    pub(super) fn read_counted(&self, key_bytes: &[u8]) -> Result<(Option<Record>, Option<u64>)> {
         {
             let mem = self.read_mem();
             if let Some(entry) = mem.get(key_bytes) {
-                return Ok(entry.clone());
+                return Ok((entry.clone(), None));
             }
             if let Some(record) = mem.hot.get(key_bytes) {
                 self.stats.replay_cache_hits.fetch_add(1, Ordering::Relaxed);
-                return Ok(Some(record.clone()));
+                return Ok((Some(record.clone()), None));
             }
         }
-        // Opened after the memtable was read: see memtable.rs.
+        // Counted after the memtable was read: see snapshot.rs.
+        let seen = self.commits.load(Ordering::Acquire);
         let db = self.read_db()?;
-        (|| {
-            let txn = db.begin_read().map_err(engine_error)?;
-            let table = txn.open_table(tables::RECORDS).map_err(engine_error)?;
-            match table.get(key_bytes).map_err(engine_error)? {
-                Some(v) => Ok(Some(codec::decode_record(key_bytes, v.value())?)),
-                None => Ok(None),
-            }
-        })()
-        .map_err(|e| self.engine_failed("read", e))
+        let record = self
+            .snapshot
+            .read(&db, seen, key_bytes, |value| {
+                value
+                    .map(|v| codec::decode_record(key_bytes, v))
+                    .transpose()
+            })
+            .map_err(|e| self.engine_failed("read", e))?;
+        Ok((record, Some(seen)))
+    }
+
+    /// Marks a redb commit made while the store runs: called after the
+    /// commit and before its writer lets go of what it wrote in memory (a
+    /// frozen memtable retired, the active one cleared, an answer given),
+    /// so that no reader keeps using a snapshot from before it
+    /// (snapshot.rs).
+    pub(super) fn committed(&self) {
+        self.commits.fetch_add(1, Ordering::Release);
+        self.snapshot.clear();
     }
 
     /// An engine error met `during` an operation: an I/O error (redb then

@@ -86,11 +86,22 @@ impl StorageBackend for Disk {
 /// A store with both of its threads, a log of two segments of two frames
 /// (a freeze every few groups) and a 1 ms checkpoint interval.
 fn open(file: &Disk, log: &Disk) -> RedbStore {
-    RedbStore::builder()
-        .wal_bytes(MIN_WAL_BYTES)
-        .checkpoint_interval(Duration::from_millis(1))
-        .open_backend_with_log(file.clone(), log.clone())
-        .expect("open")
+    open_with(file, log, |builder| builder)
+}
+
+/// [`open`] with more options.
+fn open_with(
+    file: &Disk,
+    log: &Disk,
+    options: impl FnOnce(super::RedbStoreBuilder) -> super::RedbStoreBuilder,
+) -> RedbStore {
+    options(
+        RedbStore::builder()
+            .wal_bytes(MIN_WAL_BYTES)
+            .checkpoint_interval(Duration::from_millis(1)),
+    )
+    .open_backend_with_log(file.clone(), log.clone())
+    .expect("open")
 }
 
 fn key(id: &str) -> Key {
@@ -104,6 +115,7 @@ fn begin_op(id: &str) -> Op {
         now: T,
         lease: D,
         retention: D,
+        absent_at: None,
     }
 }
 
@@ -445,5 +457,128 @@ fn shuttle_a_read_after_a_claim_never_sees_the_cached_response_it_replaced() {
     assert!(
         CACHED_RUNS.load(Ordering::Relaxed) > 0,
         "no run read from the replay cache"
+    );
+}
+
+/// Runs in which a read was answered from redb (the kept snapshot or a
+/// new one) after the completion.
+static SNAPSHOT_RUNS: AtomicUsize = AtomicUsize::new(0);
+
+/// The read path's kept redb snapshot (snapshot.rs) across checkpoints,
+/// with the replay cache off so that a read of a checkpointed key goes to
+/// redb: `a` is claimed and pushed out to the store file by other keys'
+/// groups, then completed and pushed out again. A reader that starts
+/// after the completion returned must read it at every point of those
+/// checkpoints, never the claim a snapshot kept from before them. A
+/// checkpoint that counts its commit only after it retires its frozen
+/// table fails this at the default 100 schedules.
+#[test]
+fn shuttle_a_read_after_a_completion_never_sees_the_claim_a_kept_snapshot_holds() {
+    explore("kept snapshot", || {
+        let (file, log) = (Disk::default(), Disk::default());
+        let store = Arc::new(open_with(&file, &log, |b| b.replay_cache_bytes(0)));
+        let answer = store
+            .begin(&key("a"), &Fingerprint::of(b"fp"), T, D, D)
+            .expect("claim");
+        let Begin::Claimed(claim) = answer else {
+            panic!("{answer:?}");
+        };
+        for id in ["x1", "x2", "x3"] {
+            let _ = claim_and_complete(&store, id).expect("x");
+        }
+        let completed = Arc::new(AtomicBool::new(false));
+        let reader = {
+            let (store, completed) = (Arc::clone(&store), Arc::clone(&completed));
+            thread::spawn(move || {
+                for _ in 0..12 {
+                    let after = completed.load(Ordering::SeqCst);
+                    let record = store.admin().get_raw(&key("a")).expect("read");
+                    let state = record.map(|r| r.state());
+                    if after {
+                        assert_eq!(state, Some(crate::record::State::Done));
+                        if store
+                            .shared
+                            .read_mem()
+                            .get(&codec::encode_key(&key("a")))
+                            .is_none()
+                        {
+                            SNAPSHOT_RUNS.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                    dawdle();
+                }
+            })
+        };
+        store
+            .complete(&key("a"), &claim, &Response::new(201, "a"), T, D)
+            .expect("complete");
+        completed.store(true, Ordering::SeqCst);
+        for id in ["y1", "y2", "y3", "y4", "y5"] {
+            let _ = claim_and_complete(&store, id).expect("y");
+        }
+        reader.join().expect("the reader");
+    });
+    assert!(
+        SNAPSHOT_RUNS.load(Ordering::Relaxed) > 0,
+        "no run read the completion from redb"
+    );
+}
+
+/// Runs of the two claimers in which a checkpoint was written.
+static TWO_CLAIMERS_CHECKPOINTED: AtomicUsize = AtomicUsize::new(0);
+
+/// A `begin` whose read path found its key absent is decided without a
+/// read of redb while the redb commit count has not moved (snapshot.rs).
+/// Two threads claim `a` while a third pushes groups through the log, so
+/// that checkpoints move `a`'s claim out of the memtable into the store
+/// file at any point between the second claimer's read and its group:
+/// exactly one claim, whatever the schedule. A checkpoint that counts its
+/// commit only after it retires its frozen table fails this.
+#[test]
+fn shuttle_two_claims_of_one_key_across_checkpoints_make_one_claim() {
+    explore("known absent", || {
+        let (file, log) = (Disk::default(), Disk::default());
+        let store = Arc::new(open_with(&file, &log, |b| b.replay_cache_bytes(0)));
+        let claimers: Vec<_> = (0..2)
+            .map(|_| {
+                let store = Arc::clone(&store);
+                thread::spawn(move || {
+                    store
+                        .begin(&key("a"), &Fingerprint::of(b"fp"), T, D, D)
+                        .expect("begin")
+                })
+            })
+            .collect();
+        let pusher = {
+            let store = Arc::clone(&store);
+            thread::spawn(move || {
+                for id in ["x1", "x2", "x3", "x4"] {
+                    let _ = claim_and_complete(&store, id).expect("x");
+                }
+            })
+        };
+        let answers: Vec<_> = claimers
+            .into_iter()
+            .map(|t| t.join().expect("a claimer"))
+            .collect();
+        pusher.join().expect("the pusher");
+        let claims = answers
+            .iter()
+            .filter(|a| matches!(a, Begin::Claimed(_)))
+            .count();
+        assert_eq!(claims, 1, "{answers:?}");
+        assert!(
+            answers
+                .iter()
+                .all(|a| matches!(a, Begin::Claimed(_) | Begin::InFlight { .. })),
+            "{answers:?}"
+        );
+        if store.stats().checkpoints > 0 {
+            TWO_CLAIMERS_CHECKPOINTED.fetch_add(1, Ordering::Relaxed);
+        }
+    });
+    assert!(
+        TWO_CLAIMERS_CHECKPOINTED.load(Ordering::Relaxed) > 0,
+        "no run reached a checkpoint"
     );
 }

@@ -16,7 +16,8 @@ use crate::error::Result;
 use crate::record::Record;
 use crate::time::Timestamp;
 use ::redb::{
-    ReadOnlyTable, ReadTransaction, ReadableTable, Table, TableDefinition, WriteTransaction,
+    Database, ReadOnlyTable, ReadTransaction, ReadableDatabase, ReadableTable, Table,
+    TableDefinition, WriteTransaction,
 };
 
 /// Records by key.
@@ -192,6 +193,41 @@ impl Source for WriteTables<'_> {
     }
     fn due(&self, now: Timestamp, f: &mut dyn FnMut(&[u8]) -> Result<bool>) -> Result<()> {
         due_from(&self.expiry, now, f)
+    }
+}
+
+/// The record and index tables of a read transaction begun at the first
+/// read that needs them: a group whose keys are all in memory (or known
+/// absent, snapshot.rs) begins none.
+pub(super) struct LazyTables<'a> {
+    db: &'a Database,
+    tables: std::cell::OnceCell<ReadTables>,
+}
+
+impl<'a> LazyTables<'a> {
+    pub(super) fn new(db: &'a Database) -> LazyTables<'a> {
+        LazyTables {
+            db,
+            tables: std::cell::OnceCell::new(),
+        }
+    }
+
+    fn tables(&self) -> Result<&ReadTables> {
+        if let Some(tables) = self.tables.get() {
+            return Ok(tables);
+        }
+        let txn = self.db.begin_read().map_err(engine_error)?;
+        let tables = ReadTables::open(&txn)?;
+        Ok(self.tables.get_or_init(|| tables))
+    }
+}
+
+impl Source for LazyTables<'_> {
+    fn read(&self, key_bytes: &[u8]) -> Result<Option<Record>> {
+        self.tables()?.read(key_bytes)
+    }
+    fn due(&self, now: Timestamp, f: &mut dyn FnMut(&[u8]) -> Result<bool>) -> Result<()> {
+        self.tables()?.due(now, f)
     }
 }
 

@@ -92,6 +92,8 @@ impl Shared {
         if let Err(e) = txn.commit() {
             return Err(self.fail("commit", On::Store, engine_error(e)).into());
         }
+        // Before the active memtable is cleared (snapshot.rs).
+        self.committed();
         core.token_hwm = hwm;
         core.unflushed = false;
         core.last_durable = Instant::now();

@@ -61,12 +61,11 @@ use super::health::On;
 use super::line::{Op, Reply};
 use super::memtable::MEMTABLE_BYTES;
 use super::shared::Core;
-use super::tables::{META, META_TOKEN_HWM, ReadTables, WriteTables};
+use super::tables::{LazyTables, META, META_TOKEN_HWM, WriteTables};
 use super::{Durability, Shared};
 use crate::error::{Error, Result};
 use crate::sync::Instant;
 use crate::sync::atomic::Ordering;
-use ::redb::ReadableDatabase;
 use decide::decide;
 
 impl Shared {
@@ -109,14 +108,13 @@ impl Shared {
     fn commit_logged(&self, core: &mut Core, ops: &[Op]) -> Result<Vec<Result<Reply>>> {
         let mut hwm = core.token_hwm;
         let decided = {
-            // The memtable first, then the read transaction (see memtable.rs).
+            // The memtable first, then the count and the read transaction
+            // (see memtable.rs and snapshot.rs).
             let mem = self.read_mem();
+            let counted = self.commits.load(Ordering::Acquire);
             let db = self.read_db()?;
-            let txn = db
-                .begin_read()
-                .map_err(|e| self.engine_failed("read", engine_error(e)))?;
-            let base = ReadTables::open(&txn).map_err(|e| self.engine_failed("read", e))?;
-            decide(ops, Some(&mem), &base, &mut hwm, true)
+            let base = LazyTables::new(&db);
+            decide(ops, Some(&mem), Some(counted), &base, &mut hwm, true)
         };
         if decided.writes.is_empty() {
             return Ok(decided.answers);
@@ -203,7 +201,7 @@ impl Shared {
             .map_err(|e| self.engine_failed("commit", engine_error(e)))?;
         let decided = {
             let tables = WriteTables::open(&txn)?;
-            decide(ops, None, &tables, &mut hwm, false)
+            decide(ops, None, None, &tables, &mut hwm, false)
         };
         if decided.writes.is_empty() && decided.stale.is_empty() {
             let _ = txn.abort();
@@ -246,6 +244,8 @@ impl Shared {
             // It may or may not be on disk: refuse every later write.
             return Err(self.fail("commit", On::Store, engine_error(e)));
         }
+        // Before anyone is answered (snapshot.rs).
+        self.committed();
         core.token_hwm = hwm;
         self.stats.commits.fetch_add(1, Ordering::Relaxed);
         self.stats
@@ -308,6 +308,7 @@ pub(in crate::redb) mod tests {
             now: T,
             lease: D,
             retention: D,
+            absent_at: None,
         }
     }
 

@@ -1,0 +1,292 @@
+//! The read path's redb snapshot: one read transaction's records table,
+//! kept open from one redb commit to the next, so that a `begin` whose key
+//! is in neither memtable nor the replay cache (a fresh key, an old replay)
+//! reads the B-tree without opening a read transaction and a table first
+//! (redb's `begin_read` registers the transaction under a lock, and
+//! `open_table` looks the table up by name: together more than the lookup).
+//!
+//! # Why a kept snapshot is never stale
+//!
+//! [`Shared::commits`](super::shared::Shared) counts the redb commits made
+//! while the store runs; every commit bumps it (through
+//! [`Shared::committed`](super::shared::Shared::committed)) after the
+//! commit and *before* the writer lets go of what it wrote in memory: a
+//! checkpoint before it retires its frozen memtable, a direct transaction
+//! before it clears the active one, a commit without a log before it
+//! answers. A snapshot is kept under the count read *before* it was opened,
+//! so it holds at least every commit counted up to then. A reader reads the
+//! memtable first, then the count, and uses the kept snapshot only when it
+//! was kept under that count or a later one: every commit it could miss is
+//! either not counted yet (and its records are still in the memtable the
+//! reader has just read, or its writer has not answered anyone), or counted,
+//! and then the kept snapshot is too old to use. This is the memtable's
+//! read order (memtable.rs) with the count standing in for a new
+//! transaction.
+//!
+//! # What holds it
+//!
+//! A kept snapshot pins the pages of its commit: redb frees the pages a
+//! later commit replaced only once no read transaction sees them. Every
+//! commit therefore drops it ([`Snapshot::clear`]), and the next read opens
+//! another. A heal and a compaction clear it too, holding the engine's
+//! write lock, before they close or compact the engine (redb refuses to
+//! compact under a live read transaction), and it is dropped before the
+//! engine when the store is.
+
+use super::errors::engine_error;
+use super::tables::RECORDS;
+use crate::error::Result;
+use crate::sync::RwLock;
+use ::redb::{Database, ReadOnlyTable, ReadableDatabase};
+
+type Records = ReadOnlyTable<&'static [u8], &'static [u8]>;
+
+/// The kept snapshot and the commit count it was opened under.
+#[derive(Default)]
+pub(super) struct Snapshot {
+    slot: RwLock<Option<Kept>>,
+    /// Snapshots opened (tests).
+    #[cfg(test)]
+    opened: std::sync::atomic::AtomicUsize,
+}
+
+struct Kept {
+    commits: u64,
+    records: Records,
+}
+
+impl std::fmt::Debug for Snapshot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Snapshot").finish_non_exhaustive()
+    }
+}
+
+impl Snapshot {
+    /// Calls `f` with the value stored under `key` in the records table of
+    /// `db` as of at least commit count `seen` (read by the caller after
+    /// the memtable): through the kept snapshot when it is recent enough,
+    /// otherwise through a new one, which is then kept.
+    pub(super) fn read<T>(
+        &self,
+        db: &Database,
+        seen: u64,
+        key: &[u8],
+        f: impl FnOnce(Option<&[u8]>) -> Result<T>,
+    ) -> Result<T> {
+        {
+            let kept = self.slot.read().unwrap_or_else(|p| p.into_inner());
+            if let Some(kept) = kept.as_ref().filter(|k| k.commits >= seen) {
+                let value = kept.records.get(key).map_err(engine_error)?;
+                return f(value.as_ref().map(|v| v.value()));
+            }
+        }
+        #[cfg(test)]
+        self.opened
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let txn = db.begin_read().map_err(engine_error)?;
+        let records = txn.open_table(RECORDS).map_err(engine_error)?;
+        let out = {
+            let value = records.get(key).map_err(engine_error)?;
+            f(value.as_ref().map(|v| v.value()))
+        };
+        let mut kept = self.slot.write().unwrap_or_else(|p| p.into_inner());
+        if kept.as_ref().is_none_or(|k| k.commits < seen) {
+            *kept = Some(Kept {
+                commits: seen,
+                records,
+            });
+        }
+        out
+    }
+
+    /// Drops the kept snapshot (after a commit; before a heal or a
+    /// compaction closes or rewrites the engine).
+    pub(super) fn clear(&self) {
+        let old = self.slot.write().unwrap_or_else(|p| p.into_inner()).take();
+        drop(old);
+    }
+
+    /// Snapshots opened so far (tests).
+    #[cfg(test)]
+    pub(super) fn opened(&self) -> usize {
+        self.opened.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Whether a snapshot is kept (tests).
+    #[cfg(test)]
+    pub(super) fn is_kept(&self) -> bool {
+        self.slot
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::redb::{RedbStore, RedbStoreBuilder};
+    use crate::{Begin, Claim, Fingerprint, Key, Response, Store, Timestamp};
+    use std::time::Duration;
+
+    const LEASE: Duration = Duration::from_secs(60);
+    const KEEP: Duration = Duration::from_secs(3600);
+    const NOW: Timestamp = Timestamp::from_millis(1_000_000);
+
+    fn key() -> Key {
+        Key::new("t", "k").unwrap()
+    }
+
+    fn begin(store: &RedbStore) -> Begin {
+        store
+            .begin(&key(), &Fingerprint::of(b"fp"), NOW, LEASE, KEEP)
+            .unwrap()
+    }
+
+    fn claim(store: &RedbStore) -> Claim {
+        match begin(store) {
+            Begin::Claimed(claim) => claim,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    fn complete(store: &RedbStore, claim: &Claim) {
+        store
+            .complete(&key(), claim, &Response::new(201, "done"), NOW, KEEP)
+            .unwrap();
+    }
+
+    /// Waits until the checkpointer has written both memtables into redb.
+    fn checkpointed(store: &RedbStore) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !store.shared.read_mem().is_empty() {
+            assert!(std::time::Instant::now() < deadline, "no checkpoint");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// Reads the claim from redb (keeping a snapshot that holds it in
+    /// flight), completes it, moves the completion into redb with
+    /// `to_redb`, and begins again: the answer must be the replay, not the
+    /// in-flight claim the kept snapshot still holds.
+    ///
+    /// The snapshot kept by the claim's own read (before the claim) is
+    /// dropped first, as any other commit would: one kept from before
+    /// the record existed would only send the reads to the line, where
+    /// the leader reads redb itself, and hide a stale snapshot.
+    fn a_completion_written_to_redb_is_read(store: &RedbStore, to_redb: impl Fn(&RedbStore)) {
+        let claim = claim(store);
+        to_redb(store);
+        store.shared.snapshot.clear();
+        let fast = store.stats().fast_refusals;
+        assert!(matches!(begin(store), Begin::InFlight { .. }));
+        assert_eq!(store.stats().fast_refusals, fast + 1, "answered from redb");
+        assert!(store.shared.snapshot.is_kept());
+        complete(store, &claim);
+        to_redb(store);
+        let again = begin(store);
+        assert!(
+            matches!(&again, Begin::Replay(r) if r.body() == b"done"),
+            "{again:?}"
+        );
+    }
+
+    /// A checkpoint drops the kept snapshot before it retires its frozen
+    /// memtable (the replay cache is off: it would answer first).
+    #[test]
+    fn a_read_after_a_checkpoint_sees_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = RedbStoreBuilder::default()
+            .replay_cache_bytes(0)
+            .checkpoint_interval(Duration::from_millis(1))
+            .open(dir.path().join("s.idem"))
+            .unwrap();
+        a_completion_written_to_redb_is_read(&store, checkpointed);
+    }
+
+    /// A direct transaction (here a flush) drops it before it clears the
+    /// active memtable.
+    #[test]
+    fn a_read_after_a_direct_transaction_sees_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = RedbStoreBuilder::default()
+            .replay_cache_bytes(0)
+            .checkpoint_interval(Duration::from_secs(3600))
+            .open(dir.path().join("s.idem"))
+            .unwrap();
+        a_completion_written_to_redb_is_read(&store, |s| s.shared.flush().unwrap());
+    }
+
+    /// Without a log every group commits into redb, and drops it before it
+    /// answers.
+    #[test]
+    fn a_read_after_a_commit_without_a_log_sees_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = RedbStoreBuilder::default()
+            .write_ahead_log(false)
+            .open(dir.path().join("s.idem"))
+            .unwrap();
+        a_completion_written_to_redb_is_read(&store, |_| ());
+    }
+
+    /// A deletion in redb (an eviction, a direct transaction of its own)
+    /// is seen too: the kept snapshot still holds the record.
+    #[test]
+    fn a_read_after_an_eviction_sees_no_record() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = RedbStoreBuilder::default()
+            .replay_cache_bytes(0)
+            .checkpoint_interval(Duration::from_secs(3600))
+            .open(dir.path().join("s.idem"))
+            .unwrap();
+        let claim = claim(&store);
+        complete(&store, &claim);
+        store.shared.flush().unwrap();
+        store.shared.snapshot.clear();
+        assert!(matches!(begin(&store), Begin::Replay(_)));
+        assert!(store.shared.snapshot.is_kept());
+        assert!(store.admin().evict(&key()).unwrap().is_some());
+        assert!(matches!(begin(&store), Begin::Claimed(_)));
+    }
+
+    /// Reads between two commits share one snapshot, and a snapshot kept
+    /// from before a commit is not used after it.
+    #[test]
+    fn reads_between_commits_share_one_snapshot() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = RedbStoreBuilder::default()
+            .checkpoint_interval(Duration::from_secs(3600))
+            .open(dir.path().join("s.idem"))
+            .unwrap();
+        let snapshot = &store.shared.snapshot;
+        let other = |id: &str| Key::new("t", id).unwrap();
+        let read = |id: &str| store.get(&other(id), NOW).unwrap();
+        assert!(read("x").is_none());
+        assert_eq!(snapshot.opened(), 1);
+        assert!(read("y").is_none());
+        assert!(read("x").is_none());
+        assert_eq!(snapshot.opened(), 1);
+        let _ = claim(&store);
+        store.shared.flush().unwrap();
+        assert!(!snapshot.is_kept());
+        assert!(read("k").is_some());
+        assert!(read("x").is_none());
+        assert_eq!(snapshot.opened(), 2);
+    }
+
+    /// A compaction drops it first: redb refuses to compact while a read
+    /// transaction is live.
+    #[test]
+    fn a_kept_snapshot_does_not_stop_a_compaction() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = RedbStoreBuilder::default()
+            .replay_cache_bytes(0)
+            .open(dir.path().join("s.idem"))
+            .unwrap();
+        let _ = claim(&store);
+        store.shared.flush().unwrap();
+        assert!(matches!(begin(&store), Begin::InFlight { .. }));
+        assert!(store.shared.snapshot.is_kept());
+        let compacted = store.compact();
+        assert!(compacted.is_ok(), "{compacted:?}");
+    }
+}
