@@ -101,12 +101,29 @@ struct Inner {
 }
 
 impl Inner {
+    /// Stores `record` under `key`, in place of any record there. A record
+    /// replaced in place keeps its key's allocations: the map's entry is
+    /// written through, and the index entry moves with the key it holds.
     fn put(&mut self, key: &Key, record: Record) {
         let slot = (record.expires_at, record.token);
-        if let Some(old) = self.records.insert(key.clone(), record) {
-            self.index.remove(&(old.expires_at, old.token));
+        let Some(stored) = self.records.get_mut(key) else {
+            self.insert_new(key, record);
+            return;
+        };
+        let old = std::mem::replace(stored, record);
+        let old_slot = (old.expires_at, old.token);
+        if old_slot != slot {
+            let indexed = self.index.remove(&old_slot).unwrap_or_else(|| key.clone());
+            self.index.insert(slot, indexed);
         }
-        self.index.insert(slot, key.clone());
+    }
+
+    /// Stores `record` under `key`, which holds no record (the caller
+    /// has just looked).
+    fn insert_new(&mut self, key: &Key, record: Record) {
+        self.index
+            .insert((record.expires_at, record.token), key.clone());
+        self.records.insert(key.clone(), record);
     }
 
     fn remove(&mut self, key: &Key) {
@@ -255,6 +272,7 @@ impl Store for MemoryStore {
         self.fault(Op::Begin)?;
         let mut inner = self.lock();
         let existing = inner.records.get(key).cloned();
+        let existed = existing.is_some();
         let last = inner.last_token;
         let step = logic::begin(existing, fingerprint, now, lease, retention, || {
             last.checked_add(1)
@@ -262,7 +280,11 @@ impl Store for MemoryStore {
         })?;
         if let Some(record) = step.write {
             inner.last_token = record.token;
-            inner.put(key, record);
+            if existed {
+                inner.put(key, record);
+            } else {
+                inner.insert_new(key, record);
+            }
         }
         Ok(step.answer)
     }
