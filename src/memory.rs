@@ -391,3 +391,40 @@ impl Store for MemoryStore {
         Some(Box::pin(async move { self.release(key, claim) }))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::time::ManualClock;
+
+    /// The clock given is the one handed out (found by mutation testing:
+    /// the constructor's field could go unnoticed outside the doc tests).
+    #[test]
+    fn with_clock_hands_out_its_clock() {
+        let clock = ManualClock::new(Timestamp::from_millis(5));
+        let store = MemoryStore::with_clock(clock.clone());
+        clock.advance(Duration::from_millis(10));
+        assert_eq!(store.clock().now(), Timestamp::from_millis(15));
+    }
+
+    /// The body limit given is the one `complete` checks.
+    #[test]
+    fn with_max_body_bytes_bounds_what_complete_stores() {
+        let store = MemoryStore::with_max_body_bytes(8).unwrap();
+        let (key, now, d) = (
+            Key::new("t", "k").unwrap(),
+            Timestamp::from_millis(0),
+            Duration::from_secs(60),
+        );
+        let Begin::Claimed(claim) = store
+            .begin(&key, &Fingerprint::of(b"x"), now, d, d)
+            .unwrap()
+        else {
+            panic!("a claim");
+        };
+        let large = store.complete(&key, &claim, &Response::new(201, [0u8; 9]), now, d);
+        assert!(large.is_err(), "{large:?}");
+        let fits = store.complete(&key, &claim, &Response::new(201, [0u8; 8]), now, d);
+        assert!(fits.is_ok(), "{fits:?}");
+    }
+}

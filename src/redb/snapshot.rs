@@ -55,12 +55,6 @@ struct Kept {
     records: Records,
 }
 
-impl std::fmt::Debug for Snapshot {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Snapshot").finish_non_exhaustive()
-    }
-}
-
 impl Snapshot {
     /// Calls `f` with the value stored under `key` in the records table of
     /// `db` as of at least commit count `seen` (read by the caller after
@@ -89,13 +83,13 @@ impl Snapshot {
             let value = records.get(key).map_err(engine_error)?;
             f(value.as_ref().map(|v| v.value()))
         };
-        let mut kept = self.slot.write().unwrap_or_else(|p| p.into_inner());
-        if kept.as_ref().is_none_or(|k| k.commits < seen) {
-            *kept = Some(Kept {
-                commits: seen,
-                records,
-            });
-        }
+        // Kept even over a more recent one (another reader's, under a
+        // later count): its count is true of it, and the next reader under
+        // a later count only opens another.
+        *self.slot.write().unwrap_or_else(|p| p.into_inner()) = Some(Kept {
+            commits: seen,
+            records,
+        });
         out
     }
 
