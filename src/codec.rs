@@ -240,6 +240,17 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    /// Bytes that are not a key are named in hex in errors (found by
+    /// mutation testing: no test read the printed form).
+    #[test]
+    fn undecodable_key_bytes_print_as_hex() {
+        assert_eq!(hex(&[0x00, 0xab, 0x10]), "0x00ab10");
+        assert_eq!(hex(&[]), "0x");
+        assert_eq!(printable_key(&[0xff]), "0xff");
+        let key = Key::new("s", "k").unwrap();
+        assert_eq!(printable_key(&encode_key(&key)), key.to_string());
+    }
+
     pub(crate) fn sample_done() -> Record {
         Record {
             fingerprint: Fingerprint::from_bytes([0xab; 32]),

@@ -398,3 +398,24 @@ pub fn check_response(response: &Response, max_body_bytes: usize) -> Result<()> 
 pub fn check_durations(lease: Duration, retention: Duration) -> Result<()> {
     crate::record::check_durations(lease, retention)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The public check is the stores' own (found by mutation testing:
+    /// only its doc test called it).
+    #[test]
+    fn check_durations_refuses_a_zero_lease_and_a_short_retention() {
+        let s = Duration::from_secs;
+        assert!(check_durations(s(1), s(1)).is_ok());
+        assert!(matches!(
+            check_durations(Duration::ZERO, s(1)),
+            Err(Error::InvalidArgument { .. })
+        ));
+        assert!(matches!(
+            check_durations(s(2), s(1)),
+            Err(Error::InvalidArgument { .. })
+        ));
+    }
+}
