@@ -135,6 +135,16 @@ mod tests {
         Key::new("t", "k").unwrap()
     }
 
+    /// A store in `dir` with the replay cache off (it would answer before
+    /// redb) and a checkpoint interval of `interval`.
+    fn store(dir: &tempfile::TempDir, interval: Duration) -> RedbStore {
+        RedbStoreBuilder::default()
+            .replay_cache_bytes(0)
+            .checkpoint_interval(interval)
+            .open(dir.path().join("s.idem"))
+            .unwrap()
+    }
+
     fn begin(store: &RedbStore) -> Begin {
         store
             .begin(&key(), &Fingerprint::of(b"fp"), NOW, LEASE, KEEP)
@@ -194,11 +204,7 @@ mod tests {
     #[test]
     fn a_read_after_a_checkpoint_sees_it() {
         let dir = tempfile::tempdir().unwrap();
-        let store = RedbStoreBuilder::default()
-            .replay_cache_bytes(0)
-            .checkpoint_interval(Duration::from_millis(1))
-            .open(dir.path().join("s.idem"))
-            .unwrap();
+        let store = store(&dir, Duration::from_millis(1));
         a_completion_written_to_redb_is_read(&store, checkpointed);
     }
 
@@ -207,11 +213,7 @@ mod tests {
     #[test]
     fn a_read_after_a_direct_transaction_sees_it() {
         let dir = tempfile::tempdir().unwrap();
-        let store = RedbStoreBuilder::default()
-            .replay_cache_bytes(0)
-            .checkpoint_interval(Duration::from_secs(3600))
-            .open(dir.path().join("s.idem"))
-            .unwrap();
+        let store = store(&dir, KEEP);
         a_completion_written_to_redb_is_read(&store, |s| s.shared.flush().unwrap());
     }
 
@@ -232,11 +234,7 @@ mod tests {
     #[test]
     fn a_read_after_an_eviction_sees_no_record() {
         let dir = tempfile::tempdir().unwrap();
-        let store = RedbStoreBuilder::default()
-            .replay_cache_bytes(0)
-            .checkpoint_interval(Duration::from_secs(3600))
-            .open(dir.path().join("s.idem"))
-            .unwrap();
+        let store = store(&dir, KEEP);
         let claim = claim(&store);
         complete(&store, &claim);
         store.shared.flush().unwrap();

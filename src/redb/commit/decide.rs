@@ -237,7 +237,7 @@ impl Group<'_> {
 #[cfg(test)]
 mod tests {
     use super::super::super::errors::engine_error;
-    use super::super::tests::{D, T, begin, shared};
+    use super::super::tests::{D, T, begin, begin_absent_at, shared};
     use super::*;
     use crate::fingerprint::Fingerprint;
     use crate::record::{Begin, Claim};
@@ -257,27 +257,6 @@ mod tests {
         }
         fn due(&self, _: Timestamp, _: &mut dyn FnMut(&[u8]) -> Result<bool>) -> Result<()> {
             Ok(())
-        }
-    }
-
-    fn begin_absent_at(id: &[u8], absent_at: Option<u64>) -> Op {
-        match begin(id) {
-            Op::Begin {
-                key,
-                fingerprint,
-                now,
-                lease,
-                retention,
-                ..
-            } => Op::Begin {
-                key,
-                fingerprint,
-                now,
-                lease,
-                retention,
-                absent_at,
-            },
-            _ => unreachable!(),
         }
     }
 

@@ -302,13 +302,19 @@ pub(in crate::redb) mod tests {
     pub(super) const D: Duration = Duration::from_secs(10);
 
     pub(super) fn begin(id: &[u8]) -> Op {
+        begin_absent_at(id, None)
+    }
+
+    /// [`begin`] as the read path sends it after finding no record under
+    /// commit count `absent_at`.
+    pub(super) fn begin_absent_at(id: &[u8], absent_at: Option<u64>) -> Op {
         Op::Begin {
             key: id.to_vec(),
             fingerprint: Fingerprint::of(b"fp"),
             now: T,
             lease: D,
             retention: D,
-            absent_at: None,
+            absent_at,
         }
     }
 
