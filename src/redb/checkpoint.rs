@@ -279,7 +279,7 @@ fn checkpoint(shared: &Shared, frozen: &Frozen) -> Result<()> {
     }
     txn.commit().map_err(engine_error)?;
     // Before `retire` lets go of the frozen table (snapshot.rs).
-    shared.committed();
+    shared.snapshot.committed();
     Ok(())
 }
 

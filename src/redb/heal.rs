@@ -154,7 +154,7 @@ impl Shared {
     fn reopen(&self, engine: &mut Engine) -> Result<()> {
         // The kept snapshot reads the old engine (snapshot.rs); the files
         // reopened below may hold more than it saw (the log's replay).
-        self.committed();
+        self.snapshot.committed();
         let old = std::mem::replace(&mut engine.db, stand_in()?);
         engine.usable = Usable::No;
         drop(old);

@@ -67,12 +67,9 @@ impl std::ops::Deref for DbRead<'_> {
 
 /// What the callers and the background thread share.
 pub(super) struct Shared {
-    /// The read path's kept redb snapshot (snapshot.rs); declared before
-    /// `db` so that it is dropped first.
+    /// The read path's kept redb snapshot and the count of redb commits
+    /// (snapshot.rs); declared before `db` so that it is dropped first.
     pub(super) snapshot: Snapshot,
-    /// The redb commits made since the store opened (snapshot.rs): bumped
-    /// by [`committed`](Shared::committed).
-    pub(super) commits: AtomicU64,
     /// A read lock for every transaction; [`RedbStore::compact`](super::RedbStore::compact) and a
     /// heal take the write lock, which is how they wait out every live
     /// transaction.
@@ -142,7 +139,6 @@ impl Shared {
         let log_file = opened.wal.as_ref().map(record_log::Wal::file);
         Arc::new(Shared {
             snapshot: Snapshot::default(),
-            commits: AtomicU64::new(0),
             db: RwLock::new(Engine {
                 db: opened.db,
                 usable: Usable::Yes,
@@ -285,7 +281,7 @@ impl Shared {
             }
         }
         // Counted after the memtable was read: see snapshot.rs.
-        let seen = self.commits.load(Ordering::Acquire);
+        let seen = self.snapshot.count();
         let db = self.read_db()?;
         let record = self
             .snapshot
@@ -296,16 +292,6 @@ impl Shared {
             })
             .map_err(|e| self.engine_failed("read", e))?;
         Ok((record, Some(seen)))
-    }
-
-    /// Marks a redb commit made while the store runs: called after the
-    /// commit and before its writer lets go of what it wrote in memory (a
-    /// frozen memtable retired, the active one cleared, an answer given),
-    /// so that no reader keeps using a snapshot from before it
-    /// (snapshot.rs).
-    pub(super) fn committed(&self) {
-        self.commits.fetch_add(1, Ordering::Release);
-        self.snapshot.clear();
     }
 
     /// An engine error met `during` an operation: an I/O error (redb then

@@ -7,10 +7,9 @@
 //!
 //! # Why a kept snapshot is never stale
 //!
-//! [`Shared::commits`](super::shared::Shared) counts the redb commits made
-//! while the store runs; every commit bumps it (through
-//! [`Shared::committed`](super::shared::Shared::committed)) after the
-//! commit and *before* the writer lets go of what it wrote in memory: a
+//! [`Snapshot`] counts the redb commits made while the store runs; every
+//! commit bumps the count ([`Snapshot::committed`]) after the commit and
+//! *before* the writer lets go of what it wrote in memory: a
 //! checkpoint before it retires its frozen memtable, a direct transaction
 //! before it clears the active one, a commit without a log before it
 //! answers. A snapshot is kept under the count read *before* it was opened,
@@ -42,13 +41,16 @@ use super::errors::engine_error;
 use super::tables::RECORDS;
 use crate::error::Result;
 use crate::sync::RwLock;
+use crate::sync::atomic::{AtomicU64, Ordering};
 use ::redb::{Database, ReadOnlyTable, ReadableDatabase};
 
 type Records = ReadOnlyTable<&'static [u8], &'static [u8]>;
 
-/// The kept snapshot and the commit count it was opened under.
+/// The redb commits counted so far, and the kept snapshot with the count
+/// it was opened under.
 #[derive(Default)]
 pub(super) struct Snapshot {
+    commits: AtomicU64,
     slot: RwLock<Option<Kept>>,
     /// Snapshots opened (tests).
     #[cfg(test)]
@@ -98,8 +100,24 @@ impl Snapshot {
         out
     }
 
-    /// Drops the kept snapshot (after a commit; before a heal or a
-    /// compaction closes or rewrites the engine).
+    /// The redb commits counted so far: read after the memtable, it is
+    /// the `seen` of [`read`](Self::read) and a `begin`'s `absent_at`.
+    pub(super) fn count(&self) -> u64 {
+        self.commits.load(Ordering::Acquire)
+    }
+
+    /// Counts a redb commit made while the store runs and drops the kept
+    /// snapshot: called after the commit and before its writer lets go of
+    /// what it wrote in memory (a frozen memtable retired, the active one
+    /// cleared, an answer given), so that no reader keeps using a snapshot
+    /// from before it.
+    pub(super) fn committed(&self) {
+        self.commits.fetch_add(1, Ordering::Release);
+        self.clear();
+    }
+
+    /// Drops the kept snapshot (after a commit; before a compaction
+    /// rewrites the engine).
     pub(super) fn clear(&self) {
         let old = self.slot.write().unwrap_or_else(|p| p.into_inner()).take();
         drop(old);

@@ -217,7 +217,7 @@ impl Admin<'_> {
                 // check counted as a commit, since a repair may roll the
                 // file back (snapshot.rs).
                 let mut db = shared.db.write().unwrap_or_else(|p| p.into_inner());
-                shared.committed();
+                shared.snapshot.committed();
                 if !db.db.check_integrity().map_err(engine_error)? {
                     report.add(
                         ProblemKind::EngineRepaired,

@@ -93,7 +93,7 @@ impl Shared {
             return Err(self.fail("commit", On::Store, engine_error(e)).into());
         }
         // Before the active memtable is cleared (snapshot.rs).
-        self.committed();
+        self.snapshot.committed();
         core.token_hwm = hwm;
         core.unflushed = false;
         core.last_durable = Instant::now();

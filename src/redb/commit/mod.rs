@@ -111,7 +111,7 @@ impl Shared {
             // The memtable first, then the count and the read transaction
             // (see memtable.rs and snapshot.rs).
             let mem = self.read_mem();
-            let counted = self.commits.load(Ordering::Acquire);
+            let counted = self.snapshot.count();
             let db = self.read_db()?;
             let base = LazyTables::new(&db);
             decide(ops, Some(&mem), Some(counted), &base, &mut hwm, true)
@@ -245,7 +245,7 @@ impl Shared {
             return Err(self.fail("commit", On::Store, engine_error(e)));
         }
         // Before anyone is answered (snapshot.rs).
-        self.committed();
+        self.snapshot.committed();
         core.token_hwm = hwm;
         self.stats.commits.fetch_add(1, Ordering::Relaxed);
         self.stats
