@@ -152,9 +152,6 @@ impl Shared {
     /// takes the engine's place, so that reads go on; when they cannot be
     /// read either, the stand-in stays, marked unusable.
     fn reopen(&self, engine: &mut Engine) -> Result<()> {
-        // The kept snapshot reads the old engine (snapshot.rs); the files
-        // reopened below may hold more than it saw (the log's replay).
-        self.snapshot.committed();
         let old = std::mem::replace(&mut engine.db, stand_in()?);
         engine.usable = Usable::No;
         drop(old);

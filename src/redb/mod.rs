@@ -486,8 +486,6 @@ impl RedbStore {
         if engine.usable != Usable::Yes {
             return Err(self.shared.poisoned_error());
         }
-        // redb compacts only with no read transaction live (snapshot.rs).
-        self.shared.snapshot.clear();
         engine.db.compact().map_err(|e| {
             self.shared
                 .engine_failed("compaction", errors::engine_error(e))

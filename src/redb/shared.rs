@@ -205,8 +205,16 @@ impl Shared {
         }
         Ok(DbRead(engine))
     }
+    /// The engine for exclusive use (a heal, a compaction, the verifier's
+    /// in-place check): every transaction waited out, the read path's
+    /// kept snapshot included, which is dropped here and the use counted
+    /// as a commit (redb compacts and checks only with no read transaction
+    /// live, and a heal or a repair may change what the files hold;
+    /// snapshot.rs).
     pub(super) fn write_db(&self) -> RwLockWriteGuard<'_, Engine> {
-        self.db.write().unwrap_or_else(|p| p.into_inner())
+        let engine = self.db.write().unwrap_or_else(|p| p.into_inner());
+        self.snapshot.committed();
+        engine
     }
     pub(super) fn read_mem(&self) -> RwLockReadGuard<'_, Mem> {
         self.mem.read().unwrap_or_else(|p| p.into_inner())

@@ -27,12 +27,12 @@
 //! A kept snapshot pins the pages of its commit: redb frees the pages a
 //! later commit replaced only once no read transaction sees them. Every
 //! commit therefore drops it ([`Snapshot::clear`]), and the next read opens
-//! another. A heal, a compaction and the verifier's in-place check of a
-//! caller's storage backend clear it too, holding the engine's write lock,
-//! before they close, compact or check the engine (redb refuses to compact
-//! or check under a live read transaction; the heal and the check also
-//! count themselves as commits, since what the files hold may change), and
-//! it is dropped before the engine when the store is.
+//! another. Taking the engine's write lock for exclusive use (a heal, a
+//! compaction, the verifier's in-place check of a caller's storage
+//! backend) drops it too and counts as a commit, before the engine is
+//! closed, compacted or checked (redb refuses to compact or check under a
+//! live read transaction, and a heal or a repair may change what the files
+//! hold); and it is dropped before the engine when the store is.
 //!
 //! Without a write-ahead log every group is a redb commit, so the snapshot
 //! rarely outlives a group: the first read after each opens its own.
@@ -116,9 +116,8 @@ impl Snapshot {
         self.clear();
     }
 
-    /// Drops the kept snapshot (after a commit; before a compaction
-    /// rewrites the engine).
-    pub(super) fn clear(&self) {
+    /// Drops the kept snapshot.
+    fn clear(&self) {
         let old = self.slot.write().unwrap_or_else(|p| p.into_inner()).take();
         drop(old);
     }

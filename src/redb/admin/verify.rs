@@ -212,12 +212,8 @@ impl Admin<'_> {
             None => {
                 // A caller's storage backend: checked in place. The
                 // exclusive lock waits out every transaction, as compact
-                // does; the read path's kept snapshot is dropped (redb
-                // checks only with no read transaction live) and the
-                // check counted as a commit, since a repair may roll the
-                // file back (snapshot.rs).
-                let mut db = shared.db.write().unwrap_or_else(|p| p.into_inner());
-                shared.snapshot.committed();
+                // does (the read path's kept snapshot included).
+                let mut db = shared.write_db();
                 if !db.db.check_integrity().map_err(engine_error)? {
                     report.add(
                         ProblemKind::EngineRepaired,
