@@ -8,7 +8,9 @@ use crate::record::{Begin, Claim, Record, check_durations};
 use crate::response::{DEFAULT_MAX_BODY_BYTES, Response, check_body_limit};
 use crate::store::{MAX_SWEEP_BATCH, Store, StoreFuture};
 use crate::time::{Clock, SystemClock, Timestamp};
-use std::collections::{BTreeMap, HashMap};
+use hashbrown::HashTable;
+use std::collections::BTreeMap;
+use std::hash::{BuildHasher, RandomState};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -88,48 +90,97 @@ pub struct MemoryStore {
     fault: std::sync::RwLock<Option<FaultHook>>,
 }
 
+/// The records and their expiry index, behind the store's mutex.
+///
+/// The records live in a hash table whose slots keep their key's hash:
+/// a table that grows (every fresh key, until the first records expire)
+/// moves its slots without hashing a key again, which under load was
+/// most of what an insert cost (reading every key's bytes back in to hash
+/// them, a cache miss each).
 #[derive(Default)]
 struct Inner {
-    records: HashMap<Key, Record>,
-    /// The expiry index, by (expiry, fencing token): a record's token is
-    /// unique in the store (`begin` is the only place one is minted, each
-    /// one above the last), so the pair names one record and comparing it
-    /// is two integers, never the keys' bytes (many records share an
-    /// expiry millisecond under load).
-    index: BTreeMap<(Timestamp, u64), Key>,
+    records: HashTable<Slot>,
+    /// The keys' hasher: SipHash with keys chosen at random per store, as
+    /// `std`'s `HashMap` uses, since the keys come from clients.
+    hasher: RandomState,
+    /// The expiry index, by (expiry, fencing token), to the record's key
+    /// hash: a record's token is unique in the store (`begin` is the only
+    /// place one is minted, each one above the last), so the pair names one
+    /// record, compares as two integers (many records share an expiry
+    /// millisecond under load), and with the hash finds its slot without a
+    /// copy of the key.
+    index: BTreeMap<(Timestamp, u64), u64>,
     last_token: u64,
 }
 
+/// One record under its key, with the key's hash.
+struct Slot {
+    hash: u64,
+    key: Key,
+    record: Record,
+}
+
 impl Inner {
-    /// Stores `record` under `key`, in place of any record there. A record
-    /// replaced in place keeps its key's allocations: the map's entry is
-    /// written through, and the index entry moves with the key it holds.
-    fn put(&mut self, key: &Key, record: Record) {
+    fn hash(&self, key: &Key) -> u64 {
+        self.hasher.hash_one(key)
+    }
+
+    /// The record under `key`, whose hash is `hash`.
+    fn get(&self, hash: u64, key: &Key) -> Option<&Record> {
+        self.records
+            .find(hash, |slot| slot.key == *key)
+            .map(|slot| &slot.record)
+    }
+
+    /// Stores `record` under `key` (hash `hash`), in place of any record
+    /// there: the slot is written through and keeps its key, and the
+    /// index entry moves with it.
+    fn put(&mut self, hash: u64, key: &Key, record: Record) {
         let slot = (record.expires_at, record.token);
-        let Some(stored) = self.records.get_mut(key) else {
-            self.insert_new(key, record);
+        let Some(stored) = self.records.find_mut(hash, |slot| slot.key == *key) else {
+            self.insert_new(hash, key, record);
             return;
         };
-        let old = std::mem::replace(stored, record);
+        let old = std::mem::replace(&mut stored.record, record);
         let old_slot = (old.expires_at, old.token);
         if old_slot != slot {
-            let indexed = self.index.remove(&old_slot).unwrap_or_else(|| key.clone());
-            self.index.insert(slot, indexed);
+            self.index.remove(&old_slot);
+            self.index.insert(slot, hash);
         }
     }
 
-    /// Stores `record` under `key`, which holds no record (the caller
-    /// has just looked).
-    fn insert_new(&mut self, key: &Key, record: Record) {
-        self.index
-            .insert((record.expires_at, record.token), key.clone());
-        self.records.insert(key.clone(), record);
+    /// Stores `record` under `key` (hash `hash`), which holds no record
+    /// (the caller has just looked).
+    fn insert_new(&mut self, hash: u64, key: &Key, record: Record) {
+        self.index.insert((record.expires_at, record.token), hash);
+        self.records.insert_unique(
+            hash,
+            Slot {
+                hash,
+                key: key.clone(),
+                record,
+            },
+            |slot| slot.hash,
+        );
     }
 
-    fn remove(&mut self, key: &Key) {
-        if let Some(old) = self.records.remove(key) {
-            self.index.remove(&(old.expires_at, old.token));
+    /// Removes the record under `key` (hash `hash`), if any.
+    fn remove(&mut self, hash: u64, key: &Key) {
+        if let Ok(found) = self.records.find_entry(hash, |slot| slot.key == *key) {
+            let (old, _) = found.remove();
+            self.index
+                .remove(&(old.record.expires_at, old.record.token));
         }
+    }
+
+    /// The key of the record indexed at `(expires_at, token)` with hash
+    /// `hash`: the token names the record.
+    fn indexed_key(&self, (expires_at, token): (Timestamp, u64), hash: u64) -> Option<&Key> {
+        self.records
+            .find(hash, |slot| {
+                slot.record.token == token && slot.record.expires_at == expires_at
+            })
+            .map(|slot| &slot.key)
     }
 }
 
@@ -271,7 +322,8 @@ impl Store for MemoryStore {
         check_durations(lease, retention)?;
         self.fault(Op::Begin)?;
         let mut inner = self.lock();
-        let existing = inner.records.get(key).cloned();
+        let hash = inner.hash(key);
+        let existing = inner.get(hash, key).cloned();
         let existed = existing.is_some();
         let last = inner.last_token;
         let step = logic::begin(existing, fingerprint, now, lease, retention, || {
@@ -281,9 +333,9 @@ impl Store for MemoryStore {
         if let Some(record) = step.write {
             inner.last_token = record.token;
             if existed {
-                inner.put(key, record);
+                inner.put(hash, key, record);
             } else {
-                inner.insert_new(key, record);
+                inner.insert_new(hash, key, record);
             }
         }
         Ok(step.answer)
@@ -300,31 +352,36 @@ impl Store for MemoryStore {
         logic::check_response(response, self.max_body_bytes)?;
         self.fault(Op::Complete)?;
         let mut inner = self.lock();
-        let existing = inner.records.get(key).cloned();
+        let hash = inner.hash(key);
+        let existing = inner.get(hash, key).cloned();
         let record = logic::complete(existing, claim, response, now, retention)?;
-        inner.put(key, record);
+        inner.put(hash, key, record);
         Ok(())
     }
 
     fn release(&self, key: &Key, claim: &Claim) -> Result<()> {
         self.fault(Op::Release)?;
         let mut inner = self.lock();
-        logic::release(inner.records.get(key).cloned(), claim)?;
-        inner.remove(key);
+        let hash = inner.hash(key);
+        logic::release(inner.get(hash, key).cloned(), claim)?;
+        inner.remove(hash, key);
         Ok(())
     }
 
     fn renew(&self, key: &Key, claim: &Claim, now: Timestamp, lease: Duration) -> Result<Claim> {
         self.fault(Op::Renew)?;
         let mut inner = self.lock();
-        let step = logic::renew(inner.records.get(key).cloned(), claim, now, lease)?;
-        inner.put(key, step.write);
+        let hash = inner.hash(key);
+        let step = logic::renew(inner.get(hash, key).cloned(), claim, now, lease)?;
+        inner.put(hash, key, step.write);
         Ok(step.claim)
     }
 
     fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>> {
         self.fault(Op::Get)?;
-        Ok(logic::visible(self.lock().records.get(key).cloned(), now))
+        let inner = self.lock();
+        let hash = inner.hash(key);
+        Ok(logic::visible(inner.get(hash, key).cloned(), now))
     }
 
     fn sweep_expired(&self, now: Timestamp, max: usize) -> Result<usize> {
@@ -334,20 +391,22 @@ impl Store for MemoryStore {
         // Oldest expiry first and, among records of one expiry, by key, as
         // every backend sweeps: the index orders ties by token, so the
         // last expiry taken is read whole and sorted before the cut.
-        let mut due: Vec<(Timestamp, Key)> = Vec::new();
-        for (&(expires_at, _), key) in &inner.index {
+        let mut due: Vec<(Timestamp, Key, u64)> = Vec::new();
+        for (&(expires_at, token), &hash) in &inner.index {
             if !logic::sweepable(expires_at, now)
-                || (due.len() >= max && due.last().is_some_and(|(at, _)| *at != expires_at))
+                || (due.len() >= max && due.last().is_some_and(|(at, ..)| *at != expires_at))
             {
                 break;
             }
-            due.push((expires_at, key.clone()));
+            let key = inner
+                .indexed_key((expires_at, token), hash)
+                .expect("every index entry names a stored record");
+            due.push((expires_at, key.clone(), hash));
         }
         due.sort_unstable();
         due.truncate(max);
-        let due: Vec<Key> = due.into_iter().map(|(_, key)| key).collect();
-        for key in &due {
-            inner.remove(key);
+        for (_, key, hash) in &due {
+            inner.remove(*hash, key);
         }
         crate::observability::swept("memory", due.len());
         Ok(due.len())
