@@ -454,6 +454,7 @@ impl Store for MemoryStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::record::State;
     use crate::time::ManualClock;
 
     /// The clock given is the one handed out (found by mutation testing:
@@ -464,6 +465,67 @@ mod tests {
         let store = MemoryStore::with_clock(clock.clone());
         clock.advance(Duration::from_millis(10));
         assert_eq!(store.clock().now(), Timestamp::from_millis(15));
+    }
+
+    fn record(token: u64, expires_at: u64) -> Record {
+        Record {
+            fingerprint: Fingerprint::of(b"x"),
+            state: State::Processing,
+            response: None,
+            lease_until: Some(Timestamp::from_millis(expires_at)),
+            expires_at: Timestamp::from_millis(expires_at),
+            created_at: Timestamp::from_millis(0),
+            token,
+            attempts: 1,
+        }
+    }
+
+    /// Two keys whose hashes are equal stay apart: every lookup compares
+    /// the key (or, from the expiry index, the token) of the slots under
+    /// one hash. Equal 64-bit hashes are rare but not impossible, and
+    /// `RandomState` cannot be made to produce them, so the slots are put
+    /// in under one chosen hash.
+    #[test]
+    fn records_whose_key_hashes_collide_stay_apart() {
+        let store = MemoryStore::new();
+        let (a, b) = (Key::new("t", "a").unwrap(), Key::new("t", "b").unwrap());
+        const HASH: u64 = 7;
+        {
+            let mut inner = store.lock();
+            inner.insert_new(HASH, &a, record(1, 100));
+            inner.insert_new(HASH, &b, record(2, 100));
+            assert_eq!(inner.get(HASH, &a).map(|r| r.token), Some(1));
+            assert_eq!(inner.get(HASH, &b).map(|r| r.token), Some(2));
+            // In place: b's record moves in the index, a's does not.
+            inner.put(HASH, &b, record(3, 50));
+            assert_eq!(inner.get(HASH, &a).map(|r| r.token), Some(1));
+            assert_eq!(inner.get(HASH, &b).map(|r| r.token), Some(3));
+            assert_eq!(
+                inner.indexed_key((Timestamp::from_millis(50), 3), HASH),
+                Some(&b)
+            );
+            assert_eq!(
+                inner.indexed_key((Timestamp::from_millis(100), 1), HASH),
+                Some(&a)
+            );
+            assert_eq!(
+                inner.indexed_key((Timestamp::from_millis(100), 3), HASH),
+                None
+            );
+            assert_eq!(inner.index.len(), 2);
+        }
+        // The sweep takes b (expired at 50), through the index, and only b.
+        assert_eq!(
+            store.sweep_expired(Timestamp::from_millis(60), 10).unwrap(),
+            1
+        );
+        let mut inner = store.lock();
+        assert!(inner.get(HASH, &b).is_none());
+        assert_eq!(inner.get(HASH, &a).map(|r| r.token), Some(1));
+        inner.remove(HASH, &a);
+        assert!(inner.get(HASH, &a).is_none());
+        assert!(inner.index.is_empty());
+        assert_eq!(inner.records.len(), 0);
     }
 
     /// The body limit given is the one `complete` checks.
