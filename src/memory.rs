@@ -59,7 +59,7 @@ impl std::fmt::Display for Op {
 #[cfg(feature = "test-util")]
 type FaultHook = Box<dyn Fn(Op) -> Option<Error> + Send + Sync>;
 
-/// The reference [`Store`]: every record in a `HashMap` behind one mutex,
+/// The reference [`Store`]: every record in a hash table behind one mutex,
 /// with a `BTreeMap` expiry index.
 ///
 /// Nothing survives the process: use it in tests, or where duplicates only
@@ -526,6 +526,124 @@ mod tests {
         assert!(inner.get(HASH, &a).is_none());
         assert!(inner.index.is_empty());
         assert_eq!(inner.records.len(), 0);
+    }
+
+    /// The hash depends on the key, and only on it (found by mutation
+    /// testing: a constant hash keeps every answer right, in one chain).
+    #[test]
+    fn keys_hash_apart_and_each_key_always_alike() {
+        let inner = MemoryStore::new();
+        let inner = inner.lock();
+        let (a, b) = (Key::new("t", "a").unwrap(), Key::new("t", "b").unwrap());
+        assert_eq!(inner.hash(&a), inner.hash(&a.clone()));
+        assert_ne!(inner.hash(&a), inner.hash(&b));
+    }
+
+    /// The async entries answer on their first poll, without a blocking
+    /// thread (`None` would send every call to tokio's blocking pool).
+    #[test]
+    fn the_async_entries_answer_on_their_first_poll() {
+        use std::task::{Context, Poll, Waker};
+        let store = MemoryStore::new();
+        let (key, fp, now, d) = (
+            Key::new("t", "k").unwrap(),
+            Fingerprint::of(b"x"),
+            Timestamp::from_millis(0),
+            Duration::from_secs(60),
+        );
+        let mut cx = Context::from_waker(Waker::noop());
+        let mut begin = store.begin_async(&key, &fp, now, d, d).expect("native");
+        let Poll::Ready(Ok(Begin::Claimed(claim))) = begin.as_mut().poll(&mut cx) else {
+            panic!("a claim at the first poll");
+        };
+        let other = Key::new("t", "other").unwrap();
+        let Begin::Claimed(other_claim) = store.begin(&other, &fp, now, d, d).unwrap() else {
+            panic!("a claim");
+        };
+        let response = Response::new(201, *b"ok");
+        let mut complete = store
+            .complete_async(&key, &claim, &response, now, d)
+            .expect("native");
+        assert!(matches!(
+            complete.as_mut().poll(&mut cx),
+            Poll::Ready(Ok(()))
+        ));
+        let mut release = store.release_async(&other, &other_claim).expect("native");
+        assert!(matches!(
+            release.as_mut().poll(&mut cx),
+            Poll::Ready(Ok(()))
+        ));
+        assert_eq!(store.len(), 1);
+        assert!(!store.is_empty());
+        store.release(&key, &claim).unwrap_err();
+        assert!(matches!(store.get(&key, now), Ok(Some(r)) if r.state() == State::Done));
+    }
+
+    #[test]
+    fn len_counts_records_and_is_empty_says_none() {
+        let store = MemoryStore::new();
+        assert!(store.is_empty());
+        assert_eq!(store.len(), 0);
+        let (now, d) = (Timestamp::from_millis(0), Duration::from_secs(60));
+        for id in ["a", "b"] {
+            let key = Key::new("t", id).unwrap();
+            let begun = store.begin(&key, &Fingerprint::of(b"x"), now, d, d);
+            assert!(matches!(begun, Ok(Begin::Claimed(_))), "{begun:?}");
+        }
+        assert_eq!(store.len(), 2);
+        assert!(!store.is_empty());
+        let printed = format!("{store:?}");
+        assert!(
+            printed.starts_with("MemoryStore { records: 2,"),
+            "{printed}"
+        );
+    }
+
+    #[test]
+    fn ops_print_as_the_store_methods_they_name() {
+        let names: Vec<String> = [
+            Op::Begin,
+            Op::Complete,
+            Op::Release,
+            Op::Renew,
+            Op::Get,
+            Op::Sweep,
+        ]
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+        assert_eq!(
+            names,
+            ["begin", "complete", "release", "renew", "get", "sweep"]
+        );
+    }
+
+    #[cfg(feature = "test-util")]
+    #[test]
+    fn a_fault_hook_fails_the_operations_it_names_until_cleared() {
+        let store = MemoryStore::new();
+        let (key, fp, now, d) = (
+            Key::new("t", "k").unwrap(),
+            Fingerprint::of(b"x"),
+            Timestamp::from_millis(0),
+            Duration::from_secs(60),
+        );
+        store.set_fault(|op| (op == Op::Begin).then(|| Error::backend(format!("down: {op}"))));
+        let failed = store.begin(&key, &fp, now, d, d);
+        assert!(
+            matches!(&failed, Err(Error::Backend(m)) if m.to_string().contains("down: begin")),
+            "{failed:?}"
+        );
+        assert!(store.is_empty(), "a failed begin writes nothing");
+        assert!(
+            matches!(store.get(&key, now), Ok(None)),
+            "other operations run"
+        );
+        store.clear_fault();
+        assert!(matches!(
+            store.begin(&key, &fp, now, d, d),
+            Ok(Begin::Claimed(_))
+        ));
     }
 
     /// The body limit given is the one `complete` checks.
