@@ -467,6 +467,16 @@ mod tests {
         assert_eq!(store.clock().now(), Timestamp::from_millis(15));
     }
 
+    /// A key, a fingerprint, an instant and a lease (and retention).
+    fn parts() -> (Key, Fingerprint, Timestamp, Duration) {
+        (
+            Key::new("t", "k").unwrap(),
+            Fingerprint::of(b"x"),
+            Timestamp::from_millis(0),
+            Duration::from_secs(60),
+        )
+    }
+
     fn record(token: u64, expires_at: u64) -> Record {
         Record {
             fingerprint: Fingerprint::of(b"x"),
@@ -545,12 +555,7 @@ mod tests {
     fn the_async_entries_answer_on_their_first_poll() {
         use std::task::{Context, Poll, Waker};
         let store = MemoryStore::new();
-        let (key, fp, now, d) = (
-            Key::new("t", "k").unwrap(),
-            Fingerprint::of(b"x"),
-            Timestamp::from_millis(0),
-            Duration::from_secs(60),
-        );
+        let (key, fp, now, d) = parts();
         let mut cx = Context::from_waker(Waker::noop());
         let mut begin = store.begin_async(&key, &fp, now, d, d).expect("native");
         let Poll::Ready(Ok(Begin::Claimed(claim))) = begin.as_mut().poll(&mut cx) else {
@@ -622,12 +627,7 @@ mod tests {
     #[test]
     fn a_fault_hook_fails_the_operations_it_names_until_cleared() {
         let store = MemoryStore::new();
-        let (key, fp, now, d) = (
-            Key::new("t", "k").unwrap(),
-            Fingerprint::of(b"x"),
-            Timestamp::from_millis(0),
-            Duration::from_secs(60),
-        );
+        let (key, fp, now, d) = parts();
         store.set_fault(|op| (op == Op::Begin).then(|| Error::backend(format!("down: {op}"))));
         let failed = store.begin(&key, &fp, now, d, d);
         assert!(
