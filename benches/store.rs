@@ -1,6 +1,7 @@
 //! The issue-6 bench set, one name scheme for every backend:
 //!
 //! - `store/{memory,redb,sled}/{claim_new, complete, replay_hit, in_flight, conflict}`
+//! - `store/memory/fill_200k` (a store filled from empty, growth included)
 //! - `store/guard/{redb,sled}/run_executed`
 //! - `store/sweep/redb/{10k,100k}_expired`
 //! - `store/codec/{encode,decode}`
@@ -238,10 +239,45 @@ fn codec(c: &mut Criterion) {
     g.finish();
 }
 
+/// A `MemoryStore` filled from empty: `FILL` fresh keys claimed and
+/// completed, in a new store each iteration. `claim_new` above grows one
+/// store for the whole measurement, so its mean depends on how many
+/// iterations criterion picks (a faster store runs more, into a larger
+/// table); this bench is the same work at a fixed size, growth included.
+fn memory_fill(c: &mut Criterion) {
+    const FILL: u64 = 200_000;
+    let mut g = c.benchmark_group("store/memory");
+    g.sample_size(10)
+        .measurement_time(Duration::from_secs(6))
+        .throughput(criterion::Throughput::Elements(FILL));
+    g.bench_function("fill_200k", |b| {
+        b.iter_batched(
+            || {
+                let keys: Vec<Key> = (0..FILL)
+                    .map(|i| Key::new("bench", format!("c{}-{i}", i % 64)).unwrap())
+                    .collect();
+                (MemoryStore::new(), keys)
+            },
+            |(store, keys)| {
+                let response = response();
+                for key in &keys {
+                    let claim = claim(&store, key);
+                    store.complete(key, &claim, &response, NOW, KEEP).unwrap();
+                }
+                assert_eq!(store.len() as u64, FILL);
+                store
+            },
+            BatchSize::PerIteration,
+        )
+    });
+    g.finish();
+}
+
 fn main() {
     let mut c = Criterion::default().configure_from_args();
     codec(&mut c);
     store_ops(&mut c, "memory", Arc::new(MemoryStore::new()), false);
+    memory_fill(&mut c);
 
     let redb_dir = tempfile::tempdir().unwrap();
     let redb: Arc<dyn Store> =
