@@ -474,11 +474,22 @@ fn an_idle_store_is_checkpointed_after_the_interval_and_reads_move_to_the_file()
 
 /// Waits until the background checkpointer has written `n` memtables.
 fn wait_for_checkpoints(store: &RedbStore, n: u64) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    assert!(
+        checkpoints_reach(store, n, Duration::from_secs(20)),
+        "no checkpoint"
+    );
+}
+
+/// Whether the store has made `n` checkpoints, waiting up to `within`.
+fn checkpoints_reach(store: &RedbStore, n: u64, within: Duration) -> bool {
+    let deadline = std::time::Instant::now() + within;
     while store.stats().checkpoints < n {
-        assert!(std::time::Instant::now() < deadline, "no checkpoint");
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
         std::thread::sleep(Duration::from_millis(2));
     }
+    true
 }
 
 #[test]
@@ -496,10 +507,7 @@ fn a_checkpointed_replay_is_answered_from_the_replay_cache_which_never_goes_stal
     // the completions are then due 10 ms later.
     let done = store.stats().checkpoints;
     wait_for_checkpoints(&store, done + 1);
-    let deadline = std::time::Instant::now() + Duration::from_secs(1);
-    while store.stats().checkpoints < done + 2 && std::time::Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    checkpoints_reach(&store, done + 2, Duration::from_secs(1));
     let begin = |id: &str, at| store.begin(&key(id), &fp(id), at, LEASE, KEEP).unwrap();
     // In the store file now, and answered from memory.
     let Begin::Replay(r) = begin("a", T0) else {
