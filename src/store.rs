@@ -220,6 +220,30 @@ pub trait Store: Send + Sync {
         Arc::new(SystemClock)
     }
 
+    /// Names this store object within the process: every
+    /// [`Guard`](crate::Guard) over one store object shares its table of the
+    /// runs in flight in this process, so that a retry never takes over a
+    /// key whose owner still runs here, whatever the wall clock did
+    /// (see [Clock steps](crate::Guard#clock-steps)).
+    ///
+    /// The default, the object's address, is right for every store. A
+    /// wrapper that forwards every call to one inner store forwards this
+    /// too (as `Arc<S>` does), so that guards over the wrapper and over the
+    /// inner store share the table.
+    ///
+    /// ```
+    /// use idemstore::{MemoryStore, Store};
+    /// use std::sync::Arc;
+    ///
+    /// let store = Arc::new(MemoryStore::new());
+    /// let shared = Arc::new(Arc::clone(&store));
+    /// assert_eq!(shared.instance(), store.instance());
+    /// assert_ne!(MemoryStore::new().instance(), store.instance());
+    /// ```
+    fn instance(&self) -> usize {
+        std::ptr::from_ref(self).cast::<()>().addr()
+    }
+
     /// [`begin`](Store::begin) as a future that blocks no thread, or `None`
     /// (the default) when this store has no native async entry and the
     /// caller should run `begin` on a blocking thread. See
@@ -354,6 +378,9 @@ impl<S: Store + ?Sized> Store for Arc<S> {
     }
     fn clock(&self) -> Arc<dyn Clock> {
         (**self).clock()
+    }
+    fn instance(&self) -> usize {
+        (**self).instance()
     }
     fn begin_async<'a>(
         &'a self,

@@ -158,4 +158,9 @@ impl<S: Store> Store for FaultyStore<S> {
     fn clock(&self) -> Arc<dyn Clock> {
         self.inner.clock()
     }
+    /// The inner store's: guards over the wrapper and over the inner store
+    /// share their in-process runs.
+    fn instance(&self) -> usize {
+        self.inner.instance()
+    }
 }

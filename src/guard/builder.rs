@@ -185,7 +185,7 @@ impl<S> GuardBuilder<S> {
     /// # Ok::<(), idemstore::Error>(())
     /// ```
     pub fn wait_for_duplicates(mut self, max_wait: Duration) -> Self {
-        self.guard.waiting = Some((max_wait, Arc::default()));
+        self.guard.waiting = Some(max_wait);
         self
     }
     /// The guard; [`Error::InvalidArgument`] when the lease is under 1 ms,
@@ -193,7 +193,7 @@ impl<S> GuardBuilder<S> {
     /// is under 1 ms or longer than the lease.
     pub fn build(self) -> Result<Guard<S>> {
         check_durations(self.guard.lease, self.guard.retention)?;
-        if let Some((max_wait, _)) = &self.guard.waiting
+        if let Some(max_wait) = &self.guard.waiting
             && (*max_wait < Duration::from_millis(1) || *max_wait > self.guard.lease)
         {
             return Err(Error::invalid_argument(format!(

@@ -2,9 +2,10 @@
 //! `Guard::run_async`: what to do with the answer of `begin`, what to write
 //! after the handler, and what the owner answers.
 
-use super::waiting::{Entered, Waited};
+use super::flights::{Entered, FLIGHTS, Waited};
 use super::{Guard, OnHandlerError, Outcome, TakeoverPolicy, bump};
 use crate::error::Result;
+use crate::fingerprint::Fingerprint;
 use crate::key::Key;
 use crate::record::{Begin, Claim};
 use crate::response::Response;
@@ -35,28 +36,27 @@ impl<S: Store> Guard<S> {
     /// When a waiting duplicate gives up (now, when waiting is off).
     pub(super) fn wait_deadline(&self) -> Instant {
         let now = Instant::now();
-        match &self.waiting {
-            Some((max_wait, _)) => now.checked_add(*max_wait).unwrap_or(now),
+        match self.waiting {
+            Some(max_wait) => now.checked_add(max_wait).unwrap_or(now),
             None => now,
         }
     }
 
-    /// Enters the in-process flight of `key` when this guard waits for duplicates.
-    pub(super) fn enter(&self, key: &Key) -> Option<Entered> {
-        self.waiting.as_ref().map(|(_, flights)| flights.enter(key))
+    /// Enters the flight of `key` on this guard's store (shared by every
+    /// guard over it) at `now`.
+    pub(super) fn enter(&self, key: &Key, fingerprint: &Fingerprint, now: Timestamp) -> Entered {
+        FLIGHTS.enter(self.store.instance(), key, fingerprint, now)
     }
 
     /// Turns the answer of `begin` into what to do next, tells the flight
-    /// (if any) whether this run owns the key, and counts the answer.
-    pub(super) fn classify<E>(
-        &self,
-        begun: Result<Begin>,
-        entry: Option<&mut Entered>,
-    ) -> Start<E> {
-        let start = self.decide(begun, entry.is_some());
-        if let Some(entry) = entry {
-            entry.begun(matches!(start, Start::Execute(_)));
-        }
+    /// whether this run owns the key, and counts the answer.
+    pub(super) fn classify<E>(&self, begun: Result<Begin>, entry: &mut Entered) -> Start<E> {
+        let start = self.decide(begun, self.waiting.is_some());
+        let claimed = match &start {
+            Start::Execute(claim) => Some((claim, self.lease)),
+            _ => None,
+        };
+        entry.begun(claimed);
         start
     }
 
@@ -154,18 +154,17 @@ impl<S: Store> Guard<S> {
         &self,
         result: std::result::Result<Response, E>,
         written: Result<()>,
-        entry: Option<&mut Entered>,
+        entry: &mut Entered,
         claim: &Claim,
     ) -> Outcome<E> {
         self.count_stale(&written);
         let lost = claim.lease_lost();
-        if let Some(entry) = entry {
-            let stored = match (&result, &written) {
-                (Ok(response), Ok(())) if !lost => Some(response.clone()),
-                _ => None,
-            };
-            entry.land(stored);
-        }
+        let stored = match (&result, &written) {
+            // Copied only for the duplicates waiting on it.
+            (Ok(response), Ok(())) if !lost && self.waiting.is_some() => Some(response.clone()),
+            _ => None,
+        };
+        entry.land(stored);
         if lost {
             return Outcome::LeaseLost(result);
         }

@@ -9,18 +9,20 @@
 //!
 //! - `builder.rs`: [`GuardBuilder`] and the policies it sets;
 //! - `outcome.rs`: [`Outcome`] and the counters ([`GuardStats`]);
-//! - `waiting.rs`: duplicates waiting for an owner in this process;
+//! - `flights.rs`: the runs of a key in this process (a live local owner
+//!   holds off its duplicates whatever the wall clock says; duplicates
+//!   waiting for it);
 //! - `renew.rs`: the process's timer that renews a running handler's lease;
 //! - this file: the [`Guard`] type, its constructors and accessors.
 
 mod builder;
 mod decide;
+mod flights;
 mod outcome;
 mod renew;
 #[cfg(feature = "tokio")]
 mod run_async;
 mod sync;
-mod waiting;
 
 pub use builder::{GuardBuilder, OnHandlerError, TakeoverPolicy};
 use outcome::{Counters, bump};
@@ -36,7 +38,6 @@ use crate::time::{Clock, Timestamp};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
-use waiting::Flights;
 
 /// Default lease: how long an owner may run before its claim can be taken over.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
@@ -67,6 +68,41 @@ pub const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 3600);
 ///
 /// A deterministic failure (say, 409 out of stock) is an `Ok` response: it is
 /// stored and replayed like any other. Clones share the store and counters.
+///
+/// # Clock steps
+///
+/// A lease ends at a wall-clock time (it must outlive the process), so a
+/// clock that steps forward by more than the lease left (NTP correcting a
+/// slow clock, a VM resumed from a snapshot or migrated) makes a running
+/// claim look expired. Within one process that cannot let a retry in: while
+/// a run holds its claim, a retry of the same key and fingerprint through
+/// any guard over the same store object ([`Store::instance`]) answers
+/// [`Outcome::InFlight`] (or waits, with
+/// [`wait_for_duplicates`](GuardBuilder::wait_for_duplicates)) without
+/// asking the store — for as long as the run lives with renewal on (the
+/// default; the next renewal stores a lease from the new time), or for the
+/// lease measured on the monotonic clock since the claim with renewal off.
+/// Only an owner in another process, or a dead one, is judged by the wall
+/// clock; `docs/operations.md` ("Clocks") says what to configure there.
+///
+/// ```
+/// use idemstore::{Fingerprint, Guard, Key, ManualClock, MemoryStore, Outcome, Response, Timestamp};
+/// use std::{convert::Infallible, time::Duration};
+///
+/// let clock = ManualClock::new(Timestamp::from_millis(0));
+/// let guard = Guard::builder(MemoryStore::with_clock(clock.clone()))
+///     .lease(Duration::from_secs(30))
+///     .build()?;
+/// let (key, fp) = (Key::new("", "order-1")?, Fingerprint::of(b"qty=1"));
+/// let first = guard.run(&key, &fp, |_| {
+///     clock.advance(Duration::from_secs(600)); // the wall clock jumps 20 leases
+///     let retry = guard.run(&key, &fp, |_| -> Result<Response, Infallible> { unreachable!() });
+///     assert!(matches!(retry, Outcome::InFlight { .. }));
+///     Ok::<_, Infallible>(Response::new(201, "created"))
+/// });
+/// assert!(matches!(first, Outcome::Executed(_)));
+/// # Ok::<(), idemstore::Error>(())
+/// ```
 ///
 /// ```
 /// use idemstore::{Fingerprint, Guard, Key, MemoryStore, Outcome, Response};
@@ -99,9 +135,8 @@ pub struct Guard<S> {
     fail_open: bool,
     /// Renew a claim's lease while its handler runs (renew.rs).
     renew: bool,
-    /// `Some` when duplicates wait for a local owner: the longest wait and
-    /// the in-process flights (shared by clones).
-    waiting: Option<(Duration, Arc<Flights>)>,
+    /// `Some` when duplicates wait for a local owner: the longest wait.
+    waiting: Option<Duration>,
     counters: Arc<Counters>,
 }
 
@@ -123,7 +158,7 @@ impl<S> Guard<S> {
             takeover: self.takeover,
             fail_open: self.fail_open,
             renew: self.renew,
-            waiting: self.waiting.clone(),
+            waiting: self.waiting,
             counters: Arc::clone(&self.counters),
         }
     }

@@ -5,13 +5,13 @@
 
 use super::Guard;
 use super::decide::{Settle, Start};
+use super::flights::{Entered, Waited};
 use super::outcome::Outcome;
-use super::waiting::{Entered, Waited};
 use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
 use crate::key::Key;
 use crate::observability::{RequestSpan, store_op_async};
-use crate::record::Claim;
+use crate::record::{Begin, Claim};
 use crate::response::Response;
 use crate::store::{Store, StoreFuture};
 use std::sync::Arc;
@@ -105,26 +105,30 @@ impl<S: Store + 'static> Guard<S> {
         let deadline = self.wait_deadline();
         // One store call per turn, as in `run`.
         loop {
-            let mut entry = self.enter(key);
             let (now, lease, retention) = (self.clock.now(), self.lease, self.retention);
-            let native = self
-                .store
-                .begin_async(key, fingerprint, now, lease, retention);
-            let begun = store_op_async(
-                "begin",
-                native_or_blocking(native, || {
-                    let (store, k, fp) = (Arc::clone(&self.store), key.clone(), *fingerprint);
-                    move || store.begin(&k, &fp, now, lease, retention)
-                }),
-            )
-            .await;
-            match self.classify(begun, entry.as_mut()) {
+            let mut entry = self.enter(key, fingerprint, now);
+            let begun = match entry.local_owner() {
+                // A live run of this process owns the key (flights.rs).
+                Some(lease_until) => Ok(Begin::InFlight { lease_until }),
+                None => {
+                    let native = self
+                        .store
+                        .begin_async(key, fingerprint, now, lease, retention);
+                    store_op_async(
+                        "begin",
+                        native_or_blocking(native, || {
+                            let (store, k, fp) =
+                                (Arc::clone(&self.store), key.clone(), *fingerprint);
+                            move || store.begin(&k, &fp, now, lease, retention)
+                        }),
+                    )
+                    .await
+                }
+            };
+            match self.classify(begun, &mut entry) {
                 Start::Answer(outcome) => return outcome,
                 Start::Wait { lease_until } => {
-                    let waited = match &entry {
-                        Some(entry) => wait_async(entry, deadline).await,
-                        None => Waited::InFlight,
-                    };
+                    let waited = wait_async(&entry, deadline).await;
                     match self.after_wait(waited, lease_until) {
                         Some(outcome) => return outcome,
                         None => continue,
@@ -138,6 +142,7 @@ impl<S: Store + 'static> Guard<S> {
                     // handler future runs; dropping the registration (the
                     // handler is done, or this future was dropped) stops it.
                     let (claim, renewing) = self.renewing(key, claim, false);
+                    entry.renewed(&claim);
                     let result = handler(claim.clone()).await;
                     drop(renewing);
                     let store = &self.store;
@@ -165,7 +170,7 @@ impl<S: Store + 'static> Guard<S> {
                         }
                         Settle::Keep => Ok(()),
                     };
-                    return self.conclude(result, written, entry.as_mut(), &claim);
+                    return self.conclude(result, written, &mut entry, &claim);
                 }
             }
         }

@@ -3,11 +3,10 @@
 use super::Guard;
 use super::decide::{Settle, Start};
 use super::outcome::Outcome;
-use super::waiting::Waited;
 use crate::fingerprint::Fingerprint;
 use crate::key::Key;
 use crate::observability::{RequestSpan, store_op};
-use crate::record::Claim;
+use crate::record::{Begin, Claim};
 use crate::response::Response;
 use crate::store::Store;
 
@@ -39,19 +38,21 @@ impl<S: Store + 'static> Guard<S> {
         // local owner finished without storing, so the loop ends by the
         // deadline at the latest.
         loop {
-            let mut entry = self.enter(key);
             let now = self.clock.now();
-            let begun = store_op("begin", || {
-                self.store
-                    .begin(key, fingerprint, now, self.lease, self.retention)
-            });
-            match self.classify(begun, entry.as_mut()) {
+            let mut entry = self.enter(key, fingerprint, now);
+            let begun = match entry.local_owner() {
+                // A live run of this process owns the key: in flight,
+                // whatever the wall clock says (flights.rs).
+                Some(lease_until) => Ok(Begin::InFlight { lease_until }),
+                None => store_op("begin", || {
+                    self.store
+                        .begin(key, fingerprint, now, self.lease, self.retention)
+                }),
+            };
+            match self.classify(begun, &mut entry) {
                 Start::Answer(outcome) => return outcome,
                 Start::Wait { lease_until } => {
-                    let waited = match &entry {
-                        Some(entry) => entry.wait_blocking(deadline),
-                        None => Waited::InFlight,
-                    };
+                    let waited = entry.wait_blocking(deadline);
                     match self.after_wait(waited, lease_until) {
                         Some(outcome) => return outcome,
                         None => continue,
@@ -62,6 +63,7 @@ impl<S: Store + 'static> Guard<S> {
                     // Renewed in the background until the handler is done
                     // (returned, failed or panicked: the drop stops it).
                     let (claim, renewing) = self.renewing(key, claim, true);
+                    entry.renewed(&claim);
                     let result = handler(&claim);
                     drop(renewing);
                     let written = match self.settle(&result, |_| false, &claim) {
@@ -77,7 +79,7 @@ impl<S: Store + 'static> Guard<S> {
                         Settle::Release => store_op("release", || self.store.release(key, &claim)),
                         Settle::Keep => Ok(()),
                     };
-                    return self.conclude(result, written, entry.as_mut(), &claim);
+                    return self.conclude(result, written, &mut entry, &claim);
                 }
             }
         }

@@ -91,6 +91,7 @@ macro_rules! __conformance_cases {
             renew_racing_a_takeover_has_one_winner,
             renew_keeps_the_record_alive_past_its_retention,
             a_handler_five_leases_long_runs_once,
+            a_clock_step_never_runs_a_live_handler_twice,
             scopes_isolate,
             expired_records_invisible_before_sweep,
             sweep_removes_only_expired_and_is_bounded,
@@ -819,6 +820,58 @@ pub fn a_handler_five_leases_long_runs_once(make: Make<'_>) {
         unreachable!("replayed")
     });
     assert!(matches!(after, Outcome::Replayed(ref r) if r.body() == b"exported"));
+}
+
+/// The wall clock steps forward by 2 to 100 leases while a handler runs: a
+/// retry of its key, through the same guard or another guard over the same
+/// store, with renewal on or off, is InFlight and never runs the handler;
+/// the owner's response is stored, and replayed after the run. (A lease is
+/// a wall-clock time; a live run of this process is not judged by it.)
+pub fn a_clock_step_never_runs_a_live_handler_twice(make: Make<'_>) {
+    let subject = make();
+    let clock = ManualClock::new(T0);
+    let build = |renew: bool| {
+        Guard::builder(Arc::clone(&subject.store))
+            .clock(clock.clone())
+            .lease(SEC)
+            .retention(HOUR)
+            .renew_leases(renew)
+            .build()
+            .expect("valid config")
+    };
+    let (renewing, plain) = (build(true), build(false));
+    let calls = AtomicU32::new(0);
+    let never = |_: &Claim| -> Result<Response, std::convert::Infallible> {
+        calls.fetch_add(1, Ordering::SeqCst);
+        Ok(Response::new(500, "ran twice"))
+    };
+    for (i, step) in [2, 10, 100].into_iter().enumerate() {
+        for (owner, name) in [(&renewing, "renewal on"), (&plain, "renewal off")] {
+            let (k, fp) = (key(&format!("step-{i}-{name}")), Fingerprint::of(b"x"));
+            let out = owner.run(&k, &fp, |_| {
+                calls.fetch_add(1, Ordering::SeqCst);
+                clock.advance(step * SEC);
+                for retry_by in [&renewing, &plain] {
+                    let retry = retry_by.run(&k, &fp, never);
+                    assert!(
+                        matches!(retry, Outcome::InFlight { lease_until } if lease_until > clock.now()),
+                        "{name}, a step of {step} leases: {retry:?}"
+                    );
+                }
+                // Another fingerprint is still the store's answer.
+                let other = owner.run(&k, &Fingerprint::of(b"y"), never);
+                assert!(matches!(other, Outcome::Conflicted), "{other:?}");
+                Ok::<_, std::convert::Infallible>(Response::new(201, "once"))
+            });
+            assert!(matches!(out, Outcome::Executed(_)), "{name}: {out:?}");
+            assert_eq!(calls.swap(0, Ordering::SeqCst), 1, "{name}, step {step}");
+            let after = plain.run(&k, &fp, never);
+            assert!(
+                matches!(after, Outcome::Replayed(ref r) if r.body() == b"once"),
+                "{after:?}"
+            );
+        }
+    }
 }
 
 /// The same id under two scopes is two keys.

@@ -9,6 +9,8 @@
 
 mod bad_input;
 mod cli;
+#[cfg(all(feature = "redb", feature = "tower"))]
+mod clock_step;
 #[cfg(feature = "redb")]
 mod crash;
 #[cfg(feature = "redb")]
