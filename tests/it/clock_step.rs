@@ -276,3 +276,41 @@ fn steps_are_measured_from_the_claim_without_renewal() {
     });
     assert!(matches!(out, Outcome::NotStored { .. }), "{out:?}");
 }
+
+#[test]
+fn the_next_renewal_stores_a_lease_from_the_stepped_time() {
+    // After a step the store's lease has run out; the run's next renewal
+    // (every third of the lease, on real time) stores one from the new
+    // time, so that other processes see the claim live again too.
+    let clock = ManualClock::new(T0);
+    let store = Arc::new(MemoryStore::with_clock(clock.clone()));
+    let lease = Duration::from_millis(300);
+    let guard = Guard::builder(Arc::clone(&store))
+        .clock(clock.clone())
+        .lease(lease)
+        .build()
+        .unwrap();
+    let (key, fp) = kf("renewed");
+    let out = guard.run(&key, &fp, |_| {
+        clock.advance(100 * lease);
+        let stepped = clock.now();
+        let live = |store: &MemoryStore| {
+            let record = store
+                .get(&key, stepped)
+                .unwrap()
+                .expect("the claim's record");
+            record.lease_until().is_some_and(|until| until > stepped)
+        };
+        assert!(!live(&store), "the step outran the stored lease");
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !live(&store) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no renewal after the step"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Ok::<_, Infallible>(Response::new(201, "renewed"))
+    });
+    assert!(matches!(out, Outcome::Executed(_)), "{out:?}");
+}
