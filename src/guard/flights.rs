@@ -49,6 +49,8 @@ use crate::record::Claim;
 use crate::response::Response;
 use crate::time::Timestamp;
 use std::collections::HashMap;
+use std::collections::hash_map::{Entry, RandomState};
+use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
 use std::sync::{Arc, Condvar, LazyLock, Mutex, MutexGuard, PoisonError};
 use std::task::Waker;
 #[cfg(feature = "tokio")]
@@ -66,17 +68,92 @@ pub(crate) enum Waited {
     InFlight,
 }
 
-/// The flights of the process, one per (store object, key) with a participant.
-#[derive(Debug, Default)]
+/// The flights of the process, one per (store object, key) with a
+/// participant, by the hash of the pair: a run hashes its key once (the
+/// tables' own hasher only passes that hash on). The tables are shards,
+/// so that runs of other keys on other threads rarely share a lock or its
+/// cache line.
+#[derive(Debug)]
 pub(crate) struct Flights {
-    table: Mutex<HashMap<(usize, Key), Arc<Flight>>>,
+    shards: [Mutex<Table>; SHARDS],
+    /// Keyed at random: the keys come from clients.
+    hasher: RandomState,
+}
+
+type Table = HashMap<u64, Bucket, BuildHasherDefault<Prehashed>>;
+
+const SHARDS: usize = 16;
+
+impl Default for Flights {
+    fn default() -> Flights {
+        Flights {
+            shards: std::array::from_fn(|_| Mutex::default()),
+            hasher: RandomState::new(),
+        }
+    }
+}
+
+/// The flights whose pairs share a hash (almost always one).
+#[derive(Debug)]
+enum Bucket {
+    One(Arc<Flight>),
+    Many(Vec<Arc<Flight>>),
+}
+
+impl Bucket {
+    fn find(&self, store: usize, key: &Key) -> Option<&Arc<Flight>> {
+        let is = |f: &&Arc<Flight>| f.store == store && f.key == *key;
+        match self {
+            Bucket::One(flight) => Some(flight).filter(is),
+            Bucket::Many(flights) => flights.iter().find(is),
+        }
+    }
+
+    fn push(&mut self, flight: Arc<Flight>) {
+        match self {
+            Bucket::One(first) => *self = Bucket::Many(vec![Arc::clone(first), flight]),
+            Bucket::Many(flights) => flights.push(flight),
+        }
+    }
+
+    /// Takes `flight` out; true when the bucket is left empty.
+    fn remove(&mut self, flight: &Arc<Flight>) -> bool {
+        match self {
+            Bucket::One(only) => Arc::ptr_eq(only, flight),
+            Bucket::Many(flights) => {
+                flights.retain(|f| !Arc::ptr_eq(f, flight));
+                flights.is_empty()
+            }
+        }
+    }
+}
+
+/// A hasher for keys that are hashes already.
+#[derive(Debug, Default)]
+struct Prehashed(u64);
+
+impl Hasher for Prehashed {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
 }
 
 /// The process's flights.
 pub(crate) static FLIGHTS: LazyLock<Flights> = LazyLock::new(Flights::default);
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Flight {
+    store: usize,
+    key: Key,
+    hash: u64,
     state: Mutex<FlightState>,
     landed: Condvar,
 }
@@ -91,6 +168,9 @@ struct FlightState {
     result: Option<Option<Response>>,
     /// Async waiters to wake on any change.
     wakers: Vec<Waker>,
+    /// Threads blocked on `landed`: notified only when there are any
+    /// (a notification is a system call even when nobody waits).
+    sleepers: usize,
 }
 
 /// The run that holds the claim of a flight's key.
@@ -160,7 +240,6 @@ enum Phase {
 #[derive(Debug)]
 pub(crate) struct Entered {
     flights: &'static Flights,
-    key: (usize, Key),
     flight: Arc<Flight>,
     fingerprint: Fingerprint,
     phase: Phase,
@@ -180,9 +259,30 @@ impl Flights {
         fingerprint: &Fingerprint,
         now: Timestamp,
     ) -> Entered {
-        let key = (store, key.clone());
-        let mut table = lock(&self.table);
-        let flight = Arc::clone(table.entry(key.clone()).or_default());
+        let hash = self.hasher.hash_one((store, key));
+        // Made before the lock, which is then held for a lookup only: a
+        // key is rarely in flight twice at once.
+        let new = Arc::new(Flight {
+            store,
+            key: key.clone(),
+            hash,
+            state: Mutex::default(),
+            landed: Condvar::new(),
+        });
+        let mut table = self.lock(hash);
+        let flight = match table.entry(hash) {
+            Entry::Occupied(mut bucket) => match bucket.get().find(store, key) {
+                Some(flight) => Arc::clone(flight),
+                None => {
+                    bucket.get_mut().push(Arc::clone(&new));
+                    new
+                }
+            },
+            Entry::Vacant(slot) => {
+                slot.insert(Bucket::One(Arc::clone(&new)));
+                new
+            }
+        };
         let mut state = lock(&flight.state);
         let local_owner = state
             .owner
@@ -195,7 +295,6 @@ impl Flights {
         drop(table);
         Entered {
             flights: self,
-            key,
             flight,
             fingerprint: *fingerprint,
             phase: if local_owner.is_some() {
@@ -207,9 +306,16 @@ impl Flights {
         }
     }
 
+    /// The shard of `hash`.
+    fn lock(&self, hash: u64) -> MutexGuard<'_, Table> {
+        // The high bits: the tables index their buckets with the low ones.
+        let shard = usize::try_from(hash >> 60).unwrap_or(0) % SHARDS;
+        lock(self.shards.get(shard).unwrap_or(&self.shards[0]))
+    }
+
     #[cfg(test)]
     fn len(&self) -> usize {
-        lock(&self.table).len()
+        self.shards.iter().map(|s| lock(s).len()).sum()
     }
 }
 
@@ -232,7 +338,8 @@ impl Entered {
             Phase::Begun
         };
         let fingerprint = self.fingerprint;
-        self.update(|s| {
+        // Becoming the owner cannot finish the flight.
+        self.update(claimed.is_none(), |s| {
             s.pending -= 1;
             if let Some((claim, lease)) = claimed {
                 s.owner = Some(Owner {
@@ -263,7 +370,7 @@ impl Entered {
             return;
         }
         self.phase = Phase::Done;
-        self.update(|s| {
+        self.update(true, |s| {
             s.owner = None;
             s.result = Some(stored);
         });
@@ -272,25 +379,30 @@ impl Entered {
     /// Applies `change`, wakes every waiter, and drops the flight from the
     /// table once it can no longer produce a result (landed, or nobody owns
     /// it and nobody is inside `begin`), so the next arrival starts afresh.
-    fn update(&self, change: impl FnOnce(&mut FlightState)) {
+    /// A change that cannot finish the flight (`may_finish` false) takes
+    /// the flight's lock alone.
+    fn update(&self, may_finish: bool, change: impl FnOnce(&mut FlightState)) {
         // Lock order: table, then flight (as in `enter`).
-        let mut table = lock(&self.flights.table);
+        let mut table = may_finish.then(|| self.flights.lock(self.flight.hash));
         let mut state = lock(&self.flight.state);
         change(&mut state);
         let finished = state.result.is_some() || (state.owner.is_none() && state.pending == 0);
         if finished
-            && table
-                .get(&self.key)
-                .is_some_and(|f| Arc::ptr_eq(f, &self.flight))
+            && let Some(table) = table.as_mut()
+            && let Entry::Occupied(mut bucket) = table.entry(self.flight.hash)
+            && bucket.get_mut().remove(&self.flight)
         {
-            table.remove(&self.key);
+            bucket.remove();
         }
         for waker in state.wakers.drain(..) {
             waker.wake();
         }
+        let sleepers = state.sleepers > 0;
         drop(state);
         drop(table);
-        self.flight.landed.notify_all();
+        if sleepers {
+            self.flight.landed.notify_all();
+        }
     }
 
     /// Blocks this thread until the flight answers or `deadline` passes.
@@ -304,12 +416,14 @@ impl Entered {
             if now >= deadline {
                 return Waited::InFlight;
             }
+            state.sleepers += 1;
             state = self
                 .flight
                 .landed
                 .wait_timeout(state, deadline - now)
                 .unwrap_or_else(PoisonError::into_inner)
                 .0;
+            state.sleepers -= 1;
         }
     }
 
