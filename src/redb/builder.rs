@@ -50,7 +50,6 @@ impl Default for RedbStoreBuilder {
                 replay_cache_bytes: crate::redb::REPLAY_CACHE_BYTES,
                 wal_bytes: crate::redb::WAL_BYTES,
                 accept_loss: false,
-                page_log: false,
                 read_only: false,
             },
         }
@@ -132,36 +131,6 @@ impl RedbStoreBuilder {
     /// ```
     pub fn write_ahead_log(mut self, on: bool) -> Self {
         self.config.write_ahead_log = on;
-        self
-    }
-
-    /// Makes redb's own commits durable through the page log `<file>-pages`
-    /// (off by default): a commit's page writes are kept in memory and
-    /// appended as one frame to a preallocated log of 32 MiB, with one `fdatasync`
-    /// of it, instead of a write of every dirty page and an `fdatasync` of
-    /// the store file; the pages reach the store file when the log is full
-    /// and at a clean close. What it speeds up is the commits that are
-    /// redb commits: the inbox's (`Inbox::handle_batch` at batch 100: 1.15 to
-    /// 1.3× the messages/s), checkpoints, admin writes. Claims and
-    /// completions already go through the write-ahead log.
-    ///
-    /// Every open replays a page log it finds (and a store opened without
-    /// this option then removes the file), as does
-    /// [`open_read_only`](Self::open_read_only), in memory. It costs up to
-    /// 32 MiB of memory and of disk (the log's fixed size).
-    ///
-    /// ```
-    /// use idemstore::redb::Inbox;
-    /// # let dir = tempfile::tempdir()?;
-    /// let store = idemstore::RedbStore::builder()
-    ///     .page_log(true)
-    ///     .open(dir.path().join("consumer.idem"))?;
-    /// assert!(dir.path().join("consumer.idem-pages").exists());
-    /// let inbox = Inbox::new(store);
-    /// # Ok::<(), idemstore::Error>(())
-    /// ```
-    pub fn page_log(mut self, on: bool) -> Self {
-        self.config.page_log = on;
         self
     }
 
@@ -311,7 +280,7 @@ impl RedbStoreBuilder {
     /// # Ok::<(), idemstore::Error>(())
     /// ```
     pub fn open_backend(self, backend: impl ::redb::StorageBackend) -> Result<RedbStore> {
-        self.open_backends(Arc::new(backend), None, None)
+        self.open_backends(Arc::new(backend), None)
     }
 
     /// Like [`open_backend`](Self::open_backend), with the write-ahead log
@@ -331,62 +300,22 @@ impl RedbStoreBuilder {
         backend: impl ::redb::StorageBackend,
         log: impl ::redb::StorageBackend,
     ) -> Result<RedbStore> {
-        self.open_backends(Arc::new(backend), Some(Box::new(log)), None)
+        self.open_backends(Arc::new(backend), Some(Box::new(log)))
     }
 
-    /// Like [`open_backend_with_log`](Self::open_backend_with_log), with
-    /// redb's commits made durable through a page log on a third backend,
-    /// as [`page_log`](Self::page_log) keeps it in `<file>-pages` (this
-    /// method turns the option on). The three must come from the same
-    /// store.
-    ///
-    /// ```
-    /// use idemstore::RedbStore;
-    /// use redb::backends::InMemoryBackend;
-    /// let store = RedbStore::builder().open_backend_with_logs(
-    ///     InMemoryBackend::new(),
-    ///     InMemoryBackend::new(),
-    ///     InMemoryBackend::new(),
-    /// )?;
-    /// # Ok::<(), idemstore::Error>(())
-    /// ```
-    pub fn open_backend_with_logs(
-        mut self,
-        backend: impl ::redb::StorageBackend,
-        log: impl ::redb::StorageBackend,
-        pages: impl ::redb::StorageBackend,
-    ) -> Result<RedbStore> {
-        self.config.page_log = true;
-        self.open_backends(
-            Arc::new(backend),
-            Some(Box::new(log)),
-            Some(Arc::new(pages)),
-        )
-    }
-
-    /// The three `open_backend*`: the store's backends are kept (shared
-    /// with the engine) so that a heal can open them again.
+    /// The two `open_backend*`: the store's backend is kept (shared with
+    /// the engine) so that a heal can open it again.
     fn open_backends(
         self,
         store: Arc<dyn ::redb::StorageBackend>,
         log: Option<Box<dyn ::redb::StorageBackend>>,
-        pages: Option<Arc<dyn ::redb::StorageBackend>>,
     ) -> Result<RedbStore> {
         use super::source::{SharedBackend, Source};
         self.check()?;
         let name = Path::new("<storage backend>");
         let backend = SharedBackend(Arc::clone(&store));
-        let mut opened = match &pages {
-            Some(pages) => {
-                let paged = super::page_log::PageLog::open(
-                    Box::new(backend),
-                    Box::new(SharedBackend(Arc::clone(pages))),
-                )?;
-                open::open_backend(paged, log, None, &self.config, name)?
-            }
-            None => open::open_backend(backend, log, None, &self.config, name)?,
-        };
-        opened.source = Source::Backend { store, pages };
+        let mut opened = open::open_backend(backend, log, None, &self.config, name)?;
+        opened.source = Source::Backend(store);
         RedbStore::start(opened, self.config, None)
     }
 

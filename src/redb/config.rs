@@ -96,8 +96,6 @@ pub(super) struct Config {
     pub(super) replay_cache_bytes: usize,
     pub(super) wal_bytes: u64,
     pub(super) accept_loss: bool,
-    /// redb's commits through the page log (`<file>-pages`).
-    pub(super) page_log: bool,
     /// An inspection: nothing is written (`RedbStore::open_read_only`).
     pub(super) read_only: bool,
 }

@@ -76,8 +76,6 @@ pub(super) enum Damage {
     LastFrameDamaged { at: u64 },
     /// A record log frame at `at` verifies but its entries do not parse.
     FrameEntries { at: u64, detail: String },
-    /// A page log frame verifies but its operations do not parse.
-    PageFrameMalformed,
 }
 
 /// How the frames of an epoch stop where the walk stopped.
@@ -214,7 +212,6 @@ impl fmt::Display for Damage {
                     "write-ahead log frame at offset {at} verifies but {detail}"
                 )
             }
-            Damage::PageFrameMalformed => f.write_str("a page log frame's operations do not parse"),
         }
     }
 }

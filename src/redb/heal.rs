@@ -10,8 +10,7 @@
 //! 1. the old engine is closed first (its file locks must go before the
 //!    files are opened again; an empty in-memory stand-in marked unusable
 //!    holds its place, so no read ever sees it), and reopened from the
-//!    same files (`source.rs`): the store file, and the page log when the
-//!    store has one;
+//!    same file (`source.rs`);
 //! 2. the write-ahead log's live frames are replayed into it and committed
 //!    durably with a new epoch, as an open does (`open::heal_log`). What
 //!    the memtable holds is exactly those frames (it is published only
@@ -162,7 +161,7 @@ impl Shared {
                 Ok(())
             }
             Err(e) => {
-                if let Ok(view) = super::page_log::open_view_of(&self.source) {
+                if let Ok(view) = super::overlay::open_view_of(&self.source) {
                     engine.db = view;
                     engine.usable = Usable::ForReads;
                 }

@@ -1,16 +1,15 @@
 //! Opening a store file: owner-only creation, refusing foreign, damaged and
 //! newer files with a typed error (never a panic, never an empty store),
-//! the page log's run replayed before the engine opens the file, the
-//! engine reopened for a heal, and the recovery policy. The meta table's
+//! the engine reopened for a heal, and the recovery policy. The meta table's
 //! reads and writes are in meta.rs; what an open does with the record log,
 //! in recovery.rs.
 
 use super::damage::Damage;
 use super::errors::engine_error;
-use super::file::{FILE_MODE, Lock, check_foreign, open_owner_only, sync_parent, try_lock};
+use super::file::{FILE_MODE, check_foreign, open_owner_only, sync_parent, try_lock_shared};
 use super::loss::LossReport;
 use super::meta::{MetaEntries, init_meta, read_meta, read_wal_state};
-use super::page_log::{self, Overlay, PageLog};
+use super::overlay::Overlay;
 use super::record_log::{self, FileLog, Wal};
 use super::recovery::{Found, boot_id, log_missing, recover_log};
 use super::tables::WriteTables;
@@ -174,10 +173,8 @@ pub(super) fn open_read_only(path: &Path, config: &Config) -> Result<Opened> {
         .into());
     }
     let file = std::fs::File::open(path)?;
-    try_lock(&file, Lock::Shared, path, path)?;
+    try_lock_shared(&file, path)?;
     let overlay = Overlay::new(file)?;
-    // The page log's run, in memory, as a writer's open would replay it.
-    page_log::replay_beside(path, &overlay, true)?;
     // A missing log reads as an empty one: after a clean stop it holds
     // nothing; after an unclean one the plan refuses it, as an open would.
     let log: Box<dyn StorageBackend> = match FileLog::open_read_only(path)? {
@@ -202,40 +199,12 @@ fn open_file(path: &Path, config: &Config) -> Result<Opened> {
     } else {
         None
     };
-    // The page log, when this open uses one or an earlier one left one:
-    // locked like the store (a second writer is Locked here, before
-    // anything is replayed), and its run replayed into the store file.
-    let pages_path = page_log::pages_path(path);
-    let pages_log = if config.page_log || pages_path.exists() {
-        let pages_file = open_locked(&pages_path, path)?;
-        Some(::redb::backends::FileBackend::new(pages_file).map_err(|e| map_open(e, path))?)
-    } else {
-        None
-    };
     // Every open makes the directory entries durable, not only the open
     // that created them: a crash between creating (or linking) a file and
     // its directory's fsync would otherwise leave an entry that no later
     // open syncs, and a power cut could then drop the whole file.
     sync_parent(path)?;
-    let boot = boot_id();
-    let opened = match pages_log {
-        Some(pages_log) if config.page_log => {
-            let paged = PageLog::open(Box::new(backend), Box::new(pages_log))?;
-            open_backend(paged, log, boot.as_deref(), config, path)
-        }
-        Some(pages_log) => {
-            // Opened without the page log after an open with it: the run
-            // goes into the store file (synced), then the log goes.
-            page_log::replay(&pages_log, &backend)?;
-            // Removed while still locked: an open that waits for the lock
-            // finds the name gone (see `open_locked`).
-            std::fs::remove_file(&pages_path)?;
-            drop(pages_log);
-            sync_parent(path)?;
-            open_backend(backend, log, boot.as_deref(), config, path)
-        }
-        None => open_backend(backend, log, boot.as_deref(), config, path),
-    };
+    let opened = open_backend(backend, log, boot_id().as_deref(), config, path);
     if opened.is_err() && !wal_existed {
         // Refused (a log that must exist does not): the empty file this
         // open made is not left behind as if it were the log.
@@ -247,44 +216,6 @@ fn open_file(path: &Path, config: &Config) -> Result<Opened> {
     }
     opened.source = super::source::Source::Path(path.to_path_buf());
     Ok(opened)
-}
-
-/// Opens (creating it) and exclusively locks the page log at `pages`. A
-/// page log is removed only by its lock's holder, so once the lock is ours
-/// and the name still leads to the file we locked, it is the page log; a
-/// file removed while we waited for its lock is let go and the name opened
-/// again.
-fn open_locked(pages: &Path, store: &Path) -> Result<std::fs::File> {
-    for _ in 0..8 {
-        let file = open_owner_only(pages)?;
-        try_lock(&file, Lock::Exclusive, store, pages)?;
-        if same_file(&file, pages)? {
-            return Ok(file);
-        }
-    }
-    Err(Error::Io(std::io::Error::other(format!(
-        "{} keeps being replaced while it is opened",
-        pages.display()
-    ))))
-}
-
-/// Whether `path` names the file `file` has open.
-fn same_file(file: &std::fs::File, path: &Path) -> Result<bool> {
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::MetadataExt;
-        let held = file.metadata()?;
-        match std::fs::metadata(path) {
-            Ok(named) => Ok(held.dev() == named.dev() && held.ino() == named.ino()),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
-            Err(e) => Err(e.into()),
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = (file, path);
-        Ok(true)
-    }
 }
 
 /// The temporary name a new store is built under.
@@ -446,33 +377,12 @@ pub(super) fn reopen_engine(
             let file = open_owner_only(path)?;
             let backend =
                 ::redb::backends::FileBackend::new(file).map_err(|e| map_open(e, path))?;
-            let db = if config.page_log {
-                let pages_file = open_locked(&page_log::pages_path(path), path)?;
-                let pages_log = ::redb::backends::FileBackend::new(pages_file)
-                    .map_err(|e| map_open(e, path))?;
-                let paged = PageLog::open(Box::new(backend), Box::new(pages_log))?;
-                engine_open(paged, config, path, witness)?
-            } else {
-                engine_open(backend, config, path, witness)?
-            };
-            (db, path.as_path())
+            (engine_open(backend, config, path, witness)?, path.as_path())
         }
-        Source::Backend { store, pages } => {
+        Source::Backend(store) => {
             let name = Path::new("<storage backend>");
             let backend = SharedBackend(std::sync::Arc::clone(store));
-            let db = match pages {
-                Some(pages) => {
-                    let pages = SharedBackend(std::sync::Arc::clone(pages));
-                    engine_open(
-                        PageLog::open(Box::new(backend), Box::new(pages))?,
-                        config,
-                        name,
-                        witness,
-                    )?
-                }
-                None => engine_open(backend, config, name, witness)?,
-            };
-            (db, name)
+            (engine_open(backend, config, name, witness)?, name)
         }
         Source::None => {
             return Err(Error::backend("a read-only view is never reopened"));

@@ -4,7 +4,7 @@
 use super::super::errors::engine_error;
 use super::super::loss::LossReport;
 use super::super::meta::{read_meta_entries, read_wal_state};
-use super::super::page_log::open_overlay;
+use super::super::overlay::open_overlay;
 use super::super::record_log::{self, FileLog};
 use super::super::recovery::{Found, boot_id, plan_log, walk_live};
 use crate::error::{Error, Result};
@@ -131,15 +131,4 @@ pub fn check_log(store: impl AsRef<Path>) -> Result<LogCheck> {
 /// ```
 pub fn log_path(store: impl AsRef<Path>) -> PathBuf {
     record_log::wal_path(store.as_ref())
-}
-
-/// The page log's path beside a store file: `<name>-pages`
-/// ([`RedbStoreBuilder::page_log`](crate::redb::RedbStoreBuilder::page_log)).
-///
-/// ```
-/// use idemstore::redb::admin::page_log_path;
-/// assert_eq!(page_log_path("/data/orders.idem"), std::path::Path::new("/data/orders.idem-pages"));
-/// ```
-pub fn page_log_path(store: impl AsRef<Path>) -> PathBuf {
-    crate::redb::page_log::pages_path(store.as_ref())
 }

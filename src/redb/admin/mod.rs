@@ -38,7 +38,7 @@ mod log;
 mod verify;
 
 pub use line::{LINE_VERSION, export_line, parse_line};
-pub use log::{LogCheck, check_log, log_path, page_log_path};
+pub use log::{LogCheck, check_log, log_path};
 pub use verify::{MAX_LISTED_PROBLEMS, Problem, ProblemKind, VerifyReport};
 
 use super::RedbStore;

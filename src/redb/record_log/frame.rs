@@ -8,11 +8,8 @@
 //! file deleted and created again, a copy that mixed two stores' files)
 //! never verifies, so it is never replayed into the wrong store.
 //!
-//! All integers are big-endian, as everywhere in idemstore's formats but
-//! the page log's frames, which are little-endian: a difference with no
-//! reason in the formats themselves (the page log kept the byte order of
-//! the bench prototype it grew out of). docs/format.md is the reference
-//! for both.
+//! All integers are big-endian, as everywhere in idemstore's formats.
+//! docs/format.md is the reference.
 
 use super::super::damage::Damage;
 use crate::error::{Error, Result};

@@ -7,14 +7,9 @@
 //! replay, and `recovery.rs`, beside this directory, recovers the log at an
 //! open and at a heal.
 //!
-//! The store has two logs because they make two kinds of commit cheap:
-//! this one (on by default,
-//! [`write_ahead_log`](super::RedbStoreBuilder::write_ahead_log)) holds
-//! the records a group of claims and completions changed, above redb,
-//! while the page log (`page_log/`, off by default,
-//! [`page_log`](super::RedbStoreBuilder::page_log)) sits under redb and
-//! holds the pages of redb's own commits (the inbox's, the checkpoints',
-//! the admin writes).
+//! The store's one log: it holds the records a group of claims and
+//! completions changed, above redb; redb's own commits (the inbox's, the
+//! checkpoints', the admin writes) are durable commits of the store file.
 //!
 //! Why: idempotency keys are random, so every claim lands on its own leaf
 //! page; a durable redb commit of a 60-request batch rewrote ~375 KiB
