@@ -45,7 +45,6 @@ impl Default for RedbStoreBuilder {
                 sweeper: None,
                 clock: Arc::new(SystemClock),
                 verify_on_open: false,
-                write_ahead_log: true,
                 checkpoint_interval: crate::redb::CHECKPOINT_INTERVAL,
                 replay_cache_bytes: crate::redb::REPLAY_CACHE_BYTES,
                 wal_bytes: crate::redb::WAL_BYTES,
@@ -107,30 +106,6 @@ impl RedbStoreBuilder {
     /// later. Reads the whole file; off by default.
     pub fn verify_on_open(mut self, verify: bool) -> Self {
         self.config.verify_on_open = verify;
-        self
-    }
-
-    /// Makes groups durable through the write-ahead log `<file>-wal` (on by
-    /// default). Under [`Durability::Immediate`] a group is then one aligned
-    /// append and `fdatasync` of the records it changed, its records live in
-    /// the memtable, and a background checkpointer writes them into the
-    /// store file (see [`CHECKPOINT_INTERVAL`](crate::redb::CHECKPOINT_INTERVAL));
-    /// off, every group is a durable redb commit, which rewrites each B-tree
-    /// page the group touched (several times slower on most disks with
-    /// random keys). Either way an acknowledged write survives power loss.
-    /// A store that has a log is always recovered from it at open, whatever
-    /// this says.
-    ///
-    /// ```
-    /// # let dir = tempfile::tempdir()?;
-    /// let store = idemstore::RedbStore::builder()
-    ///     .write_ahead_log(false)
-    ///     .open(dir.path().join("orders.idem"))?;
-    /// assert!(!dir.path().join("orders.idem-wal").exists());
-    /// # Ok::<(), idemstore::Error>(())
-    /// ```
-    pub fn write_ahead_log(mut self, on: bool) -> Self {
-        self.config.write_ahead_log = on;
         self
     }
 
@@ -266,8 +241,12 @@ impl RedbStoreBuilder {
         RedbStore::start(opened, self.config, Some(path.to_path_buf()))
     }
 
-    /// Opens a store over any redb [`StorageBackend`](::redb::StorageBackend):
-    /// the seam for simulated power loss in tests and for custom storage.
+    /// Opens a store over redb [`StorageBackend`](::redb::StorageBackend)s:
+    /// the store file on `backend` and its write-ahead log on `log`, as
+    /// [`open`](Self::open) keeps them in `<file>` and `<file>-wal`. The
+    /// seam for simulated power loss in tests and for custom storage. Both
+    /// must come from the same store: the log holds the batches
+    /// acknowledged after the store file's last checkpoint.
     ///
     /// It names a redb type, so it follows redb's major version, as do the
     /// [`Inbox`](crate::redb::Inbox)'s transactions and the
@@ -276,45 +255,22 @@ impl RedbStoreBuilder {
     ///
     /// ```
     /// use idemstore::RedbStore;
-    /// let store = RedbStore::builder().open_backend(redb::backends::InMemoryBackend::new())?;
-    /// # Ok::<(), idemstore::Error>(())
-    /// ```
-    pub fn open_backend(self, backend: impl ::redb::StorageBackend) -> Result<RedbStore> {
-        self.open_backends(Arc::new(backend), None)
-    }
-
-    /// Like [`open_backend`](Self::open_backend), with the write-ahead log
-    /// on a second backend, as [`open`](Self::open) keeps it in
-    /// `<file>-wal`. Both must come from the same store: the log holds the
-    /// batches acknowledged after the store file's last checkpoint.
-    ///
-    /// ```
-    /// use idemstore::RedbStore;
     /// use redb::backends::InMemoryBackend;
-    /// let store = RedbStore::builder()
-    ///     .open_backend_with_log(InMemoryBackend::new(), InMemoryBackend::new())?;
+    /// let store = RedbStore::builder().open_backend(InMemoryBackend::new(), InMemoryBackend::new())?;
     /// # Ok::<(), idemstore::Error>(())
     /// ```
-    pub fn open_backend_with_log(
+    pub fn open_backend(
         self,
         backend: impl ::redb::StorageBackend,
         log: impl ::redb::StorageBackend,
     ) -> Result<RedbStore> {
-        self.open_backends(Arc::new(backend), Some(Box::new(log)))
-    }
-
-    /// The two `open_backend*`: the store's backend is kept (shared with
-    /// the engine) so that a heal can open it again.
-    fn open_backends(
-        self,
-        store: Arc<dyn ::redb::StorageBackend>,
-        log: Option<Box<dyn ::redb::StorageBackend>>,
-    ) -> Result<RedbStore> {
         use super::source::{SharedBackend, Source};
         self.check()?;
         let name = Path::new("<storage backend>");
-        let backend = SharedBackend(Arc::clone(&store));
-        let mut opened = open::open_backend(backend, log, None, &self.config, name)?;
+        let store: Arc<dyn ::redb::StorageBackend> = Arc::new(backend);
+        // Kept (shared with the engine) so that a heal can open it again.
+        let shared = SharedBackend(Arc::clone(&store));
+        let mut opened = open::open_backend(shared, Box::new(log), None, &self.config, name)?;
         opened.source = Source::Backend(store);
         RedbStore::start(opened, self.config, None)
     }

@@ -90,7 +90,6 @@ pub(super) struct Config {
     pub(super) sweeper: Option<SweeperConfig>,
     pub(super) clock: Arc<dyn Clock>,
     pub(super) verify_on_open: bool,
-    pub(super) write_ahead_log: bool,
     pub(super) checkpoint_interval: Duration,
     /// Bytes of the replay cache (hot.rs); 0: off.
     pub(super) replay_cache_bytes: usize,

@@ -8,10 +8,10 @@ use super::damage::Damage;
 use super::errors::engine_error;
 use super::file::{FILE_MODE, check_foreign, open_owner_only, sync_parent, try_lock_shared};
 use super::loss::LossReport;
-use super::meta::{MetaEntries, init_meta, read_meta, read_wal_state};
+use super::meta::{MetaEntries, init_meta, read_meta};
 use super::overlay::Overlay;
 use super::record_log::{self, FileLog, Wal};
-use super::recovery::{Found, boot_id, log_missing, recover_log};
+use super::recovery::{Found, boot_id, recover_log};
 use super::tables::WriteTables;
 use super::witness::{IoWitness, Witnessed};
 use super::{Config, RecoveryPolicy};
@@ -27,8 +27,9 @@ pub(super) struct Opened {
     pub(super) token_hwm: u64,
     pub(super) store_id: [u8; 16],
     pub(super) leases_expired: u64,
-    /// The write-ahead log, recovered and empty; `None` without one.
-    pub(super) wal: Option<Wal>,
+    /// The write-ahead log, recovered and empty (a read-only view's is
+    /// never written: the view refuses every write).
+    pub(super) wal: Wal,
     pub(super) frames_replayed: u64,
     /// What an open with `accept_loss` gave up (empty otherwise).
     pub(super) loss: LossReport,
@@ -181,24 +182,16 @@ pub(super) fn open_read_only(path: &Path, config: &Config) -> Result<Opened> {
         Some(log) => Box::new(log),
         None => Box::new(::redb::backends::InMemoryBackend::new()),
     };
-    let mut opened = open_backend(overlay, Some(log), boot_id().as_deref(), config, path)?;
-    // Nothing is ever written through it.
-    opened.wal = None;
-    Ok(opened)
+    open_backend(overlay, log, boot_id().as_deref(), config, path)
 }
 
 fn open_file(path: &Path, config: &Config) -> Result<Opened> {
     let file = open_owner_only(path)?;
     let backend = ::redb::backends::FileBackend::new(file).map_err(|e| map_open(e, path))?;
     // Opened after the store file: its lock keeps other processes out of
-    // both. A log left by an earlier open is recovered even when this open
-    // does without one.
+    // both.
     let wal_existed = record_log::wal_path(path).exists();
-    let log: Option<Box<dyn StorageBackend>> = if config.write_ahead_log || wal_existed {
-        Some(Box::new(FileLog::open(path)?))
-    } else {
-        None
-    };
+    let log = Box::new(FileLog::open(path)?);
     // Every open makes the directory entries durable, not only the open
     // that created them: a crash between creating (or linking) a file and
     // its directory's fsync would otherwise leave an entry that no later
@@ -211,9 +204,6 @@ fn open_file(path: &Path, config: &Config) -> Result<Opened> {
         let _ = std::fs::remove_file(record_log::wal_path(path));
     }
     let mut opened = opened?;
-    if !config.write_ahead_log {
-        opened.wal = None;
-    }
     opened.source = super::source::Source::Path(path.to_path_buf());
     Ok(opened)
 }
@@ -239,7 +229,7 @@ fn create_then_open(path: &Path, config: &Config) -> Result<Opened> {
         backend
             .set_len(0)
             .map_err(|e| engine_error(::redb::StorageError::from(e)))?;
-        let created = open_backend(backend, None, None, config, path)?;
+        let (created, ..) = open_engine(backend, config, path)?;
         drop(created); // closes the database and releases the lock
     }
     std::fs::File::open(&temp)?.sync_all()?;
@@ -256,63 +246,33 @@ fn create_then_open(path: &Path, config: &Config) -> Result<Opened> {
 }
 
 /// Opens or creates a store over any redb backend, with its write-ahead
-/// log if `log` is given; `name` names it in errors.
+/// log on `log`; `name` names it in errors.
 ///
 /// `boot` is the machine's boot id when the log is a real file (see
 /// [`boot_id`]); `None` for storage backends, whose crashes the caller
 /// simulates.
 pub(super) fn open_backend(
     backend: impl StorageBackend,
-    log: Option<Box<dyn StorageBackend>>,
+    log: Box<dyn StorageBackend>,
     boot: Option<&str>,
     config: &Config,
     name: &Path,
 ) -> Result<Opened> {
-    let witness = Arc::new(IoWitness::default());
-    let db = engine_open(backend, config, name, &witness)?;
-    let MetaEntries {
-        format_version,
-        store_id,
-        mut token_hwm,
-    } = match read_meta(&db)? {
-        Some(meta) => meta,
-        None if config.read_only => {
-            return Err(Damage::NoTables {
-                store: name.to_path_buf(),
-            }
-            .into());
-        }
-        None => init_meta(&db, config)?,
-    };
+    let (db, meta, witness) = open_engine(backend, config, name)?;
+    let mut token_hwm = meta.token_hwm;
     let mut loss = LossReport::default();
-    let (wal, frames_replayed) = match log {
-        None => {
-            if read_wal_state(&db)?.is_some_and(|s| s.open) {
-                let err = log_missing(name, "it is being opened without its log");
-                if !config.accept_loss {
-                    return Err(err.into());
-                }
-                loss.findings.push(format!("accepted: {err}"));
-            }
-            (None, 0)
-        }
-        Some(file) => {
-            let found = Found {
-                store_id,
-                format: format_version,
-                boot,
-                name,
-                heal: false,
-            };
-            let file = std::sync::Arc::from(file);
-            let (wal, frames) = recover_log(&db, file, &found, config, &mut loss)?;
-            if frames > 0 {
-                // The frames carry the high-water mark of their claims.
-                token_hwm = read_meta(&db)?.map_or(token_hwm, |m| m.token_hwm);
-            }
-            (Some(wal), frames)
-        }
+    let found = Found {
+        store_id: meta.store_id,
+        format: meta.format_version,
+        boot,
+        name,
+        heal: false,
     };
+    let (wal, frames_replayed) = recover_log(&db, Arc::from(log), &found, config, &mut loss)?;
+    if frames_replayed > 0 {
+        // The frames carry the high-water mark of their claims.
+        token_hwm = read_meta(&db)?.map_or(token_hwm, |m| m.token_hwm);
+    }
     // A read-only view shows the records as stored: no lease is ended.
     let leases_expired = match config.recovery {
         _ if config.read_only => 0,
@@ -322,7 +282,7 @@ pub(super) fn open_backend(
     Ok(Opened {
         db,
         token_hwm,
-        store_id,
+        store_id: meta.store_id,
         leases_expired,
         wal,
         frames_replayed,
@@ -330,6 +290,28 @@ pub(super) fn open_backend(
         source: super::source::Source::None,
         witness,
     })
+}
+
+/// The engine over `backend` and its meta entries, written now for a new
+/// store: all that creating a store needs, and where an open starts.
+fn open_engine(
+    backend: impl StorageBackend,
+    config: &Config,
+    name: &Path,
+) -> Result<(Database, MetaEntries, Arc<IoWitness>)> {
+    let witness = Arc::new(IoWitness::default());
+    let db = engine_open(backend, config, name, &witness)?;
+    let meta = match read_meta(&db)? {
+        Some(meta) => meta,
+        None if config.read_only => {
+            return Err(Damage::NoTables {
+                store: name.to_path_buf(),
+            }
+            .into());
+        }
+        None => init_meta(&db, config)?,
+    };
+    Ok((db, meta, witness))
 }
 
 /// The engine over `backend`, as an open and a heal start: a foreign file

@@ -16,7 +16,7 @@ use super::meta::{
 use super::record_log::{self, Wal};
 use super::tables::{
     META, META_FORMAT_VERSION, META_WAL_BOOT, META_WAL_BYTES, META_WAL_EPOCH, META_WAL_STATE,
-    WAL_CLOSED, WAL_OPEN,
+    WAL_OPEN,
 };
 use crate::error::{Error, Result};
 use ::redb::{Database, StorageBackend};
@@ -190,18 +190,11 @@ pub(super) fn recover_log(
     )?;
     // Both epochs are now retired; new frames start a fresh one.
     let fresh = epoch.wrapping_add(2);
-    // Without the log this open's commits go straight to the file, so the
-    // log will hold nothing needed: it is marked closed at once.
-    let state = if config.write_ahead_log {
-        WAL_OPEN
-    } else {
-        WAL_CLOSED
-    };
     {
         let mut meta = txn.open_table(META).map_err(engine_error)?;
         meta.insert(META_WAL_EPOCH, fresh.to_be_bytes().as_slice())
             .map_err(engine_error)?;
-        meta.insert(META_WAL_STATE, [state].as_slice())
+        meta.insert(META_WAL_STATE, [WAL_OPEN].as_slice())
             .map_err(engine_error)?;
         match boot {
             Some(boot) => meta.insert(META_WAL_BOOT, boot.as_bytes()).map(|_| ()),
@@ -265,7 +258,7 @@ pub(super) fn heal_log(
 
 /// The store was not closed cleanly and its log is gone: the writes
 /// acknowledged since the last checkpoint exist only in that log.
-pub(super) fn log_missing(name: &Path, what: &'static str) -> Damage {
+fn log_missing(name: &Path, what: &'static str) -> Damage {
     Damage::LogMissing {
         store: name.to_path_buf(),
         log: record_log::wal_path(name),

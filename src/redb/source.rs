@@ -10,7 +10,7 @@ use std::sync::Arc;
 pub(super) enum Source {
     /// A store file, opened as `open` opens it.
     Path(PathBuf),
-    /// A caller's store backend (`open_backend*`), shared with the engine
+    /// A caller's store backend (`open_backend`), shared with the engine
     /// through [`SharedBackend`] so that a heal can open it again.
     Backend(Arc<dyn StorageBackend>),
     /// A read-only view: it writes nothing, so it never heals.

@@ -76,7 +76,7 @@ impl<'txn> WriteTables<'txn> {
     /// Stores `entry` (a record, or `None` for a deletion) as the latest
     /// state of `key_bytes`, moving its expiry-index entry from the stored
     /// record's expiry: the one way every writer (a checkpoint, a direct
-    /// transaction, a group without the log, replay, the inbox, import)
+    /// transaction, replay, the inbox, import)
     /// keeps a record and its index entry together. The record is encoded
     /// (and its invariants checked) before the first write, so an encoding
     /// failure writes nothing.

@@ -143,7 +143,7 @@ fn open(variant: Variant, disk: &CrashBackend) -> idemstore::Result<RedbStore> {
         .checkpoint_interval(variant.interval())
         .wal_bytes(TEST_WAL_BYTES);
     let log = disk.file(1).unwrap_or_else(|| disk.sibling());
-    builder.open_backend_with_log(disk.clone(), log)
+    builder.open_backend(disk.clone(), log)
 }
 
 fn healthy(store: &RedbStore) -> bool {

@@ -30,7 +30,7 @@ fn open(disk: &CrashBackend) -> RedbStore {
     let log = disk.file(1).unwrap_or_else(|| disk.sibling());
     RedbStore::builder()
         .checkpoint_interval(NO_CHECKPOINT)
-        .open_backend_with_log(disk.clone(), log)
+        .open_backend(disk.clone(), log)
         .unwrap()
 }
 
@@ -161,7 +161,7 @@ fn a_damaged_frame_before_a_whole_one_is_corrupt_not_a_silent_stop() {
     image.siblings[0][ends[1] - 1] ^= 0x01;
     let disk = image.restore();
     let err = RedbStore::builder()
-        .open_backend_with_log(disk.clone(), disk.file(1).unwrap())
+        .open_backend(disk.clone(), disk.file(1).unwrap())
         .unwrap_err();
     assert!(matches!(err, Error::Corrupt { .. }), "{err}");
     assert!(
@@ -214,7 +214,7 @@ fn a_frame_that_verifies_but_does_not_decode_is_corrupt_not_skipped() {
     log[..frame.len()].copy_from_slice(&frame);
     let disk = forged.restore();
     let err = RedbStore::builder()
-        .open_backend_with_log(disk.clone(), disk.file(1).unwrap())
+        .open_backend(disk.clone(), disk.file(1).unwrap())
         .unwrap_err();
     assert!(matches!(err, Error::Corrupt { .. }), "{err}");
     assert!(err.to_string().contains("unknown entry tag 9"), "{err}");
@@ -299,7 +299,7 @@ fn a_batch_larger_than_the_log_is_committed_durably_on_its_own() {
     let store = RedbStore::builder()
         .checkpoint_interval(NO_CHECKPOINT)
         .wal_bytes(idemstore::redb::MIN_WAL_BYTES)
-        .open_backend_with_log(disk.clone(), log)
+        .open_backend(disk.clone(), log)
         .unwrap();
     let c = claim(&store, "big");
     let before = store.stats();
@@ -318,7 +318,7 @@ fn a_batch_larger_than_the_log_is_committed_durably_on_its_own() {
 }
 
 #[test]
-fn the_log_is_owner_only_preallocated_and_optional() {
+fn the_log_is_owner_only_and_preallocated() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("s.idem");
     let wal = dir.path().join("s.idem-wal");
@@ -333,19 +333,6 @@ fn the_log_is_owner_only_preallocated_and_optional() {
         assert_eq!(meta.permissions().mode() & 0o777, 0o600);
     }
     assert!(store.stats().logged_commits >= 2);
-    drop(store);
-    // Reopened without the log: still recovered from it, then unused.
-    let store = RedbStore::builder()
-        .write_ahead_log(false)
-        .open(&path)
-        .unwrap();
-    let c = claim(&store, "b");
-    complete(&store, "b", &c);
-    assert_eq!(store.stats().logged_commits, 0);
-    assert_eq!(
-        store.get(&key("a"), T0).unwrap().unwrap().state(),
-        State::Done
-    );
 }
 
 #[test]
