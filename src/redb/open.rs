@@ -263,7 +263,6 @@ pub(super) fn open_backend(
     let mut loss = LossReport::default();
     let found = Found {
         store_id: meta.store_id,
-        format: meta.format_version,
         boot,
         name,
         heal: false,

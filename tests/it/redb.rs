@@ -390,30 +390,44 @@ fn a_damaged_header_is_an_error_not_a_panic() {
     eprintln!("damaged header: {err}");
 }
 
+/// Writes `version` as the store format of the (closed) store at `path`.
+fn set_format_version(path: &Path, version: u32) {
+    let db = redb::Database::open(path).unwrap();
+    let txn = db.begin_write().unwrap();
+    txn.open_table(redb::TableDefinition::<&str, &[u8]>::new("idemstore.meta"))
+        .unwrap()
+        .insert("format_version", version.to_be_bytes().as_slice())
+        .unwrap();
+    txn.commit().unwrap();
+}
+
+/// A store of a newer format, or of an older one (1 and 2 were written by
+/// pre-release builds only), is refused with the version found and the one
+/// this build reads, by a writer's open and by a read-only view alike, and
+/// its records are still there for the build that reads it.
 #[test]
-fn a_newer_format_version_is_unsupported() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("s.idem");
-    drop(RedbStore::open(&path).unwrap());
-    {
-        let db = redb::Database::open(&path).unwrap();
-        let txn = db.begin_write().unwrap();
-        txn.open_table(redb::TableDefinition::<&str, &[u8]>::new("idemstore.meta"))
-            .unwrap()
-            .insert("format_version", 4u32.to_be_bytes().as_slice())
-            .unwrap();
-        txn.commit().unwrap();
+fn an_older_or_newer_format_version_is_unsupported() {
+    for (version, says) in [
+        (1, "pre-release"),
+        (2, "pre-release"),
+        (4, "upgrade idemstore"),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.idem");
+        {
+            let store = RedbStore::open(&path).unwrap();
+            claim(&store, &key("kept"));
+        }
+        set_format_version(&path, version);
+        let unsupported = |e: &Error| matches!(e, Error::UnsupportedFormat { found, supported: 3 } if *found == version);
+        let err = assert_refused(&path, unsupported);
+        assert!(err.to_string().contains(says), "{err}");
+        let err = RedbStore::open_read_only(&path).unwrap_err();
+        assert!(unsupported(&err), "{err}");
+        set_format_version(&path, 3);
+        let store = RedbStore::open(&path).unwrap();
+        assert!(store.get(&key("kept"), T0).unwrap().is_some());
     }
-    let err = assert_refused(&path, |e| {
-        matches!(
-            e,
-            Error::UnsupportedFormat {
-                found: 4,
-                supported: 3
-            }
-        )
-    });
-    assert!(err.to_string().contains("upgrade idemstore"), "{err}");
 }
 
 #[cfg(unix)]

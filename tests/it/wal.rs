@@ -1,7 +1,6 @@
 //! `RedbStore`'s write-ahead log: batches acknowledged from the log alone
 //! survive power loss, a torn or damaged log ends the replay where a crash
-//! could have, writes outside the writer retire the log, and old stores
-//! upgrade.
+//! could have, and writes outside the writer retire the log.
 
 use idemstore::redb::{Delivery, Inbox};
 use idemstore::{
@@ -347,46 +346,6 @@ fn bad_log_options_are_refused_before_any_io() {
         .unwrap_err();
     assert!(matches!(err, Error::InvalidArgument { .. }), "{err}");
     assert!(!path.exists());
-}
-
-#[test]
-fn a_version_1_store_is_upgraded_at_open() {
-    // Stores written before the log (format 1) open, and are marked with
-    // today's format (3) so that an older build, which would ignore or
-    // misread the log, refuses them.
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("s.idem");
-    let meta = redb::TableDefinition::<&str, &[u8]>::new("idemstore.meta");
-    {
-        let store = RedbStore::open(&path).unwrap();
-        let c = claim(&store, "old");
-        complete(&store, "old", &c);
-    }
-    std::fs::remove_file(dir.path().join("s.idem-wal")).unwrap();
-    {
-        let db = redb::Database::open(&path).unwrap();
-        let txn = db.begin_write().unwrap();
-        {
-            let mut t = txn.open_table(meta).unwrap();
-            t.insert("format_version", 1u32.to_be_bytes().as_slice())
-                .unwrap();
-            t.remove("wal_epoch").unwrap();
-        }
-        txn.commit().unwrap();
-    }
-    let store = RedbStore::open(&path).unwrap();
-    assert_eq!(
-        store.get(&key("old"), T0).unwrap().unwrap().state(),
-        State::Done
-    );
-    drop(store);
-    let db = redb::Database::open(&path).unwrap();
-    let txn = redb::ReadableDatabase::begin_read(&db).unwrap();
-    let t = txn.open_table(meta).unwrap();
-    assert_eq!(
-        t.get("format_version").unwrap().unwrap().value(),
-        3u32.to_be_bytes().as_slice()
-    );
 }
 
 #[test]

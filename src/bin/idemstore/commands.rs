@@ -163,7 +163,7 @@ pub(crate) fn stats(store: &RedbStore, path: &Path, io: &mut Io<'_>) -> Outcome 
         (
             "format version",
             format!(
-                "{} (this build reads up to {})",
+                "{} (this build reads {})",
                 facts.format_version, facts.supported_version
             ),
         ),

@@ -51,12 +51,8 @@
 //! [`Shared::direct`](super::Shared)), since replaying older frames over
 //! its writes would undo them.
 //!
-//! A format-2 log (before this layout) is one region of back-to-back
-//! frames that also carry index entries; it is replayed as such once, at
-//! the open that upgrades the store to format 3.
-//!
 //! The frames' layout is drawn in `frame.rs` and specified in
-//! docs/format.md, the reference for both logs.
+//! docs/format.md.
 
 use crate::error::Result;
 use ::redb::StorageBackend;
