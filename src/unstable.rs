@@ -74,19 +74,3 @@ pub mod redb {
     /// Requests that may wait in a store's commit line.
     pub const WRITE_QUEUE_DEPTH: usize = crate::redb::WRITE_QUEUE_DEPTH;
 }
-
-/// `PostgresStore`'s schema, for the crate's own upgrade tests.
-///
-/// ```
-/// let ddl = idemstore::unstable::postgres::ddl_v1("t");
-/// assert!(ddl.contains("schema version 1"));
-/// ```
-#[cfg(feature = "postgres")]
-pub mod postgres {
-    /// The DDL of schema version 1 (every record invariant a CHECK
-    /// constraint) for a table named `table`, as releases before version 2
-    /// created it.
-    pub fn ddl_v1(table: &str) -> String {
-        crate::postgres::ddl_v1(table)
-    }
-}
