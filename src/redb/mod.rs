@@ -29,7 +29,7 @@
 //! - `line.rs`: the commit line's data (a queued op and its reply, the
 //!   slot its caller waits in, the queue, the line's sizes);
 //! - `commit/`: leader/follower group commit (`mod.rs`: a group's commit,
-//!   with the log or without); `leader.rs`: who leads, who is answered;
+//!   one frame, then the memtable); `leader.rs`: who leads, who is answered;
 //!   `decide.rs`: the group's decisions through `logic`; `direct.rs`:
 //!   direct transactions (inbox, admin, compaction, close);
 //! - `native.rs`: the native async entry (futures in the line, the

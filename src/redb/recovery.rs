@@ -78,9 +78,10 @@ pub(super) fn plan_log(
         // The last open stopped before its log had a size: no frame was
         // ever written, nothing can be missing.
         Some(0) => {}
-        _ if len == 0 => plan
-            .problems
-            .push(log_missing(name, "its log is missing or empty")),
+        _ if len == 0 => plan.problems.push(Damage::LogMissing {
+            store: name.to_path_buf(),
+            log: record_log::wal_path(name),
+        }),
         Some(recorded) if len < recorded => {
             plan.problems.push(Damage::LogCutShort {
                 store: name.to_path_buf(),
@@ -229,16 +230,6 @@ pub(super) fn heal_log(
     };
     let mut loss = LossReport::default();
     recover_log(db, file, &found, config, &mut loss).map(|(wal, _)| wal)
-}
-
-/// The store was not closed cleanly and its log is gone: the writes
-/// acknowledged since the last checkpoint exist only in that log.
-fn log_missing(name: &Path, what: &'static str) -> Damage {
-    Damage::LogMissing {
-        store: name.to_path_buf(),
-        log: record_log::wal_path(name),
-        what,
-    }
 }
 
 /// This boot of the machine: Linux's random id, new at every boot. An
