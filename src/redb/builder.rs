@@ -204,8 +204,8 @@ impl RedbStoreBuilder {
     /// Errors: [`Error::Locked`] when another open store holds the file;
     /// [`Error::Corrupt`] for a file that is not an idemstore store (a
     /// foreign file, a redb database without idemstore's meta table) or is
-    /// damaged; [`Error::UnsupportedFormat`] for a store written by a newer
-    /// format version. None of these touch the file.
+    /// damaged; [`Error::UnsupportedFormat`] for a store of another format
+    /// version (a newer build's, or a pre-release one). None of these touch the file.
     pub fn open(self, path: impl AsRef<Path>) -> Result<RedbStore> {
         let path = path.as_ref();
         self.check()?;

@@ -227,7 +227,7 @@ impl RedbStore {
     /// the platform tells). Errors, all before anything is read into the
     /// view: a missing file is [`Error::Io`] (`NotFound`); an empty, foreign
     /// or damaged one, or a log an open would refuse, is [`Error::Corrupt`];
-    /// a newer format is [`Error::UnsupportedFormat`].
+    /// another format (newer, or a pre-release one) is [`Error::UnsupportedFormat`].
     ///
     /// ```
     /// use idemstore::{Error, Fingerprint, Key, RedbStore, Store, Timestamp};
