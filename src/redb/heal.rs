@@ -10,9 +10,9 @@
 //! 1. the old engine is closed first (its file locks must go before the
 //!    files are opened again; an empty in-memory stand-in marked unusable
 //!    holds its place, so no read ever sees it), and reopened from the
-//!    same file (`source.rs`);
+//!    same store file (`source.rs`);
 //! 2. the write-ahead log's live frames are replayed into it and committed
-//!    durably with a new epoch, as an open does (`open::heal_log`). What
+//!    durably with a new epoch, as an open does (`recovery::heal_log`). What
 //!    the memtable holds is exactly those frames (it is published only
 //!    after its frame is durable), so the memtable is then emptied: its
 //!    records are in the store file. A frame whose write failed may be
