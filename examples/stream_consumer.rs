@@ -23,9 +23,7 @@
 //! Options: `--stream NAME` (`payments`), `--batch N` (100), `--min-idle-ms
 //! MS` (how long an entry stays pending before another consumer claims it;
 //! 5000), `--forever` (keep waiting for entries instead of exiting when the
-//! stream is drained), `--no-quick-repair` (`Inbox::quick_repair(false)`),
-//! `--page-log` (`RedbStoreBuilder::page_log(true)`: each batch's commit one
-//! append to `<store>-pages`).
+//! stream is drained), `--no-quick-repair` (`Inbox::quick_repair(false)`).
 //! For tests, `STREAM_CONSUMER_CRASH=after-commit:K` or `before-commit:K`
 //! makes the consumer SIGKILL itself at its K-th batch, after the commit
 //! and before the `XACK`, or inside the last handler before the commit.
@@ -144,8 +142,6 @@ pub struct Config {
     pub until_drained: bool,
     /// `Inbox::quick_repair`.
     pub quick_repair: bool,
-    /// `RedbStoreBuilder::page_log`.
-    pub page_log: bool,
     /// Where to SIGKILL itself, if anywhere.
     pub crash: Option<Crash>,
 }
@@ -313,9 +309,7 @@ fn ack_loop(cfg: &Config, acks: &mpsc::Receiver<Ack>) -> Result<(), BoxError> {
 /// the acker acknowledges the previous one while this one commits. Returns
 /// when the stream is drained (with `until_drained`), or on an error.
 pub fn consume(cfg: &Config) -> Result<Summary, BoxError> {
-    let store = RedbStore::builder()
-        .page_log(cfg.page_log)
-        .open(&cfg.store)?;
+    let store = RedbStore::open(&cfg.store)?;
     let inbox = Inbox::new(store).quick_repair(cfg.quick_repair);
     let mut con = redis::Client::open(cfg.url.as_str())?.get_connection()?;
     let (fetch_tx, fetched) = mpsc::sync_channel(1);
@@ -513,7 +507,7 @@ pub fn check(store: &Path, payments: u64) -> Result<Report, BoxError> {
 
 fn usage() -> BoxError {
     "usage: stream_consumer produce N | consume --store FILE --consumer NAME [--batch N] \
-     [--min-idle-ms MS] [--forever] [--no-quick-repair] [--page-log] | check --store FILE --payments N \
+     [--min-idle-ms MS] [--forever] [--no-quick-repair] | check --store FILE --payments N \
      (all take --stream NAME; the server is IDEMSTORE_REDIS_URL)"
         .into()
 }
@@ -531,7 +525,6 @@ fn main() -> Result<(), BoxError> {
         min_idle: Duration::from_secs(5),
         until_drained: true,
         quick_repair: true,
-        page_log: false,
         crash: Crash::from_env(),
     };
     while let Some(arg) = args.next() {
@@ -545,7 +538,6 @@ fn main() -> Result<(), BoxError> {
             "--payments" => n = Some(value()?.parse()?),
             "--forever" => cfg.until_drained = false,
             "--no-quick-repair" => cfg.quick_repair = false,
-            "--page-log" => cfg.page_log = true,
             other if n.is_none() && command == "produce" => n = Some(other.parse()?),
             _ => return Err(usage()),
         }

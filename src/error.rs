@@ -58,11 +58,13 @@ pub enum Error {
         detail: String,
     },
     /// The file or record was written by a format version this build cannot
-    /// read (a newer release of idemstore, or not an idemstore file at all).
+    /// read: a newer release of idemstore, a pre-release build (a redb store
+    /// of format 1 or 2, a PostgreSQL table of schema 1), or not an
+    /// idemstore file at all.
     UnsupportedFormat {
         /// The version found.
         found: u32,
-        /// The newest version this build reads.
+        /// The version this build writes, the newest it reads.
         supported: u32,
     },
     /// A previous commit or fsync failed, so whether it reached the disk is
@@ -205,10 +207,15 @@ impl fmt::Display for Error {
                 write!(f, "corrupt record for key {key}: {detail}")
             }
             Error::Corrupt { key: None, detail } => write!(f, "corrupt store: {detail}"),
+            Error::UnsupportedFormat { found, supported } if found > supported => write!(
+                f,
+                "unsupported format version {found} (this build reads version {supported}); \
+                 upgrade idemstore or open a different file"
+            ),
             Error::UnsupportedFormat { found, supported } => write!(
                 f,
-                "unsupported format version {found} (this build reads up to version {supported}); \
-                 upgrade idemstore or open a different file"
+                "unsupported format version {found} (this build reads version {supported}; \
+                 older versions, written by pre-release builds, are not read)"
             ),
             Error::Poisoned { cause: None } => {
                 f.write_str("store poisoned by an earlier failed commit or fsync; reopen the store")

@@ -49,7 +49,7 @@ use std::time::{Duration, Instant};
 pub const VARIANTS: [&str; 6] = ["none", "memory", "redb", "postgres", "pg-mw", "redis-mw"];
 
 /// Variants run only when listed: `redb-relaxed`, the layer on `RedbStore`
-/// with a durable commit every 100 ms instead of one per group, and
+/// with its log synced every 100 ms instead of once per group, and
 /// `redb-nocache`, the layer on `RedbStore` with its replay cache off.
 pub const EXTRA_VARIANTS: [&str; 2] = ["redb-relaxed", "redb-nocache"];
 
@@ -683,7 +683,7 @@ fn variant(name: &str, dir: &std::path::Path) -> BoxResult<Variant> {
     }
     // Each claim and completion durable (the default), a fresh store.
     let backend = match name {
-        // The same store with a durable commit every 100 ms instead of one
+        // The same store with its log synced every 100 ms instead of once
         // per group: what the disk costs the layer.
         "redb-relaxed" => open_backend("redb", dir, "relaxed")?,
         _ => open_backend(name, dir, "immediate")?,

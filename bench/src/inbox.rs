@@ -127,16 +127,7 @@ impl Ours {
     /// A fresh store in `dir` (the defaults: immediate durability), with
     /// redb's quick-repair on the inbox's commits or not.
     pub fn open(dir: &Path, quick_repair: bool) -> BoxResult<Ours> {
-        Ours::open_with(dir, quick_repair, false)
-    }
-
-    /// [`Ours::open`], and with `page_log` the store's redb commits through
-    /// its page log (`RedbStoreBuilder::page_log`): each one frame appended
-    /// to `<file>-pages` and one sync of it.
-    pub fn open_with(dir: &Path, quick_repair: bool, page_log: bool) -> BoxResult<Ours> {
-        let store = RedbStore::builder()
-            .page_log(page_log)
-            .open(dir.join("inbox.idem"))?;
+        let store = RedbStore::open(dir.join("inbox.idem"))?;
         Ok(Ours {
             inbox: Inbox::new(store).quick_repair(quick_repair),
         })

@@ -397,14 +397,11 @@ pub fn median(values: &mut [f64]) -> f64 {
 /// Opens the named backend in `dir`.
 pub fn open_backend(name: &str, dir: &Path, durability: &str) -> BoxResult<Box<dyn Backend>> {
     Ok(match name {
-        "redb" => Box::new(redb_backend(dir, durability, true)?),
-        // The same store without its write-ahead log: a durable redb
-        // commit per batch (what the log saves is this row's difference).
-        "redb-nolog" => Box::new(redb_backend(dir, durability, false)?),
+        "redb" => Box::new(redb_backend(dir, durability)?),
         // The same store with its replay cache off: a replay of a record
         // already checkpointed is a redb read transaction.
         "redb-nocache" => {
-            let mut backend = redb_backend_with(dir, durability, true, 0)?;
+            let mut backend = redb_backend_with(dir, durability, 0)?;
             backend.name = "redb-nocache".into();
             Box::new(backend)
         }
@@ -452,17 +449,15 @@ pub fn open_backend(name: &str, dir: &Path, durability: &str) -> BoxResult<Box<d
 }
 
 /// `RedbStore` in `dir`; `durability` is `immediate` (default), `relaxed`
-/// (a durable commit every 100 ms) or `periodic:MS`; `log`: whether it
-/// keeps its write-ahead log (the default) or commits every batch durably.
-pub fn redb_backend(dir: &Path, durability: &str, log: bool) -> BoxResult<StoreBackend> {
-    redb_backend_with(dir, durability, log, idemstore::redb::REPLAY_CACHE_BYTES)
+/// (the log synced every 100 ms) or `periodic:MS`.
+pub fn redb_backend(dir: &Path, durability: &str) -> BoxResult<StoreBackend> {
+    redb_backend_with(dir, durability, idemstore::redb::REPLAY_CACHE_BYTES)
 }
 
 /// [`redb_backend`] with a replay cache of `replay_cache_bytes` (0: off).
 pub fn redb_backend_with(
     dir: &Path,
     durability: &str,
-    log: bool,
     replay_cache_bytes: usize,
 ) -> BoxResult<StoreBackend> {
     let durability = match durability.split_once(':') {
@@ -480,13 +475,12 @@ pub fn redb_backend_with(
     let store = std::sync::Arc::new(
         idemstore::RedbStore::builder()
             .durability(durability)
-            .write_ahead_log(log)
             .replay_cache_bytes(replay_cache_bytes)
             .open(dir.join("loadgen.idem"))?,
     );
     let stats = std::sync::Arc::clone(&store);
     Ok(StoreBackend {
-        name: if log { "redb" } else { "redb-nolog" }.into(),
+        name: "redb".into(),
         store,
         dir: Some(dir.to_owned()),
         batch: Some(Box::new(move || {

@@ -46,12 +46,6 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// The version 1 schema's DDL for `table` (`unstable::postgres`).
-#[cfg(feature = "unstable-internals")]
-pub(crate) fn ddl_v1(table: &str) -> String {
-    schema::ddl_v1(&sql::Sql::new(table))
-}
-
 /// Most times one `begin` runs its statement when concurrent writers keep
 /// committing between its snapshot and its conflict check (each retry
 /// takes a new snapshot, so a second attempt almost always settles it).

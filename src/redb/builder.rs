@@ -45,12 +45,10 @@ impl Default for RedbStoreBuilder {
                 sweeper: None,
                 clock: Arc::new(SystemClock),
                 verify_on_open: false,
-                write_ahead_log: true,
                 checkpoint_interval: crate::redb::CHECKPOINT_INTERVAL,
                 replay_cache_bytes: crate::redb::REPLAY_CACHE_BYTES,
                 wal_bytes: crate::redb::WAL_BYTES,
                 accept_loss: false,
-                page_log: false,
                 read_only: false,
             },
         }
@@ -108,60 +106,6 @@ impl RedbStoreBuilder {
     /// later. Reads the whole file; off by default.
     pub fn verify_on_open(mut self, verify: bool) -> Self {
         self.config.verify_on_open = verify;
-        self
-    }
-
-    /// Makes groups durable through the write-ahead log `<file>-wal` (on by
-    /// default). Under [`Durability::Immediate`] a group is then one aligned
-    /// append and `fdatasync` of the records it changed, its records live in
-    /// the memtable, and a background checkpointer writes them into the
-    /// store file (see [`CHECKPOINT_INTERVAL`](crate::redb::CHECKPOINT_INTERVAL));
-    /// off, every group is a durable redb commit, which rewrites each B-tree
-    /// page the group touched (several times slower on most disks with
-    /// random keys). Either way an acknowledged write survives power loss.
-    /// A store that has a log is always recovered from it at open, whatever
-    /// this says.
-    ///
-    /// ```
-    /// # let dir = tempfile::tempdir()?;
-    /// let store = idemstore::RedbStore::builder()
-    ///     .write_ahead_log(false)
-    ///     .open(dir.path().join("orders.idem"))?;
-    /// assert!(!dir.path().join("orders.idem-wal").exists());
-    /// # Ok::<(), idemstore::Error>(())
-    /// ```
-    pub fn write_ahead_log(mut self, on: bool) -> Self {
-        self.config.write_ahead_log = on;
-        self
-    }
-
-    /// Makes redb's own commits durable through the page log `<file>-pages`
-    /// (off by default): a commit's page writes are kept in memory and
-    /// appended as one frame to a preallocated log of 32 MiB, with one `fdatasync`
-    /// of it, instead of a write of every dirty page and an `fdatasync` of
-    /// the store file; the pages reach the store file when the log is full
-    /// and at a clean close. What it speeds up is the commits that are
-    /// redb commits: the inbox's (`Inbox::handle_batch` at batch 100: 1.15 to
-    /// 1.3× the messages/s), checkpoints, admin writes. Claims and
-    /// completions already go through the write-ahead log.
-    ///
-    /// Every open replays a page log it finds (and a store opened without
-    /// this option then removes the file), as does
-    /// [`open_read_only`](Self::open_read_only), in memory. It costs up to
-    /// 32 MiB of memory and of disk (the log's fixed size).
-    ///
-    /// ```
-    /// use idemstore::redb::Inbox;
-    /// # let dir = tempfile::tempdir()?;
-    /// let store = idemstore::RedbStore::builder()
-    ///     .page_log(true)
-    ///     .open(dir.path().join("consumer.idem"))?;
-    /// assert!(dir.path().join("consumer.idem-pages").exists());
-    /// let inbox = Inbox::new(store);
-    /// # Ok::<(), idemstore::Error>(())
-    /// ```
-    pub fn page_log(mut self, on: bool) -> Self {
-        self.config.page_log = on;
         self
     }
 
@@ -260,8 +204,8 @@ impl RedbStoreBuilder {
     /// Errors: [`Error::Locked`] when another open store holds the file;
     /// [`Error::Corrupt`] for a file that is not an idemstore store (a
     /// foreign file, a redb database without idemstore's meta table) or is
-    /// damaged; [`Error::UnsupportedFormat`] for a store written by a newer
-    /// format version. None of these touch the file.
+    /// damaged; [`Error::UnsupportedFormat`] for a store of another format
+    /// version (a newer build's, or a pre-release one). None of these touch the file.
     pub fn open(self, path: impl AsRef<Path>) -> Result<RedbStore> {
         let path = path.as_ref();
         self.check()?;
@@ -297,8 +241,12 @@ impl RedbStoreBuilder {
         RedbStore::start(opened, self.config, Some(path.to_path_buf()))
     }
 
-    /// Opens a store over any redb [`StorageBackend`](::redb::StorageBackend):
-    /// the seam for simulated power loss in tests and for custom storage.
+    /// Opens a store over redb [`StorageBackend`](::redb::StorageBackend)s:
+    /// the store file on `backend` and its write-ahead log on `log`, as
+    /// [`open`](Self::open) keeps them in `<file>` and `<file>-wal`. The
+    /// seam for simulated power loss in tests and for custom storage. Both
+    /// must come from the same store: the log holds the batches
+    /// acknowledged after the store file's last checkpoint.
     ///
     /// It names a redb type, so it follows redb's major version, as do the
     /// [`Inbox`](crate::redb::Inbox)'s transactions and the
@@ -307,86 +255,23 @@ impl RedbStoreBuilder {
     ///
     /// ```
     /// use idemstore::RedbStore;
-    /// let store = RedbStore::builder().open_backend(redb::backends::InMemoryBackend::new())?;
-    /// # Ok::<(), idemstore::Error>(())
-    /// ```
-    pub fn open_backend(self, backend: impl ::redb::StorageBackend) -> Result<RedbStore> {
-        self.open_backends(Arc::new(backend), None, None)
-    }
-
-    /// Like [`open_backend`](Self::open_backend), with the write-ahead log
-    /// on a second backend, as [`open`](Self::open) keeps it in
-    /// `<file>-wal`. Both must come from the same store: the log holds the
-    /// batches acknowledged after the store file's last checkpoint.
-    ///
-    /// ```
-    /// use idemstore::RedbStore;
     /// use redb::backends::InMemoryBackend;
-    /// let store = RedbStore::builder()
-    ///     .open_backend_with_log(InMemoryBackend::new(), InMemoryBackend::new())?;
+    /// let store = RedbStore::builder().open_backend(InMemoryBackend::new(), InMemoryBackend::new())?;
     /// # Ok::<(), idemstore::Error>(())
     /// ```
-    pub fn open_backend_with_log(
+    pub fn open_backend(
         self,
         backend: impl ::redb::StorageBackend,
         log: impl ::redb::StorageBackend,
-    ) -> Result<RedbStore> {
-        self.open_backends(Arc::new(backend), Some(Box::new(log)), None)
-    }
-
-    /// Like [`open_backend_with_log`](Self::open_backend_with_log), with
-    /// redb's commits made durable through a page log on a third backend,
-    /// as [`page_log`](Self::page_log) keeps it in `<file>-pages` (this
-    /// method turns the option on). The three must come from the same
-    /// store.
-    ///
-    /// ```
-    /// use idemstore::RedbStore;
-    /// use redb::backends::InMemoryBackend;
-    /// let store = RedbStore::builder().open_backend_with_logs(
-    ///     InMemoryBackend::new(),
-    ///     InMemoryBackend::new(),
-    ///     InMemoryBackend::new(),
-    /// )?;
-    /// # Ok::<(), idemstore::Error>(())
-    /// ```
-    pub fn open_backend_with_logs(
-        mut self,
-        backend: impl ::redb::StorageBackend,
-        log: impl ::redb::StorageBackend,
-        pages: impl ::redb::StorageBackend,
-    ) -> Result<RedbStore> {
-        self.config.page_log = true;
-        self.open_backends(
-            Arc::new(backend),
-            Some(Box::new(log)),
-            Some(Arc::new(pages)),
-        )
-    }
-
-    /// The three `open_backend*`: the store's backends are kept (shared
-    /// with the engine) so that a heal can open them again.
-    fn open_backends(
-        self,
-        store: Arc<dyn ::redb::StorageBackend>,
-        log: Option<Box<dyn ::redb::StorageBackend>>,
-        pages: Option<Arc<dyn ::redb::StorageBackend>>,
     ) -> Result<RedbStore> {
         use super::source::{SharedBackend, Source};
         self.check()?;
         let name = Path::new("<storage backend>");
-        let backend = SharedBackend(Arc::clone(&store));
-        let mut opened = match &pages {
-            Some(pages) => {
-                let paged = super::page_log::PageLog::open(
-                    Box::new(backend),
-                    Box::new(SharedBackend(Arc::clone(pages))),
-                )?;
-                open::open_backend(paged, log, None, &self.config, name)?
-            }
-            None => open::open_backend(backend, log, None, &self.config, name)?,
-        };
-        opened.source = Source::Backend { store, pages };
+        let store: Arc<dyn ::redb::StorageBackend> = Arc::new(backend);
+        // Kept (shared with the engine) so that a heal can open it again.
+        let shared = SharedBackend(Arc::clone(&store));
+        let mut opened = open::open_backend(shared, Box::new(log), None, &self.config, name)?;
+        opened.source = Source::Backend(store);
         RedbStore::start(opened, self.config, None)
     }
 

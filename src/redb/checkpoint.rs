@@ -20,9 +20,8 @@
 //!
 //! The thread also freezes the active memtable when it is older than the
 //! checkpoint interval (so an idle store does not keep its records in the
-//! log indefinitely), and under [`Durability::Periodic`] syncs the log (or,
-//! without a log, makes redb's in-memory commits durable) within the loss
-//! window.
+//! log indefinitely), and under [`Durability::Periodic`] syncs the log
+//! within the loss window.
 
 use super::errors::engine_error;
 use super::health::{HEAL_BACKOFF_MAX, HEAL_BACKOFF_MIN, On};
@@ -94,18 +93,15 @@ pub(super) fn run(shared: Arc<Shared>) {
             shared.bg_cv.notify_all();
             break;
         }
-        let logged = shared.log_file.is_some();
         let mut wait = Duration::from_secs(3600);
         let mut work = false;
-        if logged {
-            if shared.read_mem().active.is_empty() {
-                // Woken by the first publish; the interval is a backstop.
-                wait = wait.min(shared.checkpoint_interval);
-            } else {
-                let left = shared.checkpoint_left();
-                work |= left.is_zero();
-                wait = wait.min(left);
-            }
+        if shared.read_mem().active.is_empty() {
+            // Woken by the first publish; the interval is a backstop.
+            wait = wait.min(shared.checkpoint_interval);
+        } else {
+            let left = shared.checkpoint_left();
+            work |= left.is_zero();
+            wait = wait.min(left);
         }
         if let Durability::Periodic { max_loss } = shared.durability {
             let left = max_loss.saturating_sub(last_sync.elapsed());
@@ -117,8 +113,7 @@ pub(super) fn run(shared: Arc<Shared>) {
             // would spin for as long as it does (a whole inbox handler's
             // transaction; found by the model checker, shuttle_tests.rs).
             // The holder does the work itself: a leader freezes a due
-            // memtable (which wakes this thread) and makes a relaxed commit
-            // durable once the window has passed; a direct transaction
+            // memtable (which wakes this thread); a direct transaction
             // takes the memtable in, durably. The wait is a backstop. It
             // starts here, under the lock, after the checks above: a freeze
             // or a shutdown since the tick is not missed.
@@ -169,7 +164,7 @@ pub(super) enum Tick {
 }
 
 /// The timed work: an old memtable is frozen; under relaxed durability the
-/// log is synced, or redb's in-memory commits made durable.
+/// log is synced.
 ///
 /// The commit lock is only tried: a leader holding it may be waiting for
 /// this thread to finish a checkpoint, and a busy store's leaders freeze
@@ -187,7 +182,7 @@ pub(super) enum Tick {
 /// than tries again at once.
 pub(super) fn tick(shared: &Shared, last_sync: &mut Instant) -> Result<Tick> {
     let mut done = Tick::Done;
-    if shared.log_file.is_some() && shared.checkpoint_due() {
+    if shared.checkpoint_due() {
         match shared.try_lock_core() {
             Some(mut core) => {
                 if shared.read_mem().frozen.is_none() {
@@ -200,26 +195,11 @@ pub(super) fn tick(shared: &Shared, last_sync: &mut Instant) -> Result<Tick> {
     if let Durability::Periodic { max_loss } = shared.durability
         && last_sync.elapsed() >= max_loss
     {
-        match &shared.log_file {
-            Some(file) => {
-                *last_sync = Instant::now();
-                if shared.log_unsynced.swap(false, Ordering::SeqCst)
-                    && let Err(e) = file.sync_data()
-                {
-                    return Err(shared.fail("log sync", On::Log, Error::Io(e)));
-                }
-            }
-            // A leader holding the lock makes its own commit durable once
-            // the window has passed; otherwise this is tried again shortly.
-            None => match shared.try_lock_core() {
-                Some(mut core) => {
-                    *last_sync = Instant::now();
-                    if core.unflushed {
-                        shared.direct_locked(&mut core, |_, _| Ok::<_, Error>(()))?;
-                    }
-                }
-                None => done = Tick::Busy,
-            },
+        *last_sync = Instant::now();
+        if shared.log_unsynced.swap(false, Ordering::SeqCst)
+            && let Err(e) = shared.log_file.sync_data()
+        {
+            return Err(shared.fail("log sync", On::Log, Error::Io(e)));
         }
     }
     Ok(done)
@@ -312,7 +292,6 @@ mod tests {
     fn a_tick_that_finds_the_commit_lock_held_says_so() {
         let shared = super::super::commit::tests::shared_with(
             RedbStoreBuilder::default().checkpoint_interval(Duration::from_millis(1)),
-            true,
         );
         let _ = shared.submit(begin_a()).unwrap();
         std::thread::sleep(Duration::from_millis(20));
@@ -338,8 +317,9 @@ mod tests {
                 .checkpoint_interval(Duration::from_millis(500))
                 .config;
             let backend = ::redb::backends::InMemoryBackend::new();
+            let log = Box::new(::redb::backends::InMemoryBackend::new());
             let opened =
-                open::open_backend(backend, None, None, &config, Path::new("memory")).unwrap();
+                open::open_backend(backend, log, None, &config, Path::new("memory")).unwrap();
             Shared::new(opened, &config, None)
         };
         let immediate = shared(RedbStoreBuilder::default());
@@ -374,7 +354,6 @@ mod tests {
             .open(dir.path().join("store.redb"))
             .unwrap();
         let shared = &store.shared;
-        assert!(shared.log_file.is_some());
         let _ = shared.submit(begin_a()).unwrap();
         let deadline = std::time::Instant::now() + Duration::from_secs(5);
         while shared.log_unsynced.load(Ordering::SeqCst) && std::time::Instant::now() < deadline {

@@ -32,17 +32,16 @@ pub const DEFAULT_CACHE_BYTES: usize = 64 * 1024 * 1024;
 pub enum Durability {
     /// Every write batch is durable before any caller in it is answered: an
     /// acknowledged claim or completion survives a process crash and a power
-    /// loss. Concurrent callers share one fsync (group commit). With the
-    /// write-ahead log (the default for [`RedbStore::open`](super::RedbStore::open)) that fsync is of
-    /// a small append to `<file>-wal`; without it, of a redb commit.
+    /// loss. Concurrent callers share one fsync (group commit), of a small
+    /// append to the write-ahead log `<file>-wal`.
     #[default]
     Immediate,
-    /// Batches are committed without an fsync, and a durable commit is made
-    /// once `max_loss` has passed since the last one (also when the store is
-    /// idle, and at a clean shutdown). A process crash **or** a power loss
-    /// loses the acknowledged writes of at most the last `max_loss` (plus the
-    /// duration of one batch): redb keeps non-durable commits out of the
-    /// file's header until a durable one. A lost claim lets a retry claim the
+    /// Batches are appended to the log without an fsync, and the log is
+    /// synced once `max_loss` has passed since the last sync (also when the
+    /// store is idle; a clean shutdown writes everything into the store
+    /// file durably). A process crash **or** a power loss loses the
+    /// acknowledged writes of at most the last `max_loss` (plus the
+    /// duration of one batch). A lost claim lets a retry claim the
     /// key again and run the side effect twice, so choose this only where
     /// the downstream system deduplicates by the fencing token anyway.
     Periodic {
@@ -90,14 +89,11 @@ pub(super) struct Config {
     pub(super) sweeper: Option<SweeperConfig>,
     pub(super) clock: Arc<dyn Clock>,
     pub(super) verify_on_open: bool,
-    pub(super) write_ahead_log: bool,
     pub(super) checkpoint_interval: Duration,
     /// Bytes of the replay cache (hot.rs); 0: off.
     pub(super) replay_cache_bytes: usize,
     pub(super) wal_bytes: u64,
     pub(super) accept_loss: bool,
-    /// redb's commits through the page log (`<file>-pages`).
-    pub(super) page_log: bool,
     /// An inspection: nothing is written (`RedbStore::open_read_only`).
     pub(super) read_only: bool,
 }

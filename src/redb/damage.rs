@@ -47,12 +47,8 @@ pub(super) enum Damage {
         len: usize,
         want: usize,
     },
-    /// The store was not closed cleanly and its log is gone (`what`).
-    LogMissing {
-        store: PathBuf,
-        log: PathBuf,
-        what: &'static str,
-    },
+    /// The store was not closed cleanly and its log is missing or empty.
+    LogMissing { store: PathBuf, log: PathBuf },
     /// The store was not closed cleanly and its log is shorter (`len`)
     /// than the store left it (`recorded`).
     LogCutShort {
@@ -76,8 +72,6 @@ pub(super) enum Damage {
     LastFrameDamaged { at: u64 },
     /// A record log frame at `at` verifies but its entries do not parse.
     FrameEntries { at: u64, detail: String },
-    /// A page log frame verifies but its operations do not parse.
-    PageFrameMalformed,
 }
 
 /// How the frames of an epoch stop where the walk stopped.
@@ -161,9 +155,9 @@ impl fmt::Display for Damage {
             Damage::MetaEntrySize { name, len, want } => {
                 write!(f, "meta entry {name:?} is {len} bytes, not {want}")
             }
-            Damage::LogMissing { store, log, what } => write!(
+            Damage::LogMissing { store, log } => write!(
                 f,
-                "{} was not closed cleanly, and {what} ({}): the writes acknowledged since its \
+                "{} was not closed cleanly, and its log is missing or empty ({}): the writes acknowledged since its \
                  last checkpoint are only in that log. Put back the log that belongs to this \
                  store (a store and its log are copied together, with no process holding \
                  them); see docs/operations.md",
@@ -214,7 +208,6 @@ impl fmt::Display for Damage {
                     "write-ahead log frame at offset {at} verifies but {detail}"
                 )
             }
-            Damage::PageFrameMalformed => f.write_str("a page log frame's operations do not parse"),
         }
     }
 }

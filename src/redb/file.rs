@@ -30,26 +30,15 @@ pub(super) fn open_owner_only(path: &Path) -> Result<std::fs::File> {
     Ok(options.open(path)?)
 }
 
-/// How [`try_lock`] locks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Lock {
-    Shared,
-    Exclusive,
-}
-
-/// Takes `file`'s `flock` (the store file's for a read-only view, the page
-/// log's: the store's own writer lock is redb's), or says who holds it:
-/// [`Error::Locked`] naming the store, its holder read from `locked`.
-pub(super) fn try_lock(file: &std::fs::File, how: Lock, store: &Path, locked: &Path) -> Result<()> {
-    let taken = match how {
-        Lock::Shared => file.try_lock_shared(),
-        Lock::Exclusive => file.try_lock(),
-    };
-    match taken {
+/// Takes the store file's shared `flock` for a read-only view (the
+/// store's own writer lock is redb's), or says who holds the store:
+/// [`Error::Locked`].
+pub(super) fn try_lock_shared(file: &std::fs::File, store: &Path) -> Result<()> {
+    match file.try_lock_shared() {
         Ok(()) => Ok(()),
         Err(std::fs::TryLockError::WouldBlock) => Err(Error::Locked {
             path: store.display().to_string(),
-            holder: crate::holder::lock_holder(locked),
+            holder: crate::holder::lock_holder(store),
         }),
         Err(std::fs::TryLockError::Error(e)) => Err(e.into()),
     }
@@ -146,7 +135,7 @@ pub(super) fn preallocate(file: &dyn StorageBackend, capacity: u64) -> Result<u6
 
 /// The six lock methods of a [`StorageBackend`] that wraps another in the
 /// field `$inner`, each passed on unchanged: the wrappers of this backend
-/// (`source::SharedBackend`, `witness::Witnessed`, `page_log::PageLog`)
+/// (`source::SharedBackend`, `witness::Witnessed`)
 /// change what they do with data, never how the file is locked.
 macro_rules! forward_locks {
     ($inner:tt) => {

@@ -10,10 +10,9 @@
 //! 1. the old engine is closed first (its file locks must go before the
 //!    files are opened again; an empty in-memory stand-in marked unusable
 //!    holds its place, so no read ever sees it), and reopened from the
-//!    same files (`source.rs`): the store file, and the page log when the
-//!    store has one;
+//!    same store file (`source.rs`);
 //! 2. the write-ahead log's live frames are replayed into it and committed
-//!    durably with a new epoch, as an open does (`open::heal_log`). What
+//!    durably with a new epoch, as an open does (`recovery::heal_log`). What
 //!    the memtable holds is exactly those frames (it is published only
 //!    after its frame is durable), so the memtable is then emptied: its
 //!    records are in the store file. A frame whose write failed may be
@@ -31,7 +30,6 @@
 
 use super::errors::engine_error;
 use super::health::Attempts;
-use super::tables::{META, META_TOKEN_HWM};
 use super::{Engine, Shared, Usable};
 use crate::error::{Error, Result};
 use crate::sync::atomic::Ordering;
@@ -80,15 +78,8 @@ impl Shared {
             .path
             .clone()
             .unwrap_or_else(|| "<storage backend>".into());
-        let recovered = match core.wal.as_ref().map(super::record_log::Wal::file) {
-            Some(file) => {
-                super::recovery::heal_log(&engine.db, file, &meta, &self.heal_config, &name)
-                    .map(Some)
-            }
-            // Without a log the state is the engine's: a durable commit
-            // proves it writes again.
-            None => probe(&engine.db, core.token_hwm.max(meta.token_hwm)).map(|()| None),
-        };
+        let recovered =
+            super::recovery::heal_log(&engine.db, core.wal.file(), &meta, &self.heal_config, &name);
         let wal = match recovered {
             Ok(wal) => wal,
             Err(e) => {
@@ -102,11 +93,7 @@ impl Shared {
             .reopened_meta(&engine.db)
             .map_or(meta.token_hwm, |m| m.token_hwm);
         core.token_hwm = core.token_hwm.max(hwm);
-        if wal.is_some() {
-            core.wal = wal;
-        }
-        core.unflushed = false;
-        core.last_durable = Instant::now();
+        core.wal = wal;
         // Every record the memtable held is in the store file now.
         mem.active.clear();
         mem.active_bytes = 0;
@@ -162,7 +149,7 @@ impl Shared {
                 Ok(())
             }
             Err(e) => {
-                if let Ok(view) = super::page_log::open_view_of(&self.source) {
+                if let Ok(view) = super::overlay::open_view_of(&self.source) {
                     engine.db = view;
                     engine.usable = Usable::ForReads;
                 }
@@ -203,15 +190,4 @@ fn free_bytes(path: &std::path::Path) -> Option<u64> {
 #[cfg(not(unix))]
 fn free_bytes(_path: &std::path::Path) -> Option<u64> {
     None
-}
-
-/// A durable commit of the token high-water mark.
-fn probe(db: &Database, token_hwm: u64) -> Result<()> {
-    let txn = db.begin_write().map_err(engine_error)?;
-    {
-        let mut meta = txn.open_table(META).map_err(engine_error)?;
-        meta.insert(META_TOKEN_HWM, token_hwm.to_be_bytes().as_slice())
-            .map_err(engine_error)?;
-    }
-    txn.commit().map_err(engine_error)
 }

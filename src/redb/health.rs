@@ -199,8 +199,7 @@ pub(super) struct Attempts {
 /// The file an operation was on, for the cause's message.
 #[derive(Clone, Copy, Debug)]
 pub(super) enum On {
-    /// The store file (redb's commits and reads; with the page log, its
-    /// frames too).
+    /// The store file (redb's commits and reads).
     Store,
     /// The write-ahead log.
     Log,

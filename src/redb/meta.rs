@@ -18,15 +18,11 @@ use crate::error::{Error, Result};
 use ::redb::{Database, ReadableDatabase, TableError, TableHandle};
 use std::hash::{BuildHasher, Hasher};
 
-/// The store format this build writes, and the newest it opens. It covers
-/// the table layout, the meta entries and the write-ahead log; the record
-/// envelope has its own version inside every value.
-///
-/// 2 added the write-ahead log (`<file>-wal`, the `wal_epoch` meta entry);
-/// 3 changed the log to two segments of 4 KiB-aligned frames that carry no
-/// index entries (docs/format.md). A version 1 or 2 store opens (a version 2 log is replayed
-/// in its own layout) and is marked 3 at its first open by this build, so
-/// that an older build, which would misread the log, refuses it.
+/// The store format this build writes, and the only one it opens. It
+/// covers the table layout, the meta entries and the write-ahead log; the
+/// record envelope has its own version inside every value. Versions 1 and
+/// 2 were written by pre-release builds only and are refused, as a newer
+/// version is ([`Error::UnsupportedFormat`]).
 pub(super) const STORE_FORMAT_VERSION: u32 = 3;
 
 /// The three meta entries, as stored (no version policy applied).
@@ -56,19 +52,24 @@ pub(super) fn read_meta(db: &Database) -> Result<Option<MetaEntries>> {
         )));
     }
     let meta = read_meta_entries(&txn)?;
-    if meta.format_version > STORE_FORMAT_VERSION {
-        return Err(Error::UnsupportedFormat {
-            found: meta.format_version,
-            supported: STORE_FORMAT_VERSION,
-        });
-    }
-    if meta.format_version == 0 {
-        return Err(Damage::MetaVersionZero.into());
-    }
+    check_format(&meta)?;
     // Opening the record tables proves they have our layout.
     txn.open_table(RECORDS).map_err(table_error)?;
     txn.open_table(EXPIRY).map_err(table_error)?;
     Ok(Some(meta))
+}
+
+/// [`Error::UnsupportedFormat`] unless the store is of this build's format
+/// ([`STORE_FORMAT_VERSION`]); a version 0 is damage.
+pub(super) fn check_format(meta: &MetaEntries) -> Result<()> {
+    match meta.format_version {
+        STORE_FORMAT_VERSION => Ok(()),
+        0 => Err(Damage::MetaVersionZero.into()),
+        found => Err(Error::UnsupportedFormat {
+            found,
+            supported: STORE_FORMAT_VERSION,
+        }),
+    }
 }
 
 /// Reads the meta entries; a missing or mis-sized entry is `Corrupt`.

@@ -29,7 +29,7 @@
 //! - `line.rs`: the commit line's data (a queued op and its reply, the
 //!   slot its caller waits in, the queue, the line's sizes);
 //! - `commit/`: leader/follower group commit (`mod.rs`: a group's commit,
-//!   with the log or without); `leader.rs`: who leads, who is answered;
+//!   one frame, then the memtable); `leader.rs`: who leads, who is answered;
 //!   `decide.rs`: the group's decisions through `logic`; `direct.rs`:
 //!   direct transactions (inbox, admin, compaction, close);
 //! - `native.rs`: the native async entry (futures in the line, the
@@ -46,11 +46,8 @@
 //!   walk over its live frames, the replay's durable commit); `meta.rs`:
 //!   the meta table's reads and writes (format version, store id, the
 //!   log's recorded state);
-//! - `page_log/`: the page log (`page_log`: redb's commits as frames in
-//!   `<file>-pages`): `frame.rs` its frames and their replay, `backend.rs`
-//!   the store file behind the log; and `overlay.rs`: a file read through
-//!   in-memory pages (inspections, and a heal's view for reads);
-//!   `page_images.rs`: the page images both keep;
+//! - `overlay.rs`: a file read through in-memory pages, so that nothing
+//!   reaches it (inspections, and a heal's view for reads);
 //! - `health.rs`: the one poison (flag and cause), [`Health`], the heal's
 //!   back-off; `heal.rs`: the heal
 //!   that reopens the engine (from `source.rs`); `witness.rs`: the last
@@ -90,7 +87,7 @@ mod memtable;
 mod meta;
 mod native;
 mod open;
-pub(crate) mod page_log;
+mod overlay;
 mod record_log;
 mod recovery;
 mod requests;
@@ -119,10 +116,7 @@ pub use record_log::{CHECKPOINT_INTERVAL, MIN_WAL_BYTES, WAL_BYTES};
 // crate's own tests read them through `idemstore::unstable::redb`.
 pub use stats::RedbStats;
 #[cfg(feature = "unstable-internals")]
-pub(crate) use {
-    line::WRITE_QUEUE_DEPTH, memtable::MEMTABLE_BYTES, page_log::PAGE_LOG_BYTES,
-    record_log::FRAME_ALIGN,
-};
+pub(crate) use {line::WRITE_QUEUE_DEPTH, memtable::MEMTABLE_BYTES, record_log::FRAME_ALIGN};
 
 use crate::error::{Error, Result};
 use crate::sweeper::Sweeper;
@@ -233,7 +227,7 @@ impl RedbStore {
     /// the platform tells). Errors, all before anything is read into the
     /// view: a missing file is [`Error::Io`] (`NotFound`); an empty, foreign
     /// or damaged one, or a log an open would refuse, is [`Error::Corrupt`];
-    /// a newer format is [`Error::UnsupportedFormat`].
+    /// another format (newer, or a pre-release one) is [`Error::UnsupportedFormat`].
     ///
     /// ```
     /// use idemstore::{Error, Fingerprint, Key, RedbStore, Store, Timestamp};

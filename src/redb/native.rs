@@ -234,7 +234,7 @@ mod tests {
     #[test]
     fn a_full_line_keeps_the_op_until_a_group_makes_room() {
         // No committer runs here: this test leads.
-        let shared = super::super::commit::tests::shared(true);
+        let shared = super::super::commit::tests::shared();
         let mut queued: Vec<Submitted> = (0..WRITE_QUEUE_DEPTH)
             .map(|i| shared.submit_async(begin(i)).unwrap())
             .collect();
@@ -267,7 +267,7 @@ mod tests {
 
     #[test]
     fn a_dropped_future_leaves_the_line_or_gives_its_claim_back() {
-        let shared = super::super::commit::tests::shared(true);
+        let shared = super::super::commit::tests::shared();
         // Dropped while queued: out of the line, nothing written.
         drop(shared.submit_async(begin(1)).unwrap());
         assert!(shared.lock_queue().waiting.is_empty());
@@ -297,7 +297,7 @@ mod tests {
 
     #[test]
     fn a_closed_line_refuses_new_requests() {
-        let shared = super::super::commit::tests::shared(true);
+        let shared = super::super::commit::tests::shared();
         let mut queued = shared.submit_async(begin(1)).unwrap();
         shared.close_line();
         assert!(matches!(shared.submit_async(begin(2)), Err(Error::Closed)));

@@ -1,18 +1,17 @@
 //! Opening a store file: owner-only creation, refusing foreign, damaged and
 //! newer files with a typed error (never a panic, never an empty store),
-//! the page log's run replayed before the engine opens the file, the
-//! engine reopened for a heal, and the recovery policy. The meta table's
+//! the engine reopened for a heal, and the recovery policy. The meta table's
 //! reads and writes are in meta.rs; what an open does with the record log,
 //! in recovery.rs.
 
 use super::damage::Damage;
 use super::errors::engine_error;
-use super::file::{FILE_MODE, Lock, check_foreign, open_owner_only, sync_parent, try_lock};
+use super::file::{FILE_MODE, check_foreign, open_owner_only, sync_parent, try_lock_shared};
 use super::loss::LossReport;
-use super::meta::{MetaEntries, init_meta, read_meta, read_wal_state};
-use super::page_log::{self, Overlay, PageLog};
+use super::meta::{MetaEntries, init_meta, read_meta};
+use super::overlay::Overlay;
 use super::record_log::{self, FileLog, Wal};
-use super::recovery::{Found, boot_id, log_missing, recover_log};
+use super::recovery::{Found, boot_id, recover_log};
 use super::tables::WriteTables;
 use super::witness::{IoWitness, Witnessed};
 use super::{Config, RecoveryPolicy};
@@ -28,8 +27,9 @@ pub(super) struct Opened {
     pub(super) token_hwm: u64,
     pub(super) store_id: [u8; 16],
     pub(super) leases_expired: u64,
-    /// The write-ahead log, recovered and empty; `None` without one.
-    pub(super) wal: Option<Wal>,
+    /// The write-ahead log, recovered and empty (a read-only view's is
+    /// never written: the view refuses every write).
+    pub(super) wal: Wal,
     pub(super) frames_replayed: u64,
     /// What an open with `accept_loss` gave up (empty otherwise).
     pub(super) loss: LossReport,
@@ -174,117 +174,38 @@ pub(super) fn open_read_only(path: &Path, config: &Config) -> Result<Opened> {
         .into());
     }
     let file = std::fs::File::open(path)?;
-    try_lock(&file, Lock::Shared, path, path)?;
+    try_lock_shared(&file, path)?;
     let overlay = Overlay::new(file)?;
-    // The page log's run, in memory, as a writer's open would replay it.
-    page_log::replay_beside(path, &overlay, true)?;
     // A missing log reads as an empty one: after a clean stop it holds
     // nothing; after an unclean one the plan refuses it, as an open would.
     let log: Box<dyn StorageBackend> = match FileLog::open_read_only(path)? {
         Some(log) => Box::new(log),
         None => Box::new(::redb::backends::InMemoryBackend::new()),
     };
-    let mut opened = open_backend(overlay, Some(log), boot_id().as_deref(), config, path)?;
-    // Nothing is ever written through it.
-    opened.wal = None;
-    Ok(opened)
+    open_backend(overlay, log, boot_id().as_deref(), config, path)
 }
 
 fn open_file(path: &Path, config: &Config) -> Result<Opened> {
     let file = open_owner_only(path)?;
     let backend = ::redb::backends::FileBackend::new(file).map_err(|e| map_open(e, path))?;
     // Opened after the store file: its lock keeps other processes out of
-    // both. A log left by an earlier open is recovered even when this open
-    // does without one.
+    // both.
     let wal_existed = record_log::wal_path(path).exists();
-    let log: Option<Box<dyn StorageBackend>> = if config.write_ahead_log || wal_existed {
-        Some(Box::new(FileLog::open(path)?))
-    } else {
-        None
-    };
-    // The page log, when this open uses one or an earlier one left one:
-    // locked like the store (a second writer is Locked here, before
-    // anything is replayed), and its run replayed into the store file.
-    let pages_path = page_log::pages_path(path);
-    let pages_log = if config.page_log || pages_path.exists() {
-        let pages_file = open_locked(&pages_path, path)?;
-        Some(::redb::backends::FileBackend::new(pages_file).map_err(|e| map_open(e, path))?)
-    } else {
-        None
-    };
+    let log = Box::new(FileLog::open(path)?);
     // Every open makes the directory entries durable, not only the open
     // that created them: a crash between creating (or linking) a file and
     // its directory's fsync would otherwise leave an entry that no later
     // open syncs, and a power cut could then drop the whole file.
     sync_parent(path)?;
-    let boot = boot_id();
-    let opened = match pages_log {
-        Some(pages_log) if config.page_log => {
-            let paged = PageLog::open(Box::new(backend), Box::new(pages_log))?;
-            open_backend(paged, log, boot.as_deref(), config, path)
-        }
-        Some(pages_log) => {
-            // Opened without the page log after an open with it: the run
-            // goes into the store file (synced), then the log goes.
-            page_log::replay(&pages_log, &backend)?;
-            // Removed while still locked: an open that waits for the lock
-            // finds the name gone (see `open_locked`).
-            std::fs::remove_file(&pages_path)?;
-            drop(pages_log);
-            sync_parent(path)?;
-            open_backend(backend, log, boot.as_deref(), config, path)
-        }
-        None => open_backend(backend, log, boot.as_deref(), config, path),
-    };
+    let opened = open_backend(backend, log, boot_id().as_deref(), config, path);
     if opened.is_err() && !wal_existed {
         // Refused (a log that must exist does not): the empty file this
         // open made is not left behind as if it were the log.
         let _ = std::fs::remove_file(record_log::wal_path(path));
     }
     let mut opened = opened?;
-    if !config.write_ahead_log {
-        opened.wal = None;
-    }
     opened.source = super::source::Source::Path(path.to_path_buf());
     Ok(opened)
-}
-
-/// Opens (creating it) and exclusively locks the page log at `pages`. A
-/// page log is removed only by its lock's holder, so once the lock is ours
-/// and the name still leads to the file we locked, it is the page log; a
-/// file removed while we waited for its lock is let go and the name opened
-/// again.
-fn open_locked(pages: &Path, store: &Path) -> Result<std::fs::File> {
-    for _ in 0..8 {
-        let file = open_owner_only(pages)?;
-        try_lock(&file, Lock::Exclusive, store, pages)?;
-        if same_file(&file, pages)? {
-            return Ok(file);
-        }
-    }
-    Err(Error::Io(std::io::Error::other(format!(
-        "{} keeps being replaced while it is opened",
-        pages.display()
-    ))))
-}
-
-/// Whether `path` names the file `file` has open.
-fn same_file(file: &std::fs::File, path: &Path) -> Result<bool> {
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::MetadataExt;
-        let held = file.metadata()?;
-        match std::fs::metadata(path) {
-            Ok(named) => Ok(held.dev() == named.dev() && held.ino() == named.ino()),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
-            Err(e) => Err(e.into()),
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = (file, path);
-        Ok(true)
-    }
 }
 
 /// The temporary name a new store is built under.
@@ -308,7 +229,7 @@ fn create_then_open(path: &Path, config: &Config) -> Result<Opened> {
         backend
             .set_len(0)
             .map_err(|e| engine_error(::redb::StorageError::from(e)))?;
-        let created = open_backend(backend, None, None, config, path)?;
+        let (created, ..) = open_engine(backend, config, path)?;
         drop(created); // closes the database and releases the lock
     }
     std::fs::File::open(&temp)?.sync_all()?;
@@ -325,63 +246,32 @@ fn create_then_open(path: &Path, config: &Config) -> Result<Opened> {
 }
 
 /// Opens or creates a store over any redb backend, with its write-ahead
-/// log if `log` is given; `name` names it in errors.
+/// log on `log`; `name` names it in errors.
 ///
 /// `boot` is the machine's boot id when the log is a real file (see
 /// [`boot_id`]); `None` for storage backends, whose crashes the caller
 /// simulates.
 pub(super) fn open_backend(
     backend: impl StorageBackend,
-    log: Option<Box<dyn StorageBackend>>,
+    log: Box<dyn StorageBackend>,
     boot: Option<&str>,
     config: &Config,
     name: &Path,
 ) -> Result<Opened> {
-    let witness = Arc::new(IoWitness::default());
-    let db = engine_open(backend, config, name, &witness)?;
-    let MetaEntries {
-        format_version,
-        store_id,
-        mut token_hwm,
-    } = match read_meta(&db)? {
-        Some(meta) => meta,
-        None if config.read_only => {
-            return Err(Damage::NoTables {
-                store: name.to_path_buf(),
-            }
-            .into());
-        }
-        None => init_meta(&db, config)?,
-    };
+    let (db, meta, witness) = open_engine(backend, config, name)?;
+    let mut token_hwm = meta.token_hwm;
     let mut loss = LossReport::default();
-    let (wal, frames_replayed) = match log {
-        None => {
-            if read_wal_state(&db)?.is_some_and(|s| s.open) {
-                let err = log_missing(name, "it is being opened without its log");
-                if !config.accept_loss {
-                    return Err(err.into());
-                }
-                loss.findings.push(format!("accepted: {err}"));
-            }
-            (None, 0)
-        }
-        Some(file) => {
-            let found = Found {
-                store_id,
-                format: format_version,
-                boot,
-                name,
-                heal: false,
-            };
-            let file = std::sync::Arc::from(file);
-            let (wal, frames) = recover_log(&db, file, &found, config, &mut loss)?;
-            if frames > 0 {
-                // The frames carry the high-water mark of their claims.
-                token_hwm = read_meta(&db)?.map_or(token_hwm, |m| m.token_hwm);
-            }
-            (Some(wal), frames)
-        }
+    let found = Found {
+        store_id: meta.store_id,
+        boot,
+        name,
+        heal: false,
     };
+    let (wal, frames_replayed) = recover_log(&db, Arc::from(log), &found, config, &mut loss)?;
+    if frames_replayed > 0 {
+        // The frames carry the high-water mark of their claims.
+        token_hwm = read_meta(&db)?.map_or(token_hwm, |m| m.token_hwm);
+    }
     // A read-only view shows the records as stored: no lease is ended.
     let leases_expired = match config.recovery {
         _ if config.read_only => 0,
@@ -391,7 +281,7 @@ pub(super) fn open_backend(
     Ok(Opened {
         db,
         token_hwm,
-        store_id,
+        store_id: meta.store_id,
         leases_expired,
         wal,
         frames_replayed,
@@ -399,6 +289,28 @@ pub(super) fn open_backend(
         source: super::source::Source::None,
         witness,
     })
+}
+
+/// The engine over `backend` and its meta entries, written now for a new
+/// store: all that creating a store needs, and where an open starts.
+fn open_engine(
+    backend: impl StorageBackend,
+    config: &Config,
+    name: &Path,
+) -> Result<(Database, MetaEntries, Arc<IoWitness>)> {
+    let witness = Arc::new(IoWitness::default());
+    let db = engine_open(backend, config, name, &witness)?;
+    let meta = match read_meta(&db)? {
+        Some(meta) => meta,
+        None if config.read_only => {
+            return Err(Damage::NoTables {
+                store: name.to_path_buf(),
+            }
+            .into());
+        }
+        None => init_meta(&db, config)?,
+    };
+    Ok((db, meta, witness))
 }
 
 /// The engine over `backend`, as an open and a heal start: a foreign file
@@ -446,33 +358,12 @@ pub(super) fn reopen_engine(
             let file = open_owner_only(path)?;
             let backend =
                 ::redb::backends::FileBackend::new(file).map_err(|e| map_open(e, path))?;
-            let db = if config.page_log {
-                let pages_file = open_locked(&page_log::pages_path(path), path)?;
-                let pages_log = ::redb::backends::FileBackend::new(pages_file)
-                    .map_err(|e| map_open(e, path))?;
-                let paged = PageLog::open(Box::new(backend), Box::new(pages_log))?;
-                engine_open(paged, config, path, witness)?
-            } else {
-                engine_open(backend, config, path, witness)?
-            };
-            (db, path.as_path())
+            (engine_open(backend, config, path, witness)?, path.as_path())
         }
-        Source::Backend { store, pages } => {
+        Source::Backend(store) => {
             let name = Path::new("<storage backend>");
             let backend = SharedBackend(std::sync::Arc::clone(store));
-            let db = match pages {
-                Some(pages) => {
-                    let pages = SharedBackend(std::sync::Arc::clone(pages));
-                    engine_open(
-                        PageLog::open(Box::new(backend), Box::new(pages))?,
-                        config,
-                        name,
-                        witness,
-                    )?
-                }
-                None => engine_open(backend, config, name, witness)?,
-            };
-            (db, name)
+            (engine_open(backend, config, name, witness)?, name)
         }
         Source::None => {
             return Err(Error::backend("a read-only view is never reopened"));

@@ -10,13 +10,10 @@ use super::Config;
 use super::damage::Damage;
 use super::errors::engine_error;
 use super::loss::LossReport;
-use super::meta::{
-    MetaEntries, STORE_FORMAT_VERSION, read_wal_boot, read_wal_epoch, read_wal_state,
-};
+use super::meta::{MetaEntries, read_wal_boot, read_wal_epoch, read_wal_state};
 use super::record_log::{self, Wal};
 use super::tables::{
-    META, META_FORMAT_VERSION, META_WAL_BOOT, META_WAL_BYTES, META_WAL_EPOCH, META_WAL_STATE,
-    WAL_CLOSED, WAL_OPEN,
+    META, META_WAL_BOOT, META_WAL_BYTES, META_WAL_EPOCH, META_WAL_STATE, WAL_OPEN,
 };
 use crate::error::{Error, Result};
 use ::redb::{Database, StorageBackend};
@@ -25,8 +22,6 @@ use std::path::Path;
 /// What the open found out before the log's recovery.
 pub(super) struct Found<'a> {
     pub(super) store_id: [u8; 16],
-    /// The store format the file was written in.
-    pub(super) format: u32,
     /// This boot's id, for a log on a real file.
     pub(super) boot: Option<&'a str>,
     /// The store, in errors.
@@ -83,9 +78,10 @@ pub(super) fn plan_log(
         // The last open stopped before its log had a size: no frame was
         // ever written, nothing can be missing.
         Some(0) => {}
-        _ if len == 0 => plan
-            .problems
-            .push(log_missing(name, "its log is missing or empty")),
+        _ if len == 0 => plan.problems.push(Damage::LogMissing {
+            store: name.to_path_buf(),
+            log: record_log::wal_path(name),
+        }),
         Some(recorded) if len < recorded => {
             plan.problems.push(Damage::LogCutShort {
                 store: name.to_path_buf(),
@@ -106,23 +102,20 @@ pub(super) fn plan_log(
     // its place) cannot hold this store's writes. One frame that does not
     // verify may be this store's first, torn by a crash: two or more
     // cannot all be.
-    if found.format >= 3 {
-        let (seen, ours) = record_log::frames_seen(file, &found.store_id, plan.layout_len)?;
-        if seen >= 2 && ours == 0 {
-            plan.problems.push(Damage::LogOfAnotherStore {
-                store: name.to_path_buf(),
-                log: record_log::wal_path(name),
-                seen,
-            });
-        }
+    let (seen, ours) = record_log::frames_seen(file, &found.store_id, plan.layout_len)?;
+    if seen >= 2 && ours == 0 {
+        plan.problems.push(Damage::LogOfAnotherStore {
+            store: name.to_path_buf(),
+            log: record_log::wal_path(name),
+            seen,
+        });
     }
     Ok(plan)
 }
 
-/// Walks the live frames as `plan` says (`record_log::walk`): a format-2 log's
-/// one region, or this format's durable epoch and then the next one (a
-/// checkpoint may have been running). Returns the frames handed to
-/// `on_frame`.
+/// Walks the live frames as `plan` says (`record_log::walk`): the durable
+/// epoch's and then the next one's (a checkpoint may have been running).
+/// Returns the frames handed to `on_frame`.
 pub(super) fn walk_live(
     file: &dyn StorageBackend,
     found: &Found<'_>,
@@ -130,20 +123,9 @@ pub(super) fn walk_live(
     mut loss: Option<&mut LossReport>,
     mut on_frame: impl FnMut(u64, &[u8]) -> Result<()>,
 ) -> Result<u64> {
-    let epochs = if found.format < 3 {
-        vec![(plan.epoch, record_log::Layout::v2(plan.layout_len))]
-    } else {
-        let next = plan.epoch.wrapping_add(1);
-        vec![
-            (
-                plan.epoch,
-                record_log::Layout::segment(plan.layout_len, plan.epoch),
-            ),
-            (next, record_log::Layout::segment(plan.layout_len, next)),
-        ]
-    };
     let mut frames = 0;
-    for (epoch, layout) in epochs {
+    for epoch in [plan.epoch, plan.epoch.wrapping_add(1)] {
+        let layout = record_log::Layout::segment(plan.layout_len, epoch);
         frames += record_log::walk(
             file,
             &found.store_id,
@@ -158,8 +140,8 @@ pub(super) fn walk_live(
 }
 
 /// Replays the log's frames of the current epoch, then commits durably with
-/// a new epoch (retiring every frame found, whole or torn) and the current
-/// format version, and makes sure the log file has its full size.
+/// a new epoch (retiring every frame found, whole or torn), and makes sure
+/// the log file has its full size.
 pub(super) fn recover_log(
     db: &Database,
     file: std::sync::Arc<dyn StorageBackend>,
@@ -190,18 +172,11 @@ pub(super) fn recover_log(
     )?;
     // Both epochs are now retired; new frames start a fresh one.
     let fresh = epoch.wrapping_add(2);
-    // Without the log this open's commits go straight to the file, so the
-    // log will hold nothing needed: it is marked closed at once.
-    let state = if config.write_ahead_log {
-        WAL_OPEN
-    } else {
-        WAL_CLOSED
-    };
     {
         let mut meta = txn.open_table(META).map_err(engine_error)?;
         meta.insert(META_WAL_EPOCH, fresh.to_be_bytes().as_slice())
             .map_err(engine_error)?;
-        meta.insert(META_WAL_STATE, [state].as_slice())
+        meta.insert(META_WAL_STATE, [WAL_OPEN].as_slice())
             .map_err(engine_error)?;
         match boot {
             Some(boot) => meta.insert(META_WAL_BOOT, boot.as_bytes()).map(|_| ()),
@@ -213,11 +188,6 @@ pub(super) fn recover_log(
         // of the new epoch exists before the size is recorded again).
         meta.insert(META_WAL_BYTES, len.to_be_bytes().as_slice())
             .map_err(engine_error)?;
-        meta.insert(
-            META_FORMAT_VERSION,
-            STORE_FORMAT_VERSION.to_be_bytes().as_slice(),
-        )
-        .map_err(engine_error)?;
     }
     txn.commit().map_err(engine_error)?;
     // A read-only open replayed into memory (an overlay) and leaves the
@@ -254,23 +224,12 @@ pub(super) fn heal_log(
     let boot = boot_id();
     let found = Found {
         store_id: meta.store_id,
-        format: meta.format_version,
         boot: boot.as_deref(),
         name,
         heal: true,
     };
     let mut loss = LossReport::default();
     recover_log(db, file, &found, config, &mut loss).map(|(wal, _)| wal)
-}
-
-/// The store was not closed cleanly and its log is gone: the writes
-/// acknowledged since the last checkpoint exist only in that log.
-pub(super) fn log_missing(name: &Path, what: &'static str) -> Damage {
-    Damage::LogMissing {
-        store: name.to_path_buf(),
-        log: record_log::wal_path(name),
-        what,
-    }
 }
 
 /// This boot of the machine: Linux's random id, new at every boot. An

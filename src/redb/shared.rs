@@ -15,7 +15,7 @@ use super::memtable::Mem;
 use super::record_log::Wal;
 use super::snapshot::Snapshot;
 use super::stats::Counters;
-use super::{Durability, RecoveryPolicy, health, open, record_log, source, tables, witness};
+use super::{Durability, RecoveryPolicy, health, open, source, tables, witness};
 use crate::codec;
 use crate::error::{Cause, Error, Result};
 use crate::record::Record;
@@ -105,10 +105,10 @@ pub(super) struct Shared {
     /// shutdown) and wakes those waiting for a checkpoint to finish.
     pub(super) bg: Mutex<Bg>,
     pub(super) bg_cv: Condvar,
-    /// Relaxed durability with the log: frames written since the last sync.
+    /// Relaxed durability: frames written since the last sync.
     pub(super) log_unsynced: AtomicBool,
-    /// The log file (`None` without a log), for the background sync.
-    pub(super) log_file: Option<Arc<dyn StorageBackend>>,
+    /// The log file, for the background sync.
+    pub(super) log_file: Arc<dyn StorageBackend>,
     pub(super) durability: Durability,
     pub(super) checkpoint_interval: Duration,
     pub(super) max_batch: usize,
@@ -126,17 +126,14 @@ pub(super) struct Shared {
 /// taking this; this, then the memtable, then the database.
 #[derive(Debug)]
 pub(super) struct Core {
-    pub(super) wal: Option<Wal>,
+    pub(super) wal: Wal,
     /// The largest fencing token handed out.
     pub(super) token_hwm: u64,
-    /// No log, relaxed durability: commits made since the last durable one.
-    pub(super) unflushed: bool,
-    pub(super) last_durable: Instant,
 }
 
 impl Shared {
     pub(super) fn new(opened: open::Opened, config: &Config, path: Option<&Path>) -> Arc<Shared> {
-        let log_file = opened.wal.as_ref().map(record_log::Wal::file);
+        let log_file = opened.wal.file();
         Arc::new(Shared {
             snapshot: Snapshot::default(),
             db: RwLock::new(Engine {
@@ -164,8 +161,6 @@ impl Shared {
             core: Mutex::new(Core {
                 wal: opened.wal,
                 token_hwm: opened.token_hwm,
-                unflushed: false,
-                last_durable: Instant::now(),
             }),
             bg: Mutex::new(Bg::default()),
             bg_cv: Condvar::new(),
@@ -320,14 +315,13 @@ impl Shared {
     }
 
     /// The last commit of a clean stop: everything in memory goes into the
-    /// file durably, and with a log the same commit marks it closed
+    /// file durably, and the same commit marks the log closed
     /// ([`META_WAL_STATE`](tables::META_WAL_STATE)), so the next open knows
-    /// the log holds nothing it needs and may be missing.
+    /// the log holds nothing it needs and may be missing. A read-only view
+    /// writes nothing.
     pub(super) fn close(&self) -> Result<()> {
+        self.check_writable()?;
         let mut core = self.lock_core();
-        if core.wal.is_none() {
-            return self.flush_locked(&mut core);
-        }
         self.direct_locked(&mut core, |txn, _| {
             let mut meta = txn.open_table(tables::META).map_err(engine_error)?;
             meta.insert(tables::META_WAL_STATE, [tables::WAL_CLOSED].as_slice())
@@ -338,9 +332,7 @@ impl Shared {
 
     /// [`flush`](Self::flush) with the commit lock held.
     pub(super) fn flush_locked(&self, core: &mut Core) -> Result<()> {
-        let dirty = !self.read_mem().is_empty()
-            || core.wal.as_ref().is_some_and(record_log::Wal::is_dirty)
-            || core.unflushed;
+        let dirty = !self.read_mem().is_empty() || core.wal.is_dirty();
         if dirty {
             self.direct_locked(core, |_, _| Ok::<_, Error>(()))?;
         }

@@ -100,7 +100,7 @@ fn open_with(
             .wal_bytes(MIN_WAL_BYTES)
             .checkpoint_interval(Duration::from_millis(1)),
     )
-    .open_backend_with_log(file.clone(), log.clone())
+    .open_backend(file.clone(), log.clone())
     .expect("open")
 }
 

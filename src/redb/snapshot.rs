@@ -11,8 +11,7 @@
 //! commit bumps the count ([`Snapshot::committed`]) after the commit and
 //! *before* the writer lets go of what it wrote in memory: a
 //! checkpoint before it retires its frozen memtable, a direct transaction
-//! before it clears the active one, a commit without a log before it
-//! answers. A snapshot is kept under the count read *before* it was opened,
+//! before it clears the active one. A snapshot is kept under the count read *before* it was opened,
 //! so it holds at least every commit counted up to then. A reader reads the
 //! memtable first, then the count, and uses the kept snapshot only when it
 //! was kept under that count or a later one: every commit it could miss is
@@ -234,18 +233,6 @@ mod tests {
         a_completion_written_to_redb_is_read(&store, |s| s.shared.flush().unwrap());
     }
 
-    /// Without a log every group commits into redb, and drops it before it
-    /// answers.
-    #[test]
-    fn a_read_after_a_commit_without_a_log_sees_it() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = RedbStoreBuilder::default()
-            .write_ahead_log(false)
-            .open(dir.path().join("s.idem"))
-            .unwrap();
-        a_completion_written_to_redb_is_read(&store, |_| ());
-    }
-
     /// A deletion in redb (an eviction, a direct transaction of its own)
     /// is seen too: the kept snapshot still holds the record.
     #[test]
@@ -293,7 +280,7 @@ mod tests {
     #[test]
     fn a_kept_snapshot_does_not_stop_a_verify_of_a_backend_store() {
         let store = RedbStoreBuilder::default()
-            .open_backend_with_log(
+            .open_backend(
                 ::redb::backends::InMemoryBackend::new(),
                 ::redb::backends::InMemoryBackend::new(),
             )

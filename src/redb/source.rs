@@ -1,5 +1,5 @@
 //! Where a store's engine is opened from, kept so that a heal (heal.rs)
-//! can open it again: the path, or the caller's backends shared through
+//! can open it again: the path, or the caller's backend shared through
 //! [`SharedBackend`]. A bottom module: it imports only `file.rs`.
 
 use ::redb::StorageBackend;
@@ -10,12 +10,9 @@ use std::sync::Arc;
 pub(super) enum Source {
     /// A store file, opened as `open` opens it.
     Path(PathBuf),
-    /// A caller's backends (`open_backend*`), shared with the engine
-    /// through [`SharedBackend`] so that a heal can open them again.
-    Backend {
-        store: Arc<dyn StorageBackend>,
-        pages: Option<Arc<dyn StorageBackend>>,
-    },
+    /// A caller's store backend (`open_backend`), shared with the engine
+    /// through [`SharedBackend`] so that a heal can open it again.
+    Backend(Arc<dyn StorageBackend>),
     /// A read-only view: it writes nothing, so it never heals.
     None,
 }

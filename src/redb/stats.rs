@@ -25,14 +25,13 @@ pub struct RedbStats {
     /// completes, releases, sweeps); a begin answered Replay, InFlight or
     /// Conflict on the read fast path never joins it.
     pub requests: u64,
-    /// Groups committed by a leader (one log frame, or without the log one
-    /// write transaction, each).
+    /// Groups committed by a leader (one log frame each).
     pub batches: u64,
     /// Groups and direct transactions that wrote something.
     pub commits: u64,
-    /// redb commits made durable with an fsync: checkpoints, direct
-    /// transactions (inbox, admin evict and import, compaction), or
-    /// without the log the groups themselves.
+    /// redb commits made durable with an fsync: checkpoints and direct
+    /// transactions (inbox, admin evict and import, compaction, a group
+    /// larger than a log segment).
     pub durable_commits: u64,
     /// Groups made durable by one append and `fdatasync` of the
     /// write-ahead log.

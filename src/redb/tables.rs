@@ -76,7 +76,7 @@ impl<'txn> WriteTables<'txn> {
     /// Stores `entry` (a record, or `None` for a deletion) as the latest
     /// state of `key_bytes`, moving its expiry-index entry from the stored
     /// record's expiry: the one way every writer (a checkpoint, a direct
-    /// transaction, a group without the log, replay, the inbox, import)
+    /// transaction, replay, the inbox, import)
     /// keeps a record and its index entry together. The record is encoded
     /// (and its invariants checked) before the first write, so an encoding
     /// failure writes nothing.
@@ -121,15 +121,14 @@ impl<'txn> WriteTables<'txn> {
         Ok(())
     }
 
-    /// Removes one index entry (a sweep found it stale, its record moved
-    /// or went, or a format-2 log frame says so).
-    pub(super) fn unindex(&mut self, index_key: &[u8]) -> Result<()> {
+    /// Removes one index entry (its record moved or went).
+    fn unindex(&mut self, index_key: &[u8]) -> Result<()> {
         self.expiry.remove(index_key).map_err(engine_error)?;
         Ok(())
     }
 
-    /// Adds one index entry (a record's, or a format-2 log frame's).
-    pub(super) fn index(&mut self, index_key: &[u8]) -> Result<()> {
+    /// Adds one index entry (a record's).
+    fn index(&mut self, index_key: &[u8]) -> Result<()> {
         self.expiry.insert(index_key, ()).map_err(engine_error)?;
         Ok(())
     }

@@ -54,31 +54,23 @@ fn raw_redb_on_a_lying_fsync_is_caught() {
 /// An acknowledged claim or completion must survive a power loss at any
 /// instant, the write in flight must be all or nothing, and a retry after
 /// reopening must not claim a key whose claim was acknowledged (a second
-/// execution of the side effect inside the lease). Three runs in four use
-/// the write-ahead log (the default; a small log, so runs cross many
-/// log-full checkpoints), one in four a durable redb commit per batch.
+/// execution of the side effect inside the lease). A small write-ahead
+/// log, so runs cross many log-full checkpoints.
 #[test]
 fn redb_store_survives_power_loss_at_every_point() {
     let want = crash_points(2_000) as u64;
     let mut total = RunReport::default();
-    let mut logged = RunReport::default();
     let mut seed = 0;
     while total.crash_points < want {
         let cfg = RunConfig {
             seed,
-            log: seed % 4 != 3,
             ..RunConfig::default()
         };
-        let run = store_run(&cfg).unwrap();
-        if cfg.log {
-            logged += run;
-        }
-        total += run;
+        total += store_run(&cfg).unwrap();
         seed += 1;
     }
-    eprintln!("redb store: {seed} runs, {total:?}; with the log: {logged:?}");
+    eprintln!("redb store: {seed} runs, {total:?}");
     assert!(total.inflight_checked > 0 && total.replays_checked > 0 && total.takeovers_checked > 0);
-    assert!(logged.crash_points > 0 && logged.crash_points < total.crash_points);
 }
 
 /// The test of the test: a store that acknowledges before its data is
@@ -96,7 +88,6 @@ fn redb_store_acknowledging_before_fsync_is_caught() {
                 steps_per_thread: 40,
                 sync,
                 skip_token_check,
-                log: seed != 1, // both ways of making a batch durable
                 ..RunConfig::default()
             };
             let err = store_run(&cfg).expect_err("acknowledged writes were lost unnoticed");
@@ -112,53 +103,38 @@ fn redb_store_acknowledging_before_fsync_is_caught() {
     );
 }
 
-/// The main test's runs (`log(seed)` says which use the log) for `want`
-/// crash points, on a disk whose sectors being written read back as
-/// `store_file` and `log_file` say, every point checked. Prints what
-/// passed and each failure; returns the failures, with whether their run
-/// used the log.
-fn torn_sector_runs(
-    want: u64,
-    store_file: TornSectors,
-    log_file: TornSectors,
-    log: impl Fn(u64) -> bool,
-) -> Vec<(bool, FailedPoint)> {
+/// The main test's runs for `want` crash points, on a disk whose sectors
+/// being written read back as `store_file` and `log_file` say, every point
+/// checked. Prints what passed and each failure; returns the failures.
+fn torn_sector_runs(want: u64, store_file: TornSectors, log_file: TornSectors) -> Vec<FailedPoint> {
     let mut passed = RunReport::default();
-    let mut passed_with_log = RunReport::default();
-    let mut failed: Vec<(bool, FailedPoint)> = Vec::new();
+    let mut failed: Vec<FailedPoint> = Vec::new();
     let mut seed = 0;
     while passed.crash_points + (failed.len() as u64) < want {
         let cfg = RunConfig {
             seed,
-            log: log(seed),
             torn_store_file: store_file,
             torn_log: log_file,
             ..RunConfig::default()
         };
         let (run, failures) = store_run_all_points(&cfg).unwrap();
         passed += run;
-        if cfg.log {
-            passed_with_log += run;
-        }
-        failed.extend(failures.into_iter().map(|f| (cfg.log, f)));
+        failed.extend(failures);
         seed += 1;
     }
     let points = passed.crash_points + failed.len() as u64;
-    let failed_with_log = failed.iter().filter(|(log, _)| *log).count() as u64;
-    let points_with_log = passed_with_log.crash_points + failed_with_log;
     let refused = failed
         .iter()
-        .filter(|(_, f)| f.error.contains("refused the image"))
+        .filter(|f| f.error.contains("refused the image"))
         .count();
     eprintln!(
         "store file {store_file:?}, log {log_file:?}: {seed} runs, {} of {points} crash points \
-         failed ({failed_with_log} of {points_with_log} in runs with the log; {refused} were \
-         images the store refused to open, the others lost acknowledged writes); passed: \
-         {passed:?}",
+         failed ({refused} were images the store refused to open, the others lost acknowledged \
+         writes); passed: {passed:?}",
         failed.len()
     );
-    for (log, f) in failed.iter().take(12) {
-        eprintln!("  {} {f}", if *log { "log:" } else { "no log:" });
+    for f in failed.iter().take(12) {
+        eprintln!("  {f}");
     }
     assert!(passed.crash_points > 0 && passed.acked_checked > 0);
     failed
@@ -187,7 +163,6 @@ fn redb_store_survives_power_loss_with_garbage_sectors() {
         crash_points(2_000) as u64,
         TornSectors::Garbage,
         TornSectors::Garbage,
-        |seed| seed % 4 != 3,
     );
     assert!(failed.is_empty(), "{} crash points failed", failed.len());
 }
@@ -196,8 +171,8 @@ fn redb_store_survives_power_loss_with_garbage_sectors() {
 /// assumes (a sector old or new) and the write-ahead log on sectors that
 /// may read back as garbage ([`TornSectors::Garbage`]), every acknowledged
 /// write survives. A frame must never share a sector with an acknowledged
-/// frame before it, nor anything else the log needs after a crash. Every
-/// run uses the log; as many crash points as the main test.
+/// frame before it, nor anything else the log needs after a crash. As
+/// many crash points as the main test.
 /// Frames start on 4 KiB boundaries ([`idemstore::unstable::redb::FRAME_ALIGN`]); with
 /// the format-2 log, whose frames followed each other, 11 % of crash
 /// points lost acknowledged writes here.
@@ -207,7 +182,6 @@ fn redb_store_log_survives_garbage_sectors() {
         crash_points(2_000) as u64,
         TornSectors::OldOrNew,
         TornSectors::Garbage,
-        |_| true,
     );
     assert!(failed.is_empty(), "{} crash points failed", failed.len());
 }

@@ -30,7 +30,7 @@ fn logged_image(ids: &[&str]) -> CrashImage {
     let log = disk.sibling();
     let store = RedbStore::builder()
         .checkpoint_interval(NO_CHECKPOINT)
-        .open_backend_with_log(disk.clone(), log)
+        .open_backend(disk.clone(), log)
         .unwrap();
     for id in ids {
         let got = store
@@ -60,7 +60,7 @@ fn reopen(image: &CrashImage) -> idemstore::Result<RedbStore> {
     let disk = image.restore();
     RedbStore::builder()
         .checkpoint_interval(NO_CHECKPOINT)
-        .open_backend_with_log(disk.clone(), disk.file(1).unwrap())
+        .open_backend(disk.clone(), disk.file(1).unwrap())
 }
 
 /// The image opens, and holds every claim.
@@ -90,7 +90,7 @@ fn damaged_frame_is_corrupt(frame: usize, offset: usize, says: &str) {
     let store = RedbStore::builder()
         .checkpoint_interval(NO_CHECKPOINT)
         .accept_loss(true)
-        .open_backend_with_log(disk.clone(), disk.file(1).unwrap())
+        .open_backend(disk.clone(), disk.file(1).unwrap())
         .unwrap();
     let report = store.loss_report().expect("a report").clone();
     assert_eq!(report.frames_skipped, 1, "{report}");
@@ -247,22 +247,6 @@ fn a_log_cut_short_after_an_unclean_stop_is_refused() {
         .map(|_| ())
         .unwrap_err();
     assert_unclean_refusal(&err, "cut short");
-}
-
-#[test]
-fn opening_without_the_log_after_an_unclean_stop_is_refused() {
-    // `write_ahead_log(false)` with no log file beside the store: the log
-    // the unclean stop left behind is simply not there.
-    let dir = tempfile::tempdir().unwrap();
-    let store = open_store_with_unchecked_writes(dir.path(), &["a"]);
-    let copy = copy_out(dir.path(), false);
-    drop(store);
-    let err = RedbStore::builder()
-        .write_ahead_log(false)
-        .open(copy.path().join("s.idem"))
-        .map(|_| ())
-        .unwrap_err();
-    assert_unclean_refusal(&err, "without its log");
 }
 
 #[test]

@@ -21,7 +21,7 @@ fn key(id: &str) -> Key {
 fn open(disk: &CrashBackend, log: &CrashBackend) -> idemstore::Result<RedbStore> {
     RedbStore::builder()
         .checkpoint_interval(NO_CHECKPOINT)
-        .open_backend_with_log(disk.clone(), log.clone())
+        .open_backend(disk.clone(), log.clone())
 }
 
 fn claim(store: &RedbStore, id: &str) -> Claim {
@@ -325,7 +325,7 @@ fn a_full_disk_degrades_the_store_and_freeing_space_heals_it() {
     let log = disk.sibling();
     let store = RedbStore::builder()
         .checkpoint_interval(Duration::from_millis(5))
-        .open_backend_with_log(disk.clone(), log.clone())
+        .open_backend(disk.clone(), log.clone())
         .unwrap();
     let mine: Vec<u32> = threads_named("idemstore-redb")
         .into_iter()

@@ -45,18 +45,6 @@ fn store_ops_corpus_on_memory() {
 
 #[cfg(feature = "redb")]
 #[test]
-fn page_log_replay_corpus() {
-    let mut frames = 0;
-    for (path, bytes) in corpus("page_log_replay") {
-        let r = std::panic::catch_unwind(|| idemstore_testkit::codec::page_log_replay(&bytes));
-        assert!(r.is_ok(), "{} fails", path.display());
-        frames += r.unwrap_or(0);
-    }
-    assert!(frames > 0, "no corpus input reaches a frame");
-}
-
-#[cfg(feature = "redb")]
-#[test]
 fn crash_recovery_corpus() {
     let mut total = idemstore_testkit::crash::RunReport::default();
     for (path, bytes) in corpus("crash_recovery") {

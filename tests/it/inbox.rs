@@ -159,11 +159,9 @@ pub fn clocked_inbox() -> (Inbox, ManualClock, tempfile::TempDir) {
 /// An inbox in memory whose syncs fail while the flag is set.
 pub fn flaky_inbox() -> (Inbox, Arc<AtomicBool>) {
     let fail = Arc::new(AtomicBool::new(false));
-    let backend = FlakySync {
-        inner: Arc::new(idemstore::redb::engine::backends::InMemoryBackend::new()),
-        failing_sync: Arc::clone(&fail),
-    };
-    let inbox = Inbox::new(RedbStore::builder().open_backend(backend).unwrap());
+    let backend = FlakySync::new(Arc::clone(&fail));
+    let log = backend.sibling();
+    let inbox = Inbox::new(RedbStore::builder().open_backend(backend, log).unwrap());
     (inbox, fail)
 }
 
@@ -175,15 +173,18 @@ enum Disk {
         /// Kept so the directory lives as long as the disk.
         _dir: tempfile::TempDir,
     },
-    /// redb's storage seam: a crash is a power cut; only what was synced survives.
-    Power(PowerCut),
+    /// redb's storage seam (the store file and its log): a crash is a
+    /// power cut; only what was synced survives.
+    Power(PowerCut, PowerCut),
 }
 
 impl Disk {
     fn open(&self) -> Inbox {
         let store = match self {
             Disk::File { path, .. } => RedbStore::open(path).unwrap(),
-            Disk::Power(disk) => RedbStore::builder().open_backend(disk.clone()).unwrap(),
+            Disk::Power(disk, log) => RedbStore::builder()
+                .open_backend(disk.clone(), log.clone())
+                .unwrap(),
         };
         Inbox::new(store)
     }
@@ -191,10 +192,11 @@ impl Disk {
     /// The process dies now (with the store still running); returns the
     /// inbox as the restarted process finds it.
     fn crash(&mut self, inbox: Inbox) -> Inbox {
-        if let Disk::Power(disk) = self {
+        if let Disk::Power(disk, log) = self {
             // Taken before the old store is dropped, so nothing it does
             // while closing reaches the surviving image.
             *disk = disk.after_power_loss();
+            *log = log.after_power_loss();
         }
         // The only handle: the store closes and releases the file lock.
         drop(inbox);
@@ -367,7 +369,8 @@ fn redelivered_messages_with_power_cuts_apply_exactly_once() {
     // committed, and one after a commit but before the queue got its ack:
     // the first must leave neither rows nor record, the second both.
     for seed in [3, 4] {
-        let (state, tally, inbox) = run_queue(Disk::Power(PowerCut::default()), seed);
+        let (state, tally, inbox) =
+            run_queue(Disk::Power(PowerCut::default(), PowerCut::default()), seed);
         assert_exactly_once(&state, &tally, &inbox);
         eprintln!("power cut, seed {seed}: {tally:?}");
     }

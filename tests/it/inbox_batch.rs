@@ -377,7 +377,10 @@ fn batches_match_one_at_a_time_handling() {
         .run(&batches, |batches| {
             let inbox = Inbox::new(
                 RedbStore::builder()
-                    .open_backend(idemstore::redb::engine::backends::InMemoryBackend::new())
+                    .open_backend(
+                        idemstore::redb::engine::backends::InMemoryBackend::new(),
+                        idemstore::redb::engine::backends::InMemoryBackend::new(),
+                    )
                     .unwrap(),
             );
             let mut model = Model::default();

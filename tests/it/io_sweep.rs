@@ -25,7 +25,7 @@
 //! claims and completions, a replay, a manual checkpoint (and the
 //! checkpointer's own when a segment of the 16 KiB log fills, or, in the
 //! `Background` variant, on a short interval), `sweep_expired`, `compact`,
-//! an inbox batch, and the close; the `Paged` variant has the page log.
+//! an inbox batch, and the close.
 //!
 //! The default test runs a shortened sweep (a few `N` per file and kind);
 //! the ignored `..._full` test, or `IDEMSTORE_FULL_SWEEP=1`, runs every
@@ -112,26 +112,21 @@ enum Variant {
     /// The checkpointer on a short interval, with pauses for it to run:
     /// its calls interleave with the caller's.
     Background,
-    /// As `Manual`, with redb's commits through the page log (file 2).
-    Paged,
 }
 
 impl Variant {
-    const ALL: [Variant; 3] = [Variant::Manual, Variant::Background, Variant::Paged];
+    const ALL: [Variant; 2] = [Variant::Manual, Variant::Background];
 
     fn interval(self) -> Duration {
         match self {
-            Variant::Manual | Variant::Paged => NO_CHECKPOINT,
+            Variant::Manual => NO_CHECKPOINT,
             Variant::Background => SHORT_CHECKPOINT,
         }
     }
 
     /// The files of its disk, by index.
     fn files(self) -> &'static str {
-        match self {
-            Variant::Manual | Variant::Background => "0: the store file, 1: the write-ahead log",
-            Variant::Paged => "0: the store file, 1: the write-ahead log, 2: the page log",
-        }
+        "0: the store file, 1: the write-ahead log"
     }
 
     fn pause(self) {
@@ -141,21 +136,14 @@ impl Variant {
     }
 }
 
-/// Opens the store on `disk`'s files: the store file, the log (file 1)
-/// and, for [`Variant::Paged`], the page log (file 2).
+/// Opens the store on `disk`'s files: the store file and the log (file 1).
 fn open(variant: Variant, disk: &CrashBackend) -> idemstore::Result<RedbStore> {
     let builder = RedbStore::builder()
         .clock(ManualClock::new(T0))
         .checkpoint_interval(variant.interval())
         .wal_bytes(TEST_WAL_BYTES);
     let log = disk.file(1).unwrap_or_else(|| disk.sibling());
-    match variant {
-        Variant::Manual | Variant::Background => builder.open_backend_with_log(disk.clone(), log),
-        Variant::Paged => {
-            let pages = disk.file(2).unwrap_or_else(|| disk.sibling());
-            builder.open_backend_with_logs(disk.clone(), log, pages)
-        }
-    }
+    builder.open_backend(disk.clone(), log)
 }
 
 fn healthy(store: &RedbStore) -> bool {
@@ -209,19 +197,13 @@ impl Ledger {
 }
 
 /// The files of a store that was never closed: records in the store file
-/// (checkpointed) and in the log only, with leases held; for
-/// [`Variant::Paged`], with the page log. Made once per variant, by a run
-/// without faults.
-fn setup_image(variant: Variant) -> &'static CrashImage {
-    static PLAIN: OnceLock<CrashImage> = OnceLock::new();
-    static PAGED: OnceLock<CrashImage> = OnceLock::new();
-    let (cell, setup) = match variant {
-        Variant::Manual | Variant::Background => (&PLAIN, Variant::Manual),
-        Variant::Paged => (&PAGED, Variant::Paged),
-    };
-    cell.get_or_init(|| {
+/// (checkpointed) and in the log only, with leases held. Made once, by a
+/// run without faults.
+fn setup_image() -> &'static CrashImage {
+    static IMAGE: OnceLock<CrashImage> = OnceLock::new();
+    IMAGE.get_or_init(|| {
         let disk = CrashBackend::new();
-        let store = open(setup, &disk).unwrap();
+        let store = open(Variant::Manual, &disk).unwrap();
         let claim = |id: &str, keep: Duration| match store.begin(
             &key(id),
             &fp(id),
@@ -755,7 +737,7 @@ struct Outcome {
 /// One run of the workload under `case`, and the checks after it; with
 /// `measure_idle`, the store's threads' CPU time over an idle interval.
 fn run_case(case: Case, measure_idle: bool) -> Outcome {
-    let disk = setup_image(case.variant).restore();
+    let disk = setup_image().restore();
     let ledger = Arc::new(Mutex::new(Ledger::after_setup()));
     if let Some(i) = case.injection {
         disk.inject(i);
@@ -815,7 +797,7 @@ fn run_case(case: Case, measure_idle: bool) -> Outcome {
         }
     }
     // The disk without its fault is a healthy copy of the files as the
-    // store left them (a copy of the page log's 32 MiB costs ~100 ms here).
+    // store left them.
     fired |= disk.clear_injection() > 0;
     let ledger = ledger.lock().unwrap().clone();
     let seed = case.injection.map_or(0, |i| i.nth);
@@ -854,7 +836,7 @@ fn duration_ms(d: Duration) -> u64 {
 
 /// The calls of each kind on each file in a clean run of `variant`.
 fn clean_counts(variant: Variant) -> IoCounts {
-    let disk = setup_image(variant).restore();
+    let disk = setup_image().restore();
     let ledger = Arc::new(Mutex::new(Ledger::after_setup()));
     let case = Case {
         variant,
@@ -879,8 +861,7 @@ fn clean_counts(variant: Variant) -> IoCounts {
 /// Which `N` a sweep runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Depth {
-    /// The first, the middle and the last call of each file and kind (the
-    /// middle only with the page log, whose runs cost more), each with one
+    /// The first, the middle and the last call of each file and kind, each with one
     /// of the four faults in turn; the idle CPU measured after a persistent
     /// failed write of each file of the `Manual` variant: seconds.
     Short,
@@ -921,7 +902,6 @@ fn plan(
             .collect(),
         Depth::Short => ends
             .iter()
-            .filter(|&&nth| variant != Variant::Paged || nth == count.div_ceil(2))
             .enumerate()
             .map(|(i, &nth)| {
                 let (fault, persistent) = FAULTS[(turn + i) % FAULTS.len()];

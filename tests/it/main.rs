@@ -33,8 +33,6 @@ mod native_async;
 mod observability;
 #[cfg(all(feature = "redb", feature = "tower"))]
 mod orders_service;
-#[cfg(feature = "redb")]
-mod page_log;
 #[cfg(feature = "tower")]
 mod payments_api;
 #[cfg(feature = "postgres")]

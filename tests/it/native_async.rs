@@ -332,7 +332,7 @@ async fn a_poisoned_store_refuses_the_async_entry() {
     let disk = CrashBackend::new();
     let log = disk.sibling();
     let store = RedbStore::builder()
-        .open_backend_with_log(disk.clone(), log.clone())
+        .open_backend(disk.clone(), log.clone())
         .unwrap();
     // A full disk that stays full: the store stays poisoned.
     disk.set_disk_full(true);

@@ -239,68 +239,66 @@ fn foreign_or_newer_table_is_a_typed_error() {
     assert!(matches!(err, Error::Corrupt { .. }), "{err}");
 }
 
-/// A table that schema version 1 made (every record invariant a CHECK
-/// constraint) is used as it is, and `migrate` upgrades it in place: the
-/// constraints go, the records and the token sequence stay.
+/// A table of schema version 1 (made by pre-release builds: every record
+/// invariant a CHECK constraint) is refused at build and by `migrate`,
+/// with the version found and the version this build reads; its rows are
+/// left as they are.
 #[test]
-fn a_version_1_table_is_used_as_it_is_and_migrated_in_place() {
+fn a_version_1_table_is_refused_and_left_as_it_is() {
     let Some(url) = pg_url() else { return };
-    let table = fresh_table("v1");
-    let _drop = DropTable {
-        url: url.clone(),
-        table: table.clone(),
-    };
-    let mut client = raw(&url);
-    client
-        .batch_execute(&idemstore::unstable::postgres::ddl_v1(&table))
-        .unwrap();
-    let checks = |client: &mut ::postgres::Client| -> i64 {
-        client
-            .query_one(
-                "SELECT count(*) FROM pg_constraint WHERE conrelid = to_regclass($1) AND contype = 'c'",
-                &[&format!("\"{table}\"")],
-            )
-            .unwrap()
-            .get(0)
-    };
-    let comment = |client: &mut ::postgres::Client| -> String {
-        client
-            .query_one(
-                "SELECT obj_description(to_regclass($1), 'pg_class')",
-                &[&format!("\"{table}\"")],
-            )
-            .unwrap()
-            .get(0)
-    };
-    assert_eq!(checks(&mut client), 13);
-    // Built without migrating: version 1 is read and written as it is.
-    let store = PostgresStore::builder()
-        .table(&table)
-        .connect(&url)
-        .unwrap();
+    let (store, names) = fresh_store("v1", 1);
+    let table = names.table.clone();
     let fp = Fingerprint::of(b"a");
     let first = claimed(store.begin(&key("a"), &fp, T0, SEC, HOUR).unwrap());
     store
         .complete(&key("a"), &first, &Response::new(201, "one"), T0, HOUR)
         .unwrap();
-    assert_eq!(comment(&mut client), "idemstore records, schema version 1");
-
-    store.migrate().unwrap();
-    assert_eq!(checks(&mut client), 0);
-    assert_eq!(comment(&mut client), "idemstore records, schema version 2");
-    store.migrate().unwrap(); // idempotent
-    assert!(matches!(
-        store.begin(&key("a"), &fp, T0, SEC, HOUR).unwrap(),
-        Begin::Replay(r) if r == Response::new(201, "one")
-    ));
-    let next = claimed(store.begin(&key("b"), &fp, T0, SEC, HOUR).unwrap());
-    assert!(next.token() > first.token(), "the sequence carried on");
-    // A store built afresh on the upgraded table.
-    let again = PostgresStore::builder()
+    drop(store);
+    let mut client = raw(&url);
+    client
+        .batch_execute(&format!(
+            "COMMENT ON TABLE \"{table}\" IS 'idemstore records, schema version 1'"
+        ))
+        .unwrap();
+    let v1 = |e: &Error| {
+        matches!(
+            e,
+            Error::UnsupportedFormat {
+                found: 1,
+                supported: 2
+            }
+        )
+    };
+    let err = PostgresStore::builder()
         .table(&table)
         .connect(&url)
-        .unwrap();
-    assert!(again.get(&key("a"), T0).unwrap().is_some());
+        .unwrap_err();
+    assert!(v1(&err), "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains("version 1") && text.contains("version 2"),
+        "names both versions: {text}"
+    );
+    let err = PostgresStore::builder()
+        .table(&table)
+        .migrate_on_build(true)
+        .connect(&url)
+        .unwrap_err();
+    assert!(v1(&err), "{err}");
+    let (rows, comment): (i64, String) = {
+        let row = client
+            .query_one(
+                &format!(
+                    "SELECT (SELECT count(*) FROM \"{table}\"), \
+                     obj_description(to_regclass($1), 'pg_class')"
+                ),
+                &[&format!("\"{table}\"")],
+            )
+            .unwrap();
+        (row.get(0), row.get(1))
+    };
+    assert_eq!(rows, 1, "the rows are left as they are");
+    assert_eq!(comment, "idemstore records, schema version 1");
 }
 
 /// Regression: a store built on a table nobody had created built fine, and

@@ -219,7 +219,7 @@ fn a_file_of_random_bytes_is_refused() {
 #[test]
 fn a_full_disk_poisons_and_loses_nothing_acknowledged() {
     let backend = CrashBackend::new();
-    let store = RedbStore::builder().open_backend(backend.clone()).unwrap();
+    let store = open_disk(&backend).unwrap();
     fill(&store, &["a", "b"], "c");
     backend.set_disk_full(true);
     let c = claim_err(&store, "d");
@@ -237,20 +237,24 @@ fn a_full_disk_poisons_and_loses_nothing_acknowledged() {
     drop(store); // closing on a full disk must not hang or panic
     // A power loss now keeps everything acknowledged.
     for seed in 0..8 {
-        let image = backend.power_loss(seed);
-        let s = RedbStore::builder()
-            .open_backend(CrashBackend::from_image(image))
-            .unwrap();
+        let s = open_disk(&backend.power_loss_all(seed).restore()).unwrap();
         assert_intact(&s, &["a", "b"], "c");
     }
-    // Space is back: the same file reopens and takes writes again.
+    // Space is back: the same files reopen and take writes again.
     backend.set_disk_full(false);
-    let store = RedbStore::builder().open_backend(backend.clone()).unwrap();
+    let store = open_disk(&backend).unwrap();
     assert_intact(&store, &["a", "b"], "c");
     let d = claim(&store, "d", T0);
     store
         .complete(&key("d"), &d, &body("d"), T0, RETENTION)
         .unwrap();
+}
+
+/// A store on `disk`'s files: the store file and its log (file 1, made now
+/// if the disk has none yet).
+fn open_disk(disk: &CrashBackend) -> idemstore::Result<RedbStore> {
+    let log = disk.file(1).unwrap_or_else(|| disk.sibling());
+    RedbStore::builder().open_backend(disk.clone(), log)
 }
 
 fn claim_err(store: &impl Store, id: &str) -> Error {
@@ -273,18 +277,15 @@ fn assert_intact_reads(store: &impl Store, ids: &[&str]) {
 fn a_read_only_volume_is_a_clear_error() {
     let fresh = CrashBackend::new();
     fresh.set_read_only(true);
-    let err = RedbStore::builder().open_backend(fresh).unwrap_err();
+    let err = open_disk(&fresh).unwrap_err();
     assert!(is_read_only(&err), "{err}");
 
     let backend = CrashBackend::new();
-    fill(
-        &RedbStore::builder().open_backend(backend.clone()).unwrap(),
-        &["a"],
-        "c",
-    );
+    fill(&open_disk(&backend).unwrap(), &["a"], "c");
     backend.set_read_only(true);
-    let before = backend.live_image();
-    match RedbStore::builder().open_backend(backend.clone()) {
+    let files = |image: idemstore_testkit::crash::CrashImage| (image.bytes, image.siblings);
+    let before = files(backend.live_image_all());
+    match open_disk(&backend) {
         Err(e) => assert!(is_read_only(&e), "{e}"),
         // Opening may need no write; the first write must then fail cleanly.
         Ok(store) => {
@@ -292,7 +293,7 @@ fn a_read_only_volume_is_a_clear_error() {
             assert!(is_read_only(&claim_err(&store, "d")));
         }
     }
-    assert_eq!(backend.live_image(), before);
+    assert_eq!(files(backend.live_image_all()), before);
 }
 
 fn is_read_only(e: &Error) -> bool {

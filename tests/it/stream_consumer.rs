@@ -29,10 +29,6 @@ const ENV_STREAM: &str = "IDEMSTORE_STREAM_TEST_STREAM";
 const ENV_STORE: &str = "IDEMSTORE_STREAM_TEST_STORE";
 const ENV_CONSUMER: &str = "IDEMSTORE_STREAM_TEST_CONSUMER";
 const ENV_UNTIL_DRAINED: &str = "IDEMSTORE_STREAM_TEST_UNTIL_DRAINED";
-/// The child opens the store with `page_log(true)`: its commits are in
-/// `<store>-pages` when it is killed, and the next open (a child without
-/// it, or the checks here) replays them.
-const ENV_PAGE_LOG: &str = "IDEMSTORE_STREAM_TEST_PAGE_LOG";
 /// Payments produced before the first consumer starts.
 const FIRST_PAYMENTS: u64 = 10_000;
 /// Payments produced before each random kill's consumer starts.
@@ -85,7 +81,6 @@ fn stream_consumer_child() {
         min_idle: MIN_IDLE,
         until_drained: std::env::var_os(ENV_UNTIL_DRAINED).is_some(),
         quick_repair: true,
-        page_log: std::env::var_os(ENV_PAGE_LOG).is_some(),
         crash: app::Crash::from_env(),
     };
     let summary = app::consume(&cfg).unwrap();
@@ -106,7 +101,6 @@ fn spawn(url: &str, stream: &str, store: &Path, consumer: &str, env: &[(&str, &s
     .env(ENV_STORE, store)
     .env(ENV_CONSUMER, consumer)
     .env_remove("STREAM_CONSUMER_CRASH")
-    .env_remove(ENV_PAGE_LOG)
     .stdout(Stdio::piped())
     .stderr(Stdio::null());
     for (k, v) in env {
@@ -205,12 +199,14 @@ fn a_sigkilled_stream_consumer_applies_every_payment_once() {
     let mut kills = 0;
 
     // 1. After the commit, before the XACK: the batch stays pending.
-    let crashed = |consumer: &str, at: &str, page_log: bool| {
-        let mut env = vec![("STREAM_CONSUMER_CRASH", at)];
-        if page_log {
-            env.push((ENV_PAGE_LOG, "1"));
-        }
-        let mut child = spawn(&url, &stream, &store, consumer, &env);
+    let crashed = |consumer: &str, at: &str| {
+        let mut child = spawn(
+            &url,
+            &stream,
+            &store,
+            consumer,
+            &[("STREAM_CONSUMER_CRASH", at)],
+        );
         let status = child.wait().unwrap();
         assert_eq!(
             status.signal(),
@@ -218,8 +214,7 @@ fn a_sigkilled_stream_consumer_applies_every_payment_once() {
             "{consumer} killed itself: {status:?}"
         );
     };
-    // With the page log: the commit is only in `<store>-pages`.
-    crashed("c0", "after-commit:5", true);
+    crashed("c0", "after-commit:5");
     kills += 1;
     acked_are_applied(&url, &stream, &store, produced, "after-commit kill");
     // The fifth batch that applied anything is committed and pending (and
@@ -239,7 +234,7 @@ fn a_sigkilled_stream_consumer_applies_every_payment_once() {
     // committed batch comes back as duplicates), and dies inside its fourth
     // batch's last handler. c0's entries are idle long enough by then.
     std::thread::sleep(MIN_IDLE * 2);
-    crashed("c1", "before-commit:4", false);
+    crashed("c1", "before-commit:4");
     kills += 1;
     assert!(
         group(&url, &stream).pending_of("c0").is_empty(),
@@ -257,13 +252,7 @@ fn a_sigkilled_stream_consumer_applies_every_payment_once() {
         app::produce(&url, &stream, produced, MORE_PAYMENTS).unwrap();
         produced += MORE_PAYMENTS;
         let consumer = format!("r{round}");
-        // Every other consumer commits through the page log.
-        let env: &[(&str, &str)] = if round % 2 == 0 {
-            &[(ENV_PAGE_LOG, "1")]
-        } else {
-            &[]
-        };
-        let mut child = spawn(&url, &stream, &store, &consumer, env);
+        let mut child = spawn(&url, &stream, &store, &consumer, &[]);
         // xorshift: 50..350 ms of life.
         rng ^= rng << 13;
         rng ^= rng >> 7;

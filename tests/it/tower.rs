@@ -438,7 +438,7 @@ async fn a_full_disk_is_503_for_new_keys_and_replays_go_on() {
     let disk = CrashBackend::new();
     let store = Arc::new(
         idemstore::RedbStore::builder()
-            .open_backend_with_log(disk.clone(), disk.sibling())
+            .open_backend(disk.clone(), disk.sibling())
             .unwrap(),
     );
     let guard = Guard::from_arc(Arc::clone(&store));

@@ -1,7 +1,6 @@
 //! `RedbStore`'s write-ahead log: batches acknowledged from the log alone
 //! survive power loss, a torn or damaged log ends the replay where a crash
-//! could have, writes outside the writer retire the log, and old stores
-//! upgrade.
+//! could have, and writes outside the writer retire the log.
 
 use idemstore::redb::{Delivery, Inbox};
 use idemstore::{
@@ -30,7 +29,7 @@ fn open(disk: &CrashBackend) -> RedbStore {
     let log = disk.file(1).unwrap_or_else(|| disk.sibling());
     RedbStore::builder()
         .checkpoint_interval(NO_CHECKPOINT)
-        .open_backend_with_log(disk.clone(), log)
+        .open_backend(disk.clone(), log)
         .unwrap()
 }
 
@@ -161,7 +160,7 @@ fn a_damaged_frame_before_a_whole_one_is_corrupt_not_a_silent_stop() {
     image.siblings[0][ends[1] - 1] ^= 0x01;
     let disk = image.restore();
     let err = RedbStore::builder()
-        .open_backend_with_log(disk.clone(), disk.file(1).unwrap())
+        .open_backend(disk.clone(), disk.file(1).unwrap())
         .unwrap_err();
     assert!(matches!(err, Error::Corrupt { .. }), "{err}");
     assert!(
@@ -214,7 +213,7 @@ fn a_frame_that_verifies_but_does_not_decode_is_corrupt_not_skipped() {
     log[..frame.len()].copy_from_slice(&frame);
     let disk = forged.restore();
     let err = RedbStore::builder()
-        .open_backend_with_log(disk.clone(), disk.file(1).unwrap())
+        .open_backend(disk.clone(), disk.file(1).unwrap())
         .unwrap_err();
     assert!(matches!(err, Error::Corrupt { .. }), "{err}");
     assert!(err.to_string().contains("unknown entry tag 9"), "{err}");
@@ -299,7 +298,7 @@ fn a_batch_larger_than_the_log_is_committed_durably_on_its_own() {
     let store = RedbStore::builder()
         .checkpoint_interval(NO_CHECKPOINT)
         .wal_bytes(idemstore::redb::MIN_WAL_BYTES)
-        .open_backend_with_log(disk.clone(), log)
+        .open_backend(disk.clone(), log)
         .unwrap();
     let c = claim(&store, "big");
     let before = store.stats();
@@ -318,7 +317,7 @@ fn a_batch_larger_than_the_log_is_committed_durably_on_its_own() {
 }
 
 #[test]
-fn the_log_is_owner_only_preallocated_and_optional() {
+fn the_log_is_owner_only_and_preallocated() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("s.idem");
     let wal = dir.path().join("s.idem-wal");
@@ -333,19 +332,6 @@ fn the_log_is_owner_only_preallocated_and_optional() {
         assert_eq!(meta.permissions().mode() & 0o777, 0o600);
     }
     assert!(store.stats().logged_commits >= 2);
-    drop(store);
-    // Reopened without the log: still recovered from it, then unused.
-    let store = RedbStore::builder()
-        .write_ahead_log(false)
-        .open(&path)
-        .unwrap();
-    let c = claim(&store, "b");
-    complete(&store, "b", &c);
-    assert_eq!(store.stats().logged_commits, 0);
-    assert_eq!(
-        store.get(&key("a"), T0).unwrap().unwrap().state(),
-        State::Done
-    );
 }
 
 #[test]
@@ -360,46 +346,6 @@ fn bad_log_options_are_refused_before_any_io() {
         .unwrap_err();
     assert!(matches!(err, Error::InvalidArgument { .. }), "{err}");
     assert!(!path.exists());
-}
-
-#[test]
-fn a_version_1_store_is_upgraded_at_open() {
-    // Stores written before the log (format 1) open, and are marked with
-    // today's format (3) so that an older build, which would ignore or
-    // misread the log, refuses them.
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("s.idem");
-    let meta = redb::TableDefinition::<&str, &[u8]>::new("idemstore.meta");
-    {
-        let store = RedbStore::open(&path).unwrap();
-        let c = claim(&store, "old");
-        complete(&store, "old", &c);
-    }
-    std::fs::remove_file(dir.path().join("s.idem-wal")).unwrap();
-    {
-        let db = redb::Database::open(&path).unwrap();
-        let txn = db.begin_write().unwrap();
-        {
-            let mut t = txn.open_table(meta).unwrap();
-            t.insert("format_version", 1u32.to_be_bytes().as_slice())
-                .unwrap();
-            t.remove("wal_epoch").unwrap();
-        }
-        txn.commit().unwrap();
-    }
-    let store = RedbStore::open(&path).unwrap();
-    assert_eq!(
-        store.get(&key("old"), T0).unwrap().unwrap().state(),
-        State::Done
-    );
-    drop(store);
-    let db = redb::Database::open(&path).unwrap();
-    let txn = redb::ReadableDatabase::begin_read(&db).unwrap();
-    let t = txn.open_table(meta).unwrap();
-    assert_eq!(
-        t.get("format_version").unwrap().unwrap().value(),
-        3u32.to_be_bytes().as_slice()
-    );
 }
 
 #[test]

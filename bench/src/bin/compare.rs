@@ -65,9 +65,7 @@ fn with_postgres() -> bool {
 }
 
 fn ours() -> Vec<&'static str> {
-    // redb-nolog: the same store with its write-ahead log off (a durable
-    // redb commit per batch), to show what the log is worth.
-    let mut v = vec!["redb", "redb-nolog"];
+    let mut v = vec!["redb"];
     if cfg!(feature = "sled") {
         v.push("sled");
     }

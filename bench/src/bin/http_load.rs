@@ -25,7 +25,7 @@
 //!   names a server (CI's and `scripts/redis-test-server`'s default run
 //!   `appendfsync always`), "skipped" otherwise;
 //! - `redb-relaxed` (only when listed): the layer on `RedbStore` with
-//!   `Durability::Periodic` (a durable commit every 100 ms), which shows
+//!   `Durability::Periodic` (its log synced every 100 ms), which shows
 //!   how much of `redb`'s cost is the disk and how much the commit line.
 //!
 //! The `group` column is the store's mean requests per commit group

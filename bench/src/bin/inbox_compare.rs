@@ -19,9 +19,7 @@
 //! `--require-pg` (fail when PostgreSQL is not there: the feature is off or
 //! `IDEMSTORE_PG_URL` is not set), `--batches 10,100` (other batch sizes),
 //! `--no-handle` (without the one-message rows), `--pg-only` (only the
-//! PostgreSQL rows), `--page-log` (a row of
-//! `handle_batch` on a store with `RedbStoreBuilder::page_log(true)`),
-//! `--pg-per-message` (a row of the hand-written PostgreSQL side with one
+//! PostgreSQL rows), `--pg-per-message` (a row of the hand-written PostgreSQL side with one
 //! `UPDATE` statement per message, as a per-message handler writes it),
 //! `--pg-handler execute|typed|none|set` (what `PgInbox`'s handler runs:
 //! the SQL text through `execute`, prepared and run, the default; through
@@ -50,8 +48,6 @@ enum Side {
     Batch,
     /// `Inbox::handle_batch` on an inbox with `quick_repair(false)`.
     BatchOnePhase,
-    /// `Inbox::handle_batch` on a store with the page log (`--page-log`).
-    BatchPageLog,
     /// PostgreSQL, one transaction per batch.
     Postgres,
     /// PostgreSQL, one transaction per batch, one `UPDATE` per message
@@ -67,7 +63,6 @@ impl Side {
             Side::Handle => "idemstore Inbox::handle (one message per commit)",
             Side::Batch => "idemstore Inbox::handle_batch",
             Side::BatchOnePhase => "idemstore Inbox::handle_batch, quick_repair(false)",
-            Side::BatchPageLog => "idemstore Inbox::handle_batch, page_log(true)",
             Side::Postgres => "PostgreSQL (inbox table + UPDATE, one txn per batch)",
             Side::PostgresPerMessage => "PostgreSQL (inbox table, one UPDATE per message)",
             Side::PgInbox => "idemstore PgInbox::handle_batch (PostgreSQL)",
@@ -89,13 +84,9 @@ fn cell(
     let mut credited = 0i64;
     let start = Instant::now();
     match side {
-        Side::Handle | Side::Batch | Side::BatchOnePhase | Side::BatchPageLog => {
+        Side::Handle | Side::Batch | Side::BatchOnePhase => {
             let dir = tempfile::tempdir()?;
-            let ours = Ours::open_with(
-                dir.path(),
-                side != Side::BatchOnePhase,
-                side == Side::BatchPageLog,
-            )?;
+            let ours = Ours::open(dir.path(), side != Side::BatchOnePhase)?;
             let mut seen = std::collections::HashSet::new();
             while start.elapsed() < duration {
                 let payments = feed.batch(batch);
@@ -276,7 +267,6 @@ fn main() -> BoxResult<()> {
     let mut require_pg = false;
     let mut batches = BATCHES.to_vec();
     let mut with_handle = true;
-    let mut page_log = false;
     let mut per_message = false;
     let mut pg_handler = None;
     let mut fail_percent = 0u64;
@@ -302,7 +292,6 @@ fn main() -> BoxResult<()> {
             }
             "--no-handle" => with_handle = false,
             "--pg-only" => pg_only = true,
-            "--page-log" => page_log = true,
             "--pg-per-message" => per_message = true,
             "--pg-fail-percent" => {
                 fail_percent = args.next().ok_or("--pg-fail-percent P")?.parse()?
@@ -326,9 +315,6 @@ fn main() -> BoxResult<()> {
     let mut sides = vec![Side::Batch, Side::BatchOnePhase];
     if pg_only {
         sides.clear();
-    }
-    if page_log && !pg_only {
-        sides.push(Side::BatchPageLog);
     }
     if with_handle && !pg_only {
         sides.insert(0, Side::Handle);
@@ -413,7 +399,7 @@ fn main() -> BoxResult<()> {
         }
         let handle = med(r, Side::Handle, 1).unwrap_or(f64::NAN);
         for &b in &batches {
-            for side in [Side::Batch, Side::BatchOnePhase, Side::BatchPageLog] {
+            for side in [Side::Batch, Side::BatchOnePhase] {
                 if !sides.contains(&side) {
                     continue;
                 }

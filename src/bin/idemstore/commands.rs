@@ -6,7 +6,7 @@ use super::{
     EXIT_NOT_FOUND, EXIT_OK, EXIT_REFUSED, Failure, Io, Outcome, PROGRESS_MIN_RECORDS, StateFilter,
     file_bytes,
 };
-use idemstore::redb::admin::{RawKey, log_path, page_log_path};
+use idemstore::redb::admin::{RawKey, log_path};
 use idemstore::{Key, Record, RedbStore, State, Timestamp};
 use serde_json::{Value, json};
 use std::ops::ControlFlow;
@@ -122,10 +122,6 @@ pub(crate) fn stats(store: &RedbStore, path: &Path, io: &mut Io<'_>) -> Outcome 
     let log = log_path(path);
     let (log_len, log_disk) = (file_bytes(&log), disk_bytes(&log));
     let log_frames = store.stats().frames_replayed_on_open;
-    let pages = page_log_path(path);
-    let pages_len = pages
-        .exists()
-        .then(|| (file_bytes(&pages), disk_bytes(&pages)));
     if io.json {
         let v = json!({
             "path": path.display().to_string(),
@@ -135,9 +131,6 @@ pub(crate) fn stats(store: &RedbStore, path: &Path, io: &mut Io<'_>) -> Outcome 
             "log_bytes": log_len,
             "log_disk_bytes": log_disk,
             "log_frames_not_checkpointed": log_frames,
-            "page_log_path": pages_len.map(|_| pages.display().to_string()),
-            "page_log_bytes": pages_len.map(|p| p.0),
-            "page_log_disk_bytes": pages_len.map(|p| p.1),
             "format_version": facts.format_version,
             "store_id": store_id(facts.store_id),
             "token_high_water_mark": facts.token_hwm,
@@ -168,15 +161,9 @@ pub(crate) fn stats(store: &RedbStore, path: &Path, io: &mut Io<'_>) -> Outcome 
             ),
         ),
         (
-            "page log",
-            pages_len.map_or("none".to_owned(), |(len, disk)| {
-                format!("{} on disk ({})", size(len, disk), pages.display())
-            }),
-        ),
-        (
             "format version",
             format!(
-                "{} (this build reads up to {})",
+                "{} (this build reads {})",
                 facts.format_version, facts.supported_version
             ),
         ),

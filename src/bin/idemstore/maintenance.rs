@@ -601,11 +601,7 @@ fn import_target(target: &Path, force: bool, io: &mut Io<'_>) -> Result<RedbStor
 pub(crate) fn salvage(store: &Path, to: &Path, io: &mut Io<'_>) -> Outcome {
     let started = Instant::now();
     existing_store_file(store)?;
-    for taken in [
-        to.to_path_buf(),
-        log_path(to),
-        idemstore::redb::admin::page_log_path(to),
-    ] {
+    for taken in [to.to_path_buf(), log_path(to)] {
         if taken.exists() {
             return Err(Failure::new(
                 EXIT_REFUSED,

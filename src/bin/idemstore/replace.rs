@@ -5,7 +5,7 @@
 
 use super::{EXIT_REFUSED, Failure};
 use idemstore::RedbStore;
-use idemstore::redb::admin::{log_path, page_log_path};
+use idemstore::redb::admin::log_path;
 use std::path::{Path, PathBuf};
 
 /// A store being built for `target`.
@@ -83,9 +83,6 @@ impl Building {
         remove_if_exists(&log_path(&self.temp))?;
         if replace {
             remove_if_exists(&log_path(&self.target))?;
-            // Closed cleanly too: its page log (if it had one) holds a
-            // marker and nothing the file lacks.
-            remove_if_exists(&page_log_path(&self.target))?;
             std::fs::rename(&self.temp, &self.target)?;
         } else {
             match std::fs::hard_link(&self.temp, &self.target) {

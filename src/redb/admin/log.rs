@@ -3,8 +3,8 @@
 
 use super::super::errors::engine_error;
 use super::super::loss::LossReport;
-use super::super::meta::{read_meta_entries, read_wal_state};
-use super::super::page_log::open_overlay;
+use super::super::meta::{check_format, read_meta_entries, read_wal_state};
+use super::super::overlay::open_overlay;
 use super::super::record_log::{self, FileLog};
 use super::super::recovery::{Found, boot_id, plan_log, walk_live};
 use crate::error::{Error, Result};
@@ -78,6 +78,7 @@ pub fn check_log(store: impl AsRef<Path>) -> Result<LogCheck> {
         let txn = db.begin_read().map_err(engine_error)?;
         read_meta_entries(&txn)?
     };
+    check_format(&meta)?;
     let state = read_wal_state(&db)?;
     // A missing log reads as an empty one.
     let log: Box<dyn StorageBackend> = match FileLog::open_read_only(store)? {
@@ -87,7 +88,6 @@ pub fn check_log(store: impl AsRef<Path>) -> Result<LogCheck> {
     let boot = boot_id();
     let found = Found {
         store_id: meta.store_id,
-        format: meta.format_version,
         boot: boot.as_deref(),
         name: store,
         heal: false,
@@ -131,15 +131,4 @@ pub fn check_log(store: impl AsRef<Path>) -> Result<LogCheck> {
 /// ```
 pub fn log_path(store: impl AsRef<Path>) -> PathBuf {
     record_log::wal_path(store.as_ref())
-}
-
-/// The page log's path beside a store file: `<name>-pages`
-/// ([`RedbStoreBuilder::page_log`](crate::redb::RedbStoreBuilder::page_log)).
-///
-/// ```
-/// use idemstore::redb::admin::page_log_path;
-/// assert_eq!(page_log_path("/data/orders.idem"), std::path::Path::new("/data/orders.idem-pages"));
-/// ```
-pub fn page_log_path(store: impl AsRef<Path>) -> PathBuf {
-    crate::redb::page_log::pages_path(store.as_ref())
 }

@@ -38,7 +38,7 @@ mod log;
 mod verify;
 
 pub use line::{LINE_VERSION, export_line, parse_line};
-pub use log::{LogCheck, check_log, log_path, page_log_path};
+pub use log::{LogCheck, check_log, log_path};
 pub use verify::{MAX_LISTED_PROBLEMS, Problem, ProblemKind, VerifyReport};
 
 use super::RedbStore;
@@ -108,7 +108,7 @@ pub struct Admin<'a> {
 pub struct Facts {
     /// The store format version written in the file.
     pub format_version: u32,
-    /// The store format version this build writes (and the newest it reads).
+    /// The store format version this build writes (and the only one it reads).
     pub supported_version: u32,
     /// The store's id, as [`RedbStore::store_id`] returns it.
     pub store_id: u128,

@@ -327,7 +327,7 @@ impl Admin<'_> {
 fn engine_check_without_writing(
     path: &std::path::Path,
 ) -> Result<std::result::Result<bool, String>> {
-    let mut db = match crate::redb::page_log::open_overlay(path)? {
+    let mut db = match crate::redb::overlay::open_overlay(path)? {
         Ok(db) => db,
         Err(detail) => return Ok(Err(detail)),
     };

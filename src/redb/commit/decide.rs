@@ -2,7 +2,7 @@
 //! the one state machine (`logic`), against the group's own earlier writes,
 //! then the memtable, then redb. Pure of I/O but for reads: it writes
 //! nothing anywhere, and its caller (`commit/mod.rs`) makes the writes
-//! durable (a log frame, or a redb transaction).
+//! durable (a log frame).
 
 use super::super::memtable::{Entry, Mem};
 use super::super::record_log::Journal;
@@ -23,10 +23,7 @@ pub(super) struct Decided {
     /// Each written key's final state (a deletion is `None`).
     pub(super) writes: BTreeMap<Vec<u8>, Entry>,
     /// The writes in the order they were made, for the log.
-    pub(super) journal: Option<Journal>,
-    /// Expiry-index entries whose record no longer matches (no log only:
-    /// with the log, redb's index lags the memtable by design).
-    pub(super) stale: Vec<Vec<u8>>,
+    pub(super) journal: Journal,
     /// Records deleted by sweeps.
     pub(super) swept: usize,
 }
@@ -38,23 +35,19 @@ pub(super) struct Decided {
 /// `counted` is the redb commit count read after `mem` was locked: a
 /// `begin` the read path found absent under that same count is not read
 /// from `base` (snapshot.rs says why nothing can have reached redb alone
-/// since). `None` reads every key.
+/// since).
 pub(super) fn decide(
     ops: &[Op],
-    mem: Option<&Mem>,
-    counted: Option<u64>,
+    mem: &Mem,
+    counted: u64,
     base: &dyn Source,
     hwm: &mut u64,
-    journal: bool,
 ) -> Decided {
     let mut group = Group {
         mem,
         counted,
         base,
-        out: Decided {
-            journal: journal.then(Journal::default),
-            ..Decided::default()
-        },
+        out: Decided::default(),
     };
     for op in ops {
         let answer = group.step(op, hwm);
@@ -64,8 +57,8 @@ pub(super) fn decide(
 }
 
 struct Group<'a> {
-    mem: Option<&'a Mem>,
-    counted: Option<u64>,
+    mem: &'a Mem,
+    counted: u64,
     base: &'a dyn Source,
     out: Decided,
 }
@@ -82,10 +75,10 @@ impl Group<'_> {
         if let Some(entry) = self.out.writes.get(key) {
             return Ok(entry.clone());
         }
-        if let Some(entry) = self.mem.and_then(|m| m.get(key)) {
+        if let Some(entry) = self.mem.get(key) {
             return Ok(entry.clone());
         }
-        if absent_at.is_some() && absent_at == self.counted {
+        if absent_at == Some(self.counted) {
             return Ok(None);
         }
         self.base.read(key)
@@ -93,23 +86,19 @@ impl Group<'_> {
 
     /// True when redb's copy of `key` is hidden by a newer one in memory.
     fn shadowed(&self, key: &[u8]) -> bool {
-        self.out.writes.contains_key(key) || self.mem.is_some_and(|m| m.get(key).is_some())
+        self.out.writes.contains_key(key) || self.mem.get(key).is_some()
     }
 
     fn put(&mut self, key: &[u8], record: Record) -> Result<()> {
         // Encoded (and its invariants checked) before anything is kept.
         let value = codec::encode_record(&record)?;
-        if let Some(journal) = &mut self.out.journal {
-            journal.record_put(key, &value);
-        }
+        self.out.journal.record_put(key, &value);
         self.out.writes.insert(key.to_vec(), Some(record));
         Ok(())
     }
 
     fn delete(&mut self, key: &[u8]) {
-        if let Some(journal) = &mut self.out.journal {
-            journal.record_del(key);
-        }
+        self.out.journal.record_del(key);
         self.out.writes.insert(key.to_vec(), None);
     }
 
@@ -180,10 +169,7 @@ impl Group<'_> {
     /// Deletes up to `max` expired records, oldest expiry first (ties in
     /// key order), wherever they are: this group, the memtable, redb.
     fn sweep(&mut self, now: Timestamp, max: usize) -> Result<usize> {
-        let mut candidates: Vec<(Timestamp, Vec<u8>)> = Vec::new();
-        if let Some(mem) = self.mem {
-            candidates.extend(mem.due(now));
-        }
+        let mut candidates = self.mem.due(now);
         for (key, entry) in &self.out.writes {
             if let Some(r) = entry
                 && logic::sweepable(r.expires_at, now)
@@ -193,9 +179,9 @@ impl Group<'_> {
         }
         // redb's index, in (expiry, key) order: its first `max` live
         // entries are all it can contribute. Keys decided in memory are
-        // the memtable's business above.
+        // the memtable's business above. An entry whose record has another
+        // expiry (left by damage) nominates nothing.
         let mut from_base = 0;
-        let mut stale = Vec::new();
         self.base.due(now, &mut |index_key| {
             let (expires_at, key) = codec::decode_index(index_key)?;
             if self.shadowed(key) {
@@ -206,7 +192,7 @@ impl Group<'_> {
                     candidates.push((expires_at, key.to_vec()));
                     from_base += 1;
                 }
-                _ => stale.push(index_key.to_vec()),
+                _ => {}
             }
             Ok(from_base < max)
         })?;
@@ -226,9 +212,6 @@ impl Group<'_> {
                 }
                 _ => {}
             }
-        }
-        if self.out.journal.is_none() {
-            self.out.stale.extend(stale);
         }
         Ok(swept)
     }
@@ -266,25 +249,20 @@ mod tests {
     /// InFlight).
     #[test]
     fn a_begin_found_absent_under_the_same_count_does_not_read_redb() {
-        let decide_one = |absent_at: Option<u64>, counted: Option<u64>| {
+        let decide_one = |absent_at: Option<u64>, counted: u64| {
             let base = Claimed(std::cell::Cell::new(0));
             let mut hwm = 1;
             let ops = [begin_absent_at(b"\0k", absent_at)];
-            let decided = decide(&ops, None, counted, &base, &mut hwm, true);
+            let decided = decide(&ops, &Mem::new(0), counted, &base, &mut hwm);
             (decided.answers, base.0.get())
         };
-        let (answers, reads) = decide_one(Some(7), Some(7));
+        let (answers, reads) = decide_one(Some(7), 7);
         assert_eq!(reads, 0);
         assert!(
             matches!(answers.as_slice(), [Ok(Reply::Begin(Begin::Claimed(_)))]),
             "{answers:?}"
         );
-        for (absent_at, counted) in [
-            (Some(6), Some(7)),
-            (None, Some(7)),
-            (Some(7), None),
-            (None, None),
-        ] {
+        for (absent_at, counted) in [(Some(6), 7), (None, 7)] {
             let (answers, reads) = decide_one(absent_at, counted);
             assert_eq!(reads, 1, "{absent_at:?} {counted:?}");
             assert!(
@@ -299,47 +277,34 @@ mod tests {
 
     /// An index entry whose record has another expiry (left by damage or
     /// by a bug) never gets its record swept early: the sweep checks each
-    /// nominee against its record, drops the stale entry, and sweeps the
-    /// record through its own entry.
+    /// nominee against its record, and sweeps the record once, when it is
+    /// due.
     #[test]
-    fn a_sweep_drops_an_index_entry_that_names_another_expiry() {
-        use ::redb::{ReadableDatabase, ReadableTableMetadata};
-        let shared = shared(false);
-        let index_len = || {
-            let db = shared.read_db().unwrap();
-            let txn = db.begin_read().unwrap();
-            let index = txn.open_table(crate::redb::tables::EXPIRY).unwrap();
-            index.len().unwrap()
-        };
+    fn a_sweep_ignores_an_index_entry_that_names_another_expiry() {
+        let shared = shared();
         shared.commit_group(&[short_claim(b"\0r", 10)]);
+        // Into redb, where the index is.
+        shared.flush().unwrap();
         plant_stale_index_entry(&shared, b"\0r", 5);
-        assert_eq!(index_len(), 2);
-        // Before the record's own expiry: nothing is swept, the stale
-        // entry goes.
+        // Before the record's own expiry: nothing is swept.
         let answers = shared.commit_group(&[sweep_at(8)]);
         assert!(
             matches!(answers.as_slice(), [Ok(Reply::Swept(0))]),
             "{answers:?}"
         );
-        assert_eq!(index_len(), 1, "the stale entry is gone");
         assert!(shared.read(b"\0r").unwrap().is_some(), "not swept early");
-        // Past it: the record goes through its own entry.
+        // Past it: the record goes, once.
         let answers = shared.commit_group(&[sweep_at(1_000)]);
         assert!(
             matches!(answers.as_slice(), [Ok(Reply::Swept(1))]),
             "{answers:?}"
         );
-        assert_eq!(index_len(), 0);
-        // A stale entry met when its record is due as well: the record goes
-        // once, through its own entry, and the stale entry goes too.
-        shared.commit_group(&[short_claim(b"\0q", 10)]);
-        plant_stale_index_entry(&shared, b"\0q", 5);
+        assert!(shared.read(b"\0r").unwrap().is_none());
         let answers = shared.commit_group(&[sweep_at(1_000)]);
         assert!(
-            matches!(answers.as_slice(), [Ok(Reply::Swept(1))]),
+            matches!(answers.as_slice(), [Ok(Reply::Swept(0))]),
             "{answers:?}"
         );
-        assert_eq!(index_len(), 0, "both entries are gone");
     }
 
     /// A claim at `at` ms whose lease and retention are 1 ms each.
@@ -382,7 +347,7 @@ mod tests {
     /// stays.
     #[test]
     fn a_sweep_keeps_a_claim_made_earlier_in_its_group() {
-        let shared = shared(true);
+        let shared = shared();
         shared.commit_group(&[short_claim(b"\0x", 10)]);
         let answers = shared.commit_group(&[short_claim(b"\0x", 1_000), sweep_at(1_000)]);
         assert!(
@@ -398,51 +363,46 @@ mod tests {
 
     #[test]
     fn one_group_applies_in_order_and_a_bad_request_fails_alone() {
-        for log in [true, false] {
-            let shared = shared(log);
-            let bogus = Claim::new(99, T, false, 1);
-            let answers = shared.commit_group(&[
-                begin(b"\0a"),
-                // A duplicate in the same group sees the claim made just before it.
-                begin(b"\0a"),
-                // Fails validation: it fails alone, the group still commits.
-                Op::Complete {
-                    key: b"\0b".to_vec(),
-                    claim: bogus,
-                    response: Response::new(200, ""),
-                    now: T,
-                    retention: D,
-                },
-                begin(b"\0c"),
-            ]);
-            let mut it = answers.into_iter();
-            assert!(matches!(it.next(), Some(Ok(Reply::Begin(Begin::Claimed(c)))) if c.token == 1));
-            assert!(matches!(
-                it.next(),
-                Some(Ok(Reply::Begin(Begin::InFlight { .. })))
-            ));
-            assert!(matches!(it.next(), Some(Err(Error::StaleClaim))));
-            assert!(matches!(it.next(), Some(Ok(Reply::Begin(Begin::Claimed(c)))) if c.token == 2));
-            assert_eq!(shared.stats.commits.load(Ordering::Relaxed), 1);
-            assert_eq!(shared.lock_core().token_hwm, 2);
-            // With the log the records are in the memtable, without it in redb.
-            assert_eq!(shared.read_mem().active.len(), if log { 2 } else { 0 });
-        }
+        let shared = shared();
+        let bogus = Claim::new(99, T, false, 1);
+        let answers = shared.commit_group(&[
+            begin(b"\0a"),
+            // A duplicate in the same group sees the claim made just before it.
+            begin(b"\0a"),
+            // Fails validation: it fails alone, the group still commits.
+            Op::Complete {
+                key: b"\0b".to_vec(),
+                claim: bogus,
+                response: Response::new(200, ""),
+                now: T,
+                retention: D,
+            },
+            begin(b"\0c"),
+        ]);
+        let mut it = answers.into_iter();
+        assert!(matches!(it.next(), Some(Ok(Reply::Begin(Begin::Claimed(c)))) if c.token == 1));
+        assert!(matches!(
+            it.next(),
+            Some(Ok(Reply::Begin(Begin::InFlight { .. })))
+        ));
+        assert!(matches!(it.next(), Some(Err(Error::StaleClaim))));
+        assert!(matches!(it.next(), Some(Ok(Reply::Begin(Begin::Claimed(c)))) if c.token == 2));
+        assert_eq!(shared.stats.commits.load(Ordering::Relaxed), 1);
+        assert_eq!(shared.lock_core().token_hwm, 2);
+        assert_eq!(shared.read_mem().active.len(), 2, "in the memtable");
     }
 
     #[test]
     fn a_group_of_answers_only_commits_nothing() {
-        for log in [true, false] {
-            let shared = shared(log);
-            let answers = shared.commit_group(&[Op::Sweep { now: T, max: 10 }]);
-            assert!(matches!(answers.as_slice(), [Ok(Reply::Swept(0))]));
-            assert_eq!(shared.stats.commits.load(Ordering::Relaxed), 0);
-        }
+        let shared = shared();
+        let answers = shared.commit_group(&[Op::Sweep { now: T, max: 10 }]);
+        assert!(matches!(answers.as_slice(), [Ok(Reply::Swept(0))]));
+        assert_eq!(shared.stats.commits.load(Ordering::Relaxed), 0);
     }
 
     #[test]
     fn a_sweep_takes_expired_records_from_memory_and_redb_in_order() {
-        let shared = shared(true);
+        let shared = shared();
         let claim = short_claim;
         shared.commit_group(&[claim(b"\0r1", 10), claim(b"\0r2", 20)]);
         // Into redb: the memtable is checkpointed by a direct transaction.

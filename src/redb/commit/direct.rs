@@ -11,7 +11,6 @@ use super::super::health::On;
 use super::super::shared::{Core, Shared};
 use super::super::tables::{META, META_TOKEN_HWM, META_WAL_EPOCH, WriteTables};
 use crate::error::{Error, Result};
-use crate::sync::Instant;
 use crate::sync::atomic::Ordering;
 use ::redb::WriteTransaction;
 
@@ -83,11 +82,9 @@ impl Shared {
             let mut meta = txn.open_table(META).map_err(engine_error)?;
             meta.insert(META_TOKEN_HWM, hwm.to_be_bytes().as_slice())
                 .map_err(engine_error)?;
-            if let Some(wal) = &core.wal {
-                let next = wal.epoch().wrapping_add(1);
-                meta.insert(META_WAL_EPOCH, next.to_be_bytes().as_slice())
-                    .map_err(engine_error)?;
-            }
+            let next = core.wal.epoch().wrapping_add(1);
+            meta.insert(META_WAL_EPOCH, next.to_be_bytes().as_slice())
+                .map_err(engine_error)?;
         }
         if let Err(e) = txn.commit() {
             return Err(self.fail("commit", On::Store, engine_error(e)).into());
@@ -95,16 +92,12 @@ impl Shared {
         // Before the active memtable is cleared (snapshot.rs).
         self.snapshot.committed();
         core.token_hwm = hwm;
-        core.unflushed = false;
-        core.last_durable = Instant::now();
         {
             let mut mem = self.write_mem();
             mem.active.clear();
             mem.active_bytes = 0;
         }
-        if let Some(wal) = core.wal.as_mut() {
-            wal.rotate();
-        }
+        core.wal.rotate();
         self.start_memtable_clock();
         self.stats.commits.fetch_add(1, Ordering::Relaxed);
         self.stats.durable_commits.fetch_add(1, Ordering::Relaxed);

@@ -184,7 +184,7 @@ mod tests {
     /// line lets the waiter go with `Error::Closed`.
     #[test]
     fn a_full_line_makes_a_thread_wait_for_room() {
-        let shared = shared(true);
+        let shared = shared();
         {
             let mut q = shared.lock_queue();
             for i in 0..WRITE_QUEUE_DEPTH {
@@ -218,7 +218,7 @@ mod tests {
     /// committer, which would cost that thread a wake-up round trip.
     #[test]
     fn the_role_passes_to_the_first_thread_in_line() {
-        let mut shared = shared(true);
+        let mut shared = shared();
         Arc::get_mut(&mut shared).expect("not shared yet").max_batch = 1;
         let slot = |waiter| Arc::new(Slot::new(waiter));
         let (leader, task, next) = (

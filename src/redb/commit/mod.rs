@@ -1,8 +1,7 @@
 //! The commit path: leader/follower group commit (LevelDB's write queue).
 //! This module owns what a group is ([`Op`], [`Reply`]), the commit lock's
-//! state ([`Core`]) and the commit of one group: with the log (decide, one
-//! frame, `fdatasync`, publish into the memtable, freeze when due) or
-//! without it (one redb write transaction). Its parts:
+//! state ([`Core`]) and the commit of one group (decide, one log frame,
+//! `fdatasync`, publish into the memtable, freeze when due). Its parts:
 //!
 //! - `line.rs`: the line of callers, their slots and the leader role
 //!   (who leads, who waits, who is woken);
@@ -46,22 +45,16 @@
 //!   an invariant check, a read error) fails alone and writes nothing;
 //! - a panic while leading poisons the store and answers the whole group,
 //!   so no follower waits forever.
-//!
-//! Without a log (`write_ahead_log(false)` or a bare storage backend) the
-//! leader applies the group to a redb write transaction and commits it
-//! durably (or, under [`Durability::Periodic`], in memory, made durable by
-//! the background thread within the loss window).
 
 mod decide;
 mod direct;
 mod leader;
 
-use super::errors::engine_error;
 use super::health::On;
 use super::line::{Op, Reply};
 use super::memtable::MEMTABLE_BYTES;
 use super::shared::Core;
-use super::tables::{LazyTables, META, META_TOKEN_HWM, WriteTables};
+use super::tables::{LazyTables, META_TOKEN_HWM, WriteTables};
 use super::{Durability, Shared};
 use crate::error::{Error, Result};
 use crate::sync::Instant;
@@ -83,12 +76,7 @@ impl Shared {
         if let Err(refused) = self.check_healthy() {
             return ops.iter().map(|_| Err(refused.replicate())).collect();
         }
-        let result = if core.wal.is_some() {
-            self.commit_logged(&mut core, ops)
-        } else {
-            self.commit_direct(&mut core, ops)
-        };
-        match result {
+        match self.commit_logged(&mut core, ops) {
             Ok(answers) => {
                 // A request that failed on an I/O error of the engine's
                 // (a read while deciding) leaves redb refusing every later
@@ -104,7 +92,7 @@ impl Shared {
         }
     }
 
-    /// With the log: decide against memtable + redb, one frame, publish.
+    /// Decides against memtable + redb, appends one frame, publishes.
     fn commit_logged(&self, core: &mut Core, ops: &[Op]) -> Result<Vec<Result<Reply>>> {
         let mut hwm = core.token_hwm;
         let decided = {
@@ -114,22 +102,18 @@ impl Shared {
             let counted = self.snapshot.count();
             let db = self.read_db()?;
             let base = LazyTables::new(&db);
-            decide(ops, Some(&mem), Some(counted), &base, &mut hwm, true)
+            decide(ops, &mem, counted, &base, &mut hwm)
         };
         if decided.writes.is_empty() {
             return Ok(decided.answers);
         }
-        let mut journal = decided.journal.unwrap_or_default();
+        let mut journal = decided.journal;
         if hwm != core.token_hwm {
             journal.meta_put(META_TOKEN_HWM, &hwm.to_be_bytes());
         }
         let sync = self.durability == Durability::Immediate;
         let n = journal.len();
-        let (fits_a_segment, fits_here) = core
-            .wal
-            .as_ref()
-            .map_or((false, false), |w| (w.fits_at_all(n), w.fits(n)));
-        if !fits_a_segment {
+        if !core.wal.fits_at_all(n) {
             // Larger than a whole segment: straight into redb, durably,
             // with everything in memory before it.
             let writes = decided.writes;
@@ -143,12 +127,10 @@ impl Shared {
             })?;
             return Ok(decided.answers);
         }
-        if !fits_here {
+        if !core.wal.fits(n) {
             self.freeze(core)?;
         }
-        let Some(wal) = core.wal.as_mut() else {
-            return Err(Error::backend("the write-ahead log is gone"));
-        };
+        let wal = &mut core.wal;
         let appending = Instant::now();
         if let Err(e) = wal.append(&mut journal, sync) {
             // The frame may or may not be on disk. Its tokens are never
@@ -192,93 +174,20 @@ impl Shared {
         Ok(decided.answers)
     }
 
-    /// Without the log: the group is one redb write transaction.
-    fn commit_direct(&self, core: &mut Core, ops: &[Op]) -> Result<Vec<Result<Reply>>> {
-        let mut hwm = core.token_hwm;
-        let db = self.write_ready_db()?;
-        let mut txn = db
-            .begin_write()
-            .map_err(|e| self.engine_failed("commit", engine_error(e)))?;
-        let decided = {
-            let tables = WriteTables::open(&txn)?;
-            decide(ops, None, None, &tables, &mut hwm, false)
-        };
-        if decided.writes.is_empty() && decided.stale.is_empty() {
-            let _ = txn.abort();
-            return Ok(decided.answers);
-        }
-        let written = (|| -> Result<()> {
-            let mut tables = WriteTables::open(&txn)?;
-            for (key, entry) in &decided.writes {
-                tables.apply(key, entry.as_ref())?;
-            }
-            for index_key in &decided.stale {
-                tables.unindex(index_key)?;
-            }
-            drop(tables);
-            if hwm != core.token_hwm {
-                let mut meta = txn.open_table(META).map_err(engine_error)?;
-                meta.insert(META_TOKEN_HWM, hwm.to_be_bytes().as_slice())
-                    .map_err(engine_error)?;
-            }
-            Ok(())
-        })();
-        if let Err(e) = written {
-            // A storage failure while writing (redb may sync while it
-            // allocates): what reached the disk is unknown.
-            let _ = txn.abort();
-            return Err(self.fail("commit", On::Store, e));
-        }
-        let durable = match self.durability {
-            Durability::Periodic { max_loss } => core.last_durable.elapsed() >= max_loss,
-            Durability::Immediate => true,
-        };
-        let level = if durable {
-            ::redb::Durability::Immediate
-        } else {
-            ::redb::Durability::None
-        };
-        txn.set_durability(level).map_err(engine_error)?;
-        txn.set_quick_repair(durable);
-        if let Err(e) = txn.commit() {
-            // It may or may not be on disk: refuse every later write.
-            return Err(self.fail("commit", On::Store, engine_error(e)));
-        }
-        // Before anyone is answered (snapshot.rs).
-        self.snapshot.committed();
-        core.token_hwm = hwm;
-        self.stats.commits.fetch_add(1, Ordering::Relaxed);
-        self.stats
-            .swept
-            .fetch_add(decided.swept as u64, Ordering::Relaxed);
-        crate::observability::swept("redb", decided.swept);
-        if durable {
-            self.stats.durable_commits.fetch_add(1, Ordering::Relaxed);
-            core.unflushed = false;
-            core.last_durable = Instant::now();
-        } else {
-            core.unflushed = true;
-        }
-        Ok(decided.answers)
-    }
-
     /// Hands the active memtable to the checkpointer: waits for the
     /// previous checkpoint to finish, freezes, and moves the log to the
     /// next epoch (the other segment). Nothing to do when nothing was
     /// logged since the last checkpoint.
     pub(super) fn freeze(&self, core: &mut Core) -> Result<()> {
         self.wait_checkpointed()?;
-        let Some(wal) = core.wal.as_mut() else {
-            return Ok(());
-        };
         {
             let mut mem = self.write_mem();
-            if mem.active.is_empty() && !wal.is_dirty() {
+            if mem.active.is_empty() && !core.wal.is_dirty() {
                 return Ok(());
             }
-            mem.freeze(wal.epoch(), core.token_hwm);
+            mem.freeze(core.wal.epoch(), core.token_hwm);
         }
-        wal.rotate();
+        core.wal.rotate();
         self.start_memtable_clock();
         self.wake_background();
         Ok(())
@@ -292,7 +201,6 @@ pub(in crate::redb) mod tests {
     use crate::record::Begin;
     use crate::redb::RedbStoreBuilder;
     use crate::redb::open;
-    use crate::redb::record_log::Wal;
     use crate::sync::Arc;
     use crate::time::Timestamp;
     use std::path::Path;
@@ -320,18 +228,17 @@ pub(in crate::redb) mod tests {
 
     /// A store's shared state on in-memory backends, with no thread
     /// started: the tests lead groups themselves.
-    pub(in crate::redb) fn shared(log: bool) -> Arc<Shared> {
-        shared_with(RedbStoreBuilder::default(), log)
+    pub(in crate::redb) fn shared() -> Arc<Shared> {
+        shared_with(RedbStoreBuilder::default())
     }
 
     /// A shared state on in-memory backends opened with `builder`'s
-    /// configuration, with the log or without.
-    pub(in crate::redb) fn shared_with(builder: RedbStoreBuilder, log: bool) -> Arc<Shared> {
+    /// configuration.
+    pub(in crate::redb) fn shared_with(builder: RedbStoreBuilder) -> Arc<Shared> {
         let config = builder.config;
-        let wal: Option<Box<dyn ::redb::StorageBackend>> =
-            log.then(|| Box::new(::redb::backends::InMemoryBackend::new()) as _);
+        let log = Box::new(::redb::backends::InMemoryBackend::new());
         let backend = ::redb::backends::InMemoryBackend::new();
-        let opened = open::open_backend(backend, wal, None, &config, Path::new("memory")).unwrap();
+        let opened = open::open_backend(backend, log, None, &config, Path::new("memory")).unwrap();
         Shared::new(opened, &config, None)
     }
 
@@ -348,7 +255,7 @@ pub(in crate::redb) mod tests {
             (crate::redb::Durability::Immediate, false),
             (periodic, true),
         ] {
-            let shared = shared_with(RedbStoreBuilder::default().durability(durability), true);
+            let shared = shared_with(RedbStoreBuilder::default().durability(durability));
             let answers = shared.commit_group(&[begin(b"a")]);
             assert!(matches!(
                 answers.as_slice(),
@@ -367,10 +274,8 @@ pub(in crate::redb) mod tests {
     /// checkpoint interval ends.
     #[test]
     fn a_full_memtable_is_frozen_before_the_interval_ends() {
-        let shared = shared_with(
-            RedbStoreBuilder::default().checkpoint_interval(Duration::from_secs(3600)),
-            true,
-        );
+        let shared =
+            shared_with(RedbStoreBuilder::default().checkpoint_interval(Duration::from_secs(3600)));
         shared.commit_group(&[begin(b"a")]);
         assert!(shared.read_mem().frozen.is_none(), "small and young: kept");
         // A deletion whose key alone fills the budget.
@@ -399,10 +304,8 @@ pub(in crate::redb) mod tests {
     #[test]
     fn past_twice_the_budget_a_group_waits_for_the_checkpoint() {
         const WAIT: Duration = Duration::from_secs(10);
-        let shared = shared_with(
-            RedbStoreBuilder::default().checkpoint_interval(Duration::from_secs(3600)),
-            true,
-        );
+        let shared =
+            shared_with(RedbStoreBuilder::default().checkpoint_interval(Duration::from_secs(3600)));
         shared.write_mem().publish([(b"first".to_vec(), None)]);
         shared.freeze(&mut shared.lock_core()).unwrap();
         assert!(shared.read_mem().frozen.is_some());
@@ -444,33 +347,12 @@ pub(in crate::redb) mod tests {
     /// checkpointer, no new log epoch.
     #[test]
     fn a_freeze_with_nothing_logged_does_nothing() {
-        let shared = shared(true);
+        let shared = shared();
         let mut core = shared.lock_core();
-        let epoch = core.wal.as_ref().map(Wal::epoch);
+        let epoch = core.wal.epoch();
         shared.freeze(&mut core).unwrap();
         assert!(shared.read_mem().frozen.is_none());
-        assert_eq!(core.wal.as_ref().map(Wal::epoch), epoch);
-    }
-
-    /// Without the log, `Durability::Periodic` commits a group without an
-    /// fsync while its window is open, and durably once it has passed.
-    #[test]
-    fn without_the_log_a_periodic_group_is_durable_once_its_window_has_passed() {
-        let window = Duration::from_millis(200);
-        let shared = shared_with(
-            RedbStoreBuilder::default()
-                .durability(crate::redb::Durability::Periodic { max_loss: window }),
-            false,
-        );
-        let durable = || shared.stats.durable_commits.load(Ordering::SeqCst);
-        let before = durable();
-        shared.commit_group(&[begin(b"a")]);
-        assert_eq!(durable(), before, "inside the window: not durable");
-        assert!(shared.lock_core().unflushed);
-        std::thread::sleep(window + Duration::from_millis(20));
-        shared.commit_group(&[begin(b"b")]);
-        assert_eq!(durable(), before + 1, "past the window: durable");
-        assert!(!shared.lock_core().unflushed);
+        assert_eq!(core.wal.epoch(), epoch);
     }
 
     /// The checkpointer's timed freeze, when a leader froze the memtable
@@ -479,10 +361,8 @@ pub(in crate::redb) mod tests {
     /// every writer stopped behind it (found by the HTTP load benchmark).
     #[test]
     fn a_timed_freeze_never_waits_for_the_checkpoint_it_must_write() {
-        let shared = shared_with(
-            RedbStoreBuilder::default().checkpoint_interval(Duration::from_millis(1)),
-            true,
-        );
+        let shared =
+            shared_with(RedbStoreBuilder::default().checkpoint_interval(Duration::from_millis(1)));
         let answers = shared.commit_group(&[begin(b"a")]);
         assert!(matches!(
             answers.as_slice(),

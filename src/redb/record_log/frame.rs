@@ -8,19 +8,15 @@
 //! file deleted and created again, a copy that mixed two stores' files)
 //! never verifies, so it is never replayed into the wrong store.
 //!
-//! All integers are big-endian, as everywhere in idemstore's formats but
-//! the page log's frames, which are little-endian: a difference with no
-//! reason in the formats themselves (the page log kept the byte order of
-//! the bench prototype it grew out of). docs/format.md is the reference
-//! for both.
+//! All integers are big-endian, as everywhere in idemstore's formats.
+//! docs/format.md is the reference.
 
 use super::super::damage::Damage;
 use crate::error::{Error, Result};
 use ::redb::StorageBackend;
 
 // A frame, at a multiple of FRAME_ALIGN from the start of its epoch's
-// segment (a format-2 log's follow each other with no padding); integers
-// big-endian:
+// segment; integers big-endian:
 //
 // offset  size  field
 // ------  ----  ----------------------------------------------------------
@@ -37,10 +33,9 @@ use ::redb::StorageBackend;
 // size  field
 // ----  ------------------------------------------------------------------
 //    1  tag: 1 record put, 2 record delete, 5 meta put         TAG_*
-//          (3 index put, 4 index delete: written by format 2 only)
+//          (3 and 4 were index entries, in pre-release format 2)
 //    4  length u32 (a) of the first field
-//    a  the stored key (1, 2), the index entry (3, 4) or the meta
-//       entry's name (5)
+//    a  the stored key (1, 2) or the meta entry's name (5)
 //    4  length u32 (b): only for tags 1 and 5
 //    b  the record envelope (1) or the meta entry's value (5)
 
@@ -49,8 +44,6 @@ pub(super) const FRAME_HEADER: u64 = 20;
 
 const TAG_RECORD_PUT: u8 = 1;
 const TAG_RECORD_DEL: u8 = 2;
-const TAG_INDEX_PUT: u8 = 3;
-const TAG_INDEX_DEL: u8 = 4;
 const TAG_META_PUT: u8 = 5;
 
 /// Every frame starts on a multiple of this many bytes from the start of
@@ -78,30 +71,19 @@ pub(super) fn segment_range(len: u64, epoch: u64) -> std::ops::Range<u64> {
     start..start + seg
 }
 
-/// How the frames of one epoch are laid out in the file.
+/// Where the frames of one epoch are laid out in the file: its segment,
+/// frames starting at multiples of [`FRAME_ALIGN`] from its start.
 #[derive(Clone, Debug)]
 pub(in crate::redb) struct Layout {
     /// The bytes the epoch's frames may occupy.
     pub(super) region: std::ops::Range<u64>,
-    /// Frames start at multiples of this from `region.start` (1 for a
-    /// format-2 log, whose frames follow each other with no padding).
-    pub(super) align: u64,
 }
 
 impl Layout {
-    /// A format-2 log: one region, the whole file, frames back to back.
-    pub(in crate::redb) fn v2(len: u64) -> Layout {
-        Layout {
-            region: 0..len,
-            align: 1,
-        }
-    }
-
-    /// This format's log: `epoch`'s segment, aligned frames.
+    /// `epoch`'s segment of a log file of `len` bytes.
     pub(in crate::redb) fn segment(len: u64, epoch: u64) -> Layout {
         Layout {
             region: segment_range(len, epoch),
-            align: FRAME_ALIGN,
         }
     }
 }
@@ -222,10 +204,6 @@ pub(in crate::redb) enum Entry<'a> {
     Put(&'a [u8], &'a [u8], crate::time::Timestamp),
     /// A record delete.
     Del(&'a [u8]),
-    /// A format-2 explicit index put.
-    IndexPut(&'a [u8]),
-    /// A format-2 explicit index delete.
-    IndexDel(&'a [u8]),
     /// A meta entry.
     Meta(&'a str, &'a [u8]),
 }
@@ -258,8 +236,6 @@ pub(in crate::redb) fn entries<'a>(
                 f(Entry::Put(a, b, expires_at))?;
             }
             TAG_RECORD_DEL => f(Entry::Del(a))?,
-            TAG_INDEX_PUT => f(Entry::IndexPut(a))?,
-            TAG_INDEX_DEL => f(Entry::IndexDel(a))?,
             TAG_META_PUT => {
                 let b = take(&mut cursor).ok_or_else(|| damaged("an entry is cut short"))?;
                 let name =
@@ -305,7 +281,7 @@ pub(super) fn keys_in(file: &dyn StorageBackend, from: u64, to: u64) -> Vec<Stri
                     break;
                 }
             }
-            TAG_RECORD_DEL | TAG_INDEX_PUT | TAG_INDEX_DEL => {}
+            TAG_RECORD_DEL => {}
             _ => break,
         }
         if matches!(tag, TAG_RECORD_PUT | TAG_RECORD_DEL) {

@@ -7,14 +7,9 @@
 //! replay, and `recovery.rs`, beside this directory, recovers the log at an
 //! open and at a heal.
 //!
-//! The store has two logs because they make two kinds of commit cheap:
-//! this one (on by default,
-//! [`write_ahead_log`](super::RedbStoreBuilder::write_ahead_log)) holds
-//! the records a group of claims and completions changed, above redb,
-//! while the page log (`page_log/`, off by default,
-//! [`page_log`](super::RedbStoreBuilder::page_log)) sits under redb and
-//! holds the pages of redb's own commits (the inbox's, the checkpoints',
-//! the admin writes).
+//! The store's one log: it holds the records a group of claims and
+//! completions changed, above redb; redb's own commits (the inbox's, the
+//! checkpoints', the admin writes) are durable commits of the store file.
 //!
 //! Why: idempotency keys are random, so every claim lands on its own leaf
 //! page; a durable redb commit of a 60-request batch rewrote ~375 KiB
@@ -56,12 +51,8 @@
 //! [`Shared::direct`](super::Shared)), since replaying older frames over
 //! its writes would undo them.
 //!
-//! A format-2 log (before this layout) is one region of back-to-back
-//! frames that also carry index entries; it is replayed as such once, at
-//! the open that upgrades the store to format 3.
-//!
 //! The frames' layout is drawn in `frame.rs` and specified in
-//! docs/format.md, the reference for both logs.
+//! docs/format.md.
 
 use crate::error::Result;
 use ::redb::StorageBackend;

@@ -45,9 +45,7 @@ use std::ops::ControlFlow;
 /// What replay does with a whole frame's payload: writes its entries into
 /// `txn` (hand it to [`walk`] as `on_frame`). A record put or delete also
 /// moves the record's expiry-index entry (the old expiry is read from the
-/// record it replaces), so the frames need not carry index entries; a
-/// format-2 frame's explicit index entries are applied as they are, which
-/// agrees. A frame that verifies but whose payload does not decode is
+/// record it replaces), so the frames need not carry index entries. A frame that verifies but whose payload does not decode is
 /// damage no crash can cause: [`Error::Corrupt`], and the caller commits
 /// nothing.
 pub(in crate::redb) fn applier<'t>(
@@ -61,10 +59,6 @@ pub(in crate::redb) fn applier<'t>(
                 tables.apply_encoded(key, Some((value, expires_at)))
             }
             Entry::Del(key) => tables.apply_encoded(key, None),
-            // Format 2 wrote index entries explicitly; apply_encoded
-            // already made the same moves, so these change nothing.
-            Entry::IndexPut(entry) => tables.index(entry),
-            Entry::IndexDel(entry) => tables.unindex(entry),
             Entry::Meta(name, value) => meta.insert(name, value).map(|_| ()).map_err(engine_error),
         })
     })
@@ -103,7 +97,7 @@ pub(in crate::redb) fn walk(
     let mut frames = 0u64;
     let next_start = |next: u64| {
         let from = next - layout.region.start;
-        layout.region.start + from.div_ceil(layout.align) * layout.align
+        layout.region.start + from.div_ceil(FRAME_ALIGN) * FRAME_ALIGN
     };
     loop {
         let (payload, next) = match read_frame(file, store_id, epoch, at, end)? {
@@ -118,12 +112,11 @@ pub(in crate::redb) fn walk(
                     Frame::Damaged { next } => (Stop::Damaged, Some(next)),
                     _ => (Stop::Ends, None),
                 };
-                let later = find_later(file, store_id, epoch, layout, at, end)?;
+                let later = find_later(file, store_id, epoch, at, end)?;
                 // After a process crash (no reboot), a last frame of one
                 // block cannot have been torn (see the docs above).
                 let damaged_last = later.is_none()
                     && no_reboot
-                    && layout.align >= FRAME_ALIGN
                     && damaged_end.is_some_and(|next| next - at <= FRAME_ALIGN);
                 if later.is_none() && !damaged_last {
                     break;
@@ -169,23 +162,18 @@ pub(in crate::redb) fn walk(
 /// stop at `at` is damage (a flipped magic, epoch or length field; a frame
 /// overwritten).
 ///
-/// Only for this format's aligned segments (a format-2 log's frames may
-/// start at any byte). The segment is read in large chunks and only a
-/// block whose header names this epoch is verified, so a clean open reads
-/// each of the two live segments once.
+/// The segment is read in large chunks and only a block whose header
+/// names this epoch is verified, so a clean open reads each of the two
+/// live segments once.
 fn find_later(
     file: &dyn StorageBackend,
     store_id: &[u8; 16],
     epoch: u64,
-    layout: &Layout,
     at: u64,
     end: u64,
 ) -> Result<Option<u64>> {
-    if layout.align < FRAME_ALIGN {
-        return Ok(None);
-    }
     let mut found = None;
-    scan_headers(file, at + layout.align..end, |block, frame_epoch| {
+    scan_headers(file, at + FRAME_ALIGN..end, |block, frame_epoch| {
         if frame_epoch == epoch
             && matches!(
                 read_frame(file, store_id, epoch, block, end)?,

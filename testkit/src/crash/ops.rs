@@ -33,7 +33,7 @@ pub fn store_ops_power_loss(data: &[u8], seed: u64, sync: SyncMode) -> Result<()
             backend.set_sync_mode(sync);
         }
         // With its write-ahead log: the disk's second file.
-        let store = match super::recovery::open_disk(RedbStore::builder(), &backend, true) {
+        let store = match super::recovery::open_disk(RedbStore::builder(), &backend) {
             Ok(s) => Arc::new(s),
             Err(e) => {
                 failure.get_or_insert(format!("reopen after a power loss: {e}"));
@@ -41,7 +41,7 @@ pub fn store_ops_power_loss(data: &[u8], seed: u64, sync: SyncMode) -> Result<()
                 // reported, but the open error is the cause.
                 Arc::new(
                     RedbStore::builder()
-                        .open_backend(CrashBackend::new())
+                        .open_backend(CrashBackend::new(), CrashBackend::new())
                         .unwrap_or_else(|e| panic!("a fresh store failed to open: {e}")),
                 )
             }

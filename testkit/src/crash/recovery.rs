@@ -35,18 +35,13 @@ pub struct RunConfig {
     /// What a sector of the store file (redb's) being written at a crash
     /// reads back as: old or new, or also garbage.
     pub torn_store_file: TornSectors,
-    /// The same for the write-ahead log (with `log`). Set both to
+    /// The same for the write-ahead log. Set both to
     /// [`TornSectors::Garbage`] for a disk that never writes a sector
     /// atomically.
     pub torn_log: TornSectors,
     /// Leaves out the token high-water-mark check, so that the test of the
     /// test can show the per-key check catches lost writes on its own.
     pub skip_token_check: bool,
-    /// Runs the store with its write-ahead log (a second file on the same
-    /// simulated disk, [`TEST_WAL_BYTES`] long so that it fills and
-    /// checkpoints often), as `RedbStore::open` does; without it every
-    /// batch is a durable redb commit.
-    pub log: bool,
 }
 
 /// The write-ahead log size in crash runs: small, so that runs cross many
@@ -65,7 +60,6 @@ impl Default for RunConfig {
             torn_store_file: TornSectors::OldOrNew,
             torn_log: TornSectors::OldOrNew,
             skip_token_check: false,
-            log: true,
         }
     }
 }
@@ -165,13 +159,13 @@ fn run_config(cfg: &RunConfig, every_point: bool) -> Result<(RunReport, Vec<Fail
     backend.set_sync_mode(cfg.sync);
     backend.plan_every(cfg.stride, rng.next_u64());
     // After the plan: an image due at once (mutation 0) is the empty disk
-    // as before, without a log file.
-    set_torn_sectors(&backend, cfg.log, cfg.torn_store_file, cfg.torn_log);
+    // as before, with an empty log file.
+    set_torn_sectors(&backend, cfg.torn_store_file, cfg.torn_log);
     let checks = Checks {
         tokens: !cfg.skip_token_check,
         every_point,
     };
-    let (report, failures) = run_and_check(&backend, cfg.log, cfg.keys_per_thread, plans, checks)
+    let (report, failures) = run_and_check(&backend, cfg.keys_per_thread, plans, checks)
         .map_err(|e| format!("seed {}: {e}", cfg.seed))?;
     let failures = failures
         .into_iter()
@@ -186,19 +180,12 @@ fn run_config(cfg: &RunConfig, every_point: bool) -> Result<(RunReport, Vec<Fail
 }
 
 /// Sets what sectors being written read back as on `disk`'s store file
-/// and, with `log`, on its log (made now, as [`open_disk`] would).
-fn set_torn_sectors(
-    disk: &CrashBackend,
-    log: bool,
-    store_file: TornSectors,
-    log_file: TornSectors,
-) {
+/// and on its log (made now, as [`open_disk`] would).
+fn set_torn_sectors(disk: &CrashBackend, store_file: TornSectors, log_file: TornSectors) {
     disk.set_file_torn_sectors(store_file);
-    if log {
-        disk.file(1)
-            .unwrap_or_else(|| disk.sibling())
-            .set_file_torn_sectors(log_file);
-    }
+    disk.file(1)
+        .unwrap_or_else(|| disk.sibling())
+        .set_file_torn_sectors(log_file);
 }
 
 /// One thread's `steps` with crash images at the given `(mutation count,
@@ -216,12 +203,12 @@ pub fn store_run_steps(
     let backend = CrashBackend::new();
     backend.set_sync_mode(sync);
     backend.plan(points.iter().copied());
-    set_torn_sectors(&backend, true, torn.0, torn.1);
+    set_torn_sectors(&backend, torn.0, torn.1);
     let checks = Checks {
         tokens: true,
         every_point: false,
     };
-    let (report, failures) = run_and_check(&backend, true, keys, vec![steps], checks)?;
+    let (report, failures) = run_and_check(&backend, keys, vec![steps], checks)?;
     match failures.into_iter().next() {
         Some((image, e)) => Err(format!(
             "crash at mutation {} (seed {}): {e}",
@@ -231,33 +218,27 @@ pub fn store_run_steps(
     }
 }
 
-/// Opens a store over `disk` as the crash runs do: with `log`, its
-/// write-ahead log is the disk's second file ([`TEST_WAL_BYTES`] long; made
-/// now if the disk has none yet); without, every batch commits durably.
+/// Opens a store over `disk` as the crash runs do: its write-ahead log is
+/// the disk's second file ([`TEST_WAL_BYTES`] long, so that it fills and
+/// checkpoints often; made now if the disk has none yet).
 pub(super) fn open_disk(
     builder: idemstore::redb::RedbStoreBuilder,
     disk: &CrashBackend,
-    log: bool,
 ) -> idemstore::Result<RedbStore> {
-    if log {
-        let file = disk.file(1).unwrap_or_else(|| disk.sibling());
-        builder
-            .wal_bytes(TEST_WAL_BYTES)
-            .open_backend_with_log(disk.clone(), file)
-    } else {
-        builder.open_backend(disk.clone())
-    }
+    let file = disk.file(1).unwrap_or_else(|| disk.sibling());
+    builder
+        .wal_bytes(TEST_WAL_BYTES)
+        .open_backend(disk.clone(), file)
 }
 
-/// Reopens a crash image (with its log when it has one) through `builder`,
-/// catching a panic. Returns the store and the restored disk.
+/// Reopens a crash image through `builder`, catching a panic. Returns the
+/// store and the restored disk.
 fn reopen(
     image: &CrashImage,
     builder: idemstore::redb::RedbStoreBuilder,
 ) -> Result<(idemstore::Result<RedbStore>, CrashBackend), String> {
     let disk = image.restore();
-    let log = !image.siblings.is_empty();
-    let opened = catch_unwind(AssertUnwindSafe(|| open_disk(builder, &disk, log)))
+    let opened = catch_unwind(AssertUnwindSafe(|| open_disk(builder, &disk)))
         .map_err(|_| "RedbStore panicked opening the image".to_owned())?;
     Ok((opened, disk))
 }
@@ -276,12 +257,11 @@ type Checked = (RunReport, Vec<(CrashImage, String)>);
 
 fn run_and_check(
     backend: &CrashBackend,
-    log: bool,
     keys: u8,
     plans: Vec<Vec<Step>>,
     checks: Checks,
 ) -> Result<Checked, String> {
-    let store = open_disk(RedbStore::builder(), backend, log).map_err(|e| format!("open: {e}"))?;
+    let store = open_disk(RedbStore::builder(), backend).map_err(|e| format!("open: {e}"))?;
     let opened_at = backend.mutations();
     let clock = AtomicU64::new(T0.as_millis());
     let logs: Vec<Result<RunLog, String>> = std::thread::scope(|s| {

@@ -1,7 +1,7 @@
 //! [`Overlay`]: a store file read through a private in-memory page
 //! overlay, so that nothing redb does on it (its recovery of an uncleanly
 //! closed file, a repair, a replay of the log, the commits of a read-only
-//! store) reaches the file.
+//! store) reaches the file. [`Pages`] holds the pages written, in memory.
 //!
 //! Used by every reading that must not write: [`RedbStore::open_read_only`]
 //! (the operator's inspections), `admin::check_log`, the engine check of
@@ -10,38 +10,29 @@
 //!
 //! [`RedbStore::open_read_only`]: crate::redb::RedbStore::open_read_only
 
-use super::super::file::check_foreign;
-use super::super::source::Source;
-use super::page_images::Pages;
+use super::file::check_foreign;
+use super::source::Source;
 use crate::error::{Error, Result};
 use ::redb::{Database, StorageBackend};
+use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 /// Opens the store file at `path` as a redb database through a private
 /// [`Overlay`]. `Ok(Err(detail))` when redb refuses the file or panics on it.
 pub(in crate::redb) fn open_overlay(path: &Path) -> Result<std::result::Result<Database, String>> {
-    let overlay = Overlay::new(std::fs::File::open(path)?)?;
     // The caller holds the store (a view's shared lock, or a writer).
-    super::replay_beside(path, &overlay, false)?;
-    engine_over(overlay)
+    engine_over(Overlay::new(std::fs::File::open(path)?)?)
 }
 
 /// A database over a store's files (`source`) that writes nothing to
 /// them: what a heal leaves in the engine's place when it cannot open the
 /// files for writing (an open writes: redb repairs a file it did not
-/// close), so that reads go on. The store file through an [`Overlay`],
-/// with the page log's current run replayed into it when there is one.
+/// close), so that reads go on. The store file through an [`Overlay`].
 pub(in crate::redb) fn open_view_of(source: &Source) -> Result<Database> {
     let opened = match source {
         Source::Path(path) => open_overlay(path)?,
-        Source::Backend { store, pages } => {
-            let overlay = Overlay::over_backend(Arc::clone(store))?;
-            if let Some(pages) = pages {
-                super::replay(pages.as_ref(), &overlay)?;
-            }
-            engine_over(overlay)?
-        }
+        Source::Backend(store) => engine_over(Overlay::over_backend(Arc::clone(store))?)?,
         Source::None => return Err(Error::backend("a read-only view has no files to view")),
     };
     opened.map_err(|detail| Error::corrupt(None, detail))
@@ -121,7 +112,7 @@ impl Overlay {
         let (head, tail) = out.split_at_mut(in_file);
         if !head.is_empty() {
             match &self.base {
-                Base::File(file) => super::super::file::read_at(file, head, offset)?,
+                Base::File(file) => super::file::read_at(file, head, offset)?,
                 Base::Backend(backend) => backend.read(offset, head)?,
             }
         }
@@ -168,6 +159,76 @@ impl StorageBackend for Overlay {
             .pages
             .write(offset, data, |at, to| self.read_file(at, to))?;
         state.len = state.len.max(offset + data.len() as u64);
+        Ok(())
+    }
+}
+
+/// The unit of the images: redb's pages are multiples of it.
+const PAGE: u64 = 4096;
+
+/// Page images over a file: the latest bytes of every page written, by
+/// index, each [`PAGE`] long. Reads and writes take the bytes no image
+/// covers from `file(offset, out)`.
+#[derive(Default)]
+struct Pages(HashMap<u64, Box<[u8]>>);
+
+impl Pages {
+    /// Fills `out` from offset `offset`: images where there are, else `file`.
+    fn read(
+        &self,
+        offset: u64,
+        out: &mut [u8],
+        file: impl Fn(u64, &mut [u8]) -> std::io::Result<()>,
+    ) -> std::io::Result<()> {
+        if self.0.is_empty() {
+            return file(offset, out);
+        }
+        let mut done = 0usize;
+        while done < out.len() {
+            let at = offset + done as u64;
+            let from = (at % PAGE) as usize;
+            let n = (PAGE as usize - from).min(out.len() - done);
+            let to = out.get_mut(done..done + n).unwrap_or_default();
+            match self.0.get(&(at / PAGE)) {
+                Some(page) => to.copy_from_slice(page.get(from..from + n).unwrap_or_default()),
+                None => file(at, to)?,
+            }
+            done += n;
+        }
+        Ok(())
+    }
+
+    /// Writes `data` at `offset` into the images; a page written in part
+    /// starts from its current bytes (its image, else `file`).
+    fn write(
+        &mut self,
+        offset: u64,
+        data: &[u8],
+        file: impl Fn(u64, &mut [u8]) -> std::io::Result<()>,
+    ) -> std::io::Result<()> {
+        let mut done = 0usize;
+        while done < data.len() {
+            let at = offset + done as u64;
+            let index = at / PAGE;
+            let from = (at % PAGE) as usize;
+            let n = (PAGE as usize - from).min(data.len() - done);
+            let mut page = match self.0.remove(&index) {
+                Some(page) => page,
+                None => {
+                    let mut page = vec![0u8; PAGE as usize].into_boxed_slice();
+                    // A whole page needs nothing of the old one.
+                    if n < PAGE as usize {
+                        file(index * PAGE, &mut page)?;
+                    }
+                    page
+                }
+            };
+            page.get_mut(from..from + n)
+                .unwrap_or_default()
+                .copy_from_slice(data.get(done..done + n).unwrap_or_default());
+            self.0.insert(index, page);
+            done += n;
+        }
         Ok(())
     }
 }
