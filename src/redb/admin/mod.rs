@@ -44,7 +44,7 @@ pub use verify::{MAX_LISTED_PROBLEMS, Problem, ProblemKind, VerifyReport};
 use super::RedbStore;
 use super::errors::engine_error;
 use super::meta::STORE_FORMAT_VERSION;
-use super::tables::{EXPIRY, RECORDS, WriteTables};
+use super::tables::{EXPIRY, RECORDS};
 use crate::codec;
 use crate::error::{Error, Result};
 use crate::key::Key;
@@ -437,42 +437,15 @@ impl Admin<'_> {
         let key_bytes = codec::encode_key(key);
         // A direct transaction: it takes in the memtable first, so the
         // record removed is the latest, and it retires the log.
-        self.store.shared.direct(|txn, _| {
-            let mut records = txn.open_table(RECORDS).map_err(engine_error)?;
-            let mut expiry = txn.open_table(EXPIRY).map_err(engine_error)?;
-            let Some(value) = records.remove(key_bytes.as_slice()).map_err(engine_error)? else {
-                return Ok(None);
-            };
-            let record = codec::decode_record(&key_bytes, value.value()).ok();
-            drop(value);
-            let stale: Vec<Vec<u8>> = match &record {
-                Some(r) => vec![codec::encode_index(r.expires_at, &key_bytes)],
-                None => {
-                    let mut found = Vec::new();
-                    for entry in expiry.iter().map_err(engine_error)? {
-                        let (k, _) = entry.map_err(engine_error)?;
-                        if matches!(codec::decode_index(k.value()), Ok((_, kb)) if kb == key_bytes)
-                        {
-                            found.push(k.value().to_vec());
-                        }
-                    }
-                    found
-                }
-            };
-            let mut index_entries = 0;
-            for index_key in stale {
-                if expiry
-                    .remove(index_key.as_slice())
-                    .map_err(engine_error)?
-                    .is_some()
-                {
-                    index_entries += 1;
-                }
-            }
-            Ok(Some(Evicted {
-                record,
-                index_entries,
-            }))
+        self.store.shared.direct(|tables, _| {
+            Ok::<_, Error>(
+                tables
+                    .evict(&key_bytes)?
+                    .map(|(record, index_entries)| Evicted {
+                        record,
+                        index_entries,
+                    }),
+            )
         })
     }
 
@@ -542,8 +515,7 @@ impl Admin<'_> {
         let mut written = 0u64;
         let mut records = records.into_iter().peekable();
         while records.peek().is_some() {
-            self.store.shared.direct(|txn, token_hwm| {
-                let mut tables = WriteTables::open(txn)?;
+            self.store.shared.direct(|tables, token_hwm| {
                 for item in records.by_ref().take(IMPORT_BATCH) {
                     let (key, record) = item?;
                     // A stored record that does not decode is replaced

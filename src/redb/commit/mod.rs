@@ -54,7 +54,7 @@ use super::health::On;
 use super::line::{Op, Reply};
 use super::memtable::MEMTABLE_BYTES;
 use super::shared::Core;
-use super::tables::{LazyTables, META_TOKEN_HWM, WriteTables};
+use super::tables::{LazyTables, META_TOKEN_HWM};
 use super::{Durability, Shared};
 use crate::error::{Error, Result};
 use crate::sync::Instant;
@@ -117,11 +117,8 @@ impl Shared {
             // Larger than a whole segment: straight into redb, durably,
             // with everything in memory before it.
             let writes = decided.writes;
-            self.direct_locked(core, |txn, token_hwm| {
-                let mut tables = WriteTables::open(txn)?;
-                for (key, entry) in &writes {
-                    tables.apply(key, entry.as_ref())?;
-                }
+            self.direct_locked(core, true, |tables, token_hwm| {
+                tables.take_in(&writes)?;
                 *token_hwm = (*token_hwm).max(hwm);
                 Ok::<_, Error>(())
             })?;
