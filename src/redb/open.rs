@@ -346,7 +346,7 @@ fn engine_open(
 /// A heal's first step: the engine over the store's files again, and its
 /// meta entries. Nothing is written (redb's own recovery of a file not
 /// closed cleanly aside); the log is replayed by
-/// [`heal_log`](super::recovery::heal_log).
+/// [`recover_log`](super::recovery::recover_log).
 pub(super) fn reopen_engine(
     source: &super::source::Source,
     config: &Config,

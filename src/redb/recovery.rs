@@ -2,14 +2,14 @@
 //! says about its write-ahead log and what is wrong with the log before a
 //! frame is read ([`plan_log`]), the walk over its live frames
 //! ([`walk_live`]), and their replay into the store file in one durable
-//! commit that starts a new epoch ([`recover_log`], [`heal_log`]). The
+//! commit that starts a new epoch ([`recover_log`]). The
 //! frames and the walk over one epoch are the log's own (`record_log/`);
 //! the meta entries that record the log's state are read in meta.rs.
 
 use super::Config;
 use super::damage::Damage;
 use super::loss::LossReport;
-use super::meta::{MetaEntries, read_wal_boot, read_wal_epoch, read_wal_state};
+use super::meta::{read_wal_boot, read_wal_epoch, read_wal_state};
 use super::record_log::{self, Wal, applier};
 use super::tables::{
     META_WAL_BOOT, META_WAL_BYTES, META_WAL_EPOCH, META_WAL_STATE, WAL_OPEN, commit,
@@ -190,28 +190,6 @@ pub(super) fn recover_log(
         })??;
     }
     Ok((Wal::new(file, store_id, fresh, new_len), frames))
-}
-
-/// A heal's second step: the log's live frames replayed into the reopened
-/// engine and a durable commit with a new epoch, as an open does. A frame
-/// damaged at the end of the log is the end (it is the one whose write
-/// failed, never acknowledged), as after a power cut.
-pub(super) fn heal_log(
-    db: &Database,
-    file: std::sync::Arc<dyn StorageBackend>,
-    meta: &MetaEntries,
-    config: &Config,
-    name: &Path,
-) -> Result<Wal> {
-    let boot = boot_id();
-    let found = Found {
-        store_id: meta.store_id,
-        boot: boot.as_deref(),
-        name,
-        heal: true,
-    };
-    let mut loss = LossReport::default();
-    recover_log(db, file, &found, config, &mut loss).map(|(wal, _)| wal)
 }
 
 /// This boot of the machine: Linux's random id, new at every boot. An
