@@ -23,10 +23,9 @@
 //! log indefinitely), and under [`Durability::Periodic`] syncs the log
 //! within the loss window.
 
-use super::errors::engine_error;
 use super::health::{HEAL_BACKOFF_MAX, HEAL_BACKOFF_MIN, On};
 use super::memtable::{Frozen, entry_bytes};
-use super::tables::{META, META_TOKEN_HWM, META_WAL_EPOCH, WriteTables};
+use super::tables::commit;
 use super::{Durability, Shared};
 use crate::error::{Error, Result};
 use crate::sync::atomic::Ordering;
@@ -238,26 +237,13 @@ fn retire(shared: &Shared, frozen: &std::sync::Arc<Frozen>) {
 /// log epoch.
 fn checkpoint(shared: &Shared, frozen: &Frozen) -> Result<()> {
     let db = shared.write_ready_db()?;
-    let mut txn = db.begin_write().map_err(engine_error)?;
-    txn.set_durability(::redb::Durability::Immediate)
-        .map_err(engine_error)?;
-    txn.set_quick_repair(true);
-    {
-        let mut tables = WriteTables::open(&txn)?;
-        for (key, entry) in &frozen.records {
-            tables.apply(key, entry.as_ref())?;
-        }
-        // The frozen table's mark is the store's: every durable commit
-        // before this one (an earlier checkpoint, a direct transaction, the
-        // open) stored a mark from before this table was frozen.
-        let mut meta = txn.open_table(META).map_err(engine_error)?;
-        meta.insert(META_TOKEN_HWM, frozen.token_hwm.to_be_bytes().as_slice())
-            .map_err(engine_error)?;
-        let next = frozen.epoch.wrapping_add(1);
-        meta.insert(META_WAL_EPOCH, next.to_be_bytes().as_slice())
-            .map_err(engine_error)?;
-    }
-    txn.commit().map_err(engine_error)?;
+    // The frozen table's mark is the store's: every durable commit before
+    // this one (an earlier checkpoint, a direct transaction, the open)
+    // stored a mark from before this table was frozen.
+    commit(&db, true, |tables| {
+        tables.take_in(&frozen.records)?;
+        tables.retire(frozen.token_hwm, frozen.epoch.wrapping_add(1))
+    })??;
     // Before `retire` lets go of the frozen table (snapshot.rs).
     shared.snapshot.committed();
     Ok(())

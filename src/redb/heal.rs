@@ -12,7 +12,7 @@
 //!    holds its place, so no read ever sees it), and reopened from the
 //!    same store file (`source.rs`);
 //! 2. the write-ahead log's live frames are replayed into it and committed
-//!    durably with a new epoch, as an open does (`recovery::heal_log`). What
+//!    durably with a new epoch, as an open does (`recovery::recover_log`). What
 //!    the memtable holds is exactly those frames (it is published only
 //!    after its frame is durable), so the memtable is then emptied: its
 //!    records are in the store file. A frame whose write failed may be
@@ -78,10 +78,19 @@ impl Shared {
             .path
             .clone()
             .unwrap_or_else(|| "<storage backend>".into());
-        let recovered =
-            super::recovery::heal_log(&engine.db, core.wal.file(), &meta, &self.heal_config, &name);
-        let wal = match recovered {
-            Ok(wal) => wal,
+        // A frame damaged at the end of the log is the end (the one whose
+        // write failed, never acknowledged), as after a power cut.
+        let boot = super::recovery::boot_id();
+        let found = super::recovery::Found {
+            store_id: meta.store_id,
+            boot: boot.as_deref(),
+            name: &name,
+            heal: true,
+        };
+        let mut loss = super::loss::LossReport::default();
+        let (file, config) = (core.wal.file(), &self.heal_config);
+        let wal = match super::recovery::recover_log(&engine.db, file, &found, config, &mut loss) {
+            Ok((wal, _)) => wal,
             Err(e) => {
                 let e = self.unhealed(&mut engine, e);
                 self.attempted(&mut attempts);

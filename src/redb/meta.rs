@@ -12,7 +12,7 @@ use super::errors::engine_error;
 use super::file::not_ours;
 use super::tables::{
     EXPIRY, META, META_FORMAT_VERSION, META_STORE_ID, META_TOKEN_HWM, META_WAL_BOOT,
-    META_WAL_BYTES, META_WAL_EPOCH, META_WAL_STATE, RECORDS, WAL_OPEN,
+    META_WAL_BYTES, META_WAL_EPOCH, META_WAL_STATE, RECORDS, WAL_OPEN, commit,
 };
 use crate::error::{Error, Result};
 use ::redb::{Database, ReadableDatabase, TableError, TableHandle};
@@ -115,23 +115,12 @@ fn table_error(err: TableError) -> Error {
 /// Writes the meta table and the empty record tables of a new store.
 pub(super) fn init_meta(db: &Database, config: &Config) -> Result<MetaEntries> {
     let store_id = new_store_id(config);
-    let mut txn = db.begin_write().map_err(engine_error)?;
-    txn.set_quick_repair(true);
-    {
-        let mut meta = txn.open_table(META).map_err(engine_error)?;
-        meta.insert(
-            META_FORMAT_VERSION,
-            STORE_FORMAT_VERSION.to_be_bytes().as_slice(),
-        )
-        .map_err(engine_error)?;
-        meta.insert(META_STORE_ID, store_id.as_slice())
-            .map_err(engine_error)?;
-        meta.insert(META_TOKEN_HWM, 0u64.to_be_bytes().as_slice())
-            .map_err(engine_error)?;
-        txn.open_table(RECORDS).map_err(engine_error)?;
-        txn.open_table(EXPIRY).map_err(engine_error)?;
-    }
-    txn.commit().map_err(engine_error)?;
+    // The commit creates the record tables too.
+    commit(db, true, |tables| {
+        tables.set_meta(META_FORMAT_VERSION, &STORE_FORMAT_VERSION.to_be_bytes())?;
+        tables.set_meta(META_STORE_ID, &store_id)?;
+        tables.set_meta(META_TOKEN_HWM, &0u64.to_be_bytes())
+    })??;
     Ok(MetaEntries {
         format_version: STORE_FORMAT_VERSION,
         store_id,

@@ -57,7 +57,8 @@
 //! - `damage.rs`: what is wrong with a store's files, typed (one text,
 //!   one mapping to [`Error::Corrupt`]); `loss.rs`: what an open that
 //!   accepts loss gave up;
-//! - `tables.rs`: the three tables and the record + index pair helpers;
+//! - `tables.rs`: the three tables, the record + index pair helpers and
+//!   `commit`, the one way into redb (every write transaction);
 //! - `errors.rs`: redb's errors as the one public [`Error`];
 //! - `config.rs`: the options as data (durability, recovery policy, the
 //!   config an open reads); `builder.rs`: the builder and its opens;

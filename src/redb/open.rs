@@ -12,7 +12,7 @@ use super::meta::{MetaEntries, init_meta, read_meta};
 use super::overlay::Overlay;
 use super::record_log::{self, FileLog, Wal};
 use super::recovery::{Found, boot_id, recover_log};
-use super::tables::WriteTables;
+use super::tables::commit;
 use super::witness::{IoWitness, Witnessed};
 use super::{Config, RecoveryPolicy};
 use crate::error::{Error, Result};
@@ -346,7 +346,7 @@ fn engine_open(
 /// A heal's first step: the engine over the store's files again, and its
 /// meta entries. Nothing is written (redb's own recovery of a file not
 /// closed cleanly aside); the log is replayed by
-/// [`heal_log`](super::recovery::heal_log).
+/// [`recover_log`](super::recovery::recover_log).
 pub(super) fn reopen_engine(
     source: &super::source::Source,
     config: &Config,
@@ -420,11 +420,8 @@ fn map_open(err: DatabaseError, path: &Path) -> Error {
 /// with a new fencing token. Reads every record: O(records) at open.
 fn expire_leases(db: &Database, config: &Config) -> Result<u64> {
     let now = config.clock.now();
-    let mut txn = db.begin_write().map_err(engine_error)?;
-    txn.set_quick_repair(true);
-    let mut expired = 0u64;
-    {
-        let mut tables = WriteTables::open(&txn)?;
+    commit(db, true, |tables| {
+        let mut expired = 0u64;
         for (key_bytes, record) in tables.all()? {
             let live_lease = match (record.state, record.lease_until) {
                 (State::Processing, Some(lease_until)) => lease_until > now,
@@ -440,7 +437,6 @@ fn expire_leases(db: &Database, config: &Config) -> Result<u64> {
             tables.apply(&key_bytes, Some(&ended))?;
             expired += 1;
         }
-    }
-    txn.commit().map_err(engine_error)?;
-    Ok(expired)
+        Ok::<_, Error>(expired)
+    })?
 }

@@ -2,18 +2,17 @@
 //! says about its write-ahead log and what is wrong with the log before a
 //! frame is read ([`plan_log`]), the walk over its live frames
 //! ([`walk_live`]), and their replay into the store file in one durable
-//! commit that starts a new epoch ([`recover_log`], [`heal_log`]). The
+//! commit that starts a new epoch ([`recover_log`]). The
 //! frames and the walk over one epoch are the log's own (`record_log/`);
 //! the meta entries that record the log's state are read in meta.rs.
 
 use super::Config;
 use super::damage::Damage;
-use super::errors::engine_error;
 use super::loss::LossReport;
-use super::meta::{MetaEntries, read_wal_boot, read_wal_epoch, read_wal_state};
-use super::record_log::{self, Wal};
+use super::meta::{read_wal_boot, read_wal_epoch, read_wal_state};
+use super::record_log::{self, Wal, applier};
 use super::tables::{
-    META, META_WAL_BOOT, META_WAL_BYTES, META_WAL_EPOCH, META_WAL_STATE, WAL_OPEN,
+    META_WAL_BOOT, META_WAL_BYTES, META_WAL_EPOCH, META_WAL_STATE, WAL_OPEN, commit,
 };
 use crate::error::{Error, Result};
 use ::redb::{Database, StorageBackend};
@@ -158,38 +157,25 @@ pub(super) fn recover_log(
         }
         loss.findings.push(format!("accepted: {problem}"));
     }
-    let epoch = plan.epoch;
-    let mut txn = db.begin_write().map_err(engine_error)?;
-    txn.set_quick_repair(true);
-    // Replayed with the layout the log was written in, before its size
-    // may change below (a larger `wal_bytes` moves the segments).
-    let frames = walk_live(
-        file.as_ref(),
-        found,
-        &plan,
-        config.accept_loss.then_some(&mut *loss),
-        record_log::applier(&txn)?,
-    )?;
-    // Both epochs are now retired; new frames start a fresh one.
-    let fresh = epoch.wrapping_add(2);
-    {
-        let mut meta = txn.open_table(META).map_err(engine_error)?;
-        meta.insert(META_WAL_EPOCH, fresh.to_be_bytes().as_slice())
-            .map_err(engine_error)?;
-        meta.insert(META_WAL_STATE, [WAL_OPEN].as_slice())
-            .map_err(engine_error)?;
+    // Both epochs are retired by the commit; new frames start a fresh one.
+    let fresh = plan.epoch.wrapping_add(2);
+    let frames = commit(db, true, |tables| {
+        // Replayed with the layout the log was written in, before its size
+        // may change below (a larger `wal_bytes` moves the segments).
+        let accepting = config.accept_loss.then_some(&mut *loss);
+        let frames = walk_live(file.as_ref(), found, &plan, accepting, applier(tables))?;
+        tables.set_meta(META_WAL_EPOCH, &fresh.to_be_bytes())?;
+        tables.set_meta(META_WAL_STATE, &[WAL_OPEN])?;
         match boot {
-            Some(boot) => meta.insert(META_WAL_BOOT, boot.as_bytes()).map(|_| ()),
-            None => meta.remove(META_WAL_BOOT).map(|_| ()),
+            Some(boot) => tables.set_meta(META_WAL_BOOT, boot.as_bytes())?,
+            None => tables.remove_meta(META_WAL_BOOT)?,
         }
-        .map_err(engine_error)?;
         // The size as it is: a crash while `preallocate` grows the file
         // below leaves it longer than recorded, which is allowed (no frame
         // of the new epoch exists before the size is recorded again).
-        meta.insert(META_WAL_BYTES, len.to_be_bytes().as_slice())
-            .map_err(engine_error)?;
-    }
-    txn.commit().map_err(engine_error)?;
+        tables.set_meta(META_WAL_BYTES, &len.to_be_bytes())?;
+        Ok::<_, Error>(frames)
+    })??;
     // A read-only open replayed into memory (an overlay) and leaves the
     // log file as it is.
     let new_len = if config.read_only {
@@ -199,37 +185,11 @@ pub(super) fn recover_log(
     };
     if new_len != len {
         // The new size, durably, before any frame is laid out for it.
-        let txn = db.begin_write().map_err(engine_error)?;
-        {
-            let mut meta = txn.open_table(META).map_err(engine_error)?;
-            meta.insert(META_WAL_BYTES, new_len.to_be_bytes().as_slice())
-                .map_err(engine_error)?;
-        }
-        txn.commit().map_err(engine_error)?;
+        commit(db, true, |t| {
+            t.set_meta(META_WAL_BYTES, &new_len.to_be_bytes())
+        })??;
     }
     Ok((Wal::new(file, store_id, fresh, new_len), frames))
-}
-
-/// A heal's second step: the log's live frames replayed into the reopened
-/// engine and a durable commit with a new epoch, as an open does. A frame
-/// damaged at the end of the log is the end (it is the one whose write
-/// failed, never acknowledged), as after a power cut.
-pub(super) fn heal_log(
-    db: &Database,
-    file: std::sync::Arc<dyn StorageBackend>,
-    meta: &MetaEntries,
-    config: &Config,
-    name: &Path,
-) -> Result<Wal> {
-    let boot = boot_id();
-    let found = Found {
-        store_id: meta.store_id,
-        boot: boot.as_deref(),
-        name,
-        heal: true,
-    };
-    let mut loss = LossReport::default();
-    recover_log(db, file, &found, config, &mut loss).map(|(wal, _)| wal)
 }
 
 /// This boot of the machine: Linux's random id, new at every boot. An

@@ -8,7 +8,6 @@
 //! write path's methods are in `commit/`, the heal in heal.rs.
 
 use super::config::Config;
-use super::errors::engine_error;
 use super::health::{Health, On};
 use super::line::{MAX_WRITE_BATCH, Queue};
 use super::memtable::Mem;
@@ -322,11 +321,8 @@ impl Shared {
     pub(super) fn close(&self) -> Result<()> {
         self.check_writable()?;
         let mut core = self.lock_core();
-        self.direct_locked(&mut core, |txn, _| {
-            let mut meta = txn.open_table(tables::META).map_err(engine_error)?;
-            meta.insert(tables::META_WAL_STATE, [tables::WAL_CLOSED].as_slice())
-                .map_err(engine_error)?;
-            Ok::<_, Error>(())
+        self.direct_locked(&mut core, true, |t, _| {
+            t.set_meta(tables::META_WAL_STATE, &[tables::WAL_CLOSED])
         })
     }
 
@@ -334,7 +330,7 @@ impl Shared {
     pub(super) fn flush_locked(&self, core: &mut Core) -> Result<()> {
         let dirty = !self.read_mem().is_empty() || core.wal.is_dirty();
         if dirty {
-            self.direct_locked(core, |_, _| Ok::<_, Error>(()))?;
+            self.direct_locked(core, true, |_, _| Ok::<_, Error>(()))?;
         }
         Ok(())
     }

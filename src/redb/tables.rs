@@ -19,6 +19,7 @@ use ::redb::{
     Database, ReadOnlyTable, ReadTransaction, ReadableDatabase, ReadableTable, Table,
     TableDefinition, WriteTransaction,
 };
+use std::collections::BTreeMap;
 
 /// Records by key.
 pub(crate) const RECORDS: TableDefinition<'static, &'static [u8], &'static [u8]> =
@@ -58,19 +59,81 @@ pub(crate) const WAL_OPEN: u8 = 0;
 /// holds nothing that is needed.
 pub(crate) const WAL_CLOSED: u8 = 1;
 
-/// The record and index tables of one write transaction.
+/// The one way into redb: `write` runs in a write transaction with the
+/// tables open, which then commits durably (`fsync` before this returns).
+/// The checkpoint, the direct transactions (the inbox, the admin writes,
+/// a close, a group too large for the log), an open's and a heal's replay
+/// of the log all go through it.
+///
+/// Quick-repair on: redb saves its allocator state with the commit and
+/// commits in two phases (two fsyncs), so an open after a crash does not
+/// walk the file. Off (an inbox that switched it off): one fsync, as
+/// durable, and an open after a crash that follows it walks the file.
+///
+/// `Err`: the engine failed (to begin, or to commit: the commit may or may
+/// not be on disk). `Ok(Err)`: `write` refused, nothing was written.
+pub(super) fn commit<T, E>(
+    db: &Database,
+    quick_repair: bool,
+    write: impl FnOnce(&mut WriteTables<'_>) -> std::result::Result<T, E>,
+) -> Result<std::result::Result<T, E>> {
+    let mut txn = db.begin_write().map_err(engine_error)?;
+    txn.set_durability(::redb::Durability::Immediate)
+        .map_err(engine_error)?;
+    txn.set_quick_repair(quick_repair);
+    // The tables close at the end of the statement, before the commit.
+    let out = write(&mut WriteTables::open(&txn)?);
+    if out.is_ok() {
+        txn.commit().map_err(engine_error)?;
+    }
+    Ok(out)
+}
+
+/// The tables of a write transaction ([`commit`]).
 pub(super) struct WriteTables<'txn> {
+    /// The transaction, for the inbox's handler (its own tables).
+    pub(super) txn: &'txn WriteTransaction,
     records: Table<'txn, &'static [u8], &'static [u8]>,
     expiry: Table<'txn, &'static [u8], ()>,
+    meta: Table<'txn, &'static str, &'static [u8]>,
 }
 
 impl<'txn> WriteTables<'txn> {
-    /// Opens (creating if needed) both tables in `txn`.
-    pub(super) fn open(txn: &'txn WriteTransaction) -> Result<WriteTables<'txn>> {
+    fn open(txn: &'txn WriteTransaction) -> Result<WriteTables<'txn>> {
         Ok(WriteTables {
+            txn,
             records: txn.open_table(RECORDS).map_err(engine_error)?,
             expiry: txn.open_table(EXPIRY).map_err(engine_error)?,
+            meta: txn.open_table(META).map_err(engine_error)?,
         })
+    }
+
+    /// Sets the meta entry `name`.
+    pub(super) fn set_meta(&mut self, name: &str, value: &[u8]) -> Result<()> {
+        self.meta.insert(name, value).map_err(engine_error)?;
+        Ok(())
+    }
+
+    /// Removes the meta entry `name`.
+    pub(super) fn remove_meta(&mut self, name: &str) -> Result<()> {
+        self.meta.remove(name).map_err(engine_error)?;
+        Ok(())
+    }
+
+    /// Writes a memtable's records.
+    pub(super) fn take_in(&mut self, records: &BTreeMap<Vec<u8>, Option<Record>>) -> Result<()> {
+        for (key, entry) in records {
+            self.apply(key, entry.as_ref())?;
+        }
+        Ok(())
+    }
+
+    /// Stores the token high-water mark and `next_epoch` as the log's
+    /// durable epoch, which retires every frame of the epochs before it
+    /// (their records are in this commit).
+    pub(super) fn retire(&mut self, token_hwm: u64, next_epoch: u64) -> Result<()> {
+        self.set_meta(META_TOKEN_HWM, &token_hwm.to_be_bytes())?;
+        self.set_meta(META_WAL_EPOCH, &next_epoch.to_be_bytes())
     }
 
     /// Stores `entry` (a record, or `None` for a deletion) as the latest
@@ -128,7 +191,7 @@ impl<'txn> WriteTables<'txn> {
     }
 
     /// Adds one index entry (a record's).
-    fn index(&mut self, index_key: &[u8]) -> Result<()> {
+    pub(super) fn index(&mut self, index_key: &[u8]) -> Result<()> {
         self.expiry.insert(index_key, ()).map_err(engine_error)?;
         Ok(())
     }
@@ -143,6 +206,43 @@ impl<'txn> WriteTables<'txn> {
             out.push((key_bytes, record));
         }
         Ok(out)
+    }
+
+    /// Removes `key_bytes`' record and its index entries: `None` when there
+    /// was none, else the record (`None` if it did not decode: its index
+    /// entries are then found by a scan of the index) and the index entries
+    /// removed.
+    pub(super) fn evict(&mut self, key_bytes: &[u8]) -> Result<Option<(Option<Record>, u64)>> {
+        let Some(value) = self.records.remove(key_bytes).map_err(engine_error)? else {
+            return Ok(None);
+        };
+        let record = codec::decode_record(key_bytes, value.value()).ok();
+        drop(value);
+        let stale: Vec<Vec<u8>> = match &record {
+            Some(r) => vec![codec::encode_index(r.expires_at, key_bytes)],
+            None => {
+                let mut found = Vec::new();
+                for entry in self.expiry.iter().map_err(engine_error)? {
+                    let (k, _) = entry.map_err(engine_error)?;
+                    if matches!(codec::decode_index(k.value()), Ok((_, kb)) if kb == key_bytes) {
+                        found.push(k.value().to_vec());
+                    }
+                }
+                found
+            }
+        };
+        let mut removed = 0;
+        for index_key in stale {
+            if self
+                .expiry
+                .remove(index_key.as_slice())
+                .map_err(engine_error)?
+                .is_some()
+            {
+                removed += 1;
+            }
+        }
+        Ok(Some((record, removed)))
     }
 }
 

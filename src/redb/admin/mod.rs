@@ -28,40 +28,34 @@
 //! taking in the memtable first and retiring the log, and a failed commit
 //! poisons the store exactly as a failed group would.
 //!
-//! - this file: [`Admin`], [`Facts`], [`RawKey`], [`Evicted`], the reads,
-//!   evict and import;
+//! - this file: [`Admin`], [`Facts`], [`RawKey`], the reads;
+//! - `write.rs`: the writes ([`Admin::evict`], [`Admin::import`], the
+//!   token high-water mark), each a direct transaction;
 //! - `verify.rs`: [`Admin::verify`] and its [`VerifyReport`];
 //! - `line.rs`: the export line format ([`export_line`], [`parse_line`]).
 
 mod line;
 mod log;
 mod verify;
+mod write;
 
 pub use line::{LINE_VERSION, export_line, parse_line};
 pub use log::{LogCheck, check_log, log_path};
 pub use verify::{MAX_LISTED_PROBLEMS, Problem, ProblemKind, VerifyReport};
+pub use write::{Evicted, IMPORT_BATCH};
 
 use super::RedbStore;
 use super::errors::engine_error;
 use super::meta::STORE_FORMAT_VERSION;
-use super::tables::{EXPIRY, RECORDS, WriteTables};
+use super::tables::{EXPIRY, RECORDS};
 use crate::codec;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::key::Key;
 use crate::record::Record;
 use crate::time::Timestamp;
 use ::redb::{ReadableDatabase, ReadableTable, ReadableTableMetadata};
 use std::fmt;
 use std::ops::ControlFlow;
-
-/// Records written per transaction by [`Admin::import`]: bounds the memory
-/// of one transaction while keeping the fsyncs few.
-///
-/// ```
-/// // An import of a million records is a hundred durable commits.
-/// assert_eq!(1_000_000usize.div_ceil(idemstore::redb::admin::IMPORT_BATCH), 100);
-/// ```
-pub const IMPORT_BATCH: usize = 10_000;
 
 impl RedbStore {
     /// Operator access to this store's file: facts, raw scans, verify,
@@ -161,7 +155,7 @@ impl<'a> RawKey<'a> {
         self.bytes
     }
 
-    /// The [`Key`] these bytes store; [`Error::Corrupt`] when they do not
+    /// The [`Key`] these bytes store; [`Error::Corrupt`](crate::Error::Corrupt) when they do not
     /// decode to a valid one.
     ///
     /// ```
@@ -187,26 +181,6 @@ impl fmt::Debug for RawKey<'_> {
     }
 }
 
-/// What [`Admin::evict`] removed.
-///
-/// ```
-/// # use idemstore::{Key, RedbStore};
-/// # let dir = tempfile::tempdir()?;
-/// # let store = RedbStore::open(dir.path().join("s.idem"))?;
-/// if let Some(evicted) = store.admin().evict(&Key::new("t", "o-1")?)? {
-///     println!("{} index entries removed", evicted.index_entries);
-/// }
-/// # Ok::<(), idemstore::Error>(())
-/// ```
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Evicted {
-    /// The record, when it still decoded (`None` for a damaged one).
-    pub record: Option<Record>,
-    /// Index entries removed with it.
-    pub index_entries: u64,
-}
-
 impl Admin<'_> {
     /// Writes everything the memtable holds into the store file (durably,
     /// retiring the log), so that the reads here, which read the file, see
@@ -224,7 +198,7 @@ impl Admin<'_> {
     }
 
     /// Facts from the meta table and the table sizes. A missing or
-    /// malformed meta entry is [`Error::Corrupt`].
+    /// malformed meta entry is [`Error::Corrupt`](crate::Error::Corrupt).
     ///
     /// ```
     /// # let dir = tempfile::tempdir()?;
@@ -258,7 +232,7 @@ impl Admin<'_> {
 
     /// Calls `f` with every record in the store file, in key order, from
     /// one snapshot, until it returns [`ControlFlow::Break`]. A record that
-    /// does not verify is passed as its error ([`Error::Corrupt`]), not
+    /// does not verify is passed as its error ([`Error::Corrupt`](crate::Error::Corrupt)), not
     /// skipped. Expired records not yet swept are included.
     ///
     /// ```
@@ -279,7 +253,7 @@ impl Admin<'_> {
 
     /// [`scan`](Self::scan) over the records of one scope (tenant) only:
     /// keys sort by scope first, so this reads one key range.
-    /// [`Error::InvalidKey`] when `scope` is longer than a scope may be.
+    /// [`Error::InvalidKey`](crate::Error::InvalidKey) when `scope` is longer than a scope may be.
     ///
     /// ```
     /// use idemstore::{Fingerprint, Key, RedbStore, Store, Timestamp};
@@ -339,7 +313,7 @@ impl Admin<'_> {
 
     /// The latest stored record for `key` whether or not it has expired
     /// (an operator asks about what is stored; [`Store::get`](crate::Store::get)
-    /// hides expired records). [`Error::Corrupt`] for a record that does
+    /// hides expired records). [`Error::Corrupt`](crate::Error::Corrupt) for a record that does
     /// not verify.
     ///
     /// ```
@@ -410,152 +384,5 @@ impl Admin<'_> {
             }
         }
         Ok(n)
-    }
-
-    /// Removes `key`'s record and its index entry, whatever the record's
-    /// state, and even when the record no longer decodes (then every index
-    /// entry naming the key is found by a scan of the index). `Ok(None)`
-    /// when there is no record. A retry of an evicted key runs its side
-    /// effect again. [`Error::Poisoned`] on a poisoned store; a failed
-    /// commit poisons it.
-    ///
-    /// ```
-    /// use idemstore::{Fingerprint, Key, RedbStore, Store, Timestamp};
-    /// use std::time::Duration;
-    /// # let dir = tempfile::tempdir()?;
-    /// let store = RedbStore::open(dir.path().join("s.idem"))?;
-    /// let key = Key::new("t", "o-1")?;
-    /// let hour = Duration::from_secs(3600);
-    /// store.begin(&key, &Fingerprint::of(b"x"), Timestamp::EPOCH, hour, hour)?;
-    /// let evicted = store.admin().evict(&key)?.expect("it was there");
-    /// assert_eq!(evicted.index_entries, 1);
-    /// assert!(store.admin().evict(&key)?.is_none());
-    /// # Ok::<(), idemstore::Error>(())
-    /// ```
-    pub fn evict(&self, key: &Key) -> Result<Option<Evicted>> {
-        self.store.shared.check_healthy()?;
-        let key_bytes = codec::encode_key(key);
-        // A direct transaction: it takes in the memtable first, so the
-        // record removed is the latest, and it retires the log.
-        self.store.shared.direct(|txn, _| {
-            let mut records = txn.open_table(RECORDS).map_err(engine_error)?;
-            let mut expiry = txn.open_table(EXPIRY).map_err(engine_error)?;
-            let Some(value) = records.remove(key_bytes.as_slice()).map_err(engine_error)? else {
-                return Ok(None);
-            };
-            let record = codec::decode_record(&key_bytes, value.value()).ok();
-            drop(value);
-            let stale: Vec<Vec<u8>> = match &record {
-                Some(r) => vec![codec::encode_index(r.expires_at, &key_bytes)],
-                None => {
-                    let mut found = Vec::new();
-                    for entry in expiry.iter().map_err(engine_error)? {
-                        let (k, _) = entry.map_err(engine_error)?;
-                        if matches!(codec::decode_index(k.value()), Ok((_, kb)) if kb == key_bytes)
-                        {
-                            found.push(k.value().to_vec());
-                        }
-                    }
-                    found
-                }
-            };
-            let mut index_entries = 0;
-            for index_key in stale {
-                if expiry
-                    .remove(index_key.as_slice())
-                    .map_err(engine_error)?
-                    .is_some()
-                {
-                    index_entries += 1;
-                }
-            }
-            Ok(Some(Evicted {
-                record,
-                index_entries,
-            }))
-        })
-    }
-
-    /// Raises the token high-water mark to at least `at_least` (durably;
-    /// nothing when it is already there) and returns the mark. Fencing
-    /// tokens are handed out above the mark, so a store that takes over
-    /// another's records (an import, a salvage) raises it to the other
-    /// store's mark: no token the old store handed out, even for a record
-    /// since swept, is handed out again. [`Error::ReadOnly`] on a read-only
-    /// store (when it would write), [`Error::Poisoned`] on a poisoned one.
-    ///
-    /// ```
-    /// # let dir = tempfile::tempdir()?;
-    /// let store = idemstore::RedbStore::open(dir.path().join("s.idem"))?;
-    /// assert_eq!(store.admin().raise_token_high_water_mark(41)?, 41);
-    /// assert_eq!(store.admin().raise_token_high_water_mark(7)?, 41);
-    /// assert_eq!(store.admin().facts()?.token_hwm, 41);
-    /// # Ok::<(), idemstore::Error>(())
-    /// ```
-    pub fn raise_token_high_water_mark(&self, at_least: u64) -> Result<u64> {
-        let stored = self.facts()?.token_hwm;
-        if stored >= at_least {
-            return Ok(stored);
-        }
-        self.store.shared.direct(|_, token_hwm| {
-            *token_hwm = (*token_hwm).max(at_least);
-            Ok::<_, Error>(*token_hwm)
-        })
-    }
-
-    /// Writes `records` as they are (state, token, times: nothing is
-    /// re-decided), each with its index entry, [`IMPORT_BATCH`] per
-    /// transaction, and raises the token high-water mark to the largest
-    /// imported token. A record already stored under the same key is
-    /// replaced (its index entry moves). The first `Err` item stops the
-    /// import and is returned; the batches before it stay written.
-    /// Returns how many records were written.
-    ///
-    /// An import is an operator's bulk load (of lines read with
-    /// [`parse_line`]), not something to run beside live traffic: each
-    /// batch holds the commit lock.
-    ///
-    /// ```
-    /// use idemstore::redb::admin::{export_line, parse_line};
-    /// use idemstore::{Fingerprint, Key, RedbStore, Store, Timestamp};
-    /// use std::ops::ControlFlow;
-    /// use std::time::Duration;
-    /// # let dir = tempfile::tempdir()?;
-    /// let from = RedbStore::open(dir.path().join("from.idem"))?;
-    /// let hour = Duration::from_secs(3600);
-    /// from.begin(&Key::new("t", "o-1")?, &Fingerprint::of(b"x"), Timestamp::EPOCH, hour, hour)?;
-    /// from.admin().checkpoint()?;
-    /// let mut lines = Vec::new();
-    /// from.admin().scan(|key, record| {
-    ///     lines.push(export_line(&key.decode().expect("key"), &record.expect("record")));
-    ///     ControlFlow::Continue(())
-    /// })?;
-    ///
-    /// let to = RedbStore::open(dir.path().join("to.idem"))?;
-    /// assert_eq!(to.admin().import(lines.iter().map(|l| parse_line(l)))?, 1);
-    /// assert_eq!(to.admin().facts()?.token_hwm, from.admin().facts()?.token_hwm);
-    /// # Ok::<(), idemstore::Error>(())
-    /// ```
-    pub fn import(&self, records: impl IntoIterator<Item = Result<(Key, Record)>>) -> Result<u64> {
-        self.store.shared.check_healthy()?;
-        let mut hwm = self.facts()?.token_hwm;
-        let mut written = 0u64;
-        let mut records = records.into_iter().peekable();
-        while records.peek().is_some() {
-            self.store.shared.direct(|txn, token_hwm| {
-                let mut tables = WriteTables::open(txn)?;
-                for item in records.by_ref().take(IMPORT_BATCH) {
-                    let (key, record) = item?;
-                    // A stored record that does not decode is replaced
-                    // (see WriteTables::apply).
-                    tables.apply(&codec::encode_key(&key), Some(&record))?;
-                    hwm = hwm.max(record.token);
-                    written += 1;
-                }
-                *token_hwm = (*token_hwm).max(hwm);
-                Ok::<_, Error>(())
-            })?;
-        }
-        Ok(written)
     }
 }

@@ -219,7 +219,6 @@ impl Group<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::super::errors::engine_error;
     use super::super::tests::{D, T, begin, begin_absent_at, shared};
     use super::*;
     use crate::fingerprint::Fingerprint;
@@ -331,15 +330,7 @@ mod tests {
     /// have, written into redb directly.
     fn plant_stale_index_entry(shared: &crate::redb::Shared, key: &[u8], at: u64) {
         let stale = codec::encode_index(Timestamp::from_millis(at), key);
-        shared
-            .direct(|txn, _| {
-                let mut index = txn
-                    .open_table(crate::redb::tables::EXPIRY)
-                    .map_err(engine_error)?;
-                index.insert(stale.as_slice(), ()).map_err(engine_error)?;
-                Ok::<_, Error>(())
-            })
-            .unwrap();
+        shared.direct(|tables, _| tables.index(&stale)).unwrap();
     }
 
     /// A sweep in the same group as a new claim of an expired key checks

@@ -6,13 +6,11 @@
 //! checkpoint ([`Shared::wait_checkpointed`]) that a freeze and a direct
 //! transaction make first.
 
-use super::super::errors::engine_error;
 use super::super::health::On;
 use super::super::shared::{Core, Shared};
-use super::super::tables::{META, META_TOKEN_HWM, META_WAL_EPOCH, WriteTables};
+use super::super::tables::{WriteTables, commit};
 use crate::error::{Error, Result};
 use crate::sync::atomic::Ordering;
-use ::redb::WriteTransaction;
 
 impl Shared {
     /// Runs `f` in a durable write transaction of its own (the inbox, the
@@ -27,33 +25,20 @@ impl Shared {
     /// everything; a failed commit poisons the store.
     pub(in crate::redb) fn direct<T, E: From<Error>>(
         &self,
-        f: impl FnOnce(&WriteTransaction, &mut u64) -> Result<T, E>,
+        f: impl FnOnce(&mut WriteTables<'_>, &mut u64) -> Result<T, E>,
     ) -> Result<T, E> {
         let mut core = self.lock_core();
-        self.direct_locked(&mut core, f)
+        self.direct_locked(&mut core, true, f)
     }
 
-    /// [`direct`](Self::direct) with the commit lock already held.
+    /// [`direct`](Self::direct) with the commit lock already held, choosing
+    /// redb's quick-repair for the commit (see [`commit`]; on for every
+    /// caller but an inbox that switched it off).
     pub(in crate::redb) fn direct_locked<T, E: From<Error>>(
         &self,
         core: &mut Core,
-        f: impl FnOnce(&WriteTransaction, &mut u64) -> Result<T, E>,
-    ) -> Result<T, E> {
-        self.direct_locked_with(core, true, f)
-    }
-
-    /// [`direct_locked`](Self::direct_locked), choosing redb's quick-repair
-    /// for the commit. On (every caller but an inbox that switched it off):
-    /// redb saves its allocator state with the commit and commits in two
-    /// phases (two fsyncs), so an open after a crash does not walk the
-    /// file. Off: one fsync (redb's one-phase commit with checksums, as
-    /// durable), and an open after a crash that follows it walks the file
-    /// (redb's full repair).
-    pub(in crate::redb) fn direct_locked_with<T, E: From<Error>>(
-        &self,
-        core: &mut Core,
         quick_repair: bool,
-        f: impl FnOnce(&WriteTransaction, &mut u64) -> Result<T, E>,
+        f: impl FnOnce(&mut WriteTables<'_>, &mut u64) -> Result<T, E>,
     ) -> Result<T, E> {
         self.check_writable()?;
         self.check_healthy()?;
@@ -62,33 +47,20 @@ impl Shared {
         // what keeps the replay cache current (hot.rs).
         self.write_mem().hot.clear();
         let db = self.write_ready_db()?;
-        let mut txn = db
-            .begin_write()
-            .map_err(|e| self.engine_failed("commit", engine_error(e)))?;
-        txn.set_durability(::redb::Durability::Immediate)
-            .map_err(engine_error)?;
-        txn.set_quick_repair(quick_repair);
-        {
-            let mem = self.read_mem();
-            let mut tables = WriteTables::open(&txn)?;
-            for (key, entry) in &mem.active {
-                tables.apply(key, entry.as_ref())?;
-            }
-        }
         let mut hwm = core.token_hwm;
-        let out = f(&txn, &mut hwm)?;
-        let hwm = hwm.max(core.token_hwm);
-        {
-            let mut meta = txn.open_table(META).map_err(engine_error)?;
-            meta.insert(META_TOKEN_HWM, hwm.to_be_bytes().as_slice())
-                .map_err(engine_error)?;
+        // An I/O error of the engine's in this transaction's own writes
+        // poisons the store (redb refuses the engine until it is reopened).
+        let own = |e| self.engine_failed("commit", e);
+        let committed = commit(&db, quick_repair, |tables| {
+            // The memtable first, so that `f` reads the current state.
+            tables.take_in(&self.read_mem().active).map_err(own)?;
+            let out = f(tables, &mut hwm)?;
+            hwm = hwm.max(core.token_hwm);
             let next = core.wal.epoch().wrapping_add(1);
-            meta.insert(META_WAL_EPOCH, next.to_be_bytes().as_slice())
-                .map_err(engine_error)?;
-        }
-        if let Err(e) = txn.commit() {
-            return Err(self.fail("commit", On::Store, engine_error(e)).into());
-        }
+            tables.retire(hwm, next).map_err(own)?;
+            Ok::<_, E>(out)
+        });
+        let out = committed.map_err(|e| self.fail("commit", On::Store, e))??;
         // Before the active memtable is cleared (snapshot.rs).
         self.snapshot.committed();
         core.token_hwm = hwm;

@@ -1,37 +1,16 @@
 //! The commit path: leader/follower group commit (LevelDB's write queue).
-//! This module owns what a group is ([`Op`], [`Reply`]), the commit lock's
-//! state ([`Core`]) and the commit of one group (decide, one log frame,
-//! `fdatasync`, publish into the memtable, freeze when due). Its parts:
+//! This file commits one group under the commit lock: decide, one log
+//! frame, `fdatasync`, publish into the memtable, freeze when due.
+//! `leader.rs`: who leads, who waits, who is woken; `decide.rs`: the
+//! group's decisions through `logic`, over the group's own writes, the
+//! memtable and redb (a duplicate later in a group sees the claim made
+//! earlier in it); `direct.rs`: a write transaction of its own outside the
+//! line, and the wait for a running checkpoint.
 //!
-//! - `line.rs`: the line of callers, their slots and the leader role
-//!   (who leads, who waits, who is woken);
-//! - `decide.rs`: the group's decisions, pure of any I/O: each op in
-//!   order through `logic`, over the group's own writes, the memtable and
-//!   redb;
-//! - `direct.rs`: a write transaction of its own outside the line (the
-//!   inbox, admin evict and import, compaction, a close, a group too large
-//!   for the log), and the wait for a running checkpoint.
-//!
-//!
-//! A caller queues its request. The first caller in line becomes the
-//! *leader* on its own thread: it takes the waiting group (up to
-//! [`MAX_WRITE_BATCH`]), decides each request in
-//! order with the one state machine (`logic`), appends one frame to the
-//! write-ahead log, `fdatasync`s it, publishes the group's records into the
-//! memtable, hands the leader role to the next caller in line and wakes
-//! its followers. A lone caller pays no thread hand-off; under load the
-//! role moves from caller to caller.
-//!
-//! Futures (the native async entry, native.rs) join the same line but
-//! never lead: a runtime thread must not wait on an fsync. The role goes
-//! to the first blocked thread in line, and when the line holds only
-//! futures, to the store's one committer thread; a leader wakes each
-//! future's task when its group is durable. So the threads involved are the
-//! blocked callers plus one, however many futures wait.
-//!
-//! Requests in one group apply in order: a duplicate later in a group sees
-//! the claim made earlier in it (the group's own writes are an overlay on
-//! the memtable and redb).
+//! The first caller in line leads on its own thread (a lone caller pays no
+//! hand-off). Futures (native.rs) join the same line but never lead: a
+//! runtime thread must not wait on an fsync; the store's committer thread
+//! leads for them.
 //!
 //! Durability reasoning:
 //!
@@ -39,8 +18,9 @@
 //!   durable: the memtable is published after the log's `fdatasync`;
 //! - a frame that cannot be written or synced may or may not be on disk:
 //!   every caller in the group gets the error, nothing is published, and
-//!   the store is poisoned (every later write is [`Error::Poisoned`], with the cause) until
-//!   it heals (health.rs, heal.rs: the log is replayed as an open would);
+//!   the store is poisoned (every later write is [`Error::Poisoned`], with
+//!   the cause) until it heals (heal.rs: the log is replayed as an open
+//!   would);
 //! - a request that fails while being decided (stale claim, corrupt record,
 //!   an invariant check, a read error) fails alone and writes nothing;
 //! - a panic while leading poisons the store and answers the whole group,
@@ -54,7 +34,7 @@ use super::health::On;
 use super::line::{Op, Reply};
 use super::memtable::MEMTABLE_BYTES;
 use super::shared::Core;
-use super::tables::{LazyTables, META_TOKEN_HWM, WriteTables};
+use super::tables::{LazyTables, META_TOKEN_HWM};
 use super::{Durability, Shared};
 use crate::error::{Error, Result};
 use crate::sync::Instant;
@@ -117,11 +97,8 @@ impl Shared {
             // Larger than a whole segment: straight into redb, durably,
             // with everything in memory before it.
             let writes = decided.writes;
-            self.direct_locked(core, |txn, token_hwm| {
-                let mut tables = WriteTables::open(txn)?;
-                for (key, entry) in &writes {
-                    tables.apply(key, entry.as_ref())?;
-                }
+            self.direct_locked(core, true, |tables, token_hwm| {
+                tables.take_in(&writes)?;
                 *token_hwm = (*token_hwm).max(hwm);
                 Ok::<_, Error>(())
             })?;

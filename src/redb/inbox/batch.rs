@@ -22,7 +22,7 @@
 //!
 //! ## Durability
 //!
-//! The pass is a direct transaction (`Shared::direct_locked_with`, under
+//! The pass is a direct transaction (`Shared::direct_locked`, under
 //! the commit lock, held across passes): it first takes in what the
 //! memtable holds, so every message is decided on the latest state; it
 //! commits with `redb::Durability::Immediate`, the same durability as every
@@ -190,10 +190,10 @@ where
     loop {
         let mut burned = 0;
         let io_errors = shared.witness.count();
-        let pass = shared.direct_locked_with(&mut core, settings.quick_repair, |txn, hwm| {
+        let pass = shared.direct_locked(&mut core, settings.quick_repair, |tables, hwm| {
             one_pass(
                 store,
-                txn,
+                tables,
                 hwm,
                 &mut burned,
                 items,
@@ -253,7 +253,7 @@ where
 )]
 fn one_pass<E, F>(
     store: &RedbStore,
-    txn: &WriteTransaction,
+    tables: &mut WriteTables<'_>,
     hwm: &mut u64,
     burned: &mut u64,
     items: &[Item<'_>],
@@ -266,8 +266,8 @@ where
     F: FnMut(usize, &WriteTransaction, &Claim) -> Result<Response, E>,
 {
     let (now, retention) = (settings.now, settings.retention);
-    // Open for the whole pass; the handler opens its own tables beside them.
-    let mut tables = WriteTables::open(txn)?;
+    // The handler opens its own tables beside the store's.
+    let txn = tables.txn;
     let mut answers = Vec::with_capacity(items.len());
     for (index, (item, failed)) in items.iter().zip(failed).enumerate() {
         if failed.is_some() {

@@ -31,37 +31,35 @@
 //! that verifies, and the [`LossReport`] says what was skipped.
 
 use super::super::damage::{Damage, Stop};
-use super::super::errors::engine_error;
 use super::super::loss::LossReport;
-use super::super::tables::{META, WriteTables};
+use super::super::tables::WriteTables;
 use super::FRAME_ALIGN;
 use super::frame::{
     Entry, FRAME_HEADER, Frame, Layout, MAGIC, entries, keys_in, read_frame, segment_range,
 };
 use crate::error::{Error, Result};
-use ::redb::{StorageBackend, WriteTransaction};
+use ::redb::StorageBackend;
 use std::ops::ControlFlow;
 
-/// What replay does with a whole frame's payload: writes its entries into
-/// `txn` (hand it to [`walk`] as `on_frame`). A record put or delete also
-/// moves the record's expiry-index entry (the old expiry is read from the
-/// record it replaces), so the frames need not carry index entries. A frame that verifies but whose payload does not decode is
+/// What replay does with a whole frame's payload: writes its entries
+/// through `tables` (hand it to [`walk`] as `on_frame`). A record put or
+/// delete also moves the record's expiry-index entry (the old expiry is
+/// read from the record it replaces), so the frames need not carry index
+/// entries. A frame that verifies but whose payload does not decode is
 /// damage no crash can cause: [`Error::Corrupt`], and the caller commits
 /// nothing.
-pub(in crate::redb) fn applier<'t>(
-    txn: &'t WriteTransaction,
-) -> Result<impl FnMut(u64, &[u8]) -> Result<()> + 't> {
-    let mut tables = WriteTables::open(txn)?;
-    let mut meta = txn.open_table(META).map_err(engine_error)?;
-    Ok(move |at, payload: &[u8]| {
+pub(in crate::redb) fn applier<'a>(
+    tables: &'a mut WriteTables<'_>,
+) -> impl FnMut(u64, &[u8]) -> Result<()> + 'a {
+    move |at, payload: &[u8]| {
         entries(at, payload, |entry| match entry {
             Entry::Put(key, value, expires_at) => {
                 tables.apply_encoded(key, Some((value, expires_at)))
             }
             Entry::Del(key) => tables.apply_encoded(key, None),
-            Entry::Meta(name, value) => meta.insert(name, value).map(|_| ()).map_err(engine_error),
+            Entry::Meta(name, value) => tables.set_meta(name, value),
         })
-    })
+    }
 }
 
 /// Walks every frame of `epoch` laid out as `layout`, from the start of

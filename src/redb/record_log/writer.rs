@@ -118,6 +118,7 @@ mod tests {
     use super::super::frame::{FRAME_ALIGN, Frame, Layout, read_frame};
     use super::super::reader::{applier, walk};
     use super::*;
+    use crate::redb::tables::commit;
 
     #[test]
     fn appends_start_on_aligned_offsets_in_the_epochs_segment_and_rotate() {
@@ -172,28 +173,23 @@ mod tests {
         let db = ::redb::Database::builder()
             .create_with_backend(::redb::backends::InMemoryBackend::new())
             .unwrap();
-        let txn = db.begin_write().unwrap();
-        let n = walk(
-            file.as_ref(),
-            &[3; 16],
-            5,
-            &Layout::segment(len, 5),
-            false,
-            None,
-            applier(&txn).unwrap(),
-        )
-        .unwrap();
-        assert_eq!(n, 2);
-        let n = walk(
-            file.as_ref(),
-            &[3; 16],
-            6,
-            &Layout::segment(len, 6),
-            false,
-            None,
-            applier(&txn).unwrap(),
-        )
-        .unwrap();
-        assert_eq!(n, 1);
+        let walked = |epoch| {
+            commit(&db, false, |t| {
+                let layout = Layout::segment(len, epoch);
+                walk(
+                    file.as_ref(),
+                    &[3; 16],
+                    epoch,
+                    &layout,
+                    false,
+                    None,
+                    applier(t),
+                )
+            })
+            .unwrap()
+            .unwrap()
+        };
+        assert_eq!(walked(5), 2);
+        assert_eq!(walked(6), 1);
     }
 }

@@ -1,0 +1,159 @@
+//! The admin's writes: each a direct transaction (`Shared::direct`: under
+//! the commit lock, the memtable taken in first, the log retired; a failed
+//! commit poisons the store).
+
+use super::Admin;
+use crate::codec;
+use crate::error::{Error, Result};
+use crate::key::Key;
+use crate::record::Record;
+
+/// Records written per transaction by [`Admin::import`]: bounds the memory
+/// of one transaction while keeping the fsyncs few.
+///
+/// ```
+/// // An import of a million records is a hundred durable commits.
+/// assert_eq!(1_000_000usize.div_ceil(idemstore::redb::admin::IMPORT_BATCH), 100);
+/// ```
+pub const IMPORT_BATCH: usize = 10_000;
+
+/// What [`Admin::evict`] removed.
+///
+/// ```
+/// # use idemstore::{Key, RedbStore};
+/// # let dir = tempfile::tempdir()?;
+/// # let store = RedbStore::open(dir.path().join("s.idem"))?;
+/// if let Some(evicted) = store.admin().evict(&Key::new("t", "o-1")?)? {
+///     println!("{} index entries removed", evicted.index_entries);
+/// }
+/// # Ok::<(), idemstore::Error>(())
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Evicted {
+    /// The record, when it still decoded (`None` for a damaged one).
+    pub record: Option<Record>,
+    /// Index entries removed with it.
+    pub index_entries: u64,
+}
+
+impl Admin<'_> {
+    /// Removes `key`'s record and its index entry, whatever the record's
+    /// state, and even when the record no longer decodes (then every index
+    /// entry naming the key is found by a scan of the index). `Ok(None)`
+    /// when there is no record. A retry of an evicted key runs its side
+    /// effect again. [`Error::Poisoned`] on a poisoned store; a failed
+    /// commit poisons it.
+    ///
+    /// ```
+    /// use idemstore::{Fingerprint, Key, RedbStore, Store, Timestamp};
+    /// use std::time::Duration;
+    /// # let dir = tempfile::tempdir()?;
+    /// let store = RedbStore::open(dir.path().join("s.idem"))?;
+    /// let key = Key::new("t", "o-1")?;
+    /// let hour = Duration::from_secs(3600);
+    /// store.begin(&key, &Fingerprint::of(b"x"), Timestamp::EPOCH, hour, hour)?;
+    /// let evicted = store.admin().evict(&key)?.expect("it was there");
+    /// assert_eq!(evicted.index_entries, 1);
+    /// assert!(store.admin().evict(&key)?.is_none());
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn evict(&self, key: &Key) -> Result<Option<Evicted>> {
+        self.store.shared.check_healthy()?;
+        let key_bytes = codec::encode_key(key);
+        // A direct transaction: it takes in the memtable first, so the
+        // record removed is the latest, and it retires the log.
+        self.store.shared.direct(|tables, _| {
+            Ok::<_, Error>(
+                tables
+                    .evict(&key_bytes)?
+                    .map(|(record, index_entries)| Evicted {
+                        record,
+                        index_entries,
+                    }),
+            )
+        })
+    }
+
+    /// Raises the token high-water mark to at least `at_least` (durably;
+    /// nothing when it is already there) and returns the mark. Fencing
+    /// tokens are handed out above the mark, so a store that takes over
+    /// another's records (an import, a salvage) raises it to the other
+    /// store's mark: no token the old store handed out, even for a record
+    /// since swept, is handed out again. [`Error::ReadOnly`] on a read-only
+    /// store (when it would write), [`Error::Poisoned`] on a poisoned one.
+    ///
+    /// ```
+    /// # let dir = tempfile::tempdir()?;
+    /// let store = idemstore::RedbStore::open(dir.path().join("s.idem"))?;
+    /// assert_eq!(store.admin().raise_token_high_water_mark(41)?, 41);
+    /// assert_eq!(store.admin().raise_token_high_water_mark(7)?, 41);
+    /// assert_eq!(store.admin().facts()?.token_hwm, 41);
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn raise_token_high_water_mark(&self, at_least: u64) -> Result<u64> {
+        let stored = self.facts()?.token_hwm;
+        if stored >= at_least {
+            return Ok(stored);
+        }
+        self.store.shared.direct(|_, token_hwm| {
+            *token_hwm = (*token_hwm).max(at_least);
+            Ok::<_, Error>(*token_hwm)
+        })
+    }
+
+    /// Writes `records` as they are (state, token, times: nothing is
+    /// re-decided), each with its index entry, [`IMPORT_BATCH`] per
+    /// transaction, and raises the token high-water mark to the largest
+    /// imported token. A record already stored under the same key is
+    /// replaced (its index entry moves). The first `Err` item stops the
+    /// import and is returned; the batches before it stay written.
+    /// Returns how many records were written.
+    ///
+    /// An import is an operator's bulk load (of lines read with
+    /// [`parse_line`](super::parse_line)), not something to run beside live traffic: each
+    /// batch holds the commit lock.
+    ///
+    /// ```
+    /// use idemstore::redb::admin::{export_line, parse_line};
+    /// use idemstore::{Fingerprint, Key, RedbStore, Store, Timestamp};
+    /// use std::ops::ControlFlow;
+    /// use std::time::Duration;
+    /// # let dir = tempfile::tempdir()?;
+    /// let from = RedbStore::open(dir.path().join("from.idem"))?;
+    /// let hour = Duration::from_secs(3600);
+    /// from.begin(&Key::new("t", "o-1")?, &Fingerprint::of(b"x"), Timestamp::EPOCH, hour, hour)?;
+    /// from.admin().checkpoint()?;
+    /// let mut lines = Vec::new();
+    /// from.admin().scan(|key, record| {
+    ///     lines.push(export_line(&key.decode().expect("key"), &record.expect("record")));
+    ///     ControlFlow::Continue(())
+    /// })?;
+    ///
+    /// let to = RedbStore::open(dir.path().join("to.idem"))?;
+    /// assert_eq!(to.admin().import(lines.iter().map(|l| parse_line(l)))?, 1);
+    /// assert_eq!(to.admin().facts()?.token_hwm, from.admin().facts()?.token_hwm);
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn import(&self, records: impl IntoIterator<Item = Result<(Key, Record)>>) -> Result<u64> {
+        self.store.shared.check_healthy()?;
+        let mut hwm = self.facts()?.token_hwm;
+        let mut written = 0u64;
+        let mut records = records.into_iter().peekable();
+        while records.peek().is_some() {
+            self.store.shared.direct(|tables, token_hwm| {
+                for item in records.by_ref().take(IMPORT_BATCH) {
+                    let (key, record) = item?;
+                    // A stored record that does not decode is replaced
+                    // (see WriteTables::apply).
+                    tables.apply(&codec::encode_key(&key), Some(&record))?;
+                    hwm = hwm.max(record.token);
+                    written += 1;
+                }
+                *token_hwm = (*token_hwm).max(hwm);
+                Ok::<_, Error>(())
+            })?;
+        }
+        Ok(written)
+    }
+}
