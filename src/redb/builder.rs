@@ -112,8 +112,8 @@ impl RedbStoreBuilder {
     /// Longest time a logged write waits before the checkpointer starts
     /// writing it into the store file ([`CHECKPOINT_INTERVAL`](crate::redb::CHECKPOINT_INTERVAL)
     /// by default; at least 1 ms). A checkpoint also starts when the log
-    /// segment or the memtable (4 MiB of records) is full. Longer: fewer checkpoints (each rewrites the pages its
-    /// records land on), more to replay after a crash.
+    /// segment or the memtable is full. Longer: fewer checkpoints, more to
+    /// replay after a crash.
     ///
     /// ```
     /// # let dir = tempfile::tempdir()?;
@@ -176,13 +176,8 @@ impl RedbStoreBuilder {
     /// for one open (`idemstore recover --accept-loss`), not a setting to
     /// leave on.
     ///
-    /// What it does, case by case (`docs/operations.md` has the table):
-    /// frames that do not verify are skipped and replay goes on with the
-    /// next frame that does; a log missing, empty or cut short after an
-    /// unclean stop is replayed as far as it goes; a log with frames beside
-    /// a missing or empty store file is renamed to `<log>.lost`, never
-    /// overwritten, and a new store is made. A frame that verifies but does
-    /// not decode is still refused: no crash or bit rot makes one.
+    /// `docs/operations.md` has what it does, case by case. A frame that
+    /// verifies but does not decode is still refused.
     ///
     /// ```
     /// use idemstore::RedbStore;
@@ -248,10 +243,8 @@ impl RedbStoreBuilder {
     /// must come from the same store: the log holds the batches
     /// acknowledged after the store file's last checkpoint.
     ///
-    /// It names a redb type, so it follows redb's major version, as do the
-    /// [`Inbox`](crate::redb::Inbox)'s transactions and the
-    /// [`engine`](crate::redb::engine) re-export. The core API (the crate
-    /// root, the `Store` contract) names no engine type.
+    /// It names a redb type, so it follows redb's major version (the core
+    /// API names no engine type).
     ///
     /// ```
     /// use idemstore::RedbStore;

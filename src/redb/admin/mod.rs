@@ -19,19 +19,11 @@
 //! # Ok::<(), idemstore::Error>(())
 //! ```
 //!
-//! Reads use ordinary read transactions of the store file, so each sees one
-//! consistent snapshot of it. The file holds what was checkpointed: after an
-//! open that is everything (the log is replayed into it), and after writes
-//! through the store [`Admin::checkpoint`] makes them part of it.
-//! Writes here ([`Admin::evict`], [`Admin::import`]) are direct
-//! transactions: under the commit lock, so no group commits beside them,
-//! taking in the memtable first and retiring the log, and a failed commit
-//! poisons the store exactly as a failed group would.
-//!
-//! - this file: [`Admin`], [`Facts`], [`RawKey`], [`Evicted`], the reads,
-//!   evict and import;
-//! - `verify.rs`: [`Admin::verify`] and its [`VerifyReport`];
-//! - `line.rs`: the export line format ([`export_line`], [`parse_line`]).
+//! Reads see one snapshot of the store file: what was checkpointed (after
+//! an open, everything; after writes, call [`Admin::checkpoint`]). Writes
+//! ([`Admin::evict`], [`Admin::import`]) are direct transactions: under the
+//! commit lock, the memtable taken in first, the log retired, and a failed
+//! commit poisons the store as a failed group would.
 
 mod line;
 mod log;
@@ -435,8 +427,7 @@ impl Admin<'_> {
     pub fn evict(&self, key: &Key) -> Result<Option<Evicted>> {
         self.store.shared.check_healthy()?;
         let key_bytes = codec::encode_key(key);
-        // A direct transaction: it takes in the memtable first, so the
-        // record removed is the latest, and it retires the log.
+        // Direct: the memtable is taken in first, so this removes the latest.
         self.store.shared.direct(|txn, _| {
             let mut records = txn.open_table(RECORDS).map_err(engine_error)?;
             let mut expiry = txn.open_table(EXPIRY).map_err(engine_error)?;
@@ -511,9 +502,8 @@ impl Admin<'_> {
     /// import and is returned; the batches before it stay written.
     /// Returns how many records were written.
     ///
-    /// An import is an operator's bulk load (of lines read with
-    /// [`parse_line`]), not something to run beside live traffic: each
-    /// batch holds the commit lock.
+    /// An operator's bulk load, not for live traffic: each batch holds the
+    /// commit lock.
     ///
     /// ```
     /// use idemstore::redb::admin::{export_line, parse_line};
