@@ -89,23 +89,17 @@ use std::path::{Path, PathBuf};
 
 /// The durable idempotency store on redb: one file, one process.
 ///
-/// Writes join a line; the first caller in line commits the whole waiting
-/// group with one write-ahead-log append and one `fdatasync` (leader/follower
-/// group commit), so throughput grows with concurrency while every
-/// acknowledged claim is durable. A background thread checkpoints what was
-/// written into the store file. A `begin` whose answer writes nothing
-/// (Replay, InFlight, Conflict) is answered on the read fast path without
-/// joining the line. The native async entry ([`Store::begin_async`](crate::Store::begin_async) and
-/// friends, what `Guard::run_async` uses) joins the same line as a future
-/// woken when its group is durable: no thread waits per request, and the
-/// store's one committer thread leads when only futures are in line.
+/// Writes join a line; the first caller in line commits the waiting group
+/// with one log append and one `fdatasync` (group commit), so throughput
+/// grows with concurrency while every acknowledged claim is durable. A
+/// `begin` that writes nothing (Replay, InFlight, Conflict) does not join
+/// the line. [`Store::begin_async`](crate::Store::begin_async) and friends
+/// join it as futures: no thread waits per request.
 ///
-/// After a failed write (a full disk, an I/O error) the store is
-/// poisoned: the call that hit it gets the I/O error, naming the file and
-/// the operation, and every later write is [`Error::Poisoned`] with that
-/// cause, while reads and replays go on. It heals by itself once the cause
-/// is gone, reopening the engine and replaying the log as an open would,
-/// with nothing lost; [`health`](Self::health) says which it is.
+/// After a failed write (a full disk, an I/O error) writes are refused
+/// ([`Error::Poisoned`], with the cause) while reads and replays go on,
+/// until the store heals by itself, with nothing lost; see
+/// [`health`](Self::health).
 ///
 /// ```
 /// use idemstore::{Begin, Fingerprint, Key, RedbStore, Response, Store, Timestamp};
@@ -162,29 +156,21 @@ impl RedbStore {
         RedbStore::builder().open(path)
     }
 
-    /// Opens the existing store file at `path` for reading only: the
-    /// operator's inspection (`idemstore get`, `list`, `stats`, `verify`,
-    /// `export`), and a way to read a backup, a forensic copy or a file the
-    /// caller may not write.
+    /// Opens the existing store file at `path` for reading only: an
+    /// operator's inspection, a backup, a file the caller may not write.
     ///
-    /// No byte of the store file or its write-ahead log changes and no file
-    /// is created: the file is opened read-only and read through a private
-    /// in-memory overlay, so redb's recovery of an uncleanly closed file and
-    /// the replay of the log's frames happen in memory. The view holds
-    /// everything a writer's open would ([`RedbStats::frames_replayed_on_open`]
-    /// says how many log frames that took) and ends no lease. Reads
-    /// ([`Store::get`](crate::Store::get), [`admin`](Self::admin)'s facts, scans and verify)
-    /// work; every write ([`Store::begin`](crate::Store::begin) when it would claim,
-    /// `complete`, `release`, `sweep_expired`, [`compact`](Self::compact),
-    /// evict, import, an [`Inbox`]) is [`Error::ReadOnly`].
+    /// No byte of either file changes and no file is created: redb's
+    /// recovery and the log's replay happen in an in-memory overlay, so the
+    /// view holds everything a writer's open would, and ends no lease.
+    /// Reads work; every write (a claiming `begin`, `complete`, `release`,
+    /// `sweep_expired`, [`compact`](Self::compact), evict, import, an
+    /// [`Inbox`]) is [`Error::ReadOnly`].
     ///
-    /// While it is open it holds a shared lock on the file: a writer's open
-    /// is [`Error::Locked`] meanwhile, and this open is [`Error::Locked`]
-    /// while a writer holds the file (the message names the holder where
-    /// the platform tells). Errors, all before anything is read into the
-    /// view: a missing file is [`Error::Io`] (`NotFound`); an empty, foreign
-    /// or damaged one, or a log an open would refuse, is [`Error::Corrupt`];
-    /// another format (newer, or a pre-release one) is [`Error::UnsupportedFormat`].
+    /// It holds a shared lock: writers' opens are [`Error::Locked`]
+    /// meanwhile, and so is this open while a writer holds the file. A
+    /// missing file is [`Error::Io`] (`NotFound`); an empty, foreign or
+    /// damaged one, or a log an open would refuse, is [`Error::Corrupt`];
+    /// another format is [`Error::UnsupportedFormat`].
     ///
     /// ```
     /// use idemstore::{Error, Fingerprint, Key, RedbStore, Store, Timestamp};
@@ -412,12 +398,9 @@ impl RedbStore {
     /// Reclaims free space in the file (after sweeps), returning whether
     /// anything was moved.
     ///
-    /// It first checkpoints what the memtable holds. redb compacts only
-    /// with no live transaction, so this holds the commit lock and takes
-    /// the store's database lock exclusively: it waits for the group being
-    /// committed and for every read in progress, and until it returns no
-    /// group commits (queued writes wait, back-pressure applies) and reads
-    /// of the store file wait. Run it at a quiet time; it can take as long as
+    /// It checkpoints the memtable first. redb compacts only with no live
+    /// transaction, so until it returns no group commits and reads of the
+    /// store file wait. Run it at a quiet time; it can take as long as
     /// rewriting the live data.
     ///
     /// ```
