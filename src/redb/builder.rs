@@ -128,11 +128,9 @@ impl RedbStoreBuilder {
     }
 
     /// Bytes of completed records kept in memory after they are
-    /// checkpointed into the store file ([`REPLAY_CACHE_BYTES`](crate::redb::REPLAY_CACHE_BYTES)
-    /// by default; 0 turns the cache off). A retry of a request completed
-    /// since is answered from memory, without a read transaction; the
-    /// oldest entries go first. Records written since the last checkpoint
-    /// are in memory regardless (the memtable).
+    /// checkpointed ([`REPLAY_CACHE_BYTES`](crate::redb::REPLAY_CACHE_BYTES)
+    /// by default; 0 turns it off), so a retry is answered without a read
+    /// transaction; the oldest go first.
     ///
     /// ```
     /// # let dir = tempfile::tempdir()?;
@@ -148,11 +146,8 @@ impl RedbStoreBuilder {
 
     /// Size of the write-ahead log file ([`WAL_BYTES`](crate::redb::WAL_BYTES) by
     /// default, at least [`MIN_WAL_BYTES`](crate::redb::MIN_WAL_BYTES)): two
-    /// segments of half this size. When a segment is full the memtable goes
-    /// to the checkpointer and the log moves to the other segment (waiting
-    /// for the previous checkpoint if it is still running); a group larger
-    /// than a whole segment is committed durably into the store file on its
-    /// own.
+    /// segments of half this size. A full segment starts a checkpoint; a
+    /// group larger than a segment is committed durably into the store file.
     ///
     /// ```
     /// # let dir = tempfile::tempdir()?;

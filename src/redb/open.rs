@@ -39,17 +39,14 @@ pub(super) struct Opened {
 /// Opens the store file at `path`, creating it (mode 0600) when it does
 /// not exist.
 ///
-/// A new store is built under a temporary name (`<name>.creating`), its
-/// meta table committed durably, and only then linked into place: a crash
-/// during creation leaves at most the temporary file, never a half-written
-/// file at `path` that no later open could accept. (A crash during redb's
-/// own file initialisation leaves a file without redb's magic number, which
-/// `check_foreign` must refuse, since it cannot tell it from a foreign file.)
+/// A new store is built as `<name>.creating`, its meta table committed
+/// durably, and only then linked into place: a crash during creation never
+/// leaves a half-written file at `path` (one without redb's magic would be
+/// refused as foreign).
 ///
-/// A store is never created over evidence of one: when the store file is
-/// missing or empty but a log with content is beside it, the store file
-/// was lost or replaced, and a new store would overwrite that log (the
-/// only copy of the writes it holds). That is [`Error::Corrupt`].
+/// A store is never created over evidence of one: a missing or empty store
+/// file beside a log with frames is [`Error::Corrupt`], since a new store
+/// would overwrite that log, the only copy of its writes.
 pub(super) fn open_path(path: &Path, config: &Config) -> Result<Opened> {
     let mut found = Vec::new();
     let mut opened = match std::fs::symlink_metadata(path) {

@@ -37,12 +37,8 @@ pub(super) use reader::{applier, frames_seen, walk};
 pub(super) use writer::Wal;
 
 /// Size of a store's write-ahead log file (`<file>-wal`): two segments of
-/// half this size each. It is written with zeros at creation (so appends
-/// never change the file's size or allocation, and `fdatasync` has no
-/// metadata to write), then each segment is reused from its start once the
-/// checkpoint of the frames it held is durable. A group's frame takes whole
-/// 4 KiB blocks; a group too large for a whole segment commits
-/// straight into the store file (durably) instead.
+/// half this size. Zero-filled at creation, so an append changes neither
+/// size nor allocation and `fdatasync` has no metadata to write.
 ///
 /// ```
 /// assert_eq!(idemstore::redb::WAL_BYTES, 8 << 20);
