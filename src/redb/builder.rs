@@ -112,8 +112,8 @@ impl RedbStoreBuilder {
     /// Longest time a logged write waits before the checkpointer starts
     /// writing it into the store file ([`CHECKPOINT_INTERVAL`](crate::redb::CHECKPOINT_INTERVAL)
     /// by default; at least 1 ms). A checkpoint also starts when the log
-    /// segment or the memtable (4 MiB of records) is full. Longer: fewer checkpoints (each rewrites the pages its
-    /// records land on), more to replay after a crash.
+    /// segment or the memtable is full. Longer: fewer checkpoints, more to
+    /// replay after a crash.
     ///
     /// ```
     /// # let dir = tempfile::tempdir()?;
@@ -128,11 +128,9 @@ impl RedbStoreBuilder {
     }
 
     /// Bytes of completed records kept in memory after they are
-    /// checkpointed into the store file ([`REPLAY_CACHE_BYTES`](crate::redb::REPLAY_CACHE_BYTES)
-    /// by default; 0 turns the cache off). A retry of a request completed
-    /// since is answered from memory, without a read transaction; the
-    /// oldest entries go first. Records written since the last checkpoint
-    /// are in memory regardless (the memtable).
+    /// checkpointed ([`REPLAY_CACHE_BYTES`](crate::redb::REPLAY_CACHE_BYTES)
+    /// by default; 0 turns it off), so a retry is answered without a read
+    /// transaction; the oldest go first.
     ///
     /// ```
     /// # let dir = tempfile::tempdir()?;
@@ -148,11 +146,8 @@ impl RedbStoreBuilder {
 
     /// Size of the write-ahead log file ([`WAL_BYTES`](crate::redb::WAL_BYTES) by
     /// default, at least [`MIN_WAL_BYTES`](crate::redb::MIN_WAL_BYTES)): two
-    /// segments of half this size. When a segment is full the memtable goes
-    /// to the checkpointer and the log moves to the other segment (waiting
-    /// for the previous checkpoint if it is still running); a group larger
-    /// than a whole segment is committed durably into the store file on its
-    /// own.
+    /// segments of half this size. A full segment starts a checkpoint; a
+    /// group larger than a segment is committed durably into the store file.
     ///
     /// ```
     /// # let dir = tempfile::tempdir()?;
@@ -176,13 +171,8 @@ impl RedbStoreBuilder {
     /// for one open (`idemstore recover --accept-loss`), not a setting to
     /// leave on.
     ///
-    /// What it does, case by case (`docs/operations.md` has the table):
-    /// frames that do not verify are skipped and replay goes on with the
-    /// next frame that does; a log missing, empty or cut short after an
-    /// unclean stop is replayed as far as it goes; a log with frames beside
-    /// a missing or empty store file is renamed to `<log>.lost`, never
-    /// overwritten, and a new store is made. A frame that verifies but does
-    /// not decode is still refused: no crash or bit rot makes one.
+    /// `docs/operations.md` has what it does, case by case. A frame that
+    /// verifies but does not decode is still refused.
     ///
     /// ```
     /// use idemstore::RedbStore;
@@ -248,10 +238,8 @@ impl RedbStoreBuilder {
     /// must come from the same store: the log holds the batches
     /// acknowledged after the store file's last checkpoint.
     ///
-    /// It names a redb type, so it follows redb's major version, as do the
-    /// [`Inbox`](crate::redb::Inbox)'s transactions and the
-    /// [`engine`](crate::redb::engine) re-export. The core API (the crate
-    /// root, the `Store` contract) names no engine type.
+    /// It names a redb type, so it follows redb's major version (the core
+    /// API names no engine type).
     ///
     /// ```
     /// use idemstore::RedbStore;

@@ -1,7 +1,5 @@
-//! The options of a store as data: [`Durability`], [`RecoveryPolicy`],
-//! [`DEFAULT_CACHE_BYTES`], and `Config`, what an open, a recovery and a
-//! heal read. A bottom module: the builder that fills it in (builder.rs) is
-//! above the open that reads it.
+//! The options as data: [`Durability`], [`RecoveryPolicy`], and `Config`
+//! (what an open, a recovery and a heal read). A bottom module.
 
 use crate::sweeper::SweeperConfig;
 use crate::time::Clock;
@@ -69,9 +67,8 @@ pub enum Durability {
 #[non_exhaustive]
 pub enum RecoveryPolicy {
     /// Leave leases alone: a retry waits until the dead owner's lease ends
-    /// (the default, and the conservative choice: a call the dead owner
-    /// made downstream may still be landing, and the lease it was promised
-    /// holds until it ends).
+    /// (the default: a call the dead owner made downstream may still be
+    /// landing).
     #[default]
     WaitForLease,
     /// End every live lease at open, so a retry takes over at once (with a

@@ -1,14 +1,8 @@
-//! What the store finds wrong with its files, as one private type:
-//! [`Damage`]. Recovery code names what it found (`Damage::LogCutShort {
-//! .. }`) and goes on with its logic; the words an operator reads are
-//! written once, in [`Damage`]'s `Display`, and `From<Damage> for Error` is
-//! the one mapping to [`Error::Corrupt`]. When an open accepts loss, the
-//! record log's walk writes the same findings into its
-//! [`LossReport`](super::LossReport) instead ([`Damage::finding`]).
-//!
-//! A bottom module: it imports nothing of `src/redb`. Whoever finds the
-//! damage names the files (the log's path beside the store is
-//! `record_log::wal_path`).
+//! [`Damage`]: what the store finds wrong with its files. The operator's
+//! words are written once, in its `Display`; `From<Damage> for Error` is the
+//! one mapping to [`Error::Corrupt`]; with `accept_loss` the same findings go
+//! to the [`LossReport`](super::LossReport) ([`Damage::finding`]). A bottom
+//! module: it imports nothing of `src/redb`.
 
 use crate::error::Error;
 use std::fmt;

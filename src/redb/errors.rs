@@ -1,7 +1,5 @@
-//! Mapping redb's errors onto the one public [`Error`]: no redb type escapes
-//! the backend, so the engine can change without breaking callers
-//! (`docs/design.md`, the contract), but the engine's error stays the
-//! `source`.
+//! redb's errors as the one public [`Error`]: no redb type escapes, but the
+//! engine's error stays the `source`.
 
 use crate::error::Error;
 

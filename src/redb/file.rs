@@ -1,18 +1,13 @@
-//! The bottom of the redb backend's file handling: owner-only opening,
-//! directory syncs, `flock` locks, the redb header check, positional reads
-//! and preallocation (both logs'). It imports
-//! nothing of the backend above it (open, the logs, the overlay), so every
-//! one of them can use it without a cycle.
+//! File helpers: owner-only opening, directory syncs, `flock` locks, the
+//! redb header check, positional reads, preallocation. A bottom module.
 
 use super::errors::engine_error;
 use crate::error::{Error, Result};
 use ::redb::StorageBackend;
 use std::path::Path;
 
-/// redb's file magic (redb's `MAGICNUMBER`, private in redb 4.x; it is part
-/// of redb's file format, so it does not change within a major version).
-/// Checked before redb sees the file so that a foreign file is refused
-/// without redb touching it.
+/// redb's file magic (its private `MAGICNUMBER`, fixed within a major
+/// version), checked so that a foreign file is refused before redb touches it.
 const REDB_MAGIC: [u8; 9] = [b'r', b'e', b'd', b'b', 0x1A, 0x0A, 0xA9, 0x0D, 0x0A];
 
 /// Owner-only: response snapshots can hold personal data.

@@ -1,23 +1,13 @@
-//! The store's health: what failed, since when, and whether it heals:
-//! [`Health`], the one poison (`HealthCell`: the flag every write reads and
-//! the first failure's [`Cause`]), the heal's back-off and its attempts.
-//! `Shared`'s methods that poison and refuse are in shared.rs; the heal is
-//! heal.rs.
+//! The store's health: [`Health`], the one poison (`HealthCell`: the flag
+//! every write reads and the first failure's [`Cause`]), the heal's back-off.
 //!
-//! A failed log append, log sync or engine commit may or may not have
-//! reached the disk, so the store stops writing (it is *poisoned*: a write
-//! whose fate is unknown is never followed by more). The first failure is
-//! kept as the [`Cause`]: the call that hit it gets the I/O error with the
-//! file and the operation in its message (its [`std::io::ErrorKind`]
-//! kept), and every later write gets [`Error::Poisoned`] carrying the same
-//! cause. Reads go on (memtable, then the store file).
-//!
-//! The background thread then heals the store with back-off
-//! ([`HEAL_BACKOFF_MIN`] doubling to [`HEAL_BACKOFF_MAX`], waiting on a
-//! condition variable: never a busy loop, and a drop wakes it): it reopens
-//! the engine from the files and replays the write-ahead log as an open
-//! would (`heal.rs`). Damage ([`Error::Corrupt`]) does not heal: the store
-//! stays [`Health::Failed`] until an operator acts.
+//! A failed log append, log sync or engine commit may or may not be on disk,
+//! so the store is *poisoned*: such a write is never followed by more. The
+//! call that hit it gets the I/O error (file and operation named); later
+//! writes get [`Error::Poisoned`] with the same cause; reads go on. The
+//! background thread heals with back-off (a condvar wait, never a busy loop;
+//! a drop wakes it) by reopening and replaying as an open would (heal.rs).
+//! Damage ([`Error::Corrupt`]) does not heal: [`Health::Failed`].
 
 use crate::error::{Cause, Error};
 use crate::sync::atomic::{AtomicBool, Ordering};
@@ -103,12 +93,10 @@ pub(super) struct Fault {
     pub(super) since: Timestamp,
 }
 
-/// The store's one poison: the flag every write reads (an atomic, so a
-/// healthy store pays one load) and the fault behind it. The flag and the
-/// fault are set and cleared together under the fault's lock, so whoever
-/// sees the flag set and then takes the lock finds the cause, unless the
-/// store healed in between (then the write may go on). Nothing else in the
-/// store sets or reads the flag.
+/// The store's one poison: the flag every write reads (one atomic load when
+/// healthy) and the fault behind it, set and cleared together under the
+/// fault's lock, so whoever sees the flag and then locks finds the cause,
+/// unless the store healed in between (then the write may go on).
 #[derive(Debug, Default)]
 pub(super) struct HealthCell {
     poisoned: AtomicBool,

@@ -12,63 +12,21 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
-//! # How it works
+//! # Files
 //!
-//! The write path is an LSM front end with redb as the base table:
+//! An LSM front end with redb as the base table: caller → line → leader
+//! (decide: memtable, then redb) → log frame + `fdatasync` → memtable;
+//! the checkpointer writes frozen memtables into redb durably.
 //!
-//! ```text
-//! caller ─► line ─► leader: decide (memtable → redb) ─► log frame + fdatasync ─► memtable
-//!                                                             checkpointer ─► redb (durable)
-//! ```
-//!
-//! - `shared.rs`: what the callers and the background thread share (the
-//!   engine, the memtable, the line, the commit lock), the read path, and
-//!   poisoning (a failure's cause kept, writes refused with it);
-//!   `requests.rs`: the `Store` impl, the read fast path, the ops a call
-//!   puts in the line;
-//! - `line.rs`: the commit line's data (a queued op and its reply, the
-//!   slot its caller waits in, the queue, the line's sizes);
-//! - `commit/`: leader/follower group commit (`mod.rs`: a group's commit,
-//!   one frame, then the memtable); `leader.rs`: who leads, who is answered;
-//!   `decide.rs`: the group's decisions through `logic`; `direct.rs`:
-//!   direct transactions (inbox, admin, compaction, close);
-//! - `native.rs`: the native async entry (futures in the line, the
-//!   committer thread that leads for them);
-//! - `memtable.rs`: the records written since the last checkpoint;
-//! - `record_log/`: the write-ahead log of records (two segments,
-//!   4 KiB-aligned frames): `frame.rs` its bytes, `writer.rs` the appends,
-//!   `reader.rs` the walk a replay makes;
-//! - `checkpoint.rs`: the background thread that writes frozen memtables
-//!   into redb;
-//! - `open.rs`: creating (0600) and opening a file, refusing foreign,
-//!   damaged and newer files, the recovery policy; `recovery.rs`: the
-//!   log's recovery at an open and a heal (what is wrong with the log, the
-//!   walk over its live frames, the replay's durable commit); `meta.rs`:
-//!   the meta table's reads and writes (format version, store id, the
-//!   log's recorded state);
-//! - `overlay.rs`: a file read through in-memory pages, so that nothing
-//!   reaches it (inspections, and a heal's view for reads);
-//! - `health.rs`: the one poison (flag and cause), [`Health`], the heal's
-//!   back-off; `heal.rs`: the heal
-//!   that reopens the engine (from `source.rs`); `witness.rs`: the last
-//!   I/O error the engine met;
-//! - `file.rs`: owner-only files, directory sync, locks, the redb header
-//!   check;
-//! - `damage.rs`: what is wrong with a store's files, typed (one text,
-//!   one mapping to [`Error::Corrupt`]); `loss.rs`: what an open that
-//!   accepts loss gave up;
-//! - `tables.rs`: the three tables, the record + index pair helpers and
-//!   `commit`, the one way into redb (every write transaction);
-//! - `errors.rs`: redb's errors as the one public [`Error`];
-//! - `config.rs`: the options as data (durability, recovery policy, the
-//!   config an open reads); `builder.rs`: the builder and its opens;
-//! - `stats.rs`: the counters;
-//! - `admin/`: operator access ([`admin`]: facts, scans, verify, evict,
-//!   import, the export line format), for the `idemstore` binary and the
-//!   testkit's crash checker;
-//! - `inbox/`: the co-transactional inbox for message consumers (`batch.rs`:
-//!   a batch of deliveries in one transaction, re-run without a failed one);
-//! - this file: the public type, its opening, inspection and drop.
+//! - `shared.rs`: the state callers and threads share, the read path, poisoning
+//! - `requests.rs`, `hot.rs`, `snapshot.rs`: the `Store` impl and the read fast path
+//! - `line.rs`, `commit/`, `native.rs`: the commit line, group commit, the async entry
+//! - `memtable.rs`, `record_log/`, `checkpoint.rs`: the write-ahead state and its checkpoint
+//! - `open.rs`, `recovery.rs`, `meta.rs`, `heal.rs`, `source.rs`: open, replay, heal
+//! - `health.rs`, `witness.rs`, `damage.rs`, `loss.rs`, `errors.rs`: failures, typed
+//! - `overlay.rs`, `file.rs`, `tables.rs`: in-memory pages, file helpers, the tables and `commit`, the one way into redb
+//! - `config.rs`, `builder.rs`, `stats.rs`: options and counters
+//! - `admin/`, `inbox/`: operator access (`admin/write.rs` its writes), the co-transactional inbox
 
 pub mod admin;
 mod builder;
@@ -113,9 +71,8 @@ pub use hot::REPLAY_CACHE_BYTES;
 pub use inbox::{Delivery, Inbox, MAX_INBOX_BATCH, Message};
 pub use loss::LossReport;
 pub use record_log::{CHECKPOINT_INTERVAL, MIN_WAL_BYTES, WAL_BYTES};
-// The write path's fixed sizes: not configurable, so not public; the
-// crate's own tests read them through `idemstore::unstable::redb`.
 pub use stats::RedbStats;
+// Fixed sizes, not public: tests read them through `idemstore::unstable::redb`.
 #[cfg(feature = "unstable-internals")]
 pub(crate) use {line::WRITE_QUEUE_DEPTH, memtable::MEMTABLE_BYTES, record_log::FRAME_ALIGN};
 
@@ -132,24 +89,17 @@ use std::path::{Path, PathBuf};
 
 /// The durable idempotency store on redb: one file, one process.
 ///
-/// Writes join a line; the first caller in line commits the whole waiting
-/// group with one write-ahead-log append and one `fdatasync` (leader/follower
-/// group commit), so throughput grows with concurrency while every
-/// acknowledged claim is durable. A background thread checkpoints what was
-/// written into the store file. A `begin` whose answer writes nothing
-/// (Replay, InFlight, Conflict) is answered on the read fast path without
-/// joining the line. The native async entry ([`Store::begin_async`](crate::Store::begin_async) and
-/// friends, what `Guard::run_async` uses) joins the same line as a future
-/// woken when its group is durable: no thread waits per request, and the
-/// store's one committer thread leads when only futures are in line.
+/// Writes join a line; the first caller in line commits the waiting group
+/// with one log append and one `fdatasync` (group commit), so throughput
+/// grows with concurrency while every acknowledged claim is durable. A
+/// `begin` that writes nothing (Replay, InFlight, Conflict) does not join
+/// the line. [`Store::begin_async`](crate::Store::begin_async) and friends
+/// join it as futures: no thread waits per request.
 ///
-/// After a failed write (a full disk, an I/O error) the store is
-/// poisoned: the call that hit it gets the I/O error, naming the file and
-/// the operation, and every later write is [`Error::Poisoned`] with that
-/// cause, while reads and replays go on. It heals by itself once the cause
-/// is gone, reopening the engine and replaying the log as an open would,
-/// with nothing lost; [`health`](Self::health) says which it is. See the module
-/// source (`src/redb/mod.rs`) for the write path.
+/// After a failed write (a full disk, an I/O error) writes are refused
+/// ([`Error::Poisoned`], with the cause) while reads and replays go on,
+/// until the store heals by itself, with nothing lost; see
+/// [`health`](Self::health).
 ///
 /// ```
 /// use idemstore::{Begin, Fingerprint, Key, RedbStore, Response, Store, Timestamp};
@@ -206,29 +156,21 @@ impl RedbStore {
         RedbStore::builder().open(path)
     }
 
-    /// Opens the existing store file at `path` for reading only: the
-    /// operator's inspection (`idemstore get`, `list`, `stats`, `verify`,
-    /// `export`), and a way to read a backup, a forensic copy or a file the
-    /// caller may not write.
+    /// Opens the existing store file at `path` for reading only: an
+    /// operator's inspection, a backup, a file the caller may not write.
     ///
-    /// No byte of the store file or its write-ahead log changes and no file
-    /// is created: the file is opened read-only and read through a private
-    /// in-memory overlay, so redb's recovery of an uncleanly closed file and
-    /// the replay of the log's frames happen in memory. The view holds
-    /// everything a writer's open would ([`RedbStats::frames_replayed_on_open`]
-    /// says how many log frames that took) and ends no lease. Reads
-    /// ([`Store::get`](crate::Store::get), [`admin`](Self::admin)'s facts, scans and verify)
-    /// work; every write ([`Store::begin`](crate::Store::begin) when it would claim,
-    /// `complete`, `release`, `sweep_expired`, [`compact`](Self::compact),
-    /// evict, import, an [`Inbox`]) is [`Error::ReadOnly`].
+    /// No byte of either file changes and no file is created: redb's
+    /// recovery and the log's replay happen in an in-memory overlay, so the
+    /// view holds everything a writer's open would, and ends no lease.
+    /// Reads work; every write (a claiming `begin`, `complete`, `release`,
+    /// `sweep_expired`, [`compact`](Self::compact), evict, import, an
+    /// [`Inbox`]) is [`Error::ReadOnly`].
     ///
-    /// While it is open it holds a shared lock on the file: a writer's open
-    /// is [`Error::Locked`] meanwhile, and this open is [`Error::Locked`]
-    /// while a writer holds the file (the message names the holder where
-    /// the platform tells). Errors, all before anything is read into the
-    /// view: a missing file is [`Error::Io`] (`NotFound`); an empty, foreign
-    /// or damaged one, or a log an open would refuse, is [`Error::Corrupt`];
-    /// another format (newer, or a pre-release one) is [`Error::UnsupportedFormat`].
+    /// It holds a shared lock: writers' opens are [`Error::Locked`]
+    /// meanwhile, and so is this open while a writer holds the file. A
+    /// missing file is [`Error::Io`] (`NotFound`); an empty, foreign or
+    /// damaged one, or a log an open would refuse, is [`Error::Corrupt`];
+    /// another format is [`Error::UnsupportedFormat`].
     ///
     /// ```
     /// use idemstore::{Error, Fingerprint, Key, RedbStore, Store, Timestamp};
@@ -456,12 +398,9 @@ impl RedbStore {
     /// Reclaims free space in the file (after sweeps), returning whether
     /// anything was moved.
     ///
-    /// It first checkpoints what the memtable holds. redb compacts only
-    /// with no live transaction, so this holds the commit lock and takes
-    /// the store's database lock exclusively: it waits for the group being
-    /// committed and for every read in progress, and until it returns no
-    /// group commits (queued writes wait, back-pressure applies) and reads
-    /// of the store file wait. Run it at a quiet time; it can take as long as
+    /// It checkpoints the memtable first. redb compacts only with no live
+    /// transaction, so until it returns no group commits and reads of the
+    /// store file wait. Run it at a quiet time; it can take as long as
     /// rewriting the live data.
     ///
     /// ```
@@ -502,15 +441,11 @@ fn stop_background(shared: &Shared, background: Option<JoinHandle<()>>) {
 
 impl Drop for RedbStore {
     fn drop(&mut self) {
-        // The sweeper first (it submits writes), then the checkpointer (it
-        // finishes a checkpoint in progress), then everything still in
-        // memory goes into redb durably, so a clean stop leaves nothing to
-        // replay, and the file is closed (its lock released) when drop
-        // returns.
+        // Order: the sweeper (it submits writes); the committer (futures
+        // outlive the store, it answers what is in line and may need the
+        // checkpointer); the checkpointer; then memory goes into redb
+        // durably, so a clean stop leaves nothing to replay.
         drop(self.sweeper.take());
-        // Futures may outlive the store (they hold the shared state): the
-        // committer answers what is in line before it stops; it may need
-        // the checkpointer, so it goes first.
         self.shared.close_line();
         if let Some(committer) = self.committer.take() {
             let _ = committer.join();

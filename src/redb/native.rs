@@ -1,40 +1,21 @@
-//! The native async entry: a request joins the commit line as a future,
-//! and the committer thread leads when only futures wait.
+//! The native async entry: a [`Submitted`] future queues its [`Op`] with a
+//! [`Waiter::Task`] slot; the leader that commits its group fills the slot
+//! and wakes the task. No thread waits per future: the leader is a blocked
+//! `submit` caller, or, when only futures wait, the committer thread.
 //!
-//! A [`Submitted`] future queues its [`Op`] when it is made, with a
-//! [`Slot`] of kind [`Waiter::Task`]; the leader that commits its group
-//! fills the slot and wakes the task. No thread waits per future: the
-//! leader is a blocked `submit` caller in the same line, or, when the line
-//! holds only futures, the store's committer thread
-//! (`idemstore-redb-committer`), which sleeps on a condvar until a future
-//! finds the line without a leader.
-//!
-//! Durability reasoning: a future completes only with the answer its
-//! leader hands out after the group's frame is durable (commit.rs), so
-//! `Claimed` from a future is as durable as from `submit`; under
-//! [`Durability::Periodic`](super::Durability::Periodic) it is as durable
-//! as that mode makes any answer. Errors, poisoning included, come the same
-//! way.
-//!
-//! Back-pressure: a future that finds the line full keeps its op and
-//! registers its waker; the leader that takes a group out of a full line
-//! wakes it, and it tries again. No runtime thread blocks.
-//!
-//! Cancellation (a [`Submitted`] dropped before it answered):
-//!
-//! - still in the line: its op is taken out, nothing was written;
-//! - taken by a leader: the slot is marked abandoned. The write is whole
-//!   or not at all (one group, one frame). A `begin` that claimed is
-//!   released at once: by the leader when it answers an abandoned slot, or
-//!   by the drop when the answer had arrived but was not read. The release
-//!   is queued like any request, so it is durable by the same path (a
-//!   retry that comes before it gets InFlight); if it fails (a poisoned
-//!   store) the claim ends with its lease, as a crashed owner's would.
-//!
-//! Closing: [`RedbStore`](super::RedbStore)'s drop marks the line closed
-//! and joins the committer, which commits everything still in line first
-//! (so every queued future gets its real answer); a future still waiting
-//! for room then answers [`Error::Closed`].
+//! - Durability: a future completes only with the answer its leader hands
+//!   out after the group's frame is durable, so its `Claimed` is as durable
+//!   as `submit`'s.
+//! - Back-pressure: a future that finds the line full keeps its op and
+//!   registers its waker; the leader that drains a full line wakes it.
+//! - Cancellation: still in the line, its op is taken out (nothing
+//!   written); taken by a leader, the write is whole or not at all (one
+//!   frame), and a claim nobody will see is released through the line
+//!   (durable by the same path); if that fails, the claim ends with its
+//!   lease, as a crashed owner's would.
+//! - Closing: the store's drop closes the line and joins the committer,
+//!   which commits everything in line first; a future still waiting for
+//!   room answers [`Error::Closed`].
 
 use super::Shared;
 use super::line::{Op, Queue, Reply, Slot, WRITE_QUEUE_DEPTH, Waiter};

@@ -1,8 +1,6 @@
 //! Opening a store file: owner-only creation, refusing foreign, damaged and
 //! newer files with a typed error (never a panic, never an empty store),
-//! the engine reopened for a heal, and the recovery policy. The meta table's
-//! reads and writes are in meta.rs; what an open does with the record log,
-//! in recovery.rs.
+//! the engine reopened for a heal, and the recovery policy.
 
 use super::damage::Damage;
 use super::errors::engine_error;
@@ -27,34 +25,28 @@ pub(super) struct Opened {
     pub(super) token_hwm: u64,
     pub(super) store_id: [u8; 16],
     pub(super) leases_expired: u64,
-    /// The write-ahead log, recovered and empty (a read-only view's is
-    /// never written: the view refuses every write).
+    /// The write-ahead log, recovered and empty.
     pub(super) wal: Wal,
     pub(super) frames_replayed: u64,
     /// What an open with `accept_loss` gave up (empty otherwise).
     pub(super) loss: LossReport,
-    /// Where a heal reopens the engine from: set by the open's caller
-    /// (none for a read-only view, which never writes).
+    /// Where a heal reopens the engine from (none for a read-only view).
     pub(super) source: super::source::Source,
-    /// What sees the engine's I/O errors (witness.rs); a heal reopens the
-    /// engine with the same one.
+    /// Sees the engine's I/O errors; a heal reuses it.
     pub(super) witness: Arc<IoWitness>,
 }
 
 /// Opens the store file at `path`, creating it (mode 0600) when it does
 /// not exist.
 ///
-/// A new store is built under a temporary name (`<name>.creating`), its
-/// meta table committed durably, and only then linked into place: a crash
-/// during creation leaves at most the temporary file, never a half-written
-/// file at `path` that no later open could accept. (A crash during redb's
-/// own file initialisation leaves a file without redb's magic number, which
-/// `check_foreign` must refuse, since it cannot tell it from a foreign file.)
+/// A new store is built as `<name>.creating`, its meta table committed
+/// durably, and only then linked into place: a crash during creation never
+/// leaves a half-written file at `path` (one without redb's magic would be
+/// refused as foreign).
 ///
-/// A store is never created over evidence of one: when the store file is
-/// missing or empty but a log with content is beside it, the store file
-/// was lost or replaced, and a new store would overwrite that log (the
-/// only copy of the writes it holds). That is [`Error::Corrupt`].
+/// A store is never created over evidence of one: a missing or empty store
+/// file beside a log with frames is [`Error::Corrupt`], since a new store
+/// would overwrite that log, the only copy of its writes.
 pub(super) fn open_path(path: &Path, config: &Config) -> Result<Opened> {
     let mut found = Vec::new();
     let mut opened = match std::fs::symlink_metadata(path) {
@@ -77,7 +69,6 @@ pub(super) fn open_path(path: &Path, config: &Config) -> Result<Opened> {
 
 /// [`Error::Corrupt`] when the log beside `path` holds anything but zeros
 /// (a new log is all zeros until its first frame).
-///
 /// With `accept_loss` the log is renamed to `<log>.lost` (a free name),
 /// never overwritten, and that is written down in `found`.
 fn refuse_over_log(
@@ -138,19 +129,10 @@ fn log_holds_frames(path: &Path) -> Result<bool> {
     }
 }
 
-/// Opens the store file at `path` for reading only (`config.read_only`):
-/// no byte of the store file or its log changes and no file is created,
-/// so it works on a file the caller may not write.
-///
-/// The store file is opened read-only and read through a private
-/// in-memory [`Overlay`]: redb's recovery of an uncleanly closed file and
-/// the replay of the log's frames (read-only too) happen in memory, so the
-/// view holds everything a writer's open would, without writing it. A
-/// shared lock on the file keeps writers out while the store is open (and
-/// is refused, [`Error::Locked`], while a writer holds it).
-///
-/// A missing file is [`Error::Io`] (`NotFound`); an empty one is
-/// [`Error::Corrupt`]: neither is a store, and nothing is created.
+/// Opens the store file at `path` for reading only: the contract is
+/// [`RedbStore::open_read_only`](super::RedbStore::open_read_only)'s. redb's
+/// recovery and the log's replay happen in an in-memory [`Overlay`]; a
+/// shared lock keeps writers out.
 pub(super) fn open_read_only(path: &Path, config: &Config) -> Result<Opened> {
     let meta = match std::fs::metadata(path) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
@@ -192,10 +174,9 @@ fn open_file(path: &Path, config: &Config) -> Result<Opened> {
     // both.
     let wal_existed = record_log::wal_path(path).exists();
     let log = Box::new(FileLog::open(path)?);
-    // Every open makes the directory entries durable, not only the open
-    // that created them: a crash between creating (or linking) a file and
-    // its directory's fsync would otherwise leave an entry that no later
-    // open syncs, and a power cut could then drop the whole file.
+    // Every open syncs the directory, not only the creating one: a crash
+    // before a creator's directory fsync would leave an entry no later open
+    // syncs, and a power cut could then drop the whole file.
     sync_parent(path)?;
     let opened = open_backend(backend, log, boot_id().as_deref(), config, path);
     if opened.is_err() && !wal_existed {
@@ -246,11 +227,8 @@ fn create_then_open(path: &Path, config: &Config) -> Result<Opened> {
 }
 
 /// Opens or creates a store over any redb backend, with its write-ahead
-/// log on `log`; `name` names it in errors.
-///
-/// `boot` is the machine's boot id when the log is a real file (see
-/// [`boot_id`]); `None` for storage backends, whose crashes the caller
-/// simulates.
+/// log on `log`; `name` names it in errors. `boot` is the machine's boot id
+/// for a real file ([`boot_id`]); `None` for storage backends.
 pub(super) fn open_backend(
     backend: impl StorageBackend,
     log: Box<dyn StorageBackend>,
@@ -344,9 +322,8 @@ fn engine_open(
 }
 
 /// A heal's first step: the engine over the store's files again, and its
-/// meta entries. Nothing is written (redb's own recovery of a file not
-/// closed cleanly aside); the log is replayed by
-/// [`recover_log`](super::recovery::recover_log).
+/// meta entries. Nothing is written but redb's own recovery; the log is
+/// replayed by [`recover_log`](super::recovery::recover_log).
 pub(super) fn reopen_engine(
     source: &super::source::Source,
     config: &Config,
@@ -399,9 +376,8 @@ fn map_open(err: DatabaseError, path: &Path) -> Error {
             path: path.display().to_string(),
             holder: crate::holder::lock_holder(path),
         },
-        // The engine read past the end of the file while opening it: the
-        // file is shorter than its own header says (cut short), which is
-        // damage, not an I/O failure a retry could fix.
+        // Read past the end: the file is shorter than its header says,
+        // damage a retry cannot fix.
         DatabaseError::Storage(::redb::StorageError::Io(io))
             if io.kind() == std::io::ErrorKind::UnexpectedEof =>
         {

@@ -1,14 +1,8 @@
-//! [`Overlay`]: a store file read through a private in-memory page
-//! overlay, so that nothing redb does on it (its recovery of an uncleanly
-//! closed file, a repair, a replay of the log, the commits of a read-only
-//! store) reaches the file. [`Pages`] holds the pages written, in memory.
-//!
-//! Used by every reading that must not write: [`RedbStore::open_read_only`]
-//! (the operator's inspections), `admin::check_log`, the engine check of
-//! `Admin::verify`, and a heal that cannot reopen the files for writing
-//! ([`open_view_of`]: the store goes on answering reads from them).
-//!
-//! [`RedbStore::open_read_only`]: crate::redb::RedbStore::open_read_only
+//! [`Overlay`]: a store file read through private in-memory pages
+//! ([`Pages`]), so that nothing redb does on it (recovery, repair, replay,
+//! a read-only store's commits) reaches the file. For every reading that
+//! must not write: read-only opens, `check_log`, `verify`'s engine check,
+//! and a heal that cannot reopen the files for writing ([`open_view_of`]).
 
 use super::file::check_foreign;
 use super::source::Source;
@@ -25,10 +19,9 @@ pub(in crate::redb) fn open_overlay(path: &Path) -> Result<std::result::Result<D
     engine_over(Overlay::new(std::fs::File::open(path)?)?)
 }
 
-/// A database over a store's files (`source`) that writes nothing to
-/// them: what a heal leaves in the engine's place when it cannot open the
-/// files for writing (an open writes: redb repairs a file it did not
-/// close), so that reads go on. The store file through an [`Overlay`].
+/// A database over a store's files that writes nothing to them: what a heal
+/// leaves in the engine's place when it cannot open them for writing (an
+/// open writes: redb repairs a file it did not close), so reads go on.
 pub(in crate::redb) fn open_view_of(source: &Source) -> Result<Database> {
     let opened = match source {
         Source::Path(path) => open_overlay(path)?,

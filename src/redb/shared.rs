@@ -1,11 +1,6 @@
-//! What the callers and the background thread share ([`Shared`]): the
-//! engine behind its lock (and what it may be used for while a heal cannot
-//! reopen it), the memtable, the commit line and the commit lock, the
-//! background thread's flags, and their lock helpers; the read path
-//! (memtable, then redb); a flush and the clean close; and poisoning: a
-//! failure is kept as the cause in the store's one poison
-//! (`health::HealthCell`), and every later write is refused with it. The
-//! write path's methods are in `commit/`, the heal in heal.rs.
+//! [`Shared`]: what the callers and the background thread share (engine,
+//! memtable, line, commit lock, the background flags), the read path
+//! (memtable, then redb), flush and clean close, and poisoning.
 
 use super::config::Config;
 use super::health::{Health, On};
@@ -200,11 +195,9 @@ impl Shared {
         Ok(DbRead(engine))
     }
     /// The engine for exclusive use (a heal, a compaction, the verifier's
-    /// in-place check): every transaction waited out, the read path's
-    /// kept snapshot included, which is dropped here and the use counted
-    /// as a commit (redb compacts and checks only with no read transaction
-    /// live, and a heal or a repair may change what the files hold;
-    /// snapshot.rs).
+    /// in-place check): every transaction waited out, the kept read
+    /// snapshot dropped and the use counted as a commit (redb compacts and
+    /// checks only with no live read, and a heal may change the files).
     pub(super) fn write_db(&self) -> RwLockWriteGuard<'_, Engine> {
         let engine = self.db.write().unwrap_or_else(|p| p.into_inner());
         self.snapshot.committed();
@@ -313,11 +306,10 @@ impl Shared {
         self.flush_locked(&mut core)
     }
 
-    /// The last commit of a clean stop: everything in memory goes into the
-    /// file durably, and the same commit marks the log closed
-    /// ([`META_WAL_STATE`](tables::META_WAL_STATE)), so the next open knows
-    /// the log holds nothing it needs and may be missing. A read-only view
-    /// writes nothing.
+    /// The last commit of a clean stop: memory goes into the file durably,
+    /// and the same commit marks the log closed
+    /// ([`META_WAL_STATE`](tables::META_WAL_STATE)), so the next open needs
+    /// nothing from it. A read-only view writes nothing.
     pub(super) fn close(&self) -> Result<()> {
         self.check_writable()?;
         let mut core = self.lock_core();
@@ -342,10 +334,9 @@ impl Shared {
         self.health.is_poisoned()
     }
 
-    /// Records `error`, met `during` an operation on `on`, as the reason
-    /// writes stop (the first failure stays the cause until the store
-    /// heals), and returns it for the caller that hit it: an I/O error
-    /// keeps its kind and gains the file and the operation.
+    /// Poisons with `error` (met `during` an operation on `on`; the first
+    /// failure stays the cause) and returns it, an I/O error keeping its
+    /// kind and gaining the file and the operation.
     pub(super) fn fail(&self, during: &'static str, on: On, error: Error) -> Error {
         let error = self.named(error);
         let path = self.file_name(on);

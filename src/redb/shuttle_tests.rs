@@ -1,22 +1,14 @@
 //! The commit line under the Shuttle model checker: the production code of
-//! commit.rs, native.rs, checkpoint.rs and this module's `Shared` and
-//! `Drop`, run under many schedules of its threads (callers, futures, the
-//! committer, the checkpointer) with Shuttle's primitives in place of
-//! std's (src/sync.rs explains the switch, the virtual clock, and why redb's
-//! own locks cannot hang a run).
+//! `commit/`, native.rs, checkpoint.rs and this module's `Shared` and `Drop`
+//! under many schedules (docs/testing.md, "The commit line under a model
+//! checker"; src/sync.rs for the switch of primitives).
 //!
 //! ```sh
 //! RUSTFLAGS="--cfg shuttle" cargo test --lib shuttle
-//! IDEMSTORE_SHUTTLE_SCHEDULES=1000 RUSTFLAGS="--cfg shuttle" cargo test --lib shuttle
 //! ```
 //!
-//! Each scenario runs [`schedules`] schedules of the random scheduler and
-//! as many of PCT's (bug depth [`PCT_DEPTH`]), on redb's in-memory backend
-//! with a log of [`MIN_WAL_BYTES`] and a 1 ms checkpoint interval, so that
-//! runs freeze memtables and checkpoint them. A deadlock fails a run
-//! (Shuttle's own check: every thread blocked), and so does a spin
-//! ([`MAX_STEPS`] scheduling points). A failure prints its schedule: saved
-//! to a file named by `IDEMSTORE_SHUTTLE_REPLAY`, it replays alone.
+//! A deadlock fails a run, and so does a spin ([`MAX_STEPS`]); a failure
+//! prints its schedule, which replays alone from `IDEMSTORE_SHUTTLE_REPLAY`.
 
 use super::line::{Op, Reply};
 use super::{MIN_WAL_BYTES, RedbStore};
@@ -190,11 +182,10 @@ fn dawdle() {
 /// checkpointer, not just the line.
 static CHECKPOINTED_RUNS: AtomicUsize = AtomicUsize::new(0);
 
-/// The checkpointer's timed freeze once waited, holding the commit lock,
-/// for a memtable a leader had just frozen, which only it could write
-/// (fixed in ae82d3c; with that fix reverted this fails every time at 200
-/// schedules), and it busy-waited while another thread held the commit
-/// lock with a memtable due (PCT found it here). Callers in the line with
+/// Pins two bugs of the checkpointer's timed freeze: it waited, holding the
+/// commit lock, for a memtable a leader had just frozen, which only it could
+/// write; and it busy-waited while another thread held the commit lock with
+/// a memtable due. Callers in the line with
 /// both threads running: two threads race for one key (one claim, the
 /// other InFlight or the Replay), a third claims its own, a task claims
 /// through the committer; every completed record is there after the drop
@@ -413,9 +404,8 @@ static CACHED_RUNS: AtomicUsize = AtomicUsize::new(0);
 /// cache) by other keys' groups, then claimed again once it has expired
 /// while more groups push that claim out too. A reader that starts after
 /// the claim returned must read the claim at every point of those
-/// checkpoints, never the expired response the cache held. A retire that
-/// drops the frozen table before it fills the cache fails this at the
-/// default 100 schedules.
+/// checkpoints, never the expired response the cache held (a retire that
+/// drops the frozen table before it fills the cache fails this).
 #[test]
 fn shuttle_a_read_after_a_claim_never_sees_the_cached_response_it_replaced() {
     explore("replay cache", || {
@@ -469,9 +459,9 @@ static SNAPSHOT_RUNS: AtomicUsize = AtomicUsize::new(0);
 /// redb: `a` is claimed and pushed out to the store file by other keys'
 /// groups, then completed and pushed out again. A reader that starts
 /// after the completion returned must read it at every point of those
-/// checkpoints, never the claim a snapshot kept from before them. A
+/// checkpoints, never the claim a snapshot kept from before them (a
 /// checkpoint that counts its commit only after it retires its frozen
-/// table fails this at the default 100 schedules.
+/// table fails this).
 #[test]
 fn shuttle_a_read_after_a_completion_never_sees_the_claim_a_kept_snapshot_holds() {
     explore("kept snapshot", || {

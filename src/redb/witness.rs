@@ -1,13 +1,7 @@
-//! [`Witnessed`]: the store's storage as the engine sees it, wrapped so
-//! that the store remembers the last I/O error the engine met.
-//!
-//! redb refuses every use of a database after an I/O error of its own
-//! (`PreviousIo`) without saying what the error was, and an error the
-//! engine returns inside a caller's code (an inbox handler's transaction)
-//! comes back only as the caller's error type, which the store cannot read.
-//! The [`IoWitness`] beside every backend the engine writes through keeps
-//! the last error's kind and text, so the store can name the cause (a full
-//! disk stays `StorageFull`) wherever the engine's own answer has lost it.
+//! [`Witnessed`]: the engine's storage, wrapped so that the store keeps the
+//! last I/O error the engine met. redb's later refusals (`PreviousIo`) and
+//! errors inside an inbox handler's transaction lose the cause; the
+//! [`IoWitness`] keeps its kind and text (a full disk stays `StorageFull`).
 //! A bottom module: it imports only `file.rs`.
 
 use ::redb::StorageBackend;

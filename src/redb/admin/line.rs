@@ -1,21 +1,6 @@
-//! The export line format (`idemstore export`, JSON lines): one JSON
-//! object per record, one record per line.
-//!
-//! ```text
-//! {"v":1,"scope":"tenant-42","id":"order-1","state":"DONE",
-//!  "fingerprint":"<64 hex digits>","token":42,"attempts":1,
-//!  "created_at_ms":1764410000000,"expires_at_ms":1764496400000,"lease_until_ms":null,
-//!  "response":{"status":201,"headers":[{"name":"content-type","value":"text/plain"}],"body":"charged"}}
-//! ```
-//!
-//! Byte strings (scope, id, header values, body) are written as JSON text
-//! under their own name when they are valid UTF-8, and otherwise as
-//! standard base64 (with padding) under the name with `_b64` appended
-//! (`"body_b64":"/9j/4AAQ..."`), so that text stays greppable and nothing
-//! is lost. The fingerprint is 64 lower-case hex digits; times are Unix
-//! milliseconds. `v` is the line format version ([`LINE_VERSION`]).
-//! Records are written as stored, expired ones included; import writes
-//! them back unchanged.
+//! The export line format (`idemstore export`, JSON lines), drawn at
+//! [`export_line`]. `v` is [`LINE_VERSION`]; records are written as stored,
+//! expired ones included, and import writes them back unchanged.
 
 use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;

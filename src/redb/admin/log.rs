@@ -45,16 +45,11 @@ impl LogCheck {
     }
 }
 
-/// Checks the write-ahead log of the store at `store` the way an open
-/// would replay it (the unclean-stop record, the log's size and owner,
-/// every frame of the live epochs, damage anywhere in their segments, a
-/// damaged last frame after a process crash, frames that verify but do
-/// not decode), and reports every problem instead of stopping at the first.
+/// Checks the write-ahead log of the store at `store` as an open would
+/// replay it, and reports every problem instead of stopping at the first.
 ///
-/// Writes nothing, to either file: the store file is read through a
-/// private in-memory overlay (so that redb's own recovery of an uncleanly
-/// closed file happens in memory), and the log is only read. It takes no
-/// lock either: run it on a store no process holds, or on a copy.
+/// Writes nothing (the store file is read through an in-memory overlay)
+/// and takes no lock: run it on a store no process holds, or on a copy.
 ///
 /// Errors: what an open would say about the store file itself (missing,
 /// foreign, damaged), and I/O errors.

@@ -19,20 +19,14 @@
 //! # Ok::<(), idemstore::Error>(())
 //! ```
 //!
-//! Reads use ordinary read transactions of the store file, so each sees one
-//! consistent snapshot of it. The file holds what was checkpointed: after an
-//! open that is everything (the log is replayed into it), and after writes
-//! through the store [`Admin::checkpoint`] makes them part of it.
-//! Writes here ([`Admin::evict`], [`Admin::import`]) are direct
-//! transactions: under the commit lock, so no group commits beside them,
-//! taking in the memtable first and retiring the log, and a failed commit
-//! poisons the store exactly as a failed group would.
+//! Reads see one snapshot of the store file: what was checkpointed (after
+//! an open, everything; after writes, call [`Admin::checkpoint`]). Writes
+//! ([`Admin::evict`], [`Admin::import`]) are direct transactions: under the
+//! commit lock, the memtable taken in first, the log retired, and a failed
+//! commit poisons the store as a failed group would.
 //!
-//! - this file: [`Admin`], [`Facts`], [`RawKey`], the reads;
-//! - `write.rs`: the writes ([`Admin::evict`], [`Admin::import`], the
-//!   token high-water mark), each a direct transaction;
-//! - `verify.rs`: [`Admin::verify`] and its [`VerifyReport`];
-//! - `line.rs`: the export line format ([`export_line`], [`parse_line`]).
+//! `write.rs` has the writes, `verify.rs` [`Admin::verify`], `line.rs` the
+//! export line format.
 
 mod line;
 mod log;

@@ -1,9 +1,7 @@
-//! The leader role over the line of callers (the line's data is
-//! `line.rs`): a caller queues its request in a [`Slot`]; the first thread in line leads a group
-//! ([`Shared::lead_once`], the commit in `commit/mod.rs`), passes the role
-//! on and answers the group. Futures wait in the same line but never lead:
-//! the committer thread (native.rs) leads for them. A full line
-//! (`WRITE_QUEUE_DEPTH`) makes a caller wait for room.
+//! The leader role: the first thread in line leads a group
+//! ([`Shared::lead_once`]), passes the role on and answers the group.
+//! Futures never lead (a runtime thread must not block on an fsync): the
+//! committer thread leads for them. A full line makes a caller wait.
 
 use super::super::Shared;
 use super::super::health::On;

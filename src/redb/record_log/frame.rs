@@ -1,15 +1,9 @@
-//! The record log's bytes: where frames go in the file (two segments,
-//! [`FRAME_ALIGN`]ed offsets: [`Layout`]), how a batch's table writes are
-//! laid out and sealed as a frame ([`Journal`]), and how a frame and its
-//! entries are read back and checked ([`read_frame`], [`entries`]).
+//! The record log's bytes ([`Layout`], [`Journal`], [`read_frame`],
+//! [`entries`]); docs/format.md is the reference.
 //!
-//! The CRC covers the store's 16-byte id (not stored in the frame), magic,
-//! epoch, length and payload: a log left beside another store (a store
-//! file deleted and created again, a copy that mixed two stores' files)
-//! never verifies, so it is never replayed into the wrong store.
-//!
-//! All integers are big-endian, as everywhere in idemstore's formats.
-//! docs/format.md is the reference.
+//! The CRC covers the store's 16-byte id (not stored in the frame): a log
+//! left beside another store never verifies, so it is never replayed into
+//! the wrong store.
 
 use super::super::damage::Damage;
 use crate::error::{Error, Result};
@@ -46,11 +40,9 @@ const TAG_RECORD_PUT: u8 = 1;
 const TAG_RECORD_DEL: u8 = 2;
 const TAG_META_PUT: u8 = 5;
 
-/// Every frame starts on a multiple of this many bytes from the start of
-/// its segment (the previous frame's last block is left padded), so an
-/// append never writes a sector that holds acknowledged bytes: a device
-/// that tears a sector into garbage during a power cut can only damage the
-/// frame being written, never one already acknowledged.
+/// Every frame starts on a multiple of this from its segment's start, so an
+/// append never writes a sector holding acknowledged bytes (a torn sector
+/// damages only the frame being written).
 pub(crate) const FRAME_ALIGN: u64 = 4096;
 
 /// Rounds `n` up to the next multiple of [`FRAME_ALIGN`].

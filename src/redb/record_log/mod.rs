@@ -1,58 +1,26 @@
-//! The record log (`<file>-wal`, the write-ahead log): how a group becomes
-//! durable with one small append and one `fdatasync`, instead of one redb
-//! commit that rewrites every B-tree page the group touched. This file
-//! holds the log's sizes, its path beside the store file and [`FileLog`]
-//! (the log on a real file); `frame.rs` lays out the file and the frames,
-//! `writer.rs` appends them ([`Wal`]), `reader.rs` walks them for a
-//! replay, and `recovery.rs`, beside this directory, recovers the log at an
-//! open and at a heal.
+//! The record log (`<file>-wal`): a group becomes durable with one aligned
+//! append and one `fdatasync`, not a redb commit that rewrites every page it
+//! touched. This file: the log's sizes, its path, [`FileLog`]; `frame.rs`
+//! the bytes (docs/format.md), `writer.rs` the appends, `reader.rs` the walk.
 //!
-//! The store's one log: it holds the records a group of claims and
-//! completions changed, above redb; redb's own commits (the inbox's, the
-//! checkpoints', the admin writes) are durable commits of the store file.
+//! Invariants (`Durability::Immediate`):
 //!
-//! Why: idempotency keys are random, so every claim lands on its own leaf
-//! page; a durable redb commit of a 60-request batch rewrote ~375 KiB
-//! (copy-on-write leaves and branches) to store ~20 KiB of records, and the
-//! disk's write bandwidth, not its fsync rate, set the ceiling. The log
-//! writes what changed (the records), nothing else; the B-tree pages are
-//! written by checkpoints, where many records share each commit.
-//!
-//! How (`Durability::Immediate`, the default; see `commit.rs` and
-//! `checkpoint.rs` for the two sides):
-//!
-//! 1. A group's leader decides its requests and records each record put or
-//!    delete, and the new fencing-token high-water mark, in a [`Journal`].
-//! 2. The journal goes to the log as one [`frame`](Wal::append), on a
-//!    [`FRAME_ALIGN`] boundary, and the log is `fdatasync`ed; only then are
-//!    the records published to the memtable and the callers answered, so
-//!    nothing is visible before it is durable.
-//! 3. The file is two segments. Frames of epoch `e` go to segment `e % 2`.
-//!    When the memtable is handed to the checkpointer (its segment is
-//!    full, it is larger than [`MEMTABLE_BYTES`](super::memtable::MEMTABLE_BYTES),
-//!    or older than [`CHECKPOINT_INTERVAL`]), the log moves to epoch `e + 1`
-//!    in the other segment, and commits go on there while the checkpoint
-//!    writes epoch `e`'s records into redb. The checkpoint's durable commit
-//!    stores `e + 1` as the durable epoch (a meta entry): that one commit
-//!    retires every frame of `e`, with no truncation and no second write.
-//!    A segment is written again only after the epoch it held is retired
-//!    (a new freeze waits for the running checkpoint).
-//! 4. Opening a store replays the frames of the durable epoch `E` (segment
-//!    `E % 2`) and then of `E + 1` (the other), each from the start of its
-//!    segment, commits durably, and starts writing epoch `E + 2`.
-//!
-//! Because a frame starts on a fresh 4 KiB block, an append never writes a
-//! sector holding acknowledged bytes: a device that tears a sector into
-//! garbage during a power cut can damage only the frame being written.
-//!
-//! Every write transaction outside the line (the inbox, the admin evict
-//! and import, `compact`, a group too large for a segment) first takes in
-//! the memtable and then moves the epoch on (see
-//! [`Shared::direct`](super::Shared)), since replaying older frames over
-//! its writes would undo them.
-//!
-//! The frames' layout is drawn in `frame.rs` and specified in
-//! docs/format.md.
+//! 1. A group's records and token high-water mark go to the log as one
+//!    frame, which is `fdatasync`ed before the memtable sees the records or
+//!    a caller is answered: nothing is visible before it is durable.
+//! 2. Two segments; epoch `e` writes segment `e % 2`. A freeze moves the log
+//!    to `e + 1` while the checkpoint writes `e`'s records into redb; its
+//!    durable commit stores `e + 1` as the durable epoch, which retires all
+//!    of `e` in that one commit. A segment is reused only once its epoch is
+//!    retired (a freeze waits for the running checkpoint).
+//! 3. An open replays epoch `E` (segment `E % 2`), then `E + 1`, commits
+//!    durably, and writes `E + 2`.
+//! 4. A frame starts on a fresh 4 KiB block, so an append never rewrites a
+//!    sector holding acknowledged bytes: a torn sector damages only the
+//!    frame being written.
+//! 5. Every write transaction outside the line takes in the memtable and
+//!    then moves the epoch on ([`Shared::direct`](super::Shared)): replaying
+//!    older frames over its writes would undo them.
 
 use crate::error::Result;
 use ::redb::StorageBackend;
@@ -69,12 +37,8 @@ pub(super) use reader::{applier, frames_seen, walk};
 pub(super) use writer::Wal;
 
 /// Size of a store's write-ahead log file (`<file>-wal`): two segments of
-/// half this size each. It is written with zeros at creation (so appends
-/// never change the file's size or allocation, and `fdatasync` has no
-/// metadata to write), then each segment is reused from its start once the
-/// checkpoint of the frames it held is durable. A group's frame takes whole
-/// 4 KiB blocks; a group too large for a whole segment commits
-/// straight into the store file (durably) instead.
+/// half this size. Zero-filled at creation, so an append changes neither
+/// size nor allocation and `fdatasync` has no metadata to write.
 ///
 /// ```
 /// assert_eq!(idemstore::redb::WAL_BYTES, 8 << 20);

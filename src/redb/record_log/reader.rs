@@ -1,34 +1,23 @@
-//! The record log's reader: the walk over one epoch's frames that a
-//! replay and a check make ([`walk`]), what it hands a replay's
-//! transaction ([`applier`]), and whether a log's frames are this store's
-//! at all ([`frames_seen`]).
+//! The record log's reader: the walk over one epoch's frames ([`walk`]),
+//! what it hands a replay's transaction ([`applier`]), and whether a log's
+//! frames are this store's ([`frames_seen`]).
 //!
-//! Replay is a redo (put or remove a record with its full value, moving
-//! its expiry-index entry; set a meta entry), so replaying frames whose
-//! records are already in the file changes nothing. What replay does at
-//! each offset ([`walk`]):
+//! Replay is a redo (full values), so replaying frames already in the file
+//! changes nothing. At each offset:
 //!
-//! - a frame of this epoch that verifies: applied.
-//! - anything else (zeros, another magic, an older epoch's bytes, a header
-//!   cut short, a length running past the segment, a frame of this epoch
-//!   whose CRC-32 fails): the end of the epoch's frames, unless a later
-//!   block of the segment holds a frame of this epoch that verifies. A
-//!   frame is written only after the previous one was synced, so a crash
-//!   can damage only the last frame written and leaves nothing after it:
-//!   a verifying frame after the stop means the stop is damage, and the
-//!   open fails with [`Error::Corrupt`] naming both offsets.
-//! - a damaged last frame of one block, when the machine has not restarted
-//!   since the open that wrote it (a process crash, which writes such a
-//!   frame whole or not at all): [`Error::Corrupt`]. After a reboot it is
-//!   a write torn by a power cut: the end.
-//! - a frame that verifies but whose payload does not decode (an entry cut
-//!   short, an unknown tag, a record that does not decode): damage no
-//!   crash can cause; the open fails with [`Error::Corrupt`] and nothing
-//!   is committed.
+//! - a frame of this epoch that verifies: applied;
+//! - anything else: the end, unless a later block holds a verifying frame
+//!   of this epoch. A frame is written only after the previous one was
+//!   synced, so a crash damages only the last frame and leaves nothing
+//!   after it: a verifying frame after the stop is damage, [`Error::Corrupt`];
+//! - a damaged last frame of one block with no reboot since it was written
+//!   (a process crash writes it whole or not at all): [`Error::Corrupt`];
+//!   after a reboot it is a torn write, the end;
+//! - a frame that verifies but does not decode: damage no crash causes,
+//!   [`Error::Corrupt`], nothing committed.
 //!
 //! With [`accept_loss`](crate::redb::RedbStoreBuilder::accept_loss) each
-//! `Corrupt` but the last becomes a skip: replay goes on at the next frame
-//! that verifies, and the [`LossReport`] says what was skipped.
+//! `Corrupt` but the last is a skip, written in the [`LossReport`].
 
 use super::super::damage::{Damage, Stop};
 use super::super::loss::LossReport;
@@ -44,9 +33,8 @@ use std::ops::ControlFlow;
 /// What replay does with a whole frame's payload: writes its entries
 /// through `tables` (hand it to [`walk`] as `on_frame`). A record put or
 /// delete also moves the record's expiry-index entry (the old expiry is
-/// read from the record it replaces), so the frames need not carry index
-/// entries. A frame that verifies but whose payload does not decode is
-/// damage no crash can cause: [`Error::Corrupt`], and the caller commits
+/// read from the record it replaces), so frames carry no index entries. A
+/// payload that does not decode is [`Error::Corrupt`]; the caller commits
 /// nothing.
 pub(in crate::redb) fn applier<'a>(
     tables: &'a mut WriteTables<'_>,
@@ -62,25 +50,16 @@ pub(in crate::redb) fn applier<'a>(
     }
 }
 
-/// Walks every frame of `epoch` laid out as `layout`, from the start of
-/// its region to the end of the log or a torn last frame (the module docs
-/// say what ends the log and what is refused), handing each whole frame's
-/// payload and offset to `on_frame` ([`applier`] for a replay), and returns
-/// how many it handed over.
+/// Walks every frame of `epoch` (rules in the module docs), handing each
+/// whole frame's offset and payload to `on_frame`; returns how many.
 ///
-/// `no_reboot`: the machine has not restarted since the open that wrote
-/// these frames (the same boot id), so the stop was a process crash, not a
-/// power loss. A killed process's write of a frame that fits in one
-/// [`FRAME_ALIGN`] block lands whole or not at all (the kernel copies a
-/// write into the page cache a page at a time, and a fatal signal is
-/// noticed between pages), so such a last frame that fails its checksum
-/// was damaged after it was written, maybe after it was acknowledged:
-/// [`Error::Corrupt`] rather than a silent end. A longer last frame may
-/// have been cut between pages by the kill, and stays a torn tail.
+/// `no_reboot` (same boot id as the writer's open): the stop was a process
+/// crash. The kernel copies a write into the page cache a page at a time
+/// and a fatal signal is noticed between pages, so a one-block frame lands
+/// whole or not at all: one that fails its checksum was damaged after it
+/// was written. A longer last frame may be cut by the kill: a torn tail.
 ///
-/// With `loss` (an open that accepts loss, or a check), each `Corrupt` of
-/// the stop rules is written down there instead and the walk goes on at
-/// the next frame that verifies.
+/// With `loss`, each `Corrupt` is written there and the walk goes on.
 pub(in crate::redb) fn walk(
     file: &dyn StorageBackend,
     store_id: &[u8; 16],
@@ -101,18 +80,13 @@ pub(in crate::redb) fn walk(
         let (payload, next) = match read_frame(file, store_id, epoch, at, end)? {
             Frame::Whole { payload, next } => (payload, next_start(next)),
             stop => {
-                // Where the frames of this epoch stop. A frame is written
-                // only once the one before it is synced, so a crash can
-                // damage the last frame only: a frame that verifies after
-                // the stop means the stop is damage to synced data, and
-                // replaying only up to it would drop acknowledged writes.
+                // A verifying frame after the stop: the stop is damage to
+                // synced data, and ending here would drop acknowledged writes.
                 let (how, damaged_end) = match stop {
                     Frame::Damaged { next } => (Stop::Damaged, Some(next)),
                     _ => (Stop::Ends, None),
                 };
                 let later = find_later(file, store_id, epoch, at, end)?;
-                // After a process crash (no reboot), a last frame of one
-                // block cannot have been torn (see the docs above).
                 let damaged_last = later.is_none()
                     && no_reboot
                     && damaged_end.is_some_and(|next| next - at <= FRAME_ALIGN);
@@ -153,16 +127,9 @@ pub(in crate::redb) fn walk(
     Ok(frames)
 }
 
-/// The first block after `at` in the epoch's segment that holds a frame
-/// of the epoch that verifies. Frames of an epoch are written one after
-/// the other, each once the one before it is durable, so there is none
-/// after the true end of the log or a torn last write; one found means the
-/// stop at `at` is damage (a flipped magic, epoch or length field; a frame
-/// overwritten).
-///
-/// The segment is read in large chunks and only a block whose header
-/// names this epoch is verified, so a clean open reads each of the two
-/// live segments once.
+/// The first block after `at` holding a verifying frame of `epoch` (none
+/// after a true end). Only blocks whose header names the epoch are
+/// verified, so a clean open reads each live segment once.
 fn find_later(
     file: &dyn StorageBackend,
     store_id: &[u8; 16],

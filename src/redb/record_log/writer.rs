@@ -8,15 +8,10 @@ use crate::error::{Error, Result};
 use ::redb::StorageBackend;
 use std::fmt;
 
-/// The log file and where the next frame goes.
-///
-/// The file is two segments. The frames of epoch `e` go to segment
-/// `e % 2`: while a checkpoint writes the frozen memtable (whose frames are
-/// in one segment) into redb, new groups append to the other segment. The
-/// durable epoch stored in redb (`META_WAL_EPOCH`) is the oldest epoch
-/// whose frames are not all in redb yet; at most it and the next one hold
-/// live frames, and a segment is reused only after the checkpoint that
-/// retires its epoch is durable.
+/// The log file and where the next frame goes. The durable epoch in redb
+/// (`META_WAL_EPOCH`) is the oldest epoch not all in redb; it and the next
+/// hold the live frames (the segment rules are in the module docs of
+/// `record_log`).
 pub(in crate::redb) struct Wal {
     file: std::sync::Arc<dyn StorageBackend>,
     /// The epoch new frames are written in.
