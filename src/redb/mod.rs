@@ -79,7 +79,6 @@ mod errors;
 mod file;
 mod heal;
 mod health;
-mod hot;
 mod inbox;
 mod line;
 mod loss;
@@ -108,7 +107,6 @@ pub use builder::RedbStoreBuilder;
 use config::Config;
 pub use config::{DEFAULT_CACHE_BYTES, Durability, RecoveryPolicy};
 pub use health::{HEAL_BACKOFF_MAX, HEAL_BACKOFF_MIN, Health};
-pub use hot::REPLAY_CACHE_BYTES;
 pub use inbox::{Delivery, Inbox, MAX_INBOX_BATCH, Message};
 pub use loss::LossReport;
 pub use record_log::{CHECKPOINT_INTERVAL, MIN_WAL_BYTES, WAL_BYTES};
@@ -415,7 +413,6 @@ impl RedbStore {
             largest_batch: c.largest_batch.load(Ordering::Relaxed),
             fast_replays: c.fast_replays.load(Ordering::Relaxed),
             fast_refusals: c.fast_refusals.load(Ordering::Relaxed),
-            replay_cache_hits: c.replay_cache_hits.load(Ordering::Relaxed),
             swept: c.swept.load(Ordering::Relaxed),
             leases_expired_on_open: self.leases_expired_on_open,
         }

@@ -154,7 +154,7 @@ impl Shared {
             clock: Arc::clone(&config.clock),
             path: path.map(Path::to_path_buf),
             stats: Counters::default(),
-            mem: RwLock::new(Mem::new(config.replay_cache_bytes)),
+            mem: RwLock::new(Mem::default()),
             queue: Mutex::new(Queue::default()),
             queue_room: Condvar::new(),
             committer_cv: Condvar::new(),
@@ -264,8 +264,7 @@ impl Shared {
         self.checkpoint_left().is_zero()
     }
 
-    /// The latest state of `key_bytes`: the memtable, the replay cache,
-    /// then redb (verified).
+    /// The latest state of `key_bytes`: the memtable, then redb (verified).
     pub(super) fn read(&self, key_bytes: &[u8]) -> Result<Option<Record>> {
         self.read_counted(key_bytes).map(|(record, _)| record)
     }
@@ -277,10 +276,6 @@ impl Shared {
             let mem = self.read_mem();
             if let Some(entry) = mem.get(key_bytes) {
                 return Ok((entry.clone(), None));
-            }
-            if let Some(record) = mem.hot.get(key_bytes) {
-                self.stats.replay_cache_hits.fetch_add(1, Ordering::Relaxed);
-                return Ok((Some(record.clone()), None));
             }
         }
         // Counted after the memtable was read: see snapshot.rs.

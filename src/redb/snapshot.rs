@@ -1,6 +1,6 @@
 //! The read path's redb snapshot: one read transaction's records table,
 //! kept open from one redb commit to the next, so that a `begin` whose key
-//! is in neither memtable nor the replay cache (a fresh key, an old replay)
+//! is in neither memtable (a fresh key, an older replay)
 //! reads the B-tree without opening a read transaction and a table first
 //! (redb's `begin_read` registers the transaction under a lock, and
 //! `open_table` looks the table up by name: together more than the lookup).
@@ -151,11 +151,9 @@ mod tests {
         Key::new("t", "k").unwrap()
     }
 
-    /// A store in `dir` with the replay cache off (it would answer before
-    /// redb) and a checkpoint interval of `interval`.
+    /// A store in `dir` with a checkpoint interval of `interval`.
     fn store(dir: &tempfile::TempDir, interval: Duration) -> RedbStore {
         RedbStoreBuilder::default()
-            .replay_cache_bytes(0)
             .checkpoint_interval(interval)
             .open(dir.path().join("s.idem"))
             .unwrap()
@@ -216,7 +214,7 @@ mod tests {
     }
 
     /// A checkpoint drops the kept snapshot before it retires its frozen
-    /// memtable (the replay cache is off: it would answer first).
+    /// memtable.
     #[test]
     fn a_read_after_a_checkpoint_sees_it() {
         let dir = tempfile::tempdir().unwrap();
@@ -298,7 +296,6 @@ mod tests {
     fn a_kept_snapshot_does_not_stop_a_compaction() {
         let dir = tempfile::tempdir().unwrap();
         let store = RedbStoreBuilder::default()
-            .replay_cache_bytes(0)
             .open(dir.path().join("s.idem"))
             .unwrap();
         let _ = claim(&store);

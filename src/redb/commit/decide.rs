@@ -253,7 +253,7 @@ mod tests {
             let base = Claimed(std::cell::Cell::new(0));
             let mut hwm = 1;
             let ops = [begin_absent_at(b"\0k", absent_at)];
-            let decided = decide(&ops, &Mem::new(0), counted, &base, &mut hwm);
+            let decided = decide(&ops, &Mem::default(), counted, &base, &mut hwm);
             (decided.answers, base.0.get())
         };
         let (answers, reads) = decide_one(Some(7), 7);

@@ -58,9 +58,6 @@ impl Shared {
         self.check_writable()?;
         self.check_healthy()?;
         self.wait_checkpointed()?;
-        // What this transaction writes bypasses the memtable, which is
-        // what keeps the replay cache current (hot.rs).
-        self.write_mem().hot.clear();
         let db = self.write_ready_db()?;
         let mut txn = db
             .begin_write()
