@@ -15,8 +15,8 @@ use super::memtable::Mem;
 use super::record_log::Wal;
 use super::snapshot::Snapshot;
 use super::stats::Counters;
+use super::tables::Source;
 use super::{Durability, RecoveryPolicy, health, open, source, tables, witness};
-use crate::codec;
 use crate::error::{Cause, Error, Result};
 use crate::record::Record;
 use crate::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -283,11 +283,8 @@ impl Shared {
         let db = self.read_db()?;
         let record = self
             .snapshot
-            .read(&db, seen, key_bytes, |value| {
-                value
-                    .map(|v| codec::decode_record(key_bytes, v))
-                    .transpose()
-            })
+            .read(&db, seen, |tables| tables.read(key_bytes))
+            .and_then(|read| read)
             .map_err(|e| self.engine_failed("read", e))?;
         Ok((record, Some(seen)))
     }

@@ -32,10 +32,10 @@ pub(super) struct Decided {
 /// writes, then `mem`, then `base`. Writes nothing anywhere: the caller
 /// makes [`Decided::writes`] durable.
 ///
-/// `counted` is the redb commit count read after `mem` was locked: a
-/// `begin` the read path found absent under that same count is not read
-/// from `base` (snapshot.rs says why nothing can have reached redb alone
-/// since).
+/// `counted` is the redb commit count read after `mem` was locked, and
+/// `base` the kept snapshot as of at least that count: a `begin` the read
+/// path found absent under that same count is not read from `base` again
+/// (snapshot.rs says why nothing can have reached redb alone since).
 pub(super) fn decide(
     ops: &[Op],
     mem: &Mem,
