@@ -248,6 +248,7 @@ fn group_commit_vs_raw(c: &mut Criterion, dir: &Path) {
     txn.open_table(EXPIRY).unwrap();
     txn.commit().unwrap();
     let value = vec![7u8; 80];
+    let before = next.load(Ordering::Relaxed);
     group.bench_function(BenchmarkId::new("raw_txn_per_claim", "64_clients"), |b| {
         b.iter_custom(|iters| {
             on_clients(iters, |_, _| {
@@ -269,9 +270,10 @@ fn group_commit_vs_raw(c: &mut Criterion, dir: &Path) {
             })
         })
     });
-    // Checks the raw path wrote what it claimed.
+    // Checks the raw path wrote what it claimed (unless a filter skipped it).
+    let ran = next.load(Ordering::Relaxed) > before;
     let read = db.begin_read().unwrap();
-    assert!(read.open_table(RECORDS).unwrap().len().unwrap() > 0);
+    assert!(!ran || read.open_table(RECORDS).unwrap().len().unwrap() > 0);
     group.finish();
 }
 
