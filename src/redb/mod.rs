@@ -35,6 +35,9 @@
 //! - `native.rs`: the native async entry (futures in the line, the
 //!   committer thread that leads for them);
 //! - `memtable.rs`: the records written since the last checkpoint;
+//! - `snapshot.rs`: the kept redb snapshot every read of redb goes through
+//!   (the fast path's and a leader's), and the commit count that says when
+//!   it is recent enough;
 //! - `record_log/`: the write-ahead log of records (two segments,
 //!   4 KiB-aligned frames): `frame.rs` its bytes, `writer.rs` the appends,
 //!   `reader.rs` the walk a replay makes;
