@@ -49,9 +49,8 @@ use std::time::{Duration, Instant};
 pub const VARIANTS: [&str; 6] = ["none", "memory", "redb", "postgres", "pg-mw", "redis-mw"];
 
 /// Variants run only when listed: `redb-relaxed`, the layer on `RedbStore`
-/// with its log synced every 100 ms instead of once per group, and
-/// `redb-nocache`, the layer on `RedbStore` with its replay cache off.
-pub const EXTRA_VARIANTS: [&str; 2] = ["redb-relaxed", "redb-nocache"];
+/// with its log synced every 100 ms instead of once per group.
+pub const EXTRA_VARIANTS: [&str; 1] = ["redb-relaxed"];
 
 /// The route under load.
 pub const PATH: &str = "/orders";

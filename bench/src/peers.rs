@@ -398,13 +398,6 @@ pub fn median(values: &mut [f64]) -> f64 {
 pub fn open_backend(name: &str, dir: &Path, durability: &str) -> BoxResult<Box<dyn Backend>> {
     Ok(match name {
         "redb" => Box::new(redb_backend(dir, durability)?),
-        // The same store with its replay cache off: a replay of a record
-        // already checkpointed is a redb read transaction.
-        "redb-nocache" => {
-            let mut backend = redb_backend_with(dir, durability, 0)?;
-            backend.name = "redb-nocache".into();
-            Box::new(backend)
-        }
         "memory" => Box::new(StoreBackend {
             name: "memory".into(),
             store: std::sync::Arc::new(idemstore::MemoryStore::new()),
@@ -451,15 +444,6 @@ pub fn open_backend(name: &str, dir: &Path, durability: &str) -> BoxResult<Box<d
 /// `RedbStore` in `dir`; `durability` is `immediate` (default), `relaxed`
 /// (the log synced every 100 ms) or `periodic:MS`.
 pub fn redb_backend(dir: &Path, durability: &str) -> BoxResult<StoreBackend> {
-    redb_backend_with(dir, durability, idemstore::redb::REPLAY_CACHE_BYTES)
-}
-
-/// [`redb_backend`] with a replay cache of `replay_cache_bytes` (0: off).
-pub fn redb_backend_with(
-    dir: &Path,
-    durability: &str,
-    replay_cache_bytes: usize,
-) -> BoxResult<StoreBackend> {
     let durability = match durability.split_once(':') {
         None if durability.is_empty() || durability == "immediate" => {
             idemstore::redb::Durability::Immediate
@@ -475,7 +459,6 @@ pub fn redb_backend_with(
     let store = std::sync::Arc::new(
         idemstore::RedbStore::builder()
             .durability(durability)
-            .replay_cache_bytes(replay_cache_bytes)
             .open(dir.join("loadgen.idem"))?,
     );
     let stats = std::sync::Arc::clone(&store);

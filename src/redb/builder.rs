@@ -46,7 +46,6 @@ impl Default for RedbStoreBuilder {
                 clock: Arc::new(SystemClock),
                 verify_on_open: false,
                 checkpoint_interval: crate::redb::CHECKPOINT_INTERVAL,
-                replay_cache_bytes: crate::redb::REPLAY_CACHE_BYTES,
                 wal_bytes: crate::redb::WAL_BYTES,
                 accept_loss: false,
                 read_only: false,
@@ -124,23 +123,6 @@ impl RedbStoreBuilder {
     /// ```
     pub fn checkpoint_interval(mut self, interval: Duration) -> Self {
         self.config.checkpoint_interval = interval;
-        self
-    }
-
-    /// Bytes of completed records kept in memory after they are
-    /// checkpointed ([`REPLAY_CACHE_BYTES`](crate::redb::REPLAY_CACHE_BYTES)
-    /// by default; 0 turns it off), so a retry is answered without a read
-    /// transaction; the oldest go first.
-    ///
-    /// ```
-    /// # let dir = tempfile::tempdir()?;
-    /// let store = idemstore::RedbStore::builder()
-    ///     .replay_cache_bytes(64 << 20)
-    ///     .open(dir.path().join("orders.idem"))?;
-    /// # Ok::<(), idemstore::Error>(())
-    /// ```
-    pub fn replay_cache_bytes(mut self, bytes: usize) -> Self {
-        self.config.replay_cache_bytes = bytes;
         self
     }
 

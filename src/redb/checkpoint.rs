@@ -24,7 +24,7 @@
 //! within the loss window.
 
 use super::health::{HEAL_BACKOFF_MAX, HEAL_BACKOFF_MIN, On};
-use super::memtable::{Frozen, entry_bytes};
+use super::memtable::Frozen;
 use super::tables::commit;
 use super::{Durability, Shared};
 use crate::error::{Error, Result};
@@ -204,32 +204,16 @@ pub(super) fn tick(shared: &Shared, last_sync: &mut Instant) -> Result<Tick> {
     Ok(done)
 }
 
-/// Entries taken into the replay cache under one hold of the memtable's
-/// write lock, so that readers and the leader wait for at most one chunk.
-const RETIRE_CHUNK: usize = 512;
-
-/// After its checkpoint: takes `frozen`'s entries into the replay cache,
-/// then drops it (hot.rs: the table shadows its keys until then). Stops if
-/// the table was taken away meanwhile: a heal emptied the memory.
+/// After its checkpoint: drops `frozen`, unless a heal took it away
+/// meanwhile (and a later freeze may have put another in its place).
 fn retire(shared: &Shared, frozen: &std::sync::Arc<Frozen>) {
-    let mut entries = frozen.records.iter().peekable();
-    loop {
-        let mut mem = shared.write_mem();
-        let ours = mem
-            .frozen
-            .as_ref()
-            .is_some_and(|f| std::sync::Arc::ptr_eq(f, frozen));
-        if !ours {
-            return;
-        }
-        for (key, entry) in entries.by_ref().take(RETIRE_CHUNK) {
-            mem.hot
-                .take_in(key, entry.as_ref(), entry_bytes(key, entry));
-        }
-        if entries.peek().is_none() {
-            mem.frozen = None;
-            return;
-        }
+    let mut mem = shared.write_mem();
+    if mem
+        .frozen
+        .as_ref()
+        .is_some_and(|f| std::sync::Arc::ptr_eq(f, frozen))
+    {
+        mem.frozen = None;
     }
 }
 

@@ -87,8 +87,6 @@ pub(super) struct Config {
     pub(super) clock: Arc<dyn Clock>,
     pub(super) verify_on_open: bool,
     pub(super) checkpoint_interval: Duration,
-    /// Bytes of the replay cache (hot.rs); 0: off.
-    pub(super) replay_cache_bytes: usize,
     pub(super) wal_bytes: u64,
     pub(super) accept_loss: bool,
     /// An inspection: nothing is written (`RedbStore::open_read_only`).

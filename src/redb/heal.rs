@@ -107,7 +107,6 @@ impl Shared {
         mem.active.clear();
         mem.active_bytes = 0;
         mem.frozen = None;
-        mem.hot.clear();
         self.log_unsynced.store(false, Ordering::SeqCst);
         self.start_memtable_clock();
         drop(engine);

@@ -4,17 +4,17 @@
 //! durable (never before: nothing is visible before it is durable), and
 //! stay here until a checkpoint has written them into redb in one durable
 //! commit. Readers look in the active table, then in the frozen one (the
-//! table a checkpoint is writing out), then in redb.
+//! table a checkpoint is writing out), then in redb: the memtable is the
+//! only cache in front of redb's own.
 //!
 //! Consistency of that order: only the committing leader (holding the
 //! commit lock) writes the active table or freezes it, and a checkpoint
 //! clears the frozen table only *after* its redb commit. So a reader that
-//! takes the memtable snapshot first and opens its redb read transaction
-//! second never sees a record older than the one it would have found in
-//! the memtable: either the frozen table was still there, or redb already
-//! held its records.
+//! reads the memtable first and redb second never sees a record older
+//! than the one it would have found in the memtable: either the frozen
+//! table was still there, or redb already held its records (snapshot.rs
+//! says which redb snapshot is recent enough).
 
-use super::hot::Hot;
 use crate::record::Record;
 use crate::time::Timestamp;
 use std::collections::BTreeMap;
@@ -44,26 +44,16 @@ pub(super) struct Frozen {
     pub(super) token_hwm: u64,
 }
 
-/// Both memtables, and the replay cache of checkpointed DONE records.
+/// Both memtables.
 #[derive(Debug, Default)]
 pub(super) struct Mem {
     pub(super) active: Table,
     /// Approximate bytes held by `active` (see [`entry_bytes`]).
     pub(super) active_bytes: usize,
     pub(super) frozen: Option<Arc<Frozen>>,
-    /// Read after both tables and before redb (hot.rs).
-    pub(super) hot: Hot,
 }
 
 impl Mem {
-    /// Empty tables and a replay cache of at most `replay_cache_bytes`.
-    pub(super) fn new(replay_cache_bytes: usize) -> Mem {
-        Mem {
-            hot: Hot::new(replay_cache_bytes),
-            ..Mem::default()
-        }
-    }
-
     /// The latest state of `key` in memory: `Some(entry)` when the memtable
     /// decides it (a record or a deletion), `None` when redb does.
     pub(super) fn get(&self, key: &[u8]) -> Option<&Entry> {

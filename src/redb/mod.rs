@@ -19,7 +19,7 @@
 //! the checkpointer writes frozen memtables into redb durably.
 //!
 //! - `shared.rs`: the state callers and threads share, the read path, poisoning
-//! - `requests.rs`, `hot.rs`, `snapshot.rs`: the `Store` impl and the read fast path
+//! - `requests.rs`, `snapshot.rs`: the `Store` impl, the read fast path, the kept redb snapshot every read of redb goes through
 //! - `line.rs`, `commit/`, `native.rs`: the commit line, group commit, the async entry
 //! - `memtable.rs`, `record_log/`, `checkpoint.rs`: the write-ahead state and its checkpoint
 //! - `open.rs`, `recovery.rs`, `meta.rs`, `heal.rs`, `source.rs`: open, replay, heal
@@ -38,7 +38,6 @@ mod errors;
 mod file;
 mod heal;
 mod health;
-mod hot;
 mod inbox;
 mod line;
 mod loss;
@@ -67,7 +66,6 @@ pub use builder::RedbStoreBuilder;
 use config::Config;
 pub use config::{DEFAULT_CACHE_BYTES, Durability, RecoveryPolicy};
 pub use health::{HEAL_BACKOFF_MAX, HEAL_BACKOFF_MIN, Health};
-pub use hot::REPLAY_CACHE_BYTES;
 pub use inbox::{Delivery, Inbox, MAX_INBOX_BATCH, Message};
 pub use loss::LossReport;
 pub use record_log::{CHECKPOINT_INTERVAL, MIN_WAL_BYTES, WAL_BYTES};
@@ -358,7 +356,6 @@ impl RedbStore {
             largest_batch: c.largest_batch.load(Ordering::Relaxed),
             fast_replays: c.fast_replays.load(Ordering::Relaxed),
             fast_refusals: c.fast_refusals.load(Ordering::Relaxed),
-            replay_cache_hits: c.replay_cache_hits.load(Ordering::Relaxed),
             swept: c.swept.load(Ordering::Relaxed),
             leases_expired_on_open: self.leases_expired_on_open,
         }

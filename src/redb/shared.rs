@@ -9,8 +9,8 @@ use super::memtable::Mem;
 use super::record_log::Wal;
 use super::snapshot::Snapshot;
 use super::stats::Counters;
+use super::tables::Source;
 use super::{Durability, RecoveryPolicy, health, open, source, tables, witness};
-use crate::codec;
 use crate::error::{Cause, Error, Result};
 use crate::record::Record;
 use crate::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -148,7 +148,7 @@ impl Shared {
             clock: Arc::clone(&config.clock),
             path: path.map(Path::to_path_buf),
             stats: Counters::default(),
-            mem: RwLock::new(Mem::new(config.replay_cache_bytes)),
+            mem: RwLock::new(Mem::default()),
             queue: Mutex::new(Queue::default()),
             queue_room: Condvar::new(),
             committer_cv: Condvar::new(),
@@ -256,8 +256,7 @@ impl Shared {
         self.checkpoint_left().is_zero()
     }
 
-    /// The latest state of `key_bytes`: the memtable, the replay cache,
-    /// then redb (verified).
+    /// The latest state of `key_bytes`: the memtable, then redb (verified).
     pub(super) fn read(&self, key_bytes: &[u8]) -> Result<Option<Record>> {
         self.read_counted(key_bytes).map(|(record, _)| record)
     }
@@ -270,21 +269,14 @@ impl Shared {
             if let Some(entry) = mem.get(key_bytes) {
                 return Ok((entry.clone(), None));
             }
-            if let Some(record) = mem.hot.get(key_bytes) {
-                self.stats.replay_cache_hits.fetch_add(1, Ordering::Relaxed);
-                return Ok((Some(record.clone()), None));
-            }
         }
         // Counted after the memtable was read: see snapshot.rs.
         let seen = self.snapshot.count();
         let db = self.read_db()?;
         let record = self
             .snapshot
-            .read(&db, seen, key_bytes, |value| {
-                value
-                    .map(|v| codec::decode_record(key_bytes, v))
-                    .transpose()
-            })
+            .read(&db, seen, |tables| tables.read(key_bytes))
+            .and_then(|read| read)
             .map_err(|e| self.engine_failed("read", e))?;
         Ok((record, Some(seen)))
     }

@@ -78,22 +78,11 @@ impl StorageBackend for Disk {
 /// A store with both of its threads, a log of two segments of two frames
 /// (a freeze every few groups) and a 1 ms checkpoint interval.
 fn open(file: &Disk, log: &Disk) -> RedbStore {
-    open_with(file, log, |builder| builder)
-}
-
-/// [`open`] with more options.
-fn open_with(
-    file: &Disk,
-    log: &Disk,
-    options: impl FnOnce(super::RedbStoreBuilder) -> super::RedbStoreBuilder,
-) -> RedbStore {
-    options(
-        RedbStore::builder()
-            .wal_bytes(MIN_WAL_BYTES)
-            .checkpoint_interval(Duration::from_millis(1)),
-    )
-    .open_backend(file.clone(), log.clone())
-    .expect("open")
+    RedbStore::builder()
+        .wal_bytes(MIN_WAL_BYTES)
+        .checkpoint_interval(Duration::from_millis(1))
+        .open_backend(file.clone(), log.clone())
+        .expect("open")
 }
 
 fn key(id: &str) -> Key {
@@ -396,67 +385,12 @@ fn shuttle_a_failed_checkpoint_then_a_drop_returns() {
     });
 }
 
-/// Runs in which the replay cache answered a read.
-static CACHED_RUNS: AtomicUsize = AtomicUsize::new(0);
-
-/// The replay cache (hot.rs) while checkpoints write, retire and drop
-/// memtables: `a` is completed and pushed out to the store file (and the
-/// cache) by other keys' groups, then claimed again once it has expired
-/// while more groups push that claim out too. A reader that starts after
-/// the claim returned must read the claim at every point of those
-/// checkpoints, never the expired response the cache held (a retire that
-/// drops the frozen table before it fills the cache fails this).
-#[test]
-fn shuttle_a_read_after_a_claim_never_sees_the_cached_response_it_replaced() {
-    explore("replay cache", || {
-        let (file, log) = (Disk::default(), Disk::default());
-        let store = Arc::new(open(&file, &log));
-        let _ = claim_and_complete(&store, "a").expect("a");
-        for id in ["x1", "x2", "x3"] {
-            let _ = claim_and_complete(&store, id).expect("x");
-        }
-        let claimed = Arc::new(AtomicBool::new(false));
-        let reader = {
-            let (store, claimed) = (Arc::clone(&store), Arc::clone(&claimed));
-            thread::spawn(move || {
-                for _ in 0..12 {
-                    let after_claim = claimed.load(Ordering::SeqCst);
-                    let record = store.admin().get_raw(&key("a")).expect("read");
-                    let state = record.map(|r| r.state());
-                    if after_claim {
-                        assert_eq!(state, Some(crate::record::State::Processing));
-                    }
-                    dawdle();
-                }
-            })
-        };
-        let later = T + D + Duration::from_millis(1);
-        let answer = store
-            .begin(&key("a"), &Fingerprint::of(b"fp"), later, D, D)
-            .expect("claim");
-        assert!(matches!(answer, Begin::Claimed(_)), "{answer:?}");
-        claimed.store(true, Ordering::SeqCst);
-        for id in ["y1", "y2", "y3", "y4", "y5"] {
-            let _ = claim_and_complete(&store, id).expect("y");
-        }
-        reader.join().expect("the reader");
-        if store.stats().replay_cache_hits > 0 {
-            CACHED_RUNS.fetch_add(1, Ordering::Relaxed);
-        }
-    });
-    assert!(
-        CACHED_RUNS.load(Ordering::Relaxed) > 0,
-        "no run read from the replay cache"
-    );
-}
-
 /// Runs in which a read was answered from redb (the kept snapshot or a
 /// new one) after the completion.
 static SNAPSHOT_RUNS: AtomicUsize = AtomicUsize::new(0);
 
-/// The read path's kept redb snapshot (snapshot.rs) across checkpoints,
-/// with the replay cache off so that a read of a checkpointed key goes to
-/// redb: `a` is claimed and pushed out to the store file by other keys'
+/// The read path's kept redb snapshot (snapshot.rs) across checkpoints
+/// (a read of a checkpointed key goes to redb): `a` is claimed and pushed out to the store file by other keys'
 /// groups, then completed and pushed out again. A reader that starts
 /// after the completion returned must read it at every point of those
 /// checkpoints, never the claim a snapshot kept from before them (a
@@ -466,7 +400,7 @@ static SNAPSHOT_RUNS: AtomicUsize = AtomicUsize::new(0);
 fn shuttle_a_read_after_a_completion_never_sees_the_claim_a_kept_snapshot_holds() {
     explore("kept snapshot", || {
         let (file, log) = (Disk::default(), Disk::default());
-        let store = Arc::new(open_with(&file, &log, |b| b.replay_cache_bytes(0)));
+        let store = Arc::new(open(&file, &log));
         let answer = store
             .begin(&key("a"), &Fingerprint::of(b"fp"), T, D, D)
             .expect("claim");
@@ -528,7 +462,7 @@ static TWO_CLAIMERS_CHECKPOINTED: AtomicUsize = AtomicUsize::new(0);
 fn shuttle_two_claims_of_one_key_across_checkpoints_make_one_claim() {
     explore("known absent", || {
         let (file, log) = (Disk::default(), Disk::default());
-        let store = Arc::new(open_with(&file, &log, |b| b.replay_cache_bytes(0)));
+        let store = Arc::new(open(&file, &log));
         let claimers: Vec<_> = (0..2)
             .map(|_| {
                 let store = Arc::clone(&store);

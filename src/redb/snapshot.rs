@@ -1,9 +1,10 @@
-//! The read path's redb snapshot: one read transaction's records table,
-//! kept open from one redb commit to the next, so that a `begin` whose key
-//! is in neither memtable nor the replay cache (a fresh key, an old replay)
-//! reads the B-tree without opening a read transaction and a table first
-//! (redb's `begin_read` registers the transaction under a lock, and
-//! `open_table` looks the table up by name: together more than the lookup).
+//! The one way anything but a writer reads redb: one read transaction's
+//! records and index tables, kept open from one redb commit to the next,
+//! so that a `begin` whose key is in neither memtable (a fresh key, an
+//! older replay), and a leader deciding its group, read the B-tree
+//! without opening a read transaction and the tables first (redb's
+//! `begin_read` registers the transaction under a lock, and `open_table`
+//! looks the table up by name: together more than the lookup).
 //!
 //! # Why a kept snapshot is never stale
 //!
@@ -37,13 +38,11 @@
 //! rarely outlives a group: the first read after each opens its own.
 
 use super::errors::engine_error;
-use super::tables::RECORDS;
+use super::tables::ReadTables;
 use crate::error::Result;
 use crate::sync::RwLock;
 use crate::sync::atomic::{AtomicU64, Ordering};
-use ::redb::{Database, ReadOnlyTable, ReadableDatabase};
-
-type Records = ReadOnlyTable<&'static [u8], &'static [u8]>;
+use ::redb::{Database, ReadableDatabase};
 
 /// The redb commits counted so far, and the kept snapshot with the count
 /// it was opened under.
@@ -58,45 +57,41 @@ pub(super) struct Snapshot {
 
 struct Kept {
     commits: u64,
-    records: Records,
+    tables: ReadTables,
 }
 
 impl Snapshot {
-    /// Calls `f` with the value stored under `key` in the records table of
-    /// `db` as of at least commit count `seen` (read by the caller after
-    /// the memtable): through the kept snapshot when it is recent enough,
-    /// otherwise through a new one, which is then kept.
+    /// Calls `f` with the records and index tables of `db` as of at least
+    /// commit count `seen` (read by the caller after the memtable): the
+    /// kept snapshot when it is recent enough, otherwise a new one, which
+    /// is then kept. The fast path reads one key through it, a leader its
+    /// whole group.
     pub(super) fn read<T>(
         &self,
         db: &Database,
         seen: u64,
-        key: &[u8],
-        f: impl FnOnce(Option<&[u8]>) -> Result<T>,
+        f: impl FnOnce(&ReadTables) -> T,
     ) -> Result<T> {
         {
             let kept = self.slot.read().unwrap_or_else(|p| p.into_inner());
             if let Some(kept) = kept.as_ref().filter(|k| k.commits >= seen) {
-                let value = kept.records.get(key).map_err(engine_error)?;
-                return f(value.as_ref().map(|v| v.value()));
+                return Ok(f(&kept.tables));
             }
         }
         #[cfg(test)]
         self.opened
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let txn = db.begin_read().map_err(engine_error)?;
-        let records = txn.open_table(RECORDS).map_err(engine_error)?;
-        let out = {
-            let value = records.get(key).map_err(engine_error)?;
-            f(value.as_ref().map(|v| v.value()))
-        };
+        let tables = ReadTables::open(&txn)?;
+        let out = f(&tables);
         // Kept even over a more recent one (another reader's, under a
         // later count): its count is true of it, and the next reader under
         // a later count only opens another.
         *self.slot.write().unwrap_or_else(|p| p.into_inner()) = Some(Kept {
             commits: seen,
-            records,
+            tables,
         });
-        out
+        Ok(out)
     }
 
     /// The redb commits counted so far: read after the memtable, it is
@@ -151,11 +146,9 @@ mod tests {
         Key::new("t", "k").unwrap()
     }
 
-    /// A store in `dir` with the replay cache off (it would answer before
-    /// redb) and a checkpoint interval of `interval`.
+    /// A store in `dir` with a checkpoint interval of `interval`.
     fn store(dir: &tempfile::TempDir, interval: Duration) -> RedbStore {
         RedbStoreBuilder::default()
-            .replay_cache_bytes(0)
             .checkpoint_interval(interval)
             .open(dir.path().join("s.idem"))
             .unwrap()
@@ -216,7 +209,7 @@ mod tests {
     }
 
     /// A checkpoint drops the kept snapshot before it retires its frozen
-    /// memtable (the replay cache is off: it would answer first).
+    /// memtable.
     #[test]
     fn a_read_after_a_checkpoint_sees_it() {
         let dir = tempfile::tempdir().unwrap();
@@ -298,7 +291,6 @@ mod tests {
     fn a_kept_snapshot_does_not_stop_a_compaction() {
         let dir = tempfile::tempdir().unwrap();
         let store = RedbStoreBuilder::default()
-            .replay_cache_bytes(0)
             .open(dir.path().join("s.idem"))
             .unwrap();
         let _ = claim(&store);

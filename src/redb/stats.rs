@@ -45,11 +45,6 @@ pub struct RedbStats {
     pub fast_replays: u64,
     /// Begins answered InFlight or Conflict on the read fast path.
     pub fast_refusals: u64,
-    /// Reads (the fast path's, and [`Store::get`](crate::Store::get)'s)
-    /// answered by the replay cache: a completed record checkpointed into
-    /// the store file and still held in memory
-    /// ([`replay_cache_bytes`](crate::redb::RedbStoreBuilder::replay_cache_bytes)).
-    pub replay_cache_hits: u64,
     /// Records deleted by sweeps (the background sweeper's and explicit
     /// [`Store::sweep_expired`](crate::Store::sweep_expired) calls).
     pub swept: u64,
@@ -85,7 +80,6 @@ pub(super) struct Counters {
     pub(super) largest_batch: AtomicU64,
     pub(super) fast_replays: AtomicU64,
     pub(super) fast_refusals: AtomicU64,
-    pub(super) replay_cache_hits: AtomicU64,
     pub(super) swept: AtomicU64,
     pub(super) checkpoints: AtomicU64,
 }

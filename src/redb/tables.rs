@@ -16,8 +16,8 @@ use crate::error::Result;
 use crate::record::Record;
 use crate::time::Timestamp;
 use ::redb::{
-    Database, ReadOnlyTable, ReadTransaction, ReadableDatabase, ReadableTable, Table,
-    TableDefinition, WriteTransaction,
+    Database, ReadOnlyTable, ReadTransaction, ReadableTable, Table, TableDefinition,
+    WriteTransaction,
 };
 use std::collections::BTreeMap;
 
@@ -246,8 +246,8 @@ impl<'txn> WriteTables<'txn> {
     }
 }
 
-/// Where a group's decisions read what redb holds: a read transaction
-/// (with the log) or the group's own write transaction (without it).
+/// Where decisions read what redb holds: the kept snapshot (snapshot.rs)
+/// for a group, the inbox's own write transaction for its batch.
 pub(super) trait Source {
     /// The stored record for `key_bytes`, verified ([`Error::Corrupt`](crate::Error::Corrupt) if not).
     fn read(&self, key_bytes: &[u8]) -> Result<Option<Record>>;
@@ -295,42 +295,8 @@ impl Source for WriteTables<'_> {
     }
 }
 
-/// The record and index tables of a read transaction begun at the first
-/// read that needs them: a group whose keys are all in memory (or known
-/// absent, snapshot.rs) begins none.
-pub(super) struct LazyTables<'a> {
-    db: &'a Database,
-    tables: std::cell::OnceCell<ReadTables>,
-}
-
-impl<'a> LazyTables<'a> {
-    pub(super) fn new(db: &'a Database) -> LazyTables<'a> {
-        LazyTables {
-            db,
-            tables: std::cell::OnceCell::new(),
-        }
-    }
-
-    fn tables(&self) -> Result<&ReadTables> {
-        if let Some(tables) = self.tables.get() {
-            return Ok(tables);
-        }
-        let txn = self.db.begin_read().map_err(engine_error)?;
-        let tables = ReadTables::open(&txn)?;
-        Ok(self.tables.get_or_init(|| tables))
-    }
-}
-
-impl Source for LazyTables<'_> {
-    fn read(&self, key_bytes: &[u8]) -> Result<Option<Record>> {
-        self.tables()?.read(key_bytes)
-    }
-    fn due(&self, now: Timestamp, f: &mut dyn FnMut(&[u8]) -> Result<bool>) -> Result<()> {
-        self.tables()?.due(now, f)
-    }
-}
-
-/// The record and index tables of one read transaction.
+/// The record and index tables of one read transaction (the kept
+/// snapshot's).
 pub(super) struct ReadTables {
     records: ReadOnlyTable<&'static [u8], &'static [u8]>,
     expiry: ReadOnlyTable<&'static [u8], ()>,

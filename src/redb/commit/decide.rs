@@ -32,10 +32,10 @@ pub(super) struct Decided {
 /// writes, then `mem`, then `base`. Writes nothing anywhere: the caller
 /// makes [`Decided::writes`] durable.
 ///
-/// `counted` is the redb commit count read after `mem` was locked: a
-/// `begin` the read path found absent under that same count is not read
-/// from `base` (snapshot.rs says why nothing can have reached redb alone
-/// since).
+/// `counted` is the redb commit count read after `mem` was locked, and
+/// `base` the kept snapshot as of at least that count: a `begin` the read
+/// path found absent under that same count is not read from `base` again
+/// (snapshot.rs says why nothing can have reached redb alone since).
 pub(super) fn decide(
     ops: &[Op],
     mem: &Mem,
@@ -252,7 +252,7 @@ mod tests {
             let base = Claimed(std::cell::Cell::new(0));
             let mut hwm = 1;
             let ops = [begin_absent_at(b"\0k", absent_at)];
-            let decided = decide(&ops, &Mem::new(0), counted, &base, &mut hwm);
+            let decided = decide(&ops, &Mem::default(), counted, &base, &mut hwm);
             (decided.answers, base.0.get())
         };
         let (answers, reads) = decide_one(Some(7), 7);

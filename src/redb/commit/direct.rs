@@ -43,9 +43,6 @@ impl Shared {
         self.check_writable()?;
         self.check_healthy()?;
         self.wait_checkpointed()?;
-        // What this transaction writes bypasses the memtable, which is
-        // what keeps the replay cache current (hot.rs).
-        self.write_mem().hot.clear();
         let db = self.write_ready_db()?;
         let mut hwm = core.token_hwm;
         // An I/O error of the engine's in this transaction's own writes

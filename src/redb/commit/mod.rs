@@ -34,7 +34,7 @@ use super::health::On;
 use super::line::{Op, Reply};
 use super::memtable::MEMTABLE_BYTES;
 use super::shared::Core;
-use super::tables::{LazyTables, META_TOKEN_HWM};
+use super::tables::META_TOKEN_HWM;
 use super::{Durability, Shared};
 use crate::error::{Error, Result};
 use crate::sync::Instant;
@@ -76,13 +76,16 @@ impl Shared {
     fn commit_logged(&self, core: &mut Core, ops: &[Op]) -> Result<Vec<Result<Reply>>> {
         let mut hwm = core.token_hwm;
         let decided = {
-            // The memtable first, then the count and the read transaction
-            // (see memtable.rs and snapshot.rs).
+            // The memtable first, then the count and the read path's
+            // snapshot (see memtable.rs and snapshot.rs).
             let mem = self.read_mem();
             let counted = self.snapshot.count();
             let db = self.read_db()?;
-            let base = LazyTables::new(&db);
-            decide(ops, &mem, counted, &base, &mut hwm)
+            self.snapshot
+                .read(&db, counted, |base| {
+                    decide(ops, &mem, counted, base, &mut hwm)
+                })
+                .map_err(|e| self.engine_failed("read", e))?
         };
         if decided.writes.is_empty() {
             return Ok(decided.answers);
