@@ -478,6 +478,40 @@ mod tests {
         Claim::new(1, t0() + LEASE, false, 1)
     }
 
+    fn flight(store: usize, id: &str) -> Arc<Flight> {
+        Arc::new(Flight {
+            store,
+            key: Key::new("", id).unwrap(),
+            hash: 7,
+            state: Mutex::default(),
+            landed: Condvar::new(),
+        })
+    }
+
+    #[test]
+    fn a_bucket_keeps_pairs_with_one_hash_apart() {
+        // Equal hashes cannot be produced through `RandomState`: the
+        // bucket is filled directly.
+        let (a, b, c) = (flight(1, "a"), flight(1, "b"), flight(2, "a"));
+        let mut bucket = Bucket::One(Arc::clone(&a));
+        assert!(bucket.find(1, &a.key).is_some_and(|f| Arc::ptr_eq(f, &a)));
+        assert!(bucket.find(1, &b.key).is_none());
+        assert!(bucket.find(2, &a.key).is_none());
+        bucket.push(Arc::clone(&b));
+        bucket.push(Arc::clone(&c));
+        assert!(bucket.find(1, &b.key).is_some_and(|f| Arc::ptr_eq(f, &b)));
+        assert!(bucket.find(2, &a.key).is_some_and(|f| Arc::ptr_eq(f, &c)));
+        assert!(bucket.find(2, &b.key).is_none());
+        assert!(!bucket.remove(&a), "two flights are left");
+        assert!(bucket.find(1, &a.key).is_none());
+        assert!(bucket.find(1, &b.key).is_some());
+        assert!(!bucket.remove(&b));
+        assert!(bucket.find(2, &a.key).is_some());
+        assert!(bucket.remove(&c), "the bucket is empty");
+        assert!(!Bucket::One(Arc::clone(&a)).remove(&b), "another flight");
+        assert!(Bucket::One(Arc::clone(&a)).remove(&a));
+    }
+
     #[test]
     fn a_live_owner_holds_off_its_own_fingerprint_only() {
         use crate::record::Renewal;
