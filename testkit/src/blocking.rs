@@ -11,6 +11,9 @@ use std::time::Duration;
 /// `Guard::run_async` runs its calls on tokio's blocking pool, as it does
 /// for a store written without one. For comparing the two paths (the
 /// thread-count test, the `async` bench) and for testing the fallback.
+/// It is a store object of its own ([`Store::instance`] is not
+/// forwarded): guards over it and over the inner store share no runs in
+/// flight, as guards in two processes over the same records would not.
 ///
 /// ```
 /// use idemstore::{Fingerprint, Key, MemoryStore, Store, Timestamp};

@@ -6,7 +6,6 @@
 //! `a_clock_step_never_runs_a_live_handler_twice`.
 
 use crate::tower::{fetch, serve};
-use crate::waiting::OtherProcess;
 use axum::Router;
 use axum::routing::post;
 use bytes::Bytes;
@@ -16,6 +15,7 @@ use idemstore::tower::IdempotencyLayer;
 use idemstore::{
     Claim, Clock, Fingerprint, Guard, Key, ManualClock, MemoryStore, Outcome, Response, Store,
 };
+use idemstore_testkit::BlockingOnly;
 use idemstore_testkit::conformance::T0;
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -232,7 +232,8 @@ fn an_owner_in_another_process_is_judged_by_the_wall_clock() {
     let clock = ManualClock::new(T0);
     let store = Arc::new(MemoryStore::with_clock(clock.clone()));
     let here = guard(Arc::clone(&store), &clock);
-    let there = guard(OtherProcess(store), &clock);
+    // Another store object over the same records, as a second process.
+    let there = guard(BlockingOnly(store), &clock);
     let (key, fp) = kf("elsewhere");
     let out = there.run(&key, &fp, |_| {
         clock.advance(2 * LEASE);

@@ -1,9 +1,7 @@
 //! Waiting duplicates (`GuardBuilder::wait_for_duplicates`), on `MemoryStore`.
 
-use idemstore::{
-    Begin, Claim, Clock, Error, Fingerprint, Guard, Key, MemoryStore, OnHandlerError, Outcome,
-    Record, Response, Store, Timestamp,
-};
+use idemstore::{Error, Fingerprint, Guard, Key, MemoryStore, OnHandlerError, Outcome, Response};
+use idemstore_testkit::BlockingOnly;
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier, mpsc};
@@ -18,55 +16,6 @@ fn waiting_guard(max_wait: Duration) -> Guard<MemoryStore> {
         .wait_for_duplicates(max_wait)
         .build()
         .unwrap()
-}
-
-/// The same records seen through another store object, as a second process
-/// sees them: every call forwarded but [`Store::instance`], so guards over
-/// it share no in-process runs with guards over the inner store.
-pub(crate) struct OtherProcess<S>(pub(crate) Arc<S>);
-
-impl<S: Store> Store for OtherProcess<S> {
-    fn begin(
-        &self,
-        key: &Key,
-        fingerprint: &Fingerprint,
-        now: Timestamp,
-        lease: Duration,
-        retention: Duration,
-    ) -> idemstore::Result<Begin> {
-        self.0.begin(key, fingerprint, now, lease, retention)
-    }
-    fn complete(
-        &self,
-        key: &Key,
-        claim: &Claim,
-        response: &Response,
-        now: Timestamp,
-        retention: Duration,
-    ) -> idemstore::Result<()> {
-        self.0.complete(key, claim, response, now, retention)
-    }
-    fn release(&self, key: &Key, claim: &Claim) -> idemstore::Result<()> {
-        self.0.release(key, claim)
-    }
-    fn renew(
-        &self,
-        key: &Key,
-        claim: &Claim,
-        now: Timestamp,
-        lease: Duration,
-    ) -> idemstore::Result<Claim> {
-        self.0.renew(key, claim, now, lease)
-    }
-    fn get(&self, key: &Key, now: Timestamp) -> idemstore::Result<Option<Record>> {
-        self.0.get(key, now)
-    }
-    fn sweep_expired(&self, now: Timestamp, max: usize) -> idemstore::Result<usize> {
-        self.0.sweep_expired(now, max)
-    }
-    fn clock(&self) -> Arc<dyn Clock> {
-        self.0.clock()
-    }
 }
 
 fn kf() -> (Key, Fingerprint) {
@@ -181,7 +130,8 @@ fn owner_in_another_process_answers_in_flight_without_waiting() {
     // answered, so a duplicate that waited would see the owner's stored
     // response instead of InFlight.
     let here = waiting_guard(LONG);
-    let there = Guard::new(OtherProcess(Arc::clone(here.store())));
+    // `BlockingOnly` forwards every call but `Store::instance`.
+    let there = Guard::new(BlockingOnly(Arc::clone(here.store())));
     let (key, fp) = kf();
     let (started_tx, started_rx) = mpsc::channel();
     let (finish_tx, finish_rx) = mpsc::channel::<()>();
