@@ -54,7 +54,7 @@
 //! (default port 8080, 60 s, then it stops by itself) for a load client of
 //! your own; with `wrk`, `bench/wrk/idempotency.lua` sends every request
 //! with a fresh `Idempotency-Key` and re-sends a recent one for a share of
-//! them (docs/performance.md, "HTTP: the layer under load"):
+//! them (docs/performance.md, "Method"):
 //!
 //! ```text
 //! cargo run --release -p idemstore-bench --bin http_load -- --serve redb --port 8080 --serve-seconds 30 &
