@@ -110,11 +110,7 @@ impl RedbStoreBuilder {
     /// default, at least 1 ms). Longer: fewer checkpoints, more to replay.
     ///
     /// ```
-    /// # let dir = tempfile::tempdir()?;
-    /// let store = idemstore::RedbStore::builder()
-    ///     .checkpoint_interval(std::time::Duration::from_secs(2))
-    ///     .open(dir.path().join("orders.idem"))?;
-    /// # Ok::<(), idemstore::Error>(())
+    /// let builder = idemstore::RedbStore::builder().checkpoint_interval(std::time::Duration::from_secs(2));
     /// ```
     pub fn checkpoint_interval(mut self, interval: Duration) -> Self {
         self.config.checkpoint_interval = interval;
@@ -145,13 +141,12 @@ impl RedbStoreBuilder {
     /// default: an operator's choice for one open (`docs/operations.md`).
     ///
     /// ```
-    /// use idemstore::RedbStore;
-    /// # let dir = tempfile::tempdir()?;
-    /// let store = RedbStore::builder().accept_loss(true).open(dir.path().join("s.idem"))?;
+    /// # fn f(path: &std::path::Path) -> idemstore::Result<()> {
+    /// let store = idemstore::RedbStore::builder().accept_loss(true).open(path)?;
     /// if let Some(report) = store.loss_report() {
     ///     eprintln!("opened with loss:\n{report}");
     /// }
-    /// # Ok::<(), idemstore::Error>(())
+    /// # Ok(()) }
     /// ```
     pub fn accept_loss(mut self, accept: bool) -> Self {
         self.config.accept_loss = accept;
