@@ -133,12 +133,12 @@ impl VerifyReport {
         self.problem_count == 0
     }
 
-    fn add(&mut self, kind: ProblemKind, key: Option<String>, detail: impl Into<String>) {
+    fn add(&mut self, kind: ProblemKind, key: Option<&[u8]>, detail: impl Into<String>) {
         self.problem_count += 1;
         if self.problems.len() < MAX_LISTED_PROBLEMS {
             self.problems.push(Problem {
                 kind,
-                key,
+                key: key.map(codec::printable_key),
                 detail: detail.into(),
             });
         }
@@ -194,98 +194,71 @@ impl Admin<'_> {
                 }
             }
         }
-        let facts = match self.facts() {
-            Ok(facts) => Some(facts),
-            Err(e) => {
-                report.add(ProblemKind::Meta, None, e.to_string());
-                None
-            }
-        };
+        let facts = self.facts();
+        if let Err(e) = &facts {
+            report.add(ProblemKind::Meta, None, e.to_string());
+        }
         let db = shared.read_db()?;
         let txn = db.begin_read().map_err(engine_error)?;
         let records = txn.open_table(RECORDS).map_err(engine_error)?;
         let expiry = txn.open_table(EXPIRY).map_err(engine_error)?;
-        let mut read = 0u64;
         for entry in records.iter().map_err(engine_error)? {
             let (k, v) = entry.map_err(engine_error)?;
-            let key_bytes = k.value();
-            let name = codec::printable_key(key_bytes);
+            let key = k.value();
             report.records += 1;
-            read += 1;
-            progress(read);
-            if let Err(e) = codec::decode_key(key_bytes) {
-                report.add(ProblemKind::BadKey, Some(name.clone()), e.to_string());
+            progress(report.records);
+            if let Err(e) = codec::decode_key(key) {
+                report.add(ProblemKind::BadKey, Some(key), e.to_string());
             }
-            let record = match codec::decode_record(key_bytes, v.value()) {
+            let record = match codec::decode_record(key, v.value()) {
                 Ok(r) => r,
                 Err(e) => {
-                    report.add(ProblemKind::BadRecord, Some(name), e.to_string());
+                    report.add(ProblemKind::BadRecord, Some(key), e.to_string());
                     continue;
                 }
             };
-            let index_key = codec::encode_index(record.expires_at, key_bytes);
+            let at = record.expires_at.as_millis();
+            let index_key = codec::encode_index(record.expires_at, key);
             if expiry
                 .get(index_key.as_slice())
                 .map_err(engine_error)?
                 .is_none()
             {
-                report.add(
-                    ProblemKind::MissingIndex,
-                    Some(name.clone()),
-                    format!(
-                        "no index entry at its expiry ({} ms)",
-                        record.expires_at.as_millis()
-                    ),
-                );
+                let detail = format!("no index entry at its expiry ({at} ms)");
+                report.add(ProblemKind::MissingIndex, Some(key), detail);
             }
-            if let Some(facts) = &facts
+            if let Ok(facts) = &facts
                 && record.token > facts.token_hwm
             {
-                report.add(
-                    ProblemKind::TokenAboveHighWaterMark,
-                    Some(name),
-                    format!(
-                        "token {} is above the high-water mark {}",
-                        record.token, facts.token_hwm
-                    ),
-                );
+                let (token, hwm) = (record.token, facts.token_hwm);
+                let detail = format!("token {token} is above the high-water mark {hwm}");
+                report.add(ProblemKind::TokenAboveHighWaterMark, Some(key), detail);
             }
         }
         for entry in expiry.iter().map_err(engine_error)? {
             let (k, _) = entry.map_err(engine_error)?;
-            let index_key = k.value();
             report.index_entries += 1;
-            read += 1;
-            progress(read);
-            let (at, key_bytes) = match codec::decode_index(index_key) {
+            progress(report.records + report.index_entries);
+            let (at, key) = match codec::decode_index(k.value()) {
                 Ok(pair) => pair,
                 Err(e) => {
                     report.add(ProblemKind::BadIndexEntry, None, e.to_string());
                     continue;
                 }
             };
-            let name = codec::printable_key(key_bytes);
-            let Some(value) = records.get(key_bytes).map_err(engine_error)? else {
-                report.add(
-                    ProblemKind::OrphanIndex,
-                    Some(name),
-                    format!("index entry at {} ms has no record", at.as_millis()),
-                );
+            let at_ms = at.as_millis();
+            let Some(value) = records.get(key).map_err(engine_error)? else {
+                let detail = format!("index entry at {at_ms} ms has no record");
+                report.add(ProblemKind::OrphanIndex, Some(key), detail);
                 continue;
             };
             // A record that does not decode was reported above.
-            if let Ok(record) = codec::decode_record(key_bytes, value.value())
+            if let Ok(record) = codec::decode_record(key, value.value())
                 && record.expires_at != at
             {
-                report.add(
-                    ProblemKind::StaleIndex,
-                    Some(name),
-                    format!(
-                        "index entry at {} ms, record expires at {} ms",
-                        at.as_millis(),
-                        record.expires_at.as_millis()
-                    ),
-                );
+                let expires = record.expires_at.as_millis();
+                let detail = format!("index entry at {at_ms} ms, record expires at {expires} ms");
+                report.add(ProblemKind::StaleIndex, Some(key), detail);
             }
         }
         Ok(report)
