@@ -14,7 +14,6 @@ const REDB_MAGIC: [u8; 9] = [b'r', b'e', b'd', b'b', 0x1A, 0x0A, 0xA9, 0x0D, 0x0
 #[cfg(unix)]
 pub(super) const FILE_MODE: u32 = 0o600;
 
-/// Opens `path` for reading and writing, creating it owner-only.
 pub(super) fn open_owner_only(path: &Path) -> Result<std::fs::File> {
     let mut options = std::fs::OpenOptions::new();
     options.read(true).write(true).create(true);

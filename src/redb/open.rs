@@ -23,7 +23,6 @@ use std::sync::Arc;
 /// How a caller's storage backend is named in errors.
 pub(super) const BACKEND: &str = "<storage backend>";
 
-/// What an open found.
 pub(super) struct Opened {
     pub(super) db: Database,
     pub(super) token_hwm: u64,
@@ -34,7 +33,6 @@ pub(super) struct Opened {
     pub(super) frames_replayed: u64,
     /// What an open with `accept_loss` gave up.
     pub(super) loss: LossReport,
-    /// Where a heal reopens the engine from.
     pub(super) source: Source,
     /// Sees the engine's I/O errors; a heal reuses it.
     pub(super) witness: Arc<IoWitness>,
@@ -153,7 +151,6 @@ pub(super) fn log_to_read(path: &Path) -> Result<Box<dyn StorageBackend>> {
     })
 }
 
-/// The store file at `path` as the engine's backend, with its lock.
 fn file_backend(path: &Path) -> Result<::redb::backends::FileBackend> {
     ::redb::backends::FileBackend::new(open_owner_only(path)?).map_err(|e| map_open(e, path))
 }

@@ -47,12 +47,10 @@ fn engine_over(overlay: Overlay) -> Result<std::result::Result<Database, String>
 /// file so that no writer changes it meanwhile, or reads a copy.
 pub(in crate::redb) struct Overlay {
     base: Base,
-    /// The file's length when the overlay was made.
     file_len: u64,
     state: Mutex<OverlayState>,
 }
 
-/// What an overlay reads from.
 enum Base {
     File(std::fs::File),
     /// A caller's backend, shared with the store (only read here).
@@ -62,7 +60,6 @@ enum Base {
 struct OverlayState {
     /// The length as redb sees it (a `set_len` changes only this).
     len: u64,
-    /// Pages written.
     pages: Pages,
 }
 
