@@ -17,6 +17,7 @@ mod runtime;
 mod schema;
 mod sql;
 mod stats;
+mod tls;
 
 pub use group::{GROUP_BACKLOG, MAX_GROUP, MAX_GROUPS_IN_FLIGHT, MAX_GROUPS_IN_FLIGHT_BACKLOGGED};
 pub use inbox::{Delivery, HandlerFuture, MAX_PG_INBOX_BATCH, PgInbox};
@@ -163,9 +164,20 @@ pub const MAX_BEGIN_ATTEMPTS: usize = 8;
 /// schema version is kept in the table's comment, and a table of the same
 /// name that is not ours, or is newer, is refused with a typed error.
 ///
-/// Connections are plain TCP or unix sockets without TLS (the client is
-/// built with `NoTls`): reach the server over a trusted network or a local
-/// TLS proxy.
+/// # TLS
+///
+/// The URL's `sslmode`, `sslrootcert`, `sslcert` and `sslkey` have libpq's
+/// meanings (TLS through rustls): `prefer` by default (TLS when the server
+/// offers it, its certificate unchecked), `require`, `verify-ca` and
+/// `verify-full` (against `sslrootcert`, or the platform's roots without
+/// one), or `disable`. A managed database asks for `verify-full`:
+///
+/// ```no_run
+/// let store = idemstore::PostgresStore::builder().connect(
+///     "postgres://app@db.example.com/orders?sslmode=verify-full&sslrootcert=/etc/ssl/db-ca.pem",
+/// )?;
+/// # Ok::<(), idemstore::Error>(())
+/// ```
 pub struct PostgresStore {
     core: Arc<Core>,
     runtime: StoreRuntime,

@@ -385,6 +385,8 @@ impl PostgresStoreBuilder {
                 "statement timeout must be at least 1 ms",
             ));
         }
+        let (url, tls) = super::tls::split(url)?;
+        let connector = tls.connector()?;
         let mut config: tokio_postgres::Config = url.parse().map_err(|e| {
             // The parser's message never repeats the URL, so no password leaks.
             Error::invalid_argument(format!("not a PostgreSQL connection URL: {e}"))
@@ -396,6 +398,7 @@ impl PostgresStoreBuilder {
             self.statement_timeout.as_millis()
         );
         config
+            .ssl_mode(tls.wire_mode())
             .connect_timeout(self.connect_timeout)
             .options(options.trim_start());
         if config.get_application_name().is_none() {
@@ -406,6 +409,7 @@ impl PostgresStoreBuilder {
         let pool = Pool::new(
             PoolOptions {
                 config,
+                connector,
                 max_size: self.max_size,
                 connect_timeout: self.connect_timeout,
                 probe_interval: self.probe_interval,

@@ -351,11 +351,11 @@ fn cluster_script(command: &str, dir: &std::path::Path) -> String {
 impl OwnCluster {
     fn start() -> OwnCluster {
         let dir = tempfile::tempdir().unwrap();
-        let out = cluster_script("start", dir.path());
-        let url = out
-            .trim()
-            .strip_prefix("export IDEMSTORE_PG_URL=")
+        cluster_script("start", dir.path());
+        // The script keeps the URL it printed in DIR/url.
+        let url = std::fs::read_to_string(dir.path().join("url"))
             .unwrap()
+            .trim()
             .to_owned();
         OwnCluster { dir, url }
     }
