@@ -130,6 +130,19 @@ pub(super) fn unavailable(why: &str, probe_interval: Duration) -> Error {
     )
 }
 
+/// A call that did not answer within the call timeout. It may still take
+/// effect: the server may be waiting for a synchronous standby, or a lock.
+pub(super) fn call_timed_out(timeout: Duration) -> Error {
+    failure(
+        "PostgreSQL did not answer within the call timeout".to_owned(),
+        format!(
+            "no answer within {timeout:?}; the call may still take effect \
+             (a claim it makes is given back, and whether a completion was \
+             stored is known by reading the record)"
+        ),
+    )
+}
+
 /// Build did not finish within its timeout.
 pub(super) fn build_timeout(timeout: Duration) -> Error {
     failure(

@@ -767,3 +767,149 @@ fn a_failed_statement_on_a_lane_keeps_its_connection() {
         "the same connection"
     );
 }
+
+// ---- A stalled synchronous standby: every call answers within its bound ----
+
+/// Sets `synchronous_standby_names` on `url`'s server and waits until a new
+/// connection sees it.
+fn set_sync_standby(url: &str, names: &str) {
+    let mut admin = raw(url);
+    if names.is_empty() {
+        admin
+            .batch_execute("ALTER SYSTEM RESET synchronous_standby_names")
+            .unwrap();
+    } else {
+        admin
+            .batch_execute(&format!(
+                "ALTER SYSTEM SET synchronous_standby_names = '{names}'"
+            ))
+            .unwrap();
+    }
+    admin.batch_execute("SELECT pg_reload_conf()").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while raw(url)
+        .query_one("SHOW synchronous_standby_names", &[])
+        .unwrap()
+        .get::<_, String>(0)
+        != names
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the server never took the setting"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A commit waits for a synchronous standby that never comes (PostgreSQL's
+/// `statement_timeout` does not apply to that wait): blocking calls on the
+/// calling thread's lane, async calls through the commit line and a guarded
+/// run all answer with a transient error within the call timeout, and a
+/// store dropped during the stall drops at once. Once the standby is no
+/// longer asked for, a claim the line made too late has been given back.
+#[test]
+fn a_stalled_synchronous_standby_costs_each_call_no_more_than_its_bound() {
+    if !enabled() {
+        return;
+    }
+    let cluster = OwnCluster::start();
+    let table = fresh_table("stall");
+    let open = || {
+        PostgresStore::builder()
+            .table(&table)
+            .max_size(4)
+            .connect_timeout(Duration::from_secs(30))
+            .call_timeout(Duration::from_millis(400))
+            .migrate_on_build(true)
+            .connect(&cluster.url)
+            .unwrap()
+    };
+    let store = Arc::new(open());
+    let doomed = open();
+    let fp = Fingerprint::of(b"stall");
+    let response = Response::new(201, "stored");
+    let first = claimed(store.begin(&key("first"), &fp, T0, HOUR, HOUR).unwrap());
+
+    set_sync_standby(&cluster.url, "ghost");
+    let started = Instant::now();
+    let timed_out = |what: &str, err: Error| {
+        assert!(matches!(err, Error::Backend(_)), "{what}: {err}");
+        assert!(err.is_transient(), "{what}: {err}");
+        assert!(err.to_string().contains("call timeout"), "{what}: {err}");
+    };
+    timed_out(
+        "begin",
+        store.begin(&key("lane"), &fp, T0, SEC, HOUR).unwrap_err(),
+    );
+    timed_out(
+        "complete",
+        store
+            .complete(&key("first"), &first, &response, T0, HOUR)
+            .unwrap_err(),
+    );
+    timed_out(
+        "begin_async",
+        block_on(PostgresStore::begin_async(
+            &store,
+            &key("line"),
+            &fp,
+            T0,
+            HOUR,
+            HOUR,
+        ))
+        .unwrap_err(),
+    );
+    let ran = AtomicBool::new(false);
+    let guard = Guard::new(Arc::clone(&store));
+    let outcome = guard.run(&key("guarded"), &fp, |_| {
+        ran.store(true, Ordering::SeqCst);
+        Ok::<_, std::io::Error>(Response::new(201, "never"))
+    });
+    assert!(matches!(outcome, Outcome::Unavailable(_)), "{outcome:?}");
+    assert!(
+        !ran.load(Ordering::SeqCst),
+        "a handler ran on a claim nobody saw stored"
+    );
+    timed_out(
+        "begin on the dropped store",
+        doomed
+            .begin(&key("doomed"), &fp, T0, HOUR, HOUR)
+            .unwrap_err(),
+    );
+    let dropping = Instant::now();
+    drop(doomed); // its commit still waits for the standby
+    // Not a performance assertion: a call or a drop that waited for the
+    // stall would never get here, since the stall lasts until the reset.
+    assert!(dropping.elapsed() < Duration::from_secs(20));
+    assert!(started.elapsed() < Duration::from_secs(60));
+
+    set_sync_standby(&cluster.url, "");
+    // The waiting commits land: the completion whose call timed out stands,
+    // and the claim the line made after its caller had gone is given back.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let (mut done, mut given_back) = (false, false);
+    loop {
+        done = done
+            || matches!(
+                store.get(&key("first"), T0).unwrap(),
+                Some(r) if r.response().is_some_and(|r| r.body() == b"stored")
+            );
+        given_back = given_back
+            || matches!(
+                store.begin(&key("line"), &fp, T0, HOUR, HOUR),
+                Ok(Begin::Claimed(_))
+            );
+        if done && given_back {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "done {done}, given back {given_back}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    drop(DropTable {
+        url: cluster.url.clone(),
+        table,
+    });
+}
