@@ -913,3 +913,64 @@ fn a_stalled_synchronous_standby_costs_each_call_no_more_than_its_bound() {
         table,
     });
 }
+
+/// A completion whose commit waits for a synchronous standby is visible on
+/// the primary before the standby has it. When its connection is cut in
+/// that wait, the store learns the outcome by reading the row back, and
+/// must not acknowledge it until it is as durable as a commit: here, while
+/// the standby never comes, the call ends with its timeout, not success.
+#[test]
+fn a_completion_read_back_is_acknowledged_only_once_durable() {
+    if !enabled() {
+        return;
+    }
+    let cluster = OwnCluster::start();
+    let table = fresh_table("readback");
+    let store = PostgresStore::builder()
+        .table(&table)
+        .max_size(4)
+        .connect_timeout(Duration::from_secs(30))
+        .call_timeout(Duration::from_secs(5))
+        .migrate_on_build(true)
+        .connect(&cluster.url)
+        .unwrap();
+    let fp = Fingerprint::of(b"readback");
+    let response = Response::new(201, "local only");
+    let claim = claimed(store.begin(&key("k"), &fp, T0, HOUR, HOUR).unwrap());
+
+    set_sync_standby(&cluster.url, "ghost");
+    let answer = std::thread::scope(|s| {
+        let completing = s.spawn(|| store.complete(&key("k"), &claim, &response, T0, HOUR));
+        // Cut the connection of the commit that waits for the standby.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let ended: i64 = raw(&cluster.url)
+                .query_one(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+                      WHERE wait_event = 'SyncRep'",
+                    &[],
+                )
+                .unwrap()
+                .get(0);
+            if ended > 0 {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no commit ever waited for the standby"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        completing.join().unwrap()
+    });
+    let err = answer.expect_err("a completion that is on the primary only was acknowledged");
+    assert!(err.to_string().contains("call timeout"), "{err}");
+
+    set_sync_standby(&cluster.url, "");
+    let record = store.get(&key("k"), T0).unwrap().unwrap();
+    assert_eq!(record.response(), Some(&response));
+    drop(DropTable {
+        url: cluster.url.clone(),
+        table,
+    });
+}
