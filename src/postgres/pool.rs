@@ -232,13 +232,17 @@ impl Inner {
         T::TlsConnect: Send,
         <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
     {
+        // tokio-postgres bounds each host's TCP connect by the connect
+        // timeout and tries the hosts in turn: a host that drops packets
+        // costs one timeout, and the next host still gets its own.
+        let hosts = u32::try_from(self.options.config.get_hosts().len()).unwrap_or(u32::MAX);
+        let bound = self.options.connect_timeout.saturating_mul(hosts.max(1));
         let connecting = self.options.config.connect(tls);
-        let (client, connection) =
-            match tokio::time::timeout(self.options.connect_timeout, connecting).await {
-                Ok(Ok(pair)) => pair,
-                Ok(Err(err)) => return Err(connect_error(err)),
-                Err(_) => return Err(connect_timeout(self.options.connect_timeout)),
-            };
+        let (client, connection) = match tokio::time::timeout(bound, connecting).await {
+            Ok(Ok(pair)) => pair,
+            Ok(Err(err)) => return Err(connect_error(err)),
+            Err(_) => return Err(connect_timeout(bound)),
+        };
         tokio::spawn(async move {
             let _ = connection.await;
         });
