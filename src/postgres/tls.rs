@@ -164,23 +164,22 @@ impl Tls {
         let builder = ClientConfig::builder_with_provider(Arc::clone(&provider))
             .with_safe_default_protocol_versions()
             .map_err(|e| Error::invalid_argument(format!("TLS: {e}")))?;
-        let builder = match self.mode {
-            Mode::Disable | Mode::Prefer | Mode::Require => builder
+        let chain = match self.mode {
+            Mode::Disable | Mode::Prefer | Mode::Require => None,
+            Mode::VerifyCa | Mode::VerifyFull => Some(
+                WebPkiServerVerifier::builder_with_provider(
+                    Arc::new(self.roots()?),
+                    Arc::clone(&provider),
+                )
+                .build()
+                .map_err(|e| Error::invalid_argument(format!("TLS roots: {e}")))?,
+            ),
+        };
+        let builder = match chain {
+            Some(chain) if self.mode == Mode::VerifyFull => builder.with_webpki_verifier(chain),
+            chain => builder
                 .dangerous()
-                .with_custom_certificate_verifier(Arc::new(Unchecked(provider))),
-            Mode::VerifyCa | Mode::VerifyFull => {
-                let verifier =
-                    WebPkiServerVerifier::builder_with_provider(Arc::new(self.roots()?), provider)
-                        .build()
-                        .map_err(|e| Error::invalid_argument(format!("TLS roots: {e}")))?;
-                if self.mode == Mode::VerifyFull {
-                    builder.with_webpki_verifier(verifier)
-                } else {
-                    builder
-                        .dangerous()
-                        .with_custom_certificate_verifier(Arc::new(AnyName(verifier)))
-                }
-            }
+                .with_custom_certificate_verifier(Arc::new(Lenient { provider, chain })),
         };
         let config = match (&self.cert, &self.key) {
             (Some(cert), Some(key)) => {
@@ -240,64 +239,20 @@ fn read_certs(what: &str, path: &PathBuf) -> Result<Vec<CertificateDer<'static>>
     Ok(certs)
 }
 
-/// `prefer` and `require`: the connection is encrypted, the server is not
-/// authenticated (libpq's meaning). The handshake's signatures are still
-/// checked, so the session keys belong to whoever holds the certificate.
+/// The server's certificate as `prefer`, `require` and `verify-ca` check
+/// it. Without a chain verifier (`prefer`, `require`) the connection is
+/// encrypted and the server not authenticated, as libpq does. With one
+/// (`verify-ca`) the chain must lead to a trusted root and the name is not
+/// checked: webpki checks the chain before the name, so a name error means
+/// the chain verified. Either way the handshake's signatures are checked,
+/// so the session keys belong to whoever holds the certificate.
 #[derive(Debug)]
-struct Unchecked(Arc<CryptoProvider>);
-
-impl ServerCertVerifier for Unchecked {
-    fn verify_server_cert(
-        &self,
-        _: &CertificateDer<'_>,
-        _: &[CertificateDer<'_>],
-        _: &ServerName<'_>,
-        _: &[u8],
-        _: UnixTime,
-    ) -> std::result::Result<ServerCertVerified, rustls::Error> {
-        Ok(ServerCertVerified::assertion())
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls12_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.signature_verification_algorithms.supported_schemes()
-    }
+struct Lenient {
+    provider: Arc<CryptoProvider>,
+    chain: Option<Arc<WebPkiServerVerifier>>,
 }
 
-/// `verify-ca`: the chain must lead to a trusted root; the name is not
-/// checked. webpki checks the chain before the name, so a name error means
-/// the chain verified.
-#[derive(Debug)]
-struct AnyName(Arc<WebPkiServerVerifier>);
-
-impl ServerCertVerifier for AnyName {
+impl ServerCertVerifier for Lenient {
     fn verify_server_cert(
         &self,
         end_entity: &CertificateDer<'_>,
@@ -306,10 +261,10 @@ impl ServerCertVerifier for AnyName {
         ocsp: &[u8],
         now: UnixTime,
     ) -> std::result::Result<ServerCertVerified, rustls::Error> {
-        match self
-            .0
-            .verify_server_cert(end_entity, intermediates, server_name, ocsp, now)
-        {
+        let Some(chain) = &self.chain else {
+            return Ok(ServerCertVerified::assertion());
+        };
+        match chain.verify_server_cert(end_entity, intermediates, server_name, ocsp, now) {
             Err(rustls::Error::InvalidCertificate(
                 CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
             )) => Ok(ServerCertVerified::assertion()),
@@ -323,7 +278,8 @@ impl ServerCertVerifier for AnyName {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls12_signature(message, cert, dss)
+        let algorithms = &self.provider.signature_verification_algorithms;
+        rustls::crypto::verify_tls12_signature(message, cert, dss, algorithms)
     }
 
     fn verify_tls13_signature(
@@ -332,11 +288,14 @@ impl ServerCertVerifier for AnyName {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls13_signature(message, cert, dss)
+        let algorithms = &self.provider.signature_verification_algorithms;
+        rustls::crypto::verify_tls13_signature(message, cert, dss, algorithms)
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.supported_verify_schemes()
+        self.provider
+            .signature_verification_algorithms
+            .supported_schemes()
     }
 }
 
