@@ -253,6 +253,45 @@ mod tests {
         }
     }
 
+    /// A key reads the same from the memtable (the log's encoded bytes,
+    /// decoded) as from redb once a checkpoint wrote those bytes there.
+    #[test]
+    fn a_key_reads_the_same_before_and_after_its_checkpoint() {
+        use crate::redb::line::Reply;
+        let shared = super::super::commit::tests::shared();
+        let Ok(Reply::Begin(crate::Begin::Claimed(claim))) = shared.submit(begin_a()) else {
+            panic!("claimed");
+        };
+        let now = crate::time::Timestamp::from_millis(2_000);
+        let response = crate::response::Response::new(201, "body");
+        let complete = Op::Complete {
+            key: b"\0a".to_vec(),
+            claim,
+            response,
+            now,
+            retention: Duration::from_secs(10),
+        };
+        shared.submit(complete).unwrap();
+        let mut begin_b = begin_a();
+        if let Op::Begin { key, .. } = &mut begin_b {
+            *key = b"\0b".to_vec();
+        }
+        shared.submit(begin_b).unwrap();
+        let before = (shared.read(b"\0a").unwrap(), shared.read(b"\0b").unwrap());
+        assert!(shared.read_mem().get(b"\0a").is_some(), "read from memory");
+        let frozen = {
+            let mut core = shared.lock_core();
+            shared.freeze(&mut core).unwrap();
+            shared.read_mem().frozen.clone().unwrap()
+        };
+        checkpoint(&shared, &frozen).unwrap();
+        retire(&shared, &frozen);
+        assert!(shared.read_mem().is_empty(), "read from redb");
+        let after = (shared.read(b"\0a").unwrap(), shared.read(b"\0b").unwrap());
+        assert!(before.0.as_ref().is_some_and(|r| r.response.is_some()));
+        assert_eq!(before, after);
+    }
+
     /// The checkpointer spun while another thread held the commit lock
     /// with a memtable due: `tick` found the lock busy and the loop tried
     /// again at once, for as long as the lock was held (found by the

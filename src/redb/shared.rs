@@ -267,7 +267,7 @@ impl Shared {
         {
             let mem = self.read_mem();
             if let Some(entry) = mem.get(key_bytes) {
-                return Ok((entry.clone(), None));
+                return Ok((super::memtable::decode(key_bytes, entry)?, None));
             }
         }
         // Counted after the memtable was read: see snapshot.rs.

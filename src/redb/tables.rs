@@ -19,7 +19,6 @@ use ::redb::{
     Database, ReadOnlyTable, ReadTransaction, ReadableTable, Table, TableDefinition,
     WriteTransaction,
 };
-use std::collections::BTreeMap;
 
 /// Records by key.
 pub(crate) const RECORDS: TableDefinition<'static, &'static [u8], &'static [u8]> =
@@ -120,10 +119,10 @@ impl<'txn> WriteTables<'txn> {
         Ok(())
     }
 
-    /// Writes a memtable's records.
-    pub(super) fn take_in(&mut self, records: &BTreeMap<Vec<u8>, Option<Record>>) -> Result<()> {
+    /// Writes a memtable's records: the bytes their log frames hold.
+    pub(super) fn take_in(&mut self, records: &super::memtable::Table) -> Result<()> {
         for (key, entry) in records {
-            self.apply(key, entry.as_ref())?;
+            self.apply_encoded(key, entry.as_ref().map(|e| (&e.value[..], e.expires_at)))?;
         }
         Ok(())
     }

@@ -4,7 +4,7 @@
 //! nothing anywhere, and its caller (`commit/mod.rs`) makes the writes
 //! durable (a log frame).
 
-use super::super::memtable::{Entry, Mem};
+use super::super::memtable::{self, Encoded, Entry, Mem};
 use super::super::record_log::Journal;
 use super::{Op, Reply};
 use crate::codec;
@@ -72,11 +72,8 @@ impl Group<'_> {
     /// [`current`](Self::current), without reading redb when the read
     /// path found `key` absent under the count this group read.
     fn current_unless_absent(&self, key: &[u8], absent_at: Option<u64>) -> Result<Option<Record>> {
-        if let Some(entry) = self.out.writes.get(key) {
-            return Ok(entry.clone());
-        }
-        if let Some(entry) = self.mem.get(key) {
-            return Ok(entry.clone());
+        if let Some(entry) = self.out.writes.get(key).or_else(|| self.mem.get(key)) {
+            return memtable::decode(key, entry);
         }
         if absent_at == Some(self.counted) {
             return Ok(None);
@@ -89,11 +86,12 @@ impl Group<'_> {
         self.out.writes.contains_key(key) || self.mem.get(key).is_some()
     }
 
-    fn put(&mut self, key: &[u8], record: Record) -> Result<()> {
-        // Encoded (and its invariants checked) before anything is kept.
-        let value = codec::encode_record(&record)?;
-        self.out.journal.record_put(key, &value);
-        self.out.writes.insert(key.to_vec(), Some(record));
+    /// Encodes `record` (checking its invariants) once: the log frame,
+    /// the memtable and, at the checkpoint, redb all get these bytes.
+    fn put(&mut self, key: &[u8], record: &Record) -> Result<()> {
+        let encoded = Encoded::new(record)?;
+        self.out.journal.record_put(key, &encoded.value);
+        self.out.writes.insert(key.to_vec(), Some(encoded));
         Ok(())
     }
 
@@ -121,7 +119,7 @@ impl Group<'_> {
                     })?;
                 if let Some(record) = decided.write {
                     let token = record.token;
-                    self.put(key, record)?;
+                    self.put(key, &record)?;
                     *hwm = (*hwm).max(token);
                 }
                 Ok(Reply::Begin(decided.answer))
@@ -135,7 +133,7 @@ impl Group<'_> {
             } => {
                 let existing = self.current(key)?;
                 let record = logic::complete(existing, claim, response, *now, *retention)?;
-                self.put(key, record)?;
+                self.put(key, &record)?;
                 Ok(Reply::Done)
             }
             Op::Release { key, claim } => {
@@ -155,7 +153,7 @@ impl Group<'_> {
             } => {
                 let existing = self.current(key)?;
                 let step = logic::renew(existing, claim, *now, *lease)?;
-                self.put(key, step.write)?;
+                self.put(key, &step.write)?;
                 Ok(Reply::Renewed(step.claim))
             }
             Op::Sweep { now, max } => {
@@ -171,10 +169,10 @@ impl Group<'_> {
     fn sweep(&mut self, now: Timestamp, max: usize) -> Result<usize> {
         let mut candidates = self.mem.due(now);
         for (key, entry) in &self.out.writes {
-            if let Some(r) = entry
-                && logic::sweepable(r.expires_at, now)
+            if let Some(e) = entry
+                && logic::sweepable(e.expires_at, now)
             {
-                candidates.push((r.expires_at, key.clone()));
+                candidates.push((e.expires_at, key.clone()));
             }
         }
         // redb's index, in (expiry, key) order: its first `max` live
