@@ -39,15 +39,16 @@ pub(super) fn run(shared: Arc<Shared>) {
     let mut backoff = HEAL_BACKOFF_MIN;
     // The last tick found the commit lock held.
     let mut busy = false;
-    let mut bg = shared.lock_bg();
+    let mut bg = shared.memory.lock_bg();
     loop {
-        if shared.is_poisoned() {
+        if shared.db.is_poisoned() {
             // Wake anyone waiting for a checkpoint that will not come.
-            shared.bg_cv.notify_all();
-            if bg.shutdown || !shared.heals() {
+            shared.memory.bg_cv.notify_all();
+            if bg.shutdown || !shared.db.heals() {
                 break;
             }
             bg = shared
+                .memory
                 .bg_cv
                 .wait_timeout(bg, backoff)
                 .map(|(g, _)| g)
@@ -63,11 +64,11 @@ pub(super) fn run(shared: Arc<Shared>) {
                     next_backoff(backoff)
                 }
             };
-            bg = shared.lock_bg();
-            shared.bg_cv.notify_all();
+            bg = shared.memory.lock_bg();
+            shared.memory.bg_cv.notify_all();
             continue;
         }
-        let frozen = shared.read_mem().frozen.clone();
+        let frozen = shared.memory.read_mem().frozen.clone();
         if let Some(frozen) = frozen {
             drop(bg);
             let started = Instant::now();
@@ -84,25 +85,25 @@ pub(super) fn run(shared: Arc<Shared>) {
                     shared.fail("checkpoint", On::Store, e);
                 }
             }
-            bg = shared.lock_bg();
-            shared.bg_cv.notify_all();
+            bg = shared.memory.lock_bg();
+            shared.memory.bg_cv.notify_all();
             continue;
         }
         if bg.shutdown {
-            shared.bg_cv.notify_all();
+            shared.memory.bg_cv.notify_all();
             break;
         }
         let mut wait = Duration::from_secs(3600);
         let mut work = false;
-        if shared.read_mem().active.is_empty() {
+        if shared.memory.read_mem().active.is_empty() {
             // Woken by the first publish; the interval is a backstop.
-            wait = wait.min(shared.checkpoint_interval);
+            wait = wait.min(shared.memory.checkpoint_interval);
         } else {
-            let left = shared.checkpoint_left();
+            let left = shared.memory.checkpoint_left();
             work |= left.is_zero();
             wait = wait.min(left);
         }
-        if let Durability::Periodic { max_loss } = shared.durability {
+        if let Durability::Periodic { max_loss } = shared.log.durability {
             let left = max_loss.saturating_sub(last_sync.elapsed());
             work |= left.is_zero();
             wait = wait.min(left.max(Duration::from_millis(1)));
@@ -121,6 +122,7 @@ pub(super) fn run(shared: Arc<Shared>) {
         }
         if !work {
             bg = shared
+                .memory
                 .bg_cv
                 .wait_timeout(bg, wait.max(Duration::from_millis(1)))
                 .map(|(g, _)| g)
@@ -132,7 +134,7 @@ pub(super) fn run(shared: Arc<Shared>) {
         // it happened; the loop then heals.
         let result = tick(&shared, &mut last_sync);
         busy = matches!(result, Ok(Tick::Busy));
-        bg = shared.lock_bg();
+        bg = shared.memory.lock_bg();
     }
 }
 
@@ -146,9 +148,9 @@ fn next_backoff(backoff: Duration) -> Duration {
 /// the checkpoint interval, and under relaxed durability no longer than
 /// the loss window (the log's sync does not wait for the lock).
 fn busy_backoff(shared: &Shared) -> Duration {
-    let backoff = match shared.durability {
-        Durability::Periodic { max_loss } => shared.checkpoint_interval.min(max_loss),
-        Durability::Immediate => shared.checkpoint_interval,
+    let backoff = match shared.log.durability {
+        Durability::Periodic { max_loss } => shared.memory.checkpoint_interval.min(max_loss),
+        Durability::Immediate => shared.memory.checkpoint_interval,
     };
     backoff.max(Duration::from_millis(1))
 }
@@ -181,22 +183,22 @@ pub(super) enum Tick {
 /// than tries again at once.
 pub(super) fn tick(shared: &Shared, last_sync: &mut Instant) -> Result<Tick> {
     let mut done = Tick::Done;
-    if shared.checkpoint_due() {
-        match shared.try_lock_core() {
+    if shared.memory.checkpoint_due() {
+        match shared.log.try_lock() {
             Some(mut core) => {
-                if shared.read_mem().frozen.is_none() {
+                if shared.memory.read_mem().frozen.is_none() {
                     shared.freeze(&mut core)?;
                 }
             }
             None => done = Tick::Busy,
         }
     }
-    if let Durability::Periodic { max_loss } = shared.durability
+    if let Durability::Periodic { max_loss } = shared.log.durability
         && last_sync.elapsed() >= max_loss
     {
         *last_sync = Instant::now();
-        if shared.log_unsynced.swap(false, Ordering::SeqCst)
-            && let Err(e) = shared.log_file.sync_data()
+        if shared.log.unsynced.swap(false, Ordering::SeqCst)
+            && let Err(e) = shared.log.file.sync_data()
         {
             return Err(shared.fail("log sync", On::Log, Error::Io(e)));
         }
@@ -207,7 +209,7 @@ pub(super) fn tick(shared: &Shared, last_sync: &mut Instant) -> Result<Tick> {
 /// After its checkpoint: drops `frozen`, unless a heal took it away
 /// meanwhile (and a later freeze may have put another in its place).
 fn retire(shared: &Shared, frozen: &std::sync::Arc<Frozen>) {
-    let mut mem = shared.write_mem();
+    let mut mem = shared.memory.write_mem();
     if mem
         .frozen
         .as_ref()
@@ -220,7 +222,7 @@ fn retire(shared: &Shared, frozen: &std::sync::Arc<Frozen>) {
 /// Writes `frozen` into redb in one durable commit that also retires its
 /// log epoch.
 fn checkpoint(shared: &Shared, frozen: &Frozen) -> Result<()> {
-    let db = shared.write_ready_db()?;
+    let db = shared.db.write_ready_db()?;
     // The frozen table's mark is the store's: every durable commit before
     // this one (an earlier checkpoint, a direct transaction, the open)
     // stored a mark from before this table was frozen.
@@ -229,7 +231,7 @@ fn checkpoint(shared: &Shared, frozen: &Frozen) -> Result<()> {
         tables.retire(frozen.token_hwm, frozen.epoch.wrapping_add(1))
     })??;
     // Before `retire` lets go of the frozen table (snapshot.rs).
-    shared.snapshot.committed();
+    shared.db.snapshot.committed();
     Ok(())
 }
 
@@ -278,15 +280,18 @@ mod tests {
         }
         shared.submit(begin_b).unwrap();
         let before = (shared.read(b"\0a").unwrap(), shared.read(b"\0b").unwrap());
-        assert!(shared.read_mem().get(b"\0a").is_some(), "read from memory");
+        assert!(
+            shared.memory.read_mem().get(b"\0a").is_some(),
+            "read from memory"
+        );
         let frozen = {
-            let mut core = shared.lock_core();
+            let mut core = shared.log.lock();
             shared.freeze(&mut core).unwrap();
-            shared.read_mem().frozen.clone().unwrap()
+            shared.memory.read_mem().frozen.clone().unwrap()
         };
         checkpoint(&shared, &frozen).unwrap();
         retire(&shared, &frozen);
-        assert!(shared.read_mem().is_empty(), "read from redb");
+        assert!(shared.memory.read_mem().is_empty(), "read from redb");
         let after = (shared.read(b"\0a").unwrap(), shared.read(b"\0b").unwrap());
         assert!(before.0.as_ref().is_some_and(|r| r.response.is_some()));
         assert_eq!(before, after);
@@ -304,15 +309,15 @@ mod tests {
         );
         let _ = shared.submit(begin_a()).unwrap();
         std::thread::sleep(Duration::from_millis(20));
-        assert!(shared.checkpoint_due());
-        let held = shared.lock_core();
+        assert!(shared.memory.checkpoint_due());
+        let held = shared.log.lock();
         let ticked = tick(&shared, &mut Instant::now());
         assert!(matches!(ticked, Ok(Tick::Busy)), "{ticked:?}");
         drop(held);
         // With the lock free the due memtable is frozen.
         let ticked = tick(&shared, &mut Instant::now());
         assert!(matches!(ticked, Ok(Tick::Done)), "{ticked:?}");
-        assert!(shared.read_mem().frozen.is_some());
+        assert!(shared.memory.read_mem().frozen.is_some());
     }
 
     /// After a tick found the commit lock held, the thread waits the
@@ -365,12 +370,12 @@ mod tests {
         let shared = &store.shared;
         let _ = shared.submit(begin_a()).unwrap();
         let deadline = std::time::Instant::now() + Duration::from_secs(5);
-        while shared.log_unsynced.load(Ordering::SeqCst) && std::time::Instant::now() < deadline {
+        while shared.log.unsynced.load(Ordering::SeqCst) && std::time::Instant::now() < deadline {
             std::thread::sleep(max_loss);
         }
-        assert!(!shared.log_unsynced.load(Ordering::SeqCst));
+        assert!(!shared.log.unsynced.load(Ordering::SeqCst));
         // Nothing was due: the record is still in the active memtable.
-        assert!(!shared.read_mem().active.is_empty());
+        assert!(!shared.memory.read_mem().active.is_empty());
     }
 
     /// Damage does not heal: the thread stops rather than reopening the
@@ -385,11 +390,11 @@ mod tests {
             .unwrap();
         let shared = &store.shared;
         let _ = shared.fail("test", On::Store, Error::corrupt(None, "test damage"));
-        assert!(!shared.heals());
+        assert!(!shared.db.heals());
         std::thread::sleep(HEAL_BACKOFF_MIN * 10);
-        assert!(shared.is_poisoned());
+        assert!(shared.db.is_poisoned());
         assert!(matches!(
-            shared.check_healthy(),
+            shared.db.check_healthy(),
             Err(Error::Poisoned { .. })
         ));
     }

@@ -56,12 +56,12 @@ impl Shared {
         // The documented lock order: the commit lock, the memtable, the
         // database. Reads wait for the attempt (bounded: one reopen and
         // one replay of the log).
-        let mut core = self.lock_core();
-        let mut mem = self.write_mem();
-        let mut engine = self.write_db();
+        let mut core = self.log.lock();
+        let mut mem = self.memory.write_mem();
+        let mut engine = self.db.write_db();
         let mut attempts = self.lock_attempts();
         if !self.worth_an_attempt(&mut attempts) {
-            return Err(self.poisoned_error());
+            return Err(self.db.poisoned_error());
         }
         if let Err(e) = self.reopen(&mut engine) {
             self.attempted(&mut attempts);
@@ -75,6 +75,7 @@ impl Shared {
             }
         };
         let name = self
+            .db
             .path
             .clone()
             .unwrap_or_else(|| "<storage backend>".into());
@@ -88,7 +89,7 @@ impl Shared {
             heal: true,
         };
         let mut loss = super::loss::LossReport::default();
-        let (file, config) = (core.wal.file(), &self.heal_config);
+        let (file, config) = (core.wal.file(), &self.db.heal_config);
         let wal = match super::recovery::recover_log(&engine.db, file, &found, config, &mut loss) {
             Ok((wal, _)) => wal,
             Err(e) => {
@@ -107,11 +108,11 @@ impl Shared {
         mem.active.clear();
         mem.active_bytes = 0;
         mem.frozen = None;
-        self.log_unsynced.store(false, Ordering::SeqCst);
-        self.start_memtable_clock();
+        self.log.unsynced.store(false, Ordering::SeqCst);
+        self.memory.start_memtable_clock();
         drop(engine);
         drop(mem);
-        self.healthy_again();
+        self.db.healthy_again();
         Ok(())
     }
 
@@ -122,8 +123,8 @@ impl Shared {
     /// not tell (quotas, reserved blocks). True for every other cause, and
     /// where the free space cannot be read.
     fn worth_an_attempt(&self, state: &mut Attempts) -> bool {
-        let full = self.health_cause_kind() == Some(std::io::ErrorKind::StorageFull);
-        let (Some(path), true) = (&self.path, full) else {
+        let full = self.db.health_cause_kind() == Some(std::io::ErrorKind::StorageFull);
+        let (Some(path), true) = (&self.db.path, full) else {
             return true;
         };
         let Some(free) = free_bytes(path) else {
@@ -139,7 +140,7 @@ impl Shared {
     /// After a failed attempt: what the next one compares with.
     fn attempted(&self, state: &mut Attempts) {
         state.last = Some(Instant::now());
-        state.free_at_last = self.path.as_deref().and_then(free_bytes);
+        state.free_at_last = self.db.path.as_deref().and_then(free_bytes);
     }
 
     /// Closes the engine and opens it again from the files. When they
@@ -150,14 +151,14 @@ impl Shared {
         let old = std::mem::replace(&mut engine.db, stand_in()?);
         engine.usable = Usable::No;
         drop(old);
-        match super::open::reopen_engine(&self.source, &self.heal_config, &self.witness) {
+        match super::open::reopen_engine(&self.db.source, &self.db.heal_config, &self.db.witness) {
             Ok((db, _)) => {
                 engine.db = db;
                 engine.usable = Usable::Yes;
                 Ok(())
             }
             Err(e) => {
-                if let Ok(view) = super::overlay::open_view_of(&self.source) {
+                if let Ok(view) = super::overlay::open_view_of(&self.db.source) {
                     engine.db = view;
                     engine.usable = Usable::ForReads;
                 }
@@ -167,7 +168,7 @@ impl Shared {
     }
 
     fn lock_attempts(&self) -> MutexGuard<'_, Attempts> {
-        self.attempts.lock().unwrap_or_else(|p| p.into_inner())
+        self.db.attempts.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn reopened_meta(&self, db: &Database) -> Result<super::meta::MetaEntries> {

@@ -14,6 +14,35 @@ use std::collections::VecDeque;
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
+/// The line of callers waiting to commit, and its wake-ups.
+pub(super) struct Line {
+    callers: Mutex<Queue>,
+    /// Signalled when a leader takes a group out of a full line.
+    pub(super) room: Condvar,
+    /// Wakes the committer thread (native.rs) when it is given the leader
+    /// role, or the line closes.
+    pub(super) committer: Condvar,
+    /// Most ops a leader commits in one group.
+    pub(super) max_group: usize,
+}
+
+impl Default for Line {
+    fn default() -> Line {
+        Line {
+            callers: Mutex::new(Queue::default()),
+            room: Condvar::new(),
+            committer: Condvar::new(),
+            max_group: MAX_WRITE_BATCH,
+        }
+    }
+}
+
+impl Line {
+    pub(super) fn lock(&self) -> MutexGuard<'_, Queue> {
+        self.callers.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
 /// A write, as queued. Keys are already encoded.
 #[derive(Debug)]
 pub(super) enum Op {

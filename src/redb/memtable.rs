@@ -14,9 +14,84 @@
 use crate::codec;
 use crate::error::Result;
 use crate::record::Record;
+use crate::sync::atomic::{AtomicU64, Ordering};
+use crate::sync::{Condvar, Instant, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use crate::time::Timestamp;
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::Duration;
+
+/// What is in memory, and the background thread's flags and wake-ups.
+pub(super) struct Memory {
+    tables: RwLock<Mem>,
+    /// The background thread's flags; `bg_cv` wakes it (a frozen memtable,
+    /// a failure, shutdown) and those waiting for a checkpoint to finish.
+    bg: Mutex<Bg>,
+    pub(super) bg_cv: Condvar,
+    pub(super) checkpoint_interval: Duration,
+    /// When the active memtable began (a freeze, a direct transaction, or
+    /// the first record after either), in ms since `started`.
+    started: Instant,
+    since_ms: AtomicU64,
+}
+
+/// The background thread's flags (guarded by [`Memory::lock_bg`]).
+#[derive(Debug, Default)]
+pub(super) struct Bg {
+    pub(super) shutdown: bool,
+}
+
+impl Memory {
+    pub(super) fn new(checkpoint_interval: Duration) -> Memory {
+        Memory {
+            tables: RwLock::new(Mem::default()),
+            bg: Mutex::new(Bg::default()),
+            bg_cv: Condvar::new(),
+            checkpoint_interval,
+            started: Instant::now(),
+            since_ms: AtomicU64::new(0),
+        }
+    }
+
+    pub(super) fn read_mem(&self) -> RwLockReadGuard<'_, Mem> {
+        self.tables.read().unwrap_or_else(|p| p.into_inner())
+    }
+    pub(super) fn write_mem(&self) -> RwLockWriteGuard<'_, Mem> {
+        self.tables.write().unwrap_or_else(|p| p.into_inner())
+    }
+    pub(super) fn lock_bg(&self) -> MutexGuard<'_, Bg> {
+        self.bg.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Wakes the background thread (a memtable was frozen, a failure, or
+    /// shutdown).
+    pub(super) fn wake_background(&self) {
+        let _bg = self.lock_bg();
+        self.bg_cv.notify_all();
+    }
+
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// The active memtable begins now.
+    pub(super) fn start_memtable_clock(&self) {
+        self.since_ms.store(self.now_ms(), Ordering::Relaxed);
+    }
+
+    /// How long until the active memtable is old enough to checkpoint.
+    pub(super) fn checkpoint_left(&self) -> Duration {
+        let since = self
+            .now_ms()
+            .saturating_sub(self.since_ms.load(Ordering::Relaxed));
+        self.checkpoint_interval
+            .saturating_sub(Duration::from_millis(since))
+    }
+
+    pub(super) fn checkpoint_due(&self) -> bool {
+        self.checkpoint_left().is_zero()
+    }
+}
 
 /// Bytes of records the active memtable may hold before the next group
 /// freezes it and hands it to the checkpointer. It bounds the memory the

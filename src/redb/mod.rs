@@ -34,12 +34,14 @@ mod checkpoint;
 mod commit;
 mod config;
 mod damage;
+mod db;
 mod errors;
 mod file;
 mod heal;
 mod health;
 mod inbox;
 mod line;
+mod log;
 mod loss;
 mod memtable;
 mod meta;
@@ -80,9 +82,10 @@ use crate::sync::Arc;
 use crate::sync::atomic::Ordering;
 use crate::sync::thread::{self, JoinHandle};
 use crate::time::Clock;
+use db::{Engine, Usable};
 use line::{Op, Reply};
 use requests::unexpected;
-use shared::{Engine, Shared, Usable};
+use shared::Shared;
 use std::path::{Path, PathBuf};
 
 /// The durable idempotency store on redb: one file, one process.
@@ -371,7 +374,7 @@ impl RedbStore {
     /// # Ok::<(), idemstore::Error>(())
     /// ```
     pub fn is_poisoned(&self) -> bool {
-        self.shared.is_poisoned()
+        self.shared.db.is_poisoned()
     }
 
     /// Whether the store writes: [`Health::Healthy`]; or
@@ -389,7 +392,7 @@ impl RedbStore {
     /// # Ok::<(), idemstore::Error>(())
     /// ```
     pub fn health(&self) -> Health {
-        self.shared.health()
+        self.shared.db.health()
     }
 
     /// Reclaims free space in the file (after sweeps), returning whether
@@ -408,14 +411,14 @@ impl RedbStore {
     /// ```
     pub fn compact(&self) -> Result<bool> {
         self.shared.check_writable()?;
-        self.shared.check_healthy()?;
-        let mut core = self.shared.lock_core();
+        self.shared.db.check_healthy()?;
+        let mut core = self.shared.log.lock();
         // Compaction moves pages of the durable state only: make everything
         // in memory part of it first (and retire the log).
         self.shared.flush_locked(&mut core)?;
-        let mut engine = self.shared.write_db();
+        let mut engine = self.shared.db.write_db();
         if engine.usable != Usable::Yes {
-            return Err(self.shared.poisoned_error());
+            return Err(self.shared.db.poisoned_error());
         }
         engine.db.compact().map_err(|e| {
             self.shared
@@ -427,9 +430,9 @@ impl RedbStore {
 /// Stops the checkpointer and waits for it (it finishes a checkpoint in progress).
 fn stop_background(shared: &Shared, background: Option<JoinHandle<()>>) {
     {
-        let mut bg = shared.lock_bg();
+        let mut bg = shared.memory.lock_bg();
         bg.shutdown = true;
-        shared.bg_cv.notify_all();
+        shared.memory.bg_cv.notify_all();
     }
     if let Some(background) = background {
         let _ = background.join();

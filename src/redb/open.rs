@@ -31,7 +31,7 @@ pub(super) struct Opened {
     /// What an open with `accept_loss` gave up (empty otherwise).
     pub(super) loss: LossReport,
     /// Where a heal reopens the engine from (none for a read-only view).
-    pub(super) source: super::source::Source,
+    pub(super) source: super::source::Origin,
     /// Sees the engine's I/O errors; a heal reuses it.
     pub(super) witness: Arc<IoWitness>,
 }
@@ -185,7 +185,7 @@ fn open_file(path: &Path, config: &Config) -> Result<Opened> {
         let _ = std::fs::remove_file(record_log::wal_path(path));
     }
     let mut opened = opened?;
-    opened.source = super::source::Source::Path(path.to_path_buf());
+    opened.source = super::source::Origin::Path(path.to_path_buf());
     Ok(opened)
 }
 
@@ -264,7 +264,7 @@ pub(super) fn open_backend(
         wal,
         frames_replayed,
         loss,
-        source: super::source::Source::None,
+        source: super::source::Origin::None,
         witness,
     })
 }
@@ -325,24 +325,24 @@ fn engine_open(
 /// meta entries. Nothing is written but redb's own recovery; the log is
 /// replayed by [`recover_log`](super::recovery::recover_log).
 pub(super) fn reopen_engine(
-    source: &super::source::Source,
+    source: &super::source::Origin,
     config: &Config,
     witness: &Arc<IoWitness>,
 ) -> Result<(Database, MetaEntries)> {
-    use super::source::{SharedBackend, Source};
+    use super::source::{Origin, SharedBackend};
     let (db, name) = match source {
-        Source::Path(path) => {
+        Origin::Path(path) => {
             let file = open_owner_only(path)?;
             let backend =
                 ::redb::backends::FileBackend::new(file).map_err(|e| map_open(e, path))?;
             (engine_open(backend, config, path, witness)?, path.as_path())
         }
-        Source::Backend(store) => {
+        Origin::Backend(store) => {
             let name = Path::new("<storage backend>");
             let backend = SharedBackend(std::sync::Arc::clone(store));
             (engine_open(backend, config, name, witness)?, name)
         }
-        Source::None => {
+        Origin::None => {
             return Err(Error::backend("a read-only view is never reopened"));
         }
     };

@@ -176,7 +176,7 @@ mod tests {
     /// Waits until the checkpointer has written both memtables into redb.
     fn checkpointed(store: &RedbStore) {
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while !store.shared.read_mem().is_empty() {
+        while !store.shared.memory.read_mem().is_empty() {
             assert!(std::time::Instant::now() < deadline, "no checkpoint");
             std::thread::sleep(Duration::from_millis(1));
         }
@@ -194,11 +194,11 @@ mod tests {
     fn a_completion_written_to_redb_is_read(store: &RedbStore, to_redb: impl Fn(&RedbStore)) {
         let claim = claim(store);
         to_redb(store);
-        store.shared.snapshot.clear();
+        store.shared.db.snapshot.clear();
         let fast = store.stats().fast_refusals;
         assert!(matches!(begin(store), Begin::InFlight { .. }));
         assert_eq!(store.stats().fast_refusals, fast + 1, "answered from redb");
-        assert!(store.shared.snapshot.is_kept());
+        assert!(store.shared.db.snapshot.is_kept());
         complete(store, &claim);
         to_redb(store);
         let again = begin(store);
@@ -235,9 +235,9 @@ mod tests {
         let claim = claim(&store);
         complete(&store, &claim);
         store.shared.flush().unwrap();
-        store.shared.snapshot.clear();
+        store.shared.db.snapshot.clear();
         assert!(matches!(begin(&store), Begin::Replay(_)));
-        assert!(store.shared.snapshot.is_kept());
+        assert!(store.shared.db.snapshot.is_kept());
         assert!(store.admin().evict(&key()).unwrap().is_some());
         assert!(matches!(begin(&store), Begin::Claimed(_)));
     }
@@ -251,7 +251,7 @@ mod tests {
             .checkpoint_interval(Duration::from_secs(3600))
             .open(dir.path().join("s.idem"))
             .unwrap();
-        let snapshot = &store.shared.snapshot;
+        let snapshot = &store.shared.db.snapshot;
         let other = |id: &str| Key::new("t", id).unwrap();
         let read = |id: &str| store.get(&other(id), NOW).unwrap();
         assert!(read("x").is_none());
@@ -279,7 +279,7 @@ mod tests {
             )
             .unwrap();
         let _ = claim(&store);
-        assert!(store.shared.snapshot.is_kept());
+        assert!(store.shared.db.snapshot.is_kept());
         let report = store.admin().verify(|_| ());
         assert!(report.as_ref().is_ok_and(|r| r.is_clean()), "{report:?}");
         assert!(matches!(begin(&store), Begin::InFlight { .. }));
@@ -296,7 +296,7 @@ mod tests {
         let _ = claim(&store);
         store.shared.flush().unwrap();
         assert!(matches!(begin(&store), Begin::InFlight { .. }));
-        assert!(store.shared.snapshot.is_kept());
+        assert!(store.shared.db.snapshot.is_kept());
         let compacted = store.compact();
         assert!(compacted.is_ok(), "{compacted:?}");
     }

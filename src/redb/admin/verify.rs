@@ -213,7 +213,7 @@ impl Admin<'_> {
                 // A caller's storage backend: checked in place. The
                 // exclusive lock waits out every transaction, as compact
                 // does (the read path's kept snapshot included).
-                let mut db = shared.write_db();
+                let mut db = shared.db.write_db();
                 if !db.db.check_integrity().map_err(engine_error)? {
                     report.add(
                         ProblemKind::EngineRepaired,
@@ -230,7 +230,7 @@ impl Admin<'_> {
                 None
             }
         };
-        let db = shared.read_db()?;
+        let db = shared.db.read_db()?;
         let txn = db.begin_read().map_err(engine_error)?;
         let records = txn.open_table(RECORDS).map_err(engine_error)?;
         let expiry = txn.open_table(EXPIRY).map_err(engine_error)?;

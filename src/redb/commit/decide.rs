@@ -377,8 +377,8 @@ mod tests {
         assert!(matches!(it.next(), Some(Err(Error::StaleClaim))));
         assert!(matches!(it.next(), Some(Ok(Reply::Begin(Begin::Claimed(c)))) if c.token == 2));
         assert_eq!(shared.stats.commits.load(Ordering::Relaxed), 1);
-        assert_eq!(shared.lock_core().token_hwm, 2);
-        assert_eq!(shared.read_mem().active.len(), 2, "in the memtable");
+        assert_eq!(shared.log.lock().token_hwm, 2);
+        assert_eq!(shared.memory.read_mem().active.len(), 2, "in the memtable");
     }
 
     #[test]
@@ -396,13 +396,13 @@ mod tests {
         shared.commit_group(&[claim(b"\0r1", 10), claim(b"\0r2", 20)]);
         // Into redb: the memtable is checkpointed by a direct transaction.
         shared.direct(|_, _| Ok::<_, Error>(())).unwrap();
-        assert!(shared.read_mem().is_empty());
+        assert!(shared.memory.read_mem().is_empty());
         shared.commit_group(&[claim(b"\0m1", 15), claim(b"\0m2", 25)]);
         let later = Timestamp::from_millis(1_000);
         let answers = shared.commit_group(&[Op::Sweep { now: later, max: 3 }]);
         assert!(matches!(answers.as_slice(), [Ok(Reply::Swept(3))]));
         // Oldest first: r1 (11), m1 (16), r2 (21) went; m2 (26) is left.
-        let mem = shared.read_mem();
+        let mem = shared.memory.read_mem();
         assert!(matches!(mem.get(b"\0r1"), Some(None)));
         assert!(matches!(mem.get(b"\0m1"), Some(None)));
         assert!(matches!(mem.get(b"\0r2"), Some(None)));

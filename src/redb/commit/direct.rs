@@ -7,7 +7,8 @@
 //! transaction make first.
 
 use super::super::health::On;
-use super::super::shared::{Core, Shared};
+use super::super::log::Core;
+use super::super::shared::Shared;
 use super::super::tables::{WriteTables, commit};
 use crate::error::{Error, Result};
 use crate::sync::atomic::Ordering;
@@ -27,7 +28,7 @@ impl Shared {
         &self,
         f: impl FnOnce(&mut WriteTables<'_>, &mut u64) -> Result<T, E>,
     ) -> Result<T, E> {
-        let mut core = self.lock_core();
+        let mut core = self.log.lock();
         self.direct_locked(&mut core, true, f)
     }
 
@@ -41,16 +42,18 @@ impl Shared {
         f: impl FnOnce(&mut WriteTables<'_>, &mut u64) -> Result<T, E>,
     ) -> Result<T, E> {
         self.check_writable()?;
-        self.check_healthy()?;
+        self.db.check_healthy()?;
         self.wait_checkpointed()?;
-        let db = self.write_ready_db()?;
+        let db = self.db.write_ready_db()?;
         let mut hwm = core.token_hwm;
         // An I/O error of the engine's in this transaction's own writes
         // poisons the store (redb refuses the engine until it is reopened).
         let own = |e| self.engine_failed("commit", e);
         let committed = commit(&db, quick_repair, |tables| {
             // The memtable first, so that `f` reads the current state.
-            tables.take_in(&self.read_mem().active).map_err(own)?;
+            tables
+                .take_in(&self.memory.read_mem().active)
+                .map_err(own)?;
             let out = f(tables, &mut hwm)?;
             hwm = hwm.max(core.token_hwm);
             let next = core.wal.epoch().wrapping_add(1);
@@ -59,15 +62,15 @@ impl Shared {
         });
         let out = committed.map_err(|e| self.fail("commit", On::Store, e))??;
         // Before the active memtable is cleared (snapshot.rs).
-        self.snapshot.committed();
+        self.db.snapshot.committed();
         core.token_hwm = hwm;
         {
-            let mut mem = self.write_mem();
+            let mut mem = self.memory.write_mem();
             mem.active.clear();
             mem.active_bytes = 0;
         }
         core.wal.rotate();
-        self.start_memtable_clock();
+        self.memory.start_memtable_clock();
         self.stats.commits.fetch_add(1, Ordering::Relaxed);
         self.stats.durable_commits.fetch_add(1, Ordering::Relaxed);
         Ok(out)
@@ -75,13 +78,17 @@ impl Shared {
 
     /// Waits until no frozen memtable is waiting for its checkpoint.
     pub(in crate::redb) fn wait_checkpointed(&self) -> Result<()> {
-        let mut bg = self.lock_bg();
+        let mut bg = self.memory.lock_bg();
         loop {
-            self.check_healthy()?;
-            if self.read_mem().frozen.is_none() {
+            self.db.check_healthy()?;
+            if self.memory.read_mem().frozen.is_none() {
                 return Ok(());
             }
-            bg = self.bg_cv.wait(bg).unwrap_or_else(|p| p.into_inner());
+            bg = self
+                .memory
+                .bg_cv
+                .wait(bg)
+                .unwrap_or_else(|p| p.into_inner());
         }
     }
 }

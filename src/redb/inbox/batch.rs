@@ -179,17 +179,17 @@ where
             items.len()
         )));
     }
-    store.shared.check_healthy()?;
+    store.shared.db.check_healthy()?;
     if let Some(answers) = all_redelivered(store, items, settings.now) {
         return Ok(answers.into_iter().map(Ok).collect());
     }
 
     let shared = &store.shared;
     let mut failed: Vec<Option<Failed<E>>> = items.iter().map(|_| None).collect();
-    let mut core = shared.lock_core();
+    let mut core = shared.log.lock();
     loop {
         let mut burned = 0;
-        let io_errors = shared.witness.count();
+        let io_errors = shared.db.witness.count();
         let pass = shared.direct_locked(&mut core, settings.quick_repair, |tables, hwm| {
             one_pass(
                 store,
@@ -223,8 +223,8 @@ where
             // store poisons and heals; the batch fails with the error
             // itself, its kind kept (the handler's error type may not
             // carry it).
-            Err(Abort::Message(..)) if shared.witness.count() != io_errors => {
-                let error = shared.witness.last().map_or_else(
+            Err(Abort::Message(..)) if shared.db.witness.count() != io_errors => {
+                let error = shared.db.witness.last().map_or_else(
                     || Error::backend("the storage engine failed an I/O"),
                     Error::Io,
                 );
