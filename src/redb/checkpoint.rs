@@ -1,27 +1,16 @@
-//! The background thread: checkpoints, and the timers of relaxed durability.
+//! The background thread: checkpoints, heals, and relaxed durability's
+//! timers.
 //!
 //! A checkpoint writes a frozen memtable into redb in one durable commit
-//! (`fsync`, quick-repair on, so that an open after a crash does not walk
-//! the whole file to rebuild redb's allocator state), in key order and
-//! coalesced (a key claimed and completed since the last checkpoint is one
-//! put, and its expiry-index entry moves once). The same commit stores the
-//! next log epoch, which retires the frozen table's frames; only after it
-//! is durable is the frozen table dropped (readers then find the records in
-//! redb) and its log segment free for reuse. Commits go on meanwhile, into
-//! the other segment and a new active memtable.
+//! that also stores the next log epoch, retiring the frozen table's
+//! frames. Only after that commit is durable is the frozen table dropped
+//! and its log segment free for reuse. A failed checkpoint poisons the
+//! store; its frames are still in the log, so a heal (or a reopen)
+//! replays them. The thread then heals with back-off, sleeping on the
+//! condvar in between (never a spinning core; a drop wakes it).
 //!
-//! A failed checkpoint poisons the store: the frozen records are still in
-//! the log (its segment is never reused), so a reopen replays them. The
-//! thread then stops checkpointing and heals the store instead (heal.rs),
-//! with back-off between attempts ([`HEAL_BACKOFF_MIN`] doubling to
-//! [`HEAL_BACKOFF_MAX`]), sleeping on the condition variable in between: a
-//! failure that persists costs one attempt per back-off, never a spinning
-//! core, and a drop wakes it at once and ends it.
-//!
-//! The thread also freezes the active memtable when it is older than the
-//! checkpoint interval (so an idle store does not keep its records in the
-//! log indefinitely), and under [`Durability::Periodic`] syncs the log
-//! within the loss window.
+//! It also freezes an active memtable older than the checkpoint interval,
+//! and under [`Durability::Periodic`] syncs the log within the loss window.
 
 use super::health::{HEAL_BACKOFF_MAX, HEAL_BACKOFF_MIN, On};
 use super::memtable::Frozen;
@@ -109,14 +98,10 @@ pub(super) fn run(shared: Arc<Shared>) {
             wait = wait.min(left.max(Duration::from_millis(1)));
         }
         if std::mem::take(&mut busy) {
-            // Another thread holds the commit lock. Trying again at once
-            // would spin for as long as it does (a whole inbox handler's
-            // transaction; found by the model checker, shuttle_tests.rs).
-            // The holder does the work itself: a leader freezes a due
-            // memtable (which wakes this thread); a direct transaction
-            // takes the memtable in, durably. The wait is a backstop. It
-            // starts here, under the lock, after the checks above: a freeze
-            // or a shutdown since the tick is not missed.
+            // Another thread holds the commit lock: trying again at once
+            // would spin for as long as it does. Its holder freezes a due
+            // memtable itself (which wakes this thread); the wait, started
+            // under the lock after the checks above, is a backstop.
             work = false;
             wait = busy_backoff(&shared);
         }
@@ -165,22 +150,10 @@ pub(super) enum Tick {
 }
 
 /// The timed work: an old memtable is frozen; under relaxed durability the
-/// log is synced.
-///
-/// The commit lock is only tried: a leader holding it may be waiting for
-/// this thread to finish a checkpoint, and a busy store's leaders freeze
-/// old memtables themselves.
-///
-/// A leader may freeze the memtable between this thread's check and its
-/// taking the lock. That frozen table is this thread's to write, and
-/// `freeze` first waits for the frozen table to be written: it would wait
-/// for itself, holding the commit lock, and every writer would wait behind
-/// it. So, under the lock, a frozen table already waiting means there is
-/// nothing to freeze (only the holder of the commit lock freezes, so the
-/// check cannot go stale).
-///
-/// [`Tick::Busy`] when the lock was held, so that the caller waits rather
-/// than tries again at once.
+/// log is synced. The commit lock is only tried ([`Tick::Busy`] if held):
+/// its holder may be waiting for this thread's checkpoint. Under the lock,
+/// a frozen table already waiting means nothing is to be frozen: `freeze`
+/// would wait for that table, which only this thread writes.
 pub(super) fn tick(shared: &Shared, last_sync: &mut Instant) -> Result<Tick> {
     let mut done = Tick::Done;
     if shared.memory.checkpoint_due() {

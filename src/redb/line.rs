@@ -1,6 +1,6 @@
 //! The commit line's data: a write as queued ([`Op`]) and its answer
 //! ([`Reply`]), the [`Slot`] where its caller waits (a blocked thread, a
-//! future, or nobody), the [`Queue`] of them, and the line's sizes. Data
+//! future, or nobody), the [`InLine`] of them, and the line's sizes. Data
 //! only: who leads and who is answered is the leader's
 //! (`commit/leader.rs`), and the committer thread's (native.rs).
 
@@ -16,7 +16,7 @@ use std::time::Duration;
 
 /// The line of callers waiting to commit, and its wake-ups.
 pub(super) struct Line {
-    callers: Mutex<Queue>,
+    callers: Mutex<InLine>,
     /// Signalled when a leader takes a group out of a full line.
     pub(super) room: Condvar,
     /// Wakes the committer thread (native.rs) when it is given the leader
@@ -29,21 +29,21 @@ pub(super) struct Line {
 impl Default for Line {
     fn default() -> Line {
         Line {
-            callers: Mutex::new(Queue::default()),
+            callers: Mutex::new(InLine::default()),
             room: Condvar::new(),
             committer: Condvar::new(),
-            max_group: MAX_WRITE_BATCH,
+            max_group: MAX_GROUP_OPS,
         }
     }
 }
 
 impl Line {
-    pub(super) fn lock(&self) -> MutexGuard<'_, Queue> {
+    pub(super) fn lock(&self) -> MutexGuard<'_, InLine> {
         self.callers.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
-/// A write, as queued. Keys are already encoded.
+/// A write in line. Keys are already encoded.
 #[derive(Debug)]
 pub(super) enum Op {
     Begin {
@@ -94,7 +94,7 @@ pub(super) enum Reply {
 /// waits for room (back-pressure); nothing is ever dropped.
 pub(crate) const WRITE_QUEUE_DEPTH: usize = 4_096;
 /// Most requests a leader commits in one group (one log frame).
-pub(crate) const MAX_WRITE_BATCH: usize = 1_024;
+pub(crate) const MAX_GROUP_OPS: usize = 1_024;
 
 /// Who waits on a [`Slot`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -234,7 +234,7 @@ impl Slot {
 
 /// The line of callers.
 #[derive(Debug, Default)]
-pub(in crate::redb) struct Queue {
+pub(in crate::redb) struct InLine {
     pub(in crate::redb) waiting: VecDeque<(Op, Arc<Slot>)>,
     /// Someone holds the leader role. When false the line is empty, so a
     /// caller that finds no leader is at the front of the line.

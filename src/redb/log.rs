@@ -3,7 +3,7 @@
 //! durability needs to sync it later.
 
 use super::Durability;
-use super::record_log::Wal;
+use super::record_log::LogWriter;
 use crate::sync::atomic::AtomicBool;
 use crate::sync::{Arc, Mutex, MutexGuard, TryLockError};
 use ::redb::StorageBackend;
@@ -23,16 +23,19 @@ pub(super) struct Log {
 /// What only the holder of the commit lock touches.
 #[derive(Debug)]
 pub(super) struct Core {
-    pub(super) wal: Wal,
+    pub(super) writer: LogWriter,
     /// The largest fencing token handed out.
     pub(super) token_hwm: u64,
 }
 
 impl Log {
-    pub(super) fn new(wal: Wal, token_hwm: u64, durability: Durability) -> Log {
+    pub(super) fn new(wal: LogWriter, token_hwm: u64, durability: Durability) -> Log {
         Log {
             file: wal.file(),
-            core: Mutex::new(Core { wal, token_hwm }),
+            core: Mutex::new(Core {
+                writer: wal,
+                token_hwm,
+            }),
             unsynced: AtomicBool::new(false),
             durability,
         }

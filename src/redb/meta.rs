@@ -11,8 +11,8 @@ use super::damage::Damage;
 use super::errors::engine_error;
 use super::file::not_ours;
 use super::tables::{
-    EXPIRY, META, META_FORMAT_VERSION, META_STORE_ID, META_TOKEN_HWM, META_WAL_BOOT,
-    META_WAL_BYTES, META_WAL_EPOCH, META_WAL_STATE, RECORDS, WAL_OPEN, commit,
+    EXPIRY, LOG_OPEN, META, META_FORMAT_VERSION, META_LOG_BOOT, META_LOG_BYTES, META_LOG_EPOCH,
+    META_LOG_STATE, META_STORE_ID, META_TOKEN_HWM, RECORDS, commit,
 };
 use crate::error::{Error, Result};
 use ::redb::{Database, ReadableDatabase, TableError, TableHandle};
@@ -146,7 +146,7 @@ fn new_store_id(config: &Config) -> [u8; 16] {
     id
 }
 
-/// [`META_WAL_STATE`] and [`META_WAL_BYTES`] as stored.
+/// [`META_LOG_STATE`] and [`META_LOG_BYTES`] as stored.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct WalState {
     /// The log may hold acknowledged frames (the last stop was not clean).
@@ -159,26 +159,26 @@ pub(super) struct WalState {
 pub(super) fn read_wal_state(db: &Database) -> Result<Option<WalState>> {
     let txn = db.begin_read().map_err(engine_error)?;
     let meta = txn.open_table(META).map_err(table_error)?;
-    let Some(state) = meta.get(META_WAL_STATE).map_err(engine_error)? else {
+    let Some(state) = meta.get(META_LOG_STATE).map_err(engine_error)? else {
         return Ok(None);
     };
-    let [state] = fixed::<1>(META_WAL_STATE, state.value())?;
-    let bytes = match meta.get(META_WAL_BYTES).map_err(engine_error)? {
-        Some(v) => Some(u64::from_be_bytes(fixed(META_WAL_BYTES, v.value())?)),
+    let [state] = fixed::<1>(META_LOG_STATE, state.value())?;
+    let bytes = match meta.get(META_LOG_BYTES).map_err(engine_error)? {
+        Some(v) => Some(u64::from_be_bytes(fixed(META_LOG_BYTES, v.value())?)),
         None => None,
     };
     Ok(Some(WalState {
-        open: state == WAL_OPEN,
+        open: state == LOG_OPEN,
         bytes,
     }))
 }
 
-/// The boot id the log's last open recorded ([`META_WAL_BOOT`]).
+/// The boot id the log's last open recorded ([`META_LOG_BOOT`]).
 pub(super) fn read_wal_boot(db: &Database) -> Result<Option<String>> {
     let txn = db.begin_read().map_err(engine_error)?;
     let meta = txn.open_table(META).map_err(table_error)?;
     Ok(meta
-        .get(META_WAL_BOOT)
+        .get(META_LOG_BOOT)
         .map_err(engine_error)?
         .map(|v| String::from_utf8_lossy(v.value()).into_owned()))
 }
@@ -186,8 +186,8 @@ pub(super) fn read_wal_boot(db: &Database) -> Result<Option<String>> {
 pub(super) fn read_wal_epoch(db: &Database) -> Result<u64> {
     let txn = db.begin_read().map_err(engine_error)?;
     let meta = txn.open_table(META).map_err(table_error)?;
-    match meta.get(META_WAL_EPOCH).map_err(engine_error)? {
+    match meta.get(META_LOG_EPOCH).map_err(engine_error)? {
         None => Ok(0),
-        Some(v) => Ok(u64::from_be_bytes(fixed(META_WAL_EPOCH, v.value())?)),
+        Some(v) => Ok(u64::from_be_bytes(fixed(META_LOG_EPOCH, v.value())?)),
     }
 }

@@ -18,15 +18,20 @@
 //! (decide: memtable, then redb) → log frame + `fdatasync` → memtable;
 //! the checkpointer writes frozen memtables into redb durably.
 //!
-//! - `shared.rs`: the state callers and threads share, the read path, poisoning
-//! - `requests.rs`, `snapshot.rs`: the `Store` impl, the read fast path, the kept redb snapshot every read of redb goes through
-//! - `line.rs`, `commit/`, `native.rs`: the commit line, group commit, the async entry
-//! - `memtable.rs`, `record_log/`, `checkpoint.rs`: the write-ahead state and its checkpoint
-//! - `open.rs`, `recovery.rs`, `meta.rs`, `heal.rs`, `source.rs`: open, replay, heal
-//! - `health.rs`, `witness.rs`, `damage.rs`, `loss.rs`, `errors.rs`: failures, typed
-//! - `overlay.rs`, `file.rs`, `tables.rs`: in-memory pages, file helpers, the tables and `commit`, the one way into redb
+//! - `shared.rs` composes the parts, each owning its locks: `line.rs`
+//!   (callers waiting to commit), `log.rs` (the commit lock and the log),
+//!   `memtable.rs` (what is in memory), `db.rs` (the engine and its health)
+//! - `requests.rs`, `snapshot.rs`: the `Store` impl, its read fast path,
+//!   the kept snapshot
+//! - `commit/`, `native.rs`: group commit, the async entry
+//! - `record_log/`, `checkpoint.rs`: the log and the checkpoint
+//! - `open.rs`, `recovery.rs`, `meta.rs`, `heal.rs`, `source.rs`: open,
+//!   replay, heal
+//! - `health.rs`, `witness.rs`, `damage.rs`, `loss.rs`, `errors.rs`: failures
+//! - `overlay.rs`, `file.rs`, `tables.rs`: in-memory pages, file helpers,
+//!   the tables and `commit`, the one way into redb
 //! - `config.rs`, `builder.rs`, `stats.rs`: options and counters
-//! - `admin/`, `inbox/`: operator access (`admin/write.rs` its writes), the co-transactional inbox
+//! - `admin/`, `inbox/`: operator access, the co-transactional inbox
 
 pub mod admin;
 mod builder;

@@ -18,7 +18,7 @@
 //!   room answers [`Error::Closed`].
 
 use super::Shared;
-use super::line::{Op, Queue, Reply, Slot, WRITE_QUEUE_DEPTH, Waiter};
+use super::line::{InLine, Op, Reply, Slot, WRITE_QUEUE_DEPTH, Waiter};
 use crate::error::{Error, Result};
 use crate::record::Begin;
 use crate::sync::Arc;
@@ -129,7 +129,7 @@ impl Shared {
 impl Submitted {
     /// Moves the op into the line if there is room (`None`), or registers
     /// nothing and leaves it here; `Some(error)` when the line is closed.
-    fn try_join(&mut self, q: &mut Queue) -> Option<Error> {
+    fn try_join(&mut self, q: &mut InLine) -> Option<Error> {
         if q.closed {
             self.state = State::Finished;
             return Some(Error::Closed);

@@ -8,7 +8,7 @@ use super::file::{FILE_MODE, check_foreign, open_owner_only, sync_parent, try_lo
 use super::loss::LossReport;
 use super::meta::{MetaEntries, init_meta, read_meta};
 use super::overlay::Overlay;
-use super::record_log::{self, FileLog, Wal};
+use super::record_log::{self, FileLog, LogWriter};
 use super::recovery::{Found, boot_id, recover_log};
 use super::tables::commit;
 use super::witness::{IoWitness, Witnessed};
@@ -26,7 +26,7 @@ pub(super) struct Opened {
     pub(super) store_id: [u8; 16],
     pub(super) leases_expired: u64,
     /// The write-ahead log, recovered and empty.
-    pub(super) wal: Wal,
+    pub(super) wal: LogWriter,
     pub(super) frames_replayed: u64,
     /// What an open with `accept_loss` gave up (empty otherwise).
     pub(super) loss: LossReport,
@@ -80,7 +80,7 @@ fn refuse_over_log(
     if !log_holds_frames(path)? {
         return Ok(());
     }
-    let log = record_log::wal_path(path);
+    let log = record_log::log_path(path);
     if config.accept_loss {
         let aside = free_name(&log, "lost");
         std::fs::rename(&log, &aside)?;
@@ -102,7 +102,7 @@ fn refuse_over_log(
 fn store_lost_beside_log(path: &Path, what: &'static str) -> Error {
     Damage::StoreLostBesideLog {
         store: path.to_path_buf(),
-        log: record_log::wal_path(path),
+        log: record_log::log_path(path),
         what,
     }
     .into()
@@ -112,7 +112,7 @@ fn store_lost_beside_log(path: &Path, what: &'static str) -> Error {
 /// all zeros until its first frame). Reads only.
 fn log_holds_frames(path: &Path) -> Result<bool> {
     use std::io::Read;
-    let mut file = match std::fs::File::open(record_log::wal_path(path)) {
+    let mut file = match std::fs::File::open(record_log::log_path(path)) {
         Ok(file) => file,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
         Err(e) => return Err(e.into()),
@@ -172,7 +172,7 @@ fn open_file(path: &Path, config: &Config) -> Result<Opened> {
     let backend = ::redb::backends::FileBackend::new(file).map_err(|e| map_open(e, path))?;
     // Opened after the store file: its lock keeps other processes out of
     // both.
-    let wal_existed = record_log::wal_path(path).exists();
+    let wal_existed = record_log::log_path(path).exists();
     let log = Box::new(FileLog::open(path)?);
     // Every open syncs the directory, not only the creating one: a crash
     // before a creator's directory fsync would leave an entry no later open
@@ -182,7 +182,7 @@ fn open_file(path: &Path, config: &Config) -> Result<Opened> {
     if opened.is_err() && !wal_existed {
         // Refused (a log that must exist does not): the empty file this
         // open made is not left behind as if it were the log.
-        let _ = std::fs::remove_file(record_log::wal_path(path));
+        let _ = std::fs::remove_file(record_log::log_path(path));
     }
     let mut opened = opened?;
     opened.source = super::source::Origin::Path(path.to_path_buf());

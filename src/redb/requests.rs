@@ -64,7 +64,7 @@ enum Fast {
 /// What `begin` does next: answered on the fast path, or a request for the line.
 enum Next {
     Answered(Begin),
-    Queue(Op),
+    InLine(Op),
 }
 
 fn begun(reply: Reply) -> Result<Begin> {
@@ -104,7 +104,7 @@ impl RedbStore {
             Fast::Absent(at) => at,
             Fast::Write => None,
         };
-        Ok(Next::Queue(Op::Begin {
+        Ok(Next::InLine(Op::Begin {
             key: key_bytes,
             fingerprint: *fingerprint,
             now,
@@ -164,7 +164,7 @@ impl Store for RedbStore {
     ) -> Result<Begin> {
         match self.prepare_begin(key, fingerprint, now, lease, retention)? {
             Next::Answered(answer) => Ok(answer),
-            Next::Queue(op) => begun(self.shared.submit(op)?),
+            Next::InLine(op) => begun(self.shared.submit(op)?),
         }
     }
 
@@ -235,7 +235,7 @@ impl Store for RedbStore {
         Some(
             match self.prepare_begin(key, fingerprint, now, lease, retention) {
                 Ok(Next::Answered(answer)) => ready(Ok(answer)),
-                Ok(Next::Queue(op)) => self.queue_async(Ok(op), begun),
+                Ok(Next::InLine(op)) => self.queue_async(Ok(op), begun),
                 Err(refused) => ready(Err(refused)),
             },
         )

@@ -20,7 +20,7 @@ use super::log::{Core, Log};
 use super::memtable::{self, Memory};
 use super::stats::Counters;
 use super::tables::{self, Source};
-use super::{open, tables::META_WAL_STATE};
+use super::{open, tables::META_LOG_STATE};
 use crate::error::{Error, Result};
 use crate::record::Record;
 use crate::sync::Arc;
@@ -107,19 +107,19 @@ impl Shared {
     }
 
     /// The last commit of a clean stop: memory goes into the file durably,
-    /// and the same commit marks the log closed ([`META_WAL_STATE`]), so
+    /// and the same commit marks the log closed ([`META_LOG_STATE`]), so
     /// the next open needs nothing from it. A read-only view writes nothing.
     pub(super) fn close(&self) -> Result<()> {
         self.check_writable()?;
         let mut core = self.log.lock();
         self.direct_locked(&mut core, true, |t, _| {
-            t.set_meta(META_WAL_STATE, &[tables::WAL_CLOSED])
+            t.set_meta(META_LOG_STATE, &[tables::LOG_CLOSED])
         })
     }
 
     /// [`flush`](Self::flush) with the commit lock held.
     pub(super) fn flush_locked(&self, core: &mut Core) -> Result<()> {
-        if !self.memory.read_mem().is_empty() || core.wal.is_dirty() {
+        if !self.memory.read_mem().is_empty() || core.writer.is_dirty() {
             self.direct_locked(core, true, |_, _| Ok::<_, Error>(()))?;
         }
         Ok(())

@@ -5,7 +5,7 @@
 //! durable (a log frame).
 
 use super::super::memtable::{self, Encoded, Entry, Mem};
-use super::super::record_log::Journal;
+use super::super::record_log::FrameBuf;
 use super::{Op, Reply};
 use crate::codec;
 use crate::error::{Error, Result};
@@ -23,7 +23,7 @@ pub(super) struct Decided {
     /// Each written key's final state (a deletion is `None`).
     pub(super) writes: BTreeMap<Vec<u8>, Entry>,
     /// The writes in the order they were made, for the log.
-    pub(super) journal: Journal,
+    pub(super) frame: FrameBuf,
     /// Records deleted by sweeps.
     pub(super) swept: usize,
 }
@@ -90,13 +90,13 @@ impl Group<'_> {
     /// the memtable and, at the checkpoint, redb all get these bytes.
     fn put(&mut self, key: &[u8], record: &Record) -> Result<()> {
         let encoded = Encoded::new(record)?;
-        self.out.journal.record_put(key, &encoded.value);
+        self.out.frame.record_put(key, &encoded.value);
         self.out.writes.insert(key.to_vec(), Some(encoded));
         Ok(())
     }
 
     fn delete(&mut self, key: &[u8]) {
-        self.out.journal.record_del(key);
+        self.out.frame.record_del(key);
         self.out.writes.insert(key.to_vec(), None);
     }
 

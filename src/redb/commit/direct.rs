@@ -56,7 +56,7 @@ impl Shared {
                 .map_err(own)?;
             let out = f(tables, &mut hwm)?;
             hwm = hwm.max(core.token_hwm);
-            let next = core.wal.epoch().wrapping_add(1);
+            let next = core.writer.epoch().wrapping_add(1);
             tables.retire(hwm, next).map_err(own)?;
             Ok::<_, E>(out)
         });
@@ -69,7 +69,7 @@ impl Shared {
             mem.active.clear();
             mem.active_bytes = 0;
         }
-        core.wal.rotate();
+        core.writer.rotate();
         self.memory.start_memtable_clock();
         self.stats.commits.fetch_add(1, Ordering::Relaxed);
         self.stats.durable_commits.fetch_add(1, Ordering::Relaxed);

@@ -5,7 +5,7 @@
 
 use super::super::Shared;
 use super::super::health::On;
-use super::super::line::{Op, Queue, Reply, Slot, WRITE_QUEUE_DEPTH, Waiter};
+use super::super::line::{InLine, Op, Reply, Slot, WRITE_QUEUE_DEPTH, Waiter};
 use crate::error::{Error, Result};
 use crate::record::Begin;
 use crate::sync::Arc;
@@ -62,7 +62,7 @@ impl Shared {
     /// Puts `op` at the back of the line. A thread that finds no leader
     /// takes the role itself (its caller leads); a task or a detached op
     /// hands it to the committer thread.
-    pub(in crate::redb) fn push(&self, q: &mut Queue, op: Op, slot: Arc<Slot>) {
+    pub(in crate::redb) fn push(&self, q: &mut InLine, op: Op, slot: Arc<Slot>) {
         let waiter = slot.waiter;
         q.waiting.push_back((op, slot));
         if waiter == Waiter::Thread {
@@ -74,7 +74,7 @@ impl Shared {
     }
 
     /// Gives the leader role to the committer thread.
-    fn wake_committer(&self, q: &mut Queue) {
+    fn wake_committer(&self, q: &mut InLine) {
         if !std::mem::replace(&mut q.committer, true) {
             self.line.committer.notify_one();
         }
@@ -154,7 +154,7 @@ impl Shared {
 
     /// The role goes to the first thread in line (it is blocked anyway),
     /// else to the committer while the line holds tasks, else to nobody.
-    fn pass_role(&self, q: &mut Queue) {
+    fn pass_role(&self, q: &mut InLine) {
         if q.waiting.is_empty() {
             q.leading = false;
             q.committer = false;

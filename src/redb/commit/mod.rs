@@ -1,4 +1,4 @@
-//! The commit path: leader/follower group commit (LevelDB's write queue).
+//! The commit path: leader/follower group commit (as LevelDB commits its writers).
 //! This file commits one group under the commit lock: decide, one log
 //! frame, `fdatasync`, publish into the memtable, freeze when due.
 //! `leader.rs`: who leads, who waits, who is woken; `decide.rs`: the
@@ -91,13 +91,13 @@ impl Shared {
         if decided.writes.is_empty() {
             return Ok(decided.answers);
         }
-        let mut journal = decided.journal;
+        let mut frame = decided.frame;
         if hwm != core.token_hwm {
-            journal.meta_put(META_TOKEN_HWM, &hwm.to_be_bytes());
+            frame.meta_put(META_TOKEN_HWM, &hwm.to_be_bytes());
         }
         let sync = self.log.durability == Durability::Immediate;
-        let n = journal.len();
-        if !core.wal.fits_at_all(n) {
+        let n = frame.len();
+        if !core.writer.fits_at_all(n) {
             // Larger than a whole segment: straight into redb, durably,
             // with everything in memory before it.
             let writes = decided.writes;
@@ -108,12 +108,12 @@ impl Shared {
             })?;
             return Ok(decided.answers);
         }
-        if !core.wal.fits(n) {
+        if !core.writer.fits(n) {
             self.freeze(core)?;
         }
-        let wal = &mut core.wal;
+        let wal = &mut core.writer;
         let appending = Instant::now();
-        if let Err(e) = wal.append(&mut journal, sync) {
+        if let Err(e) = wal.append(&mut frame, sync) {
             // The frame may or may not be on disk. Its tokens are never
             // handed out again (a heal replays what reached the log).
             core.token_hwm = hwm;
@@ -163,12 +163,12 @@ impl Shared {
         self.wait_checkpointed()?;
         {
             let mut mem = self.memory.write_mem();
-            if mem.active.is_empty() && !core.wal.is_dirty() {
+            if mem.active.is_empty() && !core.writer.is_dirty() {
                 return Ok(());
             }
-            mem.freeze(core.wal.epoch(), core.token_hwm);
+            mem.freeze(core.writer.epoch(), core.token_hwm);
         }
-        core.wal.rotate();
+        core.writer.rotate();
         self.memory.start_memtable_clock();
         self.memory.wake_background();
         Ok(())
@@ -340,10 +340,10 @@ pub(in crate::redb) mod tests {
     fn a_freeze_with_nothing_logged_does_nothing() {
         let shared = shared();
         let mut core = shared.log.lock();
-        let epoch = core.wal.epoch();
+        let epoch = core.writer.epoch();
         shared.freeze(&mut core).unwrap();
         assert!(shared.memory.read_mem().frozen.is_none());
-        assert_eq!(core.wal.epoch(), epoch);
+        assert_eq!(core.writer.epoch(), epoch);
     }
 
     /// The checkpointer's timed freeze, when a leader froze the memtable
