@@ -37,12 +37,12 @@ pub(super) struct Submitted {
 enum State {
     /// The line was full: the op waits here for room.
     Room(Op),
-    Queued(Arc<Slot>),
+    Waiting(Arc<Slot>),
     Finished,
 }
 
 impl Shared {
-    /// Queues `op` without blocking and returns the future of its answer.
+    /// Puts `op` in line without blocking and returns the future of its answer.
     /// Refused at once ([`Error::ReadOnly`], [`Error::Poisoned`],
     /// [`Error::Closed`]) before anything joins the line.
     pub(super) fn submit_async(self: &Arc<Self>, op: Op) -> Result<Submitted> {
@@ -140,7 +140,7 @@ impl Submitted {
         if let State::Room(op) = std::mem::replace(&mut self.state, State::Finished) {
             let slot = Arc::new(Slot::new(Waiter::Task));
             self.shared.push(q, op, Arc::clone(&slot));
-            self.state = State::Queued(slot);
+            self.state = State::Waiting(slot);
         }
         None
     }
@@ -163,7 +163,7 @@ impl Future for Submitted {
             }
         }
         match &this.state {
-            State::Queued(slot) => match slot.poll(cx) {
+            State::Waiting(slot) => match slot.poll(cx) {
                 Poll::Ready(answer) => {
                     this.state = State::Finished;
                     Poll::Ready(answer)
@@ -179,7 +179,7 @@ impl Future for Submitted {
 
 impl Drop for Submitted {
     fn drop(&mut self) {
-        if let State::Queued(slot) = std::mem::replace(&mut self.state, State::Finished) {
+        if let State::Waiting(slot) = std::mem::replace(&mut self.state, State::Finished) {
             self.shared.abandon(&slot, self.begin_key.take());
         }
     }
@@ -234,7 +234,7 @@ mod tests {
         let _ = shared.lead_once(None);
         assert!(shared.line.lock().room.is_empty(), "woken");
         assert!(poll(&mut late).is_pending());
-        assert!(matches!(late.state, State::Queued(_)));
+        assert!(matches!(late.state, State::Waiting(_)));
         lead_all(&shared);
         assert!(matches!(
             poll(&mut late),
@@ -266,7 +266,7 @@ mod tests {
         assert!(matches!(shared.read(b"\x002"), Ok(None)));
         // Dropped while its group commits: the leader releases it.
         let taken = shared.submit_async(begin(3)).unwrap();
-        let State::Queued(slot) = &taken.state else {
+        let State::Waiting(slot) = &taken.state else {
             panic!("queued")
         };
         assert!(slot.abandon().is_none());

@@ -19,11 +19,11 @@ use crate::time::{Clock, Timestamp};
 use std::time::Duration;
 
 impl RedbStore {
-    /// The read fast path. Answers `begin` without joining the line when
-    /// the answer writes nothing (Replay, InFlight, Conflict): the same
-    /// state machine decides, on the latest state (memtable, then redb),
-    /// and only a claim goes through a group. What the memtable or redb
-    /// shows is durable, so the answer is the one a leader would give.
+    /// The read fast path: answers a `begin` whose answer writes nothing
+    /// (Replay, InFlight, Conflict) without joining the line, through the
+    /// same state machine on the latest durable state (memtable, then
+    /// redb). Anything that writes (a claim, a takeover) is decided once,
+    /// by the leader that applies it (commit/decide.rs), never here.
     fn fast_begin(
         &self,
         key_bytes: &[u8],

@@ -1,8 +1,9 @@
-//! The group's decisions ([`decide`]): every op of a group in order through
-//! the one state machine (`logic`), against the group's own earlier writes,
-//! then the memtable, then redb. Pure of I/O but for reads: it writes
-//! nothing anywhere, and its caller (`commit/mod.rs`) makes the writes
-//! durable (a log frame).
+//! The group's decisions ([`decide`]): each op through the state machine
+//! (`logic`) once, where it is applied, against the group's own earlier
+//! writes, then the memtable, then redb. Each record written is encoded
+//! here once; the log frame, the memtable and the checkpoint carry those
+//! bytes. It writes nothing: its caller (`commit/mod.rs`) makes the frame
+//! durable.
 
 use super::super::memtable::{self, Encoded, Entry, Mem};
 use super::super::record_log::FrameBuf;

@@ -26,7 +26,7 @@ impl Shared {
         self.db.check_healthy()
     }
 
-    /// Queues `op` and returns its answer, leading groups while this caller
+    /// Puts `op` in line and returns its answer, leading groups while this caller
     /// is at the front of the line. A full line (`WRITE_QUEUE_DEPTH`) waits
     /// for room.
     pub(in crate::redb) fn submit(&self, op: Op) -> Result<Reply> {
