@@ -270,11 +270,9 @@ mod tests {
         assert_eq!(before, after);
     }
 
-    /// The checkpointer spun while another thread held the commit lock
-    /// with a memtable due: `tick` found the lock busy and the loop tried
-    /// again at once, for as long as the lock was held (found by the
-    /// model checker's PCT scheduler, shuttle_tests.rs). `tick` now says
-    /// so, and the loop waits.
+    /// A tick that finds the commit lock held with a memtable due says so,
+    /// so that the loop waits instead of spinning for as long as the lock
+    /// is held.
     #[test]
     fn a_tick_that_finds_the_commit_lock_held_says_so() {
         let shared = super::super::commit::tests::shared_with(
@@ -296,7 +294,7 @@ mod tests {
     /// After a tick found the commit lock held, the thread waits the
     /// checkpoint interval, and under relaxed durability no longer than the
     /// loss window: a zero wait would poll the lock every millisecond for
-    /// as long as it is held (found by mutation testing).
+    /// as long as it is held.
     #[test]
     fn a_busy_tick_waits_the_interval_or_the_loss_window() {
         let shared = |builder: RedbStoreBuilder| {
@@ -319,7 +317,7 @@ mod tests {
 
     /// Each failed heal doubles the wait before the next, up to
     /// [`HEAL_BACKOFF_MAX`]: a wait that shrank instead would retry a
-    /// persistent failure in a busy loop (found by mutation testing).
+    /// persistent failure in a busy loop.
     #[test]
     fn the_heal_backoff_doubles_up_to_its_maximum() {
         assert_eq!(next_backoff(HEAL_BACKOFF_MIN), HEAL_BACKOFF_MIN * 2);
@@ -330,7 +328,7 @@ mod tests {
     /// Under relaxed durability this thread syncs the log within the loss
     /// window even when no checkpoint is due: a loop that did not count the
     /// window as work left an idle store's writes unsynced until the next
-    /// checkpoint (found by mutation testing).
+    /// checkpoint.
     #[test]
     fn an_idle_relaxed_store_syncs_its_log_within_the_window() {
         let dir = tempfile::tempdir().unwrap();
@@ -352,9 +350,7 @@ mod tests {
     }
 
     /// Damage does not heal: the thread stops rather than reopening the
-    /// store, which would let writes resume over a corrupt file (found by
-    /// mutation testing: a loop that went on healing unless the store was
-    /// also being dropped).
+    /// store, which would let writes resume over a corrupt file.
     #[test]
     fn a_damaged_store_stays_poisoned() {
         let dir = tempfile::tempdir().unwrap();

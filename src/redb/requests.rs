@@ -141,7 +141,7 @@ impl RedbStore {
 
     /// `op` through the line as a future mapped by `answer`; refusals
     /// before the line are a ready error.
-    fn queue_async<'a, T: Send + 'a>(
+    fn join_line_async<'a, T: Send + 'a>(
         &self,
         op: Result<Op>,
         answer: fn(Reply) -> Result<T>,
@@ -235,7 +235,7 @@ impl Store for RedbStore {
         Some(
             match self.prepare_begin(key, fingerprint, now, lease, retention) {
                 Ok(Next::Answered(answer)) => ready(Ok(answer)),
-                Ok(Next::InLine(op)) => self.queue_async(Ok(op), begun),
+                Ok(Next::InLine(op)) => self.join_line_async(Ok(op), begun),
                 Err(refused) => ready(Err(refused)),
             },
         )
@@ -251,11 +251,11 @@ impl Store for RedbStore {
         retention: Duration,
     ) -> Option<StoreFuture<'a, ()>> {
         let op = self.complete_op(key, claim, response, now, retention);
-        Some(self.queue_async(op, done))
+        Some(self.join_line_async(op, done))
     }
 
     /// Joins the commit line; completes when the release is durable.
     fn release_async<'a>(&'a self, key: &'a Key, claim: &'a Claim) -> Option<StoreFuture<'a, ()>> {
-        Some(self.queue_async(Ok(RedbStore::release_op(key, claim)), done))
+        Some(self.join_line_async(Ok(RedbStore::release_op(key, claim)), done))
     }
 }

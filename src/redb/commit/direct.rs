@@ -1,10 +1,6 @@
 //! A write transaction of its own, outside the line but under the commit
-//! lock ([`Shared::direct`]): the inbox's passes, the admin's evict and
-//! import, compaction, a clean close, a group too large for the log. It
-//! takes in the memtable first and retires the log's frames after, so what
-//! it writes is never undone by a replay. Also the wait for a running
-//! checkpoint ([`Shared::wait_checkpointed`]) that a freeze and a direct
-//! transaction make first.
+//! lock ([`Shared::direct`]), and the wait for a running checkpoint
+//! ([`Shared::wait_checkpointed`]) that it and a freeze make first.
 
 use super::super::health::On;
 use super::super::log::Core;
@@ -15,15 +11,13 @@ use crate::sync::atomic::Ordering;
 
 impl Shared {
     /// Runs `f` in a durable write transaction of its own (the inbox, the
-    /// admin evict and import, compaction, a group too large for the log),
-    /// outside the line but under the commit lock.
-    ///
-    /// The transaction first takes in every record the memtable holds (it
-    /// waits for a running checkpoint), so `f` reads the current state;
-    /// then it retires the log's frames (a new epoch), since replaying
-    /// older frames over `f`'s writes would undo them. `f` gets the token
-    /// high-water mark to hand out tokens from. An error from `f` aborts
-    /// everything; a failed commit poisons the store.
+    /// admin evict and import, compaction, a close, a group too large for
+    /// the log). It first takes in the memtable (after any running
+    /// checkpoint), so `f` reads the current state, then retires the log's
+    /// frames (a new epoch): replaying them over `f`'s writes would undo
+    /// them. `f` gets the token high-water mark to hand out tokens from.
+    /// An error from `f` aborts everything; a failed commit poisons the
+    /// store.
     pub(in crate::redb) fn direct<T, E: From<Error>>(
         &self,
         f: impl FnOnce(&mut WriteTables<'_>, &mut u64) -> Result<T, E>,

@@ -1,11 +1,8 @@
-//! The commit path: leader/follower group commit (as LevelDB commits its writers).
-//! This file commits one group under the commit lock: decide, one log
-//! frame, `fdatasync`, publish into the memtable, freeze when due.
-//! `leader.rs`: who leads, who waits, who is woken; `decide.rs`: the
-//! group's decisions through `logic`, over the group's own writes, the
-//! memtable and redb (a duplicate later in a group sees the claim made
-//! earlier in it); `direct.rs`: a write transaction of its own outside the
-//! line, and the wait for a running checkpoint.
+//! The commit path: leader/follower group commit. This file commits one
+//! group under the commit lock: decide (`decide.rs`), one log frame,
+//! `fdatasync`, publish into the memtable, freeze when due. `leader.rs`:
+//! who leads and who is answered; `direct.rs`: a write transaction outside
+//! the line.
 //!
 //! The first caller in line leads on its own thread (a lone caller pays no
 //! hand-off). Futures (native.rs) join the same line but never lead: a
@@ -348,8 +345,8 @@ pub(in crate::redb) mod tests {
 
     /// The checkpointer's timed freeze, when a leader froze the memtable
     /// just before: it must return (the frozen table is its own to write),
-    /// not wait for that table holding the commit lock. Before the fix
-    /// every writer stopped behind it (found by the HTTP load benchmark).
+    /// not wait for that table holding the commit lock, which would stop
+    /// every writer behind it.
     #[test]
     fn a_timed_freeze_never_waits_for_the_checkpoint_it_must_write() {
         let shared =
