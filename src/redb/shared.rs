@@ -7,10 +7,12 @@
 //!
 //! Lock order, the one place it is written: the line's lock is never held
 //! while taking another. Otherwise: the log (the commit lock), then the
-//! background lock, then the memtable, then the engine. A failure met
-//! while the memtable is read-locked wakes the background thread (taking
-//! its lock); every path that takes the memtable under the background lock
-//! holds the log, which excludes that.
+//! background lock, then the memtable, then the engine. One exception: a
+//! failure met while the memtable is read-locked wakes the background
+//! thread (taking its lock). That cannot deadlock: both sides only
+//! read-lock the memtable, and no writer of it waits in between (its
+//! writers never hold the background lock, and all but the checkpointer's
+//! own `retire` hold the log).
 
 use super::config::Config;
 use super::db::Db;
