@@ -205,14 +205,14 @@ impl RedbStoreBuilder {
         backend: impl ::redb::StorageBackend,
         log: impl ::redb::StorageBackend,
     ) -> Result<RedbStore> {
-        use super::source::{SharedBackend, Source};
+        use super::source::{Origin, SharedBackend};
         self.check()?;
         let name = Path::new(open::BACKEND);
         // Kept, shared with the engine, so that a heal can open it again.
         let store: Arc<dyn ::redb::StorageBackend> = Arc::new(backend);
         let shared = SharedBackend(Arc::clone(&store));
         let mut opened = open::open_backend(shared, Box::new(log), None, &self.config, name)?;
-        opened.source = Source::Backend(store);
+        opened.source = Origin::Backend(store);
         RedbStore::start(opened, self.config, None)
     }
 

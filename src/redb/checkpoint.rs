@@ -1,27 +1,16 @@
-//! The background thread: checkpoints, and the timers of relaxed durability.
+//! The background thread: checkpoints, heals, and relaxed durability's
+//! timers.
 //!
 //! A checkpoint writes a frozen memtable into redb in one durable commit
-//! (`fsync`, quick-repair on, so that an open after a crash does not walk
-//! the whole file to rebuild redb's allocator state), in key order and
-//! coalesced (a key claimed and completed since the last checkpoint is one
-//! put, and its expiry-index entry moves once). The same commit stores the
-//! next log epoch, which retires the frozen table's frames; only after it
-//! is durable is the frozen table dropped (readers then find the records in
-//! redb) and its log segment free for reuse. Commits go on meanwhile, into
-//! the other segment and a new active memtable.
+//! that also stores the next log epoch, retiring the frozen table's
+//! frames. Only after that commit is durable is the frozen table dropped
+//! and its log segment free for reuse. A failed checkpoint poisons the
+//! store; its frames are still in the log, so a heal (or a reopen)
+//! replays them. The thread then heals with back-off, sleeping on the
+//! condvar in between (never a spinning core; a drop wakes it).
 //!
-//! A failed checkpoint poisons the store: the frozen records are still in
-//! the log (its segment is never reused), so a reopen replays them. The
-//! thread then stops checkpointing and heals the store instead (heal.rs),
-//! with back-off between attempts ([`HEAL_BACKOFF_MIN`] doubling to
-//! [`HEAL_BACKOFF_MAX`]), sleeping on the condition variable in between: a
-//! failure that persists costs one attempt per back-off, never a spinning
-//! core, and a drop wakes it at once and ends it.
-//!
-//! The thread also freezes the active memtable when it is older than the
-//! checkpoint interval (so an idle store does not keep its records in the
-//! log indefinitely), and under [`Durability::Periodic`] syncs the log
-//! within the loss window.
+//! It also freezes an active memtable older than the checkpoint interval,
+//! and under [`Durability::Periodic`] syncs the log within the loss window.
 
 use super::health::{HEAL_BACKOFF_MAX, HEAL_BACKOFF_MIN, On};
 use super::memtable::Frozen;
@@ -39,15 +28,16 @@ pub(super) fn run(shared: Arc<Shared>) {
     let mut backoff = HEAL_BACKOFF_MIN;
     // The last tick found the commit lock held.
     let mut busy = false;
-    let mut bg = shared.lock_bg();
+    let mut bg = shared.memory.lock_bg();
     loop {
-        if shared.is_poisoned() {
+        if shared.db.is_poisoned() {
             // Wake anyone waiting for a checkpoint that will not come.
-            shared.bg_cv.notify_all();
-            if bg.shutdown || !shared.heals() {
+            shared.memory.bg_cv.notify_all();
+            if bg.shutdown || !shared.db.heals() {
                 break;
             }
             bg = shared
+                .memory
                 .bg_cv
                 .wait_timeout(bg, backoff)
                 .map(|(g, _)| g)
@@ -63,11 +53,11 @@ pub(super) fn run(shared: Arc<Shared>) {
                     next_backoff(backoff)
                 }
             };
-            bg = shared.lock_bg();
-            shared.bg_cv.notify_all();
+            bg = shared.memory.lock_bg();
+            shared.memory.bg_cv.notify_all();
             continue;
         }
-        let frozen = shared.read_mem().frozen.clone();
+        let frozen = shared.memory.read_mem().frozen.clone();
         if let Some(frozen) = frozen {
             drop(bg);
             let started = Instant::now();
@@ -84,43 +74,40 @@ pub(super) fn run(shared: Arc<Shared>) {
                     shared.fail("checkpoint", On::Store, e);
                 }
             }
-            bg = shared.lock_bg();
-            shared.bg_cv.notify_all();
+            bg = shared.memory.lock_bg();
+            shared.memory.bg_cv.notify_all();
             continue;
         }
         if bg.shutdown {
-            shared.bg_cv.notify_all();
+            shared.memory.bg_cv.notify_all();
             break;
         }
         let mut wait = Duration::from_secs(3600);
         let mut work = false;
-        if shared.read_mem().active.is_empty() {
+        if shared.memory.read_mem().active.is_empty() {
             // Woken by the first publish; the interval is a backstop.
-            wait = wait.min(shared.checkpoint_interval);
+            wait = wait.min(shared.memory.checkpoint_interval);
         } else {
-            let left = shared.checkpoint_left();
+            let left = shared.memory.checkpoint_left();
             work |= left.is_zero();
             wait = wait.min(left);
         }
-        if let Durability::Periodic { max_loss } = shared.durability {
+        if let Durability::Periodic { max_loss } = shared.log.durability {
             let left = max_loss.saturating_sub(last_sync.elapsed());
             work |= left.is_zero();
             wait = wait.min(left.max(Duration::from_millis(1)));
         }
         if std::mem::take(&mut busy) {
-            // Another thread holds the commit lock. Trying again at once
-            // would spin for as long as it does (a whole inbox handler's
-            // transaction; found by the model checker, shuttle_tests.rs).
-            // The holder does the work itself: a leader freezes a due
-            // memtable (which wakes this thread); a direct transaction
-            // takes the memtable in, durably. The wait is a backstop. It
-            // starts here, under the lock, after the checks above: a freeze
-            // or a shutdown since the tick is not missed.
+            // Another thread holds the commit lock: trying again at once
+            // would spin for as long as it does. Its holder freezes a due
+            // memtable itself (which wakes this thread); the wait, started
+            // under the lock after the checks above, is a backstop.
             work = false;
             wait = busy_backoff(&shared);
         }
         if !work {
             bg = shared
+                .memory
                 .bg_cv
                 .wait_timeout(bg, wait.max(Duration::from_millis(1)))
                 .map(|(g, _)| g)
@@ -132,7 +119,7 @@ pub(super) fn run(shared: Arc<Shared>) {
         // it happened; the loop then heals.
         let result = tick(&shared, &mut last_sync);
         busy = matches!(result, Ok(Tick::Busy));
-        bg = shared.lock_bg();
+        bg = shared.memory.lock_bg();
     }
 }
 
@@ -146,9 +133,9 @@ fn next_backoff(backoff: Duration) -> Duration {
 /// the checkpoint interval, and under relaxed durability no longer than
 /// the loss window (the log's sync does not wait for the lock).
 fn busy_backoff(shared: &Shared) -> Duration {
-    let backoff = match shared.durability {
-        Durability::Periodic { max_loss } => shared.checkpoint_interval.min(max_loss),
-        Durability::Immediate => shared.checkpoint_interval,
+    let backoff = match shared.log.durability {
+        Durability::Periodic { max_loss } => shared.memory.checkpoint_interval.min(max_loss),
+        Durability::Immediate => shared.memory.checkpoint_interval,
     };
     backoff.max(Duration::from_millis(1))
 }
@@ -163,40 +150,28 @@ pub(super) enum Tick {
 }
 
 /// The timed work: an old memtable is frozen; under relaxed durability the
-/// log is synced.
-///
-/// The commit lock is only tried: a leader holding it may be waiting for
-/// this thread to finish a checkpoint, and a busy store's leaders freeze
-/// old memtables themselves.
-///
-/// A leader may freeze the memtable between this thread's check and its
-/// taking the lock. That frozen table is this thread's to write, and
-/// `freeze` first waits for the frozen table to be written: it would wait
-/// for itself, holding the commit lock, and every writer would wait behind
-/// it. So, under the lock, a frozen table already waiting means there is
-/// nothing to freeze (only the holder of the commit lock freezes, so the
-/// check cannot go stale).
-///
-/// [`Tick::Busy`] when the lock was held, so that the caller waits rather
-/// than tries again at once.
+/// log is synced. The commit lock is only tried ([`Tick::Busy`] if held):
+/// its holder may be waiting for this thread's checkpoint. Under the lock,
+/// a frozen table already waiting means nothing is to be frozen: `freeze`
+/// would wait for that table, which only this thread writes.
 pub(super) fn tick(shared: &Shared, last_sync: &mut Instant) -> Result<Tick> {
     let mut done = Tick::Done;
-    if shared.checkpoint_due() {
-        match shared.try_lock_core() {
+    if shared.memory.checkpoint_due() {
+        match shared.log.try_lock() {
             Some(mut core) => {
-                if shared.read_mem().frozen.is_none() {
+                if shared.memory.read_mem().frozen.is_none() {
                     shared.freeze(&mut core)?;
                 }
             }
             None => done = Tick::Busy,
         }
     }
-    if let Durability::Periodic { max_loss } = shared.durability
+    if let Durability::Periodic { max_loss } = shared.log.durability
         && last_sync.elapsed() >= max_loss
     {
         *last_sync = Instant::now();
-        if shared.log_unsynced.swap(false, Ordering::SeqCst)
-            && let Err(e) = shared.log_file.sync_data()
+        if shared.log.unsynced.swap(false, Ordering::SeqCst)
+            && let Err(e) = shared.log.file.sync_data()
         {
             return Err(shared.fail("log sync", On::Log, Error::Io(e)));
         }
@@ -207,7 +182,7 @@ pub(super) fn tick(shared: &Shared, last_sync: &mut Instant) -> Result<Tick> {
 /// After its checkpoint: drops `frozen`, unless a heal took it away
 /// meanwhile (and a later freeze may have put another in its place).
 fn retire(shared: &Shared, frozen: &std::sync::Arc<Frozen>) {
-    let mut mem = shared.write_mem();
+    let mut mem = shared.memory.write_mem();
     if mem
         .frozen
         .as_ref()
@@ -220,7 +195,7 @@ fn retire(shared: &Shared, frozen: &std::sync::Arc<Frozen>) {
 /// Writes `frozen` into redb in one durable commit that also retires its
 /// log epoch.
 fn checkpoint(shared: &Shared, frozen: &Frozen) -> Result<()> {
-    let db = shared.write_ready_db()?;
+    let db = shared.db.write_ready_db()?;
     // The frozen table's mark is the store's: every durable commit before
     // this one (an earlier checkpoint, a direct transaction, the open)
     // stored a mark from before this table was frozen.
@@ -229,7 +204,7 @@ fn checkpoint(shared: &Shared, frozen: &Frozen) -> Result<()> {
         tables.retire(frozen.token_hwm, frozen.epoch.wrapping_add(1))
     })??;
     // Before `retire` lets go of the frozen table (snapshot.rs).
-    shared.snapshot.committed();
+    shared.db.snapshot.committed();
     Ok(())
 }
 
@@ -253,11 +228,51 @@ mod tests {
         }
     }
 
-    /// The checkpointer spun while another thread held the commit lock
-    /// with a memtable due: `tick` found the lock busy and the loop tried
-    /// again at once, for as long as the lock was held (found by the
-    /// model checker's PCT scheduler, shuttle_tests.rs). `tick` now says
-    /// so, and the loop waits.
+    /// A key reads the same from the memtable (the log's encoded bytes,
+    /// decoded) as from redb once a checkpoint wrote those bytes there.
+    #[test]
+    fn a_key_reads_the_same_before_and_after_its_checkpoint() {
+        use crate::redb::line::Reply;
+        let shared = super::super::commit::tests::shared();
+        let Ok(Reply::Begin(crate::Begin::Claimed(claim))) = shared.submit(begin_a()) else {
+            panic!("claimed");
+        };
+        let now = crate::time::Timestamp::from_millis(2_000);
+        let response = crate::response::Response::new(201, "body");
+        let complete = Op::Complete {
+            key: b"\0a".to_vec(),
+            claim,
+            response,
+            now,
+            retention: Duration::from_secs(10),
+        };
+        shared.submit(complete).unwrap();
+        let mut begin_b = begin_a();
+        if let Op::Begin { key, .. } = &mut begin_b {
+            *key = b"\0b".to_vec();
+        }
+        shared.submit(begin_b).unwrap();
+        let before = (shared.read(b"\0a").unwrap(), shared.read(b"\0b").unwrap());
+        assert!(
+            shared.memory.read_mem().get(b"\0a").is_some(),
+            "read from memory"
+        );
+        let frozen = {
+            let mut core = shared.log.lock();
+            shared.freeze(&mut core).unwrap();
+            shared.memory.read_mem().frozen.clone().unwrap()
+        };
+        checkpoint(&shared, &frozen).unwrap();
+        retire(&shared, &frozen);
+        assert!(shared.memory.read_mem().is_empty(), "read from redb");
+        let after = (shared.read(b"\0a").unwrap(), shared.read(b"\0b").unwrap());
+        assert!(before.0.as_ref().is_some_and(|r| r.response.is_some()));
+        assert_eq!(before, after);
+    }
+
+    /// A tick that finds the commit lock held with a memtable due says so,
+    /// so that the loop waits instead of spinning for as long as the lock
+    /// is held.
     #[test]
     fn a_tick_that_finds_the_commit_lock_held_says_so() {
         let shared = super::super::commit::tests::shared_with(
@@ -265,21 +280,21 @@ mod tests {
         );
         let _ = shared.submit(begin_a()).unwrap();
         std::thread::sleep(Duration::from_millis(20));
-        assert!(shared.checkpoint_due());
-        let held = shared.lock_core();
+        assert!(shared.memory.checkpoint_due());
+        let held = shared.log.lock();
         let ticked = tick(&shared, &mut Instant::now());
         assert!(matches!(ticked, Ok(Tick::Busy)), "{ticked:?}");
         drop(held);
         // With the lock free the due memtable is frozen.
         let ticked = tick(&shared, &mut Instant::now());
         assert!(matches!(ticked, Ok(Tick::Done)), "{ticked:?}");
-        assert!(shared.read_mem().frozen.is_some());
+        assert!(shared.memory.read_mem().frozen.is_some());
     }
 
     /// After a tick found the commit lock held, the thread waits the
     /// checkpoint interval, and under relaxed durability no longer than the
     /// loss window: a zero wait would poll the lock every millisecond for
-    /// as long as it is held (found by mutation testing).
+    /// as long as it is held.
     #[test]
     fn a_busy_tick_waits_the_interval_or_the_loss_window() {
         let shared = |builder: RedbStoreBuilder| {
@@ -302,7 +317,7 @@ mod tests {
 
     /// Each failed heal doubles the wait before the next, up to
     /// [`HEAL_BACKOFF_MAX`]: a wait that shrank instead would retry a
-    /// persistent failure in a busy loop (found by mutation testing).
+    /// persistent failure in a busy loop.
     #[test]
     fn the_heal_backoff_doubles_up_to_its_maximum() {
         assert_eq!(next_backoff(HEAL_BACKOFF_MIN), HEAL_BACKOFF_MIN * 2);
@@ -313,7 +328,7 @@ mod tests {
     /// Under relaxed durability this thread syncs the log within the loss
     /// window even when no checkpoint is due: a loop that did not count the
     /// window as work left an idle store's writes unsynced until the next
-    /// checkpoint (found by mutation testing).
+    /// checkpoint.
     #[test]
     fn an_idle_relaxed_store_syncs_its_log_within_the_window() {
         let dir = tempfile::tempdir().unwrap();
@@ -326,18 +341,16 @@ mod tests {
         let shared = &store.shared;
         let _ = shared.submit(begin_a()).unwrap();
         let deadline = std::time::Instant::now() + Duration::from_secs(5);
-        while shared.log_unsynced.load(Ordering::SeqCst) && std::time::Instant::now() < deadline {
+        while shared.log.unsynced.load(Ordering::SeqCst) && std::time::Instant::now() < deadline {
             std::thread::sleep(max_loss);
         }
-        assert!(!shared.log_unsynced.load(Ordering::SeqCst));
+        assert!(!shared.log.unsynced.load(Ordering::SeqCst));
         // Nothing was due: the record is still in the active memtable.
-        assert!(!shared.read_mem().active.is_empty());
+        assert!(!shared.memory.read_mem().active.is_empty());
     }
 
     /// Damage does not heal: the thread stops rather than reopening the
-    /// store, which would let writes resume over a corrupt file (found by
-    /// mutation testing: a loop that went on healing unless the store was
-    /// also being dropped).
+    /// store, which would let writes resume over a corrupt file.
     #[test]
     fn a_damaged_store_stays_poisoned() {
         let dir = tempfile::tempdir().unwrap();
@@ -346,11 +359,11 @@ mod tests {
             .unwrap();
         let shared = &store.shared;
         let _ = shared.fail("test", On::Store, Error::corrupt(None, "test damage"));
-        assert!(!shared.heals());
+        assert!(!shared.db.heals());
         std::thread::sleep(HEAL_BACKOFF_MIN * 10);
-        assert!(shared.is_poisoned());
+        assert!(shared.db.is_poisoned());
         assert!(matches!(
-            shared.check_healthy(),
+            shared.db.check_healthy(),
             Err(Error::Poisoned { .. })
         ));
     }

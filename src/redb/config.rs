@@ -28,10 +28,10 @@ pub const DEFAULT_CACHE_BYTES: usize = 64 * 1024 * 1024;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Durability {
-    /// Every write batch is durable before any caller in it is answered: an
+    /// Every group is durable before any caller in it is answered: an
     /// acknowledged claim or completion survives a process crash and a power
     /// loss. Concurrent callers share one fsync (group commit), of a small
-    /// append to the write-ahead log `<file>-wal`.
+    /// append to the log `<file>-wal`.
     #[default]
     Immediate,
     /// Batches are appended to the log without an fsync, and the log is
@@ -39,7 +39,7 @@ pub enum Durability {
     /// store is idle; a clean shutdown writes everything into the store
     /// file durably). A process crash **or** a power loss loses the
     /// acknowledged writes of at most the last `max_loss` (plus the
-    /// duration of one batch). A lost claim lets a retry claim the
+    /// duration of one group). A lost claim lets a retry claim the
     /// key again and run the side effect twice, so choose this only where
     /// the downstream system deduplicates by the fencing token anyway.
     Periodic {

@@ -1,32 +1,23 @@
 //! Healing: after a failed write, the store writes again once the cause
 //! is gone, without a restart and without losing anything.
 //!
-//! A failed write may or may not be on disk, and redb refuses every use of
-//! a database after an I/O error of its own (`PreviousIo`) until it is
-//! opened again. So a heal does what an open does, inside the running
-//! store, under the commit lock and the database's write lock (no group
-//! commits, no transaction is live, reads wait):
+//! A failed write may or may not be on disk, and redb refuses a database
+//! after its own I/O error until it is reopened. So a heal does what an
+//! open does, under the commit lock and the engine's write lock:
 //!
-//! 1. the old engine is closed first (its file locks must go before the
-//!    files are opened again; an empty in-memory stand-in marked unusable
-//!    holds its place, so no read ever sees it), and reopened from the
-//!    same store file (`source.rs`);
-//! 2. the write-ahead log's live frames are replayed into it and committed
-//!    durably with a new epoch, as an open does (`recovery::recover_log`). What
-//!    the memtable holds is exactly those frames (it is published only
-//!    after its frame is durable), so the memtable is then emptied: its
-//!    records are in the store file. A frame whose write failed may be
-//!    replayed or not: its callers were told it failed, and either way the
-//!    result is what a crash at that moment followed by an open gives.
+//! 1. the old engine is closed (its file locks go; an unusable in-memory
+//!    stand-in holds its place) and reopened from its origin (source.rs);
+//! 2. the log's live frames are replayed into it and committed durably
+//!    with a new epoch (`recovery::recover_log`). The memtable holds
+//!    exactly those frames (published only once durable), so it is then
+//!    emptied. A frame whose write failed may be replayed or not: its
+//!    callers were told it failed, and either way the result is what a
+//!    crash then an open gives.
 //!
-//! If step 1 fails, the files are opened once more as a view that writes
-//! nothing (`overlay::open_view_of`; the open failed because it writes:
-//! redb repairs a file it did not close), and reads and replays go on from
-//! it and the memtable; only if the files cannot be read at all do reads
-//! fail with the cause until a later attempt succeeds. If step 2 fails (the disk is still
-//! full), redb refuses the engine again, so it is reopened once more for
-//! reads, and the memtable is kept: reads and replays go on, writes stay
-//! refused, and the background thread tries again after its back-off.
+//! If step 1 fails, the files are opened as a view that writes nothing
+//! (`overlay::open_view_of`) so reads go on; if step 2 fails, the engine is
+//! reopened for reads and the memtable kept. Writes stay refused and the
+//! background thread tries again after its back-off.
 
 use super::errors::engine_error;
 use super::health::Attempts;
@@ -56,12 +47,12 @@ impl Shared {
         // The documented lock order: the commit lock, the memtable, the
         // database. Reads wait for the attempt (bounded: one reopen and
         // one replay of the log).
-        let mut core = self.lock_core();
-        let mut mem = self.write_mem();
-        let mut engine = self.write_db();
+        let mut core = self.log.lock();
+        let mut mem = self.memory.write_mem();
+        let mut engine = self.db.write_db();
         let mut attempts = self.lock_attempts();
         if !self.worth_an_attempt(&mut attempts) {
-            return Err(self.poisoned_error());
+            return Err(self.db.poisoned_error());
         }
         if let Err(e) = self.reopen(&mut engine) {
             self.attempted(&mut attempts);
@@ -75,6 +66,7 @@ impl Shared {
             }
         };
         let name = self
+            .db
             .path
             .clone()
             .unwrap_or_else(|| "<storage backend>".into());
@@ -88,7 +80,7 @@ impl Shared {
             heal: true,
         };
         let mut loss = super::loss::LossReport::default();
-        let (file, config) = (core.wal.file(), &self.heal_config);
+        let (file, config) = (core.writer.file(), &self.db.heal_config);
         let wal = match super::recovery::recover_log(&engine.db, file, &found, config, &mut loss) {
             Ok((wal, _)) => wal,
             Err(e) => {
@@ -102,16 +94,16 @@ impl Shared {
             .reopened_meta(&engine.db)
             .map_or(meta.token_hwm, |m| m.token_hwm);
         core.token_hwm = core.token_hwm.max(hwm);
-        core.wal = wal;
+        core.writer = wal;
         // Every record the memtable held is in the store file now.
         mem.active.clear();
         mem.active_bytes = 0;
         mem.frozen = None;
-        self.log_unsynced.store(false, Ordering::SeqCst);
-        self.start_memtable_clock();
+        self.log.unsynced.store(false, Ordering::SeqCst);
+        self.memory.start_memtable_clock();
         drop(engine);
         drop(mem);
-        self.healthy_again();
+        self.db.healthy_again();
         Ok(())
     }
 
@@ -122,8 +114,8 @@ impl Shared {
     /// not tell (quotas, reserved blocks). True for every other cause, and
     /// where the free space cannot be read.
     fn worth_an_attempt(&self, state: &mut Attempts) -> bool {
-        let full = self.health_cause_kind() == Some(std::io::ErrorKind::StorageFull);
-        let (Some(path), true) = (&self.path, full) else {
+        let full = self.db.health_cause_kind() == Some(std::io::ErrorKind::StorageFull);
+        let (Some(path), true) = (&self.db.path, full) else {
             return true;
         };
         let Some(free) = free_bytes(path) else {
@@ -139,7 +131,7 @@ impl Shared {
     /// After a failed attempt: what the next one compares with.
     fn attempted(&self, state: &mut Attempts) {
         state.last = Some(Instant::now());
-        state.free_at_last = self.path.as_deref().and_then(free_bytes);
+        state.free_at_last = self.db.path.as_deref().and_then(free_bytes);
     }
 
     /// Closes the engine and opens it again from the files. When they
@@ -150,14 +142,14 @@ impl Shared {
         let old = std::mem::replace(&mut engine.db, stand_in()?);
         engine.usable = Usable::No;
         drop(old);
-        match super::open::reopen_engine(&self.source, &self.heal_config, &self.witness) {
+        match super::open::reopen_engine(&self.db.source, &self.db.heal_config, &self.db.witness) {
             Ok((db, _)) => {
                 engine.db = db;
                 engine.usable = Usable::Yes;
                 Ok(())
             }
             Err(e) => {
-                if let Ok(view) = super::overlay::open_view_of(&self.source) {
+                if let Ok(view) = super::overlay::open_view_of(&self.db.source) {
                     engine.db = view;
                     engine.usable = Usable::ForReads;
                 }
@@ -167,7 +159,7 @@ impl Shared {
     }
 
     fn lock_attempts(&self) -> MutexGuard<'_, Attempts> {
-        self.attempts.lock().unwrap_or_else(|p| p.into_inner())
+        self.db.attempts.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn reopened_meta(&self, db: &Database) -> Result<super::meta::MetaEntries> {

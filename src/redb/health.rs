@@ -189,7 +189,7 @@ pub(super) struct Attempts {
 pub(super) enum On {
     /// The store file (redb's commits and reads).
     Store,
-    /// The write-ahead log.
+    /// The log.
     Log,
 }
 

@@ -1,6 +1,6 @@
 //! The commit line's data: a write as queued ([`Op`]) and its answer
 //! ([`Reply`]), the [`Slot`] where its caller waits (a blocked thread, a
-//! future, or nobody), the [`Queue`] of them, and the line's sizes. Data
+//! future, or nobody), the [`InLine`] of them, and the line's sizes. Data
 //! only: who leads and who is answered is the leader's
 //! (`commit/leader.rs`), and the committer thread's (native.rs).
 
@@ -14,7 +14,36 @@ use std::collections::VecDeque;
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
-/// A write, as queued. Keys are already encoded.
+/// The line of callers waiting to commit, and its wake-ups.
+pub(super) struct Line {
+    callers: Mutex<InLine>,
+    /// Signalled when a leader takes a group out of a full line.
+    pub(super) room: Condvar,
+    /// Wakes the committer thread (native.rs) when it is given the leader
+    /// role, or the line closes.
+    pub(super) committer: Condvar,
+    /// Most ops a leader commits in one group.
+    pub(super) max_group: usize,
+}
+
+impl Default for Line {
+    fn default() -> Line {
+        Line {
+            callers: Mutex::new(InLine::default()),
+            room: Condvar::new(),
+            committer: Condvar::new(),
+            max_group: MAX_GROUP_OPS,
+        }
+    }
+}
+
+impl Line {
+    pub(super) fn lock(&self) -> MutexGuard<'_, InLine> {
+        self.callers.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A write in line. Keys are already encoded.
 #[derive(Debug)]
 pub(super) enum Op {
     Begin {
@@ -65,7 +94,7 @@ pub(super) enum Reply {
 /// waits for room (back-pressure); nothing is ever dropped.
 pub(crate) const WRITE_QUEUE_DEPTH: usize = 4_096;
 /// Most requests a leader commits in one group (one log frame).
-pub(crate) const MAX_WRITE_BATCH: usize = 1_024;
+pub(crate) const MAX_GROUP_OPS: usize = 1_024;
 
 /// Who waits on a [`Slot`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -205,7 +234,7 @@ impl Slot {
 
 /// The line of callers.
 #[derive(Debug, Default)]
-pub(in crate::redb) struct Queue {
+pub(in crate::redb) struct InLine {
     pub(in crate::redb) waiting: VecDeque<(Op, Arc<Slot>)>,
     /// Someone holds the leader role. When false the line is empty, so a
     /// caller that finds no leader is at the front of the line.

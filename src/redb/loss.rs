@@ -6,7 +6,7 @@ use std::fmt;
 /// What an open that accepted loss dropped, from
 /// [`RedbStore::loss_report`](super::RedbStore::loss_report).
 ///
-/// An open refuses a damaged or incomplete write-ahead log with
+/// An open refuses a damaged or incomplete log with
 /// [`Error::Corrupt`](crate::Error::Corrupt). With
 /// [`RedbStoreBuilder::accept_loss`](super::RedbStoreBuilder::accept_loss) it
 /// opens with whatever verifies instead, and lists here each thing it could

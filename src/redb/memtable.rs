@@ -1,24 +1,97 @@
-//! The memtable: records written since the last checkpoint, in memory.
+//! The memtable: what groups wrote since the last checkpoint, in memory,
+//! as the bytes their log frames hold.
 //!
-//! A committed group's records are published here after its log frame is
-//! durable (never before: nothing is visible before it is durable), and
-//! stay here until a checkpoint has written them into redb in one durable
-//! commit. Readers look in the active table, then in the frozen one (the
-//! table a checkpoint is writing out), then in redb: the memtable is the
-//! only cache in front of redb's own.
-//!
-//! Consistency of that order: only the committing leader (holding the
-//! commit lock) writes the active table or freezes it, and a checkpoint
-//! clears the frozen table only *after* its redb commit. So a reader that
-//! reads the memtable first and redb second never sees a record older
-//! than the one it would have found in the memtable: either the frozen
-//! table was still there, or redb already held its records (snapshot.rs
-//! says which redb snapshot is recent enough).
+//! A group's writes are published here after its log frame is durable
+//! (nothing is visible before it is durable) and stay until a checkpoint
+//! has written those same bytes into redb in one durable commit. Readers
+//! look in the active table, then the frozen one (being checkpointed),
+//! then redb. Only the leader (holding the commit lock) writes or freezes
+//! the active table, and a checkpoint drops the frozen table only after
+//! its redb commit: a reader that reads the memtable first and redb second
+//! never sees an older state than the memtable held (snapshot.rs says
+//! which redb snapshot is recent enough).
 
+use crate::codec;
+use crate::error::Result;
 use crate::record::Record;
+use crate::sync::atomic::{AtomicU64, Ordering};
+use crate::sync::{Condvar, Instant, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use crate::time::Timestamp;
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::Duration;
+
+/// What is in memory, and the background thread's flags and wake-ups.
+pub(super) struct Memory {
+    tables: RwLock<Mem>,
+    /// The background thread's flags; `bg_cv` wakes it (a frozen memtable,
+    /// a failure, shutdown) and those waiting for a checkpoint to finish.
+    bg: Mutex<Bg>,
+    pub(super) bg_cv: Condvar,
+    pub(super) checkpoint_interval: Duration,
+    /// When the active memtable began (a freeze, a direct transaction, or
+    /// the first record after either), in ms since `started`.
+    started: Instant,
+    since_ms: AtomicU64,
+}
+
+/// The background thread's flags (guarded by [`Memory::lock_bg`]).
+#[derive(Debug, Default)]
+pub(super) struct Bg {
+    pub(super) shutdown: bool,
+}
+
+impl Memory {
+    pub(super) fn new(checkpoint_interval: Duration) -> Memory {
+        Memory {
+            tables: RwLock::new(Mem::default()),
+            bg: Mutex::new(Bg::default()),
+            bg_cv: Condvar::new(),
+            checkpoint_interval,
+            started: Instant::now(),
+            since_ms: AtomicU64::new(0),
+        }
+    }
+
+    pub(super) fn read_mem(&self) -> RwLockReadGuard<'_, Mem> {
+        self.tables.read().unwrap_or_else(|p| p.into_inner())
+    }
+    pub(super) fn write_mem(&self) -> RwLockWriteGuard<'_, Mem> {
+        self.tables.write().unwrap_or_else(|p| p.into_inner())
+    }
+    pub(super) fn lock_bg(&self) -> MutexGuard<'_, Bg> {
+        self.bg.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Wakes the background thread (a memtable was frozen, a failure, or
+    /// shutdown).
+    pub(super) fn wake_background(&self) {
+        let _bg = self.lock_bg();
+        self.bg_cv.notify_all();
+    }
+
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// The active memtable begins now.
+    pub(super) fn start_memtable_clock(&self) {
+        self.since_ms.store(self.now_ms(), Ordering::Relaxed);
+    }
+
+    /// How long until the active memtable is old enough to checkpoint.
+    pub(super) fn checkpoint_left(&self) -> Duration {
+        let since = self
+            .now_ms()
+            .saturating_sub(self.since_ms.load(Ordering::Relaxed));
+        self.checkpoint_interval
+            .saturating_sub(Duration::from_millis(since))
+    }
+
+    pub(super) fn checkpoint_due(&self) -> bool {
+        self.checkpoint_left().is_zero()
+    }
+}
 
 /// Bytes of records the active memtable may hold before the next group
 /// freezes it and hands it to the checkpointer. It bounds the memory the
@@ -26,9 +99,38 @@ use std::sync::Arc;
 /// the one being checkpointed) and the work of one checkpoint.
 pub(crate) const MEMTABLE_BYTES: usize = 4 * 1024 * 1024;
 
-/// One key's latest state: a record, or `None` for a deletion (released or
-/// swept) that redb must see at the next checkpoint.
-pub(super) type Entry = Option<Record>;
+/// One key's latest state: the encoded record that went into the log, or
+/// `None` for a deletion (released or swept) that redb must see at the
+/// next checkpoint.
+pub(super) type Entry = Option<Encoded>;
+
+/// A record as [`codec::encode_record`] wrote it into the log frame: the
+/// checkpoint writes these bytes into redb as they are, so a record is
+/// encoded (and its invariants checked) once.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct Encoded {
+    pub(super) value: Vec<u8>,
+    /// The record's expiry, which names its expiry-index entry.
+    pub(super) expires_at: Timestamp,
+}
+
+impl Encoded {
+    pub(super) fn new(record: &Record) -> Result<Encoded> {
+        Ok(Encoded {
+            value: codec::encode_record(record)?,
+            expires_at: record.expires_at,
+        })
+    }
+}
+
+/// The record `entry` holds for `key`: what redb returns once a checkpoint
+/// has written it.
+pub(super) fn decode(key: &[u8], entry: &Entry) -> Result<Option<Record>> {
+    entry
+        .as_ref()
+        .map(|e| codec::decode_record(key, &e.value))
+        .transpose()
+}
 
 /// Records by encoded key, in key order (a checkpoint writes them in order).
 pub(super) type Table = BTreeMap<Vec<u8>, Entry>;
@@ -99,10 +201,10 @@ impl Mem {
     pub(super) fn due(&self, now: Timestamp) -> Vec<(Timestamp, Vec<u8>)> {
         let mut out = Vec::new();
         let mut take = |key: &Vec<u8>, entry: &Entry| {
-            if let Some(r) = entry
-                && crate::logic::sweepable(r.expires_at, now)
+            if let Some(e) = entry
+                && crate::logic::sweepable(e.expires_at, now)
             {
-                out.push((r.expires_at, key.clone()));
+                out.push((e.expires_at, key.clone()));
             }
         };
         for (key, entry) in &self.active {
@@ -119,19 +221,15 @@ impl Mem {
     }
 }
 
-/// Approximate memory of one entry: key, response body and a fixed
-/// allowance for the record, the map node and the allocations.
+/// Approximate memory of one entry: key, encoded record and a fixed
+/// allowance for the map node and the allocations.
 pub(super) fn entry_bytes(key: &[u8], entry: &Entry) -> usize {
     key.len() + added_of(entry)
 }
 
 fn added_of(entry: &Entry) -> usize {
-    const OVERHEAD: usize = 160;
-    OVERHEAD
-        + entry
-            .as_ref()
-            .and_then(|r| r.response.as_ref())
-            .map_or(0, |resp| resp.body().len())
+    const OVERHEAD: usize = 96;
+    OVERHEAD + entry.as_ref().map_or(0, |e| e.value.len())
 }
 
 #[cfg(test)]
@@ -153,10 +251,14 @@ mod tests {
         }
     }
 
+    fn entry(expires: u64) -> Entry {
+        Some(Encoded::new(&record(expires)).unwrap())
+    }
+
     #[test]
     fn active_hides_frozen_and_deletions_are_answers() {
         let mut mem = Mem::default();
-        mem.publish([(b"a".to_vec(), Some(record(10))), (b"b".to_vec(), None)]);
+        mem.publish([(b"a".to_vec(), entry(10)), (b"b".to_vec(), None)]);
         assert!(!mem.is_empty());
         let frozen = mem.freeze(7, 1);
         assert_eq!((frozen.epoch, frozen.records.len()), (7, 2));
@@ -166,31 +268,39 @@ mod tests {
         assert!(matches!(mem.get(b"b"), Some(None)));
         assert!(mem.get(b"c").is_none());
         // Only the frozen record of a key the active table does not hide is due.
-        mem.publish([(b"c".to_vec(), Some(record(5)))]);
+        mem.publish([(b"c".to_vec(), entry(5))]);
         let due = mem.due(Timestamp::from_millis(10));
         assert_eq!(due, vec![(Timestamp::from_millis(5), b"c".to_vec())]);
     }
 
     #[test]
+    fn an_entry_decodes_to_the_record_it_was_encoded_from() {
+        assert_eq!(decode(b"k", &entry(9)).unwrap(), Some(record(9)));
+        assert_eq!(decode(b"k", &None).unwrap(), None);
+    }
+
+    #[test]
     fn bytes_count_each_key_once() {
         let mut mem = Mem::default();
-        mem.publish([(b"k".to_vec(), Some(record(1)))]);
+        mem.publish([(b"k".to_vec(), entry(1))]);
         let once = mem.active_bytes;
-        assert_eq!(once, entry_bytes(b"k", &Some(record(1))));
-        mem.publish([(b"k".to_vec(), Some(record(2)))]);
+        assert_eq!(once, entry_bytes(b"k", &entry(1)));
+        mem.publish([(b"k".to_vec(), entry(2))]);
         assert_eq!(mem.active_bytes, once);
     }
 
-    /// An entry's size is its key, its response body and a fixed
-    /// allowance; the memtable freezes on it ([`MEMTABLE_BYTES`]), so a
-    /// size that ignored the body or the key would let a table of large
-    /// responses grow without bound (found by mutation testing).
+    /// The memtable freezes on its size ([`MEMTABLE_BYTES`]): a size that
+    /// ignored the record's bytes or the key would let a table of large
+    /// responses grow without bound.
     #[test]
-    fn entry_bytes_count_the_key_and_the_body() {
+    fn entry_bytes_count_the_key_and_the_record() {
         let mut with_body = record(1);
+        with_body.state = State::Done;
+        with_body.lease_until = None;
         with_body.response = Some(crate::response::Response::new(200, vec![0; 1000]));
+        let with_body = Some(Encoded::new(&with_body).unwrap());
         let deletion = entry_bytes(b"abc", &None);
-        assert_eq!(entry_bytes(b"abc", &Some(with_body)) - deletion, 1000);
+        assert!(entry_bytes(b"abc", &with_body) - deletion >= 1000);
         assert_eq!(entry_bytes(b"abcd", &None) - deletion, 1);
         assert_eq!(MEMTABLE_BYTES, 4 << 20);
     }

@@ -7,8 +7,8 @@ use super::damage::Damage;
 use super::errors::engine_error;
 use super::file::not_ours;
 use super::tables::{
-    EXPIRY, META, META_FORMAT_VERSION, META_STORE_ID, META_TOKEN_HWM, META_WAL_BOOT,
-    META_WAL_BYTES, META_WAL_EPOCH, META_WAL_STATE, RECORDS, WAL_OPEN, commit,
+    EXPIRY, META, META_FORMAT_VERSION, META_STORE_ID, META_TOKEN_HWM, META_LOG_BOOT,
+    META_LOG_BYTES, META_LOG_EPOCH, META_LOG_STATE, RECORDS, LOG_OPEN, commit,
 };
 use crate::error::{Error, Result};
 use ::redb::{Database, ReadableDatabase, TableError, TableHandle};
@@ -138,7 +138,7 @@ fn new_store_id(config: &Config) -> [u8; 16] {
     id
 }
 
-/// [`META_WAL_STATE`] and [`META_WAL_BYTES`] as stored.
+/// [`META_LOG_STATE`] and [`META_LOG_BYTES`] as stored.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct WalState {
     /// The log may hold acknowledged frames (the last stop was not clean).
@@ -149,24 +149,24 @@ pub(super) struct WalState {
 
 /// The log's state, or `None` when no open has recorded it.
 pub(super) fn read_wal_state(db: &Database) -> Result<Option<WalState>> {
-    let Some([state]) = read_entry(db, META_WAL_STATE, fixed::<1>)? else {
+    let Some([state]) = read_entry(db, META_LOG_STATE, fixed::<1>)? else {
         return Ok(None);
     };
     Ok(Some(WalState {
-        open: state == WAL_OPEN,
-        bytes: read_entry(db, META_WAL_BYTES, fixed)?.map(u64::from_be_bytes),
+        open: state == LOG_OPEN,
+        bytes: read_entry(db, META_LOG_BYTES, fixed)?.map(u64::from_be_bytes),
     }))
 }
 
 /// The boot id the log's last open recorded.
 pub(super) fn read_wal_boot(db: &Database) -> Result<Option<String>> {
-    read_entry(db, META_WAL_BOOT, |_, v| {
+    read_entry(db, META_LOG_BOOT, |_, v| {
         Ok(String::from_utf8_lossy(v).into_owned())
     })
 }
 
 pub(super) fn read_wal_epoch(db: &Database) -> Result<u64> {
-    Ok(read_entry(db, META_WAL_EPOCH, fixed)?.map_or(0, u64::from_be_bytes))
+    Ok(read_entry(db, META_LOG_EPOCH, fixed)?.map_or(0, u64::from_be_bytes))
 }
 
 /// The meta entry `name` through `decode(name, bytes)`, `None` when absent.

@@ -18,15 +18,20 @@
 //! (decide: memtable, then redb) → log frame + `fdatasync` → memtable;
 //! the checkpointer writes frozen memtables into redb durably.
 //!
-//! - `shared.rs`: the state callers and threads share, the read path, poisoning
-//! - `requests.rs`, `snapshot.rs`: the `Store` impl, the read fast path, the kept redb snapshot every read of redb goes through
-//! - `line.rs`, `commit/`, `native.rs`: the commit line, group commit, the async entry
-//! - `memtable.rs`, `record_log/`, `checkpoint.rs`: the write-ahead state and its checkpoint
-//! - `open.rs`, `recovery.rs`, `meta.rs`, `heal.rs`, `source.rs`: open, replay, heal
-//! - `health.rs`, `witness.rs`, `damage.rs`, `loss.rs`, `errors.rs`: failures, typed
-//! - `overlay.rs`, `file.rs`, `tables.rs`: in-memory pages, file helpers, the tables and `commit`, the one way into redb
+//! - `shared.rs` composes the parts, each owning its locks: `line.rs`
+//!   (callers waiting to commit), `log.rs` (the commit lock and the log),
+//!   `memtable.rs` (what is in memory), `db.rs` (the engine and its health)
+//! - `requests.rs`, `snapshot.rs`: the `Store` impl, its read fast path,
+//!   the kept snapshot
+//! - `commit/`, `native.rs`: group commit, the async entry
+//! - `record_log/`, `checkpoint.rs`: the log and the checkpoint
+//! - `open.rs`, `recovery.rs`, `meta.rs`, `heal.rs`, `source.rs`: open,
+//!   replay, heal
+//! - `health.rs`, `witness.rs`, `damage.rs`, `loss.rs`, `errors.rs`: failures
+//! - `overlay.rs`, `file.rs`, `tables.rs`: in-memory pages, file helpers,
+//!   the tables and `commit`, the one way into redb
 //! - `config.rs`, `builder.rs`, `stats.rs`: options and counters
-//! - `admin/`, `inbox/`: operator access (`admin/write.rs` its writes), the co-transactional inbox
+//! - `admin/`, `inbox/`: operator access, the co-transactional inbox
 
 pub mod admin;
 mod builder;
@@ -34,12 +39,14 @@ mod checkpoint;
 mod commit;
 mod config;
 mod damage;
+mod db;
 mod errors;
 mod file;
 mod heal;
 mod health;
 mod inbox;
 mod line;
+mod log;
 mod loss;
 mod memtable;
 mod meta;
@@ -80,9 +87,10 @@ use crate::sync::Arc;
 use crate::sync::atomic::Ordering;
 use crate::sync::thread::{self, JoinHandle};
 use crate::time::Clock;
+use db::{Engine, Usable};
 use line::{Op, Reply};
 use requests::unexpected;
-use shared::{Engine, Shared, Usable};
+use shared::Shared;
 use std::path::{Path, PathBuf};
 
 /// The durable idempotency store on redb: one file, one process.
@@ -371,7 +379,7 @@ impl RedbStore {
     /// # Ok::<(), idemstore::Error>(())
     /// ```
     pub fn is_poisoned(&self) -> bool {
-        self.shared.is_poisoned()
+        self.shared.db.is_poisoned()
     }
 
     /// Whether the store writes: [`Health::Healthy`]; or
@@ -389,7 +397,7 @@ impl RedbStore {
     /// # Ok::<(), idemstore::Error>(())
     /// ```
     pub fn health(&self) -> Health {
-        self.shared.health()
+        self.shared.db.health()
     }
 
     /// Reclaims free space in the file (after sweeps), returning whether
@@ -408,14 +416,14 @@ impl RedbStore {
     /// ```
     pub fn compact(&self) -> Result<bool> {
         self.shared.check_writable()?;
-        self.shared.check_healthy()?;
-        let mut core = self.shared.lock_core();
+        self.shared.db.check_healthy()?;
+        let mut core = self.shared.log.lock();
         // Compaction moves pages of the durable state only: make everything
         // in memory part of it first (and retire the log).
         self.shared.flush_locked(&mut core)?;
-        let mut engine = self.shared.write_db();
+        let mut engine = self.shared.db.write_db();
         if engine.usable != Usable::Yes {
-            return Err(self.shared.poisoned_error());
+            return Err(self.shared.db.poisoned_error());
         }
         engine.db.compact().map_err(|e| {
             self.shared
@@ -427,9 +435,9 @@ impl RedbStore {
 /// Stops the checkpointer and waits for it (it finishes a checkpoint in progress).
 fn stop_background(shared: &Shared, background: Option<JoinHandle<()>>) {
     {
-        let mut bg = shared.lock_bg();
+        let mut bg = shared.memory.lock_bg();
         bg.shutdown = true;
-        shared.bg_cv.notify_all();
+        shared.memory.bg_cv.notify_all();
     }
     if let Some(background) = background {
         let _ = background.join();

@@ -18,7 +18,7 @@
 //!   room answers [`Error::Closed`].
 
 use super::Shared;
-use super::line::{Op, Queue, Reply, Slot, WRITE_QUEUE_DEPTH, Waiter};
+use super::line::{InLine, Op, Reply, Slot, WRITE_QUEUE_DEPTH, Waiter};
 use crate::error::{Error, Result};
 use crate::record::Begin;
 use crate::sync::Arc;
@@ -37,12 +37,12 @@ pub(super) struct Submitted {
 enum State {
     /// The line was full: the op waits here for room.
     Room(Op),
-    Queued(Arc<Slot>),
+    Waiting(Arc<Slot>),
     Finished,
 }
 
 impl Shared {
-    /// Queues `op` without blocking and returns the future of its answer.
+    /// Puts `op` in line without blocking and returns the future of its answer.
     /// Refused at once ([`Error::ReadOnly`], [`Error::Poisoned`],
     /// [`Error::Closed`]) before anything joins the line.
     pub(super) fn submit_async(self: &Arc<Self>, op: Op) -> Result<Submitted> {
@@ -56,7 +56,7 @@ impl Shared {
             state: State::Room(op),
             begin_key,
         };
-        let mut q = self.lock_queue();
+        let mut q = self.line.lock();
         if let Some(refused) = submitted.try_join(&mut q) {
             return Err(refused);
         }
@@ -67,19 +67,23 @@ impl Shared {
     /// The committer thread's body: leads while it holds the role, sleeps
     /// otherwise, and stops once the store is closed and the line is empty.
     pub(super) fn run_committer(&self) {
-        let mut q = self.lock_queue();
+        let mut q = self.line.lock();
         loop {
             if q.committer {
                 drop(q);
                 let _ = self.lead_once(None);
-                q = self.lock_queue();
+                q = self.line.lock();
                 continue;
             }
             if q.closed && q.waiting.is_empty() {
                 q.stopped = true;
                 return;
             }
-            q = self.committer_cv.wait(q).unwrap_or_else(|p| p.into_inner());
+            q = self
+                .line
+                .committer
+                .wait(q)
+                .unwrap_or_else(|p| p.into_inner());
         }
     }
 
@@ -88,10 +92,10 @@ impl Shared {
     /// commits what is left, then stops.
     pub(super) fn close_line(&self) {
         let room = {
-            let mut q = self.lock_queue();
+            let mut q = self.line.lock();
             q.closed = true;
-            self.committer_cv.notify_all();
-            self.queue_room.notify_all();
+            self.line.committer.notify_all();
+            self.line.room.notify_all();
             std::mem::take(&mut q.room)
         };
         room.into_iter().for_each(std::task::Waker::wake);
@@ -101,12 +105,12 @@ impl Shared {
     /// abandoned; a claim it made and nobody saw is released.
     fn abandon(&self, slot: &Arc<Slot>, begin_key: Option<Vec<u8>>) {
         {
-            let mut q = self.lock_queue();
+            let mut q = self.line.lock();
             if let Some(at) = q.waiting.iter().position(|(_, s)| Arc::ptr_eq(s, slot)) {
                 let full = q.waiting.len() >= WRITE_QUEUE_DEPTH;
                 let _ = q.waiting.remove(at);
                 if full {
-                    self.queue_room.notify_all();
+                    self.line.room.notify_all();
                     let room = std::mem::take(&mut q.room);
                     drop(q);
                     room.into_iter().for_each(std::task::Waker::wake);
@@ -125,7 +129,7 @@ impl Shared {
 impl Submitted {
     /// Moves the op into the line if there is room (`None`), or registers
     /// nothing and leaves it here; `Some(error)` when the line is closed.
-    fn try_join(&mut self, q: &mut Queue) -> Option<Error> {
+    fn try_join(&mut self, q: &mut InLine) -> Option<Error> {
         if q.closed {
             self.state = State::Finished;
             return Some(Error::Closed);
@@ -136,7 +140,7 @@ impl Submitted {
         if let State::Room(op) = std::mem::replace(&mut self.state, State::Finished) {
             let slot = Arc::new(Slot::new(Waiter::Task));
             self.shared.push(q, op, Arc::clone(&slot));
-            self.state = State::Queued(slot);
+            self.state = State::Waiting(slot);
         }
         None
     }
@@ -149,7 +153,7 @@ impl Future for Submitted {
         let this = self.get_mut();
         if matches!(this.state, State::Room(_)) {
             let shared = Arc::clone(&this.shared);
-            let mut q = shared.lock_queue();
+            let mut q = shared.line.lock();
             if let Some(refused) = this.try_join(&mut q) {
                 return Poll::Ready(Err(refused));
             }
@@ -159,7 +163,7 @@ impl Future for Submitted {
             }
         }
         match &this.state {
-            State::Queued(slot) => match slot.poll(cx) {
+            State::Waiting(slot) => match slot.poll(cx) {
                 Poll::Ready(answer) => {
                     this.state = State::Finished;
                     Poll::Ready(answer)
@@ -175,7 +179,7 @@ impl Future for Submitted {
 
 impl Drop for Submitted {
     fn drop(&mut self) {
-        if let State::Queued(slot) = std::mem::replace(&mut self.state, State::Finished) {
+        if let State::Waiting(slot) = std::mem::replace(&mut self.state, State::Finished) {
             self.shared.abandon(&slot, self.begin_key.take());
         }
     }
@@ -207,7 +211,7 @@ mod tests {
     }
 
     fn lead_all(shared: &Shared) {
-        while !shared.lock_queue().waiting.is_empty() {
+        while !shared.line.lock().waiting.is_empty() {
             let _ = shared.lead_once(None);
         }
     }
@@ -220,17 +224,17 @@ mod tests {
             .map(|i| shared.submit_async(begin(i)).unwrap())
             .collect();
         assert!(
-            shared.lock_queue().committer,
+            shared.line.lock().committer,
             "the role went to the committer"
         );
         let mut late = shared.submit_async(begin(WRITE_QUEUE_DEPTH)).unwrap();
         assert!(matches!(late.state, State::Room(_)));
         assert!(poll(&mut late).is_pending());
-        assert_eq!(shared.lock_queue().room.len(), 1);
+        assert_eq!(shared.line.lock().room.len(), 1);
         let _ = shared.lead_once(None);
-        assert!(shared.lock_queue().room.is_empty(), "woken");
+        assert!(shared.line.lock().room.is_empty(), "woken");
         assert!(poll(&mut late).is_pending());
-        assert!(matches!(late.state, State::Queued(_)));
+        assert!(matches!(late.state, State::Waiting(_)));
         lead_all(&shared);
         assert!(matches!(
             poll(&mut late),
@@ -242,7 +246,7 @@ mod tests {
                 Poll::Ready(Ok(Reply::Begin(Begin::Claimed(_))))
             ));
         }
-        let q = shared.lock_queue();
+        let q = shared.line.lock();
         assert!(!q.committer && q.waiting.is_empty());
     }
 
@@ -251,22 +255,18 @@ mod tests {
         let shared = super::super::commit::tests::shared();
         // Dropped while queued: out of the line, nothing written.
         drop(shared.submit_async(begin(1)).unwrap());
-        assert!(shared.lock_queue().waiting.is_empty());
+        assert!(shared.line.lock().waiting.is_empty());
         // Dropped after its group committed, answer unread: released.
         let answered = shared.submit_async(begin(2)).unwrap();
         lead_all(&shared);
         assert!(matches!(shared.read(b"\x002"), Ok(Some(_))));
         drop(answered);
-        assert_eq!(
-            shared.lock_queue().waiting.len(),
-            1,
-            "the release is queued"
-        );
+        assert_eq!(shared.line.lock().waiting.len(), 1, "the release is queued");
         lead_all(&shared);
         assert!(matches!(shared.read(b"\x002"), Ok(None)));
         // Dropped while its group commits: the leader releases it.
         let taken = shared.submit_async(begin(3)).unwrap();
-        let State::Queued(slot) = &taken.state else {
+        let State::Waiting(slot) = &taken.state else {
             panic!("queued")
         };
         assert!(slot.abandon().is_none());
@@ -287,12 +287,12 @@ mod tests {
         lead_all(&shared);
         assert!(matches!(poll(&mut queued), Poll::Ready(Ok(_))));
         shared.run_committer();
-        assert!(shared.lock_queue().stopped);
+        assert!(shared.line.lock().stopped);
         // A dropped future's release after the stop is not queued.
         shared.detach(Op::Release {
             key: b"\x001".to_vec(),
             claim: crate::record::Claim::unprotected(),
         });
-        assert!(shared.lock_queue().waiting.is_empty());
+        assert!(shared.line.lock().waiting.is_empty());
     }
 }

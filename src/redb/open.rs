@@ -8,9 +8,9 @@ use super::file::{FILE_MODE, check_foreign, open_owner_only, sync_parent, try_lo
 use super::loss::LossReport;
 use super::meta::{MetaEntries, init_meta, read_meta};
 use super::overlay::Overlay;
-use super::record_log::{self, FileLog, Wal};
+use super::record_log::{self, FileLog, LogWriter};
 use super::recovery::{Found, boot_id, recover_log};
-use super::source::{SharedBackend, Source};
+use super::source::{Origin, SharedBackend};
 use super::tables::commit;
 use super::witness::{IoWitness, Witnessed};
 use super::{Config, RecoveryPolicy};
@@ -29,7 +29,7 @@ pub(super) struct Opened {
     pub(super) store_id: [u8; 16],
     pub(super) leases_expired: u64,
     /// The write-ahead log, recovered and empty.
-    pub(super) wal: Wal,
+    pub(super) wal: LogWriter,
     pub(super) frames_replayed: u64,
     /// What an open with `accept_loss` gave up.
     pub(super) loss: LossReport,
@@ -68,7 +68,7 @@ fn refuse_over_log(path: &Path, what: &'static str, config: &Config) -> Result<O
     if !config.accept_loss {
         return Err(store_lost_beside_log(path, what));
     }
-    let log = record_log::wal_path(path);
+    let log = record_log::log_path(path);
     let aside = free_name(&log, "lost");
     std::fs::rename(&log, &aside)?;
     sync_parent(path)?;
@@ -84,7 +84,7 @@ fn refuse_over_log(path: &Path, what: &'static str, config: &Config) -> Result<O
 fn store_lost_beside_log(path: &Path, what: &'static str) -> Error {
     Damage::StoreLostBesideLog {
         store: path.to_path_buf(),
-        log: record_log::wal_path(path),
+        log: record_log::log_path(path),
         what,
     }
     .into()
@@ -94,7 +94,7 @@ fn store_lost_beside_log(path: &Path, what: &'static str) -> Error {
 /// all zeros until its first frame). Reads only.
 fn log_holds_frames(path: &Path) -> Result<bool> {
     use std::io::Read;
-    let mut file = match std::fs::File::open(record_log::wal_path(path)) {
+    let mut file = match std::fs::File::open(record_log::log_path(path)) {
         Ok(file) => file,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
         Err(e) => return Err(e.into()),
@@ -158,7 +158,7 @@ fn file_backend(path: &Path) -> Result<::redb::backends::FileBackend> {
 fn open_file(path: &Path, config: &Config) -> Result<Opened> {
     let backend = file_backend(path)?;
     // The store file's lock keeps other processes out of the log too.
-    let wal_existed = record_log::wal_path(path).exists();
+    let wal_existed = record_log::log_path(path).exists();
     let log = Box::new(FileLog::open(path)?);
     // Every open syncs the directory, not only the creating one: a crash
     // before a creator's directory fsync would leave an entry no later open
@@ -167,10 +167,10 @@ fn open_file(path: &Path, config: &Config) -> Result<Opened> {
     let opened = open_backend(backend, log, boot_id().as_deref(), config, path);
     if opened.is_err() && !wal_existed {
         // The empty log this refused open made is not left behind.
-        let _ = std::fs::remove_file(record_log::wal_path(path));
+        let _ = std::fs::remove_file(record_log::log_path(path));
     }
     let mut opened = opened?;
-    opened.source = Source::Path(path.to_path_buf());
+    opened.source = Origin::Path(path.to_path_buf());
     Ok(opened)
 }
 
@@ -247,7 +247,7 @@ pub(super) fn open_backend(
         wal,
         frames_replayed,
         loss,
-        source: Source::None,
+        source: Origin::None,
         witness,
     })
 }
@@ -304,15 +304,15 @@ pub(super) fn reopen_engine(
     witness: &Arc<IoWitness>,
 ) -> Result<(Database, MetaEntries)> {
     let (db, name) = match source {
-        Source::Path(path) => (
+        Origin::Path(path) => (
             engine_open(file_backend(path)?, config, path, witness)?,
             path.as_path(),
         ),
-        Source::Backend(store) => {
+        Origin::Backend(store) => {
             let (backend, name) = (SharedBackend(Arc::clone(store)), Path::new(BACKEND));
             (engine_open(backend, config, name, witness)?, name)
         }
-        Source::None => {
+        Origin::None => {
             return Err(Error::backend("a read-only view is never reopened"));
         }
     };

@@ -3,7 +3,7 @@
 //! read-only opens, `check_log`, `verify` and a heal's read-only view.
 
 use super::file::check_foreign;
-use super::source::Source;
+use super::source::Origin;
 use crate::error::{Error, Result};
 use ::redb::{Database, StorageBackend};
 use std::collections::HashMap;
@@ -19,11 +19,11 @@ pub(in crate::redb) fn open_overlay(path: &Path) -> Result<std::result::Result<D
 /// A database over a store's files that writes nothing to them: what a heal
 /// leaves in the engine's place when it cannot open them for writing, so
 /// reads go on.
-pub(in crate::redb) fn open_view_of(source: &Source) -> Result<Database> {
+pub(in crate::redb) fn open_view_of(source: &Origin) -> Result<Database> {
     let opened = match source {
-        Source::Path(path) => open_overlay(path)?,
-        Source::Backend(store) => engine_over(Overlay::over_backend(Arc::clone(store))?)?,
-        Source::None => return Err(Error::backend("a read-only view has no files to view")),
+        Origin::Path(path) => open_overlay(path)?,
+        Origin::Backend(store) => engine_over(Overlay::over_backend(Arc::clone(store))?)?,
+        Origin::None => return Err(Error::backend("a read-only view has no files to view")),
     };
     opened.map_err(|detail| Error::corrupt(None, detail))
 }

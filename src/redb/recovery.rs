@@ -1,5 +1,5 @@
 //! The record log's recovery, at an open and at a heal: what the store file
-//! says about its write-ahead log and what is wrong with the log before a
+//! says about its log and what is wrong with the log before a
 //! frame is read ([`plan_log`]), the walk over its live frames
 //! ([`walk_live`]), and their replay into the store file in one durable
 //! commit that starts a new epoch ([`recover_log`]). The
@@ -10,9 +10,9 @@ use super::Config;
 use super::damage::Damage;
 use super::loss::LossReport;
 use super::meta::{read_wal_boot, read_wal_epoch, read_wal_state};
-use super::record_log::{self, Wal, applier};
+use super::record_log::{self, LogWriter, applier};
 use super::tables::{
-    META_WAL_BOOT, META_WAL_BYTES, META_WAL_EPOCH, META_WAL_STATE, WAL_OPEN, commit,
+    LOG_OPEN, META_LOG_BOOT, META_LOG_BYTES, META_LOG_EPOCH, META_LOG_STATE, commit,
 };
 use crate::error::{Error, Result};
 use ::redb::{Database, StorageBackend};
@@ -79,12 +79,12 @@ pub(super) fn plan_log(
         Some(0) => {}
         _ if len == 0 => plan.problems.push(Damage::LogMissing {
             store: name.to_path_buf(),
-            log: record_log::wal_path(name),
+            log: record_log::log_path(name),
         }),
         Some(recorded) if len < recorded => {
             plan.problems.push(Damage::LogCutShort {
                 store: name.to_path_buf(),
-                log: record_log::wal_path(name),
+                log: record_log::log_path(name),
                 len,
                 recorded,
             });
@@ -105,7 +105,7 @@ pub(super) fn plan_log(
     if seen >= 2 && ours == 0 {
         plan.problems.push(Damage::LogOfAnotherStore {
             store: name.to_path_buf(),
-            log: record_log::wal_path(name),
+            log: record_log::log_path(name),
             seen,
         });
     }
@@ -147,7 +147,7 @@ pub(super) fn recover_log(
     found: &Found<'_>,
     config: &Config,
     loss: &mut LossReport,
-) -> Result<(Wal, u64)> {
+) -> Result<(LogWriter, u64)> {
     let (store_id, boot) = (found.store_id, found.boot);
     let mut plan = plan_log(db, file.as_ref(), found)?;
     let len = plan.file_len;
@@ -164,16 +164,16 @@ pub(super) fn recover_log(
         // may change below (a larger `wal_bytes` moves the segments).
         let accepting = config.accept_loss.then_some(&mut *loss);
         let frames = walk_live(file.as_ref(), found, &plan, accepting, applier(tables))?;
-        tables.set_meta(META_WAL_EPOCH, &fresh.to_be_bytes())?;
-        tables.set_meta(META_WAL_STATE, &[WAL_OPEN])?;
+        tables.set_meta(META_LOG_EPOCH, &fresh.to_be_bytes())?;
+        tables.set_meta(META_LOG_STATE, &[LOG_OPEN])?;
         match boot {
-            Some(boot) => tables.set_meta(META_WAL_BOOT, boot.as_bytes())?,
-            None => tables.remove_meta(META_WAL_BOOT)?,
+            Some(boot) => tables.set_meta(META_LOG_BOOT, boot.as_bytes())?,
+            None => tables.remove_meta(META_LOG_BOOT)?,
         }
         // The size as it is: a crash while `preallocate` grows the file
         // below leaves it longer than recorded, which is allowed (no frame
         // of the new epoch exists before the size is recorded again).
-        tables.set_meta(META_WAL_BYTES, &len.to_be_bytes())?;
+        tables.set_meta(META_LOG_BYTES, &len.to_be_bytes())?;
         Ok::<_, Error>(frames)
     })??;
     // A read-only open replayed into memory (an overlay) and leaves the
@@ -186,10 +186,10 @@ pub(super) fn recover_log(
     if new_len != len {
         // The new size, durably, before any frame is laid out for it.
         commit(db, true, |t| {
-            t.set_meta(META_WAL_BYTES, &new_len.to_be_bytes())
+            t.set_meta(META_LOG_BYTES, &new_len.to_be_bytes())
         })??;
     }
-    Ok((Wal::new(file, store_id, fresh, new_len), frames))
+    Ok((LogWriter::new(file, store_id, fresh, new_len), frames))
 }
 
 /// This boot of the machine: Linux's random id, new at every boot. An

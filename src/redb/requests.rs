@@ -19,11 +19,11 @@ use crate::time::{Clock, Timestamp};
 use std::time::Duration;
 
 impl RedbStore {
-    /// The read fast path. Answers `begin` without joining the line when
-    /// the answer writes nothing (Replay, InFlight, Conflict): the same
-    /// state machine decides, on the latest state (memtable, then redb),
-    /// and only a claim goes through a group. What the memtable or redb
-    /// shows is durable, so the answer is the one a leader would give.
+    /// The read fast path: answers a `begin` whose answer writes nothing
+    /// (Replay, InFlight, Conflict) without joining the line, through the
+    /// same state machine on the latest durable state (memtable, then
+    /// redb). Anything that writes (a claim, a takeover) is decided once,
+    /// by the leader that applies it (commit/decide.rs), never here.
     fn fast_begin(
         &self,
         key_bytes: &[u8],
@@ -64,7 +64,7 @@ enum Fast {
 /// What `begin` does next: answered on the fast path, or a request for the line.
 enum Next {
     Answered(Begin),
-    Queue(Op),
+    InLine(Op),
 }
 
 fn begun(reply: Reply) -> Result<Begin> {
@@ -104,7 +104,7 @@ impl RedbStore {
             Fast::Absent(at) => at,
             Fast::Write => None,
         };
-        Ok(Next::Queue(Op::Begin {
+        Ok(Next::InLine(Op::Begin {
             key: key_bytes,
             fingerprint: *fingerprint,
             now,
@@ -141,7 +141,7 @@ impl RedbStore {
 
     /// `op` through the line as a future mapped by `answer`; refusals
     /// before the line are a ready error.
-    fn queue_async<'a, T: Send + 'a>(
+    fn join_line_async<'a, T: Send + 'a>(
         &self,
         op: Result<Op>,
         answer: fn(Reply) -> Result<T>,
@@ -164,7 +164,7 @@ impl Store for RedbStore {
     ) -> Result<Begin> {
         match self.prepare_begin(key, fingerprint, now, lease, retention)? {
             Next::Answered(answer) => Ok(answer),
-            Next::Queue(op) => begun(self.shared.submit(op)?),
+            Next::InLine(op) => begun(self.shared.submit(op)?),
         }
     }
 
@@ -235,7 +235,7 @@ impl Store for RedbStore {
         Some(
             match self.prepare_begin(key, fingerprint, now, lease, retention) {
                 Ok(Next::Answered(answer)) => ready(Ok(answer)),
-                Ok(Next::Queue(op)) => self.queue_async(Ok(op), begun),
+                Ok(Next::InLine(op)) => self.join_line_async(Ok(op), begun),
                 Err(refused) => ready(Err(refused)),
             },
         )
@@ -251,11 +251,11 @@ impl Store for RedbStore {
         retention: Duration,
     ) -> Option<StoreFuture<'a, ()>> {
         let op = self.complete_op(key, claim, response, now, retention);
-        Some(self.queue_async(op, done))
+        Some(self.join_line_async(op, done))
     }
 
     /// Joins the commit line; completes when the release is durable.
     fn release_async<'a>(&'a self, key: &'a Key, claim: &'a Claim) -> Option<StoreFuture<'a, ()>> {
-        Some(self.queue_async(Ok(RedbStore::release_op(key, claim)), done))
+        Some(self.join_line_async(Ok(RedbStore::release_op(key, claim)), done))
     }
 }

@@ -422,6 +422,7 @@ fn shuttle_a_read_after_a_completion_never_sees_the_claim_a_kept_snapshot_holds(
                         assert_eq!(state, Some(crate::record::State::Done));
                         if store
                             .shared
+                            .memory
                             .read_mem()
                             .get(&codec::encode_key(&key("a")))
                             .is_none()

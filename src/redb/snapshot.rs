@@ -1,41 +1,20 @@
-//! The one way anything but a writer reads redb: one read transaction's
-//! records and index tables, kept open from one redb commit to the next,
-//! so that a `begin` whose key is in neither memtable (a fresh key, an
-//! older replay), and a leader deciding its group, read the B-tree
-//! without opening a read transaction and the tables first (redb's
-//! `begin_read` registers the transaction under a lock, and `open_table`
-//! looks the table up by name: together more than the lookup).
+//! The kept snapshot: one read transaction's record and index tables, kept
+//! open from one redb commit to the next. Every read of redb but a
+//! writer's goes through it (a `begin` whose key is in no memtable, a
+//! leader deciding its group), so a read does not open a transaction.
 //!
-//! # Why a kept snapshot is never stale
+//! Never stale: every redb commit bumps a count ([`Snapshot::committed`])
+//! after it commits and *before* its writer lets go of what it wrote in
+//! memory (a checkpoint's frozen memtable, a direct transaction's active
+//! one). A snapshot is kept under the count read before it was opened. A
+//! reader reads the memtable, then the count, and uses the kept snapshot
+//! only if it was kept under that count or a later one: a commit it could
+//! miss is either not counted yet (its records are still in the memtable
+//! just read) or counted (and the snapshot is then too old to use).
 //!
-//! [`Snapshot`] counts the redb commits made while the store runs; every
-//! commit bumps the count ([`Snapshot::committed`]) after the commit and
-//! *before* the writer lets go of what it wrote in memory: a
-//! checkpoint before it retires its frozen memtable, a direct transaction
-//! before it clears the active one. A snapshot is kept under the count read *before* it was opened,
-//! so it holds at least every commit counted up to then. A reader reads the
-//! memtable first, then the count, and uses the kept snapshot only when it
-//! was kept under that count or a later one: every commit it could miss is
-//! either not counted yet (and its records are still in the memtable the
-//! reader has just read, or its writer has not answered anyone), or counted,
-//! and then the kept snapshot is too old to use. This is the memtable's
-//! read order (memtable.rs) with the count standing in for a new
-//! transaction.
-//!
-//! # What holds it
-//!
-//! A kept snapshot pins the pages of its commit: redb frees the pages a
-//! later commit replaced only once no read transaction sees them. Every
-//! commit therefore drops it ([`Snapshot::clear`]), and the next read opens
-//! another. Taking the engine's write lock for exclusive use (a heal, a
-//! compaction, the verifier's in-place check of a caller's storage
-//! backend) drops it too and counts as a commit, before the engine is
-//! closed, compacted or checked (redb refuses to compact or check under a
-//! live read transaction, and a heal or a repair may change what the files
-//! hold); and it is dropped before the engine when the store is.
-//!
-//! Without a write-ahead log every group is a redb commit, so the snapshot
-//! rarely outlives a group: the first read after each opens its own.
+//! A kept snapshot pins its commit's pages, so every commit drops it
+//! ([`Snapshot::clear`]), and so does taking the engine for exclusive use
+//! (a heal, a compaction, the verifier), before the engine is touched.
 
 use super::errors::engine_error;
 use super::tables::ReadTables;
@@ -176,7 +155,7 @@ mod tests {
     /// Waits until the checkpointer has written both memtables into redb.
     fn checkpointed(store: &RedbStore) {
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while !store.shared.read_mem().is_empty() {
+        while !store.shared.memory.read_mem().is_empty() {
             assert!(std::time::Instant::now() < deadline, "no checkpoint");
             std::thread::sleep(Duration::from_millis(1));
         }
@@ -194,11 +173,11 @@ mod tests {
     fn a_completion_written_to_redb_is_read(store: &RedbStore, to_redb: impl Fn(&RedbStore)) {
         let claim = claim(store);
         to_redb(store);
-        store.shared.snapshot.clear();
+        store.shared.db.snapshot.clear();
         let fast = store.stats().fast_refusals;
         assert!(matches!(begin(store), Begin::InFlight { .. }));
         assert_eq!(store.stats().fast_refusals, fast + 1, "answered from redb");
-        assert!(store.shared.snapshot.is_kept());
+        assert!(store.shared.db.snapshot.is_kept());
         complete(store, &claim);
         to_redb(store);
         let again = begin(store);
@@ -235,9 +214,9 @@ mod tests {
         let claim = claim(&store);
         complete(&store, &claim);
         store.shared.flush().unwrap();
-        store.shared.snapshot.clear();
+        store.shared.db.snapshot.clear();
         assert!(matches!(begin(&store), Begin::Replay(_)));
-        assert!(store.shared.snapshot.is_kept());
+        assert!(store.shared.db.snapshot.is_kept());
         assert!(store.admin().evict(&key()).unwrap().is_some());
         assert!(matches!(begin(&store), Begin::Claimed(_)));
     }
@@ -251,7 +230,7 @@ mod tests {
             .checkpoint_interval(Duration::from_secs(3600))
             .open(dir.path().join("s.idem"))
             .unwrap();
-        let snapshot = &store.shared.snapshot;
+        let snapshot = &store.shared.db.snapshot;
         let other = |id: &str| Key::new("t", id).unwrap();
         let read = |id: &str| store.get(&other(id), NOW).unwrap();
         assert!(read("x").is_none());
@@ -279,7 +258,7 @@ mod tests {
             )
             .unwrap();
         let _ = claim(&store);
-        assert!(store.shared.snapshot.is_kept());
+        assert!(store.shared.db.snapshot.is_kept());
         let report = store.admin().verify(|_| ());
         assert!(report.as_ref().is_ok_and(|r| r.is_clean()), "{report:?}");
         assert!(matches!(begin(&store), Begin::InFlight { .. }));
@@ -296,7 +275,7 @@ mod tests {
         let _ = claim(&store);
         store.shared.flush().unwrap();
         assert!(matches!(begin(&store), Begin::InFlight { .. }));
-        assert!(store.shared.snapshot.is_kept());
+        assert!(store.shared.db.snapshot.is_kept());
         let compacted = store.compact();
         assert!(compacted.is_ok(), "{compacted:?}");
     }

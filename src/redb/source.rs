@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 /// Where a heal reopens the engine from.
-pub(super) enum Source {
+pub(super) enum Origin {
     /// A store file, opened as `open` opens it.
     Path(PathBuf),
     /// A caller's store backend (`open_backend`), shared with the engine

@@ -34,9 +34,9 @@ pub struct RedbStats {
     /// larger than a log segment).
     pub durable_commits: u64,
     /// Groups made durable by one append and `fdatasync` of the
-    /// write-ahead log.
+    /// log.
     pub logged_commits: u64,
-    /// Frames replayed from the write-ahead log when the store was opened:
+    /// Frames replayed from the log when the store was opened:
     /// groups acknowledged after the last checkpoint before a crash.
     pub frames_replayed_on_open: u64,
     /// The largest group so far.
@@ -56,7 +56,7 @@ pub struct RedbStats {
 }
 
 impl RedbStats {
-    /// Mean requests per batch (0 before the first batch).
+    /// Mean requests per group (0 before the first group).
     ///
     /// ```
     /// assert_eq!(idemstore::redb::RedbStats::default().mean_batch(), 0.0);

@@ -19,7 +19,6 @@ use ::redb::{
     Database, ReadOnlyTable, ReadTransaction, ReadableTable, Table, TableDefinition,
     WriteTransaction,
 };
-use std::collections::BTreeMap;
 
 /// Records by key.
 pub(crate) const RECORDS: TableDefinition<'static, &'static [u8], &'static [u8]> =
@@ -37,27 +36,27 @@ pub(crate) const META_FORMAT_VERSION: &str = "format_version";
 pub(crate) const META_STORE_ID: &str = "store_id";
 /// Meta key: the largest fencing token ever handed out, u64 BE.
 pub(crate) const META_TOKEN_HWM: &str = "token_high_water_mark";
-/// Meta key: the write-ahead log's epoch, u64 BE (see `record_log/`); absent in
+/// Meta key: the log's epoch, u64 BE (see `record_log/`); absent in
 /// a store that never had a log, read as 0.
-pub(crate) const META_WAL_EPOCH: &str = "wal_epoch";
+pub(crate) const META_LOG_EPOCH: &str = "wal_epoch";
 /// Meta key: whether the log may hold acknowledged frames not yet in this
-/// file: one byte, [`WAL_OPEN`] from the open that recovered the log until a clean
-/// close writes [`WAL_CLOSED`] in its last durable commit. Absent in a
+/// file: one byte, [`LOG_OPEN`] from the open that recovered the log until a clean
+/// close writes [`LOG_CLOSED`] in its last durable commit. Absent in a
 /// store no build with this check has opened with a log.
-pub(crate) const META_WAL_STATE: &str = "wal_state";
+pub(crate) const META_LOG_STATE: &str = "wal_state";
 /// Meta key: the log file's size as the open that recovered it left it
 /// (u64 BE), which fixes its segments' layout. After an unclean stop the log must have this size.
-pub(crate) const META_WAL_BYTES: &str = "wal_bytes";
+pub(crate) const META_LOG_BYTES: &str = "wal_bytes";
 /// Meta key: the machine's boot id when the log was opened from a file
 /// (Linux; absent elsewhere and for storage backends). An open in the same
 /// boot follows a process crash, not a power loss.
-pub(crate) const META_WAL_BOOT: &str = "wal_boot_id";
-/// [`META_WAL_STATE`]: the store was opened with its log and not closed
+pub(crate) const META_LOG_BOOT: &str = "wal_boot_id";
+/// [`META_LOG_STATE`]: the store was opened with its log and not closed
 /// cleanly since: the log may hold acknowledged writes.
-pub(crate) const WAL_OPEN: u8 = 0;
-/// [`META_WAL_STATE`]: the last close put everything in this file; the log
+pub(crate) const LOG_OPEN: u8 = 0;
+/// [`META_LOG_STATE`]: the last close put everything in this file; the log
 /// holds nothing that is needed.
-pub(crate) const WAL_CLOSED: u8 = 1;
+pub(crate) const LOG_CLOSED: u8 = 1;
 
 /// The one way into redb: `write` runs in a write transaction with the
 /// tables open, which then commits durably (`fsync` before this returns).
@@ -120,10 +119,10 @@ impl<'txn> WriteTables<'txn> {
         Ok(())
     }
 
-    /// Writes a memtable's records.
-    pub(super) fn take_in(&mut self, records: &BTreeMap<Vec<u8>, Option<Record>>) -> Result<()> {
+    /// Writes a memtable's records: the bytes their log frames hold.
+    pub(super) fn take_in(&mut self, records: &super::memtable::Table) -> Result<()> {
         for (key, entry) in records {
-            self.apply(key, entry.as_ref())?;
+            self.apply_encoded(key, entry.as_ref().map(|e| (&e.value[..], e.expires_at)))?;
         }
         Ok(())
     }
@@ -133,7 +132,7 @@ impl<'txn> WriteTables<'txn> {
     /// (their records are in this commit).
     pub(super) fn retire(&mut self, token_hwm: u64, next_epoch: u64) -> Result<()> {
         self.set_meta(META_TOKEN_HWM, &token_hwm.to_be_bytes())?;
-        self.set_meta(META_WAL_EPOCH, &next_epoch.to_be_bytes())
+        self.set_meta(META_LOG_EPOCH, &next_epoch.to_be_bytes())
     }
 
     /// Stores `entry` (a record, or `None` for a deletion) as the latest
@@ -247,7 +246,7 @@ impl<'txn> WriteTables<'txn> {
 }
 
 /// Where decisions read what redb holds: the kept snapshot (snapshot.rs)
-/// for a group, the inbox's own write transaction for its batch.
+/// for a group, the inbox's own write transaction for its messages.
 pub(super) trait Source {
     /// The stored record for `key_bytes`, verified ([`Error::Corrupt`](crate::Error::Corrupt) if not).
     fn read(&self, key_bytes: &[u8]) -> Result<Option<Record>>;

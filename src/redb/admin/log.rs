@@ -114,5 +114,5 @@ pub fn check_log(store: impl AsRef<Path>) -> Result<LogCheck> {
 /// assert_eq!(log_path("/data/orders.idem"), std::path::Path::new("/data/orders.idem-wal"));
 /// ```
 pub fn log_path(store: impl AsRef<Path>) -> PathBuf {
-    record_log::wal_path(store.as_ref())
+    record_log::log_path(store.as_ref())
 }

@@ -180,7 +180,7 @@ impl Admin<'_> {
     /// # Ok::<(), idemstore::Error>(())
     /// ```
     pub fn facts(&self) -> Result<Facts> {
-        let db = self.store.shared.read_db()?;
+        let db = self.store.shared.db.read_db()?;
         let txn = db.begin_read().map_err(engine_error)?;
         let meta = super::meta::read_meta_entries(&txn)?;
         let records = txn.open_table(RECORDS).map_err(engine_error)?;
@@ -248,7 +248,7 @@ impl Admin<'_> {
         prefix: &[u8],
         mut f: impl FnMut(RawKey<'_>, Result<Record>) -> ControlFlow<()>,
     ) -> Result<()> {
-        let db = self.store.shared.read_db()?;
+        let db = self.store.shared.db.read_db()?;
         let txn = db.begin_read().map_err(engine_error)?;
         let table = txn.open_table(RECORDS).map_err(engine_error)?;
         for entry in table.range::<&[u8]>(prefix..).map_err(engine_error)? {
@@ -288,7 +288,7 @@ impl Admin<'_> {
     /// # Ok(()) }
     /// ```
     pub fn expiry_bounds(&self) -> Result<Option<(Timestamp, Timestamp)>> {
-        let db = self.store.shared.read_db()?;
+        let db = self.store.shared.db.read_db()?;
         let txn = db.begin_read().map_err(engine_error)?;
         let expiry = txn.open_table(EXPIRY).map_err(engine_error)?;
         let first = expiry.first().map_err(engine_error)?;
@@ -311,7 +311,7 @@ impl Admin<'_> {
     /// # }
     /// ```
     pub fn count_due(&self, now: Timestamp, limit: u64) -> Result<u64> {
-        let db = self.store.shared.read_db()?;
+        let db = self.store.shared.db.read_db()?;
         let txn = db.begin_read().map_err(engine_error)?;
         let expiry = txn.open_table(EXPIRY).map_err(engine_error)?;
         // Entries are expires_at BE | key.

@@ -184,7 +184,7 @@ impl Admin<'_> {
             None => {
                 // A caller's backend, checked in place once every
                 // transaction is out (the kept snapshot's included).
-                let mut db = shared.write_db();
+                let mut db = shared.db.write_db();
                 if !db.db.check_integrity().map_err(engine_error)? {
                     report.add(
                         ProblemKind::EngineRepaired,
@@ -198,7 +198,7 @@ impl Admin<'_> {
         if let Err(e) = &facts {
             report.add(ProblemKind::Meta, None, e.to_string());
         }
-        let db = shared.read_db()?;
+        let db = shared.db.read_db()?;
         let txn = db.begin_read().map_err(engine_error)?;
         let records = txn.open_table(RECORDS).map_err(engine_error)?;
         let expiry = txn.open_table(EXPIRY).map_err(engine_error)?;

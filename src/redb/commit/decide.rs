@@ -1,11 +1,12 @@
-//! The group's decisions ([`decide`]): every op of a group in order through
-//! the one state machine (`logic`), against the group's own earlier writes,
-//! then the memtable, then redb. Pure of I/O but for reads: it writes
-//! nothing anywhere, and its caller (`commit/mod.rs`) makes the writes
-//! durable (a log frame).
+//! The group's decisions ([`decide`]): each op through the state machine
+//! (`logic`) once, where it is applied, against the group's own earlier
+//! writes, then the memtable, then redb. Each record written is encoded
+//! here once; the log frame, the memtable and the checkpoint carry those
+//! bytes. It writes nothing: its caller (`commit/mod.rs`) makes the frame
+//! durable.
 
-use super::super::memtable::{Entry, Mem};
-use super::super::record_log::Journal;
+use super::super::memtable::{self, Encoded, Entry, Mem};
+use super::super::record_log::FrameBuf;
 use super::{Op, Reply};
 use crate::codec;
 use crate::error::{Error, Result};
@@ -23,7 +24,7 @@ pub(super) struct Decided {
     /// Each written key's final state (a deletion is `None`).
     pub(super) writes: BTreeMap<Vec<u8>, Entry>,
     /// The writes in the order they were made, for the log.
-    pub(super) journal: Journal,
+    pub(super) frame: FrameBuf,
     /// Records deleted by sweeps.
     pub(super) swept: usize,
 }
@@ -72,11 +73,8 @@ impl Group<'_> {
     /// [`current`](Self::current), without reading redb when the read
     /// path found `key` absent under the count this group read.
     fn current_unless_absent(&self, key: &[u8], absent_at: Option<u64>) -> Result<Option<Record>> {
-        if let Some(entry) = self.out.writes.get(key) {
-            return Ok(entry.clone());
-        }
-        if let Some(entry) = self.mem.get(key) {
-            return Ok(entry.clone());
+        if let Some(entry) = self.out.writes.get(key).or_else(|| self.mem.get(key)) {
+            return memtable::decode(key, entry);
         }
         if absent_at == Some(self.counted) {
             return Ok(None);
@@ -89,16 +87,17 @@ impl Group<'_> {
         self.out.writes.contains_key(key) || self.mem.get(key).is_some()
     }
 
-    fn put(&mut self, key: &[u8], record: Record) -> Result<()> {
-        // Encoded (and its invariants checked) before anything is kept.
-        let value = codec::encode_record(&record)?;
-        self.out.journal.record_put(key, &value);
-        self.out.writes.insert(key.to_vec(), Some(record));
+    /// Encodes `record` (checking its invariants) once: the log frame,
+    /// the memtable and, at the checkpoint, redb all get these bytes.
+    fn put(&mut self, key: &[u8], record: &Record) -> Result<()> {
+        let encoded = Encoded::new(record)?;
+        self.out.frame.record_put(key, &encoded.value);
+        self.out.writes.insert(key.to_vec(), Some(encoded));
         Ok(())
     }
 
     fn delete(&mut self, key: &[u8]) {
-        self.out.journal.record_del(key);
+        self.out.frame.record_del(key);
         self.out.writes.insert(key.to_vec(), None);
     }
 
@@ -121,7 +120,7 @@ impl Group<'_> {
                     })?;
                 if let Some(record) = decided.write {
                     let token = record.token;
-                    self.put(key, record)?;
+                    self.put(key, &record)?;
                     *hwm = (*hwm).max(token);
                 }
                 Ok(Reply::Begin(decided.answer))
@@ -135,7 +134,7 @@ impl Group<'_> {
             } => {
                 let existing = self.current(key)?;
                 let record = logic::complete(existing, claim, response, *now, *retention)?;
-                self.put(key, record)?;
+                self.put(key, &record)?;
                 Ok(Reply::Done)
             }
             Op::Release { key, claim } => {
@@ -155,7 +154,7 @@ impl Group<'_> {
             } => {
                 let existing = self.current(key)?;
                 let step = logic::renew(existing, claim, *now, *lease)?;
-                self.put(key, step.write)?;
+                self.put(key, &step.write)?;
                 Ok(Reply::Renewed(step.claim))
             }
             Op::Sweep { now, max } => {
@@ -171,10 +170,10 @@ impl Group<'_> {
     fn sweep(&mut self, now: Timestamp, max: usize) -> Result<usize> {
         let mut candidates = self.mem.due(now);
         for (key, entry) in &self.out.writes {
-            if let Some(r) = entry
-                && logic::sweepable(r.expires_at, now)
+            if let Some(e) = entry
+                && logic::sweepable(e.expires_at, now)
             {
-                candidates.push((r.expires_at, key.clone()));
+                candidates.push((e.expires_at, key.clone()));
             }
         }
         // redb's index, in (expiry, key) order: its first `max` live
@@ -379,8 +378,8 @@ mod tests {
         assert!(matches!(it.next(), Some(Err(Error::StaleClaim))));
         assert!(matches!(it.next(), Some(Ok(Reply::Begin(Begin::Claimed(c)))) if c.token == 2));
         assert_eq!(shared.stats.commits.load(Ordering::Relaxed), 1);
-        assert_eq!(shared.lock_core().token_hwm, 2);
-        assert_eq!(shared.read_mem().active.len(), 2, "in the memtable");
+        assert_eq!(shared.log.lock().token_hwm, 2);
+        assert_eq!(shared.memory.read_mem().active.len(), 2, "in the memtable");
     }
 
     #[test]
@@ -398,13 +397,13 @@ mod tests {
         shared.commit_group(&[claim(b"\0r1", 10), claim(b"\0r2", 20)]);
         // Into redb: the memtable is checkpointed by a direct transaction.
         shared.direct(|_, _| Ok::<_, Error>(())).unwrap();
-        assert!(shared.read_mem().is_empty());
+        assert!(shared.memory.read_mem().is_empty());
         shared.commit_group(&[claim(b"\0m1", 15), claim(b"\0m2", 25)]);
         let later = Timestamp::from_millis(1_000);
         let answers = shared.commit_group(&[Op::Sweep { now: later, max: 3 }]);
         assert!(matches!(answers.as_slice(), [Ok(Reply::Swept(3))]));
         // Oldest first: r1 (11), m1 (16), r2 (21) went; m2 (26) is left.
-        let mem = shared.read_mem();
+        let mem = shared.memory.read_mem();
         assert!(matches!(mem.get(b"\0r1"), Some(None)));
         assert!(matches!(mem.get(b"\0m1"), Some(None)));
         assert!(matches!(mem.get(b"\0r2"), Some(None)));

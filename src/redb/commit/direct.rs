@@ -1,33 +1,28 @@
 //! A write transaction of its own, outside the line but under the commit
-//! lock ([`Shared::direct`]): the inbox's passes, the admin's evict and
-//! import, compaction, a clean close, a group too large for the log. It
-//! takes in the memtable first and retires the log's frames after, so what
-//! it writes is never undone by a replay. Also the wait for a running
-//! checkpoint ([`Shared::wait_checkpointed`]) that a freeze and a direct
-//! transaction make first.
+//! lock ([`Shared::direct`]), and the wait for a running checkpoint
+//! ([`Shared::wait_checkpointed`]) that it and a freeze make first.
 
 use super::super::health::On;
-use super::super::shared::{Core, Shared};
+use super::super::log::Core;
+use super::super::shared::Shared;
 use super::super::tables::{WriteTables, commit};
 use crate::error::{Error, Result};
 use crate::sync::atomic::Ordering;
 
 impl Shared {
     /// Runs `f` in a durable write transaction of its own (the inbox, the
-    /// admin evict and import, compaction, a group too large for the log),
-    /// outside the line but under the commit lock.
-    ///
-    /// The transaction first takes in every record the memtable holds (it
-    /// waits for a running checkpoint), so `f` reads the current state;
-    /// then it retires the log's frames (a new epoch), since replaying
-    /// older frames over `f`'s writes would undo them. `f` gets the token
-    /// high-water mark to hand out tokens from. An error from `f` aborts
-    /// everything; a failed commit poisons the store.
+    /// admin evict and import, compaction, a close, a group too large for
+    /// the log). It first takes in the memtable (after any running
+    /// checkpoint), so `f` reads the current state, then retires the log's
+    /// frames (a new epoch): replaying them over `f`'s writes would undo
+    /// them. `f` gets the token high-water mark to hand out tokens from.
+    /// An error from `f` aborts everything; a failed commit poisons the
+    /// store.
     pub(in crate::redb) fn direct<T, E: From<Error>>(
         &self,
         f: impl FnOnce(&mut WriteTables<'_>, &mut u64) -> Result<T, E>,
     ) -> Result<T, E> {
-        let mut core = self.lock_core();
+        let mut core = self.log.lock();
         self.direct_locked(&mut core, true, f)
     }
 
@@ -41,33 +36,35 @@ impl Shared {
         f: impl FnOnce(&mut WriteTables<'_>, &mut u64) -> Result<T, E>,
     ) -> Result<T, E> {
         self.check_writable()?;
-        self.check_healthy()?;
+        self.db.check_healthy()?;
         self.wait_checkpointed()?;
-        let db = self.write_ready_db()?;
+        let db = self.db.write_ready_db()?;
         let mut hwm = core.token_hwm;
         // An I/O error of the engine's in this transaction's own writes
         // poisons the store (redb refuses the engine until it is reopened).
         let own = |e| self.engine_failed("commit", e);
         let committed = commit(&db, quick_repair, |tables| {
             // The memtable first, so that `f` reads the current state.
-            tables.take_in(&self.read_mem().active).map_err(own)?;
+            tables
+                .take_in(&self.memory.read_mem().active)
+                .map_err(own)?;
             let out = f(tables, &mut hwm)?;
             hwm = hwm.max(core.token_hwm);
-            let next = core.wal.epoch().wrapping_add(1);
+            let next = core.writer.epoch().wrapping_add(1);
             tables.retire(hwm, next).map_err(own)?;
             Ok::<_, E>(out)
         });
         let out = committed.map_err(|e| self.fail("commit", On::Store, e))??;
         // Before the active memtable is cleared (snapshot.rs).
-        self.snapshot.committed();
+        self.db.snapshot.committed();
         core.token_hwm = hwm;
         {
-            let mut mem = self.write_mem();
+            let mut mem = self.memory.write_mem();
             mem.active.clear();
             mem.active_bytes = 0;
         }
-        core.wal.rotate();
-        self.start_memtable_clock();
+        core.writer.rotate();
+        self.memory.start_memtable_clock();
         self.stats.commits.fetch_add(1, Ordering::Relaxed);
         self.stats.durable_commits.fetch_add(1, Ordering::Relaxed);
         Ok(out)
@@ -75,13 +72,17 @@ impl Shared {
 
     /// Waits until no frozen memtable is waiting for its checkpoint.
     pub(in crate::redb) fn wait_checkpointed(&self) -> Result<()> {
-        let mut bg = self.lock_bg();
+        let mut bg = self.memory.lock_bg();
         loop {
-            self.check_healthy()?;
-            if self.read_mem().frozen.is_none() {
+            self.db.check_healthy()?;
+            if self.memory.read_mem().frozen.is_none() {
                 return Ok(());
             }
-            bg = self.bg_cv.wait(bg).unwrap_or_else(|p| p.into_inner());
+            bg = self
+                .memory
+                .bg_cv
+                .wait(bg)
+                .unwrap_or_else(|p| p.into_inner());
         }
     }
 }

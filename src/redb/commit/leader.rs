@@ -5,7 +5,7 @@
 
 use super::super::Shared;
 use super::super::health::On;
-use super::super::line::{Op, Queue, Reply, Slot, WRITE_QUEUE_DEPTH, Waiter};
+use super::super::line::{InLine, Op, Reply, Slot, WRITE_QUEUE_DEPTH, Waiter};
 use crate::error::{Error, Result};
 use crate::record::Begin;
 use crate::sync::Arc;
@@ -23,19 +23,19 @@ impl Shared {
     /// The checks before a request joins the line: writable, not poisoned.
     pub(in crate::redb) fn check_submit(&self) -> Result<()> {
         self.check_writable()?;
-        self.check_healthy()
+        self.db.check_healthy()
     }
 
-    /// Queues `op` and returns its answer, leading groups while this caller
+    /// Puts `op` in line and returns its answer, leading groups while this caller
     /// is at the front of the line. A full line (`WRITE_QUEUE_DEPTH`) waits
     /// for room.
     pub(in crate::redb) fn submit(&self, op: Op) -> Result<Reply> {
         self.check_submit()?;
         let mine = Arc::new(Slot::new(Waiter::Thread));
         let lead = {
-            let mut q = self.lock_queue();
+            let mut q = self.line.lock();
             while q.waiting.len() >= WRITE_QUEUE_DEPTH && !q.closed {
-                q = self.queue_room.wait(q).unwrap_or_else(|p| p.into_inner());
+                q = self.line.room.wait(q).unwrap_or_else(|p| p.into_inner());
             }
             if q.closed {
                 return Err(Error::Closed);
@@ -62,7 +62,7 @@ impl Shared {
     /// Puts `op` at the back of the line. A thread that finds no leader
     /// takes the role itself (its caller leads); a task or a detached op
     /// hands it to the committer thread.
-    pub(in crate::redb) fn push(&self, q: &mut Queue, op: Op, slot: Arc<Slot>) {
+    pub(in crate::redb) fn push(&self, q: &mut InLine, op: Op, slot: Arc<Slot>) {
         let waiter = slot.waiter;
         q.waiting.push_back((op, slot));
         if waiter == Waiter::Thread {
@@ -74,9 +74,9 @@ impl Shared {
     }
 
     /// Gives the leader role to the committer thread.
-    fn wake_committer(&self, q: &mut Queue) {
+    fn wake_committer(&self, q: &mut InLine) {
         if !std::mem::replace(&mut q.committer, true) {
-            self.committer_cv.notify_one();
+            self.line.committer.notify_one();
         }
     }
 
@@ -84,7 +84,7 @@ impl Shared {
     /// committer leads it if no one else does. Nothing is queued once the
     /// committer has stopped: the claim then ends with its lease.
     pub(in crate::redb) fn detach(&self, op: Op) {
-        let mut q = self.lock_queue();
+        let mut q = self.line.lock();
         if !q.stopped {
             self.push(&mut q, op, Arc::new(Slot::new(Waiter::Nobody)));
         }
@@ -95,9 +95,9 @@ impl Shared {
     /// it was in the group.
     pub(in crate::redb) fn lead_once(&self, mine: Option<&Arc<Slot>>) -> Option<Result<Reply>> {
         let (group, room) = {
-            let mut q = self.lock_queue();
+            let mut q = self.line.lock();
             let full = q.waiting.len() >= WRITE_QUEUE_DEPTH;
-            let n = q.waiting.len().min(self.max_batch);
+            let n = q.waiting.len().min(self.line.max_group);
             let group: Vec<(Op, Arc<Slot>)> = q.waiting.drain(..n).collect();
             let threads = group
                 .iter()
@@ -107,7 +107,7 @@ impl Shared {
             // A notify is a syscall even with nobody waiting: only a
             // full line can have callers waiting for room.
             if full {
-                self.queue_room.notify_all();
+                self.line.room.notify_all();
             }
             (
                 group,
@@ -134,7 +134,7 @@ impl Shared {
         };
         // Pass the role on first: the next group's commit overlaps the
         // wake-ups of this one's followers.
-        self.pass_role(&mut self.lock_queue());
+        self.pass_role(&mut self.line.lock());
         let mut own = None;
         for ((op, slot), answer) in ops.into_iter().zip(slots).zip(answers) {
             if mine.is_some_and(|m| Arc::ptr_eq(m, &slot)) {
@@ -154,7 +154,7 @@ impl Shared {
 
     /// The role goes to the first thread in line (it is blocked anyway),
     /// else to the committer while the line holds tasks, else to nobody.
-    fn pass_role(&self, q: &mut Queue) {
+    fn pass_role(&self, q: &mut InLine) {
         if q.waiting.is_empty() {
             q.leading = false;
             q.committer = false;
@@ -184,7 +184,7 @@ mod tests {
     fn a_full_line_makes_a_thread_wait_for_room() {
         let shared = shared();
         {
-            let mut q = shared.lock_queue();
+            let mut q = shared.line.lock();
             for i in 0..WRITE_QUEUE_DEPTH {
                 let id = format!("k{i}");
                 shared.push(
@@ -203,12 +203,12 @@ mod tests {
             rx.recv_timeout(Duration::from_millis(100)).is_err(),
             "the caller waits"
         );
-        assert_eq!(shared.lock_queue().waiting.len(), WRITE_QUEUE_DEPTH);
-        shared.lock_queue().closed = true;
-        shared.queue_room.notify_all();
+        assert_eq!(shared.line.lock().waiting.len(), WRITE_QUEUE_DEPTH);
+        shared.line.lock().closed = true;
+        shared.line.room.notify_all();
         let answer = rx.recv_timeout(Duration::from_secs(10));
         assert!(matches!(answer, Ok(Err(Error::Closed))), "{answer:?}");
-        assert_eq!(shared.lock_queue().waiting.len(), WRITE_QUEUE_DEPTH);
+        assert_eq!(shared.line.lock().waiting.len(), WRITE_QUEUE_DEPTH);
     }
 
     /// After its group, a leader passes the role to the first thread in
@@ -217,7 +217,10 @@ mod tests {
     #[test]
     fn the_role_passes_to_the_first_thread_in_line() {
         let mut shared = shared();
-        Arc::get_mut(&mut shared).expect("not shared yet").max_batch = 1;
+        Arc::get_mut(&mut shared)
+            .expect("not shared yet")
+            .line
+            .max_group = 1;
         let slot = |waiter| Arc::new(Slot::new(waiter));
         let (leader, task, next) = (
             slot(Waiter::Thread),
@@ -225,7 +228,7 @@ mod tests {
             slot(Waiter::Thread),
         );
         {
-            let mut q = shared.lock_queue();
+            let mut q = shared.line.lock();
             shared.push(&mut q, begin(b"a"), Arc::clone(&leader));
             shared.push(&mut q, begin(b"b"), Arc::clone(&task));
             shared.push(&mut q, begin(b"c"), Arc::clone(&next));
@@ -239,7 +242,7 @@ mod tests {
         );
         assert!(next.is_leading(), "the thread leads next");
         assert!(task.is_waiting());
-        let q = shared.lock_queue();
+        let q = shared.line.lock();
         assert!(!q.committer, "the committer was not asked");
         assert_eq!((q.waiting.len(), q.threads), (2, 1));
     }

@@ -1,11 +1,8 @@
-//! The commit path: leader/follower group commit (LevelDB's write queue).
-//! This file commits one group under the commit lock: decide, one log
-//! frame, `fdatasync`, publish into the memtable, freeze when due.
-//! `leader.rs`: who leads, who waits, who is woken; `decide.rs`: the
-//! group's decisions through `logic`, over the group's own writes, the
-//! memtable and redb (a duplicate later in a group sees the claim made
-//! earlier in it); `direct.rs`: a write transaction of its own outside the
-//! line, and the wait for a running checkpoint.
+//! The commit path: leader/follower group commit. This file commits one
+//! group under the commit lock: decide (`decide.rs`), one log frame,
+//! `fdatasync`, publish into the memtable, freeze when due. `leader.rs`:
+//! who leads and who is answered; `direct.rs`: a write transaction outside
+//! the line.
 //!
 //! The first caller in line leads on its own thread (a lone caller pays no
 //! hand-off). Futures (native.rs) join the same line but never lead: a
@@ -32,8 +29,8 @@ mod leader;
 
 use super::health::On;
 use super::line::{Op, Reply};
+use super::log::Core;
 use super::memtable::MEMTABLE_BYTES;
-use super::shared::Core;
 use super::tables::META_TOKEN_HWM;
 use super::{Durability, Shared};
 use crate::error::{Error, Result};
@@ -52,8 +49,8 @@ impl Shared {
         stats
             .largest_batch
             .fetch_max(ops.len() as u64, Ordering::Relaxed);
-        let mut core = self.lock_core();
-        if let Err(refused) = self.check_healthy() {
+        let mut core = self.log.lock();
+        if let Err(refused) = self.db.check_healthy() {
             return ops.iter().map(|_| Err(refused.replicate())).collect();
         }
         match self.commit_logged(&mut core, ops) {
@@ -78,10 +75,11 @@ impl Shared {
         let decided = {
             // The memtable first, then the count and the read path's
             // snapshot (see memtable.rs and snapshot.rs).
-            let mem = self.read_mem();
-            let counted = self.snapshot.count();
-            let db = self.read_db()?;
-            self.snapshot
+            let mem = self.memory.read_mem();
+            let counted = self.db.snapshot.count();
+            let db = self.db.read_db()?;
+            self.db
+                .snapshot
                 .read(&db, counted, |base| {
                     decide(ops, &mem, counted, base, &mut hwm)
                 })
@@ -90,13 +88,13 @@ impl Shared {
         if decided.writes.is_empty() {
             return Ok(decided.answers);
         }
-        let mut journal = decided.journal;
+        let mut frame = decided.frame;
         if hwm != core.token_hwm {
-            journal.meta_put(META_TOKEN_HWM, &hwm.to_be_bytes());
+            frame.meta_put(META_TOKEN_HWM, &hwm.to_be_bytes());
         }
-        let sync = self.durability == Durability::Immediate;
-        let n = journal.len();
-        if !core.wal.fits_at_all(n) {
+        let sync = self.log.durability == Durability::Immediate;
+        let n = frame.len();
+        if !core.writer.fits_at_all(n) {
             // Larger than a whole segment: straight into redb, durably,
             // with everything in memory before it.
             let writes = decided.writes;
@@ -107,12 +105,12 @@ impl Shared {
             })?;
             return Ok(decided.answers);
         }
-        if !core.wal.fits(n) {
+        if !core.writer.fits(n) {
             self.freeze(core)?;
         }
-        let wal = &mut core.wal;
+        let wal = &mut core.writer;
         let appending = Instant::now();
-        if let Err(e) = wal.append(&mut journal, sync) {
+        if let Err(e) = wal.append(&mut frame, sync) {
             // The frame may or may not be on disk. Its tokens are never
             // handed out again (a heal replays what reached the log).
             core.token_hwm = hwm;
@@ -120,10 +118,10 @@ impl Shared {
         }
         let (log_sync, log_fill) = (appending.elapsed(), wal.fill());
         if !sync {
-            self.log_unsynced.store(true, Ordering::SeqCst);
+            self.log.unsynced.store(true, Ordering::SeqCst);
         }
         let (bytes, first) = {
-            let mut mem = self.write_mem();
+            let mut mem = self.memory.write_mem();
             let first = mem.active.is_empty();
             mem.publish(decided.writes);
             (mem.active_bytes, first)
@@ -132,8 +130,8 @@ impl Shared {
             // The memtable's age counts from its first record; the
             // background thread (asleep with nothing in memory) times the
             // next checkpoint from it.
-            self.start_memtable_clock();
-            self.wake_background();
+            self.memory.start_memtable_clock();
+            self.memory.wake_background();
         }
         core.token_hwm = hwm;
         self.stats.commits.fetch_add(1, Ordering::Relaxed);
@@ -146,8 +144,8 @@ impl Shared {
         // Hand the memtable to the checkpointer when it is large enough,
         // or old enough, and the checkpointer is free. Past twice the
         // budget, wait for it (back-pressure on memory).
-        let free = self.read_mem().frozen.is_none();
-        let due = bytes >= MEMTABLE_BYTES || self.checkpoint_due();
+        let free = self.memory.read_mem().frozen.is_none();
+        let due = bytes >= MEMTABLE_BYTES || self.memory.checkpoint_due();
         if (due && free) || bytes >= 2 * MEMTABLE_BYTES {
             self.freeze(core)?;
         }
@@ -161,15 +159,15 @@ impl Shared {
     pub(super) fn freeze(&self, core: &mut Core) -> Result<()> {
         self.wait_checkpointed()?;
         {
-            let mut mem = self.write_mem();
-            if mem.active.is_empty() && !core.wal.is_dirty() {
+            let mut mem = self.memory.write_mem();
+            if mem.active.is_empty() && !core.writer.is_dirty() {
                 return Ok(());
             }
-            mem.freeze(core.wal.epoch(), core.token_hwm);
+            mem.freeze(core.writer.epoch(), core.token_hwm);
         }
-        core.wal.rotate();
-        self.start_memtable_clock();
-        self.wake_background();
+        core.writer.rotate();
+        self.memory.start_memtable_clock();
+        self.memory.wake_background();
         Ok(())
     }
 }
@@ -242,7 +240,7 @@ pub(in crate::redb) mod tests {
                 [Ok(Reply::Begin(Begin::Claimed(_)))]
             ));
             assert_eq!(
-                shared.log_unsynced.load(Ordering::SeqCst),
+                shared.log.unsynced.load(Ordering::SeqCst),
                 unsynced,
                 "{durability:?}"
             );
@@ -257,12 +255,15 @@ pub(in crate::redb) mod tests {
         let shared =
             shared_with(RedbStoreBuilder::default().checkpoint_interval(Duration::from_secs(3600)));
         shared.commit_group(&[begin(b"a")]);
-        assert!(shared.read_mem().frozen.is_none(), "small and young: kept");
+        assert!(
+            shared.memory.read_mem().frozen.is_none(),
+            "small and young: kept"
+        );
         // A deletion whose key alone fills the budget.
         let big = vec![7u8; crate::redb::MEMTABLE_BYTES];
-        shared.write_mem().publish([(big, None)]);
+        shared.memory.write_mem().publish([(big, None)]);
         shared.commit_group(&[begin(b"b")]);
-        assert!(shared.read_mem().frozen.is_some(), "full: frozen");
+        assert!(shared.memory.read_mem().frozen.is_some(), "full: frozen");
     }
 
     /// `op`'s group committed on a thread of its own; its answers come on
@@ -286,36 +287,43 @@ pub(in crate::redb) mod tests {
         const WAIT: Duration = Duration::from_secs(10);
         let shared =
             shared_with(RedbStoreBuilder::default().checkpoint_interval(Duration::from_secs(3600)));
-        shared.write_mem().publish([(b"first".to_vec(), None)]);
-        shared.freeze(&mut shared.lock_core()).unwrap();
-        assert!(shared.read_mem().frozen.is_some());
+        shared
+            .memory
+            .write_mem()
+            .publish([(b"first".to_vec(), None)]);
+        shared.freeze(&mut shared.log.lock()).unwrap();
+        assert!(shared.memory.read_mem().frozen.is_some());
         // Over the budget, under twice it: no wait.
         let budget = crate::redb::MEMTABLE_BYTES;
         shared
+            .memory
             .write_mem()
             .publish([(vec![7u8; budget + 1024], None)]);
         let answers = commit_aside(&shared, begin(b"a")).recv_timeout(WAIT);
         assert!(matches!(answers.as_deref(), Ok([Ok(_)])), "{answers:?}");
         // Past twice the budget: the group waits for the checkpoint.
-        shared.write_mem().publish([(vec![8u8; budget], None)]);
+        shared
+            .memory
+            .write_mem()
+            .publish([(vec![8u8; budget], None)]);
         let waiting = commit_aside(&shared, begin(b"b"));
         assert!(
             waiting.recv_timeout(Duration::from_millis(200)).is_err(),
             "waits while the frozen memtable is not written"
         );
         assert!(
-            shared.read_mem().get(b"first").is_some(),
+            shared.memory.read_mem().get(b"first").is_some(),
             "the frozen memtable is still there"
         );
         // What the checkpointer does once its commit is durable.
         {
-            let _bg = shared.lock_bg();
-            shared.write_mem().frozen = None;
-            shared.bg_cv.notify_all();
+            let _bg = shared.memory.lock_bg();
+            shared.memory.write_mem().frozen = None;
+            shared.memory.bg_cv.notify_all();
         }
         let answers = waiting.recv_timeout(WAIT);
         assert!(matches!(answers.as_deref(), Ok([Ok(_)])), "{answers:?}");
-        let mem = shared.read_mem();
+        let mem = shared.memory.read_mem();
         assert!(
             mem.frozen.is_some() && mem.active.is_empty(),
             "frozen in turn"
@@ -328,17 +336,17 @@ pub(in crate::redb) mod tests {
     #[test]
     fn a_freeze_with_nothing_logged_does_nothing() {
         let shared = shared();
-        let mut core = shared.lock_core();
-        let epoch = core.wal.epoch();
+        let mut core = shared.log.lock();
+        let epoch = core.writer.epoch();
         shared.freeze(&mut core).unwrap();
-        assert!(shared.read_mem().frozen.is_none());
-        assert_eq!(core.wal.epoch(), epoch);
+        assert!(shared.memory.read_mem().frozen.is_none());
+        assert_eq!(core.writer.epoch(), epoch);
     }
 
     /// The checkpointer's timed freeze, when a leader froze the memtable
     /// just before: it must return (the frozen table is its own to write),
-    /// not wait for that table holding the commit lock. Before the fix
-    /// every writer stopped behind it (found by the HTTP load benchmark).
+    /// not wait for that table holding the commit lock, which would stop
+    /// every writer behind it.
     #[test]
     fn a_timed_freeze_never_waits_for_the_checkpoint_it_must_write() {
         let shared =
@@ -349,13 +357,13 @@ pub(in crate::redb) mod tests {
             [Ok(Reply::Begin(Begin::Claimed(_)))]
         ));
         {
-            let mut core = shared.lock_core();
+            let mut core = shared.log.lock();
             shared.freeze(&mut core).unwrap();
         }
-        assert!(shared.read_mem().frozen.is_some());
+        assert!(shared.memory.read_mem().frozen.is_some());
         // Due again: the (1 ms) interval has passed since the freeze.
         std::thread::sleep(Duration::from_millis(20));
-        assert!(shared.checkpoint_due());
+        assert!(shared.memory.checkpoint_due());
         let (tx, rx) = std::sync::mpsc::channel();
         let ticking = Arc::clone(&shared);
         std::thread::spawn(move || {
@@ -370,6 +378,6 @@ pub(in crate::redb) mod tests {
             "the tick hung: {ticked:?}"
         );
         // The commit lock is free: a writer gets through.
-        assert!(shared.try_lock_core().is_some());
+        assert!(shared.log.try_lock().is_some());
     }
 }

@@ -145,15 +145,15 @@ impl Inbox {
         }
         let now = self.clock.now();
         let shared = &self.store.shared;
-        shared.check_healthy()?;
+        shared.db.check_healthy()?;
         if let Some(answers) = all_redelivered(&self.store, items, now) {
             return Ok(answers.into_iter().map(Ok).collect());
         }
         let mut failed: Vec<Option<Failed<E>>> = items.iter().map(|_| None).collect();
-        let mut core = shared.lock_core();
+        let mut core = shared.log.lock();
         loop {
             let mut burned = 0;
-            let io_errors = shared.witness.count();
+            let io_errors = shared.db.witness.count();
             let pass = shared.direct_locked(&mut core, self.quick_repair, |tables, hwm| {
                 self.one_pass(tables, hwm, &mut burned, items, &failed, now, &mut handler)
             });
@@ -175,8 +175,8 @@ impl Inbox {
                 // the file on a full disk): the failure is the store's, and
                 // its kind is kept (the handler's error type may not carry
                 // it). redb refuses the database now: poison and heal.
-                Err(Abort::Message(..)) if shared.witness.count() != io_errors => {
-                    let error = shared.witness.last().map_or_else(
+                Err(Abort::Message(..)) if shared.db.witness.count() != io_errors => {
+                    let error = shared.db.witness.last().map_or_else(
                         || Error::backend("the storage engine failed an I/O"),
                         Error::Io,
                     );

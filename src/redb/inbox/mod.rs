@@ -271,7 +271,7 @@ impl Inbox {
         E: From<Error>,
         F: FnOnce(&ReadTransaction) -> Result<T, E>,
     {
-        let db = self.store.shared.read_db()?;
+        let db = self.store.shared.db.read_db()?;
         let txn = db.begin_read().map_err(engine_error)?;
         f(&txn)
     }

@@ -1,4 +1,4 @@
-//! The record log's bytes ([`Layout`], [`Journal`], [`read_frame`],
+//! The record log's bytes ([`Layout`], [`FrameBuf`], [`read_frame`],
 //! [`entries`]); docs/format.md is the reference.
 //!
 //! The CRC covers the store's 16-byte id (not stored in the frame): a log
@@ -80,24 +80,24 @@ impl Layout {
     }
 }
 
-/// The table writes of one batch, in the order they were made, already
+/// The table writes of one group, in the order they were made, already
 /// laid out as a frame: the header's room comes first and is filled in by
-/// [`Wal::append`](super::Wal::append), so the batch is never copied into
+/// [`LogWriter::append`](super::LogWriter::append), so the group is never copied into
 /// a second buffer.
 #[derive(Debug)]
-pub(in crate::redb) struct Journal {
+pub(in crate::redb) struct FrameBuf {
     bytes: Vec<u8>,
 }
 
-impl Default for Journal {
-    fn default() -> Journal {
-        Journal {
+impl Default for FrameBuf {
+    fn default() -> FrameBuf {
+        FrameBuf {
             bytes: vec![0; FRAME_HEADER as usize],
         }
     }
 }
 
-impl Journal {
+impl FrameBuf {
     pub(in crate::redb) fn record_put(&mut self, key: &[u8], value: &[u8]) {
         self.entry(TAG_RECORD_PUT, key, Some(value));
     }
@@ -116,7 +116,7 @@ impl Journal {
     /// Fills in the header for `store_id` and `epoch` and returns the frame.
     pub(super) fn seal(&mut self, store_id: &[u8; 16], epoch: u64) -> Result<&[u8]> {
         let len = u32::try_from(self.len())
-            .map_err(|_| Error::backend("a write batch too large for the log"))?;
+            .map_err(|_| Error::backend("a group too large for the log"))?;
         let (header, payload) = self.bytes.split_at_mut(FRAME_HEADER as usize);
         let (fixed, crc_field) = header.split_at_mut(16);
         fixed.copy_from_slice(&[&MAGIC[..], &epoch.to_be_bytes(), &len.to_be_bytes()].concat());
@@ -295,7 +295,7 @@ mod tests {
     /// less of region and it is the end.
     #[test]
     fn a_frame_may_end_exactly_at_its_regions_end() {
-        let mut j = Journal::default();
+        let mut j = FrameBuf::default();
         j.record_del(b"\0k");
         let frame = j.seal(&[9; 16], 3).unwrap().to_vec();
         let file = ::redb::backends::InMemoryBackend::new();
@@ -318,7 +318,7 @@ mod tests {
     /// a frame. The payload is over a MiB: a large response's frame.
     #[test]
     fn a_damaged_frames_keys_are_read_as_far_as_its_entries_parse() {
-        let mut j = Journal::default();
+        let mut j = FrameBuf::default();
         j.record_put(b"\0big", &vec![1u8; 2 << 20]);
         j.meta_put("token_hwm", &[0; 8]);
         j.record_del(b"\0gone");
@@ -342,7 +342,7 @@ mod tests {
 
     #[test]
     fn take_splits_length_prefixed_fields_and_refuses_short_ones() {
-        let mut j = Journal::default();
+        let mut j = FrameBuf::default();
         j.record_put(b"k", b"value");
         let bytes = j.bytes.clone();
         let mut cursor = bytes.get(FRAME_HEADER as usize + 1..).unwrap();
@@ -355,7 +355,7 @@ mod tests {
 
     #[test]
     fn frames_verify_only_whole_in_their_epoch_and_for_their_store() {
-        let mut j = Journal::default();
+        let mut j = FrameBuf::default();
         j.record_del(b"k");
         let id = [1; 16];
         let frame = j.seal(&id, 7).unwrap().to_vec();

@@ -32,11 +32,11 @@ mod reader;
 mod writer;
 
 pub(crate) use frame::FRAME_ALIGN;
-pub(super) use frame::{Journal, Layout, entries};
+pub(super) use frame::{FrameBuf, Layout, entries};
 pub(super) use reader::{applier, frames_seen, walk};
-pub(super) use writer::Wal;
+pub(super) use writer::LogWriter;
 
-/// Size of a store's write-ahead log file (`<file>-wal`): two segments of
+/// Size of a store's log file (`<file>-wal`): two segments of
 /// half this size. Zero-filled at creation, so an append changes neither
 /// size nor allocation and `fdatasync` has no metadata to write.
 ///
@@ -64,7 +64,7 @@ pub const MIN_WAL_BYTES: u64 = 4 * FRAME_ALIGN;
 pub const CHECKPOINT_INTERVAL: Duration = Duration::from_millis(500);
 
 /// The log's path beside the store file: `<name>-wal`.
-pub(super) fn wal_path(store: &Path) -> std::path::PathBuf {
+pub(super) fn log_path(store: &Path) -> std::path::PathBuf {
     let mut name = store.file_name().unwrap_or_default().to_os_string();
     name.push("-wal");
     store.with_file_name(name)
@@ -81,7 +81,7 @@ impl FileLog {
     /// Opens (creating, mode 0600) the log beside `store`, making a new
     /// directory entry durable.
     pub(super) fn open(store: &Path) -> Result<FileLog> {
-        let path = wal_path(store);
+        let path = log_path(store);
         let existed = path.exists();
         let file = super::file::open_owner_only(&path)?;
         if !existed {
@@ -94,7 +94,7 @@ impl FileLog {
     /// Opens the log beside `store` for reading only (`None` when there is
     /// none): every write through it fails, and nothing is created.
     pub(super) fn open_read_only(store: &Path) -> Result<Option<FileLog>> {
-        match std::fs::File::open(wal_path(store)) {
+        match std::fs::File::open(log_path(store)) {
             Ok(file) => Ok(Some(FileLog { file })),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
             Err(e) => Err(e.into()),
@@ -146,7 +146,7 @@ mod tests {
     #[test]
     fn the_log_sits_beside_the_store() {
         assert_eq!(
-            wal_path(Path::new("/srv/orders.idem")),
+            log_path(Path::new("/srv/orders.idem")),
             Path::new("/srv/orders.idem-wal")
         );
     }

@@ -1,18 +1,18 @@
-//! The record log's writer: [`Wal`] appends a group's [`Journal`] as one
+//! The record log's writer: [`LogWriter`] appends a group's [`FrameBuf`] as one
 //! frame at the next aligned offset of the current epoch's segment, syncs
 //! it, and moves to the next epoch's segment when a checkpoint takes the
 //! memtable; `file::preallocate` gives the log file its full size in zeros.
 
-use super::frame::{FRAME_HEADER, Journal, align_up, segment_bytes, segment_range};
+use super::frame::{FRAME_HEADER, FrameBuf, align_up, segment_bytes, segment_range};
 use crate::error::{Error, Result};
 use ::redb::StorageBackend;
 use std::fmt;
 
 /// The log file and where the next frame goes. The durable epoch in redb
-/// (`META_WAL_EPOCH`) is the oldest epoch not all in redb; it and the next
+/// (`META_LOG_EPOCH`) is the oldest epoch not all in redb; it and the next
 /// hold the live frames (the segment rules are in the module docs of
 /// `record_log`).
-pub(in crate::redb) struct Wal {
+pub(in crate::redb) struct LogWriter {
     file: std::sync::Arc<dyn StorageBackend>,
     /// The epoch new frames are written in.
     epoch: u64,
@@ -24,24 +24,24 @@ pub(in crate::redb) struct Wal {
     store_id: [u8; 16],
 }
 
-impl fmt::Debug for Wal {
+impl fmt::Debug for LogWriter {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Wal")
+        f.debug_struct("LogWriter")
             .field("epoch", &self.epoch)
             .field("offset", &self.offset)
             .finish_non_exhaustive()
     }
 }
 
-impl Wal {
+impl LogWriter {
     /// A log whose next frames are of `epoch`, from the start of its segment.
     pub(in crate::redb) fn new(
         file: std::sync::Arc<dyn StorageBackend>,
         store_id: [u8; 16],
         epoch: u64,
         len: u64,
-    ) -> Wal {
-        Wal {
+    ) -> LogWriter {
+        LogWriter {
             file,
             epoch,
             offset: 0,
@@ -74,14 +74,14 @@ impl Wal {
         self.offset > 0
     }
 
-    /// A frame with this much journal fits in what is left of the segment.
-    pub(in crate::redb) fn fits(&self, journal_bytes: usize) -> bool {
-        self.offset + align_up(FRAME_HEADER + journal_bytes as u64) <= segment_bytes(self.len)
+    /// A frame with this many payload bytes fits in what is left of the segment.
+    pub(in crate::redb) fn fits(&self, payload_bytes: usize) -> bool {
+        self.offset + align_up(FRAME_HEADER + payload_bytes as u64) <= segment_bytes(self.len)
     }
 
-    /// A frame with this much journal fits in an empty segment.
-    pub(in crate::redb) fn fits_at_all(&self, journal_bytes: usize) -> bool {
-        align_up(FRAME_HEADER + journal_bytes as u64) <= segment_bytes(self.len)
+    /// A frame with this many payload bytes fits in an empty segment.
+    pub(in crate::redb) fn fits_at_all(&self, payload_bytes: usize) -> bool {
+        align_up(FRAME_HEADER + payload_bytes as u64) <= segment_bytes(self.len)
     }
 
     /// The current epoch's frames are all durable elsewhere (a checkpoint
@@ -92,12 +92,12 @@ impl Wal {
         self.offset = 0;
     }
 
-    /// Appends `journal` as one frame, on an aligned offset, and makes it
+    /// Appends `frame` as one frame, on an aligned offset, and makes it
     /// durable when `sync`. An error leaves the frame's fate unknown: the
     /// caller must not publish the group and must poison the store.
-    pub(in crate::redb) fn append(&mut self, journal: &mut Journal, sync: bool) -> Result<()> {
+    pub(in crate::redb) fn append(&mut self, frame: &mut FrameBuf, sync: bool) -> Result<()> {
         let start = segment_range(self.len, self.epoch).start + self.offset;
-        let frame = journal.seal(&self.store_id, self.epoch)?;
+        let frame = frame.seal(&self.store_id, self.epoch)?;
         let framed = align_up(frame.len() as u64);
         self.file.write(start, frame).map_err(Error::Io)?;
         if sync {
@@ -120,8 +120,8 @@ mod tests {
         let file = std::sync::Arc::new(::redb::backends::InMemoryBackend::new());
         let len = 4 * FRAME_ALIGN;
         file.set_len(len).unwrap();
-        let mut wal = Wal::new(file.clone(), [3; 16], 5, len);
-        let journal = |n: usize| {
+        let mut wal = LogWriter::new(file.clone(), [3; 16], 5, len);
+        let frame = |n: usize| {
             let record = crate::record::Record {
                 fingerprint: crate::fingerprint::Fingerprint::of(b"x"),
                 state: crate::record::State::Done,
@@ -132,14 +132,14 @@ mod tests {
                 token: 1,
                 attempts: 1,
             };
-            let mut j = Journal::default();
+            let mut j = FrameBuf::default();
             j.record_put(b"\0k", &crate::codec::encode_record(&record).unwrap());
             j
         };
         // Epoch 5 writes segment 1; each frame takes whole blocks.
         assert!(wal.fits(100) && !wal.is_dirty());
         assert_eq!(wal.fill(), 0.0);
-        wal.append(&mut journal(100), true).unwrap();
+        wal.append(&mut frame(100), true).unwrap();
         assert!(wal.is_dirty());
         assert!(wal.fits(100));
         assert_eq!(wal.fill(), 0.5, "one block of the segment's two");
@@ -148,7 +148,7 @@ mod tests {
             shown.contains("epoch: 5") && shown.contains(&format!("offset: {FRAME_ALIGN}")),
             "{shown}"
         );
-        wal.append(&mut journal(100), true).unwrap();
+        wal.append(&mut frame(100), true).unwrap();
         assert_eq!(wal.fill(), 1.0);
         // The segment (two blocks) is full.
         assert!(!wal.fits(1) && wal.fits_at_all(1));
@@ -162,7 +162,7 @@ mod tests {
         wal.rotate();
         assert_eq!(wal.epoch(), 6);
         assert!(!wal.is_dirty());
-        wal.append(&mut journal(10), false).unwrap();
+        wal.append(&mut frame(10), false).unwrap();
         assert!(matches!(read(0, 6), Frame::Whole { .. }));
         // Replay follows the aligned starts and stops at the segment's end.
         let db = ::redb::Database::builder()

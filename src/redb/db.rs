@@ -1,0 +1,204 @@
+//! [`Db`]: the redb engine behind its lock, the read path's kept snapshot,
+//! and the store's health (poisoned or not, why, and what a heal needs to
+//! reopen the engine).
+
+use super::config::Config;
+use super::health::{self, Health, On};
+use super::snapshot::Snapshot;
+use super::{RecoveryPolicy, source, witness};
+use crate::error::{Cause, Error, Result};
+use crate::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use crate::time::Clock;
+use ::redb::Database;
+use std::path::{Path, PathBuf};
+
+/// The engine and its health.
+pub(super) struct Db {
+    /// The kept redb snapshot and the count of redb commits (snapshot.rs);
+    /// declared before `engine` so that it is dropped first.
+    pub(super) snapshot: Snapshot,
+    /// A read lock for every transaction; a compaction and a heal take the
+    /// write lock, which is how they wait out every live transaction.
+    engine: RwLock<Engine>,
+    pub(super) health: health::HealthCell,
+    /// Where a heal reopens the engine from (heal.rs).
+    pub(super) source: source::Origin,
+    /// Sees every I/O error of the engine's storage (witness.rs).
+    pub(super) witness: Arc<witness::IoWitness>,
+    /// What the last failed attempt to heal saw.
+    pub(super) attempts: Mutex<health::Attempts>,
+    /// The options a heal reopens with (no lease ended, nothing verified).
+    pub(super) heal_config: Config,
+    pub(super) clock: Arc<dyn Clock>,
+    /// The store file, in errors (`None` for a storage backend).
+    pub(super) path: Option<PathBuf>,
+}
+
+/// The engine behind [`Db`]'s lock.
+pub(super) struct Engine {
+    pub(super) db: Database,
+    pub(super) usable: Usable,
+}
+
+/// What the engine in [`Engine::db`] may be used for, from least to most.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(super) enum Usable {
+    /// While a heal cannot open the files at all: an empty stand-in, and
+    /// reads fail with the cause instead of reading it.
+    No,
+    /// While a heal cannot open the files for writing: a view of them that
+    /// writes nothing (`overlay::open_view_of`). Reads go on; a write
+    /// transaction is refused with the cause.
+    ForReads,
+    /// The store's files, opened for writing.
+    Yes,
+}
+
+/// A read lock on a usable engine (see [`Db::read_db`]).
+pub(super) struct DbRead<'a>(RwLockReadGuard<'a, Engine>);
+
+impl std::ops::Deref for DbRead<'_> {
+    type Target = Database;
+    fn deref(&self) -> &Database {
+        &self.0.db
+    }
+}
+
+impl Db {
+    pub(super) fn new(
+        db: Database,
+        source: source::Origin,
+        witness: Arc<witness::IoWitness>,
+        config: &Config,
+        path: Option<&Path>,
+    ) -> Db {
+        Db {
+            snapshot: Snapshot::default(),
+            engine: RwLock::new(Engine {
+                db,
+                usable: Usable::Yes,
+            }),
+            health: health::HealthCell::default(),
+            source,
+            witness,
+            attempts: Mutex::new(health::Attempts::default()),
+            heal_config: Config {
+                recovery: RecoveryPolicy::WaitForLease,
+                verify_on_open: false,
+                accept_loss: false,
+                sweeper: None,
+                ..config.clone()
+            },
+            clock: Arc::clone(&config.clock),
+            path: path.map(Path::to_path_buf),
+        }
+    }
+
+    /// The engine for a transaction, or the cause when a heal could not
+    /// reopen it yet.
+    pub(super) fn read_db(&self) -> Result<DbRead<'_>> {
+        self.db_for(Usable::ForReads)
+    }
+    /// The engine for a write transaction: the files opened for writing,
+    /// or the cause.
+    pub(super) fn write_ready_db(&self) -> Result<DbRead<'_>> {
+        self.db_for(Usable::Yes)
+    }
+    pub(super) fn db_for(&self, need: Usable) -> Result<DbRead<'_>> {
+        let engine = self.engine.read().unwrap_or_else(|p| p.into_inner());
+        if engine.usable < need {
+            return Err(self.poisoned_error());
+        }
+        Ok(DbRead(engine))
+    }
+    /// The engine for exclusive use (a heal, a compaction, the verifier's
+    /// in-place check): every transaction waited out, the kept snapshot
+    /// dropped and the use counted as a commit (redb compacts and checks
+    /// only with no live read, and a heal may change the files).
+    pub(super) fn write_db(&self) -> RwLockWriteGuard<'_, Engine> {
+        let engine = self.engine.write().unwrap_or_else(|p| p.into_inner());
+        self.snapshot.committed();
+        engine
+    }
+
+    /// Whether writes are refused.
+    pub(super) fn is_poisoned(&self) -> bool {
+        self.health.is_poisoned()
+    }
+
+    /// Poisons with `error` (met `during` an operation on `on`; the first
+    /// failure stays the cause) and returns it, an I/O error keeping its
+    /// kind and gaining the file and the operation.
+    pub(super) fn poison(&self, during: &'static str, on: On, error: Error) -> Error {
+        let error = self.named(error);
+        let path = self.file_name(on);
+        let cause = Cause::new(during, Some(&path), &error);
+        if self.health.poison(&cause, self.clock.now()) {
+            crate::observability::poisoned("redb", &cause);
+            crate::observability::health("redb", if cause.heals() { 1 } else { 2 });
+        }
+        match error {
+            Error::Io(e) => Error::Io(std::io::Error::new(e.kind(), cause.to_string())),
+            other => other,
+        }
+    }
+
+    /// `error`, or, when it is the engine's refusal after an earlier I/O
+    /// error (which names none), the last I/O error the engine's storage
+    /// returned: the cause, with its kind.
+    pub(super) fn named(&self, error: Error) -> Error {
+        if !super::errors::is_latched(&error) {
+            return error;
+        }
+        self.witness.last().map_or(error, Error::Io)
+    }
+
+    /// The error a write gets while the store is poisoned.
+    pub(super) fn poisoned_error(&self) -> Error {
+        Error::Poisoned {
+            cause: self.health.cause(),
+        }
+    }
+
+    /// [`Err`] of [`poisoned_error`](Self::poisoned_error) while poisoned.
+    /// The flag and the cause are set and cleared together under the
+    /// cause's lock, so a write that races the end of a heal is either
+    /// refused with the cause or let through, never refused without one.
+    pub(super) fn check_healthy(&self) -> Result<()> {
+        self.health.refusal().map_or(Ok(()), Err)
+    }
+
+    /// Whether the background thread should try to heal: poisoned by a
+    /// cause that may go away.
+    pub(super) fn heals(&self) -> bool {
+        self.is_poisoned() && self.health.cause().is_none_or(|c| c.heals())
+    }
+
+    /// The I/O kind of the failure being healed.
+    pub(super) fn health_cause_kind(&self) -> Option<std::io::ErrorKind> {
+        self.health.cause().and_then(|c| c.io_kind())
+    }
+
+    /// Writes are accepted again (the store healed).
+    pub(super) fn healthy_again(&self) {
+        if let Some(fault) = self.health.clear() {
+            let since = fault.since.until(self.clock.now());
+            crate::observability::healed("redb", &fault.cause, since);
+            crate::observability::health("redb", 0);
+        }
+    }
+
+    /// The store's health.
+    pub(super) fn health(&self) -> Health {
+        self.health.health()
+    }
+
+    fn file_name(&self, on: On) -> String {
+        match (&self.path, on) {
+            (Some(path), On::Store) => path.display().to_string(),
+            (Some(path), On::Log) => super::record_log::log_path(path).display().to_string(),
+            (None, On::Store) => "<storage backend>".to_owned(),
+            (None, On::Log) => "<log backend>".to_owned(),
+        }
+    }
+}
