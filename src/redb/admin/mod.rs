@@ -1,6 +1,6 @@
 //! Operator access to a store file: store facts, raw iteration over the
 //! records, a full verification, evicting one key, bulk import, and the
-//! export line format. The `idemstore` binary (feature `cli`) is built on
+//! export line format. The `idemstore` binary (package `idemstore-cli`) is built on
 //! this module alone, and so is the crash checker of `idemstore-testkit`.
 //! None of it is part of the [`Store`](crate::Store) contract.
 //!
