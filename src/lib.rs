@@ -78,14 +78,15 @@
 //! - `tokio`: `Guard::run_async` (a store's native async entry where it has
 //!   one, [`Store::begin_async`]; tokio's blocking pool otherwise).
 //! - `tower`: HTTP middleware (`Idempotency-Key`), in `tower` (behaviour and status codes in its docs).
-//! - `cli`: the `idemstore` operator binary (read-only inspection, explain,
-//!   evict, sweep, compact, verify, salvage, export, import), built on the
-//!   public `redb::admin` API alone.
 //! - `tracing`, `metrics`: spans and events, and counters, histograms and
 //!   gauges, through those facades ([`observability`]).
 //! - `test-util`: `ManualClock`, `FaultyStore` and the `MemoryStore` fault hook.
 //!   The conformance suite, the model, the power-loss storage backend and the
 //!   kill-test driver are in the `idemstore-testkit` crate.
+//!
+//! The `idemstore` operator binary (read-only inspection, explain, evict,
+//! sweep, compact, verify, salvage, export, import) is a package of its
+//! own, `idemstore-cli`, built on the public `redb::admin` API alone.
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 

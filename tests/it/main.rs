@@ -8,7 +8,6 @@
 )]
 
 mod bad_input;
-mod cli;
 #[cfg(all(feature = "redb", feature = "tower"))]
 mod clock_step;
 #[cfg(feature = "redb")]

@@ -1,7 +1,7 @@
 //! Operator access to a store file (facts, raw scans, verify, evict,
 //! import, the export line format), outside the [`Store`](crate::Store)
-//! contract; the `idemstore` binary is built on it. Reads see the store
-//! file: what was checkpointed ([`Admin::checkpoint`]).
+//! contract; the `idemstore` binary (package `idemstore-cli`) is built on
+//! it. Reads see the store file: what was checkpointed ([`Admin::checkpoint`]).
 //!
 //! ```
 //! use idemstore::{Fingerprint, Key, RedbStore, Store, Timestamp};

@@ -1,7 +1,11 @@
 //! The `idemstore` binary, run as a process against stores made by the
 //! library: every command, the exit codes, a damaged store for `verify`, and
 //! a store held by another process.
-#![cfg(all(feature = "cli", feature = "redb"))]
+#![allow(
+    clippy::unwrap_used,
+    clippy::indexing_slicing,
+    reason = "a panic in a test is a failure with a location"
+)]
 
 use assert_cmd::Command;
 use idemstore::{
@@ -1403,7 +1407,6 @@ fn the_fingerprint_command_computes_what_the_library_does() {
 /// then `fingerprint` and `explain` with the same pointers: the CLI must
 /// compute the layer's fingerprint, or an operator asking "why 422?" is
 /// told about another request.
-#[cfg(feature = "tower")]
 #[test]
 fn the_cli_and_the_layer_agree_on_json_fields() {
     use axum::{Router, body::Body, http::StatusCode, routing::post};
@@ -1499,7 +1502,6 @@ fn the_cli_and_the_layer_agree_on_json_fields() {
 }
 
 /// The stored fingerprint of `id` (empty scope), as `get --json` prints it.
-#[cfg(feature = "tower")]
 fn store_fingerprint(path: &Path, id: &str) -> String {
     let v = run_json(&["get", path.to_str().unwrap(), id]);
     v["fingerprint"].as_str().unwrap().to_owned()

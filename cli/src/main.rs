@@ -1,11 +1,11 @@
-//! `idemstore`: the operator tool (features `cli` and `redb`): inspect,
+//! `idemstore`: the operator tool (package `idemstore-cli`): inspect,
 //! explain, evict, sweep, compact, verify, salvage, export and import a
 //! `RedbStore` file.
 //!
 //! Built on idemstore's public API alone (`idemstore::redb::admin` for what
 //! the `Store` contract does not cover). The commands are functions over an
 //! `Io` (streams and now) so that unit tests drive them without a process;
-//! integration tests (`tests/it/cli.rs`) run the real binary.
+//! integration tests (`tests/cli.rs`) run the real binary.
 //!
 //! ```text
 //! idemstore stats       STORE                              (reads only)
