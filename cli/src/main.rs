@@ -24,7 +24,7 @@
 //! idemstore recover     STORE --accept-loss [--report FILE]
 //! ```
 //! The inspections (`stats`, `get`, `list`, `explain`, `log`, `verify`,
-//! `export`) open the store read-only ([`RedbStore::open_read_only`]): no
+//! `export`) open the store read-only (`RedbStore::builder().open_read_only`): no
 //! byte of the store or its log changes, no file is created, and they work
 //! on a file the user cannot write. No command but `import` (and `salvage`,
 //! into its new file) creates a store. Every command takes `--json` for
@@ -529,7 +529,8 @@ pub(crate) fn existing_store_file(path: &Path) -> std::result::Result<(), Failur
 /// frames of the write-ahead log not yet in the store file.
 pub(crate) fn open_view(path: &Path, io: &mut Io<'_>) -> std::result::Result<RedbStore, Failure> {
     existing_store_file(path)?;
-    let store = retry_locked(|| RedbStore::open_read_only(path)).map_err(|e| name_io(e, path))?;
+    let store =
+        retry_locked(|| RedbStore::builder().open_read_only(path)).map_err(|e| name_io(e, path))?;
     let frames = store.stats().frames_replayed_on_open;
     if frames > 0 {
         io.note(&format!(

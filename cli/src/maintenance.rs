@@ -716,7 +716,11 @@ pub(crate) fn salvage(store: &Path, to: &Path, io: &mut Io<'_>) -> Outcome {
 
 /// The token high-water mark of the store at `path`, read through a view.
 fn new_hwm(path: &Path) -> std::result::Result<u64, Failure> {
-    Ok(RedbStore::open_read_only(path)?.admin().facts()?.token_hwm)
+    Ok(RedbStore::builder()
+        .open_read_only(path)?
+        .admin()
+        .facts()?
+        .token_hwm)
 }
 
 /// A [`LogCheck`](idemstore::redb::admin::LogCheck) as JSON (`log`, and

@@ -165,20 +165,51 @@ impl RedbStoreBuilder {
         RedbStore::start(opened, self.config, Some(path.to_path_buf()))
     }
 
-    /// Opens the existing store file at `path` for reading only
-    /// ([`RedbStore::open_read_only`]). The cache size, the clock and
-    /// [`accept_loss`](Self::accept_loss) (in memory) apply; a view ends no
-    /// lease and sweeps nothing.
+    /// Opens the existing store file at `path` for reading only: an
+    /// operator's inspection, a backup, a file the caller may not write.
+    ///
+    /// No byte of either file changes and no file is created: redb's
+    /// recovery and the log's replay happen in an in-memory overlay, so the
+    /// view holds everything a writer's open would, and ends no lease.
+    /// Reads work; every write (a claiming `begin`, `complete`, `release`,
+    /// `sweep_expired`, [`compact`](RedbStore::compact), evict, import, an
+    /// [`Inbox`]) is [`Error::ReadOnly`].
+    ///
+    /// It holds a shared lock: writers' opens are [`Error::Locked`]
+    /// meanwhile, and so is this open while a writer holds the file. A
+    /// missing file is [`Error::Io`] (`NotFound`); an empty, foreign or
+    /// damaged one, or a log an open would refuse, is [`Error::Corrupt`];
+    /// another format is [`Error::UnsupportedFormat`].
+    ///
+    /// The cache size, the clock and [`accept_loss`](Self::accept_loss) (in
+    /// memory) apply; a view ends no lease and sweeps nothing.
     ///
     /// ```
-    /// use idemstore::RedbStore;
+    /// use idemstore::{Error, Fingerprint, Key, RedbStore, Store, Timestamp};
+    /// use std::time::Duration;
     /// # let dir = tempfile::tempdir()?;
-    /// # let path = dir.path().join("s.idem");
-    /// # drop(RedbStore::open(&path)?);
-    /// let view = RedbStore::builder().cache_bytes(8 << 20).open_read_only(&path)?;
-    /// assert_eq!(view.admin().facts()?.records, 0);
+    /// let path = dir.path().join("orders.idem");
+    /// let hour = Duration::from_secs(3600);
+    /// let key = Key::new("t", "order-1")?;
+    /// drop({
+    ///     let store = RedbStore::open(&path)?;
+    ///     store.begin(&key, &Fingerprint::of(b"x"), Timestamp::EPOCH, hour, hour)?;
+    ///     store
+    /// });
+    /// let before = std::fs::read(&path)?;
+    ///
+    /// let view = RedbStore::builder().open_read_only(&path)?;
+    /// assert!(view.is_read_only());
+    /// assert!(view.admin().get_raw(&key)?.is_some());
+    /// let other = Key::new("t", "order-2")?;
+    /// let refused = view.begin(&other, &Fingerprint::of(b"x"), Timestamp::EPOCH, hour, hour);
+    /// assert!(matches!(refused, Err(Error::ReadOnly { .. })));
+    /// drop(view);
+    /// assert_eq!(std::fs::read(&path)?, before, "not a byte changed");
     /// # Ok::<(), idemstore::Error>(())
     /// ```
+    ///
+    /// [`Inbox`]: crate::redb::Inbox
     pub fn open_read_only(mut self, path: impl AsRef<Path>) -> Result<RedbStore> {
         let path = path.as_ref();
         self.check()?;

@@ -89,6 +89,6 @@ pub(super) struct Config {
     pub(super) checkpoint_interval: Duration,
     pub(super) wal_bytes: u64,
     pub(super) accept_loss: bool,
-    /// An inspection: nothing is written (`RedbStore::open_read_only`).
+    /// An inspection: nothing is written (`RedbStore::builder().open_read_only`).
     pub(super) read_only: bool,
 }

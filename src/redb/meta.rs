@@ -7,8 +7,8 @@ use super::damage::Damage;
 use super::errors::engine_error;
 use super::file::not_ours;
 use super::tables::{
-    EXPIRY, META, META_FORMAT_VERSION, META_STORE_ID, META_TOKEN_HWM, META_LOG_BOOT,
-    META_LOG_BYTES, META_LOG_EPOCH, META_LOG_STATE, RECORDS, LOG_OPEN, commit,
+    EXPIRY, LOG_OPEN, META, META_FORMAT_VERSION, META_LOG_BOOT, META_LOG_BYTES, META_LOG_EPOCH,
+    META_LOG_STATE, META_STORE_ID, META_TOKEN_HWM, RECORDS, commit,
 };
 use crate::error::{Error, Result};
 use ::redb::{Database, ReadableDatabase, TableError, TableHandle};

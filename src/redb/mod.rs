@@ -162,53 +162,7 @@ impl RedbStore {
         RedbStore::builder().open(path)
     }
 
-    /// Opens the existing store file at `path` for reading only: an
-    /// operator's inspection, a backup, a file the caller may not write.
-    ///
-    /// No byte of either file changes and no file is created: redb's
-    /// recovery and the log's replay happen in an in-memory overlay, so the
-    /// view holds everything a writer's open would, and ends no lease.
-    /// Reads work; every write (a claiming `begin`, `complete`, `release`,
-    /// `sweep_expired`, [`compact`](Self::compact), evict, import, an
-    /// [`Inbox`]) is [`Error::ReadOnly`].
-    ///
-    /// It holds a shared lock: writers' opens are [`Error::Locked`]
-    /// meanwhile, and so is this open while a writer holds the file. A
-    /// missing file is [`Error::Io`] (`NotFound`); an empty, foreign or
-    /// damaged one, or a log an open would refuse, is [`Error::Corrupt`];
-    /// another format is [`Error::UnsupportedFormat`].
-    ///
-    /// ```
-    /// use idemstore::{Error, Fingerprint, Key, RedbStore, Store, Timestamp};
-    /// use std::time::Duration;
-    /// # let dir = tempfile::tempdir()?;
-    /// let path = dir.path().join("orders.idem");
-    /// let hour = Duration::from_secs(3600);
-    /// let key = Key::new("t", "order-1")?;
-    /// drop({
-    ///     let store = RedbStore::open(&path)?;
-    ///     store.begin(&key, &Fingerprint::of(b"x"), Timestamp::EPOCH, hour, hour)?;
-    ///     store
-    /// });
-    /// let before = std::fs::read(&path)?;
-    ///
-    /// let view = RedbStore::open_read_only(&path)?;
-    /// assert!(view.is_read_only());
-    /// assert!(view.admin().get_raw(&key)?.is_some());
-    /// let other = Key::new("t", "order-2")?;
-    /// let refused = view.begin(&other, &Fingerprint::of(b"x"), Timestamp::EPOCH, hour, hour);
-    /// assert!(matches!(refused, Err(Error::ReadOnly { .. })));
-    /// drop(view);
-    /// assert_eq!(std::fs::read(&path)?, before, "not a byte changed");
-    /// # Ok::<(), idemstore::Error>(())
-    /// ```
-    ///
-    /// [`Inbox`]: crate::redb::Inbox
-    pub fn open_read_only(path: impl AsRef<Path>) -> Result<RedbStore> {
-        RedbStore::builder().open_read_only(path)
-    }
-
-    /// Whether this store was opened with [`open_read_only`](Self::open_read_only).
+    /// Whether this store was opened with [`RedbStoreBuilder::open_read_only`].
     ///
     /// ```
     /// # let dir = tempfile::tempdir()?;

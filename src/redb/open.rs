@@ -33,7 +33,7 @@ pub(super) struct Opened {
     pub(super) frames_replayed: u64,
     /// What an open with `accept_loss` gave up.
     pub(super) loss: LossReport,
-    pub(super) source: Source,
+    pub(super) source: Origin,
     /// Sees the engine's I/O errors; a heal reuses it.
     pub(super) witness: Arc<IoWitness>,
 }
@@ -112,7 +112,7 @@ fn log_holds_frames(path: &Path) -> Result<bool> {
 }
 
 /// Opens the store file at `path` for reading only
-/// ([`RedbStore::open_read_only`](super::RedbStore::open_read_only)): redb's
+/// ([`RedbStoreBuilder::open_read_only`](super::RedbStoreBuilder::open_read_only)): redb's
 /// recovery and the log's replay happen in an in-memory [`Overlay`]; a
 /// shared lock keeps writers out.
 pub(super) fn open_read_only(path: &Path, config: &Config) -> Result<Opened> {
@@ -299,7 +299,7 @@ fn engine_open(
 /// A heal's first step: the engine over the store's files again, and its
 /// meta entries. Nothing is written but redb's own recovery.
 pub(super) fn reopen_engine(
-    source: &Source,
+    source: &Origin,
     config: &Config,
     witness: &Arc<IoWitness>,
 ) -> Result<(Database, MetaEntries)> {

@@ -1,4 +1,4 @@
-//! `RedbStore::open_read_only`: an inspection that writes nothing, sees
+//! `RedbStore::builder().open_read_only`: an inspection that writes nothing, sees
 //! what a writer's open would (log frames included), refuses every write,
 //! and never takes a file for a store that is not one.
 
@@ -107,7 +107,7 @@ fn every_write_through_a_view_is_read_only_and_changes_nothing() {
     let dir = killed_store("paid", "running");
     let path = dir.path().join("s.idem");
     let before = files(dir.path());
-    let view = RedbStore::open_read_only(&path).unwrap();
+    let view = RedbStore::builder().open_read_only(&path).unwrap();
     let read_only = |r: idemstore::Result<()>, what: &str| {
         let err = r.expect_err(what);
         assert!(matches!(err, Error::ReadOnly { .. }), "{what}: {err}");
@@ -157,7 +157,7 @@ fn every_write_through_a_view_is_read_only_and_changes_nothing() {
 fn a_view_is_never_of_a_file_that_is_not_a_store() {
     let dir = tempfile::tempdir().unwrap();
     let missing = dir.path().join("missing.idem");
-    let err = RedbStore::open_read_only(&missing).unwrap_err();
+    let err = RedbStore::builder().open_read_only(&missing).unwrap_err();
     assert!(
         matches!(&err, Error::Io(e) if e.kind() == std::io::ErrorKind::NotFound),
         "{err}"
@@ -165,17 +165,17 @@ fn a_view_is_never_of_a_file_that_is_not_a_store() {
     assert!(err.to_string().contains("never creates"), "{err}");
     let empty = dir.path().join("empty.idem");
     std::fs::write(&empty, b"").unwrap();
-    let err = RedbStore::open_read_only(&empty).unwrap_err();
+    let err = RedbStore::builder().open_read_only(&empty).unwrap_err();
     assert!(matches!(err, Error::Corrupt { .. }), "{err}");
     assert!(err.to_string().contains("empty (0 bytes)"), "{err}");
     let foreign = dir.path().join("foreign.idem");
     std::fs::write(&foreign, vec![b'x'; 8192]).unwrap();
-    let err = RedbStore::open_read_only(&foreign).unwrap_err();
+    let err = RedbStore::builder().open_read_only(&foreign).unwrap_err();
     assert!(matches!(err, Error::Corrupt { .. }), "{err}");
     // A plain redb database is not a store either.
     let plain = dir.path().join("plain.redb");
     drop(redb::Database::create(&plain).unwrap());
-    let err = RedbStore::open_read_only(&plain).unwrap_err();
+    let err = RedbStore::builder().open_read_only(&plain).unwrap_err();
     assert!(matches!(err, Error::Corrupt { .. }), "{err}");
     let names: Vec<_> = files(dir.path()).into_keys().collect();
     assert_eq!(
@@ -197,7 +197,7 @@ fn a_view_refuses_what_an_open_refuses_and_accepts_loss_in_memory() {
     // The log lost after an unclean stop: a writer's open refuses it...
     std::fs::write(dir.path().join("s.idem-wal"), b"").unwrap();
     let before = files(dir.path());
-    let err = RedbStore::open_read_only(&path).unwrap_err();
+    let err = RedbStore::builder().open_read_only(&path).unwrap_err();
     assert!(matches!(err, Error::Corrupt { .. }), "{err}");
     assert!(err.to_string().contains("missing or empty"), "{err}");
     // ...and a view that accepts the loss opens on what the file holds,

@@ -291,15 +291,15 @@ fn second_open_of_a_held_file_is_locked() {
         "{err:?}"
     );
     // A read-only view is refused while the writer holds the file...
-    let view = RedbStore::open_read_only(&path).unwrap_err();
+    let view = RedbStore::builder().open_read_only(&path).unwrap_err();
     assert!(matches!(view, Error::Locked { .. }), "{view}");
     drop(store);
     // ...and a writer while a view does.
-    let view = RedbStore::open_read_only(&path).unwrap();
+    let view = RedbStore::builder().open_read_only(&path).unwrap();
     let err = RedbStore::open(&path).unwrap_err();
     assert!(matches!(err, Error::Locked { .. }), "{err}");
     // Two views at once are fine.
-    let second = RedbStore::open_read_only(&path).unwrap();
+    let second = RedbStore::builder().open_read_only(&path).unwrap();
     drop((view, second));
     RedbStore::open(&path).unwrap();
 }
@@ -422,7 +422,7 @@ fn an_older_or_newer_format_version_is_unsupported() {
         let unsupported = |e: &Error| matches!(e, Error::UnsupportedFormat { found, supported: 3 } if *found == version);
         let err = assert_refused(&path, unsupported);
         assert!(err.to_string().contains(says), "{err}");
-        let err = RedbStore::open_read_only(&path).unwrap_err();
+        let err = RedbStore::builder().open_read_only(&path).unwrap_err();
         assert!(unsupported(&err), "{err}");
         set_format_version(&path, 3);
         let store = RedbStore::open(&path).unwrap();

@@ -49,7 +49,10 @@ fn a_format2_store_is_refused_and_its_log_left_as_it_was() {
         text.contains("version 2") && text.contains("version 3"),
         "names both versions: {text}"
     );
-    let err = RedbStore::open_read_only(&path).map(|_| ()).unwrap_err();
+    let err = RedbStore::builder()
+        .open_read_only(&path)
+        .map(|_| ())
+        .unwrap_err();
     assert!(unsupported(&err), "{err}");
     let err = idemstore::redb::admin::check_log(&path)
         .map(|_| ())
