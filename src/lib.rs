@@ -83,7 +83,7 @@
 //!   public `redb::admin` API alone.
 //! - `tracing`, `metrics`: spans and events, and counters, histograms and
 //!   gauges, through those facades ([`observability`]).
-//! - `test-util`: `ManualClock`, `FaultyStore` and the `MemoryStore` fault hook.
+//! - `test-util`: `ManualClock` and `FaultyStore`.
 //!   The conformance suite, the model, the power-loss storage backend and the
 //!   kill-test driver are in the `idemstore-testkit` crate.
 
@@ -153,14 +153,12 @@ pub use guard::{
 pub use json_pointer::JsonPointer;
 pub use key::Key;
 pub use memory::MemoryStore;
-#[cfg(feature = "test-util")]
-pub use memory::Op;
 pub use record::{Begin, Claim, Record, State};
 pub use response::Response;
 pub use store::{Store, StoreFuture};
 pub use sweeper::{Sweeper, SweeperConfig, SweeperErrors};
 #[cfg(feature = "test-util")]
-pub use testing::FaultyStore;
+pub use testing::{FaultyStore, Op};
 #[cfg(any(test, feature = "test-util"))]
 pub use time::ManualClock;
 pub use time::{Clock, SystemClock, Timestamp};
