@@ -83,9 +83,9 @@
 //!   public `redb::admin` API alone.
 //! - `tracing`, `metrics`: spans and events, and counters, histograms and
 //!   gauges, through those facades ([`observability`]).
-//! - `test-util`: `ManualClock` and `FaultyStore`.
-//!   The conformance suite, the model, the power-loss storage backend and the
-//!   kill-test driver are in the `idemstore-testkit` crate.
+//! - `test-util`: `ManualClock`. The conformance suite, the model,
+//!   `FaultyStore`, the power-loss storage backend and the kill-test driver
+//!   are in the `idemstore-testkit` crate.
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
@@ -129,8 +129,6 @@ mod sweeper;
 // guard's renewal timer: std's, or the Shuttle model checker's under
 // `--cfg shuttle` in tests.
 mod sync;
-#[cfg(feature = "test-util")]
-mod testing;
 mod time;
 #[cfg(feature = "tower")]
 #[cfg_attr(docsrs, doc(cfg(feature = "tower")))]
@@ -157,8 +155,6 @@ pub use record::{Begin, Claim, Record, State};
 pub use response::Response;
 pub use store::{Store, StoreFuture};
 pub use sweeper::{Sweeper, SweeperConfig, SweeperErrors};
-#[cfg(feature = "test-util")]
-pub use testing::{FaultyStore, Op};
 #[cfg(any(test, feature = "test-util"))]
 pub use time::ManualClock;
 pub use time::{Clock, SystemClock, Timestamp};

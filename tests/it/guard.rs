@@ -1,9 +1,10 @@
 //! Guard policies beyond the conformance suite, on `MemoryStore`.
 
 use idemstore::{
-    Begin, Clock, Error, FaultyStore, Fingerprint, Guard, Key, ManualClock, MemoryStore,
-    OnHandlerError, Outcome, Response, Store, TakeoverPolicy,
+    Begin, Clock, Error, Fingerprint, Guard, Key, ManualClock, MemoryStore, OnHandlerError,
+    Outcome, Response, Store, TakeoverPolicy,
 };
+use idemstore_testkit::FaultyStore;
 use idemstore_testkit::conformance::T0;
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -347,7 +348,9 @@ fn a_claim_taken_over_while_its_handler_runs_is_told_and_writes_nothing() {
         .unwrap();
     let fp = Fingerprint::of(b"x");
     // Every renewal fails until the takeover is made.
-    store.set_fault(|op| (op == idemstore::Op::Renew).then(|| Error::backend("store unreachable")));
+    store.set_fault(|op| {
+        (op == idemstore_testkit::Op::Renew).then(|| Error::backend("store unreachable"))
+    });
     let run = |k: &Key| {
         guard.run(k, &fp, |claim| {
             let deadline = std::time::Instant::now() + 20 * SEC;

@@ -11,7 +11,8 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::{Client, connect::HttpConnector};
 use hyper_util::rt::TokioExecutor;
 use idemstore::tower::{DoNotStore, IdempotencyLayer, Problem, StorePolicy};
-use idemstore::{Claim, FaultyStore, Guard, Key, MemoryStore};
+use idemstore::{Claim, Guard, Key, MemoryStore};
+use idemstore_testkit::FaultyStore;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -594,7 +595,7 @@ async fn storing_failure_sends_the_response_and_keeps_the_claim() {
         Duration::ZERO,
     )
     .await;
-    store.fail_next(idemstore::Op::Complete, 1);
+    store.fail_next(idemstore_testkit::Op::Complete, 1);
     let first = app.post("k-ns", "x").await;
     assert_eq!(
         (first.status, first.replayed()),

@@ -1,19 +1,15 @@
-//! Test support (feature `test-util`): fault injection around any store.
+//! [`FaultyStore`]: fault injection around any store.
 
-use crate::error::{Error, Result};
-use crate::fingerprint::Fingerprint;
-use crate::key::Key;
-use crate::record::{Begin, Claim, Record};
-use crate::response::Response;
-use crate::store::Store;
-use crate::time::{Clock, Timestamp};
+use idemstore::{
+    Begin, Claim, Clock, Error, Fingerprint, Key, Record, Response, Result, Store, Timestamp,
+};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 /// A store operation, as a [`FaultyStore`] hook sees it.
 ///
 /// ```
-/// assert_eq!(idemstore::Op::Complete.to_string(), "complete");
+/// assert_eq!(idemstore_testkit::Op::Complete.to_string(), "complete");
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
@@ -47,8 +43,7 @@ impl std::fmt::Display for Op {
 
 type Hook = Box<dyn Fn(Op) -> Option<Error> + Send + Sync>;
 
-/// Wraps any [`Store`] and fails chosen operations on demand (feature
-/// `test-util`): a hook is called with each operation and may fail it. A failed
+/// Wraps any [`Store`] and fails chosen operations on demand: a hook is called with each operation and may fail it. A failed
 /// operation never reaches the inner store, so it has no effect — like a
 /// database that refused the connection.
 ///
@@ -56,7 +51,8 @@ type Hook = Box<dyn Fn(Op) -> Option<Error> + Send + Sync>;
 /// backend unchanged.
 ///
 /// ```
-/// use idemstore::{Error, FaultyStore, Fingerprint, Key, MemoryStore, Op, Store, Timestamp};
+/// use idemstore::{Fingerprint, Key, MemoryStore, Store, Timestamp};
+/// use idemstore_testkit::{FaultyStore, Op};
 /// use std::time::Duration;
 ///
 /// let store = FaultyStore::new(MemoryStore::new());
@@ -202,7 +198,7 @@ impl<S: Store> Store for FaultyStore<S> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::memory::MemoryStore;
+    use idemstore::MemoryStore;
 
     /// A hook fails the operations it names, with no effect, until it is
     /// cleared (the test of `MemoryStore`'s own fault hook, which this
