@@ -101,7 +101,7 @@ mod codec;
 mod delivery;
 mod error;
 mod fingerprint;
-mod guard;
+pub mod guard;
 #[cfg(any(feature = "redb", feature = "sled"))]
 mod holder;
 mod json_pointer;
@@ -124,7 +124,7 @@ mod shuttle_support;
 #[cfg_attr(docsrs, doc(cfg(feature = "sled")))]
 pub mod sled;
 mod store;
-mod sweeper;
+pub mod sweeper;
 // The locks, condvars, atomics and threads of the redb write path and the
 // guard's renewal timer: std's, or the Shuttle model checker's under
 // `--cfg shuttle` in tests.
@@ -145,16 +145,14 @@ pub use crate::redb::RedbStore;
 pub use crate::sled::SledStore;
 pub use error::{BoxError, Cause, Error, Result};
 pub use fingerprint::Fingerprint;
-pub use guard::{
-    Guard, GuardBuilder, GuardStats, OnHandlerError, Outcome, RENEW_FRACTION, TakeoverPolicy,
-};
+pub use guard::{Guard, Outcome};
 pub use json_pointer::JsonPointer;
 pub use key::Key;
 pub use memory::MemoryStore;
 pub use record::{Begin, Claim, Record, State};
 pub use response::Response;
 pub use store::{Store, StoreFuture};
-pub use sweeper::{Sweeper, SweeperConfig, SweeperErrors};
+pub use sweeper::{Sweeper, SweeperConfig};
 #[cfg(any(test, feature = "test-util"))]
 pub use time::ManualClock;
 pub use time::{Clock, SystemClock, Timestamp};

@@ -109,7 +109,7 @@ impl<S> GuardBuilder<S> {
         self
     }
     /// Renews the claim's lease while the handler runs (default on): every
-    /// [`RENEW_FRACTION`](super::RENEW_FRACTION)th of the lease, one timer
+    /// third of the lease ([`Guard::renewal_interval`]), one timer
     /// thread for the whole process calls [`Store::renew`] for every running
     /// handler (no thread per request, sync or async), until the handler
     /// returns, fails, panics or its future is dropped. So a handler that

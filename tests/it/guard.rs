@@ -1,8 +1,9 @@
 //! Guard policies beyond the conformance suite, on `MemoryStore`.
 
+use idemstore::guard::{GuardBuilder, OnHandlerError, TakeoverPolicy};
 use idemstore::{
-    Begin, Clock, Error, Fingerprint, Guard, Key, ManualClock, MemoryStore, OnHandlerError,
-    Outcome, Response, Store, TakeoverPolicy,
+    Begin, Clock, Error, Fingerprint, Guard, Key, ManualClock, MemoryStore, Outcome, Response,
+    Store,
 };
 use idemstore_testkit::FaultyStore;
 use idemstore_testkit::conformance::T0;
@@ -16,7 +17,7 @@ const SEC: Duration = Duration::from_secs(1);
 type Faulty = Arc<FaultyStore<MemoryStore>>;
 
 fn setup(
-    configure: impl FnOnce(idemstore::GuardBuilder<Faulty>) -> idemstore::GuardBuilder<Faulty>,
+    configure: impl FnOnce(GuardBuilder<Faulty>) -> GuardBuilder<Faulty>,
 ) -> (Guard<Faulty>, Faulty, ManualClock) {
     let store = Arc::new(FaultyStore::new(MemoryStore::new()));
     let clock = ManualClock::new(T0);
