@@ -377,9 +377,10 @@ pub fn visible(existing: Option<Record>, now: Timestamp) -> Option<Record> {
 /// [`Error::InvalidArgument`].
 ///
 /// ```
-/// use idemstore::{logic, Response};
+/// use idemstore::{logic, Error, Response};
 /// assert!(logic::check_response(&Response::new(200, vec![0; 10]), 10).is_ok());
-/// assert!(logic::check_response(&Response::new(200, vec![0; 11]), 10).is_err());
+/// let big = logic::check_response(&Response::new(200, vec![0; 11]), 10);
+/// assert!(matches!(big, Err(Error::ResponseTooLarge { what: "body bytes", .. })));
 /// ```
 pub fn check_response(response: &Response, max_body_bytes: usize) -> Result<()> {
     response.check_limits(max_body_bytes)
