@@ -54,10 +54,13 @@
 //! clock, [`MemoryStore`], the [`Sweeper`] and the three store types. The rest
 //! is in modules:
 //!
+//! - [`guard`]: the guard's builder, its policies and its counters;
+//! - [`sweeper`]: the background sweeper and its error count;
 //! - [`limits`]: every limit and default of the contract;
-//! - [`logic`]: the state machine every backend decides with, public for
-//!   backends written outside this crate (test them with the
-//!   `idemstore-testkit` crate's conformance suite);
+//! - [`logic`]: the state machine every backend decides with, and the
+//!   native async entry's future type, public for backends written outside
+//!   this crate (test them with the `idemstore-testkit` crate's conformance
+//!   suite and its `FaultyStore`);
 //! - `redb`, `sled`, `postgres`: each backend's builder, durability or
 //!   options, statistics and limits (`redb` also has the `Inbox` and the
 //!   `engine` re-export);
@@ -151,7 +154,7 @@ pub use key::Key;
 pub use memory::MemoryStore;
 pub use record::{Begin, Claim, Record, State};
 pub use response::Response;
-pub use store::{Store, StoreFuture};
+pub use store::Store;
 pub use sweeper::{Sweeper, SweeperConfig};
 #[cfg(any(test, feature = "test-util"))]
 pub use time::ManualClock;
