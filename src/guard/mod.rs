@@ -276,7 +276,8 @@ impl<S: Store> Guard<S> {
     /// caller otherwise), with this guard's clock and retention.
     ///
     /// ```
-    /// use idemstore::{Fingerprint, Guard, Key, ManualClock, MemoryStore, Outcome, Response, TakeoverPolicy, Timestamp};
+    /// use idemstore::guard::TakeoverPolicy;
+    /// use idemstore::{Fingerprint, Guard, Key, ManualClock, MemoryStore, Outcome, Response, Timestamp};
     /// use std::{convert::Infallible, time::Duration};
     ///
     /// let clock = ManualClock::new(Timestamp::from_millis(0));
