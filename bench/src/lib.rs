@@ -2,8 +2,9 @@
 //! the backends one workload drives ([`peers`]: idemstore's stores and the
 //! peers a user would pick instead), the workload itself ([`workload`]),
 //! the message-side workload ([`inbox`]), the HTTP load benchmark's server
-//! and client ([`http_load`]), and the process's own resources
-//! ([`procstat`]: threads, RSS, open-file limit).
+//! and client ([`http_load`]), the process's own resources
+//! ([`procstat`]: threads, RSS, open-file limit), and the charts of
+//! `docs/performance.md` ([`plot`]).
 //!
 //! The binaries (`src/bin/`): `loadgen` (one backend, many knobs, `--json`),
 //! `compare` (the same-run comparison), `http_load` (the tower layer under
@@ -23,5 +24,6 @@
 pub mod http_load;
 pub mod inbox;
 pub mod peers;
+pub mod plot;
 pub mod procstat;
 pub mod workload;

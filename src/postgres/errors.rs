@@ -16,11 +16,22 @@ use tokio_postgres::error::SqlState;
 struct PgFailure {
     what: String,
     source: Box<dyn std::error::Error + Send + Sync + 'static>,
+    /// Also show the source's own sources: a failed connection's
+    /// tokio-postgres error names only its kind ("db error", "error
+    /// performing TLS handshake"), and the reason (the server's message,
+    /// the certificate's fault) is in its source.
+    with_causes: bool,
 }
 
 impl fmt::Display for PgFailure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: {}", self.what, self.source)
+        write!(f, "{}: {}", self.what, self.source)?;
+        let mut cause = self.source.source();
+        while let Some(c) = cause.filter(|_| self.with_causes) {
+            write!(f, ": {c}")?;
+            cause = c.source();
+        }
+        Ok(())
     }
 }
 
@@ -58,6 +69,7 @@ pub(super) fn db_error(err: tokio_postgres::Error, table: &str) -> Error {
     Error::Backend(Box::new(PgFailure {
         what,
         source: Box::new(err),
+        with_causes: false,
     }))
 }
 
@@ -75,12 +87,18 @@ fn failure(what: String, source: impl Into<Box<dyn std::error::Error + Send + Sy
     Error::Backend(Box::new(PgFailure {
         what,
         source: source.into(),
+        with_causes: false,
     }))
 }
 
-/// A connection attempt the server or the network refused.
+/// A connection attempt the server, the network or TLS refused, with the
+/// reason (the server's message, the certificate's fault).
 pub(super) fn connect_error(err: tokio_postgres::Error) -> Error {
-    failure("could not connect to PostgreSQL".to_owned(), err)
+    Error::Backend(Box::new(PgFailure {
+        what: "could not connect to PostgreSQL".to_owned(),
+        source: Box::new(err),
+        with_causes: true,
+    }))
 }
 
 /// A connection attempt that did not finish within the connect timeout.
@@ -112,6 +130,19 @@ pub(super) fn unavailable(why: &str, probe_interval: Duration) -> Error {
     )
 }
 
+/// A call that did not answer within the call timeout. It may still take
+/// effect: the server may be waiting for a synchronous standby, or a lock.
+pub(super) fn call_timed_out(timeout: Duration) -> Error {
+    failure(
+        "PostgreSQL did not answer within the call timeout".to_owned(),
+        format!(
+            "no answer within {timeout:?}; the call may still take effect \
+             (a claim it makes is given back, and whether a completion was \
+             stored is known by reading the record)"
+        ),
+    )
+}
+
 /// Build did not finish within its timeout.
 pub(super) fn build_timeout(timeout: Duration) -> Error {
     failure(
@@ -130,6 +161,7 @@ mod tests {
         let err = Error::Backend(Box::new(PgFailure {
             what: "PostgreSQL connection failed".to_owned(),
             source: "connection refused".into(),
+            with_causes: false,
         }));
         assert_eq!(
             err.to_string(),

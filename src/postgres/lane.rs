@@ -41,7 +41,7 @@
 //! dropped (`shutdown_background`), so a store dropped inside an async
 //! context does not panic.
 
-use super::errors::{db_error, is_dead_connection};
+use super::errors::{call_timed_out, db_error, is_dead_connection};
 use super::ops::{Core, RunError, complete_on};
 use super::pool::{Conn, Dedicated};
 use super::row;
@@ -68,16 +68,19 @@ const MAX_LANES: usize = 8;
 /// The lanes: each empty until a call first takes it.
 pub(super) struct Lanes {
     slots: Box<[Mutex<Option<Held>>]>,
+    /// The store's call timeout, which bounds a lane's call too.
+    call_timeout: Duration,
 }
 
 impl Lanes {
     /// The lanes of a store whose pool holds `max_size` connections.
-    pub(super) fn for_pool(max_size: u32) -> Lanes {
+    pub(super) fn for_pool(max_size: u32, call_timeout: Duration) -> Lanes {
         let count = usize::try_from(max_size / 4)
             .unwrap_or(MAX_LANES)
             .clamp(1, MAX_LANES);
         Lanes {
             slots: (0..count).map(|_| Mutex::new(None)).collect(),
+            call_timeout,
         }
     }
 }
@@ -188,21 +191,34 @@ impl Lanes {
         if conn.as_ref().is_some_and(|c| c.conn.client.is_closed()) {
             lose(core, conn);
         }
+        let bound = self.call_timeout;
         if conn.is_none() {
-            match runtime.block_on(core.pool.dedicated()) {
-                None => return Ran::NotTaken,
-                Some(Err(err)) => {
+            // The timer is made inside the runtime, which owns the time driver.
+            match runtime
+                .block_on(async { tokio::time::timeout(bound, core.pool.dedicated()).await })
+            {
+                Err(_) => return Ran::Answered(Err(call_timed_out(bound))),
+                Ok(None) => return Ran::NotTaken,
+                Ok(Some(Err(err))) => {
                     core.pool.trip_after(&err, store);
                     return Ran::Answered(Err(err));
                 }
-                Some(Ok(opened)) => *conn = Some(opened),
+                Ok(Some(Ok(opened))) => *conn = Some(opened),
             }
         }
         let Some(held) = conn.as_ref() else {
             return Ran::NotTaken;
         };
         Counters::bump(&core.counters.calls);
-        let ran = runtime.block_on(op(Arc::clone(&held.conn)));
+        let Ok(ran) = runtime
+            .block_on(async { tokio::time::timeout(bound, op(Arc::clone(&held.conn))).await })
+        else {
+            // Its statement may still run on the server; the connection's
+            // state is unknown, so it is dropped (its permit goes back). A
+            // claim the statement makes is not given back: its lease ends it.
+            *conn = None;
+            return Ran::Answered(Err(call_timed_out(bound)));
+        };
         if !matches!(&ran, Err(RunError::Db(err)) if is_dead_connection(err)) {
             Counters::bump(&core.counters.caller_driven_calls);
         }
@@ -278,7 +294,11 @@ mod tests {
 
     #[test]
     fn a_store_keeps_one_lane_per_four_connections_within_bounds() {
-        let lanes = |max_size| Lanes::for_pool(max_size).slots.len();
+        let lanes = |max_size| {
+            Lanes::for_pool(max_size, Duration::from_secs(5))
+                .slots
+                .len()
+        };
         assert_eq!(lanes(1), 1);
         assert_eq!(lanes(7), 1);
         assert_eq!(lanes(8), 2);

@@ -17,6 +17,7 @@ mod runtime;
 mod schema;
 mod sql;
 mod stats;
+mod tls;
 
 pub use inbox::{Delivery, HandlerFuture, MAX_PG_INBOX_BATCH, PgInbox};
 pub use inbox_set::{Claimed, SetHandlerFuture};
@@ -156,9 +157,20 @@ const MAX_BEGIN_ATTEMPTS: usize = 8;
 /// schema version is kept in the table's comment, and a table of the same
 /// name that is not ours, or is newer, is refused with a typed error.
 ///
-/// Connections are plain TCP or unix sockets without TLS (the client is
-/// built with `NoTls`): reach the server over a trusted network or a local
-/// TLS proxy.
+/// # TLS
+///
+/// The URL's `sslmode`, `sslrootcert`, `sslcert` and `sslkey` have libpq's
+/// meanings (TLS through rustls): `prefer` by default (TLS when the server
+/// offers it, its certificate unchecked), `require`, `verify-ca` and
+/// `verify-full` (against `sslrootcert`, or the platform's roots without
+/// one), or `disable`. A managed database asks for `verify-full`:
+///
+/// ```no_run
+/// let store = idemstore::PostgresStore::builder().connect(
+///     "postgres://app@db.example.com/orders?sslmode=verify-full&sslrootcert=/etc/ssl/db-ca.pem",
+/// )?;
+/// # Ok::<(), idemstore::Error>(())
+/// ```
 pub struct PostgresStore {
     core: Arc<Core>,
     runtime: StoreRuntime,
@@ -288,21 +300,24 @@ impl PostgresStore {
         lease: Duration,
         retention: Duration,
     ) -> impl Future<Output = Result<Begin>> + Send + 'static {
-        // A claim nobody will see is given back at once, on the store's runtime.
-        let give_back: runtime::Abandoned<Begin> = {
-            let (core, key) = (Arc::clone(&self.core), key.clone());
-            let handle = self.runtime.handle();
-            Arc::new(move |answer| {
-                if let Ok(Begin::Claimed(claim)) = answer {
-                    let (core, key) = (Arc::clone(&core), key.clone());
-                    handle.spawn(async move {
-                        let _ = core.release(&key, &claim).await;
-                    });
-                }
-            })
-        };
         let work = self.begin_work(key, fingerprint, now, lease, retention);
-        self.runtime.spawn(work, Some(give_back))
+        self.runtime.spawn(work, Some(self.give_back(key)))
+    }
+
+    /// Gives a claim nobody will see back at once, on the store's runtime:
+    /// a `begin` whose caller dropped its future, or that answered after
+    /// the call timeout.
+    fn give_back(&self, key: &Key) -> runtime::Abandoned<Begin> {
+        let (core, key) = (Arc::clone(&self.core), key.clone());
+        let handle = self.runtime.handle();
+        Arc::new(move |answer| {
+            if let Ok(Begin::Claimed(claim)) = answer {
+                let (core, key) = (Arc::clone(&core), key.clone());
+                handle.spawn(async move {
+                    let _ = core.release(&key, &claim).await;
+                });
+            }
+        })
     }
 
     fn spawn_complete(
@@ -507,17 +522,21 @@ impl Store for PostgresStore {
         let (core, store) = (&*self.core, &self.runtime.handle());
         match (self.lanes).begin(core, store, key, fingerprint, now, lease, retention) {
             Ran::Answered(answer) => answer,
-            Ran::NotTaken => {
-                self.runtime
-                    .block_on(self.begin_work(key, fingerprint, now, lease, retention))
-            }
+            Ran::NotTaken => self.runtime.call(
+                self.begin_work(key, fingerprint, now, lease, retention),
+                Some(self.give_back(key)),
+            ),
             Ran::Broken => {
                 let core = Arc::clone(&self.core);
                 let (key, fingerprint) = (key.clone(), *fingerprint);
-                self.runtime.block_on(async move {
-                    core.begin_alone(&key, &fingerprint, now, lease, retention, true)
-                        .await
-                })
+                let give_back = self.give_back(&key);
+                self.runtime.call(
+                    async move {
+                        core.begin_alone(&key, &fingerprint, now, lease, retention, true)
+                            .await
+                    },
+                    Some(give_back),
+                )
             }
         }
     }
@@ -533,9 +552,10 @@ impl Store for PostgresStore {
         let (core, store) = (&*self.core, &self.runtime.handle());
         match (self.lanes).complete(core, store, key, claim, response, now, retention) {
             Ran::Answered(answer) => answer,
-            Ran::NotTaken => self
-                .runtime
-                .block_on(self.complete_work(key, claim, response, now, retention)),
+            Ran::NotTaken => self.runtime.call(
+                self.complete_work(key, claim, response, now, retention),
+                None,
+            ),
             Ran::Broken => {
                 let core = Arc::clone(&self.core);
                 let (key, claim, response) = (key.clone(), claim.clone(), response.clone());
@@ -543,29 +563,32 @@ impl Store for PostgresStore {
                     return Err(crate::Error::StaleClaim); // the lane ran it: unreachable
                 };
                 let times = row::times(now, retention);
-                self.runtime.block_on(async move {
-                    core.complete_alone(&key, &claim, token, &response, times, true)
-                        .await
-                })
+                self.runtime.call(
+                    async move {
+                        core.complete_alone(&key, &claim, token, &response, times, true)
+                            .await
+                    },
+                    None,
+                )
             }
         }
     }
 
     fn release(&self, key: &Key, claim: &Claim) -> Result<()> {
-        self.runtime.block_on(self.release_work(key, claim))
+        self.runtime.call(self.release_work(key, claim), None)
     }
 
     fn renew(&self, key: &Key, claim: &Claim, now: Timestamp, lease: Duration) -> Result<Claim> {
         self.runtime
-            .block_on(self.renew_work(key, claim, now, lease))
+            .call(self.renew_work(key, claim, now, lease), None)
     }
 
     fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>> {
-        self.runtime.block_on(self.get_work(key, now))
+        self.runtime.call(self.get_work(key, now), None)
     }
 
     fn sweep_expired(&self, now: Timestamp, max: usize) -> Result<usize> {
-        self.runtime.block_on(self.sweep_work(now, max))
+        self.runtime.call(self.sweep_work(now, max), None)
     }
 
     fn clock(&self) -> Arc<dyn Clock> {

@@ -152,12 +152,19 @@ impl Core {
                     return Ok(updated > 0);
                 }
                 // Only this claim's holder can have stored a DONE record under
-                // its token: if it holds this response, the lost first run did.
-                Ok(stored(&conn, key).await?.is_some_and(|rec| {
+                // its token: if it holds this response, the lost first run did,
+                // though perhaps only locally (a commit whose wait for a
+                // synchronous standby was cut off stays visible on the
+                // primary), so it is acknowledged once it is durable.
+                let mine = stored(&conn, key).await?.is_some_and(|rec| {
                     rec.state == State::Done
                         && rec.token == claim.token
                         && rec.response.as_ref() == Some(response)
-                }))
+                });
+                if mine {
+                    durable(&conn).await?;
+                }
+                Ok(mine)
             })
             .await?;
         if done { Ok(()) } else { Err(Error::StaleClaim) }
@@ -177,8 +184,13 @@ impl Core {
                     return Ok(deleted > 0);
                 }
                 // Gone: the lost first run deleted it (or, if another owner took
-                // over and then gave it up, the key is free all the same).
-                Ok(stored(&conn, key).await?.is_none())
+                // over and then gave it up, the key is free all the same), once
+                // that is durable (see complete_alone).
+                let gone = stored(&conn, key).await?.is_none();
+                if gone {
+                    durable(&conn).await?;
+                }
+                Ok(gone)
             })
             .await?;
         if released {
@@ -354,6 +366,13 @@ pub(super) async fn complete_on(
             ],
         )
         .await?)
+}
+
+/// Returns once everything committed before it is as durable as a commit
+/// of this connection's ([`Stmt::Durable`]).
+async fn durable(conn: &Conn) -> Result<(), RunError> {
+    conn.query(Stmt::Durable, &[]).await?;
+    Ok(())
 }
 
 /// The record for `key` as stored (expired or not), on `conn`.

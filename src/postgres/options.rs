@@ -73,6 +73,9 @@ pub const DEFAULT_PROBE_INTERVAL: Duration = Duration::from_millis(250);
 /// assert_eq!(idemstore::postgres::DEFAULT_CONNECT_TIMEOUT.as_secs(), 5);
 /// ```
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The default bound on every call ([`PostgresStoreBuilder::call_timeout`]).
+const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long one statement may run (waiting on a row lock included) before
 /// the server cancels it and the call fails with [`Error::Backend`].
 ///
@@ -144,6 +147,7 @@ pub struct PostgresStoreBuilder {
     min_idle: u32,
     connect_timeout: Duration,
     statement_timeout: Duration,
+    call_timeout: Duration,
     build_timeout: Duration,
     probe_interval: Duration,
     migrate_on_build: bool,
@@ -159,6 +163,7 @@ impl std::fmt::Debug for PostgresStoreBuilder {
             .field("min_idle", &self.min_idle)
             .field("connect_timeout", &self.connect_timeout)
             .field("statement_timeout", &self.statement_timeout)
+            .field("call_timeout", &self.call_timeout)
             .field("build_timeout", &self.build_timeout)
             .field("probe_interval", &self.probe_interval)
             .field("migrate_on_build", &self.migrate_on_build)
@@ -176,6 +181,7 @@ impl PostgresStoreBuilder {
             min_idle: DEFAULT_MIN_IDLE,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             statement_timeout: DEFAULT_STATEMENT_TIMEOUT,
+            call_timeout: DEFAULT_CALL_TIMEOUT,
             build_timeout: DEFAULT_BUILD_TIMEOUT,
             probe_interval: DEFAULT_PROBE_INTERVAL,
             migrate_on_build: false,
@@ -256,6 +262,29 @@ impl PostgresStoreBuilder {
     /// ```
     pub fn statement_timeout(mut self, timeout: Duration) -> Self {
         self.statement_timeout = timeout;
+        self
+    }
+
+    /// The bound on every call of the built store (default 5 s, at least
+    /// 1 ms): a call that meets a stalled server, a lock, or a commit
+    /// waiting for a synchronous standby that does not answer, returns a
+    /// transient [`Error::Backend`] in time (503 through a guard; a handler
+    /// does not run) instead of waiting for as long as the stall lasts
+    /// (PostgreSQL does not apply `statement_timeout` to a commit's wait
+    /// for a standby). The call may still take effect: a claim it makes is
+    /// given back, and a completion it makes stands; a guard's run reports
+    /// such a completion as not stored, and [`Store::get`](crate::Store::get)
+    /// tells. Keep it above the statement timeout to let a statement that
+    /// waits for a lock fail with its own error.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let b = idemstore::PostgresStore::builder()
+    ///     .call_timeout(Duration::from_secs(3));
+    /// # let _ = b;
+    /// ```
+    pub fn call_timeout(mut self, timeout: Duration) -> Self {
+        self.call_timeout = timeout;
         self
     }
 
@@ -375,6 +404,7 @@ impl PostgresStoreBuilder {
             ("connect timeout", self.connect_timeout),
             ("build timeout", self.build_timeout),
             ("probe interval", self.probe_interval),
+            ("call timeout", self.call_timeout),
         ] {
             if d.is_zero() {
                 return Err(Error::invalid_argument(format!("{what} must not be zero")));
@@ -385,6 +415,8 @@ impl PostgresStoreBuilder {
                 "statement timeout must be at least 1 ms",
             ));
         }
+        let (url, tls) = super::tls::split(url)?;
+        let connector = tls.connector()?;
         let mut config: tokio_postgres::Config = url.parse().map_err(|e| {
             // The parser's message never repeats the URL, so no password leaks.
             Error::invalid_argument(format!("not a PostgreSQL connection URL: {e}"))
@@ -396,6 +428,7 @@ impl PostgresStoreBuilder {
             self.statement_timeout.as_millis()
         );
         config
+            .ssl_mode(tls.wire_mode())
             .connect_timeout(self.connect_timeout)
             .options(options.trim_start());
         if config.get_application_name().is_none() {
@@ -406,6 +439,7 @@ impl PostgresStoreBuilder {
         let pool = Pool::new(
             PoolOptions {
                 config,
+                connector,
                 max_size: self.max_size,
                 connect_timeout: self.connect_timeout,
                 probe_interval: self.probe_interval,
@@ -420,7 +454,7 @@ impl PostgresStoreBuilder {
             counters,
             line: Default::default(),
         });
-        let runtime = StoreRuntime::start()?;
+        let runtime = StoreRuntime::start(self.call_timeout)?;
         let setup = {
             let core = Arc::clone(&core);
             let (min_idle, migrate, limit) =
@@ -436,7 +470,7 @@ impl PostgresStoreBuilder {
         Ok(PostgresStore {
             core,
             runtime,
-            lanes: super::lane::Lanes::for_pool(self.max_size),
+            lanes: super::lane::Lanes::for_pool(self.max_size, self.call_timeout),
             clock: self.clock,
         })
     }

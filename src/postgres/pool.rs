@@ -18,17 +18,21 @@
 use super::errors::{connect_error, connect_timeout, pool_exhausted, unavailable};
 use super::sql::{Sql, Stmt};
 use super::stats::Counters;
+use super::tls::Connector;
 use crate::error::{Error, Result};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
 use tokio_postgres::types::ToSql;
-use tokio_postgres::{Client, Config, NoTls, Row, Statement};
+use tokio_postgres::{Client, Config, NoTls, Row, Socket, Statement};
 
 /// How the pool opens connections and how long it waits.
 pub(super) struct PoolOptions {
     pub(super) config: Config,
+    /// Plain, or TLS as the URL's `sslmode` asks (tls.rs).
+    pub(super) connector: Connector,
     pub(super) max_size: u32,
     /// The bound on one connection attempt, and on a wait for a busy pool.
     pub(super) connect_timeout: Duration,
@@ -203,23 +207,11 @@ impl Inner {
 
     /// Opens one connection and spawns its I/O task on the store's runtime.
     async fn connect(&self) -> Result<Arc<Conn>> {
-        let connecting = self.options.config.connect(NoTls);
-        let (client, connection) =
-            match tokio::time::timeout(self.options.connect_timeout, connecting).await {
-                Ok(Ok(pair)) => pair,
-                Ok(Err(err)) => {
-                    Counters::bump(&self.counters.connect_failures);
-                    return Err(connect_error(err));
-                }
-                Err(_) => {
-                    Counters::bump(&self.counters.connect_failures);
-                    return Err(connect_timeout(self.options.connect_timeout));
-                }
-            };
-        // Ends when the client is dropped or the server closes the socket.
-        tokio::spawn(async move {
-            let _ = connection.await;
-        });
+        let opened = match &self.options.connector {
+            Connector::Plain => self.open(NoTls).await,
+            Connector::Tls(tls) => self.open(tls.clone()).await,
+        };
+        let client = opened.inspect_err(|_| Counters::bump(&self.counters.connect_failures))?;
         Counters::bump(&self.counters.connections_opened);
         self.open.fetch_add(1, Ordering::Relaxed);
         Ok(Arc::new(Conn {
@@ -228,6 +220,33 @@ impl Inner {
             prepared: Mutex::new(Default::default()),
             open: Arc::clone(&self.open),
         }))
+    }
+
+    /// Connects through `tls` within the connect timeout, and spawns the
+    /// connection's I/O task, which ends when the client is dropped or the
+    /// server closes the socket.
+    async fn open<T>(&self, tls: T) -> Result<Client>
+    where
+        T: MakeTlsConnect<Socket>,
+        T::Stream: Send + 'static,
+        T::TlsConnect: Send,
+        <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
+    {
+        // tokio-postgres bounds each host's TCP connect by the connect
+        // timeout and tries the hosts in turn: a host that drops packets
+        // costs one timeout, and the next host still gets its own.
+        let hosts = u32::try_from(self.options.config.get_hosts().len()).unwrap_or(u32::MAX);
+        let bound = self.options.connect_timeout.saturating_mul(hosts.max(1));
+        let connecting = self.options.config.connect(tls);
+        let (client, connection) = match tokio::time::timeout(bound, connecting).await {
+            Ok(Ok(pair)) => pair,
+            Ok(Err(err)) => return Err(connect_error(err)),
+            Err(_) => return Err(connect_timeout(bound)),
+        };
+        tokio::spawn(async move {
+            let _ = connection.await;
+        });
+        Ok(client)
     }
 
     /// Opens the breaker after `err`, and starts the probe unless it runs.

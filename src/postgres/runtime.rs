@@ -13,10 +13,19 @@
 //! - a sync caller waits on a std channel: safe on any thread, including a
 //!   tokio worker, which it blocks for one round trip like any blocking call.
 //!
+//! Every call is bounded ([`StoreRuntime::call`], [`StoreRuntime::spawn`]):
+//! the task that runs it answers with a timeout error once the call timeout
+//! passes, then lets the work run to its end, since a statement already
+//! sent may still take effect, and hands a late answer to the call's
+//! `abandoned` (a claim is given back). The bound is kept on the store's
+//! runtime, so blocking and async callers get it alike, and no caller's
+//! runtime needs a timer.
+//!
 //! The runtime is dropped on its own thread when the store is dropped
 //! (dropping a runtime inside an async context panics), which also closes
 //! every connection.
 
+use super::errors::call_timed_out;
 use crate::error::{Error, Result};
 use std::future::Future;
 use std::pin::Pin;
@@ -27,6 +36,8 @@ use tokio::sync::oneshot;
 /// The store's runtime thread and the handle work is spawned through.
 pub(super) struct StoreRuntime {
     handle: Handle,
+    /// The bound on every call (`PostgresStoreBuilder::call_timeout`).
+    call_timeout: std::time::Duration,
     stop: Option<oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
@@ -34,7 +45,7 @@ pub(super) struct StoreRuntime {
 impl StoreRuntime {
     /// Starts the thread. Safe inside an async context: building a runtime
     /// does not enter it, and the only `block_on` runs on the new thread.
-    pub(super) fn start() -> Result<StoreRuntime> {
+    pub(super) fn start(call_timeout: std::time::Duration) -> Result<StoreRuntime> {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -56,13 +67,15 @@ impl StoreRuntime {
             .map_err(Error::Io)?;
         Ok(StoreRuntime {
             handle,
+            call_timeout,
             stop: Some(stop),
             thread: Some(thread),
         })
     }
 
     /// Runs `work` on the store's runtime and blocks this thread until it
-    /// answers. [`Error::Closed`] when the runtime is gone.
+    /// answers, however long that takes (the build, a migration: bounded by
+    /// their own timeouts). [`Error::Closed`] when the runtime is gone.
     pub(super) fn block_on<T: Send + 'static>(
         &self,
         work: impl Future<Output = Result<T>> + Send + 'static,
@@ -100,25 +113,60 @@ impl StoreRuntime {
         async move { joined(task.await) }
     }
 
-    /// Runs `work` on the store's runtime; the answer is a future that any
-    /// executor can await. `abandoned` gets the answer when the caller drops
-    /// the future before taking it (a claim to give back).
+    /// A call: runs `work` on the store's runtime and blocks this thread
+    /// until it answers or the call timeout passes. `abandoned` gets an
+    /// answer that came too late (a claim to give back).
+    pub(super) fn call<T: Send + 'static>(
+        &self,
+        work: impl Future<Output = Result<T>> + Send + 'static,
+        abandoned: Option<Abandoned<T>>,
+    ) -> Result<T> {
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        self.bounded(work, abandoned, move |answer| {
+            tx.send(answer)
+                .map_err(|std::sync::mpsc::SendError(answer)| answer)
+        });
+        // A task dropped unrun (the runtime shut down) drops `tx`.
+        rx.recv().unwrap_or(Err(Error::Closed))
+    }
+
+    /// A call whose answer is a future that any executor can await, within
+    /// the call timeout. `abandoned` gets an answer nobody will see: one
+    /// that came too late, or whose caller dropped the future first.
     pub(super) fn spawn<T: Send + 'static>(
         &self,
         work: impl Future<Output = Result<T>> + Send + 'static,
         abandoned: Option<Abandoned<T>>,
     ) -> Answer<T> {
         let (tx, rx) = oneshot::channel();
-        let on_task = abandoned.clone();
+        self.bounded(work, abandoned.clone(), move |answer| tx.send(answer));
+        Answer { rx, abandoned }
+    }
+
+    /// Runs `work` as a task and gives its answer to `deliver`, or a
+    /// timeout error when the call timeout passes first; then the work
+    /// runs on (what it sent may take effect anyway) and an answer
+    /// `deliver` could not take goes to `abandoned`.
+    fn bounded<T: Send + 'static>(
+        &self,
+        work: impl Future<Output = Result<T>> + Send + 'static,
+        abandoned: Option<Abandoned<T>>,
+        deliver: impl FnOnce(Result<T>) -> std::result::Result<(), Result<T>> + Send + 'static,
+    ) {
+        let bound = self.call_timeout;
         self.handle.spawn(async move {
-            if let Err(answer) = tx.send(work.await) {
-                // The caller is gone: nobody will see this answer.
-                if let Some(abandoned) = on_task {
-                    abandoned(answer);
+            let mut work = std::pin::pin!(work);
+            let unseen = match tokio::time::timeout(bound, &mut work).await {
+                Ok(answer) => deliver(answer).err(),
+                Err(_) => {
+                    let _ = deliver(Err(call_timed_out(bound)));
+                    Some(work.await)
                 }
+            };
+            if let (Some(answer), Some(abandoned)) = (unseen, abandoned) {
+                abandoned(answer);
             }
         });
-        Answer { rx, abandoned }
     }
 
     /// A handle for spawning work later (it outlives the runtime harmlessly:

@@ -86,10 +86,16 @@ pub(super) enum Stmt {
     CompleteGroup = 8,
     /// [`PLAN_SETTINGS`]: one row, the four settings as set.
     PlanSettings = 9,
+    /// No arguments → one row. A transaction that writes one WAL record
+    /// and nothing else: its commit waits, as every commit does, until
+    /// the WAL up to it is as durable as `synchronous_commit` asks (on a
+    /// synchronous standby too), so everything committed before it is.
+    /// Run before an answer learnt by reading is acknowledged.
+    Durable = 10,
 }
 
 impl Stmt {
-    pub(super) const COUNT: usize = 10;
+    pub(super) const COUNT: usize = 11;
 }
 
 /// The statement texts and object names for one table.
@@ -311,6 +317,7 @@ impl Sql {
                 begin_group,
                 complete_group,
                 PLAN_SETTINGS.to_owned(),
+                "SELECT pg_logical_emit_message(true, 'idemstore', '')".to_owned(),
             ],
         }
     }

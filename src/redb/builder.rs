@@ -1,5 +1,4 @@
-//! [`RedbStoreBuilder`]: the options of a store being opened, checked, and
-//! the opens (a path, read-only, a caller's storage backends).
+//! [`RedbStoreBuilder`]: a store's options, checked, and the opens.
 
 use super::config::{Config, DEFAULT_CACHE_BYTES, Durability, RecoveryPolicy};
 use super::{RedbStore, open};
@@ -83,10 +82,9 @@ impl RedbStoreBuilder {
         self.config.sweeper = Some(config);
         self
     }
-    /// The store's clock ([`SystemClock`] by default): the sweeper and the
-    /// recovery policy read it, and [`Store::clock`](crate::Store::clock)
-    /// hands it to a [`Guard`](crate::Guard) or an [`Inbox`](crate::redb::Inbox)
-    /// over the store. The store's operations take `now` from their caller.
+    /// The store's clock ([`SystemClock`] by default), for the sweeper, the
+    /// recovery policy, and a [`Guard`](crate::Guard) or an
+    /// [`Inbox`](crate::redb::Inbox) over the store.
     ///
     /// ```
     /// use idemstore::{Guard, ManualClock, RedbStore, Timestamp};
@@ -100,26 +98,19 @@ impl RedbStoreBuilder {
         self.config.clock = Arc::new(clock);
         self
     }
-    /// Verifies every page's checksum at open (redb's integrity check), so
-    /// that a file damaged outside redb is refused at open rather than found
-    /// later. Reads the whole file; off by default.
+    /// Verifies every page's checksum at open (reads the whole file); off
+    /// by default.
     pub fn verify_on_open(mut self, verify: bool) -> Self {
         self.config.verify_on_open = verify;
         self
     }
 
-    /// Longest time a logged write waits before the checkpointer starts
-    /// writing it into the store file ([`CHECKPOINT_INTERVAL`](crate::redb::CHECKPOINT_INTERVAL)
-    /// by default; at least 1 ms). A checkpoint also starts when the log
-    /// segment or the memtable is full. Longer: fewer checkpoints, more to
-    /// replay after a crash.
+    /// Longest time a logged write waits for its checkpoint into the store
+    /// file ([`CHECKPOINT_INTERVAL`](crate::redb::CHECKPOINT_INTERVAL) by
+    /// default, at least 1 ms). Longer: fewer checkpoints, more to replay.
     ///
     /// ```
-    /// # let dir = tempfile::tempdir()?;
-    /// let store = idemstore::RedbStore::builder()
-    ///     .checkpoint_interval(std::time::Duration::from_secs(2))
-    ///     .open(dir.path().join("orders.idem"))?;
-    /// # Ok::<(), idemstore::Error>(())
+    /// let builder = idemstore::RedbStore::builder().checkpoint_interval(std::time::Duration::from_secs(2));
     /// ```
     pub fn checkpoint_interval(mut self, interval: Duration) -> Self {
         self.config.checkpoint_interval = interval;
@@ -128,8 +119,7 @@ impl RedbStoreBuilder {
 
     /// Size of the write-ahead log file ([`WAL_BYTES`](crate::redb::WAL_BYTES) by
     /// default, at least [`MIN_WAL_BYTES`](crate::redb::MIN_WAL_BYTES)): two
-    /// segments of half this size. A full segment starts a checkpoint; a
-    /// group larger than a segment is committed durably into the store file.
+    /// segments; a full one starts a checkpoint.
     ///
     /// ```
     /// # let dir = tempfile::tempdir()?;
@@ -144,26 +134,19 @@ impl RedbStoreBuilder {
         self
     }
 
-    /// After the open refused the store's files with
-    /// [`Error::Corrupt`](crate::Error::Corrupt) for a damaged or
-    /// incomplete write-ahead log, open anyway with whatever verifies, and
-    /// write down what was given up in
+    /// Where an open would refuse a damaged or incomplete write-ahead log
+    /// ([`Error::Corrupt`](crate::Error::Corrupt)), open with whatever
+    /// verifies and say what was given up in
     /// [`RedbStore::loss_report`](crate::RedbStore::loss_report). Off by
-    /// default: nothing is ever dropped without this. An operator's choice
-    /// for one open (`idemstore recover --accept-loss`), not a setting to
-    /// leave on.
-    ///
-    /// `docs/operations.md` has what it does, case by case. A frame that
-    /// verifies but does not decode is still refused.
+    /// default: an operator's choice for one open (`docs/operations.md`).
     ///
     /// ```
-    /// use idemstore::RedbStore;
-    /// # let dir = tempfile::tempdir()?;
-    /// let store = RedbStore::builder().accept_loss(true).open(dir.path().join("s.idem"))?;
+    /// # fn f(path: &std::path::Path) -> idemstore::Result<()> {
+    /// let store = idemstore::RedbStore::builder().accept_loss(true).open(path)?;
     /// if let Some(report) = store.loss_report() {
     ///     eprintln!("opened with loss:\n{report}");
     /// }
-    /// # Ok::<(), idemstore::Error>(())
+    /// # Ok(()) }
     /// ```
     pub fn accept_loss(mut self, accept: bool) -> Self {
         self.config.accept_loss = accept;
@@ -171,13 +154,10 @@ impl RedbStoreBuilder {
     }
 
     /// Opens the store file at `path`, creating it (mode 0600 on Unix) if it
-    /// does not exist.
-    ///
-    /// Errors: [`Error::Locked`] when another open store holds the file;
-    /// [`Error::Corrupt`] for a file that is not an idemstore store (a
-    /// foreign file, a redb database without idemstore's meta table) or is
-    /// damaged; [`Error::UnsupportedFormat`] for a store of another format
-    /// version (a newer build's, or a pre-release one). None of these touch the file.
+    /// does not exist. Errors, none of which touch the file:
+    /// [`Error::Locked`] when another open store holds it; [`Error::Corrupt`]
+    /// for a foreign or damaged file; [`Error::UnsupportedFormat`] for
+    /// another format version.
     pub fn open(self, path: impl AsRef<Path>) -> Result<RedbStore> {
         let path = path.as_ref();
         self.check()?;
@@ -185,14 +165,10 @@ impl RedbStoreBuilder {
         RedbStore::start(opened, self.config, Some(path.to_path_buf()))
     }
 
-    /// Opens the existing store file at `path` for reading only: an
-    /// inspection that changes nothing. See [`RedbStore::open_read_only`].
-    ///
-    /// Of the builder's options, the cache size, the clock and
-    /// [`accept_loss`](Self::accept_loss) apply (with `accept_loss` the
-    /// view skips what does not verify, in memory, and
-    /// [`RedbStore::loss_report`] says what); the recovery policy and the
-    /// sweeper do not (a read-only view ends no lease and sweeps nothing).
+    /// Opens the existing store file at `path` for reading only
+    /// ([`RedbStore::open_read_only`]). The cache size, the clock and
+    /// [`accept_loss`](Self::accept_loss) (in memory) apply; a view ends no
+    /// lease and sweeps nothing.
     ///
     /// ```
     /// use idemstore::RedbStore;
@@ -213,15 +189,10 @@ impl RedbStoreBuilder {
         RedbStore::start(opened, self.config, Some(path.to_path_buf()))
     }
 
-    /// Opens a store over redb [`StorageBackend`](::redb::StorageBackend)s:
-    /// the store file on `backend` and its write-ahead log on `log`, as
-    /// [`open`](Self::open) keeps them in `<file>` and `<file>-wal`. The
-    /// seam for simulated power loss in tests and for custom storage. Both
-    /// must come from the same store: the log holds the batches
-    /// acknowledged after the store file's last checkpoint.
-    ///
-    /// It names a redb type, so it follows redb's major version (the core
-    /// API names no engine type).
+    /// Opens a store over redb [`StorageBackend`](::redb::StorageBackend)s,
+    /// the store file on `backend` and its write-ahead log on `log` (both of
+    /// the same store): the seam for simulated power loss and custom
+    /// storage. It follows redb's major version.
     ///
     /// ```
     /// use idemstore::RedbStore;
@@ -236,9 +207,9 @@ impl RedbStoreBuilder {
     ) -> Result<RedbStore> {
         use super::source::{SharedBackend, Source};
         self.check()?;
-        let name = Path::new("<storage backend>");
+        let name = Path::new(open::BACKEND);
+        // Kept, shared with the engine, so that a heal can open it again.
         let store: Arc<dyn ::redb::StorageBackend> = Arc::new(backend);
-        // Kept (shared with the engine) so that a heal can open it again.
         let shared = SharedBackend(Arc::clone(&store));
         let mut opened = open::open_backend(shared, Box::new(log), None, &self.config, name)?;
         opened.source = Source::Backend(store);

@@ -1,20 +1,15 @@
-//! [`Damage`]: what the store finds wrong with its files. The operator's
-//! words are written once, in its `Display`; `From<Damage> for Error` is the
-//! one mapping to [`Error::Corrupt`]; with `accept_loss` the same findings go
-//! to the [`LossReport`](super::LossReport) ([`Damage::finding`]). A bottom
-//! module: it imports nothing of `src/redb`.
+//! [`Damage`]: what the store finds wrong with its files, in the operator's
+//! words (its `Display`), always [`Error::Corrupt`]. A bottom module.
 
 use crate::error::Error;
 use std::fmt;
 use std::path::PathBuf;
 
 /// Damage found in a store's files, at an open, a heal, an inspection or
-/// a replay. Every kind is [`Error::Corrupt`]: it does not heal by itself.
+/// a replay: it does not heal by itself.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(super) enum Damage {
-    /// The store file `what` ("is missing", "is empty") while its log
-    /// beside it holds frames: a new store here would overwrite the only
-    /// copy of the writes in that log.
+    /// The store file `what` ("is missing", "is empty") while its log holds frames.
     StoreLostBesideLog {
         store: PathBuf,
         log: PathBuf,
@@ -22,8 +17,7 @@ pub(super) enum Damage {
     },
     /// The store file is empty (0 bytes), and no log holds frames.
     EmptyStoreFile { store: PathBuf },
-    /// A read-only open found none of the store's tables (a store whose
-    /// creation did not finish).
+    /// A read-only open found none of the store's tables.
     NoTables { store: PathBuf },
     /// A heal's reopen found the store's tables gone.
     TablesLost { store: PathBuf },
@@ -41,37 +35,33 @@ pub(super) enum Damage {
         len: usize,
         want: usize,
     },
-    /// The store was not closed cleanly and its log is missing or empty.
+    /// After an unclean stop, the log is missing or empty.
     LogMissing { store: PathBuf, log: PathBuf },
-    /// The store was not closed cleanly and its log is shorter (`len`)
-    /// than the store left it (`recorded`).
+    /// After an unclean stop, the log is shorter than the store left it.
     LogCutShort {
         store: PathBuf,
         log: PathBuf,
         len: u64,
         recorded: u64,
     },
-    /// The store was not closed cleanly and none of the `seen` frames in
-    /// its log verifies for it: another store's log.
+    /// After an unclean stop, none of the log's frames verifies for the store.
     LogOfAnotherStore {
         store: PathBuf,
         log: PathBuf,
         seen: u64,
     },
-    /// The frames of an epoch stop at `at` (how: `stop`), but a later
-    /// frame of the same epoch verifies at `later`.
+    /// An epoch's frames stop at `at`, but a later one verifies at `later`.
     FrameGap { stop: Stop, at: u64, later: u64 },
-    /// The last frame, of one block, fails its checksum although the
-    /// machine has not restarted since it was written: no torn write.
+    /// The last frame fails its checksum with no reboot since it was written.
     LastFrameDamaged { at: u64 },
-    /// A record log frame at `at` verifies but its entries do not parse.
+    /// A log frame verifies but its entries do not parse.
     FrameEntries { at: u64, detail: String },
 }
 
-/// How the frames of an epoch stop where the walk stopped.
+/// How an epoch's frames stop where the walk stopped.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Stop {
-    /// A frame header is there, but the frame fails its checksum.
+    /// A frame fails its checksum.
     Damaged,
     /// No frame of the epoch starts there.
     Ends,
@@ -87,8 +77,8 @@ impl fmt::Display for Stop {
 }
 
 impl Damage {
-    /// The line a [`LossReport`](super::LossReport) gets for this damage,
-    /// met in `epoch` by an open that accepts loss, which skips it.
+    /// The [`LossReport`](super::LossReport) line for this damage, met in
+    /// `epoch` by an open that accepts loss, which skips it.
     pub(super) fn finding(&self, epoch: u64) -> String {
         match self {
             Damage::FrameGap { stop, at, later } => format!(

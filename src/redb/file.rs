@@ -1,5 +1,5 @@
-//! File helpers: owner-only opening, directory syncs, `flock` locks, the
-//! redb header check, positional reads, preallocation. A bottom module.
+//! File helpers: owner-only opening, directory syncs, locks, the redb
+//! header check, positional reads, preallocation. A bottom module.
 
 use super::errors::engine_error;
 use crate::error::{Error, Result};
@@ -14,9 +14,6 @@ const REDB_MAGIC: [u8; 9] = [b'r', b'e', b'd', b'b', 0x1A, 0x0A, 0xA9, 0x0D, 0x0
 #[cfg(unix)]
 pub(super) const FILE_MODE: u32 = 0o600;
 
-/// Opens `path` for reading and writing, creating it owner-only
-/// ([`FILE_MODE`]) if it does not exist: the store file, its temporary
-/// creation name and its write-ahead log.
 pub(super) fn open_owner_only(path: &Path) -> Result<std::fs::File> {
     let mut options = std::fs::OpenOptions::new();
     options.read(true).write(true).create(true);
@@ -25,9 +22,8 @@ pub(super) fn open_owner_only(path: &Path) -> Result<std::fs::File> {
     Ok(options.open(path)?)
 }
 
-/// Takes the store file's shared `flock` for a read-only view (the
-/// store's own writer lock is redb's), or says who holds the store:
-/// [`Error::Locked`].
+/// Takes the store file's shared lock for a read-only view (the writer's
+/// is redb's), or [`Error::Locked`] naming who holds the store.
 pub(super) fn try_lock_shared(file: &std::fs::File, store: &Path) -> Result<()> {
     match file.try_lock_shared() {
         Ok(()) => Ok(()),
@@ -102,18 +98,16 @@ pub(super) fn read_at(file: &std::fs::File, out: &mut [u8], offset: u64) -> std:
     }
 }
 
-/// Makes sure the log file is `capacity` bytes long, writing zeros over
-/// any part that is missing (a new file, or one cut short), and syncs it.
-/// Returns the size frames may use: `capacity`, or more if the file is
-/// already larger (a log made with a larger `wal_bytes`).
+/// Makes the log file at least `capacity` bytes long, writing zeros over
+/// the missing part, and syncs it; returns the size frames may use.
 pub(super) fn preallocate(file: &dyn StorageBackend, capacity: u64) -> Result<u64> {
     let len = file.len().map_err(Error::Io)?;
     if len >= capacity {
         return Ok(len);
     }
     // Grown first (some backends write only within their length), then
-    // written: a sparse tail would make every later append allocate blocks,
-    // and each fdatasync write that metadata too.
+    // written: with a sparse tail every append's fdatasync would also
+    // write block allocations.
     file.set_len(capacity).map_err(Error::Io)?;
     const CHUNK: usize = 1024 * 1024;
     let zeros = vec![0u8; CHUNK];
@@ -128,54 +122,23 @@ pub(super) fn preallocate(file: &dyn StorageBackend, capacity: u64) -> Result<u6
     Ok(capacity)
 }
 
-/// The six lock methods of a [`StorageBackend`] that wraps another in the
-/// field `$inner`, each passed on unchanged: the wrappers of this backend
-/// (`source::SharedBackend`, `witness::Witnessed`)
-/// change what they do with data, never how the file is locked.
+/// The lock methods of a [`StorageBackend`] that wraps another in the field
+/// `$inner`, passed on unchanged: the wrappers (`source::SharedBackend`,
+/// `witness::Witnessed`) change what they do with data, never the locks.
 macro_rules! forward_locks {
     ($inner:tt) => {
-        fn try_lock_range(
-            &self,
-            start: ::std::ops::Bound<u64>,
-            end: ::std::ops::Bound<u64>,
-        ) -> ::std::result::Result<bool, ::redb::BackendError> {
-            self.$inner.try_lock_range(start, end)
-        }
-        fn try_lock_shared_range(
-            &self,
-            start: ::std::ops::Bound<u64>,
-            end: ::std::ops::Bound<u64>,
-        ) -> ::std::result::Result<bool, ::redb::BackendError> {
-            self.$inner.try_lock_shared_range(start, end)
-        }
-        fn lock_range(
-            &self,
-            start: ::std::ops::Bound<u64>,
-            end: ::std::ops::Bound<u64>,
-        ) -> ::std::result::Result<(), ::redb::BackendError> {
-            self.$inner.lock_range(start, end)
-        }
-        fn lock_shared_range(
-            &self,
-            start: ::std::ops::Bound<u64>,
-            end: ::std::ops::Bound<u64>,
-        ) -> ::std::result::Result<(), ::redb::BackendError> {
-            self.$inner.lock_shared_range(start, end)
-        }
-        fn unlock_range(
-            &self,
-            start: ::std::ops::Bound<u64>,
-            end: ::std::ops::Bound<u64>,
-        ) -> ::std::result::Result<(), ::redb::BackendError> {
-            self.$inner.unlock_range(start, end)
-        }
-        fn query_lock_range(
-            &self,
-            start: ::std::ops::Bound<u64>,
-            end: ::std::ops::Bound<u64>,
-        ) -> ::std::result::Result<bool, ::redb::BackendError> {
-            self.$inner.query_lock_range(start, end)
-        }
+        $crate::redb::file::forward_locks!($inner: try_lock_range -> bool,
+            try_lock_shared_range -> bool, lock_range -> (), lock_shared_range -> (),
+            unlock_range -> (), query_lock_range -> bool);
     };
+    ($inner:tt: $($name:ident -> $out:ty),*) => {$(
+        fn $name(
+            &self,
+            start: ::std::ops::Bound<u64>,
+            end: ::std::ops::Bound<u64>,
+        ) -> ::std::result::Result<$out, ::redb::BackendError> {
+            self.$inner.$name(start, end)
+        }
+    )*};
 }
 pub(super) use forward_locks;

@@ -1,10 +1,6 @@
-//! The meta table (`idemstore.meta`): the store format this build writes
-//! and opens ([`STORE_FORMAT_VERSION`]), reading and checking a file's meta
-//! entries ([`read_meta`], [`read_meta_entries`]), writing a new store's
-//! ([`init_meta`]), and the record log's state as the store file keeps it
-//! (its epoch, whether its last open stopped cleanly, its size, the boot
-//! that wrote it). The entries' names are in tables.rs; opening is in
-//! open.rs, the log's recovery in recovery.rs.
+//! The meta table: the store format ([`STORE_FORMAT_VERSION`]), reading,
+//! checking and writing a store's meta entries, and the record log's state
+//! as the store file keeps it (its epoch, clean stop, size and boot).
 
 use super::Config;
 use super::damage::Damage;
@@ -18,11 +14,9 @@ use crate::error::{Error, Result};
 use ::redb::{Database, ReadableDatabase, TableError, TableHandle};
 use std::hash::{BuildHasher, Hasher};
 
-/// The store format this build writes, and the only one it opens. It
-/// covers the table layout, the meta entries and the write-ahead log; the
-/// record envelope has its own version inside every value. Versions 1 and
-/// 2 were written by pre-release builds only and are refused, as a newer
-/// version is ([`Error::UnsupportedFormat`]).
+/// The store format this build writes and the only one it opens (tables,
+/// meta entries, write-ahead log; records carry their own version).
+/// Versions 1 and 2 were pre-release builds' and are refused.
 pub(super) const STORE_FORMAT_VERSION: u32 = 3;
 
 /// The three meta entries, as stored (no version policy applied).
@@ -73,7 +67,6 @@ pub(super) fn check_format(meta: &MetaEntries) -> Result<()> {
 }
 
 /// Reads the meta entries; a missing or mis-sized entry is `Corrupt`.
-/// Shared by open (which then checks the version) and `Admin::facts`.
 pub(super) fn read_meta_entries(txn: &::redb::ReadTransaction) -> Result<MetaEntries> {
     let meta = txn.open_table(META).map_err(table_error)?;
     let get = |name: &str| -> Result<Vec<u8>> {
@@ -115,7 +108,6 @@ fn table_error(err: TableError) -> Error {
 /// Writes the meta table and the empty record tables of a new store.
 pub(super) fn init_meta(db: &Database, config: &Config) -> Result<MetaEntries> {
     let store_id = new_store_id(config);
-    // The commit creates the record tables too.
     commit(db, true, |tables| {
         tables.set_meta(META_FORMAT_VERSION, &STORE_FORMAT_VERSION.to_be_bytes())?;
         tables.set_meta(META_STORE_ID, &store_id)?;
@@ -128,8 +120,8 @@ pub(super) fn init_meta(db: &Database, config: &Config) -> Result<MetaEntries> {
     })
 }
 
-/// 16 bytes unlikely to repeat: the std hasher's per-process random keys,
-/// the time and the process id, through SHA-256 (no RNG dependency for this).
+/// 16 bytes unlikely to repeat: the std hasher's random keys, the time and
+/// the process id, through SHA-256.
 fn new_store_id(config: &Config) -> [u8; 16] {
     use sha2::Digest;
     let mut h = sha2::Sha256::new();
@@ -155,39 +147,36 @@ pub(super) struct WalState {
     pub(super) bytes: Option<u64>,
 }
 
-/// The log's state, or `None` when no open with this check has recorded it.
+/// The log's state, or `None` when no open has recorded it.
 pub(super) fn read_wal_state(db: &Database) -> Result<Option<WalState>> {
-    let txn = db.begin_read().map_err(engine_error)?;
-    let meta = txn.open_table(META).map_err(table_error)?;
-    let Some(state) = meta.get(META_WAL_STATE).map_err(engine_error)? else {
+    let Some([state]) = read_entry(db, META_WAL_STATE, fixed::<1>)? else {
         return Ok(None);
-    };
-    let [state] = fixed::<1>(META_WAL_STATE, state.value())?;
-    let bytes = match meta.get(META_WAL_BYTES).map_err(engine_error)? {
-        Some(v) => Some(u64::from_be_bytes(fixed(META_WAL_BYTES, v.value())?)),
-        None => None,
     };
     Ok(Some(WalState {
         open: state == WAL_OPEN,
-        bytes,
+        bytes: read_entry(db, META_WAL_BYTES, fixed)?.map(u64::from_be_bytes),
     }))
 }
 
-/// The boot id the log's last open recorded ([`META_WAL_BOOT`]).
+/// The boot id the log's last open recorded.
 pub(super) fn read_wal_boot(db: &Database) -> Result<Option<String>> {
-    let txn = db.begin_read().map_err(engine_error)?;
-    let meta = txn.open_table(META).map_err(table_error)?;
-    Ok(meta
-        .get(META_WAL_BOOT)
-        .map_err(engine_error)?
-        .map(|v| String::from_utf8_lossy(v.value()).into_owned()))
+    read_entry(db, META_WAL_BOOT, |_, v| {
+        Ok(String::from_utf8_lossy(v).into_owned())
+    })
 }
 
 pub(super) fn read_wal_epoch(db: &Database) -> Result<u64> {
+    Ok(read_entry(db, META_WAL_EPOCH, fixed)?.map_or(0, u64::from_be_bytes))
+}
+
+/// The meta entry `name` through `decode(name, bytes)`, `None` when absent.
+fn read_entry<T>(
+    db: &Database,
+    name: &str,
+    decode: impl FnOnce(&str, &[u8]) -> Result<T>,
+) -> Result<Option<T>> {
     let txn = db.begin_read().map_err(engine_error)?;
     let meta = txn.open_table(META).map_err(table_error)?;
-    match meta.get(META_WAL_EPOCH).map_err(engine_error)? {
-        None => Ok(0),
-        Some(v) => Ok(u64::from_be_bytes(fixed(META_WAL_EPOCH, v.value())?)),
-    }
+    let value = meta.get(name).map_err(engine_error)?;
+    value.map(|v| decode(name, v.value())).transpose()
 }

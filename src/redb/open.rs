@@ -1,4 +1,4 @@
-//! Opening a store file: owner-only creation, refusing foreign, damaged and
+//! Opening a store: owner-only creation, refusing foreign, damaged and
 //! newer files with a typed error (never a panic, never an empty store),
 //! the engine reopened for a heal, and the recovery policy.
 
@@ -10,16 +10,19 @@ use super::meta::{MetaEntries, init_meta, read_meta};
 use super::overlay::Overlay;
 use super::record_log::{self, FileLog, Wal};
 use super::recovery::{Found, boot_id, recover_log};
+use super::source::{SharedBackend, Source};
 use super::tables::commit;
 use super::witness::{IoWitness, Witnessed};
 use super::{Config, RecoveryPolicy};
 use crate::error::{Error, Result};
-use crate::record::State;
+use crate::record::{Record, State};
 use ::redb::{Database, DatabaseError, StorageBackend};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-/// What an open found.
+/// How a caller's storage backend is named in errors.
+pub(super) const BACKEND: &str = "<storage backend>";
+
 pub(super) struct Opened {
     pub(super) db: Database,
     pub(super) token_hwm: u64,
@@ -28,77 +31,56 @@ pub(super) struct Opened {
     /// The write-ahead log, recovered and empty.
     pub(super) wal: Wal,
     pub(super) frames_replayed: u64,
-    /// What an open with `accept_loss` gave up (empty otherwise).
+    /// What an open with `accept_loss` gave up.
     pub(super) loss: LossReport,
-    /// Where a heal reopens the engine from (none for a read-only view).
-    pub(super) source: super::source::Source,
+    pub(super) source: Source,
     /// Sees the engine's I/O errors; a heal reuses it.
     pub(super) witness: Arc<IoWitness>,
 }
 
-/// Opens the store file at `path`, creating it (mode 0600) when it does
-/// not exist.
-///
-/// A new store is built as `<name>.creating`, its meta table committed
-/// durably, and only then linked into place: a crash during creation never
-/// leaves a half-written file at `path` (one without redb's magic would be
-/// refused as foreign).
-///
-/// A store is never created over evidence of one: a missing or empty store
+/// Opens the store file at `path`, creating it when it does not exist. A
+/// store is never created over evidence of one: a missing or empty store
 /// file beside a log with frames is [`Error::Corrupt`], since a new store
 /// would overwrite that log, the only copy of its writes.
 pub(super) fn open_path(path: &Path, config: &Config) -> Result<Opened> {
-    let mut found = Vec::new();
-    let mut opened = match std::fs::symlink_metadata(path) {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            refuse_over_log(path, "is missing", config, &mut found)?;
-            create_then_open(path, config)
-        }
-        Ok(meta) if meta.len() == 0 => {
-            refuse_over_log(path, "is empty", config, &mut found)?;
-            open_file(path, config)
-        }
-        _ => open_file(path, config),
-    }?;
-    if !found.is_empty() {
-        found.append(&mut opened.loss.findings);
-        opened.loss.findings = found;
-    }
+    let missing = match std::fs::symlink_metadata(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Some("is missing"),
+        Ok(meta) if meta.len() == 0 => Some("is empty"),
+        _ => None,
+    };
+    let moved = missing.map(|what| refuse_over_log(path, what, config));
+    let moved = moved.transpose()?.flatten();
+    let mut opened = match missing {
+        Some("is missing") => create_then_open(path, config)?,
+        _ => open_file(path, config)?,
+    };
+    opened.loss.findings.splice(0..0, moved);
     Ok(opened)
 }
 
-/// [`Error::Corrupt`] when the log beside `path` holds anything but zeros
-/// (a new log is all zeros until its first frame).
-/// With `accept_loss` the log is renamed to `<log>.lost` (a free name),
-/// never overwritten, and that is written down in `found`.
-fn refuse_over_log(
-    path: &Path,
-    what: &'static str,
-    config: &Config,
-    found: &mut Vec<String>,
-) -> Result<()> {
+/// [`Error::Corrupt`] when the log beside `path` holds frames; with
+/// `accept_loss` the log is renamed to a free `<log>.lost`, never
+/// overwritten, and that is the finding returned.
+fn refuse_over_log(path: &Path, what: &'static str, config: &Config) -> Result<Option<String>> {
     if !log_holds_frames(path)? {
-        return Ok(());
+        return Ok(None);
+    }
+    if !config.accept_loss {
+        return Err(store_lost_beside_log(path, what));
     }
     let log = record_log::wal_path(path);
-    if config.accept_loss {
-        let aside = free_name(&log, "lost");
-        std::fs::rename(&log, &aside)?;
-        sync_parent(path)?;
-        found.push(format!(
-            "{} {what} beside a log with frames of another store file: the log was \
-             moved to {} (its frames cannot be replayed without that store's id) and a \
-             new store was made",
-            path.display(),
-            aside.display()
-        ));
-        return Ok(());
-    }
-    Err(store_lost_beside_log(path, what))
+    let aside = free_name(&log, "lost");
+    std::fs::rename(&log, &aside)?;
+    sync_parent(path)?;
+    Ok(Some(format!(
+        "{} {what} beside a log with frames of another store file: the log was \
+         moved to {} (its frames cannot be replayed without that store's id) and a \
+         new store was made",
+        path.display(),
+        aside.display()
+    )))
 }
 
-/// [`Error::Corrupt`]: the store file at `path` `what` ("is missing", "is
-/// empty") while its log holds frames.
 fn store_lost_beside_log(path: &Path, what: &'static str) -> Error {
     Damage::StoreLostBesideLog {
         store: path.to_path_buf(),
@@ -129,8 +111,8 @@ fn log_holds_frames(path: &Path) -> Result<bool> {
     }
 }
 
-/// Opens the store file at `path` for reading only: the contract is
-/// [`RedbStore::open_read_only`](super::RedbStore::open_read_only)'s. redb's
+/// Opens the store file at `path` for reading only
+/// ([`RedbStore::open_read_only`](super::RedbStore::open_read_only)): redb's
 /// recovery and the log's replay happen in an in-memory [`Overlay`]; a
 /// shared lock keeps writers out.
 pub(super) fn open_read_only(path: &Path, config: &Config) -> Result<Opened> {
@@ -150,28 +132,32 @@ pub(super) fn open_read_only(path: &Path, config: &Config) -> Result<Opened> {
         if log_holds_frames(path)? {
             return Err(store_lost_beside_log(path, "is empty"));
         }
-        return Err(Damage::EmptyStoreFile {
-            store: path.to_path_buf(),
-        }
-        .into());
+        return Err(Damage::EmptyStoreFile { store: path.into() }.into());
     }
     let file = std::fs::File::open(path)?;
     try_lock_shared(&file, path)?;
     let overlay = Overlay::new(file)?;
-    // A missing log reads as an empty one: after a clean stop it holds
-    // nothing; after an unclean one the plan refuses it, as an open would.
-    let log: Box<dyn StorageBackend> = match FileLog::open_read_only(path)? {
-        Some(log) => Box::new(log),
-        None => Box::new(::redb::backends::InMemoryBackend::new()),
-    };
+    let log = log_to_read(path)?;
     open_backend(overlay, log, boot_id().as_deref(), config, path)
 }
 
+/// The log beside `path`, to read only. A missing log reads as an empty
+/// one: after a clean stop it holds nothing; after an unclean one the
+/// recovery refuses it, as an open would.
+pub(super) fn log_to_read(path: &Path) -> Result<Box<dyn StorageBackend>> {
+    Ok(match FileLog::open_read_only(path)? {
+        Some(log) => Box::new(log),
+        None => Box::new(::redb::backends::InMemoryBackend::new()),
+    })
+}
+
+fn file_backend(path: &Path) -> Result<::redb::backends::FileBackend> {
+    ::redb::backends::FileBackend::new(open_owner_only(path)?).map_err(|e| map_open(e, path))
+}
+
 fn open_file(path: &Path, config: &Config) -> Result<Opened> {
-    let file = open_owner_only(path)?;
-    let backend = ::redb::backends::FileBackend::new(file).map_err(|e| map_open(e, path))?;
-    // Opened after the store file: its lock keeps other processes out of
-    // both.
+    let backend = file_backend(path)?;
+    // The store file's lock keeps other processes out of the log too.
     let wal_existed = record_log::wal_path(path).exists();
     let log = Box::new(FileLog::open(path)?);
     // Every open syncs the directory, not only the creating one: a crash
@@ -180,24 +166,21 @@ fn open_file(path: &Path, config: &Config) -> Result<Opened> {
     sync_parent(path)?;
     let opened = open_backend(backend, log, boot_id().as_deref(), config, path);
     if opened.is_err() && !wal_existed {
-        // Refused (a log that must exist does not): the empty file this
-        // open made is not left behind as if it were the log.
+        // The empty log this refused open made is not left behind.
         let _ = std::fs::remove_file(record_log::wal_path(path));
     }
     let mut opened = opened?;
-    opened.source = super::source::Source::Path(path.to_path_buf());
+    opened.source = Source::Path(path.to_path_buf());
     Ok(opened)
 }
 
-/// The temporary name a new store is built under.
-pub(super) fn creating_path(path: &Path) -> std::path::PathBuf {
-    let mut name = path.file_name().unwrap_or_default().to_os_string();
-    name.push(".creating");
-    path.with_file_name(name)
-}
-
+/// A new store is built as `<name>.creating`, its meta table committed
+/// durably, and only then linked into place: a crash during creation never
+/// leaves a half-written file at `path`.
 fn create_then_open(path: &Path, config: &Config) -> Result<Opened> {
-    let temp = creating_path(path);
+    let mut temp = path.file_name().unwrap_or_default().to_os_string();
+    temp.push(".creating");
+    let temp = path.with_file_name(temp);
     {
         let file = open_owner_only(&temp)?;
         // A leftover keeps the mode it was created with: set ours.
@@ -228,7 +211,7 @@ fn create_then_open(path: &Path, config: &Config) -> Result<Opened> {
 
 /// Opens or creates a store over any redb backend, with its write-ahead
 /// log on `log`; `name` names it in errors. `boot` is the machine's boot id
-/// for a real file ([`boot_id`]); `None` for storage backends.
+/// for a real file ([`boot_id`]).
 pub(super) fn open_backend(
     backend: impl StorageBackend,
     log: Box<dyn StorageBackend>,
@@ -264,13 +247,13 @@ pub(super) fn open_backend(
         wal,
         frames_replayed,
         loss,
-        source: super::source::Source::None,
+        source: Source::None,
         witness,
     })
 }
 
 /// The engine over `backend` and its meta entries, written now for a new
-/// store: all that creating a store needs, and where an open starts.
+/// store.
 fn open_engine(
     backend: impl StorageBackend,
     config: &Config,
@@ -281,19 +264,16 @@ fn open_engine(
     let meta = match read_meta(&db)? {
         Some(meta) => meta,
         None if config.read_only => {
-            return Err(Damage::NoTables {
-                store: name.to_path_buf(),
-            }
-            .into());
+            return Err(Damage::NoTables { store: name.into() }.into());
         }
         None => init_meta(&db, config)?,
     };
     Ok((db, meta, witness))
 }
 
-/// The engine over `backend`, as an open and a heal start: a foreign file
+/// The engine over `backend`, for an open and a heal: a foreign file is
 /// refused before redb sees it, and a panic of redb's over a damaged file
-/// turned into [`Error::Corrupt`].
+/// (which redb documents) becomes [`Error::Corrupt`].
 fn engine_open(
     backend: impl StorageBackend,
     config: &Config,
@@ -306,40 +286,30 @@ fn engine_open(
     builder
         .set_cache_size(config.cache_bytes)
         .set_check_integrity_on_open(config.verify_on_open);
-    // redb documents that a plain open may panic on a file damaged outside
-    // redb. A panic must not reach the caller: it becomes Error::Corrupt.
     let opened = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         builder.create_with_backend(backend)
     }));
     match opened {
         Ok(Ok(db)) => Ok(db),
         Ok(Err(e)) => Err(map_open(e, name)),
-        Err(_) => Err(Damage::Unreadable {
-            store: name.to_path_buf(),
-        }
-        .into()),
+        Err(_) => Err(Damage::Unreadable { store: name.into() }.into()),
     }
 }
 
 /// A heal's first step: the engine over the store's files again, and its
-/// meta entries. Nothing is written but redb's own recovery; the log is
-/// replayed by [`recover_log`](super::recovery::recover_log).
+/// meta entries. Nothing is written but redb's own recovery.
 pub(super) fn reopen_engine(
-    source: &super::source::Source,
+    source: &Source,
     config: &Config,
     witness: &Arc<IoWitness>,
 ) -> Result<(Database, MetaEntries)> {
-    use super::source::{SharedBackend, Source};
     let (db, name) = match source {
-        Source::Path(path) => {
-            let file = open_owner_only(path)?;
-            let backend =
-                ::redb::backends::FileBackend::new(file).map_err(|e| map_open(e, path))?;
-            (engine_open(backend, config, path, witness)?, path.as_path())
-        }
+        Source::Path(path) => (
+            engine_open(file_backend(path)?, config, path, witness)?,
+            path.as_path(),
+        ),
         Source::Backend(store) => {
-            let name = Path::new("<storage backend>");
-            let backend = SharedBackend(std::sync::Arc::clone(store));
+            let (backend, name) = (SharedBackend(Arc::clone(store)), Path::new(BACKEND));
             (engine_open(backend, config, name, witness)?, name)
         }
         Source::None => {
@@ -348,26 +318,24 @@ pub(super) fn reopen_engine(
     };
     match read_meta(&db)? {
         Some(meta) => Ok((db, meta)),
-        None => Err(Damage::TablesLost {
-            store: name.to_path_buf(),
-        }
-        .into()),
+        None => Err(Damage::TablesLost { store: name.into() }.into()),
     }
 }
 
 /// `<path>.<suffix>`, or `<path>.<suffix>.N` for the first free `N`.
-fn free_name(path: &Path, suffix: &str) -> std::path::PathBuf {
-    let mut name = path.as_os_str().to_os_string();
-    name.push(format!(".{suffix}"));
-    let mut candidate = std::path::PathBuf::from(&name);
-    let mut n = 1u32;
-    while candidate.exists() {
-        let mut numbered = name.clone();
-        numbered.push(format!(".{n}"));
-        candidate = std::path::PathBuf::from(numbered);
-        n += 1;
-    }
-    candidate
+fn free_name(path: &Path, suffix: &str) -> PathBuf {
+    let name = |n: u32| {
+        let mut name = path.as_os_str().to_os_string();
+        name.push(format!(".{suffix}"));
+        if n > 0 {
+            name.push(format!(".{n}"));
+        }
+        PathBuf::from(name)
+    };
+    (0..)
+        .map(name)
+        .find(|p| !p.exists())
+        .unwrap_or_else(|| name(0))
 }
 
 fn map_open(err: DatabaseError, path: &Path) -> Error {
@@ -376,42 +344,32 @@ fn map_open(err: DatabaseError, path: &Path) -> Error {
             path: path.display().to_string(),
             holder: crate::holder::lock_holder(path),
         },
-        // Read past the end: the file is shorter than its header says,
-        // damage a retry cannot fix.
+        // Read past the end: shorter than its header says.
         DatabaseError::Storage(::redb::StorageError::Io(io))
             if io.kind() == std::io::ErrorKind::UnexpectedEof =>
         {
-            Damage::Truncated {
-                store: path.to_path_buf(),
-            }
-            .into()
+            Damage::Truncated { store: path.into() }.into()
         }
         other => engine_error(other),
     }
 }
 
 /// [`RecoveryPolicy::ExpireLeases`]: one process holds the file, so every
-/// PROCESSING record found at open belongs to a dead process. Its lease is
-/// ended now (its expiry is untouched), so a retry takes it over at once,
-/// with a new fencing token. Reads every record: O(records) at open.
+/// PROCESSING record found at open belongs to a dead process; its lease
+/// ends now (its expiry stays), so a retry takes it over at once.
 fn expire_leases(db: &Database, config: &Config) -> Result<u64> {
     let now = config.clock.now();
     commit(db, true, |tables| {
         let mut expired = 0u64;
         for (key_bytes, record) in tables.all()? {
-            let live_lease = match (record.state, record.lease_until) {
-                (State::Processing, Some(lease_until)) => lease_until > now,
-                _ => false,
-            };
-            if !live_lease {
-                continue;
+            if record.state == State::Processing && record.lease_until.is_some_and(|l| l > now) {
+                let ended = Record {
+                    lease_until: Some(now),
+                    ..record
+                };
+                tables.apply(&key_bytes, Some(&ended))?;
+                expired += 1;
             }
-            let ended = crate::record::Record {
-                lease_until: Some(now),
-                ..record.clone()
-            };
-            tables.apply(&key_bytes, Some(&ended))?;
-            expired += 1;
         }
         Ok::<_, Error>(expired)
     })?

@@ -1,8 +1,6 @@
-//! [`Overlay`]: a store file read through private in-memory pages
-//! ([`Pages`]), so that nothing redb does on it (recovery, repair, replay,
-//! a read-only store's commits) reaches the file. For every reading that
-//! must not write: read-only opens, `check_log`, `verify`'s engine check,
-//! and a heal that cannot reopen the files for writing ([`open_view_of`]).
+//! [`Overlay`]: a store file read through private in-memory pages, so that
+//! nothing redb does on it (recovery, repair, replay) reaches the file: for
+//! read-only opens, `check_log`, `verify` and a heal's read-only view.
 
 use super::file::check_foreign;
 use super::source::Source;
@@ -12,16 +10,15 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
-/// Opens the store file at `path` as a redb database through a private
-/// [`Overlay`]. `Ok(Err(detail))` when redb refuses the file or panics on it.
+/// The store file at `path` as a redb database through an [`Overlay`];
+/// `Ok(Err(detail))` when redb refuses the file or panics on it.
 pub(in crate::redb) fn open_overlay(path: &Path) -> Result<std::result::Result<Database, String>> {
-    // The caller holds the store (a view's shared lock, or a writer).
     engine_over(Overlay::new(std::fs::File::open(path)?)?)
 }
 
 /// A database over a store's files that writes nothing to them: what a heal
-/// leaves in the engine's place when it cannot open them for writing (an
-/// open writes: redb repairs a file it did not close), so reads go on.
+/// leaves in the engine's place when it cannot open them for writing, so
+/// reads go on.
 pub(in crate::redb) fn open_view_of(source: &Source) -> Result<Database> {
     let opened = match source {
         Source::Path(path) => open_overlay(path)?,
@@ -46,19 +43,14 @@ fn engine_over(overlay: Overlay) -> Result<std::result::Result<Database, String>
 }
 
 /// A file read through an in-memory overlay: writes land in memory, whole
-/// pages at a time, and the file is never written (it is opened read-only).
-///
-/// The file's length is read once: whoever reads through an overlay holds
-/// the file so that no writer changes it meanwhile (a shared lock), or
-/// reads a copy.
+/// pages at a time. The file's length is read once: the reader holds the
+/// file so that no writer changes it meanwhile, or reads a copy.
 pub(in crate::redb) struct Overlay {
     base: Base,
-    /// The file's length when the overlay was made.
     file_len: u64,
     state: Mutex<OverlayState>,
 }
 
-/// What an overlay reads from.
 enum Base {
     File(std::fs::File),
     /// A caller's backend, shared with the store (only read here).
@@ -68,7 +60,6 @@ enum Base {
 struct OverlayState {
     /// The length as redb sees it (a `set_len` changes only this).
     len: u64,
-    /// Pages written.
     pages: Pages,
 }
 
@@ -78,7 +69,7 @@ impl Overlay {
         Ok(Overlay::with_base(Base::File(file), file_len))
     }
 
-    /// An overlay over a backend: its `read` and `len` only are called.
+    /// An overlay over a backend, of which only `read` and `len` are called.
     fn over_backend(backend: Arc<dyn StorageBackend>) -> std::io::Result<Overlay> {
         let file_len = backend.len()?;
         Ok(Overlay::with_base(Base::Backend(backend), file_len))
@@ -159,14 +150,12 @@ impl StorageBackend for Overlay {
 /// The unit of the images: redb's pages are multiples of it.
 const PAGE: u64 = 4096;
 
-/// Page images over a file: the latest bytes of every page written, by
-/// index, each [`PAGE`] long. Reads and writes take the bytes no image
-/// covers from `file(offset, out)`.
+/// The latest bytes of every page written, by index; reads and writes take
+/// the bytes no image covers from `file(offset, out)`.
 #[derive(Default)]
 struct Pages(HashMap<u64, Box<[u8]>>);
 
 impl Pages {
-    /// Fills `out` from offset `offset`: images where there are, else `file`.
     fn read(
         &self,
         offset: u64,
@@ -191,8 +180,7 @@ impl Pages {
         Ok(())
     }
 
-    /// Writes `data` at `offset` into the images; a page written in part
-    /// starts from its current bytes (its image, else `file`).
+    /// A page written in part starts from its current bytes.
     fn write(
         &mut self,
         offset: u64,

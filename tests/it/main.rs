@@ -49,6 +49,8 @@ mod postgres_inbox_batch;
 mod postgres_inbox_set;
 #[cfg(all(feature = "postgres", feature = "tokio"))]
 mod postgres_runtime;
+#[cfg(all(feature = "postgres", feature = "tokio"))]
+mod postgres_tls;
 #[cfg(feature = "redb")]
 mod read_only;
 #[cfg(feature = "redb")]

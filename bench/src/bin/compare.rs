@@ -14,7 +14,8 @@
 //! ```
 //!
 //! `--only NAME,..` runs only the named rows (`postgres,postgres-hand`
-//! for the PostgreSQL pair); `--clients N,..` only those client counts.
+//! for the PostgreSQL pair); `--clients N,..` only those client counts;
+//! `--svg FILE` also writes the medians as a chart (cycles/s against clients).
 //!
 //! Redis joins as a peer when IDEMSTORE_REDIS_URL (a server with
 //! `appendfsync always`) and/or IDEMSTORE_REDIS_EVERYSEC_URL (one with
@@ -30,7 +31,7 @@
 //! scripts/redis-test-server stop "$dir/always"; scripts/redis-test-server stop "$dir/everysec"
 //! ```
 
-use idemstore_bench::{peers, workload};
+use idemstore_bench::{peers, plot, workload};
 use peers::{Backend, BoxResult, RedisInfo, fdatasync_probe};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -100,6 +101,7 @@ fn main() -> BoxResult<()> {
     let mut require_redis = false;
     let mut only: Option<Vec<String>> = None;
     let mut clients_list: Vec<usize> = CLIENTS.to_vec();
+    let mut svg: Option<String> = None;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -110,6 +112,7 @@ fn main() -> BoxResult<()> {
             "--rounds" => rounds = args.next().ok_or("--rounds N")?.parse()?,
             "--seconds" => seconds = args.next().ok_or("--seconds S")?.parse()?,
             "--require-redis" => require_redis = true,
+            "--svg" => svg = Some(args.next().ok_or("--svg FILE")?),
             "--clients" => {
                 let list = args.next().ok_or("--clients N,N..")?;
                 clients_list = list.split(',').map(str::parse).collect::<Result<_, _>>()?;
@@ -227,6 +230,26 @@ fn main() -> BoxResult<()> {
             print!("{:>12.0}", cell(&cycles, name, c));
         }
         println!("{:>11.0} µs", cell(&p99, name, 64));
+    }
+    if let Some(file) = &svg {
+        let series: Vec<plot::Series> = backends(&redis)
+            .into_iter()
+            .filter(|n| chosen(n))
+            .map(|name| plot::Series {
+                label: label(name),
+                ys: clients_list
+                    .iter()
+                    .map(|&c| cell(&cycles, name, c))
+                    .collect(),
+            })
+            .collect();
+        let xs: Vec<f64> = clients_list.iter().map(|&c| c as f64).collect();
+        let title = format!("Durable claim + completion, medians of {rounds} round(s)");
+        std::fs::write(
+            file,
+            plot::line_chart(&title, "client threads", "cycles/s", &xs, &series),
+        )?;
+        println!("chart: {file}");
     }
     println!();
     for ours in ours().into_iter().filter(|n| chosen(n)) {

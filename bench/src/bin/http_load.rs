@@ -45,6 +45,7 @@
 //! and `--client-workers N` (tokio worker threads of each runtime, default
 //! the cores), `--max-blocking-threads N` (the server runtime's blocking
 //! pool, default tokio's 512), `--json` (one object per cell, medians),
+//! `--svg FILE` (also a chart of requests/s against connections),
 //! `--require-postgres` (fail instead of skipping `postgres` and `pg-mw`),
 //! `--smoke` (one round, 0.3 s + 0.1 s warm-up per cell, 16 and 64
 //! connections).
@@ -53,7 +54,7 @@
 //! (default port 8080, 60 s, then it stops by itself) for a load client of
 //! your own; with `wrk`, `bench/wrk/idempotency.lua` sends every request
 //! with a fresh `Idempotency-Key` and re-sends a recent one for a share of
-//! them (docs/performance.md, "HTTP: the layer under load"):
+//! them (docs/performance.md, "Method"):
 //!
 //! ```text
 //! cargo run --release -p idemstore-bench --bin http_load -- --serve redb --port 8080 --serve-seconds 30 &
@@ -70,6 +71,7 @@ use idemstore_bench::http_load::{
     CellParams, CellReport, EXTRA_VARIANTS, VARIANTS, run_cell, serve,
 };
 use idemstore_bench::peers::{BoxResult, median};
+use idemstore_bench::plot;
 use std::collections::BTreeMap;
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -85,6 +87,7 @@ struct Args {
     client_workers: usize,
     max_blocking_threads: Option<usize>,
     json: bool,
+    svg: Option<String>,
     require_postgres: bool,
     /// Set in a child: run this one variant at `connections[0]` and print its JSON.
     cell: Option<String>,
@@ -118,6 +121,7 @@ fn parse() -> BoxResult<Args> {
         client_workers: cores,
         max_blocking_threads: None,
         json: false,
+        svg: None,
         require_postgres: false,
         cell: None,
         serve: None,
@@ -138,6 +142,7 @@ fn parse() -> BoxResult<Args> {
             "--client-workers" => a.client_workers = value()?.parse()?,
             "--max-blocking-threads" => a.max_blocking_threads = Some(value()?.parse()?),
             "--json" => a.json = true,
+            "--svg" => a.svg = Some(value()?),
             "--require-postgres" => a.require_postgres = true,
             "--smoke" => {
                 a.connections = vec![16, 64];
@@ -419,6 +424,32 @@ fn main() -> BoxResult<()> {
             for (kind, n) in &errors {
                 println!("{:>16} {n} × {kind}", "");
             }
+        }
+    }
+    if let Some(file) = &a.svg {
+        let series: Vec<plot::Series> = variants
+            .iter()
+            .map(|&variant| plot::Series {
+                label: variant.to_owned(),
+                ys: a
+                    .connections
+                    .iter()
+                    .map(|&c| cells.get(&(c, variant)).map_or(f64::NAN, Cell::rps))
+                    .collect(),
+            })
+            .collect();
+        let xs: Vec<f64> = a.connections.iter().map(|&c| c as f64).collect();
+        let title = format!(
+            "HTTP, {:.0} % re-sent keys, medians of {} round(s)",
+            a.dup * 100.0,
+            a.rounds
+        );
+        std::fs::write(
+            file,
+            plot::line_chart(&title, "connections", "requests/s", &xs, &series),
+        )?;
+        if !a.json {
+            println!("chart: {file}");
         }
     }
     if failed > 0 {

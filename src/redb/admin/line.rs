@@ -1,6 +1,5 @@
 //! The export line format (`idemstore export`, JSON lines), drawn at
-//! [`export_line`]. `v` is [`LINE_VERSION`]; records are written as stored,
-//! expired ones included, and import writes them back unchanged.
+//! [`export_line`]: records as stored, read back unchanged by import.
 
 use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
@@ -22,13 +21,9 @@ use serde_json::{Map, Value, json};
 /// ```
 pub const LINE_VERSION: u64 = 1;
 
-/// One record as one export line (JSON, no newline): the format of
-/// `idemstore export`, read back by [`parse_line`].
-///
-/// Byte strings (scope, id, header values, body) are JSON text under their
-/// own name when they are valid UTF-8, else standard base64 under the name
-/// with `_b64` appended; the fingerprint is 64 lower-case hex digits; times
-/// are Unix milliseconds:
+/// One record as one export line (JSON, no newline), read back by
+/// [`parse_line`]. Byte strings are JSON text when valid UTF-8, else base64
+/// under the name with `_b64` appended; times are Unix milliseconds:
 ///
 /// ```text
 /// {"v":1,"scope":"tenant-42","id":"order-1","state":"DONE",
@@ -40,11 +35,9 @@ pub const LINE_VERSION: u64 = 1;
 /// ```
 /// use idemstore::redb::admin::{export_line, parse_line};
 /// use idemstore::{Fingerprint, Key, MemoryStore, Store, Timestamp};
-/// use std::time::Duration;
 ///
-/// let store = MemoryStore::new();
-/// let key = Key::new("tenant-42", "order-1")?;
-/// let hour = Duration::from_secs(3600);
+/// let (store, key) = (MemoryStore::new(), Key::new("tenant-42", "order-1")?);
+/// let hour = std::time::Duration::from_secs(3600);
 /// store.begin(&key, &Fingerprint::of(b"x"), Timestamp::EPOCH, hour, hour)?;
 /// let record = store.get(&key, Timestamp::EPOCH)?.expect("claimed");
 ///
@@ -57,27 +50,21 @@ pub fn export_line(key: &Key, record: &Record) -> String {
     to_json(key, record).to_string()
 }
 
-/// One record as a JSON object (see [`export_line`]).
 fn to_json(key: &Key, record: &Record) -> Value {
-    let mut line = Map::new();
-    line.insert("v".into(), json!(LINE_VERSION));
+    let mut line = json!({
+        "v": LINE_VERSION,
+        "state": record.state.to_string(),
+        "fingerprint": record.fingerprint.to_hex(),
+        "token": record.token,
+        "attempts": record.attempts,
+        "created_at_ms": record.created_at.as_millis(),
+        "expires_at_ms": record.expires_at.as_millis(),
+        "lease_until_ms": record.lease_until.map(Timestamp::as_millis),
+        "response": record.response.as_ref().map(response_json),
+    });
     put_bytes(&mut line, "scope", key.scope());
     put_bytes(&mut line, "id", key.id());
-    line.insert("state".into(), json!(record.state.to_string()));
-    line.insert("fingerprint".into(), json!(record.fingerprint.to_hex()));
-    line.insert("token".into(), json!(record.token));
-    line.insert("attempts".into(), json!(record.attempts));
-    line.insert("created_at_ms".into(), json!(record.created_at.as_millis()));
-    line.insert("expires_at_ms".into(), json!(record.expires_at.as_millis()));
-    line.insert(
-        "lease_until_ms".into(),
-        json!(record.lease_until.map(Timestamp::as_millis)),
-    );
-    line.insert(
-        "response".into(),
-        record.response.as_ref().map_or(Value::Null, response_json),
-    );
-    Value::Object(line)
+    line
 }
 
 fn response_json(r: &Response) -> Value {
@@ -85,24 +72,22 @@ fn response_json(r: &Response) -> Value {
         .headers
         .iter()
         .map(|(name, value)| {
-            let mut h = Map::new();
-            h.insert("name".into(), json!(name));
-            put_bytes(&mut h, "value", value);
-            Value::Object(h)
+            let mut header = json!({ "name": name });
+            put_bytes(&mut header, "value", value);
+            header
         })
         .collect();
-    let mut out = Map::new();
-    out.insert("status".into(), json!(r.status));
-    out.insert("headers".into(), Value::Array(headers));
+    let mut out = json!({ "status": r.status, "headers": headers });
     put_bytes(&mut out, "body", &r.body);
-    Value::Object(out)
+    out
 }
 
-fn put_bytes(map: &mut Map<String, Value>, name: &str, bytes: &[u8]) {
+/// Text under `name` when valid UTF-8, else base64 under `<name>_b64`.
+fn put_bytes(object: &mut Value, name: &str, bytes: &[u8]) {
     match std::str::from_utf8(bytes) {
-        Ok(text) => map.insert(name.to_owned(), json!(text)),
-        Err(_) => map.insert(format!("{name}_b64"), json!(STANDARD.encode(bytes))),
-    };
+        Ok(text) => object[name] = json!(text),
+        Err(_) => object[format!("{name}_b64")] = json!(STANDARD.encode(bytes)),
+    }
 }
 
 fn bad(detail: impl std::fmt::Display) -> Error {
@@ -134,9 +119,8 @@ fn take_u64(map: &Map<String, Value>, name: &str) -> Result<u64> {
         .ok_or_else(|| bad(format!("{name:?} is missing or not an unsigned integer")))
 }
 
-/// [`Error::InvalidArgument`] naming the first field of `map` that is not
-/// one of `known` (each also allowed as `<name>_b64`): a line from a newer
-/// or foreign writer is refused rather than imported without what it says.
+/// Refuses a field not in `known` (each also allowed as `<name>_b64`): a
+/// newer writer's line is not imported without what it says.
 fn only_known(map: &Map<String, Value>, what: &str, known: &[&str]) -> Result<()> {
     match map.keys().find(|k| {
         let base = k.strip_suffix("_b64").unwrap_or(k);
@@ -149,7 +133,6 @@ fn only_known(map: &Map<String, Value>, what: &str, known: &[&str]) -> Result<()
     }
 }
 
-/// The fields of a line, and of its response and header objects.
 const LINE_FIELDS: &[&str] = &[
     "v",
     "scope",
@@ -171,11 +154,21 @@ fn object<'a>(v: &'a Value, what: &str) -> Result<&'a Map<String, Value>> {
         .ok_or_else(|| bad(format!("{what} is not a JSON object")))
 }
 
-/// Parses one line written by [`export_line`] (surrounding whitespace is
-/// allowed). The key, the record's invariants and the response limits (at
-/// their widest, [`MAX_BODY_BYTES_HARD_CAP`](crate::limits::MAX_BODY_BYTES_HARD_CAP))
-/// are checked; a line that fails is [`Error::InvalidArgument`] naming the
-/// field (or [`Error::InvalidKey`], [`Error::ResponseTooLarge`]).
+/// Inverse of [`Fingerprint::to_hex`].
+fn unhex(s: &str) -> Option<Vec<u8>> {
+    if !s.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+/// Parses one line written by [`export_line`], checking the key, the
+/// record's invariants and the response limits (at their widest); a bad
+/// line is [`Error::InvalidArgument`] naming the field (or
+/// [`Error::InvalidKey`], [`Error::ResponseTooLarge`]).
 ///
 /// ```
 /// use idemstore::redb::admin::parse_line;
@@ -195,22 +188,6 @@ fn object<'a>(v: &'a Value, what: &str) -> Result<&'a Map<String, Value>> {
 /// # Ok::<(), idemstore::Error>(())
 /// ```
 pub fn parse_line(line: &str) -> Result<(Key, Record)> {
-    from_json(line)
-}
-
-/// Inverse of [`Fingerprint::to_hex`]; `None` for odd length or a non-hex digit.
-fn unhex(s: &str) -> Option<Vec<u8>> {
-    if !s.len().is_multiple_of(2) {
-        return None;
-    }
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
-        .collect()
-}
-
-/// Parses one line written by [`to_json`].
-fn from_json(line: &str) -> Result<(Key, Record)> {
     let value: Value = serde_json::from_str(line).map_err(|e| bad(format!("not JSON: {e}")))?;
     let map = object(&value, "the line")?;
     let v = take_u64(map, "v")?;
@@ -317,7 +294,7 @@ mod tests {
         assert!(line.contains("\"scope_b64\":\"dP8=\""), "{line}");
         assert!(line.contains("\"id\":\"order-1\""), "{line}");
         assert!(line.contains("\"body_b64\""), "{line}");
-        assert_eq!(from_json(&line).expect("parses"), (key, record));
+        assert_eq!(parse_line(&line).expect("parses"), (key, record));
         let processing = Record {
             state: State::Processing,
             response: None,
@@ -325,7 +302,7 @@ mod tests {
             ..done().1
         };
         let line = to_json(&done().0, &processing).to_string();
-        assert_eq!(from_json(&line).expect("parses").1, processing);
+        assert_eq!(parse_line(&line).expect("parses").1, processing);
     }
 
     #[test]
@@ -340,32 +317,32 @@ mod tests {
         let (key, record) = done();
         let mut v = to_json(&key, &record);
         v["fingerprint"] = json!("abc");
-        let err = from_json(&v.to_string()).expect_err("short fingerprint");
+        let err = parse_line(&v.to_string()).expect_err("short fingerprint");
         assert!(err.to_string().contains("fingerprint"), "{err}");
         v = to_json(&key, &record);
         v["lease_until_ms"] = json!(5);
-        let err = from_json(&v.to_string()).expect_err("DONE with a lease");
+        let err = parse_line(&v.to_string()).expect_err("DONE with a lease");
         assert!(err.to_string().contains("DONE record"), "{err}");
         v = to_json(&key, &record);
         let many: Vec<Value> = (0..=crate::response::MAX_HEADERS)
             .map(|i| json!({"name": format!("h{i}"), "value": "v"}))
             .collect();
         v["response"]["headers"] = Value::Array(many);
-        let err = from_json(&v.to_string()).expect_err("over the header limit");
+        let err = parse_line(&v.to_string()).expect_err("over the header limit");
         assert!(matches!(err, Error::ResponseTooLarge { .. }), "{err}");
         v = to_json(&key, &record);
         v["v"] = json!(2);
-        assert!(from_json(&v.to_string()).is_err());
-        assert!(from_json("not json").is_err());
+        assert!(parse_line(&v.to_string()).is_err());
+        assert!(parse_line("not json").is_err());
     }
 
     #[test]
     fn unknown_fields_are_refused_wherever_they_are() {
         let (key, record) = done();
-        assert!(from_json(&to_json(&key, &record).to_string()).is_ok());
+        assert!(parse_line(&to_json(&key, &record).to_string()).is_ok());
         let mut v = to_json(&key, &record);
         v["tenant"] = json!("acme");
-        let err = from_json(&v.to_string()).expect_err("unknown top-level field");
+        let err = parse_line(&v.to_string()).expect_err("unknown top-level field");
         assert!(
             err.to_string()
                 .contains(r#"unknown field "tenant" in the line"#),
@@ -373,11 +350,11 @@ mod tests {
         );
         v = to_json(&key, &record);
         v["response"]["trailers"] = json!([]);
-        let err = from_json(&v.to_string()).expect_err("unknown response field");
+        let err = parse_line(&v.to_string()).expect_err("unknown response field");
         assert!(err.to_string().contains(r#""trailers""#), "{err}");
         v = to_json(&key, &record);
         v["response"]["headers"] = json!([{"name": "a", "value": "b", "x": 1}]);
-        let err = from_json(&v.to_string()).expect_err("unknown header field");
+        let err = parse_line(&v.to_string()).expect_err("unknown header field");
         assert!(err.to_string().contains("in a header"), "{err}");
         // The base64 forms of the byte fields are known ones.
         v = to_json(&key, &record);
@@ -387,6 +364,6 @@ mod tests {
             "id_b64".into(),
             json!(STANDARD.encode(id.as_str().expect("text"))),
         );
-        assert!(from_json(&v.to_string()).is_ok(), "{v}");
+        assert!(parse_line(&v.to_string()).is_ok(), "{v}");
     }
 }

@@ -4,16 +4,16 @@
 use super::super::errors::engine_error;
 use super::super::loss::LossReport;
 use super::super::meta::{check_format, read_meta_entries, read_wal_state};
+use super::super::open::log_to_read;
 use super::super::overlay::open_overlay;
-use super::super::record_log::{self, FileLog};
+use super::super::record_log;
 use super::super::recovery::{Found, boot_id, plan_log, walk_live};
 use crate::error::{Error, Result};
-use ::redb::backends::InMemoryBackend;
-use ::redb::{ReadableDatabase, StorageBackend};
+use ::redb::ReadableDatabase;
 use std::path::{Path, PathBuf};
 
-/// What [`check_log`] found: the log's state and every problem an open of
-/// the store would refuse (all of them, not only the first).
+/// What [`check_log`] found: the log's state and every problem an open
+/// would refuse.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct LogCheck {
@@ -23,14 +23,12 @@ pub struct LogCheck {
     pub present: bool,
     /// Its size in bytes (0 when missing).
     pub bytes: u64,
-    /// Whether the store was last closed cleanly (`Some(true)`: the log
-    /// holds nothing the store needs); `None` for a store no build with
-    /// this record has opened with a log.
+    /// Whether the store was last closed cleanly (the log holds nothing it
+    /// needs); `None` when no open has recorded it.
     pub clean_stop: Option<bool>,
     /// Frames an open would replay.
     pub frames: u64,
-    /// What an open would refuse, one line each; empty when the log is
-    /// fine.
+    /// What an open would refuse, one line each.
     pub problems: Vec<String>,
 }
 
@@ -46,13 +44,9 @@ impl LogCheck {
 }
 
 /// Checks the write-ahead log of the store at `store` as an open would
-/// replay it, and reports every problem instead of stopping at the first.
-///
-/// Writes nothing (the store file is read through an in-memory overlay)
-/// and takes no lock: run it on a store no process holds, or on a copy.
-///
-/// Errors: what an open would say about the store file itself (missing,
-/// foreign, damaged), and I/O errors.
+/// replay it, reporting every problem instead of stopping at the first.
+/// Writes nothing and takes no lock: run it on a store no process holds,
+/// or on a copy. Errors: what an open would say about the store file.
 ///
 /// ```
 /// use idemstore::redb::admin::check_log;
@@ -75,11 +69,7 @@ pub fn check_log(store: impl AsRef<Path>) -> Result<LogCheck> {
     };
     check_format(&meta)?;
     let state = read_wal_state(&db)?;
-    // A missing log reads as an empty one.
-    let log: Box<dyn StorageBackend> = match FileLog::open_read_only(store)? {
-        Some(log) => Box::new(log),
-        None => Box::new(InMemoryBackend::new()),
-    };
+    let log = log_to_read(store)?;
     let boot = boot_id();
     let found = Found {
         store_id: meta.store_id,
@@ -96,8 +86,7 @@ pub fn check_log(store: impl AsRef<Path>) -> Result<LogCheck> {
         frames: 0,
         problems: plan.problems.iter().map(ToString::to_string).collect(),
     };
-    // Every frame the open would replay, decoded but not applied; what it
-    // would refuse is written down, and the walk goes on.
+    // Every frame decoded but not applied; the walk goes on past problems.
     let mut loss = LossReport::default();
     let mut undecodable = Vec::new();
     check.frames = walk_live(
@@ -117,8 +106,8 @@ pub fn check_log(store: impl AsRef<Path>) -> Result<LogCheck> {
     Ok(check)
 }
 
-/// The write-ahead log's path for the store file at `store`:
-/// `<store>-wal`. The two are copied, moved and deleted together.
+/// The write-ahead log beside the store file `store` (`<store>-wal`); the
+/// two are copied, moved and deleted together.
 ///
 /// ```
 /// use idemstore::redb::admin::log_path;

@@ -1,32 +1,35 @@
-//! Operator access to a store file: store facts, raw iteration over the
-//! records, a full verification, evicting one key, bulk import, and the
-//! export line format. The `idemstore` binary (feature `cli`) is built on
-//! this module alone, and so is the crash checker of `idemstore-testkit`.
-//! None of it is part of the [`Store`](crate::Store) contract.
+//! Operator access to a store file (facts, raw scans, verify, evict,
+//! import, the export line format), outside the [`Store`](crate::Store)
+//! contract; the `idemstore` binary is built on it. Reads see the store
+//! file: what was checkpointed ([`Admin::checkpoint`]).
 //!
 //! ```
 //! use idemstore::{Fingerprint, Key, RedbStore, Store, Timestamp};
-//! use std::time::Duration;
+//! use std::ops::ControlFlow;
 //! # let dir = tempfile::tempdir()?;
 //! let store = RedbStore::open(dir.path().join("orders.idem"))?;
-//! let hour = Duration::from_secs(3600);
-//! store.begin(&Key::new("t", "order-1")?, &Fingerprint::of(b"x"), Timestamp::EPOCH, hour, hour)?;
+//! let (hour, key) = (std::time::Duration::from_secs(3600), Key::new("t", "o-1")?);
+//! store.begin(&key, &Fingerprint::of(b"x"), Timestamp::EPOCH, hour, hour)?;
 //!
 //! let admin = store.admin();
-//! admin.checkpoint()?;                       // make the write part of the file
-//! assert_eq!(admin.facts()?.records, 1);
+//! admin.checkpoint()?; // make the write part of the file
+//! let facts = admin.facts()?;
+//! assert_eq!((facts.records, facts.index_entries, facts.token_hwm), (1, 1, 1));
+//! assert_eq!((facts.format_version, facts.store_id), (facts.supported_version, store.store_id()));
 //! assert!(admin.verify(|_| {})?.is_clean());
+//! assert!(admin.get_raw(&key)?.is_some());
+//! let end = Timestamp::EPOCH + hour;
+//! assert_eq!(admin.expiry_bounds()?, Some((end, end)));
+//! assert_eq!((admin.count_due(end, 10)?, admin.count_due(Timestamp::EPOCH, 10)?), (1, 0));
+//! admin.scan(|key, record| {
+//!     assert_eq!(key.as_bytes(), b"\x01to-1");
+//!     assert_eq!(key.decode().expect("valid"), Key::new("t", "o-1").expect("valid"));
+//!     assert_eq!(key.to_string(), "t/o-1");
+//!     assert!(record.is_ok());
+//!     ControlFlow::Continue(())
+//! })?;
 //! # Ok::<(), idemstore::Error>(())
 //! ```
-//!
-//! Reads see one snapshot of the store file: what was checkpointed (after
-//! an open, everything; after writes, call [`Admin::checkpoint`]). Writes
-//! ([`Admin::evict`], [`Admin::import`]) are direct transactions: under the
-//! commit lock, the memtable taken in first, the log retired, and a failed
-//! commit poisons the store as a failed group would.
-//!
-//! `write.rs` has the writes, `verify.rs` [`Admin::verify`], `line.rs` the
-//! export line format.
 
 mod line;
 mod log;
@@ -52,14 +55,12 @@ use std::fmt;
 use std::ops::ControlFlow;
 
 impl RedbStore {
-    /// Operator access to this store's file: facts, raw scans, verify,
-    /// evict, import (see [`admin`](crate::redb::admin)).
+    /// Operator access to this store's file ([`admin`](crate::redb::admin)).
     ///
     /// ```
-    /// # let dir = tempfile::tempdir()?;
-    /// let store = idemstore::RedbStore::open(dir.path().join("s.idem"))?;
-    /// assert_eq!(store.admin().facts()?.store_id, store.store_id());
-    /// # Ok::<(), idemstore::Error>(())
+    /// fn records(store: &idemstore::RedbStore) -> idemstore::Result<u64> {
+    ///     Ok(store.admin().facts()?.records)
+    /// }
     /// ```
     pub fn admin(&self) -> Admin<'_> {
         Admin { store: self }
@@ -69,27 +70,21 @@ impl RedbStore {
 /// Operator access to one open [`RedbStore`], from [`RedbStore::admin`].
 ///
 /// ```
-/// # let dir = tempfile::tempdir()?;
-/// let store = idemstore::RedbStore::open(dir.path().join("s.idem"))?;
-/// let admin = store.admin();
-/// assert_eq!(admin.expiry_bounds()?, None);
-/// # Ok::<(), idemstore::Error>(())
+/// fn is_clean(admin: idemstore::redb::admin::Admin<'_>) -> idemstore::Result<bool> {
+///     Ok(admin.verify(|_| {})?.is_clean())
+/// }
 /// ```
 #[derive(Clone, Copy, Debug)]
 pub struct Admin<'a> {
     store: &'a RedbStore,
 }
 
-/// Store-wide facts from the meta table and the table sizes
-/// ([`Admin::facts`]).
+/// Store-wide facts from the meta table and the table sizes ([`Admin::facts`]).
 ///
 /// ```
-/// # let dir = tempfile::tempdir()?;
-/// let store = idemstore::RedbStore::open(dir.path().join("s.idem"))?;
-/// let facts = store.admin().facts()?;
-/// assert_eq!(facts.format_version, facts.supported_version);
-/// assert_eq!((facts.records, facts.index_entries, facts.token_hwm), (0, 0, 0));
-/// # Ok::<(), idemstore::Error>(())
+/// fn hwm(facts: &idemstore::redb::admin::Facts) -> u64 {
+///     facts.token_hwm
+/// }
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -109,27 +104,13 @@ pub struct Facts {
 }
 
 /// A key as stored (`scope_len u8 | scope | id`), as [`Admin::scan`] passes
-/// it: a damaged file may hold bytes that are not a valid [`Key`].
-///
-/// Its [`Display`](fmt::Display) is `scope/id` (escaped) when it decodes,
-/// else `0x` and hex.
+/// it (a damaged file may hold bytes that are not a valid [`Key`]). Its
+/// `Display` is `scope/id` (escaped) when it decodes, else `0x` and hex.
 ///
 /// ```
-/// use idemstore::{Key, RedbStore, Fingerprint, Store, Timestamp};
-/// use std::ops::ControlFlow;
-/// use std::time::Duration;
-/// # let dir = tempfile::tempdir()?;
-/// let store = RedbStore::open(dir.path().join("s.idem"))?;
-/// let hour = Duration::from_secs(3600);
-/// store.begin(&Key::new("t", "o-1")?, &Fingerprint::of(b"x"), Timestamp::EPOCH, hour, hour)?;
-/// store.admin().checkpoint()?;
-/// store.admin().scan(|key, _record| {
-///     assert_eq!(key.as_bytes(), b"\x01to-1");
-///     assert_eq!(key.decode().expect("valid"), Key::new("t", "o-1").expect("valid"));
-///     assert_eq!(key.to_string(), "t/o-1");
-///     ControlFlow::Continue(())
-/// })?;
-/// # Ok::<(), idemstore::Error>(())
+/// fn show(key: idemstore::redb::admin::RawKey<'_>) -> String {
+///     key.to_string()
+/// }
 /// ```
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct RawKey<'a> {
@@ -142,15 +123,15 @@ impl<'a> RawKey<'a> {
     /// ```
     /// # use idemstore::redb::admin::RawKey;
     /// fn first_byte(key: RawKey<'_>) -> Option<u8> {
-    ///     key.as_bytes().first().copied()   // the scope's length
+    ///     key.as_bytes().first().copied() // the scope's length
     /// }
     /// ```
     pub fn as_bytes(&self) -> &'a [u8] {
         self.bytes
     }
 
-    /// The [`Key`] these bytes store; [`Error::Corrupt`](crate::Error::Corrupt) when they do not
-    /// decode to a valid one.
+    /// The [`Key`] these bytes store; [`Error::Corrupt`](crate::Error::Corrupt)
+    /// when they do not decode to a valid one.
     ///
     /// ```
     /// # use idemstore::redb::admin::RawKey;
@@ -176,22 +157,20 @@ impl fmt::Debug for RawKey<'_> {
 }
 
 impl Admin<'_> {
-    /// Writes everything the memtable holds into the store file (durably,
-    /// retiring the log), so that the reads here, which read the file, see
-    /// the writes made through the store API. Writes nothing when the
-    /// memtable is empty, as it is after an open.
+    /// Writes what the memtable holds into the store file durably, so that
+    /// the reads here see the writes made through the store API (see the
+    /// [module](crate::redb::admin) example).
     ///
     /// ```
-    /// # let dir = tempfile::tempdir()?;
-    /// let store = idemstore::RedbStore::open(dir.path().join("s.idem"))?;
-    /// store.admin().checkpoint()?;
-    /// # Ok::<(), idemstore::Error>(())
+    /// # fn f(store: &idemstore::RedbStore) -> idemstore::Result<()> {
+    /// store.admin().checkpoint()
+    /// # }
     /// ```
     pub fn checkpoint(&self) -> Result<()> {
         self.store.shared.flush()
     }
 
-    /// Facts from the meta table and the table sizes. A missing or
+    /// Facts from the meta table and the table sizes; a missing or
     /// malformed meta entry is [`Error::Corrupt`](crate::Error::Corrupt).
     ///
     /// ```
@@ -204,58 +183,42 @@ impl Admin<'_> {
         let db = self.store.shared.read_db()?;
         let txn = db.begin_read().map_err(engine_error)?;
         let meta = super::meta::read_meta_entries(&txn)?;
-        let records = txn
-            .open_table(RECORDS)
-            .map_err(engine_error)?
-            .len()
-            .map_err(engine_error)?;
-        let index_entries = txn
-            .open_table(EXPIRY)
-            .map_err(engine_error)?
-            .len()
-            .map_err(engine_error)?;
+        let records = txn.open_table(RECORDS).map_err(engine_error)?;
+        let index = txn.open_table(EXPIRY).map_err(engine_error)?;
         Ok(Facts {
             format_version: meta.format_version,
             supported_version: STORE_FORMAT_VERSION,
             store_id: u128::from_be_bytes(meta.store_id),
             token_hwm: meta.token_hwm,
-            records,
-            index_entries,
+            records: records.len().map_err(engine_error)?,
+            index_entries: index.len().map_err(engine_error)?,
         })
     }
 
-    /// Calls `f` with every record in the store file, in key order, from
-    /// one snapshot, until it returns [`ControlFlow::Break`]. A record that
-    /// does not verify is passed as its error ([`Error::Corrupt`](crate::Error::Corrupt)), not
-    /// skipped. Expired records not yet swept are included.
+    /// Calls `f` with every record in the store file, in key order, until
+    /// it returns [`ControlFlow::Break`]; a record that does not verify is
+    /// passed as its error, and expired ones not yet swept are included.
     ///
     /// ```
-    /// use std::ops::ControlFlow;
-    /// # let dir = tempfile::tempdir()?;
-    /// # let store = idemstore::RedbStore::open(dir.path().join("s.idem"))?;
+    /// # fn f(store: &idemstore::RedbStore) -> idemstore::Result<()> {
     /// let mut damaged = 0;
     /// store.admin().scan(|_key, record| {
     ///     damaged += u32::from(record.is_err());
-    ///     ControlFlow::Continue(())
-    /// })?;
-    /// assert_eq!(damaged, 0);
-    /// # Ok::<(), idemstore::Error>(())
+    ///     std::ops::ControlFlow::Continue(())
+    /// })
+    /// # }
     /// ```
     pub fn scan(&self, f: impl FnMut(RawKey<'_>, Result<Record>) -> ControlFlow<()>) -> Result<()> {
         self.scan_prefix(&[], f)
     }
 
-    /// [`scan`](Self::scan) over the records of one scope (tenant) only:
-    /// keys sort by scope first, so this reads one key range.
-    /// [`Error::InvalidKey`](crate::Error::InvalidKey) when `scope` is longer than a scope may be.
+    /// [`scan`](Self::scan) over one scope's records (one key range);
+    /// [`Error::InvalidKey`](crate::Error::InvalidKey) for a scope too long.
     ///
     /// ```
     /// use idemstore::{Fingerprint, Key, RedbStore, Store, Timestamp};
-    /// use std::ops::ControlFlow;
-    /// use std::time::Duration;
     /// # let dir = tempfile::tempdir()?;
-    /// let store = RedbStore::open(dir.path().join("s.idem"))?;
-    /// let hour = Duration::from_secs(3600);
+    /// let (store, hour) = (RedbStore::open(dir.path().join("s.idem"))?, std::time::Duration::from_secs(3600));
     /// for scope in ["a", "ab", "b"] {
     ///     store.begin(&Key::new(scope, "o-1")?, &Fingerprint::of(b"x"), Timestamp::EPOCH, hour, hour)?;
     /// }
@@ -263,7 +226,7 @@ impl Admin<'_> {
     /// let mut seen = Vec::new();
     /// store.admin().scan_scope("a", |key, _| {
     ///     seen.push(key.to_string());
-    ///     ControlFlow::Continue(())
+    ///     std::ops::ControlFlow::Continue(())
     /// })?;
     /// assert_eq!(seen, ["a/o-1"]);
     /// # Ok::<(), idemstore::Error>(())
@@ -274,15 +237,12 @@ impl Admin<'_> {
         f: impl FnMut(RawKey<'_>, Result<Record>) -> ControlFlow<()>,
     ) -> Result<()> {
         let scope = scope.as_ref();
-        // Keys sort as scope_len | scope | id, so one scope is one key
-        // range; a key with the scope validates it.
+        // A key with the scope validates it.
         let mut prefix = codec::encode_key(&Key::new(scope, "x")?);
         prefix.truncate(1 + scope.len());
         self.scan_prefix(&prefix, f)
     }
 
-    /// Calls `f` with every stored record whose key starts with `prefix`
-    /// (encoded key bytes; empty for all).
     fn scan_prefix(
         &self,
         prefix: &[u8],
@@ -305,36 +265,27 @@ impl Admin<'_> {
         Ok(())
     }
 
-    /// The latest stored record for `key` whether or not it has expired
-    /// (an operator asks about what is stored; [`Store::get`](crate::Store::get)
-    /// hides expired records). [`Error::Corrupt`](crate::Error::Corrupt) for a record that does
-    /// not verify.
+    /// The latest record for `key`, expired or not (unlike
+    /// [`Store::get`](crate::Store::get)).
     ///
     /// ```
-    /// # let dir = tempfile::tempdir()?;
-    /// let store = idemstore::RedbStore::open(dir.path().join("s.idem"))?;
-    /// assert!(store.admin().get_raw(&idemstore::Key::new("t", "o-1")?)?.is_none());
-    /// # Ok::<(), idemstore::Error>(())
+    /// # fn f(store: &idemstore::RedbStore) -> idemstore::Result<()> {
+    /// let record = store.admin().get_raw(&idemstore::Key::new("t", "o-1")?)?;
+    /// # Ok(()) }
     /// ```
     pub fn get_raw(&self, key: &Key) -> Result<Option<Record>> {
         self.store.shared.read(&codec::encode_key(key))
     }
 
-    /// The expiry of the first and the last expiry-index entries, `None`
-    /// when the index is empty: two lookups at the ends of the index, not a
-    /// scan.
+    /// The first and the last expiry in the expiry index, `None` when it is
+    /// empty.
     ///
     /// ```
-    /// use idemstore::{Fingerprint, Key, RedbStore, Store, Timestamp};
-    /// use std::time::Duration;
-    /// # let dir = tempfile::tempdir()?;
-    /// let store = RedbStore::open(dir.path().join("s.idem"))?;
-    /// let hour = Duration::from_secs(3600);
-    /// store.begin(&Key::new("t", "o-1")?, &Fingerprint::of(b"x"), Timestamp::EPOCH, hour, hour)?;
-    /// store.admin().checkpoint()?;
-    /// let end = Timestamp::EPOCH + hour;
-    /// assert_eq!(store.admin().expiry_bounds()?, Some((end, end)));
-    /// # Ok::<(), idemstore::Error>(())
+    /// # fn f(store: &idemstore::RedbStore) -> idemstore::Result<()> {
+    /// if let Some((first, last)) = store.admin().expiry_bounds()? {
+    ///     println!("records expire from {first:?} to {last:?}");
+    /// }
+    /// # Ok(()) }
     /// ```
     pub fn expiry_bounds(&self) -> Result<Option<(Timestamp, Timestamp)>> {
         let db = self.store.shared.read_db()?;
@@ -351,20 +302,19 @@ impl Admin<'_> {
         }
     }
 
-    /// Expiry-index entries due at `now` (expiry at or before it), counted
-    /// up to `limit`: what a sweep at `now` will visit.
+    /// Expiry-index entries due at `now`, counted up to `limit`: what a
+    /// sweep at `now` will visit.
     ///
     /// ```
-    /// # let dir = tempfile::tempdir()?;
-    /// let store = idemstore::RedbStore::open(dir.path().join("s.idem"))?;
-    /// assert_eq!(store.admin().count_due(idemstore::Timestamp::EPOCH, u64::MAX)?, 0);
-    /// # Ok::<(), idemstore::Error>(())
+    /// # fn f(store: &idemstore::RedbStore) -> idemstore::Result<u64> {
+    /// store.admin().count_due(idemstore::Timestamp::from_millis(1_000), u64::MAX)
+    /// # }
     /// ```
     pub fn count_due(&self, now: Timestamp, limit: u64) -> Result<u64> {
         let db = self.store.shared.read_db()?;
         let txn = db.begin_read().map_err(engine_error)?;
         let expiry = txn.open_table(EXPIRY).map_err(engine_error)?;
-        // Entries are (expires_at BE | key): every one due sorts below now + 1.
+        // Entries are expires_at BE | key.
         let bound = now.as_millis().saturating_add(1).to_be_bytes();
         let mut n = 0u64;
         for entry in expiry

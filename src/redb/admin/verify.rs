@@ -7,18 +7,10 @@ use crate::redb::errors::engine_error;
 use crate::redb::tables::{EXPIRY, RECORDS};
 use ::redb::{ReadableDatabase, ReadableTable};
 
-/// Most problems a [`VerifyReport`] lists one by one; past this it only
-/// counts them.
+/// Most problems a [`VerifyReport`] lists; past this it only counts them.
 ///
 /// ```
-/// use idemstore::redb::admin::MAX_LISTED_PROBLEMS;
-/// # let dir = tempfile::tempdir()?;
-/// # let store = idemstore::RedbStore::open(dir.path().join("s.idem"))?;
-/// let report = store.admin().verify(|_| {})?;
-/// assert!(report.problems.len() <= MAX_LISTED_PROBLEMS);
-/// let unlisted = report.problem_count - report.problems.len() as u64;
-/// # assert_eq!(unlisted, 0);
-/// # Ok::<(), idemstore::Error>(())
+/// assert_eq!(idemstore::redb::admin::MAX_LISTED_PROBLEMS, 100);
 /// ```
 pub const MAX_LISTED_PROBLEMS: usize = 100;
 
@@ -57,8 +49,7 @@ pub enum ProblemKind {
 }
 
 impl ProblemKind {
-    /// A stable, short name (the `idemstore verify` table and JSON output
-    /// use it).
+    /// A stable, short name (`idemstore verify` prints it).
     ///
     /// ```
     /// use idemstore::redb::admin::ProblemKind;
@@ -89,12 +80,9 @@ impl std::fmt::Display for ProblemKind {
 /// One problem found by [`Admin::verify`].
 ///
 /// ```
-/// # let dir = tempfile::tempdir()?;
-/// # let store = idemstore::RedbStore::open(dir.path().join("s.idem"))?;
-/// for p in &store.admin().verify(|_| {})?.problems {
-///     eprintln!("{}: {} ({})", p.kind, p.key.as_deref().unwrap_or("-"), p.detail);
+/// fn show(p: &idemstore::redb::admin::Problem) -> String {
+///     format!("{}: {} ({})", p.kind, p.key.as_deref().unwrap_or("-"), p.detail)
 /// }
-/// # Ok::<(), idemstore::Error>(())
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -119,12 +107,8 @@ impl std::fmt::Display for Problem {
 /// The outcome of [`Admin::verify`].
 ///
 /// ```
-/// # let dir = tempfile::tempdir()?;
-/// let store = idemstore::RedbStore::open(dir.path().join("s.idem"))?;
-/// let report = store.admin().verify(|_| {})?;
-/// assert!(report.is_clean());
-/// assert_eq!((report.records, report.problem_count), (0, 0));
-/// # Ok::<(), idemstore::Error>(())
+/// let report = idemstore::redb::admin::VerifyReport::default();
+/// assert!(report.is_clean() && report.problems.is_empty());
 /// ```
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
@@ -143,21 +127,18 @@ impl VerifyReport {
     /// True when nothing was found.
     ///
     /// ```
-    /// # let dir = tempfile::tempdir()?;
-    /// # let store = idemstore::RedbStore::open(dir.path().join("s.idem"))?;
-    /// assert!(store.admin().verify(|_| {})?.is_clean());
-    /// # Ok::<(), idemstore::Error>(())
+    /// assert!(idemstore::redb::admin::VerifyReport::default().is_clean());
     /// ```
     pub fn is_clean(&self) -> bool {
         self.problem_count == 0
     }
 
-    fn add(&mut self, kind: ProblemKind, key: Option<String>, detail: impl Into<String>) {
+    fn add(&mut self, kind: ProblemKind, key: Option<&[u8]>, detail: impl Into<String>) {
         self.problem_count += 1;
         if self.problems.len() < MAX_LISTED_PROBLEMS {
             self.problems.push(Problem {
                 kind,
-                key,
+                key: key.map(codec::printable_key),
                 detail: detail.into(),
             });
         }
@@ -165,19 +146,12 @@ impl VerifyReport {
 }
 
 impl Admin<'_> {
-    /// Reads every record and index entry of the store file: redb's page
-    /// checksums (for a store on a file, checked on a private in-memory
-    /// copy, so a repair never touches the file: what redb could repair is
-    /// [`ProblemKind::EngineRepaired`], what it could not
-    /// [`ProblemKind::EngineDamaged`]), every record's envelope and
-    /// invariants, every token against the high-water mark, and that the
-    /// record table and the expiry index agree one to one. `progress` is
-    /// called with the number of entries read so far.
-    ///
-    /// Problems are the report's; `Err` is for what ends the check: damage
-    /// redb cannot repair ([`Error::Corrupt`](crate::Error::Corrupt)) or an
-    /// I/O error. Like [`RedbStore::compact`](crate::RedbStore::compact),
-    /// the engine check waits out every transaction in progress.
+    /// Checks the store file: redb's page checksums (for a file, on a
+    /// private in-memory copy, so a repair never touches it), every
+    /// record's envelope and invariants, every token against the high-water
+    /// mark, and that records and expiry index agree one to one. `progress`
+    /// gets the number of entries read so far. `Err` is for what ends the
+    /// check (an I/O error, damage redb cannot read past).
     ///
     /// ```
     /// # let dir = tempfile::tempdir()?;
@@ -192,9 +166,7 @@ impl Admin<'_> {
         let shared = &self.store.shared;
         let mut report = VerifyReport::default();
         match self.store.path() {
-            // A store on a file: redb's check runs on a private in-memory
-            // overlay of the file, so its repair (which rolls the file back,
-            // and can fail and leave it unreadable) never touches the store.
+            // redb's repair rolls the file back (and can fail): on an overlay.
             Some(path) => match engine_check_without_writing(path)? {
                 Ok(true) => {}
                 Ok(false) => report.add(
@@ -210,9 +182,8 @@ impl Admin<'_> {
                 ),
             },
             None => {
-                // A caller's storage backend: checked in place. The
-                // exclusive lock waits out every transaction, as compact
-                // does (the read path's kept snapshot included).
+                // A caller's backend, checked in place once every
+                // transaction is out (the kept snapshot's included).
                 let mut db = shared.write_db();
                 if !db.db.check_integrity().map_err(engine_error)? {
                     report.add(
@@ -223,107 +194,79 @@ impl Admin<'_> {
                 }
             }
         }
-        let facts = match self.facts() {
-            Ok(facts) => Some(facts),
-            Err(e) => {
-                report.add(ProblemKind::Meta, None, e.to_string());
-                None
-            }
-        };
+        let facts = self.facts();
+        if let Err(e) = &facts {
+            report.add(ProblemKind::Meta, None, e.to_string());
+        }
         let db = shared.read_db()?;
         let txn = db.begin_read().map_err(engine_error)?;
         let records = txn.open_table(RECORDS).map_err(engine_error)?;
         let expiry = txn.open_table(EXPIRY).map_err(engine_error)?;
-        let mut read = 0u64;
         for entry in records.iter().map_err(engine_error)? {
             let (k, v) = entry.map_err(engine_error)?;
-            let key_bytes = k.value();
-            let name = codec::printable_key(key_bytes);
+            let key = k.value();
             report.records += 1;
-            read += 1;
-            progress(read);
-            if let Err(e) = codec::decode_key(key_bytes) {
-                report.add(ProblemKind::BadKey, Some(name.clone()), e.to_string());
+            progress(report.records);
+            if let Err(e) = codec::decode_key(key) {
+                report.add(ProblemKind::BadKey, Some(key), e.to_string());
             }
-            let record = match codec::decode_record(key_bytes, v.value()) {
+            let record = match codec::decode_record(key, v.value()) {
                 Ok(r) => r,
                 Err(e) => {
-                    report.add(ProblemKind::BadRecord, Some(name), e.to_string());
+                    report.add(ProblemKind::BadRecord, Some(key), e.to_string());
                     continue;
                 }
             };
-            let index_key = codec::encode_index(record.expires_at, key_bytes);
+            let at = record.expires_at.as_millis();
+            let index_key = codec::encode_index(record.expires_at, key);
             if expiry
                 .get(index_key.as_slice())
                 .map_err(engine_error)?
                 .is_none()
             {
-                report.add(
-                    ProblemKind::MissingIndex,
-                    Some(name.clone()),
-                    format!(
-                        "no index entry at its expiry ({} ms)",
-                        record.expires_at.as_millis()
-                    ),
-                );
+                let detail = format!("no index entry at its expiry ({at} ms)");
+                report.add(ProblemKind::MissingIndex, Some(key), detail);
             }
-            if let Some(facts) = &facts
+            if let Ok(facts) = &facts
                 && record.token > facts.token_hwm
             {
-                report.add(
-                    ProblemKind::TokenAboveHighWaterMark,
-                    Some(name),
-                    format!(
-                        "token {} is above the high-water mark {}",
-                        record.token, facts.token_hwm
-                    ),
-                );
+                let (token, hwm) = (record.token, facts.token_hwm);
+                let detail = format!("token {token} is above the high-water mark {hwm}");
+                report.add(ProblemKind::TokenAboveHighWaterMark, Some(key), detail);
             }
         }
         for entry in expiry.iter().map_err(engine_error)? {
             let (k, _) = entry.map_err(engine_error)?;
-            let index_key = k.value();
             report.index_entries += 1;
-            read += 1;
-            progress(read);
-            let (at, key_bytes) = match codec::decode_index(index_key) {
+            progress(report.records + report.index_entries);
+            let (at, key) = match codec::decode_index(k.value()) {
                 Ok(pair) => pair,
                 Err(e) => {
                     report.add(ProblemKind::BadIndexEntry, None, e.to_string());
                     continue;
                 }
             };
-            let name = codec::printable_key(key_bytes);
-            let Some(value) = records.get(key_bytes).map_err(engine_error)? else {
-                report.add(
-                    ProblemKind::OrphanIndex,
-                    Some(name),
-                    format!("index entry at {} ms has no record", at.as_millis()),
-                );
+            let at_ms = at.as_millis();
+            let Some(value) = records.get(key).map_err(engine_error)? else {
+                let detail = format!("index entry at {at_ms} ms has no record");
+                report.add(ProblemKind::OrphanIndex, Some(key), detail);
                 continue;
             };
             // A record that does not decode was reported above.
-            if let Ok(record) = codec::decode_record(key_bytes, value.value())
+            if let Ok(record) = codec::decode_record(key, value.value())
                 && record.expires_at != at
             {
-                report.add(
-                    ProblemKind::StaleIndex,
-                    Some(name),
-                    format!(
-                        "index entry at {} ms, record expires at {} ms",
-                        at.as_millis(),
-                        record.expires_at.as_millis()
-                    ),
-                );
+                let expires = record.expires_at.as_millis();
+                let detail = format!("index entry at {at_ms} ms, record expires at {expires} ms");
+                report.add(ProblemKind::StaleIndex, Some(key), detail);
             }
         }
         Ok(report)
     }
 }
 
-/// redb's integrity check of the file at `path`, run on a private
-/// in-memory overlay: `Ok(true)` sound, `Ok(false)` repairable, `Err` what
-/// redb said when it could not repair. Nothing is written to the file.
+/// redb's integrity check of the file at `path` on an in-memory overlay:
+/// `Ok(true)` sound, `Ok(false)` repairable, `Err` why it is not.
 fn engine_check_without_writing(
     path: &std::path::Path,
 ) -> Result<std::result::Result<bool, String>> {

@@ -1,6 +1,6 @@
-//! The admin's writes: each a direct transaction (`Shared::direct`: under
-//! the commit lock, the memtable taken in first, the log retired; a failed
-//! commit poisons the store).
+//! The admin's writes, each a direct transaction (`Shared::direct`): under
+//! the commit lock, after the memtable is taken in, so what is written is
+//! the latest state and no replay undoes it; a failed commit poisons.
 
 use super::Admin;
 use crate::codec;
@@ -8,11 +8,9 @@ use crate::error::{Error, Result};
 use crate::key::Key;
 use crate::record::Record;
 
-/// Records written per transaction by [`Admin::import`]: bounds the memory
-/// of one transaction while keeping the fsyncs few.
+/// Records written per transaction by [`Admin::import`].
 ///
 /// ```
-/// // An import of a million records is a hundred durable commits.
 /// assert_eq!(1_000_000usize.div_ceil(idemstore::redb::admin::IMPORT_BATCH), 100);
 /// ```
 pub const IMPORT_BATCH: usize = 10_000;
@@ -20,13 +18,9 @@ pub const IMPORT_BATCH: usize = 10_000;
 /// What [`Admin::evict`] removed.
 ///
 /// ```
-/// # use idemstore::{Key, RedbStore};
-/// # let dir = tempfile::tempdir()?;
-/// # let store = RedbStore::open(dir.path().join("s.idem"))?;
-/// if let Some(evicted) = store.admin().evict(&Key::new("t", "o-1")?)? {
-///     println!("{} index entries removed", evicted.index_entries);
+/// fn damaged(evicted: &idemstore::redb::admin::Evicted) -> bool {
+///     evicted.record.is_none()
 /// }
-/// # Ok::<(), idemstore::Error>(())
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -38,20 +32,15 @@ pub struct Evicted {
 }
 
 impl Admin<'_> {
-    /// Removes `key`'s record and its index entry, whatever the record's
-    /// state, and even when the record no longer decodes (then every index
-    /// entry naming the key is found by a scan of the index). `Ok(None)`
-    /// when there is no record. A retry of an evicted key runs its side
-    /// effect again. [`Error::Poisoned`] on a poisoned store; a failed
-    /// commit poisons it.
+    /// Removes `key`'s record and its index entries, whatever its state,
+    /// even when it no longer decodes; `Ok(None)` when there is none. A
+    /// retry of an evicted key runs its side effect again.
     ///
     /// ```
     /// use idemstore::{Fingerprint, Key, RedbStore, Store, Timestamp};
-    /// use std::time::Duration;
     /// # let dir = tempfile::tempdir()?;
     /// let store = RedbStore::open(dir.path().join("s.idem"))?;
-    /// let key = Key::new("t", "o-1")?;
-    /// let hour = Duration::from_secs(3600);
+    /// let (key, hour) = (Key::new("t", "o-1")?, std::time::Duration::from_secs(3600));
     /// store.begin(&key, &Fingerprint::of(b"x"), Timestamp::EPOCH, hour, hour)?;
     /// let evicted = store.admin().evict(&key)?.expect("it was there");
     /// assert_eq!(evicted.index_entries, 1);
@@ -61,8 +50,6 @@ impl Admin<'_> {
     pub fn evict(&self, key: &Key) -> Result<Option<Evicted>> {
         self.store.shared.check_healthy()?;
         let key_bytes = codec::encode_key(key);
-        // A direct transaction: it takes in the memtable first, so the
-        // record removed is the latest, and it retires the log.
         self.store.shared.direct(|tables, _| {
             Ok::<_, Error>(
                 tables
@@ -75,13 +62,10 @@ impl Admin<'_> {
         })
     }
 
-    /// Raises the token high-water mark to at least `at_least` (durably;
-    /// nothing when it is already there) and returns the mark. Fencing
-    /// tokens are handed out above the mark, so a store that takes over
-    /// another's records (an import, a salvage) raises it to the other
-    /// store's mark: no token the old store handed out, even for a record
-    /// since swept, is handed out again. [`Error::ReadOnly`] on a read-only
-    /// store (when it would write), [`Error::Poisoned`] on a poisoned one.
+    /// Raises the token high-water mark to at least `at_least`, durably,
+    /// and returns it: a store that takes over another's records raises it
+    /// to the other's mark, so no token the old store handed out is handed
+    /// out again.
     ///
     /// ```
     /// # let dir = tempfile::tempdir()?;
@@ -102,32 +86,24 @@ impl Admin<'_> {
         })
     }
 
-    /// Writes `records` as they are (state, token, times: nothing is
-    /// re-decided), each with its index entry, [`IMPORT_BATCH`] per
-    /// transaction, and raises the token high-water mark to the largest
-    /// imported token. A record already stored under the same key is
-    /// replaced (its index entry moves). The first `Err` item stops the
-    /// import and is returned; the batches before it stay written.
-    /// Returns how many records were written.
-    ///
-    /// An import is an operator's bulk load (of lines read with
-    /// [`parse_line`](super::parse_line)), not something to run beside live traffic: each
-    /// batch holds the commit lock.
+    /// Writes `records` as they are (nothing is re-decided), replacing what
+    /// is stored under their keys, [`IMPORT_BATCH`] per transaction, and
+    /// raises the token high-water mark to the largest imported token.
+    /// Returns how many were written; the first `Err` item stops the import
+    /// (the batches before it stay written). Each batch holds the commit
+    /// lock: an operator's bulk load, not something to run beside traffic.
     ///
     /// ```
     /// use idemstore::redb::admin::{export_line, parse_line};
     /// use idemstore::{Fingerprint, Key, RedbStore, Store, Timestamp};
-    /// use std::ops::ControlFlow;
-    /// use std::time::Duration;
     /// # let dir = tempfile::tempdir()?;
-    /// let from = RedbStore::open(dir.path().join("from.idem"))?;
-    /// let hour = Duration::from_secs(3600);
+    /// let (from, hour) = (RedbStore::open(dir.path().join("from.idem"))?, std::time::Duration::from_secs(3600));
     /// from.begin(&Key::new("t", "o-1")?, &Fingerprint::of(b"x"), Timestamp::EPOCH, hour, hour)?;
     /// from.admin().checkpoint()?;
     /// let mut lines = Vec::new();
     /// from.admin().scan(|key, record| {
     ///     lines.push(export_line(&key.decode().expect("key"), &record.expect("record")));
-    ///     ControlFlow::Continue(())
+    ///     std::ops::ControlFlow::Continue(())
     /// })?;
     ///
     /// let to = RedbStore::open(dir.path().join("to.idem"))?;
@@ -144,8 +120,6 @@ impl Admin<'_> {
             self.store.shared.direct(|tables, token_hwm| {
                 for item in records.by_ref().take(IMPORT_BATCH) {
                     let (key, record) = item?;
-                    // A stored record that does not decode is replaced
-                    // (see WriteTables::apply).
                     tables.apply(&codec::encode_key(&key), Some(&record))?;
                     hwm = hwm.max(record.token);
                     written += 1;
