@@ -901,15 +901,8 @@ fn a_stalled_synchronous_standby_costs_each_call_no_more_than_its_bound() {
     );
     timed_out(
         "begin_async",
-        block_on(PostgresStore::begin_async(
-            &store,
-            &key("line"),
-            &fp,
-            T0,
-            HOUR,
-            HOUR,
-        ))
-        .unwrap_err(),
+        block_on(Store::begin_async(&*store, &key("line"), &fp, T0, HOUR, HOUR).expect(NATIVE))
+            .unwrap_err(),
     );
     let ran = AtomicBool::new(false);
     let guard = Guard::new(Arc::clone(&store));
