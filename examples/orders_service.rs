@@ -248,7 +248,7 @@ async fn main() -> Result<(), BoxError> {
     let inbox = Inbox::new(std::sync::Arc::clone(&store));
     seed_stock(&inbox, &[("apple", 100), ("pear", 10)])?;
     let app = router(
-        Guard::from_arc(store),
+        Guard::new(store),
         Shop {
             inbox,
             delay_after_commit: Duration::ZERO,

@@ -19,9 +19,9 @@
 
 use idemstore::redb::RecoveryPolicy;
 use idemstore::{
-    Clock, FaultyStore, Fingerprint, Guard, Key, Op, Outcome, RedbStore, Response, State, Store,
-    SystemClock,
+    Clock, Fingerprint, Guard, Key, Outcome, RedbStore, Response, State, Store, SystemClock,
 };
+use idemstore_testkit::{FaultyStore, Op};
 use std::collections::{BTreeMap, BTreeSet};
 use std::convert::Infallible;
 use std::fs::File;

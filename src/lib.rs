@@ -54,10 +54,13 @@
 //! clock, [`MemoryStore`], the [`Sweeper`] and the three store types. The rest
 //! is in modules:
 //!
+//! - [`guard`]: the guard's builder, its policies and its counters;
+//! - [`sweeper`]: the background sweeper and its error count;
 //! - [`limits`]: every limit and default of the contract;
-//! - [`logic`]: the state machine every backend decides with, public for
-//!   backends written outside this crate (test them with the
-//!   `idemstore-testkit` crate's conformance suite);
+//! - [`logic`]: the state machine every backend decides with, and the
+//!   native async entry's future type, public for backends written outside
+//!   this crate (test them with the `idemstore-testkit` crate's conformance
+//!   suite and its `FaultyStore`);
 //! - `redb`, `sled`, `postgres`: each backend's builder, durability or
 //!   options, statistics and limits (`redb` also has the `Inbox` and the
 //!   `engine` re-export);
@@ -80,9 +83,9 @@
 //! - `tower`: HTTP middleware (`Idempotency-Key`), in `tower` (behaviour and status codes in its docs).
 //! - `tracing`, `metrics`: spans and events, and counters, histograms and
 //!   gauges, through those facades ([`observability`]).
-//! - `test-util`: `ManualClock`, `FaultyStore` and the `MemoryStore` fault hook.
-//!   The conformance suite, the model, the power-loss storage backend and the
-//!   kill-test driver are in the `idemstore-testkit` crate.
+//! - `test-util`: `ManualClock`. The conformance suite, the model,
+//!   `FaultyStore`, the power-loss storage backend and the kill-test driver
+//!   are in the `idemstore-testkit` crate.
 //!
 //! The `idemstore` operator binary (read-only inspection, explain, evict,
 //! sweep, compact, verify, salvage, export, import) is a package of its
@@ -102,7 +105,7 @@ mod codec;
 mod delivery;
 mod error;
 mod fingerprint;
-mod guard;
+pub mod guard;
 #[cfg(any(feature = "redb", feature = "sled"))]
 mod holder;
 mod json_pointer;
@@ -125,13 +128,11 @@ mod shuttle_support;
 #[cfg_attr(docsrs, doc(cfg(feature = "sled")))]
 pub mod sled;
 mod store;
-mod sweeper;
+pub mod sweeper;
 // The locks, condvars, atomics and threads of the redb write path and the
 // guard's renewal timer: std's, or the Shuttle model checker's under
 // `--cfg shuttle` in tests.
 mod sync;
-#[cfg(feature = "test-util")]
-mod testing;
 mod time;
 #[cfg(feature = "tower")]
 #[cfg_attr(docsrs, doc(cfg(feature = "tower")))]
@@ -148,20 +149,14 @@ pub use crate::redb::RedbStore;
 pub use crate::sled::SledStore;
 pub use error::{BoxError, Cause, Error, Result};
 pub use fingerprint::Fingerprint;
-pub use guard::{
-    Guard, GuardBuilder, GuardStats, OnHandlerError, Outcome, RENEW_FRACTION, TakeoverPolicy,
-};
+pub use guard::{Guard, Outcome};
 pub use json_pointer::JsonPointer;
 pub use key::Key;
 pub use memory::MemoryStore;
-#[cfg(feature = "test-util")]
-pub use memory::Op;
 pub use record::{Begin, Claim, Record, State};
 pub use response::Response;
-pub use store::{Store, StoreFuture};
-pub use sweeper::{Sweeper, SweeperConfig, SweeperErrors};
-#[cfg(feature = "test-util")]
-pub use testing::FaultyStore;
+pub use store::Store;
+pub use sweeper::{Sweeper, SweeperConfig};
 #[cfg(any(test, feature = "test-util"))]
 pub use time::ManualClock;
 pub use time::{Clock, SystemClock, Timestamp};

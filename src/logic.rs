@@ -1,5 +1,6 @@
 //! The contract's state machine, written once for every backend, and
-//! published for backends written outside this crate.
+//! published for backends written outside this crate, with the future type
+//! of a native async entry ([`StoreFuture`]).
 //!
 //! Each function takes the record as the backend read it (inside its own
 //! atomic step: a write transaction, a compare-and-swap, a mutex) and says
@@ -81,6 +82,8 @@
 //! assert_eq!(store.begin(&key, &fp, t0, d, d)?, Begin::Replay(Response::new(200, "ok")));
 //! # Ok::<(), idemstore::Error>(())
 //! ```
+
+pub use crate::store::StoreFuture;
 
 use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
@@ -377,9 +380,10 @@ pub fn visible(existing: Option<Record>, now: Timestamp) -> Option<Record> {
 /// [`Error::InvalidArgument`].
 ///
 /// ```
-/// use idemstore::{logic, Response};
+/// use idemstore::{logic, Error, Response};
 /// assert!(logic::check_response(&Response::new(200, vec![0; 10]), 10).is_ok());
-/// assert!(logic::check_response(&Response::new(200, vec![0; 11]), 10).is_err());
+/// let big = logic::check_response(&Response::new(200, vec![0; 11]), 10);
+/// assert!(matches!(big, Err(Error::ResponseTooLarge { what: "body bytes", .. })));
 /// ```
 pub fn check_response(response: &Response, max_body_bytes: usize) -> Result<()> {
     response.check_limits(max_body_bytes)

@@ -8,64 +8,16 @@ use crate::record::{Begin, Claim, Record, check_durations};
 use crate::response::{DEFAULT_MAX_BODY_BYTES, Response, check_body_limit};
 use crate::store::{MAX_SWEEP_BATCH, Store, StoreFuture};
 use crate::time::{Clock, SystemClock, Timestamp};
-use hashbrown::HashTable;
-use std::collections::BTreeMap;
-use std::hash::{BuildHasher, RandomState};
+use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-/// A store operation, as seen by a fault hook (feature `test-util`).
-///
-/// ```
-/// assert_eq!(idemstore::Op::Complete.to_string(), "complete");
-/// ```
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-#[cfg_attr(
-    not(feature = "test-util"),
-    allow(
-        unreachable_pub,
-        reason = "exported with test-util only; the fault check uses it in every build"
-    )
-)]
-pub enum Op {
-    /// [`Store::begin`].
-    Begin,
-    /// [`Store::complete`].
-    Complete,
-    /// [`Store::release`].
-    Release,
-    /// [`Store::renew`].
-    Renew,
-    /// [`Store::get`].
-    Get,
-    /// [`Store::sweep_expired`].
-    Sweep,
-}
-
-impl std::fmt::Display for Op {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Op::Begin => "begin",
-            Op::Complete => "complete",
-            Op::Release => "release",
-            Op::Renew => "renew",
-            Op::Get => "get",
-            Op::Sweep => "sweep",
-        })
-    }
-}
-
-#[cfg(feature = "test-util")]
-type FaultHook = Box<dyn Fn(Op) -> Option<Error> + Send + Sync>;
-
-/// The reference [`Store`]: every record in a hash table behind one mutex,
-/// with a `BTreeMap` expiry index.
+/// The reference [`Store`]: every record in a `HashMap` and an expiry index
+/// in a `BTreeSet`, behind one mutex.
 ///
 /// Nothing survives the process: use it in tests, or where duplicates only
 /// matter within one process's life. It is the model the durable backends
-/// are checked against, and it has a fault hook (feature `test-util`) that
-/// fails chosen operations on demand.
+/// are checked against, so it is written as plainly as the contract.
 ///
 /// ```
 /// use idemstore::{Begin, Fingerprint, Key, MemoryStore, Store, Timestamp};
@@ -86,110 +38,41 @@ pub struct MemoryStore {
     max_body_bytes: usize,
     /// Never read by the store itself: handed out by [`Store::clock`].
     clock: Arc<dyn Clock>,
-    #[cfg(feature = "test-util")]
-    fault: std::sync::RwLock<Option<FaultHook>>,
 }
 
-/// The records and their expiry index, behind the store's mutex.
-///
-/// The records live in a hash table whose slots keep their key's hash:
-/// a table that grows (every fresh key, until the first records expire)
-/// moves its slots without hashing a key again. Under load, hashing every
-/// key again at each doubling (reading each key's bytes back in, a cache
-/// miss per key) was a third of what inserting a fresh key cost
-/// (docs/performance.md, "`MemoryStore`'s table keeps its keys' hashes").
+/// The records and their expiry index, behind the store's mutex. Every
+/// record has exactly one index entry, `(its expires_at, its key)`: `put`
+/// and `remove` are the only writers of either.
 #[derive(Default)]
 struct Inner {
-    records: HashTable<Slot>,
-    /// The keys' hasher: SipHash with keys chosen at random per store, as
-    /// `std`'s `HashMap` uses, since the keys come from clients.
-    hasher: RandomState,
-    /// The expiry index, by (expiry, fencing token), to the record's key
-    /// hash: a record's token is unique in the store (`begin` is the only
-    /// place one is minted, each one above the last), so the pair names one
-    /// record, compares as two integers (many records share an expiry
-    /// millisecond under load), and with the hash finds its slot without a
-    /// copy of the key.
-    index: BTreeMap<(Timestamp, u64), u64>,
+    records: HashMap<Key, Record>,
+    /// Ordered as every backend sweeps: oldest expiry first, then by key.
+    expiry: BTreeSet<(Timestamp, Key)>,
     last_token: u64,
 }
 
-/// One record under its key, with the key's hash.
-struct Slot {
-    hash: u64,
-    key: Key,
-    record: Record,
-}
-
 impl Inner {
-    fn hash(&self, key: &Key) -> u64 {
-        self.hasher.hash_one(key)
-    }
-
-    /// The record under `key`, whose hash is `hash`.
-    fn get(&self, hash: u64, key: &Key) -> Option<&Record> {
-        self.records
-            .find(hash, |slot| slot.key == *key)
-            .map(|slot| &slot.record)
-    }
-
-    /// Runs `decide` on the record under `key` (hash `hash`) and stores
-    /// what it returns to write, if anything: a record found is looked up
-    /// once and replaced in its slot, which keeps its key, and its index
-    /// entry moves with it; a new key gets a slot. `decide` gets its own
-    /// copy of the record (the `logic` functions take one); an error writes
-    /// nothing. (hashbrown's `entry`, one probe for a new key too, measured
-    /// slower on `store/memory/fill_200k` than a miss and an insert.)
-    fn apply<T>(
-        &mut self,
-        hash: u64,
-        key: &Key,
-        decide: impl FnOnce(Option<Record>) -> Result<(Option<Record>, T)>,
-    ) -> Result<T> {
-        let Inner { records, index, .. } = self;
-        if let Some(found) = records.find_mut(hash, |slot| slot.key == *key) {
-            let (write, out) = decide(Some(found.record.clone()))?;
-            if let Some(record) = write {
-                let old = (found.record.expires_at, found.record.token);
-                let new = (record.expires_at, record.token);
-                found.record = record;
-                if old != new {
-                    index.remove(&old);
-                    index.insert(new, hash);
-                }
+    fn put(&mut self, key: &Key, record: Record) {
+        let new_at = record.expires_at;
+        let old_at = match self.records.get_mut(key) {
+            Some(slot) => Some(std::mem::replace(slot, record).expires_at),
+            None => {
+                self.records.insert(key.clone(), record);
+                None
             }
-            return Ok(out);
-        }
-        let (write, out) = decide(None)?;
-        if let Some(record) = write {
-            index.insert((record.expires_at, record.token), hash);
-            let slot = Slot {
-                hash,
-                key: key.clone(),
-                record,
-            };
-            records.insert_unique(hash, slot, |slot| slot.hash);
-        }
-        Ok(out)
-    }
-
-    /// Removes the record under `key` (hash `hash`), if any.
-    fn remove(&mut self, hash: u64, key: &Key) {
-        if let Ok(found) = self.records.find_entry(hash, |slot| slot.key == *key) {
-            let (old, _) = found.remove();
-            self.index
-                .remove(&(old.record.expires_at, old.record.token));
+        };
+        if old_at != Some(new_at) {
+            if let Some(old_at) = old_at {
+                self.expiry.remove(&(old_at, key.clone()));
+            }
+            self.expiry.insert((new_at, key.clone()));
         }
     }
 
-    /// The key of the record indexed at `(expires_at, token)` with hash
-    /// `hash`: the token names the record.
-    fn indexed_key(&self, (expires_at, token): (Timestamp, u64), hash: u64) -> Option<&Key> {
-        self.records
-            .find(hash, |slot| {
-                slot.record.token == token && slot.record.expires_at == expires_at
-            })
-            .map(|slot| &slot.key)
+    fn remove(&mut self, key: &Key) {
+        if let Some(old) = self.records.remove(key) {
+            self.expiry.remove(&(old.expires_at, key.clone()));
+        }
     }
 }
 
@@ -210,13 +93,15 @@ impl std::fmt::Debug for MemoryStore {
 
 impl MemoryStore {
     /// An empty store with the default response body limit.
+    ///
+    /// ```
+    /// assert!(idemstore::MemoryStore::new().is_empty());
+    /// ```
     pub fn new() -> MemoryStore {
         MemoryStore {
             inner: Mutex::new(Inner::default()),
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             clock: Arc::new(SystemClock),
-            #[cfg(feature = "test-util")]
-            fault: std::sync::RwLock::new(None),
         }
     }
 
@@ -257,6 +142,10 @@ impl MemoryStore {
     }
 
     /// Records held, expired ones included until swept.
+    ///
+    /// ```
+    /// assert_eq!(idemstore::MemoryStore::new().len(), 0);
+    /// ```
     pub fn len(&self) -> usize {
         self.lock().records.len()
     }
@@ -270,51 +159,11 @@ impl MemoryStore {
         self.len() == 0
     }
 
-    /// Installs a fault hook (feature `test-util`): before each operation the
-    /// hook is called with it, and an error it returns fails that operation
-    /// with no effect, as a store whose database is down would.
-    ///
-    /// ```
-    /// use idemstore::{Error, Fingerprint, Key, MemoryStore, Op, Store, Timestamp};
-    /// use std::time::Duration;
-    ///
-    /// let store = MemoryStore::new();
-    /// store.set_fault(|op| (op == Op::Begin).then(|| Error::backend("connection refused")));
-    /// let d = Duration::from_secs(1);
-    /// let err = store.begin(&Key::new("", "k")?, &Fingerprint::of(b""), Timestamp::EPOCH, d, d);
-    /// assert!(matches!(err, Err(Error::Backend(_))));
-    /// store.clear_fault();
-    /// # Ok::<(), idemstore::Error>(())
-    /// ```
-    #[cfg(feature = "test-util")]
-    pub fn set_fault(&self, hook: impl Fn(Op) -> Option<Error> + Send + Sync + 'static) {
-        *self.fault.write().unwrap_or_else(|p| p.into_inner()) = Some(Box::new(hook));
-    }
-
-    /// Removes the fault hook (feature `test-util`).
-    #[cfg(feature = "test-util")]
-    pub fn clear_fault(&self) {
-        *self.fault.write().unwrap_or_else(|p| p.into_inner()) = None;
-    }
-
-    fn fault(&self, _op: Op) -> Result<()> {
-        #[cfg(feature = "test-util")]
-        if let Some(err) = self
-            .fault
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .as_ref()
-            .and_then(|hook| hook(_op))
-        {
-            return Err(err);
-        }
-        Ok(())
-    }
-
     fn lock(&self) -> MutexGuard<'_, Inner> {
-        // Every mutation below is applied whole or not at all (no early
-        // return between paired writes), so a panic elsewhere while the lock
-        // was held cannot leave a half-written state: recover the guard.
+        // Every mutation is applied whole or not at all (`put` and `remove`
+        // have no early return between their paired writes), so a panic
+        // elsewhere while the lock was held cannot leave a half-written
+        // state: recover the guard.
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
@@ -329,22 +178,17 @@ impl Store for MemoryStore {
         retention: Duration,
     ) -> Result<Begin> {
         check_durations(lease, retention)?;
-        self.fault(Op::Begin)?;
         let mut inner = self.lock();
-        let hash = inner.hash(key);
-        let last = inner.last_token;
-        let (answer, token) = inner.apply(hash, key, |existing| {
-            let step = logic::begin(existing, fingerprint, now, lease, retention, || {
-                last.checked_add(1)
-                    .ok_or_else(|| Error::invalid_argument("fencing tokens exhausted"))
-            })?;
-            let token = step.write.as_ref().map(|record| record.token);
-            Ok((step.write, (step.answer, token)))
+        let next_token = inner.last_token.checked_add(1);
+        let existing = inner.records.get(key).cloned();
+        let step = logic::begin(existing, fingerprint, now, lease, retention, || {
+            next_token.ok_or_else(|| Error::invalid_argument("fencing tokens exhausted"))
         })?;
-        if let Some(token) = token {
-            inner.last_token = token;
+        if let Some(record) = step.write {
+            inner.last_token = record.token;
+            inner.put(key, record);
         }
-        Ok(answer)
+        Ok(step.answer)
     }
 
     fn complete(
@@ -356,64 +200,43 @@ impl Store for MemoryStore {
         retention: Duration,
     ) -> Result<()> {
         logic::check_response(response, self.max_body_bytes)?;
-        self.fault(Op::Complete)?;
         let mut inner = self.lock();
-        let hash = inner.hash(key);
-        inner.apply(hash, key, |existing| {
-            let record = logic::complete(existing, claim, response, now, retention)?;
-            Ok((Some(record), ()))
-        })
+        let existing = inner.records.get(key).cloned();
+        let record = logic::complete(existing, claim, response, now, retention)?;
+        inner.put(key, record);
+        Ok(())
     }
 
     fn release(&self, key: &Key, claim: &Claim) -> Result<()> {
-        self.fault(Op::Release)?;
         let mut inner = self.lock();
-        let hash = inner.hash(key);
-        logic::release(inner.get(hash, key).cloned(), claim)?;
-        inner.remove(hash, key);
+        logic::release(inner.records.get(key).cloned(), claim)?;
+        inner.remove(key);
         Ok(())
     }
 
     fn renew(&self, key: &Key, claim: &Claim, now: Timestamp, lease: Duration) -> Result<Claim> {
-        self.fault(Op::Renew)?;
         let mut inner = self.lock();
-        let hash = inner.hash(key);
-        inner.apply(hash, key, |existing| {
-            let step = logic::renew(existing, claim, now, lease)?;
-            Ok((Some(step.write), step.claim))
-        })
+        let step = logic::renew(inner.records.get(key).cloned(), claim, now, lease)?;
+        inner.put(key, step.write);
+        Ok(step.claim)
     }
 
     fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>> {
-        self.fault(Op::Get)?;
         let inner = self.lock();
-        let hash = inner.hash(key);
-        Ok(logic::visible(inner.get(hash, key).cloned(), now))
+        Ok(logic::visible(inner.records.get(key).cloned(), now))
     }
 
     fn sweep_expired(&self, now: Timestamp, max: usize) -> Result<usize> {
-        self.fault(Op::Sweep)?;
-        let max = max.min(MAX_SWEEP_BATCH);
         let mut inner = self.lock();
-        // Oldest expiry first and, among records of one expiry, by key, as
-        // every backend sweeps: the index orders ties by token, so the
-        // last expiry taken is read whole and sorted before the cut.
-        let mut due: Vec<(Timestamp, Key, u64)> = Vec::new();
-        for (&(expires_at, token), &hash) in &inner.index {
-            if !logic::sweepable(expires_at, now)
-                || (due.len() >= max && due.last().is_some_and(|(at, ..)| *at != expires_at))
-            {
-                break;
-            }
-            let key = inner
-                .indexed_key((expires_at, token), hash)
-                .expect("every index entry names a stored record");
-            due.push((expires_at, key.clone(), hash));
-        }
-        due.sort_unstable();
-        due.truncate(max);
-        for (_, key, hash) in &due {
-            inner.remove(*hash, key);
+        let due: Vec<Key> = inner
+            .expiry
+            .iter()
+            .take_while(|(expires_at, _)| logic::sweepable(*expires_at, now))
+            .take(max.min(MAX_SWEEP_BATCH))
+            .map(|(_, key)| key.clone())
+            .collect();
+        for key in &due {
+            inner.remove(key);
         }
         crate::observability::swept("memory", due.len());
         Ok(due.len())
@@ -484,82 +307,50 @@ mod tests {
         )
     }
 
-    fn record(token: u64, expires_at: u64) -> Record {
-        Record {
-            fingerprint: Fingerprint::of(b"x"),
-            state: State::Processing,
-            response: None,
-            lease_until: Some(Timestamp::from_millis(expires_at)),
-            expires_at: Timestamp::from_millis(expires_at),
-            created_at: Timestamp::from_millis(0),
-            token,
-            attempts: 1,
-        }
-    }
-
-    /// Two keys whose hashes are equal stay apart: every lookup compares
-    /// the key (or, from the expiry index, the token) of the slots under
-    /// one hash. Equal 64-bit hashes are rare but not impossible, and
-    /// `RandomState` cannot be made to produce them, so the slots are put
-    /// in under one chosen hash.
+    /// Every record has one index entry, under its own expiry, and the
+    /// sweep takes them oldest first and, within one expiry, by key
+    /// (found by proptest on the earlier token-ordered index).
     #[test]
-    fn records_whose_key_hashes_collide_stay_apart() {
+    fn the_index_follows_each_record_and_the_sweep_takes_ties_by_key() {
         let store = MemoryStore::new();
-        let (a, b) = (Key::new("t", "a").unwrap(), Key::new("t", "b").unwrap());
-        const HASH: u64 = 7;
-        {
-            let mut inner = store.lock();
-            // Stores `record` under `key`; the token of the record found.
-            let put = |inner: &mut Inner, key: &Key, record: Record| {
-                inner
-                    .apply(HASH, key, |seen| Ok((Some(record), seen.map(|r| r.token))))
-                    .unwrap()
-            };
-            assert_eq!(put(&mut inner, &a, record(1, 100)), None);
-            assert_eq!(put(&mut inner, &b, record(2, 100)), None);
-            assert_eq!(inner.get(HASH, &a).map(|r| r.token), Some(1));
-            assert_eq!(inner.get(HASH, &b).map(|r| r.token), Some(2));
-            // In place: b's record moves in the index, a's does not.
-            assert_eq!(put(&mut inner, &b, record(3, 50)), Some(2));
-            assert_eq!(inner.get(HASH, &a).map(|r| r.token), Some(1));
-            assert_eq!(inner.get(HASH, &b).map(|r| r.token), Some(3));
-            assert_eq!(
-                inner.indexed_key((Timestamp::from_millis(50), 3), HASH),
-                Some(&b)
-            );
-            assert_eq!(
-                inner.indexed_key((Timestamp::from_millis(100), 1), HASH),
-                Some(&a)
-            );
-            assert_eq!(
-                inner.indexed_key((Timestamp::from_millis(100), 3), HASH),
-                None
-            );
-            assert_eq!(inner.index.len(), 2);
+        let (_, fp, t0, d) = parts();
+        let short = Duration::from_millis(10);
+        let [a, b, c] = ["a", "b", "c"].map(|id| Key::new("t", id).unwrap());
+        // c then b claimed with a short retention (same expiry), a with a long one.
+        for key in [&c, &b] {
+            assert!(matches!(
+                store.begin(key, &fp, t0, short, short),
+                Ok(Begin::Claimed(_))
+            ));
         }
-        // The sweep takes b (expired at 50), through the index, and only b.
-        assert_eq!(
-            store.sweep_expired(Timestamp::from_millis(60), 10).unwrap(),
-            1
-        );
-        let mut inner = store.lock();
-        assert!(inner.get(HASH, &b).is_none());
-        assert_eq!(inner.get(HASH, &a).map(|r| r.token), Some(1));
-        inner.remove(HASH, &a);
-        assert!(inner.get(HASH, &a).is_none());
-        assert!(inner.index.is_empty());
-        assert_eq!(inner.records.len(), 0);
-    }
-
-    /// The hash depends on the key, and only on it (found by mutation
-    /// testing: a constant hash keeps every answer right, in one chain).
-    #[test]
-    fn keys_hash_apart_and_each_key_always_alike() {
-        let inner = MemoryStore::new();
-        let inner = inner.lock();
-        let (a, b) = (Key::new("t", "a").unwrap(), Key::new("t", "b").unwrap());
-        assert_eq!(inner.hash(&a), inner.hash(&a.clone()));
-        assert_ne!(inner.hash(&a), inner.hash(&b));
+        let Ok(Begin::Claimed(claim)) = store.begin(&a, &fp, t0, short, short) else {
+            panic!("a claim");
+        };
+        // Completing a moves its index entry to its new expiry.
+        store
+            .complete(&a, &claim, &Response::new(200, "ok"), t0, d)
+            .unwrap();
+        {
+            let inner = store.lock();
+            let index: Vec<_> = inner.expiry.iter().cloned().collect();
+            let expected_short = t0 + short;
+            assert_eq!(
+                index,
+                [
+                    (expected_short, b.clone()),
+                    (expected_short, c.clone()),
+                    (t0 + d, a.clone())
+                ]
+            );
+            assert_eq!(inner.records.len(), 3);
+        }
+        let later = t0 + Duration::from_secs(1);
+        assert_eq!(store.sweep_expired(later, 1).unwrap(), 1);
+        assert!(!store.lock().records.contains_key(&b), "b before c");
+        assert_eq!(store.sweep_expired(later, 10).unwrap(), 1);
+        assert!(!store.lock().records.contains_key(&c));
+        assert_eq!(store.len(), 1);
+        assert_eq!(store.lock().expiry.len(), 1);
     }
 
     /// The async entries answer on their first poll, without a blocking
@@ -615,48 +406,6 @@ mod tests {
             printed.starts_with("MemoryStore { records: 2,"),
             "{printed}"
         );
-    }
-
-    #[test]
-    fn ops_print_as_the_store_methods_they_name() {
-        let names: Vec<String> = [
-            Op::Begin,
-            Op::Complete,
-            Op::Release,
-            Op::Renew,
-            Op::Get,
-            Op::Sweep,
-        ]
-        .iter()
-        .map(ToString::to_string)
-        .collect();
-        assert_eq!(
-            names,
-            ["begin", "complete", "release", "renew", "get", "sweep"]
-        );
-    }
-
-    #[cfg(feature = "test-util")]
-    #[test]
-    fn a_fault_hook_fails_the_operations_it_names_until_cleared() {
-        let store = MemoryStore::new();
-        let (key, fp, now, d) = parts();
-        store.set_fault(|op| (op == Op::Begin).then(|| Error::backend(format!("down: {op}"))));
-        let failed = store.begin(&key, &fp, now, d, d);
-        assert!(
-            matches!(&failed, Err(Error::Backend(m)) if m.to_string().contains("down: begin")),
-            "{failed:?}"
-        );
-        assert!(store.is_empty(), "a failed begin writes nothing");
-        assert!(
-            matches!(store.get(&key, now), Ok(None)),
-            "other operations run"
-        );
-        store.clear_fault();
-        assert!(matches!(
-            store.begin(&key, &fp, now, d, d),
-            Ok(Begin::Claimed(_))
-        ));
     }
 
     /// The body limit given is the one `complete` checks.

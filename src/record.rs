@@ -273,7 +273,7 @@ impl Claim {
     /// ran out, or the record was completed, released or expired. A handler
     /// that runs long checks it before it commits its side effect: the new
     /// owner is running the same intent. Always false for a claim no guard
-    /// renews ([`GuardBuilder::renew_leases`](crate::GuardBuilder::renew_leases)
+    /// renews ([`GuardBuilder::renew_leases`](crate::guard::GuardBuilder::renew_leases)
     /// off, or a claim from [`Store::begin`](crate::Store::begin)).
     ///
     /// ```

@@ -99,15 +99,9 @@ impl Response {
     }
 
     /// Checks the response against the limits, with `max_body_bytes` for the
-    /// body. Stores call this before any write.
-    ///
-    /// ```
-    /// use idemstore::{Error, Response};
-    /// let big = Response::new(200, vec![0; 11]);
-    /// assert!(matches!(big.check_limits(10), Err(Error::ResponseTooLarge { what: "body bytes", .. })));
-    /// assert!(big.check_limits(11).is_ok());
-    /// ```
-    pub fn check_limits(&self, max_body_bytes: usize) -> Result<()> {
+    /// body: the body of [`logic::check_response`](crate::logic::check_response),
+    /// the one public name of this check.
+    pub(crate) fn check_limits(&self, max_body_bytes: usize) -> Result<()> {
         let limit = max_body_bytes.min(MAX_BODY_BYTES_HARD_CAP);
         if self.body.len() > limit {
             return Err(Error::ResponseTooLarge {

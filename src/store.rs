@@ -25,7 +25,8 @@ pub const MAX_SWEEP_BATCH: usize = 10_000;
 /// async-std or a hand-written executor alike.
 ///
 /// ```
-/// use idemstore::{Begin, Fingerprint, Key, MemoryStore, Store, StoreFuture, Timestamp};
+/// use idemstore::logic::StoreFuture;
+/// use idemstore::{Begin, Fingerprint, Key, MemoryStore, Store, Timestamp};
 /// use std::time::Duration;
 ///
 /// let store = MemoryStore::new();

@@ -1,5 +1,17 @@
 //! [`Sweeper`]: a background thread that is a thin loop over
-//! [`Store::sweep_expired`]. Every backend uses this one loop.
+//! [`Store::sweep_expired`]. Every backend uses this one loop. `Sweeper` and
+//! [`SweeperConfig`] are also at the crate root; [`SweeperErrors`] says how
+//! its sweeps failed.
+//!
+//! ```
+//! use idemstore::sweeper::SweeperErrors;
+//! use idemstore::{MemoryStore, Sweeper, SweeperConfig};
+//! use std::sync::Arc;
+//!
+//! let sweeper = Sweeper::spawn(Arc::new(MemoryStore::new()), SweeperConfig::default())?;
+//! assert_eq!(sweeper.errors(), SweeperErrors::default());
+//! # Ok::<(), idemstore::Error>(())
+//! ```
 
 use crate::error::{Error, Result};
 use crate::store::{MAX_SWEEP_BATCH, Store};
@@ -9,12 +21,10 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-/// Default pause between sweeps.
-pub const DEFAULT_SWEEP_INTERVAL: Duration = Duration::from_secs(60);
-/// Default records deleted per `sweep_expired` call.
-pub const DEFAULT_SWEEP_BATCH: usize = 1_000;
+use crate::limits::{DEFAULT_SWEEP_BATCH, DEFAULT_SWEEP_INTERVAL};
+
 /// How long dropping a sweeper waits for its thread to finish a batch.
-pub const SWEEPER_JOIN_TIMEOUT: Duration = Duration::from_secs(5);
+const SWEEPER_JOIN_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// How often and how much a [`Sweeper`] sweeps.
 ///
@@ -75,7 +85,7 @@ struct Shared {
 /// A named background thread that deletes expired records: every interval
 /// it calls `sweep_expired(now, batch)` until a call deletes less than a full
 /// batch. Stops when dropped (or [`stop`](Sweeper::stop)ped), waiting at most
-/// [`SWEEPER_JOIN_TIMEOUT`] for a batch in progress.
+/// 5 seconds for a batch in progress.
 ///
 /// Expired records are invisible whether or not the sweeper has run, so it
 /// only reclaims space; an error (a poisoned store, say) is counted and the

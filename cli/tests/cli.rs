@@ -1418,7 +1418,7 @@ fn the_cli_and_the_layer_agree_on_json_fields() {
     let p = path.to_str().unwrap();
     {
         let store = std::sync::Arc::new(RedbStore::open(&path).unwrap());
-        let layer = IdempotencyLayer::new(Guard::from_arc(std::sync::Arc::clone(&store)))
+        let layer = IdempotencyLayer::new(Guard::new(std::sync::Arc::clone(&store)))
             .fingerprint_headers([http::HeaderName::from_static("x-tenant")])
             .fingerprint_json_fields(["/amount", "/currency"])
             .unwrap();

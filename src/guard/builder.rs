@@ -16,7 +16,7 @@ use std::time::Duration;
 /// What happens to the claim when the handler returns `Err`.
 ///
 /// ```
-/// use idemstore::OnHandlerError;
+/// use idemstore::guard::OnHandlerError;
 /// assert_eq!(OnHandlerError::default(), OnHandlerError::KeepClaim);
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -34,7 +34,7 @@ pub enum OnHandlerError {
 /// What a retry does when it finds an owner's lease expired.
 ///
 /// ```
-/// use idemstore::TakeoverPolicy;
+/// use idemstore::guard::TakeoverPolicy;
 /// assert_eq!(TakeoverPolicy::default(), TakeoverPolicy::Retake);
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -53,7 +53,8 @@ pub enum TakeoverPolicy {
 /// Configures a [`Guard`]; from [`Guard::builder`].
 ///
 /// ```
-/// use idemstore::{Guard, MemoryStore, OnHandlerError, TakeoverPolicy};
+/// use idemstore::guard::{OnHandlerError, TakeoverPolicy};
+/// use idemstore::{Guard, MemoryStore};
 /// use std::time::Duration;
 ///
 /// let guard = Guard::builder(MemoryStore::new())
@@ -109,7 +110,7 @@ impl<S> GuardBuilder<S> {
         self
     }
     /// Renews the claim's lease while the handler runs (default on): every
-    /// [`RENEW_FRACTION`](super::RENEW_FRACTION)th of the lease, one timer
+    /// third of the lease ([`Guard::renewal_interval`]), one timer
     /// thread for the whole process calls [`Store::renew`] for every running
     /// handler (no thread per request, sync or async), until the handler
     /// returns, fails, panics or its future is dropped. So a handler that

@@ -1,19 +1,28 @@
-//! [`Guard`]: the request-level contract — claim first, execute, write the
-//! terminal state last.
+//! [`Guard`] and what configures and reports on it: [`GuardBuilder`], the
+//! policies [`OnHandlerError`] and [`TakeoverPolicy`], the [`Outcome`] of a
+//! run and the counters ([`GuardStats`]). `Guard` and `Outcome` are also at
+//! the crate root.
 //!
-//! The decision logic is written once (`decide.rs`: [`Guard::classify`]
-//! before the handler, [`Guard::conclude`] after it); the synchronous
-//! [`Guard::run`] (`sync.rs`) and the async [`Guard::run_async`]
-//! (`run_async.rs`, feature `tokio`) only differ in how they call the store
-//! and the handler.
+//! ```
+//! use idemstore::guard::{OnHandlerError, TakeoverPolicy};
+//! use idemstore::{Guard, MemoryStore};
 //!
-//! - `builder.rs`: [`GuardBuilder`] and the policies it sets;
-//! - `outcome.rs`: [`Outcome`] and the counters ([`GuardStats`]);
-//! - `flights.rs`: the runs of a key in this process (a live local owner
-//!   holds off its duplicates whatever the wall clock says; duplicates
-//!   waiting for it);
-//! - `renew.rs`: the process's timer that renews a running handler's lease;
-//! - this file: the [`Guard`] type, its constructors and accessors.
+//! let guard = Guard::builder(MemoryStore::new())
+//!     .on_handler_error(OnHandlerError::Release)
+//!     .takeover(TakeoverPolicy::Reconcile)
+//!     .build()?;
+//! assert_eq!(guard.stats().executed, 0);
+//! # Ok::<(), idemstore::Error>(())
+//! ```
+
+// The decision logic is written once (`decide.rs`: `Guard::classify`
+// before the handler, `Guard::conclude` after it); the synchronous
+// `Guard::run` (`sync.rs`) and the async `Guard::run_async` (`run_async.rs`,
+// feature `tokio`) only differ in how they call the store and the handler.
+// `flights.rs` holds the runs of a key in this process (a live local owner
+// holds off its duplicates whatever the wall clock says; duplicates waiting
+// for it); `renew.rs` the process's timer that renews a running handler's
+// lease.
 
 mod builder;
 mod decide;
@@ -27,7 +36,7 @@ mod sync;
 pub use builder::{GuardBuilder, OnHandlerError, TakeoverPolicy};
 use outcome::{Counters, bump};
 pub use outcome::{GuardStats, Outcome};
-pub use renew::RENEW_FRACTION;
+use renew::RENEW_FRACTION;
 
 use crate::error::{Error, Result};
 use crate::key::Key;
@@ -39,11 +48,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-/// Default lease: how long an owner may run before its claim can be taken over.
-pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
-/// Default retention: how long duplicates are recognised (24 h, the longest
-/// common client and gateway retry horizon).
-pub const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 3600);
+pub(crate) use crate::limits::{DEFAULT_LEASE, DEFAULT_RETENTION};
 
 /// Puts a store in front of a handler: claim first, execute, write the
 /// terminal state last.
@@ -168,20 +173,19 @@ impl<S: Store> Guard<S> {
     /// A guard with the defaults: lease [`DEFAULT_LEASE`], retention
     /// [`DEFAULT_RETENTION`], the store's clock ([`Store::clock`]), fail
     /// closed.
-    pub fn new(store: S) -> Guard<S> {
-        Guard::from_arc(Arc::new(store))
-    }
-
-    /// Like [`Guard::new`], for a store that is shared elsewhere.
+    ///
+    /// A store shared elsewhere goes in as an `Arc` (`Arc<S>` is a
+    /// [`Store`] too):
     ///
     /// ```
     /// use idemstore::{Guard, MemoryStore};
     /// use std::sync::Arc;
     /// let store = Arc::new(MemoryStore::new());
-    /// let guard = Guard::from_arc(Arc::clone(&store));
-    /// assert!(Arc::ptr_eq(guard.store(), &store));
+    /// let guard = Guard::new(Arc::clone(&store));
+    /// assert!(Arc::ptr_eq(&**guard.store(), &store));
     /// ```
-    pub fn from_arc(store: Arc<S>) -> Guard<S> {
+    pub fn new(store: S) -> Guard<S> {
+        let store = Arc::new(store);
         Guard {
             clock: store.clock(),
             store,
@@ -218,8 +222,8 @@ impl<S: Store> Guard<S> {
         self.retention
     }
 
-    /// How often a running handler's lease is renewed: every
-    /// [`RENEW_FRACTION`]th of the lease, or `None` when renewal is off
+    /// How often a running handler's lease is renewed: every third of the
+    /// lease (at least every millisecond), or `None` when renewal is off
     /// ([`GuardBuilder::renew_leases`]).
     ///
     /// ```
@@ -272,7 +276,8 @@ impl<S: Store> Guard<S> {
     /// caller otherwise), with this guard's clock and retention.
     ///
     /// ```
-    /// use idemstore::{Fingerprint, Guard, Key, ManualClock, MemoryStore, Outcome, Response, TakeoverPolicy, Timestamp};
+    /// use idemstore::guard::TakeoverPolicy;
+    /// use idemstore::{Fingerprint, Guard, Key, ManualClock, MemoryStore, Outcome, Response, Timestamp};
     /// use std::{convert::Infallible, time::Duration};
     ///
     /// let clock = ManualClock::new(Timestamp::from_millis(0));

@@ -42,11 +42,7 @@ use std::time::Duration;
 /// A claim's lease is renewed every `lease / RENEW_FRACTION` while its
 /// handler runs (at least every millisecond;
 /// [`Guard::renewal_interval`](super::Guard::renewal_interval)).
-///
-/// ```
-/// assert_eq!(idemstore::RENEW_FRACTION, 3);
-/// ```
-pub const RENEW_FRACTION: u32 = 3;
+pub(super) const RENEW_FRACTION: u32 = 3;
 
 /// One renewal: calls the store for the claim and says what it answered.
 type RenewFn = Box<dyn Fn() -> Result<Claim> + Send + Sync>;

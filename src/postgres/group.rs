@@ -83,11 +83,7 @@ use tokio_postgres::Row;
 use tokio_postgres::types::ToSql;
 
 /// Most jobs one group's transaction carries.
-///
-/// ```
-/// assert_eq!(idemstore::postgres::MAX_GROUP, 128);
-/// ```
-pub const MAX_GROUP: usize = 128;
+const MAX_GROUP: usize = 128;
 
 /// Most groups in flight at once, each on its own connection, whenever
 /// calls wait: while one waits for its commit's WAL flush, the other is
@@ -98,11 +94,7 @@ pub const MAX_GROUP: usize = 128;
 /// to 2.4× the hand-written path at 64 clients where 4 gave 1.9 to 2.1× and
 /// 1 gave 1.9× (at 8 clients all three ran 0.5 to 0.6×; docs/performance.md).
 /// A backlog of calls starts one more ([`MAX_GROUPS_IN_FLIGHT_BACKLOGGED`]).
-///
-/// ```
-/// assert_eq!(idemstore::postgres::MAX_GROUPS_IN_FLIGHT, 2);
-/// ```
-pub const MAX_GROUPS_IN_FLIGHT: usize = 2;
+const MAX_GROUPS_IN_FLIGHT: usize = 2;
 
 /// Most groups in flight while a backlog waits: with at least
 /// [`GROUP_BACKLOG`] calls queued behind the [`MAX_GROUPS_IN_FLIGHT`]
@@ -112,19 +104,11 @@ pub const MAX_GROUPS_IN_FLIGHT: usize = 2;
 /// while both waited for their commits; a third group of at least 16 calls
 /// runs in that wait at nearly the per-call cost of the others, where a
 /// third group at any queue length made small groups (docs/performance.md).
-///
-/// ```
-/// assert_eq!(idemstore::postgres::MAX_GROUPS_IN_FLIGHT_BACKLOGGED, 3);
-/// ```
-pub const MAX_GROUPS_IN_FLIGHT_BACKLOGGED: usize = 3;
+const MAX_GROUPS_IN_FLIGHT_BACKLOGGED: usize = 3;
 
 /// How many queued calls start a group beyond [`MAX_GROUPS_IN_FLIGHT`]
 /// (see [`MAX_GROUPS_IN_FLIGHT_BACKLOGGED`]).
-///
-/// ```
-/// assert_eq!(idemstore::postgres::GROUP_BACKLOG, 16);
-/// ```
-pub const GROUP_BACKLOG: usize = 16;
+const GROUP_BACKLOG: usize = 16;
 
 /// The line's runner policy, from the constants above.
 const FLIGHT: Flight = Flight {

@@ -63,11 +63,7 @@ use tokio::runtime::{Handle, Runtime};
 /// its pool ([`max_size`](super::PostgresStoreBuilder::max_size)), at least
 /// one and at most this many, so that the lanes never hold more than a
 /// quarter of the pool (besides one) while the commit line is busy.
-///
-/// ```
-/// assert_eq!(idemstore::postgres::MAX_LANES, 8);
-/// ```
-pub const MAX_LANES: usize = 8;
+const MAX_LANES: usize = 8;
 
 /// The lanes: each empty until a call first takes it.
 pub(super) struct Lanes {

@@ -19,10 +19,8 @@ mod sql;
 mod stats;
 mod tls;
 
-pub use group::{GROUP_BACKLOG, MAX_GROUP, MAX_GROUPS_IN_FLIGHT, MAX_GROUPS_IN_FLIGHT_BACKLOGGED};
 pub use inbox::{Delivery, HandlerFuture, MAX_PG_INBOX_BATCH, PgInbox};
 pub use inbox_set::{Claimed, SetHandlerFuture};
-pub use lane::MAX_LANES;
 pub use options::{
     DEFAULT_BUILD_TIMEOUT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_SIZE, DEFAULT_MIN_IDLE,
     DEFAULT_PROBE_INTERVAL, DEFAULT_STATEMENT_TIMEOUT, DEFAULT_TABLE, MAX_POOL_SIZE,
@@ -50,11 +48,7 @@ use std::time::Duration;
 /// Most times one `begin` runs its statement when concurrent writers keep
 /// committing between its snapshot and its conflict check (each retry
 /// takes a new snapshot, so a second attempt almost always settles it).
-///
-/// ```
-/// assert!(idemstore::postgres::MAX_BEGIN_ATTEMPTS >= 2);
-/// ```
-pub const MAX_BEGIN_ATTEMPTS: usize = 8;
+const MAX_BEGIN_ATTEMPTS: usize = 8;
 
 /// An idempotency store in a PostgreSQL table, shared by every replica of a
 /// service: the same [`Store`] contract as the embedded stores, over a pool
@@ -83,7 +77,7 @@ pub const MAX_BEGIN_ATTEMPTS: usize = 8;
 /// run on a current-thread tokio runtime the store owns (a thread named
 /// `idemstore-postgres`, holding every connection). The blocking [`Store`]
 /// methods spawn their work there and wait on a channel; the `_async`
-/// methods ([`begin_async`](Self::begin_async) and the rest) spawn it and
+/// methods ([`Store::begin_async`] and the rest, [`get_async`](Self::get_async)) spawn it and
 /// return a future any executor can await. So a store can be built, used
 /// and dropped inside a tokio runtime (either flavour), on a
 /// `spawn_blocking` thread or with no runtime at all. A blocking call on a
@@ -95,7 +89,7 @@ pub const MAX_BEGIN_ATTEMPTS: usize = 8;
 /// running, from a thread outside any tokio runtime, runs its statement on
 /// a connection that the calling thread drives (the way the blocking
 /// `postgres` client works), with the same answers. The store keeps up to
-/// [`MAX_LANES`] such connections (one per four of `max_size`, never the
+/// 8 such connections (one per four of `max_size`, never the
 /// pool's last one), so a few threads calling at once each drive their
 /// own; [`PostgresStats::caller_driven_calls`] counts these calls.
 ///
@@ -116,16 +110,15 @@ pub const MAX_BEGIN_ATTEMPTS: usize = 8;
 /// flush): a replay is a read. When a concurrent writer
 /// commits between the statement's snapshot and its conflict check, the
 /// statement sees no row (or an older one); it is then run again, at most
-/// [`MAX_BEGIN_ATTEMPTS`] times. Fencing tokens come from a sequence, drawn
+/// 8 times. Fencing tokens come from a sequence, drawn
 /// under a transaction-scoped advisory lock on the key, so the claims of a
 /// key get increasing tokens in the order they commit. `complete` and `release`
 /// are conditional on the token. `sweep_expired` deletes one bounded batch,
 /// oldest expiry first, skipping rows another sweeper holds.
 ///
 /// **Group commit.** `begin`s and `complete`s that arrive while the store
-/// is busy are gathered (up to [`MAX_GROUP`] calls, at most
-/// [`MAX_GROUPS_IN_FLIGHT`] groups at once, one more while
-/// [`GROUP_BACKLOG`] calls wait) and sent as one transaction:
+/// is busy are gathered (up to 128 calls, at most 2 groups at once, one
+/// more while 16 calls wait) and sent as one transaction:
 /// the completes as one set-based `UPDATE`, the begins as one set-based
 /// form of the statement above, and one `COMMIT`, written in one message.
 /// Every call gets the answer it would get alone; a group that fails runs
@@ -295,29 +288,11 @@ impl PostgresStore {
         stats
     }
 
-    /// [`Store::begin`] as a future that blocks no thread: the statement
-    /// runs on the store's own runtime and the future, which any executor
-    /// can await, is woken with the answer. The work starts when this is
-    /// called. Dropping the future before it answers never leaves a claim
-    /// behind: a claim it made is released.
-    ///
-    /// ```no_run
-    /// # #[tokio::main]
-    /// # async fn main() -> Result<(), idemstore::Error> {
-    /// use idemstore::{Begin, Fingerprint, Key, PostgresStore, Timestamp};
-    /// use std::time::Duration;
-    ///
-    /// let store = PostgresStore::builder()
-    ///     .migrate_on_build(true)
-    ///     .connect("postgres://app@db.internal/orders")?;
-    /// let (key, fp, d) = (Key::new("t", "k")?, Fingerprint::of(b"x"), Duration::from_secs(30));
-    /// let now = Timestamp::from_system_time(std::time::SystemTime::now());
-    /// if let Begin::Claimed(claim) = store.begin_async(&key, &fp, now, d, d).await? {
-    ///     store.release_async(&key, &claim).await?;
-    /// }
-    /// # Ok(()) }
-    /// ```
-    pub fn begin_async(
+    // The work of `begin_async`, `complete_async` and `release_async`
+    // (the `Store` trait's), spawned on the store's runtime when called:
+    // the futures borrow nothing, and any executor can await them.
+
+    fn spawn_begin(
         &self,
         key: &Key,
         fingerprint: &Fingerprint,
@@ -345,21 +320,7 @@ impl PostgresStore {
         })
     }
 
-    /// [`Store::complete`] as a future that blocks no thread (see
-    /// [`begin_async`](Self::begin_async)). Dropped before it answers, the
-    /// completion still runs to its end: the response is stored whole or
-    /// not at all; [`Store::get`] tells which.
-    ///
-    /// ```no_run
-    /// # async fn f(store: idemstore::PostgresStore, key: idemstore::Key, claim: idemstore::Claim)
-    /// # -> Result<(), idemstore::Error> {
-    /// use idemstore::{Response, Timestamp};
-    /// let now = Timestamp::from_system_time(std::time::SystemTime::now());
-    /// let day = std::time::Duration::from_secs(24 * 3600);
-    /// store.complete_async(&key, &claim, &Response::new(201, "charged"), now, day).await?;
-    /// # Ok(()) }
-    /// ```
-    pub fn complete_async(
+    fn spawn_complete(
         &self,
         key: &Key,
         claim: &Claim,
@@ -371,16 +332,7 @@ impl PostgresStore {
         self.runtime.spawn(work, None)
     }
 
-    /// [`Store::release`] as a future that blocks no thread (see
-    /// [`begin_async`](Self::begin_async)); dropped, it still runs.
-    ///
-    /// ```no_run
-    /// # async fn f(store: idemstore::PostgresStore, key: idemstore::Key, claim: idemstore::Claim)
-    /// # -> Result<(), idemstore::Error> {
-    /// store.release_async(&key, &claim).await?;
-    /// # Ok(()) }
-    /// ```
-    pub fn release_async(
+    fn spawn_release(
         &self,
         key: &Key,
         claim: &Claim,
@@ -498,9 +450,28 @@ impl PostgresStore {
 /// call does — async code should use the `_async` methods (or a guard's
 /// `run_async`).
 impl Store for PostgresStore {
-    /// The store's own runtime runs the statement; the future is woken
-    /// when it answers (no blocking thread). Dropped before it answers, it
-    /// gives back any claim it made.
+    /// Always `Some`: the statement starts on the store's own runtime when
+    /// this is called, and the future, which any executor can await, is
+    /// woken with the answer (no blocking thread). Dropped before it
+    /// answers, it gives back any claim it made.
+    ///
+    /// ```no_run
+    /// # #[tokio::main]
+    /// # async fn main() -> Result<(), idemstore::Error> {
+    /// use idemstore::{Begin, Fingerprint, Key, PostgresStore, Store, Timestamp};
+    /// use std::time::Duration;
+    ///
+    /// let store = PostgresStore::builder()
+    ///     .migrate_on_build(true)
+    ///     .connect("postgres://app@db.internal/orders")?;
+    /// let (key, fp, d) = (Key::new("t", "k")?, Fingerprint::of(b"x"), Duration::from_secs(30));
+    /// let now = Timestamp::from_system_time(std::time::SystemTime::now());
+    /// let native = "PostgresStore answers natively";
+    /// if let Begin::Claimed(claim) = store.begin_async(&key, &fp, now, d, d).expect(native).await? {
+    ///     store.release_async(&key, &claim).expect(native).await?;
+    /// }
+    /// # Ok(()) }
+    /// ```
     fn begin_async<'a>(
         &'a self,
         key: &'a Key,
@@ -509,8 +480,7 @@ impl Store for PostgresStore {
         lease: Duration,
         retention: Duration,
     ) -> Option<StoreFuture<'a, Begin>> {
-        Some(Box::pin(PostgresStore::begin_async(
-            self,
+        Some(Box::pin(self.spawn_begin(
             key,
             fingerprint,
             now,
@@ -519,6 +489,9 @@ impl Store for PostgresStore {
         )))
     }
 
+    /// Always `Some`, started when called (see `begin_async`). Dropped
+    /// before it answers, the completion still runs to its end: the
+    /// response is stored whole or not at all; [`Store::get`] tells which.
     fn complete_async<'a>(
         &'a self,
         key: &'a Key,
@@ -527,13 +500,15 @@ impl Store for PostgresStore {
         now: Timestamp,
         retention: Duration,
     ) -> Option<StoreFuture<'a, ()>> {
-        Some(Box::pin(PostgresStore::complete_async(
-            self, key, claim, response, now, retention,
-        )))
+        Some(Box::pin(
+            self.spawn_complete(key, claim, response, now, retention),
+        ))
     }
 
+    /// Always `Some`, started when called (see `begin_async`); dropped, it
+    /// still runs.
     fn release_async<'a>(&'a self, key: &'a Key, claim: &'a Claim) -> Option<StoreFuture<'a, ()>> {
-        Some(Box::pin(PostgresStore::release_async(self, key, claim)))
+        Some(Box::pin(self.spawn_release(key, claim)))
     }
 
     fn begin(

@@ -20,7 +20,7 @@ use tower_layer::Layer;
 /// for the behaviour and the status codes.
 ///
 /// The layer takes the guard's store, clock, lease, retention and policies
-/// (including [`wait_for_duplicates`](crate::GuardBuilder::wait_for_duplicates));
+/// (including [`wait_for_duplicates`](crate::guard::GuardBuilder::wait_for_duplicates));
 /// the guard's counters are shared with the caller's copy.
 ///
 /// ```
@@ -234,7 +234,7 @@ impl IdempotencyLayer {
     /// The largest response body buffered for storage (default
     /// [`DEFAULT_MAX_BODY_BYTES`](crate::limits::DEFAULT_MAX_BODY_BYTES), at most [`MAX_BODY_BYTES_HARD_CAP`]). A
     /// larger response is streamed to the client and not stored; the claim
-    /// then follows the guard's [`OnHandlerError`](crate::OnHandlerError).
+    /// then follows the guard's [`OnHandlerError`](crate::guard::OnHandlerError).
     pub fn max_response_body_bytes(self, limit: usize) -> IdempotencyLayer {
         self.config(|c| c.max_response_body_bytes = limit.min(MAX_BODY_BYTES_HARD_CAP))
     }

@@ -59,7 +59,7 @@
 //!   ([`Store::begin_async`](crate::Store::begin_async): no thread per
 //!   waiting request on `RedbStore` and `MemoryStore`), or tokio's blocking
 //!   pool for a store without one; with
-//!   [`wait_for_duplicates`](crate::GuardBuilder::wait_for_duplicates) on the
+//!   [`wait_for_duplicates`](crate::guard::GuardBuilder::wait_for_duplicates) on the
 //!   guard, a duplicate that arrives while the first request runs in this
 //!   process waits for its response instead of getting 409.
 //!

@@ -8,9 +8,10 @@
 //! the engine underneath is the real one. Each case is also a public
 //! function taking the factory, and [`run_all`] runs them all and reports.
 
+use crate::{FaultyStore, Op};
 use idemstore::{
-    Begin, Claim, Clock, Error, FaultyStore, Fingerprint, Guard, Key, ManualClock, Op, Outcome,
-    Response, State, Store, Timestamp,
+    Begin, Claim, Clock, Error, Fingerprint, Guard, Key, ManualClock, Outcome, Response, State,
+    Store, Timestamp,
 };
 use std::any::Any;
 use std::collections::HashMap;

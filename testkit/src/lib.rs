@@ -14,6 +14,8 @@
 //! - `crash` (feature `redb`, default): a redb `StorageBackend` that
 //!   simulates power loss (torn and garbage sectors, lying fsyncs), and the
 //!   `RedbStore` workloads and checkers built on it.
+//! - [`FaultyStore`]: any store, with chosen operations ([`Op`]) failing
+//!   on demand, as a store whose database is down would.
 //! - [`BlockingOnly`]: a store with its native async entry hidden, to
 //!   compare `Guard::run_async` on tokio's blocking pool with the native path.
 //! - [`codec`]: the record decoder's round-trip property (idemstore's own
@@ -32,7 +34,9 @@ pub mod codec;
 pub mod conformance;
 #[cfg(feature = "redb")]
 pub mod crash;
+mod faulty;
 pub mod kill;
 pub mod model;
 
 pub use blocking::BlockingOnly;
+pub use faulty::{FaultyStore, Op};

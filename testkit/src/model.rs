@@ -9,8 +9,8 @@
 //! [`run_ops`].
 
 use crate::conformance::Make;
-use idemstore::Op as StoreOp;
-use idemstore::{Begin, Claim, Error, FaultyStore, Fingerprint, Key, Response, Store, Timestamp};
+use crate::{FaultyStore, Op as StoreOp};
+use idemstore::{Begin, Claim, Error, Fingerprint, Key, Response, Store, Timestamp};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use std::collections::HashMap;

@@ -1,9 +1,11 @@
 //! Guard policies beyond the conformance suite, on `MemoryStore`.
 
+use idemstore::guard::{GuardBuilder, OnHandlerError, TakeoverPolicy};
 use idemstore::{
-    Begin, Clock, Error, FaultyStore, Fingerprint, Guard, Key, ManualClock, MemoryStore,
-    OnHandlerError, Outcome, Response, Store, TakeoverPolicy,
+    Begin, Clock, Error, Fingerprint, Guard, Key, ManualClock, MemoryStore, Outcome, Response,
+    Store,
 };
+use idemstore_testkit::FaultyStore;
 use idemstore_testkit::conformance::T0;
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -15,7 +17,7 @@ const SEC: Duration = Duration::from_secs(1);
 type Faulty = Arc<FaultyStore<MemoryStore>>;
 
 fn setup(
-    configure: impl FnOnce(idemstore::GuardBuilder<Faulty>) -> idemstore::GuardBuilder<Faulty>,
+    configure: impl FnOnce(GuardBuilder<Faulty>) -> GuardBuilder<Faulty>,
 ) -> (Guard<Faulty>, Faulty, ManualClock) {
     let store = Arc::new(FaultyStore::new(MemoryStore::new()));
     let clock = ManualClock::new(T0);
@@ -347,7 +349,9 @@ fn a_claim_taken_over_while_its_handler_runs_is_told_and_writes_nothing() {
         .unwrap();
     let fp = Fingerprint::of(b"x");
     // Every renewal fails until the takeover is made.
-    store.set_fault(|op| (op == idemstore::Op::Renew).then(|| Error::backend("store unreachable")));
+    store.set_fault(|op| {
+        (op == idemstore_testkit::Op::Renew).then(|| Error::backend("store unreachable"))
+    });
     let run = |k: &Key| {
         guard.run(k, &fp, |claim| {
             let deadline = std::time::Instant::now() + 20 * SEC;

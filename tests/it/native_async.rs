@@ -3,9 +3,10 @@
 //! every await point, and a poisoned store, a long line and a store
 //! dropped with releases still queued.
 
+use idemstore::logic::StoreFuture;
 use idemstore::{
     Begin, Claim, Error, Fingerprint, Guard, Key, MemoryStore, Outcome, Record, RedbStore,
-    Response, State, Store, StoreFuture,
+    Response, State, Store,
 };
 use idemstore_testkit::BlockingOnly;
 use idemstore_testkit::conformance::T0;

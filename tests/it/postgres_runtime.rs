@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 const SEC: Duration = Duration::from_secs(1);
 const HOUR: Duration = Duration::from_secs(3600);
+const NATIVE: &str = "PostgresStore answers natively";
 const CONTEXT_VAR: &str = "IDEMSTORE_PG_CONTEXT";
 const CONTEXT_TABLE_VAR: &str = "IDEMSTORE_PG_CONTEXT_TABLE";
 
@@ -65,20 +66,27 @@ async fn every_api_async(url: String, table: String) {
     let c = claimed(
         store
             .begin_async(&key("a1"), &fp, T0, SEC, HOUR)
+            .expect(NATIVE)
             .await
             .unwrap(),
     );
     store
         .complete_async(&key("a1"), &c, &Response::new(200, "ok"), T0, HOUR)
+        .expect(NATIVE)
         .await
         .unwrap();
     let c = claimed(
         store
             .begin_async(&key("a2"), &fp, T0, SEC, HOUR)
+            .expect(NATIVE)
             .await
             .unwrap(),
     );
-    store.release_async(&key("a2"), &c).await.unwrap();
+    store
+        .release_async(&key("a2"), &c)
+        .expect(NATIVE)
+        .await
+        .unwrap();
     assert!(store.get_async(&key("a1"), T0).await.unwrap().is_some());
     assert_eq!(store.sweep_expired_async(T0, 10).await.unwrap(), 0);
     let guard = Guard::new(store);
@@ -263,10 +271,27 @@ fn async_entry_runs_on_any_executor() {
     }
     let (store, _drop) = fresh_store("executor", 2);
     let fp = Fingerprint::of(b"a");
-    let c = claimed(block_on(store.begin_async(&key("k"), &fp, T0, SEC, HOUR)).unwrap());
-    block_on(store.complete_async(&key("k"), &c, &Response::new(200, "ok"), T0, HOUR)).unwrap();
+    let c = claimed(
+        block_on(
+            store
+                .begin_async(&key("k"), &fp, T0, SEC, HOUR)
+                .expect(NATIVE),
+        )
+        .unwrap(),
+    );
+    block_on(
+        store
+            .complete_async(&key("k"), &c, &Response::new(200, "ok"), T0, HOUR)
+            .expect(NATIVE),
+    )
+    .unwrap();
     assert_eq!(
-        block_on(store.begin_async(&key("k"), &fp, T0, SEC, HOUR)).unwrap(),
+        block_on(
+            store
+                .begin_async(&key("k"), &fp, T0, SEC, HOUR)
+                .expect(NATIVE)
+        )
+        .unwrap(),
         Begin::Replay(Response::new(200, "ok"))
     );
     assert!(tokio::runtime::Handle::try_current().is_err());
@@ -719,8 +744,8 @@ fn a_second_thread_drives_a_second_lane_while_the_first_is_busy() {
     // blocking call made meanwhile goes to the line, not to a lane.
     let e = claimed(store.begin(&key("busy"), &fp, T0, SEC, HOUR).unwrap());
     let tx = lock_row(&mut locker, &guard.table, b"busy");
-    let on_line =
-        PostgresStore::complete_async(&store, &key("busy"), &e, &Response::new(201, "b"), T0, HOUR);
+    let (busy, body) = (key("busy"), Response::new(201, "b"));
+    let on_line = Store::complete_async(&store, &busy, &e, &body, T0, HOUR).expect(NATIVE);
     wait_for_lock_waiter(&url, &app);
     let driven = lane(&store);
     let f = claimed(store.begin(&key("later"), &fp, T0, SEC, HOUR).unwrap());
@@ -876,15 +901,8 @@ fn a_stalled_synchronous_standby_costs_each_call_no_more_than_its_bound() {
     );
     timed_out(
         "begin_async",
-        block_on(PostgresStore::begin_async(
-            &store,
-            &key("line"),
-            &fp,
-            T0,
-            HOUR,
-            HOUR,
-        ))
-        .unwrap_err(),
+        block_on(Store::begin_async(&*store, &key("line"), &fp, T0, HOUR, HOUR).expect(NATIVE))
+            .unwrap_err(),
     );
     let ran = AtomicBool::new(false);
     let guard = Guard::new(Arc::clone(&store));

@@ -11,7 +11,8 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::{Client, connect::HttpConnector};
 use hyper_util::rt::TokioExecutor;
 use idemstore::tower::{DoNotStore, IdempotencyLayer, Problem, StorePolicy};
-use idemstore::{Claim, FaultyStore, Guard, Key, MemoryStore};
+use idemstore::{Claim, Guard, Key, MemoryStore};
+use idemstore_testkit::FaultyStore;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -410,7 +411,7 @@ async fn oversized_body_is_413_without_running_the_handler() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn store_unavailable_is_503_and_the_handler_does_not_run() {
     let store = Arc::new(FaultyStore::new(MemoryStore::new()));
-    let guard = Guard::from_arc(Arc::clone(&store));
+    let guard = Guard::new(Arc::clone(&store));
     let app = start(
         IdempotencyLayer::new(guard).unavailable_retry_after(Duration::from_secs(3)),
         Duration::ZERO,
@@ -441,7 +442,7 @@ async fn a_full_disk_is_503_for_new_keys_and_replays_go_on() {
             .open_backend(disk.clone(), disk.sibling())
             .unwrap(),
     );
-    let guard = Guard::from_arc(Arc::clone(&store));
+    let guard = Guard::new(Arc::clone(&store));
     let app = start(
         IdempotencyLayer::new(guard).unavailable_retry_after(Duration::from_secs(2)),
         Duration::ZERO,
@@ -590,11 +591,11 @@ async fn storing_failure_sends_the_response_and_keeps_the_claim() {
     // inside the lease is 409, never a second execution.
     let store = Arc::new(FaultyStore::new(MemoryStore::new()));
     let app = start(
-        IdempotencyLayer::new(Guard::from_arc(Arc::clone(&store))),
+        IdempotencyLayer::new(Guard::new(Arc::clone(&store))),
         Duration::ZERO,
     )
     .await;
-    store.fail_next(idemstore::Op::Complete, 1);
+    store.fail_next(idemstore_testkit::Op::Complete, 1);
     let first = app.post("k-ns", "x").await;
     assert_eq!(
         (first.status, first.replayed()),
@@ -641,7 +642,7 @@ async fn client_timeout_then_retries_get_409_then_500_under_reconcile() {
     let guard = Guard::builder(MemoryStore::new())
         .clock(clock.clone())
         .lease(Duration::from_secs(10))
-        .takeover(idemstore::TakeoverPolicy::Reconcile)
+        .takeover(idemstore::guard::TakeoverPolicy::Reconcile)
         .build()
         .unwrap();
     let app = start(IdempotencyLayer::new(guard), Duration::from_secs(3600)).await;

@@ -1,6 +1,7 @@
 //! Waiting duplicates (`GuardBuilder::wait_for_duplicates`), on `MemoryStore`.
 
-use idemstore::{Error, Fingerprint, Guard, Key, MemoryStore, OnHandlerError, Outcome, Response};
+use idemstore::guard::OnHandlerError;
+use idemstore::{Error, Fingerprint, Guard, Key, MemoryStore, Outcome, Response};
 use idemstore_testkit::BlockingOnly;
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -1,20 +1,49 @@
-//! Test support (feature `test-util`): fault injection around any store.
+//! [`FaultyStore`]: fault injection around any store.
 
-use crate::error::{Error, Result};
-use crate::fingerprint::Fingerprint;
-use crate::key::Key;
-use crate::memory::Op;
-use crate::record::{Begin, Claim, Record};
-use crate::response::Response;
-use crate::store::Store;
-use crate::time::{Clock, Timestamp};
+use idemstore::{
+    Begin, Claim, Clock, Error, Fingerprint, Key, Record, Response, Result, Store, Timestamp,
+};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
+/// A store operation, as a [`FaultyStore`] hook sees it.
+///
+/// ```
+/// assert_eq!(idemstore_testkit::Op::Complete.to_string(), "complete");
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Op {
+    /// [`Store::begin`].
+    Begin,
+    /// [`Store::complete`].
+    Complete,
+    /// [`Store::release`].
+    Release,
+    /// [`Store::renew`].
+    Renew,
+    /// [`Store::get`].
+    Get,
+    /// [`Store::sweep_expired`].
+    Sweep,
+}
+
+impl std::fmt::Display for Op {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Op::Begin => "begin",
+            Op::Complete => "complete",
+            Op::Release => "release",
+            Op::Renew => "renew",
+            Op::Get => "get",
+            Op::Sweep => "sweep",
+        })
+    }
+}
+
 type Hook = Box<dyn Fn(Op) -> Option<Error> + Send + Sync>;
 
-/// Wraps any [`Store`] and fails chosen operations on demand (feature
-/// `test-util`): a hook is called with each operation and may fail it. A failed
+/// Wraps any [`Store`] and fails chosen operations on demand: a hook is called with each operation and may fail it. A failed
 /// operation never reaches the inner store, so it has no effect — like a
 /// database that refused the connection.
 ///
@@ -22,7 +51,8 @@ type Hook = Box<dyn Fn(Op) -> Option<Error> + Send + Sync>;
 /// backend unchanged.
 ///
 /// ```
-/// use idemstore::{Error, FaultyStore, Fingerprint, Key, MemoryStore, Op, Store, Timestamp};
+/// use idemstore::{Fingerprint, Key, MemoryStore, Store, Timestamp};
+/// use idemstore_testkit::{FaultyStore, Op};
 /// use std::time::Duration;
 ///
 /// let store = FaultyStore::new(MemoryStore::new());
@@ -162,5 +192,60 @@ impl<S: Store> Store for FaultyStore<S> {
     /// share their in-process runs.
     fn instance(&self) -> usize {
         self.inner.instance()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use idemstore::MemoryStore;
+
+    /// A hook fails the operations it names, with no effect, until it is
+    /// cleared (the test of `MemoryStore`'s own fault hook, which this
+    /// type replaces).
+    #[test]
+    fn a_fault_hook_fails_the_operations_it_names_until_cleared() {
+        let store = FaultyStore::new(MemoryStore::new());
+        let (key, fp, now, d) = (
+            Key::new("t", "k").unwrap(),
+            Fingerprint::of(b"x"),
+            Timestamp::from_millis(0),
+            Duration::from_secs(60),
+        );
+        store.set_fault(|op| (op == Op::Begin).then(|| Error::backend(format!("down: {op}"))));
+        let failed = store.begin(&key, &fp, now, d, d);
+        assert!(
+            matches!(&failed, Err(Error::Backend(m)) if m.to_string().contains("down: begin")),
+            "{failed:?}"
+        );
+        assert!(store.inner().is_empty(), "a failed begin writes nothing");
+        assert!(
+            matches!(store.get(&key, now), Ok(None)),
+            "other operations run"
+        );
+        store.clear_fault();
+        assert!(matches!(
+            store.begin(&key, &fp, now, d, d),
+            Ok(Begin::Claimed(_))
+        ));
+    }
+
+    #[test]
+    fn ops_print_as_the_store_methods_they_name() {
+        let names: Vec<String> = [
+            Op::Begin,
+            Op::Complete,
+            Op::Release,
+            Op::Renew,
+            Op::Get,
+            Op::Sweep,
+        ]
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+        assert_eq!(
+            names,
+            ["begin", "complete", "release", "renew", "get", "sweep"]
+        );
     }
 }
