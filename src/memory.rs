@@ -308,8 +308,8 @@ mod tests {
     }
 
     /// Every record has one index entry, under its own expiry, and the
-    /// sweep takes them oldest first and, within one expiry, by key
-    /// (found by proptest on the earlier token-ordered index).
+    /// sweep takes them oldest first and, within one expiry, by key (the
+    /// model's order, which every backend's sweep must match).
     #[test]
     fn the_index_follows_each_record_and_the_sweep_takes_ties_by_key() {
         let store = MemoryStore::new();

@@ -265,8 +265,8 @@ impl PostgresStoreBuilder {
         self
     }
 
-    /// The bound on every call of the built store (default 5 s, at least
-    /// 1 ms): a call that meets a stalled server, a lock, or a commit
+    /// The bound on every call of the built store (default 5 s; zero is
+    /// refused): a call that meets a stalled server, a lock, or a commit
     /// waiting for a synchronous standby that does not answer, returns a
     /// transient [`Error::Backend`] in time (503 through a guard; a handler
     /// does not run) instead of waiting for as long as the stall lasts

@@ -23,7 +23,7 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
 use rustls::{
     CertificateError, ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme,
 };
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use tokio_postgres::config::SslMode;
 use tokio_postgres_rustls::MakeRustlsConnect;
@@ -225,7 +225,7 @@ impl Tls {
     }
 }
 
-fn read_certs(what: &str, path: &PathBuf) -> Result<Vec<CertificateDer<'static>>> {
+fn read_certs(what: &str, path: &Path) -> Result<Vec<CertificateDer<'static>>> {
     let bad = |e: &dyn std::fmt::Display| {
         Error::invalid_argument(format!("{what} {}: {e}", path.display()))
     };

@@ -107,7 +107,8 @@ impl RedbStoreBuilder {
 
     /// Longest time a logged write waits for its checkpoint into the store
     /// file ([`CHECKPOINT_INTERVAL`](crate::redb::CHECKPOINT_INTERVAL) by
-    /// default, at least 1 ms). Longer: fewer checkpoints, more to replay.
+    /// default; under a millisecond is refused). Longer means fewer
+    /// checkpoints and more log to replay at an open after a crash.
     ///
     /// ```
     /// let builder = idemstore::RedbStore::builder().checkpoint_interval(std::time::Duration::from_secs(2));

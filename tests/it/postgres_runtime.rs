@@ -853,6 +853,19 @@ fn set_sync_standby(url: &str, names: &str) {
     }
 }
 
+/// A migrated store of 4 connections on `table` at `url`, its calls
+/// bounded by `call_timeout`.
+fn bounded_store(url: &str, table: &str, call_timeout: Duration) -> PostgresStore {
+    PostgresStore::builder()
+        .table(table)
+        .max_size(4)
+        .connect_timeout(Duration::from_secs(30))
+        .call_timeout(call_timeout)
+        .migrate_on_build(true)
+        .connect(url)
+        .unwrap()
+}
+
 /// A commit waits for a synchronous standby that never comes (PostgreSQL's
 /// `statement_timeout` does not apply to that wait): blocking calls on the
 /// calling thread's lane, async calls through the commit line and a guarded
@@ -866,18 +879,12 @@ fn a_stalled_synchronous_standby_costs_each_call_no_more_than_its_bound() {
     }
     let cluster = OwnCluster::start();
     let table = fresh_table("stall");
-    let open = || {
-        PostgresStore::builder()
-            .table(&table)
-            .max_size(4)
-            .connect_timeout(Duration::from_secs(30))
-            .call_timeout(Duration::from_millis(400))
-            .migrate_on_build(true)
-            .connect(&cluster.url)
-            .unwrap()
-    };
-    let store = Arc::new(open());
-    let doomed = open();
+    let store = Arc::new(bounded_store(
+        &cluster.url,
+        &table,
+        Duration::from_millis(400),
+    ));
+    let doomed = bounded_store(&cluster.url, &table, Duration::from_millis(400));
     let fp = Fingerprint::of(b"stall");
     let response = Response::new(201, "stored");
     let first = claimed(store.begin(&key("first"), &fp, T0, HOUR, HOUR).unwrap());
@@ -971,14 +978,7 @@ fn a_completion_read_back_is_acknowledged_only_once_durable() {
     }
     let cluster = OwnCluster::start();
     let table = fresh_table("readback");
-    let store = PostgresStore::builder()
-        .table(&table)
-        .max_size(4)
-        .connect_timeout(Duration::from_secs(30))
-        .call_timeout(Duration::from_secs(5))
-        .migrate_on_build(true)
-        .connect(&cluster.url)
-        .unwrap();
+    let store = bounded_store(&cluster.url, &table, Duration::from_secs(5));
     let fp = Fingerprint::of(b"readback");
     let response = Response::new(201, "local only");
     let claim = claimed(store.begin(&key("k"), &fp, T0, HOUR, HOUR).unwrap());
