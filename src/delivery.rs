@@ -3,8 +3,39 @@
 //! as [`Error::HandlerPanicked`](crate::Error::HandlerPanicked). Re-exported
 //! as `idemstore::redb::Delivery` and `idemstore::postgres::Delivery`.
 
+use crate::error::{Error, Result};
 use crate::response::Response;
 use crate::time::Timestamp;
+
+/// Most messages in one inbox batch (redb's `Inbox::handle_batch`,
+/// PostgreSQL's `PgInbox::handle_batch`); a larger batch is
+/// [`Error::InvalidArgument`] before any I/O. It bounds how long a batch
+/// holds its locks and how many passes it may run.
+///
+/// ```
+/// # #[cfg(feature = "redb")] {
+/// use idemstore::redb::{Inbox, Message};
+/// use idemstore::{Error, Fingerprint, Key, RedbStore, Response, limits::MAX_INBOX_BATCH};
+/// # let dir = tempfile::tempdir().unwrap();
+/// let inbox = Inbox::new(RedbStore::open(dir.path().join("inbox.idem")).unwrap());
+/// let batch: Vec<Message<()>> = (0..=MAX_INBOX_BATCH)
+///     .map(|i| Message::new(Key::new("q", i.to_string()).unwrap(), Fingerprint::of(b""), ()))
+///     .collect();
+/// let refused = inbox.handle_batch(&batch, |_, _, _| Ok::<_, Error>(Response::new(200, "")));
+/// assert!(matches!(refused, Err(Error::InvalidArgument { .. })));
+/// # }
+/// ```
+pub const MAX_INBOX_BATCH: usize = 4_096;
+
+/// A batch of `len` messages is within [`MAX_INBOX_BATCH`].
+pub(crate) fn check_batch_len(len: usize) -> Result<()> {
+    if len > MAX_INBOX_BATCH {
+        return Err(Error::invalid_argument(format!(
+            "a batch of {len} messages is over the limit of {MAX_INBOX_BATCH}"
+        )));
+    }
+    Ok(())
+}
 
 /// What an inbox did with one delivery of a message.
 ///

@@ -12,6 +12,8 @@
 //! assert!(Key::new("s".repeat(MAX_SCOPE_BYTES + 1), "k").is_err());
 //! ```
 
+#[cfg(any(feature = "redb", feature = "postgres"))]
+pub use crate::delivery::MAX_INBOX_BATCH;
 pub use crate::json_pointer::{MAX_JSON_FIELDS, MAX_POINTER_BYTES};
 pub use crate::key::{MAX_ID_BYTES, MAX_SCOPE_BYTES};
 pub use crate::response::{
@@ -39,17 +41,7 @@ pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 pub const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 3600);
 
 /// Default pause between a [`Sweeper`](crate::Sweeper)'s sweeps.
-///
-/// ```
-/// use idemstore::{SweeperConfig, limits::DEFAULT_SWEEP_INTERVAL};
-/// assert_eq!(SweeperConfig::default().get_interval(), DEFAULT_SWEEP_INTERVAL);
-/// ```
-pub const DEFAULT_SWEEP_INTERVAL: Duration = Duration::from_secs(60);
+pub(crate) const DEFAULT_SWEEP_INTERVAL: Duration = Duration::from_secs(60);
 /// Default records deleted per `sweep_expired` call of a
 /// [`Sweeper`](crate::Sweeper).
-///
-/// ```
-/// use idemstore::{SweeperConfig, limits::DEFAULT_SWEEP_BATCH};
-/// assert_eq!(SweeperConfig::default().get_batch(), DEFAULT_SWEEP_BATCH);
-/// ```
-pub const DEFAULT_SWEEP_BATCH: usize = 1_000;
+pub(crate) const DEFAULT_SWEEP_BATCH: usize = 1_000;

@@ -3,60 +3,44 @@
 //! counters, histograms and gauges through the
 //! [`metrics`](https://docs.rs/metrics) facade (feature `metrics`). Without
 //! the features every hook is an empty inline function: nothing is
-//! recorded and nothing is linked in.
-//!
-//! The constants here are the metric names, for a recorder's
-//! configuration (histogram buckets, descriptions); the table of names,
-//! units and labels, and the spans and events with their fields, is in
-//! `docs/operations.md` ("Tracing" and "Metrics").
+//! recorded and nothing is linked in. The spans and events with their
+//! fields are in `docs/operations.md` ("Tracing").
 //!
 //! No span or event carries a key's id or a body at any level (they can be
 //! personal data); a request's span has the key's scope (the tenant), the
 //! outcome, the fencing token, the lease and whether it waited.
 //!
+//! # Metrics
+//!
+//! | name | kind | labels | what |
+//! |---|---|---|---|
+//! | `idemstore_guard_outcomes_total` | counter | `outcome` | guarded requests by how they ended: `executed`, `replayed`, `in_flight`, `conflicted`, `unavailable`, `fail_open`, `unknown`, `not_stored`, `handler_failed`, `lease_lost` |
+//! | `idemstore_guard_takeovers_total` | counter | | claims taken over after the owner's lease passed |
+//! | `idemstore_guard_waited_total` | counter | | duplicates that waited for a local owner's response |
+//! | `idemstore_guard_stale_claims_total` | counter | | `complete` or `release` refused as stale (the claim was taken over) |
+//! | `idemstore_guard_begin_seconds` | histogram | | a guarded request's `begin` (for a new key: until its claim is durable) |
+//! | `idemstore_guard_complete_seconds` | histogram | | a `complete` (until durable) |
+//! | `idemstore_redb_group_size` | histogram | | writes per commit group (`RedbStore`) |
+//! | `idemstore_redb_log_sync_seconds` | histogram | | a group's log append and fsync (`RedbStore`) |
+//! | `idemstore_redb_checkpoint_seconds` | histogram | | a checkpoint: the memtable into the store file, durably |
+//! | `idemstore_redb_memtable_bytes` | gauge | | writes acknowledged, not yet checkpointed |
+//! | `idemstore_redb_log_fill_ratio` | gauge | | the active log segment's fill, 0..=1 |
+//! | `idemstore_swept_records_total` | counter | `store` | expired records removed by sweeps (`redb`, `sled`, `memory`, `postgres`) |
+//! | `idemstore_poisoned_total` | counter | `store` | a failed commit or fsync made a store refuse writes: alert on it |
+//! | `idemstore_healed_total` | counter | `store` | a store healed by itself after a failed write (`RedbStore`) |
+//! | `idemstore_store_health` | gauge | `store` | 0 healthy, 1 degraded (writes refused while it heals), 2 failed (needs an operator) |
+//!
 //! ```
-//! use idemstore::observability::{GUARD_OUTCOMES, REDB_LOG_SYNC_SECONDS};
-//! assert_eq!(GUARD_OUTCOMES, "idemstore_guard_outcomes_total");
-//! assert!(REDB_LOG_SYNC_SECONDS.ends_with("_seconds"));
+//! // With feature `metrics`, whatever recorder the application installed
+//! // (a Prometheus exporter, OpenTelemetry, statsd) sees this request:
+//! use idemstore::{Fingerprint, Guard, Key, MemoryStore, Response};
+//! let guard = Guard::new(MemoryStore::new());
+//! let key = Key::new("tenant-42", "order-1")?;
+//! guard.run(&key, &Fingerprint::of(b"x"), |_| {
+//!     Ok::<_, std::convert::Infallible>(Response::new(201, "ok"))
+//! }); // counts one `executed` in idemstore_guard_outcomes_total
+//! # Ok::<(), idemstore::Error>(())
 //! ```
-
-/// Counter: guarded requests by how they ended; label `outcome` is one of
-/// `executed`, `replayed`, `in_flight`, `conflicted`, `unavailable`,
-/// `fail_open`, `unknown`, `not_stored`, `handler_failed`, `lease_lost`.
-pub const GUARD_OUTCOMES: &str = "idemstore_guard_outcomes_total";
-/// Counter: claims taken over after the owner's lease passed.
-pub const GUARD_TAKEOVERS: &str = "idemstore_guard_takeovers_total";
-/// Counter: duplicates that waited for a local owner's response.
-pub const GUARD_WAITED: &str = "idemstore_guard_waited_total";
-/// Counter: `complete` or `release` refused as stale (the claim was taken over).
-pub const GUARD_STALE_CLAIMS: &str = "idemstore_guard_stale_claims_total";
-/// Histogram, seconds: how long a guarded request's `begin` took (the
-/// claim's latency: for a new key, until its group was durable).
-pub const GUARD_BEGIN_SECONDS: &str = "idemstore_guard_begin_seconds";
-/// Histogram, seconds: how long a `complete` took (until durable).
-pub const GUARD_COMPLETE_SECONDS: &str = "idemstore_guard_complete_seconds";
-/// Histogram, requests: writes per commit group (`RedbStore`).
-pub const REDB_GROUP_SIZE: &str = "idemstore_redb_group_size";
-/// Histogram, seconds: a group's log append and fsync (`RedbStore`).
-pub const REDB_LOG_SYNC_SECONDS: &str = "idemstore_redb_log_sync_seconds";
-/// Histogram, seconds: a checkpoint (memtable into the store file, durably).
-pub const REDB_CHECKPOINT_SECONDS: &str = "idemstore_redb_checkpoint_seconds";
-/// Gauge, bytes: the active memtable (writes acknowledged, not yet checkpointed).
-pub const REDB_MEMTABLE_BYTES: &str = "idemstore_redb_memtable_bytes";
-/// Gauge, ratio 0..=1: the active log segment's fill.
-pub const REDB_LOG_FILL_RATIO: &str = "idemstore_redb_log_fill_ratio";
-/// Counter: expired records removed by sweeps; label `store` is the
-/// backend (`redb`, `sled`, `memory`, `postgres`).
-pub const SWEPT_RECORDS: &str = "idemstore_swept_records_total";
-/// Counter: stores that refused all further writes after a failed commit or
-/// fsync (poisoning).
-pub const POISONINGS: &str = "idemstore_poisoned_total";
-/// Counter: stores that healed by themselves after a failed write (the
-/// cause went away; `RedbStore`).
-pub const HEALINGS: &str = "idemstore_healed_total";
-/// Gauge: a store's health, 0 healthy, 1 degraded (writes refused while it
-/// heals), 2 failed (needs an operator); label `store` (`RedbStore`).
-pub const STORE_HEALTH: &str = "idemstore_store_health";
 
 use std::time::Duration;
 
@@ -133,11 +117,11 @@ pub(crate) fn claimed(token: u64, lease: Duration, takeover: bool, attempt: u32)
     }
     #[cfg(feature = "metrics")]
     if takeover {
-        metrics::counter!(GUARD_TAKEOVERS).increment(1);
+        metrics::counter!("idemstore_guard_takeovers_total").increment(1);
     }
 }
 
-/// A guarded request ended as `outcome` (a name from [`GUARD_OUTCOMES`]).
+/// A guarded request ended as `outcome` (a label of `idemstore_guard_outcomes_total`).
 pub(crate) fn outcome(outcome: &'static str) {
     let _ = outcome;
     #[cfg(feature = "tracing")]
@@ -146,7 +130,7 @@ pub(crate) fn outcome(outcome: &'static str) {
         tracing::debug!(outcome, "request answered");
     }
     #[cfg(feature = "metrics")]
-    metrics::counter!(GUARD_OUTCOMES, "outcome" => outcome).increment(1);
+    metrics::counter!("idemstore_guard_outcomes_total", "outcome" => outcome).increment(1);
 }
 
 /// A duplicate waited for a local owner's response and got it.
@@ -154,7 +138,7 @@ pub(crate) fn waited() {
     #[cfg(feature = "tracing")]
     tracing::Span::current().record("waited", true);
     #[cfg(feature = "metrics")]
-    metrics::counter!(GUARD_WAITED).increment(1);
+    metrics::counter!("idemstore_guard_waited_total").increment(1);
 }
 
 /// `call()` as store operation `op` (`begin`, `complete`, `release`): a
@@ -203,15 +187,17 @@ pub(crate) fn stale_claim() {
         "the claim was taken over or ended before the handler finished: its result was not stored"
     );
     #[cfg(feature = "metrics")]
-    metrics::counter!(GUARD_STALE_CLAIMS).increment(1);
+    metrics::counter!("idemstore_guard_stale_claims_total").increment(1);
 }
 
 /// How long a store call took, for the request's histograms.
 #[cfg(feature = "metrics")]
 fn store_call(op: &'static str, took: Duration) {
     match op {
-        "begin" => metrics::histogram!(GUARD_BEGIN_SECONDS).record(took.as_secs_f64()),
-        "complete" => metrics::histogram!(GUARD_COMPLETE_SECONDS).record(took.as_secs_f64()),
+        "begin" => metrics::histogram!("idemstore_guard_begin_seconds").record(took.as_secs_f64()),
+        "complete" => {
+            metrics::histogram!("idemstore_guard_complete_seconds").record(took.as_secs_f64())
+        }
         _ => {}
     }
 }
@@ -223,7 +209,7 @@ pub(crate) fn poisoned(store: &'static str, why: &dyn std::fmt::Display) {
     #[cfg(feature = "tracing")]
     tracing::error!(store, error = %why, "store poisoned: it refuses writes until it heals");
     #[cfg(feature = "metrics")]
-    metrics::counter!(POISONINGS, "store" => store).increment(1);
+    metrics::counter!("idemstore_poisoned_total", "store" => store).increment(1);
 }
 
 /// A store that was poisoned by `cause` writes again, `after` it failed.
@@ -233,7 +219,7 @@ pub(crate) fn healed(store: &'static str, cause: &dyn std::fmt::Display, after: 
     #[cfg(feature = "tracing")]
     tracing::warn!(store, cause = %cause, after_ms = after.as_millis() as u64, "store healed: it writes again");
     #[cfg(feature = "metrics")]
-    metrics::counter!(HEALINGS, "store" => store).increment(1);
+    metrics::counter!("idemstore_healed_total", "store" => store).increment(1);
 }
 
 /// An attempt to heal a poisoned store failed (the cause is still there);
@@ -250,7 +236,7 @@ pub(crate) fn heal_failed(store: &'static str, error: &dyn std::fmt::Display, re
 pub(crate) fn health(store: &'static str, level: u8) {
     let _ = (store, level);
     #[cfg(feature = "metrics")]
-    metrics::gauge!(STORE_HEALTH, "store" => store).set(f64::from(level));
+    metrics::gauge!("idemstore_store_health", "store" => store).set(f64::from(level));
 }
 
 /// A sweep removed `removed` records.
@@ -260,7 +246,8 @@ pub(crate) fn swept(store: &'static str, removed: usize) {
         #[cfg(feature = "tracing")]
         tracing::debug!(store, removed, "expired records swept");
         #[cfg(feature = "metrics")]
-        metrics::counter!(SWEPT_RECORDS, "store" => store).increment(removed as u64);
+        metrics::counter!("idemstore_swept_records_total", "store" => store)
+            .increment(removed as u64);
     }
 }
 
@@ -275,10 +262,10 @@ pub(crate) fn group_committed(
     let _ = (size, log_sync, memtable_bytes, log_fill);
     #[cfg(feature = "metrics")]
     {
-        metrics::histogram!(REDB_GROUP_SIZE).record(size as f64);
-        metrics::histogram!(REDB_LOG_SYNC_SECONDS).record(log_sync.as_secs_f64());
-        metrics::gauge!(REDB_MEMTABLE_BYTES).set(memtable_bytes as f64);
-        metrics::gauge!(REDB_LOG_FILL_RATIO).set(log_fill);
+        metrics::histogram!("idemstore_redb_group_size").record(size as f64);
+        metrics::histogram!("idemstore_redb_log_sync_seconds").record(log_sync.as_secs_f64());
+        metrics::gauge!("idemstore_redb_memtable_bytes").set(memtable_bytes as f64);
+        metrics::gauge!("idemstore_redb_log_fill_ratio").set(log_fill);
     }
 }
 
@@ -294,8 +281,8 @@ pub(crate) fn checkpointed(records: usize, took: Duration) {
     );
     #[cfg(feature = "metrics")]
     {
-        metrics::histogram!(REDB_CHECKPOINT_SECONDS).record(took.as_secs_f64());
-        metrics::gauge!(REDB_LOG_FILL_RATIO).set(0.0);
+        metrics::histogram!("idemstore_redb_checkpoint_seconds").record(took.as_secs_f64());
+        metrics::gauge!("idemstore_redb_log_fill_ratio").set(0.0);
     }
 }
 

@@ -50,12 +50,14 @@ impl Default for SweeperConfig {
 }
 
 impl SweeperConfig {
-    /// Pause between sweeps (after a sweep that found less than a full batch).
+    /// Pause between sweeps (after a sweep that found less than a full
+    /// batch); one minute by default.
     pub fn interval(mut self, interval: Duration) -> Self {
         self.interval = interval;
         self
     }
-    /// Records per `sweep_expired` call, clamped to 1..=[`MAX_SWEEP_BATCH`].
+    /// Records per `sweep_expired` call (1,000 by default), clamped to
+    /// 1..=[`MAX_SWEEP_BATCH`].
     pub fn batch(mut self, batch: usize) -> Self {
         self.batch = batch.clamp(1, MAX_SWEEP_BATCH);
         self

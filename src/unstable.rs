@@ -73,4 +73,19 @@ pub mod redb {
     pub const MEMTABLE_BYTES: usize = crate::redb::MEMTABLE_BYTES;
     /// Requests that may wait in a store's commit line.
     pub const WRITE_QUEUE_DEPTH: usize = crate::redb::WRITE_QUEUE_DEPTH;
+    /// The log file's default size (bytes).
+    pub const WAL_BYTES: u64 = crate::redb::WAL_BYTES;
+    /// The smallest log file the builder accepts (bytes).
+    pub const MIN_WAL_BYTES: u64 = crate::redb::MIN_WAL_BYTES;
+}
+
+/// sled's fixed sizes, for the sled store's tests.
+#[cfg(feature = "sled")]
+pub mod sled {
+    /// The size above which sled 0.34.7 writes a log item (a page: a whole
+    /// tree node, or one update to it) to its own file under `blobs/`: a
+    /// quarter of the 512 KiB segment, less the segment and message headers
+    /// (`pagecache/logger.rs`, `reserve_inner`). sled never fsyncs blob
+    /// files; the store does, and its tests cross this size to show it.
+    pub const BLOB_THRESHOLD_BYTES: usize = 512 * 1024 / 4 - 20 - 32;
 }

@@ -6,7 +6,7 @@ use super::{
     EXIT_NOT_FOUND, EXIT_OK, EXIT_REFUSED, Failure, Io, Outcome, PROGRESS_MIN_RECORDS, StateFilter,
     file_bytes,
 };
-use idemstore::redb::admin::{RawKey, log_path};
+use idemstore::redb::admin::RawKey;
 use idemstore::{Key, Record, RedbStore, State, Timestamp};
 use serde_json::{Value, json};
 use std::ops::ControlFlow;
@@ -119,7 +119,7 @@ pub(crate) fn stats(store: &RedbStore, path: &Path, io: &mut Io<'_>) -> Outcome 
     let c = count(store, now, io, facts.records)?;
     // As on disk: a read-only view changes neither file.
     let (file, file_disk) = (file_bytes(path), disk_bytes(path));
-    let log = log_path(path);
+    let log = RedbStore::log_path(path);
     let (log_len, log_disk) = (file_bytes(&log), disk_bytes(&log));
     let log_frames = store.stats().frames_replayed_on_open;
     if io.json {

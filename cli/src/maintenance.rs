@@ -9,9 +9,7 @@ use super::{
     existing_store_file, file_bytes, open_view,
 };
 use idemstore::limits::MAX_SWEEP_BATCH;
-use idemstore::redb::admin::{
-    IMPORT_BATCH, ProblemKind, check_log, export_line, log_path, parse_line,
-};
+use idemstore::redb::admin::{ProblemKind, export_line, parse_line};
 use idemstore::{Error, Key, Record, RedbStore, Result, Store};
 use serde_json::json;
 use std::collections::HashSet;
@@ -334,6 +332,9 @@ pub(crate) fn export(store: &RedbStore, output: Option<&Path>, io: &mut Io<'_>) 
     })
 }
 
+/// Records per transaction of a copy: the import's own batch size.
+const IMPORT_BATCH: usize = 10_000;
+
 /// Reads `records` (the good records of a scan) into `into`,
 /// [`IMPORT_BATCH`] per transaction.
 struct Feeder<'a> {
@@ -424,7 +425,7 @@ fn copy_records(
 /// only when every line imported.
 pub(crate) fn import(target: &Path, input: Option<&Path>, force: bool, io: &mut Io<'_>) -> Outcome {
     let started = Instant::now();
-    let log = log_path(target);
+    let log = RedbStore::log_path(target);
     let existing = if target.exists() {
         Some(import_target(target, force, io)?)
     } else if log.exists() {
@@ -580,7 +581,7 @@ fn import_target(target: &Path, force: bool, io: &mut Io<'_>) -> Result<RedbStor
             ),
         ));
     }
-    if check_log(target)?.clean_stop == Some(false) {
+    if RedbStore::check_log(target)?.clean_stop == Some(false) {
         return Err(Failure::new(
             EXIT_REFUSED,
             format!(
@@ -601,7 +602,7 @@ fn import_target(target: &Path, force: bool, io: &mut Io<'_>) -> Result<RedbStor
 pub(crate) fn salvage(store: &Path, to: &Path, io: &mut Io<'_>) -> Outcome {
     let started = Instant::now();
     existing_store_file(store)?;
-    for taken in [to.to_path_buf(), log_path(to)] {
+    for taken in [to.to_path_buf(), RedbStore::log_path(to)] {
         if taken.exists() {
             return Err(Failure::new(
                 EXIT_REFUSED,
@@ -739,7 +740,7 @@ fn log_json(check: &idemstore::redb::admin::LogCheck) -> serde_json::Value {
 /// `log`: the write-ahead log as an open would find it. Reads only.
 pub(crate) fn log(path: &Path, io: &mut Io<'_>) -> Outcome {
     existing_store_file(path)?;
-    let check = check_log(path)?;
+    let check = RedbStore::check_log(path)?;
     if io.json {
         writeln!(io.out, "{}", log_json(&check))?;
     } else {
@@ -786,7 +787,7 @@ pub(crate) fn recover(
 ) -> Outcome {
     let json = io.json;
     // A store file lost beside its log is a case for recover, not a typo.
-    let log = idemstore::redb::admin::log_path(path);
+    let log = RedbStore::log_path(path);
     if !path.exists() && !log.exists() {
         return Err(Failure::new(
             EXIT_ERROR,
@@ -796,7 +797,7 @@ pub(crate) fn recover(
     if !accept_loss {
         // Read-only: what an open would refuse, without opening.
         let problems = if path.exists() {
-            let check = idemstore::redb::admin::check_log(path)?;
+            let check = RedbStore::check_log(path)?;
             check.problems
         } else {
             vec![format!(
@@ -866,7 +867,7 @@ pub(crate) fn recover(
 }
 
 /// `verify`'s first step: the store's write-ahead log, checked without
-/// opening the store (`idemstore::redb::admin::check_log`). `Some(code)`
+/// opening the store (`RedbStore::check_log`). `Some(code)`
 /// when the log holds what an open would refuse (all of it is reported);
 /// `None` to go on with the store file. A store file the check cannot read
 /// is left to the open, which reports it.
@@ -875,7 +876,7 @@ pub(crate) fn verify_log(path: &Path, io: &mut Io<'_>) -> Result<Option<u8>, Fai
     if !path.exists() {
         return Ok(None);
     }
-    let Ok(check) = idemstore::redb::admin::check_log(path) else {
+    let Ok(check) = RedbStore::check_log(path) else {
         return Ok(None);
     };
     if check.is_clean() {

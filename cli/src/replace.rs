@@ -5,7 +5,6 @@
 
 use super::{EXIT_REFUSED, Failure};
 use idemstore::RedbStore;
-use idemstore::redb::admin::log_path;
 use std::path::{Path, PathBuf};
 
 /// A store being built for `target`.
@@ -51,7 +50,7 @@ impl Building {
         let temp = temp_name(target);
         // Only a run of this pid that did not finish can have left these.
         remove_if_exists(&temp)?;
-        remove_if_exists(&log_path(&temp))?;
+        remove_if_exists(&RedbStore::log_path(&temp))?;
         let mut building = Building {
             temp,
             target: target.to_path_buf(),
@@ -80,9 +79,9 @@ impl Building {
     /// (a link never replaces a name) and its temporary name removed.
     pub(crate) fn finish(mut self, replace: bool) -> Result<(), Failure> {
         drop(self.store.take());
-        remove_if_exists(&log_path(&self.temp))?;
+        remove_if_exists(&RedbStore::log_path(&self.temp))?;
         if replace {
-            remove_if_exists(&log_path(&self.target))?;
+            remove_if_exists(&RedbStore::log_path(&self.target))?;
             std::fs::rename(&self.temp, &self.target)?;
         } else {
             match std::fs::hard_link(&self.temp, &self.target) {
@@ -111,6 +110,6 @@ impl Drop for Building {
         // name is gone already and these find nothing).
         drop(self.store.take());
         let _ = remove_if_exists(&self.temp);
-        let _ = remove_if_exists(&log_path(&self.temp));
+        let _ = remove_if_exists(&RedbStore::log_path(&self.temp));
     }
 }

@@ -56,7 +56,7 @@ pub enum Outcome<E> {
 
 impl<E> Outcome<E> {
     /// The outcome's name in metrics and traces
-    /// ([`GUARD_OUTCOMES`](crate::observability::GUARD_OUTCOMES)).
+    /// (`idemstore_guard_outcomes_total`, [observability](crate::observability)).
     pub(crate) fn label(&self) -> &'static str {
         match self {
             Outcome::Executed(_) => "executed",

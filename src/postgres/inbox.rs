@@ -336,13 +336,6 @@ where
     Ok(Delivery::Handled(response))
 }
 
-/// Most deliveries one [`PgInbox::handle_batch`] takes.
-///
-/// ```
-/// assert_eq!(idemstore::postgres::MAX_PG_INBOX_BATCH, 4_096);
-/// ```
-pub const MAX_PG_INBOX_BATCH: usize = 4_096;
-
 impl PgInbox {
     /// Handles a batch of deliveries in one PostgreSQL transaction, one
     /// commit for the batch, and answers each in input order: `Handled`,
@@ -441,7 +434,7 @@ impl PgInbox {
         W: FnOnce(Arc<Core>, Arc<InboxSql>, Vec<(Key, Fingerprint, T)>, Timestamp, Duration) -> Fut,
         Fut: Future<Output = Result<Vec<R>, Error>> + Send + 'static,
     {
-        check_batch_len(messages.len())?;
+        crate::delivery::check_batch_len(messages.len())?;
         if messages.is_empty() {
             return Ok(Vec::new());
         }
@@ -452,16 +445,6 @@ impl PgInbox {
             .block_on_task(work)
             .unwrap_or(Err(Error::Closed))
     }
-}
-
-/// A batch of `len` messages is within [`MAX_PG_INBOX_BATCH`].
-fn check_batch_len(len: usize) -> Result<(), Error> {
-    if len > MAX_PG_INBOX_BATCH {
-        return Err(Error::invalid_argument(format!(
-            "a batch of {len} messages is over the limit of {MAX_PG_INBOX_BATCH}"
-        )));
-    }
-    Ok(())
 }
 
 /// A future whose poll's panic becomes [`Error::HandlerPanicked`].

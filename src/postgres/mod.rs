@@ -19,13 +19,9 @@ mod sql;
 mod stats;
 mod tls;
 
-pub use inbox::{Delivery, HandlerFuture, MAX_PG_INBOX_BATCH, PgInbox};
+pub use inbox::{Delivery, HandlerFuture, PgInbox};
 pub use inbox_set::{Claimed, SetHandlerFuture};
-pub use options::{
-    DEFAULT_BUILD_TIMEOUT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_SIZE, DEFAULT_MIN_IDLE,
-    DEFAULT_PROBE_INTERVAL, DEFAULT_STATEMENT_TIMEOUT, DEFAULT_TABLE, MAX_POOL_SIZE,
-    MAX_TABLE_NAME_BYTES, PostgresStoreBuilder,
-};
+pub use options::{DEFAULT_TABLE, MAX_POOL_SIZE, MAX_TABLE_NAME_BYTES, PostgresStoreBuilder};
 pub use stats::PostgresStats;
 /// The PostgreSQL client a [`PgInbox`] handler writes through
 /// (`tokio-postgres`), re-exported so that its version is the store's.

@@ -30,19 +30,6 @@ pub const DEFAULT_TABLE: &str = "idemstore_records";
 /// assert!(matches!(err, Err(idemstore::Error::InvalidArgument { .. })));
 /// ```
 pub const MAX_TABLE_NAME_BYTES: usize = 48;
-/// Most connections per store unless [`PostgresStoreBuilder::max_size`] says otherwise.
-///
-/// ```
-/// assert!(idemstore::postgres::DEFAULT_MAX_SIZE <= idemstore::postgres::MAX_POOL_SIZE);
-/// ```
-pub const DEFAULT_MAX_SIZE: u32 = 16;
-/// Connections opened at build and kept, unless
-/// [`PostgresStoreBuilder::min_idle`] says otherwise.
-///
-/// ```
-/// assert_eq!(idemstore::postgres::DEFAULT_MIN_IDLE, 1);
-/// ```
-pub const DEFAULT_MIN_IDLE: u32 = 1;
 /// Most connections one store may hold (the server's `max_connections`,
 /// 100 by default, is usually the tighter bound: sum it over the replicas).
 ///
@@ -51,38 +38,15 @@ pub const DEFAULT_MIN_IDLE: u32 = 1;
 /// assert!(b.max_size(idemstore::postgres::MAX_POOL_SIZE + 1).connect("postgres://localhost/app").is_err()); // before connecting
 /// ```
 pub const MAX_POOL_SIZE: u32 = 1_024;
-/// How long the whole of [`PostgresStoreBuilder::connect`] may take
-/// (connecting, checking or migrating the schema, opening `min_idle`
-/// connections) unless configured otherwise.
-///
-/// ```
-/// assert_eq!(idemstore::postgres::DEFAULT_BUILD_TIMEOUT.as_secs(), 10);
-/// ```
-pub const DEFAULT_BUILD_TIMEOUT: Duration = Duration::from_secs(10);
-/// How often, while the server is unreachable, the store tries to
-/// reconnect in the background, unless configured otherwise.
-///
-/// ```
-/// assert_eq!(idemstore::postgres::DEFAULT_PROBE_INTERVAL.as_millis(), 250);
-/// ```
-pub const DEFAULT_PROBE_INTERVAL: Duration = Duration::from_millis(250);
-/// How long one connection attempt, or a wait for a busy pool, may take
-/// before the call fails with [`Error::Backend`], unless configured otherwise.
-///
-/// ```
-/// assert_eq!(idemstore::postgres::DEFAULT_CONNECT_TIMEOUT.as_secs(), 5);
-/// ```
-pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// The default bound on every call ([`PostgresStoreBuilder::call_timeout`]).
+// The builder's defaults; its methods' docs say them in words.
+const DEFAULT_MAX_SIZE: u32 = 16;
+const DEFAULT_MIN_IDLE: u32 = 1;
+const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+const DEFAULT_STATEMENT_TIMEOUT: Duration = Duration::from_secs(10);
 const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(5);
-/// How long one statement may run (waiting on a row lock included) before
-/// the server cancels it and the call fails with [`Error::Backend`].
-///
-/// ```
-/// assert_eq!(idemstore::postgres::DEFAULT_STATEMENT_TIMEOUT.as_secs(), 10);
-/// ```
-pub const DEFAULT_STATEMENT_TIMEOUT: Duration = Duration::from_secs(10);
+const DEFAULT_BUILD_TIMEOUT: Duration = Duration::from_secs(10);
+const DEFAULT_PROBE_INTERVAL: Duration = Duration::from_millis(250);
 
 /// Options for a [`PostgresStore`]; [`connect`](PostgresStoreBuilder::connect) builds it.
 ///
@@ -205,7 +169,7 @@ impl PostgresStoreBuilder {
         self
     }
 
-    /// The most connections the store opens (default [`DEFAULT_MAX_SIZE`],
+    /// The most connections the store opens (default 16,
     /// 1..=[`MAX_POOL_SIZE`]); see [Pool sizing](Self#pool-sizing) for
     /// choosing it against the server's `max_connections`.
     ///
@@ -219,7 +183,7 @@ impl PostgresStoreBuilder {
     }
 
     /// Connections opened at build and kept open (default
-    /// [`DEFAULT_MIN_IDLE`], at most `max_size`; build opens one even at 0,
+    /// 1, at most `max_size`; build opens one even at 0,
     /// to check the schema, and keeps it). More than one spares the first
     /// burst of requests the connection setup (a server process fork and an
     /// authentication each).
@@ -234,7 +198,7 @@ impl PostgresStoreBuilder {
     }
 
     /// The bound on one connection attempt, and on a call's wait for a
-    /// connection when every one is busy (default [`DEFAULT_CONNECT_TIMEOUT`]);
+    /// connection when every one is busy (default 5 s);
     /// either way the call fails with [`Error::Backend`]. While the server
     /// is unreachable calls do not wait for it: see
     /// [`probe_interval`](Self::probe_interval).
@@ -251,7 +215,7 @@ impl PostgresStoreBuilder {
     }
 
     /// The server-side `statement_timeout` of every connection (default
-    /// [`DEFAULT_STATEMENT_TIMEOUT`], at least 1 ms): a statement stuck
+    /// 10 s, at least 1 ms): a statement stuck
     /// behind a lock fails with [`Error::Backend`] instead of hanging.
     ///
     /// ```
@@ -289,7 +253,7 @@ impl PostgresStoreBuilder {
     }
 
     /// The bound on the whole of [`connect`](Self::connect) (default
-    /// [`DEFAULT_BUILD_TIMEOUT`]): a server that accepts connections and
+    /// 10 s): a server that accepts connections and
     /// never answers fails the build with [`Error::Backend`] after it.
     ///
     /// ```
@@ -303,7 +267,7 @@ impl PostgresStoreBuilder {
     }
 
     /// How often the background probe tries to reconnect while the circuit
-    /// breaker is open (default [`DEFAULT_PROBE_INTERVAL`], at least 1 ms):
+    /// breaker is open (default 250 ms, at least 1 ms):
     /// calls succeed again at most about this long after the server is
     /// back. Shorter costs more connection attempts against a server that is
     /// down; one attempt per interval per replica.

@@ -44,8 +44,8 @@ impl Default for RedbStoreBuilder {
                 sweeper: None,
                 clock: Arc::new(SystemClock),
                 verify_on_open: false,
-                checkpoint_interval: crate::redb::CHECKPOINT_INTERVAL,
-                wal_bytes: crate::redb::WAL_BYTES,
+                checkpoint_interval: super::record_log::CHECKPOINT_INTERVAL,
+                wal_bytes: super::record_log::WAL_BYTES,
                 accept_loss: false,
                 read_only: false,
             },
@@ -59,7 +59,7 @@ impl RedbStoreBuilder {
         self.config.durability = durability;
         self
     }
-    /// redb's page cache, in bytes ([`DEFAULT_CACHE_BYTES`] by default).
+    /// redb's page cache, in bytes (64 MiB by default).
     pub fn cache_bytes(mut self, bytes: usize) -> Self {
         self.config.cache_bytes = bytes;
         self
@@ -106,8 +106,7 @@ impl RedbStoreBuilder {
     }
 
     /// Longest time a logged write waits for its checkpoint into the store
-    /// file ([`CHECKPOINT_INTERVAL`](crate::redb::CHECKPOINT_INTERVAL) by
-    /// default; under a millisecond is refused). Longer means fewer
+    /// file (500 ms by default; under a millisecond is refused). Longer means fewer
     /// checkpoints and more log to replay at an open after a crash.
     ///
     /// ```
@@ -118,8 +117,8 @@ impl RedbStoreBuilder {
         self
     }
 
-    /// Size of the write-ahead log file ([`WAL_BYTES`](crate::redb::WAL_BYTES) by
-    /// default, at least [`MIN_WAL_BYTES`](crate::redb::MIN_WAL_BYTES)): two
+    /// Size of the write-ahead log file (8 MiB by default,
+    /// at least 16 KiB): two
     /// segments; a full one starts a checkpoint.
     ///
     /// ```
@@ -257,10 +256,10 @@ impl RedbStoreBuilder {
                 "Durability::Periodic needs a loss window of at least 1 ms",
             ));
         }
-        if self.config.wal_bytes < crate::redb::MIN_WAL_BYTES {
+        if self.config.wal_bytes < super::record_log::MIN_WAL_BYTES {
             return Err(Error::invalid_argument(format!(
                 "the write-ahead log must be at least {} bytes, not {}",
-                crate::redb::MIN_WAL_BYTES,
+                super::record_log::MIN_WAL_BYTES,
                 self.config.wal_bytes
             )));
         }

@@ -17,21 +17,13 @@ use std::time::Duration;
 
 /// First wait before the background thread tries to heal a store whose
 /// writes failed; each failed attempt doubles it, up to [`HEAL_BACKOFF_MAX`].
-///
-/// ```
-/// assert!(idemstore::redb::HEAL_BACKOFF_MIN < idemstore::redb::HEAL_BACKOFF_MAX);
-/// ```
-pub const HEAL_BACKOFF_MIN: Duration = Duration::from_millis(10);
+pub(crate) const HEAL_BACKOFF_MIN: Duration = Duration::from_millis(10);
 
 /// Longest wait between two attempts to heal: a store writes again at most
 /// about this long after the cause of its failure went away. Each attempt
 /// reopens the engine and replays the log (up to a segment): at this rate
 /// a cause that lasts costs a few percent of a core.
-///
-/// ```
-/// assert_eq!(idemstore::redb::HEAL_BACKOFF_MAX, std::time::Duration::from_secs(1));
-/// ```
-pub const HEAL_BACKOFF_MAX: Duration = Duration::from_secs(1);
+pub(crate) const HEAL_BACKOFF_MAX: Duration = Duration::from_secs(1);
 
 /// Whether a [`RedbStore`](crate::RedbStore) is writing, and if not, why.
 ///

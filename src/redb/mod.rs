@@ -71,15 +71,18 @@ mod witness;
 pub use ::redb as engine;
 pub use builder::RedbStoreBuilder;
 use config::Config;
-pub use config::{DEFAULT_CACHE_BYTES, Durability, RecoveryPolicy};
-pub use health::{HEAL_BACKOFF_MAX, HEAL_BACKOFF_MIN, Health};
-pub use inbox::{Delivery, Inbox, MAX_INBOX_BATCH, Message};
+pub use config::{Durability, RecoveryPolicy};
+pub use health::Health;
+pub use inbox::{Delivery, Inbox, Message};
 pub use loss::LossReport;
-pub use record_log::{CHECKPOINT_INTERVAL, MIN_WAL_BYTES, WAL_BYTES};
 pub use stats::RedbStats;
 // Fixed sizes, not public: tests read them through `idemstore::unstable::redb`.
 #[cfg(feature = "unstable-internals")]
-pub(crate) use {line::WRITE_QUEUE_DEPTH, memtable::MEMTABLE_BYTES, record_log::FRAME_ALIGN};
+pub(crate) use {
+    line::WRITE_QUEUE_DEPTH,
+    memtable::MEMTABLE_BYTES,
+    record_log::{FRAME_ALIGN, MIN_WAL_BYTES, WAL_BYTES},
+};
 
 use crate::error::{Error, Result};
 use crate::sweeper::Sweeper;

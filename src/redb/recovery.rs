@@ -51,7 +51,7 @@ pub(super) struct LogPlan {
 /// the store: without it, cut short, or another store's, the replay would
 /// find nothing (or only part) and the open would succeed without the
 /// writes acknowledged since the last checkpoint. Shared by the open
-/// ([`recover_log`]) and the read-only check (`admin::check_log`).
+/// ([`recover_log`]) and the read-only check (`RedbStore::check_log`).
 pub(super) fn plan_log(
     db: &Database,
     file: &dyn StorageBackend,

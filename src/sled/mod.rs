@@ -63,23 +63,6 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 use tx::{Tx, TxResult};
 
-/// The size above which sled 0.34.7 writes a log item (a page: a whole tree
-/// node, or one update to it) to its own file under `blobs/` instead of the
-/// data file: a quarter of the 512 KiB segment, less the segment and message
-/// headers (`pagecache/logger.rs`, `reserve_inner`).
-///
-/// sled never fsyncs blob files. This store does (see
-/// [`Durability::Immediate`]), so responses of any size up to the body
-/// limit are durable; the constant is here because crossing it costs an
-/// extra file, an extra fsync and a directory fsync per large page. Note
-/// that a page is a node of up to 16 records, so many medium responses in
-/// one node can cross it too.
-///
-/// ```
-/// assert_eq!(idemstore::sled::BLOB_THRESHOLD_BYTES, 131_020);
-/// ```
-pub const BLOB_THRESHOLD_BYTES: usize = 512 * 1024 / 4 - 20 - 32;
-
 /// A durable [`Store`] in a sled 0.34.7 directory (feature `sled`).
 ///
 /// Same contract as every store (the conformance suite runs against it
@@ -91,8 +74,9 @@ pub const BLOB_THRESHOLD_BYTES: usize = 512 * 1024 / 4 - 20 - 32;
 ///   `fdatasync` of the data file (and an fsync of new blob files), and
 ///   concurrent writers share one flush + fsync: [`SledStore::stats`]
 ///   counts them.
-/// - **Large responses** are made durable, not refused: see
-///   [`BLOB_THRESHOLD_BYTES`].
+/// - **Large responses** are made durable, not refused: a page over
+///   128 KiB is a blob file in sled, and this store fsyncs those files and
+///   their directory too.
 /// - **Damage is refused, not forgotten.** sled itself opens a damaged
 ///   log as a shorter or empty one; this store keeps `idemstore.meta`
 ///   beside it and refuses such an open with [`Error::Corrupt`].

@@ -11,9 +11,9 @@ use std::time::Duration;
 
 /// Default limit on a request body read for the fingerprint (1 MiB); larger
 /// bodies get 413 without reaching the handler.
-pub const DEFAULT_MAX_REQUEST_BODY_BYTES: usize = 1024 * 1024;
+pub(crate) const DEFAULT_MAX_REQUEST_BODY_BYTES: usize = 1024 * 1024;
 /// Default `Retry-After` on a 503 when the store is unavailable.
-pub const DEFAULT_UNAVAILABLE_RETRY_AFTER: Duration = Duration::from_secs(1);
+pub(crate) const DEFAULT_UNAVAILABLE_RETRY_AFTER: Duration = Duration::from_secs(1);
 
 /// Which handler responses are stored for replay.
 ///

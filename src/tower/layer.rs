@@ -225,7 +225,7 @@ impl IdempotencyLayer {
     }
 
     /// The largest request body read for the fingerprint (default
-    /// [`DEFAULT_MAX_REQUEST_BODY_BYTES`](super::DEFAULT_MAX_REQUEST_BODY_BYTES), at most
+    /// 1 MiB, at most
     /// [`MAX_BODY_BYTES_HARD_CAP`]); a larger one gets 413.
     pub fn max_request_body_bytes(self, limit: usize) -> IdempotencyLayer {
         self.config(|c| c.max_request_body_bytes = limit.min(MAX_BODY_BYTES_HARD_CAP))
@@ -251,7 +251,7 @@ impl IdempotencyLayer {
     }
 
     /// The `Retry-After` sent with a 503 when the store is unavailable
-    /// (default [`DEFAULT_UNAVAILABLE_RETRY_AFTER`](super::DEFAULT_UNAVAILABLE_RETRY_AFTER)).
+    /// (default 1 s).
     pub fn unavailable_retry_after(self, after: Duration) -> IdempotencyLayer {
         self.config(|c| c.unavailable_retry_after = after)
     }

@@ -143,9 +143,7 @@ mod request;
 mod service;
 
 pub use body::ResponseBody;
-pub use config::{
-    DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_UNAVAILABLE_RETRY_AFTER, DoNotStore, StorePolicy,
-};
+pub use config::{DoNotStore, StorePolicy};
 pub use header::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
 pub use layer::IdempotencyLayer;
 pub use policy::Policy;

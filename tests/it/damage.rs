@@ -190,7 +190,7 @@ fn a_store_copied_without_its_log_after_an_unclean_stop_is_refused() {
     assert!(!alone.path().join("s.idem-wal").exists());
     // The read-only check says the same, and writes nothing either.
     let before = std::fs::read(alone.path().join("s.idem")).unwrap();
-    let check = idemstore::redb::admin::check_log(alone.path().join("s.idem")).unwrap();
+    let check = RedbStore::check_log(alone.path().join("s.idem")).unwrap();
     assert!(
         !check.present && check.clean_stop == Some(false),
         "{check:?}"

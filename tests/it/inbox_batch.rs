@@ -8,8 +8,9 @@ use crate::inbox::{
     Msg, apply, business, clocked_inbox, expected_balances, flaky_inbox, limited_inbox, message,
     msg_fp, msg_key,
 };
+use idemstore::limits::MAX_INBOX_BATCH;
 use idemstore::redb::engine::WriteTransaction;
-use idemstore::redb::{Delivery, Inbox, MAX_INBOX_BATCH, Message};
+use idemstore::redb::{Delivery, Inbox, Message};
 use idemstore::{Begin, BoxError, Claim, Error, RedbStore, Response, Store};
 use idemstore_testkit::conformance::T0;
 use std::collections::{BTreeMap, BTreeSet};

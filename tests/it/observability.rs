@@ -2,15 +2,21 @@
 //! `RedbStore` report, captured by a debugging recorder and a formatting
 //! subscriber, and that no key id reaches either.
 
-use idemstore::observability::{
-    GUARD_BEGIN_SECONDS, GUARD_COMPLETE_SECONDS, GUARD_OUTCOMES, GUARD_TAKEOVERS, REDB_GROUP_SIZE,
-    REDB_LOG_FILL_RATIO, REDB_LOG_SYNC_SECONDS, REDB_MEMTABLE_BYTES,
-};
 use idemstore::{Fingerprint, Guard, Key, ManualClock, Outcome, RedbStore, Response, Timestamp};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 use std::convert::Infallible;
 use std::time::Duration;
 
+// The documented metric names (`idemstore::observability`), spelled out so
+// that a rename fails here.
+const GUARD_BEGIN_SECONDS: &str = "idemstore_guard_begin_seconds";
+const GUARD_COMPLETE_SECONDS: &str = "idemstore_guard_complete_seconds";
+const GUARD_OUTCOMES: &str = "idemstore_guard_outcomes_total";
+const GUARD_TAKEOVERS: &str = "idemstore_guard_takeovers_total";
+const REDB_GROUP_SIZE: &str = "idemstore_redb_group_size";
+const REDB_LOG_FILL_RATIO: &str = "idemstore_redb_log_fill_ratio";
+const REDB_LOG_SYNC_SECONDS: &str = "idemstore_redb_log_sync_seconds";
+const REDB_MEMTABLE_BYTES: &str = "idemstore_redb_memtable_bytes";
 const SECRET_ID: &str = "order-secret-4711";
 
 /// A guard on a RedbStore with a manual clock: one request executed, its

@@ -1,6 +1,6 @@
 //! The conformance suite and sled-specific tests on `SledStore`.
 
-use idemstore::sled::BLOB_THRESHOLD_BYTES as SLED_BLOB_THRESHOLD_BYTES;
+use idemstore::unstable::sled::BLOB_THRESHOLD_BYTES as SLED_BLOB_THRESHOLD_BYTES;
 use idemstore::{Begin, Error, Fingerprint, Key, Response, SledStore, State, Store};
 use idemstore_testkit::conformance::{Subject, T0};
 use std::time::Duration;

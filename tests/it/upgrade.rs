@@ -54,7 +54,7 @@ fn a_format2_store_is_refused_and_its_log_left_as_it_was() {
         .map(|_| ())
         .unwrap_err();
     assert!(unsupported(&err), "{err}");
-    let err = idemstore::redb::admin::check_log(&path)
+    let err = idemstore::RedbStore::check_log(&path)
         .map(|_| ())
         .unwrap_err();
     assert!(unsupported(&err), "{err}");

@@ -297,12 +297,12 @@ fn a_batch_larger_than_the_log_is_committed_durably_on_its_own() {
     let log = disk.sibling();
     let store = RedbStore::builder()
         .checkpoint_interval(NO_CHECKPOINT)
-        .wal_bytes(idemstore::redb::MIN_WAL_BYTES)
+        .wal_bytes(idemstore::unstable::redb::MIN_WAL_BYTES)
         .open_backend(disk.clone(), log)
         .unwrap();
     let c = claim(&store, "big");
     let before = store.stats();
-    let body = vec![7u8; 3 * idemstore::redb::MIN_WAL_BYTES as usize];
+    let body = vec![7u8; 3 * idemstore::unstable::redb::MIN_WAL_BYTES as usize];
     store
         .complete(&key("big"), &c, &Response::new(200, body.clone()), T0, KEEP)
         .unwrap();
@@ -325,7 +325,7 @@ fn the_log_is_owner_only_and_preallocated() {
     let c = claim(&store, "a");
     complete(&store, "a", &c);
     let meta = std::fs::metadata(&wal).unwrap();
-    assert_eq!(meta.len(), idemstore::redb::WAL_BYTES);
+    assert_eq!(meta.len(), idemstore::unstable::redb::WAL_BYTES);
     #[cfg(unix)]
     {
         use std::os::unix::fs::PermissionsExt;

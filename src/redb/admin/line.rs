@@ -12,14 +12,7 @@ use base64::engine::general_purpose::STANDARD;
 use serde_json::{Map, Value, json};
 
 /// The line format version (`v`) this build writes and reads.
-///
-/// ```
-/// use idemstore::redb::admin::{LINE_VERSION, parse_line};
-/// assert_eq!(LINE_VERSION, 1);
-/// let err = parse_line(r#"{"v":2}"#).unwrap_err();
-/// assert!(err.to_string().contains("this build reads v1"), "{err}");
-/// ```
-pub const LINE_VERSION: u64 = 1;
+pub(crate) const LINE_VERSION: u64 = 1;
 
 /// One record as one export line (JSON, no newline), read back by
 /// [`parse_line`]. Byte strings are JSON text when valid UTF-8, else base64
@@ -185,6 +178,9 @@ fn unhex(s: &str) -> Option<Vec<u8>> {
 ///
 /// let err = parse_line(&line.replace(r#""token":7"#, r#""token":"7""#)).unwrap_err();
 /// assert!(matches!(err, Error::InvalidArgument { .. }) && err.to_string().contains("token"));
+/// // A line of a newer format version is refused by name.
+/// let err = parse_line(r#"{"v":2}"#).unwrap_err();
+/// assert!(err.to_string().contains("this build reads v1"), "{err}");
 /// # Ok::<(), idemstore::Error>(())
 /// ```
 pub fn parse_line(line: &str) -> Result<(Key, Record)> {

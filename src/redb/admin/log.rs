@@ -1,6 +1,7 @@
-//! [`check_log`]: what an open would find in a store's write-ahead log,
+//! [`RedbStore::check_log`]: what an open would find in a store's write-ahead log,
 //! without opening the store and without writing anything.
 
+use super::super::RedbStore;
 use super::super::errors::engine_error;
 use super::super::loss::LossReport;
 use super::super::meta::{check_format, read_meta_entries, read_wal_state};
@@ -12,7 +13,7 @@ use crate::error::{Error, Result};
 use ::redb::ReadableDatabase;
 use std::path::{Path, PathBuf};
 
-/// What [`check_log`] found: the log's state and every problem an open
+/// What [`RedbStore::check_log`] found: the log's state and every problem an open
 /// would refuse.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
@@ -43,76 +44,76 @@ impl LogCheck {
     }
 }
 
-/// Checks the write-ahead log of the store at `store` as an open would
-/// replay it, reporting every problem instead of stopping at the first.
-/// Writes nothing and takes no lock: run it on a store no process holds,
-/// or on a copy. Errors: what an open would say about the store file.
-///
-/// ```
-/// use idemstore::redb::admin::check_log;
-/// # let dir = tempfile::tempdir()?;
-/// let path = dir.path().join("s.idem");
-/// drop(idemstore::RedbStore::open(&path)?);
-/// let check = check_log(&path)?;
-/// assert!(check.is_clean());
-/// assert_eq!(check.clean_stop, Some(true));
-/// # Ok::<(), idemstore::Error>(())
-/// ```
-pub fn check_log(store: impl AsRef<Path>) -> Result<LogCheck> {
-    let store = store.as_ref();
-    let db = open_overlay(store)?.map_err(|detail| {
-        Error::corrupt(None, format!("{} is damaged: {detail}", store.display()))
-    })?;
-    let meta = {
-        let txn = db.begin_read().map_err(engine_error)?;
-        read_meta_entries(&txn)?
-    };
-    check_format(&meta)?;
-    let state = read_wal_state(&db)?;
-    let log = log_to_read(store)?;
-    let boot = boot_id();
-    let found = Found {
-        store_id: meta.store_id,
-        boot: boot.as_deref(),
-        name: store,
-        heal: false,
-    };
-    let plan = plan_log(&db, log.as_ref(), &found)?;
-    let mut check = LogCheck {
-        path: log_path(store),
-        present: log_path(store).exists(),
-        bytes: plan.file_len,
-        clean_stop: state.map(|s| !s.open),
-        frames: 0,
-        problems: plan.problems.iter().map(ToString::to_string).collect(),
-    };
-    // Every frame decoded but not applied; the walk goes on past problems.
-    let mut loss = LossReport::default();
-    let mut undecodable = Vec::new();
-    check.frames = walk_live(
-        log.as_ref(),
-        &found,
-        &plan,
-        Some(&mut loss),
-        |at, payload| {
-            if let Err(e) = record_log::entries(at, payload, |_| Ok(())) {
-                undecodable.push(e.to_string());
-            }
-            Ok(())
-        },
-    )?;
-    check.problems.append(&mut loss.findings);
-    check.problems.append(&mut undecodable);
-    Ok(check)
-}
+impl RedbStore {
+    /// Checks the write-ahead log of the store at `store` as an open would
+    /// replay it, reporting every problem instead of stopping at the first.
+    /// Writes nothing and takes no lock: run it on a store no process holds,
+    /// or on a copy. Errors: what an open would say about the store file.
+    ///
+    /// ```
+    /// # let dir = tempfile::tempdir()?;
+    /// let path = dir.path().join("s.idem");
+    /// drop(idemstore::RedbStore::open(&path)?);
+    /// let check = idemstore::RedbStore::check_log(&path)?;
+    /// assert!(check.is_clean());
+    /// assert_eq!(check.clean_stop, Some(true));
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn check_log(store: impl AsRef<Path>) -> Result<LogCheck> {
+        let store = store.as_ref();
+        let db = open_overlay(store)?.map_err(|detail| {
+            Error::corrupt(None, format!("{} is damaged: {detail}", store.display()))
+        })?;
+        let meta = {
+            let txn = db.begin_read().map_err(engine_error)?;
+            read_meta_entries(&txn)?
+        };
+        check_format(&meta)?;
+        let state = read_wal_state(&db)?;
+        let log = log_to_read(store)?;
+        let boot = boot_id();
+        let found = Found {
+            store_id: meta.store_id,
+            boot: boot.as_deref(),
+            name: store,
+            heal: false,
+        };
+        let plan = plan_log(&db, log.as_ref(), &found)?;
+        let mut check = LogCheck {
+            path: Self::log_path(store),
+            present: Self::log_path(store).exists(),
+            bytes: plan.file_len,
+            clean_stop: state.map(|s| !s.open),
+            frames: 0,
+            problems: plan.problems.iter().map(ToString::to_string).collect(),
+        };
+        // Every frame decoded but not applied; the walk goes on past problems.
+        let mut loss = LossReport::default();
+        let mut undecodable = Vec::new();
+        check.frames = walk_live(
+            log.as_ref(),
+            &found,
+            &plan,
+            Some(&mut loss),
+            |at, payload| {
+                if let Err(e) = record_log::entries(at, payload, |_| Ok(())) {
+                    undecodable.push(e.to_string());
+                }
+                Ok(())
+            },
+        )?;
+        check.problems.append(&mut loss.findings);
+        check.problems.append(&mut undecodable);
+        Ok(check)
+    }
 
-/// The write-ahead log beside the store file `store` (`<store>-wal`); the
-/// two are copied, moved and deleted together.
-///
-/// ```
-/// use idemstore::redb::admin::log_path;
-/// assert_eq!(log_path("/data/orders.idem"), std::path::Path::new("/data/orders.idem-wal"));
-/// ```
-pub fn log_path(store: impl AsRef<Path>) -> PathBuf {
-    record_log::log_path(store.as_ref())
+    /// The write-ahead log beside the store file `store` (`<store>-wal`); the
+    /// two are copied, moved and deleted together.
+    ///
+    /// ```
+    /// assert_eq!(idemstore::RedbStore::log_path("/data/orders.idem"), std::path::Path::new("/data/orders.idem-wal"));
+    /// ```
+    pub fn log_path(store: impl AsRef<Path>) -> PathBuf {
+        record_log::log_path(store.as_ref())
+    }
 }

@@ -36,10 +36,10 @@ mod log;
 mod verify;
 mod write;
 
-pub use line::{LINE_VERSION, export_line, parse_line};
-pub use log::{LogCheck, check_log, log_path};
-pub use verify::{MAX_LISTED_PROBLEMS, Problem, ProblemKind, VerifyReport};
-pub use write::{Evicted, IMPORT_BATCH};
+pub use line::{export_line, parse_line};
+pub use log::LogCheck;
+pub use verify::{Problem, ProblemKind, VerifyReport};
+pub use write::Evicted;
 
 use super::RedbStore;
 use super::errors::engine_error;

@@ -8,11 +8,7 @@ use crate::redb::tables::{EXPIRY, RECORDS};
 use ::redb::{ReadableDatabase, ReadableTable};
 
 /// Most problems a [`VerifyReport`] lists; past this it only counts them.
-///
-/// ```
-/// assert_eq!(idemstore::redb::admin::MAX_LISTED_PROBLEMS, 100);
-/// ```
-pub const MAX_LISTED_PROBLEMS: usize = 100;
+pub(crate) const MAX_LISTED_PROBLEMS: usize = 100;
 
 /// What kind of disagreement [`Admin::verify`] found.
 ///
@@ -119,7 +115,7 @@ pub struct VerifyReport {
     pub index_entries: u64,
     /// Every problem found, counted.
     pub problem_count: u64,
-    /// The first [`MAX_LISTED_PROBLEMS`] problems.
+    /// The first 100 problems.
     pub problems: Vec<Problem>,
 }
 

@@ -9,11 +9,7 @@ use crate::key::Key;
 use crate::record::Record;
 
 /// Records written per transaction by [`Admin::import`].
-///
-/// ```
-/// assert_eq!(1_000_000usize.div_ceil(idemstore::redb::admin::IMPORT_BATCH), 100);
-/// ```
-pub const IMPORT_BATCH: usize = 10_000;
+pub(crate) const IMPORT_BATCH: usize = 10_000;
 
 /// What [`Admin::evict`] removed.
 ///
@@ -87,7 +83,7 @@ impl Admin<'_> {
     }
 
     /// Writes `records` as they are (nothing is re-decided), replacing what
-    /// is stored under their keys, [`IMPORT_BATCH`] per transaction, and
+    /// is stored under their keys, 10,000 per transaction, and
     /// raises the token high-water mark to the largest imported token.
     /// Returns how many were written; the first `Err` item stops the import
     /// (the batches before it stay written). Each batch holds the commit

@@ -26,15 +26,6 @@ use ::redb::WriteTransaction;
 use std::any::Any;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
-/// Most deliveries in one [`Inbox::handle_batch`] call; a larger batch is
-/// [`Error::InvalidArgument`] before any I/O. It bounds how long the
-/// commit lock is held and how many passes a batch may run.
-///
-/// ```
-/// assert_eq!(idemstore::redb::MAX_INBOX_BATCH, 4_096);
-/// ```
-pub const MAX_INBOX_BATCH: usize = 4_096;
-
 /// One delivery for [`Inbox::handle_batch`]: the message's key, the digest
 /// of its content, and what the handler needs (its payload).
 ///
@@ -137,12 +128,7 @@ impl Inbox {
         if items.is_empty() {
             return Ok(Vec::new());
         }
-        if items.len() > MAX_INBOX_BATCH {
-            return Err(Error::invalid_argument(format!(
-                "an inbox batch of {} deliveries is over MAX_INBOX_BATCH ({MAX_INBOX_BATCH})",
-                items.len()
-            )));
-        }
+        crate::delivery::check_batch_len(items.len())?;
         let now = self.clock.now();
         let shared = &self.store.shared;
         shared.db.check_healthy()?;

@@ -8,7 +8,7 @@
 
 mod batch;
 
-pub use batch::{MAX_INBOX_BATCH, Message};
+pub use batch::Message;
 
 use super::RedbStore;
 use super::errors::engine_error;
@@ -201,7 +201,7 @@ impl Inbox {
     /// its only effects must be its writes through `txn`.
     ///
     /// The outer error is the store's (nothing committed; more than
-    /// [`MAX_INBOX_BATCH`] is [`Error::InvalidArgument`]); a failed commit
+    /// [`MAX_INBOX_BATCH`](crate::limits::MAX_INBOX_BATCH) is [`Error::InvalidArgument`]); a failed commit
     /// poisons the store. Acknowledge a message only after its answer.
     ///
     /// ```

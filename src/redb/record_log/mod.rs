@@ -39,29 +39,17 @@ pub(super) use writer::LogWriter;
 /// Size of a store's log file (`<file>-wal`): two segments of
 /// half this size. Zero-filled at creation, so an append changes neither
 /// size nor allocation and `fdatasync` has no metadata to write.
-///
-/// ```
-/// assert_eq!(idemstore::redb::WAL_BYTES, 8 << 20);
-/// ```
-pub const WAL_BYTES: u64 = 8 * 1024 * 1024;
+pub(crate) const WAL_BYTES: u64 = 8 * 1024 * 1024;
 
 /// Smallest log the builder accepts (`wal_bytes`): two segments of two
 /// aligned 4 KiB blocks each.
-///
-/// ```
-/// assert_eq!(idemstore::redb::MIN_WAL_BYTES, 16 * 1024);
-/// ```
-pub const MIN_WAL_BYTES: u64 = 4 * FRAME_ALIGN;
+pub(crate) const MIN_WAL_BYTES: u64 = 4 * FRAME_ALIGN;
 
 /// Longest time a logged write stays only in the memtable and the log
 /// before the background checkpointer starts writing it into the store
 /// file (an idle store is checkpointed too). It bounds the work of a
 /// replay after a crash.
-///
-/// ```
-/// assert_eq!(idemstore::redb::CHECKPOINT_INTERVAL.as_millis(), 500);
-/// ```
-pub const CHECKPOINT_INTERVAL: Duration = Duration::from_millis(500);
+pub(crate) const CHECKPOINT_INTERVAL: Duration = Duration::from_millis(500);
 
 /// The log's path beside the store file: `<name>-wal`.
 pub(super) fn log_path(store: &Path) -> std::path::PathBuf {
