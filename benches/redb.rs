@@ -233,9 +233,9 @@ fn group_commit_vs_raw(c: &mut Criterion, dir: &Path) {
     eprintln!(
         "group commit: {} requests in {} batches (mean {:.1}, largest {}), {} commits",
         stats.requests,
-        stats.batches,
-        stats.mean_batch(),
-        stats.largest_batch,
+        stats.groups,
+        stats.mean_group(),
+        stats.largest_group,
         stats.commits
     );
     drop(store);

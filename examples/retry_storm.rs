@@ -301,9 +301,9 @@ fn print_store(store: &RedbStore, path: &Path) -> std::io::Result<()> {
     println!(
         "  group commit             {} writes in {} groups (mean {:.1}, largest {}), {} fsynced log appends, {} checkpoints + {} other durable commits, {} replays on the read fast path",
         stats.requests,
-        stats.batches,
-        stats.mean_batch(),
-        stats.largest_batch,
+        stats.groups,
+        stats.mean_group(),
+        stats.largest_group,
         stats.logged_commits,
         stats.checkpoints,
         stats.durable_commits.saturating_sub(stats.checkpoints),

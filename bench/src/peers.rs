@@ -468,7 +468,7 @@ pub fn redb_backend(dir: &Path, durability: &str) -> BoxResult<StoreBackend> {
         dir: Some(dir.to_owned()),
         batch: Some(Box::new(move || {
             let s = stats.stats();
-            (s.batches > 0).then(|| s.mean_batch())
+            (s.groups > 0).then(|| s.mean_group())
         })),
     })
 }

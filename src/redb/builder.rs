@@ -45,7 +45,7 @@ impl Default for RedbStoreBuilder {
                 clock: Arc::new(SystemClock),
                 verify_on_open: false,
                 checkpoint_interval: super::record_log::CHECKPOINT_INTERVAL,
-                wal_bytes: super::record_log::WAL_BYTES,
+                log_bytes: super::record_log::WAL_BYTES,
                 accept_loss: false,
                 read_only: false,
             },
@@ -124,13 +124,13 @@ impl RedbStoreBuilder {
     /// ```
     /// # let dir = tempfile::tempdir()?;
     /// let store = idemstore::RedbStore::builder()
-    ///     .wal_bytes(1 << 20)
+    ///     .log_bytes(1 << 20)
     ///     .open(dir.path().join("orders.idem"))?;
     /// assert_eq!(std::fs::metadata(dir.path().join("orders.idem-wal"))?.len(), 1 << 20);
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
-    pub fn wal_bytes(mut self, bytes: u64) -> Self {
-        self.config.wal_bytes = bytes;
+    pub fn log_bytes(mut self, bytes: u64) -> Self {
+        self.config.log_bytes = bytes;
         self
     }
 
@@ -256,11 +256,11 @@ impl RedbStoreBuilder {
                 "Durability::Periodic needs a loss window of at least 1 ms",
             ));
         }
-        if self.config.wal_bytes < super::record_log::MIN_WAL_BYTES {
+        if self.config.log_bytes < super::record_log::MIN_WAL_BYTES {
             return Err(Error::invalid_argument(format!(
                 "the write-ahead log must be at least {} bytes, not {}",
                 super::record_log::MIN_WAL_BYTES,
-                self.config.wal_bytes
+                self.config.log_bytes
             )));
         }
         if self.config.checkpoint_interval.as_millis() == 0 {

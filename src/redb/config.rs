@@ -87,7 +87,7 @@ pub(super) struct Config {
     pub(super) clock: Arc<dyn Clock>,
     pub(super) verify_on_open: bool,
     pub(super) checkpoint_interval: Duration,
-    pub(super) wal_bytes: u64,
+    pub(super) log_bytes: u64,
     pub(super) accept_loss: bool,
     /// An inspection: nothing is written (`RedbStore::builder().open_read_only`).
     pub(super) read_only: bool,

@@ -312,13 +312,13 @@ impl RedbStore {
         let c = &self.shared.stats;
         RedbStats {
             requests: c.requests.load(Ordering::Relaxed),
-            batches: c.batches.load(Ordering::Relaxed),
+            groups: c.groups.load(Ordering::Relaxed),
             commits: c.commits.load(Ordering::Relaxed),
             durable_commits: c.durable_commits.load(Ordering::Relaxed),
             logged_commits: c.logged_commits.load(Ordering::Relaxed),
             frames_replayed_on_open: self.frames_replayed_on_open,
             checkpoints: c.checkpoints.load(Ordering::Relaxed),
-            largest_batch: c.largest_batch.load(Ordering::Relaxed),
+            largest_group: c.largest_group.load(Ordering::Relaxed),
             fast_replays: c.fast_replays.load(Ordering::Relaxed),
             fast_refusals: c.fast_refusals.load(Ordering::Relaxed),
             swept: c.swept.load(Ordering::Relaxed),

@@ -161,7 +161,7 @@ pub(super) fn recover_log(
     let fresh = plan.epoch.wrapping_add(2);
     let frames = commit(db, true, |tables| {
         // Replayed with the layout the log was written in, before its size
-        // may change below (a larger `wal_bytes` moves the segments).
+        // may change below (a larger `log_bytes` moves the segments).
         let accepting = config.accept_loss.then_some(&mut *loss);
         let frames = walk_live(file.as_ref(), found, &plan, accepting, applier(tables))?;
         tables.set_meta(META_LOG_EPOCH, &fresh.to_be_bytes())?;
@@ -181,7 +181,7 @@ pub(super) fn recover_log(
     let new_len = if config.read_only {
         len
     } else {
-        super::file::preallocate(file.as_ref(), config.wal_bytes)?
+        super::file::preallocate(file.as_ref(), config.log_bytes)?
     };
     if new_len != len {
         // The new size, durably, before any frame is laid out for it.

@@ -79,7 +79,7 @@ impl StorageBackend for Disk {
 /// (a freeze every few groups) and a 1 ms checkpoint interval.
 fn open(file: &Disk, log: &Disk) -> RedbStore {
     RedbStore::builder()
-        .wal_bytes(MIN_WAL_BYTES)
+        .log_bytes(MIN_WAL_BYTES)
         .checkpoint_interval(Duration::from_millis(1))
         .open_backend(file.clone(), log.clone())
         .expect("open")

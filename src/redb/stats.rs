@@ -26,7 +26,7 @@ pub struct RedbStats {
     /// Conflict on the read fast path never joins it.
     pub requests: u64,
     /// Groups committed by a leader (one log frame each).
-    pub batches: u64,
+    pub groups: u64,
     /// Groups and direct transactions that wrote something.
     pub commits: u64,
     /// redb commits made durable with an fsync: checkpoints and direct
@@ -40,7 +40,7 @@ pub struct RedbStats {
     /// groups acknowledged after the last checkpoint before a crash.
     pub frames_replayed_on_open: u64,
     /// The largest group so far.
-    pub largest_batch: u64,
+    pub largest_group: u64,
     /// Begins answered `Replay` on the read fast path.
     pub fast_replays: u64,
     /// Begins answered InFlight or Conflict on the read fast path.
@@ -59,13 +59,13 @@ impl RedbStats {
     /// Mean requests per group (0 before the first group).
     ///
     /// ```
-    /// assert_eq!(idemstore::redb::RedbStats::default().mean_batch(), 0.0);
+    /// assert_eq!(idemstore::redb::RedbStats::default().mean_group(), 0.0);
     /// ```
-    pub fn mean_batch(&self) -> f64 {
-        if self.batches == 0 {
+    pub fn mean_group(&self) -> f64 {
+        if self.groups == 0 {
             0.0
         } else {
-            self.requests as f64 / self.batches as f64
+            self.requests as f64 / self.groups as f64
         }
     }
 }
@@ -73,11 +73,11 @@ impl RedbStats {
 #[derive(Debug, Default)]
 pub(super) struct Counters {
     pub(super) requests: AtomicU64,
-    pub(super) batches: AtomicU64,
+    pub(super) groups: AtomicU64,
     pub(super) commits: AtomicU64,
     pub(super) durable_commits: AtomicU64,
     pub(super) logged_commits: AtomicU64,
-    pub(super) largest_batch: AtomicU64,
+    pub(super) largest_group: AtomicU64,
     pub(super) fast_replays: AtomicU64,
     pub(super) fast_refusals: AtomicU64,
     pub(super) swept: AtomicU64,

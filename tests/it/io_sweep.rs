@@ -141,7 +141,7 @@ fn open(variant: Variant, disk: &CrashBackend) -> idemstore::Result<RedbStore> {
     let builder = RedbStore::builder()
         .clock(ManualClock::new(T0))
         .checkpoint_interval(variant.interval())
-        .wal_bytes(TEST_WAL_BYTES);
+        .log_bytes(TEST_WAL_BYTES);
     let log = disk.file(1).unwrap_or_else(|| disk.sibling());
     builder.open_backend(disk.clone(), log)
 }

@@ -144,13 +144,13 @@ fn a_thousand_concurrent_claims_on_a_hundred_keys_make_a_hundred_winners_in_few_
         .count();
     assert_eq!((winners, in_flight), (100, 900));
     let stats = store.stats();
-    eprintln!("{stats:?} mean batch {:.1}", stats.mean_batch());
+    eprintln!("{stats:?} mean batch {:.1}", stats.mean_group());
     // The claims go through the writer; the InFlight answers to keys
     // already claimed and committed come from read transactions.
     assert_eq!(stats.requests + stats.fast_refusals, 1_000, "{stats:?}");
     assert!(stats.commits <= 100, "{stats:?}");
-    assert!(stats.batches < 500, "group commit did not group: {stats:?}");
-    assert!(stats.largest_batch > 1, "{stats:?}");
+    assert!(stats.groups < 500, "group commit did not group: {stats:?}");
+    assert!(stats.largest_group > 1, "{stats:?}");
 }
 
 /// A redb backend over shared memory whose `sync_data` fails while armed:
@@ -746,7 +746,7 @@ fn acknowledged_group_commits_survive_a_power_cut() {
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    assert!(store.stats().batches < 64, "{:?}", store.stats());
+    assert!(store.stats().groups < 64, "{:?}", store.stats());
     // Power cut now, with the store still running.
     let after = RedbStore::builder()
         .open_backend(disk.after_power_loss(), log.after_power_loss())

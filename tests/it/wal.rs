@@ -297,7 +297,7 @@ fn a_batch_larger_than_the_log_is_committed_durably_on_its_own() {
     let log = disk.sibling();
     let store = RedbStore::builder()
         .checkpoint_interval(NO_CHECKPOINT)
-        .wal_bytes(idemstore::unstable::redb::MIN_WAL_BYTES)
+        .log_bytes(idemstore::unstable::redb::MIN_WAL_BYTES)
         .open_backend(disk.clone(), log)
         .unwrap();
     let c = claim(&store, "big");
@@ -338,7 +338,7 @@ fn the_log_is_owner_only_and_preallocated() {
 fn bad_log_options_are_refused_before_any_io() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("s.idem");
-    let err = RedbStore::builder().wal_bytes(100).open(&path).unwrap_err();
+    let err = RedbStore::builder().log_bytes(100).open(&path).unwrap_err();
     assert!(matches!(err, Error::InvalidArgument { .. }), "{err}");
     let err = RedbStore::builder()
         .checkpoint_interval(Duration::ZERO)

@@ -80,7 +80,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         elapsed.as_secs_f64(),
         count as f64 / elapsed.as_secs_f64(),
         stats.commits,
-        stats.mean_batch()
+        stats.mean_group()
     );
     Ok(())
 }

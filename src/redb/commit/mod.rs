@@ -42,12 +42,12 @@ impl Shared {
     /// One group, under the commit lock: an answer per op.
     fn commit_group(&self, ops: &[Op]) -> Vec<Result<Reply>> {
         let stats = &self.stats;
-        stats.batches.fetch_add(1, Ordering::Relaxed);
+        stats.groups.fetch_add(1, Ordering::Relaxed);
         stats
             .requests
             .fetch_add(ops.len() as u64, Ordering::Relaxed);
         stats
-            .largest_batch
+            .largest_group
             .fetch_max(ops.len() as u64, Ordering::Relaxed);
         let mut core = self.log.lock();
         if let Err(refused) = self.db.check_healthy() {

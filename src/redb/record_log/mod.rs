@@ -41,7 +41,7 @@ pub(super) use writer::LogWriter;
 /// size nor allocation and `fdatasync` has no metadata to write.
 pub(crate) const WAL_BYTES: u64 = 8 * 1024 * 1024;
 
-/// Smallest log the builder accepts (`wal_bytes`): two segments of two
+/// Smallest log the builder accepts (`log_bytes`): two segments of two
 /// aligned 4 KiB blocks each.
 pub(crate) const MIN_WAL_BYTES: u64 = 4 * FRAME_ALIGN;
 

@@ -227,7 +227,7 @@ pub(super) fn open_disk(
 ) -> idemstore::Result<RedbStore> {
     let file = disk.file(1).unwrap_or_else(|| disk.sibling());
     builder
-        .wal_bytes(TEST_WAL_BYTES)
+        .log_bytes(TEST_WAL_BYTES)
         .open_backend(disk.clone(), file)
 }
 
