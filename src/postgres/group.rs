@@ -53,9 +53,12 @@
 //!   the connection is dropped and every job runs again alone. After a
 //!   broken connection each is run as a repetition (see
 //!   `Core::retrying`): a `complete` that finds its own response stored
-//!   reports success, a `begin` that finds its own lost claim answers
-//!   `InFlight` (fail closed). One bad job costs its group a second round
-//!   trip, never a wrong answer.
+//!   reports success once it is durable, a `begin` that finds its own lost
+//!   claim answers `InFlight` (fail closed). One bad job costs its group a
+//!   second round trip, never a wrong answer.
+//! - **A commit on the primary only** (its wait for a synchronous standby
+//!   cancelled: `Conn::unreplicated`) is treated as that broken
+//!   connection: every job of the group runs again alone, as a repetition.
 //!
 //! Lone reruns are spawned off the runner: a call that waits (for a row
 //! lock, for a connection) keeps only itself waiting, not the line.
@@ -323,7 +326,21 @@ async fn together(core: &Arc<Core>, mut jobs: Vec<Job>) {
         completes,
         after,
     } = split(jobs);
-    let (began, completed) = match pipeline(core, &conn, &begins, &completes).await {
+    let seen = conn.unreplicated();
+    let ran = pipeline(core, &conn, &begins, &completes).await;
+    if conn.unreplicated() != seen {
+        // The group's commit is on the primary only: every job's outcome
+        // is unknown, as after a broken connection, and each runs again
+        // alone as a repetition (the connection itself stays usable).
+        drop(pooled);
+        let jobs = completes
+            .into_iter()
+            .map(Job::Complete)
+            .chain(begins.into_iter().map(Job::Begin));
+        each_alone(core, jobs, true);
+        return each_alone(core, after, false);
+    }
+    let (began, completed) = match ran {
         Ok(answers) => answers,
         Err(err) => {
             // Nothing committed, or (the connection broke after COMMIT was

@@ -15,7 +15,9 @@
 //! microseconds, not the connect timeout, and the first call after the
 //! server is back within one probe interval succeeds.
 
-use super::errors::{connect_error, connect_timeout, pool_exhausted, unavailable};
+use super::errors::{
+    connect_error, connect_timeout, is_unreplicated_commit, pool_exhausted, unavailable,
+};
 use super::sql::{Sql, Stmt};
 use super::stats::Counters;
 use super::tls::Connector;
@@ -26,7 +28,7 @@ use std::time::Duration;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
 use tokio_postgres::types::ToSql;
-use tokio_postgres::{Client, Config, NoTls, Row, Socket, Statement};
+use tokio_postgres::{AsyncMessage, Client, Config, NoTls, Row, Socket, Statement};
 
 /// How the pool opens connections and how long it waits.
 pub(super) struct PoolOptions {
@@ -211,11 +213,13 @@ impl Inner {
             Connector::Plain => self.open(NoTls).await,
             Connector::Tls(tls) => self.open(tls.clone()).await,
         };
-        let client = opened.inspect_err(|_| Counters::bump(&self.counters.connect_failures))?;
+        let (client, unreplicated) =
+            opened.inspect_err(|_| Counters::bump(&self.counters.connect_failures))?;
         Counters::bump(&self.counters.connections_opened);
         self.open.fetch_add(1, Ordering::Relaxed);
         Ok(Arc::new(Conn {
             client,
+            unreplicated,
             sql: Arc::clone(&self.sql),
             prepared: Mutex::new(Default::default()),
             open: Arc::clone(&self.open),
@@ -224,8 +228,9 @@ impl Inner {
 
     /// Connects through `tls` within the connect timeout, and spawns the
     /// connection's I/O task, which ends when the client is dropped or the
-    /// server closes the socket.
-    async fn open<T>(&self, tls: T) -> Result<Client>
+    /// server closes the socket. Also returns the count of commits the
+    /// server reported as possibly unreplicated on it ([`Conn::unreplicated`]).
+    async fn open<T>(&self, tls: T) -> Result<(Client, Arc<AtomicU64>)>
     where
         T: MakeTlsConnect<Socket>,
         T::Stream: Send + 'static,
@@ -243,10 +248,25 @@ impl Inner {
             Ok(Err(err)) => return Err(connect_error(err)),
             Err(_) => return Err(connect_timeout(bound)),
         };
+        let unreplicated = Arc::new(AtomicU64::new(0));
+        let seen = Arc::clone(&unreplicated);
         tokio::spawn(async move {
-            let _ = connection.await;
+            let mut connection = connection;
+            // The notice is counted before the connection task passes on
+            // the rest of the statement's answer (which follows it on the
+            // socket), so the call that ran the statement sees the count
+            // once its statement returns.
+            while let Some(Ok(message)) =
+                std::future::poll_fn(|cx| connection.poll_message(cx)).await
+            {
+                if let AsyncMessage::Notice(notice) = message
+                    && is_unreplicated_commit(&notice)
+                {
+                    seen.fetch_add(1, Ordering::SeqCst);
+                }
+            }
         });
-        Ok(client)
+        Ok((client, unreplicated))
     }
 
     /// Opens the breaker after `err`, and starts the probe unless it runs.
@@ -331,6 +351,9 @@ pub(super) struct Dedicated {
 /// first use, not at connect: before the schema exists preparing would fail.
 pub(super) struct Conn {
     pub(super) client: Client,
+    /// Commits on this connection whose wait for a synchronous standby
+    /// ended before the standby had them (see [`Conn::unreplicated`]).
+    unreplicated: Arc<AtomicU64>,
     sql: Arc<Sql>,
     prepared: Mutex<[Option<Statement>; Stmt::COUNT]>,
     open: Arc<AtomicU64>,
@@ -343,6 +366,17 @@ impl Drop for Conn {
 }
 
 impl Conn {
+    /// How many commits on this connection the server reported done on the
+    /// primary only: a wait for a synchronous standby cancelled (or ended
+    /// with the backend) after the commit was written locally. A call
+    /// compares it before and after its statements: a change means one of
+    /// its commits may be lost by a failover, so its outcome is unknown,
+    /// as if the connection had broken after the commit was sent. One call
+    /// uses a connection at a time, so a change is that call's own.
+    pub(super) fn unreplicated(&self) -> u64 {
+        self.unreplicated.load(Ordering::SeqCst)
+    }
+
     /// Prepares `stmt` on this connection if it is not yet (one extra round
     /// trip, once per connection), then runs it.
     pub(super) async fn query(

@@ -1020,6 +1020,133 @@ fn a_completion_read_back_is_acknowledged_only_once_durable() {
     });
 }
 
+/// Cancels (`pg_cancel_backend`) every commit of the connections named
+/// `app` that waits for a synchronous standby, waiting up to 30 s for one.
+fn cancel_standby_waits(url: &str, app: &str) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let cancelled: i64 = raw(url)
+            .query_one(
+                "SELECT count(pg_cancel_backend(pid)) FROM pg_stat_activity
+                  WHERE wait_event = 'SyncRep' AND application_name = $1",
+                &[&app],
+            )
+            .unwrap()
+            .get(0);
+        if cancelled > 0 {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no commit of {app} ever waited for the standby"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// PostgreSQL answers a commit whose wait for a synchronous standby is
+/// cancelled with success (and a warning), the commit kept on the primary
+/// only, where a failover would lose it. The store must not acknowledge
+/// it. With the standby stopped: a blocking `complete` (the calling
+/// thread's lane) whose wait is cancelled answers a transient error within
+/// its bound; an async one (the commit line) whose wait is cancelled keeps
+/// waiting for the standby. Once the standby is back, the second answers
+/// success, the first is replayed, and the standby has both.
+#[test]
+fn a_cancelled_wait_for_the_standby_is_not_acknowledged() {
+    if !enabled() {
+        return;
+    }
+    let primary = OwnCluster::start();
+    let standby = OwnCluster::standby(&primary, "sync");
+    let table = fresh_table("cancelled");
+    let short_url = named(&primary.url, "cancelled_short");
+    let long_url = named(&primary.url, "cancelled_long");
+    let short = bounded_store(&short_url, &table, Duration::from_secs(3));
+    let long = bounded_store(&long_url, &table, Duration::from_secs(60));
+    let fp = Fingerprint::of(b"cancelled");
+    let response = Response::new(201, "on the standby too");
+    let first = claimed(short.begin(&key("short"), &fp, T0, HOUR, HOUR).unwrap());
+    let second = claimed(long.begin(&key("long"), &fp, T0, HOUR, HOUR).unwrap());
+    standby.stop();
+
+    let started = Instant::now();
+    let answer = std::thread::scope(|s| {
+        let completing = s.spawn(|| short.complete(&key("short"), &first, &response, T0, HOUR));
+        cancel_standby_waits(&primary.url, "cancelled_short");
+        completing.join().unwrap()
+    });
+    let err = answer.expect_err("a completion on the primary only was acknowledged");
+    assert!(matches!(err, Error::Backend(_)), "{err}");
+    assert!(err.is_transient(), "{err}");
+    // Not a performance assertion: the lane's run and its repetition are
+    // each bounded by the call timeout.
+    assert!(started.elapsed() < Duration::from_secs(30));
+
+    std::thread::scope(|s| {
+        let completing = s.spawn(|| {
+            block_on(
+                Store::complete_async(&long, &key("long"), &second, &response, T0, HOUR)
+                    .expect(NATIVE),
+            )
+        });
+        cancel_standby_waits(&primary.url, "cancelled_long");
+        // The call reads its row back and waits for the standby again.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while raw(&primary.url)
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity
+                  WHERE wait_event = 'SyncRep' AND application_name = 'cancelled_long'",
+                &[],
+            )
+            .unwrap()
+            .get::<_, i64>(0)
+            == 0
+        {
+            if completing.is_finished() {
+                panic!(
+                    "answered while the standby is away: {:?}",
+                    completing.join()
+                );
+            }
+            assert!(Instant::now() < deadline, "the call never waited again");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(!completing.is_finished());
+        standby.restart();
+        let answer = completing.join().unwrap();
+        assert!(matches!(answer, Ok(())), "{answer:?}");
+    });
+
+    // A retried request finds the first completion, now on the standby.
+    assert!(matches!(
+        short.begin(&key("short"), &fp, T0, HOUR, HOUR),
+        Ok(Begin::Replay(r)) if r == response
+    ));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for id in ["short", "long"] {
+        loop {
+            let body: Option<Vec<u8>> = raw(&standby.url)
+                .query_opt(
+                    &format!("SELECT body FROM \"{table}\" WHERE scope = $1 AND id = $2"),
+                    &[&b"pg".as_slice(), &id.as_bytes()],
+                )
+                .unwrap()
+                .and_then(|r| r.get(0));
+            if body.as_deref() == Some(response.body()) {
+                break;
+            }
+            assert!(Instant::now() < deadline, "{id} is not on the standby");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    drop((short, long));
+    drop(DropTable {
+        url: primary.url.clone(),
+        table,
+    });
+}
+
 // ---- Failover: the primary dies, its synchronous standby is promoted ----
 
 /// Threads and async tasks run guarded requests on a multi-host URL while
