@@ -328,26 +328,20 @@ async fn together(core: &Arc<Core>, mut jobs: Vec<Job>) {
     } = split(jobs);
     let seen = conn.unreplicated();
     let ran = pipeline(core, &conn, &begins, &completes).await;
-    if conn.unreplicated() != seen {
-        // The group's commit is on the primary only: every job's outcome
-        // is unknown, as after a broken connection, and each runs again
-        // alone as a repetition (the connection itself stays usable).
-        drop(pooled);
-        let jobs = completes
-            .into_iter()
-            .map(Job::Complete)
-            .chain(begins.into_iter().map(Job::Begin));
-        each_alone(core, jobs, true);
-        return each_alone(core, after, false);
-    }
+    // The group's commit may be on the primary only: every job's outcome
+    // is then unknown, as after a broken connection.
+    let unreplicated = conn.unreplicated() != seen;
     let (began, completed) = match ran {
-        Ok(answers) => answers,
-        Err(err) => {
+        Ok(answers) if !unreplicated => answers,
+        ran => {
             // Nothing committed, or (the connection broke after COMMIT was
-            // sent) maybe everything did: rerun each job alone, as a
-            // repetition when the outcome is unknown.
-            let broken = errors::is_dead_connection(&err);
-            pooled.discard();
+            // sent, or the commit is on the primary only) maybe everything
+            // did: rerun each job alone, as a repetition when the outcome
+            // is unknown.
+            let broken = unreplicated || ran.as_ref().is_err_and(errors::is_dead_connection);
+            if ran.is_err() {
+                pooled.discard();
+            }
             let jobs = completes
                 .into_iter()
                 .map(Job::Complete)

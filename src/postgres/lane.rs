@@ -222,20 +222,19 @@ impl Lanes {
             *conn = None;
             return Ran::Answered(Err(call_timed_out(bound)));
         };
-        if held.conn.unreplicated() != seen {
-            // Its commit is on the primary only: the outcome is unknown, as
-            // after a broken connection, though this one stays usable.
-            return Ran::Broken;
-        }
+        let unreplicated = held.conn.unreplicated() != seen;
         if !matches!(&ran, Err(RunError::Db(err)) if is_dead_connection(err)) {
             Counters::bump(&core.counters.caller_driven_calls);
         }
         match ran {
-            Ok(value) => Ran::Answered(Ok(value)),
             Err(RunError::Db(err)) if is_dead_connection(&err) => {
                 lose(core, conn);
                 Ran::Broken
             }
+            // Its commit is on the primary only: the outcome is unknown, as
+            // after a broken connection, though this one stays usable.
+            _ if unreplicated => Ran::Broken,
+            Ok(value) => Ran::Answered(Ok(value)),
             Err(RunError::Db(err)) => Ran::Answered(Err(db_error(err, &core.sql.table))),
             Err(RunError::Store(err)) => Ran::Answered(Err(err)),
         }

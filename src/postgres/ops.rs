@@ -81,18 +81,15 @@ impl Core {
             let conn = pooled.conn();
             let seen = conn.unreplicated();
             let ran = op(Arc::clone(&conn), repeated || last.is_some()).await;
-            if conn.unreplicated() != seen {
-                // A commit of this run is on the primary only: its outcome
-                // is unknown, as after a broken connection (which it is
-                // not: the connection stays pooled).
-                last = Some(errors::unreplicated());
-                continue;
-            }
             match ran {
                 Err(RunError::Db(err)) if errors::is_dead_connection(&err) => {
                     pooled.discard();
                     last = Some(self.db(err));
                 }
+                // A commit of this run is on the primary only: its outcome
+                // is unknown, as after a broken connection, though this
+                // one stays usable.
+                _ if conn.unreplicated() != seen => last = Some(errors::unreplicated()),
                 Err(RunError::Db(err)) => return Err(self.db(err)),
                 Err(RunError::Store(err)) => return Err(err),
                 Ok(value) => return Ok(value),
