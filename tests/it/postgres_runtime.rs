@@ -1020,28 +1020,73 @@ fn a_completion_read_back_is_acknowledged_only_once_durable() {
     });
 }
 
+/// How many backends of the connections named `app` wait for a
+/// synchronous standby, running a statement `LIKE` `statement`.
+fn waiting_for_standby(url: &str, app: &str, statement: &str) -> i64 {
+    raw(url)
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity
+              WHERE wait_event = 'SyncRep' AND application_name = $1 AND query LIKE $2",
+            &[&app, &statement],
+        )
+        .unwrap()
+        .get(0)
+}
+
 /// Cancels (`pg_cancel_backend`) every commit of the connections named
-/// `app` that waits for a synchronous standby, waiting up to 30 s for one.
-fn cancel_standby_waits(url: &str, app: &str) {
+/// `app` that waits for a synchronous standby running a statement `LIKE`
+/// `statement`, waiting up to 30 s for one.
+fn cancel_standby_waits(url: &str, app: &str, statement: &str) {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let cancelled: i64 = raw(url)
             .query_one(
                 "SELECT count(pg_cancel_backend(pid)) FROM pg_stat_activity
-                  WHERE wait_event = 'SyncRep' AND application_name = $1",
-                &[&app],
+                  WHERE wait_event = 'SyncRep' AND application_name = $1 AND query LIKE $2",
+                &[&app, &statement],
             )
             .unwrap()
             .get(0);
         if cancelled > 0 {
             return;
         }
-        assert!(
-            Instant::now() < deadline,
-            "no commit of {app} ever waited for the standby"
-        );
+        if Instant::now() >= deadline {
+            let activity: Vec<(Option<String>, String)> = raw(url)
+                .query(
+                    "SELECT wait_event, query FROM pg_stat_activity WHERE application_name = $1",
+                    &[&app],
+                )
+                .unwrap()
+                .iter()
+                .map(|r| (r.get(0), r.get(1)))
+                .collect();
+            panic!("no commit of {app} running {statement} waited for the standby: {activity:?}");
+        }
         std::thread::sleep(Duration::from_millis(10));
     }
+}
+
+/// Waits (up to 30 s) until a call of `app` reads its row back and waits
+/// for the standby to acknowledge it (`Stmt::Durable`), failing if any of
+/// `calls` answered before.
+fn waits_again<T: std::fmt::Debug>(
+    url: &str,
+    app: &str,
+    calls: &[std::thread::ScopedJoinHandle<'_, T>],
+) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while waiting_for_standby(url, app, "%pg_logical_emit_message%") == 0 {
+        assert!(
+            calls.iter().all(|c| !c.is_finished()),
+            "a call of {app} answered while the standby is away"
+        );
+        assert!(Instant::now() < deadline, "no call of {app} waited again");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(
+        calls.iter().all(|c| !c.is_finished()),
+        "a call of {app} answered while the standby is away"
+    );
 }
 
 /// PostgreSQL answers a commit whose wait for a synchronous standby is
@@ -1049,9 +1094,10 @@ fn cancel_standby_waits(url: &str, app: &str) {
 /// only, where a failover would lose it. The store must not acknowledge
 /// it. With the standby stopped: a blocking `complete` (the calling
 /// thread's lane) whose wait is cancelled answers a transient error within
-/// its bound; an async one (the commit line) whose wait is cancelled keeps
-/// waiting for the standby. Once the standby is back, the second answers
-/// success, the first is replayed, and the standby has both.
+/// its bound; an async one (the commit line) and a group of async ones
+/// sharing one `COMMIT`, whose waits are cancelled, read their rows
+/// back and wait for the standby again. Once the standby is back, those
+/// answer success, the first is replayed, and the standby has them all.
 #[test]
 fn a_cancelled_wait_for_the_standby_is_not_acknowledged() {
     if !enabled() {
@@ -1060,20 +1106,44 @@ fn a_cancelled_wait_for_the_standby_is_not_acknowledged() {
     let primary = OwnCluster::start();
     let standby = OwnCluster::standby(&primary, "sync");
     let table = fresh_table("cancelled");
-    let short_url = named(&primary.url, "cancelled_short");
-    let long_url = named(&primary.url, "cancelled_long");
-    let short = bounded_store(&short_url, &table, Duration::from_secs(3));
-    let long = bounded_store(&long_url, &table, Duration::from_secs(60));
+    let short = bounded_store(
+        &named(&primary.url, "cancelled_short"),
+        &table,
+        Duration::from_secs(3),
+    );
+    let long = bounded_store(
+        &named(&primary.url, "cancelled_long"),
+        &table,
+        Duration::from_secs(60),
+    );
+    // Room for every call of the group below to wait on a connection.
+    let grouped = PostgresStore::builder()
+        .table(&table)
+        .max_size(40)
+        .connect_timeout(Duration::from_secs(30))
+        .call_timeout(Duration::from_secs(60))
+        .connect(&named(&primary.url, "cancelled_group"))
+        .unwrap();
+    // Two lone calls of the commit line stuck in their waits, and a
+    // backlog of 16 behind them, which a third group takes.
+    const GROUPED: usize = 18;
     let fp = Fingerprint::of(b"cancelled");
     let response = Response::new(201, "on the standby too");
     let first = claimed(short.begin(&key("short"), &fp, T0, HOUR, HOUR).unwrap());
     let second = claimed(long.begin(&key("long"), &fp, T0, HOUR, HOUR).unwrap());
+    let group: Vec<(idemstore::Key, idemstore::Claim)> = (0..GROUPED)
+        .map(|i| {
+            let k = key(&format!("group-{i}"));
+            let c = claimed(grouped.begin(&k, &fp, T0, HOUR, HOUR).unwrap());
+            (k, c)
+        })
+        .collect();
     standby.stop();
 
     let started = Instant::now();
     let answer = std::thread::scope(|s| {
         let completing = s.spawn(|| short.complete(&key("short"), &first, &response, T0, HOUR));
-        cancel_standby_waits(&primary.url, "cancelled_short");
+        cancel_standby_waits(&primary.url, "cancelled_short", "%");
         completing.join().unwrap()
     });
     let err = answer.expect_err("a completion on the primary only was acknowledged");
@@ -1084,38 +1154,35 @@ fn a_cancelled_wait_for_the_standby_is_not_acknowledged() {
     assert!(started.elapsed() < Duration::from_secs(30));
 
     std::thread::scope(|s| {
-        let completing = s.spawn(|| {
+        let lone = s.spawn(|| {
             block_on(
                 Store::complete_async(&long, &key("long"), &second, &response, T0, HOUR)
                     .expect(NATIVE),
             )
         });
-        cancel_standby_waits(&primary.url, "cancelled_long");
-        // The call reads its row back and waits for the standby again.
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while raw(&primary.url)
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity
-                  WHERE wait_event = 'SyncRep' AND application_name = 'cancelled_long'",
-                &[],
-            )
-            .unwrap()
-            .get::<_, i64>(0)
-            == 0
-        {
-            if completing.is_finished() {
-                panic!(
-                    "answered while the standby is away: {:?}",
-                    completing.join()
-                );
-            }
-            assert!(Instant::now() < deadline, "the call never waited again");
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        assert!(!completing.is_finished());
+        cancel_standby_waits(&primary.url, "cancelled_long", "%");
+        waits_again(&primary.url, "cancelled_long", std::slice::from_ref(&lone));
+
+        // The line's first calls wait for the standby, so calls queue
+        // behind them and go as a group (at the latest the backlog's),
+        // whose one COMMIT waits.
+        let futures: Vec<_> = group
+            .iter()
+            .map(|(k, c)| Store::complete_async(&grouped, k, c, &response, T0, HOUR).expect(NATIVE))
+            .collect();
+        let calls: Vec<_> = futures
+            .into_iter()
+            .map(|f| s.spawn(move || block_on(f)))
+            .collect();
+        cancel_standby_waits(&primary.url, "cancelled_group", "COMMIT");
+        waits_again(&primary.url, "cancelled_group", &calls);
+        assert!(!lone.is_finished());
+
         standby.restart();
-        let answer = completing.join().unwrap();
-        assert!(matches!(answer, Ok(())), "{answer:?}");
+        for call in calls.into_iter().chain([lone]) {
+            let answer = call.join().unwrap();
+            assert!(matches!(answer, Ok(())), "{answer:?}");
+        }
     });
 
     // A retried request finds the first completion, now on the standby.
@@ -1124,7 +1191,10 @@ fn a_cancelled_wait_for_the_standby_is_not_acknowledged() {
         Ok(Begin::Replay(r)) if r == response
     ));
     let deadline = Instant::now() + Duration::from_secs(30);
-    for id in ["short", "long"] {
+    let ids = ["short".to_owned(), "long".to_owned()]
+        .into_iter()
+        .chain((0..GROUPED).map(|i| format!("group-{i}")));
+    for id in ids {
         loop {
             let body: Option<Vec<u8>> = raw(&standby.url)
                 .query_opt(
@@ -1140,7 +1210,7 @@ fn a_cancelled_wait_for_the_standby_is_not_acknowledged() {
             std::thread::sleep(Duration::from_millis(20));
         }
     }
-    drop((short, long));
+    drop((short, long, grouped));
     drop(DropTable {
         url: primary.url.clone(),
         table,
