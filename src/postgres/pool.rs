@@ -26,6 +26,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_postgres::config::{Host, LoadBalanceHosts};
 use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{AsyncMessage, Client, Config, NoTls, Row, Socket, Statement};
@@ -49,6 +50,8 @@ pub(super) struct Pool {
 
 struct Inner {
     options: PoolOptions,
+    /// The URL's hosts, one configuration each, in the order tried.
+    hosts: Vec<Config>,
     sql: Arc<Sql>,
     idle: Mutex<Vec<Arc<Conn>>>,
     /// One permit per connection in use: idle + in use never exceeds
@@ -81,6 +84,7 @@ impl Pool {
         let permits = Arc::new(Semaphore::new(options.max_size as usize));
         Pool {
             inner: Arc::new(Inner {
+                hosts: one_per_host(&options.config),
                 options,
                 sql,
                 idle: Mutex::new(Vec::new()),
@@ -232,21 +236,30 @@ impl Inner {
     /// server reported as possibly unreplicated on it ([`Conn::unreplicated`]).
     async fn open<T>(&self, tls: T) -> Result<(Client, Arc<AtomicU64>)>
     where
-        T: MakeTlsConnect<Socket>,
+        T: MakeTlsConnect<Socket> + Clone,
         T::Stream: Send + 'static,
         T::TlsConnect: Send,
         <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
     {
-        // tokio-postgres bounds each host's TCP connect by the connect
-        // timeout and tries the hosts in turn: a host that drops packets
+        // Each host in turn, its whole attempt (TCP, TLS, startup,
+        // authentication, the session check) bounded by the connect
+        // timeout: a host that accepts the connection but never answers
         // costs one timeout, and the next host still gets its own.
-        let hosts = u32::try_from(self.options.config.get_hosts().len()).unwrap_or(u32::MAX);
-        let bound = self.options.connect_timeout.saturating_mul(hosts.max(1));
-        let connecting = self.options.config.connect(tls);
-        let (client, connection) = match tokio::time::timeout(bound, connecting).await {
-            Ok(Ok(pair)) => pair,
-            Ok(Err(err)) => return Err(connect_error(err)),
-            Err(_) => return Err(connect_timeout(bound)),
+        let bound = self.options.connect_timeout;
+        let mut failed = None;
+        let mut opened = None;
+        for config in &self.hosts {
+            match tokio::time::timeout(bound, config.connect(tls.clone())).await {
+                Ok(Ok(pair)) => {
+                    opened = Some(pair);
+                    break;
+                }
+                Ok(Err(err)) => failed = Some(connect_error(err)),
+                Err(_) => failed = Some(connect_timeout(bound)),
+            }
+        }
+        let Some((client, connection)) = opened else {
+            return Err(failed.unwrap_or_else(|| connect_timeout(bound)));
         };
         let unreplicated = Arc::new(AtomicU64::new(0));
         let seen = Arc::clone(&unreplicated);
@@ -306,6 +319,92 @@ impl Inner {
             }
         }
     }
+}
+
+/// `config` split into one configuration per host (with its `hostaddr`
+/// and port), everything else the same, in the URL's order; so that each
+/// host's attempt can have a bound of its own. A configuration that names
+/// one host or none, or whose ports do not match its hosts, is kept whole
+/// (in the last two cases its connect fails with tokio-postgres's message).
+fn one_per_host(config: &Config) -> Vec<Config> {
+    let (hosts, addrs, ports) = (
+        config.get_hosts(),
+        config.get_hostaddrs(),
+        config.get_ports(),
+    );
+    let count = hosts.len().max(addrs.len());
+    if count < 2
+        || (!hosts.is_empty() && !addrs.is_empty() && hosts.len() != addrs.len())
+        || (ports.len() > 1 && ports.len() != count)
+    {
+        return vec![config.clone()];
+    }
+    let mut order: Vec<usize> = (0..count).collect();
+    if config.get_load_balance_hosts() == LoadBalanceHosts::Random {
+        // A random first host (tokio-postgres would shuffle them all).
+        let start = std::hash::BuildHasher::hash_one(
+            &std::collections::hash_map::RandomState::new(),
+            count,
+        );
+        order.rotate_left(usize::try_from(start % count as u64).unwrap_or(0));
+    }
+    order
+        .into_iter()
+        .map(|i| {
+            let mut one = Config::new();
+            if let Some(user) = config.get_user() {
+                one.user(user);
+            }
+            if let Some(password) = config.get_password() {
+                one.password(password);
+            }
+            if let Some(dbname) = config.get_dbname() {
+                one.dbname(dbname);
+            }
+            if let Some(options) = config.get_options() {
+                one.options(options);
+            }
+            if let Some(name) = config.get_application_name() {
+                one.application_name(name);
+            }
+            one.ssl_mode(config.get_ssl_mode())
+                .ssl_negotiation(config.get_ssl_negotiation())
+                .keepalives(config.get_keepalives())
+                .keepalives_idle(config.get_keepalives_idle())
+                .target_session_attrs(config.get_target_session_attrs())
+                .channel_binding(config.get_channel_binding())
+                .load_balance_hosts(config.get_load_balance_hosts());
+            if let Some(timeout) = config.get_connect_timeout() {
+                one.connect_timeout(*timeout);
+            }
+            if let Some(timeout) = config.get_tcp_user_timeout() {
+                one.tcp_user_timeout(*timeout);
+            }
+            if let Some(interval) = config.get_keepalives_interval() {
+                one.keepalives_interval(interval);
+            }
+            if let Some(retries) = config.get_keepalives_retries() {
+                one.keepalives_retries(retries);
+            }
+            match hosts.get(i) {
+                Some(Host::Tcp(host)) => {
+                    one.host(host);
+                }
+                #[cfg(unix)]
+                Some(Host::Unix(path)) => {
+                    one.host_path(path);
+                }
+                None => {}
+            }
+            if let Some(addr) = addrs.get(i) {
+                one.hostaddr(*addr);
+            }
+            if let Some(port) = ports.get(i).or_else(|| ports.first()) {
+                one.port(*port);
+            }
+            one
+        })
+        .collect()
 }
 
 /// A connection taken from the pool; back to it on drop unless discarded
@@ -408,5 +507,38 @@ impl Conn {
             *slot = Some(prepared.clone());
         }
         Ok(prepared)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio_postgres::config::TargetSessionAttrs;
+
+    #[test]
+    fn a_multi_host_url_becomes_one_configuration_per_host_in_order() {
+        let config: Config = "postgres://app:pw@a:5001,b:5002/orders?target_session_attrs=read-write&application_name=x&options=-c%20a%3D1"
+            .parse()
+            .unwrap();
+        let hosts = one_per_host(&config);
+        assert_eq!(hosts.len(), 2);
+        for (one, (host, port)) in hosts.iter().zip([("a", 5001), ("b", 5002)]) {
+            assert!(matches!(one.get_hosts(), [Host::Tcp(h)] if h == host));
+            assert_eq!(one.get_ports(), [port]);
+            assert_eq!(one.get_user(), Some("app"));
+            assert_eq!(one.get_password(), Some(&b"pw"[..]));
+            assert_eq!(one.get_dbname(), Some("orders"));
+            assert_eq!(one.get_application_name(), Some("x"));
+            assert_eq!(one.get_options(), Some("-c a=1"));
+            assert_eq!(
+                one.get_target_session_attrs(),
+                TargetSessionAttrs::ReadWrite
+            );
+        }
+        let shared_port: Config = "host=a,b port=7 dbname=d".parse().unwrap();
+        let hosts = one_per_host(&shared_port);
+        assert!(hosts.iter().all(|one| one.get_ports() == [7]));
+        let single: Config = "postgres://a:1/d".parse().unwrap();
+        assert_eq!(one_per_host(&single).len(), 1);
     }
 }

@@ -820,6 +820,40 @@ fn a_failed_statement_on_a_lane_keeps_its_connection() {
     );
 }
 
+/// A first host that accepts the connection but never answers the startup
+/// costs one connect timeout, and the next host is tried: the store builds
+/// and serves through the second host.
+#[test]
+fn a_host_that_never_answers_costs_one_connect_timeout_then_the_next_is_tried() {
+    let Some(url) = pg_url() else {
+        return;
+    };
+    // Never accepted: the kernel completes the handshake, nothing answers.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let silent_port = silent.local_addr().unwrap().port();
+    // The silent host first, then the URL's own.
+    let start = url
+        .find('@')
+        .map_or(url.find("://").unwrap() + 3, |at| at + 1);
+    let two_hosts = format!("{}127.0.0.1:{silent_port},{}", &url[..start], &url[start..]);
+    let table = fresh_table("silent");
+    let _drop = DropTable {
+        url: url.clone(),
+        table: table.clone(),
+    };
+    let store = PostgresStore::builder()
+        .table(&table)
+        .max_size(2)
+        .connect_timeout(Duration::from_secs(1))
+        .build_timeout(Duration::from_secs(20))
+        .migrate_on_build(true)
+        .connect(&two_hosts)
+        .unwrap();
+    let fp = Fingerprint::of(b"silent");
+    claimed(store.begin(&key("k"), &fp, T0, HOUR, HOUR).unwrap());
+    drop(silent);
+}
+
 // ---- A stalled synchronous standby: every call answers within its bound ----
 
 /// Sets `synchronous_standby_names` on `url`'s server and waits until a new
