@@ -1128,10 +1128,12 @@ fn waits_again<T: std::fmt::Debug>(
 /// only, where a failover would lose it. The store must not acknowledge
 /// it. With the standby stopped: a blocking `complete` (the calling
 /// thread's lane) whose wait is cancelled answers a transient error within
-/// its bound; an async one (the commit line) and a group of async ones
-/// sharing one `COMMIT`, whose waits are cancelled, read their rows
-/// back and wait for the standby again. Once the standby is back, those
-/// answer success, the first is replayed, and the standby has them all.
+/// its bound; a `PgInbox` delivery whose `COMMIT`'s wait is cancelled
+/// answers an error (unknown), not `Handled`; an async `complete` (the
+/// commit line) and a group of async ones sharing one `COMMIT`, whose
+/// waits are cancelled, read their rows back and wait for the standby
+/// again. Once the standby is back, those answer success, the first is
+/// replayed, the delivery is a duplicate, and the standby has them all.
 #[test]
 fn a_cancelled_wait_for_the_standby_is_not_acknowledged() {
     if !enabled() {
@@ -1161,6 +1163,11 @@ fn a_cancelled_wait_for_the_standby_is_not_acknowledged() {
     // Two lone calls of the commit line stuck in their waits, and a
     // backlog of 16 behind them, which a third group takes.
     const GROUPED: usize = 18;
+    let inbox = idemstore::postgres::PgInbox::new(bounded_store(
+        &named(&primary.url, "cancelled_inbox"),
+        &table,
+        Duration::from_secs(60),
+    ));
     let fp = Fingerprint::of(b"cancelled");
     let response = Response::new(201, "on the standby too");
     let first = claimed(short.begin(&key("short"), &fp, T0, HOUR, HOUR).unwrap());
@@ -1186,6 +1193,22 @@ fn a_cancelled_wait_for_the_standby_is_not_acknowledged() {
     // Not a performance assertion: the lane's run and its repetition are
     // each bounded by the call timeout.
     assert!(started.elapsed() < Duration::from_secs(30));
+
+    // An inbox delivery whose COMMIT's wait is cancelled: unknown, not
+    // handled (a redelivery finds out).
+    let handle = || {
+        inbox.handle(&key("inbox"), &fp, |_client, _claim| {
+            Box::pin(async { Ok::<_, Error>(Response::new(201, "on the standby too")) })
+        })
+    };
+    let delivered = std::thread::scope(|s| {
+        let delivering = s.spawn(handle);
+        cancel_standby_waits(&primary.url, "cancelled_inbox", "COMMIT");
+        delivering.join().unwrap()
+    });
+    let err = delivered.expect_err("a delivery on the primary only was acknowledged");
+    assert!(matches!(err, Error::Backend(_)), "{err}");
+    assert!(err.to_string().contains("primary only"), "{err}");
 
     std::thread::scope(|s| {
         let lone = s.spawn(|| {
@@ -1219,13 +1242,19 @@ fn a_cancelled_wait_for_the_standby_is_not_acknowledged() {
         }
     });
 
-    // A retried request finds the first completion, now on the standby.
+    // A retried request finds the first completion, now on the standby,
+    // and a redelivery the delivery.
     assert!(matches!(
         short.begin(&key("short"), &fp, T0, HOUR, HOUR),
         Ok(Begin::Replay(r)) if r == response
     ));
+    let redelivered = handle();
+    assert!(
+        matches!(&redelivered, Ok(idemstore::postgres::Delivery::Duplicate(r)) if *r == response),
+        "{redelivered:?}"
+    );
     let deadline = Instant::now() + Duration::from_secs(30);
-    let ids = ["short".to_owned(), "long".to_owned()]
+    let ids = ["short".to_owned(), "long".to_owned(), "inbox".to_owned()]
         .into_iter()
         .chain((0..GROUPED).map(|i| format!("group-{i}")));
     for id in ids {
@@ -1244,7 +1273,7 @@ fn a_cancelled_wait_for_the_standby_is_not_acknowledged() {
             std::thread::sleep(Duration::from_millis(20));
         }
     }
-    drop((short, long, grouped));
+    drop((short, long, grouped, inbox));
     drop(DropTable {
         url: primary.url.clone(),
         table,
