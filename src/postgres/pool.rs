@@ -37,7 +37,8 @@ pub(super) struct PoolOptions {
     /// Plain, or TLS as the URL's `sslmode` asks (tls.rs).
     pub(super) connector: Connector,
     pub(super) max_size: u32,
-    /// The bound on one connection attempt, and on a wait for a busy pool.
+    /// The bound on one connection attempt to one host, and on a wait for
+    /// a busy pool.
     pub(super) connect_timeout: Duration,
     pub(super) probe_interval: Duration,
 }
@@ -230,7 +231,8 @@ impl Inner {
         }))
     }
 
-    /// Connects through `tls` within the connect timeout, and spawns the
+    /// Connects through `tls` to the first host that answers, each within
+    /// the connect timeout, and spawns the
     /// connection's I/O task, which ends when the client is dropped or the
     /// server closes the socket. Also returns the count of commits the
     /// server reported as possibly unreplicated on it ([`Conn::unreplicated`]).
