@@ -9,7 +9,7 @@
 use crate::error::Error;
 use std::fmt;
 use std::time::Duration;
-use tokio_postgres::error::SqlState;
+use tokio_postgres::error::{DbError, SqlState};
 
 /// A backend failure with the store's explanation in front of the engine's.
 #[derive(Debug)]
@@ -81,6 +81,36 @@ pub(super) fn is_dead_connection(err: &tokio_postgres::Error) -> bool {
         || err.code().is_some_and(|code| {
             *code == SqlState::ADMIN_SHUTDOWN || *code == SqlState::CRASH_SHUTDOWN
         })
+}
+
+/// True for the notice PostgreSQL sends when a commit's wait for a
+/// synchronous standby ends early (`pg_cancel_backend`, or
+/// `pg_terminate_backend` just before the connection closes): the commit
+/// is on the primary and visible there, and the standby may not have it.
+/// The commit itself answers success, so this WARNING is the only sign.
+/// It carries no SQLSTATE of its own (the cancel's is the generic 01000),
+/// so it is known by its text, as `syncrep.c` words it; a server whose
+/// `lc_messages` translates it is not recognised (docs/operations.md).
+pub(super) fn is_unreplicated_commit(notice: &DbError) -> bool {
+    is_unreplicated_text(notice.message(), notice.detail())
+}
+
+fn is_unreplicated_text(message: &str, detail: Option<&str>) -> bool {
+    // Both of syncrep.c's warnings (cancel, terminate) carry this detail;
+    // the messages are checked too, in case a server words the detail anew.
+    detail.is_some_and(|d| d.starts_with("The transaction has already committed locally"))
+        || message.starts_with("canceling wait for synchronous replication")
+        || message.starts_with("canceling the wait for synchronous replication")
+}
+
+/// A call one of whose commits PostgreSQL reported done on the primary only
+/// (its wait for a synchronous standby was cancelled), every time it ran.
+pub(super) fn unreplicated() -> Error {
+    failure(
+        "PostgreSQL committed a call's write on the primary only".to_owned(),
+        "its wait for the synchronous standby was cancelled, so a failover may lose it; \
+         the outcome is unknown until a retry finds it durable",
+    )
 }
 
 fn failure(what: String, source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Error {
@@ -168,6 +198,28 @@ mod tests {
             "storage backend error: PostgreSQL connection failed: connection refused"
         );
         assert!(err.source().and_then(|s| s.source()).is_some());
+        assert!(err.is_transient());
+    }
+
+    #[test]
+    fn the_synchronous_standby_warnings_are_recognised_and_no_other() {
+        let detail = "The transaction has already committed locally, but might not have been replicated to the standby.";
+        assert!(is_unreplicated_text(
+            "canceling wait for synchronous replication due to user request",
+            Some(detail)
+        ));
+        assert!(is_unreplicated_text(
+            "canceling the wait for synchronous replication and terminating connection due to administrator command",
+            Some(detail)
+        ));
+        assert!(is_unreplicated_text("anything", Some(detail)));
+        assert!(!is_unreplicated_text(
+            "there is no transaction in progress",
+            None
+        ));
+        assert!(!is_unreplicated_text("canceling statement", Some("other")));
+        let err = unreplicated();
+        assert!(matches!(err, Error::Backend(_)), "{err}");
         assert!(err.is_transient());
     }
 }

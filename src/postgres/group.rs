@@ -53,9 +53,12 @@
 //!   the connection is dropped and every job runs again alone. After a
 //!   broken connection each is run as a repetition (see
 //!   `Core::retrying`): a `complete` that finds its own response stored
-//!   reports success, a `begin` that finds its own lost claim answers
-//!   `InFlight` (fail closed). One bad job costs its group a second round
-//!   trip, never a wrong answer.
+//!   reports success once it is durable, a `begin` that finds its own lost
+//!   claim answers `InFlight` (fail closed). One bad job costs its group a
+//!   second round trip, never a wrong answer.
+//! - **A commit on the primary only** (its wait for a synchronous standby
+//!   cancelled: `Conn::unreplicated`) is treated as that broken
+//!   connection: every job of the group runs again alone, as a repetition.
 //!
 //! Lone reruns are spawned off the runner: a call that waits (for a row
 //! lock, for a connection) keeps only itself waiting, not the line.
@@ -323,14 +326,22 @@ async fn together(core: &Arc<Core>, mut jobs: Vec<Job>) {
         completes,
         after,
     } = split(jobs);
-    let (began, completed) = match pipeline(core, &conn, &begins, &completes).await {
-        Ok(answers) => answers,
-        Err(err) => {
+    let seen = conn.unreplicated();
+    let ran = pipeline(core, &conn, &begins, &completes).await;
+    // The group's commit may be on the primary only: every job's outcome
+    // is then unknown, as after a broken connection.
+    let unreplicated = conn.unreplicated() != seen;
+    let (began, completed) = match ran {
+        Ok(answers) if !unreplicated => answers,
+        ran => {
             // Nothing committed, or (the connection broke after COMMIT was
-            // sent) maybe everything did: rerun each job alone, as a
-            // repetition when the outcome is unknown.
-            let broken = errors::is_dead_connection(&err);
-            pooled.discard();
+            // sent, or the commit is on the primary only) maybe everything
+            // did: rerun each job alone, as a repetition when the outcome
+            // is unknown.
+            let broken = unreplicated || ran.as_ref().is_err_and(errors::is_dead_connection);
+            if ran.is_err() {
+                pooled.discard();
+            }
             let jobs = completes
                 .into_iter()
                 .map(Job::Complete)

@@ -13,7 +13,7 @@
 //! (inbox_sql.rs), with one commit; a failing message rolls the batch back
 //! and it runs again without that message.
 
-use super::errors::db_error;
+use super::errors::{self, db_error};
 use super::inbox_sql::{InboxSql, Prepared, pipelined};
 use super::ops::{BeginStep, Core, RunError, complete_on};
 use super::pool::{Conn, Pooled};
@@ -164,7 +164,9 @@ impl PgInbox {
     /// Errors: the handler's own (everything rolled back), or the store's
     /// ([`Error::Backend`], [`Error::ResponseTooLarge`], [`Error::Corrupt`])
     /// converted into `E`. A failed `COMMIT` is an [`Error::Backend`]
-    /// whose outcome is unknown: a redelivery finds out.
+    /// whose outcome is unknown: a redelivery finds out. So is a `COMMIT`
+    /// PostgreSQL reports done on the primary only (its wait for a
+    /// synchronous standby cancelled), in a batch or a set too.
     ///
     /// ```no_run
     /// use idemstore::{Fingerprint, Key, PostgresStore, Response};
@@ -255,6 +257,25 @@ impl OpenTx {
     }
 }
 
+/// Ends a delivery whose transactions are over (the connection goes back
+/// to the pool) with `answers`, unless the server reported one of its
+/// commits on the primary only ([`Conn::unreplicated`] moved from `seen`):
+/// then its outcome is unknown, as after a failed `COMMIT`, and a
+/// redelivery finds out.
+pub(super) fn settled<T>(
+    open: &mut OpenTx,
+    conn: &Conn,
+    seen: u64,
+    answers: T,
+) -> Result<T, Error> {
+    open.finish();
+    if conn.unreplicated() == seen {
+        Ok(answers)
+    } else {
+        Err(errors::unreplicated())
+    }
+}
+
 impl Drop for OpenTx {
     fn drop(&mut self) {
         if let Some(pooled) = self.0.take() {
@@ -279,6 +300,7 @@ where
     Counters::bump(&core.counters.calls);
     let pooled = core.pool.get().await?;
     let conn = pooled.conn();
+    let seen = conn.unreplicated();
     let mut open = OpenTx(Some(pooled));
     let table = &core.sql.table;
     let db = |e| -> E { db_error(e, table).into() };
@@ -332,8 +354,12 @@ where
         return Err(Error::StaleClaim.into());
     }
     conn.client.batch_execute("COMMIT").await.map_err(db)?;
-    open.finish();
-    Ok(Delivery::Handled(response))
+    Ok(settled(
+        &mut open,
+        &conn,
+        seen,
+        Delivery::Handled(response),
+    )?)
 }
 
 impl PgInbox {
@@ -526,6 +552,7 @@ where
         .collect();
     let pooled = core.pool.get().await?;
     let conn = pooled.conn();
+    let seen = conn.unreplicated();
     let mut open = OpenTx(Some(pooled));
     let statements = sql
         .prepared(&conn)
@@ -544,17 +571,13 @@ where
     let (mut fast, mut moved) = (0, 0);
     while fast < FAST_PASSES {
         if failed.iter().all(Option::is_some) {
-            open.finish();
-            return Ok(merge(Vec::new(), failed));
+            return settled(&mut open, &conn, seen, merge(Vec::new(), failed));
         }
         // Which messages failed (`E` need not be `Sync`: the passes see
         // flags, not the errors).
         let mask: Vec<bool> = failed.iter().map(Option::is_some).collect();
         match fast_pass(&ctx, &items, &mask, &mut handler).await {
-            Ok(answers) => {
-                open.finish();
-                return Ok(merge(answers, failed));
-            }
+            Ok(answers) => return settled(&mut open, &conn, seen, merge(answers, failed)),
             Err(Abort::Batch(e)) => return Err(e),
             Err(Abort::Message(index, e)) => match failed.get_mut(index) {
                 Some(slot @ None) => {
@@ -578,8 +601,7 @@ where
     }
     let mask: Vec<bool> = failed.iter().map(Option::is_some).collect();
     let answers = careful_pass(&ctx, &items, &mask, &mut handler).await?;
-    open.finish();
-    Ok(merge(answers, failed))
+    settled(&mut open, &conn, seen, merge(answers, failed))
 }
 
 /// The answers of the last pass, with the failures of every pass.

@@ -27,7 +27,7 @@
 
 use super::errors::db_error;
 use super::inbox::{
-    Abort, CatchPanic, Decided, Done, OpenTx, PassContext, PgInbox, Rep, decide_all,
+    Abort, CatchPanic, Decided, Done, OpenTx, PassContext, PgInbox, Rep, decide_all, settled,
     write_and_commit,
 };
 use super::inbox_sql::{InboxSql, pipelined};
@@ -206,6 +206,7 @@ where
     Counters::bump(&core.counters.calls);
     let pooled = core.pool.get().await?;
     let conn = pooled.conn();
+    let seen = conn.unreplicated();
     let mut open = OpenTx(Some(pooled));
     let statements = sql
         .prepared(&conn)
@@ -306,13 +307,13 @@ where
             },
         }
     }
-    open.finish();
-    Ok(answers
+    let answers = answers
         .into_iter()
         .map(|a| {
             a.unwrap_or_else(|| Err(Error::backend("an inbox pass skipped a delivery").into()))
         })
-        .collect())
+        .collect();
+    settled(&mut open, &conn, seen, answers)
 }
 
 /// One pass over `pass` (indexes into `messages`, distinct ids): decided,

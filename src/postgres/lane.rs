@@ -29,7 +29,8 @@
 //! - A connection the server ended is dropped and the call runs again on
 //!   the store's runtime as a repetition, exactly as `Core::retrying` would
 //!   run it on another pooled connection (a `complete` whose first run
-//!   committed is recognised there).
+//!   committed is recognised there). So does a call whose commit the
+//!   server reported on the primary only (its connection is kept).
 //! - A lane's connection holds one of the pool's permits (`max_size`
 //!   bounds both), never the last free one; it is opened only while the
 //!   breaker is closed, and a failed attempt opens the breaker and starts
@@ -136,7 +137,8 @@ pub(super) enum Ran<T> {
     /// unable to open a connection): run it the usual way.
     NotTaken,
     /// The lane's connection died under it, after the statement may have
-    /// committed: run it again as a repetition.
+    /// committed, or the server reported its commit on the primary only:
+    /// run it again as a repetition.
     Broken,
 }
 
@@ -210,6 +212,7 @@ impl Lanes {
             return Ran::NotTaken;
         };
         Counters::bump(&core.counters.calls);
+        let seen = held.conn.unreplicated();
         let Ok(ran) = runtime
             .block_on(async { tokio::time::timeout(bound, op(Arc::clone(&held.conn))).await })
         else {
@@ -219,15 +222,19 @@ impl Lanes {
             *conn = None;
             return Ran::Answered(Err(call_timed_out(bound)));
         };
+        let unreplicated = held.conn.unreplicated() != seen;
         if !matches!(&ran, Err(RunError::Db(err)) if is_dead_connection(err)) {
             Counters::bump(&core.counters.caller_driven_calls);
         }
         match ran {
-            Ok(value) => Ran::Answered(Ok(value)),
             Err(RunError::Db(err)) if is_dead_connection(&err) => {
                 lose(core, conn);
                 Ran::Broken
             }
+            // Its commit is on the primary only: the outcome is unknown, as
+            // after a broken connection, though this one stays usable.
+            _ if unreplicated => Ran::Broken,
+            Ok(value) => Ran::Answered(Ok(value)),
             Err(RunError::Db(err)) => Ran::Answered(Err(db_error(err, &core.sql.table))),
             Err(RunError::Store(err)) => Ran::Answered(Err(err)),
         }

@@ -64,6 +64,9 @@ impl Core {
     /// so a repeated `complete` or `release` that finds nothing to do checks
     /// whether its own first run did it. A repeated `begin` that finds its
     /// own lost claim answers InFlight: fail closed, as the error would.
+    /// A run one of whose commits the server reported on the primary only
+    /// ([`Conn::unreplicated`]) is run again the same way: a success read
+    /// back is acknowledged only once durable.
     /// `repeated`: the first run is already a repetition (a group whose
     /// connection broke after its `COMMIT` was sent ran it).
     async fn retrying<T, F, Fut>(&self, repeated: bool, mut op: F) -> Result<T>
@@ -75,20 +78,24 @@ impl Core {
         let mut last = None;
         for _ in 0..attempts {
             let pooled = self.pool.get().await?;
-            match op(pooled.conn(), repeated || last.is_some()).await {
+            let conn = pooled.conn();
+            let seen = conn.unreplicated();
+            let ran = op(Arc::clone(&conn), repeated || last.is_some()).await;
+            match ran {
                 Err(RunError::Db(err)) if errors::is_dead_connection(&err) => {
                     pooled.discard();
-                    last = Some(err);
+                    last = Some(self.db(err));
                 }
+                // A commit of this run is on the primary only: its outcome
+                // is unknown, as after a broken connection, though this
+                // one stays usable.
+                _ if conn.unreplicated() != seen => last = Some(errors::unreplicated()),
                 Err(RunError::Db(err)) => return Err(self.db(err)),
                 Err(RunError::Store(err)) => return Err(err),
                 Ok(value) => return Ok(value),
             }
         }
-        Err(match last {
-            Some(err) => self.db(err),
-            None => Error::backend("no PostgreSQL connection attempt was made"),
-        })
+        Err(last.unwrap_or_else(|| Error::backend("no PostgreSQL connection attempt was made")))
     }
 
     fn db(&self, err: tokio_postgres::Error) -> Error {

@@ -197,8 +197,9 @@ impl PostgresStoreBuilder {
         self
     }
 
-    /// The bound on one connection attempt, and on a call's wait for a
-    /// connection when every one is busy (default 5 s);
+    /// The bound on one connection attempt to one host (each host of a
+    /// multi-host URL gets its own, tried in turn), and on a call's wait
+    /// for a connection when every one is busy (default 5 s);
     /// either way the call fails with [`Error::Backend`]. While the server
     /// is unreachable calls do not wait for it: see
     /// [`probe_interval`](Self::probe_interval).

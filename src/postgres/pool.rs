@@ -15,7 +15,9 @@
 //! microseconds, not the connect timeout, and the first call after the
 //! server is back within one probe interval succeeds.
 
-use super::errors::{connect_error, connect_timeout, pool_exhausted, unavailable};
+use super::errors::{
+    connect_error, connect_timeout, is_unreplicated_commit, pool_exhausted, unavailable,
+};
 use super::sql::{Sql, Stmt};
 use super::stats::Counters;
 use super::tls::Connector;
@@ -24,9 +26,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_postgres::config::{Host, LoadBalanceHosts};
 use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
 use tokio_postgres::types::ToSql;
-use tokio_postgres::{Client, Config, NoTls, Row, Socket, Statement};
+use tokio_postgres::{AsyncMessage, Client, Config, NoTls, Row, Socket, Statement};
 
 /// How the pool opens connections and how long it waits.
 pub(super) struct PoolOptions {
@@ -34,7 +37,8 @@ pub(super) struct PoolOptions {
     /// Plain, or TLS as the URL's `sslmode` asks (tls.rs).
     pub(super) connector: Connector,
     pub(super) max_size: u32,
-    /// The bound on one connection attempt, and on a wait for a busy pool.
+    /// The bound on one connection attempt to one host, and on a wait for
+    /// a busy pool.
     pub(super) connect_timeout: Duration,
     pub(super) probe_interval: Duration,
 }
@@ -47,6 +51,8 @@ pub(super) struct Pool {
 
 struct Inner {
     options: PoolOptions,
+    /// The URL's hosts, one configuration each, in the order tried.
+    hosts: Vec<Config>,
     sql: Arc<Sql>,
     idle: Mutex<Vec<Arc<Conn>>>,
     /// One permit per connection in use: idle + in use never exceeds
@@ -79,6 +85,7 @@ impl Pool {
         let permits = Arc::new(Semaphore::new(options.max_size as usize));
         Pool {
             inner: Arc::new(Inner {
+                hosts: one_per_host(&options.config),
                 options,
                 sql,
                 idle: Mutex::new(Vec::new()),
@@ -211,42 +218,70 @@ impl Inner {
             Connector::Plain => self.open(NoTls).await,
             Connector::Tls(tls) => self.open(tls.clone()).await,
         };
-        let client = opened.inspect_err(|_| Counters::bump(&self.counters.connect_failures))?;
+        let (client, unreplicated) =
+            opened.inspect_err(|_| Counters::bump(&self.counters.connect_failures))?;
         Counters::bump(&self.counters.connections_opened);
         self.open.fetch_add(1, Ordering::Relaxed);
         Ok(Arc::new(Conn {
             client,
+            unreplicated,
             sql: Arc::clone(&self.sql),
             prepared: Mutex::new(Default::default()),
             open: Arc::clone(&self.open),
         }))
     }
 
-    /// Connects through `tls` within the connect timeout, and spawns the
+    /// Connects through `tls` to the first host that answers, each within
+    /// the connect timeout, and spawns the
     /// connection's I/O task, which ends when the client is dropped or the
-    /// server closes the socket.
-    async fn open<T>(&self, tls: T) -> Result<Client>
+    /// server closes the socket. Also returns the count of commits the
+    /// server reported as possibly unreplicated on it ([`Conn::unreplicated`]).
+    async fn open<T>(&self, tls: T) -> Result<(Client, Arc<AtomicU64>)>
     where
-        T: MakeTlsConnect<Socket>,
+        T: MakeTlsConnect<Socket> + Clone,
         T::Stream: Send + 'static,
         T::TlsConnect: Send,
         <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
     {
-        // tokio-postgres bounds each host's TCP connect by the connect
-        // timeout and tries the hosts in turn: a host that drops packets
+        // Each host in turn, its whole attempt (TCP, TLS, startup,
+        // authentication, the session check) bounded by the connect
+        // timeout: a host that accepts the connection but never answers
         // costs one timeout, and the next host still gets its own.
-        let hosts = u32::try_from(self.options.config.get_hosts().len()).unwrap_or(u32::MAX);
-        let bound = self.options.connect_timeout.saturating_mul(hosts.max(1));
-        let connecting = self.options.config.connect(tls);
-        let (client, connection) = match tokio::time::timeout(bound, connecting).await {
-            Ok(Ok(pair)) => pair,
-            Ok(Err(err)) => return Err(connect_error(err)),
-            Err(_) => return Err(connect_timeout(bound)),
+        let bound = self.options.connect_timeout;
+        let mut failed = None;
+        let mut opened = None;
+        for config in &self.hosts {
+            match tokio::time::timeout(bound, config.connect(tls.clone())).await {
+                Ok(Ok(pair)) => {
+                    opened = Some(pair);
+                    break;
+                }
+                Ok(Err(err)) => failed = Some(connect_error(err)),
+                Err(_) => failed = Some(connect_timeout(bound)),
+            }
+        }
+        let Some((client, connection)) = opened else {
+            return Err(failed.unwrap_or_else(|| connect_timeout(bound)));
         };
+        let unreplicated = Arc::new(AtomicU64::new(0));
+        let seen = Arc::clone(&unreplicated);
         tokio::spawn(async move {
-            let _ = connection.await;
+            let mut connection = connection;
+            // The notice is counted before the connection task passes on
+            // the rest of the statement's answer (which follows it on the
+            // socket), so the call that ran the statement sees the count
+            // once its statement returns.
+            while let Some(Ok(message)) =
+                std::future::poll_fn(|cx| connection.poll_message(cx)).await
+            {
+                if let AsyncMessage::Notice(notice) = message
+                    && is_unreplicated_commit(&notice)
+                {
+                    seen.fetch_add(1, Ordering::SeqCst);
+                }
+            }
         });
-        Ok(client)
+        Ok((client, unreplicated))
     }
 
     /// Opens the breaker after `err`, and starts the probe unless it runs.
@@ -286,6 +321,92 @@ impl Inner {
             }
         }
     }
+}
+
+/// `config` split into one configuration per host (with its `hostaddr`
+/// and port), everything else the same, in the URL's order; so that each
+/// host's attempt can have a bound of its own. A configuration that names
+/// one host or none, or whose ports do not match its hosts, is kept whole
+/// (in the last two cases its connect fails with tokio-postgres's message).
+fn one_per_host(config: &Config) -> Vec<Config> {
+    let (hosts, addrs, ports) = (
+        config.get_hosts(),
+        config.get_hostaddrs(),
+        config.get_ports(),
+    );
+    let count = hosts.len().max(addrs.len());
+    if count < 2
+        || (!hosts.is_empty() && !addrs.is_empty() && hosts.len() != addrs.len())
+        || (ports.len() > 1 && ports.len() != count)
+    {
+        return vec![config.clone()];
+    }
+    let mut order: Vec<usize> = (0..count).collect();
+    if config.get_load_balance_hosts() == LoadBalanceHosts::Random {
+        // A random first host (tokio-postgres would shuffle them all).
+        let start = std::hash::BuildHasher::hash_one(
+            &std::collections::hash_map::RandomState::new(),
+            count,
+        );
+        order.rotate_left(usize::try_from(start % count as u64).unwrap_or(0));
+    }
+    order
+        .into_iter()
+        .map(|i| {
+            let mut one = Config::new();
+            if let Some(user) = config.get_user() {
+                one.user(user);
+            }
+            if let Some(password) = config.get_password() {
+                one.password(password);
+            }
+            if let Some(dbname) = config.get_dbname() {
+                one.dbname(dbname);
+            }
+            if let Some(options) = config.get_options() {
+                one.options(options);
+            }
+            if let Some(name) = config.get_application_name() {
+                one.application_name(name);
+            }
+            one.ssl_mode(config.get_ssl_mode())
+                .ssl_negotiation(config.get_ssl_negotiation())
+                .keepalives(config.get_keepalives())
+                .keepalives_idle(config.get_keepalives_idle())
+                .target_session_attrs(config.get_target_session_attrs())
+                .channel_binding(config.get_channel_binding())
+                .load_balance_hosts(config.get_load_balance_hosts());
+            if let Some(timeout) = config.get_connect_timeout() {
+                one.connect_timeout(*timeout);
+            }
+            if let Some(timeout) = config.get_tcp_user_timeout() {
+                one.tcp_user_timeout(*timeout);
+            }
+            if let Some(interval) = config.get_keepalives_interval() {
+                one.keepalives_interval(interval);
+            }
+            if let Some(retries) = config.get_keepalives_retries() {
+                one.keepalives_retries(retries);
+            }
+            match hosts.get(i) {
+                Some(Host::Tcp(host)) => {
+                    one.host(host);
+                }
+                #[cfg(unix)]
+                Some(Host::Unix(path)) => {
+                    one.host_path(path);
+                }
+                None => {}
+            }
+            if let Some(addr) = addrs.get(i) {
+                one.hostaddr(*addr);
+            }
+            if let Some(port) = ports.get(i).or_else(|| ports.first()) {
+                one.port(*port);
+            }
+            one
+        })
+        .collect()
 }
 
 /// A connection taken from the pool; back to it on drop unless discarded
@@ -331,6 +452,9 @@ pub(super) struct Dedicated {
 /// first use, not at connect: before the schema exists preparing would fail.
 pub(super) struct Conn {
     pub(super) client: Client,
+    /// Commits on this connection whose wait for a synchronous standby
+    /// ended before the standby had them (see [`Conn::unreplicated`]).
+    unreplicated: Arc<AtomicU64>,
     sql: Arc<Sql>,
     prepared: Mutex<[Option<Statement>; Stmt::COUNT]>,
     open: Arc<AtomicU64>,
@@ -343,6 +467,17 @@ impl Drop for Conn {
 }
 
 impl Conn {
+    /// How many commits on this connection the server reported done on the
+    /// primary only: a wait for a synchronous standby cancelled (or ended
+    /// with the backend) after the commit was written locally. A call
+    /// compares it before and after its statements: a change means one of
+    /// its commits may be lost by a failover, so its outcome is unknown,
+    /// as if the connection had broken after the commit was sent. One call
+    /// uses a connection at a time, so a change is that call's own.
+    pub(super) fn unreplicated(&self) -> u64 {
+        self.unreplicated.load(Ordering::SeqCst)
+    }
+
     /// Prepares `stmt` on this connection if it is not yet (one extra round
     /// trip, once per connection), then runs it.
     pub(super) async fn query(
@@ -374,5 +509,38 @@ impl Conn {
             *slot = Some(prepared.clone());
         }
         Ok(prepared)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio_postgres::config::TargetSessionAttrs;
+
+    #[test]
+    fn a_multi_host_url_becomes_one_configuration_per_host_in_order() {
+        let config: Config = "postgres://app:pw@a:5001,b:5002/orders?target_session_attrs=read-write&application_name=x&options=-c%20a%3D1"
+            .parse()
+            .unwrap();
+        let hosts = one_per_host(&config);
+        assert_eq!(hosts.len(), 2);
+        for (one, (host, port)) in hosts.iter().zip([("a", 5001), ("b", 5002)]) {
+            assert!(matches!(one.get_hosts(), [Host::Tcp(h)] if h == host));
+            assert_eq!(one.get_ports(), [port]);
+            assert_eq!(one.get_user(), Some("app"));
+            assert_eq!(one.get_password(), Some(&b"pw"[..]));
+            assert_eq!(one.get_dbname(), Some("orders"));
+            assert_eq!(one.get_application_name(), Some("x"));
+            assert_eq!(one.get_options(), Some("-c a=1"));
+            assert_eq!(
+                one.get_target_session_attrs(),
+                TargetSessionAttrs::ReadWrite
+            );
+        }
+        let shared_port: Config = "host=a,b port=7 dbname=d".parse().unwrap();
+        let hosts = one_per_host(&shared_port);
+        assert!(hosts.iter().all(|one| one.get_ports() == [7]));
+        let single: Config = "postgres://a:1/d".parse().unwrap();
+        assert_eq!(one_per_host(&single).len(), 1);
     }
 }

@@ -820,6 +820,40 @@ fn a_failed_statement_on_a_lane_keeps_its_connection() {
     );
 }
 
+/// A first host that accepts the connection but never answers the startup
+/// costs one connect timeout, and the next host is tried: the store builds
+/// and serves through the second host.
+#[test]
+fn a_host_that_never_answers_costs_one_connect_timeout_then_the_next_is_tried() {
+    let Some(url) = pg_url() else {
+        return;
+    };
+    // Never accepted: the kernel completes the handshake, nothing answers.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let silent_port = silent.local_addr().unwrap().port();
+    // The silent host first, then the URL's own.
+    let start = url
+        .find('@')
+        .map_or(url.find("://").unwrap() + 3, |at| at + 1);
+    let two_hosts = format!("{}127.0.0.1:{silent_port},{}", &url[..start], &url[start..]);
+    let table = fresh_table("silent");
+    let _drop = DropTable {
+        url: url.clone(),
+        table: table.clone(),
+    };
+    let store = PostgresStore::builder()
+        .table(&table)
+        .max_size(2)
+        .connect_timeout(Duration::from_secs(1))
+        .build_timeout(Duration::from_secs(20))
+        .migrate_on_build(true)
+        .connect(&two_hosts)
+        .unwrap();
+    let fp = Fingerprint::of(b"silent");
+    claimed(store.begin(&key("k"), &fp, T0, HOUR, HOUR).unwrap());
+    drop(silent);
+}
+
 // ---- A stalled synchronous standby: every call answers within its bound ----
 
 /// Sets `synchronous_standby_names` on `url`'s server and waits until a new
@@ -1016,6 +1050,232 @@ fn a_completion_read_back_is_acknowledged_only_once_durable() {
     assert_eq!(record.response(), Some(&response));
     drop(DropTable {
         url: cluster.url.clone(),
+        table,
+    });
+}
+
+/// How many backends of the connections named `app` wait for a
+/// synchronous standby, running a statement `LIKE` `statement`.
+fn waiting_for_standby(url: &str, app: &str, statement: &str) -> i64 {
+    raw(url)
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity
+              WHERE wait_event = 'SyncRep' AND application_name = $1 AND query LIKE $2",
+            &[&app, &statement],
+        )
+        .unwrap()
+        .get(0)
+}
+
+/// Cancels (`pg_cancel_backend`) every commit of the connections named
+/// `app` that waits for a synchronous standby running a statement `LIKE`
+/// `statement`, waiting up to 30 s for one.
+fn cancel_standby_waits(url: &str, app: &str, statement: &str) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let cancelled: i64 = raw(url)
+            .query_one(
+                "SELECT count(pg_cancel_backend(pid)) FROM pg_stat_activity
+                  WHERE wait_event = 'SyncRep' AND application_name = $1 AND query LIKE $2",
+                &[&app, &statement],
+            )
+            .unwrap()
+            .get(0);
+        if cancelled > 0 {
+            return;
+        }
+        if Instant::now() >= deadline {
+            let activity: Vec<(Option<String>, String)> = raw(url)
+                .query(
+                    "SELECT wait_event, query FROM pg_stat_activity WHERE application_name = $1",
+                    &[&app],
+                )
+                .unwrap()
+                .iter()
+                .map(|r| (r.get(0), r.get(1)))
+                .collect();
+            panic!("no commit of {app} running {statement} waited for the standby: {activity:?}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Waits (up to 30 s) until a call of `app` reads its row back and waits
+/// for the standby to acknowledge it (`Stmt::Durable`), failing if any of
+/// `calls` answered before.
+fn waits_again<T: std::fmt::Debug>(
+    url: &str,
+    app: &str,
+    calls: &[std::thread::ScopedJoinHandle<'_, T>],
+) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while waiting_for_standby(url, app, "%pg_logical_emit_message%") == 0 {
+        assert!(
+            calls.iter().all(|c| !c.is_finished()),
+            "a call of {app} answered while the standby is away"
+        );
+        assert!(Instant::now() < deadline, "no call of {app} waited again");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(
+        calls.iter().all(|c| !c.is_finished()),
+        "a call of {app} answered while the standby is away"
+    );
+}
+
+/// PostgreSQL answers a commit whose wait for a synchronous standby is
+/// cancelled with success (and a warning), the commit kept on the primary
+/// only, where a failover would lose it. The store must not acknowledge
+/// it. With the standby stopped: a blocking `complete` (the calling
+/// thread's lane) whose wait is cancelled answers a transient error within
+/// its bound; a `PgInbox` delivery whose `COMMIT`'s wait is cancelled
+/// answers an error (unknown), not `Handled`; an async `complete` (the
+/// commit line) and a group of async ones sharing one `COMMIT`, whose
+/// waits are cancelled, read their rows back and wait for the standby
+/// again. Once the standby is back, those answer success, the first is
+/// replayed, the delivery is a duplicate, and the standby has them all.
+#[test]
+fn a_cancelled_wait_for_the_standby_is_not_acknowledged() {
+    if !enabled() {
+        return;
+    }
+    let primary = OwnCluster::start();
+    let standby = OwnCluster::standby(&primary, "sync");
+    let table = fresh_table("cancelled");
+    let short = bounded_store(
+        &named(&primary.url, "cancelled_short"),
+        &table,
+        Duration::from_secs(3),
+    );
+    let long = bounded_store(
+        &named(&primary.url, "cancelled_long"),
+        &table,
+        Duration::from_secs(60),
+    );
+    // Room for every call of the group below to wait on a connection.
+    let grouped = PostgresStore::builder()
+        .table(&table)
+        .max_size(40)
+        .connect_timeout(Duration::from_secs(30))
+        .call_timeout(Duration::from_secs(60))
+        .connect(&named(&primary.url, "cancelled_group"))
+        .unwrap();
+    // Two lone calls of the commit line stuck in their waits, and a
+    // backlog of 16 behind them, which a third group takes.
+    const GROUPED: usize = 18;
+    let inbox = idemstore::postgres::PgInbox::new(bounded_store(
+        &named(&primary.url, "cancelled_inbox"),
+        &table,
+        Duration::from_secs(60),
+    ));
+    let fp = Fingerprint::of(b"cancelled");
+    let response = Response::new(201, "on the standby too");
+    let first = claimed(short.begin(&key("short"), &fp, T0, HOUR, HOUR).unwrap());
+    let second = claimed(long.begin(&key("long"), &fp, T0, HOUR, HOUR).unwrap());
+    let group: Vec<(idemstore::Key, idemstore::Claim)> = (0..GROUPED)
+        .map(|i| {
+            let k = key(&format!("group-{i}"));
+            let c = claimed(grouped.begin(&k, &fp, T0, HOUR, HOUR).unwrap());
+            (k, c)
+        })
+        .collect();
+    standby.stop();
+
+    let started = Instant::now();
+    let answer = std::thread::scope(|s| {
+        let completing = s.spawn(|| short.complete(&key("short"), &first, &response, T0, HOUR));
+        cancel_standby_waits(&primary.url, "cancelled_short", "%");
+        completing.join().unwrap()
+    });
+    let err = answer.expect_err("a completion on the primary only was acknowledged");
+    assert!(matches!(err, Error::Backend(_)), "{err}");
+    assert!(err.is_transient(), "{err}");
+    // Not a performance assertion: the lane's run and its repetition are
+    // each bounded by the call timeout.
+    assert!(started.elapsed() < Duration::from_secs(30));
+
+    // An inbox delivery whose COMMIT's wait is cancelled: unknown, not
+    // handled (a redelivery finds out).
+    let handle = || {
+        inbox.handle(&key("inbox"), &fp, |_client, _claim| {
+            Box::pin(async { Ok::<_, Error>(Response::new(201, "on the standby too")) })
+        })
+    };
+    let delivered = std::thread::scope(|s| {
+        let delivering = s.spawn(handle);
+        cancel_standby_waits(&primary.url, "cancelled_inbox", "COMMIT");
+        delivering.join().unwrap()
+    });
+    let err = delivered.expect_err("a delivery on the primary only was acknowledged");
+    assert!(matches!(err, Error::Backend(_)), "{err}");
+    assert!(err.to_string().contains("primary only"), "{err}");
+
+    std::thread::scope(|s| {
+        let lone = s.spawn(|| {
+            block_on(
+                Store::complete_async(&long, &key("long"), &second, &response, T0, HOUR)
+                    .expect(NATIVE),
+            )
+        });
+        cancel_standby_waits(&primary.url, "cancelled_long", "%");
+        waits_again(&primary.url, "cancelled_long", std::slice::from_ref(&lone));
+
+        // The line's first calls wait for the standby, so calls queue
+        // behind them and go as a group (at the latest the backlog's),
+        // whose one COMMIT waits.
+        let futures: Vec<_> = group
+            .iter()
+            .map(|(k, c)| Store::complete_async(&grouped, k, c, &response, T0, HOUR).expect(NATIVE))
+            .collect();
+        let calls: Vec<_> = futures
+            .into_iter()
+            .map(|f| s.spawn(move || block_on(f)))
+            .collect();
+        cancel_standby_waits(&primary.url, "cancelled_group", "COMMIT");
+        waits_again(&primary.url, "cancelled_group", &calls);
+        assert!(!lone.is_finished());
+
+        standby.restart();
+        for call in calls.into_iter().chain([lone]) {
+            let answer = call.join().unwrap();
+            assert!(matches!(answer, Ok(())), "{answer:?}");
+        }
+    });
+
+    // A retried request finds the first completion, now on the standby,
+    // and a redelivery the delivery.
+    assert!(matches!(
+        short.begin(&key("short"), &fp, T0, HOUR, HOUR),
+        Ok(Begin::Replay(r)) if r == response
+    ));
+    let redelivered = handle();
+    assert!(
+        matches!(&redelivered, Ok(idemstore::postgres::Delivery::Duplicate(r)) if *r == response),
+        "{redelivered:?}"
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let ids = ["short".to_owned(), "long".to_owned(), "inbox".to_owned()]
+        .into_iter()
+        .chain((0..GROUPED).map(|i| format!("group-{i}")));
+    for id in ids {
+        loop {
+            let body: Option<Vec<u8>> = raw(&standby.url)
+                .query_opt(
+                    &format!("SELECT body FROM \"{table}\" WHERE scope = $1 AND id = $2"),
+                    &[&b"pg".as_slice(), &id.as_bytes()],
+                )
+                .unwrap()
+                .and_then(|r| r.get(0));
+            if body.as_deref() == Some(response.body()) {
+                break;
+            }
+            assert!(Instant::now() < deadline, "{id} is not on the standby");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    drop((short, long, grouped, inbox));
+    drop(DropTable {
+        url: primary.url.clone(),
         table,
     });
 }
