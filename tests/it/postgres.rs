@@ -511,7 +511,6 @@ fn begin_racing_an_uncommitted_insert_answers_from_the_committed_row() {
         std::thread::spawn(move || store.begin(&key("t"), &fp, T0 + 5 * SEC, SEC, HOUR))
     };
     wait_for_lock_waiter(&url, "idemstore");
-    let lane_calls = store.stats().caller_driven_calls;
     tx.commit().unwrap();
     assert_eq!(
         racing.join().unwrap().unwrap(),
