@@ -54,7 +54,11 @@ fn main() -> BoxResult<()> {
         n += 1;
         for turn in 0..count {
             // A, B, B, A: neither always goes first.
-            let i = if n % 2 == 0 { turn } else { count - 1 - turn };
+            let i = if n.is_multiple_of(2) {
+                turn
+            } else {
+                count - 1 - turn
+            };
             let (Some(client), Some(claim_us), Some(complete_us), Some(cycle_us), Some(cpu_us)) = (
                 clients.get_mut(i),
                 claims.get_mut(i),
@@ -97,11 +101,9 @@ fn main() -> BoxResult<()> {
         println!("{name:<16}{c:>10.1}{d:>10.1}{y:>10.1}{mean:>10.1}{t:>12.1}");
         medians.push((y, mean));
     }
-    if let [(a, am), (b, bm)] = medians[..] {
+    if let ([(a, am), (b, bm)], [first, second]) = (&medians[..], &names[..]) {
         println!(
-            "{} / {}: {:.2}× by median cycle, {:.2}× by mean (speed: higher is faster)",
-            names[0],
-            names[1],
+            "{first} / {second}: {:.2}× by median cycle, {:.2}× by mean (speed: higher is faster)",
             b / a.max(f64::MIN_POSITIVE),
             bm / am.max(f64::MIN_POSITIVE)
         );
