@@ -19,7 +19,11 @@
 //!   saved wake-up. The check is a hint; a call that takes the lane as the
 //!   line fills is one more lone statement, as a group's fallback runs.
 //! - The statement is the lone call's (`BeginStep`, `complete_on`), in its
-//!   own transaction: the answers are the lone path's.
+//!   own transaction: the answers are the lone path's. A `begin` may try
+//!   the plain claim of an absent key first (`BeginStep::claim_fresh`,
+//!   cheaper on the server than the full statement), which claims what
+//!   the full statement would have claimed or writes nothing, and then
+//!   the full statement decides.
 //! - One caller per lane at a time (`try_lock`). A store keeps up to
 //!   [`MAX_LANES`] of them (one per four pooled connections): a few
 //!   threads calling at once each drive their own connection, as the
@@ -55,6 +59,7 @@ use crate::record::{Begin, Claim, check_durations};
 use crate::response::Response;
 use crate::time::Timestamp;
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, TryLockError};
 use std::time::Duration;
 use tokio::runtime::{Handle, Runtime};
@@ -71,6 +76,13 @@ pub(super) struct Lanes {
     slots: Box<[Mutex<Option<Held>>]>,
     /// The store's call timeout, which bounds a lane's call too.
     call_timeout: Duration,
+    /// Whether a `begin` tries [`BeginStep::claim_fresh`] first: while
+    /// begins claim fresh keys, their one plain statement; once one finds
+    /// its key taken (a replay, a retry), the full statement alone, so
+    /// that a caller re-sending keys does not pay two statements a call,
+    /// until a begin claims a key at its first attempt again. A hint:
+    /// either statement gives the same answer.
+    fresh_first: AtomicBool,
 }
 
 impl Lanes {
@@ -82,6 +94,7 @@ impl Lanes {
         Lanes {
             slots: (0..count).map(|_| Mutex::new(None)).collect(),
             call_timeout,
+            fresh_first: AtomicBool::new(true),
         }
     }
 }
@@ -256,10 +269,21 @@ impl Lanes {
         if check_durations(lease, retention).is_err() {
             return Ran::NotTaken;
         }
+        let fresh = &self.fresh_first;
         // Built only once the lane is taken (the key lock is a hash).
         self.run(core, store, |conn| async move {
             let step = core.begin_step(key, fingerprint, now, lease, retention);
-            step.run(&conn, &core.counters).await
+            if fresh.load(Ordering::Relaxed) {
+                if let Some(claimed) = step.claim_fresh(&conn).await? {
+                    return Ok(claimed);
+                }
+                fresh.store(false, Ordering::Relaxed);
+            }
+            let answer = step.run(&conn, &core.counters).await?;
+            if matches!(&answer, Begin::Claimed(claim) if claim.attempt() == 1) {
+                fresh.store(true, Ordering::Relaxed);
+            }
+            Ok(answer)
         })
     }
 

@@ -87,7 +87,11 @@ const MAX_BEGIN_ATTEMPTS: usize = 8;
 /// `postgres` client works), with the same answers. The store keeps up to
 /// 8 such connections (one per four of `max_size`, never the
 /// pool's last one), so a few threads calling at once each drive their
-/// own; [`PostgresStats::caller_driven_calls`] counts these calls.
+/// own; [`PostgresStats::caller_driven_calls`] counts these calls. There a
+/// `begin` first tries a plain `INSERT` of a fresh key (under the same
+/// lock, with the same answer) and runs the full statement below only
+/// when that writes nothing; once a begin finds its key taken, the full
+/// statement goes first until one claims a fresh key again.
 ///
 /// The builder checks the schema at build, bounds the build, sizes a lazy
 /// pool and opens a circuit breaker while the server is unreachable: see

@@ -324,6 +324,48 @@ impl BeginStep<'_> {
 }
 
 impl BeginStep<'_> {
+    /// [`Stmt::BeginFresh`]: the claim of a key with no row, in one plain
+    /// statement; `None` when it wrote nothing (the key has a row, or
+    /// another begin holds its lock) and [`run`](Self::run) must decide.
+    /// The claim is the one [`Stmt::Begin`] makes of an absent key: attempt
+    /// 1, the lease deadline as stored.
+    pub(super) async fn claim_fresh(&self, conn: &Conn) -> Result<Option<Begin>, RunError> {
+        let (key, fp) = (self.key, &self.fingerprint.as_bytes()[..]);
+        let (at, lease_until, expires_at) = (
+            row::millis(self.now),
+            row::millis(self.now + self.lease),
+            row::millis(self.now + self.retention),
+        );
+        let rows = conn
+            .query(
+                Stmt::BeginFresh,
+                &[
+                    &key.scope(),
+                    &key.id(),
+                    &fp,
+                    &at,
+                    &lease_until,
+                    &expires_at,
+                    &self.lock,
+                ],
+            )
+            .await?;
+        let Some(first) = rows.first() else {
+            return Ok(None);
+        };
+        let token: i64 = first.try_get(0)?;
+        let corrupt = |what: String| Error::corrupt(Some(key.to_string()), what);
+        let token =
+            u64::try_from(token).map_err(|_| corrupt(format!("token {token} is negative")))?;
+        let lease_until = u64::try_from(lease_until).unwrap_or(0);
+        Ok(Some(Begin::Claimed(Claim::new(
+            token,
+            Timestamp::from_millis(lease_until),
+            false,
+            1,
+        ))))
+    }
+
     /// What one row of a claim statement answers (`claimed_at`: the column
     /// of its `claimed` flag, the record's columns after it): the claim it
     /// made, or, when it wrote nothing, `logic::begin`'s answer on the row

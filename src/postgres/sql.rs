@@ -92,10 +92,15 @@ pub(super) enum Stmt {
     /// synchronous standby too), so everything committed before it is.
     /// Run before an answer learnt by reading is acknowledged.
     Durable = 10,
+    /// [`Stmt::Begin`]'s arguments → one row, the new `token`, when the
+    /// key had no row and the statement claimed it; no row otherwise (a
+    /// row exists, or another begin holds the key's lock), and then
+    /// [`Stmt::Begin`] decides.
+    BeginFresh = 11,
 }
 
 impl Stmt {
-    pub(super) const COUNT: usize = 11;
+    pub(super) const COUNT: usize = 12;
 }
 
 /// The statement texts and object names for one table.
@@ -189,6 +194,25 @@ impl Sql {
             SELECT true AS claimed, {RECORD_COLUMNS} FROM claimed
             UNION ALL
             SELECT false, {RECORD_COLUMNS} FROM live WHERE NOT EXISTS (SELECT 1 FROM claimed)"
+        );
+        // Stmt::Begin's claim of an absent key alone, the common case: the
+        // record logic::begin makes when there is none, under the same
+        // advisory lock, the token drawn after the lock is held (nextval is
+        // in the target list, evaluated only once the WHERE has passed).
+        // Nothing else is decided here: a row in the snapshot, a row
+        // committed since (the conflict) or a lock held elsewhere writes
+        // nothing and returns no row, and Stmt::Begin runs. One plain INSERT
+        // is what the server runs fastest; the read of the live row, its
+        // materialisation and the union are what Stmt::Begin adds.
+        let begin_fresh = format!(
+            "INSERT INTO {t} (scope, id, fingerprint, state, lease_until, expires_at,
+                              created_at, token, attempts)
+             SELECT $1::bytea, $2::bytea, $3::bytea, {p}::smallint, $5::bigint, $6::bigint,
+                    $4::bigint, nextval('{seq}'), 1
+              WHERE NOT EXISTS (SELECT 1 FROM {t} WHERE scope = $1 AND id = $2)
+                AND pg_try_advisory_xact_lock($7::bigint)
+             ON CONFLICT (scope, id) DO NOTHING
+             RETURNING token"
         );
         // logic::complete's ownership check: PROCESSING, same token, not expired.
         let complete = format!(
@@ -318,6 +342,7 @@ impl Sql {
                 complete_group,
                 PLAN_SETTINGS.to_owned(),
                 "SELECT pg_logical_emit_message(true, 'idemstore', '')".to_owned(),
+                begin_fresh,
             ],
         }
     }

@@ -382,6 +382,60 @@ fn many_threads_few_keys_one_claim_per_key_per_lease() {
     }
 }
 
+/// The plain claim of a fresh key, which a blocking begin on an idle
+/// store tries first, racing another replica's uncommitted claim of the
+/// same key: it waits on the conflict, writes nothing once that commits,
+/// and the full statement then answers from the committed row.
+#[test]
+fn a_fresh_claim_racing_an_uncommitted_insert_answers_from_the_committed_row() {
+    let Some(url) = pg_url() else { return };
+    let (store, guard) = fresh_store("freshrace", 2);
+    let store = Arc::new(store);
+    let fp = Fingerprint::of(b"a");
+    // A fresh claim: the store prepares the plain claim, and tries it first.
+    let _ = claimed(store.begin(&key("warm"), &fp, T0, SEC, HOUR).unwrap());
+    let table = &guard.table;
+    let mut other = raw(&url);
+    let mut tx = other.transaction().unwrap();
+    tx.execute(
+        &format!(
+            "INSERT INTO \"{table}\" (scope, id, fingerprint, state, lease_until, expires_at, created_at, token, attempts)
+             VALUES ($1, $2, $3, 1, $4, $5, $6, 1000, 1)"
+        ),
+        &[
+            &key("k").scope(),
+            &key("k").id(),
+            &&fp.as_bytes()[..],
+            &((T0 + 10 * SEC).as_millis() as i64),
+            &((T0 + HOUR).as_millis() as i64),
+            &(T0.as_millis() as i64),
+        ],
+    )
+    .unwrap();
+    let racing = {
+        let store = Arc::clone(&store);
+        std::thread::spawn(move || store.begin(&key("k"), &fp, T0 + SEC, SEC, HOUR))
+    };
+    wait_for_lock_waiter(&url, "idemstore");
+    let lane_calls = store.stats().caller_driven_calls;
+    tx.commit().unwrap();
+    assert_eq!(
+        racing.join().unwrap().unwrap(),
+        Begin::InFlight {
+            lease_until: T0 + 10 * SEC
+        }
+    );
+    assert!(
+        store.stats().caller_driven_calls > lane_calls,
+        "on the lane"
+    );
+    // Its token was never handed out: the other replica's claim stands.
+    let stored = store.get(&key("k"), T0 + SEC).unwrap().expect("the row");
+    assert_eq!(stored.token(), 1000);
+    // And a fresh key after it is claimed as before.
+    let _ = claimed(store.begin(&key("next"), &fp, T0, SEC, HOUR).unwrap());
+}
+
 /// The race the retry exists for: a begin whose statement started before
 /// another transaction committed the key waits on the conflict, then sees
 /// no row in its snapshot. It must run again and answer from the committed
@@ -394,7 +448,14 @@ fn begin_racing_an_uncommitted_insert_answers_from_the_committed_row() {
     let fp = Fingerprint::of(b"a");
     // Claim a key once so the store has prepared its statement: the
     // begin below then blocks inside the one statement we mean to test.
+    // The second begin finds the key taken, so the store's next begins run
+    // the full statement first, not the plain claim of a fresh key (see
+    // `a_fresh_claim_racing_an_uncommitted_insert_answers_from_the_committed_row`).
     let _ = claimed(store.begin(&key("warm"), &fp, T0, SEC, HOUR).unwrap());
+    assert!(matches!(
+        store.begin(&key("warm"), &fp, T0, SEC, HOUR).unwrap(),
+        Begin::InFlight { .. }
+    ));
     let table = &guard.table;
     let mut other = raw(&url);
     let mut tx = other.transaction().unwrap();
