@@ -202,7 +202,6 @@ mod tests {
             now: Timestamp::from_millis(1_000),
             lease: D,
             retention: D,
-            absent_at: None,
         }
     }
 

@@ -59,28 +59,17 @@ impl Shared {
 
     /// The latest state of `key_bytes`: the memtable, then redb (verified).
     pub(super) fn read(&self, key_bytes: &[u8]) -> Result<Option<Record>> {
-        self.read_counted(key_bytes).map(|(record, _)| record)
-    }
-
-    /// [`read`](Self::read), and when redb answered, the commit count it
-    /// answered under (a `begin`'s [`absent_at`](super::line::Op::Begin)).
-    pub(super) fn read_counted(&self, key_bytes: &[u8]) -> Result<(Option<Record>, Option<u64>)> {
-        {
-            let mem = self.memory.read_mem();
-            if let Some(entry) = mem.get(key_bytes) {
-                return Ok((memtable::decode(key_bytes, entry)?, None));
-            }
+        if let Some(entry) = self.memory.read_mem().get(key_bytes) {
+            return memtable::decode(key_bytes, entry);
         }
         // Counted after the memtable was read: see snapshot.rs.
         let seen = self.db.snapshot.count();
         let db = self.db.read_db()?;
-        let record = self
-            .db
+        self.db
             .snapshot
             .read(&db, seen, |tables| tables.read(key_bytes))
             .and_then(|read| read)
-            .map_err(|e| self.engine_failed("read", e))?;
-        Ok((record, Some(seen)))
+            .map_err(|e| self.engine_failed("read", e))
     }
 
     /// An engine error met `during` an operation: an I/O error (redb then

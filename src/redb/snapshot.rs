@@ -74,7 +74,7 @@ impl Snapshot {
     }
 
     /// The redb commits counted so far: read after the memtable, it is
-    /// the `seen` of [`read`](Self::read) and a `begin`'s `absent_at`.
+    /// the `seen` of [`read`](Self::read).
     pub(super) fn count(&self) -> u64 {
         self.commits.load(Ordering::Acquire)
     }

@@ -80,9 +80,7 @@ impl Shared {
             let db = self.db.read_db()?;
             self.db
                 .snapshot
-                .read(&db, counted, |base| {
-                    decide(ops, &mem, counted, base, &mut hwm)
-                })
+                .read(&db, counted, |base| decide(ops, &mem, base, &mut hwm))
                 .map_err(|e| self.engine_failed("read", e))?
         };
         if decided.writes.is_empty() {
@@ -188,19 +186,12 @@ pub(in crate::redb) mod tests {
     pub(super) const D: Duration = Duration::from_secs(10);
 
     pub(super) fn begin(id: &[u8]) -> Op {
-        begin_absent_at(id, None)
-    }
-
-    /// [`begin`] as the read path sends it after finding no record under
-    /// commit count `absent_at`.
-    pub(super) fn begin_absent_at(id: &[u8], absent_at: Option<u64>) -> Op {
         Op::Begin {
             key: id.to_vec(),
             fingerprint: Fingerprint::of(b"fp"),
             now: T,
             lease: D,
             retention: D,
-            absent_at,
         }
     }
 
