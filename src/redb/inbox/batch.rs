@@ -157,6 +157,9 @@ impl Inbox {
             let pass = shared.direct_locked(&mut core, self.quick_repair, |tables, hwm| {
                 self.one_pass(tables, hwm, &mut burned, items, &failed, now, &mut handler)
             });
+            // Whatever ends the pass, a handler may have passed its token
+            // downstream: no later claim gets it (a heal keeps this mark).
+            core.token_hwm = core.token_hwm.max(burned);
             match pass {
                 Ok(answers) => {
                     let answers = answers.into_iter().zip(failed).map(|(answer, failed)| {
@@ -183,8 +186,6 @@ impl Inbox {
                     return Err(shared.fail("inbox batch", On::Store, error));
                 }
                 Err(Abort::Message(index, failure)) => {
-                    // A handler may have seen the aborted pass's tokens.
-                    core.token_hwm = core.token_hwm.max(burned);
                     match failed.get_mut(index) {
                         Some(slot @ None) => *slot = Some(failure),
                         // A pass skips failed messages: stop rather than loop.
