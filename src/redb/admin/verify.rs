@@ -165,6 +165,9 @@ impl Admin<'_> {
     pub fn verify(&self, mut progress: impl FnMut(u64)) -> Result<VerifyReport> {
         let shared = &self.store.shared;
         let mut report = VerifyReport::default();
+        // Every transaction waited out and none begun until the check ends:
+        // the file then holds whole commits only.
+        let mut engine = shared.db.write_db();
         match self.store.path() {
             // redb's repair rolls the file back (and can fail): on an overlay.
             Some(path) => match engine_check_without_writing(path)? {
@@ -181,11 +184,9 @@ impl Admin<'_> {
                     format!("redb's page checksums failed and it cannot repair the file: {detail} (verify changed nothing)"),
                 ),
             },
+            // A caller's backend, checked in place.
             None => {
-                // A caller's backend, checked in place once every
-                // transaction is out (the kept snapshot's included).
-                let mut db = shared.db.write_db();
-                if !db.db.check_integrity().map_err(engine_error)? {
+                if !engine.db.check_integrity().map_err(engine_error)? {
                     report.add(
                         ProblemKind::EngineRepaired,
                         None,
@@ -194,6 +195,7 @@ impl Admin<'_> {
                 }
             }
         }
+        drop(engine);
         let facts = self.facts();
         if let Err(e) = &facts {
             report.add(ProblemKind::Meta, None, e.to_string());
