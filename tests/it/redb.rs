@@ -1017,7 +1017,7 @@ fn a_verify_during_checkpoints_finds_the_file_clean() {
             }
         })
     };
-    for _ in 0..200 {
+    for _ in 0..100 {
         let report = store.admin().verify(|_| std::thread::yield_now()).unwrap();
         assert!(report.is_clean(), "{:?}", report.problems);
     }

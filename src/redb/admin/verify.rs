@@ -196,12 +196,13 @@ impl Admin<'_> {
             }
         }
         drop(engine);
-        let facts = self.facts();
-        if let Err(e) = &facts {
+        let db = shared.db.read_db()?;
+        // One transaction: the mark is checked against the records it covers.
+        let txn = db.begin_read().map_err(engine_error)?;
+        let meta = crate::redb::meta::read_meta_entries(&txn);
+        if let Err(e) = &meta {
             report.add(ProblemKind::Meta, None, e.to_string());
         }
-        let db = shared.db.read_db()?;
-        let txn = db.begin_read().map_err(engine_error)?;
         let records = txn.open_table(RECORDS).map_err(engine_error)?;
         let expiry = txn.open_table(EXPIRY).map_err(engine_error)?;
         for entry in records.iter().map_err(engine_error)? {
@@ -229,10 +230,10 @@ impl Admin<'_> {
                 let detail = format!("no index entry at its expiry ({at} ms)");
                 report.add(ProblemKind::MissingIndex, Some(key), detail);
             }
-            if let Ok(facts) = &facts
-                && record.token > facts.token_hwm
+            if let Ok(meta) = &meta
+                && record.token > meta.token_hwm
             {
-                let (token, hwm) = (record.token, facts.token_hwm);
+                let (token, hwm) = (record.token, meta.token_hwm);
                 let detail = format!("token {token} is above the high-water mark {hwm}");
                 report.add(ProblemKind::TokenAboveHighWaterMark, Some(key), detail);
             }
