@@ -196,7 +196,7 @@ impl Db {
     fn file_name(&self, on: On) -> String {
         match (&self.path, on) {
             (Some(path), On::Store) => path.display().to_string(),
-            (Some(path), On::Log) => super::record_log::log_path(path).display().to_string(),
+            (Some(path), On::Log) => super::file::log_path(path).display().to_string(),
             (None, On::Store) => "<storage backend>".to_owned(),
             (None, On::Log) => "<log backend>".to_owned(),
         }

@@ -8,6 +8,7 @@
 
 use super::Config;
 use super::damage::Damage;
+use super::file::log_path;
 use super::loss::LossReport;
 use super::meta::{read_wal_boot, read_wal_epoch, read_wal_state};
 use super::record_log::{self, LogWriter, applier};
@@ -79,12 +80,12 @@ pub(super) fn plan_log(
         Some(0) => {}
         _ if len == 0 => plan.problems.push(Damage::LogMissing {
             store: name.to_path_buf(),
-            log: record_log::log_path(name),
+            log: log_path(name),
         }),
         Some(recorded) if len < recorded => {
             plan.problems.push(Damage::LogCutShort {
                 store: name.to_path_buf(),
-                log: record_log::log_path(name),
+                log: log_path(name),
                 len,
                 recorded,
             });
@@ -105,7 +106,7 @@ pub(super) fn plan_log(
     if seen >= 2 && ours == 0 {
         plan.problems.push(Damage::LogOfAnotherStore {
             store: name.to_path_buf(),
-            log: record_log::log_path(name),
+            log: log_path(name),
             seen,
         });
     }

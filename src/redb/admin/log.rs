@@ -106,13 +106,4 @@ pub fn check_log(store: impl AsRef<Path>) -> Result<LogCheck> {
     Ok(check)
 }
 
-/// The write-ahead log beside the store file `store` (`<store>-wal`); the
-/// two are copied, moved and deleted together.
-///
-/// ```
-/// use idemstore::redb::admin::log_path;
-/// assert_eq!(log_path("/data/orders.idem"), std::path::Path::new("/data/orders.idem-wal"));
-/// ```
-pub fn log_path(store: impl AsRef<Path>) -> PathBuf {
-    record_log::log_path(store.as_ref())
-}
+pub use super::super::file::log_path;
