@@ -211,9 +211,8 @@ fn create_then_open(path: &Path, config: &Config) -> Result<Opened> {
     open_file(path, config)
 }
 
-/// Opens or creates a store over any redb backend, with its write-ahead
-/// log on `log`; `name` names it in errors. `boot` is the machine's boot id
-/// for a real file ([`boot_id`]).
+/// Opens or creates a store over any redb backend, with its log on `log`;
+/// `name` names it in errors, `boot` is [`boot_id`] for a real file.
 pub(super) fn open_backend(
     backend: impl StorageBackend,
     log: Box<dyn StorageBackend>,
@@ -254,8 +253,7 @@ pub(super) fn open_backend(
     })
 }
 
-/// The engine over `backend` and its meta entries, written now for a new
-/// store.
+/// The engine over `backend` and its meta entries (written for a new store).
 fn open_engine(
     backend: impl StorageBackend,
     config: &Config,
@@ -274,8 +272,8 @@ fn open_engine(
 }
 
 /// The engine over `backend`, for an open and a heal: a foreign file is
-/// refused before redb sees it, and a panic of redb's over a damaged file
-/// (which redb documents) becomes [`Error::Corrupt`].
+/// refused before redb sees it; redb's panic over a damaged file becomes
+/// [`Error::Corrupt`].
 fn engine_open(
     backend: impl StorageBackend,
     config: &Config,
@@ -299,7 +297,7 @@ fn engine_open(
 }
 
 /// A heal's first step: the engine over the store's files again, and its
-/// meta entries. Nothing is written but redb's own recovery.
+/// meta entries (only redb's own recovery writes).
 pub(super) fn reopen_engine(
     source: &Origin,
     config: &Config,
