@@ -1,7 +1,5 @@
 //! The [`Store`] impl of [`RedbStore`]: each call's checks, the read fast
-//! path that answers a `begin` whose answer writes nothing (Replay,
-//! InFlight, Conflict) without joining the line, and the ops a call puts in
-//! the line (`commit/`), blocking or as a future.
+//! path, and the ops a call puts in the line (`commit/`).
 
 use super::RedbStore;
 use super::line::{Op, Reply};
