@@ -40,15 +40,13 @@ pub(super) struct Engine {
     pub(super) usable: Usable,
 }
 
-/// What the engine in [`Engine::db`] may be used for, from least to most.
+/// What the engine may be used for, from least to most.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub(super) enum Usable {
-    /// While a heal cannot open the files at all: an empty stand-in, and
-    /// reads fail with the cause instead of reading it.
+    /// A heal cannot open the files: an empty stand-in; reads fail.
     No,
-    /// While a heal cannot open the files for writing: a view of them that
-    /// writes nothing (`overlay::open_view_of`). Reads go on; a write
-    /// transaction is refused with the cause.
+    /// A heal cannot open them for writing: a view that writes nothing
+    /// (`overlay::open_view_of`); reads go on.
     ForReads,
     /// The store's files, opened for writing.
     Yes,
@@ -94,13 +92,11 @@ impl Db {
         }
     }
 
-    /// The engine for a transaction, or the cause when a heal could not
-    /// reopen it yet.
+    /// The engine for a read, or the cause while a heal could not reopen it.
     pub(super) fn read_db(&self) -> Result<DbRead<'_>> {
         self.db_for(Usable::ForReads)
     }
-    /// The engine for a write transaction: the files opened for writing,
-    /// or the cause.
+    /// The engine for a write transaction, or the cause.
     pub(super) fn write_ready_db(&self) -> Result<DbRead<'_>> {
         self.db_for(Usable::Yes)
     }
@@ -143,9 +139,8 @@ impl Db {
         }
     }
 
-    /// `error`, or, when it is the engine's refusal after an earlier I/O
-    /// error (which names none), the last I/O error the engine's storage
-    /// returned: the cause, with its kind.
+    /// `error`, or, for the engine's refusal after an earlier I/O error
+    /// (which names none), the last I/O error its storage returned.
     pub(super) fn named(&self, error: Error) -> Error {
         if !super::errors::is_latched(&error) {
             return error;
@@ -160,10 +155,8 @@ impl Db {
         }
     }
 
-    /// [`Err`] of [`poisoned_error`](Self::poisoned_error) while poisoned.
-    /// The flag and the cause are set and cleared together under the
-    /// cause's lock, so a write that races the end of a heal is either
-    /// refused with the cause or let through, never refused without one.
+    /// [`Err`] of [`poisoned_error`](Self::poisoned_error) while poisoned
+    /// (never without the cause: see `HealthCell`).
     pub(super) fn check_healthy(&self) -> Result<()> {
         self.health.refusal().map_or(Ok(()), Err)
     }
@@ -196,7 +189,7 @@ impl Db {
     fn file_name(&self, on: On) -> String {
         match (&self.path, on) {
             (Some(path), On::Store) => path.display().to_string(),
-            (Some(path), On::Log) => super::record_log::log_path(path).display().to_string(),
+            (Some(path), On::Log) => super::file::log_path(path).display().to_string(),
             (None, On::Store) => "<storage backend>".to_owned(),
             (None, On::Log) => "<log backend>".to_owned(),
         }

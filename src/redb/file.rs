@@ -1,5 +1,6 @@
 //! File helpers: owner-only opening, directory syncs, locks, the redb
-//! header check, positional reads, preallocation. A bottom module.
+//! header check, positional I/O, preallocation, the log file. A bottom
+//! module.
 
 use super::errors::engine_error;
 use crate::error::{Error, Result};
@@ -76,6 +77,84 @@ pub(super) fn check_foreign(backend: &impl StorageBackend) -> Result<()> {
 
 pub(super) fn not_ours(detail: impl std::fmt::Display) -> Error {
     Error::corrupt(None, format!("not an idemstore store file: {detail}"))
+}
+
+/// The write-ahead log beside the store file `store` (`<store>-wal`);
+/// public as [`RedbStore::log_path`](super::RedbStore::log_path).
+pub(super) fn log_path(store: impl AsRef<Path>) -> std::path::PathBuf {
+    let store = store.as_ref();
+    let mut name = store.file_name().unwrap_or_default().to_os_string();
+    name.push("-wal");
+    store.with_file_name(name)
+}
+
+/// The log on a real file: positional reads and writes, `fdatasync`. The
+/// store file's lock (taken first) is what keeps a second process out.
+#[derive(Debug)]
+pub(super) struct FileLog {
+    file: std::fs::File,
+}
+
+impl FileLog {
+    /// Opens (creating, mode 0600) the log beside `store`, making a new
+    /// directory entry durable.
+    pub(super) fn open(store: &Path) -> Result<FileLog> {
+        let path = log_path(store);
+        let existed = path.exists();
+        let file = open_owner_only(&path)?;
+        if !existed {
+            file.sync_all()?;
+            sync_parent(&path)?;
+        }
+        Ok(FileLog { file })
+    }
+
+    /// Opens the log beside `store` for reading only (`None` when there is
+    /// none): every write through it fails, and nothing is created.
+    pub(super) fn open_read_only(store: &Path) -> Result<Option<FileLog>> {
+        match std::fs::File::open(log_path(store)) {
+            Ok(file) => Ok(Some(FileLog { file })),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+}
+
+impl StorageBackend for FileLog {
+    fn len(&self) -> std::io::Result<u64> {
+        Ok(self.file.metadata()?.len())
+    }
+    fn read(&self, offset: u64, out: &mut [u8]) -> std::io::Result<()> {
+        read_at(&self.file, out, offset)
+    }
+    fn set_len(&self, len: u64) -> std::io::Result<()> {
+        self.file.set_len(len)
+    }
+    fn sync_data(&self) -> std::io::Result<()> {
+        self.file.sync_data()
+    }
+    fn write(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
+        #[cfg(unix)]
+        {
+            std::os::unix::fs::FileExt::write_all_at(&self.file, data, offset)
+        }
+        #[cfg(windows)]
+        {
+            let mut done = 0;
+            while let Some(rest) = data.get(done..).filter(|r| !r.is_empty()) {
+                let n = std::os::windows::fs::FileExt::seek_write(
+                    &self.file,
+                    rest,
+                    offset + done as u64,
+                )?;
+                if n == 0 {
+                    return Err(std::io::ErrorKind::WriteZero.into());
+                }
+                done += n;
+            }
+            Ok(())
+        }
+    }
 }
 
 /// Fills `out` from `file` at `offset` (positional: no shared cursor).

@@ -1,23 +1,19 @@
-//! Healing: after a failed write, the store writes again once the cause
-//! is gone, without a restart and without losing anything.
+//! Healing: after a failed write, the store writes again once the cause is
+//! gone, without a restart and without losing anything. A failed write
+//! may be on disk or not, and redb refuses a database after its own I/O
+//! error, so a heal does what an open does, under the commit lock and the
+//! engine's write lock:
 //!
-//! A failed write may or may not be on disk, and redb refuses a database
-//! after its own I/O error until it is reopened. So a heal does what an
-//! open does, under the commit lock and the engine's write lock:
+//! 1. the engine is closed (an in-memory stand-in holds its place) and
+//!    reopened from its origin (source.rs);
+//! 2. the log's live frames are replayed into it and committed with a new
+//!    epoch (`recovery::recover_log`); the memtable, which holds exactly
+//!    those frames, is emptied. A frame whose write failed may be replayed
+//!    or not: its callers were told it failed, as after a crash.
 //!
-//! 1. the old engine is closed (its file locks go; an unusable in-memory
-//!    stand-in holds its place) and reopened from its origin (source.rs);
-//! 2. the log's live frames are replayed into it and committed durably
-//!    with a new epoch (`recovery::recover_log`). The memtable holds
-//!    exactly those frames (published only once durable), so it is then
-//!    emptied. A frame whose write failed may be replayed or not: its
-//!    callers were told it failed, and either way the result is what a
-//!    crash then an open gives.
-//!
-//! If step 1 fails, the files are opened as a view that writes nothing
-//! (`overlay::open_view_of`) so reads go on; if step 2 fails, the engine is
-//! reopened for reads and the memtable kept. Writes stay refused and the
-//! background thread tries again after its back-off.
+//! If 1 fails, a view that writes nothing (`overlay::open_view_of`) keeps
+//! reads going; if 2 fails, the memtable is kept. Writes stay refused and
+//! the background thread tries again after its back-off.
 
 use super::errors::engine_error;
 use super::health::Attempts;

@@ -52,11 +52,6 @@ pub(super) enum Op {
         now: Timestamp,
         lease: Duration,
         retention: Duration,
-        /// The redb commit count under which the read path found no record
-        /// of the key anywhere (memtable, redb): while the
-        /// count has not moved, the leader need not read redb for it
-        /// (snapshot.rs). `None`: the leader reads.
-        absent_at: Option<u64>,
     },
     Complete {
         key: Vec<u8>,

@@ -1,21 +1,13 @@
 //! The native async entry: a [`Submitted`] future queues its [`Op`] with a
-//! [`Waiter::Task`] slot; the leader that commits its group fills the slot
-//! and wakes the task. No thread waits per future: the leader is a blocked
-//! `submit` caller, or, when only futures wait, the committer thread.
+//! [`Waiter::Task`] slot; the leader of its group fills the slot and wakes
+//! it (only after the frame is durable). No thread waits per future: when
+//! only futures wait, the committer thread leads.
 //!
-//! - Durability: a future completes only with the answer its leader hands
-//!   out after the group's frame is durable, so its `Claimed` is as durable
-//!   as `submit`'s.
-//! - Back-pressure: a future that finds the line full keeps its op and
-//!   registers its waker; the leader that drains a full line wakes it.
-//! - Cancellation: still in the line, its op is taken out (nothing
-//!   written); taken by a leader, the write is whole or not at all (one
-//!   frame), and a claim nobody will see is released through the line
-//!   (durable by the same path); if that fails, the claim ends with its
-//!   lease, as a crashed owner's would.
-//! - Closing: the store's drop closes the line and joins the committer,
-//!   which commits everything in line first; a future still waiting for
-//!   room answers [`Error::Closed`].
+//! A future that finds the line full keeps its op and its waker. Dropped
+//! while in line, its op is taken out; dropped after a leader took it, a
+//! claim nobody will see is released through the line (or ends with its
+//! lease). The store's drop commits what is in line, then joins the
+//! committer; a future still waiting for room gets [`Error::Closed`].
 
 use super::Shared;
 use super::line::{InLine, Op, Reply, Slot, WRITE_QUEUE_DEPTH, Waiter};
@@ -202,7 +194,6 @@ mod tests {
             now: Timestamp::from_millis(1_000),
             lease: D,
             retention: D,
-            absent_at: None,
         }
     }
 

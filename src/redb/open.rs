@@ -4,11 +4,13 @@
 
 use super::damage::Damage;
 use super::errors::engine_error;
-use super::file::{FILE_MODE, check_foreign, open_owner_only, sync_parent, try_lock_shared};
+use super::file::{
+    FILE_MODE, FileLog, check_foreign, log_path, open_owner_only, sync_parent, try_lock_shared,
+};
 use super::loss::LossReport;
 use super::meta::{MetaEntries, init_meta, read_meta};
 use super::overlay::Overlay;
-use super::record_log::{self, FileLog, LogWriter};
+use super::record_log::LogWriter;
 use super::recovery::{Found, boot_id, recover_log};
 use super::source::{Origin, SharedBackend};
 use super::tables::commit;
@@ -68,7 +70,7 @@ fn refuse_over_log(path: &Path, what: &'static str, config: &Config) -> Result<O
     if !config.accept_loss {
         return Err(store_lost_beside_log(path, what));
     }
-    let log = record_log::log_path(path);
+    let log = log_path(path);
     let aside = free_name(&log, "lost");
     std::fs::rename(&log, &aside)?;
     sync_parent(path)?;
@@ -84,7 +86,7 @@ fn refuse_over_log(path: &Path, what: &'static str, config: &Config) -> Result<O
 fn store_lost_beside_log(path: &Path, what: &'static str) -> Error {
     Damage::StoreLostBesideLog {
         store: path.to_path_buf(),
-        log: record_log::log_path(path),
+        log: log_path(path),
         what,
     }
     .into()
@@ -94,7 +96,7 @@ fn store_lost_beside_log(path: &Path, what: &'static str) -> Error {
 /// all zeros until its first frame). Reads only.
 fn log_holds_frames(path: &Path) -> Result<bool> {
     use std::io::Read;
-    let mut file = match std::fs::File::open(record_log::log_path(path)) {
+    let mut file = match std::fs::File::open(log_path(path)) {
         Ok(file) => file,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
         Err(e) => return Err(e.into()),
@@ -158,7 +160,7 @@ fn file_backend(path: &Path) -> Result<::redb::backends::FileBackend> {
 fn open_file(path: &Path, config: &Config) -> Result<Opened> {
     let backend = file_backend(path)?;
     // The store file's lock keeps other processes out of the log too.
-    let wal_existed = record_log::log_path(path).exists();
+    let wal_existed = log_path(path).exists();
     let log = Box::new(FileLog::open(path)?);
     // Every open syncs the directory, not only the creating one: a crash
     // before a creator's directory fsync would leave an entry no later open
@@ -167,7 +169,7 @@ fn open_file(path: &Path, config: &Config) -> Result<Opened> {
     let opened = open_backend(backend, log, boot_id().as_deref(), config, path);
     if opened.is_err() && !wal_existed {
         // The empty log this refused open made is not left behind.
-        let _ = std::fs::remove_file(record_log::log_path(path));
+        let _ = std::fs::remove_file(log_path(path));
     }
     let mut opened = opened?;
     opened.source = Origin::Path(path.to_path_buf());
@@ -209,9 +211,8 @@ fn create_then_open(path: &Path, config: &Config) -> Result<Opened> {
     open_file(path, config)
 }
 
-/// Opens or creates a store over any redb backend, with its write-ahead
-/// log on `log`; `name` names it in errors. `boot` is the machine's boot id
-/// for a real file ([`boot_id`]).
+/// Opens or creates a store over any redb backend, with its log on `log`;
+/// `name` names it in errors, `boot` is [`boot_id`] for a real file.
 pub(super) fn open_backend(
     backend: impl StorageBackend,
     log: Box<dyn StorageBackend>,
@@ -252,8 +253,7 @@ pub(super) fn open_backend(
     })
 }
 
-/// The engine over `backend` and its meta entries, written now for a new
-/// store.
+/// The engine over `backend` and its meta entries (written for a new store).
 fn open_engine(
     backend: impl StorageBackend,
     config: &Config,
@@ -272,8 +272,8 @@ fn open_engine(
 }
 
 /// The engine over `backend`, for an open and a heal: a foreign file is
-/// refused before redb sees it, and a panic of redb's over a damaged file
-/// (which redb documents) becomes [`Error::Corrupt`].
+/// refused before redb sees it; redb's panic over a damaged file becomes
+/// [`Error::Corrupt`].
 fn engine_open(
     backend: impl StorageBackend,
     config: &Config,
@@ -297,7 +297,7 @@ fn engine_open(
 }
 
 /// A heal's first step: the engine over the store's files again, and its
-/// meta entries. Nothing is written but redb's own recovery.
+/// meta entries (only redb's own recovery writes).
 pub(super) fn reopen_engine(
     source: &Origin,
     config: &Config,

@@ -1,13 +1,11 @@
-//! The record log's recovery, at an open and at a heal: what the store file
-//! says about its log and what is wrong with the log before a
-//! frame is read ([`plan_log`]), the walk over its live frames
-//! ([`walk_live`]), and their replay into the store file in one durable
-//! commit that starts a new epoch ([`recover_log`]). The
-//! frames and the walk over one epoch are the log's own (`record_log/`);
-//! the meta entries that record the log's state are read in meta.rs.
+//! The log's recovery, at an open and a heal: what is wrong with the log
+//! before a frame is read ([`plan_log`]), the walk over its live frames
+//! ([`walk_live`]), and their replay in one durable commit that starts a
+//! new epoch ([`recover_log`]).
 
 use super::Config;
 use super::damage::Damage;
+use super::file::log_path;
 use super::loss::LossReport;
 use super::meta::{read_wal_boot, read_wal_epoch, read_wal_state};
 use super::record_log::{self, LogWriter, applier};
@@ -46,12 +44,9 @@ pub(super) struct LogPlan {
     pub(super) problems: Vec<Damage>,
 }
 
-/// Reads the log's record in the store file and checks the log against
-/// it, without reading a frame. After an unclean stop the log is part of
-/// the store: without it, cut short, or another store's, the replay would
-/// find nothing (or only part) and the open would succeed without the
-/// writes acknowledged since the last checkpoint. Shared by the open
-/// ([`recover_log`]) and the read-only check (`RedbStore::check_log`).
+/// Checks the log against what the store file says of it. After an
+/// unclean stop the log is part of the store: missing, cut short or
+/// another store's, a replay would silently drop acknowledged writes.
 pub(super) fn plan_log(
     db: &Database,
     file: &dyn StorageBackend,
@@ -79,12 +74,12 @@ pub(super) fn plan_log(
         Some(0) => {}
         _ if len == 0 => plan.problems.push(Damage::LogMissing {
             store: name.to_path_buf(),
-            log: record_log::log_path(name),
+            log: log_path(name),
         }),
         Some(recorded) if len < recorded => {
             plan.problems.push(Damage::LogCutShort {
                 store: name.to_path_buf(),
-                log: record_log::log_path(name),
+                log: log_path(name),
                 len,
                 recorded,
             });
@@ -96,16 +91,13 @@ pub(super) fn plan_log(
         Some(recorded) => plan.layout_len = recorded,
         None => {}
     }
-    // The log must be this store's: its frames verify under this store's
-    // id. A log with frames of which none does (another store's, put in
-    // its place) cannot hold this store's writes. One frame that does not
-    // verify may be this store's first, torn by a crash: two or more
-    // cannot all be.
+    // Frames verify under this store's id only. One that does not may be
+    // this store's first, torn by a crash; two or more cannot all be.
     let (seen, ours) = record_log::frames_seen(file, &found.store_id, plan.layout_len)?;
     if seen >= 2 && ours == 0 {
         plan.problems.push(Damage::LogOfAnotherStore {
             store: name.to_path_buf(),
-            log: record_log::log_path(name),
+            log: log_path(name),
             seen,
         });
     }

@@ -1,7 +1,5 @@
 //! The [`Store`] impl of [`RedbStore`]: each call's checks, the read fast
-//! path that answers a `begin` whose answer writes nothing (Replay,
-//! InFlight, Conflict) without joining the line, and the ops a call puts in
-//! the line (`commit/`), blocking or as a future.
+//! path, and the ops a call puts in the line (`commit/`).
 
 use super::RedbStore;
 use super::line::{Op, Reply};
@@ -23,7 +21,7 @@ impl RedbStore {
     /// (Replay, InFlight, Conflict) without joining the line, through the
     /// same state machine on the latest durable state (memtable, then
     /// redb). Anything that writes (a claim, a takeover) is decided once,
-    /// by the leader that applies it (commit/decide.rs), never here.
+    /// by the leader that applies it (commit/decide.rs), never here: `None`.
     fn fast_begin(
         &self,
         key_bytes: &[u8],
@@ -31,34 +29,23 @@ impl RedbStore {
         now: Timestamp,
         lease: Duration,
         retention: Duration,
-    ) -> Result<Fast> {
-        let (existing, counted) = self.shared.read_counted(key_bytes)?;
-        if existing.is_none() {
-            return Ok(Fast::Absent(counted));
-        }
+    ) -> Result<Option<Begin>> {
+        let Some(existing) = self.shared.read(key_bytes)? else {
+            return Ok(None);
+        };
         // A claim needs a token and a write: that is the leader's. The
         // token handed to the state machine here is never stored.
-        let step = logic::begin(existing, fingerprint, now, lease, retention, || Ok(0))?;
+        let step = logic::begin(Some(existing), fingerprint, now, lease, retention, || Ok(0))?;
         if step.write.is_some() {
-            return Ok(Fast::Write);
+            return Ok(None);
         }
         let counter = match step.answer {
             Begin::Replay(_) => &self.shared.stats.fast_replays,
             _ => &self.shared.stats.fast_refusals,
         };
         counter.fetch_add(1, Ordering::Relaxed);
-        Ok(Fast::Answered(step.answer))
+        Ok(Some(step.answer))
     }
-}
-
-/// What the read fast path found for a `begin`.
-enum Fast {
-    /// An answer that writes nothing (Replay, InFlight, Conflict).
-    Answered(Begin),
-    /// No record; `Some(count)` when redb said so under that commit count.
-    Absent(Option<u64>),
-    /// A record the `begin` must write over (expired, or a lease ended).
-    Write,
 }
 
 /// What `begin` does next: answered on the fast path, or a request for the line.
@@ -99,18 +86,15 @@ impl RedbStore {
     ) -> Result<Next> {
         check_durations(lease, retention)?;
         let key_bytes = codec::encode_key(key);
-        let absent_at = match self.fast_begin(&key_bytes, fingerprint, now, lease, retention)? {
-            Fast::Answered(answer) => return Ok(Next::Answered(answer)),
-            Fast::Absent(at) => at,
-            Fast::Write => None,
-        };
+        if let Some(answer) = self.fast_begin(&key_bytes, fingerprint, now, lease, retention)? {
+            return Ok(Next::Answered(answer));
+        }
         Ok(Next::InLine(Op::Begin {
             key: key_bytes,
             fingerprint: *fingerprint,
             now,
             lease,
             retention,
-            absent_at,
         }))
     }
 

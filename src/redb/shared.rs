@@ -1,18 +1,12 @@
 //! [`Shared`]: what the callers and the background thread share, composed
-//! of parts that each own their locks: the [`Line`] of callers
-//! (line.rs), the [`Log`] and commit lock (log.rs), the [`Memory`] of
-//! memtables and background wake-ups (memtable.rs), and the [`Db`] engine
-//! with its health (db.rs). Here: the read path (memtable, then redb),
-//! flush and clean close, and poisoning.
+//! of parts that each own their locks: [`Line`], [`Log`] (the commit
+//! lock), [`Memory`] and [`Db`]. Here: the read path, flush, clean close.
 //!
-//! Lock order, the one place it is written: the line's lock is never held
-//! while taking another. Otherwise: the log (the commit lock), then the
-//! background lock, then the memtable, then the engine. One exception: a
-//! failure met while the memtable is read-locked wakes the background
-//! thread (taking its lock). That cannot deadlock: both sides only
-//! read-lock the memtable, and no writer of it waits in between (its
-//! writers never hold the background lock, and all but the checkpointer's
-//! own `retire` hold the log).
+//! Lock order: the line's lock is never held while taking another;
+//! otherwise the log, then the background lock, then the memtable, then
+//! the engine. One exception, safe: a failure met while the memtable is
+//! read-locked wakes the background thread (its lock); no writer of the
+//! memtable waits for the background lock.
 
 use super::config::Config;
 use super::db::Db;
@@ -59,28 +53,17 @@ impl Shared {
 
     /// The latest state of `key_bytes`: the memtable, then redb (verified).
     pub(super) fn read(&self, key_bytes: &[u8]) -> Result<Option<Record>> {
-        self.read_counted(key_bytes).map(|(record, _)| record)
-    }
-
-    /// [`read`](Self::read), and when redb answered, the commit count it
-    /// answered under (a `begin`'s [`absent_at`](super::line::Op::Begin)).
-    pub(super) fn read_counted(&self, key_bytes: &[u8]) -> Result<(Option<Record>, Option<u64>)> {
-        {
-            let mem = self.memory.read_mem();
-            if let Some(entry) = mem.get(key_bytes) {
-                return Ok((memtable::decode(key_bytes, entry)?, None));
-            }
+        if let Some(entry) = self.memory.read_mem().get(key_bytes) {
+            return memtable::decode(key_bytes, entry);
         }
         // Counted after the memtable was read: see snapshot.rs.
         let seen = self.db.snapshot.count();
         let db = self.db.read_db()?;
-        let record = self
-            .db
+        self.db
             .snapshot
             .read(&db, seen, |tables| tables.read(key_bytes))
             .and_then(|read| read)
-            .map_err(|e| self.engine_failed("read", e))?;
-        Ok((record, Some(seen)))
+            .map_err(|e| self.engine_failed("read", e))
     }
 
     /// An engine error met `during` an operation: an I/O error (redb then

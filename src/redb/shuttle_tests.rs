@@ -96,7 +96,6 @@ fn begin_op(id: &str) -> Op {
         now: T,
         lease: D,
         retention: D,
-        absent_at: None,
     }
 }
 
@@ -452,16 +451,13 @@ fn shuttle_a_read_after_a_completion_never_sees_the_claim_a_kept_snapshot_holds(
 /// Runs of the two claimers in which a checkpoint was written.
 static TWO_CLAIMERS_CHECKPOINTED: AtomicUsize = AtomicUsize::new(0);
 
-/// A `begin` whose read path found its key absent is decided without a
-/// read of redb while the redb commit count has not moved (snapshot.rs).
 /// Two threads claim `a` while a third pushes groups through the log, so
 /// that checkpoints move `a`'s claim out of the memtable into the store
 /// file at any point between the second claimer's read and its group:
-/// exactly one claim, whatever the schedule. A checkpoint that counts its
-/// commit only after it retires its frozen table fails this.
+/// exactly one claim, whatever the schedule.
 #[test]
 fn shuttle_two_claims_of_one_key_across_checkpoints_make_one_claim() {
-    explore("known absent", || {
+    explore("two claimers", || {
         let (file, log) = (Disk::default(), Disk::default());
         let store = Arc::new(open(&file, &log));
         let claimers: Vec<_> = (0..2)

@@ -1,20 +1,14 @@
-//! The kept snapshot: one read transaction's record and index tables, kept
-//! open from one redb commit to the next. Every read of redb but a
-//! writer's goes through it (a `begin` whose key is in no memtable, a
-//! leader deciding its group), so a read does not open a transaction.
+//! The kept snapshot: one read transaction's tables, kept from one redb
+//! commit to the next, so a read (the fast path, a leader's group) does
+//! not open a transaction.
 //!
-//! Never stale: every redb commit bumps a count ([`Snapshot::committed`])
-//! after it commits and *before* its writer lets go of what it wrote in
-//! memory (a checkpoint's frozen memtable, a direct transaction's active
-//! one). A snapshot is kept under the count read before it was opened. A
-//! reader reads the memtable, then the count, and uses the kept snapshot
-//! only if it was kept under that count or a later one: a commit it could
-//! miss is either not counted yet (its records are still in the memtable
-//! just read) or counted (and the snapshot is then too old to use).
-//!
-//! A kept snapshot pins its commit's pages, so every commit drops it
-//! ([`Snapshot::clear`]), and so does taking the engine for exclusive use
-//! (a heal, a compaction, the verifier), before the engine is touched.
+//! Never stale: every redb commit bumps [`Snapshot::committed`] after it
+//! commits and before its writer lets go of what it wrote in memory. A
+//! reader reads the memtable, then the count, and uses a snapshot kept
+//! under that count or a later one: a commit it misses is either not
+//! counted yet (its records are in the memtable just read) or counted.
+//! A kept snapshot pins its commit's pages, so every commit drops it, and
+//! so does taking the engine for exclusive use.
 
 use super::errors::engine_error;
 use super::tables::ReadTables;
@@ -74,7 +68,7 @@ impl Snapshot {
     }
 
     /// The redb commits counted so far: read after the memtable, it is
-    /// the `seen` of [`read`](Self::read) and a `begin`'s `absent_at`.
+    /// the `seen` of [`read`](Self::read).
     pub(super) fn count(&self) -> u64 {
         self.commits.load(Ordering::Acquire)
     }

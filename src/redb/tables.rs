@@ -36,38 +36,27 @@ pub(crate) const META_FORMAT_VERSION: &str = "format_version";
 pub(crate) const META_STORE_ID: &str = "store_id";
 /// Meta key: the largest fencing token ever handed out, u64 BE.
 pub(crate) const META_TOKEN_HWM: &str = "token_high_water_mark";
-/// Meta key: the log's epoch, u64 BE (see `record_log/`); absent in
-/// a store that never had a log, read as 0.
+/// Meta key: the log's durable epoch, u64 BE (`record_log/`); absent: 0.
 pub(crate) const META_LOG_EPOCH: &str = "wal_epoch";
 /// Meta key: whether the log may hold acknowledged frames not yet in this
-/// file: one byte, [`LOG_OPEN`] from the open that recovered the log until a clean
-/// close writes [`LOG_CLOSED`] in its last durable commit. Absent in a
-/// store no build with this check has opened with a log.
+/// file: [`LOG_OPEN`] from the open that recovered the log until a clean
+/// close writes [`LOG_CLOSED`] in its last durable commit.
 pub(crate) const META_LOG_STATE: &str = "wal_state";
-/// Meta key: the log file's size as the open that recovered it left it
-/// (u64 BE), which fixes its segments' layout. After an unclean stop the log must have this size.
+/// Meta key: the log file's size as its last open left it (u64 BE), which
+/// fixes its segments' layout; after an unclean stop the log must have it.
 pub(crate) const META_LOG_BYTES: &str = "wal_bytes";
-/// Meta key: the machine's boot id when the log was opened from a file
-/// (Linux; absent elsewhere and for storage backends). An open in the same
-/// boot follows a process crash, not a power loss.
+/// Meta key: the boot id when the log was opened from a file (Linux): an
+/// open in the same boot follows a process crash, not a power loss.
 pub(crate) const META_LOG_BOOT: &str = "wal_boot_id";
-/// [`META_LOG_STATE`]: the store was opened with its log and not closed
-/// cleanly since: the log may hold acknowledged writes.
+/// [`META_LOG_STATE`]: not closed cleanly since its log was opened.
 pub(crate) const LOG_OPEN: u8 = 0;
-/// [`META_LOG_STATE`]: the last close put everything in this file; the log
-/// holds nothing that is needed.
+/// [`META_LOG_STATE`]: the last close put everything in this file.
 pub(crate) const LOG_CLOSED: u8 = 1;
 
 /// The one way into redb: `write` runs in a write transaction with the
 /// tables open, which then commits durably (`fsync` before this returns).
-/// The checkpoint, the direct transactions (the inbox, the admin writes,
-/// a close, a group too large for the log), an open's and a heal's replay
-/// of the log all go through it.
-///
-/// Quick-repair on: redb saves its allocator state with the commit and
-/// commits in two phases (two fsyncs), so an open after a crash does not
-/// walk the file. Off (an inbox that switched it off): one fsync, as
-/// durable, and an open after a crash that follows it walks the file.
+/// Quick-repair on: two fsyncs, and an open after a crash does not walk
+/// the file; off (an inbox's choice): one fsync, as durable.
 ///
 /// `Err`: the engine failed (to begin, or to commit: the commit may or may
 /// not be on disk). `Ok(Err)`: `write` refused, nothing was written.
@@ -135,13 +124,10 @@ impl<'txn> WriteTables<'txn> {
         self.set_meta(META_LOG_EPOCH, &next_epoch.to_be_bytes())
     }
 
-    /// Stores `entry` (a record, or `None` for a deletion) as the latest
-    /// state of `key_bytes`, moving its expiry-index entry from the stored
-    /// record's expiry: the one way every writer (a checkpoint, a direct
-    /// transaction, replay, the inbox, import)
-    /// keeps a record and its index entry together. The record is encoded
-    /// (and its invariants checked) before the first write, so an encoding
-    /// failure writes nothing.
+    /// Stores `entry` (`None`: a deletion) as the latest state of
+    /// `key_bytes`, moving its expiry-index entry: how every writer keeps a
+    /// record and its index entry together. Encoded (and checked) before
+    /// the first write, so an encoding failure writes nothing.
     pub(super) fn apply(&mut self, key_bytes: &[u8], entry: Option<&Record>) -> Result<()> {
         match entry {
             Some(record) => {
@@ -152,17 +138,14 @@ impl<'txn> WriteTables<'txn> {
         }
     }
 
-    /// [`apply`](Self::apply) for a record already encoded (`value`, whose
-    /// expiry is `expires_at`). A stored record that does not decode is
-    /// replaced; its index entry (unknown) is left for the sweep, which
-    /// re-checks every entry it finds.
+    /// [`apply`](Self::apply) for an encoded record. A stored record that
+    /// does not decode is replaced; its unknown index entry is left to the
+    /// sweep, which re-checks every entry it finds.
     pub(super) fn apply_encoded(
         &mut self,
         key_bytes: &[u8],
         entry: Option<(&[u8], Timestamp)>,
     ) -> Result<()> {
-        // One descent of the tree: the insert or remove hands back the
-        // value it replaced, whose expiry names the index entry to move.
         let old = match entry {
             Some((value, _)) => self.records.insert(key_bytes, value),
             None => self.records.remove(key_bytes),
@@ -209,8 +192,7 @@ impl<'txn> WriteTables<'txn> {
 
     /// Removes `key_bytes`' record and its index entries: `None` when there
     /// was none, else the record (`None` if it did not decode: its index
-    /// entries are then found by a scan of the index) and the index entries
-    /// removed.
+    /// entries are then found by a scan) and how many entries went.
     pub(super) fn evict(&mut self, key_bytes: &[u8]) -> Result<Option<(Option<Record>, u64)>> {
         let Some(value) = self.records.remove(key_bytes).map_err(engine_error)? else {
             return Ok(None);

@@ -560,6 +560,32 @@ fn a_failed_inbox_commit_poisons_the_store_until_it_heals() {
     assert!(matches!(handled, Delivery::Handled(_)), "{handled:?}");
 }
 
+/// A handler saw its token, then the commit failed: the store heals, and
+/// no later claim gets that token (it may have gone downstream).
+#[test]
+fn a_token_seen_before_a_failed_inbox_commit_is_never_handed_out_again() {
+    let (inbox, fail) = flaky_inbox();
+    let m = message(7);
+    let mut seen = 0;
+    let failed = inbox.handle(&msg_key(7), &msg_fp(&m), |txn, c| {
+        seen = c.token();
+        fail.store(true, std::sync::atomic::Ordering::SeqCst);
+        apply(txn, &m, c.token())
+    });
+    assert!(failed.is_err() && seen > 0, "{failed:?}");
+    fail.store(false, std::sync::atomic::Ordering::SeqCst);
+    crate::redb::wait_healthy(inbox.store());
+    let mut next = 0;
+    let handled = inbox
+        .handle(&msg_key(8), &msg_fp(&m), |txn, c| {
+            next = c.token();
+            apply(txn, &m, c.token())
+        })
+        .unwrap();
+    assert!(matches!(handled, Delivery::Handled(_)), "{handled:?}");
+    assert!(next > seen, "token {seen} handed out again as {next}");
+}
+
 /// Messages in the SIGKILL test's queue.
 const KILL_MESSAGES: u32 = 600;
 const ENV_KILL_STORE: &str = "IDEMSTORE_INBOX_KILL_STORE";

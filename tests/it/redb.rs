@@ -984,3 +984,43 @@ fn a_guard_over_a_redb_store_built_with_a_manual_clock_reads_that_clock() {
     ));
     assert_eq!(guard.stats().takeovers, 1);
 }
+
+/// A verify of a file store while checkpoints write the file reads whole
+/// commits only: it reports no damage that is not there.
+#[test]
+fn a_verify_during_checkpoints_finds_the_file_clean() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(
+        RedbStore::builder()
+            .checkpoint_interval(Duration::from_millis(1))
+            .open(dir.path().join("s.idem"))
+            .unwrap(),
+    );
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let (store, stop) = (Arc::clone(&store), Arc::clone(&stop));
+        std::thread::spawn(move || {
+            let mut i = 0u64;
+            while !stop.load(Ordering::SeqCst) {
+                let c = claim(&*store, &key(&format!("k{i}")));
+                let body = vec![b'x'; 2048];
+                store
+                    .complete(
+                        &key(&format!("k{i}")),
+                        &c,
+                        &Response::new(200, body),
+                        T0,
+                        Duration::from_secs(60),
+                    )
+                    .unwrap();
+                i += 1;
+            }
+        })
+    };
+    for _ in 0..100 {
+        let report = store.admin().verify(|_| std::thread::yield_now()).unwrap();
+        assert!(report.is_clean(), "{:?}", report.problems);
+    }
+    stop.store(true, Ordering::SeqCst);
+    writer.join().unwrap();
+}

@@ -114,6 +114,6 @@ impl RedbStore {
     /// assert_eq!(idemstore::RedbStore::log_path("/data/orders.idem"), std::path::Path::new("/data/orders.idem-wal"));
     /// ```
     pub fn log_path(store: impl AsRef<Path>) -> PathBuf {
-        record_log::log_path(store.as_ref())
+        super::super::file::log_path(store)
     }
 }

@@ -161,6 +161,9 @@ impl Admin<'_> {
     pub fn verify(&self, mut progress: impl FnMut(u64)) -> Result<VerifyReport> {
         let shared = &self.store.shared;
         let mut report = VerifyReport::default();
+        // Every transaction waited out and none begun until the check ends:
+        // the file then holds whole commits only.
+        let mut engine = shared.db.write_db();
         match self.store.path() {
             // redb's repair rolls the file back (and can fail): on an overlay.
             Some(path) => match engine_check_without_writing(path)? {
@@ -177,11 +180,9 @@ impl Admin<'_> {
                     format!("redb's page checksums failed and it cannot repair the file: {detail} (verify changed nothing)"),
                 ),
             },
+            // A caller's backend, checked in place.
             None => {
-                // A caller's backend, checked in place once every
-                // transaction is out (the kept snapshot's included).
-                let mut db = shared.db.write_db();
-                if !db.db.check_integrity().map_err(engine_error)? {
+                if !engine.db.check_integrity().map_err(engine_error)? {
                     report.add(
                         ProblemKind::EngineRepaired,
                         None,
@@ -190,12 +191,14 @@ impl Admin<'_> {
                 }
             }
         }
-        let facts = self.facts();
-        if let Err(e) = &facts {
+        drop(engine);
+        let db = shared.db.read_db()?;
+        // One transaction: the mark is checked against the records it covers.
+        let txn = db.begin_read().map_err(engine_error)?;
+        let meta = crate::redb::meta::read_meta_entries(&txn);
+        if let Err(e) = &meta {
             report.add(ProblemKind::Meta, None, e.to_string());
         }
-        let db = shared.db.read_db()?;
-        let txn = db.begin_read().map_err(engine_error)?;
         let records = txn.open_table(RECORDS).map_err(engine_error)?;
         let expiry = txn.open_table(EXPIRY).map_err(engine_error)?;
         for entry in records.iter().map_err(engine_error)? {
@@ -223,10 +226,10 @@ impl Admin<'_> {
                 let detail = format!("no index entry at its expiry ({at} ms)");
                 report.add(ProblemKind::MissingIndex, Some(key), detail);
             }
-            if let Ok(facts) = &facts
-                && record.token > facts.token_hwm
+            if let Ok(meta) = &meta
+                && record.token > meta.token_hwm
             {
-                let (token, hwm) = (record.token, facts.token_hwm);
+                let (token, hwm) = (record.token, meta.token_hwm);
                 let detail = format!("token {token} is above the high-water mark {hwm}");
                 report.add(ProblemKind::TokenAboveHighWaterMark, Some(key), detail);
             }

@@ -32,21 +32,9 @@ pub(super) struct Decided {
 /// Decides every op of a group in order, against the group's own earlier
 /// writes, then `mem`, then `base`. Writes nothing anywhere: the caller
 /// makes [`Decided::writes`] durable.
-///
-/// `counted` is the redb commit count read after `mem` was locked, and
-/// `base` the kept snapshot as of at least that count: a `begin` the read
-/// path found absent under that same count is not read from `base` again
-/// (snapshot.rs says why nothing can have reached redb alone since).
-pub(super) fn decide(
-    ops: &[Op],
-    mem: &Mem,
-    counted: u64,
-    base: &dyn Source,
-    hwm: &mut u64,
-) -> Decided {
+pub(super) fn decide(ops: &[Op], mem: &Mem, base: &dyn Source, hwm: &mut u64) -> Decided {
     let mut group = Group {
         mem,
-        counted,
         base,
         out: Decided::default(),
     };
@@ -59,7 +47,6 @@ pub(super) fn decide(
 
 struct Group<'a> {
     mem: &'a Mem,
-    counted: u64,
     base: &'a dyn Source,
     out: Decided,
 }
@@ -67,17 +54,8 @@ struct Group<'a> {
 impl Group<'_> {
     /// The current state of `key`: this group's writes, the memtable, redb.
     fn current(&self, key: &[u8]) -> Result<Option<Record>> {
-        self.current_unless_absent(key, None)
-    }
-
-    /// [`current`](Self::current), without reading redb when the read
-    /// path found `key` absent under the count this group read.
-    fn current_unless_absent(&self, key: &[u8], absent_at: Option<u64>) -> Result<Option<Record>> {
         if let Some(entry) = self.out.writes.get(key).or_else(|| self.mem.get(key)) {
             return memtable::decode(key, entry);
-        }
-        if absent_at == Some(self.counted) {
-            return Ok(None);
         }
         self.base.read(key)
     }
@@ -109,9 +87,8 @@ impl Group<'_> {
                 now,
                 lease,
                 retention,
-                absent_at,
             } => {
-                let existing = self.current_unless_absent(key, *absent_at)?;
+                let existing = self.current(key)?;
                 let last = *hwm;
                 let decided =
                     logic::begin(existing, fingerprint, *now, *lease, *retention, || {
@@ -218,60 +195,13 @@ impl Group<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::{D, T, begin, begin_absent_at, shared};
+    use super::super::tests::{D, T, begin, shared};
     use super::*;
     use crate::fingerprint::Fingerprint;
     use crate::record::{Begin, Claim};
     use crate::response::Response;
     use crate::sync::atomic::Ordering;
     use std::time::Duration;
-
-    /// redb as a stand-in: every key holds a live claim of another
-    /// owner, and each read is counted.
-    struct Claimed(std::cell::Cell<usize>);
-
-    impl Source for Claimed {
-        fn read(&self, _: &[u8]) -> Result<Option<Record>> {
-            self.0.set(self.0.get() + 1);
-            let claim = logic::begin(None, &Fingerprint::of(b"fp"), T, D, D, || Ok(1))?;
-            Ok(claim.write)
-        }
-        fn due(&self, _: Timestamp, _: &mut dyn FnMut(&[u8]) -> Result<bool>) -> Result<()> {
-            Ok(())
-        }
-    }
-
-    /// A `begin` the read path found absent under the group's own count is
-    /// decided without a read of redb; under another count, or with no
-    /// count, redb is read (here it holds a claim, so the answer is
-    /// InFlight).
-    #[test]
-    fn a_begin_found_absent_under_the_same_count_does_not_read_redb() {
-        let decide_one = |absent_at: Option<u64>, counted: u64| {
-            let base = Claimed(std::cell::Cell::new(0));
-            let mut hwm = 1;
-            let ops = [begin_absent_at(b"\0k", absent_at)];
-            let decided = decide(&ops, &Mem::default(), counted, &base, &mut hwm);
-            (decided.answers, base.0.get())
-        };
-        let (answers, reads) = decide_one(Some(7), 7);
-        assert_eq!(reads, 0);
-        assert!(
-            matches!(answers.as_slice(), [Ok(Reply::Begin(Begin::Claimed(_)))]),
-            "{answers:?}"
-        );
-        for (absent_at, counted) in [(Some(6), 7), (None, 7)] {
-            let (answers, reads) = decide_one(absent_at, counted);
-            assert_eq!(reads, 1, "{absent_at:?} {counted:?}");
-            assert!(
-                matches!(
-                    answers.as_slice(),
-                    [Ok(Reply::Begin(Begin::InFlight { .. }))]
-                ),
-                "{answers:?}"
-            );
-        }
-    }
 
     /// An index entry whose record has another expiry (left by damage or
     /// by a bug) never gets its record swept early: the sweep checks each
@@ -313,7 +243,6 @@ mod tests {
             now: Timestamp::from_millis(at),
             lease: Duration::from_millis(1),
             retention: Duration::from_millis(1),
-            absent_at: None,
         }
     }
 

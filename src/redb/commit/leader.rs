@@ -104,19 +104,14 @@ impl Shared {
                 .filter(|(_, s)| s.waiter == Waiter::Thread)
                 .count();
             q.threads = q.threads.saturating_sub(threads);
-            // A notify is a syscall even with nobody waiting: only a
-            // full line can have callers waiting for room.
+            // Only a full line can have callers waiting for room (a
+            // notify is a syscall even with nobody waiting).
+            let mut room = Vec::new();
             if full {
                 self.line.room.notify_all();
+                room = std::mem::take(&mut q.room);
             }
-            (
-                group,
-                if full {
-                    std::mem::take(&mut q.room)
-                } else {
-                    Vec::new()
-                },
-            )
+            (group, room)
         };
         room.into_iter().for_each(Waker::wake);
         let (ops, slots): (Vec<Op>, Vec<Arc<Slot>>) = group.into_iter().unzip();

@@ -1,27 +1,17 @@
-//! The commit path: leader/follower group commit. This file commits one
-//! group under the commit lock: decide (`decide.rs`), one log frame,
-//! `fdatasync`, publish into the memtable, freeze when due. `leader.rs`:
-//! who leads and who is answered; `direct.rs`: a write transaction outside
-//! the line.
+//! Group commit: one group under the commit lock is decided (`decide.rs`),
+//! appended as one log frame, `fdatasync`ed, then published into the
+//! memtable. `leader.rs`: who leads and who is answered; `direct.rs`: a
+//! write transaction outside the line. Futures join the line but never
+//! lead (a runtime thread must not wait on an fsync).
 //!
-//! The first caller in line leads on its own thread (a lone caller pays no
-//! hand-off). Futures (native.rs) join the same line but never lead: a
-//! runtime thread must not wait on an fsync; the store's committer thread
-//! leads for them.
-//!
-//! Durability reasoning:
-//!
-//! - nobody is answered, and no reader sees a group, before its frame is
-//!   durable: the memtable is published after the log's `fdatasync`;
-//! - a frame that cannot be written or synced may or may not be on disk:
-//!   every caller in the group gets the error, nothing is published, and
-//!   the store is poisoned (every later write is [`Error::Poisoned`], with
-//!   the cause) until it heals (heal.rs: the log is replayed as an open
-//!   would);
-//! - a request that fails while being decided (stale claim, corrupt record,
-//!   an invariant check, a read error) fails alone and writes nothing;
-//! - a panic while leading poisons the store and answers the whole group,
-//!   so no follower waits forever.
+//! What must hold:
+//! - nobody is answered and no reader sees a group before its frame is
+//!   durable (the memtable is published after the `fdatasync`);
+//! - a frame that cannot be written or synced may be on disk or not: the
+//!   whole group gets the error, nothing is published, and the store is
+//!   poisoned until it heals (heal.rs replays the log as an open would);
+//! - a request that fails while being decided fails alone, writing nothing;
+//! - a panic while leading poisons the store and answers the whole group.
 
 mod decide;
 mod direct;
@@ -80,9 +70,7 @@ impl Shared {
             let db = self.db.read_db()?;
             self.db
                 .snapshot
-                .read(&db, counted, |base| {
-                    decide(ops, &mem, counted, base, &mut hwm)
-                })
+                .read(&db, counted, |base| decide(ops, &mem, base, &mut hwm))
                 .map_err(|e| self.engine_failed("read", e))?
         };
         if decided.writes.is_empty() {
@@ -188,19 +176,12 @@ pub(in crate::redb) mod tests {
     pub(super) const D: Duration = Duration::from_secs(10);
 
     pub(super) fn begin(id: &[u8]) -> Op {
-        begin_absent_at(id, None)
-    }
-
-    /// [`begin`] as the read path sends it after finding no record under
-    /// commit count `absent_at`.
-    pub(super) fn begin_absent_at(id: &[u8], absent_at: Option<u64>) -> Op {
         Op::Begin {
             key: id.to_vec(),
             fingerprint: Fingerprint::of(b"fp"),
             now: T,
             lease: D,
             retention: D,
-            absent_at,
         }
     }
 

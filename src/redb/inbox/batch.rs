@@ -1,14 +1,10 @@
-//! The one way the inbox writes: a batch decided and handled in one direct
-//! write transaction, committed once, and run again without a message whose
-//! handler failed.
-//!
-//! redb cannot undo part of a transaction (a savepoint needs a clean one),
-//! so a failure aborts the pass and the batch runs again without that
-//! message: a batch with `f` failures runs at most `f + 1` passes. Tokens
-//! handed out in an aborted pass are never handed out again, so a token a
-//! handler passed downstream never names two messages. A message is
-//! answered `Handled` only after the commit returned: a crash before it
-//! leaves none of the batch, after it all of it.
+//! The one way the inbox writes: a batch handled in one direct write
+//! transaction, committed once. redb cannot undo part of a transaction, so
+//! a failed message aborts the pass and the batch runs again without it
+//! (`f` failures: at most `f + 1` passes). Tokens a pass handed out are
+//! never handed out again, however it ended: a token a handler passed
+//! downstream names one message. `Handled` is answered only after the
+//! commit returned.
 
 use super::super::RedbStore;
 use super::super::health::On;
@@ -143,6 +139,9 @@ impl Inbox {
             let pass = shared.direct_locked(&mut core, self.quick_repair, |tables, hwm| {
                 self.one_pass(tables, hwm, &mut burned, items, &failed, now, &mut handler)
             });
+            // Whatever ends the pass, a handler may have passed its token
+            // downstream: no later claim gets it (a heal keeps this mark).
+            core.token_hwm = core.token_hwm.max(burned);
             match pass {
                 Ok(answers) => {
                     let answers = answers.into_iter().zip(failed).map(|(answer, failed)| {
@@ -169,8 +168,6 @@ impl Inbox {
                     return Err(shared.fail("inbox batch", On::Store, error));
                 }
                 Err(Abort::Message(index, failure)) => {
-                    // A handler may have seen the aborted pass's tokens.
-                    core.token_hwm = core.token_hwm.max(burned);
                     match failed.get_mut(index) {
                         Some(slot @ None) => *slot = Some(failure),
                         // A pass skips failed messages: stop rather than loop.
@@ -181,8 +178,8 @@ impl Inbox {
         }
     }
 
-    /// One pass over the messages not failed yet. `Ok`: an answer per item
-    /// (`None` for a failed one), to commit; `Err`: abort.
+    /// One pass over the messages not failed yet: an answer per item
+    /// (`None` for a failed one), to commit, or why it aborts.
     #[allow(
         clippy::too_many_arguments,
         reason = "one private step of `run`, which owns every argument"

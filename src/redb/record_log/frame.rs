@@ -9,29 +9,11 @@ use super::super::damage::Damage;
 use crate::error::{Error, Result};
 use ::redb::StorageBackend;
 
-// A frame, at a multiple of FRAME_ALIGN from the start of its epoch's
-// segment; integers big-endian:
-//
-// offset  size  field
-// ------  ----  ----------------------------------------------------------
-//      0     4  magic "IDWL"                                        MAGIC
-//      4     8  epoch u64: the frame's, which picks the segment (e % 2)
-//     12     4  payload length u32 (n)
-//     16     4  CRC-32 over the store's 16-byte id (not stored here),
-//               bytes 0..16 and the payload
-//     20     n  payload                                 FRAME_HEADER = 20
-//   20+n        padding to the next FRAME_ALIGN boundary (left as it was)
-//
-// The payload: entries back to back, each
-//
-// size  field
-// ----  ------------------------------------------------------------------
-//    1  tag: 1 record put, 2 record delete, 5 meta put         TAG_*
-//          (3 and 4 were index entries, in pre-release format 2)
-//    4  length u32 (a) of the first field
-//    a  the stored key (1, 2) or the meta entry's name (5)
-//    4  length u32 (b): only for tags 1 and 5
-//    b  the record envelope (1) or the meta entry's value (5)
+// A frame (docs/format.md), at a multiple of FRAME_ALIGN in its epoch's
+// segment, big-endian: magic "IDWL" | epoch u64 | payload length u32 |
+// CRC-32 u32 (over the store id, bytes 0..16 and the payload) | payload.
+// The payload: entries, each tag u8 | len u32 | bytes [| len u32 | bytes]
+// (the second field for tags 1 and 5 only).
 
 pub(super) const MAGIC: [u8; 4] = *b"IDWL";
 pub(super) const FRAME_HEADER: u64 = 20;
