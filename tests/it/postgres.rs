@@ -382,21 +382,9 @@ fn many_threads_few_keys_one_claim_per_key_per_lease() {
     }
 }
 
-/// The plain claim of a fresh key, which a blocking begin on an idle
-/// store tries first, racing another replica's uncommitted claim of the
-/// same key: it waits on the conflict, writes nothing once that commits,
-/// and the full statement then answers from the committed row.
-#[test]
-fn a_fresh_claim_racing_an_uncommitted_insert_answers_from_the_committed_row() {
-    let Some(url) = pg_url() else { return };
-    let (store, guard) = fresh_store("freshrace", 2);
-    let store = Arc::new(store);
-    let fp = Fingerprint::of(b"a");
-    // A fresh claim: the store prepares the plain claim, and tries it first.
-    let _ = claimed(store.begin(&key("warm"), &fp, T0, SEC, HOUR).unwrap());
-    let table = &guard.table;
-    let mut other = raw(&url);
-    let mut tx = other.transaction().unwrap();
+/// Another replica's claim of "k" in `tx`, not yet committed: token 1000,
+/// its lease until `T0 + 10 s`.
+fn claim_uncommitted(tx: &mut ::postgres::Transaction<'_>, table: &str, fp: &Fingerprint) {
     tx.execute(
         &format!(
             "INSERT INTO \"{table}\" (scope, id, fingerprint, state, lease_until, expires_at, created_at, token, attempts)
@@ -412,6 +400,24 @@ fn a_fresh_claim_racing_an_uncommitted_insert_answers_from_the_committed_row() {
         ],
     )
     .unwrap();
+}
+
+/// The plain claim of a fresh key, which a blocking begin on an idle
+/// store tries first, racing another replica's uncommitted claim of the
+/// same key: it waits on the conflict, writes nothing once that commits,
+/// and the full statement then answers from the committed row.
+#[test]
+fn a_fresh_claim_racing_an_uncommitted_insert_answers_from_the_committed_row() {
+    let Some(url) = pg_url() else { return };
+    let (store, guard) = fresh_store("freshrace", 2);
+    let store = Arc::new(store);
+    let fp = Fingerprint::of(b"a");
+    // A fresh claim: the store prepares the plain claim, and tries it first.
+    let _ = claimed(store.begin(&key("warm"), &fp, T0, SEC, HOUR).unwrap());
+    let table = &guard.table;
+    let mut other = raw(&url);
+    let mut tx = other.transaction().unwrap();
+    claim_uncommitted(&mut tx, table, &fp);
     let racing = {
         let store = Arc::clone(&store);
         std::thread::spawn(move || store.begin(&key("k"), &fp, T0 + SEC, SEC, HOUR))
@@ -459,22 +465,7 @@ fn begin_racing_an_uncommitted_insert_answers_from_the_committed_row() {
     let table = &guard.table;
     let mut other = raw(&url);
     let mut tx = other.transaction().unwrap();
-    // Another replica's claim of "k", not yet committed (token 1000).
-    tx.execute(
-        &format!(
-            "INSERT INTO \"{table}\" (scope, id, fingerprint, state, lease_until, expires_at, created_at, token, attempts)
-             VALUES ($1, $2, $3, 1, $4, $5, $6, 1000, 1)"
-        ),
-        &[
-            &key("k").scope(),
-            &key("k").id(),
-            &&fp.as_bytes()[..],
-            &((T0 + 10 * SEC).as_millis() as i64),
-            &((T0 + HOUR).as_millis() as i64),
-            &(T0.as_millis() as i64),
-        ],
-    )
-    .unwrap();
+    claim_uncommitted(&mut tx, table, &fp);
     let racing = {
         let store = Arc::clone(&store);
         std::thread::spawn(move || store.begin(&key("k"), &fp, T0 + SEC, SEC, HOUR))
