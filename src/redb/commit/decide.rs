@@ -280,6 +280,54 @@ mod tests {
         assert!(record.is_some_and(|r| r.state == crate::State::Processing));
     }
 
+    /// A memtable nominee whose key the group has since rewritten (with
+    /// an expiry that is due too) is checked against its current expiry:
+    /// it is not swept under its old one, and with `max` 1 the record
+    /// whose nomination holds is the one that goes.
+    #[test]
+    fn a_sweep_checks_a_memtable_nominee_against_its_current_expiry() {
+        let shared = shared();
+        shared.commit_group(&[short_claim(b"\0x", 10), short_claim(b"\0y", 100)]);
+        let answers = shared.commit_group(&[
+            short_claim(b"\0x", 500),
+            Op::Sweep {
+                now: Timestamp::from_millis(1_000),
+                max: 1,
+            },
+        ]);
+        assert!(
+            matches!(
+                answers.as_slice(),
+                [Ok(Reply::Begin(Begin::Claimed(_))), Ok(Reply::Swept(1))]
+            ),
+            "{answers:?}"
+        );
+        assert!(shared.read(b"\0x").unwrap().is_some(), "x is not due first");
+        assert!(shared.read(b"\0y").unwrap().is_none(), "y was due first");
+    }
+
+    /// An index entry in redb for a key the memtable holds a newer record
+    /// of nominates nothing and does not count against `max`: the due
+    /// record after it in the index is swept.
+    #[test]
+    fn a_sweep_passes_over_an_index_entry_shadowed_by_the_memtable() {
+        let shared = shared();
+        shared.commit_group(&[short_claim(b"\0r", 10), short_claim(b"\0s", 20)]);
+        shared.flush().unwrap();
+        // r again, in the memtable only, due long after the sweep.
+        shared.commit_group(&[short_claim(b"\0r", 300)]);
+        let answers = shared.commit_group(&[Op::Sweep {
+            now: Timestamp::from_millis(200),
+            max: 1,
+        }]);
+        assert!(
+            matches!(answers.as_slice(), [Ok(Reply::Swept(1))]),
+            "{answers:?}"
+        );
+        assert!(shared.read(b"\0r").unwrap().is_some());
+        assert!(shared.read(b"\0s").unwrap().is_none());
+    }
+
     #[test]
     fn one_group_applies_in_order_and_a_bad_request_fails_alone() {
         let shared = shared();
@@ -340,5 +388,26 @@ mod tests {
         drop(mem);
         let answers = shared.commit_group(&[Op::Sweep { now: later, max: 3 }]);
         assert!(matches!(answers.as_slice(), [Ok(Reply::Swept(1))]));
+        assert_eq!(shared.stats.swept.load(Ordering::Relaxed), 4);
+    }
+
+    /// A sweep of one passes over an index entry whose record has another
+    /// expiry: it does not count against `max`, and the due record behind
+    /// it is swept.
+    #[test]
+    fn a_sweep_of_one_passes_over_an_index_entry_that_names_another_expiry() {
+        let shared = shared();
+        shared.commit_group(&[short_claim(b"\0r", 10)]);
+        shared.flush().unwrap();
+        plant_stale_index_entry(&shared, b"\0r", 5);
+        let answers = shared.commit_group(&[Op::Sweep {
+            now: Timestamp::from_millis(1_000),
+            max: 1,
+        }]);
+        assert!(
+            matches!(answers.as_slice(), [Ok(Reply::Swept(1))]),
+            "{answers:?}"
+        );
+        assert!(shared.read(b"\0r").unwrap().is_none());
     }
 }

@@ -294,6 +294,22 @@ mod tests {
         ));
     }
 
+    /// A frame with no entries is its header alone: it verifies when the
+    /// header ends exactly where the region does.
+    #[test]
+    fn a_header_only_frame_may_end_exactly_at_its_regions_end() {
+        let mut j = FrameBuf::default();
+        let frame = j.seal(&[9; 16], 3).unwrap().to_vec();
+        assert_eq!(frame.len() as u64, FRAME_HEADER);
+        let file = ::redb::backends::InMemoryBackend::new();
+        file.set_len(FRAME_HEADER).unwrap();
+        file.write(0, &frame).unwrap();
+        assert!(matches!(
+            read_frame(&file, &[9; 16], 3, 0, FRAME_HEADER).unwrap(),
+            Frame::Whole { payload, next } if payload.is_empty() && next == FRAME_HEADER
+        ));
+    }
+
     /// A damaged frame's entries are read as far as they parse, for the
     /// loss report: the record keys it names (puts and deletions, not the
     /// meta table's), up to a cut, and nothing for a range that cannot be
