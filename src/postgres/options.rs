@@ -216,8 +216,8 @@ impl PostgresStoreBuilder {
     }
 
     /// The server-side `statement_timeout` of every connection (default
-    /// 10 s, at least 1 ms): a statement stuck
-    /// behind a lock fails with [`Error::Backend`] instead of hanging.
+    /// 10 s, at least 1 ms): a statement stuck behind a lock fails with
+    /// [`Error::Backend`] instead of hanging.
     ///
     /// ```
     /// use std::time::Duration;
@@ -253,9 +253,9 @@ impl PostgresStoreBuilder {
         self
     }
 
-    /// The bound on the whole of [`connect`](Self::connect) (default
-    /// 10 s): a server that accepts connections and
-    /// never answers fails the build with [`Error::Backend`] after it.
+    /// The bound on the whole of [`connect`](Self::connect) (default 10 s):
+    /// a server that accepts connections and never answers fails the build
+    /// with [`Error::Backend`] after it.
     ///
     /// ```
     /// use std::time::Duration;
@@ -268,10 +268,10 @@ impl PostgresStoreBuilder {
     }
 
     /// How often the background probe tries to reconnect while the circuit
-    /// breaker is open (default 250 ms, at least 1 ms):
-    /// calls succeed again at most about this long after the server is
-    /// back. Shorter costs more connection attempts against a server that is
-    /// down; one attempt per interval per replica.
+    /// breaker is open (default 250 ms, at least 1 ms): calls succeed again
+    /// at most about this long after the server is back. Shorter costs more
+    /// connection attempts against a server that is down: one per interval
+    /// per replica.
     ///
     /// ```
     /// use std::time::Duration;

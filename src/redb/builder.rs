@@ -106,8 +106,9 @@ impl RedbStoreBuilder {
     }
 
     /// Longest time a logged write waits for its checkpoint into the store
-    /// file (500 ms by default; under a millisecond is refused). Longer means fewer
-    /// checkpoints and more log to replay at an open after a crash.
+    /// file (500 ms by default; under a millisecond is refused). Longer
+    /// means fewer checkpoints and more log to replay at an open after a
+    /// crash.
     ///
     /// ```
     /// let builder = idemstore::RedbStore::builder().checkpoint_interval(std::time::Duration::from_secs(2));

@@ -79,9 +79,10 @@ impl RedbStore {
             heal: false,
         };
         let plan = plan_log(&db, log.as_ref(), &found)?;
+        let path = Self::log_path(store);
         let mut check = LogCheck {
-            path: Self::log_path(store),
-            present: Self::log_path(store).exists(),
+            present: path.exists(),
+            path,
             bytes: plan.file_len,
             clean_stop: state.map(|s| !s.open),
             frames: 0,

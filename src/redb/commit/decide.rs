@@ -215,24 +215,12 @@ mod tests {
         shared.flush().unwrap();
         plant_stale_index_entry(&shared, b"\0r", 5);
         // Before the record's own expiry: nothing is swept.
-        let answers = shared.commit_group(&[sweep_at(8)]);
-        assert!(
-            matches!(answers.as_slice(), [Ok(Reply::Swept(0))]),
-            "{answers:?}"
-        );
+        assert_eq!(swept(&shared, 8, 10), 0);
         assert!(shared.read(b"\0r").unwrap().is_some(), "not swept early");
         // Past it: the record goes, once.
-        let answers = shared.commit_group(&[sweep_at(1_000)]);
-        assert!(
-            matches!(answers.as_slice(), [Ok(Reply::Swept(1))]),
-            "{answers:?}"
-        );
+        assert_eq!(swept(&shared, 1_000, 10), 1);
         assert!(shared.read(b"\0r").unwrap().is_none());
-        let answers = shared.commit_group(&[sweep_at(1_000)]);
-        assert!(
-            matches!(answers.as_slice(), [Ok(Reply::Swept(0))]),
-            "{answers:?}"
-        );
+        assert_eq!(swept(&shared, 1_000, 10), 0);
     }
 
     /// A claim at `at` ms whose lease and retention are 1 ms each.
@@ -251,6 +239,19 @@ mod tests {
         Op::Sweep {
             now: Timestamp::from_millis(at),
             max: 10,
+        }
+    }
+
+    /// A sweep at `at` ms of up to `max` records, alone in its group: how
+    /// many it deleted.
+    fn swept(shared: &crate::redb::Shared, at: u64, max: usize) -> usize {
+        let answers = shared.commit_group(&[Op::Sweep {
+            now: Timestamp::from_millis(at),
+            max,
+        }]);
+        match answers.as_slice() {
+            [Ok(Reply::Swept(n))] => *n,
+            other => panic!("{other:?}"),
         }
     }
 
@@ -316,14 +317,7 @@ mod tests {
         shared.flush().unwrap();
         // r again, in the memtable only, due long after the sweep.
         shared.commit_group(&[short_claim(b"\0r", 300)]);
-        let answers = shared.commit_group(&[Op::Sweep {
-            now: Timestamp::from_millis(200),
-            max: 1,
-        }]);
-        assert!(
-            matches!(answers.as_slice(), [Ok(Reply::Swept(1))]),
-            "{answers:?}"
-        );
+        assert_eq!(swept(&shared, 200, 1), 1);
         assert!(shared.read(b"\0r").unwrap().is_some());
         assert!(shared.read(b"\0s").unwrap().is_none());
     }
@@ -376,9 +370,7 @@ mod tests {
         shared.direct(|_, _| Ok::<_, Error>(())).unwrap();
         assert!(shared.memory.read_mem().is_empty());
         shared.commit_group(&[claim(b"\0m1", 15), claim(b"\0m2", 25)]);
-        let later = Timestamp::from_millis(1_000);
-        let answers = shared.commit_group(&[Op::Sweep { now: later, max: 3 }]);
-        assert!(matches!(answers.as_slice(), [Ok(Reply::Swept(3))]));
+        assert_eq!(swept(&shared, 1_000, 3), 3);
         // Oldest first: r1 (11), m1 (16), r2 (21) went; m2 (26) is left.
         let mem = shared.memory.read_mem();
         assert!(matches!(mem.get(b"\0r1"), Some(None)));
@@ -386,8 +378,7 @@ mod tests {
         assert!(matches!(mem.get(b"\0r2"), Some(None)));
         assert!(matches!(mem.get(b"\0m2"), Some(Some(_))));
         drop(mem);
-        let answers = shared.commit_group(&[Op::Sweep { now: later, max: 3 }]);
-        assert!(matches!(answers.as_slice(), [Ok(Reply::Swept(1))]));
+        assert_eq!(swept(&shared, 1_000, 3), 1);
         assert_eq!(shared.stats.swept.load(Ordering::Relaxed), 4);
     }
 
@@ -400,14 +391,7 @@ mod tests {
         shared.commit_group(&[short_claim(b"\0r", 10)]);
         shared.flush().unwrap();
         plant_stale_index_entry(&shared, b"\0r", 5);
-        let answers = shared.commit_group(&[Op::Sweep {
-            now: Timestamp::from_millis(1_000),
-            max: 1,
-        }]);
-        assert!(
-            matches!(answers.as_slice(), [Ok(Reply::Swept(1))]),
-            "{answers:?}"
-        );
+        assert_eq!(swept(&shared, 1_000, 1), 1);
         assert!(shared.read(b"\0r").unwrap().is_none());
     }
 }
