@@ -7,7 +7,7 @@
 //! ```
 //!
 //! postcard's wire format is frozen for 1.x, and every field of the payload is
-//! listed in [`RecordV1`]; a new field means a new format version, read by a
+//! listed in [`RecordV2`]; a new field means a new format version, read by a
 //! new arm in [`decode_record`]. Keys and index entries use fixed big-endian
 //! layouts, not a serializer, so their order on disk is their byte order:
 //!
@@ -23,18 +23,20 @@ use crate::fingerprint::Fingerprint;
 use crate::key::Key;
 use crate::record::{Record, State};
 use crate::response::Response;
+use crate::step::Step;
 use crate::time::Timestamp;
 use serde::{Deserialize, Serialize};
 
 /// The envelope's magic bytes.
 pub(crate) const MAGIC: [u8; 4] = *b"IDEM";
-/// The record format this build writes, and the newest it reads.
-pub(crate) const RECORD_FORMAT_VERSION: u16 = 1;
+/// The record format this build writes, and the only one it reads
+/// (format 1, before steps, was never released).
+pub(crate) const RECORD_FORMAT_VERSION: u16 = 2;
 /// Bytes before the payload.
 pub(crate) const HEADER_BYTES: usize = 10;
 
 #[derive(Serialize, Deserialize)]
-struct RecordV1 {
+struct RecordV2 {
     fingerprint: [u8; 32],
     state: u8,
     lease_until_ms: Option<u64>,
@@ -43,6 +45,14 @@ struct RecordV1 {
     token: u64,
     attempts: u32,
     response: Option<ResponseV1>,
+    steps: Vec<StepV2>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct StepV2 {
+    name: String,
+    #[serde(with = "serde_bytes")]
+    output: Vec<u8>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -71,7 +81,7 @@ pub(crate) fn encode_record(record: &Record) -> Result<Vec<u8>> {
             "refusing to write a record that breaks an invariant: {why}"
         )));
     }
-    let payload = RecordV1 {
+    let payload = RecordV2 {
         fingerprint: *record.fingerprint.as_bytes(),
         state: match record.state {
             State::Processing => STATE_PROCESSING,
@@ -94,6 +104,14 @@ pub(crate) fn encode_record(record: &Record) -> Result<Vec<u8>> {
                 .collect(),
             body: r.body.clone(),
         }),
+        steps: record
+            .steps
+            .iter()
+            .map(|s| StepV2 {
+                name: s.name.clone(),
+                output: s.output.clone(),
+            })
+            .collect(),
     };
     let mut out = Vec::with_capacity(
         HEADER_BYTES + 64 + record.response.as_ref().map_or(0, |r| r.body.len()),
@@ -138,7 +156,7 @@ pub(crate) fn decode_record(key_bytes: &[u8], bytes: &[u8]) -> Result<Record> {
             "checksum mismatch (stored {stored_crc:08x}, computed {actual_crc:08x})"
         )));
     }
-    let (v1, rest): (RecordV1, &[u8]) = postcard::take_from_bytes(payload)
+    let (v2, rest): (RecordV2, &[u8]) = postcard::take_from_bytes(payload)
         .map_err(|e| corrupt(format!("payload does not decode: {e}")))?;
     if !rest.is_empty() {
         return Err(corrupt(format!(
@@ -150,30 +168,38 @@ pub(crate) fn decode_record(key_bytes: &[u8], bytes: &[u8]) -> Result<Record> {
     // has one. Rejecting them makes decoding injective: whatever decodes
     // re-encodes to the same bytes (the fuzz target `record_decode` checks it).
     let canonical_len = postcard::serialize_with_flavor::<_, postcard::ser_flavors::Size, usize>(
-        &v1,
+        &v2,
         postcard::ser_flavors::Size::default(),
     );
     if canonical_len.ok() != Some(payload.len()) {
         return Err(corrupt("payload is not in canonical encoding".to_owned()));
     }
-    let state = match v1.state {
+    let state = match v2.state {
         STATE_PROCESSING => State::Processing,
         STATE_DONE => State::Done,
         other => return Err(corrupt(format!("unknown state tag {other}"))),
     };
     let record = Record {
-        fingerprint: Fingerprint::from_bytes(v1.fingerprint),
+        fingerprint: Fingerprint::from_bytes(v2.fingerprint),
         state,
-        response: v1.response.map(|r| Response {
+        response: v2.response.map(|r| Response {
             status: r.status,
             headers: r.headers.into_iter().map(|h| (h.name, h.value)).collect(),
             body: r.body,
         }),
-        lease_until: v1.lease_until_ms.map(Timestamp::from_millis),
-        expires_at: Timestamp::from_millis(v1.expires_at_ms),
-        created_at: Timestamp::from_millis(v1.created_at_ms),
-        token: v1.token,
-        attempts: v1.attempts,
+        lease_until: v2.lease_until_ms.map(Timestamp::from_millis),
+        expires_at: Timestamp::from_millis(v2.expires_at_ms),
+        created_at: Timestamp::from_millis(v2.created_at_ms),
+        token: v2.token,
+        attempts: v2.attempts,
+        steps: v2
+            .steps
+            .into_iter()
+            .map(|s| Step {
+                name: s.name,
+                output: s.output,
+            })
+            .collect(),
     };
     record.check().map_err(|why| corrupt(why.to_string()))?;
     Ok(record)
@@ -263,6 +289,7 @@ mod tests {
             created_at: Timestamp::from_millis(1_700_000_000_000),
             token: 42,
             attempts: 1,
+            steps: Vec::new(),
         }
     }
 
@@ -276,10 +303,14 @@ mod tests {
             created_at: Timestamp::from_millis(1_700_000_000_000),
             token: 7,
             attempts: 2,
+            steps: vec![
+                Step::new("charge", b"ch_1".to_vec()).expect("valid"),
+                Step::new("reserve", Vec::new()).expect("valid"),
+            ],
         }
     }
 
-    /// The format is frozen: these bytes were written by format version 1
+    /// The format is frozen: these bytes were written by format version 2
     /// and must decode to the same records forever. `IDEMSTORE_BLESS=1`
     /// rewrites them, which is only right together with a version bump.
     #[test]
@@ -288,11 +319,11 @@ mod tests {
         let key = Key::new("tenant-42", "order-1").expect("valid");
         let cases: [(&str, Vec<u8>); 4] = [
             (
-                "record_v1_done.bin",
+                "record_v2_done.bin",
                 encode_record(&sample_done()).expect("encodes"),
             ),
             (
-                "record_v1_processing.bin",
+                "record_v2_processing.bin",
                 encode_record(&sample_processing()).expect("encodes"),
             ),
             ("key_v1.bin", encode_key(&key)),
@@ -319,11 +350,11 @@ mod tests {
         }
         let read = |name: &str| std::fs::read(dir.join(name)).expect("fixture");
         assert_eq!(
-            decode_record(b"", &read("record_v1_done.bin")).expect("decodes"),
+            decode_record(b"", &read("record_v2_done.bin")).expect("decodes"),
             sample_done()
         );
         assert_eq!(
-            decode_record(b"", &read("record_v1_processing.bin")).expect("decodes"),
+            decode_record(b"", &read("record_v2_processing.bin")).expect("decodes"),
             sample_processing()
         );
         assert_eq!(decode_key(&read("key_v1.bin")).expect("decodes"), key);
@@ -334,8 +365,8 @@ mod tests {
             (1_700_000_086_400_000, key)
         );
         // The header layout, byte by byte.
-        let done = read("record_v1_done.bin");
-        assert_eq!(&done[..6], b"IDEM\x00\x01");
+        let done = read("record_v2_done.bin");
+        assert_eq!(&done[..6], b"IDEM\x00\x02");
         assert_eq!(&read("key_v1.bin")[..1], &[9]);
     }
 
@@ -377,16 +408,16 @@ mod tests {
     }
 
     #[test]
-    fn newer_version_is_unsupported() {
-        let mut bytes = encode_record(&sample_done()).expect("encodes");
-        bytes[5] = 2;
-        assert!(matches!(
-            decode_record(b"\0k", &bytes),
-            Err(Error::UnsupportedFormat {
-                found: 2,
-                supported: 1
-            })
-        ));
+    fn other_versions_are_unsupported() {
+        // A newer release's record, and format 1 (before steps, never released).
+        for (version, found) in [(3, 3), (1, 1)] {
+            let mut bytes = encode_record(&sample_done()).expect("encodes");
+            bytes[5] = version;
+            assert!(matches!(
+                decode_record(b"\0k", &bytes),
+                Err(Error::UnsupportedFormat { found: f, supported: 2 }) if f == found
+            ));
+        }
     }
 
     #[test]
@@ -428,9 +459,13 @@ mod tests {
                 0..4,
             ),
             proptest::collection::vec(any::<u8>(), 0..300),
+            proptest::collection::vec(
+                ("[a-z]{0,8}", proptest::collection::vec(any::<u8>(), 0..16)),
+                0..4,
+            ),
         )
             .prop_map(
-                |(fp, done, lease, exp, created, token, attempts, status, headers, body)| {
+                |(fp, done, lease, exp, created, token, attempts, status, headers, body, steps)| {
                     let response = Response {
                         status,
                         headers,
@@ -445,6 +480,16 @@ mod tests {
                         created_at: Timestamp::from_millis(created),
                         token,
                         attempts,
+                        // Unique names (the index first); DONE has none.
+                        steps: steps
+                            .into_iter()
+                            .enumerate()
+                            .filter(|_| !done)
+                            .map(|(i, (name, output))| Step {
+                                name: format!("{i}{name}"),
+                                output,
+                            })
+                            .collect(),
                     }
                 },
             )

@@ -40,6 +40,18 @@ pub enum Error {
         /// The limit in force.
         limit: usize,
     },
+    /// A step is over a limit (`"name bytes"`, `"output bytes"`, `"steps"`
+    /// or `"step bytes in the record"`; the limits are in
+    /// [`limits`](crate::limits)). Raised before any write: nothing is
+    /// recorded.
+    StepLimit {
+        /// Which limit.
+        what: &'static str,
+        /// The size that was offered.
+        size: usize,
+        /// The limit in force.
+        limit: usize,
+    },
     /// An argument or a configuration value is out of range
     /// (a zero lease, a retention shorter than the lease, a limit above its hard cap).
     InvalidArgument {
@@ -195,6 +207,10 @@ impl fmt::Display for Error {
             Error::ResponseTooLarge { what, size, limit } => write!(
                 f,
                 "response too large: {size} {what} exceeds the limit of {limit}; nothing was stored"
+            ),
+            Error::StepLimit { what, size, limit } => write!(
+                f,
+                "step too large: {size} {what} exceeds the limit of {limit}; nothing was recorded"
             ),
             Error::InvalidArgument { reason } => write!(f, "invalid argument: {reason}"),
             Error::StaleClaim => f.write_str(

@@ -127,6 +127,7 @@ mod shuttle_support;
 #[cfg(feature = "sled")]
 #[cfg_attr(docsrs, doc(cfg(feature = "sled")))]
 pub mod sled;
+mod step;
 mod store;
 pub mod sweeper;
 // The locks, condvars, atomics and threads of the redb write path and the
@@ -155,6 +156,7 @@ pub use key::Key;
 pub use memory::MemoryStore;
 pub use record::{Begin, Claim, Record, State};
 pub use response::Response;
+pub use step::Step;
 pub use store::Store;
 pub use sweeper::{Sweeper, SweeperConfig};
 #[cfg(any(test, feature = "test-util"))]

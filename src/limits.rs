@@ -19,6 +19,7 @@ pub use crate::key::{MAX_ID_BYTES, MAX_SCOPE_BYTES};
 pub use crate::response::{
     DEFAULT_MAX_BODY_BYTES, MAX_BODY_BYTES_HARD_CAP, MAX_HEADER_BYTES, MAX_HEADERS,
 };
+pub use crate::step::{MAX_STEP_NAME_BYTES, MAX_STEP_OUTPUT_BYTES, MAX_STEPS, MAX_STEPS_BYTES};
 pub use crate::store::MAX_SWEEP_BATCH;
 
 use std::time::Duration;

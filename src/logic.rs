@@ -14,7 +14,7 @@
 //! A complete backend over a `Mutex<HashMap>`:
 //!
 //! ```
-//! use idemstore::{logic, Begin, Claim, Fingerprint, Key, Record, Response, Result, Store, Timestamp};
+//! use idemstore::{logic, Begin, Claim, Fingerprint, Key, Record, Response, Result, Step, Store, Timestamp};
 //! use std::collections::HashMap;
 //! use std::sync::Mutex;
 //! use std::time::Duration;
@@ -45,8 +45,17 @@
 //!     }
 //!     fn release(&self, key: &Key, claim: &Claim) -> Result<()> {
 //!         let mut g = self.0.lock().expect("not poisoned");
-//!         logic::release(g.0.get(key).cloned(), claim)?;
-//!         g.0.remove(key);
+//!         match logic::release(g.0.get(key).cloned(), claim)? {
+//!             Some(kept) => g.0.insert(key.clone(), kept), // steps outlive a release
+//!             None => g.0.remove(key),
+//!         };
+//!         Ok(())
+//!     }
+//!     fn record_step(&self, key: &Key, claim: &Claim, step: &Step, now: Timestamp) -> Result<()> {
+//!         let mut g = self.0.lock().expect("not poisoned");
+//!         if let Some(record) = logic::record_step(g.0.get(key).cloned(), claim, step, now)? {
+//!             g.0.insert(key.clone(), record);
+//!         }
 //!         Ok(())
 //!     }
 //!     fn renew(&self, key: &Key, claim: &Claim, now: Timestamp, lease: Duration) -> Result<Claim> {
@@ -89,6 +98,7 @@ use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
 use crate::record::{Begin, Claim, Record, State};
 use crate::response::Response;
+use crate::step::Step;
 use crate::time::Timestamp;
 use std::time::Duration;
 
@@ -160,6 +170,7 @@ pub fn begin(
             created_at: now,
             token,
             attempts: 1,
+            steps: Vec::new(),
         };
         return Ok(claimed(record, false));
     };
@@ -174,9 +185,11 @@ pub fn begin(
         (State::Processing, Some(lease_until)) if now < lease_until => {
             Ok(answer(Begin::InFlight { lease_until }))
         }
-        (State::Processing, _) => {
-            // Takeover: the owner's lease has run out. Renew the lease under
-            // a new token; the expiry never moves earlier.
+        (State::Processing, lease_until) => {
+            // Takeover: the owner's lease has run out (or the owner released
+            // the key and kept its steps: not a takeover). Renew the lease
+            // under a new token; the expiry never moves earlier.
+            let takeover = lease_until != Some(RELEASED);
             let token = next_token()?;
             let record = Record {
                 lease_until: Some(now + lease),
@@ -185,18 +198,19 @@ pub fn begin(
                 attempts: record.attempts.saturating_add(1),
                 ..record
             };
-            Ok(claimed(record, true))
+            Ok(claimed(record, takeover))
         }
     }
 }
 
 fn claimed(record: Record, takeover: bool) -> BeginStep {
-    let claim = Claim::new(
+    let mut claim = Claim::new(
         record.token,
         record.lease_until.unwrap_or(Timestamp::EPOCH),
         takeover,
         record.attempts,
     );
+    claim.steps.clone_from(&record.steps);
     BeginStep {
         answer: Begin::Claimed(claim),
         write: Some(record),
@@ -211,12 +225,13 @@ fn answer(answer: Begin) -> BeginStep {
 }
 
 /// Checks that `claim` is the current owner of `existing` (live, PROCESSING,
-/// same token) and returns that record.
+/// same token, not released) and returns that record.
 fn owned(existing: Option<Record>, claim: &Claim, now: Option<Timestamp>) -> Result<Record> {
     match existing {
         Some(r)
             if r.state == State::Processing
                 && r.token == claim.token
+                && r.lease_until != Some(RELEASED)
                 && now.is_none_or(|now| !r.is_expired(now)) =>
         {
             Ok(r)
@@ -256,26 +271,96 @@ pub fn complete(
         response: Some(response.clone()),
         lease_until: None,
         expires_at: now + retention,
+        steps: Vec::new(),
         ..record
     })
 }
 
-/// `release`: checks ownership; the caller then deletes the record so that
-/// a retry (or a different request under the same key) may run at once.
+/// The lease end of a record whose owner released it but whose steps are
+/// kept: over, so the next `begin` claims it at once, and told apart from
+/// a lease that ran out, so that claim is not a takeover.
+const RELEASED: Timestamp = Timestamp::EPOCH;
+
+/// `release`: checks ownership and says what to write. `None`: delete the
+/// record, so a retry (or a different request under the same key) may run
+/// at once. `Some(record)` when steps are recorded: they must outlive the
+/// release (the side effects they stand for happened), so the record stays
+/// PROCESSING with its lease over; the next `begin` with the same
+/// fingerprint claims it at once (not as a takeover) and gets the steps,
+/// and another fingerprint is a conflict.
 ///
 /// ```
-/// use idemstore::{logic, Error, Fingerprint, Timestamp};
+/// use idemstore::{logic, Error, Fingerprint, Step, Timestamp};
 /// use std::time::Duration;
 ///
-/// let d = Duration::from_secs(10);
-/// let step = logic::begin(None, &Fingerprint::of(b"x"), Timestamp::EPOCH, d, d, || Ok(1))?;
+/// let (d, t0) = (Duration::from_secs(10), Timestamp::EPOCH);
+/// let step = logic::begin(None, &Fingerprint::of(b"x"), t0, d, d, || Ok(1))?;
 /// let claim = step.answer.claim().expect("claimed").clone();
-/// assert!(logic::release(step.write, &claim).is_ok());
+/// assert_eq!(logic::release(step.write.clone(), &claim)?, None);
 /// assert!(matches!(logic::release(None, &claim), Err(Error::StaleClaim)));
+/// // With a step recorded, the record stays for the next claim.
+/// let charged = logic::record_step(step.write, &claim, &Step::new("charge", vec![1])?, t0)?;
+/// let kept = logic::release(charged, &claim)?.expect("steps are kept");
+/// let again = logic::begin(Some(kept), &Fingerprint::of(b"x"), t0, d, d, || Ok(2))?;
+/// let next = again.answer.claim().expect("claimed at once");
+/// assert!(!next.is_takeover());
+/// assert_eq!(next.steps()[0].name(), "charge");
 /// # Ok::<(), idemstore::Error>(())
 /// ```
-pub fn release(existing: Option<Record>, claim: &Claim) -> Result<()> {
-    owned(existing, claim, None).map(|_| ())
+pub fn release(existing: Option<Record>, claim: &Claim) -> Result<Option<Record>> {
+    let record = owned(existing, claim, None)?;
+    if record.steps.is_empty() {
+        return Ok(None);
+    }
+    Ok(Some(Record {
+        lease_until: Some(RELEASED),
+        ..record
+    }))
+}
+
+/// `record_step`: the record with `step` appended, or `None` when the
+/// same step (name and output) is already recorded and nothing is to be
+/// written. [`Error::StaleClaim`] when `claim` is not the current owner of
+/// a live PROCESSING record; [`Error::StepLimit`] when the record would
+/// hold more steps or step bytes than its limits; [`Error::InvalidArgument`]
+/// when a step of that name is recorded with another output.
+///
+/// ```
+/// use idemstore::{logic, Error, Fingerprint, Step, Timestamp};
+/// use std::time::Duration;
+///
+/// let (d, t0) = (Duration::from_secs(10), Timestamp::EPOCH);
+/// let begun = logic::begin(None, &Fingerprint::of(b"x"), t0, d, d, || Ok(1))?;
+/// let claim = begun.answer.claim().expect("claimed").clone();
+/// let charge = Step::new("charge", b"ch_1".to_vec())?;
+/// let written = logic::record_step(begun.write, &claim, &charge, t0)?.expect("a write");
+/// assert_eq!(written.steps(), [charge.clone()]);
+/// // Recording it again (a retried call) writes nothing.
+/// assert_eq!(logic::record_step(Some(written.clone()), &claim, &charge, t0)?, None);
+/// let other = Step::new("charge", b"ch_2".to_vec())?;
+/// let clash = logic::record_step(Some(written), &claim, &other, t0);
+/// assert!(matches!(clash, Err(Error::InvalidArgument { .. })));
+/// # Ok::<(), idemstore::Error>(())
+/// ```
+pub fn record_step(
+    existing: Option<Record>,
+    claim: &Claim,
+    step: &Step,
+    now: Timestamp,
+) -> Result<Option<Record>> {
+    let mut record = owned(existing, claim, Some(now))?;
+    if let Some(recorded) = record.steps.iter().find(|s| s.name == step.name) {
+        if recorded.output == step.output {
+            return Ok(None);
+        }
+        return Err(Error::invalid_argument(format!(
+            "step `{}` is already recorded with another output",
+            step.name
+        )));
+    }
+    record.steps.push(step.clone());
+    crate::step::check_all(&record.steps)?;
+    Ok(Some(record))
 }
 
 /// What [`renew`] decided: the record to write (its lease extended) and

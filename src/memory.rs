@@ -6,6 +6,7 @@ use crate::key::Key;
 use crate::logic;
 use crate::record::{Begin, Claim, Record, check_durations};
 use crate::response::{DEFAULT_MAX_BODY_BYTES, Response, check_body_limit};
+use crate::step::Step;
 use crate::store::{MAX_SWEEP_BATCH, Store, StoreFuture};
 use crate::time::{Clock, SystemClock, Timestamp};
 use std::collections::{BTreeSet, HashMap};
@@ -209,8 +210,19 @@ impl Store for MemoryStore {
 
     fn release(&self, key: &Key, claim: &Claim) -> Result<()> {
         let mut inner = self.lock();
-        logic::release(inner.records.get(key).cloned(), claim)?;
-        inner.remove(key);
+        match logic::release(inner.records.get(key).cloned(), claim)? {
+            Some(kept) => inner.put(key, kept),
+            None => inner.remove(key),
+        }
+        Ok(())
+    }
+
+    fn record_step(&self, key: &Key, claim: &Claim, step: &Step, now: Timestamp) -> Result<()> {
+        let mut inner = self.lock();
+        if let Some(record) = logic::record_step(inner.records.get(key).cloned(), claim, step, now)?
+        {
+            inner.put(key, record);
+        }
         Ok(())
     }
 
@@ -278,6 +290,18 @@ impl Store for MemoryStore {
 
     fn release_async<'a>(&'a self, key: &'a Key, claim: &'a Claim) -> Option<StoreFuture<'a, ()>> {
         Some(Box::pin(async move { self.release(key, claim) }))
+    }
+
+    fn record_step_async<'a>(
+        &'a self,
+        key: &'a Key,
+        claim: &'a Claim,
+        step: &'a Step,
+        now: Timestamp,
+    ) -> Option<StoreFuture<'a, ()>> {
+        Some(Box::pin(
+            async move { self.record_step(key, claim, step, now) },
+        ))
     }
 }
 

@@ -18,6 +18,7 @@
 //! | `idemstore_guard_takeovers_total` | counter | | claims taken over after the owner's lease passed |
 //! | `idemstore_guard_waited_total` | counter | | duplicates that waited for a local owner's response |
 //! | `idemstore_guard_stale_claims_total` | counter | | `complete` or `release` refused as stale (the claim was taken over) |
+//! | `idemstore_guard_steps_total` | counter | `how` | steps of guarded runs: `ran` (and recorded), `replayed` (recorded by an earlier attempt) |
 //! | `idemstore_guard_begin_seconds` | histogram | | a guarded request's `begin` (for a new key: until its claim is durable) |
 //! | `idemstore_guard_complete_seconds` | histogram | | a `complete` (until durable) |
 //! | `idemstore_redb_group_size` | histogram | | writes per commit group (`RedbStore`) |
@@ -178,6 +179,17 @@ pub(crate) fn failed_open(error: &crate::Error) {
     let _ = error;
     #[cfg(feature = "tracing")]
     tracing::warn!(%error, "store unavailable: running the handler without protection (fail open)");
+}
+
+/// A step of a guarded run ran and was recorded, or was `replayed` from
+/// an earlier attempt's record.
+pub(crate) fn step(replayed: bool) {
+    let how = if replayed { "replayed" } else { "ran" };
+    let _ = how;
+    #[cfg(feature = "tracing")]
+    tracing::debug!(how, "step");
+    #[cfg(feature = "metrics")]
+    metrics::counter!("idemstore_guard_steps_total", "how" => how).increment(1);
 }
 
 /// A `complete` or `release` refused as stale.

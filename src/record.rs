@@ -3,6 +3,7 @@
 use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
 use crate::response::Response;
+use crate::step::Step;
 use crate::time::Timestamp;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -36,8 +37,9 @@ impl std::fmt::Display for State {
 ///
 /// Invariants (checked before every write and after every read; a stored
 /// record that breaks them is [`Error::Corrupt`]):
-/// PROCESSING has a lease and no response; DONE has a response and no lease;
-/// the token is non-zero; `attempts >= 1`.
+/// PROCESSING has a lease and no response; DONE has a response, no lease
+/// and no steps; the token is non-zero; `attempts >= 1`; steps have unique
+/// names and are within their [limits](crate::limits).
 ///
 /// ```
 /// use idemstore::{Begin, Fingerprint, Key, MemoryStore, State, Store, Timestamp};
@@ -63,6 +65,8 @@ pub struct Record {
     pub(crate) created_at: Timestamp,
     pub(crate) token: u64,
     pub(crate) attempts: u32,
+    /// Recorded steps, in the order they were recorded (PROCESSING only).
+    pub(crate) steps: Vec<Step>,
 }
 
 impl Record {
@@ -95,9 +99,15 @@ impl Record {
     pub fn token(&self) -> u64 {
         self.token
     }
-    /// How many claims this record has had (1 + takeovers).
+    /// How many claims this record has had (1 + takeovers and claims
+    /// after a release that kept steps).
     pub fn attempts(&self) -> u32 {
         self.attempts
+    }
+    /// The steps recorded under this record, in the order they were
+    /// recorded (PROCESSING only: a DONE record has none).
+    pub fn steps(&self) -> &[Step] {
+        &self.steps
     }
     /// True when `now` is at or past the expiry.
     ///
@@ -124,6 +134,12 @@ impl Record {
         }
         if self.attempts == 0 {
             return Err("attempt count is zero");
+        }
+        if crate::step::check_all(&self.steps).is_err() {
+            return Err("steps over their limits or named twice");
+        }
+        if self.state == State::Done && !self.steps.is_empty() {
+            return Err("DONE record must have no steps");
         }
         match (self.state, &self.response, self.lease_until) {
             (State::Processing, None, Some(_)) | (State::Done, Some(_), None) => Ok(()),
@@ -160,15 +176,20 @@ impl Record {
 /// # Ok::<(), idemstore::Error>(())
 /// ```
 ///
-/// Two claims are equal when their token, lease, takeover flag and attempt
-/// are: what a guard's renewals learned ([`lease_lost`](Claim::lease_lost))
-/// is not compared.
+/// Two claims are equal when their token, lease, takeover flag, attempt and
+/// steps are: what a guard's run added (renewals, steps recorded since) is
+/// not compared.
 #[derive(Clone)]
 pub struct Claim {
     pub(crate) token: u64,
     pub(crate) lease_until: Timestamp,
     pub(crate) takeover: bool,
     pub(crate) attempt: u32,
+    /// The steps recorded by earlier attempts when this claim was made.
+    pub(crate) steps: Vec<Step>,
+    /// The guard's run this claim belongs to (its steps are recorded
+    /// through it); `None` for a claim from [`Store::begin`](crate::Store::begin).
+    pub(crate) run: Option<Arc<crate::guard::StepRun>>,
     /// What a guard's renewals of this claim's lease learned; `None`
     /// outside a run with renewal on (a claim from [`Store::begin`](crate::Store::begin)).
     pub(crate) renewal: Option<Arc<Renewal>>,
@@ -229,6 +250,9 @@ impl std::fmt::Debug for Claim {
             .field("lease_until", &self.lease_until())
             .field("takeover", &self.takeover)
             .field("attempt", &self.attempt);
+        if !self.steps.is_empty() {
+            d.field("steps", &self.steps);
+        }
         if self.lease_lost() {
             d.field("lease_lost", &true);
         }
@@ -244,12 +268,20 @@ impl Claim {
             lease_until,
             takeover,
             attempt,
+            steps: Vec::new(),
+            run: None,
             renewal: None,
         }
     }
 
-    fn key_fields(&self) -> (u64, Timestamp, bool, u32) {
-        (self.token, self.lease_until, self.takeover, self.attempt)
+    fn key_fields(&self) -> (u64, Timestamp, bool, u32, &[Step]) {
+        (
+            self.token,
+            self.lease_until,
+            self.takeover,
+            self.attempt,
+            &self.steps,
+        )
     }
 
     /// The fencing token: unique in the store, and larger than every token
@@ -302,6 +334,30 @@ impl Claim {
     /// 1 for the first claim of the record, 2 after one takeover, ...
     pub fn attempt(&self) -> u32 {
         self.attempt
+    }
+    /// The steps earlier attempts recorded under this key, as they were
+    /// when this claim was made: what a takeover (or a claim after a
+    /// release) need not do again. Under
+    /// [`TakeoverPolicy::Reconcile`](crate::guard::TakeoverPolicy::Reconcile)
+    /// they tell the new owner how far the last one got: every step listed
+    /// finished, and the next one may have started.
+    ///
+    /// ```
+    /// use idemstore::{Begin, Fingerprint, Key, MemoryStore, Step, Store, Timestamp};
+    /// use std::time::Duration;
+    ///
+    /// let store = MemoryStore::new();
+    /// let (key, fp, d) = (Key::new("t", "k")?, Fingerprint::of(b"x"), Duration::from_secs(1));
+    /// let t0 = Timestamp::from_millis(0);
+    /// let Begin::Claimed(first) = store.begin(&key, &fp, t0, d, d * 60)? else { panic!() };
+    /// store.record_step(&key, &first, &Step::new("charge", b"ch_1".to_vec())?, t0)?;
+    /// // The owner dies; its lease runs out and a retry takes over.
+    /// let Begin::Claimed(second) = store.begin(&key, &fp, t0 + d, d, d * 60)? else { panic!() };
+    /// assert_eq!(second.steps(), [Step::new("charge", b"ch_1".to_vec())?]);
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn steps(&self) -> &[Step] {
+        &self.steps
     }
 
     /// True for the stand-in claim a fail-open guard hands its handler when

@@ -5,6 +5,7 @@ use crate::fingerprint::Fingerprint;
 use crate::key::Key;
 use crate::record::{Begin, Claim, Record};
 use crate::response::Response;
+use crate::step::Step;
 use crate::time::{Clock, SystemClock, Timestamp};
 use std::future::Future;
 use std::pin::Pin;
@@ -150,6 +151,12 @@ pub trait Store: Send + Sync {
     /// Gives the claim up: the record is deleted, so a retry may claim the
     /// key at once (as a fresh claim, not a takeover). A stale claim is
     /// [`Error::StaleClaim`](crate::Error::StaleClaim). Durable on return.
+    ///
+    /// A record with [steps](Store::record_step) is kept instead, PROCESSING
+    /// with its lease over: the next `begin` with the same fingerprint
+    /// claims it at once (not as a takeover) and starts with those steps,
+    /// and another fingerprint is a `Conflict`; the steps stand for side
+    /// effects that happened.
     fn release(&self, key: &Key, claim: &Claim) -> Result<()>;
 
     /// Extends the claim's lease to `now + lease` (never shortening it) and
@@ -187,6 +194,40 @@ pub trait Store: Send + Sync {
     /// # Ok::<(), idemstore::Error>(())
     /// ```
     fn renew(&self, key: &Key, claim: &Claim, now: Timestamp, lease: Duration) -> Result<Claim>;
+
+    /// Records `step` (a step's name and output) on the PROCESSING record
+    /// `claim` owns, so that a later claim of the key starts with it
+    /// ([`Claim::steps`]). Durable on return, like `begin`'s claim.
+    ///
+    /// Only the current owner records: after a takeover, a `complete`, a
+    /// `release` or an expiry it is [`Error::StaleClaim`](crate::Error::StaleClaim)
+    /// and nothing changes. Recording the same step again (same name and
+    /// output) is `Ok` and writes nothing; a step of that name with another
+    /// output is [`Error::InvalidArgument`](crate::Error::InvalidArgument);
+    /// a record over [`MAX_STEPS`](crate::limits::MAX_STEPS) or
+    /// [`MAX_STEPS_BYTES`](crate::limits::MAX_STEPS_BYTES) is
+    /// [`Error::StepLimit`](crate::Error::StepLimit). Decided by
+    /// [`logic::record_step`](crate::logic::record_step). A
+    /// [`Guard`](crate::Guard)'s handler calls it through
+    /// [`Claim::step`].
+    ///
+    /// ```
+    /// use idemstore::{Begin, Error, Fingerprint, Key, MemoryStore, Step, Store, Timestamp};
+    /// use std::time::Duration;
+    ///
+    /// let store = MemoryStore::new();
+    /// let (key, fp, d) = (Key::new("t", "order-1")?, Fingerprint::of(b"qty=1"), Duration::from_secs(30));
+    /// let t0 = Timestamp::from_millis(0);
+    /// let Begin::Claimed(claim) = store.begin(&key, &fp, t0, d, d * 10)? else { panic!() };
+    /// store.record_step(&key, &claim, &Step::new("charge", b"ch_1".to_vec())?, t0)?;
+    /// assert_eq!(store.get(&key, t0)?.expect("kept").steps()[0].output(), b"ch_1");
+    /// // After a takeover the old owner can no longer record.
+    /// let Begin::Claimed(_new) = store.begin(&key, &fp, t0 + d, d, d * 10)? else { panic!() };
+    /// let late = store.record_step(&key, &claim, &Step::new("email", vec![])?, t0 + d);
+    /// assert!(matches!(late, Err(Error::StaleClaim)));
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    fn record_step(&self, key: &Key, claim: &Claim, step: &Step, now: Timestamp) -> Result<()>;
 
     /// The record for `key` as of `now`; `None` when there is none or it
     /// has expired (expired records are invisible before any sweep).
@@ -333,6 +374,35 @@ pub trait Store: Send + Sync {
         let _ = (key, claim);
         None
     }
+
+    /// [`record_step`](Store::record_step) as a future that blocks no
+    /// thread, or `None` (the default): see [`begin_async`](Store::begin_async).
+    /// A dropped future records the step whole or not at all.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), idemstore::Error> {
+    /// use idemstore::{Begin, Fingerprint, Key, MemoryStore, Step, Store, Timestamp};
+    /// use std::time::Duration;
+    ///
+    /// let store = MemoryStore::new();
+    /// let (key, fp, d, t) = (Key::new("", "k")?, Fingerprint::of(b"x"), Duration::from_secs(5), Timestamp::EPOCH);
+    /// let Begin::Claimed(claim) = store.begin(&key, &fp, t, d, d)? else { unreachable!() };
+    /// let step = Step::new("charge", b"ch_1".to_vec())?;
+    /// store.record_step_async(&key, &claim, &step, t).expect("native").await?;
+    /// assert_eq!(store.get(&key, t)?.expect("kept").steps(), [step]);
+    /// # Ok(()) }
+    /// ```
+    fn record_step_async<'a>(
+        &'a self,
+        key: &'a Key,
+        claim: &'a Claim,
+        step: &'a Step,
+        now: Timestamp,
+    ) -> Option<StoreFuture<'a, ()>> {
+        let _ = (key, claim, step, now);
+        None
+    }
 }
 
 /// A future that is already answered (an error found before any I/O).
@@ -371,6 +441,9 @@ impl<S: Store + ?Sized> Store for Arc<S> {
     fn renew(&self, key: &Key, claim: &Claim, now: Timestamp, lease: Duration) -> Result<Claim> {
         (**self).renew(key, claim, now, lease)
     }
+    fn record_step(&self, key: &Key, claim: &Claim, step: &Step, now: Timestamp) -> Result<()> {
+        (**self).record_step(key, claim, step, now)
+    }
     fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>> {
         (**self).get(key, now)
     }
@@ -405,5 +478,14 @@ impl<S: Store + ?Sized> Store for Arc<S> {
     }
     fn release_async<'a>(&'a self, key: &'a Key, claim: &'a Claim) -> Option<StoreFuture<'a, ()>> {
         (**self).release_async(key, claim)
+    }
+    fn record_step_async<'a>(
+        &'a self,
+        key: &'a Key,
+        claim: &'a Claim,
+        step: &'a Step,
+        now: Timestamp,
+    ) -> Option<StoreFuture<'a, ()>> {
+        (**self).record_step_async(key, claim, step, now)
     }
 }

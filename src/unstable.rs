@@ -53,6 +53,7 @@ pub fn sample_record(body_bytes: usize) -> Record {
         created_at: t0,
         token: 42,
         attempts: 1,
+        steps: Vec::new(),
     }
 }
 

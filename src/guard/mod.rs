@@ -31,12 +31,14 @@ mod outcome;
 mod renew;
 #[cfg(feature = "tokio")]
 mod run_async;
+mod steps;
 mod sync;
 
 pub use builder::{GuardBuilder, OnHandlerError, TakeoverPolicy};
 use outcome::{Counters, bump};
 pub use outcome::{GuardStats, Outcome};
 use renew::RENEW_FRACTION;
+pub(crate) use steps::StepRun;
 
 use crate::error::{Error, Result};
 use crate::key::Key;

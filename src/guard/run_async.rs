@@ -3,10 +3,10 @@
 //! entry ([`Store::begin_async`] and friends) where it has one, and on
 //! tokio's blocking pool where it has not.
 
-use super::Guard;
 use super::decide::{Settle, Start};
 use super::flights::{Entered, Waited};
 use super::outcome::Outcome;
+use super::{Guard, StepRun};
 use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
 use crate::key::Key;
@@ -135,7 +135,9 @@ impl<S: Store + 'static> Guard<S> {
                     }
                 }
                 Start::FailOpen => {
-                    return Outcome::FailedOpen(handler(Claim::unprotected()).await);
+                    let claim =
+                        StepRun::attach(Claim::unprotected(), key, None, self.clock.clone());
+                    return Outcome::FailedOpen(handler(claim).await);
                 }
                 Start::Execute(claim) => {
                     // Renewed by the process's timer thread while the
@@ -143,6 +145,8 @@ impl<S: Store + 'static> Guard<S> {
                     // handler is done, or this future was dropped) stops it.
                     let (claim, renewing) = self.renewing(key, claim, false);
                     entry.renewed(&claim);
+                    let steps_to: Arc<dyn Store> = self.store.clone();
+                    let claim = StepRun::attach(claim, key, Some(steps_to), self.clock.clone());
                     let result = handler(claim.clone()).await;
                     drop(renewing);
                     let store = &self.store;
@@ -188,7 +192,7 @@ async fn wait_async(entry: &Entered, deadline: Instant) -> Waited {
 /// Awaits the store's native future, or, for a store without one, runs the
 /// blocking call that `make` builds (only then are its owned copies made)
 /// on tokio's blocking pool.
-async fn native_or_blocking<T, B>(
+pub(super) async fn native_or_blocking<T, B>(
     native: Option<StoreFuture<'_, T>>,
     make: impl FnOnce() -> B,
 ) -> Result<T>

@@ -1,14 +1,15 @@
 //! [`Guard::run`]: the synchronous run.
 
-use super::Guard;
 use super::decide::{Settle, Start};
 use super::outcome::Outcome;
+use super::{Guard, StepRun};
 use crate::fingerprint::Fingerprint;
 use crate::key::Key;
 use crate::observability::{RequestSpan, store_op};
 use crate::record::{Begin, Claim};
 use crate::response::Response;
 use crate::store::Store;
+use std::sync::Arc;
 
 impl<S: Store + 'static> Guard<S> {
     /// Runs `handler` at most once per intent: claims `key`, calls the
@@ -58,12 +59,18 @@ impl<S: Store + 'static> Guard<S> {
                         None => continue,
                     }
                 }
-                Start::FailOpen => return Outcome::FailedOpen(handler(&Claim::unprotected())),
+                Start::FailOpen => {
+                    let claim =
+                        StepRun::attach(Claim::unprotected(), key, None, self.clock.clone());
+                    return Outcome::FailedOpen(handler(&claim));
+                }
                 Start::Execute(claim) => {
                     // Renewed in the background until the handler is done
                     // (returned, failed or panicked: the drop stops it).
                     let (claim, renewing) = self.renewing(key, claim, true);
                     entry.renewed(&claim);
+                    let store: Arc<dyn Store> = self.store.clone();
+                    let claim = StepRun::attach(claim, key, Some(store), self.clock.clone());
                     let result = handler(&claim);
                     drop(renewing);
                     let written = match self.settle(&result, |_| false, &claim) {

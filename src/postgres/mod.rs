@@ -583,6 +583,20 @@ impl Store for PostgresStore {
             .call(self.renew_work(key, claim, now, lease), None)
     }
 
+    fn record_step(
+        &self,
+        key: &Key,
+        claim: &Claim,
+        step: &crate::step::Step,
+        now: Timestamp,
+    ) -> Result<()> {
+        // PG-STEPS: placeholder until the PostgreSQL backend records steps.
+        let _ = (key, claim, step, now);
+        Err(crate::Error::invalid_argument(
+            "steps are not recorded on PostgreSQL yet",
+        ))
+    }
+
     fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>> {
         self.runtime.call(self.get_work(key, now), None)
     }

@@ -102,6 +102,7 @@ pub(super) fn record(key: &Key, row: &Row, first: usize) -> Result<Record> {
         created_at,
         token,
         attempts,
+        steps: Vec::new(),
     };
     record.check().map_err(|why| corrupt(why.to_owned()))?;
     Ok(record)

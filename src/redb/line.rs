@@ -8,6 +8,7 @@ use crate::error::Result;
 use crate::fingerprint::Fingerprint;
 use crate::record::{Begin, Claim};
 use crate::response::Response;
+use crate::step::Step;
 use crate::sync::{Arc, Condvar, Mutex, MutexGuard};
 use crate::time::Timestamp;
 use std::collections::VecDeque;
@@ -69,6 +70,12 @@ pub(super) enum Op {
         claim: Claim,
         now: Timestamp,
         lease: Duration,
+    },
+    Step {
+        key: Vec<u8>,
+        claim: Claim,
+        step: Step,
+        now: Timestamp,
     },
     Sweep {
         now: Timestamp,

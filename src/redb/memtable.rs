@@ -248,6 +248,7 @@ mod tests {
             created_at: Timestamp::from_millis(0),
             token: 1,
             attempts: 1,
+            steps: Vec::new(),
         }
     }
 

@@ -10,6 +10,7 @@ use crate::key::Key;
 use crate::logic;
 use crate::record::{Begin, Claim, Record, check_durations};
 use crate::response::Response;
+use crate::step::Step;
 use crate::store::{MAX_SWEEP_BATCH, Store, StoreFuture, ready};
 use crate::sync::Arc;
 use crate::sync::atomic::Ordering;
@@ -116,6 +117,15 @@ impl RedbStore {
         })
     }
 
+    fn step_op(key: &Key, claim: &Claim, step: &Step, now: Timestamp) -> Op {
+        Op::Step {
+            key: codec::encode_key(key),
+            claim: claim.clone(),
+            step: step.clone(),
+            now,
+        }
+    }
+
     fn release_op(key: &Key, claim: &Claim) -> Op {
         Op::Release {
             key: codec::encode_key(key),
@@ -181,6 +191,13 @@ impl Store for RedbStore {
         }
     }
 
+    fn record_step(&self, key: &Key, claim: &Claim, step: &Step, now: Timestamp) -> Result<()> {
+        done(
+            self.shared
+                .submit(RedbStore::step_op(key, claim, step, now))?,
+        )
+    }
+
     fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>> {
         Ok(logic::visible(
             self.shared.read(&codec::encode_key(key))?,
@@ -241,5 +258,17 @@ impl Store for RedbStore {
     /// Joins the commit line; completes when the release is durable.
     fn release_async<'a>(&'a self, key: &'a Key, claim: &'a Claim) -> Option<StoreFuture<'a, ()>> {
         Some(self.join_line_async(Ok(RedbStore::release_op(key, claim)), done))
+    }
+
+    /// Joins the commit line; completes when the step is durable.
+    fn record_step_async<'a>(
+        &'a self,
+        key: &'a Key,
+        claim: &'a Claim,
+        step: &'a Step,
+        now: Timestamp,
+    ) -> Option<StoreFuture<'a, ()>> {
+        let op = RedbStore::step_op(key, claim, step, now);
+        Some(self.join_line_async(Ok(op), done))
     }
 }

@@ -48,6 +48,7 @@ use crate::key::Key;
 use crate::logic;
 use crate::record::{Begin, Claim, Record, check_durations};
 use crate::response::Response;
+use crate::step::Step;
 use crate::store::{MAX_SWEEP_BATCH, Store};
 use crate::sweeper::Sweeper;
 use crate::time::{Clock, Timestamp};
@@ -422,11 +423,33 @@ impl Inner {
         let kb = encode_key(key);
         self.write(|tx, _| {
             let existing = tx.get(&kb)?;
-            logic::release(existing.clone(), claim).map_err(ConflictableTransactionError::Abort)?;
-            if let Some(record) = &existing {
-                tx.delete(&kb, record)?;
+            let kept = logic::release(existing.clone(), claim)
+                .map_err(ConflictableTransactionError::Abort)?;
+            match (&kept, &existing) {
+                (Some(kept), _) => tx.put(&kb, existing.as_ref(), kept)?,
+                (None, Some(record)) => tx.delete(&kb, record)?,
+                (None, None) => {}
             }
             Ok(((), None, true))
+        })
+    }
+
+    fn record_step(&self, key: &Key, claim: &Claim, step: &Step, now: Timestamp) -> Result<()> {
+        self.check_writable()?;
+        let kb = encode_key(key);
+        // A step already recorded writes nothing, and the answer still
+        // waits until that earlier write is durable (`write`'s horizon).
+        self.write(|tx, _| {
+            let existing = tx.get(&kb)?;
+            let record = logic::record_step(existing.clone(), claim, step, now)
+                .map_err(ConflictableTransactionError::Abort)?;
+            match record {
+                Some(record) => {
+                    tx.put(&kb, existing.as_ref(), &record)?;
+                    Ok(((), None, true))
+                }
+                None => Ok(((), None, false)),
+            }
         })
     }
 
@@ -527,6 +550,10 @@ impl Store for SledStore {
 
     fn renew(&self, key: &Key, claim: &Claim, now: Timestamp, lease: Duration) -> Result<Claim> {
         self.inner.renew(key, claim, now, lease)
+    }
+
+    fn record_step(&self, key: &Key, claim: &Claim, step: &Step, now: Timestamp) -> Result<()> {
+        self.inner.record_step(key, claim, step, now)
     }
 
     fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>> {

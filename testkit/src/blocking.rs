@@ -1,7 +1,7 @@
 //! [`BlockingOnly`]: a store seen without its native async entry.
 
 use idemstore::{
-    Begin, Claim, Clock, Fingerprint, Key, Record, Response, Result, Store, Timestamp,
+    Begin, Claim, Clock, Fingerprint, Key, Record, Response, Result, Step, Store, Timestamp,
 };
 use std::sync::Arc;
 use std::time::Duration;
@@ -55,6 +55,9 @@ impl<S: Store> Store for BlockingOnly<S> {
     }
     fn renew(&self, key: &Key, claim: &Claim, now: Timestamp, lease: Duration) -> Result<Claim> {
         self.0.renew(key, claim, now, lease)
+    }
+    fn record_step(&self, key: &Key, claim: &Claim, step: &Step, now: Timestamp) -> Result<()> {
+        self.0.record_step(key, claim, step, now)
     }
     fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>> {
         self.0.get(key, now)

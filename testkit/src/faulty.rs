@@ -1,7 +1,7 @@
 //! [`FaultyStore`]: fault injection around any store.
 
 use idemstore::{
-    Begin, Claim, Clock, Error, Fingerprint, Key, Record, Response, Result, Store, Timestamp,
+    Begin, Claim, Clock, Error, Fingerprint, Key, Record, Response, Result, Step, Store, Timestamp,
 };
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -26,6 +26,8 @@ pub enum Op {
     Get,
     /// [`Store::sweep_expired`].
     Sweep,
+    /// [`Store::record_step`].
+    Step,
 }
 
 impl std::fmt::Display for Op {
@@ -37,6 +39,7 @@ impl std::fmt::Display for Op {
             Op::Renew => "renew",
             Op::Get => "get",
             Op::Sweep => "sweep",
+            Op::Step => "record_step",
         })
     }
 }
@@ -175,6 +178,10 @@ impl<S: Store> Store for FaultyStore<S> {
         self.check(Op::Renew)?;
         self.inner.renew(key, claim, now, lease)
     }
+    fn record_step(&self, key: &Key, claim: &Claim, step: &Step, now: Timestamp) -> Result<()> {
+        self.check(Op::Step)?;
+        self.inner.record_step(key, claim, step, now)
+    }
     fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>> {
         self.check(Op::Get)?;
         self.inner.get(key, now)
@@ -239,13 +246,22 @@ mod tests {
             Op::Renew,
             Op::Get,
             Op::Sweep,
+            Op::Step,
         ]
         .iter()
         .map(ToString::to_string)
         .collect();
         assert_eq!(
             names,
-            ["begin", "complete", "release", "renew", "get", "sweep"]
+            [
+                "begin",
+                "complete",
+                "release",
+                "renew",
+                "get",
+                "sweep",
+                "record_step"
+            ]
         );
     }
 }

@@ -532,6 +532,15 @@ mod tests {
             fn release(&self, k: &Key, c: &Claim) -> idemstore::Result<()> {
                 self.0.release(k, c)
             }
+            fn record_step(
+                &self,
+                k: &Key,
+                c: &Claim,
+                s: &idemstore::Step,
+                n: Timestamp,
+            ) -> idemstore::Result<()> {
+                self.0.record_step(k, c, s, n)
+            }
             fn renew(
                 &self,
                 k: &Key,

@@ -10,7 +10,7 @@
 )]
 
 use idemstore::{
-    Begin, Claim, Fingerprint, Key, Record, Response, Result, Store, Timestamp, logic,
+    Begin, Claim, Fingerprint, Key, Record, Response, Result, Step, Store, Timestamp, logic,
 };
 use idemstore_testkit::conformance::{Subject, run_all};
 use std::collections::HashMap;
@@ -70,8 +70,18 @@ impl Store for MapStore {
 
     fn release(&self, key: &Key, claim: &Claim) -> Result<()> {
         let mut g = self.inner.lock().unwrap();
-        logic::release(g.0.get(key).cloned(), claim)?;
-        g.0.remove(key);
+        match logic::release(g.0.get(key).cloned(), claim)? {
+            Some(kept) => g.0.insert(key.clone(), kept),
+            None => g.0.remove(key),
+        };
+        Ok(())
+    }
+
+    fn record_step(&self, key: &Key, claim: &Claim, step: &Step, now: Timestamp) -> Result<()> {
+        let mut g = self.inner.lock().unwrap();
+        if let Some(record) = logic::record_step(g.0.get(key).cloned(), claim, step, now)? {
+            g.0.insert(key.clone(), record);
+        }
         Ok(())
     }
 

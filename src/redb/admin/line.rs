@@ -6,6 +6,7 @@ use crate::fingerprint::Fingerprint;
 use crate::key::Key;
 use crate::record::{Record, State};
 use crate::response::{MAX_BODY_BYTES_HARD_CAP, Response};
+use crate::step::Step;
 use crate::time::Timestamp;
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD;
@@ -24,6 +25,9 @@ pub(crate) const LINE_VERSION: u64 = 1;
 ///  "created_at_ms":1764410000000,"expires_at_ms":1764496400000,"lease_until_ms":null,
 ///  "response":{"status":201,"headers":[{"name":"content-type","value":"text/plain"}],"body":"charged"}}
 /// ```
+///
+/// A PROCESSING record with recorded steps has them under `"steps"`, in
+/// order: `[{"name":"charge","output":"ch_1"}]`.
 ///
 /// ```
 /// use idemstore::redb::admin::{export_line, parse_line};
@@ -57,6 +61,18 @@ fn to_json(key: &Key, record: &Record) -> Value {
     });
     put_bytes(&mut line, "scope", key.scope());
     put_bytes(&mut line, "id", key.id());
+    if !record.steps.is_empty() {
+        let steps: Vec<Value> = record
+            .steps
+            .iter()
+            .map(|s| {
+                let mut step = json!({ "name": s.name });
+                put_bytes(&mut step, "output", &s.output);
+                step
+            })
+            .collect();
+        line["steps"] = Value::Array(steps);
+    }
     line
 }
 
@@ -138,7 +154,9 @@ const LINE_FIELDS: &[&str] = &[
     "expires_at_ms",
     "lease_until_ms",
     "response",
+    "steps",
 ];
+const STEP_FIELDS: &[&str] = &["name", "output"];
 const RESPONSE_FIELDS: &[&str] = &["status", "headers", "body"];
 const HEADER_FIELDS: &[&str] = &["name", "value"];
 
@@ -215,6 +233,21 @@ pub fn parse_line(line: &str) -> Result<(Key, Record)> {
     };
     let attempts =
         u32::try_from(take_u64(map, "attempts")?).map_err(|_| bad("\"attempts\" is too large"))?;
+    let mut steps = Vec::new();
+    if let Some(list) = map.get("steps") {
+        let list = list
+            .as_array()
+            .ok_or_else(|| bad("\"steps\" is not an array"))?;
+        for s in list {
+            let s = object(s, "a step")?;
+            only_known(s, "a step", STEP_FIELDS)?;
+            let name = s
+                .get("name")
+                .and_then(Value::as_str)
+                .ok_or_else(|| bad("a step has no \"name\""))?;
+            steps.push(Step::new(name, take_bytes(s, "output")?)?);
+        }
+    }
     let record = Record {
         fingerprint: Fingerprint::from_bytes(fp),
         state,
@@ -224,6 +257,7 @@ pub fn parse_line(line: &str) -> Result<(Key, Record)> {
         created_at: Timestamp::from_millis(take_u64(map, "created_at_ms")?),
         token: take_u64(map, "token")?,
         attempts,
+        steps,
     };
     record
         .check()
@@ -279,6 +313,7 @@ mod tests {
             created_at: Timestamp::from_millis(1_000),
             token: 7,
             attempts: 2,
+            steps: Vec::new(),
         };
         (key, record)
     }

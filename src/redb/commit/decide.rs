@@ -117,9 +117,24 @@ impl Group<'_> {
             Op::Release { key, claim } => {
                 let existing = self.current(key)?;
                 let present = existing.is_some();
-                logic::release(existing, claim)?;
-                if present {
-                    self.delete(key);
+                match logic::release(existing, claim)? {
+                    Some(kept) => self.put(key, &kept)?,
+                    None if present => self.delete(key),
+                    None => {}
+                }
+                Ok(Reply::Done)
+            }
+            // A step already recorded writes nothing: what this group reads
+            // is durable by the time the group's answers go out.
+            Op::Step {
+                key,
+                claim,
+                step,
+                now,
+            } => {
+                let existing = self.current(key)?;
+                if let Some(record) = logic::record_step(existing, claim, step, *now)? {
+                    self.put(key, &record)?;
                 }
                 Ok(Reply::Done)
             }

@@ -131,6 +131,7 @@ mod tests {
                 created_at: crate::time::Timestamp::from_millis(1),
                 token: 1,
                 attempts: 1,
+                steps: Vec::new(),
             };
             let mut j = FrameBuf::default();
             j.record_put(b"\0k", &crate::codec::encode_record(&record).unwrap());
