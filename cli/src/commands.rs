@@ -239,6 +239,16 @@ fn record_json(key: Value, r: &Record, now: Timestamp, body_limit: Option<usize>
         "expires_at_ms": r.expires_at().as_millis(),
         "expired": r.is_expired(now),
         "response": response,
+        "steps": r.steps().iter().map(|s| {
+            let output = format::preview(s.output(), body_limit);
+            let field = if output.is_hex { "output_hex" } else { "output" };
+            json!({
+                "name": s.name(),
+                field: output.shown,
+                "output_bytes": output.total_bytes,
+                "output_truncated": output.truncated(),
+            })
+        }).collect::<Vec<_>>(),
     })
 }
 
@@ -261,12 +271,28 @@ pub(crate) fn get(store: &RedbStore, key: &Key, full: bool, io: &mut Io<'_>) -> 
         ("created", when(r.created_at(), now)),
     ];
     if let Some(lease) = r.lease_until() {
-        let note = if now >= lease {
-            " LEASE PASSED: the next retry takes over"
+        if lease == Timestamp::EPOCH {
+            rows.push((
+                "lease until",
+                "RELEASED with its steps kept: the next retry claims it".to_owned(),
+            ));
         } else {
-            ""
+            let note = if now >= lease {
+                " LEASE PASSED: the next retry takes over"
+            } else {
+                ""
+            };
+            rows.push(("lease until", format!("{}{note}", when(lease, now))));
+        }
+    }
+    for step in r.steps() {
+        let output = format::preview(step.output(), limit);
+        let shown = if output.is_hex {
+            format!("0x{}", output.shown)
+        } else {
+            output.shown
         };
-        rows.push(("lease until", format!("{}{note}", when(lease, now))));
+        rows.push(("step", format!("{}: {shown}", step.name())));
     }
     let note = if r.is_expired(now) {
         " EXPIRED: invisible, not yet swept"

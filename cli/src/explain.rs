@@ -347,6 +347,7 @@ pub(crate) fn explain(
                 "expires_at_ms": r.expires_at().as_millis(),
                 "expired": r.is_expired(now),
                 "status": r.response().map(idemstore::Response::status),
+                "steps": r.steps().iter().map(idemstore::Step::name).collect::<Vec<_>>(),
             })),
             "request_fingerprint": given.map(|g| g.fingerprint.to_hex()),
             "request_fingerprint_from": given.map(|g| g.from.clone()),
@@ -372,6 +373,9 @@ pub(crate) fn explain(
             lines.push(format!("created      {}", when(r.created_at(), now)));
             if let Some(lease) = r.lease_until() {
                 lines.push(format!("lease until  {}", when(lease, now)));
+            }
+            if !r.steps().is_empty() {
+                lines.push(format!("steps        {}", step_names(r)));
             }
             lines.push(format!("expires      {}", when(r.expires_at(), now)));
             if let Some(resp) = r.response() {
@@ -413,6 +417,12 @@ pub(crate) fn explain(
     }
     writeln!(io.out, "why          {}", verdict.why)?;
     Ok(EXIT_OK)
+}
+
+/// The recorded steps' names, in order.
+fn step_names(r: &Record) -> String {
+    let names: Vec<&str> = r.steps().iter().map(idemstore::Step::name).collect();
+    names.join(", ")
 }
 
 /// The state machine's answer for this record and fingerprint (the stored
@@ -461,18 +471,37 @@ fn decide(
                         duration_ms(now.as_millis().saturating_sub(r.expires_at().as_millis()))
                     ),
                 ),
+                Some(r) if !claim.is_takeover() => (
+                    "claim",
+                    format!(
+                        "the owner released the key and kept its recorded steps ({}): the \
+                         request claims it (token {token}, attempt {}) and the handler runs, \
+                         skipping those steps",
+                        step_names(r),
+                        claim.attempt()
+                    ),
+                ),
                 Some(r) => (
                     "takeover",
                     format!(
                         "the record is PROCESSING and its owner's lease passed {} ago (the \
                          owner crashed or stalled): the request takes the claim over (token \
-                         {token}, attempt {}) and the handler runs again; a guard with \
+                         {token}, attempt {}) and the handler runs again{}; a guard with \
                          TakeoverPolicy::Reconcile answers 500 instead, for a check first",
                         duration_ms(
                             now.as_millis()
                                 .saturating_sub(r.lease_until().map_or(0, |l| l.as_millis()))
                         ),
-                        claim.attempt()
+                        claim.attempt(),
+                        if r.steps().is_empty() {
+                            String::new()
+                        } else {
+                            format!(
+                                ", skipping its recorded steps ({}); the step after them may \
+                                 have started",
+                                step_names(r)
+                            )
+                        }
                     ),
                 ),
             };

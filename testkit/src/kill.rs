@@ -7,10 +7,18 @@
 //! reopens the store, and checks the store against the ledger; then starts
 //! a new child on the same store, several times.
 //!
+//! Each execution runs three steps ([`Claim::step`](idemstore::Claim::step)),
+//! each an fsynced ledger line (`STEP`), and notes each step that returned
+//! (`RECORDED`: its output is durable).
+//!
 //! What it proves (the durability invariants of docs/design.md): nothing acknowledged
 //! is lost — a claim whose handler ran is still held (or was taken over, or
 //! completed), a completion acknowledged to a caller is DONE with that
-//! response — and no key is executed twice inside one lease.
+//! response — and no key is executed twice inside one lease. Of the steps:
+//! a recorded step never runs again (no `STEP` after its `RECORDED`), no
+//! recorded step is lost (a PROCESSING record holds it, a DONE response
+//! carries its output), and a step runs twice only when a run died (or
+//! failed) inside it.
 //!
 //! A backend plugs in with one line in its test module:
 //! `idemstore_testkit::kill_suite!(open_fn);` where `open_fn: fn(&Path) -> Result<Arc<dyn Store>>`
@@ -34,7 +42,10 @@ use std::time::{Duration, Instant};
 pub type Open = fn(&Path) -> idemstore::Result<Arc<dyn Store>>;
 
 /// Kills per run: each is a full child start, random kill, reopen, check.
+/// `IDEMSTORE_KILLS` sets another number (a long run).
 const KILLS: usize = 5;
+/// The steps of every execution, in order.
+const STEPS: [&str; 3] = ["charge", "reserve", "email"];
 /// Client threads in the child.
 const THREADS: usize = 16;
 /// Half the requests go to a few hot keys (retries, replays, in-flight
@@ -158,21 +169,32 @@ pub fn child_entry(open: Open) {
                     let pause = Duration::from_micros(xorshift(&mut rng) % 20_000);
                     let fail = xorshift(&mut rng).is_multiple_of(FAIL_ONE_IN);
                     let outcome = guard.run(&key, &Fingerprint::of(&id), |claim| {
-                        // The side effect: an fsynced line, written only
+                        // The side effects: fsynced lines, written only
                         // after the claim was acknowledged.
+                        let token = claim.token();
                         ledger.append(&format!(
-                            "EXEC {id} {} {} {}",
-                            claim.token(),
+                            "EXEC {id} {token} {} {}",
                             claim.lease_until().as_millis(),
                             claim.is_takeover()
                         ));
-                        std::thread::sleep(pause);
-                        // Some executions fail: the claim stays PROCESSING
-                        // until its lease ends, and a retry takes it over.
-                        if fail {
-                            return Err("transient failure");
+                        let mut body = format!("done-by-{token}");
+                        for (i, name) in STEPS.into_iter().enumerate() {
+                            let output = claim.step(name, |_| -> Result<_, BoxError> {
+                                ledger.append(&format!("STEP {id} {name} {token}"));
+                                std::thread::sleep(pause / 3);
+                                Ok(format!("{name}-by-{token}").into_bytes())
+                            })?;
+                            let output = String::from_utf8_lossy(&output).into_owned();
+                            ledger.append(&format!("RECORDED {id} {name} {output}"));
+                            body.push_str(&format!("|{output}"));
+                            // Some executions fail after a step: the claim
+                            // stays PROCESSING until its lease ends, and a
+                            // retry takes it over and resumes.
+                            if fail && i == 1 {
+                                return Err("transient failure".into());
+                            }
                         }
-                        Ok(Response::new(200, format!("done-by-{}", claim.token())))
+                        Ok::<_, BoxError>(Response::new(200, body))
                     });
                     match outcome {
                         Outcome::Executed(r) => ledger.append(&format!("ACK {id} {}", body(&r))),
@@ -194,6 +216,8 @@ fn body(r: &Response) -> String {
     String::from_utf8_lossy(r.body()).into_owned()
 }
 
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
 /// What the ledger says about one key.
 #[derive(Default, Debug)]
 struct KeyLog {
@@ -201,6 +225,11 @@ struct KeyLog {
     execs: Vec<(u64, u64, bool)>,
     acks: Vec<String>,
     replays: Vec<String>,
+    /// Per step name: the token of each run of it, in ledger order.
+    step_runs: BTreeMap<String, Vec<u64>>,
+    /// Per step name: the output a step call returned (recorded), once
+    /// one did, and how many runs there were at that point.
+    recorded: BTreeMap<String, (String, usize)>,
 }
 
 #[derive(Default, Debug)]
@@ -210,6 +239,8 @@ struct Totals {
     takeovers: usize,
     acks: usize,
     replays: usize,
+    steps_run: usize,
+    steps_run_again: usize,
 }
 
 fn parse(ledger: &Path) -> (BTreeMap<String, KeyLog>, Totals) {
@@ -240,6 +271,26 @@ fn parse(ledger: &Path) -> (BTreeMap<String, KeyLog>, Totals) {
                     .or_default()
                     .acks
                     .push((*body).to_owned());
+            }
+            ["STEP", id, name, token] => {
+                totals.steps_run += 1;
+                let runs = keys.entry((*id).to_owned()).or_default();
+                let runs = runs.step_runs.entry((*name).to_owned()).or_default();
+                runs.push(token.parse().unwrap());
+                totals.steps_run_again += usize::from(runs.len() > 1);
+            }
+            ["RECORDED", id, name, output] => {
+                let log = keys.entry((*id).to_owned()).or_default();
+                let runs = log.step_runs.get(*name).map_or(0, Vec::len);
+                let first = log
+                    .recorded
+                    .entry((*name).to_owned())
+                    .or_insert_with(|| ((*output).to_owned(), runs));
+                assert_eq!(
+                    first.0, *output,
+                    "{id}: step {name} returned {output} after it returned {}",
+                    first.0
+                );
             }
             ["REPLAY", id, body] => {
                 totals.replays += 1;
@@ -290,10 +341,12 @@ fn check(store: &dyn Store, keys: &BTreeMap<String, KeyLog>, now: Timestamp) {
             "{id}: record token {} is older than acknowledged claim {last_exec}",
             record.token()
         );
+        check_steps(id, log, &record);
         let done_body = (record.state() == State::Done)
             .then(|| String::from_utf8_lossy(record.response().unwrap().body()).into_owned());
         if let Some(done) = &done_body {
-            let t: u64 = done.trim_start_matches("done-by-").parse().unwrap();
+            let by = done.split('|').next().unwrap_or_default();
+            let t: u64 = by.trim_start_matches("done-by-").parse().unwrap();
             assert!(
                 execs.iter().any(|(token, _, _)| *token == t),
                 "{id}: DONE response {done} from an execution not in the ledger"
@@ -317,6 +370,44 @@ fn check(store: &dyn Store, keys: &BTreeMap<String, KeyLog>, now: Timestamp) {
     }
 }
 
+/// The steps of one key: a recorded step never ran after it was recorded,
+/// and is in the record (PROCESSING) or in its response (DONE).
+fn check_steps(id: &str, log: &KeyLog, record: &idemstore::Record) {
+    for (name, (output, runs_then)) in &log.recorded {
+        let runs = log.step_runs.get(name).map_or(0, Vec::len);
+        assert_eq!(
+            runs, *runs_then,
+            "{id}: step {name} ran again after its output {output} was recorded"
+        );
+        let token: u64 = output
+            .rsplit("-by-")
+            .next()
+            .and_then(|t| t.parse().ok())
+            .unwrap_or_else(|| panic!("{id}: step output {output} names no token"));
+        assert!(
+            log.step_runs.get(name).is_some_and(|t| t.contains(&token)),
+            "{id}: step {name} returned {output}, which no run of it made"
+        );
+        match record.state() {
+            State::Processing => assert!(
+                record
+                    .steps()
+                    .iter()
+                    .any(|s| s.name() == name && s.output() == output.as_bytes()),
+                "{id}: recorded step {name} = {output} lost: the record holds {:?}",
+                record.steps()
+            ),
+            State::Done => {
+                let body = String::from_utf8_lossy(record.response().unwrap().body()).into_owned();
+                assert!(
+                    body.split('|').any(|part| part == output),
+                    "{id}: recorded step {name} = {output} is not in the response {body}"
+                );
+            }
+        }
+    }
+}
+
 /// The parent: `test_module` is the backend's `module_path!()`.
 pub fn run_parent(test_module: &str, open: Open) {
     let module = test_module
@@ -332,7 +423,11 @@ pub fn run_parent(test_module: &str, open: Open) {
     let stderr_path = dir.path().join("child.stderr");
     let mut rng = seed();
     let mut delays = Vec::new();
-    for round in 0..KILLS {
+    let kills = std::env::var("IDEMSTORE_KILLS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(KILLS);
+    for round in 0..kills {
         let mut child = Command::new(std::env::current_exe().unwrap())
             .args([
                 child_test.as_str(),
@@ -367,12 +462,22 @@ pub fn run_parent(test_module: &str, open: Open) {
         check(&*store, &keys, SystemClock.now());
     }
     let (_, totals) = parse(&ledger);
+    delays.sort_unstable();
     eprintln!(
-        "kill test ({module}): {KILLS} SIGKILLs after {delays:?} ms of traffic; ledger: {} starts, {} executions ({} takeovers), {} acknowledged completions, {} replays",
-        totals.starts, totals.execs, totals.takeovers, totals.acks, totals.replays
+        "kill test ({module}): {kills} SIGKILLs after {}..={} ms of traffic (median {}); ledger: {} starts, {} executions ({} takeovers), {} acknowledged completions, {} replays; {} steps run, {} of them a second time (a run died or failed inside it)",
+        delays.first().unwrap_or(&0),
+        delays.last().unwrap_or(&0),
+        delays.get(delays.len() / 2).unwrap_or(&0),
+        totals.starts,
+        totals.execs,
+        totals.takeovers,
+        totals.acks,
+        totals.replays,
+        totals.steps_run,
+        totals.steps_run_again
     );
     assert!(
-        totals.execs > KILLS,
+        totals.execs > kills,
         "too little traffic to prove anything: {totals:?}"
     );
 }

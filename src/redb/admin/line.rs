@@ -71,7 +71,9 @@ fn to_json(key: &Key, record: &Record) -> Value {
                 step
             })
             .collect();
-        line["steps"] = Value::Array(steps);
+        if let Some(map) = line.as_object_mut() {
+            map.insert("steps".to_owned(), Value::Array(steps));
+        }
     }
     line
 }
@@ -334,6 +336,28 @@ mod tests {
         };
         let line = to_json(&done().0, &processing).to_string();
         assert_eq!(parse_line(&line).expect("parses").1, processing);
+        // Steps, a text output and a binary one, in order.
+        let stepped = Record {
+            steps: vec![
+                Step::new("charge", b"ch_1".to_vec()).expect("valid"),
+                Step::new("reserve", vec![0xff, 0]).expect("valid"),
+            ],
+            ..processing
+        };
+        let line = to_json(&done().0, &stepped).to_string();
+        assert!(
+            line.contains(r#""steps":[{"name":"charge","output":"ch_1"},{"name":"reserve","output_b64":"/wA="}]"#),
+            "{line}"
+        );
+        assert_eq!(parse_line(&line).expect("parses").1, stepped);
+        // A step over its limits, or an unknown field in one, is refused.
+        let long = line.replace("\"charge\"", &format!("\"{}\"", "c".repeat(65)));
+        assert!(matches!(parse_line(&long), Err(Error::StepLimit { .. })));
+        let odd = line.replace(r#""output":"ch_1""#, r#""output":"ch_1","at":1"#);
+        assert!(matches!(
+            parse_line(&odd),
+            Err(Error::InvalidArgument { .. })
+        ));
     }
 
     #[test]

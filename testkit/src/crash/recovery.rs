@@ -490,6 +490,7 @@ fn check_image(image: &CrashImage, log: &RunLog, checks: Checks) -> Result<RunRe
             state,
             lease_until,
             response,
+            steps,
             written_at,
             ..
         } = slot
@@ -500,6 +501,11 @@ fn check_image(image: &CrashImage, log: &RunLog, checks: Checks) -> Result<RunRe
             .begin(&kl.key, &fp, written_at, LEASE, kl.retention)
             .map_err(|e| format!("key {}: begin after reopen: {e}", kl.key))?;
         let ok = match (state, &got) {
+            // Released with its steps kept: claimed at once, with them.
+            (State::Processing, Begin::Claimed(c)) if lease_until == Some(Timestamp::EPOCH) => {
+                report.inflight_checked += 1;
+                !c.is_takeover() && c.steps() == steps.as_slice()
+            }
             (State::Processing, Begin::InFlight { lease_until: l }) => {
                 report.inflight_checked += 1;
                 Some(*l) == lease_until

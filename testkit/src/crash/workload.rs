@@ -1,4 +1,4 @@
-//! A workload of begin/complete/release/sweep on the real `RedbStore` over a
+//! A workload of begin/complete/release/record_step/sweep on the real `RedbStore` over a
 //! [`CrashBackend`], and what each operation's answer says must survive.
 //!
 //! Each thread owns its keys, so a key's operations form one sequence and
@@ -54,6 +54,18 @@ pub enum Step {
         /// Body byte and status selector.
         byte: u8,
     },
+    /// `record_step` of step `s{name % 4}` (output `[byte]`) with the
+    /// newest (or oldest) claim.
+    Record {
+        /// Key selector.
+        key: u8,
+        /// Use the oldest claim seen for the key.
+        stale: bool,
+        /// Step name selector.
+        name: u8,
+        /// The output byte.
+        byte: u8,
+    },
     /// `release` with the newest (or oldest) claim.
     Release {
         /// Key selector.
@@ -79,11 +91,17 @@ impl Step {
     pub fn random(rng: &mut Rng) -> Step {
         let key = u8::try_from(rng.below(u64::from(MAX_KEYS_PER_THREAD))).unwrap_or(0);
         match rng.below(100) {
-            0..40 => Step::Begin {
+            0..35 => Step::Begin {
                 key,
                 fp: u8::from(rng.chance(10)),
             },
-            40..65 => Step::Complete {
+            35..45 => Step::Record {
+                key,
+                stale: rng.chance(15),
+                name: u8::try_from(rng.below(4)).unwrap_or(0),
+                byte: u8::try_from(rng.below(256)).unwrap_or(0),
+            },
+            45..65 => Step::Complete {
                 key,
                 stale: rng.chance(15),
                 len: u16::try_from(if rng.chance(10) {
@@ -122,6 +140,7 @@ pub(super) enum Slot {
         expires_at: Timestamp,
         attempts: u32,
         response: Option<Response>,
+        steps: Vec<idemstore::Step>,
         /// The `now` of the operation that wrote it (inside its lease and
         /// before its expiry).
         written_at: Timestamp,
@@ -138,11 +157,13 @@ impl std::fmt::Debug for Slot {
                 lease_until,
                 expires_at,
                 response,
+                steps,
                 ..
             } => write!(
                 f,
-                "{state} token {token} lease {lease_until:?} expires {expires_at:?} body {:?} bytes",
-                response.as_ref().map(|r| r.body().len())
+                "{state} token {token} lease {lease_until:?} expires {expires_at:?} body {:?} bytes, {} steps",
+                response.as_ref().map(|r| r.body().len()),
+                steps.len()
             ),
         }
     }
@@ -153,12 +174,13 @@ pub(super) fn describe(r: Option<&idemstore::Record>) -> String {
     match r {
         None => "absent".into(),
         Some(r) => format!(
-            "{} token {} lease {:?} expires {:?} body {:?} bytes",
+            "{} token {} lease {:?} expires {:?} body {:?} bytes, {} steps",
             r.state(),
             r.token(),
             r.lease_until(),
             r.expires_at(),
-            r.response().map(|x| x.body().len())
+            r.response().map(|x| x.body().len()),
+            r.steps().len()
         ),
     }
 }
@@ -176,6 +198,7 @@ impl Slot {
                     expires_at,
                     attempts,
                     response,
+                    steps,
                     written_at: _,
                 },
                 Some(r),
@@ -187,6 +210,7 @@ impl Slot {
                     && r.expires_at() == *expires_at
                     && r.attempts() == *attempts
                     && r.response() == response.as_ref()
+                    && r.steps() == steps.as_slice()
             }
             _ => false,
         }
@@ -271,9 +295,10 @@ pub(super) fn run_thread(
         let now = Timestamp::from_millis(clock.load(Ordering::SeqCst));
         let fail = |e: &dyn std::fmt::Debug| format!("thread {thread} step {n} {step:?}: {e:?}");
         let k = match step {
-            Step::Begin { key, .. } | Step::Complete { key, .. } | Step::Release { key, .. } => {
-                usize::from(key % keys)
-            }
+            Step::Begin { key, .. }
+            | Step::Complete { key, .. }
+            | Step::Record { key, .. }
+            | Step::Release { key, .. } => usize::from(key % keys),
             Step::Sweep { max } => {
                 let started = backend.mutations();
                 log.sweeps.push((started, now));
@@ -296,11 +321,31 @@ pub(super) fn run_thread(
                 let fp = fingerprint(fp);
                 match store.begin(&kl.key, &fp, now, LEASE, kl.retention) {
                     Ok(Begin::Claimed(c)) => {
-                        let expires_at = match (&before, c.is_takeover()) {
-                            (Slot::Live { expires_at, .. }, true) => (*expires_at).max(now + LEASE),
-                            (Slot::Absent, true) => return Err(fail(&"takeover of nothing")),
-                            (_, false) => now + kl.retention,
+                        // A live record is taken over, or claimed again
+                        // after a release that kept its steps: its
+                        // expiry stays (never before the new lease).
+                        let expires_at = match &before {
+                            Slot::Live { expires_at, .. } if *expires_at > now => {
+                                (*expires_at).max(now + LEASE)
+                            }
+                            _ if c.is_takeover() => return Err(fail(&"takeover of nothing")),
+                            _ => now + kl.retention,
                         };
+                        let steps = match &before {
+                            Slot::Live {
+                                steps,
+                                expires_at,
+                                state: State::Processing,
+                                ..
+                            } if *expires_at > now => steps.clone(),
+                            _ => Vec::new(),
+                        };
+                        if c.steps() != steps.as_slice() {
+                            return Err(fail(&format!(
+                                "claimed with steps {:?}, the log has {steps:?}",
+                                c.steps()
+                            )));
+                        }
                         log.claims.push((backend.mutations(), c.token()));
                         held.push(c.clone());
                         Slot::Live {
@@ -311,6 +356,7 @@ pub(super) fn run_thread(
                             expires_at,
                             attempts: c.attempt(),
                             response: None,
+                            steps,
                             written_at: now,
                         }
                     }
@@ -340,6 +386,7 @@ pub(super) fn run_thread(
                             expires_at: now + kl.retention,
                             attempts,
                             response: Some(r),
+                            steps: Vec::new(),
                             written_at: now,
                         },
                         _ => return Err(fail(&"completed a claim the log says is stale")),
@@ -353,8 +400,87 @@ pub(super) fn run_thread(
                     continue;
                 };
                 match store.release(&kl.key, &c) {
-                    Ok(()) => Slot::Absent,
+                    // Recorded steps outlive a release: the record stays,
+                    // its lease over (the epoch marks a release).
+                    Ok(()) => match before {
+                        Slot::Live { steps, .. } if steps.is_empty() => Slot::Absent,
+                        Slot::Live {
+                            fp,
+                            state,
+                            token,
+                            expires_at,
+                            attempts,
+                            response,
+                            steps,
+                            written_at,
+                            lease_until: _,
+                        } => Slot::Live {
+                            fp,
+                            state,
+                            token,
+                            lease_until: Some(Timestamp::EPOCH),
+                            expires_at,
+                            attempts,
+                            response,
+                            steps,
+                            // The claim's time, before the expiry (a
+                            // release does not check it).
+                            written_at,
+                        },
+                        Slot::Absent => return Err(fail(&"released a claim of nothing")),
+                    },
                     Err(Error::StaleClaim) => continue,
+                    Err(e) => return Err(fail(&e)),
+                }
+            }
+            Step::Record {
+                stale, name, byte, ..
+            } => {
+                let Some(c) = (if stale { held.first() } else { held.last() }).cloned() else {
+                    continue;
+                };
+                let step = idemstore::Step::new(format!("s{}", name % 4), vec![byte])
+                    .map_err(|e| fail(&e))?;
+                match store.record_step(&kl.key, &c, &step, now) {
+                    Ok(()) => match before {
+                        Slot::Live {
+                            fp,
+                            state,
+                            token,
+                            lease_until,
+                            expires_at,
+                            attempts,
+                            response,
+                            mut steps,
+                            written_at,
+                        } if token == c.token() => {
+                            if !steps.contains(&step) {
+                                steps.push(step);
+                            }
+                            Slot::Live {
+                                fp,
+                                state,
+                                token,
+                                lease_until,
+                                expires_at,
+                                attempts,
+                                response,
+                                steps,
+                                // The claim's time: inside its lease (a
+                                // step may be recorded after the lease ran
+                                // out, while nobody took the key over).
+                                written_at,
+                            }
+                        }
+                        _ => {
+                            return Err(fail(
+                                &"recorded a step with a claim the log says is stale",
+                            ));
+                        }
+                    },
+                    // A stale claim, or a step of that name recorded with
+                    // another output: nothing changed.
+                    Err(Error::StaleClaim | Error::InvalidArgument { .. }) => continue,
                     Err(e) => return Err(fail(&e)),
                 }
             }
