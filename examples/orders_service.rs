@@ -1,19 +1,18 @@
 //! An orders service: `POST /orders` reserves stock and charges a payment
 //! in a ledger kept in the same redb file as the idempotency records.
 //!
-//! Two layers of protection, each doing what it is good at:
-//!
 //! - [`IdempotencyLayer`] gives the HTTP semantics: a retry with the same
 //!   `Idempotency-Key` gets the first response back, a duplicate in flight
 //!   gets 409, a reused key with another body 422, a dead store 503.
-//! - The handler's business write (stock, reservation, charge) goes through
-//!   an [`Inbox`] keyed by the same idempotency key: the three rows and the
-//!   ledger's own DONE record commit in one redb transaction. So even when
-//!   the HTTP record could not be completed (the client hung up and the
-//!   response future was dropped, then the lease ran out and a retry took
-//!   the key over), the re-run handler finds the ledger entry and returns it
-//!   instead of charging twice. The fencing token is recorded with the
-//!   charge, for a downstream payment provider's own idempotency key.
+//! - The handler runs in two steps, each an atomic phase
+//!   ([`RedbStore::atomic_step`]): `reserve` (stock and reservation rows)
+//!   and `charge` (the charge row), each committed in one redb transaction
+//!   with the step's record on the key. So even when the HTTP record could
+//!   not be completed (the client hung up and the response future was
+//!   dropped, then the lease ran out and a retry took the key over), the
+//!   re-run handler gets both steps' outputs back instead of reserving and
+//!   charging twice. The charge row keeps the fencing token of the run
+//!   that made it; a payment provider would get the step key instead.
 //!
 //! The layer's effective policy (retention, lease, limits, what is
 //! fingerprinted, where the key comes from) is published at
@@ -33,11 +32,12 @@ use axum::extract::{Extension, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response as HttpResponse};
 use axum::routing::{get, post};
-use idemstore::redb::engine::{ReadableTable, TableDefinition, WriteTransaction};
-use idemstore::redb::{Delivery, Inbox};
+use idemstore::redb::Inbox;
+use idemstore::redb::engine::{ReadableTable, TableDefinition};
 use idemstore::tower::{DoNotStore, IdempotencyLayer};
 use idemstore::{BoxError, Claim, Fingerprint, Guard, Key, RedbStore, Response, Store};
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// sku -> units on hand.
@@ -50,15 +50,13 @@ pub const CHARGES: TableDefinition<&str, (u64, u64)> = TableDefinition::new("sho
 pub const PRICE_CENTS: u64 = 250;
 /// Largest order body accepted (413 above, without running the handler).
 pub const MAX_ORDER_BYTES: usize = 1024;
-/// The inbox scope of the ledger's own dedup records.
-const LEDGER_SCOPE: &str = "orders.ledger";
-
-/// The service's state: the ledger's inbox and an artificial delay after the
-/// ledger write (tests use it to make a client time out).
+/// The service's state: the store the ledger shares with the layer, and an
+/// artificial delay after the ledger writes (tests use it to make a client
+/// time out).
 #[derive(Clone, Debug)]
 pub struct Shop {
-    /// The inbox on the same store as the HTTP layer's guard.
-    pub inbox: Inbox,
+    /// The store under the HTTP layer's guard.
+    pub store: Arc<RedbStore>,
     /// Sleep after the ledger commit, before answering.
     pub delay_after_commit: Duration,
 }
@@ -116,24 +114,14 @@ async fn create_order(
                 .into_response();
         }
     };
-    // The key as the layer parsed it (the header's quoting removed).
-    let order_id = String::from_utf8_lossy(key.id()).into_owned();
-    let token = claim.token();
-    let inbox = shop.inbox.clone();
-    // The ledger commit fsyncs: off the async workers.
-    let ledger = tokio::task::spawn_blocking(move || -> Result<Delivery, BoxError> {
-        let key = Key::new(LEDGER_SCOPE, order_id.as_str())?;
-        inbox.handle(&key, &Fingerprint::of(&body), |txn, _| {
-            reserve_and_charge(txn, &order_id, &order, token)
-        })
-    })
-    .await;
-    let response = match ledger {
-        Ok(Ok(Delivery::Handled(r) | Delivery::Duplicate(r))) => r,
-        Ok(Ok(Delivery::Conflict)) => Response::new(422, "order id reused with another body"),
-        Ok(Ok(other)) => Response::new(503, format!("ledger busy: {other:?}")),
-        Ok(Err(e)) => Response::new(503, format!("ledger unavailable: {e}")),
-        Err(e) => Response::new(500, format!("ledger task failed: {e}")),
+    // The ledger commits fsync: off the async workers.
+    let steps =
+        tokio::task::spawn_blocking(move || reserve_and_charge(&shop.store, &key, &claim, &order))
+            .await
+            .unwrap_or_else(|e| Err(e.into()));
+    let response = match steps {
+        Ok(response) => response,
+        Err(e) => Response::new(503, format!("ledger unavailable: {e}")),
     };
     tokio::time::sleep(shop.delay_after_commit).await;
     let status =
@@ -146,46 +134,70 @@ async fn create_order(
         .into_response()
 }
 
-/// The business write, inside the ledger's transaction. An out-of-stock
-/// answer writes nothing of its own and is recorded like any other result.
+/// The order's two steps. An out-of-stock answer is the `reserve` step's
+/// output too (nothing reserved, nothing to charge), and is stored like any
+/// other response.
 fn reserve_and_charge(
-    txn: &WriteTransaction,
-    order_id: &str,
+    store: &RedbStore,
+    key: &Key,
+    claim: &Claim,
     order: &Order,
-    token: u64,
 ) -> Result<Response, BoxError> {
-    let mut stock = txn.open_table(STOCK)?;
-    let on_hand = stock.get(order.sku.as_str())?.map(|v| v.value());
-    let Some(on_hand) = on_hand else {
-        return Ok(Response::new(404, r#"{"error":"UNKNOWN_SKU"}"#));
-    };
-    if order.qty == 0 || on_hand < order.qty {
-        return Ok(Response::new(409, r#"{"error":"OUT_OF_STOCK"}"#));
+    let order_id = String::from_utf8_lossy(key.id()).into_owned();
+    let reserved = store.atomic_step(key, claim, "reserve", |txn, _| -> Result<_, BoxError> {
+        let mut stock = txn.open_table(STOCK)?;
+        let on_hand = stock.get(order.sku.as_str())?.map(|v| v.value());
+        let answer = match on_hand {
+            None => "UNKNOWN_SKU",
+            Some(n) if n < order.qty => "OUT_OF_STOCK",
+            Some(n) => {
+                stock.insert(order.sku.as_str(), n - order.qty)?;
+                txn.open_table(RESERVATIONS)?.insert(
+                    order_id.as_str(),
+                    format!("{}:{}", order.sku, order.qty).as_str(),
+                )?;
+                "RESERVED"
+            }
+        };
+        Ok(answer.as_bytes().to_vec())
+    })?;
+    match reserved.as_slice() {
+        b"UNKNOWN_SKU" => return Ok(Response::new(404, r#"{"error":"UNKNOWN_SKU"}"#)),
+        b"OUT_OF_STOCK" => return Ok(Response::new(409, r#"{"error":"OUT_OF_STOCK"}"#)),
+        _ => {}
     }
-    stock.insert(order.sku.as_str(), on_hand - order.qty)?;
     let amount = order.qty * PRICE_CENTS;
-    txn.open_table(RESERVATIONS)?
-        .insert(order_id, format!("{}:{}", order.sku, order.qty).as_str())?;
-    txn.open_table(CHARGES)?.insert(order_id, (amount, token))?;
+    let token = claim.token();
+    let charge = store.atomic_step(key, claim, "charge", |txn, _| -> Result<_, BoxError> {
+        txn.open_table(CHARGES)?
+            .insert(order_id.as_str(), (amount, token))?;
+        Ok(token.to_string().into_bytes())
+    })?;
     let body = serde_json::json!({
         "order": order_id, "sku": order.sku, "qty": order.qty,
-        "charged_cents": amount, "token": token,
+        "charged_cents": amount, "token": String::from_utf8_lossy(&charge).parse::<u64>()?,
     });
     Ok(Response::new(201, body.to_string()))
 }
 
-/// Puts stock on the shelf once per file (an inbox message of its own, so a
+/// Puts stock on the shelf once per file (a guarded run of its own, so a
 /// restart does not restock).
-pub fn seed_stock(inbox: &Inbox, items: &[(&str, u64)]) -> Result<(), BoxError> {
+pub fn seed_stock(store: &Arc<RedbStore>, items: &[(&str, u64)]) -> Result<(), BoxError> {
     let key = Key::new("orders.setup", "initial-stock")?;
-    inbox.handle(&key, &Fingerprint::of(b"initial-stock"), |txn, _| {
-        let mut stock = txn.open_table(STOCK)?;
-        for (sku, qty) in items {
-            stock.insert(*sku, *qty)?;
-        }
+    let seeded = Guard::new(Arc::clone(store)).run(&key, &Fingerprint::of(b"v1"), |claim| {
+        store.atomic_step(&key, claim, "stock", |txn, _| -> Result<_, BoxError> {
+            let mut stock = txn.open_table(STOCK)?;
+            for (sku, qty) in items {
+                stock.insert(*sku, *qty)?;
+            }
+            Ok(Vec::new())
+        })?;
         Ok::<_, BoxError>(Response::new(200, ""))
-    })?;
-    Ok(())
+    });
+    match seeded.response() {
+        Some(_) => Ok(()),
+        None => Err(format!("stock not seeded: {seeded:?}").into()),
+    }
 }
 
 /// What the ledger holds: stock by sku, reservations and charges by order.
@@ -200,8 +212,8 @@ pub struct Ledger {
 }
 
 /// Reads the whole ledger.
-pub fn ledger(inbox: &Inbox) -> Result<Ledger, BoxError> {
-    inbox.read(|txn| {
+pub fn ledger(store: &Arc<RedbStore>) -> Result<Ledger, BoxError> {
+    Inbox::new(Arc::clone(store)).read(|txn| {
         let mut out = Ledger::default();
         // Tables appear with their first write.
         if let Ok(t) = txn.open_table(STOCK) {
@@ -244,13 +256,12 @@ async fn main() -> Result<(), BoxError> {
         )
         .init();
     let prometheus = metrics_exporter_prometheus::PrometheusBuilder::new().install_recorder()?;
-    let store = std::sync::Arc::new(RedbStore::open(&path)?);
-    let inbox = Inbox::new(std::sync::Arc::clone(&store));
-    seed_stock(&inbox, &[("apple", 100), ("pear", 10)])?;
+    let store = Arc::new(RedbStore::open(&path)?);
+    seed_stock(&store, &[("apple", 100), ("pear", 10)])?;
     let app = router(
-        Guard::new(store),
+        Guard::new(Arc::clone(&store)),
         Shop {
-            inbox,
+            store,
             delay_after_commit: Duration::ZERO,
         },
     );

@@ -38,7 +38,7 @@ pub use builder::{GuardBuilder, OnHandlerError, TakeoverPolicy};
 use outcome::{Counters, bump};
 pub use outcome::{GuardStats, Outcome};
 use renew::RENEW_FRACTION;
-pub(crate) use steps::StepRun;
+pub(crate) use steps::{Next, StepRun};
 
 use crate::error::{Error, Result};
 use crate::key::Key;

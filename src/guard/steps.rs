@@ -55,7 +55,7 @@ impl StepRun {
 }
 
 /// What a step does, decided before it runs.
-enum Next<'a> {
+pub(crate) enum Next<'a> {
     /// An earlier attempt recorded it: its output.
     Replay(Vec<u8>),
     /// Run it, then record through `run`.
@@ -248,7 +248,7 @@ impl Claim {
     }
 
     /// Checks `name` and claims it for this run; says whether to replay.
-    fn next_step(&self, name: &str) -> Result<Next<'_>> {
+    pub(crate) fn next_step(&self, name: &str) -> Result<Next<'_>> {
         let Some(run) = self.run.as_deref() else {
             return Err(Error::invalid_argument(
                 "a step needs the claim of a guard's run; with a bare store, call Store::record_step",

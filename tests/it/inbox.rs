@@ -762,3 +762,105 @@ fn an_inbox_over_a_store_built_with_a_manual_clock_reads_that_clock() {
     assert!(matches!(handle(&inbox), Delivery::Handled(_)));
     assert_eq!(business(&inbox).handler_commits, 2);
 }
+
+/// `RedbStore::atomic_step`: the step's table writes and its record commit
+/// together. A failing step, or one whose claim was taken over, leaves
+/// neither; a recorded step is not run again, and its writes stay once.
+#[test]
+fn an_atomic_step_commits_its_writes_with_its_record_or_neither() {
+    const ROWS: TableDefinition<&str, u64> = TableDefinition::new("app.rows");
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(RedbStore::open(dir.path().join("s.idem")).unwrap());
+    let rows = |store: &Arc<RedbStore>| -> BTreeMap<String, u64> {
+        Inbox::new(Arc::clone(store))
+            .read(|txn| {
+                let mut out = BTreeMap::new();
+                if let Ok(t) = txn.open_table(ROWS) {
+                    for e in t.iter()? {
+                        let (k, v) = e?;
+                        out.insert(k.value().to_owned(), v.value());
+                    }
+                }
+                Ok::<_, idemstore::BoxError>(out)
+            })
+            .unwrap()
+    };
+    let write = |name: &'static str, n: u64| {
+        move |txn: &idemstore::redb::engine::WriteTransaction,
+              _: &str|
+              -> Result<Vec<u8>, idemstore::BoxError> {
+            txn.open_table(ROWS)?.insert(name, n)?;
+            Ok(n.to_be_bytes().to_vec())
+        }
+    };
+    let (key, fp, lease) = (
+        Key::new("t", "o-1").unwrap(),
+        Fingerprint::of(b"x"),
+        Duration::from_secs(1),
+    );
+    // The step reads the store's clock: the claims are made at its time.
+    let t0 = idemstore::Clock::now(&*store.clock());
+    let Begin::Claimed(first) = store.begin(&key, &fp, t0, lease, lease * 60).unwrap() else {
+        panic!("claimed")
+    };
+    // A failing step writes nothing and records nothing.
+    let failed = store.atomic_step(
+        &key,
+        &first,
+        "a",
+        |txn, _| -> Result<Vec<u8>, idemstore::BoxError> {
+            txn.open_table(ROWS)?.insert("a", 1)?;
+            Err("declined".into())
+        },
+    );
+    assert!(failed.is_err());
+    assert!(rows(&store).is_empty());
+    assert!(store.get(&key, t0).unwrap().unwrap().steps().is_empty());
+    // A step that succeeds: its row and its record.
+    assert_eq!(
+        store.atomic_step(&key, &first, "a", write("a", 1)).unwrap(),
+        1u64.to_be_bytes()
+    );
+    assert_eq!(rows(&store), BTreeMap::from([("a".to_owned(), 1)]));
+    assert_eq!(store.get(&key, t0).unwrap().unwrap().steps()[0].name(), "a");
+    // The lease runs out; a retry takes over with the step recorded, and
+    // the old owner's next step rolls back as stale.
+    let t1 = t0 + lease;
+    let Begin::Claimed(second) = store.begin(&key, &fp, t1, lease, lease * 60).unwrap() else {
+        panic!("taken over")
+    };
+    let stale = store.atomic_step(&key, &first, "b", write("b", 2));
+    assert!(
+        matches!(&stale, Err(e) if matches!(e.downcast_ref::<Error>(), Some(Error::StaleClaim))),
+        "{stale:?}"
+    );
+    assert_eq!(rows(&store).len(), 1, "the stale step's row rolled back");
+    // The new owner replays `a` without running it, and runs `b`.
+    let replayed = store.atomic_step(
+        &key,
+        &second,
+        "a",
+        |_, _| -> Result<Vec<u8>, idemstore::BoxError> { panic!("a recorded step runs again") },
+    );
+    assert_eq!(replayed.unwrap(), 1u64.to_be_bytes());
+    store
+        .atomic_step(&key, &second, "b", write("b", 2))
+        .unwrap();
+    assert_eq!(
+        rows(&store),
+        BTreeMap::from([("a".to_owned(), 1), ("b".to_owned(), 2)])
+    );
+    // Both survive a reopen with their records.
+    drop(store);
+    let store = Arc::new(RedbStore::open(dir.path().join("s.idem")).unwrap());
+    let names: Vec<String> = store
+        .get(&key, t1)
+        .unwrap()
+        .unwrap()
+        .steps()
+        .iter()
+        .map(|s| s.name().to_owned())
+        .collect();
+    assert_eq!(names, ["a", "b"]);
+    assert_eq!(rows(&store).len(), 2);
+}

@@ -11,7 +11,6 @@ use axum::http::StatusCode;
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper_util::client::legacy::{Client, connect::HttpConnector};
-use idemstore::redb::Inbox;
 use idemstore::{Guard, ManualClock, RedbStore, Timestamp};
 use idemstore_testkit::FaultyStore;
 use std::net::SocketAddr;
@@ -23,7 +22,7 @@ const LEASE: Duration = Duration::from_secs(10);
 struct Service {
     addr: SocketAddr,
     client: Client<HttpConnector, Full<Bytes>>,
-    inbox: Inbox,
+    store: Arc<RedbStore>,
     /// The guard's store, for injecting faults.
     faults: Arc<FaultyStore<Arc<RedbStore>>>,
     /// The guard's clock, for running out a lease.
@@ -36,8 +35,7 @@ use crate::tower::{Reply, fetch};
 async fn start(delay_after_commit: Duration) -> Service {
     let dir = tempfile::tempdir().unwrap();
     let store = Arc::new(RedbStore::open(dir.path().join("orders.idem")).unwrap());
-    let inbox = Inbox::new(Arc::clone(&store));
-    app::seed_stock(&inbox, &[("apple", 100)]).unwrap();
+    app::seed_stock(&store, &[("apple", 100)]).unwrap();
     let faults = Arc::new(FaultyStore::new(Arc::clone(&store)));
     let clock = ManualClock::new(Timestamp::from_millis(1_800_000_000_000));
     let guard = Guard::builder(Arc::clone(&faults))
@@ -46,7 +44,7 @@ async fn start(delay_after_commit: Duration) -> Service {
         .build()
         .unwrap();
     let shop = app::Shop {
-        inbox: inbox.clone(),
+        store: Arc::clone(&store),
         delay_after_commit,
     };
     let router = app::router(guard, shop);
@@ -54,7 +52,7 @@ async fn start(delay_after_commit: Duration) -> Service {
     Service {
         addr,
         client,
-        inbox,
+        store,
         faults,
         clock,
         _dir: dir,
@@ -76,7 +74,7 @@ impl Service {
     }
 
     fn ledger(&self) -> app::Ledger {
-        app::ledger(&self.inbox).unwrap()
+        app::ledger(&self.store).unwrap()
     }
 
     /// Exactly one reservation and one charge for each of `orders` (with
@@ -171,8 +169,9 @@ async fn retry_after_a_client_timeout_charges_once() {
     // The client gives up after the ledger committed but before the answer
     // (the handler is slow to respond); its HTTP record may never be
     // completed. A retry inside the lease gets 409; after the lease the key
-    // is taken over and the handler runs again, and the ledger's inbox must
-    // hand back the first charge instead of making a second.
+    // is taken over and the handler runs again, and its recorded steps
+    // must hand back the first reservation and charge instead of making
+    // second ones.
     let s = start(Duration::from_millis(800)).await;
     let gave_up = tokio::time::timeout(Duration::from_millis(300), s.order("o-t", 3)).await;
     assert!(

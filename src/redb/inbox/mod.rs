@@ -7,6 +7,7 @@
 //! deals with that alone (`batch.rs`).
 
 mod batch;
+mod step;
 
 pub use batch::Message;
 
