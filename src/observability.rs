@@ -46,17 +46,27 @@
 use std::time::Duration;
 
 /// A guarded request's span (`idemstore.request`, INFO), entered for the
-/// request's life; its fields are filled as they become known.
-pub(crate) struct RequestSpan {
+/// request's life, its fields filled as they become known; or a step's
+/// (`idemstore.step`, INFO), inside it.
+pub(crate) struct Span {
     #[cfg(feature = "tracing")]
     span: tracing::Span,
 }
 
-impl RequestSpan {
+impl Span {
+    /// A step's span: its name (the application's, never a key or a body).
+    pub(crate) fn step(name: &str) -> Span {
+        let _ = name;
+        Span {
+            #[cfg(feature = "tracing")]
+            span: tracing::info_span!("idemstore.step", name, how = tracing::field::Empty),
+        }
+    }
+
     /// The span for a request with a key of `scope`.
-    pub(crate) fn new(scope: &[u8]) -> RequestSpan {
+    pub(crate) fn request(scope: &[u8]) -> Span {
         let _ = scope;
-        RequestSpan {
+        Span {
             #[cfg(feature = "tracing")]
             span: tracing::info_span!(
                 "idemstore.request",
@@ -182,12 +192,12 @@ pub(crate) fn failed_open(error: &crate::Error) {
 }
 
 /// A step of a guarded run ran and was recorded, or was `replayed` from
-/// an earlier attempt's record.
+/// an earlier attempt's record (in the step's span: its `how`).
 pub(crate) fn step(replayed: bool) {
     let how = if replayed { "replayed" } else { "ran" };
     let _ = how;
     #[cfg(feature = "tracing")]
-    tracing::debug!(how, "step");
+    tracing::Span::current().record("how", how);
     #[cfg(feature = "metrics")]
     metrics::counter!("idemstore_guard_steps_total", "how" => how).increment(1);
 }

@@ -80,6 +80,9 @@ pub struct StoreBackend {
     pub dir: Option<PathBuf>,
     /// Average requests per commit so far, where the store batches.
     pub batch: Option<Box<dyn Fn() -> Option<f64> + Send + Sync>>,
+    /// Steps each cycle records between its claim and its completion
+    /// (`Store::record_step`, one durable write each).
+    pub steps: usize,
 }
 
 impl Backend for StoreBackend {
@@ -87,7 +90,7 @@ impl Backend for StoreBackend {
         self.name.clone()
     }
     fn client(&self) -> BoxResult<Box<dyn Client>> {
-        Ok(Box::new(StoreClient(Arc::clone(&self.store))))
+        Ok(Box::new(StoreClient(Arc::clone(&self.store), self.steps)))
     }
     fn file_bytes(&self) -> u64 {
         self.dir.as_deref().map_or(0, dir_bytes)
@@ -100,7 +103,10 @@ impl Backend for StoreBackend {
     }
 }
 
-struct StoreClient(Arc<dyn Store>);
+/// The names of a cycle's steps (`redb-3step`).
+const STEP_NAMES: [&str; 3] = ["charge", "reserve", "email"];
+
+struct StoreClient(Arc<dyn Store>, usize);
 
 impl Client for StoreClient {
     fn claim(&mut self, key: &Key, fp: &Fingerprint, now: Timestamp) -> BoxResult<Claimed> {
@@ -120,6 +126,10 @@ impl Client for StoreClient {
         let Ticket::Store(claim) = ticket else {
             return Err("foreign ticket".into());
         };
+        for i in 0..self.1 {
+            let step = idemstore::Step::new(STEP_NAMES[i % STEP_NAMES.len()], vec![7; 16])?;
+            self.0.record_step(key, &claim, &step, now)?;
+        }
         Ok(self.0.complete(key, &claim, response, now, RETENTION)?)
     }
 }
@@ -398,11 +408,19 @@ pub fn median(values: &mut [f64]) -> f64 {
 pub fn open_backend(name: &str, dir: &Path, durability: &str) -> BoxResult<Box<dyn Backend>> {
     Ok(match name {
         "redb" => Box::new(redb_backend(dir, durability)?),
+        // A cycle of a handler with three steps: five durable writes
+        // (claim, three steps, completion) where a plain cycle makes two.
+        "redb-3step" => Box::new(StoreBackend {
+            name: "redb-3step".into(),
+            steps: STEP_NAMES.len(),
+            ..redb_backend(dir, durability)?
+        }),
         "memory" => Box::new(StoreBackend {
             name: "memory".into(),
             store: std::sync::Arc::new(idemstore::MemoryStore::new()),
             dir: None,
             batch: None,
+            steps: 0,
         }),
         #[cfg(feature = "sled")]
         "sled" => {
@@ -426,6 +444,7 @@ pub fn open_backend(name: &str, dir: &Path, durability: &str) -> BoxResult<Box<d
                     let s = stats.stats();
                     (s.flushes > 0).then(|| s.commits as f64 / s.flushes as f64)
                 })),
+                steps: 0,
             })
         }
         "sqlite" => Box::new(Sqlite::open(dir)?),
@@ -470,6 +489,7 @@ pub fn redb_backend(dir: &Path, durability: &str) -> BoxResult<StoreBackend> {
             let s = stats.stats();
             (s.groups > 0).then(|| s.mean_group())
         })),
+        steps: 0,
     })
 }
 
@@ -529,7 +549,8 @@ impl Backend for Postgres {
     }
     fn client(&self) -> BoxResult<Box<dyn Client>> {
         Ok(Box::new(StoreClient(
-            Arc::clone(&self.store) as Arc<dyn Store>
+            Arc::clone(&self.store) as Arc<dyn Store>,
+            0,
         )))
     }
     fn file_bytes(&self) -> u64 {

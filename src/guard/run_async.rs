@@ -10,7 +10,7 @@ use super::{Guard, StepRun};
 use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
 use crate::key::Key;
-use crate::observability::{RequestSpan, store_op_async};
+use crate::observability::{Span, store_op_async};
 use crate::record::{Begin, Claim};
 use crate::response::Response;
 use crate::store::{Store, StoreFuture};
@@ -80,7 +80,7 @@ impl<S: Store + 'static> Guard<S> {
         F: FnOnce(Claim) -> Fut,
         Fut: std::future::Future<Output = std::result::Result<Response, E>>,
     {
-        let span = RequestSpan::new(key.scope());
+        let span = Span::request(key.scope());
         span.instrument(async {
             let outcome = self
                 .run_async_in_span(key, fingerprint, release, handler)

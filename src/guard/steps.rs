@@ -11,6 +11,7 @@
 
 use crate::error::{Error, Result};
 use crate::key::Key;
+use crate::observability::Span;
 use crate::record::Claim;
 use crate::step::{self, Step};
 use crate::store::Store;
@@ -100,19 +101,21 @@ impl Claim {
         name: &str,
         f: impl FnOnce(&str) -> std::result::Result<Vec<u8>, E>,
     ) -> std::result::Result<Vec<u8>, E> {
-        let run = match self.next_step(name)? {
-            Next::Replay(output) => return Ok(output),
-            Next::Run(run) => run,
-        };
-        let output = f(&run.key.step_key(name))?;
-        let step = Step::new(name, output)?;
-        if let Some(store) = &run.store {
-            crate::observability::store_op("record_step", || {
-                store.record_step(&run.key, self, &step, run.clock.now())
-            })?;
-        }
-        crate::observability::step(false);
-        Ok(step.output)
+        Span::step(name).in_scope(|| {
+            let run = match self.next_step(name)? {
+                Next::Replay(output) => return Ok(output),
+                Next::Run(run) => run,
+            };
+            let output = f(&run.key.step_key(name))?;
+            let step = Step::new(name, output)?;
+            if let Some(store) = &run.store {
+                crate::observability::store_op("record_step", || {
+                    store.record_step(&run.key, self, &step, run.clock.now())
+                })?;
+            }
+            crate::observability::step(false);
+            Ok(step.output)
+        })
     }
 
     /// [`step`](Claim::step) with a typed output, through JSON
@@ -184,24 +187,29 @@ impl Claim {
         F: FnOnce(String) -> Fut,
         Fut: Future<Output = std::result::Result<Vec<u8>, E>>,
     {
-        let run = match self.next_step(name)? {
-            Next::Replay(output) => return Ok(output),
-            Next::Run(run) => run,
-        };
-        let output = f(run.key.step_key(name)).await?;
-        let step = Step::new(name, output)?;
-        if let Some(store) = &run.store {
-            let now = run.clock.now();
-            let native = store.record_step_async(&run.key, self, &step, now);
-            let call = super::run_async::native_or_blocking(native, || {
-                let (store, key, claim) = (Arc::clone(store), run.key.clone(), self.clone());
-                let step = step.clone();
-                move || store.record_step(&key, &claim, &step, now)
-            });
-            crate::observability::store_op_async("record_step", call).await?;
-        }
-        crate::observability::step(false);
-        Ok(step.output)
+        Span::step(name)
+            .instrument(async {
+                let run = match self.next_step(name)? {
+                    Next::Replay(output) => return Ok(output),
+                    Next::Run(run) => run,
+                };
+                let output = f(run.key.step_key(name)).await?;
+                let step = Step::new(name, output)?;
+                if let Some(store) = &run.store {
+                    let now = run.clock.now();
+                    let native = store.record_step_async(&run.key, self, &step, now);
+                    let call = super::run_async::native_or_blocking(native, || {
+                        let (store, key, claim) =
+                            (Arc::clone(store), run.key.clone(), self.clone());
+                        let step = step.clone();
+                        move || store.record_step(&key, &claim, &step, now)
+                    });
+                    crate::observability::store_op_async("record_step", call).await?;
+                }
+                crate::observability::step(false);
+                Ok(step.output)
+            })
+            .await
     }
 
     /// The async [`step_json`](Claim::step_json) (feature `tokio`).

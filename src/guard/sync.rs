@@ -5,7 +5,7 @@ use super::outcome::Outcome;
 use super::{Guard, StepRun};
 use crate::fingerprint::Fingerprint;
 use crate::key::Key;
-use crate::observability::{RequestSpan, store_op};
+use crate::observability::{Span, store_op};
 use crate::record::{Begin, Claim};
 use crate::response::Response;
 use crate::store::Store;
@@ -20,7 +20,7 @@ impl<S: Store + 'static> Guard<S> {
         fingerprint: &Fingerprint,
         handler: impl FnOnce(&Claim) -> std::result::Result<Response, E>,
     ) -> Outcome<E> {
-        let span = RequestSpan::new(key.scope());
+        let span = Span::request(key.scope());
         span.in_scope(|| {
             let outcome = self.run_in_span(key, fingerprint, handler);
             crate::observability::outcome(outcome.label());

@@ -179,6 +179,7 @@ fn backend(store: RedbStore) -> StoreBackend {
         store: Arc::new(store),
         dir: None,
         batch: None,
+        steps: 0,
     }
 }
 
