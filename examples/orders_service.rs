@@ -135,8 +135,7 @@ async fn create_order(
 }
 
 /// The order's two steps. An out-of-stock answer is the `reserve` step's
-/// output too (nothing reserved, nothing to charge), and is stored like any
-/// other response.
+/// output (nothing reserved, nothing to charge), stored like any response.
 fn reserve_and_charge(
     store: &RedbStore,
     key: &Key,
@@ -144,27 +143,22 @@ fn reserve_and_charge(
     order: &Order,
 ) -> Result<Response, BoxError> {
     let order_id = String::from_utf8_lossy(key.id()).into_owned();
-    let reserved = store.atomic_step(key, claim, "reserve", |txn, _| -> Result<_, BoxError> {
+    // The step's output is the refusal to answer with, empty when reserved.
+    let refused = store.atomic_step(key, claim, "reserve", |txn, _| -> Result<_, BoxError> {
         let mut stock = txn.open_table(STOCK)?;
         let on_hand = stock.get(order.sku.as_str())?.map(|v| v.value());
-        let answer = match on_hand {
-            None => "UNKNOWN_SKU",
-            Some(n) if n < order.qty => "OUT_OF_STOCK",
-            Some(n) => {
-                stock.insert(order.sku.as_str(), n - order.qty)?;
-                txn.open_table(RESERVATIONS)?.insert(
-                    order_id.as_str(),
-                    format!("{}:{}", order.sku, order.qty).as_str(),
-                )?;
-                "RESERVED"
-            }
+        match on_hand {
+            None => return Ok(br#"404 {"error":"UNKNOWN_SKU"}"#.to_vec()),
+            Some(n) if n < order.qty => return Ok(br#"409 {"error":"OUT_OF_STOCK"}"#.to_vec()),
+            Some(n) => stock.insert(order.sku.as_str(), n - order.qty)?,
         };
-        Ok(answer.as_bytes().to_vec())
+        let reservation = format!("{}:{}", order.sku, order.qty);
+        txn.open_table(RESERVATIONS)?
+            .insert(order_id.as_str(), reservation.as_str())?;
+        Ok(Vec::new())
     })?;
-    match reserved.as_slice() {
-        b"UNKNOWN_SKU" => return Ok(Response::new(404, r#"{"error":"UNKNOWN_SKU"}"#)),
-        b"OUT_OF_STOCK" => return Ok(Response::new(409, r#"{"error":"OUT_OF_STOCK"}"#)),
-        _ => {}
+    if let Some((status, body)) = std::str::from_utf8(&refused)?.split_once(' ') {
+        return Ok(Response::new(status.parse()?, body.to_owned()));
     }
     let amount = order.qty * PRICE_CENTS;
     let token = claim.token();

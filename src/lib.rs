@@ -35,7 +35,9 @@
 //! with one of five cases (see its docs); [`Store::complete`] stores the
 //! response, and only the holder of the current [`Claim`] may do it.
 //! [`Guard`] wraps this into claim → execute → store, failing closed when the
-//! store is down.
+//! store is down. A handler with several side effects runs each as a
+//! [`Step`] ([`Claim::step`]): recorded on the key as it finishes, so a retry
+//! after a crash resumes after the last one ([`Store::record_step`]).
 //!
 //! # Limits
 //!
@@ -45,6 +47,7 @@
 //! | key scope | 0..=[`MAX_SCOPE_BYTES`](limits::MAX_SCOPE_BYTES) bytes |
 //! | response body | [`DEFAULT_MAX_BODY_BYTES`](limits::DEFAULT_MAX_BODY_BYTES), configurable up to [`MAX_BODY_BYTES_HARD_CAP`](limits::MAX_BODY_BYTES_HARD_CAP) |
 //! | response headers | [`MAX_HEADERS`](limits::MAX_HEADERS) headers, [`MAX_HEADER_BYTES`](limits::MAX_HEADER_BYTES) bytes in all |
+//! | steps of one record | [`MAX_STEPS`](limits::MAX_STEPS) steps, names of [`MAX_STEP_NAME_BYTES`](limits::MAX_STEP_NAME_BYTES) bytes, outputs of [`MAX_STEP_OUTPUT_BYTES`](limits::MAX_STEP_OUTPUT_BYTES), [`MAX_STEPS_BYTES`](limits::MAX_STEPS_BYTES) in all |
 //! | one sweep | [`MAX_SWEEP_BATCH`](limits::MAX_SWEEP_BATCH) records |
 //! | JSON fields in a fingerprint | [`MAX_JSON_FIELDS`](limits::MAX_JSON_FIELDS) pointers of at most [`MAX_POINTER_BYTES`](limits::MAX_POINTER_BYTES) bytes |
 //!

@@ -47,7 +47,11 @@
 //! - The handler sees its [`Claim`](crate::Claim) and the parsed
 //!   [`Key`](crate::Key) (scope and id, the header's quoting removed) as
 //!   request extensions (`Extension<Claim>`, `Extension<Key>` in axum):
-//!   `claim.token()` is a fencing token to pass downstream.
+//!   `claim.token()` is a fencing token to pass downstream, and
+//!   `claim.step_async(name, ..)` runs one of the handler's steps, recorded
+//!   on the key, so a retry after a crash resumes after the last one
+//!   ([`Claim::step`](crate::Claim::step); `RedbStore::atomic_step` for a
+//!   step's table writes, from a blocking thread).
 //! - The first response is sent as the handler made it; what is stored (and
 //!   replayed) leaves out the [`deny_headers`](IdempotencyLayer::deny_headers)
 //!   (`Set-Cookie` and `Date` by default) and trailers. A replay adds
