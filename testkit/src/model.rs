@@ -501,13 +501,13 @@ pub fn run_ops(
                     continue;
                 }
                 let want = model.record_step(k % 4, c.token(), &name, &output);
-                let same = match (&want, &got) {
-                    (StepAnswer::Recorded, Ok(())) => true,
-                    (StepAnswer::Stale, Err(Error::StaleClaim)) => true,
-                    (StepAnswer::OtherOutput, Err(Error::InvalidArgument { .. })) => true,
-                    (StepAnswer::Limit, Err(Error::StepLimit { .. })) => true,
-                    _ => false,
-                };
+                let same = matches!(
+                    (&want, &got),
+                    (StepAnswer::Recorded, Ok(()))
+                        | (StepAnswer::Stale, Err(Error::StaleClaim))
+                        | (StepAnswer::OtherOutput, Err(Error::InvalidArgument { .. }))
+                        | (StepAnswer::Limit, Err(Error::StepLimit { .. }))
+                );
                 if !same {
                     return Err(err(&format!("store {got:?}, model {want:?}")));
                 }
