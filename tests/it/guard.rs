@@ -789,3 +789,46 @@ fn reconcile_hands_over_the_recorded_steps() {
     ));
     assert_eq!(effects.total(), 2);
 }
+
+/// A duplicate waiting on a run of this process (`wait_for_duplicates`)
+/// whose handler fails under the release policy after recording a step:
+/// the waiter claims the released key at once, not as a takeover, and
+/// replays the step instead of running it again.
+#[test]
+fn a_waiting_duplicate_continues_a_released_run_from_its_steps() {
+    let (guard, _, _) = setup(|b| {
+        b.on_handler_error(OnHandlerError::Release)
+            .wait_for_duplicates(SEC)
+    });
+    let fp = Fingerprint::of(b"x");
+    let effects = Effects::default();
+    let (started_tx, started_rx) = std::sync::mpsc::channel();
+    let (first, second) = std::thread::scope(|s| {
+        let owner = s.spawn(|| {
+            guard.run(&key(), &fp, |claim| {
+                claim.step("charge", effects.step("charge", "ch_1"))?;
+                started_tx.send(()).unwrap();
+                std::thread::sleep(Duration::from_millis(100));
+                Err::<Response, _>(Error::backend("the next step failed"))
+            })
+        });
+        started_rx.recv().unwrap();
+        let waiter = s.spawn(|| {
+            guard.run(&key(), &fp, |claim| {
+                assert!(!claim.is_takeover());
+                assert_eq!(claim.attempt(), 2);
+                let charge = claim.step("charge", |_| -> Result<Vec<u8>, Error> {
+                    panic!("recorded by the first run")
+                })?;
+                Ok::<_, Error>(Response::new(201, charge))
+            })
+        });
+        (owner.join().unwrap(), waiter.join().unwrap())
+    });
+    assert!(matches!(first, Outcome::HandlerFailed(_)), "{first:?}");
+    assert!(
+        matches!(second, Outcome::Executed(ref r) if r.body() == b"ch_1"),
+        "{second:?}"
+    );
+    assert_eq!(effects.count("charge"), 1);
+}
