@@ -221,6 +221,41 @@ async fn steps_recorded_on_redb_survive_a_reopen() {
     );
 }
 
+/// An async run that failed open (the store is down) runs its steps on
+/// the caller's task and records nothing; the next one runs them again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_async_fail_open_run_executes_steps_without_recording() {
+    let store = Arc::new(idemstore_testkit::FaultyStore::new(MemoryStore::new()));
+    let clock = ManualClock::new(T0);
+    let guard = Guard::builder(Arc::clone(&store))
+        .clock(clock.clone())
+        .lease(SEC)
+        .fail_open(true)
+        .build()
+        .unwrap();
+    store.fail_all();
+    let charges = &AtomicUsize::new(0);
+    for run in 1..=2 {
+        let out = guard
+            .run_async(&key(), &Fingerprint::of(b"x"), |claim| async move {
+                assert!(claim.is_unprotected());
+                let n: u32 = claim
+                    .step_json_async("charge", |_| async move {
+                        Ok::<_, Error>(charges.fetch_add(1, Ordering::SeqCst) as u32 + 1)
+                    })
+                    .await?;
+                Ok::<_, Error>(Response::new(200, n.to_string()))
+            })
+            .await;
+        assert!(
+            matches!(out, Outcome::FailedOpen(Ok(ref r)) if r.body() == run.to_string().as_bytes()),
+            "{out:?}"
+        );
+    }
+    store.clear_fault();
+    assert!(store.get(&key(), clock.now()).unwrap().is_none());
+}
+
 #[cfg(feature = "tower")]
 mod over_http {
     use super::*;
@@ -263,6 +298,68 @@ mod over_http {
             StatusCode::CREATED,
             format!("{} on run {run}", String::from_utf8_lossy(&charge)),
         ))
+    }
+
+    /// Ships once per key through a step, then fails with 500 on its first
+    /// run (after the shipment).
+    async fn ship(
+        State(p): State<Payments>,
+        Extension(claim): Extension<Claim>,
+    ) -> (StatusCode, String) {
+        let run = p.runs.fetch_add(1, Ordering::SeqCst) + 1;
+        let charges = Arc::clone(&p.charges);
+        let shipped = claim
+            .step_async("ship", |_| async move {
+                charges.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, Error>(b"parcel-1".to_vec())
+            })
+            .await;
+        match (run, shipped) {
+            (_, Err(e)) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+            (1, Ok(_)) => (
+                StatusCode::BAD_GATEWAY,
+                "the invoice service is down".into(),
+            ),
+            (_, Ok(p)) => (
+                StatusCode::CREATED,
+                format!("{} on run {run}", String::from_utf8_lossy(&p)),
+            ),
+        }
+    }
+
+    /// `StorePolicy::AllButServerErrors` releases the claim of a 5xx run;
+    /// with a step recorded the release keeps it, so the retry (at once)
+    /// does not ship again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_released_5xx_run_keeps_its_steps_for_the_retry() {
+        let payments = Payments::default();
+        let app = Router::new()
+            .route("/ship", post(ship))
+            .with_state(payments.clone())
+            .layer(
+                IdempotencyLayer::new(Guard::new(MemoryStore::new()))
+                    .store_policy(idemstore::tower::StorePolicy::AllButServerErrors),
+            );
+        let (addr, client) = serve(app).await;
+        let send = || {
+            let req = ::http::Request::builder()
+                .method("POST")
+                .uri(format!("http://{addr}/ship"))
+                .header("idempotency-key", "ship-1")
+                .body(Full::new(Bytes::new()))
+                .unwrap();
+            fetch(&client, req)
+        };
+        let first = send().await;
+        assert_eq!(first.status, StatusCode::BAD_GATEWAY, "{first:?}");
+        let retry = send().await;
+        assert_eq!(
+            (retry.status, retry.body.as_str(), retry.replayed()),
+            (StatusCode::CREATED, "parcel-1 on run 2", false)
+        );
+        assert_eq!(payments.charges.load(Ordering::SeqCst), 1, "shipped once");
+        assert!(send().await.replayed());
+        assert_eq!(payments.runs.load(Ordering::SeqCst), 2);
     }
 
     /// Through the HTTP layer: the retry after a simulated crash takes the
