@@ -11,7 +11,7 @@
 use crate::{FaultyStore, Op};
 use idemstore::{
     Begin, Claim, Clock, Error, Fingerprint, Guard, Key, ManualClock, Outcome, Response, State,
-    Store, Timestamp,
+    Step, Store, Timestamp,
 };
 use std::any::Any;
 use std::collections::HashMap;
@@ -101,6 +101,16 @@ macro_rules! __conformance_cases {
             oversized_response_writes_nothing,
             invalid_durations_rejected_before_io,
             complete_after_expiry_is_stale,
+            steps_are_recorded_and_read_back,
+            a_takeover_claim_carries_the_steps,
+            a_stale_owner_cannot_record_a_step,
+            release_keeps_recorded_steps,
+            complete_drops_the_steps,
+            expiry_drops_the_steps,
+            renew_keeps_the_steps,
+            recording_a_step_twice_is_idempotent,
+            step_limits_refuse_and_write_nothing,
+            a_stale_owner_racing_a_takeover_records_nothing_after_it,
             concurrent_random_ops_never_two_live_claims,
             sequential_ops_match_model
         }
@@ -1104,6 +1114,537 @@ pub fn complete_after_expiry_is_stale(make: Make<'_>) {
     let c2 = claimed(s.begin(&k2, &fp, T0, SEC, HOUR).unwrap());
     s.complete(&k2, &c2, &Response::new(200, "slow"), T0 + 30 * SEC, HOUR)
         .unwrap();
+}
+
+fn step(name: &str, output: impl Into<Vec<u8>>) -> Step {
+    Step::new(name, output.into()).expect("a valid step")
+}
+
+fn names(steps: &[Step]) -> Vec<&str> {
+    steps.iter().map(Step::name).collect()
+}
+
+/// Steps recorded by the owner are on its record, in the order recorded,
+/// with their outputs byte for byte; the record is otherwise unchanged (still
+/// PROCESSING under the same token and lease), and a fresh claim has none.
+pub fn steps_are_recorded_and_read_back(make: Make<'_>) {
+    let s = make().store_owned();
+    let (k, fp) = (key("k"), Fingerprint::of(b"a"));
+    let c = claimed(s.begin(&k, &fp, T0, SEC, HOUR).unwrap());
+    assert!(c.steps().is_empty(), "a fresh claim starts with no steps");
+    let before = s.get(&k, T0).unwrap().unwrap();
+    assert!(before.steps().is_empty());
+    let charge = step("charge", b"ch_1".to_vec());
+    let reserve = step("reserve", vec![0u8, 255, 7]);
+    let empty = step("email", Vec::new());
+    s.record_step(&k, &c, &charge, T0).unwrap();
+    s.record_step(&k, &c, &reserve, T0 + SEC / 4).unwrap();
+    s.record_step(&k, &c, &empty, T0 + SEC / 2).unwrap();
+    let rec = s.get(&k, T0 + SEC / 2).unwrap().expect("kept");
+    assert_eq!(rec.steps(), [charge, reserve, empty]);
+    assert_eq!(rec.state(), State::Processing);
+    assert_eq!(rec.token(), c.token());
+    assert_eq!(rec.lease_until(), Some(T0 + SEC), "a step leaves the lease");
+    assert_eq!(rec.expires_at(), before.expires_at());
+    assert_eq!(rec.attempts(), 1);
+    // The owner's claim value is what begin gave it: steps are the record's.
+    assert!(c.steps().is_empty());
+    // Another key is untouched.
+    let other = claimed(s.begin(&key("other"), &fp, T0, SEC, HOUR).unwrap());
+    assert!(other.steps().is_empty());
+    assert!(
+        s.get(&key("other"), T0)
+            .unwrap()
+            .unwrap()
+            .steps()
+            .is_empty()
+    );
+    // Still in flight for a retry inside the lease.
+    assert_eq!(
+        s.begin(&k, &fp, T0 + SEC / 2, SEC, HOUR).unwrap(),
+        Begin::InFlight {
+            lease_until: T0 + SEC
+        }
+    );
+}
+
+/// A takeover's claim carries the steps recorded under the key, and the
+/// new owner records more after them.
+pub fn a_takeover_claim_carries_the_steps(make: Make<'_>) {
+    let s = make().store_owned();
+    let (k, fp) = (key("k"), Fingerprint::of(b"a"));
+    let first = claimed(s.begin(&k, &fp, T0, SEC, HOUR).unwrap());
+    let (charge, reserve) = (step("charge", "ch_1"), step("reserve", "r_1"));
+    s.record_step(&k, &first, &charge, T0).unwrap();
+    s.record_step(&k, &first, &reserve, T0).unwrap();
+    let t = T0 + 2 * SEC;
+    let second = claimed(s.begin(&k, &fp, t, SEC, HOUR).unwrap());
+    assert!(second.is_takeover());
+    assert_eq!(second.attempt(), 2);
+    assert_eq!(second.steps(), [charge.clone(), reserve.clone()]);
+    let email = step("email", "sent");
+    s.record_step(&k, &second, &email, t).unwrap();
+    let third = claimed(s.begin(&k, &fp, t + 2 * SEC, SEC, HOUR).unwrap());
+    assert!(third.is_takeover());
+    assert_eq!(third.attempt(), 3);
+    assert_eq!(third.steps(), [charge, reserve, email]);
+    assert_eq!(
+        s.get(&k, t + 2 * SEC).unwrap().unwrap().steps(),
+        third.steps()
+    );
+}
+
+/// After a takeover the old owner's `record_step` is `StaleClaim` and
+/// changes nothing, whether the step is new or one it recorded before.
+pub fn a_stale_owner_cannot_record_a_step(make: Make<'_>) {
+    let s = make().store_owned();
+    let (k, fp) = (key("k"), Fingerprint::of(b"a"));
+    let old = claimed(s.begin(&k, &fp, T0, SEC, HOUR).unwrap());
+    s.record_step(&k, &old, &step("charge", "ch_1"), T0)
+        .unwrap();
+    let t = T0 + 2 * SEC;
+    let new = claimed(s.begin(&k, &fp, t, SEC, HOUR).unwrap());
+    let before = s.get(&k, t).unwrap();
+    for late in [
+        step("email", "late"),
+        step("charge", "ch_1"),
+        step("charge", "ch_2"),
+    ] {
+        let r = s.record_step(&k, &old, &late, t);
+        assert!(matches!(r, Err(Error::StaleClaim)), "{late:?}: {r:?}");
+        // Even at a time inside its old lease: the token decides.
+        let r = s.record_step(&k, &old, &late, T0);
+        assert!(matches!(r, Err(Error::StaleClaim)), "{late:?}: {r:?}");
+    }
+    assert_eq!(
+        s.get(&k, t).unwrap(),
+        before,
+        "a stale owner changes nothing"
+    );
+    // The new owner records as usual.
+    s.record_step(&k, &new, &step("email", "sent"), t).unwrap();
+    assert_eq!(
+        names(s.get(&k, t).unwrap().unwrap().steps()),
+        ["charge", "email"]
+    );
+}
+
+/// `release` with steps recorded keeps the record: PROCESSING, lease over
+/// (`lease_until == EPOCH`), steps kept. The next `begin` with the same
+/// fingerprint is claimed at once, not as a takeover, one attempt more,
+/// with the steps; another fingerprint is `Conflict`. The released claim is
+/// stale for `complete`, `renew`, `release` and `record_step`, before and
+/// after the next claim. Without steps, release still deletes.
+pub fn release_keeps_recorded_steps(make: Make<'_>) {
+    let s = make().store_owned();
+    let (k, fp) = (key("k"), Fingerprint::of(b"a"));
+    let first = claimed(s.begin(&k, &fp, T0, SEC, HOUR).unwrap());
+    let charge = step("charge", "ch_1");
+    s.record_step(&k, &first, &charge, T0).unwrap();
+    s.release(&k, &first).unwrap();
+    let kept = s.get(&k, T0).unwrap().expect("steps outlive a release");
+    assert_eq!(kept.state(), State::Processing);
+    assert_eq!(
+        kept.lease_until(),
+        Some(Timestamp::EPOCH),
+        "the lease is over"
+    );
+    assert_eq!(kept.steps(), std::slice::from_ref(&charge));
+    assert_eq!(kept.token(), first.token());
+    assert_eq!(kept.expires_at(), T0 + HOUR);
+    let stale_everywhere = |c: &Claim, at: Timestamp, when: &str| {
+        let r = s.complete(&k, c, &Response::new(200, "late"), at, HOUR);
+        assert!(
+            matches!(r, Err(Error::StaleClaim)),
+            "complete {when}: {r:?}"
+        );
+        let r = s.renew(&k, c, at, SEC);
+        assert!(matches!(r, Err(Error::StaleClaim)), "renew {when}: {r:?}");
+        let r = s.release(&k, c);
+        assert!(matches!(r, Err(Error::StaleClaim)), "release {when}: {r:?}");
+        for late in [step("email", "late"), charge.clone()] {
+            let r = s.record_step(&k, c, &late, at);
+            assert!(
+                matches!(r, Err(Error::StaleClaim)),
+                "record_step {when}: {r:?}"
+            );
+        }
+    };
+    stale_everywhere(&first, T0, "after the release");
+    assert_eq!(
+        s.get(&k, T0).unwrap().as_ref(),
+        Some(&kept),
+        "nothing changed"
+    );
+    // Another fingerprint: the side effects happened under this one.
+    assert_eq!(
+        s.begin(&k, &Fingerprint::of(b"b"), T0, SEC, HOUR).unwrap(),
+        Begin::Conflict
+    );
+    assert_eq!(s.get(&k, T0).unwrap().as_ref(), Some(&kept));
+    // The same fingerprint, at once (inside what was the lease).
+    let at = T0 + SEC / 2;
+    let second = claimed(s.begin(&k, &fp, at, SEC, HOUR).unwrap());
+    assert!(
+        !second.is_takeover(),
+        "a release hands on, it is not a takeover"
+    );
+    assert_eq!(second.attempt(), 2);
+    assert!(second.token() > first.token());
+    assert_eq!(second.lease_until(), at + SEC);
+    assert_eq!(second.steps(), std::slice::from_ref(&charge));
+    let rec = s.get(&k, at).unwrap().unwrap();
+    assert_eq!(rec.lease_until(), Some(at + SEC));
+    assert_eq!((rec.token(), rec.attempts()), (second.token(), 2));
+    // Now in flight under the new claim.
+    assert_eq!(
+        s.begin(&k, &fp, at, SEC, HOUR).unwrap(),
+        Begin::InFlight {
+            lease_until: at + SEC
+        }
+    );
+    stale_everywhere(&first, at, "after the next claim");
+    // The new owner finishes the run.
+    s.record_step(&k, &second, &step("email", "sent"), at)
+        .unwrap();
+    s.complete(&k, &second, &Response::new(201, "done"), at, HOUR)
+        .unwrap();
+    assert_eq!(
+        s.begin(&k, &fp, at, SEC, HOUR).unwrap(),
+        Begin::Replay(Response::new(201, "done"))
+    );
+    // A release without steps deletes, as it always did.
+    let k2 = key("k2");
+    let bare = claimed(s.begin(&k2, &fp, T0, SEC, HOUR).unwrap());
+    s.release(&k2, &bare).unwrap();
+    assert!(s.get(&k2, T0).unwrap().is_none());
+    assert!(matches!(
+        s.begin(&k2, &Fingerprint::of(b"b"), T0, SEC, HOUR).unwrap(),
+        Begin::Claimed(ref c) if !c.is_takeover() && c.attempt() == 1
+    ));
+}
+
+/// `complete` drops the steps: the DONE record has none, the replay is the
+/// response, and no claim can record on it.
+pub fn complete_drops_the_steps(make: Make<'_>) {
+    let s = make().store_owned();
+    let (k, fp) = (key("k"), Fingerprint::of(b"a"));
+    let c = claimed(s.begin(&k, &fp, T0, SEC, HOUR).unwrap());
+    s.record_step(&k, &c, &step("charge", "ch_1"), T0).unwrap();
+    s.complete(&k, &c, &Response::new(201, "paid"), T0, HOUR)
+        .unwrap();
+    let rec = s.get(&k, T0).unwrap().unwrap();
+    assert_eq!(rec.state(), State::Done);
+    assert!(
+        rec.steps().is_empty(),
+        "a DONE record has no steps: {rec:?}"
+    );
+    assert_eq!(
+        s.begin(&k, &fp, T0 + SEC, SEC, HOUR).unwrap(),
+        Begin::Replay(Response::new(201, "paid"))
+    );
+    let r = s.record_step(&k, &c, &step("email", "late"), T0);
+    assert!(matches!(r, Err(Error::StaleClaim)), "{r:?}");
+    assert!(s.get(&k, T0).unwrap().unwrap().steps().is_empty());
+    // After the DONE record expires, a new claim starts with nothing.
+    let late = T0 + 2 * HOUR;
+    let fresh = claimed(s.begin(&k, &fp, late, SEC, HOUR).unwrap());
+    assert!(!fresh.is_takeover());
+    assert!(fresh.steps().is_empty());
+}
+
+/// Expiry drops the steps: the expired record is invisible, a new claim
+/// (of either fingerprint) is fresh with none, and the old owner cannot
+/// record on it, even before the new claim. A released record with steps
+/// expires the same way.
+pub fn expiry_drops_the_steps(make: Make<'_>) {
+    let s = make().store_owned();
+    let fp = Fingerprint::of(b"a");
+    for released in [false, true] {
+        let k = key(if released { "released" } else { "abandoned" });
+        let c = claimed(s.begin(&k, &fp, T0, SEC, 2 * SEC).unwrap());
+        s.record_step(&k, &c, &step("charge", "ch_1"), T0).unwrap();
+        if released {
+            s.release(&k, &c).unwrap();
+        }
+        let gone = T0 + 2 * SEC;
+        assert!(s.get(&k, gone).unwrap().is_none(), "released={released}");
+        let r = s.record_step(&k, &c, &step("email", "late"), gone);
+        assert!(
+            matches!(r, Err(Error::StaleClaim)),
+            "released={released}: {r:?}"
+        );
+        // Another fingerprint claims it: nothing is left to conflict with.
+        let other = Fingerprint::of(b"b");
+        let fresh = claimed(s.begin(&k, &other, gone, SEC, HOUR).unwrap());
+        assert!(!fresh.is_takeover(), "released={released}");
+        assert_eq!(fresh.attempt(), 1);
+        assert!(fresh.steps().is_empty(), "released={released}: {fresh:?}");
+        assert!(s.get(&k, gone).unwrap().unwrap().steps().is_empty());
+        let r = s.record_step(&k, &c, &step("email", "late"), gone);
+        assert!(
+            matches!(r, Err(Error::StaleClaim)),
+            "released={released}: {r:?}"
+        );
+    }
+    // A sweep removes an expired record with steps like any other.
+    let k = key("swept");
+    let c = claimed(s.begin(&k, &fp, T0, SEC, 2 * SEC).unwrap());
+    s.record_step(&k, &c, &step("charge", "ch_1"), T0).unwrap();
+    assert!(s.sweep_expired(T0 + 3 * SEC, 100).unwrap() >= 1);
+    assert!(s.get(&k, T0).unwrap().is_none(), "swept");
+    let fresh = claimed(s.begin(&k, &fp, T0 + 3 * SEC, SEC, HOUR).unwrap());
+    assert!(fresh.steps().is_empty());
+}
+
+/// `renew` keeps the steps, and the owner keeps recording after it; a
+/// takeover after the renewed lease carries them all.
+pub fn renew_keeps_the_steps(make: Make<'_>) {
+    let s = make().store_owned();
+    let (k, fp) = (key("k"), Fingerprint::of(b"a"));
+    let c = claimed(s.begin(&k, &fp, T0, SEC, HOUR).unwrap());
+    let charge = step("charge", "ch_1");
+    s.record_step(&k, &c, &charge, T0).unwrap();
+    let renewed = s.renew(&k, &c, T0 + SEC / 2, 2 * SEC).unwrap();
+    assert_eq!(
+        s.get(&k, T0 + SEC).unwrap().unwrap().steps(),
+        std::slice::from_ref(&charge)
+    );
+    let email = step("email", "sent");
+    s.record_step(&k, &renewed, &email, T0 + 2 * SEC).unwrap();
+    // Renewing again, with the lease run out but nobody taking over.
+    let again = s.renew(&k, &renewed, T0 + 3 * SEC, SEC).unwrap();
+    assert_eq!(
+        s.get(&k, T0 + 3 * SEC).unwrap().unwrap().steps(),
+        [charge.clone(), email.clone()]
+    );
+    let t = again.lease_until();
+    let next = claimed(s.begin(&k, &fp, t, SEC, HOUR).unwrap());
+    assert!(next.is_takeover());
+    assert_eq!(next.steps(), [charge, email]);
+}
+
+/// Recording the same step again (same name, same output: a retried call)
+/// is `Ok` and adds nothing; the same name with another output is
+/// `InvalidArgument` and changes nothing.
+pub fn recording_a_step_twice_is_idempotent(make: Make<'_>) {
+    let s = make().store_owned();
+    let (k, fp) = (key("k"), Fingerprint::of(b"a"));
+    let c = claimed(s.begin(&k, &fp, T0, SEC, HOUR).unwrap());
+    let charge = step("charge", "ch_1");
+    s.record_step(&k, &c, &charge, T0).unwrap();
+    s.record_step(&k, &c, &charge, T0).unwrap();
+    s.record_step(&k, &c, &charge, T0 + SEC / 2).unwrap();
+    let once = s.get(&k, T0).unwrap().unwrap();
+    assert_eq!(once.steps(), std::slice::from_ref(&charge));
+    for other in [step("charge", "ch_2"), step("charge", Vec::new())] {
+        let r = s.record_step(&k, &c, &other, T0);
+        assert!(matches!(r, Err(Error::InvalidArgument { .. })), "{r:?}");
+    }
+    assert_eq!(s.get(&k, T0).unwrap().unwrap(), once, "nothing changed");
+    // The next owner holds the same rule against the recorded output.
+    let next = claimed(s.begin(&k, &fp, T0 + 2 * SEC, SEC, HOUR).unwrap());
+    s.record_step(&k, &next, &charge, T0 + 2 * SEC).unwrap();
+    let r = s.record_step(&k, &next, &step("charge", "ch_3"), T0 + 2 * SEC);
+    assert!(matches!(r, Err(Error::InvalidArgument { .. })), "{r:?}");
+    assert_eq!(s.get(&k, T0 + 2 * SEC).unwrap().unwrap().steps(), [charge]);
+}
+
+/// Each step limit is refused and writes nothing: a record holds at most
+/// `MAX_STEPS` steps and `MAX_STEPS_BYTES` of names and outputs (both
+/// accepted exactly at the limit); a name or an output over its own limit
+/// (and an empty name) fails in `Step::new`, before any store call.
+pub fn step_limits_refuse_and_write_nothing(make: Make<'_>) {
+    use idemstore::limits::{
+        MAX_STEP_NAME_BYTES, MAX_STEP_OUTPUT_BYTES, MAX_STEPS, MAX_STEPS_BYTES,
+    };
+    let s = make().store_owned();
+    let fp = Fingerprint::of(b"a");
+    // Count.
+    let k = key("many");
+    let c = claimed(s.begin(&k, &fp, T0, SEC, HOUR).unwrap());
+    for i in 0..MAX_STEPS {
+        s.record_step(&k, &c, &step(&format!("s{i}"), vec![1]), T0)
+            .unwrap_or_else(|e| panic!("step {i} of {MAX_STEPS}: {e}"));
+    }
+    let full = s.get(&k, T0).unwrap().unwrap();
+    assert_eq!(full.steps().len(), MAX_STEPS);
+    let r = s.record_step(&k, &c, &step("one-more", Vec::new()), T0);
+    assert!(
+        matches!(r, Err(Error::StepLimit { what: "steps", size, limit })
+            if size == MAX_STEPS + 1 && limit == MAX_STEPS),
+        "{r:?}"
+    );
+    assert_eq!(s.get(&k, T0).unwrap().unwrap(), full, "nothing written");
+    // A recorded one is still the same step again.
+    s.record_step(&k, &c, &step("s0", vec![1]), T0).unwrap();
+    let next = claimed(s.begin(&k, &fp, T0 + 2 * SEC, SEC, HOUR).unwrap());
+    assert_eq!(next.steps(), full.steps());
+
+    // Bytes: three full outputs, then exactly what is left, then one byte more.
+    let k = key("heavy");
+    let c = claimed(s.begin(&k, &fp, T0, SEC, HOUR).unwrap());
+    for name in ["0", "1", "2"] {
+        s.record_step(&k, &c, &step(name, vec![7; MAX_STEP_OUTPUT_BYTES]), T0)
+            .unwrap();
+    }
+    let used = 3 * (1 + MAX_STEP_OUTPUT_BYTES);
+    let over = step("3", vec![8; MAX_STEP_OUTPUT_BYTES]);
+    let r = s.record_step(&k, &c, &over, T0);
+    assert!(
+        matches!(r, Err(Error::StepLimit { what: "step bytes in the record", size, limit })
+            if size == used + 1 + MAX_STEP_OUTPUT_BYTES && limit == MAX_STEPS_BYTES),
+        "{r:?}"
+    );
+    assert_eq!(
+        s.get(&k, T0).unwrap().unwrap().steps().len(),
+        3,
+        "nothing written"
+    );
+    let rest = step("4", vec![9; MAX_STEPS_BYTES - used - 1]);
+    s.record_step(&k, &c, &rest, T0).unwrap();
+    let at_limit = s.get(&k, T0).unwrap().unwrap();
+    assert_eq!(at_limit.steps().len(), 4);
+    assert_eq!(at_limit.steps()[3], rest);
+    let r = s.record_step(&k, &c, &step("5", Vec::new()), T0);
+    assert!(
+        matches!(
+            r,
+            Err(Error::StepLimit {
+                what: "step bytes in the record",
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    assert_eq!(s.get(&k, T0).unwrap().unwrap(), at_limit, "nothing written");
+    let next = claimed(s.begin(&k, &fp, T0 + 2 * SEC, SEC, HOUR).unwrap());
+    assert_eq!(next.steps(), at_limit.steps(), "the big outputs round-trip");
+
+    // Per step: refused by `Step::new`, so no store is ever asked.
+    let name = "n".repeat(MAX_STEP_NAME_BYTES);
+    assert!(Step::new(name.as_str(), Vec::new()).is_ok());
+    assert!(matches!(
+        Step::new(format!("{name}n"), Vec::new()),
+        Err(Error::StepLimit {
+            what: "name bytes",
+            ..
+        })
+    ));
+    assert!(matches!(
+        Step::new("big", vec![0; MAX_STEP_OUTPUT_BYTES + 1]),
+        Err(Error::StepLimit {
+            what: "output bytes",
+            ..
+        })
+    ));
+    assert!(matches!(
+        Step::new("", Vec::new()),
+        Err(Error::InvalidArgument { .. })
+    ));
+    // The longest name is a step like any other.
+    let k = key("long-name");
+    let c = claimed(s.begin(&k, &fp, T0, SEC, HOUR).unwrap());
+    let long = step(&name, vec![1, 2, 3]);
+    s.record_step(&k, &c, &long, T0).unwrap();
+    assert_eq!(s.get(&k, T0).unwrap().unwrap().steps(), [long]);
+}
+
+/// An old owner keeps recording steps while another thread, after the
+/// lease ran out on a manual clock, takes the key over: every call the old
+/// owner starts after the takeover's `begin` returned fails with
+/// `StaleClaim`, once one fails none succeeds again, and the new claim
+/// starts with exactly the steps whose `record_step` returned `Ok` (each
+/// acknowledged step is there, and nothing else is).
+pub fn a_stale_owner_racing_a_takeover_records_nothing_after_it(make: Make<'_>) {
+    use std::sync::atomic::{AtomicBool, AtomicUsize};
+    let subject = make();
+    let s = &subject.store;
+    let clock = ManualClock::new(T0);
+    let fp = Fingerprint::of(b"a");
+    let mut raced = 0;
+    for round in 0..16usize {
+        let k = key(&format!("race-{round}"));
+        let old = claimed(s.begin(&k, &fp, clock.now(), SEC, HOUR).unwrap());
+        let (barrier, taken, oks) = (Barrier::new(2), AtomicBool::new(false), AtomicUsize::new(0));
+        let (calls, new) = std::thread::scope(|scope| {
+            let owner = scope.spawn(|| {
+                barrier.wait();
+                let mut calls: Vec<(String, bool, bool)> = Vec::new();
+                let mut after = 0;
+                for i in 0usize.. {
+                    // Past MAX_STEPS names it re-records one: the same step
+                    // again, `Ok` while it still owns the key.
+                    let name = format!("s{}", i % (idemstore::limits::MAX_STEPS - 1));
+                    let started_after = taken.load(Ordering::SeqCst);
+                    let r = s.record_step(&k, &old, &step(&name, name.clone()), clock.now());
+                    assert!(matches!(r, Ok(()) | Err(Error::StaleClaim)), "{r:?}");
+                    if r.is_ok() {
+                        oks.fetch_add(1, Ordering::SeqCst);
+                    }
+                    calls.push((name, started_after, r.is_ok()));
+                    if started_after {
+                        after += 1;
+                        if after == 3 {
+                            break;
+                        }
+                    }
+                }
+                calls
+            });
+            let usurper = scope.spawn(|| {
+                barrier.wait();
+                while oks.load(Ordering::SeqCst) < round % 4 {
+                    std::thread::yield_now();
+                }
+                clock.advance(SEC);
+                let new = claimed(s.begin(&k, &fp, clock.now(), SEC, HOUR).unwrap());
+                taken.store(true, Ordering::SeqCst);
+                new
+            });
+            (owner.join().unwrap(), usurper.join().unwrap())
+        });
+        assert!(new.is_takeover(), "round {round}");
+        for (name, started_after, ok) in &calls {
+            assert!(
+                !(*started_after && *ok),
+                "round {round}: `{name}` was recorded after the takeover"
+            );
+        }
+        let first_err = calls.iter().position(|c| !c.2).unwrap_or(calls.len());
+        assert!(
+            calls.iter().skip(first_err).all(|c| !c.2),
+            "round {round}: the old owner recorded again after a refusal: {calls:?}"
+        );
+        raced += usize::from(calls.iter().any(|c| !c.1 && !c.2));
+        let mut acked: Vec<&str> = Vec::new();
+        for (name, _, ok) in &calls {
+            if *ok && !acked.contains(&name.as_str()) {
+                acked.push(name);
+            }
+        }
+        assert_eq!(
+            names(new.steps()),
+            acked,
+            "round {round}: the new claim's steps are the acknowledged ones"
+        );
+        for st in new.steps() {
+            assert_eq!(st.output(), st.name().as_bytes());
+        }
+        // Nothing the old owner tried after the takeover changed the record.
+        assert_eq!(
+            s.get(&k, clock.now()).unwrap().unwrap().steps(),
+            new.steps()
+        );
+        let r = s.record_step(&k, &old, &step("late", "x"), clock.now());
+        assert!(matches!(r, Err(Error::StaleClaim)), "{r:?}");
+        s.record_step(&k, &new, &step("next", "y"), clock.now())
+            .unwrap();
+    }
+    // Not asserted (scheduling decides), but worth seeing when it never happens.
+    if raced == 0 {
+        eprintln!("no round raced a record_step against the takeover's begin");
+    }
 }
 
 /// 64 threads run random begin/complete/release on 16 keys while a shared

@@ -87,6 +87,20 @@ pub enum Op {
     },
     /// Close and reopen the store (durable backends only).
     Reopen,
+    /// `record_step` with the key's newest claim, or its oldest when
+    /// `stale`: the step `s{name % 3}` with the output `[output % 2]`, so
+    /// names and outputs collide often. (Last, so that the corpus written
+    /// before steps decodes to the operations it always meant.)
+    Step {
+        /// Key selector.
+        key: u8,
+        /// Use the oldest claim seen for the key.
+        stale: bool,
+        /// Step name selector.
+        name: u8,
+        /// Output selector.
+        output: u8,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -97,12 +111,24 @@ struct ModelRecord {
     expires_at: u64,
     token: u64,
     attempts: u32,
+    /// Recorded steps, in order: (name, output).
+    steps: Steps,
+    /// Released with steps kept: PROCESSING, lease over (the store shows
+    /// `lease_until == 0`), owned by nobody until the next claim.
+    released: bool,
 }
+
+/// A model step list: (name, output) in the order recorded.
+type Steps = Vec<(String, Vec<u8>)>;
 
 /// What `begin` answered, in the model's terms.
 #[derive(Debug, PartialEq)]
 enum Answer {
-    Claimed { takeover: bool, attempt: u32 },
+    Claimed {
+        takeover: bool,
+        attempt: u32,
+        steps: Steps,
+    },
     Replay(Response),
     InFlight(u64),
     Conflict,
@@ -124,16 +150,21 @@ impl Model {
                     Answer::Conflict
                 } else if let Some(resp) = &r.response {
                     Answer::Replay(resp.clone())
-                } else if now < r.lease_until {
+                } else if !r.released && now < r.lease_until {
                     Answer::InFlight(r.lease_until)
                 } else {
+                    // A lease that ran out is a takeover; a release that
+                    // kept steps hands the key on at once, not as one.
+                    let takeover = !r.released;
+                    r.released = false;
                     r.lease_until = now + lease;
                     r.expires_at = r.expires_at.max(now + lease);
                     r.attempts += 1;
                     r.token = token;
                     Answer::Claimed {
-                        takeover: true,
+                        takeover,
                         attempt: r.attempts,
+                        steps: r.steps.clone(),
                     }
                 }
             }
@@ -145,11 +176,14 @@ impl Model {
                     expires_at: now + ms(RETENTION),
                     token,
                     attempts: 1,
+                    steps: Vec::new(),
+                    released: false,
                 };
                 self.records.insert(key, record);
                 Answer::Claimed {
                     takeover: false,
                     attempt: 1,
+                    steps: Vec::new(),
                 }
             }
         }
@@ -170,9 +204,72 @@ impl Model {
 
     fn owns(&self, key: u8, token: u64, check_expiry: bool) -> bool {
         self.records.get(&key).is_some_and(|r| {
-            r.response.is_none() && r.token == token && (!check_expiry || self.now < r.expires_at)
+            r.response.is_none()
+                && !r.released
+                && r.token == token
+                && (!check_expiry || self.now < r.expires_at)
         })
     }
+
+    /// `release` by `token`: `false` when it does not own the key. Without
+    /// steps the record goes; with steps it stays, released.
+    fn release(&mut self, key: u8, token: u64) -> bool {
+        if !self.owns(key, token, false) {
+            return false;
+        }
+        if self.records.get(&key).is_some_and(|r| r.steps.is_empty()) {
+            self.records.remove(&key);
+        } else if let Some(r) = self.records.get_mut(&key) {
+            r.released = true;
+            r.lease_until = 0;
+        }
+        true
+    }
+
+    /// `record_step` by `token` (the model of `logic::record_step`,
+    /// written apart from it).
+    fn record_step(&mut self, key: u8, token: u64, name: &str, output: &[u8]) -> StepAnswer {
+        if !self.owns(key, token, true) {
+            return StepAnswer::Stale;
+        }
+        let Some(r) = self.records.get_mut(&key) else {
+            return StepAnswer::Stale;
+        };
+        match r.steps.iter().find(|(n, _)| n == name) {
+            Some((_, o)) if o == output => StepAnswer::Recorded,
+            Some(_) => StepAnswer::OtherOutput,
+            None => {
+                let bytes: usize = r.steps.iter().map(|(n, o)| n.len() + o.len()).sum();
+                if r.steps.len() >= idemstore::limits::MAX_STEPS
+                    || bytes + name.len() + output.len() > idemstore::limits::MAX_STEPS_BYTES
+                {
+                    return StepAnswer::Limit;
+                }
+                r.steps.push((name.to_owned(), output.to_vec()));
+                StepAnswer::Recorded
+            }
+        }
+    }
+}
+
+/// What `record_step` answered, in the model's terms.
+#[derive(Debug, PartialEq)]
+enum StepAnswer {
+    /// `Ok` (recorded now, or the same step was there already).
+    Recorded,
+    /// `StaleClaim`.
+    Stale,
+    /// `InvalidArgument`: the name is recorded with another output.
+    OtherOutput,
+    /// `StepLimit`.
+    Limit,
+}
+
+fn steps_of(steps: &[idemstore::Step]) -> Steps {
+    steps
+        .iter()
+        .map(|s| (s.name().to_owned(), s.output().to_vec()))
+        .collect()
 }
 
 fn ms(d: Duration) -> u64 {
@@ -185,13 +282,14 @@ fn key(k: u8) -> Key {
 }
 
 fn fault_op(op: u8) -> StoreOp {
-    match op % 6 {
+    match op % 7 {
         0 => StoreOp::Begin,
         1 => StoreOp::Complete,
         2 => StoreOp::Release,
         3 => StoreOp::Get,
         4 => StoreOp::Renew,
-        _ => StoreOp::Sweep,
+        5 => StoreOp::Sweep,
+        _ => StoreOp::Step,
     }
 }
 
@@ -240,6 +338,7 @@ pub fn run_ops(
                         let a = Answer::Claimed {
                             takeover: c.is_takeover(),
                             attempt: c.attempt(),
+                            steps: steps_of(c.steps()),
                         };
                         claims.entry(k % 4).or_default().push(c);
                         a
@@ -270,6 +369,7 @@ pub fn run_ops(
                     if let Some(r) = model.records.get_mut(&(k % 4)) {
                         r.response = Some(resp);
                         r.expires_at = model.now + ms(RETENTION);
+                        r.steps.clear();
                     }
                 } else if !matches!(got, Err(Error::StaleClaim)) {
                     return Err(err(&format!("expected StaleClaim, got {got:?}")));
@@ -283,9 +383,8 @@ pub fn run_ops(
                 if fail(StoreOp::Release) {
                     expect_injected(&got).map_err(|e| err(&e))?;
                     pending_fault = None;
-                } else if model.owns(k % 4, c.token(), false) {
+                } else if model.release(k % 4, c.token()) {
                     got.map_err(|e| err(&e))?;
-                    model.records.remove(&(k % 4));
                 } else if !matches!(got, Err(Error::StaleClaim)) {
                     return Err(err(&format!("expected StaleClaim, got {got:?}")));
                 }
@@ -334,6 +433,7 @@ pub fn run_ops(
                             && g.token() == w.token
                             && g.attempts() == w.attempts
                             && g.fingerprint() == &Fingerprint::of([w.fp])
+                            && steps_of(g.steps()) == w.steps
                             && g.lease_until().map(Timestamp::as_millis)
                                 == w.response.is_none().then_some(w.lease_until)
                     }
@@ -382,6 +482,36 @@ pub fn run_ops(
                 store = Some(fresh);
             }
             Op::Reopen => {}
+            Op::Step {
+                key: k,
+                stale,
+                name,
+                output,
+            } => {
+                let Some(c) = pick(&claims, k % 4, stale) else {
+                    continue;
+                };
+                let (name, output) = (format!("s{}", name % 3), vec![output % 2]);
+                let step =
+                    idemstore::Step::new(name.as_str(), output.clone()).map_err(|e| err(&e))?;
+                let got = s.record_step(&key(k), &c, &step, now);
+                if fail(StoreOp::Step) {
+                    expect_injected(&got).map_err(|e| err(&e))?;
+                    pending_fault = None;
+                    continue;
+                }
+                let want = model.record_step(k % 4, c.token(), &name, &output);
+                let same = matches!(
+                    (&want, &got),
+                    (StepAnswer::Recorded, Ok(()))
+                        | (StepAnswer::Stale, Err(Error::StaleClaim))
+                        | (StepAnswer::OtherOutput, Err(Error::InvalidArgument { .. }))
+                        | (StepAnswer::Limit, Err(Error::StepLimit { .. }))
+                );
+                if !same {
+                    return Err(err(&format!("store {got:?}, model {want:?}")));
+                }
+            }
         }
     }
     Ok(())
@@ -410,6 +540,8 @@ pub fn plain_op() -> impl Strategy<Value = Op> {
         2 => (0..4u8).prop_map(|key| Op::Get { key }),
         1 => (0..8u8).prop_map(|max| Op::Sweep { max }),
         2 => (0..2_000u16).prop_map(|ms| Op::Advance { ms }),
+        3 => (0..4u8, any::<bool>(), 0..3u8, 0..2u8)
+            .prop_map(|(key, stale, name, output)| Op::Step { key, stale, name, output }),
     ]
 }
 
@@ -456,7 +588,8 @@ mod tests {
             m.begin(1, 0, 1),
             Answer::Claimed {
                 takeover: false,
-                attempt: 1
+                attempt: 1,
+                steps: Vec::new(),
             }
         );
         assert_eq!(m.begin(1, 1, 0), Answer::Conflict);
@@ -466,7 +599,8 @@ mod tests {
             m.begin(1, 0, 2),
             Answer::Claimed {
                 takeover: true,
-                attempt: 2
+                attempt: 2,
+                steps: Vec::new(),
             }
         );
         m.now = 3_000;
@@ -474,9 +608,49 @@ mod tests {
             m.begin(1, 1, 3),
             Answer::Claimed {
                 takeover: false,
-                attempt: 1
+                attempt: 1,
+                steps: Vec::new(),
             }
         );
+    }
+
+    #[test]
+    fn model_keeps_steps_across_a_release_and_drops_them_at_completion() {
+        let mut m = Model {
+            now: 0,
+            ..Model::default()
+        };
+        let _ = m.begin(0, 0, 1);
+        assert_eq!(m.record_step(0, 1, "a", b"1"), StepAnswer::Recorded);
+        assert_eq!(m.record_step(0, 1, "a", b"1"), StepAnswer::Recorded);
+        assert_eq!(m.record_step(0, 1, "a", b"2"), StepAnswer::OtherOutput);
+        assert_eq!(m.record_step(0, 2, "b", b"1"), StepAnswer::Stale);
+        assert!(m.release(0, 1));
+        assert!(!m.release(0, 1), "a released claim is stale");
+        assert_eq!(m.record_step(0, 1, "b", b"1"), StepAnswer::Stale);
+        assert_eq!(m.begin(0, 1, 0), Answer::Conflict);
+        let steps = vec![("a".to_owned(), b"1".to_vec())];
+        assert_eq!(
+            m.begin(0, 0, 2),
+            Answer::Claimed {
+                takeover: false,
+                attempt: 2,
+                steps: steps.clone(),
+            }
+        );
+        m.now = 1_000;
+        assert_eq!(
+            m.begin(0, 0, 3),
+            Answer::Claimed {
+                takeover: true,
+                attempt: 3,
+                steps,
+            }
+        );
+        // A release without steps deletes the record.
+        let _ = m.begin(1, 0, 4);
+        assert!(m.release(1, 4));
+        assert!(!m.records.contains_key(&1));
     }
 
     #[test]

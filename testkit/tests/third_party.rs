@@ -3,7 +3,9 @@
 //! through the whole conformance suite with one macro line. Then the test of
 //! the test: a variant that never answers `Conflict` (it lets a request with
 //! other parameters take over the key) must fail the suite, and must fail it
-//! in the cases that check conflicts.
+//! in the cases that check conflicts; so must a variant whose `release`
+//! forgets recorded steps (it deletes the record, as before steps), in the
+//! cases that check steps.
 #![allow(
     clippy::unwrap_used,
     reason = "a panic in a test is a failure with a location"
@@ -25,6 +27,10 @@ struct MapStore {
     /// The broken variant: a different fingerprint claims the key as if it
     /// were absent, instead of answering `Conflict`.
     never_conflict: bool,
+    /// The second broken variant: `release` deletes the record even when
+    /// steps are recorded, so a retry starts without them (and with any
+    /// fingerprint) although their side effects happened.
+    release_forgets_steps: bool,
 }
 
 impl Store for MapStore {
@@ -71,8 +77,8 @@ impl Store for MapStore {
     fn release(&self, key: &Key, claim: &Claim) -> Result<()> {
         let mut g = self.inner.lock().unwrap();
         match logic::release(g.0.get(key).cloned(), claim)? {
-            Some(kept) => g.0.insert(key.clone(), kept),
-            None => g.0.remove(key),
+            Some(kept) if !self.release_forgets_steps => g.0.insert(key.clone(), kept),
+            _ => g.0.remove(key),
         };
         Ok(())
     }
@@ -131,6 +137,16 @@ fn broken_map_store() -> Subject {
     )
 }
 
+fn step_forgetting_map_store() -> Subject {
+    Subject::new(
+        MapStore {
+            release_forgets_steps: true,
+            ..MapStore::default()
+        },
+        (),
+    )
+}
+
 // The whole suite, one #[test] per case.
 idemstore_testkit::conformance!(map_store);
 
@@ -150,4 +166,21 @@ fn a_store_that_never_answers_conflict_fails_the_suite() {
         failed.contains(&"sequential_ops_match_model"),
         "the model check let a store without conflicts pass: {failed:?}"
     );
+}
+
+#[test]
+fn a_store_whose_release_forgets_steps_fails_the_suite() {
+    let failures = run_all(&step_forgetting_map_store);
+    let failed: Vec<&str> = failures.iter().map(|f| f.case).collect();
+    assert!(
+        failed.contains(&"release_keeps_recorded_steps"),
+        "the release case let a store that forgets steps pass: {failed:?}"
+    );
+    // Only step cases notice: without steps its release is the real one.
+    for case in &failed {
+        assert!(
+            case.contains("step") || *case == "sequential_ops_match_model",
+            "{case} failed for a store that only mishandles steps: {failures:?}"
+        );
+    }
 }

@@ -43,6 +43,33 @@ fn store_ops_corpus_on_memory() {
     }
 }
 
+/// The store_ops corpus was re-encoded when `Op::Step` joined the enum (a
+/// derived `Arbitrary` picks a variant by scaling a `u32` to the variant
+/// count): the pre-step files decode to the operations they always meant
+/// (faults included: `Fault.op` went from `% 6` to `% 7`), and steps are
+/// among the operations.
+#[test]
+fn store_ops_corpus_decodes_to_every_kind_of_op() {
+    use idemstore_testkit::model::Op;
+    let mut kinds = std::collections::BTreeSet::new();
+    for (_, bytes) in corpus("store_ops") {
+        let ops = decode_ops(&bytes);
+        kinds.extend(ops.iter().map(|op| match op {
+            Op::Begin { .. } => "begin",
+            Op::Complete { .. } => "complete",
+            Op::Release { .. } => "release",
+            Op::Renew { .. } => "renew",
+            Op::Get { .. } => "get",
+            Op::Sweep { .. } => "sweep",
+            Op::Advance { .. } => "advance",
+            Op::Fault { .. } => "fault",
+            Op::Reopen => "reopen",
+            Op::Step { .. } => "step",
+        }));
+    }
+    assert_eq!(kinds.len(), 10, "{kinds:?}");
+}
+
 #[cfg(feature = "redb")]
 #[test]
 fn crash_recovery_corpus() {

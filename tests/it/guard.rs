@@ -445,3 +445,390 @@ async fn an_async_run_is_renewed_and_stops_renewing_when_dropped() {
         "{retry:?}"
     );
 }
+
+/// Counts how often each step's closure ran, and the step keys it got.
+#[derive(Default)]
+struct Effects {
+    runs: std::sync::Mutex<Vec<(String, String)>>,
+}
+
+impl Effects {
+    /// A step closure for `name` that records its run and returns `output`.
+    fn step<'a>(
+        &'a self,
+        name: &'a str,
+        output: &'a str,
+    ) -> impl FnOnce(&str) -> Result<Vec<u8>, Error> + 'a {
+        move |step_key| {
+            self.runs
+                .lock()
+                .unwrap()
+                .push((name.to_owned(), step_key.to_owned()));
+            Ok(output.as_bytes().to_vec())
+        }
+    }
+    fn count(&self, name: &str) -> usize {
+        self.runs
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(n, _)| n == name)
+            .count()
+    }
+    fn total(&self) -> usize {
+        self.runs.lock().unwrap().len()
+    }
+}
+
+fn step_names(steps: &[idemstore::Step]) -> Vec<&str> {
+    steps.iter().map(idemstore::Step::name).collect()
+}
+
+/// A handler records two steps and "dies" (returns `Err` under the default
+/// KeepClaim). Inside the lease a retry is in flight; after it, the retry
+/// takes over, replays the two recorded steps without running them (each
+/// gives back its recorded output) and runs the third. Every step got its
+/// stable step key; the DONE record has no steps.
+#[test]
+fn a_retry_after_a_crash_replays_recorded_steps_and_runs_the_rest() {
+    let (guard, store, clock) = setup(|b| b);
+    let fp = Fingerprint::of(b"x");
+    let effects = Effects::default();
+    let first = guard.run(&key(), &fp, |claim| {
+        assert!(claim.steps().is_empty());
+        let charge = claim.step("charge", effects.step("charge", "ch_1"))?;
+        assert_eq!(charge, b"ch_1");
+        claim.step("reserve", effects.step("reserve", "r_1"))?;
+        Err::<Response, _>(Error::backend("the process died here"))
+    });
+    assert!(matches!(first, Outcome::HandlerFailed(_)), "{first:?}");
+    let kept = store.get(&key(), clock.now()).unwrap().unwrap();
+    assert_eq!(step_names(kept.steps()), ["charge", "reserve"]);
+    assert!(matches!(
+        guard.run(&key(), &fp, never()),
+        Outcome::InFlight { .. }
+    ));
+    clock.advance(SEC);
+    let retry = guard.run(&key(), &fp, |claim| {
+        assert!(claim.is_takeover());
+        assert_eq!(claim.attempt(), 2);
+        assert_eq!(step_names(claim.steps()), ["charge", "reserve"]);
+        let charge = claim.step("charge", |_| -> Result<Vec<u8>, Error> {
+            panic!("a recorded step must not run again")
+        })?;
+        let reserve = claim.step("reserve", |_| -> Result<Vec<u8>, Error> {
+            panic!("a recorded step must not run again")
+        })?;
+        let email = claim.step("email", effects.step("email", "sent"))?;
+        let body = [charge, reserve, email].join(&b'|');
+        Ok::<_, Error>(Response::new(201, body))
+    });
+    assert!(
+        matches!(retry, Outcome::Executed(ref r) if r.body() == b"ch_1|r_1|sent"),
+        "{retry:?}"
+    );
+    assert_eq!(
+        (
+            effects.count("charge"),
+            effects.count("reserve"),
+            effects.count("email")
+        ),
+        (1, 1, 1)
+    );
+    for (name, step_key) in effects.runs.lock().unwrap().iter() {
+        assert_eq!(step_key, &key().step_key(name), "{name}");
+    }
+    let done = store.get(&key(), clock.now()).unwrap().unwrap();
+    assert_eq!(done.state(), idemstore::State::Done);
+    assert!(done.steps().is_empty());
+    assert!(matches!(
+        guard.run(&key(), &fp, never()),
+        Outcome::Replayed(ref r) if r.body() == b"ch_1|r_1|sent"
+    ));
+}
+
+/// A name is used once per run: the second use is `InvalidArgument` and
+/// does not run; so is an empty name, and a name over its limit is
+/// `StepLimit`, both before the closure runs. An output over its limit is
+/// refused after the closure ran, and nothing is recorded.
+#[test]
+fn a_step_name_used_twice_in_one_run_is_refused() {
+    let (guard, store, clock) = setup(|b| b);
+    let fp = Fingerprint::of(b"x");
+    let effects = Effects::default();
+    let out = guard.run(&key(), &fp, |claim| {
+        claim.step("charge", effects.step("charge", "ch_1"))?;
+        let again = claim.step("charge", effects.step("charge", "ch_2"));
+        assert!(
+            matches!(again, Err(Error::InvalidArgument { ref reason }) if reason.contains("charge")),
+            "{again:?}"
+        );
+        let empty = claim.step("", effects.step("", "x"));
+        assert!(matches!(empty, Err(Error::InvalidArgument { .. })), "{empty:?}");
+        let long = "n".repeat(idemstore::limits::MAX_STEP_NAME_BYTES + 1);
+        let r = claim.step(&long, effects.step("long", "x"));
+        assert!(
+            matches!(r, Err(Error::StepLimit { what: "name bytes", .. })),
+            "{r:?}"
+        );
+        assert_eq!(effects.total(), 1, "refused names never run");
+        let big = claim.step("big", |_| {
+            Ok::<_, Error>(vec![0; idemstore::limits::MAX_STEP_OUTPUT_BYTES + 1])
+        });
+        assert!(
+            matches!(big, Err(Error::StepLimit { what: "output bytes", .. })),
+            "{big:?}"
+        );
+        let rec = store.get(&key(), clock.now()).unwrap().unwrap();
+        assert_eq!(step_names(rec.steps()), ["charge"], "only the first is recorded");
+        Ok::<_, Error>(Response::new(200, "ok"))
+    });
+    assert!(matches!(out, Outcome::Executed(_)), "{out:?}");
+    // A claim that is not a guard's run cannot run steps.
+    let Begin::Claimed(bare) = store
+        .begin(
+            &Key::new("t", "bare").unwrap(),
+            &fp,
+            clock.now(),
+            SEC,
+            60 * SEC,
+        )
+        .unwrap()
+    else {
+        panic!("claimed")
+    };
+    let r = bare.step("charge", effects.step("charge", "x"));
+    assert!(matches!(r, Err(Error::InvalidArgument { .. })), "{r:?}");
+    assert_eq!(effects.count("charge"), 1);
+}
+
+/// A run whose lease ran out and was taken over while it ran: its next
+/// step's side effect happens (the closure cannot know), but recording it
+/// is `StaleClaim` and the new owner's record does not get it.
+#[test]
+fn a_step_in_a_run_taken_over_fails_with_stale_claim() {
+    let (guard, store, clock) = setup(|b| b);
+    let fp = Fingerprint::of(b"x");
+    let effects = Effects::default();
+    let mut usurper = None;
+    let out = guard.run(&key(), &fp, |claim| {
+        claim.step("charge", effects.step("charge", "ch_1"))?;
+        clock.advance(2 * SEC);
+        let Begin::Claimed(taken) = store
+            .begin(&key(), &fp, clock.now(), SEC, 60 * SEC)
+            .unwrap()
+        else {
+            panic!("takeover expected")
+        };
+        assert_eq!(step_names(taken.steps()), ["charge"]);
+        usurper = Some(taken);
+        let email = claim.step("email", effects.step("email", "sent"));
+        assert!(matches!(email, Err(Error::StaleClaim)), "{email:?}");
+        email?;
+        Ok::<_, Error>(Response::new(200, "unreachable"))
+    });
+    assert!(
+        matches!(out, Outcome::HandlerFailed(Error::StaleClaim)),
+        "{out:?}"
+    );
+    assert_eq!(effects.count("email"), 1, "the side effect happened");
+    let usurper = usurper.unwrap();
+    let rec = store.get(&key(), clock.now()).unwrap().unwrap();
+    assert_eq!(rec.token(), usurper.token());
+    assert_eq!(step_names(rec.steps()), ["charge"], "nothing recorded");
+}
+
+/// `step_json` records its value as JSON and a replay decodes it; a
+/// recorded output that does not decode as the type asked is `Corrupt`,
+/// and the step does not run again.
+#[test]
+fn step_json_round_trips_and_an_undecodable_output_is_corrupt() {
+    let (guard, _, clock) = setup(|b| b);
+    let fp = Fingerprint::of(b"x");
+    let effects = Effects::default();
+    let first = guard.run(&key(), &fp, |claim| {
+        let charge: (String, u64) = claim.step_json("charge", |_| {
+            effects.step("charge", "")("")?;
+            Ok::<_, Error>(("ch_9".to_owned(), 500))
+        })?;
+        assert_eq!(charge, ("ch_9".to_owned(), 500));
+        claim.step("raw", effects.step("raw", "not json"))?;
+        Err::<Response, _>(Error::backend("died"))
+    });
+    assert!(matches!(first, Outcome::HandlerFailed(_)), "{first:?}");
+    clock.advance(SEC);
+    let retry = guard.run(&key(), &fp, |claim| {
+        assert_eq!(claim.steps()[0].output(), br#"["ch_9",500]"#);
+        let charge: (String, u64) = claim.step_json("charge", |_| -> Result<_, Error> {
+            panic!("replayed, not run")
+        })?;
+        assert_eq!(charge, ("ch_9".to_owned(), 500));
+        let raw = claim.step_json::<u64, Error>("raw", |_| panic!("replayed, not run"));
+        assert!(matches!(raw, Err(Error::Corrupt { .. })), "{raw:?}");
+        Ok::<_, Error>(Response::new(200, charge.0))
+    });
+    assert!(matches!(retry, Outcome::Executed(_)), "{retry:?}");
+    assert_eq!((effects.count("charge"), effects.count("raw")), (1, 1));
+}
+
+/// A run that failed open (the store is down) runs its steps and records
+/// nothing: the next fail-open run runs them again. Names are still unique
+/// within a run.
+#[test]
+fn a_fail_open_run_executes_steps_without_recording() {
+    let (guard, store, clock) = setup(|b| b.fail_open(true));
+    let fp = Fingerprint::of(b"x");
+    let effects = Effects::default();
+    store.fail_all();
+    for run in 1..=2 {
+        let out = guard.run(&key(), &fp, |claim| {
+            assert!(claim.is_unprotected());
+            let charge = claim.step("charge", effects.step("charge", "ch_1"))?;
+            assert_eq!(charge, b"ch_1");
+            let again = claim.step("charge", effects.step("charge", "ch_2"));
+            assert!(
+                matches!(again, Err(Error::InvalidArgument { .. })),
+                "{again:?}"
+            );
+            Ok::<_, Error>(Response::new(200, charge))
+        });
+        assert!(matches!(out, Outcome::FailedOpen(Ok(_))), "{out:?}");
+        assert_eq!(effects.count("charge"), run);
+    }
+    store.clear_fault();
+    assert!(
+        store.get(&key(), clock.now()).unwrap().is_none(),
+        "nothing recorded"
+    );
+}
+
+/// Under `OnHandlerError::Release` a failed run that recorded steps
+/// releases its claim but keeps the steps: the retry runs at once (not a
+/// takeover), starts with them and does not run them again; a request
+/// with other parameters is a conflict meanwhile.
+#[test]
+fn the_release_policy_keeps_steps_for_the_retry() {
+    let (guard, store, clock) = setup(|b| b.on_handler_error(OnHandlerError::Release));
+    let fp = Fingerprint::of(b"x");
+    let effects = Effects::default();
+    let first = guard.run(&key(), &fp, |claim| {
+        claim.step("charge", effects.step("charge", "ch_1"))?;
+        Err::<Response, _>(Error::backend("the next step failed"))
+    });
+    assert!(matches!(first, Outcome::HandlerFailed(_)), "{first:?}");
+    let kept = store.get(&key(), clock.now()).unwrap().expect("kept");
+    assert_eq!(kept.state(), idemstore::State::Processing);
+    assert_eq!(kept.lease_until(), Some(idemstore::Timestamp::EPOCH));
+    assert_eq!(step_names(kept.steps()), ["charge"]);
+    assert!(matches!(
+        guard.run(&key(), &Fingerprint::of(b"other"), never()),
+        Outcome::Conflicted
+    ));
+    let retry = guard.run(&key(), &fp, |claim| {
+        assert!(!claim.is_takeover());
+        assert_eq!(claim.attempt(), 2);
+        let charge = claim.step("charge", |_| -> Result<Vec<u8>, Error> {
+            panic!("recorded before the release")
+        })?;
+        claim.step("email", effects.step("email", "sent"))?;
+        Ok::<_, Error>(Response::new(201, charge))
+    });
+    assert!(
+        matches!(retry, Outcome::Executed(ref r) if r.body() == b"ch_1"),
+        "{retry:?}"
+    );
+    assert_eq!((effects.count("charge"), effects.count("email")), (1, 1));
+    // Without steps, the release policy still deletes the record.
+    let other = Key::new("t", "no-steps").unwrap();
+    let _ = guard.run(&other, &fp, |_| Err::<Response, _>("boom"));
+    assert!(store.get(&other, clock.now()).unwrap().is_none());
+}
+
+/// Under `TakeoverPolicy::Reconcile` the retry after a crash does not run
+/// the handler: `Outcome::Unknown(claim)` hands the caller the recorded
+/// steps to reconcile with, and the caller completes the claim.
+#[test]
+fn reconcile_hands_over_the_recorded_steps() {
+    let (guard, store, clock) = setup(|b| b.takeover(TakeoverPolicy::Reconcile));
+    let fp = Fingerprint::of(b"x");
+    let effects = Effects::default();
+    let _ = guard.run(&key(), &fp, |claim| {
+        claim.step("charge", effects.step("charge", "ch_1"))?;
+        claim.step("reserve", effects.step("reserve", "r_1"))?;
+        Err::<Response, _>(Error::backend("crashed"))
+    });
+    clock.advance(2 * SEC);
+    let Outcome::Unknown(claim) = guard.run(&key(), &fp, never()) else {
+        panic!("expected Unknown")
+    };
+    assert!(claim.is_takeover());
+    let recorded: Vec<(&str, &[u8])> = claim
+        .steps()
+        .iter()
+        .map(|s| (s.name(), s.output()))
+        .collect();
+    assert_eq!(
+        recorded,
+        [("charge", &b"ch_1"[..]), ("reserve", &b"r_1"[..])]
+    );
+    // The caller found the charge and the reservation made: it completes.
+    guard
+        .complete(&key(), &claim, &Response::new(201, "reconciled"))
+        .unwrap();
+    assert!(
+        store
+            .get(&key(), clock.now())
+            .unwrap()
+            .unwrap()
+            .steps()
+            .is_empty()
+    );
+    assert!(matches!(
+        guard.run(&key(), &fp, never()),
+        Outcome::Replayed(ref r) if r.body() == b"reconciled"
+    ));
+    assert_eq!(effects.total(), 2);
+}
+
+/// A duplicate waiting on a run of this process (`wait_for_duplicates`)
+/// whose handler fails under the release policy after recording a step:
+/// the waiter claims the released key at once, not as a takeover, and
+/// replays the step instead of running it again.
+#[test]
+fn a_waiting_duplicate_continues_a_released_run_from_its_steps() {
+    let (guard, _, _) = setup(|b| {
+        b.on_handler_error(OnHandlerError::Release)
+            .wait_for_duplicates(SEC)
+    });
+    let fp = Fingerprint::of(b"x");
+    let effects = Effects::default();
+    let (started_tx, started_rx) = std::sync::mpsc::channel();
+    let (first, second) = std::thread::scope(|s| {
+        let owner = s.spawn(|| {
+            guard.run(&key(), &fp, |claim| {
+                claim.step("charge", effects.step("charge", "ch_1"))?;
+                started_tx.send(()).unwrap();
+                std::thread::sleep(Duration::from_millis(100));
+                Err::<Response, _>(Error::backend("the next step failed"))
+            })
+        });
+        started_rx.recv().unwrap();
+        let waiter = s.spawn(|| {
+            guard.run(&key(), &fp, |claim| {
+                assert!(!claim.is_takeover());
+                assert_eq!(claim.attempt(), 2);
+                let charge = claim.step("charge", |_| -> Result<Vec<u8>, Error> {
+                    panic!("recorded by the first run")
+                })?;
+                Ok::<_, Error>(Response::new(201, charge))
+            })
+        });
+        (owner.join().unwrap(), waiter.join().unwrap())
+    });
+    assert!(matches!(first, Outcome::HandlerFailed(_)), "{first:?}");
+    assert!(
+        matches!(second, Outcome::Executed(ref r) if r.body() == b"ch_1"),
+        "{second:?}"
+    );
+    assert_eq!(effects.count("charge"), 1);
+}

@@ -60,6 +60,8 @@ mod redb_bad_input;
 mod renewal;
 #[cfg(feature = "sled")]
 mod sled;
+#[cfg(all(feature = "redb", feature = "tokio"))]
+mod steps;
 #[cfg(feature = "redb")]
 mod stream_consumer;
 #[cfg(feature = "tower")]

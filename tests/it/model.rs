@@ -42,3 +42,86 @@ fn a_bounded_sweep_takes_an_expiry_tie_by_key() {
     let mut open = || -> Arc<dyn Store> { Arc::new(idemstore::MemoryStore::new()) };
     run_ops(&mut open, false, &ops).expect("no divergence");
 }
+
+/// Steps through reopens, against the model: recorded steps, a release that
+/// keeps them (PROCESSING, lease over), the claim after it, a takeover and
+/// a completion, each followed by a reopen, on the durable backends. The
+/// released record is stored with `lease_until == EPOCH`, so its encoding
+/// must round-trip too.
+fn steps_across_reopens() -> Vec<idemstore_testkit::model::Op> {
+    use idemstore_testkit::model::Op;
+    let step = |key, name, output, stale| Op::Step {
+        key,
+        stale,
+        name,
+        output,
+    };
+    vec![
+        Op::Begin { key: 0, fp: 0 },
+        step(0, 0, 0, false),
+        step(0, 1, 1, false),
+        Op::Reopen,
+        Op::Get { key: 0 },
+        step(0, 1, 0, false), // other output: refused
+        Op::Release {
+            key: 0,
+            stale: false,
+        },
+        Op::Reopen,
+        Op::Get { key: 0 },
+        Op::Begin { key: 0, fp: 1 }, // conflict
+        step(0, 2, 0, false),        // the released claim is stale
+        Op::Renew {
+            key: 0,
+            stale: false,
+        },
+        Op::Begin { key: 0, fp: 0 }, // claimed at once, with the steps
+        Op::Reopen,
+        Op::Get { key: 0 },
+        step(0, 2, 1, false),
+        step(0, 2, 1, true), // the first claim: stale
+        Op::Advance { ms: 1_000 },
+        Op::Begin { key: 0, fp: 0 }, // takeover, three steps
+        Op::Reopen,
+        Op::Get { key: 0 },
+        Op::Complete {
+            key: 0,
+            stale: false,
+            body: 3,
+        },
+        Op::Reopen,
+        Op::Get { key: 0 },
+        Op::Begin { key: 1, fp: 0 },
+        step(1, 0, 1, false),
+        Op::Advance { ms: 1_999 },
+        Op::Advance { ms: 1_999 },
+        Op::Reopen,
+        Op::Get { key: 1 }, // expired with its steps
+        Op::Begin { key: 1, fp: 1 },
+        Op::Get { key: 1 },
+    ]
+}
+
+#[test]
+fn steps_across_reopens_on_memory() {
+    let mut open = || -> Arc<dyn Store> { Arc::new(idemstore::MemoryStore::new()) };
+    run_ops(&mut open, false, &steps_across_reopens()).expect("no divergence");
+}
+
+#[cfg(feature = "redb")]
+#[test]
+fn steps_across_reopens_on_redb() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.idem");
+    let mut open = || -> Arc<dyn Store> { Arc::new(idemstore::RedbStore::open(&path).unwrap()) };
+    run_ops(&mut open, true, &steps_across_reopens()).expect("no divergence");
+}
+
+#[cfg(feature = "sled")]
+#[test]
+fn steps_across_reopens_on_sled() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut open =
+        || -> Arc<dyn Store> { Arc::new(idemstore::SledStore::open(dir.path()).unwrap()) };
+    run_ops(&mut open, true, &steps_across_reopens()).expect("no divergence");
+}
