@@ -18,13 +18,16 @@ use crate::store::Store;
 use crate::time::Clock;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 
 /// A guard's run, as its claim carries it for the steps.
 pub(crate) struct StepRun {
     key: Key,
     /// `None` when the guard failed open: steps run, nothing is recorded.
-    store: Option<Arc<dyn Store>>,
+    /// Weak: a claim never keeps its store alive. Copies of a claim go
+    /// where its store sends them (a redb commit op on the committer
+    /// thread), and the last owner of a store must not be that thread.
+    store: Option<Weak<dyn Store>>,
     clock: Arc<dyn Clock>,
     /// The step names used in this run.
     used: Mutex<Vec<String>>,
@@ -37,6 +40,15 @@ impl std::fmt::Debug for StepRun {
 }
 
 impl StepRun {
+    /// The store to record through: `None` in a fail-open run; closed
+    /// when the guard and every other owner of the store are gone.
+    fn store(&self) -> Result<Option<Arc<dyn Store>>> {
+        match &self.store {
+            None => Ok(None),
+            Some(weak) => weak.upgrade().map(Some).ok_or(Error::Closed),
+        }
+    }
+
     /// `claim` with a run over `key` attached; `store` is `None` for a
     /// fail-open run.
     pub(crate) fn attach(
@@ -47,7 +59,7 @@ impl StepRun {
     ) -> Claim {
         claim.run = Some(Arc::new(StepRun {
             key: key.clone(),
-            store,
+            store: store.as_ref().map(Arc::downgrade),
             clock,
             used: Mutex::new(Vec::new()),
         }));
@@ -108,7 +120,7 @@ impl Claim {
             };
             let output = f(&run.key.step_key(name))?;
             let step = Step::new(name, output)?;
-            if let Some(store) = &run.store {
+            if let Some(store) = run.store()? {
                 crate::observability::store_op("record_step", || {
                     store.record_step(&run.key, self, &step, run.clock.now())
                 })?;
@@ -195,7 +207,8 @@ impl Claim {
                 };
                 let output = f(run.key.step_key(name)).await?;
                 let step = Step::new(name, output)?;
-                if let Some(store) = &run.store {
+                if let Some(store) = run.store()? {
+                    let store = &store;
                     let now = run.clock.now();
                     let native = store.record_step_async(&run.key, self, &step, now);
                     let call = super::run_async::native_or_blocking(native, || {

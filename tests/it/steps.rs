@@ -413,15 +413,12 @@ mod over_http {
     }
 }
 
-/// Regression (bug in src/, not fixed here): since steps, a guard's claim
-/// holds the guard's store (`StepRun`), and the redb commit ops clone the
-/// claim. After an async run the committer thread can drop the last clone
-/// after the caller dropped its guard: `RedbStore::drop` then runs on the
-/// committer thread, joins that thread itself ("failed to join thread:
-/// Resource deadlock avoided", a panic) and never releases the file, so a
-/// reopen in this process is `Error::Locked`. A plain handler is enough.
+/// A guard's claim must not own its store: the redb commit ops clone the
+/// claim, and if the committer thread dropped the last owner, the store's
+/// drop would join that thread from itself and never release the file (a
+/// reopen in this process would be `Error::Locked`). A plain handler is
+/// enough to show it.
 #[test]
-#[ignore = "bug: a guard's Claim (StepRun) holds Arc<dyn Store>; a redb commit op's claim clone can drop the last store reference on the committer thread, whose Drop joins itself and leaks the file lock"]
 fn a_redb_store_is_closed_when_its_guard_is_dropped_after_an_async_run() {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
