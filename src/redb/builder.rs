@@ -237,7 +237,7 @@ impl RedbStoreBuilder {
         backend: impl ::redb::StorageBackend,
         log: impl ::redb::StorageBackend,
     ) -> Result<RedbStore> {
-        use super::source::{Origin, SharedBackend};
+        use super::file::{Origin, SharedBackend};
         self.check()?;
         let name = Path::new(open::BACKEND);
         // Kept, shared with the engine, so that a heal can open it again.

@@ -5,7 +5,7 @@
 use super::config::Config;
 use super::health::{self, Health, On};
 use super::snapshot::Snapshot;
-use super::{RecoveryPolicy, source, witness};
+use super::{RecoveryPolicy, file};
 use crate::error::{Cause, Error, Result};
 use crate::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use crate::time::Clock;
@@ -22,9 +22,9 @@ pub(super) struct Db {
     engine: RwLock<Engine>,
     pub(super) health: health::HealthCell,
     /// Where a heal reopens the engine from (heal.rs).
-    pub(super) source: source::Origin,
+    pub(super) source: file::Origin,
     /// Sees every I/O error of the engine's storage (witness.rs).
-    pub(super) witness: Arc<witness::IoWitness>,
+    pub(super) witness: Arc<file::IoWitness>,
     /// What the last failed attempt to heal saw.
     pub(super) attempts: Mutex<health::Attempts>,
     /// The options a heal reopens with (no lease ended, nothing verified).
@@ -65,8 +65,8 @@ impl std::ops::Deref for DbRead<'_> {
 impl Db {
     pub(super) fn new(
         db: Database,
-        source: source::Origin,
-        witness: Arc<witness::IoWitness>,
+        source: file::Origin,
+        witness: Arc<file::IoWitness>,
         config: &Config,
         path: Option<&Path>,
     ) -> Db {

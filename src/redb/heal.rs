@@ -75,7 +75,7 @@ impl Shared {
             name: &name,
             heal: true,
         };
-        let mut loss = super::loss::LossReport::default();
+        let mut loss = super::damage::LossReport::default();
         let (file, config) = (core.writer.file(), &self.db.heal_config);
         let wal = match super::recovery::recover_log(&engine.db, file, &found, config, &mut loss) {
             Ok((wal, _)) => wal,

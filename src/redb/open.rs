@@ -3,18 +3,18 @@
 //! the engine reopened for a heal, and the recovery policy.
 
 use super::damage::Damage;
+use super::damage::LossReport;
 use super::errors::engine_error;
 use super::file::{
     FILE_MODE, FileLog, check_foreign, log_path, open_owner_only, sync_parent, try_lock_shared,
 };
-use super::loss::LossReport;
+use super::file::{IoWitness, Witnessed};
+use super::file::{Origin, SharedBackend};
 use super::meta::{MetaEntries, init_meta, read_meta};
 use super::overlay::Overlay;
 use super::record_log::LogWriter;
 use super::recovery::{Found, boot_id, recover_log};
-use super::source::{Origin, SharedBackend};
 use super::tables::commit;
-use super::witness::{IoWitness, Witnessed};
 use super::{Config, RecoveryPolicy};
 use crate::error::{Error, Result};
 use crate::record::{Record, State};

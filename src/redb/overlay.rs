@@ -2,8 +2,8 @@
 //! nothing redb does on it (recovery, repair, replay) reaches the file: for
 //! read-only opens, `check_log`, `verify` and a heal's read-only view.
 
+use super::file::Origin;
 use super::file::check_foreign;
-use super::source::Origin;
 use crate::error::{Error, Result};
 use ::redb::{Database, StorageBackend};
 use std::collections::HashMap;

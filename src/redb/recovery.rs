@@ -5,8 +5,8 @@
 
 use super::Config;
 use super::damage::Damage;
+use super::damage::LossReport;
 use super::file::log_path;
-use super::loss::LossReport;
 use super::meta::{read_wal_boot, read_wal_epoch, read_wal_state};
 use super::record_log::{self, LogWriter, applier};
 use super::tables::{

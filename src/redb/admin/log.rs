@@ -2,8 +2,8 @@
 //! without opening the store and without writing anything.
 
 use super::super::RedbStore;
+use super::super::damage::LossReport;
 use super::super::errors::engine_error;
-use super::super::loss::LossReport;
 use super::super::meta::{check_format, read_meta_entries, read_wal_state};
 use super::super::open::log_to_read;
 use super::super::overlay::open_overlay;

@@ -19,8 +19,7 @@
 //! With [`accept_loss`](crate::redb::RedbStoreBuilder::accept_loss) each
 //! `Corrupt` but the last is a skip, written in the [`LossReport`].
 
-use super::super::damage::{Damage, Stop};
-use super::super::loss::LossReport;
+use super::super::damage::{Damage, LossReport, Stop};
 use super::super::tables::WriteTables;
 use super::FRAME_ALIGN;
 use super::frame::{
