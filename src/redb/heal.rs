@@ -17,11 +17,12 @@
 
 use super::errors::engine_error;
 use super::health::Attempts;
+use super::meta::MetaEntries;
 use super::{Engine, Shared, Usable};
 use crate::error::{Error, Result};
 use crate::sync::atomic::Ordering;
 use crate::sync::{Instant, MutexGuard};
-use ::redb::{Database, ReadableDatabase};
+use ::redb::Database;
 
 /// Free space a full disk must gain before the next attempt to heal.
 const FREED_BYTES: u64 = 64 * 1024;
@@ -50,15 +51,11 @@ impl Shared {
         if !self.worth_an_attempt(&mut attempts) {
             return Err(self.db.poisoned_error());
         }
-        if let Err(e) = self.reopen(&mut engine) {
-            self.attempted(&mut attempts);
-            return Err(e);
-        }
-        let meta = match self.reopened_meta(&engine.db) {
+        let meta = match self.reopen(&mut engine) {
             Ok(meta) => meta,
             Err(e) => {
                 self.attempted(&mut attempts);
-                return Err(self.unhealed(&mut engine, e));
+                return Err(e);
             }
         };
         let name = self
@@ -71,26 +68,25 @@ impl Shared {
         let boot = super::recovery::boot_id();
         let found = super::recovery::Found {
             store_id: meta.store_id,
+            token_hwm: meta.token_hwm,
             boot: boot.as_deref(),
             name: &name,
             heal: true,
         };
         let mut loss = super::damage::LossReport::default();
         let (file, config) = (core.writer.file(), &self.db.heal_config);
-        let wal = match super::recovery::recover_log(&engine.db, file, &found, config, &mut loss) {
-            Ok((wal, _)) => wal,
-            Err(e) => {
-                let e = self.unhealed(&mut engine, e);
-                self.attempted(&mut attempts);
-                return Err(e);
-            }
-        };
+        let recovered =
+            match super::recovery::recover_log(&engine.db, file, &found, config, &mut loss) {
+                Ok(recovered) => recovered,
+                Err(e) => {
+                    let e = self.unhealed(&mut engine, e);
+                    self.attempted(&mut attempts);
+                    return Err(e);
+                }
+            };
         *attempts = Attempts::default();
-        let hwm = self
-            .reopened_meta(&engine.db)
-            .map_or(meta.token_hwm, |m| m.token_hwm);
-        core.token_hwm = core.token_hwm.max(hwm);
-        core.writer = wal;
+        core.token_hwm = core.token_hwm.max(recovered.token_hwm);
+        core.writer = recovered.wal;
         // Every record the memtable held is in the store file now.
         mem.active.clear();
         mem.active_bytes = 0;
@@ -130,19 +126,19 @@ impl Shared {
         state.free_at_last = self.db.path.as_deref().and_then(free_bytes);
     }
 
-    /// Closes the engine and opens it again from the files. When they
-    /// cannot be opened for writing, a view of them that writes nothing
-    /// takes the engine's place, so that reads go on; when they cannot be
-    /// read either, the stand-in stays, marked unusable.
-    fn reopen(&self, engine: &mut Engine) -> Result<()> {
+    /// Closes the engine and opens it again from the files; returns their
+    /// meta entries. When they cannot be opened for writing, a view of them
+    /// that writes nothing takes the engine's place, so that reads go on;
+    /// when they cannot be read either, the stand-in stays, marked unusable.
+    fn reopen(&self, engine: &mut Engine) -> Result<MetaEntries> {
         let old = std::mem::replace(&mut engine.db, stand_in()?);
         engine.usable = Usable::No;
         drop(old);
         match super::open::reopen_engine(&self.db.source, &self.db.heal_config, &self.db.witness) {
-            Ok((db, _)) => {
+            Ok((db, meta)) => {
                 engine.db = db;
                 engine.usable = Usable::Yes;
-                Ok(())
+                Ok(meta)
             }
             Err(e) => {
                 if let Ok(view) = super::overlay::open_view_of(&self.db.source) {
@@ -156,11 +152,6 @@ impl Shared {
 
     fn lock_attempts(&self) -> MutexGuard<'_, Attempts> {
         self.db.attempts.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn reopened_meta(&self, db: &Database) -> Result<super::meta::MetaEntries> {
-        let txn = db.begin_read().map_err(engine_error)?;
-        super::meta::read_meta_entries(&txn)
     }
 
     /// A heal's replay or probe failed: redb refuses the engine after its

@@ -85,7 +85,8 @@ pub(super) fn read_meta_entries(txn: &::redb::ReadTransaction) -> Result<MetaEnt
     })
 }
 
-fn fixed<const N: usize>(name: &str, bytes: &[u8]) -> Result<[u8; N]> {
+/// `bytes` as the fixed-size value of the meta entry `name`, or damage.
+pub(super) fn fixed<const N: usize>(name: &str, bytes: &[u8]) -> Result<[u8; N]> {
     bytes.try_into().map_err(|_| {
         Damage::MetaEntrySize {
             name: name.to_owned(),

@@ -221,19 +221,15 @@ pub(super) fn open_backend(
     name: &Path,
 ) -> Result<Opened> {
     let (db, meta, witness) = open_engine(backend, config, name)?;
-    let mut token_hwm = meta.token_hwm;
     let mut loss = LossReport::default();
     let found = Found {
         store_id: meta.store_id,
+        token_hwm: meta.token_hwm,
         boot,
         name,
         heal: false,
     };
-    let (wal, frames_replayed) = recover_log(&db, Arc::from(log), &found, config, &mut loss)?;
-    if frames_replayed > 0 {
-        // The frames carry the high-water mark of their claims.
-        token_hwm = read_meta(&db)?.map_or(token_hwm, |m| m.token_hwm);
-    }
+    let recovered = recover_log(&db, Arc::from(log), &found, config, &mut loss)?;
     // A read-only view shows the records as stored: no lease is ended.
     let leases_expired = match config.recovery {
         _ if config.read_only => 0,
@@ -242,11 +238,11 @@ pub(super) fn open_backend(
     };
     Ok(Opened {
         db,
-        token_hwm,
+        token_hwm: recovered.token_hwm,
         store_id: meta.store_id,
         leases_expired,
-        wal,
-        frames_replayed,
+        wal: recovered.wal,
+        frames_replayed: recovered.frames,
         loss,
         source: Origin::None,
         witness,

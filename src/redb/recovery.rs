@@ -19,6 +19,8 @@ use std::path::Path;
 /// What the open found out before the log's recovery.
 pub(super) struct Found<'a> {
     pub(super) store_id: [u8; 16],
+    /// The token high-water mark the store file holds.
+    pub(super) token_hwm: u64,
     /// This boot's id, for a log on a real file.
     pub(super) boot: Option<&'a str>,
     /// The store, in errors.
@@ -40,6 +42,8 @@ pub(super) struct LogPlan {
     pub(super) layout_len: u64,
     /// No reboot since the open that wrote the frames (see `record_log::walk`).
     pub(super) no_reboot: bool,
+    /// Whether the last stop was clean; `None` when no open recorded it.
+    pub(super) clean_stop: Option<bool>,
     /// What an open refuses (each an [`Error::Corrupt`]), in order.
     pub(super) problems: Vec<Damage>,
 }
@@ -63,9 +67,12 @@ pub(super) fn plan_log(
         no_reboot: !found.heal
             && found.boot.is_some()
             && read_wal_boot(db)?.as_deref() == found.boot,
+        clean_stop: None,
         problems: Vec::new(),
     };
-    let Some(state) = read_wal_state(db)?.filter(|s| s.open) else {
+    let state = read_wal_state(db)?;
+    plan.clean_stop = state.map(|s| !s.open);
+    let Some(state) = state.filter(|s| s.open) else {
         return Ok(plan);
     };
     match state.bytes {
@@ -130,6 +137,14 @@ pub(super) fn walk_live(
     Ok(frames)
 }
 
+/// What [`recover_log`] leaves: the log, empty, and what the replay did.
+pub(super) struct Recovered {
+    pub(super) wal: LogWriter,
+    pub(super) frames: u64,
+    /// The token high-water mark after the replay.
+    pub(super) token_hwm: u64,
+}
+
 /// Replays the log's frames of the current epoch, then commits durably with
 /// a new epoch (retiring every frame found, whole or torn), and makes sure
 /// the log file has its full size.
@@ -139,7 +154,7 @@ pub(super) fn recover_log(
     found: &Found<'_>,
     config: &Config,
     loss: &mut LossReport,
-) -> Result<(LogWriter, u64)> {
+) -> Result<Recovered> {
     let (store_id, boot) = (found.store_id, found.boot);
     let mut plan = plan_log(db, file.as_ref(), found)?;
     let len = plan.file_len;
@@ -151,11 +166,13 @@ pub(super) fn recover_log(
     }
     // Both epochs are retired by the commit; new frames start a fresh one.
     let fresh = plan.epoch.wrapping_add(2);
+    let mut token_hwm = found.token_hwm;
     let frames = commit(db, true, |tables| {
         // Replayed with the layout the log was written in, before its size
         // may change below (a larger `log_bytes` moves the segments).
         let accepting = config.accept_loss.then_some(&mut *loss);
-        let frames = walk_live(file.as_ref(), found, &plan, accepting, applier(tables))?;
+        let apply = applier(tables, &mut token_hwm);
+        let frames = walk_live(file.as_ref(), found, &plan, accepting, apply)?;
         tables.set_meta(META_LOG_EPOCH, &fresh.to_be_bytes())?;
         tables.set_meta(META_LOG_STATE, &[LOG_OPEN])?;
         match boot {
@@ -181,7 +198,11 @@ pub(super) fn recover_log(
             t.set_meta(META_LOG_BYTES, &new_len.to_be_bytes())
         })??;
     }
-    Ok((LogWriter::new(file, store_id, fresh, new_len), frames))
+    Ok(Recovered {
+        wal: LogWriter::new(file, store_id, fresh, new_len),
+        frames,
+        token_hwm,
+    })
 }
 
 /// This boot of the machine: Linux's random id, new at every boot. An

@@ -20,7 +20,8 @@
 //! `Corrupt` but the last is a skip, written in the [`LossReport`].
 
 use super::super::damage::{Damage, LossReport, Stop};
-use super::super::tables::WriteTables;
+use super::super::meta::fixed;
+use super::super::tables::{META_TOKEN_HWM, WriteTables};
 use super::FRAME_ALIGN;
 use super::frame::{
     Entry, FRAME_HEADER, Frame, Layout, MAGIC, entries, keys_in, read_frame, segment_range,
@@ -30,13 +31,15 @@ use ::redb::StorageBackend;
 use std::ops::ControlFlow;
 
 /// What replay does with a whole frame's payload: writes its entries
-/// through `tables` (hand it to [`walk`] as `on_frame`). A record put or
-/// delete also moves the record's expiry-index entry (the old expiry is
-/// read from the record it replaces), so frames carry no index entries. A
-/// payload that does not decode is [`Error::Corrupt`]; the caller commits
-/// nothing.
+/// through `tables` (hand it to [`walk`] as `on_frame`), and keeps the
+/// token high-water mark the last frame carried in `token_hwm`. A record
+/// put or delete also moves the record's expiry-index entry (the old
+/// expiry is read from the record it replaces), so frames carry no index
+/// entries. A payload that does not decode is [`Error::Corrupt`]; the
+/// caller commits nothing.
 pub(in crate::redb) fn applier<'a>(
     tables: &'a mut WriteTables<'_>,
+    token_hwm: &'a mut u64,
 ) -> impl FnMut(u64, &[u8]) -> Result<()> + 'a {
     move |at, payload: &[u8]| {
         entries(at, payload, |entry| match entry {
@@ -44,7 +47,12 @@ pub(in crate::redb) fn applier<'a>(
                 tables.apply_encoded(key, Some((value, expires_at)))
             }
             Entry::Del(key) => tables.apply_encoded(key, None),
-            Entry::Meta(name, value) => tables.set_meta(name, value),
+            Entry::Meta(name, value) => {
+                if name == META_TOKEN_HWM {
+                    *token_hwm = u64::from_be_bytes(fixed(name, value)?);
+                }
+                tables.set_meta(name, value)
+            }
         })
     }
 }

@@ -178,7 +178,7 @@ mod tests {
                     &layout,
                     false,
                     None,
-                    applier(t),
+                    applier(t, &mut 0),
                 )
             })
             .unwrap()
