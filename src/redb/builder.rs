@@ -239,7 +239,7 @@ impl RedbStoreBuilder {
     ) -> Result<RedbStore> {
         use super::file::{Origin, SharedBackend};
         self.check()?;
-        let name = Path::new(open::BACKEND);
+        let name = Path::new(super::file::BACKEND);
         // Kept, shared with the engine, so that a heal can open it again.
         let store: Arc<dyn ::redb::StorageBackend> = Arc::new(backend);
         let shared = SharedBackend(Arc::clone(&store));

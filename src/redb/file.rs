@@ -16,6 +16,9 @@ use std::sync::{Arc, Mutex};
 /// version), checked so that a foreign file is refused before redb touches it.
 const REDB_MAGIC: [u8; 9] = [b'r', b'e', b'd', b'b', 0x1A, 0x0A, 0xA9, 0x0D, 0x0A];
 
+/// How a caller's storage backend is named in errors.
+pub(super) const BACKEND: &str = "<storage backend>";
+
 /// Owner-only: response snapshots can hold personal data.
 #[cfg(unix)]
 pub(super) const FILE_MODE: u32 = 0o600;

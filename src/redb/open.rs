@@ -6,7 +6,8 @@ use super::damage::Damage;
 use super::damage::LossReport;
 use super::errors::engine_error;
 use super::file::{
-    FILE_MODE, FileLog, check_foreign, log_path, open_owner_only, sync_parent, try_lock_shared,
+    BACKEND, FILE_MODE, FileLog, check_foreign, log_path, open_owner_only, sync_parent,
+    try_lock_shared,
 };
 use super::file::{IoWitness, Witnessed};
 use super::file::{Origin, SharedBackend};
@@ -21,9 +22,6 @@ use crate::record::{Record, State};
 use ::redb::{Database, DatabaseError, StorageBackend};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-
-/// How a caller's storage backend is named in errors.
-pub(super) const BACKEND: &str = "<storage backend>";
 
 pub(super) struct Opened {
     pub(super) db: Database,
