@@ -3,6 +3,7 @@
 //! of an open with [`accept_loss`](super::RedbStoreBuilder::accept_loss),
 //! what it gave up, so that an operator can reconcile it. A bottom module.
 
+use super::file::log_path;
 use crate::error::Error;
 use std::fmt;
 use std::path::PathBuf;
@@ -12,11 +13,7 @@ use std::path::PathBuf;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(super) enum Damage {
     /// The store file `what` ("is missing", "is empty") while its log holds frames.
-    StoreLostBesideLog {
-        store: PathBuf,
-        log: PathBuf,
-        what: &'static str,
-    },
+    StoreLostBesideLog { store: PathBuf, what: &'static str },
     /// The store file is empty (0 bytes), and no log holds frames.
     EmptyStoreFile { store: PathBuf },
     /// A read-only open found none of the store's tables.
@@ -38,20 +35,15 @@ pub(super) enum Damage {
         want: usize,
     },
     /// After an unclean stop, the log is missing or empty.
-    LogMissing { store: PathBuf, log: PathBuf },
+    LogMissing { store: PathBuf },
     /// After an unclean stop, the log is shorter than the store left it.
     LogCutShort {
         store: PathBuf,
-        log: PathBuf,
         len: u64,
         recorded: u64,
     },
     /// After an unclean stop, none of the log's frames verifies for the store.
-    LogOfAnotherStore {
-        store: PathBuf,
-        log: PathBuf,
-        seen: u64,
-    },
+    LogOfAnotherStore { store: PathBuf, seen: u64 },
     /// An epoch's frames stop at `at`, but a later one verifies at `later`.
     FrameGap { stop: Stop, at: u64, later: u64 },
     /// The last frame fails its checksum with no reboot since it was written.
@@ -101,7 +93,7 @@ impl Damage {
 impl fmt::Display for Damage {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Damage::StoreLostBesideLog { store, log, what } => write!(
+            Damage::StoreLostBesideLog { store, what } => write!(
                 f,
                 "{} {what}, but its write-ahead log {} is beside it and holds frames: the \
                  store file was lost or replaced, and a new store here would overwrite the \
@@ -109,7 +101,7 @@ impl fmt::Display for Damage {
                  to the log, or move the log away to start a new store; see \
                  docs/operations.md",
                 store.display(),
-                log.display()
+                log_path(store).display()
             ),
             Damage::EmptyStoreFile { store } => {
                 write!(
@@ -141,18 +133,17 @@ impl fmt::Display for Damage {
             Damage::MetaEntrySize { name, len, want } => {
                 write!(f, "meta entry {name:?} is {len} bytes, not {want}")
             }
-            Damage::LogMissing { store, log } => write!(
+            Damage::LogMissing { store } => write!(
                 f,
                 "{} was not closed cleanly, and its log is missing or empty ({}): the writes acknowledged since its \
                  last checkpoint are only in that log. Put back the log that belongs to this \
                  store (a store and its log are copied together, with no process holding \
                  them); see docs/operations.md",
                 store.display(),
-                log.display()
+                log_path(store).display()
             ),
             Damage::LogCutShort {
                 store,
-                log,
                 len,
                 recorded,
             } => write!(
@@ -163,16 +154,16 @@ impl fmt::Display for Damage {
                  all be found in it. Put back the log that belongs to this store (a store \
                  and its log are copied together); see docs/operations.md",
                 store.display(),
-                log.display()
+                log_path(store).display()
             ),
-            Damage::LogOfAnotherStore { store, log, seen } => write!(
+            Damage::LogOfAnotherStore { store, seen } => write!(
                 f,
                 "{} was not closed cleanly, and none of the {seen} frames in its \
                  write-ahead log {} verifies for this store: the log belongs to another \
                  store, so the writes acknowledged since the last checkpoint are not in \
                  it. Put back the log that belongs to this store; see docs/operations.md",
                 store.display(),
-                log.display()
+                log_path(store).display()
             ),
             Damage::FrameGap { stop, at, later } => write!(
                 f,

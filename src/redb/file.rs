@@ -44,7 +44,6 @@ pub(super) fn try_lock_shared(file: &std::fs::File, store: &Path) -> Result<()> 
     }
 }
 
-/// Makes a new directory entry durable.
 pub(super) fn sync_parent(path: &Path) -> Result<()> {
     #[cfg(unix)]
     {
@@ -87,8 +86,7 @@ pub(super) fn not_ours(detail: impl std::fmt::Display) -> Error {
     Error::corrupt(None, format!("not an idemstore store file: {detail}"))
 }
 
-/// The write-ahead log beside the store file `store` (`<store>-wal`);
-/// public as [`RedbStore::log_path`](super::RedbStore::log_path).
+/// Public as [`RedbStore::log_path`](super::RedbStore::log_path).
 pub(super) fn log_path(store: impl AsRef<Path>) -> PathBuf {
     let store = store.as_ref();
     let mut name = store.file_name().unwrap_or_default().to_os_string();
@@ -117,8 +115,7 @@ impl FileLog {
         Ok(FileLog { file })
     }
 
-    /// Opens the log beside `store` for reading only (`None` when there is
-    /// none): every write through it fails, and nothing is created.
+    /// `None` when there is none; every write through it fails.
     pub(super) fn open_read_only(store: &Path) -> Result<Option<FileLog>> {
         match std::fs::File::open(log_path(store)) {
             Ok(file) => Ok(Some(FileLog { file })),
@@ -165,7 +162,7 @@ impl StorageBackend for FileLog {
     }
 }
 
-/// Fills `out` from `file` at `offset` (positional: no shared cursor).
+/// Positional: no shared cursor.
 pub(super) fn read_at(file: &std::fs::File, out: &mut [u8], offset: u64) -> std::io::Result<()> {
     #[cfg(unix)]
     {
@@ -232,10 +229,8 @@ pub(super) use forward_locks;
 
 /// Where a heal reopens the engine from.
 pub(super) enum Origin {
-    /// A store file, opened as `open` opens it.
     Path(PathBuf),
-    /// A caller's store backend (`open_backend`), shared with the engine
-    /// through [`SharedBackend`] so that a heal can open it again.
+    /// A caller's backend (`open_backend`), shared with the engine.
     Backend(Arc<dyn StorageBackend>),
     /// A read-only view: it writes nothing, so it never heals.
     None,
@@ -292,7 +287,6 @@ impl IoWitness {
         self.count.fetch_add(1, Ordering::SeqCst);
     }
 
-    /// How many I/O errors the engine's storage has returned so far.
     pub(super) fn count(&self) -> u64 {
         self.count.load(Ordering::SeqCst)
     }
@@ -309,7 +303,7 @@ impl IoWitness {
 }
 
 /// A backend whose I/O errors an [`IoWitness`] sees on their way to the
-/// engine. Every call goes to the backend underneath unchanged.
+/// engine.
 #[derive(Debug)]
 pub(super) struct Witnessed<B> {
     inner: B,

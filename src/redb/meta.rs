@@ -19,7 +19,7 @@ use std::hash::{BuildHasher, Hasher};
 /// Versions 1 and 2 were pre-release builds' and are refused.
 pub(super) const STORE_FORMAT_VERSION: u32 = 3;
 
-/// The three meta entries, as stored (no version policy applied).
+/// The meta entries as stored (no version policy applied).
 pub(super) struct MetaEntries {
     pub(super) format_version: u32,
     pub(super) store_id: [u8; 16],
@@ -159,7 +159,6 @@ pub(super) fn read_wal_state(db: &Database) -> Result<Option<WalState>> {
     }))
 }
 
-/// The boot id the log's last open recorded.
 pub(super) fn read_wal_boot(db: &Database) -> Result<Option<String>> {
     read_entry(db, META_LOG_BOOT, |_, v| {
         Ok(String::from_utf8_lossy(v).into_owned())

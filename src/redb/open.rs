@@ -82,12 +82,8 @@ fn refuse_over_log(path: &Path, what: &'static str, config: &Config) -> Result<O
 }
 
 fn store_lost_beside_log(path: &Path, what: &'static str) -> Error {
-    Damage::StoreLostBesideLog {
-        store: path.to_path_buf(),
-        log: log_path(path),
-        what,
-    }
-    .into()
+    let store = path.to_path_buf();
+    Damage::StoreLostBesideLog { store, what }.into()
 }
 
 /// Whether the log beside `path` holds anything but zeros (a new log is
@@ -141,9 +137,8 @@ pub(super) fn open_read_only(path: &Path, config: &Config) -> Result<Opened> {
     open_backend(overlay, log, boot_id().as_deref(), config, path)
 }
 
-/// The log beside `path`, to read only. A missing log reads as an empty
-/// one: after a clean stop it holds nothing; after an unclean one the
-/// recovery refuses it, as an open would.
+/// The log beside `path`, to read only. A missing log reads as empty:
+/// after an unclean stop the recovery refuses it, as an open would.
 pub(super) fn log_to_read(path: &Path) -> Result<Box<dyn StorageBackend>> {
     Ok(match FileLog::open_read_only(path)? {
         Some(log) => Box::new(log),
@@ -210,7 +205,7 @@ fn create_then_open(path: &Path, config: &Config) -> Result<Opened> {
 }
 
 /// Opens or creates a store over any redb backend, with its log on `log`;
-/// `name` names it in errors, `boot` is [`boot_id`] for a real file.
+/// `boot` is [`boot_id`] for a real file.
 pub(super) fn open_backend(
     backend: impl StorageBackend,
     log: Box<dyn StorageBackend>,
@@ -247,7 +242,7 @@ pub(super) fn open_backend(
     })
 }
 
-/// The engine over `backend` and its meta entries (written for a new store).
+/// The engine and its meta entries (written for a new store).
 fn open_engine(
     backend: impl StorageBackend,
     config: &Config,
@@ -316,7 +311,6 @@ pub(super) fn reopen_engine(
     }
 }
 
-/// `<path>.<suffix>`, or `<path>.<suffix>.N` for the first free `N`.
 fn free_name(path: &Path, suffix: &str) -> PathBuf {
     let name = |n: u32| {
         let mut name = path.as_os_str().to_os_string();
@@ -338,7 +332,6 @@ fn map_open(err: DatabaseError, path: &Path) -> Error {
             path: path.display().to_string(),
             holder: crate::holder::lock_holder(path),
         },
-        // Read past the end: shorter than its header says.
         DatabaseError::Storage(::redb::StorageError::Io(io))
             if io.kind() == std::io::ErrorKind::UnexpectedEof =>
         {

@@ -4,9 +4,7 @@
 //! new epoch ([`recover_log`]).
 
 use super::Config;
-use super::damage::Damage;
-use super::damage::LossReport;
-use super::file::log_path;
+use super::damage::{Damage, LossReport};
 use super::meta::{read_wal_boot, read_wal_epoch, read_wal_state};
 use super::record_log::{self, LogWriter, applier};
 use super::tables::{
@@ -19,11 +17,10 @@ use std::path::Path;
 /// What the open found out before the log's recovery.
 pub(super) struct Found<'a> {
     pub(super) store_id: [u8; 16],
-    /// The token high-water mark the store file holds.
+    /// As the store file holds it.
     pub(super) token_hwm: u64,
     /// This boot's id, for a log on a real file.
     pub(super) boot: Option<&'a str>,
-    /// The store, in errors.
     pub(super) name: &'a Path,
     /// A heal in a running process: the log's last frame may be one whose
     /// write failed, so a damaged last frame is the end, as after a reboot.
@@ -33,7 +30,6 @@ pub(super) struct Found<'a> {
 /// How the live frames of a store's log are to be read, and what is wrong
 /// with the log before any frame is read: [`plan_log`].
 pub(super) struct LogPlan {
-    /// The log file's size.
     pub(super) file_len: u64,
     /// The durable epoch: its frames, then the next epoch's, are live.
     pub(super) epoch: u64,
@@ -42,7 +38,6 @@ pub(super) struct LogPlan {
     pub(super) layout_len: u64,
     /// No reboot since the open that wrote the frames (see `record_log::walk`).
     pub(super) no_reboot: bool,
-    /// Whether the last stop was clean; `None` when no open recorded it.
     pub(super) clean_stop: Option<bool>,
     /// What an open refuses (each an [`Error::Corrupt`]), in order.
     pub(super) problems: Vec<Damage>,
@@ -81,12 +76,10 @@ pub(super) fn plan_log(
         Some(0) => {}
         _ if len == 0 => plan.problems.push(Damage::LogMissing {
             store: name.to_path_buf(),
-            log: log_path(name),
         }),
         Some(recorded) if len < recorded => {
             plan.problems.push(Damage::LogCutShort {
                 store: name.to_path_buf(),
-                log: log_path(name),
                 len,
                 recorded,
             });
@@ -104,7 +97,6 @@ pub(super) fn plan_log(
     if seen >= 2 && ours == 0 {
         plan.problems.push(Damage::LogOfAnotherStore {
             store: name.to_path_buf(),
-            log: log_path(name),
             seen,
         });
     }
@@ -141,7 +133,6 @@ pub(super) fn walk_live(
 pub(super) struct Recovered {
     pub(super) wal: LogWriter,
     pub(super) frames: u64,
-    /// The token high-water mark after the replay.
     pub(super) token_hwm: u64,
 }
 
