@@ -5,7 +5,7 @@
 
 use super::Config;
 use super::damage::{Damage, LossReport};
-use super::meta::{read_wal_boot, read_wal_epoch, read_wal_state};
+use super::meta::read_wal;
 use super::record_log::{self, LogWriter, applier};
 use super::tables::{
     LOG_OPEN, META_LOG_BOOT, META_LOG_BYTES, META_LOG_EPOCH, META_LOG_STATE, commit,
@@ -53,21 +53,18 @@ pub(super) fn plan_log(
 ) -> Result<LogPlan> {
     let name = found.name;
     let len = file.len().map_err(Error::Io)?;
+    let wal = read_wal(db)?;
     let mut plan = LogPlan {
         file_len: len,
-        epoch: read_wal_epoch(db)?,
+        epoch: wal.epoch,
         layout_len: len,
         // No reboot since the open that wrote these frames: no power loss
         // can have torn one, so a damaged last frame is damage.
-        no_reboot: !found.heal
-            && found.boot.is_some()
-            && read_wal_boot(db)?.as_deref() == found.boot,
-        clean_stop: None,
+        no_reboot: !found.heal && found.boot.is_some() && wal.boot.as_deref() == found.boot,
+        clean_stop: wal.state.map(|s| !s.open),
         problems: Vec::new(),
     };
-    let state = read_wal_state(db)?;
-    plan.clean_stop = state.map(|s| !s.open);
-    let Some(state) = state.filter(|s| s.open) else {
+    let Some(state) = wal.state.filter(|s| s.open) else {
         return Ok(plan);
     };
     match state.bytes {
