@@ -6,7 +6,7 @@
 use super::Config;
 use super::damage::{Damage, LossReport};
 use super::meta::read_wal;
-use super::record_log::{self, LogWriter, applier};
+use super::record_log::{self, LogWriter, Seen, applier};
 use super::tables::{
     LOG_OPEN, META_LOG_BOOT, META_LOG_BYTES, META_LOG_EPOCH, META_LOG_STATE, commit,
 };
@@ -88,42 +88,57 @@ pub(super) fn plan_log(
         Some(recorded) => plan.layout_len = recorded,
         None => {}
     }
-    // Frames verify under this store's id only. One that does not may be
-    // this store's first, torn by a crash; two or more cannot all be.
-    let (seen, ours) = record_log::frames_seen(file, &found.store_id, plan.layout_len)?;
-    if seen >= 2 && ours == 0 {
-        plan.problems.push(Damage::LogOfAnotherStore {
-            store: name.to_path_buf(),
-            seen,
-        });
-    }
     Ok(plan)
 }
 
 /// Walks the live frames as `plan` says (`record_log::walk`): the durable
 /// epoch's and then the next one's (a checkpoint may have been running).
-/// Returns the frames handed to `on_frame`.
+/// Returns the frames handed to `on_frame`, and, after an unclean stop,
+/// [`Damage::LogOfAnotherStore`] when the log is another store's: frames
+/// verify under this store's id only; one that does not may be this
+/// store's first, torn by a crash, but two or more cannot all be. That
+/// damage is what an open says of such a log, before what the walk met.
 pub(super) fn walk_live(
     file: &dyn StorageBackend,
     found: &Found<'_>,
     plan: &LogPlan,
     mut loss: Option<&mut LossReport>,
     mut on_frame: impl FnMut(u64, &[u8]) -> Result<()>,
-) -> Result<u64> {
-    let mut frames = 0;
+) -> Result<(u64, Option<Damage>)> {
+    let (mut frames, mut seen, mut met) = (0, Seen::default(), None);
     for epoch in [plan.epoch, plan.epoch.wrapping_add(1)] {
         let layout = record_log::Layout::segment(plan.layout_len, epoch);
-        frames += record_log::walk(
+        let loss = loss.as_deref_mut();
+        match record_log::walk(
             file,
             &found.store_id,
-            epoch,
             &layout,
             plan.no_reboot,
-            loss.as_deref_mut(),
+            loss,
+            &mut seen,
             &mut on_frame,
-        )?;
+        ) {
+            Ok(n) => frames += n,
+            Err(e) => {
+                let first = met.take().unwrap_or(e);
+                // Damage before any frame of this store's: the log may be
+                // another store's, which the next epoch's walk tells.
+                if seen.ours > 0 || !matches!(first, Error::Corrupt { .. }) {
+                    return Err(first);
+                }
+                met = Some(first);
+            }
+        }
     }
-    Ok(frames)
+    if plan.clean_stop == Some(false) && seen.headers >= 2 && seen.ours == 0 {
+        let store = found.name.to_path_buf();
+        let damage = Damage::LogOfAnotherStore {
+            store,
+            seen: seen.headers,
+        };
+        return Ok((frames, Some(damage)));
+    }
+    met.map_or(Ok((frames, None)), Err)
 }
 
 /// What [`recover_log`] leaves: the log, empty, and what the replay did.
@@ -158,9 +173,16 @@ pub(super) fn recover_log(
     let frames = commit(db, true, |tables| {
         // Replayed with the layout the log was written in, before its size
         // may change below (a larger `log_bytes` moves the segments).
+        let before = loss.findings.len();
         let accepting = config.accept_loss.then_some(&mut *loss);
         let apply = applier(tables, &mut token_hwm);
-        let frames = walk_live(file.as_ref(), found, &plan, accepting, apply)?;
+        let (frames, another) = walk_live(file.as_ref(), found, &plan, accepting, apply)?;
+        if let Some(damage) = another {
+            if !config.accept_loss {
+                return Err(damage.into());
+            }
+            loss.findings.insert(before, format!("accepted: {damage}"));
+        }
         tables.set_meta(META_LOG_EPOCH, &fresh.to_be_bytes())?;
         tables.set_meta(META_LOG_STATE, &[LOG_OPEN])?;
         match boot {

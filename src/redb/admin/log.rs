@@ -91,7 +91,7 @@ impl RedbStore {
         // Every frame decoded but not applied; the walk goes on past problems.
         let mut loss = LossReport::default();
         let mut undecodable = Vec::new();
-        check.frames = walk_live(
+        let (frames, another) = walk_live(
             log.as_ref(),
             &found,
             &plan,
@@ -103,6 +103,8 @@ impl RedbStore {
                 Ok(())
             },
         )?;
+        check.frames = frames;
+        check.problems.extend(another.map(|d| d.to_string()));
         check.problems.append(&mut loss.findings);
         check.problems.append(&mut undecodable);
         Ok(check)

@@ -49,6 +49,7 @@ pub(super) fn segment_range(len: u64, epoch: u64) -> std::ops::Range<u64> {
 /// frames starting at multiples of [`FRAME_ALIGN`] from its start.
 #[derive(Clone, Debug)]
 pub(in crate::redb) struct Layout {
+    pub(super) epoch: u64,
     /// The bytes the epoch's frames may occupy.
     pub(super) region: std::ops::Range<u64>,
 }
@@ -56,9 +57,8 @@ pub(in crate::redb) struct Layout {
 impl Layout {
     /// `epoch`'s segment of a log file of `len` bytes.
     pub(in crate::redb) fn segment(len: u64, epoch: u64) -> Layout {
-        Layout {
-            region: segment_range(len, epoch),
-        }
+        let region = segment_range(len, epoch);
+        Layout { epoch, region }
     }
 }
 

@@ -167,13 +167,14 @@ mod tests {
         let walked = |epoch| {
             commit(&db, false, |t| {
                 let layout = Layout::segment(len, epoch);
+                let seen = &mut super::super::reader::Seen::default();
                 walk(
                     file.as_ref(),
                     &[3; 16],
-                    epoch,
                     &layout,
                     false,
                     None,
+                    seen,
                     applier(t, &mut 0),
                 )
             })
