@@ -237,9 +237,9 @@ impl RedbStoreBuilder {
         backend: impl ::redb::StorageBackend,
         log: impl ::redb::StorageBackend,
     ) -> Result<RedbStore> {
-        use super::source::{Origin, SharedBackend};
+        use super::file::{Origin, SharedBackend};
         self.check()?;
-        let name = Path::new(open::BACKEND);
+        let name = Path::new(super::file::BACKEND);
         // Kept, shared with the engine, so that a heal can open it again.
         let store: Arc<dyn ::redb::StorageBackend> = Arc::new(backend);
         let shared = SharedBackend(Arc::clone(&store));

@@ -123,8 +123,6 @@ pub(super) fn run(shared: Arc<Shared>) {
     }
 }
 
-/// The wait before the next attempt to heal after one failed: doubled, up
-/// to [`HEAL_BACKOFF_MAX`].
 fn next_backoff(backoff: Duration) -> Duration {
     (backoff * 2).min(HEAL_BACKOFF_MAX)
 }
@@ -140,10 +138,8 @@ fn busy_backoff(shared: &Shared) -> Duration {
     backoff.max(Duration::from_millis(1))
 }
 
-/// What [`tick`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Tick {
-    /// What was due is done.
     Done,
     /// Work under the commit lock was due and another thread held the lock.
     Busy,

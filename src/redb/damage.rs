@@ -1,6 +1,9 @@
 //! [`Damage`]: what the store finds wrong with its files, in the operator's
-//! words (its `Display`), always [`Error::Corrupt`]. A bottom module.
+//! words (its `Display`), always [`Error::Corrupt`]; and the [`LossReport`]
+//! of an open with [`accept_loss`](super::RedbStoreBuilder::accept_loss),
+//! what it gave up, so that an operator can reconcile it. A bottom module.
 
+use super::file::log_path;
 use crate::error::Error;
 use std::fmt;
 use std::path::PathBuf;
@@ -10,11 +13,7 @@ use std::path::PathBuf;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(super) enum Damage {
     /// The store file `what` ("is missing", "is empty") while its log holds frames.
-    StoreLostBesideLog {
-        store: PathBuf,
-        log: PathBuf,
-        what: &'static str,
-    },
+    StoreLostBesideLog { store: PathBuf, what: &'static str },
     /// The store file is empty (0 bytes), and no log holds frames.
     EmptyStoreFile { store: PathBuf },
     /// A read-only open found none of the store's tables.
@@ -36,20 +35,15 @@ pub(super) enum Damage {
         want: usize,
     },
     /// After an unclean stop, the log is missing or empty.
-    LogMissing { store: PathBuf, log: PathBuf },
+    LogMissing { store: PathBuf },
     /// After an unclean stop, the log is shorter than the store left it.
     LogCutShort {
         store: PathBuf,
-        log: PathBuf,
         len: u64,
         recorded: u64,
     },
     /// After an unclean stop, none of the log's frames verifies for the store.
-    LogOfAnotherStore {
-        store: PathBuf,
-        log: PathBuf,
-        seen: u64,
-    },
+    LogOfAnotherStore { store: PathBuf, seen: u64 },
     /// An epoch's frames stop at `at`, but a later one verifies at `later`.
     FrameGap { stop: Stop, at: u64, later: u64 },
     /// The last frame fails its checksum with no reboot since it was written.
@@ -77,7 +71,7 @@ impl fmt::Display for Stop {
 }
 
 impl Damage {
-    /// The [`LossReport`](super::LossReport) line for this damage, met in
+    /// The [`LossReport`] line for this damage, met in
     /// `epoch` by an open that accepts loss, which skips it.
     pub(super) fn finding(&self, epoch: u64) -> String {
         match self {
@@ -99,7 +93,7 @@ impl Damage {
 impl fmt::Display for Damage {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Damage::StoreLostBesideLog { store, log, what } => write!(
+            Damage::StoreLostBesideLog { store, what } => write!(
                 f,
                 "{} {what}, but its write-ahead log {} is beside it and holds frames: the \
                  store file was lost or replaced, and a new store here would overwrite the \
@@ -107,7 +101,7 @@ impl fmt::Display for Damage {
                  to the log, or move the log away to start a new store; see \
                  docs/operations.md",
                 store.display(),
-                log.display()
+                log_path(store).display()
             ),
             Damage::EmptyStoreFile { store } => {
                 write!(
@@ -139,18 +133,17 @@ impl fmt::Display for Damage {
             Damage::MetaEntrySize { name, len, want } => {
                 write!(f, "meta entry {name:?} is {len} bytes, not {want}")
             }
-            Damage::LogMissing { store, log } => write!(
+            Damage::LogMissing { store } => write!(
                 f,
                 "{} was not closed cleanly, and its log is missing or empty ({}): the writes acknowledged since its \
                  last checkpoint are only in that log. Put back the log that belongs to this \
                  store (a store and its log are copied together, with no process holding \
                  them); see docs/operations.md",
                 store.display(),
-                log.display()
+                log_path(store).display()
             ),
             Damage::LogCutShort {
                 store,
-                log,
                 len,
                 recorded,
             } => write!(
@@ -161,16 +154,16 @@ impl fmt::Display for Damage {
                  all be found in it. Put back the log that belongs to this store (a store \
                  and its log are copied together); see docs/operations.md",
                 store.display(),
-                log.display()
+                log_path(store).display()
             ),
-            Damage::LogOfAnotherStore { store, log, seen } => write!(
+            Damage::LogOfAnotherStore { store, seen } => write!(
                 f,
                 "{} was not closed cleanly, and none of the {seen} frames in its \
                  write-ahead log {} verifies for this store: the log belongs to another \
                  store, so the writes acknowledged since the last checkpoint are not in \
                  it. Put back the log that belongs to this store; see docs/operations.md",
                 store.display(),
-                log.display()
+                log_path(store).display()
             ),
             Damage::FrameGap { stop, at, later } => write!(
                 f,
@@ -199,6 +192,87 @@ impl fmt::Display for Damage {
 impl From<Damage> for Error {
     fn from(damage: Damage) -> Error {
         Error::corrupt(None, damage.to_string())
+    }
+}
+
+/// What an open that accepted loss dropped, from
+/// [`RedbStore::loss_report`](super::RedbStore::loss_report).
+///
+/// An open refuses a damaged or incomplete log with
+/// [`Error::Corrupt`](crate::Error::Corrupt). With
+/// [`RedbStoreBuilder::accept_loss`](super::RedbStoreBuilder::accept_loss) it
+/// opens with whatever verifies instead, and lists here each thing it could
+/// not use. Every key named in `keys_possibly_lost` may have lost
+/// acknowledged writes: check it against the system it protects (the
+/// payment provider, the ledger) before retries reach it.
+///
+/// ```
+/// use idemstore::RedbStore;
+/// # let dir = tempfile::tempdir()?;
+/// let store = RedbStore::builder().accept_loss(true).open(dir.path().join("s.idem"))?;
+/// // Nothing was damaged: nothing to report.
+/// assert!(store.loss_report().is_none());
+/// # Ok::<(), idemstore::Error>(())
+/// ```
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LossReport {
+    /// What was wrong and what the open did about it, one entry per
+    /// finding, in the order found.
+    pub findings: Vec<String>,
+    /// Log frames that verified and were replayed.
+    pub frames_replayed: u64,
+    /// Log frames (or stretches of the log) that did not verify and were
+    /// skipped.
+    pub frames_skipped: u64,
+    /// Keys (`scope/id`) read from the skipped frames as far as they could
+    /// be parsed: their last writes may be lost. Empty when nothing could
+    /// be read (a missing log names no keys).
+    pub keys_possibly_lost: Vec<String>,
+}
+
+impl LossReport {
+    /// Nothing was found.
+    pub(super) fn is_empty(&self) -> bool {
+        self.findings.is_empty()
+    }
+
+    /// The report as one JSON object (what `idemstore recover` writes).
+    ///
+    /// ```
+    /// let report = idemstore::redb::LossReport::default();
+    /// let json: serde_json::Value = serde_json::from_str(&report.to_json())?;
+    /// assert_eq!(json["frames_skipped"], 0);
+    /// # Ok::<(), serde_json::Error>(())
+    /// ```
+    pub fn to_json(&self) -> String {
+        serde_json::json!({
+            "findings": self.findings,
+            "frames_replayed": self.frames_replayed,
+            "frames_skipped": self.frames_skipped,
+            "keys_possibly_lost": self.keys_possibly_lost,
+        })
+        .to_string()
+    }
+}
+
+impl fmt::Display for LossReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "{} frames replayed, {} skipped",
+            self.frames_replayed, self.frames_skipped
+        )?;
+        for finding in &self.findings {
+            writeln!(f, "- {finding}")?;
+        }
+        if !self.keys_possibly_lost.is_empty() {
+            writeln!(f, "keys whose last writes may be lost:")?;
+            for key in &self.keys_possibly_lost {
+                writeln!(f, "  {key}")?;
+            }
+        }
+        Ok(())
     }
 }
 

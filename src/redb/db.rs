@@ -5,14 +5,13 @@
 use super::config::Config;
 use super::health::{self, Health, On};
 use super::snapshot::Snapshot;
-use super::{RecoveryPolicy, source, witness};
+use super::{RecoveryPolicy, file};
 use crate::error::{Cause, Error, Result};
 use crate::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use crate::time::Clock;
 use ::redb::Database;
 use std::path::{Path, PathBuf};
 
-/// The engine and its health.
 pub(super) struct Db {
     /// The kept redb snapshot and the count of redb commits (snapshot.rs);
     /// declared before `engine` so that it is dropped first.
@@ -21,11 +20,8 @@ pub(super) struct Db {
     /// write lock, which is how they wait out every live transaction.
     engine: RwLock<Engine>,
     pub(super) health: health::HealthCell,
-    /// Where a heal reopens the engine from (heal.rs).
-    pub(super) source: source::Origin,
-    /// Sees every I/O error of the engine's storage (witness.rs).
-    pub(super) witness: Arc<witness::IoWitness>,
-    /// What the last failed attempt to heal saw.
+    pub(super) source: file::Origin,
+    pub(super) witness: Arc<file::IoWitness>,
     pub(super) attempts: Mutex<health::Attempts>,
     /// The options a heal reopens with (no lease ended, nothing verified).
     pub(super) heal_config: Config,
@@ -34,7 +30,6 @@ pub(super) struct Db {
     pub(super) path: Option<PathBuf>,
 }
 
-/// The engine behind [`Db`]'s lock.
 pub(super) struct Engine {
     pub(super) db: Database,
     pub(super) usable: Usable,
@@ -65,8 +60,8 @@ impl std::ops::Deref for DbRead<'_> {
 impl Db {
     pub(super) fn new(
         db: Database,
-        source: source::Origin,
-        witness: Arc<witness::IoWitness>,
+        source: file::Origin,
+        witness: Arc<file::IoWitness>,
         config: &Config,
         path: Option<&Path>,
     ) -> Db {
@@ -92,11 +87,10 @@ impl Db {
         }
     }
 
-    /// The engine for a read, or the cause while a heal could not reopen it.
+    /// The engine, or the cause while a heal could not reopen it for `need`.
     pub(super) fn read_db(&self) -> Result<DbRead<'_>> {
         self.db_for(Usable::ForReads)
     }
-    /// The engine for a write transaction, or the cause.
     pub(super) fn write_ready_db(&self) -> Result<DbRead<'_>> {
         self.db_for(Usable::Yes)
     }
@@ -117,7 +111,6 @@ impl Db {
         engine
     }
 
-    /// Whether writes are refused.
     pub(super) fn is_poisoned(&self) -> bool {
         self.health.is_poisoned()
     }
@@ -148,31 +141,26 @@ impl Db {
         self.witness.last().map_or(error, Error::Io)
     }
 
-    /// The error a write gets while the store is poisoned.
     pub(super) fn poisoned_error(&self) -> Error {
         Error::Poisoned {
             cause: self.health.cause(),
         }
     }
 
-    /// [`Err`] of [`poisoned_error`](Self::poisoned_error) while poisoned
-    /// (never without the cause: see `HealthCell`).
+    /// `Err(Poisoned)` while poisoned, never without the cause (`HealthCell`).
     pub(super) fn check_healthy(&self) -> Result<()> {
         self.health.refusal().map_or(Ok(()), Err)
     }
 
-    /// Whether the background thread should try to heal: poisoned by a
-    /// cause that may go away.
+    /// Poisoned by a cause that may go away: the background thread heals.
     pub(super) fn heals(&self) -> bool {
         self.is_poisoned() && self.health.cause().is_none_or(|c| c.heals())
     }
 
-    /// The I/O kind of the failure being healed.
     pub(super) fn health_cause_kind(&self) -> Option<std::io::ErrorKind> {
         self.health.cause().and_then(|c| c.io_kind())
     }
 
-    /// Writes are accepted again (the store healed).
     pub(super) fn healthy_again(&self) {
         if let Some(fault) = self.health.clear() {
             let since = fault.since.until(self.clock.now());
@@ -181,7 +169,6 @@ impl Db {
         }
     }
 
-    /// The store's health.
     pub(super) fn health(&self) -> Health {
         self.health.health()
     }
@@ -190,7 +177,7 @@ impl Db {
         match (&self.path, on) {
             (Some(path), On::Store) => path.display().to_string(),
             (Some(path), On::Log) => super::file::log_path(path).display().to_string(),
-            (None, On::Store) => "<storage backend>".to_owned(),
+            (None, On::Store) => file::BACKEND.to_owned(),
             (None, On::Log) => "<log backend>".to_owned(),
         }
     }

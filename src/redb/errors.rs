@@ -35,7 +35,7 @@ impl std::error::Error for Latched {}
 
 /// Whether `error` is redb's refusal after an earlier I/O error, which
 /// names no cause: the store replaces it with the error its witness saw
-/// (witness.rs).
+/// (`file::IoWitness`).
 pub(super) fn is_latched(error: &Error) -> bool {
     matches!(error, Error::Io(io) if io.get_ref().is_some_and(|e| e.is::<Latched>()))
 }

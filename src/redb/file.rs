@@ -1,15 +1,23 @@
 //! File helpers: owner-only opening, directory syncs, locks, the redb
-//! header check, positional I/O, preallocation, the log file. A bottom
-//! module.
+//! header check, positional I/O, preallocation, the log file, and the
+//! backend wrappers: where a heal reopens the engine from ([`Origin`],
+//! [`SharedBackend`]) and the witness of the engine's I/O errors
+//! ([`Witnessed`]). A bottom module.
 
 use super::errors::engine_error;
 use crate::error::{Error, Result};
 use ::redb::StorageBackend;
-use std::path::Path;
+use std::io::{Error as IoError, ErrorKind};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 /// redb's file magic (its private `MAGICNUMBER`, fixed within a major
 /// version), checked so that a foreign file is refused before redb touches it.
 const REDB_MAGIC: [u8; 9] = [b'r', b'e', b'd', b'b', 0x1A, 0x0A, 0xA9, 0x0D, 0x0A];
+
+/// How a caller's storage backend is named in errors.
+pub(super) const BACKEND: &str = "<storage backend>";
 
 /// Owner-only: response snapshots can hold personal data.
 #[cfg(unix)]
@@ -36,7 +44,6 @@ pub(super) fn try_lock_shared(file: &std::fs::File, store: &Path) -> Result<()> 
     }
 }
 
-/// Makes a new directory entry durable.
 pub(super) fn sync_parent(path: &Path) -> Result<()> {
     #[cfg(unix)]
     {
@@ -79,9 +86,8 @@ pub(super) fn not_ours(detail: impl std::fmt::Display) -> Error {
     Error::corrupt(None, format!("not an idemstore store file: {detail}"))
 }
 
-/// The write-ahead log beside the store file `store` (`<store>-wal`);
-/// public as [`RedbStore::log_path`](super::RedbStore::log_path).
-pub(super) fn log_path(store: impl AsRef<Path>) -> std::path::PathBuf {
+/// Public as [`RedbStore::log_path`](super::RedbStore::log_path).
+pub(super) fn log_path(store: impl AsRef<Path>) -> PathBuf {
     let store = store.as_ref();
     let mut name = store.file_name().unwrap_or_default().to_os_string();
     name.push("-wal");
@@ -109,8 +115,7 @@ impl FileLog {
         Ok(FileLog { file })
     }
 
-    /// Opens the log beside `store` for reading only (`None` when there is
-    /// none): every write through it fails, and nothing is created.
+    /// `None` when there is none; every write through it fails.
     pub(super) fn open_read_only(store: &Path) -> Result<Option<FileLog>> {
         match std::fs::File::open(log_path(store)) {
             Ok(file) => Ok(Some(FileLog { file })),
@@ -157,7 +162,7 @@ impl StorageBackend for FileLog {
     }
 }
 
-/// Fills `out` from `file` at `offset` (positional: no shared cursor).
+/// Positional: no shared cursor.
 pub(super) fn read_at(file: &std::fs::File, out: &mut [u8], offset: u64) -> std::io::Result<()> {
     #[cfg(unix)]
     {
@@ -202,8 +207,8 @@ pub(super) fn preallocate(file: &dyn StorageBackend, capacity: u64) -> Result<u6
 }
 
 /// The lock methods of a [`StorageBackend`] that wraps another in the field
-/// `$inner`, passed on unchanged: the wrappers (`source::SharedBackend`,
-/// `witness::Witnessed`) change what they do with data, never the locks.
+/// `$inner`, passed on unchanged: the wrappers ([`SharedBackend`],
+/// [`Witnessed`]) change what they do with data, never the locks.
 macro_rules! forward_locks {
     ($inner:tt) => {
         $crate::redb::file::forward_locks!($inner: try_lock_range -> bool,
@@ -221,3 +226,199 @@ macro_rules! forward_locks {
     )*};
 }
 pub(super) use forward_locks;
+
+/// Where a heal reopens the engine from.
+pub(super) enum Origin {
+    Path(PathBuf),
+    /// A caller's backend (`open_backend`), shared with the engine.
+    Backend(Arc<dyn StorageBackend>),
+    /// A read-only view: it writes nothing, so it never heals.
+    None,
+}
+
+/// A backend the engine shares with the store: every call goes to the one
+/// underneath but `close`, which is left to the last owner (dropping it),
+/// since a heal opens the same backend again after the engine closed it.
+#[derive(Debug)]
+pub(super) struct SharedBackend(pub(super) Arc<dyn StorageBackend>);
+
+impl StorageBackend for SharedBackend {
+    fn len(&self) -> std::io::Result<u64> {
+        self.0.len()
+    }
+    fn read(&self, offset: u64, out: &mut [u8]) -> std::io::Result<()> {
+        self.0.read(offset, out)
+    }
+    fn set_len(&self, len: u64) -> std::io::Result<()> {
+        self.0.set_len(len)
+    }
+    fn sync_data(&self) -> std::io::Result<()> {
+        self.0.sync_data()
+    }
+    fn write(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
+        self.0.write(offset, data)
+    }
+    forward_locks!(0);
+}
+
+/// The I/O errors the engine's storage returned: how many, and the last.
+#[derive(Debug, Default)]
+pub(super) struct IoWitness {
+    count: AtomicU64,
+    last: Mutex<Option<Seen>>,
+}
+
+/// An I/O error as it was seen (an `io::Error` is not `Clone`).
+#[derive(Debug)]
+struct Seen {
+    kind: ErrorKind,
+    os_code: Option<i32>,
+    text: String,
+}
+
+impl IoWitness {
+    fn saw(&self, error: &IoError) {
+        let seen = Seen {
+            kind: error.kind(),
+            os_code: error.raw_os_error(),
+            text: error.to_string(),
+        };
+        *self.last.lock().unwrap_or_else(|p| p.into_inner()) = Some(seen);
+        self.count.fetch_add(1, Ordering::SeqCst);
+    }
+
+    pub(super) fn count(&self) -> u64 {
+        self.count.load(Ordering::SeqCst)
+    }
+
+    /// The last one, made again: the same kind, and the same text (an
+    /// operating system's error is made from its code).
+    pub(super) fn last(&self) -> Option<IoError> {
+        let last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+        last.as_ref().map(|seen| match seen.os_code {
+            Some(code) => IoError::from_raw_os_error(code),
+            None => IoError::new(seen.kind, seen.text.clone()),
+        })
+    }
+}
+
+/// A backend whose I/O errors an [`IoWitness`] sees on their way to the
+/// engine.
+#[derive(Debug)]
+pub(super) struct Witnessed<B> {
+    inner: B,
+    witness: Arc<IoWitness>,
+}
+
+impl<B> Witnessed<B> {
+    pub(super) fn new(inner: B, witness: Arc<IoWitness>) -> Witnessed<B> {
+        Witnessed { inner, witness }
+    }
+
+    fn seen<T>(&self, result: std::io::Result<T>) -> std::io::Result<T> {
+        if let Err(e) = &result {
+            self.witness.saw(e);
+        }
+        result
+    }
+}
+
+impl<B: StorageBackend> StorageBackend for Witnessed<B> {
+    fn len(&self) -> std::io::Result<u64> {
+        self.seen(self.inner.len())
+    }
+    fn read(&self, offset: u64, out: &mut [u8]) -> std::io::Result<()> {
+        self.seen(self.inner.read(offset, out))
+    }
+    fn set_len(&self, len: u64) -> std::io::Result<()> {
+        self.seen(self.inner.set_len(len))
+    }
+    fn sync_data(&self) -> std::io::Result<()> {
+        self.seen(self.inner.sync_data())
+    }
+    fn write(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
+        self.seen(self.inner.write(offset, data))
+    }
+    fn close(&self) -> std::io::Result<()> {
+        self.inner.close()
+    }
+    forward_locks!(inner);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A backend whose every I/O fails with `error`'s kind.
+    #[derive(Debug)]
+    struct Failing(Option<i32>);
+
+    impl Failing {
+        fn error(&self) -> IoError {
+            match self.0 {
+                Some(code) => IoError::from_raw_os_error(code),
+                None => IoError::new(ErrorKind::TimedOut, "slow disk"),
+            }
+        }
+    }
+
+    impl StorageBackend for Failing {
+        fn len(&self) -> std::io::Result<u64> {
+            Err(self.error())
+        }
+        fn read(&self, _: u64, _: &mut [u8]) -> std::io::Result<()> {
+            Err(self.error())
+        }
+        fn set_len(&self, _: u64) -> std::io::Result<()> {
+            Err(self.error())
+        }
+        fn sync_data(&self) -> std::io::Result<()> {
+            Err(self.error())
+        }
+        fn write(&self, _: u64, _: &[u8]) -> std::io::Result<()> {
+            Err(self.error())
+        }
+    }
+
+    #[test]
+    fn every_io_error_is_seen_and_the_last_made_again() {
+        let witness = Arc::new(IoWitness::default());
+        assert!(witness.last().is_none());
+        let disk = Witnessed::new(Failing(Some(28)), Arc::clone(&witness));
+        let mut buf = [0u8; 1];
+        assert!(disk.len().is_err());
+        assert!(disk.read(0, &mut buf).is_err());
+        assert!(disk.set_len(1).is_err());
+        assert!(disk.sync_data().is_err());
+        assert!(disk.write(0, &buf).is_err());
+        assert_eq!(witness.count(), 5);
+        let last = witness.last().expect("seen");
+        assert_eq!(last.kind(), ErrorKind::StorageFull);
+        assert_eq!(last.raw_os_error(), Some(28));
+        assert_eq!(last.to_string(), IoError::from_raw_os_error(28).to_string());
+        let other = Witnessed::new(Failing(None), Arc::clone(&witness));
+        assert!(other.sync_data().is_err());
+        assert_eq!(witness.count(), 6);
+        let last = witness.last().expect("seen");
+        assert_eq!(last.kind(), ErrorKind::TimedOut);
+        assert_eq!(last.to_string(), "slow disk");
+    }
+
+    #[test]
+    fn a_success_is_not_an_error() {
+        let witness = Arc::new(IoWitness::default());
+        let disk = Witnessed::new(
+            ::redb::backends::InMemoryBackend::new(),
+            Arc::clone(&witness),
+        );
+        disk.set_len(8).expect("set_len");
+        disk.write(0, &[1; 8]).expect("write");
+        let mut out = [0u8; 8];
+        disk.read(0, &mut out).expect("read");
+        disk.sync_data().expect("sync");
+        assert_eq!(disk.len().expect("len"), 8);
+        assert_eq!(out, [1; 8]);
+        assert_eq!(witness.count(), 0);
+        assert!(witness.last().is_none());
+    }
+}

@@ -5,7 +5,7 @@
 //! engine's write lock:
 //!
 //! 1. the engine is closed (an in-memory stand-in holds its place) and
-//!    reopened from its origin (source.rs);
+//!    reopened from its origin (`file::Origin`);
 //! 2. the log's live frames are replayed into it and committed with a new
 //!    epoch (`recovery::recover_log`); the memtable, which holds exactly
 //!    those frames, is emptied. A frame whose write failed may be replayed
@@ -15,13 +15,17 @@
 //! reads going; if 2 fails, the memtable is kept. Writes stay refused and
 //! the background thread tries again after its back-off.
 
+use super::damage::LossReport;
 use super::errors::engine_error;
+use super::file::BACKEND;
 use super::health::Attempts;
+use super::meta::MetaEntries;
+use super::recovery::{Found, Recovered, boot_id, recover_log};
 use super::{Engine, Shared, Usable};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::sync::atomic::Ordering;
 use crate::sync::{Instant, MutexGuard};
-use ::redb::{Database, ReadableDatabase};
+use ::redb::{Database, StorageBackend};
 
 /// Free space a full disk must gain before the next attempt to heal.
 const FREED_BYTES: u64 = 64 * 1024;
@@ -50,47 +54,16 @@ impl Shared {
         if !self.worth_an_attempt(&mut attempts) {
             return Err(self.db.poisoned_error());
         }
-        if let Err(e) = self.reopen(&mut engine) {
-            self.attempted(&mut attempts);
-            return Err(e);
-        }
-        let meta = match self.reopened_meta(&engine.db) {
-            Ok(meta) => meta,
+        let recovered = match self.reopen_and_replay(&mut engine, core.writer.file()) {
+            Ok(recovered) => recovered,
             Err(e) => {
-                self.attempted(&mut attempts);
-                return Err(self.unhealed(&mut engine, e));
-            }
-        };
-        let name = self
-            .db
-            .path
-            .clone()
-            .unwrap_or_else(|| "<storage backend>".into());
-        // A frame damaged at the end of the log is the end (the one whose
-        // write failed, never acknowledged), as after a power cut.
-        let boot = super::recovery::boot_id();
-        let found = super::recovery::Found {
-            store_id: meta.store_id,
-            boot: boot.as_deref(),
-            name: &name,
-            heal: true,
-        };
-        let mut loss = super::loss::LossReport::default();
-        let (file, config) = (core.writer.file(), &self.db.heal_config);
-        let wal = match super::recovery::recover_log(&engine.db, file, &found, config, &mut loss) {
-            Ok((wal, _)) => wal,
-            Err(e) => {
-                let e = self.unhealed(&mut engine, e);
                 self.attempted(&mut attempts);
                 return Err(e);
             }
         };
         *attempts = Attempts::default();
-        let hwm = self
-            .reopened_meta(&engine.db)
-            .map_or(meta.token_hwm, |m| m.token_hwm);
-        core.token_hwm = core.token_hwm.max(hwm);
-        core.writer = wal;
+        core.token_hwm = core.token_hwm.max(recovered.token_hwm);
+        core.writer = recovered.wal;
         // Every record the memtable held is in the store file now.
         mem.active.clear();
         mem.active_bytes = 0;
@@ -130,19 +103,46 @@ impl Shared {
         state.free_at_last = self.db.path.as_deref().and_then(free_bytes);
     }
 
-    /// Closes the engine and opens it again from the files. When they
-    /// cannot be opened for writing, a view of them that writes nothing
-    /// takes the engine's place, so that reads go on; when they cannot be
-    /// read either, the stand-in stays, marked unusable.
-    fn reopen(&self, engine: &mut Engine) -> Result<()> {
+    /// Steps 1 and 2 (module docs). After a failed replay redb refuses the
+    /// engine (its commit failed), so it is opened once more, for reads.
+    fn reopen_and_replay(
+        &self,
+        engine: &mut Engine,
+        log: std::sync::Arc<dyn StorageBackend>,
+    ) -> Result<Recovered> {
+        let meta = self.reopen(engine)?;
+        let name = self.db.path.clone().unwrap_or_else(|| BACKEND.into());
+        // A frame damaged at the end of the log is the end (the one whose
+        // write failed, never acknowledged), as after a power cut.
+        let boot = boot_id();
+        let found = Found {
+            store_id: meta.store_id,
+            token_hwm: meta.token_hwm,
+            boot: boot.as_deref(),
+            name: &name,
+            heal: true,
+        };
+        let config = &self.db.heal_config;
+        let recovered = recover_log(&engine.db, log, &found, config, &mut LossReport::default());
+        if recovered.is_err() {
+            let _ = self.reopen(engine);
+        }
+        recovered
+    }
+
+    /// Closes the engine and opens it again from the files; returns their
+    /// meta entries. When they cannot be opened for writing, a view of them
+    /// that writes nothing takes the engine's place, so that reads go on;
+    /// when they cannot be read either, the stand-in stays, marked unusable.
+    fn reopen(&self, engine: &mut Engine) -> Result<MetaEntries> {
         let old = std::mem::replace(&mut engine.db, stand_in()?);
         engine.usable = Usable::No;
         drop(old);
         match super::open::reopen_engine(&self.db.source, &self.db.heal_config, &self.db.witness) {
-            Ok((db, _)) => {
+            Ok((db, meta)) => {
                 engine.db = db;
                 engine.usable = Usable::Yes;
-                Ok(())
+                Ok(meta)
             }
             Err(e) => {
                 if let Ok(view) = super::overlay::open_view_of(&self.db.source) {
@@ -156,19 +156,6 @@ impl Shared {
 
     fn lock_attempts(&self) -> MutexGuard<'_, Attempts> {
         self.db.attempts.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn reopened_meta(&self, db: &Database) -> Result<super::meta::MetaEntries> {
-        let txn = db.begin_read().map_err(engine_error)?;
-        super::meta::read_meta_entries(&txn)
-    }
-
-    /// A heal's replay or probe failed: redb refuses the engine after its
-    /// failed commit, so it is opened once more for reads; writes stay
-    /// refused. Returns `error`.
-    fn unhealed(&self, engine: &mut Engine, error: Error) -> Error {
-        let _ = self.reopen(engine);
-        error
     }
 }
 

@@ -78,7 +78,6 @@ impl Health {
     }
 }
 
-/// A failure being healed.
 #[derive(Debug)]
 pub(super) struct Fault {
     pub(super) cause: Cause,
@@ -100,7 +99,6 @@ impl HealthCell {
         self.fault.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Whether writes are refused.
     pub(super) fn is_poisoned(&self) -> bool {
         self.poisoned.load(Ordering::SeqCst)
     }
@@ -120,15 +118,12 @@ impl HealthCell {
         first
     }
 
-    /// Clears the poison; the fault that was healed, if one was kept.
     pub(super) fn clear(&self) -> Option<Fault> {
         let mut fault = self.lock();
         self.poisoned.store(false, Ordering::SeqCst);
         fault.take()
     }
 
-    /// The kept cause, while poisoned. A store poisoned without one (none
-    /// is ever set so) has `None` here too.
     pub(super) fn cause(&self) -> Option<Cause> {
         self.lock().as_ref().map(|f| f.cause.clone())
     }
@@ -144,8 +139,6 @@ impl HealthCell {
         })
     }
 
-    /// The health the cell says: healthy, degraded (a cause that heals)
-    /// or failed.
     pub(super) fn health(&self) -> Health {
         let fault = self.lock();
         match (&*fault, self.is_poisoned()) {
@@ -179,9 +172,7 @@ pub(super) struct Attempts {
 /// The file an operation was on, for the cause's message.
 #[derive(Clone, Copy, Debug)]
 pub(super) enum On {
-    /// The store file (redb's commits and reads).
     Store,
-    /// The log.
     Log,
 }
 

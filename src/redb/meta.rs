@@ -11,7 +11,7 @@ use super::tables::{
     META_LOG_STATE, META_STORE_ID, META_TOKEN_HWM, RECORDS, commit,
 };
 use crate::error::{Error, Result};
-use ::redb::{Database, ReadableDatabase, TableError, TableHandle};
+use ::redb::{Database, ReadOnlyTable, ReadableDatabase, TableError, TableHandle};
 use std::hash::{BuildHasher, Hasher};
 
 /// The store format this build writes and the only one it opens (tables,
@@ -19,7 +19,7 @@ use std::hash::{BuildHasher, Hasher};
 /// Versions 1 and 2 were pre-release builds' and are refused.
 pub(super) const STORE_FORMAT_VERSION: u32 = 3;
 
-/// The three meta entries, as stored (no version policy applied).
+/// The meta entries as stored (no version policy applied).
 pub(super) struct MetaEntries {
     pub(super) format_version: u32,
     pub(super) store_id: [u8; 16],
@@ -85,7 +85,8 @@ pub(super) fn read_meta_entries(txn: &::redb::ReadTransaction) -> Result<MetaEnt
     })
 }
 
-fn fixed<const N: usize>(name: &str, bytes: &[u8]) -> Result<[u8; N]> {
+/// `bytes` as the fixed-size value of the meta entry `name`, or damage.
+pub(super) fn fixed<const N: usize>(name: &str, bytes: &[u8]) -> Result<[u8; N]> {
     bytes.try_into().map_err(|_| {
         Damage::MetaEntrySize {
             name: name.to_owned(),
@@ -138,6 +139,16 @@ fn new_store_id(config: &Config) -> [u8; 16] {
     id
 }
 
+/// The record log's entries as the store file keeps them.
+pub(super) struct WalMeta {
+    /// The durable epoch ([`META_LOG_EPOCH`], 0 before the first).
+    pub(super) epoch: u64,
+    /// This boot's id at the log's last open.
+    pub(super) boot: Option<String>,
+    /// `None` when no open has recorded the log's state.
+    pub(super) state: Option<WalState>,
+}
+
 /// [`META_LOG_STATE`] and [`META_LOG_BYTES`] as stored.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct WalState {
@@ -147,36 +158,27 @@ pub(super) struct WalState {
     pub(super) bytes: Option<u64>,
 }
 
-/// The log's state, or `None` when no open has recorded it.
-pub(super) fn read_wal_state(db: &Database) -> Result<Option<WalState>> {
-    let Some([state]) = read_entry(db, META_LOG_STATE, fixed::<1>)? else {
-        return Ok(None);
+/// The log's entries, in one read transaction.
+pub(super) fn read_wal(db: &Database) -> Result<WalMeta> {
+    let txn = db.begin_read().map_err(engine_error)?;
+    let meta = txn.open_table(META).map_err(table_error)?;
+    let boot = meta.get(META_LOG_BOOT).map_err(engine_error)?;
+    let state = match entry::<1>(&meta, META_LOG_STATE)? {
+        None => None,
+        Some([state]) => Some(WalState {
+            open: state == LOG_OPEN,
+            bytes: entry(&meta, META_LOG_BYTES)?.map(u64::from_be_bytes),
+        }),
     };
-    Ok(Some(WalState {
-        open: state == LOG_OPEN,
-        bytes: read_entry(db, META_LOG_BYTES, fixed)?.map(u64::from_be_bytes),
-    }))
-}
-
-/// The boot id the log's last open recorded.
-pub(super) fn read_wal_boot(db: &Database) -> Result<Option<String>> {
-    read_entry(db, META_LOG_BOOT, |_, v| {
-        Ok(String::from_utf8_lossy(v).into_owned())
+    Ok(WalMeta {
+        epoch: entry(&meta, META_LOG_EPOCH)?.map_or(0, u64::from_be_bytes),
+        boot: boot.map(|v| String::from_utf8_lossy(v.value()).into_owned()),
+        state,
     })
 }
 
-pub(super) fn read_wal_epoch(db: &Database) -> Result<u64> {
-    Ok(read_entry(db, META_LOG_EPOCH, fixed)?.map_or(0, u64::from_be_bytes))
-}
-
-/// The meta entry `name` through `decode(name, bytes)`, `None` when absent.
-fn read_entry<T>(
-    db: &Database,
-    name: &str,
-    decode: impl FnOnce(&str, &[u8]) -> Result<T>,
-) -> Result<Option<T>> {
-    let txn = db.begin_read().map_err(engine_error)?;
-    let meta = txn.open_table(META).map_err(table_error)?;
+/// The fixed-size meta entry `name`, `None` when absent.
+fn entry<const N: usize>(meta: &ReadOnlyTable<&str, &[u8]>, name: &str) -> Result<Option<[u8; N]>> {
     let value = meta.get(name).map_err(engine_error)?;
-    value.map(|v| decode(name, v.value())).transpose()
+    value.map(|v| fixed(name, v.value())).transpose()
 }

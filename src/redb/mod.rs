@@ -47,7 +47,6 @@ mod health;
 mod inbox;
 mod line;
 mod log;
-mod loss;
 mod memtable;
 mod meta;
 mod native;
@@ -60,10 +59,8 @@ mod shared;
 #[cfg(all(test, shuttle))]
 mod shuttle_tests;
 mod snapshot;
-mod source;
 mod stats;
 mod tables;
-mod witness;
 
 /// The redb crate the store is built on, for an [`Inbox`] handler's own
 /// tables (`TableDefinition`, `ReadableTable`, `WriteTransaction`): the same
@@ -72,9 +69,9 @@ pub use ::redb as engine;
 pub use builder::RedbStoreBuilder;
 use config::Config;
 pub use config::{Durability, RecoveryPolicy};
+pub use damage::LossReport;
 pub use health::Health;
 pub use inbox::{Delivery, Inbox, Message};
-pub use loss::LossReport;
 pub use stats::RedbStats;
 // Fixed sizes, not public: tests read them through `idemstore::unstable::redb`.
 #[cfg(feature = "unstable-internals")]

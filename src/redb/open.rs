@@ -3,27 +3,25 @@
 //! the engine reopened for a heal, and the recovery policy.
 
 use super::damage::Damage;
+use super::damage::LossReport;
 use super::errors::engine_error;
 use super::file::{
-    FILE_MODE, FileLog, check_foreign, log_path, open_owner_only, sync_parent, try_lock_shared,
+    BACKEND, FILE_MODE, FileLog, check_foreign, log_path, open_owner_only, sync_parent,
+    try_lock_shared,
 };
-use super::loss::LossReport;
+use super::file::{IoWitness, Witnessed};
+use super::file::{Origin, SharedBackend};
 use super::meta::{MetaEntries, init_meta, read_meta};
 use super::overlay::Overlay;
 use super::record_log::LogWriter;
 use super::recovery::{Found, boot_id, recover_log};
-use super::source::{Origin, SharedBackend};
 use super::tables::commit;
-use super::witness::{IoWitness, Witnessed};
 use super::{Config, RecoveryPolicy};
 use crate::error::{Error, Result};
 use crate::record::{Record, State};
 use ::redb::{Database, DatabaseError, StorageBackend};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-
-/// How a caller's storage backend is named in errors.
-pub(super) const BACKEND: &str = "<storage backend>";
 
 pub(super) struct Opened {
     pub(super) db: Database,
@@ -84,12 +82,8 @@ fn refuse_over_log(path: &Path, what: &'static str, config: &Config) -> Result<O
 }
 
 fn store_lost_beside_log(path: &Path, what: &'static str) -> Error {
-    Damage::StoreLostBesideLog {
-        store: path.to_path_buf(),
-        log: log_path(path),
-        what,
-    }
-    .into()
+    let store = path.to_path_buf();
+    Damage::StoreLostBesideLog { store, what }.into()
 }
 
 /// Whether the log beside `path` holds anything but zeros (a new log is
@@ -143,9 +137,8 @@ pub(super) fn open_read_only(path: &Path, config: &Config) -> Result<Opened> {
     open_backend(overlay, log, boot_id().as_deref(), config, path)
 }
 
-/// The log beside `path`, to read only. A missing log reads as an empty
-/// one: after a clean stop it holds nothing; after an unclean one the
-/// recovery refuses it, as an open would.
+/// The log beside `path`, to read only. A missing log reads as empty:
+/// after an unclean stop the recovery refuses it, as an open would.
 pub(super) fn log_to_read(path: &Path) -> Result<Box<dyn StorageBackend>> {
     Ok(match FileLog::open_read_only(path)? {
         Some(log) => Box::new(log),
@@ -212,7 +205,7 @@ fn create_then_open(path: &Path, config: &Config) -> Result<Opened> {
 }
 
 /// Opens or creates a store over any redb backend, with its log on `log`;
-/// `name` names it in errors, `boot` is [`boot_id`] for a real file.
+/// `boot` is [`boot_id`] for a real file.
 pub(super) fn open_backend(
     backend: impl StorageBackend,
     log: Box<dyn StorageBackend>,
@@ -221,19 +214,15 @@ pub(super) fn open_backend(
     name: &Path,
 ) -> Result<Opened> {
     let (db, meta, witness) = open_engine(backend, config, name)?;
-    let mut token_hwm = meta.token_hwm;
     let mut loss = LossReport::default();
     let found = Found {
         store_id: meta.store_id,
+        token_hwm: meta.token_hwm,
         boot,
         name,
         heal: false,
     };
-    let (wal, frames_replayed) = recover_log(&db, Arc::from(log), &found, config, &mut loss)?;
-    if frames_replayed > 0 {
-        // The frames carry the high-water mark of their claims.
-        token_hwm = read_meta(&db)?.map_or(token_hwm, |m| m.token_hwm);
-    }
+    let recovered = recover_log(&db, Arc::from(log), &found, config, &mut loss)?;
     // A read-only view shows the records as stored: no lease is ended.
     let leases_expired = match config.recovery {
         _ if config.read_only => 0,
@@ -242,18 +231,18 @@ pub(super) fn open_backend(
     };
     Ok(Opened {
         db,
-        token_hwm,
+        token_hwm: recovered.token_hwm,
         store_id: meta.store_id,
         leases_expired,
-        wal,
-        frames_replayed,
+        wal: recovered.wal,
+        frames_replayed: recovered.frames,
         loss,
         source: Origin::None,
         witness,
     })
 }
 
-/// The engine over `backend` and its meta entries (written for a new store).
+/// The engine and its meta entries (written for a new store).
 fn open_engine(
     backend: impl StorageBackend,
     config: &Config,
@@ -322,7 +311,6 @@ pub(super) fn reopen_engine(
     }
 }
 
-/// `<path>.<suffix>`, or `<path>.<suffix>.N` for the first free `N`.
 fn free_name(path: &Path, suffix: &str) -> PathBuf {
     let name = |n: u32| {
         let mut name = path.as_os_str().to_os_string();
@@ -344,7 +332,6 @@ fn map_open(err: DatabaseError, path: &Path) -> Error {
             path: path.display().to_string(),
             holder: crate::holder::lock_holder(path),
         },
-        // Read past the end: shorter than its header says.
         DatabaseError::Storage(::redb::StorageError::Io(io))
             if io.kind() == std::io::ErrorKind::UnexpectedEof =>
         {

@@ -2,8 +2,8 @@
 //! nothing redb does on it (recovery, repair, replay) reaches the file: for
 //! read-only opens, `check_log`, `verify` and a heal's read-only view.
 
+use super::file::Origin;
 use super::file::check_foreign;
-use super::source::Origin;
 use crate::error::{Error, Result};
 use ::redb::{Database, StorageBackend};
 use std::collections::HashMap;
@@ -69,7 +69,7 @@ impl Overlay {
         Ok(Overlay::with_base(Base::File(file), file_len))
     }
 
-    /// An overlay over a backend, of which only `read` and `len` are called.
+    /// Only `read` and `len` of `backend` are called.
     fn over_backend(backend: Arc<dyn StorageBackend>) -> std::io::Result<Overlay> {
         let file_len = backend.len()?;
         Ok(Overlay::with_base(Base::Backend(backend), file_len))
@@ -90,7 +90,7 @@ impl Overlay {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Fills `out` from the file at `offset`, zeros past its end.
+    /// Zeros past the file's end.
     fn read_file(&self, offset: u64, out: &mut [u8]) -> std::io::Result<()> {
         let in_file = self.file_len.saturating_sub(offset).min(out.len() as u64) as usize;
         let (head, tail) = out.split_at_mut(in_file);

@@ -4,11 +4,9 @@
 //! new epoch ([`recover_log`]).
 
 use super::Config;
-use super::damage::Damage;
-use super::file::log_path;
-use super::loss::LossReport;
-use super::meta::{read_wal_boot, read_wal_epoch, read_wal_state};
-use super::record_log::{self, LogWriter, applier};
+use super::damage::{Damage, LossReport};
+use super::meta::read_wal;
+use super::record_log::{self, LogWriter, Seen, applier};
 use super::tables::{
     LOG_OPEN, META_LOG_BOOT, META_LOG_BYTES, META_LOG_EPOCH, META_LOG_STATE, commit,
 };
@@ -19,9 +17,10 @@ use std::path::Path;
 /// What the open found out before the log's recovery.
 pub(super) struct Found<'a> {
     pub(super) store_id: [u8; 16],
+    /// As the store file holds it.
+    pub(super) token_hwm: u64,
     /// This boot's id, for a log on a real file.
     pub(super) boot: Option<&'a str>,
-    /// The store, in errors.
     pub(super) name: &'a Path,
     /// A heal in a running process: the log's last frame may be one whose
     /// write failed, so a damaged last frame is the end, as after a reboot.
@@ -31,7 +30,6 @@ pub(super) struct Found<'a> {
 /// How the live frames of a store's log are to be read, and what is wrong
 /// with the log before any frame is read: [`plan_log`].
 pub(super) struct LogPlan {
-    /// The log file's size.
     pub(super) file_len: u64,
     /// The durable epoch: its frames, then the next epoch's, are live.
     pub(super) epoch: u64,
@@ -40,6 +38,7 @@ pub(super) struct LogPlan {
     pub(super) layout_len: u64,
     /// No reboot since the open that wrote the frames (see `record_log::walk`).
     pub(super) no_reboot: bool,
+    pub(super) clean_stop: Option<bool>,
     /// What an open refuses (each an [`Error::Corrupt`]), in order.
     pub(super) problems: Vec<Damage>,
 }
@@ -54,18 +53,18 @@ pub(super) fn plan_log(
 ) -> Result<LogPlan> {
     let name = found.name;
     let len = file.len().map_err(Error::Io)?;
+    let wal = read_wal(db)?;
     let mut plan = LogPlan {
         file_len: len,
-        epoch: read_wal_epoch(db)?,
+        epoch: wal.epoch,
         layout_len: len,
         // No reboot since the open that wrote these frames: no power loss
         // can have torn one, so a damaged last frame is damage.
-        no_reboot: !found.heal
-            && found.boot.is_some()
-            && read_wal_boot(db)?.as_deref() == found.boot,
+        no_reboot: !found.heal && found.boot.is_some() && wal.boot.as_deref() == found.boot,
+        clean_stop: wal.state.map(|s| !s.open),
         problems: Vec::new(),
     };
-    let Some(state) = read_wal_state(db)?.filter(|s| s.open) else {
+    let Some(state) = wal.state.filter(|s| s.open) else {
         return Ok(plan);
     };
     match state.bytes {
@@ -74,12 +73,10 @@ pub(super) fn plan_log(
         Some(0) => {}
         _ if len == 0 => plan.problems.push(Damage::LogMissing {
             store: name.to_path_buf(),
-            log: log_path(name),
         }),
         Some(recorded) if len < recorded => {
             plan.problems.push(Damage::LogCutShort {
                 store: name.to_path_buf(),
-                log: log_path(name),
                 len,
                 recorded,
             });
@@ -91,43 +88,64 @@ pub(super) fn plan_log(
         Some(recorded) => plan.layout_len = recorded,
         None => {}
     }
-    // Frames verify under this store's id only. One that does not may be
-    // this store's first, torn by a crash; two or more cannot all be.
-    let (seen, ours) = record_log::frames_seen(file, &found.store_id, plan.layout_len)?;
-    if seen >= 2 && ours == 0 {
-        plan.problems.push(Damage::LogOfAnotherStore {
-            store: name.to_path_buf(),
-            log: log_path(name),
-            seen,
-        });
-    }
     Ok(plan)
 }
 
 /// Walks the live frames as `plan` says (`record_log::walk`): the durable
 /// epoch's and then the next one's (a checkpoint may have been running).
-/// Returns the frames handed to `on_frame`.
+/// Returns the frames handed to `on_frame`, and, after an unclean stop,
+/// [`Damage::LogOfAnotherStore`] when the log is another store's: frames
+/// verify under this store's id only; one that does not may be this
+/// store's first, torn by a crash, but two or more cannot all be. That
+/// damage is what an open says of such a log, before what the walk met.
 pub(super) fn walk_live(
     file: &dyn StorageBackend,
     found: &Found<'_>,
     plan: &LogPlan,
     mut loss: Option<&mut LossReport>,
     mut on_frame: impl FnMut(u64, &[u8]) -> Result<()>,
-) -> Result<u64> {
-    let mut frames = 0;
+) -> Result<(u64, Option<Damage>)> {
+    let (mut frames, mut seen, mut met) = (0, Seen::default(), None);
     for epoch in [plan.epoch, plan.epoch.wrapping_add(1)] {
         let layout = record_log::Layout::segment(plan.layout_len, epoch);
-        frames += record_log::walk(
+        let loss = loss.as_deref_mut();
+        match record_log::walk(
             file,
             &found.store_id,
-            epoch,
             &layout,
             plan.no_reboot,
-            loss.as_deref_mut(),
+            loss,
+            &mut seen,
             &mut on_frame,
-        )?;
+        ) {
+            Ok(n) => frames += n,
+            Err(e) => {
+                let first = met.take().unwrap_or(e);
+                // Damage before any frame of this store's: the log may be
+                // another store's, which the next epoch's walk tells.
+                if seen.ours > 0 || !matches!(first, Error::Corrupt { .. }) {
+                    return Err(first);
+                }
+                met = Some(first);
+            }
+        }
     }
-    Ok(frames)
+    if plan.clean_stop == Some(false) && seen.headers >= 2 && seen.ours == 0 {
+        let store = found.name.to_path_buf();
+        let damage = Damage::LogOfAnotherStore {
+            store,
+            seen: seen.headers,
+        };
+        return Ok((frames, Some(damage)));
+    }
+    met.map_or(Ok((frames, None)), Err)
+}
+
+/// What [`recover_log`] leaves: the log, empty, and what the replay did.
+pub(super) struct Recovered {
+    pub(super) wal: LogWriter,
+    pub(super) frames: u64,
+    pub(super) token_hwm: u64,
 }
 
 /// Replays the log's frames of the current epoch, then commits durably with
@@ -139,7 +157,7 @@ pub(super) fn recover_log(
     found: &Found<'_>,
     config: &Config,
     loss: &mut LossReport,
-) -> Result<(LogWriter, u64)> {
+) -> Result<Recovered> {
     let (store_id, boot) = (found.store_id, found.boot);
     let mut plan = plan_log(db, file.as_ref(), found)?;
     let len = plan.file_len;
@@ -151,11 +169,20 @@ pub(super) fn recover_log(
     }
     // Both epochs are retired by the commit; new frames start a fresh one.
     let fresh = plan.epoch.wrapping_add(2);
+    let mut token_hwm = found.token_hwm;
     let frames = commit(db, true, |tables| {
         // Replayed with the layout the log was written in, before its size
         // may change below (a larger `log_bytes` moves the segments).
+        let before = loss.findings.len();
         let accepting = config.accept_loss.then_some(&mut *loss);
-        let frames = walk_live(file.as_ref(), found, &plan, accepting, applier(tables))?;
+        let apply = applier(tables, &mut token_hwm);
+        let (frames, another) = walk_live(file.as_ref(), found, &plan, accepting, apply)?;
+        if let Some(damage) = another {
+            if !config.accept_loss {
+                return Err(damage.into());
+            }
+            loss.findings.insert(before, format!("accepted: {damage}"));
+        }
         tables.set_meta(META_LOG_EPOCH, &fresh.to_be_bytes())?;
         tables.set_meta(META_LOG_STATE, &[LOG_OPEN])?;
         match boot {
@@ -181,7 +208,11 @@ pub(super) fn recover_log(
             t.set_meta(META_LOG_BYTES, &new_len.to_be_bytes())
         })??;
     }
-    Ok((LogWriter::new(file, store_id, fresh, new_len), frames))
+    Ok(Recovered {
+        wal: LogWriter::new(file, store_id, fresh, new_len),
+        frames,
+        token_hwm,
+    })
 }
 
 /// This boot of the machine: Linux's random id, new at every boot. An

@@ -23,7 +23,6 @@ use ::redb::{Database, ReadableDatabase};
 pub(super) struct Snapshot {
     commits: AtomicU64,
     slot: RwLock<Option<Kept>>,
-    /// Snapshots opened (tests).
     #[cfg(test)]
     opened: std::sync::atomic::AtomicUsize,
 }
@@ -83,19 +82,16 @@ impl Snapshot {
         self.clear();
     }
 
-    /// Drops the kept snapshot.
     fn clear(&self) {
         let old = self.slot.write().unwrap_or_else(|p| p.into_inner()).take();
         drop(old);
     }
 
-    /// Snapshots opened so far (tests).
     #[cfg(test)]
     pub(super) fn opened(&self) -> usize {
         self.opened.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Whether a snapshot is kept (tests).
     #[cfg(test)]
     pub(super) fn is_kept(&self) -> bool {
         self.slot

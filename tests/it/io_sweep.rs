@@ -1185,7 +1185,7 @@ fn reads_go_on_while_a_persistent_write_fault_keeps_the_store_from_healing() {
 /// error left the storage engine unusable"), and the store poisons and
 /// heals, but a full disk is no longer `StorageFull` (the handler's error
 /// type is the caller's, so the inbox cannot read the kind in it). Now
-/// the store sees every I/O error of the engine's storage (witness.rs):
+/// the store sees every I/O error of the engine's storage (`file::IoWitness`):
 /// a handler that fails after one in its pass fails the batch as the
 /// store's failure, with the disk's own error.
 #[test]

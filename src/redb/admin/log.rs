@@ -2,9 +2,9 @@
 //! without opening the store and without writing anything.
 
 use super::super::RedbStore;
+use super::super::damage::LossReport;
 use super::super::errors::engine_error;
-use super::super::loss::LossReport;
-use super::super::meta::{check_format, read_meta_entries, read_wal_state};
+use super::super::meta::{check_format, read_meta_entries};
 use super::super::open::log_to_read;
 use super::super::overlay::open_overlay;
 use super::super::record_log;
@@ -69,11 +69,11 @@ impl RedbStore {
             read_meta_entries(&txn)?
         };
         check_format(&meta)?;
-        let state = read_wal_state(&db)?;
         let log = log_to_read(store)?;
         let boot = boot_id();
         let found = Found {
             store_id: meta.store_id,
+            token_hwm: meta.token_hwm,
             boot: boot.as_deref(),
             name: store,
             heal: false,
@@ -84,14 +84,14 @@ impl RedbStore {
             present: path.exists(),
             path,
             bytes: plan.file_len,
-            clean_stop: state.map(|s| !s.open),
+            clean_stop: plan.clean_stop,
             frames: 0,
             problems: plan.problems.iter().map(ToString::to_string).collect(),
         };
         // Every frame decoded but not applied; the walk goes on past problems.
         let mut loss = LossReport::default();
         let mut undecodable = Vec::new();
-        check.frames = walk_live(
+        let (frames, another) = walk_live(
             log.as_ref(),
             &found,
             &plan,
@@ -103,6 +103,8 @@ impl RedbStore {
                 Ok(())
             },
         )?;
+        check.frames = frames;
+        check.problems.extend(another.map(|d| d.to_string()));
         check.problems.append(&mut loss.findings);
         check.problems.append(&mut undecodable);
         Ok(check)

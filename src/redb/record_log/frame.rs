@@ -49,6 +49,7 @@ pub(super) fn segment_range(len: u64, epoch: u64) -> std::ops::Range<u64> {
 /// frames starting at multiples of [`FRAME_ALIGN`] from its start.
 #[derive(Clone, Debug)]
 pub(in crate::redb) struct Layout {
+    pub(super) epoch: u64,
     /// The bytes the epoch's frames may occupy.
     pub(super) region: std::ops::Range<u64>,
 }
@@ -56,9 +57,8 @@ pub(in crate::redb) struct Layout {
 impl Layout {
     /// `epoch`'s segment of a log file of `len` bytes.
     pub(in crate::redb) fn segment(len: u64, epoch: u64) -> Layout {
-        Layout {
-            region: segment_range(len, epoch),
-        }
+        let region = segment_range(len, epoch);
+        Layout { epoch, region }
     }
 }
 
@@ -191,35 +191,45 @@ pub(in crate::redb) fn entries<'a>(
     payload: &'a [u8],
     mut f: impl FnMut(Entry<'a>) -> Result<()>,
 ) -> Result<()> {
-    let damaged = |detail: &str| {
-        Error::from(Damage::FrameEntries {
-            at,
-            detail: detail.to_owned(),
-        })
-    };
+    let damaged = |detail: String| Error::from(Damage::FrameEntries { at, detail });
     let mut cursor = payload;
-    while let Some((&tag, rest)) = cursor.split_first() {
-        cursor = rest;
-        let a = take(&mut cursor).ok_or_else(|| damaged("an entry is cut short"))?;
+    while let Some(entry) = next_entry(&mut cursor) {
+        let (tag, a, b) = entry.map_err(damaged)?;
         match tag {
             TAG_RECORD_PUT => {
-                let b = take(&mut cursor).ok_or_else(|| damaged("an entry is cut short"))?;
                 let expires_at = crate::codec::decode_record(a, b)
-                    .map_err(|_| damaged("holds a record that does not decode"))?
+                    .map_err(|_| damaged("holds a record that does not decode".into()))?
                     .expires_at;
                 f(Entry::Put(a, b, expires_at))?;
             }
             TAG_RECORD_DEL => f(Entry::Del(a))?,
-            TAG_META_PUT => {
-                let b = take(&mut cursor).ok_or_else(|| damaged("an entry is cut short"))?;
-                let name =
-                    std::str::from_utf8(a).map_err(|_| damaged("a meta name is not UTF-8"))?;
+            _ => {
+                let name = std::str::from_utf8(a)
+                    .map_err(|_| damaged("a meta name is not UTF-8".into()))?;
                 f(Entry::Meta(name, b))?;
             }
-            other => return Err(damaged(&format!("has an unknown entry tag {other}"))),
         }
     }
     Ok(())
+}
+
+/// An entry as stored: its tag, its first field and its second (empty for
+/// a delete).
+type RawEntry<'a> = (u8, &'a [u8], &'a [u8]);
+
+/// Splits the next entry off the front of `cursor`; `Err` says what is wrong.
+fn next_entry<'a>(cursor: &mut &'a [u8]) -> Option<std::result::Result<RawEntry<'a>, String>> {
+    let (&tag, rest) = cursor.split_first()?;
+    *cursor = rest;
+    let cut = || "an entry is cut short".to_owned();
+    let Some(a) = take(cursor) else {
+        return Some(Err(cut()));
+    };
+    Some(match tag {
+        TAG_RECORD_PUT | TAG_META_PUT => take(cursor).map(|b| (tag, a, b)).ok_or_else(cut),
+        TAG_RECORD_DEL => Ok((tag, a, &[][..])),
+        other => Err(format!("has an unknown entry tag {other}")),
+    })
 }
 
 /// Splits a `len u32 | bytes` field off the front of `cursor`.
@@ -246,20 +256,9 @@ pub(super) fn keys_in(file: &dyn StorageBackend, from: u64, to: u64) -> Vec<Stri
     }
     let mut keys = Vec::new();
     let mut cursor = payload.as_slice();
-    while let Some((&tag, rest)) = cursor.split_first() {
-        cursor = rest;
-        let Some(a) = take(&mut cursor) else { break };
-        match tag {
-            TAG_RECORD_PUT | TAG_META_PUT => {
-                if take(&mut cursor).is_none() {
-                    break;
-                }
-            }
-            TAG_RECORD_DEL => {}
-            _ => break,
-        }
-        if matches!(tag, TAG_RECORD_PUT | TAG_RECORD_DEL) {
-            keys.push(crate::codec::printable_key(a));
+    while let Some(Ok((tag, key, _))) = next_entry(&mut cursor) {
+        if tag != TAG_META_PUT {
+            keys.push(crate::codec::printable_key(key));
         }
     }
     keys

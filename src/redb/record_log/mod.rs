@@ -30,7 +30,7 @@ mod writer;
 
 pub(crate) use frame::FRAME_ALIGN;
 pub(super) use frame::{FrameBuf, Layout, entries};
-pub(super) use reader::{applier, frames_seen, walk};
+pub(super) use reader::{Seen, applier, walk};
 pub(super) use writer::LogWriter;
 
 /// Size of a store's log file (`<file>-wal`): two segments of

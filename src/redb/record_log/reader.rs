@@ -1,6 +1,6 @@
 //! The record log's reader: the walk over one epoch's frames ([`walk`]),
-//! what it hands a replay's transaction ([`applier`]), and whether a log's
-//! frames are this store's ([`frames_seen`]).
+//! what it hands a replay's transaction ([`applier`]), and what it saw of
+//! whose frames they are ([`Seen`]).
 //!
 //! Replay is a redo (full values), so replaying frames already in the file
 //! changes nothing. At each offset:
@@ -19,25 +19,25 @@
 //! With [`accept_loss`](crate::redb::RedbStoreBuilder::accept_loss) each
 //! `Corrupt` but the last is a skip, written in the [`LossReport`].
 
-use super::super::damage::{Damage, Stop};
-use super::super::loss::LossReport;
-use super::super::tables::WriteTables;
+use super::super::damage::{Damage, LossReport, Stop};
+use super::super::meta::fixed;
+use super::super::tables::{META_TOKEN_HWM, WriteTables};
 use super::FRAME_ALIGN;
-use super::frame::{
-    Entry, FRAME_HEADER, Frame, Layout, MAGIC, entries, keys_in, read_frame, segment_range,
-};
+use super::frame::{Entry, FRAME_HEADER, Frame, Layout, MAGIC, entries, keys_in, read_frame};
 use crate::error::{Error, Result};
 use ::redb::StorageBackend;
 use std::ops::ControlFlow;
 
 /// What replay does with a whole frame's payload: writes its entries
-/// through `tables` (hand it to [`walk`] as `on_frame`). A record put or
-/// delete also moves the record's expiry-index entry (the old expiry is
-/// read from the record it replaces), so frames carry no index entries. A
-/// payload that does not decode is [`Error::Corrupt`]; the caller commits
-/// nothing.
+/// through `tables` (hand it to [`walk`] as `on_frame`), and keeps the
+/// token high-water mark the last frame carried in `token_hwm`. A record
+/// put or delete also moves the record's expiry-index entry (the old
+/// expiry is read from the record it replaces), so frames carry no index
+/// entries. A payload that does not decode is [`Error::Corrupt`]; the
+/// caller commits nothing.
 pub(in crate::redb) fn applier<'a>(
     tables: &'a mut WriteTables<'_>,
+    token_hwm: &'a mut u64,
 ) -> impl FnMut(u64, &[u8]) -> Result<()> + 'a {
     move |at, payload: &[u8]| {
         entries(at, payload, |entry| match entry {
@@ -45,7 +45,12 @@ pub(in crate::redb) fn applier<'a>(
                 tables.apply_encoded(key, Some((value, expires_at)))
             }
             Entry::Del(key) => tables.apply_encoded(key, None),
-            Entry::Meta(name, value) => tables.set_meta(name, value),
+            Entry::Meta(name, value) => {
+                if name == META_TOKEN_HWM {
+                    *token_hwm = u64::from_be_bytes(fixed(name, value)?);
+                }
+                tables.set_meta(name, value)
+            }
         })
     }
 }
@@ -60,15 +65,17 @@ pub(in crate::redb) fn applier<'a>(
 /// was written. A longer last frame may be cut by the kill: a torn tail.
 ///
 /// With `loss`, each `Corrupt` is written there and the walk goes on.
+/// Every frame header the walk reads is counted in `seen`.
 pub(in crate::redb) fn walk(
     file: &dyn StorageBackend,
     store_id: &[u8; 16],
-    epoch: u64,
     layout: &Layout,
     no_reboot: bool,
     mut loss: Option<&mut LossReport>,
+    seen: &mut Seen,
     mut on_frame: impl FnMut(u64, &[u8]) -> Result<()>,
 ) -> Result<u64> {
+    let epoch = layout.epoch;
     let end = layout.region.end.min(file.len().map_err(Error::Io)?);
     let mut at = layout.region.start;
     let mut frames = 0u64;
@@ -86,7 +93,7 @@ pub(in crate::redb) fn walk(
                     Frame::Damaged { next } => (Stop::Damaged, Some(next)),
                     _ => (Stop::Ends, None),
                 };
-                let later = find_later(file, store_id, epoch, at, end)?;
+                let later = find_later(file, store_id, epoch, at, end, seen)?;
                 let damaged_last = later.is_none()
                     && no_reboot
                     && damaged_end.is_some_and(|next| next - at <= FRAME_ALIGN);
@@ -120,6 +127,8 @@ pub(in crate::redb) fn walk(
                 }
             }
         };
+        seen.headers += 1;
+        seen.ours += 1;
         on_frame(at, &payload)?;
         frames += 1;
         at = next;
@@ -128,56 +137,46 @@ pub(in crate::redb) fn walk(
 }
 
 /// The first block after `at` holding a verifying frame of `epoch` (none
-/// after a true end). Only blocks whose header names the epoch are
-/// verified, so a clean open reads each live segment once.
+/// after a true end), counting in `seen` every frame header from `at` on.
+/// A header of another epoch is verified only while none verified for this
+/// store, so a clean open reads each live segment once.
 fn find_later(
     file: &dyn StorageBackend,
     store_id: &[u8; 16],
     epoch: u64,
     at: u64,
     end: u64,
+    seen: &mut Seen,
 ) -> Result<Option<u64>> {
     let mut found = None;
-    scan_headers(file, at + FRAME_ALIGN..end, |block, frame_epoch| {
-        if frame_epoch == epoch
+    scan_headers(file, at..end, |block, frame_epoch| {
+        seen.headers += 1;
+        let this_epoch = frame_epoch == epoch;
+        if (this_epoch || seen.ours == 0)
             && matches!(
-                read_frame(file, store_id, epoch, block, end)?,
+                read_frame(file, store_id, frame_epoch, block, end)?,
                 Frame::Whole { .. }
             )
         {
-            found = Some(block);
-            return Ok(ControlFlow::Break(()));
+            seen.ours += 1;
+            // `at` itself is where the walk stopped: never whole here.
+            if this_epoch {
+                found = Some(block);
+                return Ok(ControlFlow::Break(()));
+            }
         }
         Ok(ControlFlow::Continue(()))
     })?;
     Ok(found)
 }
 
-/// How many blocks of the log (laid out for `len`) start with a frame
-/// header, and how many of those frames verify for `store_id` under their
-/// own epoch. A log of this store has frames that verify (or none at all);
-/// another store's has frames and none that do.
-pub(in crate::redb) fn frames_seen(
-    file: &dyn StorageBackend,
-    store_id: &[u8; 16],
-    len: u64,
-) -> Result<(u64, u64)> {
-    let end = len.min(file.len().map_err(Error::Io)?);
-    let (mut seen, mut ours) = (0u64, 0u64);
-    for segment in 0..2u64 {
-        let region = segment_range(len, segment);
-        scan_headers(file, region.start..region.end.min(end), |block, epoch| {
-            seen += 1;
-            if matches!(
-                read_frame(file, store_id, epoch, block, end)?,
-                Frame::Whole { .. }
-            ) {
-                ours += 1;
-            }
-            Ok(ControlFlow::Continue(()))
-        })?;
-    }
-    Ok((seen, ours))
+/// The frame headers a walk read, and how many of those frames verify for
+/// the store under their own epoch. A log of this store has frames that
+/// verify (or none at all); another store's has frames and none that do.
+#[derive(Debug, Default)]
+pub(in crate::redb) struct Seen {
+    pub(in crate::redb) headers: u64,
+    pub(in crate::redb) ours: u64,
 }
 
 /// Calls `f(offset, epoch)` for every [`FRAME_ALIGN`] block of `range`

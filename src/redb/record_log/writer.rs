@@ -34,7 +34,6 @@ impl fmt::Debug for LogWriter {
 }
 
 impl LogWriter {
-    /// A log whose next frames are of `epoch`, from the start of its segment.
     pub(in crate::redb) fn new(
         file: std::sync::Arc<dyn StorageBackend>,
         store_id: [u8; 16],
@@ -50,12 +49,10 @@ impl LogWriter {
         }
     }
 
-    /// The log file (the background thread syncs it under relaxed durability).
     pub(in crate::redb) fn file(&self) -> std::sync::Arc<dyn StorageBackend> {
         std::sync::Arc::clone(&self.file)
     }
 
-    /// The epoch new frames are written in.
     pub(in crate::redb) fn epoch(&self) -> u64 {
         self.epoch
     }
@@ -69,7 +66,6 @@ impl LogWriter {
         self.offset as f64 / segment as f64
     }
 
-    /// Frames were written in the current epoch.
     pub(in crate::redb) fn is_dirty(&self) -> bool {
         self.offset > 0
     }
@@ -172,14 +168,15 @@ mod tests {
         let walked = |epoch| {
             commit(&db, false, |t| {
                 let layout = Layout::segment(len, epoch);
+                let seen = &mut super::super::reader::Seen::default();
                 walk(
                     file.as_ref(),
                     &[3; 16],
-                    epoch,
                     &layout,
                     false,
                     None,
-                    applier(t),
+                    seen,
+                    applier(t, &mut 0),
                 )
             })
             .unwrap()
