@@ -25,13 +25,14 @@
 //!   the kept snapshot
 //! - `commit/`, `native.rs`: group commit, the async entry
 //! - `record_log/`, `checkpoint.rs`: the log and the checkpoint
-//! - `open.rs`, `recovery.rs`, `meta.rs`, `heal.rs`, `source.rs`: open,
+//! - `open.rs`, `recovery.rs`, `meta.rs`, `heal.rs`: open,
 //!   replay, heal
-//! - `health.rs`, `witness.rs`, `damage.rs`, `loss.rs`, `errors.rs`: failures
+//! - `health.rs`, `damage.rs` (and the loss report), `errors.rs`: failures
 //! - `overlay.rs`, `file.rs`, `tables.rs`: in-memory pages, file helpers,
 //!   the tables and `commit`, the one way into redb
 //! - `config.rs`, `builder.rs`, `stats.rs`: options and counters
-//! - `admin/`, `inbox/`: operator access, the co-transactional inbox
+//! - `admin/`, `inbox/`: operator access, the co-transactional inbox and
+//!   the atomic step
 
 pub mod admin;
 mod builder;
