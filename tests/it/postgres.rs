@@ -1375,3 +1375,103 @@ fn malformed_step_columns_are_corrupt() {
     let got = store.get(&k, T0);
     assert!(matches!(got, Err(Error::Corrupt { .. })), "{got:?}");
 }
+
+/// The owner releases its record (steps kept) while a begin that read the
+/// record with its lease run out waits on the row lock: the begin must
+/// not answer from its snapshot (a takeover) but from the row it claims
+/// (released: not a takeover), as logic::begin on that row does.
+#[test]
+fn a_begin_racing_a_release_claims_the_released_record_without_a_takeover() {
+    let Some(url) = pg_url() else { return };
+    let (store, guard) = fresh_store("steps_relrace", 2);
+    let store = Arc::new(store);
+    let (k, fp) = (key("k"), Fingerprint::of(b"a"));
+    let owner = claimed(store.begin(&k, &fp, T0, SEC, HOUR).unwrap());
+    let charge = step("charge", b"ch_1");
+    store.record_step(&k, &owner, &charge, T0).unwrap();
+    let mut other = raw(&url);
+    let mut tx = other.transaction().unwrap();
+    // The owner's release, as Stmt::ReleaseKeep writes it, not yet committed.
+    let released = tx
+        .execute(
+            &format!(
+                "UPDATE \"{}\" SET lease_until = 0 WHERE id = $1 AND token = $2",
+                guard.table
+            ),
+            &[&k.id(), &(owner.token() as i64)],
+        )
+        .unwrap();
+    assert_eq!(released, 1);
+    let racing = {
+        let (store, k) = (Arc::clone(&store), k.clone());
+        std::thread::spawn(move || store.begin(&k, &fp, T0 + 2 * SEC, SEC, HOUR))
+    };
+    wait_for_lock_waiter(&url, "idemstore");
+    tx.commit().unwrap();
+    let claim = claimed(racing.join().unwrap().unwrap());
+    assert!(!claim.is_takeover(), "{claim:?}");
+    assert_eq!(claim.attempt(), 2);
+    assert_eq!(claim.steps(), std::slice::from_ref(&charge));
+}
+
+/// record_step's append waits on the row lock of a concurrent writer and
+/// decides again on the row that writer committed: after a takeover it is
+/// StaleClaim and writes nothing; after another step of the same claim it
+/// records its own step after that one.
+#[test]
+fn record_step_decides_again_after_a_concurrent_write() {
+    let Some(url) = pg_url() else { return };
+    let (store, guard) = fresh_store("steps_cas", 2);
+    let store = Arc::new(store);
+    let fp = Fingerprint::of(b"a");
+    let t = &guard.table;
+    for (id, concurrent, expect_stale) in [
+        // A takeover: a new token (and attempts + 1).
+        (
+            "taken",
+            "token = token + 1000000, attempts = attempts + 1",
+            true,
+        ),
+        // The same claim recording another step.
+        (
+            "appended",
+            "step_names = array_append(step_names, '\\x6f74686572'::bytea), \
+             step_outputs = array_append(step_outputs, '\\x'::bytea)",
+            false,
+        ),
+    ] {
+        let k = key(id);
+        let owner = claimed(store.begin(&k, &fp, T0, HOUR, HOUR * 2).unwrap());
+        store
+            .record_step(&k, &owner, &step("first", b"1"), T0)
+            .unwrap();
+        // Prepare the statements, so the racing call's only wait is the lock.
+        store
+            .record_step(&key("warm"), &owner, &step("x", b""), T0)
+            .unwrap_err();
+        let mut other = raw(&url);
+        let mut tx = other.transaction().unwrap();
+        let n = tx
+            .execute(
+                &format!("UPDATE \"{t}\" SET {concurrent} WHERE id = $1"),
+                &[&k.id()],
+            )
+            .unwrap();
+        assert_eq!(n, 1);
+        let racing = {
+            let (store, k, owner) = (Arc::clone(&store), k.clone(), owner.clone());
+            std::thread::spawn(move || store.record_step(&k, &owner, &step("mine", b"2"), T0))
+        };
+        wait_for_lock_waiter(&url, "idemstore");
+        tx.commit().unwrap();
+        let answer = racing.join().unwrap();
+        let rec = store.get(&k, T0).unwrap().unwrap();
+        if expect_stale {
+            assert!(matches!(answer, Err(Error::StaleClaim)), "{answer:?}");
+            assert_eq!(names(rec.steps()), ["first"]);
+        } else {
+            answer.unwrap();
+            assert_eq!(names(rec.steps()), ["first", "other", "mine"]);
+        }
+    }
+}
