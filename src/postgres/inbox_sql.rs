@@ -73,7 +73,9 @@ impl InboxSql {
         // (sql.rs): expired, or PROCESSING under the same fingerprint with
         // its lease run out. A claimable key draws its token here, under
         // its lock, so the claims of one key draw their tokens in the order
-        // they commit, as with Begin.
+        // they commit, as with Begin. A record released with its steps kept
+        // (`lease_until` 0) is claimable too, as `lease_until <= now` says;
+        // logic::begin, on the row read, tells that claim from a takeover.
         let decide = format!(
             "SELECT u.ord,
                     CASE WHEN r.state IS NULL OR r.expires_at <= $4::bigint
@@ -126,7 +128,9 @@ impl InboxSql {
                     status = excluded.status,
                     header_names = excluded.header_names,
                     header_values = excluded.header_values,
-                    body = excluded.body
+                    body = excluded.body,
+                    step_names = '{{}}',
+                    step_outputs = '{{}}'
                 WHERE r.expires_at <= $14::bigint
                    OR (r.state = {p} AND r.fingerprint = excluded.fingerprint
                        AND r.lease_until <= $14::bigint)

@@ -32,6 +32,7 @@ use crate::fingerprint::Fingerprint;
 use crate::key::Key;
 use crate::record::{Begin, Claim, Record};
 use crate::response::Response;
+use crate::step::Step;
 use crate::store::{Store, StoreFuture};
 use crate::time::{Clock, Timestamp};
 use lane::Ran;
@@ -150,10 +151,12 @@ const MAX_BEGIN_ATTEMPTS: usize = 8;
 /// # The schema
 ///
 /// One table (default [`DEFAULT_TABLE`]) keyed by (scope, id), with the
-/// fingerprint, state, lease deadline, expiry, fencing token, attempt count
-/// and the response in plain columns (status, header names and values as
-/// `bytea[]`, body as `bytea`); a sequence for tokens; an index on the
-/// expiry. [`PostgresStore::migrate`] creates them and is idempotent; the
+/// fingerprint, state, lease deadline, expiry, fencing token, attempt count,
+/// the response (status, header names and values as `bytea[]`, body as
+/// `bytea`) and the [steps](Store::record_step) (names and outputs, two
+/// `bytea[]`) in plain columns; a sequence for tokens; an index on the
+/// expiry. A record released with its steps kept stays PROCESSING with
+/// `lease_until` 0. [`PostgresStore::migrate`] creates them and is idempotent; the
 /// schema version is kept in the table's comment, and a table of the same
 /// name that is not ours, or is newer, is refused with a typed error.
 ///
@@ -424,6 +427,18 @@ impl PostgresStore {
         async move { core.renew(&key, &claim, now, lease).await }
     }
 
+    fn record_step_work(
+        &self,
+        key: &Key,
+        claim: &Claim,
+        step: &Step,
+        now: Timestamp,
+    ) -> impl Future<Output = Result<()>> + Send + 'static {
+        let core = Arc::clone(&self.core);
+        let (key, claim, step) = (key.clone(), claim.clone(), step.clone());
+        async move { core.record_step(&key, &claim, &step, now).await }
+    }
+
     fn get_work(
         &self,
         key: &Key,
@@ -583,17 +598,28 @@ impl Store for PostgresStore {
             .call(self.renew_work(key, claim, now, lease), None)
     }
 
-    fn record_step(
-        &self,
-        key: &Key,
-        claim: &Claim,
-        step: &crate::step::Step,
+    /// The row read, [`logic::record_step`](crate::logic::record_step)'s
+    /// decision on it, and a conditional append that holds only while the
+    /// row is still the claim's with the steps read (else read and decided
+    /// again): two round trips, one commit; a step already recorded writes
+    /// nothing and is acknowledged once the row read is durable.
+    fn record_step(&self, key: &Key, claim: &Claim, step: &Step, now: Timestamp) -> Result<()> {
+        self.runtime
+            .call(self.record_step_work(key, claim, step, now), None)
+    }
+
+    /// Always `Some`, started when called (see `begin_async`); dropped, it
+    /// still runs: the step is recorded whole or not at all.
+    fn record_step_async<'a>(
+        &'a self,
+        key: &'a Key,
+        claim: &'a Claim,
+        step: &'a Step,
         now: Timestamp,
-    ) -> Result<()> {
-        // PG-STEPS: placeholder until the PostgreSQL backend records steps.
-        let _ = (key, claim, step, now);
-        Err(crate::Error::invalid_argument(
-            "steps are not recorded on PostgreSQL yet",
+    ) -> Option<StoreFuture<'a, ()>> {
+        Some(Box::pin(
+            self.runtime
+                .spawn(self.record_step_work(key, claim, step, now), None),
         ))
     }
 

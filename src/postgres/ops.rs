@@ -3,6 +3,7 @@
 //! methods of [`PostgresStore`](super::PostgresStore) both run these.
 
 use super::errors::{self, db_error};
+use super::inbox_sql::pipelined;
 use super::line::{Job, Line};
 use super::pool::{Conn, Pool};
 use super::schema;
@@ -15,6 +16,7 @@ use crate::key::Key;
 use crate::logic;
 use crate::record::{Begin, Claim, Record, State};
 use crate::response::Response;
+use crate::step::{MAX_STEPS, Step};
 use crate::store::MAX_SWEEP_BATCH;
 use crate::time::Timestamp;
 use std::future::Future;
@@ -184,20 +186,31 @@ impl Core {
         Counters::bump(&self.counters.calls);
         let released = self
             .retrying(false, |conn, retried| async move {
-                let deleted = conn
-                    .execute(Stmt::Release, &[&key.scope(), &key.id(), &token])
-                    .await?;
-                if deleted > 0 || !retried {
-                    return Ok(deleted > 0);
+                // logic::release's two outcomes, one statement each, sent
+                // together (one round trip): at most one of them changes
+                // the row, whichever runs first (see sql.rs).
+                let params: &[&(dyn tokio_postgres::types::ToSql + Sync)] =
+                    &[&key.scope(), &key.id(), &token];
+                let (deleted, kept) = pipelined(
+                    conn.execute(Stmt::Release, params),
+                    conn.execute(Stmt::ReleaseKeep, params),
+                )
+                .await;
+                let changed = deleted? + kept?;
+                if changed > 0 || !retried {
+                    return Ok(changed > 0);
                 }
-                // Gone: the lost first run deleted it (or, if another owner took
-                // over and then gave it up, the key is free all the same), once
-                // that is durable (see complete_alone).
-                let gone = stored(&conn, key).await?.is_none();
-                if gone {
+                // Gone, or kept with its steps and its lease over: the lost
+                // first run released it (or, if another owner took over and
+                // then gave it up, the key is free all the same), once that
+                // is durable (see complete_alone).
+                let free = stored(&conn, key).await?.is_none_or(|rec| {
+                    rec.state == State::Processing && rec.lease_until == Some(Timestamp::EPOCH)
+                });
+                if free {
                     durable(&conn).await?;
                 }
-                Ok(gone)
+                Ok(free)
             })
             .await?;
         if released {
@@ -241,6 +254,58 @@ impl Core {
             }
             None => Err(Error::StaleClaim),
         }
+    }
+
+    /// `record_step`: the row read, `logic::record_step`'s decision on it,
+    /// and its write as a conditional append ([`Stmt::RecordStep`]) that
+    /// holds only while the row is still the owner's with the steps read
+    /// (else it is read and decided again: a racing takeover, complete,
+    /// release or expiry then makes it `StaleClaim`, writing nothing). Two
+    /// round trips, no transaction held open across them. A step already
+    /// recorded writes nothing, and is acknowledged once the row read is
+    /// durable: the commit that recorded it (an earlier call's, whose
+    /// answer was lost) may be on this primary only.
+    pub(super) async fn record_step(
+        &self,
+        key: &Key,
+        claim: &Claim,
+        step: &Step,
+        now: Timestamp,
+    ) -> Result<()> {
+        Counters::bump(&self.counters.calls);
+        let Some(token) = row::token(claim.token) else {
+            return Err(Error::StaleClaim);
+        };
+        let at = row::millis(now);
+        let (name, output) = (step.name.as_bytes(), &step.output[..]);
+        self.retrying(false, |conn, _| async move {
+            // Each failed append means the record changed since it was
+            // read: a step appended by a concurrent call of this claim
+            // (at most MAX_STEPS of them), or a change that makes the next
+            // decision StaleClaim.
+            for _ in 0..=MAX_STEPS + 1 {
+                let existing = stored(&conn, key).await?;
+                let Some(record) = logic::record_step(existing, claim, step, now)? else {
+                    durable(&conn).await?;
+                    return Ok(());
+                };
+                // The steps as read: the decided record has one more.
+                let seen = i32::try_from(record.steps.len().saturating_sub(1)).unwrap_or(i32::MAX);
+                let appended = conn
+                    .execute(
+                        Stmt::RecordStep,
+                        &[&key.scope(), &key.id(), &token, &at, &name, &output, &seen],
+                    )
+                    .await?;
+                if appended > 0 {
+                    return Ok(());
+                }
+            }
+            Err(RunError::Store(Error::backend(format!(
+                "record_step on {key} raced with concurrent writers too many times in a row"
+            ))))
+        })
+        .await
     }
 
     pub(super) async fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>> {
@@ -367,7 +432,8 @@ impl BeginStep<'_> {
     }
 
     /// What one row of a claim statement answers (`claimed_at`: the column
-    /// of its `claimed` flag, the record's columns after it): the claim it
+    /// of its `claimed` flag, then its `released` flag, the record's
+    /// columns after them): the claim it
     /// made, or, when it wrote nothing, `logic::begin`'s answer on the row
     /// as read. `None` when that row would have been claimed: another begin
     /// is claiming the key or has (a newer row than the snapshot shows),
@@ -379,9 +445,10 @@ impl BeginStep<'_> {
         claimed_at: usize,
     ) -> Result<Option<Begin>, RunError> {
         let claimed: bool = found.try_get(claimed_at)?;
-        let record = row::record(self.key, found, claimed_at + 1)?;
+        let released: bool = found.try_get(claimed_at + 1)?;
+        let record = row::record(self.key, found, claimed_at + 2)?;
         if claimed {
-            return Ok(Some(Begin::Claimed(claim_of(&record))));
+            return Ok(Some(Begin::Claimed(claim_of(&record, released))));
         }
         let (fp, now, lease, keep) = (self.fingerprint, self.now, self.lease, self.retention);
         let step = logic::begin(Some(record), fp, now, lease, keep, || Ok(0))?;
@@ -462,14 +529,18 @@ impl From<Error> for RunError {
     }
 }
 
-/// The claim for a record the statement just claimed. `logic::begin` gives
-/// a fresh record attempt 1 and a takeover the previous attempts + 1, so
-/// "attempt > 1" is exactly "this was a takeover".
-pub(super) fn claim_of(record: &Record) -> Claim {
-    Claim::new(
+/// The claim for a record the statement just claimed, carrying its steps.
+/// `logic::begin` gives a fresh record attempt 1 and a claim of a
+/// PROCESSING record the previous attempts + 1, so "attempt > 1" is
+/// exactly "a PROCESSING record was claimed": a takeover unless that record
+/// was `released` (its lease at `sql::RELEASED`, steps kept).
+pub(super) fn claim_of(record: &Record, released: bool) -> Claim {
+    let mut claim = Claim::new(
         record.token,
         record.lease_until.unwrap_or(Timestamp::EPOCH),
-        record.attempts > 1,
+        record.attempts > 1 && !released,
         record.attempts,
-    )
+    );
+    claim.steps.clone_from(&record.steps);
+    claim
 }

@@ -6,7 +6,8 @@
 //! checksums its own pages (when the cluster has data checksums on), so
 //! there is no crc32 here; every row read is checked against
 //! `Record::check` (the table has no CHECK constraints since schema
-//! version 2: see `schema.rs`).
+//! version 2: see `schema.rs`). Steps are two `bytea[]` columns, names and
+//! outputs (see `schema.rs` for why).
 //!
 //! Times are `bigint` milliseconds since the Unix epoch. A deadline past
 //! `i64::MAX` ms (some 292 million years) is stored as `i64::MAX`.
@@ -17,6 +18,7 @@ use crate::fingerprint::Fingerprint;
 use crate::key::Key;
 use crate::record::{Record, State};
 use crate::response::Response;
+use crate::step::Step;
 use crate::time::Timestamp;
 use std::time::Duration;
 use tokio_postgres::Row;
@@ -93,6 +95,11 @@ pub(super) fn record(key: &Key, row: &Row, first: usize) -> Result<Record> {
         row.try_get(col(10)).map_err(get_err)?,
     )
     .map_err(corrupt)?;
+    let steps = steps(
+        row.try_get(col(11)).map_err(get_err)?,
+        row.try_get(col(12)).map_err(get_err)?,
+    )
+    .map_err(corrupt)?;
     let record = Record {
         fingerprint: Fingerprint::from_bytes(fingerprint),
         state,
@@ -102,10 +109,31 @@ pub(super) fn record(key: &Key, row: &Row, first: usize) -> Result<Record> {
         created_at,
         token,
         attempts,
-        steps: Vec::new(),
+        steps,
     };
     record.check().map_err(|why| corrupt(why.to_owned()))?;
     Ok(record)
+}
+
+/// The step columns as steps: as many names as outputs, each name UTF-8.
+/// The limits, unique names and "no steps when DONE" are `Record::check`'s.
+fn steps(names: Vec<Vec<u8>>, outputs: Vec<Vec<u8>>) -> std::result::Result<Vec<Step>, String> {
+    if names.len() != outputs.len() {
+        return Err(format!(
+            "{} step names but {} outputs",
+            names.len(),
+            outputs.len()
+        ));
+    }
+    names
+        .into_iter()
+        .zip(outputs)
+        .map(|(name, output)| {
+            String::from_utf8(name)
+                .map(|name| Step { name, output })
+                .map_err(|_| "a step name is not UTF-8".to_owned())
+        })
+        .collect()
 }
 
 fn response(
@@ -185,5 +213,17 @@ mod tests {
             .is_err()
         );
         assert_eq!(response(None, None, None, None), Ok(None));
+    }
+
+    #[test]
+    fn step_columns_decode_and_malformed_ones_are_refused() {
+        let s = Step::new("charge", b"ch_1".to_vec()).unwrap();
+        assert_eq!(
+            steps(vec![b"charge".to_vec()], vec![b"ch_1".to_vec()]),
+            Ok(vec![s])
+        );
+        assert_eq!(steps(vec![], vec![]), Ok(vec![]));
+        assert!(steps(vec![b"a".to_vec()], vec![]).is_err());
+        assert!(steps(vec![vec![0xff]], vec![vec![]]).is_err());
     }
 }

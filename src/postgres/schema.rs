@@ -13,9 +13,9 @@ use crate::error::{Error, Result};
 use tokio_postgres::Client;
 
 /// The schema this build creates, and the only one it reads or writes
-/// (version 1, with every record invariant also a CHECK constraint, was
-/// made by pre-release builds only).
-pub(super) const SCHEMA_VERSION: u32 = 2;
+/// (versions 1, with every record invariant also a CHECK constraint, and
+/// 2, without the step columns, were made by pre-release builds only).
+pub(super) const SCHEMA_VERSION: u32 = 3;
 const MARKER_PREFIX: &str = "idemstore records, schema version ";
 
 /// What the catalog says about the configured table.
@@ -113,6 +113,16 @@ async fn inspect(client: &Client, sql: &Sql) -> Result<Found> {
 /// "PostgreSQL schema"). Every row the store reads is still checked
 /// (`row::record`), so a row a hand-written UPDATE broke is reported as
 /// `Error::Corrupt` for its key when read, instead of refused when written.
+///
+/// Steps are two arrays, names and outputs, the i-th of each one step, in
+/// the order recorded (as the response's headers are): the statements
+/// append a step, count the steps and find a released record's in the
+/// server (`cardinality`, `array_append`), which one `bytea` of the codec's
+/// encoding would hide from them, and an operator reads them with SQL.
+/// Names are `bytea`, not `text`: a step name is any UTF-8 string, and
+/// `text` cannot hold a NUL; `row::record` checks they are UTF-8. Not
+/// null, empty by default, so a write that does not name them (a claim of
+/// a fresh key, an inbox's DONE insert) stores no steps.
 fn ddl(sql: &Sql) -> String {
     let (t, seq, idx) = (&sql.table, &sql.sequence, &sql.index);
     format!(
@@ -131,6 +141,8 @@ fn ddl(sql: &Sql) -> String {
             header_names  bytea[],
             header_values bytea[],
             body          bytea,
+            step_names    bytea[]  NOT NULL DEFAULT '{{}}',
+            step_outputs  bytea[]  NOT NULL DEFAULT '{{}}',
             PRIMARY KEY (scope, id)
         );
         ALTER SEQUENCE \"{seq}\" OWNED BY \"{t}\".token;

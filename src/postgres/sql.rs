@@ -14,12 +14,13 @@ pub(super) const STATE_DONE: i16 = 2;
 
 /// The record columns, in the order [`super::row`] decodes them.
 pub(super) const RECORD_COLUMNS: &str = "fingerprint, state, lease_until, expires_at, created_at, \
-     token, attempts, status, header_names, header_values, body";
+     token, attempts, status, header_names, header_values, body, step_names, step_outputs";
 
 /// The record columns as the group statement's `live` reads them (from
 /// the table, aliased `r`).
 const LIVE_COLUMNS: &str = "r.fingerprint, r.state, r.lease_until, r.expires_at, r.created_at, \
-     r.token, r.attempts, r.status, r.header_names, r.header_values, r.body";
+     r.token, r.attempts, r.status, r.header_names, r.header_values, r.body, r.step_names, \
+     r.step_outputs";
 
 /// The record columns as an `INSERT .. RETURNING` of the table aliased `r`.
 const CLAIMED_COLUMNS: &str = LIVE_COLUMNS;
@@ -53,12 +54,16 @@ pub(super) const SET_END: &str = "SET LOCAL enable_seqscan TO DEFAULT; \
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Stmt {
     /// `$1 scope, $2 id, $3 fingerprint, $4 now, $5 now + lease, $6 now + retention,
-    /// $7 key lock` → at most one row: `claimed bool` then [`RECORD_COLUMNS`].
+    /// $7 key lock` → at most one row: `claimed bool`, `released bool` (the
+    /// claimed row was [released](RELEASED) with its steps kept: the claim
+    /// is not a takeover), then [`RECORD_COLUMNS`].
     Begin = 0,
     /// `$1 scope, $2 id, $3 token, $4 now, $5 now + retention, $6 status,
     /// $7 header names, $8 header values, $9 body` → rows affected (0 or 1).
     Complete = 1,
-    /// `$1 scope, $2 id, $3 token` → rows affected (0 or 1).
+    /// `$1 scope, $2 id, $3 token` → rows deleted (0 or 1): the owner's
+    /// record when it has no steps. Sent with [`Stmt::ReleaseKeep`] (their
+    /// conditions exclude each other, so their order does not matter).
     Release = 2,
     /// `$1 scope, $2 id` → at most one row of [`RECORD_COLUMNS`].
     Get = 3,
@@ -73,7 +78,8 @@ pub(super) enum Stmt {
     /// A group's begins, one statement (see `group`): arrays `$1 scopes,
     /// $2 ids, $3 fingerprints, $4 nows, $5 lease deadlines, $6 expiries,
     /// $7 key locks`, one element per job, distinct keys in key order →
-    /// rows of `n bigint`, `claimed bool`, [`RECORD_COLUMNS`], `scope`,
+    /// rows of `n bigint`, `claimed bool`, `released bool` (always false:
+    /// a group never claims a released row), [`RECORD_COLUMNS`], `scope`,
     /// `id`: a claim (`n` NULL, the key naming its job), or a key's row as
     /// read (`n` the job's 1-based position, the key NULL); a job with
     /// neither must run again alone.
@@ -97,11 +103,26 @@ pub(super) enum Stmt {
     /// row exists, or another begin holds the key's lock), and then
     /// [`Stmt::Begin`] decides.
     BeginFresh = 11,
+    /// `$1 scope, $2 id, $3 token` → rows updated (0 or 1): the owner's
+    /// record when it has steps, kept with its lease at [`RELEASED`].
+    ReleaseKeep = 12,
+    /// `$1 scope, $2 id, $3 token, $4 now, $5 step name, $6 step output,
+    /// $7 how many steps the caller read` → rows updated (0 or 1): the step
+    /// appended when the owner's record still holds exactly the steps read.
+    RecordStep = 13,
 }
 
 impl Stmt {
-    pub(super) const COUNT: usize = 12;
+    pub(super) const COUNT: usize = 14;
 }
+
+/// `lease_until` of a PROCESSING record whose owner released it and whose
+/// steps are kept (`logic`'s `RELEASED`, `Timestamp::EPOCH`, as stored):
+/// over at any `now`, so every claim condition below (`lease_until <= now`)
+/// already finds it claimable, and every ownership check refuses it
+/// (`lease_until <> RELEASED`). A real lease is never 0: it is `now +
+/// lease` with a lease of at least 1 ms.
+pub(super) const RELEASED: i64 = 0;
 
 /// The statement texts and object names for one table.
 #[derive(Debug)]
@@ -121,12 +142,16 @@ impl Sql {
         let index = format!("{table}_expires_idx");
         let t = format!("\"{table}\"");
         let seq = format!("\"{sequence}\"");
-        let (p, d) = (STATE_PROCESSING, STATE_DONE);
+        let (p, d, rel) = (STATE_PROCESSING, STATE_DONE, RELEASED);
         // The claim decision is logic::begin's, and nothing else: the key's
         // record is expired (`now >= expires_at`: a fresh record replaces
         // it), or it is PROCESSING under the same fingerprint with its lease
         // run out (a takeover: new token, lease renewed, expiry never
-        // earlier, attempts + 1 saturating at u32::MAX). It is made twice:
+        // earlier, attempts + 1 saturating at u32::MAX, steps kept; an
+        // expired record's steps go with it). A record its owner released
+        // with its steps kept (`lease_until = RELEASED`) is claimed the
+        // same way, at once, but the claim is not a takeover. It is made
+        // twice:
         //
         // 1. On the row as the statement's snapshot shows it (`live`). When
         //    that row is live and not claimable, the statement writes and
@@ -139,6 +164,15 @@ impl Sql {
         //    the key after the snapshot was taken; the statement then returns
         //    the snapshot's row (claimable) or none, and the caller runs it
         //    again with a new snapshot.
+        //
+        // Takeover or not: logic::begin tells them apart by the lease the
+        // claimed row had (RELEASED or run out), which RETURNING cannot
+        // show (it shows the new row). So the statement claims a row only
+        // when the newest row and the snapshot's (`released`) agree on
+        // being released, and answers the snapshot's. When they do not
+        // (the owner released the row after the snapshot was taken; the
+        // other way round needs a claim, which the key lock excludes), it
+        // claims nothing and runs again, as after any other change.
         //
         // Tokens: a claiming begin takes a transaction-scoped advisory lock
         // on the key ($7, see `key_lock`) and only then draws its token, so
@@ -168,6 +202,9 @@ impl Sql {
                        THEN pg_try_advisory_xact_lock($7::bigint)
                        ELSE false END AS held
             ),
+            released AS (
+                SELECT coalesce(bool_or(lease_until = {rel}), false) AS was FROM live
+            ),
             claimed AS (
                 INSERT INTO {t} AS r (scope, id, fingerprint, state, lease_until, expires_at,
                                       created_at, token, attempts)
@@ -185,15 +222,20 @@ impl Sql {
                     token = excluded.token,
                     attempts = CASE WHEN r.expires_at <= $4 THEN 1
                                     ELSE LEAST(r.attempts + 1, 4294967295) END,
-                    status = NULL, header_names = NULL, header_values = NULL, body = NULL
+                    status = NULL, header_names = NULL, header_values = NULL, body = NULL,
+                    step_names = CASE WHEN r.expires_at <= $4 THEN '{{}}' ELSE r.step_names END,
+                    step_outputs = CASE WHEN r.expires_at <= $4 THEN '{{}}'
+                                        ELSE r.step_outputs END
                 WHERE r.expires_at <= $4
                    OR (r.state = {p} AND r.fingerprint = excluded.fingerprint
-                       AND r.lease_until <= $4)
+                       AND r.lease_until <= $4
+                       AND (r.lease_until = {rel}) = (SELECT was FROM released))
                 RETURNING {RECORD_COLUMNS}
             )
-            SELECT true AS claimed, {RECORD_COLUMNS} FROM claimed
+            SELECT true AS claimed, (SELECT was FROM released), {RECORD_COLUMNS} FROM claimed
             UNION ALL
-            SELECT false, {RECORD_COLUMNS} FROM live WHERE NOT EXISTS (SELECT 1 FROM claimed)"
+            SELECT false, false, {RECORD_COLUMNS} FROM live
+             WHERE NOT EXISTS (SELECT 1 FROM claimed)"
         );
         // Stmt::Begin's claim of an absent key alone, the common case: the
         // record logic::begin makes when there is none, under the same
@@ -214,22 +256,56 @@ impl Sql {
              ON CONFLICT (scope, id) DO NOTHING
              RETURNING token"
         );
-        // logic::complete's ownership check: PROCESSING, same token, not expired.
+        // logic::complete's ownership check (logic's `owned`): PROCESSING,
+        // same token, not released, not expired. A DONE record has no steps.
         let complete = format!(
             "UPDATE {t} SET state = {d}, lease_until = NULL, expires_at = $5,
-                    status = $6, header_names = $7, header_values = $8, body = $9
-              WHERE scope = $1 AND id = $2 AND state = {p} AND token = $3 AND expires_at > $4"
+                    status = $6, header_names = $7, header_values = $8, body = $9,
+                    step_names = '{{}}', step_outputs = '{{}}'
+              WHERE scope = $1 AND id = $2 AND state = {p} AND token = $3
+                AND lease_until <> {rel} AND expires_at > $4"
         );
-        // logic::release's check: PROCESSING, same token (expiry not checked).
-        let release =
-            format!("DELETE FROM {t} WHERE scope = $1 AND id = $2 AND state = {p} AND token = $3");
+        // logic::release's check: PROCESSING, same token, not released
+        // (expiry not checked); then logic::release's choice, one statement
+        // each: no steps, the row is deleted; steps, it is kept, its lease
+        // at RELEASED. Steps under one token are only ever appended, so a
+        // step recorded between the two only moves the row from the first
+        // statement's case to the second's.
+        let release = format!(
+            "DELETE FROM {t} WHERE scope = $1 AND id = $2 AND state = {p} AND token = $3
+                AND lease_until <> {rel} AND cardinality(step_names) = 0"
+        );
+        let release_keep = format!(
+            "UPDATE {t} SET lease_until = {rel}
+              WHERE scope = $1 AND id = $2 AND state = {p} AND token = $3
+                AND lease_until <> {rel} AND cardinality(step_names) > 0"
+        );
         // logic::renew: the owner's check (PROCESSING, same token, not
-        // expired), the lease never shortened, the expiry never before it.
+        // released, not expired), the lease never shortened, the expiry
+        // never before it.
         let renew = format!(
             "UPDATE {t} SET lease_until = GREATEST(lease_until, $5),
                     expires_at = GREATEST(expires_at, lease_until, $5)
-              WHERE scope = $1 AND id = $2 AND state = {p} AND token = $3 AND expires_at > $4
+              WHERE scope = $1 AND id = $2 AND state = {p} AND token = $3
+                AND lease_until <> {rel} AND expires_at > $4
               RETURNING lease_until"
+        );
+        // logic::record_step's write, once logic::record_step has decided
+        // it on the row as read ($7: how many steps that row held): the
+        // owner's check (PROCESSING, same token, not released, not expired)
+        // on the newest row under its row lock, and the steps unchanged
+        // since the read. Under one token the steps are only ever appended
+        // (a takeover, a fresh claim, a complete or a release changes the
+        // token, the state or the lease, which the owner's check refuses),
+        // so the same count is the same steps, and the append is what
+        // logic::record_step decided. No row: the record changed since the
+        // read; the caller reads it and decides again.
+        let record_step = format!(
+            "UPDATE {t} SET step_names = array_append(step_names, $5::bytea),
+                    step_outputs = array_append(step_outputs, $6::bytea)
+              WHERE scope = $1 AND id = $2 AND state = {p} AND token = $3
+                AND lease_until <> {rel} AND expires_at > $4
+                AND cardinality(step_names) = $7::integer"
         );
         // Stmt::Begin over a group of distinct keys: the same two decisions
         // per row, each job's own `now` standing where $4 stands above
@@ -245,6 +321,14 @@ impl Sql {
         // false). Nothing joins the claims back to the input: without hash
         // joins (PLAN_SETTINGS) that join was a nested loop over both lists,
         // quadratic in the group's size.
+        //
+        // A released row (lease_until = RELEASED) is never claimed here:
+        // telling that claim from a takeover needs the claimed row's old
+        // lease, which the claims could only get by that join. Its key's
+        // lock is not tried, the ON CONFLICT refuses it too (a release
+        // committed after the probe), and the job's row as read is then a
+        // claimable one, so the job runs again alone (Stmt::Begin), which
+        // claims it.
         let begin_group = format!(
             "WITH input AS (
                 SELECT * FROM unnest($1::bytea[], $2::bytea[], $3::bytea[], $4::bigint[],
@@ -258,7 +342,8 @@ impl Sql {
                        CASE WHEN r.state IS NULL
                                  OR NOT coalesce(r.expires_at > i.at
                                                  AND NOT (r.state = {p} AND r.fingerprint = i.fp
-                                                          AND r.lease_until <= i.at), false)
+                                                          AND r.lease_until <= i.at
+                                                          AND r.lease_until <> {rel}), false)
                             THEN pg_try_advisory_xact_lock(i.lock)
                             ELSE false END AS held
                   FROM input i LEFT JOIN {t} r ON r.scope = i.scope AND r.id = i.id
@@ -285,22 +370,28 @@ impl Sql {
                     token = excluded.token,
                     attempts = CASE WHEN r.expires_at <= excluded.created_at THEN 1
                                     ELSE LEAST(r.attempts + 1, 4294967295) END,
-                    status = NULL, header_names = NULL, header_values = NULL, body = NULL
+                    status = NULL, header_names = NULL, header_values = NULL, body = NULL,
+                    step_names = CASE WHEN r.expires_at <= excluded.created_at THEN '{{}}'
+                                      ELSE r.step_names END,
+                    step_outputs = CASE WHEN r.expires_at <= excluded.created_at THEN '{{}}'
+                                        ELSE r.step_outputs END
                 WHERE r.expires_at <= excluded.created_at
                    OR (r.state = {p} AND r.fingerprint = excluded.fingerprint
-                       AND r.lease_until <= excluded.created_at)
+                       AND r.lease_until <= excluded.created_at AND r.lease_until <> {rel})
                 RETURNING {CLAIMED_COLUMNS}, r.scope, r.id
             )
-            SELECT NULL::bigint AS n, true AS claimed, {RECORD_COLUMNS}, scope, id FROM claimed
+            SELECT NULL::bigint AS n, true AS claimed, false AS released, {RECORD_COLUMNS},
+                   scope, id
+              FROM claimed
             UNION ALL
-            SELECT n, false, {RECORD_COLUMNS}, NULL::bytea, NULL::bytea FROM probe
+            SELECT n, false, false, {RECORD_COLUMNS}, NULL::bytea, NULL::bytea FROM probe
              WHERE state IS NOT NULL"
         );
         // Stmt::Complete over a group of distinct keys; each job's headers
         // are its slice of the concatenated arrays (an empty slice is `{}`).
         let complete_group = format!(
             "UPDATE {t} r SET state = {d}, lease_until = NULL, expires_at = u.expires_at,
-                    status = u.status,
+                    step_names = '{{}}', step_outputs = '{{}}', status = u.status,
                     header_names = ($9::bytea[])[u.first + 1 : u.next],
                     header_values = ($10::bytea[])[u.first + 1 : u.next],
                     body = u.body
@@ -310,7 +401,7 @@ impl Sql {
                             WITH ORDINALITY AS u(scope, id, token, at, expires_at, status, body,
                                                  first, n)) u
               WHERE r.scope = u.scope AND r.id = u.id AND r.state = {p} AND r.token = u.token
-                AND r.expires_at > u.at
+                AND r.lease_until <> {rel} AND r.expires_at > u.at
               RETURNING u.n"
         );
         let get = format!("SELECT {RECORD_COLUMNS} FROM {t} WHERE scope = $1 AND id = $2");
@@ -343,6 +434,8 @@ impl Sql {
                 PLAN_SETTINGS.to_owned(),
                 "SELECT pg_logical_emit_message(true, 'idemstore', '')".to_owned(),
                 begin_fresh,
+                release_keep,
+                record_step,
             ],
         }
     }

@@ -8,9 +8,10 @@
 //! Each store gets a table of its own, dropped at the end, so the tests run
 //! in parallel on one database.
 
+use idemstore::limits::{MAX_STEP_OUTPUT_BYTES, MAX_STEPS, MAX_STEPS_BYTES};
 use idemstore::{
-    Begin, Error, Fingerprint, Guard, Key, Outcome, PostgresStore, Response, Store, SystemClock,
-    Timestamp,
+    Begin, Error, Fingerprint, Guard, Key, Outcome, PostgresStore, Response, State, Step, Store,
+    SystemClock, Timestamp,
 };
 use idemstore_testkit::conformance::{Subject, T0};
 use std::collections::HashMap;
@@ -214,7 +215,7 @@ fn foreign_or_newer_table_is_a_typed_error() {
             err,
             Error::UnsupportedFormat {
                 found: 7,
-                supported: 2
+                supported: 3
             }
         ),
         "{err}"
@@ -239,66 +240,60 @@ fn foreign_or_newer_table_is_a_typed_error() {
     assert!(matches!(err, Error::Corrupt { .. }), "{err}");
 }
 
-/// A table of schema version 1 (made by pre-release builds: every record
-/// invariant a CHECK constraint) is refused at build and by `migrate`,
-/// with the version found and the version this build reads; its rows are
-/// left as they are.
+/// A table of an older schema version (made by pre-release builds: 1,
+/// every record invariant a CHECK constraint; 2, no step columns) is
+/// refused at build and by `migrate`, with the version found and the
+/// version this build reads; its rows are left as they are.
 #[test]
-fn a_version_1_table_is_refused_and_left_as_it_is() {
+fn an_older_version_table_is_refused_and_left_as_it_is() {
     let Some(url) = pg_url() else { return };
-    let (store, names) = fresh_store("v1", 1);
-    let table = names.table.clone();
-    let fp = Fingerprint::of(b"a");
-    let first = claimed(store.begin(&key("a"), &fp, T0, SEC, HOUR).unwrap());
-    store
-        .complete(&key("a"), &first, &Response::new(201, "one"), T0, HOUR)
-        .unwrap();
-    drop(store);
-    let mut client = raw(&url);
-    client
-        .batch_execute(&format!(
-            "COMMENT ON TABLE \"{table}\" IS 'idemstore records, schema version 1'"
-        ))
-        .unwrap();
-    let v1 = |e: &Error| {
-        matches!(
-            e,
-            Error::UnsupportedFormat {
-                found: 1,
-                supported: 2
-            }
-        )
-    };
-    let err = PostgresStore::builder()
-        .table(&table)
-        .connect(&url)
-        .unwrap_err();
-    assert!(v1(&err), "{err}");
-    let text = err.to_string();
-    assert!(
-        text.contains("version 1") && text.contains("version 2"),
-        "names both versions: {text}"
-    );
-    let err = PostgresStore::builder()
-        .table(&table)
-        .migrate_on_build(true)
-        .connect(&url)
-        .unwrap_err();
-    assert!(v1(&err), "{err}");
-    let (rows, comment): (i64, String) = {
-        let row = client
-            .query_one(
-                &format!(
-                    "SELECT (SELECT count(*) FROM \"{table}\"), \
-                     obj_description(to_regclass($1), 'pg_class')"
-                ),
-                &[&format!("\"{table}\"")],
-            )
+    for old in [1u32, 2] {
+        let (store, names) = fresh_store("old", 1);
+        let table = names.table.clone();
+        let fp = Fingerprint::of(b"a");
+        let first = claimed(store.begin(&key("a"), &fp, T0, SEC, HOUR).unwrap());
+        store
+            .complete(&key("a"), &first, &Response::new(201, "one"), T0, HOUR)
             .unwrap();
-        (row.get(0), row.get(1))
-    };
-    assert_eq!(rows, 1, "the rows are left as they are");
-    assert_eq!(comment, "idemstore records, schema version 1");
+        drop(store);
+        let mut client = raw(&url);
+        client
+            .batch_execute(&format!(
+                "COMMENT ON TABLE \"{table}\" IS 'idemstore records, schema version {old}'"
+            ))
+            .unwrap();
+        let refused = |e: &Error| matches!(e, Error::UnsupportedFormat { found, supported: 3 } if *found == old);
+        let err = PostgresStore::builder()
+            .table(&table)
+            .connect(&url)
+            .unwrap_err();
+        assert!(refused(&err), "{err}");
+        let text = err.to_string();
+        assert!(
+            text.contains(&format!("version {old}")) && text.contains("version 3"),
+            "names both versions: {text}"
+        );
+        let err = PostgresStore::builder()
+            .table(&table)
+            .migrate_on_build(true)
+            .connect(&url)
+            .unwrap_err();
+        assert!(refused(&err), "{err}");
+        let (rows, comment): (i64, String) = {
+            let row = client
+                .query_one(
+                    &format!(
+                        "SELECT (SELECT count(*) FROM \"{table}\"), \
+                         obj_description(to_regclass($1), 'pg_class')"
+                    ),
+                    &[&format!("\"{table}\"")],
+                )
+                .unwrap();
+            (row.get(0), row.get(1))
+        };
+        assert_eq!(rows, 1, "the rows are left as they are");
+        assert_eq!(comment, format!("idemstore records, schema version {old}"));
+    }
 }
 
 /// Regression: a store built on a table nobody had created built fine, and
@@ -965,5 +960,518 @@ trait NowMs {
 impl NowMs for SystemClock {
     fn now_ms(&self) -> u64 {
         idemstore::Clock::now(self).as_millis()
+    }
+}
+
+// Steps (issue #42) on PostgreSQL: the table's two step columns and every
+// statement's handling of a released record (lease_until 0, steps kept).
+
+fn step(name: &str, output: &[u8]) -> Step {
+    Step::new(name, output.to_vec()).unwrap()
+}
+
+fn names(steps: &[Step]) -> Vec<&str> {
+    steps.iter().map(Step::name).collect()
+}
+
+/// Steps recorded by the owner come back to the claim that takes the key
+/// over; the old owner can no longer record, renew or complete; a DONE
+/// record has none, in the table too.
+#[test]
+fn steps_are_recorded_and_handed_to_a_takeover() {
+    let Some(url) = pg_url() else { return };
+    let (store, table) = fresh_store("steps", 4);
+    let (k, fp) = (key("order"), Fingerprint::of(b"qty=1"));
+    let first = claimed(store.begin(&k, &fp, T0, SEC, HOUR).unwrap());
+    assert!(first.steps().is_empty());
+    let charge = step("charge", b"ch_1");
+    store.record_step(&k, &first, &charge, T0).unwrap();
+    // The same step again writes nothing; another output under its name is refused.
+    store.record_step(&k, &first, &charge, T0).unwrap();
+    let clash = store.record_step(&k, &first, &step("charge", b"ch_2"), T0);
+    assert!(
+        matches!(clash, Err(Error::InvalidArgument { .. })),
+        "{clash:?}"
+    );
+    // A name with a NUL and an empty output are steps like any other.
+    let odd = step("nul\0name", b"");
+    store.record_step(&k, &first, &odd, T0).unwrap();
+    let rec = store.get(&k, T0).unwrap().unwrap();
+    assert_eq!(rec.steps(), [charge.clone(), odd.clone()]);
+
+    // The lease runs out: a takeover, with the steps.
+    let later = T0 + SEC;
+    let second = claimed(store.begin(&k, &fp, later, SEC, HOUR).unwrap());
+    assert!(second.is_takeover());
+    assert_eq!(second.attempt(), 2);
+    assert_eq!(second.steps(), [charge.clone(), odd.clone()]);
+    let email = step("email", b"msg_9");
+    let stale = store.record_step(&k, &first, &email, later);
+    assert!(matches!(stale, Err(Error::StaleClaim)), "{stale:?}");
+    assert!(matches!(
+        store.renew(&k, &first, later, SEC),
+        Err(Error::StaleClaim)
+    ));
+    assert!(matches!(
+        store.complete(&k, &first, &Response::new(200, "old"), later, HOUR),
+        Err(Error::StaleClaim)
+    ));
+    assert!(matches!(store.release(&k, &first), Err(Error::StaleClaim)));
+    store.record_step(&k, &second, &email, later).unwrap();
+    assert_eq!(
+        names(store.get(&k, later).unwrap().unwrap().steps()),
+        ["charge", "nul\0name", "email"]
+    );
+    // A renewal keeps them.
+    let second = store.renew(&k, &second, later, SEC).unwrap();
+    assert_eq!(store.get(&k, later).unwrap().unwrap().steps().len(), 3);
+
+    // complete drops them.
+    store
+        .complete(&k, &second, &Response::new(201, "paid"), later, HOUR)
+        .unwrap();
+    let done = store.get(&k, later).unwrap().unwrap();
+    assert_eq!(done.state(), State::Done);
+    assert!(done.steps().is_empty());
+    let stale = store.record_step(&k, &second, &step("late", b""), later);
+    assert!(matches!(stale, Err(Error::StaleClaim)), "{stale:?}");
+    let left: i32 = raw(&url)
+        .query_one(
+            &format!(
+                "SELECT cardinality(step_names) + cardinality(step_outputs) FROM \"{}\"",
+                table.table
+            ),
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(left, 0, "no step is left in the DONE row");
+}
+
+/// A release with steps keeps the row (PROCESSING, lease_until 0, steps):
+/// the next claim with the same fingerprint is at once and not a takeover,
+/// another fingerprint is a conflict, the old claim is stale for every
+/// call. Without steps a release deletes the row, as before.
+#[test]
+fn a_release_keeps_steps_and_the_next_claim_is_not_a_takeover() {
+    let Some(url) = pg_url() else { return };
+    let (store, table) = fresh_store("steps_rel", 4);
+    let (k, fp) = (key("order"), Fingerprint::of(b"qty=1"));
+    let first = claimed(store.begin(&k, &fp, T0, HOUR, HOUR * 2).unwrap());
+    let charge = step("charge", b"ch_1");
+    store.record_step(&k, &first, &charge, T0).unwrap();
+    store.release(&k, &first).unwrap();
+    let kept = store.get(&k, T0).unwrap().expect("kept");
+    assert_eq!(kept.state(), State::Processing);
+    assert_eq!(kept.lease_until(), Some(Timestamp::EPOCH));
+    assert_eq!(kept.token(), first.token());
+    assert_eq!(kept.steps(), std::slice::from_ref(&charge));
+    let lease: i64 = raw(&url)
+        .query_one(&format!("SELECT lease_until FROM \"{}\"", table.table), &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(lease, 0);
+
+    // The released claim is stale for every call.
+    let t = T0 + SEC;
+    assert!(matches!(store.release(&k, &first), Err(Error::StaleClaim)));
+    assert!(matches!(
+        store.renew(&k, &first, t, SEC),
+        Err(Error::StaleClaim)
+    ));
+    assert!(matches!(
+        store.record_step(&k, &first, &step("email", b""), t),
+        Err(Error::StaleClaim)
+    ));
+    assert!(matches!(
+        store.complete(&k, &first, &Response::new(200, "x"), t, HOUR),
+        Err(Error::StaleClaim)
+    ));
+    // Another fingerprint conflicts; the same one claims at once (the
+    // owner's lease, an hour, has not run out), not as a takeover.
+    assert!(matches!(
+        store.begin(&k, &Fingerprint::of(b"qty=2"), t, SEC, HOUR),
+        Ok(Begin::Conflict)
+    ));
+    let second = claimed(store.begin(&k, &fp, t, SEC, HOUR).unwrap());
+    assert!(!second.is_takeover());
+    assert_eq!(second.attempt(), 2);
+    assert_eq!(second.steps(), std::slice::from_ref(&charge));
+    assert!(second.token() > first.token());
+    // The next one is InFlight, as for any live claim.
+    assert!(matches!(
+        store.begin(&k, &fp, t, SEC, HOUR),
+        Ok(Begin::InFlight { .. })
+    ));
+    // Released again (steps kept), then claimed through the async entry.
+    store.release(&k, &second).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let third = rt
+        .block_on(async {
+            store
+                .begin_async(&k, &fp, t, SEC, HOUR)
+                .expect("native")
+                .await
+        })
+        .map(claimed)
+        .unwrap();
+    assert!(!third.is_takeover());
+    assert_eq!((third.attempt(), third.steps()), (3, &[charge.clone()][..]));
+    rt.block_on(async {
+        store
+            .record_step_async(&k, &third, &step("email", b"m"), t)
+            .expect("native")
+            .await
+    })
+    .unwrap();
+    assert_eq!(
+        names(store.get(&k, t).unwrap().unwrap().steps()),
+        ["charge", "email"]
+    );
+    store
+        .complete(&k, &third, &Response::new(201, "paid"), t, HOUR)
+        .unwrap();
+    assert!(store.get(&k, t).unwrap().unwrap().steps().is_empty());
+
+    // No steps: the row goes, and the next claim is a fresh one.
+    let plain = key("plain");
+    let c = claimed(store.begin(&plain, &fp, T0, HOUR, HOUR).unwrap());
+    store.release(&plain, &c).unwrap();
+    assert!(store.get(&plain, T0).unwrap().is_none());
+    let again = claimed(store.begin(&plain, &fp, T0, HOUR, HOUR).unwrap());
+    assert_eq!((again.is_takeover(), again.attempt()), (false, 1));
+
+    // A released record that expires is gone for good: a fresh claim, no steps.
+    let gone = key("gone");
+    let c = claimed(store.begin(&gone, &fp, T0, SEC, SEC * 2).unwrap());
+    store.record_step(&gone, &c, &charge, T0).unwrap();
+    store.release(&gone, &c).unwrap();
+    let fresh = claimed(store.begin(&gone, &fp, T0 + SEC * 2, SEC, HOUR).unwrap());
+    assert_eq!((fresh.is_takeover(), fresh.attempt()), (false, 1));
+    assert!(fresh.steps().is_empty());
+    assert!(
+        store
+            .get(&gone, T0 + SEC * 2)
+            .unwrap()
+            .unwrap()
+            .steps()
+            .is_empty()
+    );
+}
+
+/// Released records claimed by many threads at once (the commit line then
+/// groups begins, and a group never claims a released row: its job runs
+/// again alone): one claim per key, never a takeover, with the steps.
+#[test]
+fn concurrent_claims_of_released_records_are_not_takeovers() {
+    if !enabled() {
+        return;
+    }
+    let (store, _table) = fresh_store("steps_conc", 8);
+    let store = Arc::new(store);
+    let fp = Fingerprint::of(b"x");
+    let keys: Vec<Key> = (0..40).map(|i| key(&format!("r{i}"))).collect();
+    for k in &keys {
+        let c = claimed(store.begin(k, &fp, T0, HOUR, HOUR * 2).unwrap());
+        store
+            .record_step(k, &c, &step("charge", k.id()), T0)
+            .unwrap();
+        store.release(k, &c).unwrap();
+    }
+    let threads = 8;
+    let barrier = Arc::new(Barrier::new(threads));
+    let handles: Vec<_> = (0..threads)
+        .map(|_| {
+            let (store, keys, barrier) = (Arc::clone(&store), keys.clone(), Arc::clone(&barrier));
+            std::thread::spawn(move || {
+                barrier.wait();
+                let mut claims = Vec::new();
+                for k in &keys {
+                    match store.begin(k, &fp, T0 + SEC, SEC, HOUR).unwrap() {
+                        Begin::Claimed(c) => claims.push((k.clone(), c)),
+                        Begin::InFlight { .. } => {}
+                        other => panic!("{other:?}"),
+                    }
+                }
+                claims
+            })
+        })
+        .collect();
+    let claims: Vec<_> = handles
+        .into_iter()
+        .flat_map(|h| h.join().unwrap())
+        .collect();
+    assert_eq!(claims.len(), keys.len(), "one claim per key");
+    for (k, c) in claims {
+        assert!(!c.is_takeover(), "{k}");
+        assert_eq!(c.attempt(), 2);
+        assert_eq!(c.steps(), [step("charge", k.id())]);
+    }
+}
+
+/// The per-record limits are refused before any write; the limit itself
+/// is accepted.
+#[test]
+fn step_limits_are_refused_and_nothing_is_written() {
+    if !enabled() {
+        return;
+    }
+    let (store, _table) = fresh_store("steps_lim", 2);
+    let fp = Fingerprint::of(b"x");
+    let k = key("many");
+    let c = claimed(store.begin(&k, &fp, T0, HOUR, HOUR).unwrap());
+    for i in 0..MAX_STEPS {
+        store
+            .record_step(&k, &c, &step(&format!("s{i}"), b""), T0)
+            .unwrap();
+    }
+    let over = store.record_step(&k, &c, &step("one-more", b""), T0);
+    assert!(
+        matches!(over, Err(Error::StepLimit { what: "steps", .. })),
+        "{over:?}"
+    );
+    assert_eq!(store.get(&k, T0).unwrap().unwrap().steps().len(), MAX_STEPS);
+    // A step already recorded is still Ok at the limit.
+    store.record_step(&k, &c, &step("s0", b""), T0).unwrap();
+
+    let k = key("heavy");
+    let c = claimed(store.begin(&k, &fp, T0, HOUR, HOUR).unwrap());
+    let big = vec![7u8; MAX_STEP_OUTPUT_BYTES];
+    for i in 0..3 {
+        store
+            .record_step(&k, &c, &step(&format!("b{i}"), &big), T0)
+            .unwrap();
+    }
+    let over = store.record_step(&k, &c, &step("b3", &big), T0);
+    assert!(
+        matches!(
+            over,
+            Err(Error::StepLimit {
+                what: "step bytes in the record",
+                ..
+            })
+        ),
+        "{over:?}"
+    );
+    let rec = store.get(&k, T0).unwrap().unwrap();
+    assert_eq!(names(rec.steps()), ["b0", "b1", "b2"]);
+    assert!(rec.steps().iter().all(|s| s.output() == big.as_slice()));
+    // Four full outputs and their names are over MAX_STEPS_BYTES.
+    const { assert!(4 * (MAX_STEP_OUTPUT_BYTES + 2) > MAX_STEPS_BYTES) };
+}
+
+/// A stale owner recording steps while another caller takes the key over:
+/// every step the owner was told is recorded is one the new claim starts
+/// with, and no step it was refused is in the record.
+#[test]
+fn a_stale_owner_racing_two_threads_records_nothing_after_the_takeover() {
+    if !enabled() {
+        return;
+    }
+    let (store, _table) = fresh_store("steps_race", 4);
+    let store = Arc::new(store);
+    let fp = Fingerprint::of(b"x");
+    for round in 0..20 {
+        let k = key(&format!("race{round}"));
+        let owner = claimed(store.begin(&k, &fp, T0, SEC, HOUR).unwrap());
+        let barrier = Arc::new(Barrier::new(2));
+        let recorder = {
+            let (store, k, owner, barrier) = (
+                Arc::clone(&store),
+                k.clone(),
+                owner.clone(),
+                Arc::clone(&barrier),
+            );
+            std::thread::spawn(move || {
+                barrier.wait();
+                let mut told = Vec::new();
+                for i in 0..12 {
+                    let s = step(&format!("s{i}"), &[i]);
+                    // Its own clock still inside the lease.
+                    match store.record_step(&k, &owner, &s, T0) {
+                        Ok(()) => told.push((s, true)),
+                        Err(Error::StaleClaim) => told.push((s, false)),
+                        Err(other) => panic!("{other}"),
+                    }
+                }
+                told
+            })
+        };
+        barrier.wait();
+        let next = claimed(store.begin(&k, &fp, T0 + SEC, SEC, HOUR).unwrap());
+        assert!(next.is_takeover());
+        let told = recorder.join().unwrap();
+        let rec = store.get(&k, T0 + SEC).unwrap().unwrap();
+        assert_eq!(rec.token(), next.token());
+        assert_eq!(
+            rec.steps(),
+            next.steps(),
+            "nothing was recorded after the takeover"
+        );
+        let recorded: Vec<&Step> = told.iter().filter(|(_, ok)| *ok).map(|(s, _)| s).collect();
+        assert_eq!(
+            recorded,
+            next.steps().iter().collect::<Vec<_>>(),
+            "round {round}: the steps acknowledged are exactly the ones handed over"
+        );
+        // Once refused, always refused.
+        let first_refused = told.iter().position(|(_, ok)| !ok).unwrap_or(told.len());
+        assert!(
+            told.get(first_refused..)
+                .unwrap_or_default()
+                .iter()
+                .all(|(_, ok)| !ok)
+        );
+    }
+}
+
+/// Step columns a hand-written UPDATE broke are reported as corrupt.
+#[test]
+fn malformed_step_columns_are_corrupt() {
+    let Some(url) = pg_url() else { return };
+    let (store, table) = fresh_store("steps_bad", 2);
+    let fp = Fingerprint::of(b"x");
+    let t = &table.table;
+    let mut client = raw(&url);
+    let breakages = [
+        // More names than outputs.
+        "step_names = '{\"\\\\x61\"}'",
+        // A name that is not UTF-8.
+        "step_names = '{\"\\\\xff\"}', step_outputs = '{\"\\\\x\"}'",
+        // A name twice.
+        "step_names = '{\"\\\\x61\",\"\\\\x61\"}', step_outputs = '{\"\\\\x\",\"\\\\x\"}'",
+        // A NULL element.
+        "step_names = '{NULL}', step_outputs = '{NULL}'",
+        // Two dimensions.
+        "step_names = '{{\"\\\\x61\"}}', step_outputs = '{{\"\\\\x\"}}'",
+    ];
+    for (i, set) in breakages.iter().enumerate() {
+        let k = key(&format!("bad{i}"));
+        let c = claimed(store.begin(&k, &fp, T0, HOUR, HOUR).unwrap());
+        client
+            .batch_execute(&format!(
+                "UPDATE \"{t}\" SET {set} WHERE id = '{}'::bytea",
+                k.id().escape_ascii()
+            ))
+            .unwrap();
+        let got = store.get(&k, T0);
+        assert!(matches!(got, Err(Error::Corrupt { .. })), "{set}: {got:?}");
+        let _ = c;
+    }
+    // A DONE row with steps.
+    let k = key("done");
+    let c = claimed(store.begin(&k, &fp, T0, HOUR, HOUR).unwrap());
+    store
+        .complete(&k, &c, &Response::new(200, "ok"), T0, HOUR)
+        .unwrap();
+    client
+        .batch_execute(&format!(
+            "UPDATE \"{t}\" SET step_names = '{{\"\\\\x61\"}}', step_outputs = '{{\"\\\\x\"}}' \
+             WHERE id = 'done'::bytea"
+        ))
+        .unwrap();
+    let got = store.get(&k, T0);
+    assert!(matches!(got, Err(Error::Corrupt { .. })), "{got:?}");
+}
+
+/// The owner releases its record (steps kept) while a begin that read the
+/// record with its lease run out waits on the row lock: the begin must
+/// not answer from its snapshot (a takeover) but from the row it claims
+/// (released: not a takeover), as logic::begin on that row does.
+#[test]
+fn a_begin_racing_a_release_claims_the_released_record_without_a_takeover() {
+    let Some(url) = pg_url() else { return };
+    let (store, guard) = fresh_store("steps_relrace", 2);
+    let store = Arc::new(store);
+    let (k, fp) = (key("k"), Fingerprint::of(b"a"));
+    let owner = claimed(store.begin(&k, &fp, T0, SEC, HOUR).unwrap());
+    let charge = step("charge", b"ch_1");
+    store.record_step(&k, &owner, &charge, T0).unwrap();
+    let mut other = raw(&url);
+    let mut tx = other.transaction().unwrap();
+    // The owner's release, as Stmt::ReleaseKeep writes it, not yet committed.
+    let released = tx
+        .execute(
+            &format!(
+                "UPDATE \"{}\" SET lease_until = 0 WHERE id = $1 AND token = $2",
+                guard.table
+            ),
+            &[&k.id(), &(owner.token() as i64)],
+        )
+        .unwrap();
+    assert_eq!(released, 1);
+    let racing = {
+        let (store, k) = (Arc::clone(&store), k.clone());
+        std::thread::spawn(move || store.begin(&k, &fp, T0 + 2 * SEC, SEC, HOUR))
+    };
+    wait_for_lock_waiter(&url, "idemstore");
+    tx.commit().unwrap();
+    let claim = claimed(racing.join().unwrap().unwrap());
+    assert!(!claim.is_takeover(), "{claim:?}");
+    assert_eq!(claim.attempt(), 2);
+    assert_eq!(claim.steps(), std::slice::from_ref(&charge));
+}
+
+/// record_step's append waits on the row lock of a concurrent writer and
+/// decides again on the row that writer committed: after a takeover it is
+/// StaleClaim and writes nothing; after another step of the same claim it
+/// records its own step after that one.
+#[test]
+fn record_step_decides_again_after_a_concurrent_write() {
+    let Some(url) = pg_url() else { return };
+    let (store, guard) = fresh_store("steps_cas", 2);
+    let store = Arc::new(store);
+    let fp = Fingerprint::of(b"a");
+    let t = &guard.table;
+    for (id, concurrent, expect_stale) in [
+        // A takeover: a new token (and attempts + 1).
+        (
+            "taken",
+            "token = token + 1000000, attempts = attempts + 1",
+            true,
+        ),
+        // The same claim recording another step.
+        (
+            "appended",
+            "step_names = array_append(step_names, '\\x6f74686572'::bytea), \
+             step_outputs = array_append(step_outputs, '\\x'::bytea)",
+            false,
+        ),
+    ] {
+        let k = key(id);
+        let owner = claimed(store.begin(&k, &fp, T0, HOUR, HOUR * 2).unwrap());
+        store
+            .record_step(&k, &owner, &step("first", b"1"), T0)
+            .unwrap();
+        // Prepare the statements, so the racing call's only wait is the lock.
+        store
+            .record_step(&key("warm"), &owner, &step("x", b""), T0)
+            .unwrap_err();
+        let mut other = raw(&url);
+        let mut tx = other.transaction().unwrap();
+        let n = tx
+            .execute(
+                &format!("UPDATE \"{t}\" SET {concurrent} WHERE id = $1"),
+                &[&k.id()],
+            )
+            .unwrap();
+        assert_eq!(n, 1);
+        let racing = {
+            let (store, k, owner) = (Arc::clone(&store), k.clone(), owner.clone());
+            std::thread::spawn(move || store.record_step(&k, &owner, &step("mine", b"2"), T0))
+        };
+        wait_for_lock_waiter(&url, "idemstore");
+        tx.commit().unwrap();
+        let answer = racing.join().unwrap();
+        let rec = store.get(&k, T0).unwrap().unwrap();
+        if expect_stale {
+            assert!(matches!(answer, Err(Error::StaleClaim)), "{answer:?}");
+            assert_eq!(names(rec.steps()), ["first"]);
+        } else {
+            answer.unwrap();
+            assert_eq!(names(rec.steps()), ["first", "other", "mine"]);
+        }
     }
 }

@@ -3,7 +3,7 @@
 //! answers lone calls would get. Needs `IDEMSTORE_PG_URL` (see postgres.rs).
 
 use super::postgres::{claimed, fresh_store, key, pg_url, raw};
-use idemstore::{Begin, Claim, Error, Fingerprint, PostgresStore, Response, Store};
+use idemstore::{Begin, Claim, Error, Fingerprint, PostgresStore, Response, Step, Store};
 use idemstore_testkit::conformance::T0;
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
@@ -221,6 +221,59 @@ fn a_burst_takes_over_run_out_leases_and_renews_expired_records() {
         assert_eq!(claim.attempt(), 1, "{i}: {claim:?}");
         assert!(!claim.is_takeover());
     }
+}
+
+/// Bursts of begins on records released with their steps kept, beside
+/// run-out leases and other fingerprints: a group never claims a released
+/// record (its job runs again alone), and every answer is a lone call's:
+/// the released keys claimed at once, not as takeovers, with their steps;
+/// the run-out ones taken over with theirs; the other fingerprints
+/// conflicts. Rounds on fresh keys until a burst formed a group.
+#[test]
+fn a_burst_claims_released_records_without_a_takeover() {
+    if pg_url().is_none() {
+        return;
+    }
+    let (store, _table) = fresh_store("group_released", 8);
+    let store = Arc::new(store);
+    const N: usize = 32;
+    let grouped = |store: &PostgresStore| store.stats().group_commits;
+    for round in 0..20 {
+        let k = move |i: usize| key(&format!("r{round}-{i}"));
+        let step = |i: usize| Step::new("charge", vec![i as u8]).unwrap();
+        let first: Vec<Claim> = (0..N)
+            .map(|i| {
+                let c = claimed(store.begin(&k(i), &fp("a"), T0, SEC, HOUR).unwrap());
+                store.record_step(&k(i), &c, &step(i), T0).unwrap();
+                // Every other key released (steps kept), the rest left to run out.
+                if i % 2 == 0 {
+                    store.release(&k(i), &c).unwrap();
+                }
+                c
+            })
+            .collect();
+        let before = grouped(&store);
+        let s = Arc::clone(&store);
+        let answers = burst(N, move |i| {
+            let f = fp(if i % 4 == 3 { "b" } else { "a" });
+            s.begin(&k(i), &f, T0 + 2 * SEC, SEC, HOUR).unwrap()
+        });
+        for (i, answer) in answers.iter().enumerate() {
+            if i % 4 == 3 {
+                assert!(matches!(answer, Begin::Conflict), "{i}: {answer:?}");
+                continue;
+            }
+            let claim = claimed(answer.clone());
+            assert_eq!(claim.is_takeover(), i % 2 == 1, "{i}: {claim:?}");
+            assert_eq!(claim.attempt(), 2);
+            assert!(claim.token() > first[i].token());
+            assert_eq!(claim.steps(), [step(i)]);
+        }
+        if grouped(&store) > before {
+            return;
+        }
+    }
+    panic!("no burst formed a group in 20 rounds");
 }
 
 /// A group whose statement fails (here: a statement timeout on a row

@@ -398,3 +398,76 @@ fn batch_throughput_is_reported() {
     println!("PgInbox::handle_batch, batch 100: {per_s:.0} messages/s (debug build)");
     assert_eq!(rows(&ledger), i64::from(batches * 100));
 }
+
+/// A record released with its steps kept (by a `Store` caller) is claimed
+/// by a delivery of the same request at once, not as a takeover, with the
+/// steps; its DONE record has none. Alone (`handle`) and in a batch
+/// (`handle_batch`, whose claims and DONE records are set-based).
+#[test]
+fn a_delivery_claims_a_released_record_with_its_steps() {
+    if !enabled() {
+        return;
+    }
+    let (store, _table) = fresh_store("inbox_steps", 4);
+    let inbox = PgInbox::new(store);
+    let store = Arc::clone(inbox.store());
+    let fp = Fingerprint::of(b"+1");
+    let now = || idemstore::Timestamp::from_system_time(std::time::SystemTime::now());
+    let hour = Duration::from_secs(3600);
+    let release_with_a_step = |id: &str| {
+        let c = claimed(store.begin(&key(id), &fp, now(), hour, 2 * hour).unwrap());
+        let s = idemstore::Step::new("charge", id.as_bytes().to_vec()).unwrap();
+        store.record_step(&key(id), &c, &s, now()).unwrap();
+        store.release(&key(id), &c).unwrap();
+    };
+    let seen = |claim: &idemstore::Claim| {
+        let steps: Vec<String> = claim
+            .steps()
+            .iter()
+            .map(|s| format!("{}={}", s.name(), String::from_utf8_lossy(s.output())))
+            .collect();
+        format!(
+            "{} {} {}",
+            claim.is_takeover(),
+            claim.attempt(),
+            steps.join(",")
+        )
+    };
+    let body = |d: &Delivery| match d {
+        Delivery::Handled(r) => String::from_utf8_lossy(r.body()).into_owned(),
+        other => panic!("{other:?}"),
+    };
+
+    release_with_a_step("alone");
+    let answer = inbox
+        .handle(&key("alone"), &fp, move |_client, claim| {
+            let text = seen(&claim);
+            Box::pin(async move { Ok::<_, Error>(Response::new(200, text)) })
+        })
+        .unwrap();
+    assert_eq!(body(&answer), "false 2 charge=alone");
+    let done = store.get(&key("alone"), now()).unwrap().unwrap();
+    assert!(done.steps().is_empty());
+
+    release_with_a_step("b1");
+    release_with_a_step("b2");
+    let messages = ["b1", "b2", "b3"]
+        .iter()
+        .map(|id| (key(id), fp, ()))
+        .collect();
+    let answers = inbox
+        .handle_batch(messages, move |_client, claim, _: &()| {
+            let text = seen(&claim);
+            Box::pin(async move { Ok::<_, Error>(Response::new(200, text)) })
+        })
+        .unwrap();
+    let bodies: Vec<String> = answers.iter().map(|a| body(a.as_ref().unwrap())).collect();
+    assert_eq!(
+        bodies,
+        ["false 2 charge=b1", "false 2 charge=b2", "false 1 "]
+    );
+    for id in ["b1", "b2", "b3"] {
+        let done = store.get(&key(id), now()).unwrap().unwrap();
+        assert!(done.steps().is_empty(), "{id}");
+    }
+}
