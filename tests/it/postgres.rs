@@ -124,6 +124,23 @@ fn subject() -> Subject {
 
 idemstore_testkit::conformance!(subject, when: enabled);
 
+/// The kill test's store: a table named after the test's directory, so
+/// the parent and each child it starts (and kills) share it.
+fn open_for_kill(dir: &std::path::Path) -> idemstore::Result<Arc<dyn Store>> {
+    use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
+    let url = pg_url().expect("checked by enabled()");
+    let hash = BuildHasherDefault::<DefaultHasher>::default().hash_one(dir);
+    let store = PostgresStore::builder()
+        .table(&format!("kill_{hash:016x}"))
+        .connect_timeout(Duration::from_secs(30))
+        .build_timeout(Duration::from_secs(60))
+        .migrate_on_build(true)
+        .connect(&url)?;
+    Ok(Arc::new(store))
+}
+
+idemstore_testkit::kill_suite!(open_for_kill, shared, when: enabled);
+
 pub fn key(id: &str) -> Key {
     Key::new("pg", id).unwrap()
 }
