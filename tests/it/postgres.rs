@@ -131,7 +131,7 @@ fn open_for_kill(dir: &std::path::Path) -> idemstore::Result<Arc<dyn Store>> {
     let url = pg_url().expect("checked by enabled()");
     let hash = BuildHasherDefault::<DefaultHasher>::default().hash_one(dir);
     let store = PostgresStore::builder()
-        .table(&format!("kill_{hash:016x}"))
+        .table(format!("kill_{hash:016x}"))
         .connect_timeout(Duration::from_secs(30))
         .build_timeout(Duration::from_secs(60))
         .migrate_on_build(true)
