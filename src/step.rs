@@ -156,6 +156,8 @@ mod tests {
 
     #[test]
     fn a_step_is_refused_over_each_limit_and_accepted_at_it() {
+        let small = Step::new("n", vec![1, 2]).expect("valid");
+        assert_eq!((small.name(), small.output()), ("n", &[1u8, 2][..]));
         let name = "n".repeat(MAX_STEP_NAME_BYTES);
         assert!(Step::new(name.clone(), vec![0; MAX_STEP_OUTPUT_BYTES]).is_ok());
         let long = Step::new(format!("{name}n"), vec![]);
