@@ -126,8 +126,8 @@ impl Client for StoreClient {
         let Ticket::Store(claim) = ticket else {
             return Err("foreign ticket".into());
         };
-        for i in 0..self.1 {
-            let step = idemstore::Step::new(STEP_NAMES[i % STEP_NAMES.len()], vec![7; 16])?;
+        for name in STEP_NAMES.iter().cycle().take(self.1) {
+            let step = idemstore::Step::new(*name, vec![7; 16])?;
             self.0.record_step(key, &claim, &step, now)?;
         }
         Ok(self.0.complete(key, &claim, response, now, RETENTION)?)

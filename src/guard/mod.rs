@@ -38,7 +38,9 @@ pub use builder::{GuardBuilder, OnHandlerError, TakeoverPolicy};
 use outcome::{Counters, bump};
 pub use outcome::{GuardStats, Outcome};
 use renew::RENEW_FRACTION;
-pub(crate) use steps::{Next, StepRun};
+#[cfg(feature = "redb")]
+pub(crate) use steps::Next;
+pub(crate) use steps::StepRun;
 
 use crate::error::{Error, Result};
 use crate::key::Key;
