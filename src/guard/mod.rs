@@ -351,3 +351,29 @@ impl<S: Store> Guard<S> {
         self.with_store(Arc::new(store))
     }
 }
+
+/// Awaits the store's native future, or, for a store without one, runs the
+/// blocking call that `make` builds (only then are its owned copies made)
+/// on tokio's blocking pool.
+#[cfg(feature = "tokio")]
+async fn native_or_blocking<T, B>(
+    native: Option<crate::store::StoreFuture<'_, T>>,
+    make: impl FnOnce() -> B,
+) -> Result<T>
+where
+    T: Send + 'static,
+    B: FnOnce() -> Result<T> + Send + 'static,
+{
+    match native {
+        Some(future) => future.await,
+        None => blocking(make()).await,
+    }
+}
+
+#[cfg(feature = "tokio")]
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(r) => r,
+        Err(join) => Err(Error::backend(format!("store call did not finish: {join}"))),
+    }
+}

@@ -6,14 +6,13 @@
 use super::decide::{Settle, Start};
 use super::flights::{Entered, Waited};
 use super::outcome::Outcome;
-use super::{Guard, StepRun};
-use crate::error::{Error, Result};
+use super::{Guard, StepRun, native_or_blocking};
 use crate::fingerprint::Fingerprint;
 use crate::key::Key;
 use crate::observability::{Span, store_op_async};
 use crate::record::{Begin, Claim};
 use crate::response::Response;
-use crate::store::{Store, StoreFuture};
+use crate::store::Store;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -187,28 +186,4 @@ async fn wait_async(entry: &Entered, deadline: Instant) -> Waited {
     tokio::time::timeout_at(tokio::time::Instant::from_std(deadline), answer)
         .await
         .unwrap_or(Waited::InFlight)
-}
-
-/// Awaits the store's native future, or, for a store without one, runs the
-/// blocking call that `make` builds (only then are its owned copies made)
-/// on tokio's blocking pool.
-pub(super) async fn native_or_blocking<T, B>(
-    native: Option<StoreFuture<'_, T>>,
-    make: impl FnOnce() -> B,
-) -> Result<T>
-where
-    T: Send + 'static,
-    B: FnOnce() -> Result<T> + Send + 'static,
-{
-    match native {
-        Some(future) => future.await,
-        None => blocking(make()).await,
-    }
-}
-
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
-    match tokio::task::spawn_blocking(f).await {
-        Ok(r) => r,
-        Err(join) => Err(Error::backend(format!("store call did not finish: {join}"))),
-    }
 }

@@ -211,7 +211,7 @@ impl Claim {
                     let store = &store;
                     let now = run.clock.now();
                     let native = store.record_step_async(&run.key, self, &step, now);
-                    let call = super::run_async::native_or_blocking(native, || {
+                    let call = super::native_or_blocking(native, || {
                         let (store, key, claim) =
                             (Arc::clone(store), run.key.clone(), self.clone());
                         let step = step.clone();
