@@ -38,7 +38,7 @@ pub use builder::{GuardBuilder, OnHandlerError, TakeoverPolicy};
 use outcome::{Counters, bump};
 pub use outcome::{GuardStats, Outcome};
 use renew::RENEW_FRACTION;
-#[cfg(feature = "redb")]
+#[cfg(any(feature = "redb", feature = "postgres"))]
 pub(crate) use steps::Next;
 pub(crate) use steps::StepRun;
 

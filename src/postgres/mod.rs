@@ -17,12 +17,14 @@ mod runtime;
 mod schema;
 mod sql;
 mod stats;
+mod step;
 mod tls;
 
 pub use inbox::{Delivery, HandlerFuture, PgInbox};
 pub use inbox_set::{Claimed, SetHandlerFuture};
 pub use options::{DEFAULT_TABLE, MAX_POOL_SIZE, MAX_TABLE_NAME_BYTES, PostgresStoreBuilder};
 pub use stats::PostgresStats;
+pub use step::StepFuture;
 /// The PostgreSQL client a [`PgInbox`] handler writes through
 /// (`tokio-postgres`), re-exported so that its version is the store's.
 pub use tokio_postgres as engine;

@@ -486,13 +486,13 @@ pub(super) async fn complete_on(
 
 /// Returns once everything committed before it is as durable as a commit
 /// of this connection's ([`Stmt::Durable`]).
-async fn durable(conn: &Conn) -> Result<(), RunError> {
+pub(super) async fn durable(conn: &Conn) -> Result<(), RunError> {
     conn.query(Stmt::Durable, &[]).await?;
     Ok(())
 }
 
 /// The record for `key` as stored (expired or not), on `conn`.
-async fn stored(conn: &Conn, key: &Key) -> Result<Option<Record>, RunError> {
+pub(super) async fn stored(conn: &Conn, key: &Key) -> Result<Option<Record>, RunError> {
     let rows = conn.query(Stmt::Get, &[&key.scope(), &key.id()]).await?;
     Ok(match rows.first() {
         Some(found) => Some(row::record(key, found, 0)?),

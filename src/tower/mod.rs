@@ -50,8 +50,8 @@
 //!   `claim.token()` is a fencing token to pass downstream, and
 //!   `claim.step_async(name, ..)` runs one of the handler's steps, recorded
 //!   on the key, so a retry after a crash resumes after the last one
-//!   ([`Claim::step`](crate::Claim::step); `RedbStore::atomic_step` for a
-//!   step's table writes, from a blocking thread).
+//!   ([`Claim::step`](crate::Claim::step); `atomic_step` for a step's own
+//!   writes: `RedbStore`'s from a blocking thread, `PostgresStore`'s awaited).
 //! - The first response is sent as the handler made it; what is stored (and
 //!   replayed) leaves out the [`deny_headers`](IdempotencyLayer::deny_headers)
 //!   (`Set-Cookie` and `Date` by default) and trailers. A replay adds

@@ -1492,3 +1492,103 @@ fn record_step_decides_again_after_a_concurrent_write() {
         }
     }
 }
+
+/// `PostgresStore::atomic_step`: the step's statements and its record
+/// commit together. A failing step, or one whose claim was taken over,
+/// leaves neither; a recorded step is not run again.
+#[test]
+fn an_atomic_step_commits_its_statements_with_its_record_or_neither() {
+    if !enabled() {
+        return;
+    }
+    let (store, dropped) = fresh_store("atomic", 4);
+    let rows = format!("{}_rows", dropped.table);
+    let mut admin = ::postgres::Client::connect(&dropped.url, ::postgres::NoTls).unwrap();
+    admin
+        .batch_execute(&format!("CREATE TABLE \"{rows}\" (name text PRIMARY KEY)"))
+        .unwrap();
+    let _rows_dropped = DropTable {
+        url: dropped.url.clone(),
+        table: rows.clone(),
+    };
+    let count = |admin: &mut ::postgres::Client| -> i64 {
+        admin
+            .query_one(&format!("SELECT count(*) FROM \"{rows}\""), &[])
+            .unwrap()
+            .get(0)
+    };
+    let insert = |name: &'static str, fail: bool| insert_step(&rows, name, fail);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let (k, fp, lease) = (key("atomic"), Fingerprint::of(b"x"), Duration::from_secs(1));
+    let t0 = idemstore::Clock::now(&*store.clock());
+    let Begin::Claimed(first) = store.begin(&k, &fp, t0, lease, lease * 60).unwrap() else {
+        panic!("claimed")
+    };
+    let failed = rt.block_on(store.atomic_step(&k, &first, "a", insert("a", true)));
+    assert!(failed.is_err());
+    assert_eq!(
+        count(&mut admin),
+        0,
+        "a failed step rolls its statement back"
+    );
+    assert!(store.get(&k, t0).unwrap().unwrap().steps().is_empty());
+    let done = rt.block_on(store.atomic_step(&k, &first, "a", insert("a", false)));
+    assert_eq!(done.unwrap(), b"a");
+    assert_eq!(count(&mut admin), 1);
+    assert_eq!(store.get(&k, t0).unwrap().unwrap().steps()[0].name(), "a");
+    // Taken over: the old owner's next step rolls back as stale.
+    let Begin::Claimed(second) = store.begin(&k, &fp, t0 + lease, lease, lease * 60).unwrap()
+    else {
+        panic!("taken over")
+    };
+    let stale = rt.block_on(store.atomic_step(&k, &first, "b", insert("b", false)));
+    assert!(matches!(stale, Err(Error::StaleClaim)), "{stale:?}");
+    assert_eq!(count(&mut admin), 1, "the stale step's row rolled back");
+    // The new owner replays `a` without running it, and runs `b`.
+    let replayed = rt.block_on(store.atomic_step(&k, &second, "a", insert("a", false)));
+    assert_eq!(replayed.unwrap(), b"a");
+    assert_eq!(
+        rt.block_on(store.atomic_step(&k, &second, "b", insert("b", false)))
+            .unwrap(),
+        b"b"
+    );
+    assert_eq!(count(&mut admin), 2);
+    let names: Vec<String> = store
+        .get(&k, t0)
+        .unwrap()
+        .unwrap()
+        .steps()
+        .iter()
+        .map(|s| s.name().to_owned())
+        .collect();
+    assert_eq!(names, ["a", "b"]);
+}
+
+/// An atomic step that inserts `name` into `rows`, then fails if `fail`.
+fn insert_step(
+    rows: &str,
+    name: &'static str,
+    fail: bool,
+) -> impl for<'c> FnOnce(
+    &'c tokio_postgres::Client,
+    String,
+) -> idemstore::postgres::StepFuture<'c, Error>
++ Send
++ 'static {
+    let sql = format!("INSERT INTO \"{rows}\" VALUES ('{name}')");
+    move |client, _step_key| {
+        Box::pin(async move {
+            client
+                .execute(&sql, &[])
+                .await
+                .map_err(|e| Error::backend(e.to_string()))?;
+            if fail {
+                return Err(Error::backend("declined"));
+            }
+            Ok(name.as_bytes().to_vec())
+        })
+    }
+}
