@@ -255,6 +255,14 @@ impl OpenTx {
         // Back to the pool: the transaction ended.
         drop(self.0.take());
     }
+
+    /// Rolls the transaction on `conn` (this one's connection) back, and
+    /// the connection goes back to the pool.
+    pub(super) async fn rollback(&mut self, conn: &Conn) -> Result<(), tokio_postgres::Error> {
+        conn.client.batch_execute("ROLLBACK").await?;
+        self.finish();
+        Ok(())
+    }
 }
 
 /// Ends a delivery whose transactions are over (the connection goes back
@@ -322,8 +330,7 @@ where
     };
     let claim = match early {
         Ok(answer) => {
-            conn.client.batch_execute("ROLLBACK").await.map_err(db)?;
-            open.finish();
+            open.rollback(&conn).await.map_err(db)?;
             return Ok(answer);
         }
         Err(claim) => claim,
@@ -337,8 +344,7 @@ where
     let response = match handled {
         Ok(response) => response,
         Err(err) => {
-            conn.client.batch_execute("ROLLBACK").await.map_err(db)?;
-            open.finish();
+            open.rollback(&conn).await.map_err(db)?;
             return Err(err);
         }
     };

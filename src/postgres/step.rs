@@ -121,8 +121,7 @@ where
     let output = match handler(&conn.client, key.step_key(name)).await {
         Ok(output) => output,
         Err(err) => {
-            conn.client.batch_execute("ROLLBACK").await.map_err(db)?;
-            open.finish();
+            open.rollback(&conn).await.map_err(db)?;
             return Err(err);
         }
     };
@@ -139,8 +138,7 @@ where
             return Ok(settled(&mut open, &conn, seen, step.output)?);
         }
         Err(e) => {
-            conn.client.batch_execute("ROLLBACK").await.map_err(db)?;
-            open.finish();
+            open.rollback(&conn).await.map_err(db)?;
             return Err(e.into());
         }
     };
@@ -161,8 +159,7 @@ where
     ];
     let appended = conn.execute(Stmt::RecordStep, &params).await.map_err(db)?;
     if appended != 1 {
-        conn.client.batch_execute("ROLLBACK").await.map_err(db)?;
-        open.finish();
+        open.rollback(&conn).await.map_err(db)?;
         return Err(Error::StaleClaim.into());
     }
     conn.client.batch_execute("COMMIT").await.map_err(db)?;

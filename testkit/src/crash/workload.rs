@@ -402,31 +402,17 @@ pub(super) fn run_thread(
                 match store.release(&kl.key, &c) {
                     // Recorded steps outlive a release: the record stays,
                     // its lease over (the epoch marks a release).
+                    // Its `written_at` stays the claim's time, before the
+                    // expiry (a release does not check it).
                     Ok(()) => match before {
                         Slot::Live { steps, .. } if steps.is_empty() => Slot::Absent,
-                        Slot::Live {
-                            fp,
-                            state,
-                            token,
-                            expires_at,
-                            attempts,
-                            response,
-                            steps,
-                            written_at,
-                            lease_until: _,
-                        } => Slot::Live {
-                            fp,
-                            state,
-                            token,
-                            lease_until: Some(Timestamp::EPOCH),
-                            expires_at,
-                            attempts,
-                            response,
-                            steps,
-                            // The claim's time, before the expiry (a
-                            // release does not check it).
-                            written_at,
-                        },
+                        Slot::Live { .. } => {
+                            let mut kept = before;
+                            if let Slot::Live { lease_until, .. } = &mut kept {
+                                *lease_until = Some(Timestamp::EPOCH);
+                            }
+                            kept
+                        }
                         Slot::Absent => return Err(fail(&"released a claim of nothing")),
                     },
                     Err(Error::StaleClaim) => continue,
@@ -442,35 +428,18 @@ pub(super) fn run_thread(
                 let step = idemstore::Step::new(format!("s{}", name % 4), vec![byte])
                     .map_err(|e| fail(&e))?;
                 match store.record_step(&kl.key, &c, &step, now) {
+                    // Its `written_at` stays the claim's time: inside its
+                    // lease (a step may be recorded after the lease ran out,
+                    // while nobody took the key over).
                     Ok(()) => match before {
-                        Slot::Live {
-                            fp,
-                            state,
-                            token,
-                            lease_until,
-                            expires_at,
-                            attempts,
-                            response,
-                            mut steps,
-                            written_at,
-                        } if token == c.token() => {
-                            if !steps.contains(&step) {
+                        Slot::Live { token, .. } if token == c.token() => {
+                            let mut after = before;
+                            if let Slot::Live { steps, .. } = &mut after
+                                && !steps.contains(&step)
+                            {
                                 steps.push(step);
                             }
-                            Slot::Live {
-                                fp,
-                                state,
-                                token,
-                                lease_until,
-                                expires_at,
-                                attempts,
-                                response,
-                                steps,
-                                // The claim's time: inside its lease (a
-                                // step may be recorded after the lease ran
-                                // out, while nobody took the key over).
-                                written_at,
-                            }
+                            after
                         }
                         _ => {
                             return Err(fail(
