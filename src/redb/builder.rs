@@ -1,6 +1,6 @@
 //! [`RedbStoreBuilder`]: a store's options, checked, and the opens.
 
-use super::config::{Config, DEFAULT_CACHE_BYTES, Durability, RecoveryPolicy};
+use super::config::{Config, Durability, RecoveryPolicy};
 use super::{RedbStore, open};
 use crate::error::{Error, Result};
 use crate::response::{DEFAULT_MAX_BODY_BYTES, check_body_limit};
@@ -10,10 +10,11 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Options for opening a [`RedbStore`]; from [`RedbStore::builder`].
+/// Options for opening a [`RedbStore`]; from [`RedbStore::builder`]. The
+/// example shows each option without one of its own.
 ///
 /// ```
-/// use idemstore::{RedbStore, SweeperConfig};
+/// use idemstore::{Guard, ManualClock, RedbStore, SweeperConfig, Timestamp};
 /// use idemstore::redb::{Durability, RecoveryPolicy};
 /// use std::time::Duration;
 ///
@@ -24,31 +25,36 @@ use std::time::Duration;
 ///     .max_body_bytes(64 * 1024)
 ///     .recovery(RecoveryPolicy::WaitForLease)
 ///     .sweeper(SweeperConfig::default().interval(Duration::from_secs(30)))
+///     .clock(ManualClock::new(Timestamp::from_millis(42)))
+///     .verify_on_open(true)
+///     .checkpoint_interval(Duration::from_secs(2))
+///     .log_bytes(1 << 20)
 ///     .open(dir.path().join("orders.idem"))?;
-/// # Ok::<(), idemstore::Error>(())
+/// assert_eq!(std::fs::metadata(dir.path().join("orders.idem-wal"))?.len(), 1 << 20);
+/// assert_eq!(store.sweeper().map(|s| s.swept()), Some(0));
+/// assert_eq!(Guard::new(store).now(), Timestamp::from_millis(42));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 #[must_use = "a builder does nothing until `open`"]
 pub struct RedbStoreBuilder {
     pub(super) config: Config,
 }
 
-impl Default for RedbStoreBuilder {
+impl Default for Config {
     fn default() -> Self {
-        RedbStoreBuilder {
-            config: Config {
-                durability: Durability::Immediate,
-                cache_bytes: DEFAULT_CACHE_BYTES,
-                max_body_bytes: DEFAULT_MAX_BODY_BYTES,
-                recovery: RecoveryPolicy::WaitForLease,
-                sweeper: None,
-                clock: Arc::new(SystemClock),
-                verify_on_open: false,
-                checkpoint_interval: super::record_log::CHECKPOINT_INTERVAL,
-                log_bytes: super::record_log::WAL_BYTES,
-                accept_loss: false,
-                read_only: false,
-            },
+        Config {
+            durability: Durability::Immediate,
+            cache_bytes: 64 * 1024 * 1024,
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            recovery: RecoveryPolicy::WaitForLease,
+            sweeper: None,
+            clock: Arc::new(SystemClock),
+            verify_on_open: false,
+            checkpoint_interval: super::record_log::CHECKPOINT_INTERVAL,
+            log_bytes: super::record_log::WAL_BYTES,
+            accept_loss: false,
+            read_only: false,
         }
     }
 }
@@ -64,9 +70,8 @@ impl RedbStoreBuilder {
         self.config.cache_bytes = bytes;
         self
     }
-    /// The largest response body stored ([`DEFAULT_MAX_BODY_BYTES`] by
-    /// default, at most [`MAX_BODY_BYTES_HARD_CAP`](crate::limits::MAX_BODY_BYTES_HARD_CAP),
-    /// checked at open).
+    /// The largest response body stored ([`DEFAULT_MAX_BODY_BYTES`](crate::limits::DEFAULT_MAX_BODY_BYTES)
+    /// by default, at most [`MAX_BODY_BYTES_HARD_CAP`](crate::limits::MAX_BODY_BYTES_HARD_CAP)).
     pub fn max_body_bytes(mut self, bytes: usize) -> Self {
         self.config.max_body_bytes = bytes;
         self
@@ -85,15 +90,6 @@ impl RedbStoreBuilder {
     /// The store's clock ([`SystemClock`] by default), for the sweeper, the
     /// recovery policy, and a [`Guard`](crate::Guard) or an
     /// [`Inbox`](crate::redb::Inbox) over the store.
-    ///
-    /// ```
-    /// use idemstore::{Guard, ManualClock, RedbStore, Timestamp};
-    /// # let dir = tempfile::tempdir()?;
-    /// let clock = ManualClock::new(Timestamp::from_millis(42));
-    /// let store = RedbStore::builder().clock(clock.clone()).open(dir.path().join("s.idem"))?;
-    /// assert_eq!(Guard::new(store).now(), Timestamp::from_millis(42));
-    /// # Ok::<(), idemstore::Error>(())
-    /// ```
     pub fn clock(mut self, clock: impl Clock + 'static) -> Self {
         self.config.clock = Arc::new(clock);
         self
@@ -104,37 +100,20 @@ impl RedbStoreBuilder {
         self.config.verify_on_open = verify;
         self
     }
-
     /// Longest time a logged write waits for its checkpoint into the store
     /// file (500 ms by default; under a millisecond is refused). Longer
     /// means fewer checkpoints and more log to replay at an open after a
     /// crash.
-    ///
-    /// ```
-    /// let builder = idemstore::RedbStore::builder().checkpoint_interval(std::time::Duration::from_secs(2));
-    /// ```
     pub fn checkpoint_interval(mut self, interval: Duration) -> Self {
         self.config.checkpoint_interval = interval;
         self
     }
-
-    /// Size of the write-ahead log file (8 MiB by default,
-    /// at least 16 KiB): two
-    /// segments; a full one starts a checkpoint.
-    ///
-    /// ```
-    /// # let dir = tempfile::tempdir()?;
-    /// let store = idemstore::RedbStore::builder()
-    ///     .log_bytes(1 << 20)
-    ///     .open(dir.path().join("orders.idem"))?;
-    /// assert_eq!(std::fs::metadata(dir.path().join("orders.idem-wal"))?.len(), 1 << 20);
-    /// # Ok::<(), Box<dyn std::error::Error>>(())
-    /// ```
+    /// Size of the write-ahead log file (8 MiB by default, at least 16 KiB):
+    /// two segments; a full one starts a checkpoint.
     pub fn log_bytes(mut self, bytes: u64) -> Self {
         self.config.log_bytes = bytes;
         self
     }
-
     /// Where an open would refuse a damaged or incomplete write-ahead log
     /// ([`Error::Corrupt`](crate::Error::Corrupt)), open with whatever
     /// verifies and say what was given up in
@@ -153,9 +132,8 @@ impl RedbStoreBuilder {
         self.config.accept_loss = accept;
         self
     }
-
     /// Opens the store file at `path`, creating it (mode 0600 on Unix) if it
-    /// does not exist. Errors, none of which touch the file:
+    /// does not exist (example: [`RedbStoreBuilder`]). Errors, none of which touch the file:
     /// [`Error::Locked`] when another open store holds it; [`Error::Corrupt`]
     /// for a foreign or damaged file; [`Error::UnsupportedFormat`] for
     /// another format version.
@@ -166,15 +144,14 @@ impl RedbStoreBuilder {
         RedbStore::start(opened, self.config, Some(path.to_path_buf()))
     }
 
-    /// Opens the existing store file at `path` for reading only: an
-    /// operator's inspection, a backup, a file the caller may not write.
-    ///
-    /// No byte of either file changes and no file is created: redb's
-    /// recovery and the log's replay happen in an in-memory overlay, so the
-    /// view holds everything a writer's open would, and ends no lease.
-    /// Reads work; every write (a claiming `begin`, `complete`, `release`,
-    /// `sweep_expired`, [`compact`](RedbStore::compact), evict, import, an
-    /// [`Inbox`]) is [`Error::ReadOnly`].
+    /// Opens the existing store file at `path` for reading only (an
+    /// inspection, a backup, a file the caller may not write). No byte of
+    /// either file changes and no file is created: recovery and the log's
+    /// replay happen in memory, so the view holds everything a writer's open
+    /// would. Every write (a claiming `begin`, `complete`, `release`, sweeps,
+    /// [`compact`](RedbStore::compact), evict, import, an [`Inbox`]) is
+    /// [`Error::ReadOnly`]; the cache size, the clock and
+    /// [`accept_loss`](Self::accept_loss) apply, and no lease ends.
     ///
     /// It holds a shared lock: writers' opens are [`Error::Locked`]
     /// meanwhile, and so is this open while a writer holds the file. A
@@ -182,29 +159,17 @@ impl RedbStoreBuilder {
     /// damaged one, or a log an open would refuse, is [`Error::Corrupt`];
     /// another format is [`Error::UnsupportedFormat`].
     ///
-    /// The cache size, the clock and [`accept_loss`](Self::accept_loss) (in
-    /// memory) apply; a view ends no lease and sweeps nothing.
-    ///
     /// ```
     /// use idemstore::{Error, Fingerprint, Key, RedbStore, Store, Timestamp};
-    /// use std::time::Duration;
     /// # let dir = tempfile::tempdir()?;
-    /// let path = dir.path().join("orders.idem");
-    /// let hour = Duration::from_secs(3600);
-    /// let key = Key::new("t", "order-1")?;
-    /// drop({
-    ///     let store = RedbStore::open(&path)?;
-    ///     store.begin(&key, &Fingerprint::of(b"x"), Timestamp::EPOCH, hour, hour)?;
-    ///     store
-    /// });
+    /// let (path, hour) = (dir.path().join("orders.idem"), std::time::Duration::from_secs(3600));
+    /// let begin = |store: &RedbStore, id| store.begin(&Key::new("t", id)?, &Fingerprint::of(b"x"), Timestamp::EPOCH, hour, hour);
+    /// begin(&RedbStore::open(&path)?, "order-1")?; // the store is dropped: closed
     /// let before = std::fs::read(&path)?;
     ///
     /// let view = RedbStore::builder().open_read_only(&path)?;
-    /// assert!(view.is_read_only());
-    /// assert!(view.admin().get_raw(&key)?.is_some());
-    /// let other = Key::new("t", "order-2")?;
-    /// let refused = view.begin(&other, &Fingerprint::of(b"x"), Timestamp::EPOCH, hour, hour);
-    /// assert!(matches!(refused, Err(Error::ReadOnly { .. })));
+    /// assert!(view.is_read_only() && view.admin().get_raw(&Key::new("t", "order-1")?)?.is_some());
+    /// assert!(matches!(begin(&view, "order-2"), Err(Error::ReadOnly { .. })));
     /// drop(view);
     /// assert_eq!(std::fs::read(&path)?, before, "not a byte changed");
     /// # Ok::<(), idemstore::Error>(())

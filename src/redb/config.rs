@@ -6,9 +6,6 @@ use crate::time::Clock;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// redb's page cache size unless [`RedbStoreBuilder::cache_bytes`](super::RedbStoreBuilder::cache_bytes) says otherwise.
-pub(crate) const DEFAULT_CACHE_BYTES: usize = 64 * 1024 * 1024;
-
 /// What survives a crash: the promise behind every acknowledged write.
 ///
 /// ```

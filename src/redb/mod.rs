@@ -12,27 +12,8 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
-//! # Files
-//!
-//! An LSM front end with redb as the base table: caller → line → leader
-//! (decide: memtable, then redb) → log frame + `fdatasync` → memtable;
-//! the checkpointer writes frozen memtables into redb durably.
-//!
-//! - `shared.rs` composes the parts, each owning its locks: `line.rs`
-//!   (callers waiting to commit), `log.rs` (the commit lock and the log),
-//!   `memtable.rs` (what is in memory), `db.rs` (the engine and its health)
-//! - `requests.rs`, `snapshot.rs`: the `Store` impl, its read fast path,
-//!   the kept snapshot
-//! - `commit/`, `native.rs`: group commit, the async entry
-//! - `record_log/`, `checkpoint.rs`: the log and the checkpoint
-//! - `open.rs`, `recovery.rs`, `meta.rs`, `heal.rs`: open,
-//!   replay, heal
-//! - `health.rs`, `damage.rs` (and the loss report), `errors.rs`: failures
-//! - `overlay.rs`, `file.rs`, `tables.rs`: in-memory pages, file helpers,
-//!   the tables and `commit`, the one way into redb
-//! - `config.rs`, `builder.rs`, `stats.rs`: options and counters
-//! - `admin/`, `inbox/`: operator access, the co-transactional inbox and
-//!   the atomic step
+//! How the files divide the work, layer by layer: `docs/design.md` ("Where
+//! the code is").
 
 pub mod admin;
 mod builder;
@@ -110,6 +91,7 @@ use std::path::{Path, PathBuf};
 ///
 /// ```
 /// use idemstore::{Begin, Fingerprint, Key, RedbStore, Response, Store, Timestamp};
+/// use idemstore::redb::Health;
 /// use std::time::Duration;
 ///
 /// # let dir = tempfile::tempdir()?;
@@ -125,6 +107,13 @@ use std::path::{Path, PathBuf};
 /// } // dropped: the file is closed
 /// let store = RedbStore::open(&path)?;
 /// assert_eq!(store.begin(&key, &fp, now, lease, retention)?, Begin::Replay(Response::new(201, "charged")));
+///
+/// // The accessors:
+/// assert_eq!(store.path(), Some(path.as_path()));
+/// assert_ne!(store.store_id(), RedbStore::open(dir.path().join("b.idem"))?.store_id());
+/// assert!(!store.is_read_only() && !store.is_poisoned() && matches!(store.health(), Health::Healthy));
+/// assert!(store.loss_report().is_none() && store.sweeper().is_none());
+/// store.compact()?;
 /// # Ok::<(), idemstore::Error>(())
 /// ```
 pub struct RedbStore {
@@ -163,56 +152,38 @@ impl RedbStore {
         RedbStore::builder().open(path)
     }
 
-    /// Whether this store was opened with [`RedbStoreBuilder::open_read_only`].
-    ///
-    /// ```
-    /// # let dir = tempfile::tempdir()?;
-    /// let store = idemstore::RedbStore::open(dir.path().join("s.idem"))?;
-    /// assert!(!store.is_read_only());
-    /// # Ok::<(), idemstore::Error>(())
-    /// ```
+    /// Whether this store was opened with [`RedbStoreBuilder::open_read_only`]
+    /// (example: [`RedbStore`]).
     pub fn is_read_only(&self) -> bool {
         self.shared.read_only.is_some()
     }
 
-    /// Options: durability, cache size, response limit, recovery policy, sweeper.
+    /// Options: durability, cache size, response limit, recovery policy,
+    /// sweeper (example: [`RedbStoreBuilder`]).
     pub fn builder() -> RedbStoreBuilder {
         RedbStoreBuilder::default()
     }
 
     fn start(mut opened: open::Opened, config: Config, path: Option<PathBuf>) -> Result<RedbStore> {
         let store_id = opened.store_id;
-        let leases_expired_on_open = opened.leases_expired;
-        let frames_replayed_on_open = opened.frames_replayed;
+        let (leases, frames) = (opened.leases_expired, opened.frames_replayed);
         let mut loss = std::mem::take(&mut opened.loss);
-        loss.frames_replayed = opened.frames_replayed;
-        let loss_report = (!loss.is_empty()).then_some(loss);
-        crate::observability::opened(
-            path.as_deref(),
-            frames_replayed_on_open,
-            leases_expired_on_open,
-            config.read_only,
-        );
+        loss.frames_replayed = frames;
+        crate::observability::opened(path.as_deref(), frames, leases, config.read_only);
         let shared = Shared::new(opened, &config, path.as_deref());
-        let background = {
-            let shared = Arc::clone(&shared);
-            thread::Builder::new()
-                .name("idemstore-redb-checkpointer".to_owned())
-                .spawn(move || checkpoint::run(shared))
-                .map_err(Error::Io)?
-        };
+        let checkpointer = Arc::clone(&shared);
+        let background = spawn("idemstore-redb-checkpointer", move || {
+            checkpoint::run(checkpointer)
+        })?;
         let committer = match &shared.read_only {
             Some(_) => None,
             None => {
                 let leader = Arc::clone(&shared);
-                let spawned = thread::Builder::new()
-                    .name("idemstore-redb-committer".to_owned())
-                    .spawn(move || leader.run_committer());
-                match spawned {
+                match spawn("idemstore-redb-committer", move || leader.run_committer()) {
                     Ok(handle) => Some(handle),
                     Err(e) => {
                         stop_background(&shared, Some(background));
-                        return Err(Error::Io(e));
+                        return Err(e);
                     }
                 }
             }
@@ -226,9 +197,9 @@ impl RedbStore {
             path,
             store_id,
             max_body_bytes: config.max_body_bytes,
-            leases_expired_on_open,
-            frames_replayed_on_open,
-            loss_report,
+            leases_expired_on_open: leases,
+            frames_replayed_on_open: frames,
+            loss_report: (!loss.is_empty()).then_some(loss),
         };
         if let Some(sweep) = config.sweeper {
             // The sweeper holds the shared state, not the store: no cycle,
@@ -248,64 +219,35 @@ impl RedbStore {
         Ok(store)
     }
 
-    /// The file this store was opened from (`None` for a storage backend).
-    ///
-    /// ```
-    /// # let dir = tempfile::tempdir()?;
-    /// let path = dir.path().join("s.idem");
-    /// let store = idemstore::RedbStore::open(&path)?;
-    /// assert_eq!(store.path(), Some(path.as_path()));
-    /// # Ok::<(), idemstore::Error>(())
-    /// ```
+    /// The file this store was opened from (`None` for a storage backend;
+    /// example: [`RedbStore`]).
     pub fn path(&self) -> Option<&Path> {
         self.path.as_deref()
     }
 
     /// A number naming this store file for its life (16 random bytes
     /// written when it was created, read big-endian), e.g. to tell fencing
-    /// tokens of two stores apart. The same type as
-    /// [`SledStore::store_id`](crate::SledStore::store_id)'s.
-    ///
-    /// ```
-    /// # let dir = tempfile::tempdir()?;
-    /// let a = idemstore::RedbStore::open(dir.path().join("a.idem"))?;
-    /// let b = idemstore::RedbStore::open(dir.path().join("b.idem"))?;
-    /// assert_ne!(a.store_id(), b.store_id());
-    /// # Ok::<(), idemstore::Error>(())
-    /// ```
+    /// tokens of two stores apart, as
+    /// [`SledStore::store_id`](crate::SledStore::store_id) does (example:
+    /// [`RedbStore`]).
     pub fn store_id(&self) -> u128 {
         u128::from_be_bytes(self.store_id)
     }
 
-    /// The background sweeper, when one was configured (to read its counters).
-    ///
-    /// ```
-    /// use idemstore::{RedbStore, SweeperConfig};
-    /// # let dir = tempfile::tempdir()?;
-    /// let store = RedbStore::builder().sweeper(SweeperConfig::default()).open(dir.path().join("s.idem"))?;
-    /// assert_eq!(store.sweeper().map(|s| s.swept()), Some(0));
-    /// assert!(RedbStore::open(dir.path().join("t.idem"))?.sweeper().is_none());
-    /// # Ok::<(), idemstore::Error>(())
-    /// ```
+    /// The background sweeper, when one was configured (to read its
+    /// counters; example: [`RedbStoreBuilder`]).
     pub fn sweeper(&self) -> Option<&Sweeper> {
         self.sweeper.as_ref()
     }
 
     /// What this open gave up, when it was opened with
-    /// [`accept_loss`](RedbStoreBuilder::accept_loss) and found damage;
-    /// `None` when nothing was dropped.
-    ///
-    /// ```
-    /// # let dir = tempfile::tempdir()?;
-    /// let store = idemstore::RedbStore::open(dir.path().join("s.idem"))?;
-    /// assert!(store.loss_report().is_none());
-    /// # Ok::<(), idemstore::Error>(())
-    /// ```
+    /// [`accept_loss`](RedbStoreBuilder::accept_loss) (its example) and
+    /// found damage; `None` when nothing was dropped.
     pub fn loss_report(&self) -> Option<&LossReport> {
         self.loss_report.as_ref()
     }
 
-    /// Group-commit counters since open.
+    /// Group-commit counters since open (example: [`RedbStats`]).
     pub fn stats(&self) -> RedbStats {
         let c = &self.shared.stats;
         RedbStats {
@@ -325,14 +267,8 @@ impl RedbStore {
     }
 
     /// True after a failed write, until the store has healed: writes are
-    /// refused meanwhile ([`Error::Poisoned`], with the cause). See
-    /// [`health`](Self::health).
-    ///
-    /// ```
-    /// # let dir = tempfile::tempdir()?;
-    /// assert!(!idemstore::RedbStore::open(dir.path().join("s.idem"))?.is_poisoned());
-    /// # Ok::<(), idemstore::Error>(())
-    /// ```
+    /// refused meanwhile ([`Error::Poisoned`], with the cause; example:
+    /// [`RedbStore`]).
     pub fn is_poisoned(&self) -> bool {
         self.shared.db.is_poisoned()
     }
@@ -342,33 +278,17 @@ impl RedbStore {
     /// it happened, while it heals by itself (reads and replays go on,
     /// writes are refused); or [`Health::Failed`] when it found damage that
     /// needs an operator. `docs/operations.md` ("Disk full and I/O
-    /// errors") says what to do in each.
-    ///
-    /// ```
-    /// use idemstore::redb::Health;
-    /// # let dir = tempfile::tempdir()?;
-    /// let store = idemstore::RedbStore::open(dir.path().join("s.idem"))?;
-    /// assert!(matches!(store.health(), Health::Healthy));
-    /// # Ok::<(), idemstore::Error>(())
-    /// ```
+    /// errors") says what to do in each (example: [`RedbStore`]).
     pub fn health(&self) -> Health {
         self.shared.db.health()
     }
 
     /// Reclaims free space in the file (after sweeps), returning whether
-    /// anything was moved.
-    ///
-    /// It checkpoints the memtable first. redb compacts only with no live
+    /// anything was moved (example: [`RedbStore`]). It
+    /// checkpoints the memtable first; redb compacts only with no live
     /// transaction, so until it returns no group commits and reads of the
-    /// store file wait. Run it at a quiet time; it can take as long as
+    /// store file wait. Run it at a quiet time: it can take as long as
     /// rewriting the live data.
-    ///
-    /// ```
-    /// # let dir = tempfile::tempdir()?;
-    /// let store = idemstore::RedbStore::open(dir.path().join("s.idem"))?;
-    /// store.compact()?;
-    /// # Ok::<(), idemstore::Error>(())
-    /// ```
     pub fn compact(&self) -> Result<bool> {
         self.shared.check_writable()?;
         self.shared.db.check_healthy()?;
@@ -385,6 +305,13 @@ impl RedbStore {
                 .engine_failed("compaction", errors::engine_error(e))
         })
     }
+}
+
+fn spawn(name: &str, run: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>> {
+    thread::Builder::new()
+        .name(name.to_owned())
+        .spawn(run)
+        .map_err(Error::Io)
 }
 
 /// Stops the checkpointer and waits for it (it finishes a checkpoint in progress).
