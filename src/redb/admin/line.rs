@@ -16,18 +16,10 @@ use serde_json::{Map, Value, json};
 pub(crate) const LINE_VERSION: u64 = 1;
 
 /// One record as one export line (JSON, no newline), read back by
-/// [`parse_line`]. Byte strings are JSON text when valid UTF-8, else base64
-/// under the name with `_b64` appended; times are Unix milliseconds:
-///
-/// ```text
-/// {"v":1,"scope":"tenant-42","id":"order-1","state":"DONE",
-///  "fingerprint":"<64 hex digits>","token":42,"attempts":1,
-///  "created_at_ms":1764410000000,"expires_at_ms":1764496400000,"lease_until_ms":null,
-///  "response":{"status":201,"headers":[{"name":"content-type","value":"text/plain"}],"body":"charged"}}
-/// ```
-///
-/// A PROCESSING record with recorded steps has them under `"steps"`, in
-/// order: `[{"name":"charge","output":"ch_1"}]`.
+/// [`parse_line`]: the fields are `docs/format.md`'s ("The export format").
+/// Byte strings are JSON text when valid UTF-8, else base64 under the name
+/// with `_b64` appended; times are Unix milliseconds; recorded steps are
+/// under `"steps"`, in order: `[{"name":"charge","output":"ch_1"}]`.
 ///
 /// ```
 /// use idemstore::redb::admin::{export_line, parse_line};
@@ -62,17 +54,10 @@ fn to_json(key: &Key, record: &Record) -> Value {
     put_bytes(&mut line, "scope", key.scope());
     put_bytes(&mut line, "id", key.id());
     if !record.steps.is_empty() {
-        let steps: Vec<Value> = record
-            .steps
-            .iter()
-            .map(|s| {
-                let mut step = json!({ "name": s.name });
-                put_bytes(&mut step, "output", &s.output);
-                step
-            })
-            .collect();
+        let steps = record.steps.iter();
+        let steps = steps.map(|s| named(&s.name, "output", &s.output)).collect();
         if let Some(map) = line.as_object_mut() {
-            map.insert("steps".to_owned(), Value::Array(steps));
+            map.insert("steps".to_owned(), steps);
         }
     }
     line
@@ -82,14 +67,17 @@ fn response_json(r: &Response) -> Value {
     let headers: Vec<Value> = r
         .headers
         .iter()
-        .map(|(name, value)| {
-            let mut header = json!({ "name": name });
-            put_bytes(&mut header, "value", value);
-            header
-        })
+        .map(|(n, v)| named(n, "value", v))
         .collect();
     let mut out = json!({ "status": r.status, "headers": headers });
     put_bytes(&mut out, "body", &r.body);
+    out
+}
+
+/// A step or a header: `{"name": .., <field>: bytes}`.
+fn named(name: &str, field: &str, bytes: &[u8]) -> Value {
+    let mut out = json!({ "name": name });
+    put_bytes(&mut out, field, bytes);
     out
 }
 
@@ -158,9 +146,7 @@ const LINE_FIELDS: &[&str] = &[
     "response",
     "steps",
 ];
-const STEP_FIELDS: &[&str] = &["name", "output"];
 const RESPONSE_FIELDS: &[&str] = &["status", "headers", "body"];
-const HEADER_FIELDS: &[&str] = &["name", "value"];
 
 fn object<'a>(v: &'a Value, what: &str) -> Result<&'a Map<String, Value>> {
     v.as_object()
@@ -235,21 +221,10 @@ pub fn parse_line(line: &str) -> Result<(Key, Record)> {
     };
     let attempts =
         u32::try_from(take_u64(map, "attempts")?).map_err(|_| bad("\"attempts\" is too large"))?;
-    let mut steps = Vec::new();
-    if let Some(list) = map.get("steps") {
-        let list = list
-            .as_array()
-            .ok_or_else(|| bad("\"steps\" is not an array"))?;
-        for s in list {
-            let s = object(s, "a step")?;
-            only_known(s, "a step", STEP_FIELDS)?;
-            let name = s
-                .get("name")
-                .and_then(Value::as_str)
-                .ok_or_else(|| bad("a step has no \"name\""))?;
-            steps.push(Step::new(name, take_bytes(s, "output")?)?);
-        }
-    }
+    let steps = named_list(map, "steps", "a step", "output")?.into_iter();
+    let steps: Vec<Step> = steps
+        .map(|(name, out)| Step::new(name, out))
+        .collect::<Result<_>>()?;
     let record = Record {
         fingerprint: Fingerprint::from_bytes(fp),
         state,
@@ -271,29 +246,39 @@ fn response_from(map: &Map<String, Value>) -> Result<Response> {
     only_known(map, "\"response\"", RESPONSE_FIELDS)?;
     let status =
         u16::try_from(take_u64(map, "status")?).map_err(|_| bad("\"status\" is not a u16"))?;
-    let mut headers = Vec::new();
-    if let Some(list) = map.get("headers") {
-        let list = list
-            .as_array()
-            .ok_or_else(|| bad("\"headers\" is not an array"))?;
-        for h in list {
-            let h = object(h, "a header")?;
-            only_known(h, "a header", HEADER_FIELDS)?;
-            let name = h
-                .get("name")
-                .and_then(Value::as_str)
-                .ok_or_else(|| bad("a header has no \"name\""))?;
-            headers.push((name.to_owned(), take_bytes(h, "value")?));
-        }
-    }
     let response = Response {
         status,
-        headers,
+        headers: named_list(map, "headers", "a header", "value")?,
         body: take_bytes(map, "body")?,
     };
     // The same limits a store enforces on `complete`, at their widest.
     response.check_limits(MAX_BODY_BYTES_HARD_CAP)?;
     Ok(response)
+}
+
+/// The list of [`named`] objects under `list`, as (name, bytes) pairs.
+fn named_list(
+    map: &Map<String, Value>,
+    list: &str,
+    what: &str,
+    field: &str,
+) -> Result<Vec<(String, Vec<u8>)>> {
+    let Some(items) = map.get(list) else {
+        return Ok(Vec::new());
+    };
+    let items = items
+        .as_array()
+        .ok_or_else(|| bad(format!("{list:?} is not an array")))?;
+    items
+        .iter()
+        .map(|item| {
+            let item = object(item, what)?;
+            only_known(item, what, &["name", field])?;
+            let name = item.get("name").and_then(Value::as_str);
+            let name = name.ok_or_else(|| bad(format!("{what} has no \"name\"")))?;
+            Ok((name.to_owned(), take_bytes(item, field)?))
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -1,7 +1,9 @@
 //! Operator access to a store file (facts, raw scans, verify, evict,
 //! import, the export line format), outside the [`Store`](crate::Store)
 //! contract; the `idemstore` binary (package `idemstore-cli`) is built on
-//! it. Reads see the store file: what was checkpointed ([`Admin::checkpoint`]).
+//! it, and [`RedbStore::check_log`]. Reads see the store file: what was
+//! checkpointed ([`Admin::checkpoint`]). The example uses each reader
+//! without an example of its own.
 //!
 //! ```
 //! use idemstore::{Fingerprint, Key, RedbStore, Store, Timestamp};
@@ -32,60 +34,45 @@
 //! ```
 
 mod line;
-mod log;
 mod verify;
-mod write;
 
 pub use line::{export_line, parse_line};
-pub use log::LogCheck;
 pub use verify::{Problem, ProblemKind, VerifyReport};
-pub use write::Evicted;
 
 use super::RedbStore;
+use super::damage::LossReport;
 use super::errors::engine_error;
-use super::meta::STORE_FORMAT_VERSION;
+use super::meta::{STORE_FORMAT_VERSION, check_format, read_meta_entries};
+use super::open::log_to_read;
+use super::overlay::open_overlay;
+use super::record_log;
+use super::recovery::{Found, boot_id, plan_log, walk_live};
 use super::tables::{EXPIRY, RECORDS};
 use crate::codec;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::key::Key;
 use crate::record::Record;
 use crate::time::Timestamp;
 use ::redb::{ReadableDatabase, ReadableTable, ReadableTableMetadata};
 use std::fmt;
 use std::ops::ControlFlow;
+use std::path::{Path, PathBuf};
 
 impl RedbStore {
     /// Operator access to this store's file ([`admin`](crate::redb::admin)).
-    ///
-    /// ```
-    /// fn records(store: &idemstore::RedbStore) -> idemstore::Result<u64> {
-    ///     Ok(store.admin().facts()?.records)
-    /// }
-    /// ```
     pub fn admin(&self) -> Admin<'_> {
         Admin { store: self }
     }
 }
 
-/// Operator access to one open [`RedbStore`], from [`RedbStore::admin`].
-///
-/// ```
-/// fn is_clean(admin: idemstore::redb::admin::Admin<'_>) -> idemstore::Result<bool> {
-///     Ok(admin.verify(|_| {})?.is_clean())
-/// }
-/// ```
+/// Operator access to one open [`RedbStore`], from [`RedbStore::admin`]
+/// (example: the [module](crate::redb::admin)'s).
 #[derive(Clone, Copy, Debug)]
 pub struct Admin<'a> {
     store: &'a RedbStore,
 }
 
 /// Store-wide facts from the meta table and the table sizes ([`Admin::facts`]).
-///
-/// ```
-/// fn hwm(facts: &idemstore::redb::admin::Facts) -> u64 {
-///     facts.token_hwm
-/// }
-/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Facts {
@@ -106,12 +93,6 @@ pub struct Facts {
 /// A key as stored (`scope_len u8 | scope | id`), as [`Admin::scan`] passes
 /// it (a damaged file may hold bytes that are not a valid [`Key`]). Its
 /// `Display` is `scope/id` (escaped) when it decodes, else `0x` and hex.
-///
-/// ```
-/// fn show(key: idemstore::redb::admin::RawKey<'_>) -> String {
-///     key.to_string()
-/// }
-/// ```
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct RawKey<'a> {
     bytes: &'a [u8],
@@ -119,26 +100,12 @@ pub struct RawKey<'a> {
 
 impl<'a> RawKey<'a> {
     /// The stored bytes.
-    ///
-    /// ```
-    /// # use idemstore::redb::admin::RawKey;
-    /// fn first_byte(key: RawKey<'_>) -> Option<u8> {
-    ///     key.as_bytes().first().copied() // the scope's length
-    /// }
-    /// ```
     pub fn as_bytes(&self) -> &'a [u8] {
         self.bytes
     }
 
     /// The [`Key`] these bytes store; [`Error::Corrupt`](crate::Error::Corrupt)
     /// when they do not decode to a valid one.
-    ///
-    /// ```
-    /// # use idemstore::redb::admin::RawKey;
-    /// fn scope_of(key: RawKey<'_>) -> idemstore::Result<Vec<u8>> {
-    ///     Ok(key.decode()?.scope().to_vec())
-    /// }
-    /// ```
     pub fn decode(&self) -> Result<Key> {
         codec::decode_key(self.bytes)
     }
@@ -158,31 +125,17 @@ impl fmt::Debug for RawKey<'_> {
 
 impl Admin<'_> {
     /// Writes what the memtable holds into the store file durably, so that
-    /// the reads here see the writes made through the store API (see the
-    /// [module](crate::redb::admin) example).
-    ///
-    /// ```
-    /// # fn f(store: &idemstore::RedbStore) -> idemstore::Result<()> {
-    /// store.admin().checkpoint()
-    /// # }
-    /// ```
+    /// the reads here see the writes made through the store API.
     pub fn checkpoint(&self) -> Result<()> {
         self.store.shared.flush()
     }
 
     /// Facts from the meta table and the table sizes; a missing or
     /// malformed meta entry is [`Error::Corrupt`](crate::Error::Corrupt).
-    ///
-    /// ```
-    /// # let dir = tempfile::tempdir()?;
-    /// let store = idemstore::RedbStore::open(dir.path().join("s.idem"))?;
-    /// assert_eq!(store.admin().facts()?.records, 0);
-    /// # Ok::<(), idemstore::Error>(())
-    /// ```
     pub fn facts(&self) -> Result<Facts> {
         let db = self.store.shared.db.read_db()?;
         let txn = db.begin_read().map_err(engine_error)?;
-        let meta = super::meta::read_meta_entries(&txn)?;
+        let meta = read_meta_entries(&txn)?;
         let records = txn.open_table(RECORDS).map_err(engine_error)?;
         let index = txn.open_table(EXPIRY).map_err(engine_error)?;
         Ok(Facts {
@@ -198,16 +151,6 @@ impl Admin<'_> {
     /// Calls `f` with every record in the store file, in key order, until
     /// it returns [`ControlFlow::Break`]; a record that does not verify is
     /// passed as its error, and expired ones not yet swept are included.
-    ///
-    /// ```
-    /// # fn f(store: &idemstore::RedbStore) -> idemstore::Result<()> {
-    /// let mut damaged = 0;
-    /// store.admin().scan(|_key, record| {
-    ///     damaged += u32::from(record.is_err());
-    ///     std::ops::ControlFlow::Continue(())
-    /// })
-    /// # }
-    /// ```
     pub fn scan(&self, f: impl FnMut(RawKey<'_>, Result<Record>) -> ControlFlow<()>) -> Result<()> {
         self.scan_prefix(&[], f)
     }
@@ -267,26 +210,12 @@ impl Admin<'_> {
 
     /// The latest record for `key`, expired or not (unlike
     /// [`Store::get`](crate::Store::get)).
-    ///
-    /// ```
-    /// # fn f(store: &idemstore::RedbStore) -> idemstore::Result<()> {
-    /// let record = store.admin().get_raw(&idemstore::Key::new("t", "o-1")?)?;
-    /// # Ok(()) }
-    /// ```
     pub fn get_raw(&self, key: &Key) -> Result<Option<Record>> {
         self.store.shared.read(&codec::encode_key(key))
     }
 
     /// The first and the last expiry in the expiry index, `None` when it is
     /// empty.
-    ///
-    /// ```
-    /// # fn f(store: &idemstore::RedbStore) -> idemstore::Result<()> {
-    /// if let Some((first, last)) = store.admin().expiry_bounds()? {
-    ///     println!("records expire from {first:?} to {last:?}");
-    /// }
-    /// # Ok(()) }
-    /// ```
     pub fn expiry_bounds(&self) -> Result<Option<(Timestamp, Timestamp)>> {
         let db = self.store.shared.db.read_db()?;
         let txn = db.begin_read().map_err(engine_error)?;
@@ -304,12 +233,6 @@ impl Admin<'_> {
 
     /// Expiry-index entries due at `now`, counted up to `limit`: what a
     /// sweep at `now` will visit.
-    ///
-    /// ```
-    /// # fn f(store: &idemstore::RedbStore) -> idemstore::Result<u64> {
-    /// store.admin().count_due(idemstore::Timestamp::from_millis(1_000), u64::MAX)
-    /// # }
-    /// ```
     pub fn count_due(&self, now: Timestamp, limit: u64) -> Result<u64> {
         let db = self.store.shared.db.read_db()?;
         let txn = db.begin_read().map_err(engine_error)?;
@@ -328,5 +251,223 @@ impl Admin<'_> {
             }
         }
         Ok(n)
+    }
+}
+
+/// Records written per transaction by [`Admin::import`].
+const IMPORT_BATCH: usize = 10_000;
+
+/// What [`Admin::evict`] (see its example) removed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Evicted {
+    /// The record, when it still decoded (`None` for a damaged one).
+    pub record: Option<Record>,
+    /// Index entries removed with it.
+    pub index_entries: u64,
+}
+
+// The writes are direct transactions (`Shared::direct`): under the commit
+// lock, after the memtable is taken in, so what is written is the latest
+// state and no replay undoes it; a failed commit poisons.
+impl Admin<'_> {
+    /// Removes `key`'s record and its index entries, whatever its state,
+    /// even when it no longer decodes; `Ok(None)` when there is none. A
+    /// retry of an evicted key runs its side effect again.
+    ///
+    /// ```
+    /// use idemstore::{Fingerprint, Key, RedbStore, Store, Timestamp};
+    /// # let dir = tempfile::tempdir()?;
+    /// let store = RedbStore::open(dir.path().join("s.idem"))?;
+    /// let (key, hour) = (Key::new("t", "o-1")?, std::time::Duration::from_secs(3600));
+    /// store.begin(&key, &Fingerprint::of(b"x"), Timestamp::EPOCH, hour, hour)?;
+    /// let evicted = store.admin().evict(&key)?.expect("it was there");
+    /// assert_eq!(evicted.index_entries, 1);
+    /// assert!(store.admin().evict(&key)?.is_none());
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn evict(&self, key: &Key) -> Result<Option<Evicted>> {
+        self.store.shared.db.check_healthy()?;
+        let key_bytes = codec::encode_key(key);
+        self.store.shared.direct(|tables, _| {
+            Ok::<_, Error>(
+                tables
+                    .evict(&key_bytes)?
+                    .map(|(record, index_entries)| Evicted {
+                        record,
+                        index_entries,
+                    }),
+            )
+        })
+    }
+
+    /// Raises the token high-water mark to at least `at_least`, durably,
+    /// and returns it: a store that takes over another's records raises it
+    /// to the other's mark, so no token the old store handed out is handed
+    /// out again.
+    ///
+    /// ```
+    /// # let dir = tempfile::tempdir()?;
+    /// let store = idemstore::RedbStore::open(dir.path().join("s.idem"))?;
+    /// assert_eq!(store.admin().raise_token_high_water_mark(41)?, 41);
+    /// assert_eq!(store.admin().raise_token_high_water_mark(7)?, 41);
+    /// assert_eq!(store.admin().facts()?.token_hwm, 41);
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn raise_token_high_water_mark(&self, at_least: u64) -> Result<u64> {
+        let stored = self.facts()?.token_hwm;
+        if stored >= at_least {
+            return Ok(stored);
+        }
+        self.store.shared.direct(|_, token_hwm| {
+            *token_hwm = (*token_hwm).max(at_least);
+            Ok::<_, Error>(*token_hwm)
+        })
+    }
+
+    /// Writes `records` as they are (nothing is re-decided), replacing what
+    /// is stored under their keys, 10,000 per transaction, and
+    /// raises the token high-water mark to the largest imported token.
+    /// Returns how many were written; the first `Err` item stops the import
+    /// (the batches before it stay written). Each batch holds the commit
+    /// lock: an operator's bulk load, not something to run beside traffic.
+    ///
+    /// ```
+    /// use idemstore::redb::admin::{export_line, parse_line};
+    /// use idemstore::{Fingerprint, Key, RedbStore, Store, Timestamp};
+    /// # let dir = tempfile::tempdir()?;
+    /// let (from, hour) = (RedbStore::open(dir.path().join("from.idem"))?, std::time::Duration::from_secs(3600));
+    /// from.begin(&Key::new("t", "o-1")?, &Fingerprint::of(b"x"), Timestamp::EPOCH, hour, hour)?;
+    /// from.admin().checkpoint()?;
+    /// let mut lines = Vec::new();
+    /// from.admin().scan(|key, record| {
+    ///     lines.push(export_line(&key.decode().expect("key"), &record.expect("record")));
+    ///     std::ops::ControlFlow::Continue(())
+    /// })?;
+    ///
+    /// let to = RedbStore::open(dir.path().join("to.idem"))?;
+    /// assert_eq!(to.admin().import(lines.iter().map(|l| parse_line(l)))?, 1);
+    /// assert_eq!(to.admin().facts()?.token_hwm, from.admin().facts()?.token_hwm);
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn import(&self, records: impl IntoIterator<Item = Result<(Key, Record)>>) -> Result<u64> {
+        self.store.shared.db.check_healthy()?;
+        let mut hwm = self.facts()?.token_hwm;
+        let mut written = 0u64;
+        let mut records = records.into_iter().peekable();
+        while records.peek().is_some() {
+            self.store.shared.direct(|tables, token_hwm| {
+                for item in records.by_ref().take(IMPORT_BATCH) {
+                    let (key, record) = item?;
+                    tables.apply(&codec::encode_key(&key), Some(&record))?;
+                    hwm = hwm.max(record.token);
+                    written += 1;
+                }
+                *token_hwm = (*token_hwm).max(hwm);
+                Ok::<_, Error>(())
+            })?;
+        }
+        Ok(written)
+    }
+}
+
+/// What [`RedbStore::check_log`] (see its example) found: the log's state
+/// and every problem an open would refuse.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LogCheck {
+    /// The log file (`<store>-wal`).
+    pub path: PathBuf,
+    /// The log file exists.
+    pub present: bool,
+    /// Its size in bytes (0 when missing).
+    pub bytes: u64,
+    /// Whether the store was last closed cleanly (the log holds nothing it
+    /// needs); `None` when no open has recorded it.
+    pub clean_stop: Option<bool>,
+    /// Frames an open would replay.
+    pub frames: u64,
+    /// What an open would refuse, one line each.
+    pub problems: Vec<String>,
+}
+
+impl LogCheck {
+    /// An open would replay the log without refusing it (example:
+    /// [`RedbStore::check_log`]).
+    pub fn is_clean(&self) -> bool {
+        self.problems.is_empty()
+    }
+}
+
+impl RedbStore {
+    /// Checks the write-ahead log of the store at `store` as an open would
+    /// replay it, reporting every problem instead of stopping at the first.
+    /// Writes nothing and takes no lock: run it on a store no process holds,
+    /// or on a copy. Errors: what an open would say about the store file.
+    ///
+    /// ```
+    /// # let dir = tempfile::tempdir()?;
+    /// let path = dir.path().join("s.idem");
+    /// drop(idemstore::RedbStore::open(&path)?);
+    /// let check = idemstore::RedbStore::check_log(&path)?;
+    /// assert!(check.is_clean());
+    /// assert_eq!(check.clean_stop, Some(true));
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn check_log(store: impl AsRef<Path>) -> Result<LogCheck> {
+        let store = store.as_ref();
+        let db = open_overlay(store)?.map_err(|detail| {
+            Error::corrupt(None, format!("{} is damaged: {detail}", store.display()))
+        })?;
+        let meta = read_meta_entries(&db.begin_read().map_err(engine_error)?)?;
+        check_format(&meta)?;
+        let log = log_to_read(store)?;
+        let boot = boot_id();
+        let found = Found {
+            store_id: meta.store_id,
+            token_hwm: meta.token_hwm,
+            boot: boot.as_deref(),
+            name: store,
+            heal: false,
+        };
+        let plan = plan_log(&db, log.as_ref(), &found)?;
+        let mut problems: Vec<String> = plan.problems.iter().map(ToString::to_string).collect();
+        // Every frame decoded but not applied; the walk goes on past problems.
+        let mut loss = LossReport::default();
+        let mut undecodable = Vec::new();
+        let (frames, another) = walk_live(
+            log.as_ref(),
+            &found,
+            &plan,
+            Some(&mut loss),
+            |at, payload| {
+                if let Err(e) = record_log::entries(at, payload, |_| Ok(())) {
+                    undecodable.push(e.to_string());
+                }
+                Ok(())
+            },
+        )?;
+        problems.extend(another.map(|d| d.to_string()));
+        problems.append(&mut loss.findings);
+        problems.append(&mut undecodable);
+        let path = Self::log_path(store);
+        Ok(LogCheck {
+            present: path.exists(),
+            path,
+            bytes: plan.file_len,
+            clean_stop: plan.clean_stop,
+            frames,
+            problems,
+        })
+    }
+
+    /// The write-ahead log beside the store file `store` (`<store>-wal`); the
+    /// two are copied, moved and deleted together.
+    ///
+    /// ```
+    /// assert_eq!(idemstore::RedbStore::log_path("/data/orders.idem"), std::path::Path::new("/data/orders.idem-wal"));
+    /// ```
+    pub fn log_path(store: impl AsRef<Path>) -> PathBuf {
+        super::file::log_path(store)
     }
 }

@@ -15,6 +15,7 @@ pub(crate) const MAX_LISTED_PROBLEMS: usize = 100;
 /// ```
 /// use idemstore::redb::admin::ProblemKind;
 /// assert_eq!(ProblemKind::MissingIndex.name(), "missing_index");
+/// assert_eq!(ProblemKind::TokenAboveHighWaterMark.to_string(), "token_above_hwm");
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
@@ -45,12 +46,8 @@ pub enum ProblemKind {
 }
 
 impl ProblemKind {
-    /// A stable, short name (`idemstore verify` prints it).
-    ///
-    /// ```
-    /// use idemstore::redb::admin::ProblemKind;
-    /// assert_eq!(ProblemKind::TokenAboveHighWaterMark.name(), "token_above_hwm");
-    /// ```
+    /// A stable, short name (`idemstore verify` prints it; example:
+    /// [`ProblemKind`]).
     pub fn name(self) -> &'static str {
         match self {
             ProblemKind::EngineRepaired => "engine_repaired",
@@ -120,11 +117,7 @@ pub struct VerifyReport {
 }
 
 impl VerifyReport {
-    /// True when nothing was found.
-    ///
-    /// ```
-    /// assert!(idemstore::redb::admin::VerifyReport::default().is_clean());
-    /// ```
+    /// True when nothing was found (example: [`VerifyReport`]).
     pub fn is_clean(&self) -> bool {
         self.problem_count == 0
     }
