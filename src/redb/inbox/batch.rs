@@ -30,7 +30,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 /// use idemstore::{Fingerprint, Key};
 ///
 /// let m = Message::new(Key::new("payments", "p-1")?, Fingerprint::of(b"alice+5"), ("alice", 5u64));
-/// assert_eq!(m.payload, ("alice", 5));
+/// assert_eq!((m.key.id(), m.payload), (b"p-1".as_slice(), ("alice", 5)));
 /// # Ok::<(), idemstore::Error>(())
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -45,14 +45,8 @@ pub struct Message<T> {
 }
 
 impl<T> Message<T> {
-    /// A delivery of `payload` under `key`, whose content digests to `fingerprint`.
-    ///
-    /// ```
-    /// # use idemstore::{Fingerprint, Key};
-    /// let m = idemstore::redb::Message::new(Key::new("q", "m-1")?, Fingerprint::of(b"x"), ());
-    /// assert_eq!(m.key.id(), b"m-1");
-    /// # Ok::<(), idemstore::Error>(())
-    /// ```
+    /// A delivery of `payload` under `key`, whose content digests to
+    /// `fingerprint` (example: [`Message`]).
     pub fn new(key: Key, fingerprint: Fingerprint, payload: T) -> Message<T> {
         Message {
             key,
@@ -95,20 +89,8 @@ impl<E> From<Error> for Abort<E> {
     }
 }
 
-/// One delivery as the engine sees it.
-pub(super) struct Item<'a> {
-    key: Vec<u8>,
-    fingerprint: &'a Fingerprint,
-}
-
-impl<'a> Item<'a> {
-    pub(super) fn new(key: &Key, fingerprint: &'a Fingerprint) -> Item<'a> {
-        Item {
-            key: crate::codec::encode_key(key),
-            fingerprint,
-        }
-    }
-}
+/// One delivery as the engine sees it: the encoded key and the fingerprint.
+pub(super) type Item<'a> = (Vec<u8>, &'a Fingerprint);
 
 type Answers<E> = Vec<Result<Delivery, Failed<E>>>;
 
@@ -201,7 +183,7 @@ impl Inbox {
         let retention = self.retention;
         let txn = tables.txn;
         let mut answers = Vec::with_capacity(items.len());
-        for (index, (item, failed)) in items.iter().zip(failed).enumerate() {
+        for (index, ((key, fingerprint), failed)) in items.iter().zip(failed).enumerate() {
             if failed.is_some() {
                 answers.push(None);
                 continue;
@@ -213,56 +195,43 @@ impl Inbox {
                 last.checked_add(1)
                     .ok_or_else(|| Error::invalid_argument("fencing tokens exhausted"))
             };
-            let decided = tables.read(&item.key).and_then(|existing| {
-                logic::begin(
-                    existing,
-                    item.fingerprint,
-                    now,
-                    DEFAULT_LEASE,
-                    retention,
-                    next,
-                )
+            let decided = tables.read(key).and_then(|existing| {
+                logic::begin(existing, fingerprint, now, DEFAULT_LEASE, retention, next)
             });
-            let (claim, processing) = match decided.map(|d| (d.answer, d.write)) {
-                Err(e) => {
-                    answers.push(Some(Err(e.into())));
-                    continue;
-                }
-                Ok((Begin::Claimed(claim), Some(processing))) => (claim, processing),
+            let answer = match decided.map(|d| (d.answer, d.write)) {
+                Err(e) => Err(e.into()),
+                Ok((Begin::Replay(response), _)) => Ok(Delivery::Duplicate(response)),
+                Ok((Begin::Conflict, _)) => Ok(Delivery::Conflict),
+                Ok((Begin::InFlight { lease_until }, _)) => Ok(Delivery::InFlight { lease_until }),
                 Ok((Begin::Claimed(_), None)) => {
                     return Err(Abort::Store(Error::backend(
                         "a claim without a record to write",
                     )));
                 }
-                Ok((Begin::Replay(response), _)) => {
-                    answers.push(Some(Ok(Delivery::Duplicate(response))));
-                    continue;
-                }
-                Ok((Begin::Conflict, _)) => {
-                    answers.push(Some(Ok(Delivery::Conflict)));
-                    continue;
-                }
-                Ok((Begin::InFlight { lease_until }, _)) => {
-                    answers.push(Some(Ok(Delivery::InFlight { lease_until })));
-                    continue;
+                Ok((Begin::Claimed(claim), Some(processing))) => {
+                    *hwm = (*hwm).max(claim.token);
+                    *burned = (*burned).max(claim.token);
+                    // The PROCESSING record is never written: the DONE
+                    // record replaces it in this transaction.
+                    let failed = |e| Err(Abort::Message(index, e));
+                    let response =
+                        match catch_unwind(AssertUnwindSafe(|| handler(index, txn, &claim))) {
+                            Ok(Ok(response)) => response,
+                            Ok(Err(e)) => return failed(Failed::Error(e)),
+                            Err(panic) => return failed(Failed::Panic(panic)),
+                        };
+                    let stored = logic::check_response(&response, self.store.max_body_bytes)
+                        .and_then(|()| {
+                            logic::complete(Some(processing), &claim, &response, now, retention)
+                        })
+                        .and_then(|done| tables.apply(key, Some(&done)));
+                    if let Err(e) = stored {
+                        return failed(Failed::Error(e.into()));
+                    }
+                    Ok(Delivery::Handled(response))
                 }
             };
-            *hwm = (*hwm).max(claim.token);
-            *burned = (*burned).max(claim.token);
-            // The PROCESSING record is never written: the DONE record
-            // replaces it in this transaction.
-            let response = match catch_unwind(AssertUnwindSafe(|| handler(index, txn, &claim))) {
-                Ok(Ok(response)) => response,
-                Ok(Err(e)) => return Err(Abort::Message(index, Failed::Error(e))),
-                Err(panic) => return Err(Abort::Message(index, Failed::Panic(panic))),
-            };
-            let stored = logic::check_response(&response, self.store.max_body_bytes)
-                .and_then(|()| logic::complete(Some(processing), &claim, &response, now, retention))
-                .and_then(|done| tables.apply(&item.key, Some(&done)));
-            if let Err(e) = stored {
-                return Err(Abort::Message(index, Failed::Error(e.into())));
-            }
-            answers.push(Some(Ok(Delivery::Handled(response))));
+            answers.push(Some(answer));
         }
         Ok(answers)
     }
@@ -272,12 +241,12 @@ impl Inbox {
 /// without a write transaction); `None` as soon as one needs one.
 fn all_redelivered(store: &RedbStore, items: &[Item<'_>], now: Timestamp) -> Option<Vec<Delivery>> {
     let mut answers = Vec::with_capacity(items.len());
-    for item in items {
-        let record = logic::visible(store.shared.read(&item.key).ok()?, now)?;
+    for (key, fingerprint) in items {
+        let record = logic::visible(store.shared.read(key).ok()?, now)?;
         if record.state != State::Done {
             return None;
         }
-        answers.push(if record.fingerprint == *item.fingerprint {
+        answers.push(if record.fingerprint == **fingerprint {
             Delivery::Duplicate(record.response.unwrap_or_default())
         } else {
             Delivery::Conflict

@@ -4,21 +4,25 @@
 //! under the commit lock), not a place in the store's commit groups: redb
 //! cannot roll back part of a transaction, so inside a group a failed or
 //! slow handler would take every other caller's request with it. A batch
-//! deals with that alone (`batch.rs`).
+//! deals with that alone (`batch.rs`). [`RedbStore::atomic_step`] is the
+//! same mechanism for one step of a guarded run.
 
 mod batch;
-mod step;
 
 pub use batch::Message;
 
 use super::RedbStore;
 use super::errors::engine_error;
+use super::tables::Source;
+use crate::codec;
 use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
-use crate::guard::DEFAULT_RETENTION;
+use crate::guard::{DEFAULT_RETENTION, Next};
 use crate::key::Key;
+use crate::logic;
 use crate::record::Claim;
 use crate::response::Response;
+use crate::step::{self, Step};
 use crate::store::Store;
 use crate::time::Clock;
 use ::redb::{ReadTransaction, ReadableDatabase, WriteTransaction};
@@ -71,13 +75,17 @@ pub struct Inbox {
 
 impl Inbox {
     /// An inbox on `store`, with the store's clock ([`Store::clock`]) and
-    /// [`DEFAULT_RETENTION`].
+    /// [`DEFAULT_RETENTION`]; the example sets every option.
     ///
     /// ```
+    /// use std::sync::Arc;
     /// # let dir = tempfile::tempdir()?;
-    /// let store = std::sync::Arc::new(idemstore::RedbStore::open(dir.path().join("s.idem"))?);
-    /// let inbox = idemstore::redb::Inbox::new(std::sync::Arc::clone(&store));
-    /// assert!(std::sync::Arc::ptr_eq(inbox.store(), &store));
+    /// let store = Arc::new(idemstore::RedbStore::open(dir.path().join("s.idem"))?);
+    /// let inbox = idemstore::redb::Inbox::new(Arc::clone(&store))
+    ///     .retention(std::time::Duration::from_secs(7 * 24 * 3600))
+    ///     .clock(idemstore::SystemClock)
+    ///     .quick_repair(false);
+    /// assert!(Arc::ptr_eq(inbox.store(), &store) && !inbox.store().is_poisoned());
     /// # Ok::<(), idemstore::Error>(())
     /// ```
     pub fn new(store: impl Into<Arc<RedbStore>>) -> Inbox {
@@ -91,27 +99,14 @@ impl Inbox {
     }
 
     /// How long a handled message id is remembered; must cover the queue's
-    /// longest redelivery horizon.
-    ///
-    /// ```
-    /// # let dir = tempfile::tempdir()?;
-    /// let inbox = idemstore::redb::Inbox::new(idemstore::RedbStore::open(dir.path().join("s.idem"))?)
-    ///     .retention(std::time::Duration::from_secs(7 * 24 * 3600));
-    /// # Ok::<(), idemstore::Error>(())
-    /// ```
+    /// longest redelivery horizon (example: [`Inbox::new`]).
     pub fn retention(mut self, retention: Duration) -> Inbox {
         self.retention = retention;
         self
     }
 
-    /// The clock for record timestamps and expiry (default: the store's).
-    ///
-    /// ```
-    /// # let dir = tempfile::tempdir()?;
-    /// let inbox = idemstore::redb::Inbox::new(idemstore::RedbStore::open(dir.path().join("s.idem"))?)
-    ///     .clock(idemstore::SystemClock);
-    /// # Ok::<(), idemstore::Error>(())
-    /// ```
+    /// The clock for record timestamps and expiry (default: the store's;
+    /// example: [`Inbox::new`]).
     pub fn clock(mut self, clock: impl Clock + 'static) -> Inbox {
         self.clock = Arc::new(clock);
         self
@@ -120,38 +115,21 @@ impl Inbox {
     /// redb's quick-repair on the inbox's commits (on by default). Off, a
     /// commit takes one fsync instead of two and is as durable, but an open
     /// after a crash walks the whole file: for a small store whose
-    /// throughput matters more than its restart time.
-    ///
-    /// ```
-    /// # let dir = tempfile::tempdir()?;
-    /// let inbox = idemstore::redb::Inbox::new(idemstore::RedbStore::open(dir.path().join("s.idem"))?)
-    ///     .quick_repair(false);
-    /// # Ok::<(), idemstore::Error>(())
-    /// ```
+    /// throughput matters more than its restart time (example: [`Inbox::new`]).
     pub fn quick_repair(mut self, on: bool) -> Inbox {
         self.quick_repair = on;
         self
     }
 
-    /// The store this inbox writes to.
-    ///
-    /// ```
-    /// # let dir = tempfile::tempdir()?;
-    /// let inbox = idemstore::redb::Inbox::new(idemstore::RedbStore::open(dir.path().join("s.idem"))?);
-    /// assert!(!inbox.store().is_poisoned());
-    /// # Ok::<(), idemstore::Error>(())
-    /// ```
+    /// The store this inbox writes to (example: [`Inbox::new`]).
     pub fn store(&self) -> &Arc<RedbStore> {
         &self.store
     }
 
     /// Handles one delivery of the message `key` whose payload digests to
     /// `fingerprint`: a batch of one ([`handle_batch`](Inbox::handle_batch))
-    /// whose handler never runs twice. A new id runs `handler`, and its
-    /// writes commit durably with the DONE record ([`Delivery::Handled`]).
-    ///
-    /// Errors: the handler's (nothing is written), or the store's converted
-    /// into `E`; a failed commit poisons the store. A handler's panic
+    /// whose handler never runs twice. Errors: the handler's (nothing is
+    /// written), or the store's converted into `E`; a handler's panic
     /// reaches the caller and does not poison the store.
     ///
     /// ```
@@ -176,7 +154,7 @@ impl Inbox {
         F: FnOnce(&WriteTransaction, &Claim) -> Result<Response, E>,
     {
         let mut handler = Some(handler);
-        let items = [batch::Item::new(key, fingerprint)];
+        let items = [(codec::encode_key(key), fingerprint)];
         let mut answers = self.run(&items, |_, txn, claim| match handler.take() {
             Some(handler) => handler(txn, claim),
             // A batch of one never re-runs: a failure ends it.
@@ -243,9 +221,9 @@ impl Inbox {
         E: From<Error>,
         F: FnMut(&WriteTransaction, &Claim, &Message<T>) -> Result<Response, E>,
     {
-        let items: Vec<batch::Item<'_>> = batch
+        let items: Vec<_> = batch
             .iter()
-            .map(|m| batch::Item::new(&m.key, &m.fingerprint))
+            .map(|m| (codec::encode_key(&m.key), &m.fingerprint))
             .collect();
         let answers = self.run(&items, |index, txn, claim| match batch.get(index) {
             Some(message) => handler(txn, claim, message),
@@ -275,5 +253,78 @@ impl Inbox {
         let db = self.store.shared.db.read_db()?;
         let txn = db.begin_read().map_err(engine_error)?;
         f(&txn)
+    }
+}
+
+impl RedbStore {
+    /// Runs the step `name` of `claim`'s run as an atomic phase: `f`'s
+    /// writes through the transaction it is given and the step's record
+    /// commit in one durable redb transaction, so a crash leaves both or
+    /// neither and a retry never applies them twice; a step an earlier
+    /// attempt recorded ([`Claim::steps`]) returns its output without
+    /// calling `f`. `f` gets the step key ([`Key::step_key`]) and returns the
+    /// step's output; an `Err` from `f` (or a panic) aborts the transaction,
+    /// as does a claim that no longer owns `key` (taken over, released,
+    /// expired: [`Error::StaleClaim`]). The limits and the one-name-per-run
+    /// rule are [`Claim::step`]'s; a claim from [`Store::begin`] (no guard)
+    /// may be used too.
+    ///
+    /// Like the [`Inbox`], it commits under the store's commit
+    /// lock: `f` must not call this store, and should be short. It blocks:
+    /// from async code, call it on a blocking thread.
+    ///
+    /// ```
+    /// use idemstore::redb::engine::{ReadableTable, TableDefinition};
+    /// use idemstore::{BoxError, Fingerprint, Guard, Key, RedbStore, Response};
+    /// use std::sync::Arc;
+    ///
+    /// const STOCK: TableDefinition<&str, u64> = TableDefinition::new("shop.stock");
+    ///
+    /// # let dir = tempfile::tempdir()?;
+    /// let store = Arc::new(RedbStore::open(dir.path().join("shop.idem"))?);
+    /// let guard = Guard::new(Arc::clone(&store));
+    /// let key = Key::new("orders", "o-1")?;
+    /// guard.run(&key, &Fingerprint::of(b"apple x2"), |claim| {
+    ///     let left = store.atomic_step(&key, claim, "reserve", |txn, _| -> Result<_, BoxError> {
+    ///         let mut stock = txn.open_table(STOCK)?;
+    ///         let left = stock.get("apple")?.map_or(10, |v| v.value()) - 2;
+    ///         stock.insert("apple", left)?;
+    ///         Ok(left.to_string().into_bytes())
+    ///     })?;
+    ///     Ok::<_, BoxError>(Response::new(201, left))
+    /// });
+    /// # Ok::<(), BoxError>(())
+    /// ```
+    pub fn atomic_step<E: From<Error>>(
+        &self,
+        key: &Key,
+        claim: &Claim,
+        name: &str,
+        f: impl FnOnce(&WriteTransaction, &str) -> std::result::Result<Vec<u8>, E>,
+    ) -> std::result::Result<Vec<u8>, E> {
+        if claim.run.is_some() {
+            if let Next::Replay(output) = claim.next_step(name)? {
+                return Ok(output);
+            }
+        } else {
+            step::check_name(name)?;
+            if let Some(recorded) = claim.steps.iter().find(|s| s.name == name) {
+                return Ok(recorded.output.clone());
+            }
+        }
+        let key_bytes = codec::encode_key(key);
+        let step_key = key.step_key(name);
+        let now = self.clock().now();
+        let output = self.shared.direct(|tables, _| {
+            let output = f(tables.txn, &step_key)?;
+            let step = Step::new(name, output)?;
+            let existing = tables.read(&key_bytes)?;
+            if let Some(record) = logic::record_step(existing, claim, &step, now)? {
+                tables.apply(&key_bytes, Some(&record))?;
+            }
+            Ok::<_, E>(step.output)
+        })?;
+        crate::observability::step(false);
+        Ok(output)
     }
 }
