@@ -16,25 +16,23 @@ use std::sync::atomic::AtomicU64;
 /// let _ = store.begin(&Key::new("", "k")?, &Fingerprint::of(b""), Timestamp::EPOCH, d, d)?;
 /// let stats = store.stats();
 /// assert_eq!((stats.requests, stats.commits), (1, 1));
+/// assert_eq!(idemstore::redb::RedbStats::default().mean_group(), 0.0);
 /// # Ok::<(), idemstore::Error>(())
 /// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RedbStats {
-    /// Requests that joined the line (begins that claim or find no record,
-    /// completes, releases, sweeps); a begin answered Replay, InFlight or
-    /// Conflict on the read fast path never joins it.
+    /// Requests that joined the line (claiming begins, completes, releases,
+    /// sweeps); begins answered on the read fast path do not.
     pub requests: u64,
     /// Groups committed by a leader (one log frame each).
     pub groups: u64,
     /// Groups and direct transactions that wrote something.
     pub commits: u64,
     /// redb commits made durable with an fsync: checkpoints and direct
-    /// transactions (inbox, admin evict and import, compaction, a group
-    /// larger than a log segment).
+    /// transactions (inbox, admin writes, compaction, an oversized group).
     pub durable_commits: u64,
-    /// Groups made durable by one append and `fdatasync` of the
-    /// log.
+    /// Groups made durable by one append and `fdatasync` of the log.
     pub logged_commits: u64,
     /// Frames replayed from the log when the store was opened:
     /// groups acknowledged after the last checkpoint before a crash.
@@ -45,8 +43,7 @@ pub struct RedbStats {
     pub fast_replays: u64,
     /// Begins answered InFlight or Conflict on the read fast path.
     pub fast_refusals: u64,
-    /// Records deleted by sweeps (the background sweeper's and explicit
-    /// [`Store::sweep_expired`](crate::Store::sweep_expired) calls).
+    /// Records deleted by sweeps (the sweeper's and [`Store::sweep_expired`](crate::Store::sweep_expired)'s).
     pub swept: u64,
     /// Leases ended at open by [`RecoveryPolicy::ExpireLeases`](crate::redb::RecoveryPolicy::ExpireLeases).
     pub leases_expired_on_open: u64,
@@ -56,11 +53,8 @@ pub struct RedbStats {
 }
 
 impl RedbStats {
-    /// Mean requests per group (0 before the first group).
-    ///
-    /// ```
-    /// assert_eq!(idemstore::redb::RedbStats::default().mean_group(), 0.0);
-    /// ```
+    /// Mean requests per group (0 before the first group; example:
+    /// [`RedbStats`]).
     pub fn mean_group(&self) -> f64 {
         if self.groups == 0 {
             0.0
