@@ -64,12 +64,8 @@ fn to_json(key: &Key, record: &Record) -> Value {
 }
 
 fn response_json(r: &Response) -> Value {
-    let headers: Vec<Value> = r
-        .headers
-        .iter()
-        .map(|(n, v)| named(n, "value", v))
-        .collect();
-    let mut out = json!({ "status": r.status, "headers": headers });
+    let headers = r.headers.iter().map(|(n, v)| named(n, "value", v));
+    let mut out = json!({ "status": r.status, "headers": headers.collect::<Vec<_>>() });
     put_bytes(&mut out, "body", &r.body);
     out
 }
@@ -121,15 +117,14 @@ fn take_u64(map: &Map<String, Value>, name: &str) -> Result<u64> {
 /// Refuses a field not in `known` (each also allowed as `<name>_b64`): a
 /// newer writer's line is not imported without what it says.
 fn only_known(map: &Map<String, Value>, what: &str, known: &[&str]) -> Result<()> {
-    match map.keys().find(|k| {
-        let base = k.strip_suffix("_b64").unwrap_or(k);
-        !known.contains(&k.as_str()) && !known.contains(&base)
-    }) {
-        Some(field) => Err(bad(format!(
+    let unknown = map
+        .keys()
+        .find(|k| !known.contains(&k.strip_suffix("_b64").unwrap_or(k)));
+    unknown.map_or(Ok(()), |field| {
+        Err(bad(format!(
             "unknown field {field:?} in {what} (this build reads line format v{LINE_VERSION})"
-        ))),
-        None => Ok(()),
-    }
+        )))
+    })
 }
 
 const LINE_FIELDS: &[&str] = &[

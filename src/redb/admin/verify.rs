@@ -211,11 +211,8 @@ impl Admin<'_> {
             };
             let at = record.expires_at.as_millis();
             let index_key = codec::encode_index(record.expires_at, key);
-            if expiry
-                .get(index_key.as_slice())
-                .map_err(engine_error)?
-                .is_none()
-            {
+            let indexed = expiry.get(index_key.as_slice()).map_err(engine_error)?;
+            if indexed.is_none() {
                 let detail = format!("no index entry at its expiry ({at} ms)");
                 report.add(ProblemKind::MissingIndex, Some(key), detail);
             }
