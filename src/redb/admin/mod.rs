@@ -104,7 +104,7 @@ impl<'a> RawKey<'a> {
         self.bytes
     }
 
-    /// The [`Key`] these bytes store; [`Error::Corrupt`](crate::Error::Corrupt)
+    /// The [`Key`] these bytes store; [`Error::Corrupt`]
     /// when they do not decode to a valid one.
     pub fn decode(&self) -> Result<Key> {
         codec::decode_key(self.bytes)
@@ -131,7 +131,7 @@ impl Admin<'_> {
     }
 
     /// Facts from the meta table and the table sizes; a missing or
-    /// malformed meta entry is [`Error::Corrupt`](crate::Error::Corrupt).
+    /// malformed meta entry is [`Error::Corrupt`].
     pub fn facts(&self) -> Result<Facts> {
         let db = self.store.shared.db.read_db()?;
         let txn = db.begin_read().map_err(engine_error)?;
@@ -156,7 +156,7 @@ impl Admin<'_> {
     }
 
     /// [`scan`](Self::scan) over one scope's records (one key range);
-    /// [`Error::InvalidKey`](crate::Error::InvalidKey) for a scope too long.
+    /// [`Error::InvalidKey`] for a scope too long.
     ///
     /// ```
     /// use idemstore::{Fingerprint, Key, RedbStore, Store, Timestamp};
