@@ -23,7 +23,7 @@ use std::time::Duration;
 ///     .durability(Durability::Immediate)
 ///     .cache_bytes(16 << 20)
 ///     .max_body_bytes(64 * 1024)
-///     .recovery(RecoveryPolicy::WaitForLease)
+///     .recovery(RecoveryPolicy::ExpireLeases)
 ///     .sweeper(SweeperConfig::default().interval(Duration::from_secs(30)))
 ///     .clock(ManualClock::new(Timestamp::from_millis(42)))
 ///     .verify_on_open(true)
@@ -32,6 +32,7 @@ use std::time::Duration;
 ///     .open(dir.path().join("orders.idem"))?;
 /// assert_eq!(std::fs::metadata(dir.path().join("orders.idem-wal"))?.len(), 1 << 20);
 /// assert_eq!(store.sweeper().map(|s| s.swept()), Some(0));
+/// assert_eq!(store.stats().leases_expired_on_open, 0);
 /// assert_eq!(Guard::new(store).now(), Timestamp::from_millis(42));
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```

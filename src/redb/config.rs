@@ -48,18 +48,8 @@ pub enum Durability {
 /// What opening a store does with PROCESSING records it finds.
 ///
 /// One process holds a store file (a second open is [`Error::Locked`](crate::Error::Locked)), so
-/// a PROCESSING record found at open belongs to a process that died.
-///
-/// ```
-/// use idemstore::RedbStore;
-/// use idemstore::redb::RecoveryPolicy;
-/// # let dir = tempfile::tempdir()?;
-/// let store = RedbStore::builder()
-///     .recovery(RecoveryPolicy::ExpireLeases)
-///     .open(dir.path().join("orders.idem"))?;
-/// assert_eq!(store.stats().leases_expired_on_open, 0);
-/// # Ok::<(), idemstore::Error>(())
-/// ```
+/// a PROCESSING record found at open belongs to a process that died
+/// (example: [`RedbStoreBuilder`](super::RedbStoreBuilder)).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum RecoveryPolicy {

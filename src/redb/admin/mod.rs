@@ -58,13 +58,6 @@ use std::fmt;
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 
-impl RedbStore {
-    /// Operator access to this store's file ([`admin`](crate::redb::admin)).
-    pub fn admin(&self) -> Admin<'_> {
-        Admin { store: self }
-    }
-}
-
 /// Operator access to one open [`RedbStore`], from [`RedbStore::admin`]
 /// (example: the [module](crate::redb::admin)'s).
 #[derive(Clone, Copy, Debug)]
@@ -400,6 +393,11 @@ impl LogCheck {
 }
 
 impl RedbStore {
+    /// Operator access to this store's file ([`admin`](crate::redb::admin)).
+    pub fn admin(&self) -> Admin<'_> {
+        Admin { store: self }
+    }
+
     /// Checks the write-ahead log of the store at `store` as an open would
     /// replay it, reporting every problem instead of stopping at the first.
     /// Writes nothing and takes no lock: run it on a store no process holds,
