@@ -31,14 +31,13 @@ pub enum Durability {
     /// append to the log `<file>-wal`.
     #[default]
     Immediate,
-    /// Batches are appended to the log without an fsync, and the log is
-    /// synced once `max_loss` has passed since the last sync (also when the
-    /// store is idle; a clean shutdown writes everything into the store
-    /// file durably). A process crash **or** a power loss loses the
-    /// acknowledged writes of at most the last `max_loss` (plus the
-    /// duration of one group). A lost claim lets a retry claim the
-    /// key again and run the side effect twice, so choose this only where
-    /// the downstream system deduplicates by the fencing token anyway.
+    /// Batches are appended to the log without an fsync; the log is synced
+    /// once `max_loss` has passed since the last sync (also when idle; a
+    /// clean shutdown writes everything into the store file durably). A
+    /// process crash **or** a power loss loses the acknowledged writes of at
+    /// most the last `max_loss` (plus one group's duration). A lost claim
+    /// lets a retry claim the key again and run the side effect twice:
+    /// choose this only where the downstream deduplicates by fencing token.
     Periodic {
         /// The loss window; at least 1 ms.
         max_loss: Duration,

@@ -77,17 +77,15 @@ use std::path::{Path, PathBuf};
 
 /// The durable idempotency store on redb: one file, one process.
 ///
-/// Writes join a line; the first caller in line commits the waiting group
-/// with one log append and one `fdatasync` (group commit), so throughput
-/// grows with concurrency while every acknowledged claim is durable. A
-/// `begin` that writes nothing (Replay, InFlight, Conflict) does not join
-/// the line. [`Store::begin_async`](crate::Store::begin_async) and friends
-/// join it as futures: no thread waits per request.
-///
-/// After a failed write (a full disk, an I/O error) writes are refused
-/// ([`Error::Poisoned`], with the cause) while reads and replays go on,
-/// until the store heals by itself, with nothing lost; see
-/// [`health`](Self::health).
+/// Writes join a line whose first caller commits the waiting group with one
+/// log append and one `fdatasync` (group commit): throughput grows with
+/// concurrency, and every acknowledged claim is durable. A `begin` that
+/// writes nothing (Replay, InFlight, Conflict) does not join the line;
+/// [`Store::begin_async`](crate::Store::begin_async) and friends join it as
+/// futures, no thread waiting per request. After a failed write (a full
+/// disk, an I/O error) writes are refused ([`Error::Poisoned`], with the
+/// cause) while reads and replays go on, until the store heals by itself
+/// with nothing lost ([`health`](Self::health)).
 ///
 /// ```
 /// use idemstore::{Begin, Fingerprint, Key, RedbStore, Response, Store, Timestamp};

@@ -169,7 +169,7 @@ impl Inbox {
     }
 
     /// Handles a batch of deliveries in one durable commit, an answer per
-    /// delivery, in order. Each is decided against the latest state, the
+    /// delivery, in order, each decided against the latest state, the
     /// batch's earlier messages included (the same id twice is handled
     /// once). An empty batch commits nothing.
     ///
@@ -177,11 +177,11 @@ impl Inbox {
     /// `Err`, panics ([`Error::HandlerPanicked`]) or returns a result over
     /// the limits, the batch runs again without that message, whose answer
     /// is the error. So **a handler may run more than once per delivery**:
-    /// its only effects must be its writes through `txn`.
-    ///
-    /// The outer error is the store's (nothing committed; more than
-    /// [`MAX_INBOX_BATCH`](crate::limits::MAX_INBOX_BATCH) is [`Error::InvalidArgument`]); a failed commit
-    /// poisons the store. Acknowledge a message only after its answer.
+    /// its only effects must be its writes through `txn`. The outer error is
+    /// the store's (nothing committed; more than
+    /// [`MAX_INBOX_BATCH`](crate::limits::MAX_INBOX_BATCH) is
+    /// [`Error::InvalidArgument`]); a failed commit poisons the store.
+    /// Acknowledge a message only after its answer.
     ///
     /// ```
     /// use idemstore::redb::engine::{ReadableTable, TableDefinition};
