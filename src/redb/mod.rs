@@ -1,19 +1,8 @@
 //! [`RedbStore`]: the durable on-disk store on redb 4.x (feature `redb`),
 //! its builder, durability and recovery options, statistics and limits, and
-//! the [`Inbox`] for message consumers.
-//!
-//! ```
-//! use idemstore::redb::{Durability, RedbStore};
-//! # let dir = tempfile::tempdir()?;
-//! let store = RedbStore::builder()
-//!     .durability(Durability::Immediate)   // the default: fsync before every answer
-//!     .open(dir.path().join("orders.idem"))?;
-//! assert_eq!(store.stats().commits, 0);
-//! # Ok::<(), Box<dyn std::error::Error>>(())
-//! ```
-//!
-//! How the files divide the work, layer by layer: `docs/design.md` ("Where
-//! the code is").
+//! the [`Inbox`] for message consumers (examples: [`RedbStore`],
+//! [`RedbStoreBuilder`]). How the files divide the work, layer by layer:
+//! `docs/design.md` ("Where the code is").
 
 pub mod admin;
 mod builder;
