@@ -19,7 +19,7 @@
 //! the checkpointer writes frozen memtables into redb durably.
 //!
 //! - `shared.rs` composes the parts, each owning its locks: `line.rs`
-//!   (callers waiting to commit), `log.rs` (the commit lock and the log),
+//!   (callers waiting to commit), `Log` (the commit lock and the log),
 //!   `memtable.rs` (what is in memory), `db.rs` (the engine and its health)
 //! - `requests.rs`, `snapshot.rs`: the `Store` impl, its read fast path,
 //!   the kept snapshot
@@ -47,7 +47,6 @@ mod heal;
 mod health;
 mod inbox;
 mod line;
-mod log;
 mod memtable;
 mod meta;
 mod native;
