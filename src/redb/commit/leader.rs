@@ -51,8 +51,7 @@ impl Shared {
             if let Some(answer) = self.lead_once(Some(&mine)) {
                 return answer;
             }
-            // Not in this group (the line was longer than a group): wait
-            // for the role to come back, or for an answer.
+            // Not in this group (a long line): wait for the role or an answer.
             if let Some(answer) = mine.wait() {
                 return answer;
             }
@@ -94,15 +93,12 @@ impl Shared {
     /// passes the role on, answers the group. Returns `mine`'s answer when
     /// it was in the group.
     pub(in crate::redb) fn lead_once(&self, mine: Option<&Arc<Slot>>) -> Option<Result<Reply>> {
-        let (group, room) = {
+        let (ops, slots, room) = {
             let mut q = self.line.lock();
             let full = q.waiting.len() >= WRITE_QUEUE_DEPTH;
             let n = q.waiting.len().min(self.line.max_group);
-            let group: Vec<(Op, Arc<Slot>)> = q.waiting.drain(..n).collect();
-            let threads = group
-                .iter()
-                .filter(|(_, s)| s.waiter == Waiter::Thread)
-                .count();
+            let (ops, slots): (Vec<Op>, Vec<Arc<Slot>>) = q.waiting.drain(..n).unzip();
+            let threads = slots.iter().filter(|s| s.waiter == Waiter::Thread).count();
             q.threads = q.threads.saturating_sub(threads);
             // Only a full line can have callers waiting for room (a
             // notify is a syscall even with nobody waiting).
@@ -111,10 +107,9 @@ impl Shared {
                 self.line.room.notify_all();
                 room = std::mem::take(&mut q.room);
             }
-            (group, room)
+            (ops, slots, room)
         };
         room.into_iter().for_each(Waker::wake);
-        let (ops, slots): (Vec<Op>, Vec<Arc<Slot>>) = group.into_iter().unzip();
         // A dropped future can empty the line under the committer.
         let answers = if ops.is_empty() {
             Vec::new()
