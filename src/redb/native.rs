@@ -1,13 +1,8 @@
 //! The native async entry: a [`Submitted`] future queues its [`Op`] with a
-//! [`Waiter::Task`] slot; the leader of its group fills the slot and wakes
-//! it (only after the frame is durable). No thread waits per future: when
-//! only futures wait, the committer thread leads.
-//!
-//! A future that finds the line full keeps its op and its waker. Dropped
-//! while in line, its op is taken out; dropped after a leader took it, a
-//! claim nobody will see is released through the line (or ends with its
-//! lease). The store's drop commits what is in line, then joins the
-//! committer; a future still waiting for room gets [`Error::Closed`].
+//! [`Waiter::Task`] slot, which its group's leader fills and wakes once the
+//! frame is durable; when only futures wait, the committer thread leads. A
+//! future dropped in line leaves it; dropped later, a claim nobody saw is
+//! released through the line (docs/design.md, "Futures in the line").
 
 use super::Shared;
 use super::line::{InLine, Op, Reply, Slot, WRITE_QUEUE_DEPTH, Waiter};
@@ -34,9 +29,8 @@ enum State {
 }
 
 impl Shared {
-    /// Puts `op` in line without blocking and returns the future of its answer.
-    /// Refused at once ([`Error::ReadOnly`], [`Error::Poisoned`],
-    /// [`Error::Closed`]) before anything joins the line.
+    /// Puts `op` in line without blocking and returns the future of its
+    /// answer; refused at once (read-only, poisoned, closed) otherwise.
     pub(super) fn submit_async(self: &Arc<Self>, op: Op) -> Result<Submitted> {
         self.check_submit()?;
         let begin_key = match &op {
@@ -48,12 +42,8 @@ impl Shared {
             state: State::Room(op),
             begin_key,
         };
-        let mut q = self.line.lock();
-        if let Some(refused) = submitted.try_join(&mut q) {
-            return Err(refused);
-        }
-        drop(q);
-        Ok(submitted)
+        let refused = submitted.try_join(&mut self.line.lock());
+        refused.map_or(Ok(submitted), Err)
     }
 
     /// The committer thread's body: leads while it holds the role, sleeps
