@@ -351,7 +351,7 @@ impl RedbStore {
     /// # Ok::<(), idemstore::Error>(())
     /// ```
     pub fn health(&self) -> Health {
-        self.shared.db.health()
+        self.shared.db.health.health()
     }
 
     /// Reclaims free space in the file (after sweeps), returning whether

@@ -114,9 +114,9 @@ impl Shared {
             .map_err(|e| self.engine_failed("read", e))
     }
 
-    /// An engine error met `during` an operation: an I/O error (redb then
-    /// refuses every later use until it is reopened) poisons the store, so
-    /// that it heals; a store already poisoned answers with its cause.
+    /// An engine error met `during` an operation: an I/O error (after which
+    /// redb refuses every use until reopened) poisons the store, so that it
+    /// heals; a store already poisoned answers with its cause.
     pub(super) fn engine_failed(&self, during: &'static str, error: Error) -> Error {
         match error {
             Error::Io(_) if self.db.is_poisoned() => self.db.poisoned_error(),
@@ -135,19 +135,14 @@ impl Shared {
 
     /// Makes everything in memory durable in redb and retires the log.
     pub(super) fn flush(&self) -> Result<()> {
-        let mut core = self.log.lock();
-        self.flush_locked(&mut core)
+        self.flush_locked(&mut self.log.lock())
     }
 
     /// The last commit of a clean stop: memory goes into the file durably,
     /// and the same commit marks the log closed ([`META_LOG_STATE`]), so
     /// the next open needs nothing from it. A read-only view writes nothing.
     pub(super) fn close(&self) -> Result<()> {
-        self.check_writable()?;
-        let mut core = self.log.lock();
-        self.direct_locked(&mut core, true, |t, _| {
-            t.set_meta(META_LOG_STATE, &[tables::LOG_CLOSED])
-        })
+        self.direct(|t, _| t.set_meta(META_LOG_STATE, &[tables::LOG_CLOSED]))
     }
 
     /// [`flush`](Self::flush) with the commit lock held.
