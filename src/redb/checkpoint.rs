@@ -176,6 +176,8 @@ fn checkpoint(shared: &Shared, frozen: &std::sync::Arc<Frozen>) -> Result<()> {
     })??;
     // Before the frozen table goes (snapshot.rs).
     shared.db.snapshot.committed();
+    // The memtable's lock comes before the engine's (lock order: shared.rs).
+    drop(db);
     let mut mem = shared.memory.write_mem();
     if mem
         .frozen
