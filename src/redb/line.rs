@@ -120,8 +120,8 @@ struct SlotInner {
     state: SlotState,
     /// A task's waker, from its latest poll.
     waker: Option<Waker>,
-    /// Nobody will take the answer (a dropped future, a detached op): the
-    /// leader keeps it (see [`Slot::answer`]).
+    /// Nobody will take the answer (a dropped future, a release nobody
+    /// waits for): the leader keeps it (see [`Slot::answer`]).
     abandoned: bool,
 }
 

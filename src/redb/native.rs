@@ -7,7 +7,6 @@
 use super::Shared;
 use super::line::{InLine, Op, Reply, Slot, WRITE_QUEUE_DEPTH, Waiter};
 use crate::error::{Error, Result};
-use crate::record::Begin;
 use crate::sync::Arc;
 use std::future::Future;
 use std::pin::Pin;
@@ -100,10 +99,8 @@ impl Shared {
                 return;
             }
         }
-        if let (Some(Ok(Reply::Begin(Begin::Claimed(claim)))), Some(key)) =
-            (slot.abandon(), begin_key)
-        {
-            self.detach(Op::Release { key, claim });
+        if let (Some(answer), Some(key)) = (slot.abandon(), begin_key) {
+            self.release_unseen(key, answer);
         }
     }
 }
@@ -145,13 +142,11 @@ impl Future for Submitted {
             }
         }
         match &this.state {
-            State::Waiting(slot) => match slot.poll(cx) {
-                Poll::Ready(answer) => {
-                    this.state = State::Finished;
-                    Poll::Ready(answer)
-                }
-                Poll::Pending => Poll::Pending,
-            },
+            State::Waiting(slot) => {
+                let answer = std::task::ready!(slot.poll(cx));
+                this.state = State::Finished;
+                Poll::Ready(answer)
+            }
             State::Room(_) | State::Finished => Poll::Ready(Err(Error::backend(
                 "a store future was polled after it completed",
             ))),
@@ -171,6 +166,7 @@ impl Drop for Submitted {
 mod tests {
     use super::*;
     use crate::fingerprint::Fingerprint;
+    use crate::record::Begin;
     use crate::time::Timestamp;
     use std::task::Waker;
     use std::time::Duration;
@@ -270,10 +266,8 @@ mod tests {
         shared.run_committer();
         assert!(shared.line.lock().stopped);
         // A dropped future's release after the stop is not queued.
-        shared.detach(Op::Release {
-            key: b"\x001".to_vec(),
-            claim: crate::record::Claim::unprotected(),
-        });
+        let claim = crate::record::Claim::unprotected();
+        shared.release_unseen(b"\x001".to_vec(), Ok(Reply::Begin(Begin::Claimed(claim))));
         assert!(shared.line.lock().waiting.is_empty());
     }
 }

@@ -177,10 +177,8 @@ impl Store for RedbStore {
     }
 
     fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>> {
-        Ok(logic::visible(
-            self.shared.read(&codec::encode_key(key))?,
-            now,
-        ))
+        let record = self.shared.read(&codec::encode_key(key))?;
+        Ok(logic::visible(record, now))
     }
 
     fn sweep_expired(&self, now: Timestamp, max: usize) -> Result<usize> {
@@ -211,13 +209,12 @@ impl Store for RedbStore {
         lease: Duration,
         retention: Duration,
     ) -> Option<StoreFuture<'a, Begin>> {
-        Some(
-            match self.prepare_begin(key, fingerprint, now, lease, retention) {
-                Ok(Next::Answered(answer)) => ready(Ok(answer)),
-                Ok(Next::InLine(op)) => self.join_line_async(Ok(op), begun),
-                Err(refused) => ready(Err(refused)),
-            },
-        )
+        let next = self.prepare_begin(key, fingerprint, now, lease, retention);
+        Some(match next {
+            Ok(Next::Answered(answer)) => ready(Ok(answer)),
+            Ok(Next::InLine(op)) => self.join_line_async(Ok(op), begun),
+            Err(refused) => ready(Err(refused)),
+        })
     }
 
     /// Joins the commit line; completes when the DONE record is durable.

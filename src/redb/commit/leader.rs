@@ -59,8 +59,8 @@ impl Shared {
     }
 
     /// Puts `op` at the back of the line. A thread that finds no leader
-    /// takes the role itself (its caller leads); a task or a detached op
-    /// hands it to the committer thread.
+    /// takes the role itself (its caller leads); a task, or a release
+    /// nobody waits for, hands it to the committer thread.
     pub(in crate::redb) fn push(&self, q: &mut InLine, op: Op, slot: Arc<Slot>) {
         let waiter = slot.waiter;
         q.waiting.push_back((op, slot));
@@ -79,13 +79,18 @@ impl Shared {
         }
     }
 
-    /// Queues a release nobody waits for (a dropped future's claim); the
-    /// committer leads it if no one else does. Nothing is queued once the
-    /// committer has stopped: the claim then ends with its lease.
-    pub(in crate::redb) fn detach(&self, op: Op) {
+    /// Gives back a claim of `key` that nobody will see (a dropped future's
+    /// `answer`): its release is queued with nobody waiting, and the
+    /// committer leads it if no one else does. Once the committer has
+    /// stopped, nothing is queued: the claim then ends with its lease.
+    pub(in crate::redb) fn release_unseen(&self, key: Vec<u8>, answer: Result<Reply>) {
+        let Ok(Reply::Begin(Begin::Claimed(claim))) = answer else {
+            return;
+        };
         let mut q = self.line.lock();
         if !q.stopped {
-            self.push(&mut q, op, Arc::new(Slot::new(Waiter::Nobody)));
+            let release = Op::Release { key, claim };
+            self.push(&mut q, release, Arc::new(Slot::new(Waiter::Nobody)));
         }
     }
 
@@ -129,14 +134,9 @@ impl Shared {
         for ((op, slot), answer) in ops.into_iter().zip(slots).zip(answers) {
             if mine.is_some_and(|m| Arc::ptr_eq(m, &slot)) {
                 own = Some(answer);
-            } else if let Some(unseen) = slot.answer(answer) {
-                // Its future was dropped while the group committed: a claim
-                // nobody will see is given back at once.
-                if let (Op::Begin { key, .. }, Ok(Reply::Begin(Begin::Claimed(claim)))) =
-                    (op, unseen)
-                {
-                    self.detach(Op::Release { key, claim });
-                }
+            } else if let (Some(unseen), Op::Begin { key, .. }) = (slot.answer(answer), op) {
+                // Its future was dropped while the group committed.
+                self.release_unseen(key, unseen);
             }
         }
         own
