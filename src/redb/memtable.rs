@@ -190,7 +190,9 @@ impl Mem {
     pub(super) fn due(&self, now: Timestamp) -> Vec<(Timestamp, Vec<u8>)> {
         let frozen = self.frozen.iter().flat_map(|f| &f.records);
         let hidden = frozen.filter(|(key, _)| !self.active.contains_key(*key));
-        (self.active.iter().chain(hidden))
+        self.active
+            .iter()
+            .chain(hidden)
             .filter_map(|(key, entry)| Some((entry.as_ref()?.expires_at, key)))
             .filter(|(at, _)| crate::logic::sweepable(*at, now))
             .map(|(at, key)| (at, key.clone()))

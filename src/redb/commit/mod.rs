@@ -35,7 +35,10 @@ impl Shared {
         self.stats.requests.fetch_add(n, Relaxed);
         self.stats.largest_group.fetch_max(n, Relaxed);
         let mut core = self.log.lock();
-        let committed = (self.db.check_healthy()).and_then(|()| self.commit_logged(&mut core, ops));
+        let committed = self
+            .db
+            .check_healthy()
+            .and_then(|()| self.commit_logged(&mut core, ops));
         match committed {
             Ok(answers) => {
                 // An I/O error of the engine's while deciding leaves redb
@@ -140,14 +143,12 @@ impl Shared {
         Ok(())
     }
 
-    /// Runs `f` in a durable write transaction of its own (the inbox, the
-    /// admin evict and import, compaction, a close, a group too large for
-    /// the log). It first takes in the memtable (after any running
-    /// checkpoint), so `f` reads the current state, then retires the log's
-    /// frames (a new epoch): replaying them over `f`'s writes would undo
-    /// them. `f` gets the token high-water mark to hand out tokens from.
-    /// An error from `f` aborts everything; a failed commit poisons the
-    /// store.
+    /// Runs `f` in a durable redb write transaction of its own. It first
+    /// takes in the memtable (after any running checkpoint), so `f` reads
+    /// the current state, then retires the log's frames (a new epoch):
+    /// replaying them over `f`'s writes would undo them. `f` gets the token
+    /// high-water mark. An error from `f` aborts everything; a failed
+    /// commit poisons the store.
     pub(in crate::redb) fn direct<T, E: From<Error>>(
         &self,
         f: impl FnOnce(&mut WriteTables<'_>, &mut u64) -> Result<T, E>,
