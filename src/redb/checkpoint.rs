@@ -1,16 +1,11 @@
 //! The background thread: checkpoints, heals, and relaxed durability's
-//! timers.
+//! timers (docs/design.md, "Checkpoints in the background").
 //!
 //! A checkpoint writes a frozen memtable into redb in one durable commit
-//! that also stores the next log epoch, retiring the frozen table's
-//! frames. Only after that commit is durable is the frozen table dropped
-//! and its log segment free for reuse. A failed checkpoint poisons the
-//! store; its frames are still in the log, so a heal (or a reopen)
-//! replays them. The thread then heals with back-off, sleeping on the
-//! condvar in between (never a spinning core; a drop wakes it).
-//!
-//! It also freezes an active memtable older than the checkpoint interval,
-//! and under [`Durability::Periodic`] syncs the log within the loss window.
+//! that also stores the next log epoch, retiring the table's frames; only
+//! then is the table dropped and its log segment free for reuse. A failed
+//! checkpoint poisons the store (its frames are still in the log, so a heal
+//! replays them); the thread then heals with back-off, asleep in between.
 
 use super::health::{HEAL_BACKOFF_MAX, HEAL_BACKOFF_MIN, On};
 use super::memtable::Frozen;
@@ -63,16 +58,12 @@ pub(super) fn run(shared: Arc<Shared>) {
             let started = Instant::now();
             match checkpoint(&shared, &frozen) {
                 Ok(()) => {
-                    retire(&shared, &frozen);
                     shared.stats.checkpoints.fetch_add(1, Ordering::Relaxed);
                     shared.stats.durable_commits.fetch_add(1, Ordering::Relaxed);
                     crate::observability::checkpointed(frozen.records.len(), started.elapsed());
                 }
-                // The frames are still in the log: a heal (or a reopen)
-                // replays them. The loop goes on to heal, not to retry.
-                Err(e) => {
-                    shared.fail("checkpoint", On::Store, e);
-                }
+                // The loop goes on to heal, not to retry.
+                Err(e) => _ = shared.fail("checkpoint", On::Store, e),
             }
             bg = shared.memory.lock_bg();
             shared.memory.bg_cv.notify_all();
@@ -98,10 +89,8 @@ pub(super) fn run(shared: Arc<Shared>) {
             wait = wait.min(left.max(Duration::from_millis(1)));
         }
         if std::mem::take(&mut busy) {
-            // Another thread holds the commit lock: trying again at once
-            // would spin for as long as it does. Its holder freezes a due
-            // memtable itself (which wakes this thread); the wait, started
-            // under the lock after the checks above, is a backstop.
+            // The commit lock was held: wait, not spin. Its holder freezes a
+            // due memtable itself (waking this thread); the wait is a backstop.
             work = false;
             wait = busy_backoff(&shared);
         }
@@ -115,8 +104,7 @@ pub(super) fn run(shared: Arc<Shared>) {
             continue;
         }
         drop(bg);
-        // A failure is recorded (the store poisoned, with its cause) where
-        // it happened; the loop then heals.
+        // A failure poisons the store where it happens; the loop then heals.
         let result = tick(&shared, &mut last_sync);
         busy = matches!(result, Ok(Tick::Busy));
         bg = shared.memory.lock_bg();
@@ -175,9 +163,21 @@ pub(super) fn tick(shared: &Shared, last_sync: &mut Instant) -> Result<Tick> {
     Ok(done)
 }
 
-/// After its checkpoint: drops `frozen`, unless a heal took it away
-/// meanwhile (and a later freeze may have put another in its place).
-fn retire(shared: &Shared, frozen: &std::sync::Arc<Frozen>) {
+/// Writes `frozen` into redb in one durable commit that also retires its
+/// log epoch, then drops it, unless a heal took it away meanwhile (and a
+/// later freeze may have put another in its place).
+fn checkpoint(shared: &Shared, frozen: &std::sync::Arc<Frozen>) -> Result<()> {
+    let db = shared.db.write_ready_db()?;
+    // The frozen table's mark is the store's: every durable commit before
+    // this one stored a mark from before this table was frozen.
+    commit(&db, true, |tables| {
+        tables.take_in(&frozen.records)?;
+        tables.retire(frozen.token_hwm, frozen.epoch.wrapping_add(1))
+    })??;
+    // Before the frozen table goes (snapshot.rs).
+    shared.db.snapshot.committed();
+    // The memtable's lock comes before the engine's (lock order: shared.rs).
+    drop(db);
     let mut mem = shared.memory.write_mem();
     if mem
         .frozen
@@ -186,21 +186,6 @@ fn retire(shared: &Shared, frozen: &std::sync::Arc<Frozen>) {
     {
         mem.frozen = None;
     }
-}
-
-/// Writes `frozen` into redb in one durable commit that also retires its
-/// log epoch.
-fn checkpoint(shared: &Shared, frozen: &Frozen) -> Result<()> {
-    let db = shared.db.write_ready_db()?;
-    // The frozen table's mark is the store's: every durable commit before
-    // this one (an earlier checkpoint, a direct transaction, the open)
-    // stored a mark from before this table was frozen.
-    commit(&db, true, |tables| {
-        tables.take_in(&frozen.records)?;
-        tables.retire(frozen.token_hwm, frozen.epoch.wrapping_add(1))
-    })??;
-    // Before `retire` lets go of the frozen table (snapshot.rs).
-    shared.db.snapshot.committed();
     Ok(())
 }
 
@@ -258,7 +243,6 @@ mod tests {
             shared.memory.read_mem().frozen.clone().unwrap()
         };
         checkpoint(&shared, &frozen).unwrap();
-        retire(&shared, &frozen);
         assert!(shared.memory.read_mem().is_empty(), "read from redb");
         let after = (shared.read(b"\0a").unwrap(), shared.read(b"\0b").unwrap());
         assert!(before.0.as_ref().is_some_and(|r| r.response.is_some()));

@@ -3,7 +3,7 @@
 //! reopen the engine).
 
 use super::config::Config;
-use super::health::{self, Health, On};
+use super::health::{self, On};
 use super::snapshot::Snapshot;
 use super::{RecoveryPolicy, file};
 use crate::error::{Cause, Error, Result};
@@ -87,14 +87,15 @@ impl Db {
         }
     }
 
-    /// The engine, or the cause while a heal could not reopen it for `need`.
+    /// The engine, or the cause while a heal could not reopen it for reads
+    /// ([`write_ready_db`](Self::write_ready_db): for writes).
     pub(super) fn read_db(&self) -> Result<DbRead<'_>> {
         self.db_for(Usable::ForReads)
     }
     pub(super) fn write_ready_db(&self) -> Result<DbRead<'_>> {
         self.db_for(Usable::Yes)
     }
-    pub(super) fn db_for(&self, need: Usable) -> Result<DbRead<'_>> {
+    fn db_for(&self, need: Usable) -> Result<DbRead<'_>> {
         let engine = self.engine.read().unwrap_or_else(|p| p.into_inner());
         if engine.usable < need {
             return Err(self.poisoned_error());
@@ -117,9 +118,14 @@ impl Db {
 
     /// Poisons with `error` (met `during` an operation on `on`; the first
     /// failure stays the cause) and returns it, an I/O error keeping its
-    /// kind and gaining the file and the operation.
+    /// kind and gaining the file and the operation. The engine's refusal
+    /// after an earlier I/O error names none: the last I/O error its
+    /// storage returned stands for it.
     pub(super) fn poison(&self, during: &'static str, on: On, error: Error) -> Error {
-        let error = self.named(error);
+        let error = match error {
+            e if super::errors::is_latched(&e) => self.witness.last().map_or(e, Error::Io),
+            e => e,
+        };
         let path = self.file_name(on);
         let cause = Cause::new(during, Some(&path), &error);
         if self.health.poison(&cause, self.clock.now()) {
@@ -130,15 +136,6 @@ impl Db {
             Error::Io(e) => Error::Io(std::io::Error::new(e.kind(), cause.to_string())),
             other => other,
         }
-    }
-
-    /// `error`, or, for the engine's refusal after an earlier I/O error
-    /// (which names none), the last I/O error its storage returned.
-    pub(super) fn named(&self, error: Error) -> Error {
-        if !super::errors::is_latched(&error) {
-            return error;
-        }
-        self.witness.last().map_or(error, Error::Io)
     }
 
     pub(super) fn poisoned_error(&self) -> Error {
@@ -167,10 +164,6 @@ impl Db {
             crate::observability::healed("redb", &fault.cause, since);
             crate::observability::health("redb", 0);
         }
-    }
-
-    pub(super) fn health(&self) -> Health {
-        self.health.health()
     }
 
     fn file_name(&self, on: On) -> String {

@@ -1,8 +1,6 @@
-//! The commit line's data: a write as queued ([`Op`]) and its answer
-//! ([`Reply`]), the [`Slot`] where its caller waits (a blocked thread, a
-//! future, or nobody), the [`InLine`] of them, and the line's sizes. Data
-//! only: who leads and who is answered is the leader's
-//! (`commit/leader.rs`), and the committer thread's (native.rs).
+//! The commit line's data: a write as queued ([`Op`]), its answer
+//! ([`Reply`]), the [`Slot`] where its caller waits, the [`InLine`] of them
+//! and the line's sizes. Who leads is `commit/leader.rs`'s and native.rs's.
 
 use crate::error::Result;
 use crate::fingerprint::Fingerprint;
@@ -92,17 +90,15 @@ pub(super) enum Reply {
     Swept(usize),
 }
 
-/// Requests that may wait in a store's line. A caller that finds it full
-/// waits for room (back-pressure); nothing is ever dropped.
+/// Requests that may wait in a store's line (a caller that finds it full waits).
 pub(crate) const WRITE_QUEUE_DEPTH: usize = 4_096;
 /// Most requests a leader commits in one group (one log frame).
 pub(crate) const MAX_GROUP_OPS: usize = 1_024;
 
 /// Who waits on a [`Slot`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(in crate::redb) enum Waiter {
     /// A blocked thread (`submit`): it may be made the leader.
-    #[default]
     Thread,
     /// A future (`submit_async`, native.rs): woken through its waker; it
     /// never leads, since leading would block its runtime thread on an fsync.
@@ -112,7 +108,7 @@ pub(in crate::redb) enum Waiter {
 }
 
 /// Where one queued caller waits.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(in crate::redb) struct Slot {
     state: Mutex<SlotInner>,
     cv: Condvar,
@@ -124,8 +120,8 @@ struct SlotInner {
     state: SlotState,
     /// A task's waker, from its latest poll.
     waker: Option<Waker>,
-    /// Nobody will take the answer (a dropped future, a detached op): the
-    /// leader keeps it (see [`Slot::answer`]).
+    /// Nobody will take the answer (a dropped future, a release nobody
+    /// waits for): the leader keeps it (see [`Slot::answer`]).
     abandoned: bool,
 }
 
@@ -193,18 +189,6 @@ impl Slot {
         None
     }
 
-    /// The caller was made the leader and has not taken the role yet.
-    #[cfg(test)]
-    pub(in crate::redb) fn is_leading(&self) -> bool {
-        matches!(self.lock().state, SlotState::Lead)
-    }
-
-    /// The caller waits: neither answered nor made the leader.
-    #[cfg(test)]
-    pub(in crate::redb) fn is_waiting(&self) -> bool {
-        matches!(self.lock().state, SlotState::Waiting)
-    }
-
     /// A task's poll: its answer, or `Pending` with its waker kept.
     pub(in crate::redb) fn poll(&self, cx: &mut Context<'_>) -> Poll<Result<Reply>> {
         let mut inner = self.lock();
@@ -257,6 +241,18 @@ pub(in crate::redb) struct InLine {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    impl Slot {
+        /// The caller was made the leader and has not taken the role yet.
+        pub(in crate::redb) fn is_leading(&self) -> bool {
+            matches!(self.lock().state, SlotState::Lead)
+        }
+
+        /// The caller waits: neither answered nor made the leader.
+        pub(in crate::redb) fn is_waiting(&self) -> bool {
+            matches!(self.lock().state, SlotState::Waiting)
+        }
+    }
 
     /// Counts its wakes.
     #[derive(Default)]

@@ -1,15 +1,9 @@
-//! The memtable: what groups wrote since the last checkpoint, in memory,
-//! as the bytes their log frames hold.
-//!
-//! A group's writes are published here after its log frame is durable
-//! (nothing is visible before it is durable) and stay until a checkpoint
-//! has written those same bytes into redb in one durable commit. Readers
-//! look in the active table, then the frozen one (being checkpointed),
-//! then redb. Only the leader (holding the commit lock) writes or freezes
-//! the active table, and a checkpoint drops the frozen table only after
-//! its redb commit: a reader that reads the memtable first and redb second
-//! never sees an older state than the memtable held (snapshot.rs says
-//! which redb snapshot is recent enough).
+//! The memtable: what groups wrote since the last checkpoint, as the bytes
+//! their log frames hold. A group's writes are published after its frame is
+//! durable; only the leader (holding the commit lock) writes or freezes the
+//! active table; a checkpoint drops the frozen table only after its redb
+//! commit. So a reader that reads the memtable, then redb, never sees an
+//! older state than the memtable held (snapshot.rs: which redb snapshot).
 
 use crate::codec;
 use crate::error::Result;
@@ -63,8 +57,7 @@ impl Memory {
         self.bg.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Wakes the background thread (a memtable was frozen, a failure, or
-    /// shutdown).
+    /// Wakes the background thread (a frozen memtable, a failure, shutdown).
     pub(super) fn wake_background(&self) {
         let _bg = self.lock_bg();
         self.bg_cv.notify_all();
@@ -94,9 +87,8 @@ impl Memory {
 }
 
 /// Bytes of records the active memtable may hold before the next group
-/// freezes it and hands it to the checkpointer. It bounds the memory the
-/// store holds beyond redb's cache (at most two tables: the active one and
-/// the one being checkpointed) and the work of one checkpoint.
+/// freezes it: a bound on the memory beyond redb's cache (two tables at
+/// most) and on the work of one checkpoint.
 pub(crate) const MEMTABLE_BYTES: usize = 4 * 1024 * 1024;
 
 /// One key's latest state: the encoded record that went into the log, or
@@ -104,9 +96,8 @@ pub(crate) const MEMTABLE_BYTES: usize = 4 * 1024 * 1024;
 /// next checkpoint.
 pub(super) type Entry = Option<Encoded>;
 
-/// A record as [`codec::encode_record`] wrote it into the log frame: the
-/// checkpoint writes these bytes into redb as they are, so a record is
-/// encoded (and its invariants checked) once.
+/// A record as [`codec::encode_record`] wrote it into the log frame; the
+/// checkpoint writes these bytes into redb, so a record is encoded once.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(super) struct Encoded {
     pub(super) value: Vec<u8>,
@@ -164,7 +155,7 @@ impl Mem {
             .or_else(|| self.frozen.as_deref().and_then(|f| f.records.get(key)))
     }
 
-    /// True when the memtable holds nothing (no active or frozen records).
+    /// Neither an active nor a frozen record.
     pub(super) fn is_empty(&self) -> bool {
         self.active.is_empty() && self.frozen.is_none()
     }
@@ -173,13 +164,11 @@ impl Mem {
     pub(super) fn publish(&mut self, writes: impl IntoIterator<Item = (Vec<u8>, Entry)>) {
         for (key, entry) in writes {
             let key_len = key.len();
-            let added = entry_bytes(&key, &entry);
+            self.active_bytes += entry_bytes(key_len, &entry);
             if let Some(old) = self.active.insert(key, entry) {
                 // The key is counted once: the old entry's bytes go.
-                let old_bytes = key_len + added_of(&old);
-                self.active_bytes = self.active_bytes.saturating_sub(old_bytes);
+                self.active_bytes = self.active_bytes.saturating_sub(entry_bytes(key_len, &old));
             }
-            self.active_bytes += added;
         }
     }
 
@@ -199,37 +188,23 @@ impl Mem {
     /// a sweep), with the key they are stored under. A key in the active
     /// table hides its frozen entry.
     pub(super) fn due(&self, now: Timestamp) -> Vec<(Timestamp, Vec<u8>)> {
-        let mut out = Vec::new();
-        let mut take = |key: &Vec<u8>, entry: &Entry| {
-            if let Some(e) = entry
-                && crate::logic::sweepable(e.expires_at, now)
-            {
-                out.push((e.expires_at, key.clone()));
-            }
-        };
-        for (key, entry) in &self.active {
-            take(key, entry);
-        }
-        if let Some(frozen) = &self.frozen {
-            for (key, entry) in &frozen.records {
-                if !self.active.contains_key(key) {
-                    take(key, entry);
-                }
-            }
-        }
-        out
+        let frozen = self.frozen.iter().flat_map(|f| &f.records);
+        let hidden = frozen.filter(|(key, _)| !self.active.contains_key(*key));
+        self.active
+            .iter()
+            .chain(hidden)
+            .filter_map(|(key, entry)| Some((entry.as_ref()?.expires_at, key)))
+            .filter(|(at, _)| crate::logic::sweepable(*at, now))
+            .map(|(at, key)| (at, key.clone()))
+            .collect()
     }
 }
 
 /// Approximate memory of one entry: key, encoded record and a fixed
 /// allowance for the map node and the allocations.
-pub(super) fn entry_bytes(key: &[u8], entry: &Entry) -> usize {
-    key.len() + added_of(entry)
-}
-
-fn added_of(entry: &Entry) -> usize {
+pub(super) fn entry_bytes(key_len: usize, entry: &Entry) -> usize {
     const OVERHEAD: usize = 96;
-    OVERHEAD + entry.as_ref().map_or(0, |e| e.value.len())
+    key_len + OVERHEAD + entry.as_ref().map_or(0, |e| e.value.len())
 }
 
 #[cfg(test)]
@@ -285,7 +260,7 @@ mod tests {
         let mut mem = Mem::default();
         mem.publish([(b"k".to_vec(), entry(1))]);
         let once = mem.active_bytes;
-        assert_eq!(once, entry_bytes(b"k", &entry(1)));
+        assert_eq!(once, entry_bytes(1, &entry(1)));
         mem.publish([(b"k".to_vec(), entry(2))]);
         assert_eq!(mem.active_bytes, once);
     }
@@ -300,9 +275,9 @@ mod tests {
         with_body.lease_until = None;
         with_body.response = Some(crate::response::Response::new(200, vec![0; 1000]));
         let with_body = Some(Encoded::new(&with_body).unwrap());
-        let deletion = entry_bytes(b"abc", &None);
-        assert!(entry_bytes(b"abc", &with_body) - deletion >= 1000);
-        assert_eq!(entry_bytes(b"abcd", &None) - deletion, 1);
+        let deletion = entry_bytes(3, &None);
+        assert!(entry_bytes(3, &with_body) - deletion >= 1000);
+        assert_eq!(entry_bytes(4, &None) - deletion, 1);
         assert_eq!(MEMTABLE_BYTES, 4 << 20);
     }
 }

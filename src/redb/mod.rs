@@ -17,7 +17,6 @@ mod heal;
 mod health;
 mod inbox;
 mod line;
-mod log;
 mod memtable;
 mod meta;
 mod native;
@@ -267,7 +266,7 @@ impl RedbStore {
     /// needs an operator. `docs/operations.md` ("Disk full and I/O
     /// errors") says what to do in each (example: [`RedbStore`]).
     pub fn health(&self) -> Health {
-        self.shared.db.health()
+        self.shared.db.health.health()
     }
 
     /// Reclaims free space in the file (after sweeps), returning whether

@@ -1,18 +1,12 @@
 //! The native async entry: a [`Submitted`] future queues its [`Op`] with a
-//! [`Waiter::Task`] slot; the leader of its group fills the slot and wakes
-//! it (only after the frame is durable). No thread waits per future: when
-//! only futures wait, the committer thread leads.
-//!
-//! A future that finds the line full keeps its op and its waker. Dropped
-//! while in line, its op is taken out; dropped after a leader took it, a
-//! claim nobody will see is released through the line (or ends with its
-//! lease). The store's drop commits what is in line, then joins the
-//! committer; a future still waiting for room gets [`Error::Closed`].
+//! [`Waiter::Task`] slot, which its group's leader fills and wakes once the
+//! frame is durable; when only futures wait, the committer thread leads. A
+//! future dropped in line leaves it; dropped later, a claim nobody saw is
+//! released through the line (docs/design.md, "Futures in the line").
 
 use super::Shared;
 use super::line::{InLine, Op, Reply, Slot, WRITE_QUEUE_DEPTH, Waiter};
 use crate::error::{Error, Result};
-use crate::record::Begin;
 use crate::sync::Arc;
 use std::future::Future;
 use std::pin::Pin;
@@ -34,9 +28,8 @@ enum State {
 }
 
 impl Shared {
-    /// Puts `op` in line without blocking and returns the future of its answer.
-    /// Refused at once ([`Error::ReadOnly`], [`Error::Poisoned`],
-    /// [`Error::Closed`]) before anything joins the line.
+    /// Puts `op` in line without blocking and returns the future of its
+    /// answer; refused at once (read-only, poisoned, closed) otherwise.
     pub(super) fn submit_async(self: &Arc<Self>, op: Op) -> Result<Submitted> {
         self.check_submit()?;
         let begin_key = match &op {
@@ -48,12 +41,8 @@ impl Shared {
             state: State::Room(op),
             begin_key,
         };
-        let mut q = self.line.lock();
-        if let Some(refused) = submitted.try_join(&mut q) {
-            return Err(refused);
-        }
-        drop(q);
-        Ok(submitted)
+        let refused = submitted.try_join(&mut self.line.lock());
+        refused.map_or(Ok(submitted), Err)
     }
 
     /// The committer thread's body: leads while it holds the role, sleeps
@@ -110,10 +99,8 @@ impl Shared {
                 return;
             }
         }
-        if let (Some(Ok(Reply::Begin(Begin::Claimed(claim)))), Some(key)) =
-            (slot.abandon(), begin_key)
-        {
-            self.detach(Op::Release { key, claim });
+        if let (Some(answer), Some(key)) = (slot.abandon(), begin_key) {
+            self.release_unseen(key, answer);
         }
     }
 }
@@ -155,13 +142,11 @@ impl Future for Submitted {
             }
         }
         match &this.state {
-            State::Waiting(slot) => match slot.poll(cx) {
-                Poll::Ready(answer) => {
-                    this.state = State::Finished;
-                    Poll::Ready(answer)
-                }
-                Poll::Pending => Poll::Pending,
-            },
+            State::Waiting(slot) => {
+                let answer = std::task::ready!(slot.poll(cx));
+                this.state = State::Finished;
+                Poll::Ready(answer)
+            }
             State::Room(_) | State::Finished => Poll::Ready(Err(Error::backend(
                 "a store future was polled after it completed",
             ))),
@@ -181,6 +166,7 @@ impl Drop for Submitted {
 mod tests {
     use super::*;
     use crate::fingerprint::Fingerprint;
+    use crate::record::Begin;
     use crate::time::Timestamp;
     use std::task::Waker;
     use std::time::Duration;
@@ -280,10 +266,8 @@ mod tests {
         shared.run_committer();
         assert!(shared.line.lock().stopped);
         // A dropped future's release after the stop is not queued.
-        shared.detach(Op::Release {
-            key: b"\x001".to_vec(),
-            claim: crate::record::Claim::unprotected(),
-        });
+        let claim = crate::record::Claim::unprotected();
+        shared.release_unseen(b"\x001".to_vec(), Ok(Reply::Begin(Begin::Claimed(claim))));
         assert!(shared.line.lock().waiting.is_empty());
     }
 }

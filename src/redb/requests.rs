@@ -17,38 +17,6 @@ use crate::sync::atomic::Ordering;
 use crate::time::{Clock, Timestamp};
 use std::time::Duration;
 
-impl RedbStore {
-    /// The read fast path: answers a `begin` whose answer writes nothing
-    /// (Replay, InFlight, Conflict) without joining the line, through the
-    /// same state machine on the latest durable state (memtable, then
-    /// redb). Anything that writes (a claim, a takeover) is decided once,
-    /// by the leader that applies it (commit/decide.rs), never here: `None`.
-    fn fast_begin(
-        &self,
-        key_bytes: &[u8],
-        fingerprint: &Fingerprint,
-        now: Timestamp,
-        lease: Duration,
-        retention: Duration,
-    ) -> Result<Option<Begin>> {
-        let Some(existing) = self.shared.read(key_bytes)? else {
-            return Ok(None);
-        };
-        // A claim needs a token and a write: that is the leader's. The
-        // token handed to the state machine here is never stored.
-        let step = logic::begin(Some(existing), fingerprint, now, lease, retention, || Ok(0))?;
-        if step.write.is_some() {
-            return Ok(None);
-        }
-        let counter = match step.answer {
-            Begin::Replay(_) => &self.shared.stats.fast_replays,
-            _ => &self.shared.stats.fast_refusals,
-        };
-        counter.fetch_add(1, Ordering::Relaxed);
-        Ok(Some(step.answer))
-    }
-}
-
 /// What `begin` does next: answered on the fast path, or a request for the line.
 enum Next {
     Answered(Begin),
@@ -76,7 +44,11 @@ pub(super) fn unexpected(reply: &Reply) -> Error {
 }
 
 impl RedbStore {
-    /// `begin` up to the line: the checks, then the fast path.
+    /// `begin` up to the line: the checks, then the read fast path, which
+    /// answers a `begin` that writes nothing (Replay, InFlight, Conflict)
+    /// with the same state machine on the latest durable state (memtable,
+    /// then redb). A claim or a takeover is decided once, by the leader
+    /// that applies it (commit/decide.rs), never here.
     fn prepare_begin(
         &self,
         key: &Key,
@@ -87,8 +59,17 @@ impl RedbStore {
     ) -> Result<Next> {
         check_durations(lease, retention)?;
         let key_bytes = codec::encode_key(key);
-        if let Some(answer) = self.fast_begin(&key_bytes, fingerprint, now, lease, retention)? {
-            return Ok(Next::Answered(answer));
+        if let Some(existing) = self.shared.read(&key_bytes)? {
+            // The token handed to the state machine here is never stored.
+            let step = logic::begin(Some(existing), fingerprint, now, lease, retention, || Ok(0))?;
+            if step.write.is_none() {
+                let counter = match step.answer {
+                    Begin::Replay(_) => &self.shared.stats.fast_replays,
+                    _ => &self.shared.stats.fast_refusals,
+                };
+                counter.fetch_add(1, Ordering::Relaxed);
+                return Ok(Next::Answered(step.answer));
+            }
         }
         Ok(Next::InLine(Op::Begin {
             key: key_bytes,
@@ -192,17 +173,12 @@ impl Store for RedbStore {
     }
 
     fn record_step(&self, key: &Key, claim: &Claim, step: &Step, now: Timestamp) -> Result<()> {
-        done(
-            self.shared
-                .submit(RedbStore::step_op(key, claim, step, now))?,
-        )
+        done(self.shared.submit(Self::step_op(key, claim, step, now))?)
     }
 
     fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>> {
-        Ok(logic::visible(
-            self.shared.read(&codec::encode_key(key))?,
-            now,
-        ))
+        let record = self.shared.read(&codec::encode_key(key))?;
+        Ok(logic::visible(record, now))
     }
 
     fn sweep_expired(&self, now: Timestamp, max: usize) -> Result<usize> {
@@ -233,13 +209,12 @@ impl Store for RedbStore {
         lease: Duration,
         retention: Duration,
     ) -> Option<StoreFuture<'a, Begin>> {
-        Some(
-            match self.prepare_begin(key, fingerprint, now, lease, retention) {
-                Ok(Next::Answered(answer)) => ready(Ok(answer)),
-                Ok(Next::InLine(op)) => self.join_line_async(Ok(op), begun),
-                Err(refused) => ready(Err(refused)),
-            },
-        )
+        let next = self.prepare_begin(key, fingerprint, now, lease, retention);
+        Some(match next {
+            Ok(Next::Answered(answer)) => ready(Ok(answer)),
+            Ok(Next::InLine(op)) => self.join_line_async(Ok(op), begun),
+            Err(refused) => ready(Err(refused)),
+        })
     }
 
     /// Joins the commit line; completes when the DONE record is durable.

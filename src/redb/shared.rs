@@ -8,18 +8,21 @@
 //! read-locked wakes the background thread (its lock); no writer of the
 //! memtable waits for the background lock.
 
+use super::Durability;
 use super::config::Config;
 use super::db::Db;
 use super::health::On;
 use super::line::Line;
-use super::log::{Core, Log};
 use super::memtable::{self, Memory};
+use super::record_log::LogWriter;
 use super::stats::Counters;
 use super::tables::{self, Source};
 use super::{open, tables::META_LOG_STATE};
 use crate::error::{Error, Result};
 use crate::record::Record;
-use crate::sync::Arc;
+use crate::sync::atomic::AtomicBool;
+use crate::sync::{Arc, Mutex, MutexGuard, TryLockError};
+use ::redb::StorageBackend;
 use std::path::Path;
 
 /// What the callers and the background thread share.
@@ -34,11 +37,56 @@ pub(super) struct Shared {
     pub(super) read_only: Option<String>,
 }
 
+/// The record log and the commit lock, and what relaxed durability needs
+/// to sync the log later.
+pub(super) struct Log {
+    /// The commit lock: the leader holds it for a group, a direct
+    /// transaction for its transaction.
+    core: Mutex<Core>,
+    /// Relaxed durability: frames written since the last sync.
+    pub(super) unsynced: AtomicBool,
+    /// The log file, for the background sync.
+    pub(super) file: Arc<dyn StorageBackend>,
+    pub(super) durability: Durability,
+}
+
+/// What only the holder of the commit lock touches.
+#[derive(Debug)]
+pub(super) struct Core {
+    pub(super) writer: LogWriter,
+    /// The largest fencing token handed out.
+    pub(super) token_hwm: u64,
+}
+
+impl Log {
+    // A panic while leading poisons the store, so a poisoned lock is taken
+    // as it is (as every lock of the store's).
+    pub(super) fn lock(&self) -> MutexGuard<'_, Core> {
+        self.core.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(super) fn try_lock(&self) -> Option<MutexGuard<'_, Core>> {
+        match self.core.try_lock() {
+            Ok(guard) => Some(guard),
+            Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(TryLockError::WouldBlock) => None,
+        }
+    }
+}
+
 impl Shared {
     pub(super) fn new(opened: open::Opened, config: &Config, path: Option<&Path>) -> Arc<Shared> {
         Arc::new(Shared {
             line: Line::default(),
-            log: Log::new(opened.wal, opened.token_hwm, config.durability),
+            log: Log {
+                file: opened.wal.file(),
+                core: Mutex::new(Core {
+                    writer: opened.wal,
+                    token_hwm: opened.token_hwm,
+                }),
+                unsynced: AtomicBool::new(false),
+                durability: config.durability,
+            },
             memory: Memory::new(config.checkpoint_interval),
             db: Db::new(opened.db, opened.source, opened.witness, config, path),
             stats: Counters::default(),
@@ -66,9 +114,9 @@ impl Shared {
             .map_err(|e| self.engine_failed("read", e))
     }
 
-    /// An engine error met `during` an operation: an I/O error (redb then
-    /// refuses every later use until it is reopened) poisons the store, so
-    /// that it heals; a store already poisoned answers with its cause.
+    /// An engine error met `during` an operation: an I/O error (after which
+    /// redb refuses every use until reopened) poisons the store, so that it
+    /// heals; a store already poisoned answers with its cause.
     pub(super) fn engine_failed(&self, during: &'static str, error: Error) -> Error {
         match error {
             Error::Io(_) if self.db.is_poisoned() => self.db.poisoned_error(),
@@ -87,19 +135,14 @@ impl Shared {
 
     /// Makes everything in memory durable in redb and retires the log.
     pub(super) fn flush(&self) -> Result<()> {
-        let mut core = self.log.lock();
-        self.flush_locked(&mut core)
+        self.flush_locked(&mut self.log.lock())
     }
 
     /// The last commit of a clean stop: memory goes into the file durably,
     /// and the same commit marks the log closed ([`META_LOG_STATE`]), so
     /// the next open needs nothing from it. A read-only view writes nothing.
     pub(super) fn close(&self) -> Result<()> {
-        self.check_writable()?;
-        let mut core = self.log.lock();
-        self.direct_locked(&mut core, true, |t, _| {
-            t.set_meta(META_LOG_STATE, &[tables::LOG_CLOSED])
-        })
+        self.direct(|t, _| t.set_meta(META_LOG_STATE, &[tables::LOG_CLOSED]))
     }
 
     /// [`flush`](Self::flush) with the commit lock held.

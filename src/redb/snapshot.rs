@@ -33,11 +33,9 @@ struct Kept {
 }
 
 impl Snapshot {
-    /// Calls `f` with the records and index tables of `db` as of at least
-    /// commit count `seen` (read by the caller after the memtable): the
-    /// kept snapshot when it is recent enough, otherwise a new one, which
-    /// is then kept. The fast path reads one key through it, a leader its
-    /// whole group.
+    /// Calls `f` with the tables of `db` as of at least commit count `seen`
+    /// (read by the caller after the memtable): the kept snapshot when it is
+    /// recent enough, otherwise a new one, which is then kept.
     pub(super) fn read<T>(
         &self,
         db: &Database,
@@ -56,9 +54,7 @@ impl Snapshot {
         let txn = db.begin_read().map_err(engine_error)?;
         let tables = ReadTables::open(&txn)?;
         let out = f(&tables);
-        // Kept even over a more recent one (another reader's, under a
-        // later count): its count is true of it, and the next reader under
-        // a later count only opens another.
+        // Kept even over a more recent one: its count is true of it.
         *self.slot.write().unwrap_or_else(|p| p.into_inner()) = Some(Kept {
             commits: seen,
             tables,
@@ -66,17 +62,15 @@ impl Snapshot {
         Ok(out)
     }
 
-    /// The redb commits counted so far: read after the memtable, it is
-    /// the `seen` of [`read`](Self::read).
+    /// The redb commits so far: read after the memtable, the `seen` of
+    /// [`read`](Self::read).
     pub(super) fn count(&self) -> u64 {
         self.commits.load(Ordering::Acquire)
     }
 
-    /// Counts a redb commit made while the store runs and drops the kept
-    /// snapshot: called after the commit and before its writer lets go of
-    /// what it wrote in memory (a frozen memtable retired, the active one
-    /// cleared, an answer given), so that no reader keeps using a snapshot
-    /// from before it.
+    /// Counts a redb commit and drops the kept snapshot: called after the
+    /// commit and before its writer lets go of what it wrote in memory (see
+    /// the module docs).
     pub(super) fn committed(&self) {
         self.commits.fetch_add(1, Ordering::Release);
         self.clear();
@@ -86,26 +80,24 @@ impl Snapshot {
         let old = self.slot.write().unwrap_or_else(|p| p.into_inner()).take();
         drop(old);
     }
-
-    #[cfg(test)]
-    pub(super) fn opened(&self) -> usize {
-        self.opened.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    #[cfg(test)]
-    pub(super) fn is_kept(&self) -> bool {
-        self.slot
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .is_some()
-    }
 }
 
 #[cfg(test)]
 mod tests {
+    use super::Snapshot;
     use crate::redb::{RedbStore, RedbStoreBuilder};
     use crate::{Begin, Claim, Fingerprint, Key, Response, Store, Timestamp};
     use std::time::Duration;
+
+    impl Snapshot {
+        pub(in crate::redb) fn opened(&self) -> usize {
+            self.opened.load(std::sync::atomic::Ordering::Relaxed)
+        }
+
+        pub(in crate::redb) fn is_kept(&self) -> bool {
+            self.slot.read().unwrap().is_some()
+        }
+    }
 
     const LEASE: Duration = Duration::from_secs(60);
     const KEEP: Duration = Duration::from_secs(3600);

@@ -1,14 +1,7 @@
-//! The three tables of a store file and the helpers that keep a record and
-//! its expiry-index entry moving together.
-//!
-//! | table | key | value |
-//! |---|---|---|
-//! | `idemstore.records` | [`codec::encode_key`] | [`codec::encode_record`] envelope |
-//! | `idemstore.expiry` | [`codec::encode_index`] `(expires_at BE, key)` | `()` |
-//! | `idemstore.meta` | name | big-endian value (format version, store id, token high-water mark) |
-//!
-//! The names carry an `idemstore.` prefix so that a caller's own tables can
-//! share the file (the co-transactional inbox) without a clash.
+//! The three tables of a store file (`idemstore.records`, `.expiry`,
+//! `.meta`; layouts in `docs/format.md`) and the helpers that keep a record
+//! and its expiry-index entry moving together. The `idemstore.` prefix lets
+//! a caller's own tables share the file (the inbox) without a clash.
 
 use super::errors::engine_error;
 use crate::codec;
@@ -38,9 +31,8 @@ pub(crate) const META_STORE_ID: &str = "store_id";
 pub(crate) const META_TOKEN_HWM: &str = "token_high_water_mark";
 /// Meta key: the log's durable epoch, u64 BE (`record_log/`); absent: 0.
 pub(crate) const META_LOG_EPOCH: &str = "wal_epoch";
-/// Meta key: whether the log may hold acknowledged frames not yet in this
-/// file: [`LOG_OPEN`] from the open that recovered the log until a clean
-/// close writes [`LOG_CLOSED`] in its last durable commit.
+/// Meta key: [`LOG_OPEN`] from the open that recovered the log until a
+/// clean close's last durable commit stores [`LOG_CLOSED`].
 pub(crate) const META_LOG_STATE: &str = "wal_state";
 /// Meta key: the log file's size as its last open left it (u64 BE), which
 /// fixes its segments' layout; after an unclean stop the log must have it.
@@ -96,16 +88,15 @@ impl<'txn> WriteTables<'txn> {
         })
     }
 
-    /// Sets the meta entry `name`.
     pub(super) fn set_meta(&mut self, name: &str, value: &[u8]) -> Result<()> {
-        self.meta.insert(name, value).map_err(engine_error)?;
-        Ok(())
+        self.meta
+            .insert(name, value)
+            .map(drop)
+            .map_err(engine_error)
     }
 
-    /// Removes the meta entry `name`.
     pub(super) fn remove_meta(&mut self, name: &str) -> Result<()> {
-        self.meta.remove(name).map_err(engine_error)?;
-        Ok(())
+        self.meta.remove(name).map(drop).map_err(engine_error)
     }
 
     /// Writes a memtable's records: the bytes their log frames hold.
@@ -158,7 +149,8 @@ impl<'txn> WriteTables<'txn> {
             return Ok(());
         }
         if let Some(old) = old {
-            self.unindex(&codec::encode_index(old, key_bytes))?;
+            let index_key = codec::encode_index(old, key_bytes);
+            self.expiry.remove(&index_key[..]).map_err(engine_error)?;
         }
         if let Some(new) = new {
             self.index(&codec::encode_index(new, key_bytes))?;
@@ -166,16 +158,12 @@ impl<'txn> WriteTables<'txn> {
         Ok(())
     }
 
-    /// Removes one index entry (its record moved or went).
-    fn unindex(&mut self, index_key: &[u8]) -> Result<()> {
-        self.expiry.remove(index_key).map_err(engine_error)?;
-        Ok(())
-    }
-
     /// Adds one index entry (a record's).
     pub(super) fn index(&mut self, index_key: &[u8]) -> Result<()> {
-        self.expiry.insert(index_key, ()).map_err(engine_error)?;
-        Ok(())
+        self.expiry
+            .insert(index_key, ())
+            .map(drop)
+            .map_err(engine_error)
     }
 
     /// Every `(key bytes, record)` pair, for the open-time recovery pass.
@@ -214,14 +202,8 @@ impl<'txn> WriteTables<'txn> {
         };
         let mut removed = 0;
         for index_key in stale {
-            if self
-                .expiry
-                .remove(index_key.as_slice())
-                .map_err(engine_error)?
-                .is_some()
-            {
-                removed += 1;
-            }
+            let gone = self.expiry.remove(index_key.as_slice());
+            removed += u64::from(gone.map_err(engine_error)?.is_some());
         }
         Ok(Some((record, removed)))
     }

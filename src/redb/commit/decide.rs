@@ -1,9 +1,8 @@
 //! The group's decisions ([`decide`]): each op through the state machine
-//! (`logic`) once, where it is applied, against the group's own earlier
-//! writes, then the memtable, then redb. Each record written is encoded
-//! here once; the log frame, the memtable and the checkpoint carry those
-//! bytes. It writes nothing: its caller (`commit/mod.rs`) makes the frame
-//! durable.
+//! (`logic`) once, against the group's own earlier writes, then the
+//! memtable, then redb. Each record written is encoded here once (the log
+//! frame, the memtable and the checkpoint carry those bytes); nothing is
+//! written here: `commit/mod.rs` makes the frame durable.
 
 use super::super::memtable::{self, Encoded, Entry, Mem};
 use super::super::record_log::FrameBuf;
@@ -29,9 +28,7 @@ pub(super) struct Decided {
     pub(super) swept: usize,
 }
 
-/// Decides every op of a group in order, against the group's own earlier
-/// writes, then `mem`, then `base`. Writes nothing anywhere: the caller
-/// makes [`Decided::writes`] durable.
+/// Decides every op of a group in order (see the module docs).
 pub(super) fn decide(ops: &[Op], mem: &Mem, base: &dyn Source, hwm: &mut u64) -> Decided {
     let mut group = Group {
         mem,
@@ -58,11 +55,6 @@ impl Group<'_> {
             return memtable::decode(key, entry);
         }
         self.base.read(key)
-    }
-
-    /// True when redb's copy of `key` is hidden by a newer one in memory.
-    fn shadowed(&self, key: &[u8]) -> bool {
-        self.out.writes.contains_key(key) || self.mem.get(key).is_some()
     }
 
     /// Encodes `record` (checking its invariants) once: the log frame,
@@ -96,9 +88,8 @@ impl Group<'_> {
                             .ok_or_else(|| Error::invalid_argument("fencing tokens exhausted"))
                     })?;
                 if let Some(record) = decided.write {
-                    let token = record.token;
                     self.put(key, &record)?;
-                    *hwm = (*hwm).max(token);
+                    *hwm = (*hwm).max(record.token);
                 }
                 Ok(Reply::Begin(decided.answer))
             }
@@ -169,13 +160,12 @@ impl Group<'_> {
             }
         }
         // redb's index, in (expiry, key) order: its first `max` live
-        // entries are all it can contribute. Keys decided in memory are
-        // the memtable's business above. An entry whose record has another
-        // expiry (left by damage) nominates nothing.
+        // entries are all it can contribute. Keys in memory were nominated
+        // above; an entry whose record has another expiry (damage) is not.
         let mut from_base = 0;
         self.base.due(now, &mut |index_key| {
             let (expires_at, key) = codec::decode_index(index_key)?;
-            if self.shadowed(key) {
+            if self.out.writes.contains_key(key) || self.mem.get(key).is_some() {
                 return Ok(true);
             }
             match self.base.read(key)? {

@@ -51,8 +51,7 @@ impl Shared {
             if let Some(answer) = self.lead_once(Some(&mine)) {
                 return answer;
             }
-            // Not in this group (the line was longer than a group): wait
-            // for the role to come back, or for an answer.
+            // Not in this group (a long line): wait for the role or an answer.
             if let Some(answer) = mine.wait() {
                 return answer;
             }
@@ -60,8 +59,8 @@ impl Shared {
     }
 
     /// Puts `op` at the back of the line. A thread that finds no leader
-    /// takes the role itself (its caller leads); a task or a detached op
-    /// hands it to the committer thread.
+    /// takes the role itself (its caller leads); a task, or a release
+    /// nobody waits for, hands it to the committer thread.
     pub(in crate::redb) fn push(&self, q: &mut InLine, op: Op, slot: Arc<Slot>) {
         let waiter = slot.waiter;
         q.waiting.push_back((op, slot));
@@ -80,13 +79,18 @@ impl Shared {
         }
     }
 
-    /// Queues a release nobody waits for (a dropped future's claim); the
-    /// committer leads it if no one else does. Nothing is queued once the
-    /// committer has stopped: the claim then ends with its lease.
-    pub(in crate::redb) fn detach(&self, op: Op) {
+    /// Gives back a claim of `key` that nobody will see (a dropped future's
+    /// `answer`): its release is queued with nobody waiting, and the
+    /// committer leads it if no one else does. Once the committer has
+    /// stopped, nothing is queued: the claim then ends with its lease.
+    pub(in crate::redb) fn release_unseen(&self, key: Vec<u8>, answer: Result<Reply>) {
+        let Ok(Reply::Begin(Begin::Claimed(claim))) = answer else {
+            return;
+        };
         let mut q = self.line.lock();
         if !q.stopped {
-            self.push(&mut q, op, Arc::new(Slot::new(Waiter::Nobody)));
+            let release = Op::Release { key, claim };
+            self.push(&mut q, release, Arc::new(Slot::new(Waiter::Nobody)));
         }
     }
 
@@ -94,15 +98,12 @@ impl Shared {
     /// passes the role on, answers the group. Returns `mine`'s answer when
     /// it was in the group.
     pub(in crate::redb) fn lead_once(&self, mine: Option<&Arc<Slot>>) -> Option<Result<Reply>> {
-        let (group, room) = {
+        let (ops, slots, room) = {
             let mut q = self.line.lock();
             let full = q.waiting.len() >= WRITE_QUEUE_DEPTH;
             let n = q.waiting.len().min(self.line.max_group);
-            let group: Vec<(Op, Arc<Slot>)> = q.waiting.drain(..n).collect();
-            let threads = group
-                .iter()
-                .filter(|(_, s)| s.waiter == Waiter::Thread)
-                .count();
+            let (ops, slots): (Vec<Op>, Vec<Arc<Slot>>) = q.waiting.drain(..n).unzip();
+            let threads = slots.iter().filter(|s| s.waiter == Waiter::Thread).count();
             q.threads = q.threads.saturating_sub(threads);
             // Only a full line can have callers waiting for room (a
             // notify is a syscall even with nobody waiting).
@@ -111,10 +112,9 @@ impl Shared {
                 self.line.room.notify_all();
                 room = std::mem::take(&mut q.room);
             }
-            (group, room)
+            (ops, slots, room)
         };
         room.into_iter().for_each(Waker::wake);
-        let (ops, slots): (Vec<Op>, Vec<Arc<Slot>>) = group.into_iter().unzip();
         // A dropped future can empty the line under the committer.
         let answers = if ops.is_empty() {
             Vec::new()
@@ -134,14 +134,9 @@ impl Shared {
         for ((op, slot), answer) in ops.into_iter().zip(slots).zip(answers) {
             if mine.is_some_and(|m| Arc::ptr_eq(m, &slot)) {
                 own = Some(answer);
-            } else if let Some(unseen) = slot.answer(answer) {
-                // Its future was dropped while the group committed: a claim
-                // nobody will see is given back at once.
-                if let (Op::Begin { key, .. }, Ok(Reply::Begin(Begin::Claimed(claim)))) =
-                    (op, unseen)
-                {
-                    self.detach(Op::Release { key, claim });
-                }
+            } else if let (Some(unseen), Op::Begin { key, .. }) = (slot.answer(answer), op) {
+                // Its future was dropped while the group committed.
+                self.release_unseen(key, unseen);
             }
         }
         own

@@ -1,8 +1,8 @@
 //! Group commit: one group under the commit lock is decided (`decide.rs`),
 //! appended as one log frame, `fdatasync`ed, then published into the
-//! memtable. `leader.rs`: who leads and who is answered; `direct.rs`: a
-//! write transaction outside the line. Futures join the line but never
-//! lead (a runtime thread must not wait on an fsync).
+//! memtable; `leader.rs` says who leads and who is answered. Also the
+//! direct transaction ([`Shared::direct`]): a redb write transaction of its
+//! own under the commit lock, outside the line.
 //!
 //! What must hold:
 //! - nobody is answered and no reader sees a group before its frame is
@@ -14,43 +14,36 @@
 //! - a panic while leading poisons the store and answers the whole group.
 
 mod decide;
-mod direct;
 mod leader;
 
 use super::health::On;
 use super::line::{Op, Reply};
-use super::log::Core;
 use super::memtable::MEMTABLE_BYTES;
-use super::tables::META_TOKEN_HWM;
+use super::shared::Core;
+use super::tables::{META_TOKEN_HWM, WriteTables, commit};
 use super::{Durability, Shared};
 use crate::error::{Error, Result};
 use crate::sync::Instant;
-use crate::sync::atomic::Ordering;
+use crate::sync::atomic::Ordering::{Relaxed, SeqCst};
 use decide::decide;
 
 impl Shared {
     /// One group, under the commit lock: an answer per op.
     fn commit_group(&self, ops: &[Op]) -> Vec<Result<Reply>> {
-        let stats = &self.stats;
-        stats.groups.fetch_add(1, Ordering::Relaxed);
-        stats
-            .requests
-            .fetch_add(ops.len() as u64, Ordering::Relaxed);
-        stats
-            .largest_group
-            .fetch_max(ops.len() as u64, Ordering::Relaxed);
+        let n = ops.len() as u64;
+        self.stats.groups.fetch_add(1, Relaxed);
+        self.stats.requests.fetch_add(n, Relaxed);
+        self.stats.largest_group.fetch_max(n, Relaxed);
         let mut core = self.log.lock();
-        if let Err(refused) = self.db.check_healthy() {
-            return ops.iter().map(|_| Err(refused.replicate())).collect();
-        }
-        match self.commit_logged(&mut core, ops) {
+        let committed = self
+            .db
+            .check_healthy()
+            .and_then(|()| self.commit_logged(&mut core, ops));
+        match committed {
             Ok(answers) => {
-                // A request that failed on an I/O error of the engine's
-                // (a read while deciding) leaves redb refusing every later
-                // use until it is reopened: the store heals.
-                if let Some(Err(e @ Error::Io(_))) =
-                    answers.iter().find(|a| matches!(a, Err(Error::Io(_))))
-                {
+                // An I/O error of the engine's while deciding leaves redb
+                // refusing every use until it is reopened: the store heals.
+                if let Some(Err(e)) = answers.iter().find(|a| matches!(a, Err(Error::Io(_)))) {
                     self.fail("read", On::Store, e.replicate());
                 }
                 answers
@@ -63,8 +56,7 @@ impl Shared {
     fn commit_logged(&self, core: &mut Core, ops: &[Op]) -> Result<Vec<Result<Reply>>> {
         let mut hwm = core.token_hwm;
         let decided = {
-            // The memtable first, then the count and the read path's
-            // snapshot (see memtable.rs and snapshot.rs).
+            // The memtable, then the count (snapshot.rs).
             let mem = self.memory.read_mem();
             let counted = self.db.snapshot.count();
             let db = self.db.read_db()?;
@@ -81,10 +73,8 @@ impl Shared {
             frame.meta_put(META_TOKEN_HWM, &hwm.to_be_bytes());
         }
         let sync = self.log.durability == Durability::Immediate;
-        let n = frame.len();
-        if !core.writer.fits_at_all(n) {
-            // Larger than a whole segment: straight into redb, durably,
-            // with everything in memory before it.
+        if !core.writer.fits_at_all(frame.len()) {
+            // Larger than a whole segment: straight into redb, durably.
             let writes = decided.writes;
             self.direct_locked(core, true, |tables, token_hwm| {
                 tables.take_in(&writes)?;
@@ -93,20 +83,19 @@ impl Shared {
             })?;
             return Ok(decided.answers);
         }
-        if !core.writer.fits(n) {
+        if !core.writer.fits(frame.len()) {
             self.freeze(core)?;
         }
-        let wal = &mut core.writer;
         let appending = Instant::now();
-        if let Err(e) = wal.append(&mut frame, sync) {
-            // The frame may or may not be on disk. Its tokens are never
-            // handed out again (a heal replays what reached the log).
+        if let Err(e) = core.writer.append(&mut frame, sync) {
+            // The frame may be on disk: its tokens are never handed out
+            // again (a heal replays what reached the log).
             core.token_hwm = hwm;
             return Err(self.fail("log append", On::Log, e));
         }
-        let (log_sync, log_fill) = (appending.elapsed(), wal.fill());
+        let (log_sync, log_fill) = (appending.elapsed(), core.writer.fill());
         if !sync {
-            self.log.unsynced.store(true, Ordering::SeqCst);
+            self.log.unsynced.store(true, SeqCst);
         }
         let (bytes, first) = {
             let mut mem = self.memory.write_mem();
@@ -115,23 +104,19 @@ impl Shared {
             (mem.active_bytes, first)
         };
         if first {
-            // The memtable's age counts from its first record; the
-            // background thread (asleep with nothing in memory) times the
-            // next checkpoint from it.
+            // The memtable's age counts from its first record; wake the
+            // background thread (asleep with nothing in memory) to time it.
             self.memory.start_memtable_clock();
             self.memory.wake_background();
         }
         core.token_hwm = hwm;
-        self.stats.commits.fetch_add(1, Ordering::Relaxed);
-        self.stats.logged_commits.fetch_add(1, Ordering::Relaxed);
-        self.stats
-            .swept
-            .fetch_add(decided.swept as u64, Ordering::Relaxed);
+        self.stats.commits.fetch_add(1, Relaxed);
+        self.stats.logged_commits.fetch_add(1, Relaxed);
+        self.stats.swept.fetch_add(decided.swept as u64, Relaxed);
         crate::observability::group_committed(ops.len(), log_sync, bytes, log_fill);
         crate::observability::swept("redb", decided.swept);
-        // Hand the memtable to the checkpointer when it is large enough,
-        // or old enough, and the checkpointer is free. Past twice the
-        // budget, wait for it (back-pressure on memory).
+        // Freeze when large or old enough and the checkpointer is free;
+        // past twice the budget, wait for it (back-pressure on memory).
         let free = self.memory.read_mem().frozen.is_none();
         let due = bytes >= MEMTABLE_BYTES || self.memory.checkpoint_due();
         if (due && free) || bytes >= 2 * MEMTABLE_BYTES {
@@ -140,10 +125,9 @@ impl Shared {
         Ok(decided.answers)
     }
 
-    /// Hands the active memtable to the checkpointer: waits for the
-    /// previous checkpoint to finish, freezes, and moves the log to the
-    /// next epoch (the other segment). Nothing to do when nothing was
-    /// logged since the last checkpoint.
+    /// Hands the active memtable to the checkpointer (after the previous
+    /// checkpoint) and moves the log to the next epoch (the other segment).
+    /// Nothing to do when nothing was logged since the last checkpoint.
     pub(super) fn freeze(&self, core: &mut Core) -> Result<()> {
         self.wait_checkpointed()?;
         {
@@ -158,16 +142,87 @@ impl Shared {
         self.memory.wake_background();
         Ok(())
     }
+
+    /// Runs `f` in a durable redb write transaction of its own. It first
+    /// takes in the memtable (after any running checkpoint), so `f` reads
+    /// the current state, then retires the log's frames (a new epoch):
+    /// replaying them over `f`'s writes would undo them. `f` gets the token
+    /// high-water mark. An error from `f` aborts everything; a failed
+    /// commit poisons the store.
+    pub(in crate::redb) fn direct<T, E: From<Error>>(
+        &self,
+        f: impl FnOnce(&mut WriteTables<'_>, &mut u64) -> Result<T, E>,
+    ) -> Result<T, E> {
+        self.direct_locked(&mut self.log.lock(), true, f)
+    }
+
+    /// [`direct`](Self::direct) with the commit lock already held, choosing
+    /// redb's quick-repair for the commit (see [`commit`]; on for every
+    /// caller but an inbox that switched it off).
+    pub(in crate::redb) fn direct_locked<T, E: From<Error>>(
+        &self,
+        core: &mut Core,
+        quick_repair: bool,
+        f: impl FnOnce(&mut WriteTables<'_>, &mut u64) -> Result<T, E>,
+    ) -> Result<T, E> {
+        self.check_submit()?;
+        self.wait_checkpointed()?;
+        let db = self.db.write_ready_db()?;
+        let mut hwm = core.token_hwm;
+        // An I/O error in this transaction's own writes poisons the store.
+        let own = |e| self.engine_failed("commit", e);
+        let committed = commit(&db, quick_repair, |tables| {
+            tables
+                .take_in(&self.memory.read_mem().active)
+                .map_err(own)?;
+            let out = f(tables, &mut hwm)?;
+            hwm = hwm.max(core.token_hwm);
+            let next = core.writer.epoch().wrapping_add(1);
+            tables.retire(hwm, next).map_err(own)?;
+            Ok::<_, E>(out)
+        });
+        let out = committed.map_err(|e| self.fail("commit", On::Store, e))??;
+        // Before the active memtable is cleared (snapshot.rs).
+        self.db.snapshot.committed();
+        core.token_hwm = hwm;
+        {
+            let mut mem = self.memory.write_mem();
+            mem.active.clear();
+            mem.active_bytes = 0;
+        }
+        core.writer.rotate();
+        self.memory.start_memtable_clock();
+        self.stats.commits.fetch_add(1, Relaxed);
+        self.stats.durable_commits.fetch_add(1, Relaxed);
+        Ok(out)
+    }
+
+    /// Waits until no frozen memtable is waiting for its checkpoint.
+    pub(in crate::redb) fn wait_checkpointed(&self) -> Result<()> {
+        let mut bg = self.memory.lock_bg();
+        loop {
+            self.db.check_healthy()?;
+            if self.memory.read_mem().frozen.is_none() {
+                return Ok(());
+            }
+            bg = self
+                .memory
+                .bg_cv
+                .wait(bg)
+                .unwrap_or_else(|p| p.into_inner());
+        }
+    }
 }
 
 #[cfg(test)]
-pub(in crate::redb) mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::fingerprint::Fingerprint;
     use crate::record::Begin;
     use crate::redb::RedbStoreBuilder;
     use crate::redb::open;
     use crate::sync::Arc;
+    use crate::sync::atomic::Ordering;
     use crate::time::Timestamp;
     use std::path::Path;
     use std::time::Duration;
