@@ -135,7 +135,7 @@ impl Db {
     /// `error`, or, for the engine's refusal after an earlier I/O error
     /// (which names none), the last I/O error its storage returned.
     pub(super) fn named(&self, error: Error) -> Error {
-        if !super::errors::is_latched(&error) {
+        if !super::file::is_latched(&error) {
             return error;
         }
         self.witness.last().map_or(error, Error::Io)

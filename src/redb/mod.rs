@@ -27,7 +27,7 @@
 //! - `record_log/`, `checkpoint.rs`: the log and the checkpoint
 //! - `open.rs`, `recovery.rs`, `meta.rs`, `heal.rs`: open,
 //!   replay, heal
-//! - `health.rs`, `damage.rs` (and the loss report), `errors.rs`: failures
+//! - `health.rs`, `damage.rs` (and the loss report): failures
 //! - `overlay.rs`, `file.rs`, `tables.rs`: in-memory pages, file helpers,
 //!   the tables and `commit`, the one way into redb
 //! - `config.rs`, `builder.rs`, `stats.rs`: options and counters
@@ -41,7 +41,6 @@ mod commit;
 mod config;
 mod damage;
 mod db;
-mod errors;
 mod file;
 mod heal;
 mod health;
@@ -382,7 +381,7 @@ impl RedbStore {
         }
         engine.db.compact().map_err(|e| {
             self.shared
-                .engine_failed("compaction", errors::engine_error(e))
+                .engine_failed("compaction", file::engine_error(e))
         })
     }
 }

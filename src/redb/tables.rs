@@ -10,7 +10,7 @@
 //! The names carry an `idemstore.` prefix so that a caller's own tables can
 //! share the file (the co-transactional inbox) without a clash.
 
-use super::errors::engine_error;
+use super::file::engine_error;
 use crate::codec;
 use crate::error::Result;
 use crate::record::Record;

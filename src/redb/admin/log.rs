@@ -3,7 +3,7 @@
 
 use super::super::RedbStore;
 use super::super::damage::LossReport;
-use super::super::errors::engine_error;
+use super::super::file::engine_error;
 use super::super::meta::{check_format, read_meta_entries};
 use super::super::open::log_to_read;
 use super::super::overlay::open_overlay;

@@ -42,7 +42,7 @@ pub use verify::{Problem, ProblemKind, VerifyReport};
 pub use write::Evicted;
 
 use super::RedbStore;
-use super::errors::engine_error;
+use super::file::engine_error;
 use super::meta::STORE_FORMAT_VERSION;
 use super::tables::{EXPIRY, RECORDS};
 use crate::codec;

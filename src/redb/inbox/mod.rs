@@ -12,7 +12,7 @@ mod step;
 pub use batch::Message;
 
 use super::RedbStore;
-use super::errors::engine_error;
+use super::file::engine_error;
 use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
 use crate::guard::DEFAULT_RETENTION;
