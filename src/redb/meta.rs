@@ -133,16 +133,11 @@ pub(super) struct WalMeta {
     pub(super) epoch: u64,
     /// This boot's id at the log's last open.
     pub(super) boot: Option<String>,
-    /// `None` when no open has recorded the log's state.
-    pub(super) state: Option<WalState>,
-}
-
-/// [`META_LOG_STATE`] and [`META_LOG_BYTES`] as stored.
-#[derive(Clone, Copy, Debug)]
-pub(super) struct WalState {
-    /// The log may hold acknowledged frames (the last stop was not clean).
-    pub(super) open: bool,
-    /// The log's size as the last open left it.
+    /// [`META_LOG_STATE`]: the log may hold acknowledged frames (the last
+    /// stop was not clean); `None` when no open has recorded it.
+    pub(super) open: Option<bool>,
+    /// [`META_LOG_BYTES`], the log's size as the last open left it (read
+    /// only with a state).
     pub(super) bytes: Option<u64>,
 }
 
@@ -151,17 +146,16 @@ pub(super) fn read_wal(db: &Database) -> Result<WalMeta> {
     let txn = db.begin_read().map_err(engine_error)?;
     let meta = txn.open_table(META).map_err(table_error)?;
     let boot = meta.get(META_LOG_BOOT).map_err(engine_error)?;
-    let state = match entry::<1>(&meta, META_LOG_STATE)? {
+    let open = entry::<1>(&meta, META_LOG_STATE)?.map(|[state]| state == LOG_OPEN);
+    let bytes = match open {
+        Some(_) => entry(&meta, META_LOG_BYTES)?.map(u64::from_be_bytes),
         None => None,
-        Some([state]) => Some(WalState {
-            open: state == LOG_OPEN,
-            bytes: entry(&meta, META_LOG_BYTES)?.map(u64::from_be_bytes),
-        }),
     };
     Ok(WalMeta {
         epoch: entry(&meta, META_LOG_EPOCH)?.map_or(0, u64::from_be_bytes),
         boot: boot.map(|v| String::from_utf8_lossy(v.value()).into_owned()),
-        state,
+        open,
+        bytes,
     })
 }
 

@@ -54,13 +54,13 @@ pub(super) fn plan_log(
         epoch: wal.epoch,
         layout_len: len,
         no_reboot: !found.heal && found.boot.is_some() && wal.boot.as_deref() == found.boot,
-        clean_stop: wal.state.map(|s| !s.open),
+        clean_stop: wal.open.map(|open| !open),
         problems: Vec::new(),
     };
-    let Some(state) = wal.state.filter(|s| s.open) else {
+    if wal.open != Some(true) {
         return Ok(plan);
-    };
-    match state.bytes {
+    }
+    match wal.bytes {
         // The last open stopped before its log had a size: no frame exists.
         Some(0) => {}
         _ if len == 0 => plan.problems.push(Damage::LogMissing {

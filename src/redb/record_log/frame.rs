@@ -27,13 +27,6 @@ pub(super) fn segment_bytes(len: u64) -> u64 {
     len / 2 / FRAME_ALIGN * FRAME_ALIGN
 }
 
-/// Where the frames of `epoch` live: segment `epoch % 2`.
-pub(super) fn segment_range(len: u64, epoch: u64) -> std::ops::Range<u64> {
-    let seg = segment_bytes(len);
-    let start = (epoch % 2) * seg;
-    start..start + seg
-}
-
 /// Where the frames of one epoch are laid out in the file.
 #[derive(Clone, Debug)]
 pub(in crate::redb) struct Layout {
@@ -42,9 +35,11 @@ pub(in crate::redb) struct Layout {
 }
 
 impl Layout {
-    /// `epoch`'s segment of a log file of `len` bytes.
+    /// `epoch`'s segment (`epoch % 2`) of a log file of `len` bytes.
     pub(in crate::redb) fn segment(len: u64, epoch: u64) -> Layout {
-        let region = segment_range(len, epoch);
+        let seg = segment_bytes(len);
+        let start = (epoch % 2) * seg;
+        let region = start..start + seg;
         Layout { epoch, region }
     }
 }
@@ -362,8 +357,9 @@ mod tests {
         assert_eq!(align_up(FRAME_ALIGN + 1), 2 * FRAME_ALIGN);
         let len = 8 * FRAME_ALIGN + 100; // a ragged tail is never used
         assert_eq!(segment_bytes(len), 4 * FRAME_ALIGN);
-        assert_eq!(segment_range(len, 6), 0..4 * FRAME_ALIGN);
-        assert_eq!(segment_range(len, 7), 4 * FRAME_ALIGN..8 * FRAME_ALIGN);
-        assert_eq!(segment_range(len, 8), segment_range(len, 6));
+        let segment_range = |epoch| Layout::segment(len, epoch).region;
+        assert_eq!(segment_range(6), 0..4 * FRAME_ALIGN);
+        assert_eq!(segment_range(7), 4 * FRAME_ALIGN..8 * FRAME_ALIGN);
+        assert_eq!(segment_range(8), segment_range(6));
     }
 }

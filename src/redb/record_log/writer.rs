@@ -1,7 +1,7 @@
 //! The record log's writer: [`LogWriter`] appends a group's [`FrameBuf`] as
 //! one frame at the next aligned offset of the epoch's segment.
 
-use super::frame::{FRAME_HEADER, FrameBuf, align_up, segment_bytes, segment_range};
+use super::frame::{FRAME_HEADER, FrameBuf, Layout, align_up, segment_bytes};
 use crate::error::{Error, Result};
 use ::redb::StorageBackend;
 use std::fmt;
@@ -85,7 +85,7 @@ impl LogWriter {
     /// durable when `sync`. An error leaves the frame's fate unknown: the
     /// caller must not publish the group and must poison the store.
     pub(in crate::redb) fn append(&mut self, frame: &mut FrameBuf, sync: bool) -> Result<()> {
-        let start = segment_range(self.len, self.epoch).start + self.offset;
+        let start = Layout::segment(self.len, self.epoch).region.start + self.offset;
         let frame = frame.seal(&self.store_id, self.epoch)?;
         let framed = align_up(frame.len() as u64);
         self.file.write(start, frame).map_err(Error::Io)?;
