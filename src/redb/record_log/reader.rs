@@ -67,24 +67,17 @@ pub(in crate::redb) fn walk(
         let (payload, next) = match read_frame(file, store_id, epoch, at, end)? {
             Frame::Whole { payload, next } => (payload, start + align_up(next - start)),
             stop => {
-                let (how, damaged_end) = match stop {
+                let (stop, damaged_end) = match stop {
                     Frame::Damaged { next } => (Stop::Damaged, Some(next)),
                     _ => (Stop::Ends, None),
                 };
                 let later = find_later(file, store_id, epoch, at, end, seen)?;
-                let damaged_last = later.is_none()
-                    && no_reboot
-                    && damaged_end.is_some_and(|next| next - at <= FRAME_ALIGN);
-                if later.is_none() && !damaged_last {
-                    break;
-                }
                 let damage = match later {
-                    Some(later) => Damage::FrameGap {
-                        stop: how,
-                        at,
-                        later,
-                    },
-                    None => Damage::LastFrameDamaged { at },
+                    Some(later) => Damage::FrameGap { stop, at, later },
+                    None if no_reboot && damaged_end.is_some_and(|n| n - at <= FRAME_ALIGN) => {
+                        Damage::LastFrameDamaged { at }
+                    }
+                    None => break,
                 };
                 let Some(loss) = loss.as_deref_mut() else {
                     return Err(damage.into());
