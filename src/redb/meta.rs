@@ -122,9 +122,7 @@ fn new_store_id(config: &Config) -> [u8; 16] {
     h.update(std::process::id().to_be_bytes());
     h.update(config.clock.now().as_millis().to_be_bytes());
     let digest = h.finalize();
-    let mut id = [0u8; 16];
-    id.copy_from_slice(digest.get(..16).unwrap_or(&[0; 16]));
-    id
+    digest.first_chunk::<16>().copied().unwrap_or_default()
 }
 
 /// The record log's entries as the store file keeps them.
