@@ -1,7 +1,6 @@
 //! [`Damage`]: what the store finds wrong with its files, in the operator's
-//! words (its `Display`), always [`Error::Corrupt`]; and the [`LossReport`]
-//! of an open with [`accept_loss`](super::RedbStoreBuilder::accept_loss),
-//! what it gave up, so that an operator can reconcile it. A bottom module.
+//! words, always [`Error::Corrupt`]; and the [`LossReport`] of an open that
+//! accepted loss. A bottom module.
 
 use super::file::log_path;
 use crate::error::Error;
@@ -71,8 +70,7 @@ impl fmt::Display for Stop {
 }
 
 impl Damage {
-    /// The [`LossReport`] line for this damage, met in
-    /// `epoch` by an open that accepts loss, which skips it.
+    /// The [`LossReport`] line for this damage, met and skipped in `epoch`.
     pub(super) fn finding(&self, epoch: u64) -> String {
         match self {
             Damage::FrameGap { stop, at, later } => format!(
@@ -104,11 +102,8 @@ impl fmt::Display for Damage {
                 log_path(store).display()
             ),
             Damage::EmptyStoreFile { store } => {
-                write!(
-                    f,
-                    "{} is empty (0 bytes): not a store file",
-                    store.display()
-                )
+                let store = store.display();
+                write!(f, "{store} is empty (0 bytes): not a store file")
             }
             Damage::NoTables { store } => write!(
                 f,

@@ -123,7 +123,7 @@ impl Db {
     /// storage returned stands for it.
     pub(super) fn poison(&self, during: &'static str, on: On, error: Error) -> Error {
         let error = match error {
-            e if super::errors::is_latched(&e) => self.witness.last().map_or(e, Error::Io),
+            e if super::file::is_latched(&e) => self.witness.last().map_or(e, Error::Io),
             e => e,
         };
         let path = self.file_name(on);

@@ -1,16 +1,51 @@
-//! File helpers: owner-only opening, directory syncs, locks, the redb
-//! header check, positional I/O, preallocation, the log file, and the
-//! backend wrappers: where a heal reopens the engine from ([`Origin`],
-//! [`SharedBackend`]) and the witness of the engine's I/O errors
-//! ([`Witnessed`]). A bottom module.
+//! File helpers: owner-only opening, directory syncs, locks, the redb header
+//! check, the log file, the backend wrappers ([`SharedBackend`] for a heal's
+//! reopen, [`Witnessed`] for the engine's I/O errors), and redb's errors as
+//! the one public [`Error`] (`engine_error`). A bottom module.
 
-use super::errors::engine_error;
 use crate::error::{Error, Result};
 use ::redb::StorageBackend;
 use std::io::{Error as IoError, ErrorKind};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+
+/// Any redb error as an [`Error`]: I/O stays [`Error::Io`], corruption that
+/// redb detected is [`Error::Corrupt`], everything else is [`Error::Backend`]
+/// with the redb error as its source.
+pub(super) fn engine_error(err: impl Into<::redb::Error>) -> Error {
+    match err.into() {
+        ::redb::Error::Io(io) => Error::Io(io),
+        // redb refuses every use after an I/O error of its own until it is
+        // reopened: an I/O failure, so that the store poisons and heals.
+        // The store names the earlier error where it can (`is_latched`).
+        ::redb::Error::PreviousIo => Error::Io(std::io::Error::other(Latched)),
+        ::redb::Error::Corrupted(detail) => {
+            Error::corrupt(None, format!("the storage engine found damage: {detail}"))
+        }
+        other => Error::backend(other),
+    }
+}
+
+/// redb's `PreviousIo`: the engine refuses to go on after an I/O error it
+/// met earlier, without saying which.
+#[derive(Debug)]
+struct Latched;
+
+impl std::fmt::Display for Latched {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("an earlier I/O error left the storage engine unusable until it is reopened")
+    }
+}
+
+impl std::error::Error for Latched {}
+
+/// Whether `error` is redb's refusal after an earlier I/O error, which
+/// names no cause: the store replaces it with the error its witness saw
+/// ([`IoWitness`]).
+pub(super) fn is_latched(error: &Error) -> bool {
+    matches!(error, Error::Io(io) if io.get_ref().is_some_and(|e| e.is::<Latched>()))
+}
 
 /// redb's file magic (its private `MAGICNUMBER`, fixed within a major
 /// version), checked so that a foreign file is refused before redb touches it.
@@ -94,11 +129,12 @@ pub(super) fn log_path(store: impl AsRef<Path>) -> PathBuf {
     store.with_file_name(name)
 }
 
-/// The log on a real file: positional reads and writes, `fdatasync`. The
-/// store file's lock (taken first) is what keeps a second process out.
+/// The log on a real file (or a store file an `Overlay` reads): positional
+/// reads and writes, `fdatasync`. The store file's lock (taken first) keeps
+/// a second process out.
 #[derive(Debug)]
 pub(super) struct FileLog {
-    file: std::fs::File,
+    pub(super) file: std::fs::File,
 }
 
 impl FileLog {
@@ -130,7 +166,23 @@ impl StorageBackend for FileLog {
         Ok(self.file.metadata()?.len())
     }
     fn read(&self, offset: u64, out: &mut [u8]) -> std::io::Result<()> {
-        read_at(&self.file, out, offset)
+        #[cfg(unix)]
+        {
+            std::os::unix::fs::FileExt::read_exact_at(&self.file, out, offset)
+        }
+        #[cfg(windows)]
+        {
+            let mut done = 0;
+            while let Some(rest) = out.get_mut(done..).filter(|r| !r.is_empty()) {
+                let at = offset + done as u64;
+                let n = std::os::windows::fs::FileExt::seek_read(&self.file, rest, at)?;
+                if n == 0 {
+                    return Err(std::io::ErrorKind::UnexpectedEof.into());
+                }
+                done += n;
+            }
+            Ok(())
+        }
     }
     fn set_len(&self, len: u64) -> std::io::Result<()> {
         self.file.set_len(len)
@@ -162,36 +214,15 @@ impl StorageBackend for FileLog {
     }
 }
 
-/// Positional: no shared cursor.
-pub(super) fn read_at(file: &std::fs::File, out: &mut [u8], offset: u64) -> std::io::Result<()> {
-    #[cfg(unix)]
-    {
-        std::os::unix::fs::FileExt::read_exact_at(file, out, offset)
-    }
-    #[cfg(windows)]
-    {
-        let mut done = 0;
-        while let Some(rest) = out.get_mut(done..).filter(|r| !r.is_empty()) {
-            let n = std::os::windows::fs::FileExt::seek_read(file, rest, offset + done as u64)?;
-            if n == 0 {
-                return Err(std::io::ErrorKind::UnexpectedEof.into());
-            }
-            done += n;
-        }
-        Ok(())
-    }
-}
-
-/// Makes the log file at least `capacity` bytes long, writing zeros over
-/// the missing part, and syncs it; returns the size frames may use.
+/// Makes the log file at least `capacity` bytes long in written zeros, and
+/// syncs it; returns the size frames may use.
 pub(super) fn preallocate(file: &dyn StorageBackend, capacity: u64) -> Result<u64> {
     let len = file.len().map_err(Error::Io)?;
     if len >= capacity {
         return Ok(len);
     }
     // Grown first (some backends write only within their length), then
-    // written: with a sparse tail every append's fdatasync would also
-    // write block allocations.
+    // written: a sparse tail would make every fdatasync allocate blocks.
     file.set_len(capacity).map_err(Error::Io)?;
     const CHUNK: usize = 1024 * 1024;
     let zeros = vec![0u8; CHUNK];
@@ -206,9 +237,8 @@ pub(super) fn preallocate(file: &dyn StorageBackend, capacity: u64) -> Result<u6
     Ok(capacity)
 }
 
-/// The lock methods of a [`StorageBackend`] that wraps another in the field
-/// `$inner`, passed on unchanged: the wrappers ([`SharedBackend`],
-/// [`Witnessed`]) change what they do with data, never the locks.
+/// The lock methods of a [`StorageBackend`] wrapping another in `$inner`,
+/// passed on unchanged.
 macro_rules! forward_locks {
     ($inner:tt) => {
         $crate::redb::file::forward_locks!($inner: try_lock_range -> bool,
@@ -236,9 +266,8 @@ pub(super) enum Origin {
     None,
 }
 
-/// A backend the engine shares with the store: every call goes to the one
-/// underneath but `close`, which is left to the last owner (dropping it),
-/// since a heal opens the same backend again after the engine closed it.
+/// A backend the engine shares with the store: every call but `close` goes
+/// through (a heal opens the same backend again after the engine closed it).
 #[derive(Debug)]
 pub(super) struct SharedBackend(pub(super) Arc<dyn StorageBackend>);
 
@@ -291,8 +320,7 @@ impl IoWitness {
         self.count.load(Ordering::SeqCst)
     }
 
-    /// The last one, made again: the same kind, and the same text (an
-    /// operating system's error is made from its code).
+    /// The last one, made again with the same kind and text.
     pub(super) fn last(&self) -> Option<IoError> {
         let last = self.last.lock().unwrap_or_else(|p| p.into_inner());
         last.as_ref().map(|seen| match seen.os_code {
@@ -302,8 +330,7 @@ impl IoWitness {
     }
 }
 
-/// A backend whose I/O errors an [`IoWitness`] sees on their way to the
-/// engine.
+/// A backend whose I/O errors an [`IoWitness`] sees.
 #[derive(Debug)]
 pub(super) struct Witnessed<B> {
     inner: B,
@@ -348,6 +375,26 @@ impl<B: StorageBackend> StorageBackend for Witnessed<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn io_stays_io_and_corruption_is_corrupt() {
+        let io = engine_error(::redb::StorageError::Io(std::io::Error::other("disk gone")));
+        assert!(matches!(io, Error::Io(_)));
+        let bad = engine_error(::redb::StorageError::Corrupted("bad page".into()));
+        assert!(matches!(bad, Error::Corrupt { key: None, .. }));
+        assert!(bad.to_string().contains("bad page"), "{bad}");
+        let latched = engine_error(::redb::StorageError::PreviousIo);
+        assert!(matches!(latched, Error::Io(_)), "{latched}");
+        assert!(is_latched(&latched));
+        assert!(
+            latched.to_string().contains("an earlier I/O error"),
+            "{latched}"
+        );
+        assert!(!is_latched(&io));
+        assert!(!is_latched(&Error::Io(std::io::Error::other("disk gone"))));
+        let other = engine_error(::redb::TransactionError::WouldBlock);
+        assert!(matches!(other, Error::Backend(_)));
+    }
 
     /// A backend whose every I/O fails with `error`'s kind.
     #[derive(Debug)]

@@ -1,37 +1,28 @@
-//! Healing: after a failed write, the store writes again once the cause is
-//! gone, without a restart and without losing anything. A failed write
-//! may be on disk or not, and redb refuses a database after its own I/O
-//! error, so a heal does what an open does, under the commit lock and the
-//! engine's write lock:
-//!
-//! 1. the engine is closed (an in-memory stand-in holds its place) and
-//!    reopened from its origin (`file::Origin`);
-//! 2. the log's live frames are replayed into it and committed with a new
-//!    epoch (`recovery::recover_log`); the memtable, which holds exactly
-//!    those frames, is emptied. A frame whose write failed may be replayed
-//!    or not: its callers were told it failed, as after a crash.
-//!
-//! If 1 fails, a view that writes nothing (`overlay::open_view_of`) keeps
-//! reads going; if 2 fails, the memtable is kept. Writes stay refused and
-//! the background thread tries again after its back-off.
+//! Healing: after a failed write the store writes again once the cause is
+//! gone. redb refuses a database after its own I/O error, so a heal does
+//! what an open does, under the commit lock and the engine's write lock:
+//! (1) reopen the engine from its `file::Origin`; (2) replay the log's live
+//! frames into it with a new epoch and empty the memtable, which holds
+//! exactly those frames. A frame whose write failed may be replayed or not:
+//! its callers were told it failed. If (1) fails, a view that writes nothing
+//! (`overlay::open_view_of`) keeps reads going; if (2) fails, the memtable
+//! is kept; the background thread tries again after its back-off.
 
 use super::damage::LossReport;
-use super::errors::engine_error;
-use super::file::BACKEND;
+use super::file::{BACKEND, engine_error};
 use super::health::Attempts;
 use super::meta::MetaEntries;
 use super::recovery::{Found, Recovered, boot_id, recover_log};
 use super::{Engine, Shared, Usable};
 use crate::error::Result;
+use crate::sync::Instant;
 use crate::sync::atomic::Ordering;
-use crate::sync::{Instant, MutexGuard};
 use ::redb::{Database, StorageBackend};
 
 /// Free space a full disk must gain before the next attempt to heal.
 const FREED_BYTES: u64 = 64 * 1024;
 
-/// Longest wait for free space to grow before a full disk's heal is tried
-/// anyway.
+/// Longest wait for free space to grow before a full disk's heal is tried.
 const RETRY_ANYWAY: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// The empty engine that holds a closed one's place.
@@ -44,20 +35,20 @@ fn stand_in() -> Result<Database> {
 impl Shared {
     /// One attempt to heal a poisoned store (see the module docs).
     pub(super) fn heal(&self) -> Result<()> {
-        // The documented lock order: the commit lock, the memtable, the
-        // database. Reads wait for the attempt (bounded: one reopen and
-        // one replay of the log).
+        // Lock order: the commit lock, the memtable, the database. Reads
+        // wait for one reopen and one replay.
         let mut core = self.log.lock();
         let mut mem = self.memory.write_mem();
         let mut engine = self.db.write_db();
-        let mut attempts = self.lock_attempts();
+        let mut attempts = self.db.attempts.lock().unwrap_or_else(|p| p.into_inner());
         if !self.worth_an_attempt(&mut attempts) {
             return Err(self.db.poisoned_error());
         }
         let recovered = match self.reopen_and_replay(&mut engine, core.writer.file()) {
             Ok(recovered) => recovered,
             Err(e) => {
-                self.attempted(&mut attempts);
+                attempts.last = Some(Instant::now());
+                attempts.free_at_last = self.db.path.as_deref().and_then(free_bytes);
                 return Err(e);
             }
         };
@@ -76,12 +67,10 @@ impl Shared {
         Ok(())
     }
 
-    /// Whether an attempt is worth making: after a full disk, only once the
-    /// store file's filesystem has more room than at the last failed
-    /// attempt (one `statvfs` instead of a replay of the log that would
-    /// fail again), or after [`RETRY_ANYWAY`] in case the free space does
-    /// not tell (quotas, reserved blocks). True for every other cause, and
-    /// where the free space cannot be read.
+    /// After a full disk, an attempt is worth making only once the
+    /// filesystem has [`FREED_BYTES`] more room than at the last failed one
+    /// (one `statvfs`, not a replay that fails again), or after
+    /// [`RETRY_ANYWAY`] (quotas, reserved blocks); always for other causes.
     fn worth_an_attempt(&self, state: &mut Attempts) -> bool {
         let full = self.db.health_cause_kind() == Some(std::io::ErrorKind::StorageFull);
         let (Some(path), true) = (&self.db.path, full) else {
@@ -97,14 +86,8 @@ impl Shared {
         grew || stale
     }
 
-    /// After a failed attempt: what the next one compares with.
-    fn attempted(&self, state: &mut Attempts) {
-        state.last = Some(Instant::now());
-        state.free_at_last = self.db.path.as_deref().and_then(free_bytes);
-    }
-
-    /// Steps 1 and 2 (module docs). After a failed replay redb refuses the
-    /// engine (its commit failed), so it is opened once more, for reads.
+    /// Steps 1 and 2; after a failed replay (which redb then refuses) the
+    /// engine is opened once more, for reads.
     fn reopen_and_replay(
         &self,
         engine: &mut Engine,
@@ -112,8 +95,6 @@ impl Shared {
     ) -> Result<Recovered> {
         let meta = self.reopen(engine)?;
         let name = self.db.path.clone().unwrap_or_else(|| BACKEND.into());
-        // A frame damaged at the end of the log is the end (the one whose
-        // write failed, never acknowledged), as after a power cut.
         let boot = boot_id();
         let found = Found {
             store_id: meta.store_id,
@@ -130,10 +111,9 @@ impl Shared {
         recovered
     }
 
-    /// Closes the engine and opens it again from the files; returns their
-    /// meta entries. When they cannot be opened for writing, a view of them
-    /// that writes nothing takes the engine's place, so that reads go on;
-    /// when they cannot be read either, the stand-in stays, marked unusable.
+    /// Closes the engine and reopens it, returning the meta entries; failing
+    /// that, a view that writes nothing takes its place for reads, or the
+    /// stand-in stays, marked unusable.
     fn reopen(&self, engine: &mut Engine) -> Result<MetaEntries> {
         let old = std::mem::replace(&mut engine.db, stand_in()?);
         engine.usable = Usable::No;
@@ -152,10 +132,6 @@ impl Shared {
                 Err(e)
             }
         }
-    }
-
-    fn lock_attempts(&self) -> MutexGuard<'_, Attempts> {
-        self.db.attempts.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 

@@ -1,13 +1,9 @@
-//! The store's health: [`Health`], the one poison (`HealthCell`: the flag
-//! every write reads and the first failure's [`Cause`]), the heal's back-off.
-//!
-//! A failed log append, log sync or engine commit may or may not be on disk,
-//! so the store is *poisoned*: such a write is never followed by more. The
-//! call that hit it gets the I/O error (file and operation named); later
-//! writes get [`Error::Poisoned`] with the same cause; reads go on. The
-//! background thread heals with back-off (a condvar wait, never a busy loop;
-//! a drop wakes it) by reopening and replaying as an open would (heal.rs).
-//! Damage ([`Error::Corrupt`]) does not heal: [`Health::Failed`].
+//! The store's health: [`Health`], the poison (`HealthCell`) and the heal's
+//! back-off. A failed log append, log sync or engine commit may or may not
+//! be on disk, so it poisons the store: the call gets the I/O error, later
+//! writes [`Error::Poisoned`] with that cause, reads go on, and the
+//! background thread heals (heal.rs). Damage ([`Error::Corrupt`]) does not
+//! heal: [`Health::Failed`].
 
 use crate::error::{Cause, Error};
 use crate::sync::atomic::{AtomicBool, Ordering};
@@ -20,9 +16,7 @@ use std::time::Duration;
 pub(crate) const HEAL_BACKOFF_MIN: Duration = Duration::from_millis(10);
 
 /// Longest wait between two attempts to heal: a store writes again at most
-/// about this long after the cause of its failure went away. Each attempt
-/// reopens the engine and replays the log (up to a segment): at this rate
-/// a cause that lasts costs a few percent of a core.
+/// about this long after the cause went away.
 pub(crate) const HEAL_BACKOFF_MAX: Duration = Duration::from_secs(1);
 
 /// Whether a [`RedbStore`](crate::RedbStore) is writing, and if not, why.
@@ -84,10 +78,9 @@ pub(super) struct Fault {
     pub(super) since: Timestamp,
 }
 
-/// The store's one poison: the flag every write reads (one atomic load when
-/// healthy) and the fault behind it, set and cleared together under the
-/// fault's lock, so whoever sees the flag and then locks finds the cause,
-/// unless the store healed in between (then the write may go on).
+/// The flag every write reads (one atomic load) and the fault behind it, set
+/// and cleared together under the fault's lock: whoever sees the flag and
+/// then locks finds the cause, unless the store healed in between.
 #[derive(Debug, Default)]
 pub(super) struct HealthCell {
     poisoned: AtomicBool,
@@ -103,8 +96,7 @@ impl HealthCell {
         self.poisoned.load(Ordering::SeqCst)
     }
 
-    /// Poisons with `cause` at `since`, unless a first failure is kept
-    /// already (it stays the cause). True when this was the first.
+    /// Poisons; the first failure stays the cause. True when this was it.
     pub(super) fn poison(&self, cause: &Cause, since: Timestamp) -> bool {
         let mut fault = self.lock();
         let first = fault.is_none();
@@ -128,8 +120,8 @@ impl HealthCell {
         self.lock().as_ref().map(|f| f.cause.clone())
     }
 
-    /// [`Error::Poisoned`] with the cause while poisoned; `None` when
-    /// writes may go on (also when a heal ended since the flag was read).
+    /// [`Error::Poisoned`] with the cause while poisoned; `None` when writes
+    /// may go on.
     pub(super) fn refusal(&self) -> Option<Error> {
         if !self.is_poisoned() {
             return None;
@@ -161,8 +153,7 @@ impl HealthCell {
     }
 }
 
-/// What the last failed attempt to heal saw (only the background thread
-/// heals, heal.rs; the lock is never contended).
+/// What the last failed attempt to heal saw (one thread heals).
 #[derive(Debug, Default)]
 pub(super) struct Attempts {
     pub(super) last: Option<Instant>,

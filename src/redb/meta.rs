@@ -4,8 +4,7 @@
 
 use super::Config;
 use super::damage::Damage;
-use super::errors::engine_error;
-use super::file::not_ours;
+use super::file::{engine_error, not_ours};
 use super::tables::{
     EXPIRY, LOG_OPEN, META, META_FORMAT_VERSION, META_LOG_BOOT, META_LOG_BYTES, META_LOG_EPOCH,
     META_LOG_STATE, META_STORE_ID, META_TOKEN_HWM, RECORDS, commit,
@@ -16,7 +15,6 @@ use std::hash::{BuildHasher, Hasher};
 
 /// The store format this build writes and the only one it opens (tables,
 /// meta entries, write-ahead log; records carry their own version).
-/// Versions 1 and 2 were pre-release builds' and are refused.
 pub(super) const STORE_FORMAT_VERSION: u32 = 3;
 
 /// The meta entries as stored (no version policy applied).
@@ -27,8 +25,7 @@ pub(super) struct MetaEntries {
 }
 
 /// The meta entries, or `None` for a file with no tables at all (new, or
-/// created by redb just before a crash). A redb file with other tables but
-/// no meta table is someone else's database.
+/// created just before a crash); other tables only: someone else's database.
 pub(super) fn read_meta(db: &Database) -> Result<Option<MetaEntries>> {
     let txn = db.begin_read().map_err(engine_error)?;
     let names: Vec<String> = txn
@@ -53,8 +50,8 @@ pub(super) fn read_meta(db: &Database) -> Result<Option<MetaEntries>> {
     Ok(Some(meta))
 }
 
-/// [`Error::UnsupportedFormat`] unless the store is of this build's format
-/// ([`STORE_FORMAT_VERSION`]); a version 0 is damage.
+/// [`Error::UnsupportedFormat`] unless the store is of
+/// [`STORE_FORMAT_VERSION`]; a version 0 is damage.
 pub(super) fn check_format(meta: &MetaEntries) -> Result<()> {
     match meta.format_version {
         STORE_FORMAT_VERSION => Ok(()),
@@ -69,19 +66,10 @@ pub(super) fn check_format(meta: &MetaEntries) -> Result<()> {
 /// Reads the meta entries; a missing or mis-sized entry is `Corrupt`.
 pub(super) fn read_meta_entries(txn: &::redb::ReadTransaction) -> Result<MetaEntries> {
     let meta = txn.open_table(META).map_err(table_error)?;
-    let get = |name: &str| -> Result<Vec<u8>> {
-        match meta.get(name).map_err(engine_error)? {
-            Some(v) => Ok(v.value().to_vec()),
-            None => Err(Damage::MetaEntryMissing {
-                name: name.to_owned(),
-            }
-            .into()),
-        }
-    };
     Ok(MetaEntries {
-        format_version: u32::from_be_bytes(fixed(META_FORMAT_VERSION, &get(META_FORMAT_VERSION)?)?),
-        store_id: fixed(META_STORE_ID, &get(META_STORE_ID)?)?,
-        token_hwm: u64::from_be_bytes(fixed(META_TOKEN_HWM, &get(META_TOKEN_HWM)?)?),
+        format_version: u32::from_be_bytes(required(&meta, META_FORMAT_VERSION)?),
+        store_id: required(&meta, META_STORE_ID)?,
+        token_hwm: u64::from_be_bytes(required(&meta, META_TOKEN_HWM)?),
     })
 }
 
@@ -134,9 +122,7 @@ fn new_store_id(config: &Config) -> [u8; 16] {
     h.update(std::process::id().to_be_bytes());
     h.update(config.clock.now().as_millis().to_be_bytes());
     let digest = h.finalize();
-    let mut id = [0u8; 16];
-    id.copy_from_slice(digest.get(..16).unwrap_or(&[0; 16]));
-    id
+    digest.first_chunk::<16>().copied().unwrap_or_default()
 }
 
 /// The record log's entries as the store file keeps them.
@@ -145,16 +131,11 @@ pub(super) struct WalMeta {
     pub(super) epoch: u64,
     /// This boot's id at the log's last open.
     pub(super) boot: Option<String>,
-    /// `None` when no open has recorded the log's state.
-    pub(super) state: Option<WalState>,
-}
-
-/// [`META_LOG_STATE`] and [`META_LOG_BYTES`] as stored.
-#[derive(Clone, Copy, Debug)]
-pub(super) struct WalState {
-    /// The log may hold acknowledged frames (the last stop was not clean).
-    pub(super) open: bool,
-    /// The log's size as the last open left it.
+    /// [`META_LOG_STATE`]: the log may hold acknowledged frames (the last
+    /// stop was not clean); `None` when no open has recorded it.
+    pub(super) open: Option<bool>,
+    /// [`META_LOG_BYTES`], the log's size as the last open left it (read
+    /// only with a state).
     pub(super) bytes: Option<u64>,
 }
 
@@ -163,17 +144,16 @@ pub(super) fn read_wal(db: &Database) -> Result<WalMeta> {
     let txn = db.begin_read().map_err(engine_error)?;
     let meta = txn.open_table(META).map_err(table_error)?;
     let boot = meta.get(META_LOG_BOOT).map_err(engine_error)?;
-    let state = match entry::<1>(&meta, META_LOG_STATE)? {
+    let open = entry::<1>(&meta, META_LOG_STATE)?.map(|[state]| state == LOG_OPEN);
+    let bytes = match open {
+        Some(_) => entry(&meta, META_LOG_BYTES)?.map(u64::from_be_bytes),
         None => None,
-        Some([state]) => Some(WalState {
-            open: state == LOG_OPEN,
-            bytes: entry(&meta, META_LOG_BYTES)?.map(u64::from_be_bytes),
-        }),
     };
     Ok(WalMeta {
         epoch: entry(&meta, META_LOG_EPOCH)?.map_or(0, u64::from_be_bytes),
         boot: boot.map(|v| String::from_utf8_lossy(v.value()).into_owned()),
-        state,
+        open,
+        bytes,
     })
 }
 
@@ -181,4 +161,10 @@ pub(super) fn read_wal(db: &Database) -> Result<WalMeta> {
 fn entry<const N: usize>(meta: &ReadOnlyTable<&str, &[u8]>, name: &str) -> Result<Option<[u8; N]>> {
     let value = meta.get(name).map_err(engine_error)?;
     value.map(|v| fixed(name, v.value())).transpose()
+}
+
+/// The fixed-size meta entry `name`; a missing one is damage.
+fn required<const N: usize>(meta: &ReadOnlyTable<&str, &[u8]>, name: &str) -> Result<[u8; N]> {
+    let missing = || Damage::MetaEntryMissing { name: name.into() }.into();
+    entry(meta, name)?.ok_or_else(missing)
 }

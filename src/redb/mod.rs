@@ -11,7 +11,6 @@ mod commit;
 mod config;
 mod damage;
 mod db;
-mod errors;
 mod file;
 mod heal;
 mod health;
@@ -288,7 +287,7 @@ impl RedbStore {
         }
         engine.db.compact().map_err(|e| {
             self.shared
-                .engine_failed("compaction", errors::engine_error(e))
+                .engine_failed("compaction", file::engine_error(e))
         })
     }
 }

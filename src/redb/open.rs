@@ -2,15 +2,11 @@
 //! newer files with a typed error (never a panic, never an empty store),
 //! the engine reopened for a heal, and the recovery policy.
 
-use super::damage::Damage;
-use super::damage::LossReport;
-use super::errors::engine_error;
+use super::damage::{Damage, LossReport};
 use super::file::{
-    BACKEND, FILE_MODE, FileLog, check_foreign, log_path, open_owner_only, sync_parent,
-    try_lock_shared,
+    BACKEND, FILE_MODE, FileLog, IoWitness, Origin, SharedBackend, Witnessed, check_foreign,
+    engine_error, log_path, open_owner_only, sync_parent, try_lock_shared,
 };
-use super::file::{IoWitness, Witnessed};
-use super::file::{Origin, SharedBackend};
 use super::meta::{MetaEntries, init_meta, read_meta};
 use super::overlay::Overlay;
 use super::record_log::LogWriter;
@@ -28,20 +24,16 @@ pub(super) struct Opened {
     pub(super) token_hwm: u64,
     pub(super) store_id: [u8; 16],
     pub(super) leases_expired: u64,
-    /// The write-ahead log, recovered and empty.
     pub(super) wal: LogWriter,
     pub(super) frames_replayed: u64,
-    /// What an open with `accept_loss` gave up.
     pub(super) loss: LossReport,
     pub(super) source: Origin,
     /// Sees the engine's I/O errors; a heal reuses it.
     pub(super) witness: Arc<IoWitness>,
 }
 
-/// Opens the store file at `path`, creating it when it does not exist. A
-/// store is never created over evidence of one: a missing or empty store
-/// file beside a log with frames is [`Error::Corrupt`], since a new store
-/// would overwrite that log, the only copy of its writes.
+/// Opens the store file at `path`, creating it when it does not exist, but
+/// never over a log with frames (the only copy of their writes).
 pub(super) fn open_path(path: &Path, config: &Config) -> Result<Opened> {
     let missing = match std::fs::symlink_metadata(path) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Some("is missing"),
@@ -59,8 +51,7 @@ pub(super) fn open_path(path: &Path, config: &Config) -> Result<Opened> {
 }
 
 /// [`Error::Corrupt`] when the log beside `path` holds frames; with
-/// `accept_loss` the log is renamed to a free `<log>.lost`, never
-/// overwritten, and that is the finding returned.
+/// `accept_loss` it is renamed to a free `<log>.lost` (the finding returned).
 fn refuse_over_log(path: &Path, what: &'static str, config: &Config) -> Result<Option<String>> {
     if !log_holds_frames(path)? {
         return Ok(None);
@@ -86,8 +77,7 @@ fn store_lost_beside_log(path: &Path, what: &'static str) -> Error {
     Damage::StoreLostBesideLog { store, what }.into()
 }
 
-/// Whether the log beside `path` holds anything but zeros (a new log is
-/// all zeros until its first frame). Reads only.
+/// Whether the log beside `path` holds anything but zeros.
 fn log_holds_frames(path: &Path) -> Result<bool> {
     use std::io::Read;
     let mut file = match std::fs::File::open(log_path(path)) {
@@ -107,10 +97,8 @@ fn log_holds_frames(path: &Path) -> Result<bool> {
     }
 }
 
-/// Opens the store file at `path` for reading only
-/// ([`RedbStoreBuilder::open_read_only`](super::RedbStoreBuilder::open_read_only)): redb's
-/// recovery and the log's replay happen in an in-memory [`Overlay`]; a
-/// shared lock keeps writers out.
+/// [`RedbStoreBuilder::open_read_only`](super::RedbStoreBuilder::open_read_only):
+/// recovery and replay happen in an [`Overlay`]; a shared lock keeps writers out.
 pub(super) fn open_read_only(path: &Path, config: &Config) -> Result<Opened> {
     let meta = match std::fs::metadata(path) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
@@ -137,8 +125,8 @@ pub(super) fn open_read_only(path: &Path, config: &Config) -> Result<Opened> {
     open_backend(overlay, log, boot_id().as_deref(), config, path)
 }
 
-/// The log beside `path`, to read only. A missing log reads as empty:
-/// after an unclean stop the recovery refuses it, as an open would.
+/// The log beside `path`, to read only; a missing one reads as empty (the
+/// recovery refuses it after an unclean stop).
 pub(super) fn log_to_read(path: &Path) -> Result<Box<dyn StorageBackend>> {
     Ok(match FileLog::open_read_only(path)? {
         Some(log) => Box::new(log),
@@ -155,9 +143,8 @@ fn open_file(path: &Path, config: &Config) -> Result<Opened> {
     // The store file's lock keeps other processes out of the log too.
     let wal_existed = log_path(path).exists();
     let log = Box::new(FileLog::open(path)?);
-    // Every open syncs the directory, not only the creating one: a crash
-    // before a creator's directory fsync would leave an entry no later open
-    // syncs, and a power cut could then drop the whole file.
+    // Every open syncs the directory: a creator may have crashed before
+    // its own sync, and a power cut could then drop the whole file.
     sync_parent(path)?;
     let opened = open_backend(backend, log, boot_id().as_deref(), config, path);
     if opened.is_err() && !wal_existed {
@@ -169,9 +156,8 @@ fn open_file(path: &Path, config: &Config) -> Result<Opened> {
     Ok(opened)
 }
 
-/// A new store is built as `<name>.creating`, its meta table committed
-/// durably, and only then linked into place: a crash during creation never
-/// leaves a half-written file at `path`.
+/// A new store is built as `<name>.creating` and linked into place once its
+/// meta table is durable: a crash never leaves a half-written file at `path`.
 fn create_then_open(path: &Path, config: &Config) -> Result<Opened> {
     let mut temp = path.file_name().unwrap_or_default().to_os_string();
     temp.push(".creating");
@@ -181,9 +167,8 @@ fn create_then_open(path: &Path, config: &Config) -> Result<Opened> {
         // A leftover keeps the mode it was created with: set ours.
         #[cfg(unix)]
         file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(FILE_MODE))?;
-        // The engine's file lock: a concurrent creator holds it (Locked);
-        // otherwise the file is what a crashed creator left, never
-        // acknowledged to anyone, and is started over.
+        // A concurrent creator holds the engine's lock (Locked); otherwise
+        // this is a crashed creator's file, never acknowledged: start over.
         let backend = ::redb::backends::FileBackend::new(file).map_err(|e| map_open(e, path))?;
         backend
             .set_len(0)
@@ -192,8 +177,7 @@ fn create_then_open(path: &Path, config: &Config) -> Result<Opened> {
         drop(created); // closes the database and releases the lock
     }
     std::fs::File::open(&temp)?.sync_all()?;
-    // A hard link never replaces an existing name: if another process
-    // created the store meanwhile, theirs wins and ours is discarded.
+    // A hard link never replaces a name: a concurrent creator's store wins.
     match std::fs::hard_link(&temp, path) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
@@ -260,9 +244,8 @@ fn open_engine(
     Ok((db, meta, witness))
 }
 
-/// The engine over `backend`, for an open and a heal: a foreign file is
-/// refused before redb sees it; redb's panic over a damaged file becomes
-/// [`Error::Corrupt`].
+/// The engine over `backend`: a foreign file is refused before redb sees
+/// it; redb's panic over a damaged file becomes [`Error::Corrupt`].
 fn engine_open(
     backend: impl StorageBackend,
     config: &Config,
@@ -286,7 +269,7 @@ fn engine_open(
 }
 
 /// A heal's first step: the engine over the store's files again, and its
-/// meta entries (only redb's own recovery writes).
+/// meta entries.
 pub(super) fn reopen_engine(
     source: &Origin,
     config: &Config,
@@ -341,9 +324,8 @@ fn map_open(err: DatabaseError, path: &Path) -> Error {
     }
 }
 
-/// [`RecoveryPolicy::ExpireLeases`]: one process holds the file, so every
-/// PROCESSING record found at open belongs to a dead process; its lease
-/// ends now (its expiry stays), so a retry takes it over at once.
+/// [`RecoveryPolicy::ExpireLeases`]: every PROCESSING record found at open
+/// belongs to a dead process, so its lease ends now (its expiry stays).
 fn expire_leases(db: &Database, config: &Config) -> Result<u64> {
     let now = config.clock.now();
     commit(db, true, |tables| {

@@ -2,8 +2,7 @@
 //! nothing redb does on it (recovery, repair, replay) reaches the file: for
 //! read-only opens, `check_log`, `verify` and a heal's read-only view.
 
-use super::file::Origin;
-use super::file::check_foreign;
+use super::file::{FileLog, Origin, check_foreign};
 use crate::error::{Error, Result};
 use ::redb::{Database, StorageBackend};
 use std::collections::HashMap;
@@ -46,15 +45,10 @@ fn engine_over(overlay: Overlay) -> Result<std::result::Result<Database, String>
 /// pages at a time. The file's length is read once: the reader holds the
 /// file so that no writer changes it meanwhile, or reads a copy.
 pub(in crate::redb) struct Overlay {
-    base: Base,
+    /// A file, or a caller's backend shared with the store: only read here.
+    base: Arc<dyn StorageBackend>,
     file_len: u64,
     state: Mutex<OverlayState>,
-}
-
-enum Base {
-    File(std::fs::File),
-    /// A caller's backend, shared with the store (only read here).
-    Backend(Arc<dyn StorageBackend>),
 }
 
 struct OverlayState {
@@ -65,25 +59,21 @@ struct OverlayState {
 
 impl Overlay {
     pub(in crate::redb) fn new(file: std::fs::File) -> std::io::Result<Overlay> {
-        let file_len = file.metadata()?.len();
-        Ok(Overlay::with_base(Base::File(file), file_len))
+        Overlay::over_backend(Arc::new(FileLog { file }))
     }
 
-    /// Only `read` and `len` of `backend` are called.
-    fn over_backend(backend: Arc<dyn StorageBackend>) -> std::io::Result<Overlay> {
-        let file_len = backend.len()?;
-        Ok(Overlay::with_base(Base::Backend(backend), file_len))
-    }
-
-    fn with_base(base: Base, file_len: u64) -> Overlay {
-        Overlay {
+    fn over_backend(base: Arc<dyn StorageBackend>) -> std::io::Result<Overlay> {
+        let file_len = base.len()?;
+        let pages = Pages::default();
+        let state = Mutex::new(OverlayState {
+            len: file_len,
+            pages,
+        });
+        Ok(Overlay {
             base,
             file_len,
-            state: Mutex::new(OverlayState {
-                len: file_len,
-                pages: Pages::default(),
-            }),
-        }
+            state,
+        })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, OverlayState> {
@@ -95,10 +85,7 @@ impl Overlay {
         let in_file = self.file_len.saturating_sub(offset).min(out.len() as u64) as usize;
         let (head, tail) = out.split_at_mut(in_file);
         if !head.is_empty() {
-            match &self.base {
-                Base::File(file) => super::file::read_at(file, head, offset)?,
-                Base::Backend(backend) => backend.read(offset, head)?,
-            }
+            self.base.read(offset, head)?;
         }
         tail.fill(0);
         Ok(())

@@ -1,7 +1,6 @@
-//! The log's recovery, at an open and a heal: what is wrong with the log
-//! before a frame is read ([`plan_log`]), the walk over its live frames
-//! ([`walk_live`]), and their replay in one durable commit that starts a
-//! new epoch ([`recover_log`]).
+//! The log's recovery at an open, a heal and `check_log`: [`plan_log`],
+//! [`walk_live`], and [`recover_log`]'s replay in one durable commit that
+//! starts a new epoch.
 
 use super::Config;
 use super::damage::{Damage, LossReport};
@@ -17,9 +16,8 @@ use std::path::Path;
 /// What the open found out before the log's recovery.
 pub(super) struct Found<'a> {
     pub(super) store_id: [u8; 16],
-    /// As the store file holds it.
     pub(super) token_hwm: u64,
-    /// This boot's id, for a log on a real file.
+    /// [`boot_id`], for a log on a real file.
     pub(super) boot: Option<&'a str>,
     pub(super) name: &'a Path,
     /// A heal in a running process: the log's last frame may be one whose
@@ -27,25 +25,22 @@ pub(super) struct Found<'a> {
     pub(super) heal: bool,
 }
 
-/// How the live frames of a store's log are to be read, and what is wrong
-/// with the log before any frame is read: [`plan_log`].
+/// How the live frames are to be read, and what is wrong with the log
+/// before any frame is read.
 pub(super) struct LogPlan {
     pub(super) file_len: u64,
     /// The durable epoch: its frames, then the next epoch's, are live.
     pub(super) epoch: u64,
-    /// The size the frames were laid out for: the file's, unless the store
-    /// recorded another.
+    /// The size the frames were laid out for (the store's record of it).
     pub(super) layout_len: u64,
-    /// No reboot since the open that wrote the frames (see `record_log::walk`).
     pub(super) no_reboot: bool,
     pub(super) clean_stop: Option<bool>,
-    /// What an open refuses (each an [`Error::Corrupt`]), in order.
+    /// What an open refuses, in order.
     pub(super) problems: Vec<Damage>,
 }
 
-/// Checks the log against what the store file says of it. After an
-/// unclean stop the log is part of the store: missing, cut short or
-/// another store's, a replay would silently drop acknowledged writes.
+/// Checks the log against what the store file says of it: after an
+/// unclean stop, a missing or cut-short log would drop acknowledged writes.
 pub(super) fn plan_log(
     db: &Database,
     file: &dyn StorageBackend,
@@ -58,18 +53,15 @@ pub(super) fn plan_log(
         file_len: len,
         epoch: wal.epoch,
         layout_len: len,
-        // No reboot since the open that wrote these frames: no power loss
-        // can have torn one, so a damaged last frame is damage.
         no_reboot: !found.heal && found.boot.is_some() && wal.boot.as_deref() == found.boot,
-        clean_stop: wal.state.map(|s| !s.open),
+        clean_stop: wal.open.map(|open| !open),
         problems: Vec::new(),
     };
-    let Some(state) = wal.state.filter(|s| s.open) else {
+    if wal.open != Some(true) {
         return Ok(plan);
-    };
-    match state.bytes {
-        // The last open stopped before its log had a size: no frame was
-        // ever written, nothing can be missing.
+    }
+    match wal.bytes {
+        // The last open stopped before its log had a size: no frame exists.
         Some(0) => {}
         _ if len == 0 => plan.problems.push(Damage::LogMissing {
             store: name.to_path_buf(),
@@ -83,21 +75,16 @@ pub(super) fn plan_log(
             // What is left is read where it was written.
             plan.layout_len = recorded;
         }
-        // A longer file (extended by hand) still holds the frames where
-        // they were written.
         Some(recorded) => plan.layout_len = recorded,
         None => {}
     }
     Ok(plan)
 }
 
-/// Walks the live frames as `plan` says (`record_log::walk`): the durable
-/// epoch's and then the next one's (a checkpoint may have been running).
-/// Returns the frames handed to `on_frame`, and, after an unclean stop,
-/// [`Damage::LogOfAnotherStore`] when the log is another store's: frames
-/// verify under this store's id only; one that does not may be this
-/// store's first, torn by a crash, but two or more cannot all be. That
-/// damage is what an open says of such a log, before what the walk met.
+/// Walks the durable epoch's frames, then the next one's; returns how many,
+/// and, after an unclean stop, [`Damage::LogOfAnotherStore`] when two or
+/// more headers and none verify for this store (one may be a torn first
+/// frame): that damage is reported before what the walk met.
 pub(super) fn walk_live(
     file: &dyn StorageBackend,
     found: &Found<'_>,
@@ -121,8 +108,7 @@ pub(super) fn walk_live(
             Ok(n) => frames += n,
             Err(e) => {
                 let first = met.take().unwrap_or(e);
-                // Damage before any frame of this store's: the log may be
-                // another store's, which the next epoch's walk tells.
+                // Before any frame of ours: maybe another store's log.
                 if seen.ours > 0 || !matches!(first, Error::Corrupt { .. }) {
                     return Err(first);
                 }
@@ -141,16 +127,15 @@ pub(super) fn walk_live(
     met.map_or(Ok((frames, None)), Err)
 }
 
-/// What [`recover_log`] leaves: the log, empty, and what the replay did.
+/// The log, empty, and what the replay did.
 pub(super) struct Recovered {
     pub(super) wal: LogWriter,
     pub(super) frames: u64,
     pub(super) token_hwm: u64,
 }
 
-/// Replays the log's frames of the current epoch, then commits durably with
-/// a new epoch (retiring every frame found, whole or torn), and makes sure
-/// the log file has its full size.
+/// Replays the live frames and commits durably with a new epoch (retiring
+/// every frame found), then gives the log file its full size.
 pub(super) fn recover_log(
     db: &Database,
     file: std::sync::Arc<dyn StorageBackend>,
@@ -167,12 +152,10 @@ pub(super) fn recover_log(
         }
         loss.findings.push(format!("accepted: {problem}"));
     }
-    // Both epochs are retired by the commit; new frames start a fresh one.
     let fresh = plan.epoch.wrapping_add(2);
     let mut token_hwm = found.token_hwm;
     let frames = commit(db, true, |tables| {
-        // Replayed with the layout the log was written in, before its size
-        // may change below (a larger `log_bytes` moves the segments).
+        // In the layout the frames were written in, before a resize.
         let before = loss.findings.len();
         let accepting = config.accept_loss.then_some(&mut *loss);
         let apply = applier(tables, &mut token_hwm);
@@ -189,14 +172,12 @@ pub(super) fn recover_log(
             Some(boot) => tables.set_meta(META_LOG_BOOT, boot.as_bytes())?,
             None => tables.remove_meta(META_LOG_BOOT)?,
         }
-        // The size as it is: a crash while `preallocate` grows the file
-        // below leaves it longer than recorded, which is allowed (no frame
-        // of the new epoch exists before the size is recorded again).
+        // The size as it is: a crash while it grows leaves a longer file,
+        // which is allowed (no frame exists before the new size is recorded).
         tables.set_meta(META_LOG_BYTES, &len.to_be_bytes())?;
         Ok::<_, Error>(frames)
     })??;
-    // A read-only open replayed into memory (an overlay) and leaves the
-    // log file as it is.
+    // A read-only open replayed into an overlay: the log stays as it is.
     let new_len = if config.read_only {
         len
     } else {
@@ -215,10 +196,8 @@ pub(super) fn recover_log(
     })
 }
 
-/// This boot of the machine: Linux's random id, new at every boot. An
-/// open after a process crash (the same boot) knows the page cache held
-/// every write the process made, so no frame can have been torn by a power
-/// loss. `None` where the system does not say.
+/// Linux's random id of this boot: an open in the same boot follows a
+/// process crash, not a power loss, so no frame was torn. `None` elsewhere.
 pub(super) fn boot_id() -> Option<String> {
     #[cfg(target_os = "linux")]
     {

@@ -10,7 +10,7 @@
 //! A kept snapshot pins its commit's pages, so every commit drops it, and
 //! so does taking the engine for exclusive use.
 
-use super::errors::engine_error;
+use super::file::engine_error;
 use super::tables::ReadTables;
 use crate::error::Result;
 use crate::sync::RwLock;

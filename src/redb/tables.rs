@@ -3,7 +3,7 @@
 //! and its expiry-index entry moving together. The `idemstore.` prefix lets
 //! a caller's own tables share the file (the inbox) without a clash.
 
-use super::errors::engine_error;
+use super::file::engine_error;
 use crate::codec;
 use crate::error::Result;
 use crate::record::Record;

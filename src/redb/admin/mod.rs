@@ -41,7 +41,7 @@ pub use verify::{Problem, ProblemKind, VerifyReport};
 
 use super::RedbStore;
 use super::damage::LossReport;
-use super::errors::engine_error;
+use super::file::engine_error;
 use super::meta::{STORE_FORMAT_VERSION, check_format, read_meta_entries};
 use super::open::log_to_read;
 use super::overlay::open_overlay;

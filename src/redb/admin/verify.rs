@@ -3,7 +3,7 @@
 use super::Admin;
 use crate::codec;
 use crate::error::Result;
-use crate::redb::errors::engine_error;
+use crate::redb::file::engine_error;
 use crate::redb::tables::{EXPIRY, RECORDS};
 use ::redb::{ReadableDatabase, ReadableTable};
 

@@ -12,7 +12,7 @@ mod batch;
 pub use batch::Message;
 
 use super::RedbStore;
-use super::errors::engine_error;
+use super::file::engine_error;
 use super::tables::Source;
 use crate::codec;
 use crate::error::{Error, Result};

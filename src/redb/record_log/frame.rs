@@ -1,19 +1,11 @@
-//! The record log's bytes ([`Layout`], [`FrameBuf`], [`read_frame`],
-//! [`entries`]); docs/format.md is the reference.
-//!
-//! The CRC covers the store's 16-byte id (not stored in the frame): a log
-//! left beside another store never verifies, so it is never replayed into
-//! the wrong store.
+//! The record log's bytes, as docs/format.md lays them out: magic "IDWL" |
+//! epoch u64 | payload length u32 | CRC-32 u32 | payload of entries (tag u8
+//! | len u32 | bytes [| len u32 | bytes]). The CRC also covers the store's
+//! id (not stored), so a log beside another store never verifies.
 
 use super::super::damage::Damage;
 use crate::error::{Error, Result};
 use ::redb::StorageBackend;
-
-// A frame (docs/format.md), at a multiple of FRAME_ALIGN in its epoch's
-// segment, big-endian: magic "IDWL" | epoch u64 | payload length u32 |
-// CRC-32 u32 (over the store id, bytes 0..16 and the payload) | payload.
-// The payload: entries, each tag u8 | len u32 | bytes [| len u32 | bytes]
-// (the second field for tags 1 and 5 only).
 
 pub(super) const MAGIC: [u8; 4] = *b"IDWL";
 pub(super) const FRAME_HEADER: u64 = 20;
@@ -22,50 +14,38 @@ const TAG_RECORD_PUT: u8 = 1;
 const TAG_RECORD_DEL: u8 = 2;
 const TAG_META_PUT: u8 = 5;
 
-/// Every frame starts on a multiple of this from its segment's start, so an
-/// append never writes a sector holding acknowledged bytes (a torn sector
-/// damages only the frame being written).
+/// Frames start on multiples of this from their segment's start, so an
+/// append never rewrites a sector holding acknowledged bytes.
 pub(crate) const FRAME_ALIGN: u64 = 4096;
 
-/// Rounds `n` up to the next multiple of [`FRAME_ALIGN`].
 pub(super) fn align_up(n: u64) -> u64 {
     n.div_ceil(FRAME_ALIGN) * FRAME_ALIGN
 }
 
-/// The size of each of the log's two segments for a log file of `len`
-/// bytes: half of it, in whole aligned blocks.
+/// Each of the two segments of a log of `len` bytes, in whole blocks.
 pub(super) fn segment_bytes(len: u64) -> u64 {
     len / 2 / FRAME_ALIGN * FRAME_ALIGN
 }
 
-/// Where the frames of `epoch` live: segment `epoch % 2`.
-pub(super) fn segment_range(len: u64, epoch: u64) -> std::ops::Range<u64> {
-    let seg = segment_bytes(len);
-    let start = (epoch % 2) * seg;
-    start..start + seg
-}
-
-/// Where the frames of one epoch are laid out in the file: its segment,
-/// frames starting at multiples of [`FRAME_ALIGN`] from its start.
+/// Where the frames of one epoch are laid out in the file.
 #[derive(Clone, Debug)]
 pub(in crate::redb) struct Layout {
     pub(super) epoch: u64,
-    /// The bytes the epoch's frames may occupy.
     pub(super) region: std::ops::Range<u64>,
 }
 
 impl Layout {
-    /// `epoch`'s segment of a log file of `len` bytes.
+    /// `epoch`'s segment (`epoch % 2`) of a log file of `len` bytes.
     pub(in crate::redb) fn segment(len: u64, epoch: u64) -> Layout {
-        let region = segment_range(len, epoch);
+        let seg = segment_bytes(len);
+        let start = (epoch % 2) * seg;
+        let region = start..start + seg;
         Layout { epoch, region }
     }
 }
 
-/// The table writes of one group, in the order they were made, already
-/// laid out as a frame: the header's room comes first and is filled in by
-/// [`LogWriter::append`](super::LogWriter::append), so the group is never copied into
-/// a second buffer.
+/// One group's table writes, in order, laid out as a frame whose header
+/// [`LogWriter::append`](super::LogWriter::append) fills in (no second copy).
 #[derive(Debug)]
 pub(in crate::redb) struct FrameBuf {
     bytes: Vec<u8>,
@@ -112,8 +92,7 @@ impl FrameBuf {
 
     fn entry(&mut self, tag: u8, a: &[u8], b: Option<&[u8]>) {
         self.bytes.push(tag);
-        // Keys and values are bounded far below 4 GiB (Key and Response
-        // limits), so the length always fits.
+        // Key and Response limits keep lengths far below 4 GiB.
         self.bytes
             .extend_from_slice(&u32::try_from(a.len()).unwrap_or(u32::MAX).to_be_bytes());
         self.bytes.extend_from_slice(a);
@@ -182,10 +161,8 @@ pub(in crate::redb) enum Entry<'a> {
     Meta(&'a str, &'a [u8]),
 }
 
-/// Parses the payload of the frame at `at` (which verified) into entries,
-/// in order. An entry cut short, an unknown tag, a record that does not
-/// decode or a meta name that is not UTF-8 is damage no crash can cause:
-/// [`Error::Corrupt`].
+/// Parses the payload of the verified frame at `at` into entries, in order;
+/// a payload that does not parse is damage no crash causes, [`Error::Corrupt`].
 pub(in crate::redb) fn entries<'a>(
     at: u64,
     payload: &'a [u8],
@@ -213,8 +190,7 @@ pub(in crate::redb) fn entries<'a>(
     Ok(())
 }
 
-/// An entry as stored: its tag, its first field and its second (empty for
-/// a delete).
+/// Tag, first field, second field (empty for a delete).
 type RawEntry<'a> = (u8, &'a [u8], &'a [u8]);
 
 /// Splits the next entry off the front of `cursor`; `Err` says what is wrong.
@@ -244,8 +220,8 @@ fn take<'a>(cursor: &mut &'a [u8]) -> Option<&'a [u8]> {
     Some(bytes)
 }
 
-/// The record keys a damaged frame's payload (`from..to`) names, read as
-/// far as its entries parse: what a skipped frame may have written.
+/// The record keys a damaged frame's payload (`from..to`) names, as far as
+/// its entries parse.
 pub(super) fn keys_in(file: &dyn StorageBackend, from: u64, to: u64) -> Vec<String> {
     let Some(len) = to.checked_sub(from).filter(|&n| n <= MAX_FRAME_READ) else {
         return Vec::new();
@@ -264,8 +240,7 @@ pub(super) fn keys_in(file: &dyn StorageBackend, from: u64, to: u64) -> Vec<Stri
     keys
 }
 
-/// Most bytes [`keys_in`] reads from a damaged frame (its length field may
-/// be damaged too).
+/// Most bytes [`keys_in`] reads (a damaged length may be huge).
 const MAX_FRAME_READ: u64 = 64 * 1024 * 1024;
 
 #[cfg(test)]
@@ -382,8 +357,9 @@ mod tests {
         assert_eq!(align_up(FRAME_ALIGN + 1), 2 * FRAME_ALIGN);
         let len = 8 * FRAME_ALIGN + 100; // a ragged tail is never used
         assert_eq!(segment_bytes(len), 4 * FRAME_ALIGN);
-        assert_eq!(segment_range(len, 6), 0..4 * FRAME_ALIGN);
-        assert_eq!(segment_range(len, 7), 4 * FRAME_ALIGN..8 * FRAME_ALIGN);
-        assert_eq!(segment_range(len, 8), segment_range(len, 6));
+        let segment_range = |epoch| Layout::segment(len, epoch).region;
+        assert_eq!(segment_range(6), 0..4 * FRAME_ALIGN);
+        assert_eq!(segment_range(7), 4 * FRAME_ALIGN..8 * FRAME_ALIGN);
+        assert_eq!(segment_range(8), segment_range(6));
     }
 }

@@ -1,40 +1,25 @@
-//! The record log's reader: the walk over one epoch's frames ([`walk`]),
-//! what it hands a replay's transaction ([`applier`]), and what it saw of
-//! whose frames they are ([`Seen`]).
-//!
-//! Replay is a redo (full values), so replaying frames already in the file
-//! changes nothing. At each offset:
-//!
-//! - a frame of this epoch that verifies: applied;
-//! - anything else: the end, unless a later block holds a verifying frame
-//!   of this epoch. A frame is written only after the previous one was
-//!   synced, so a crash damages only the last frame and leaves nothing
-//!   after it: a verifying frame after the stop is damage, [`Error::Corrupt`];
-//! - a damaged last frame of one block with no reboot since it was written
-//!   (a process crash writes it whole or not at all): [`Error::Corrupt`];
-//!   after a reboot it is a torn write, the end;
-//! - a frame that verifies but does not decode: damage no crash causes,
-//!   [`Error::Corrupt`], nothing committed.
-//!
-//! With [`accept_loss`](crate::redb::RedbStoreBuilder::accept_loss) each
-//! `Corrupt` but the last is a skip, written in the [`LossReport`].
+//! The record log's reader: the walk over one epoch's frames ([`walk`]) and
+//! what it hands a replay's transaction ([`applier`]). Replay is a redo
+//! (full values), so replaying frames already in the file changes nothing;
+//! the rules at each offset are docs/format.md's. A frame is written only
+//! after the previous one was synced, so a crash damages only the last
+//! frame: a verifying frame after the stop is damage, [`Error::Corrupt`]
+//! (with `accept_loss`, a skip written in the [`LossReport`]).
 
 use super::super::damage::{Damage, LossReport, Stop};
 use super::super::meta::fixed;
 use super::super::tables::{META_TOKEN_HWM, WriteTables};
 use super::FRAME_ALIGN;
-use super::frame::{Entry, FRAME_HEADER, Frame, Layout, MAGIC, entries, keys_in, read_frame};
+use super::frame::{
+    Entry, FRAME_HEADER, Frame, Layout, MAGIC, align_up, entries, keys_in, read_frame,
+};
 use crate::error::{Error, Result};
 use ::redb::StorageBackend;
 use std::ops::ControlFlow;
 
-/// What replay does with a whole frame's payload: writes its entries
-/// through `tables` (hand it to [`walk`] as `on_frame`), and keeps the
-/// token high-water mark the last frame carried in `token_hwm`. A record
-/// put or delete also moves the record's expiry-index entry (the old
-/// expiry is read from the record it replaces), so frames carry no index
-/// entries. A payload that does not decode is [`Error::Corrupt`]; the
-/// caller commits nothing.
+/// [`walk`]'s `on_frame` for a replay: writes the frame's entries through
+/// `tables` (which also moves the expiry index: frames carry no index
+/// entries) and keeps the last token high-water mark in `token_hwm`.
 pub(in crate::redb) fn applier<'a>(
     tables: &'a mut WriteTables<'_>,
     token_hwm: &'a mut u64,
@@ -55,17 +40,15 @@ pub(in crate::redb) fn applier<'a>(
     }
 }
 
-/// Walks every frame of `epoch` (rules in the module docs), handing each
-/// whole frame's offset and payload to `on_frame`; returns how many.
+/// Walks every frame of `epoch`, handing each whole frame's offset and
+/// payload to `on_frame`; returns how many. With `loss`, each `Corrupt` is
+/// written there and the walk goes on; every header read is counted in
+/// `seen`.
 ///
-/// `no_reboot` (same boot id as the writer's open): the stop was a process
-/// crash. The kernel copies a write into the page cache a page at a time
-/// and a fatal signal is noticed between pages, so a one-block frame lands
-/// whole or not at all: one that fails its checksum was damaged after it
-/// was written. A longer last frame may be cut by the kill: a torn tail.
-///
-/// With `loss`, each `Corrupt` is written there and the walk goes on.
-/// Every frame header the walk reads is counted in `seen`.
+/// `no_reboot`: the stop was a process crash, and the kernel copies a
+/// write into the page cache a page at a time with fatal signals noticed
+/// between pages, so a one-block last frame that fails its checksum was
+/// damaged after it was written. A longer one may be a torn tail.
 pub(in crate::redb) fn walk(
     file: &dyn StorageBackend,
     store_id: &[u8; 16],
@@ -79,34 +62,22 @@ pub(in crate::redb) fn walk(
     let end = layout.region.end.min(file.len().map_err(Error::Io)?);
     let mut at = layout.region.start;
     let mut frames = 0u64;
-    let next_start = |next: u64| {
-        let from = next - layout.region.start;
-        layout.region.start + from.div_ceil(FRAME_ALIGN) * FRAME_ALIGN
-    };
+    let start = layout.region.start;
     loop {
         let (payload, next) = match read_frame(file, store_id, epoch, at, end)? {
-            Frame::Whole { payload, next } => (payload, next_start(next)),
+            Frame::Whole { payload, next } => (payload, start + align_up(next - start)),
             stop => {
-                // A verifying frame after the stop: the stop is damage to
-                // synced data, and ending here would drop acknowledged writes.
-                let (how, damaged_end) = match stop {
+                let (stop, damaged_end) = match stop {
                     Frame::Damaged { next } => (Stop::Damaged, Some(next)),
                     _ => (Stop::Ends, None),
                 };
                 let later = find_later(file, store_id, epoch, at, end, seen)?;
-                let damaged_last = later.is_none()
-                    && no_reboot
-                    && damaged_end.is_some_and(|next| next - at <= FRAME_ALIGN);
-                if later.is_none() && !damaged_last {
-                    break;
-                }
                 let damage = match later {
-                    Some(later) => Damage::FrameGap {
-                        stop: how,
-                        at,
-                        later,
-                    },
-                    None => Damage::LastFrameDamaged { at },
+                    Some(later) => Damage::FrameGap { stop, at, later },
+                    None if no_reboot && damaged_end.is_some_and(|n| n - at <= FRAME_ALIGN) => {
+                        Damage::LastFrameDamaged { at }
+                    }
+                    None => break,
                 };
                 let Some(loss) = loss.as_deref_mut() else {
                     return Err(damage.into());
@@ -118,7 +89,6 @@ pub(in crate::redb) fn walk(
                 }
                 loss.findings.push(damage.finding(epoch));
                 match later {
-                    // The walk goes on at the next frame that verifies.
                     Some(x) => {
                         at = x;
                         continue;
@@ -136,10 +106,9 @@ pub(in crate::redb) fn walk(
     Ok(frames)
 }
 
-/// The first block after `at` holding a verifying frame of `epoch` (none
-/// after a true end), counting in `seen` every frame header from `at` on.
-/// A header of another epoch is verified only while none verified for this
-/// store, so a clean open reads each live segment once.
+/// The first block after `at` holding a verifying frame of `epoch`,
+/// counting in `seen` every header from `at` on. A header of another epoch
+/// is verified only while none verified for this store.
 fn find_later(
     file: &dyn StorageBackend,
     store_id: &[u8; 16],
@@ -159,7 +128,6 @@ fn find_later(
             )
         {
             seen.ours += 1;
-            // `at` itself is where the walk stopped: never whole here.
             if this_epoch {
                 found = Some(block);
                 return Ok(ControlFlow::Break(()));
@@ -170,9 +138,8 @@ fn find_later(
     Ok(found)
 }
 
-/// The frame headers a walk read, and how many of those frames verify for
-/// the store under their own epoch. A log of this store has frames that
-/// verify (or none at all); another store's has frames and none that do.
+/// The frame headers a walk read, and how many verify for this store: a
+/// log of another store has headers and none that do.
 #[derive(Debug, Default)]
 pub(in crate::redb) struct Seen {
     pub(in crate::redb) headers: u64,
@@ -180,9 +147,7 @@ pub(in crate::redb) struct Seen {
 }
 
 /// Calls `f(offset, epoch)` for every [`FRAME_ALIGN`] block of `range`
-/// (from its start) that begins with a frame's magic, in order, until `f`
-/// breaks. Reads in large chunks: a whole segment costs a few reads, not
-/// one per block.
+/// that begins with a frame's magic, until `f` breaks; reads in 1 MiB chunks.
 fn scan_headers(
     file: &dyn StorageBackend,
     range: std::ops::Range<u64>,
@@ -211,7 +176,7 @@ fn scan_headers(
             }
             block += FRAME_ALIGN;
         }
-        probe += n.div_ceil(FRAME_ALIGN) * FRAME_ALIGN;
+        probe += align_up(n);
     }
     Ok(())
 }

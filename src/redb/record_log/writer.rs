@@ -1,22 +1,16 @@
-//! The record log's writer: [`LogWriter`] appends a group's [`FrameBuf`] as one
-//! frame at the next aligned offset of the current epoch's segment, syncs
-//! it, and moves to the next epoch's segment when a checkpoint takes the
-//! memtable; `file::preallocate` gives the log file its full size in zeros.
+//! The record log's writer: [`LogWriter`] appends a group's [`FrameBuf`] as
+//! one frame at the next aligned offset of the epoch's segment.
 
-use super::frame::{FRAME_HEADER, FrameBuf, align_up, segment_bytes, segment_range};
+use super::frame::{FRAME_HEADER, FrameBuf, Layout, align_up, segment_bytes};
 use crate::error::{Error, Result};
 use ::redb::StorageBackend;
 use std::fmt;
 
-/// The log file and where the next frame goes. The durable epoch in redb
-/// (`META_LOG_EPOCH`) is the oldest epoch not all in redb; it and the next
-/// hold the live frames (the segment rules are in the module docs of
-/// `record_log`).
+/// The log file and where the next frame goes.
 pub(in crate::redb) struct LogWriter {
     file: std::sync::Arc<dyn StorageBackend>,
-    /// The epoch new frames are written in.
     epoch: u64,
-    /// Where the next frame goes, from the start of the epoch's segment.
+    /// From the start of the epoch's segment.
     offset: u64,
     /// The file's size when opened: it fixes the segments.
     len: u64,
@@ -80,9 +74,8 @@ impl LogWriter {
         align_up(FRAME_HEADER + payload_bytes as u64) <= segment_bytes(self.len)
     }
 
-    /// The current epoch's frames are all durable elsewhere (a checkpoint
-    /// took them, or will before it retires them): new frames go to the
-    /// next epoch, in the other segment.
+    /// New frames go to the next epoch, in the other segment (a checkpoint
+    /// took the current epoch's records).
     pub(in crate::redb) fn rotate(&mut self) {
         self.epoch = self.epoch.wrapping_add(1);
         self.offset = 0;
@@ -92,7 +85,7 @@ impl LogWriter {
     /// durable when `sync`. An error leaves the frame's fate unknown: the
     /// caller must not publish the group and must poison the store.
     pub(in crate::redb) fn append(&mut self, frame: &mut FrameBuf, sync: bool) -> Result<()> {
-        let start = segment_range(self.len, self.epoch).start + self.offset;
+        let start = Layout::segment(self.len, self.epoch).region.start + self.offset;
         let frame = frame.seal(&self.store_id, self.epoch)?;
         let framed = align_up(frame.len() as u64);
         self.file.write(start, frame).map_err(Error::Io)?;
