@@ -42,11 +42,14 @@ pub struct RedbStoreBuilder {
     pub(super) config: Config,
 }
 
+/// redb's page cache unless [`RedbStoreBuilder::cache_bytes`] says otherwise.
+const DEFAULT_CACHE_BYTES: usize = 64 * 1024 * 1024;
+
 impl Default for Config {
     fn default() -> Self {
         Config {
             durability: Durability::Immediate,
-            cache_bytes: 64 * 1024 * 1024,
+            cache_bytes: DEFAULT_CACHE_BYTES,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             recovery: RecoveryPolicy::WaitForLease,
             sweeper: None,
