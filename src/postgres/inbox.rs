@@ -16,7 +16,7 @@
 use super::errors::{self, db_error};
 use super::inbox_sql::{InboxSql, Prepared, pipelined};
 use super::ops::{BeginStep, Core, RunError, complete_on};
-use super::pool::{Conn, Pooled};
+use super::pool::{Conn, Pool, Pooled};
 use super::stats::Counters;
 use super::{MAX_BEGIN_ATTEMPTS, PostgresStore, row, sql};
 use crate::error::Error;
@@ -251,6 +251,16 @@ impl PgInbox {
 pub(super) struct OpenTx(pub(super) Option<Pooled>);
 
 impl OpenTx {
+    /// A pooled connection for one transaction, and the connection's count
+    /// of commits reported on the primary only so far, which [`settled`]
+    /// compares with the count after the transaction.
+    pub(super) async fn take(pool: &Pool) -> Result<(OpenTx, Arc<Conn>, u64), Error> {
+        let pooled = pool.get().await?;
+        let conn = pooled.conn();
+        let seen = conn.unreplicated();
+        Ok((OpenTx(Some(pooled)), conn, seen))
+    }
+
     pub(super) fn finish(&mut self) {
         // Back to the pool: the transaction ended.
         drop(self.0.take());
@@ -306,10 +316,7 @@ where
 {
     check_durations(DEFAULT_LEASE, retention)?;
     Counters::bump(&core.counters.calls);
-    let pooled = core.pool.get().await?;
-    let conn = pooled.conn();
-    let seen = conn.unreplicated();
-    let mut open = OpenTx(Some(pooled));
+    let (mut open, conn, seen) = OpenTx::take(&core.pool).await?;
     let table = &core.sql.table;
     let db = |e| -> E { db_error(e, table).into() };
     let run = |e: RunError| -> E { e.into_error(table).into() };
@@ -556,10 +563,7 @@ where
             payload,
         })
         .collect();
-    let pooled = core.pool.get().await?;
-    let conn = pooled.conn();
-    let seen = conn.unreplicated();
-    let mut open = OpenTx(Some(pooled));
+    let (mut open, conn, seen) = OpenTx::take(&core.pool).await?;
     let statements = sql
         .prepared(&conn)
         .await

@@ -204,10 +204,7 @@ where
 {
     check_durations(DEFAULT_LEASE, retention)?;
     Counters::bump(&core.counters.calls);
-    let pooled = core.pool.get().await?;
-    let conn = pooled.conn();
-    let seen = conn.unreplicated();
-    let mut open = OpenTx(Some(pooled));
+    let (mut open, conn, seen) = OpenTx::take(&core.pool).await?;
     let statements = sql
         .prepared(&conn)
         .await

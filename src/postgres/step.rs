@@ -110,10 +110,7 @@ where
     F: for<'c> FnOnce(&'c Client, String) -> StepFuture<'c, E>,
 {
     let token = row::token(claim.token).ok_or(Error::StaleClaim)?;
-    let pooled = core.pool.get().await?;
-    let conn = pooled.conn();
-    let seen = conn.unreplicated();
-    let mut open = OpenTx(Some(pooled));
+    let (mut open, conn, seen) = OpenTx::take(&core.pool).await?;
     let table = &core.sql.table;
     let db = |e| -> E { db_error(e, table).into() };
     let run = |e: RunError| -> E { e.into_error(table).into() };

@@ -853,14 +853,8 @@ fn an_atomic_step_commits_its_writes_with_its_record_or_neither() {
     // Both survive a reopen with their records.
     drop(store);
     let store = Arc::new(RedbStore::open(dir.path().join("s.idem")).unwrap());
-    let names: Vec<String> = store
-        .get(&key, t1)
-        .unwrap()
-        .unwrap()
-        .steps()
-        .iter()
-        .map(|s| s.name().to_owned())
-        .collect();
+    let record = store.get(&key, t1).unwrap().unwrap();
+    let names: Vec<&str> = record.steps().iter().map(|s| s.name()).collect();
     assert_eq!(names, ["a", "b"]);
     assert_eq!(rows(&store).len(), 2);
 }

@@ -1556,14 +1556,8 @@ fn an_atomic_step_commits_its_statements_with_its_record_or_neither() {
         b"b"
     );
     assert_eq!(count(&mut admin), 2);
-    let names: Vec<String> = store
-        .get(&k, t0)
-        .unwrap()
-        .unwrap()
-        .steps()
-        .iter()
-        .map(|s| s.name().to_owned())
-        .collect();
+    let record = store.get(&k, t0).unwrap().unwrap();
+    let names: Vec<&str> = record.steps().iter().map(|s| s.name()).collect();
     assert_eq!(names, ["a", "b"]);
 }
 
