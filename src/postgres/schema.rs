@@ -13,9 +13,10 @@ use crate::error::{Error, Result};
 use tokio_postgres::Client;
 
 /// The schema this build creates, and the only one it reads or writes
-/// (versions 1, with every record invariant also a CHECK constraint, and
-/// 2, without the step columns, were made by pre-release builds only).
-pub(super) const SCHEMA_VERSION: u32 = 3;
+/// (versions 1, with every record invariant also a CHECK constraint, 2,
+/// without the step columns, and 3, with the key in the expiry index,
+/// were made by pre-release builds only).
+pub(super) const SCHEMA_VERSION: u32 = 4;
 const MARKER_PREFIX: &str = "idemstore records, schema version ";
 
 /// What the catalog says about the configured table.
@@ -123,6 +124,12 @@ async fn inspect(client: &Client, sql: &Sql) -> Result<Found> {
 /// `text` cannot hold a NUL; `row::record` checks they are UTF-8. Not
 /// null, empty by default, so a write that does not name them (a claim of
 /// a fresh key, an inbox's DONE insert) stores no steps.
+///
+/// The expiry index is on `expires_at` alone: the sweep reads it in
+/// expiry order and sorts each expiry's few rows by key (an incremental
+/// sort). Every claim and completion writes an entry into it (a completion
+/// moves the expiry, so it is never a HOT update), a third the size with
+/// the key left out, and about 120 bytes less WAL a cycle.
 fn ddl(sql: &Sql) -> String {
     let (t, seq, idx) = (&sql.table, &sql.sequence, &sql.index);
     format!(
@@ -146,7 +153,7 @@ fn ddl(sql: &Sql) -> String {
             PRIMARY KEY (scope, id)
         );
         ALTER SEQUENCE \"{seq}\" OWNED BY \"{t}\".token;
-        CREATE INDEX IF NOT EXISTS \"{idx}\" ON \"{t}\" (expires_at, scope, id);
+        CREATE INDEX IF NOT EXISTS \"{idx}\" ON \"{t}\" (expires_at);
         COMMENT ON TABLE \"{t}\" IS '{MARKER_PREFIX}{SCHEMA_VERSION}';"
     )
 }

@@ -407,7 +407,8 @@ impl Sql {
         );
         let get = format!("SELECT {RECORD_COLUMNS} FROM {t} WHERE scope = $1 AND id = $2");
         // Oldest expiry first through the expiry index, ties in key order
-        // (as the other stores and the model sweep them); rows another sweeper
+        // (as the other stores and the model sweep them: an incremental sort
+        // of each expiry's rows, read in index order); rows another sweeper
         // (another replica) or a begin has locked are skipped, not waited
         // for. The DELETE re-checks the expiry (logic::sweepable).
         let sweep = format!(
