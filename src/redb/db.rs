@@ -154,10 +154,6 @@ impl Db {
         self.is_poisoned() && self.health.cause().is_none_or(|c| c.heals())
     }
 
-    pub(super) fn health_cause_kind(&self) -> Option<std::io::ErrorKind> {
-        self.health.cause().and_then(|c| c.io_kind())
-    }
-
     pub(super) fn healthy_again(&self) {
         if let Some(fault) = self.health.clear() {
             let since = fault.since.until(self.clock.now());

@@ -55,10 +55,7 @@ use crate::sweeper::Sweeper;
 use crate::sync::Arc;
 use crate::sync::atomic::Ordering;
 use crate::sync::thread::{self, JoinHandle};
-use crate::time::Clock;
 use db::{Engine, Usable};
-use line::{Op, Reply};
-use requests::unexpected;
 use shared::Shared;
 use std::path::{Path, PathBuf};
 
@@ -108,10 +105,6 @@ pub struct RedbStore {
     /// The committer (native.rs); none for a read-only store.
     committer: Option<JoinHandle<()>>,
     sweeper: Option<Sweeper>,
-    /// The builder's clock: read by recovery at open and the sweeper, and
-    /// handed out by [`Store::clock`](crate::Store::clock).
-    clock: Arc<dyn Clock>,
-    path: Option<PathBuf>,
     store_id: [u8; 16],
     max_body_bytes: usize,
     leases_expired_on_open: u64,
@@ -123,7 +116,7 @@ pub struct RedbStore {
 impl std::fmt::Debug for RedbStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RedbStore")
-            .field("path", &self.path)
+            .field("path", &self.path())
             .field("poisoned", &self.is_poisoned())
             .field("stats", &self.stats())
             .finish_non_exhaustive()
@@ -178,8 +171,6 @@ impl RedbStore {
             background: Some(background),
             committer,
             sweeper: None,
-            clock: Arc::clone(&config.clock),
-            path,
             store_id,
             max_body_bytes: config.max_body_bytes,
             leases_expired_on_open: leases,
@@ -190,16 +181,12 @@ impl RedbStore {
             // The sweeper holds the shared state, not the store: no cycle,
             // and dropping the store stops it first.
             let shared = Arc::clone(&store.shared);
-            let sweeper = Sweeper::spawn_fn(
+            store.sweeper = Some(Sweeper::spawn_fn(
                 "idemstore-redb-sweeper",
                 config.clock,
                 sweep,
-                move |now, max| match shared.submit(Op::Sweep { now, max })? {
-                    Reply::Swept(n) => Ok(n),
-                    other => Err(unexpected(&other)),
-                },
-            )?;
-            store.sweeper = Some(sweeper);
+                move |now, max| shared.sweep(now, max),
+            )?);
         }
         Ok(store)
     }
@@ -207,7 +194,7 @@ impl RedbStore {
     /// The file this store was opened from (`None` for a storage backend;
     /// example: [`RedbStore`]).
     pub fn path(&self) -> Option<&Path> {
-        self.path.as_deref()
+        self.shared.db.path.as_deref()
     }
 
     /// A number naming this store file for its life (16 random bytes
@@ -275,8 +262,7 @@ impl RedbStore {
     /// store file wait. Run it at a quiet time: it can take as long as
     /// rewriting the live data.
     pub fn compact(&self) -> Result<bool> {
-        self.shared.check_writable()?;
-        self.shared.db.check_healthy()?;
+        self.shared.check_submit()?;
         let mut core = self.shared.log.lock();
         // Compaction moves pages of the durable state only: make everything
         // in memory part of it first (and retire the log).
