@@ -1,6 +1,6 @@
 //! The commit line's data: a write as queued ([`Op`]), its answer
 //! ([`Reply`]), the [`Slot`] where its caller waits, the [`InLine`] of them
-//! and the line's sizes. Who leads is `commit/leader.rs`'s and native.rs's.
+//! and the line's sizes. Who leads is `commit/leader.rs`'s.
 
 use crate::error::Result;
 use crate::fingerprint::Fingerprint;
@@ -18,7 +18,7 @@ pub(super) struct Line {
     callers: Mutex<InLine>,
     /// Signalled when a leader takes a group out of a full line.
     pub(super) room: Condvar,
-    /// Wakes the committer thread (native.rs) when it is given the leader
+    /// Wakes the committer thread (commit/leader.rs) when it is given the leader
     /// role, or the line closes.
     pub(super) committer: Condvar,
     /// Most ops a leader commits in one group.
@@ -100,7 +100,7 @@ pub(crate) const MAX_GROUP_OPS: usize = 1_024;
 pub(in crate::redb) enum Waiter {
     /// A blocked thread (`submit`): it may be made the leader.
     Thread,
-    /// A future (`submit_async`, native.rs): woken through its waker; it
+    /// A future (`submit_async`): woken through its waker; it
     /// never leads, since leading would block its runtime thread on an fsync.
     Task,
     /// Nobody: a release queued on behalf of a dropped future.
@@ -228,7 +228,7 @@ pub(in crate::redb) struct InLine {
     /// Threads ([`Waiter::Thread`]) in the line: only they, or the
     /// committer, can take the role.
     pub(in crate::redb) threads: usize,
-    /// The committer thread holds the role (native.rs).
+    /// The committer thread holds the role (commit/leader.rs).
     pub(in crate::redb) committer: bool,
     /// The store is being dropped: no caller joins the line any more.
     pub(in crate::redb) closed: bool,

@@ -18,7 +18,6 @@ mod inbox;
 mod line;
 mod memtable;
 mod meta;
-mod native;
 mod open;
 mod overlay;
 mod record_log;
@@ -102,7 +101,7 @@ pub struct RedbStore {
     shared: Arc<Shared>,
     /// The checkpointer (checkpoint.rs).
     background: Option<JoinHandle<()>>,
-    /// The committer (native.rs); none for a read-only store.
+    /// The committer (commit/leader.rs); none for a read-only store.
     committer: Option<JoinHandle<()>>,
     sweeper: Option<Sweeper>,
     store_id: [u8; 16],

@@ -1,5 +1,5 @@
 //! The commit line under the Shuttle model checker: the production code of
-//! `commit/`, native.rs, checkpoint.rs and this module's `Shared` and `Drop`
+//! `commit/`, checkpoint.rs and this module's `Shared` and `Drop`
 //! under many schedules (docs/testing.md, "The commit line under a model
 //! checker"; src/sync.rs for the switch of primitives).
 //!
