@@ -174,7 +174,7 @@ fn checkpoint(shared: &Shared, frozen: &std::sync::Arc<Frozen>) -> Result<()> {
         tables.take_in(&frozen.records)?;
         tables.retire(frozen.token_hwm, frozen.epoch.wrapping_add(1))
     })??;
-    // Before the frozen table goes (snapshot.rs).
+    // Before the frozen table goes (db.rs).
     shared.db.snapshot.committed();
     // The memtable's lock comes before the engine's (lock order: shared.rs).
     drop(db);

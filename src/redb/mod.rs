@@ -26,7 +26,6 @@ mod requests;
 mod shared;
 #[cfg(all(test, shuttle))]
 mod shuttle_tests;
-mod snapshot;
 mod stats;
 mod tables;
 

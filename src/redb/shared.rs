@@ -104,12 +104,10 @@ impl Shared {
         if let Some(entry) = self.memory.read_mem().get(key_bytes) {
             return memtable::decode(key_bytes, entry);
         }
-        // Counted after the memtable was read: see snapshot.rs.
+        // Counted after the memtable was read (db.rs).
         let seen = self.db.snapshot.count();
-        let db = self.db.read_db()?;
         self.db
-            .snapshot
-            .read(&db, seen, |tables| tables.read(key_bytes))
+            .read_tables(seen, |tables| tables.read(key_bytes))
             .and_then(|read| read)
             .map_err(|e| self.engine_failed("read", e))
     }

@@ -388,7 +388,7 @@ fn shuttle_a_failed_checkpoint_then_a_drop_returns() {
 /// new one) after the completion.
 static SNAPSHOT_RUNS: AtomicUsize = AtomicUsize::new(0);
 
-/// The read path's kept redb snapshot (snapshot.rs) across checkpoints
+/// The read path's kept redb snapshot (db.rs) across checkpoints
 /// (a read of a checkpointed key goes to redb): `a` is claimed and pushed out to the store file by other keys'
 /// groups, then completed and pushed out again. A reader that starts
 /// after the completion returned must read it at every point of those

@@ -209,7 +209,7 @@ impl<'txn> WriteTables<'txn> {
     }
 }
 
-/// Where decisions read what redb holds: the kept snapshot (snapshot.rs)
+/// Where decisions read what redb holds: the kept snapshot (db.rs)
 /// for a group, the inbox's own write transaction for its messages.
 pub(super) trait Source {
     /// The stored record for `key_bytes`, verified ([`Error::Corrupt`](crate::Error::Corrupt) if not).

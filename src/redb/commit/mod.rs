@@ -56,13 +56,11 @@ impl Shared {
     fn commit_logged(&self, core: &mut Core, ops: &[Op]) -> Result<Vec<Result<Reply>>> {
         let mut hwm = core.token_hwm;
         let decided = {
-            // The memtable, then the count (snapshot.rs).
+            // The memtable, then the count (db.rs).
             let mem = self.memory.read_mem();
             let counted = self.db.snapshot.count();
-            let db = self.db.read_db()?;
             self.db
-                .snapshot
-                .read(&db, counted, |base| decide(ops, &mem, base, &mut hwm))
+                .read_tables(counted, |base| decide(ops, &mem, base, &mut hwm))
                 .map_err(|e| self.engine_failed("read", e))?
         };
         if decided.writes.is_empty() {
@@ -182,7 +180,7 @@ impl Shared {
             Ok::<_, E>(out)
         });
         let out = committed.map_err(|e| self.fail("commit", On::Store, e))??;
-        // Before the active memtable is cleared (snapshot.rs).
+        // Before the active memtable is cleared (db.rs).
         self.db.snapshot.committed();
         core.token_hwm = hwm;
         {
