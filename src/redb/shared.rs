@@ -16,7 +16,7 @@ use super::line::Line;
 use super::memtable::{self, Memory};
 use super::record_log::LogWriter;
 use super::stats::Counters;
-use super::tables::{self, Source};
+use super::tables;
 use super::{open, tables::META_LOG_STATE};
 use crate::error::{Error, Result};
 use crate::record::Record;

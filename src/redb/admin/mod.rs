@@ -47,7 +47,7 @@ use super::open::log_to_read;
 use super::overlay::open_overlay;
 use super::record_log;
 use super::recovery::{Found, boot_id, plan_log, walk_live};
-use super::tables::{EXPIRY, RECORDS};
+use super::tables::{EXPIRY, RECORDS, ReadTables};
 use crate::codec;
 use crate::error::{Error, Result};
 use crate::key::Key;
@@ -228,21 +228,11 @@ impl Admin<'_> {
     /// sweep at `now` will visit.
     pub fn count_due(&self, now: Timestamp, limit: u64) -> Result<u64> {
         let db = self.store.shared.db.read_db()?;
-        let txn = db.begin_read().map_err(engine_error)?;
-        let expiry = txn.open_table(EXPIRY).map_err(engine_error)?;
-        // Entries are expires_at BE | key.
-        let bound = now.as_millis().saturating_add(1).to_be_bytes();
         let mut n = 0u64;
-        for entry in expiry
-            .range::<&[u8]>(..bound.as_slice())
-            .map_err(engine_error)?
-        {
-            entry.map_err(engine_error)?;
+        ReadTables::open(&db.begin_read().map_err(engine_error)?)?.due(now, |_| {
             n += 1;
-            if n >= limit {
-                break;
-            }
-        }
+            Ok(n < limit)
+        })?;
         Ok(n)
     }
 }

@@ -157,32 +157,30 @@ impl Admin<'_> {
         // Every transaction waited out and none begun until the check ends:
         // the file then holds whole commits only.
         let mut engine = shared.db.write_db();
-        match self.store.path() {
-            // redb's repair rolls the file back (and can fail): on an overlay.
-            Some(path) => match engine_check_without_writing(path)? {
-                Ok(true) => {}
-                Ok(false) => report.add(
-                    ProblemKind::EngineRepaired,
-                    None,
-                    "redb's page checksums failed; redb could repair the file from its last \
-                     good commit (verify changed nothing)",
-                ),
-                Err(detail) => report.add(
-                    ProblemKind::EngineDamaged,
-                    None,
-                    format!("redb's page checksums failed and it cannot repair the file: {detail} (verify changed nothing)"),
-                ),
-            },
-            // A caller's backend, checked in place.
-            None => {
-                if !engine.db.check_integrity().map_err(engine_error)? {
-                    report.add(
-                        ProblemKind::EngineRepaired,
-                        None,
-                        "redb's page checksums failed; redb repaired the file from its last good commit",
-                    );
-                }
-            }
+        // redb's repair rolls the file back (and can fail): a file is checked
+        // on an overlay, a caller's backend in place.
+        let (checked, repair) = match self.store.path() {
+            Some(path) => (
+                engine_check_without_writing(path)?,
+                "could repair the file from its last good commit (verify changed nothing)",
+            ),
+            None => (
+                Ok(engine.db.check_integrity().map_err(engine_error)?),
+                "repaired the file from its last good commit",
+            ),
+        };
+        match checked {
+            Ok(true) => {}
+            Ok(false) => report.add(
+                ProblemKind::EngineRepaired,
+                None,
+                format!("redb's page checksums failed; redb {repair}"),
+            ),
+            Err(detail) => report.add(
+                ProblemKind::EngineDamaged,
+                None,
+                format!("redb's page checksums failed and it cannot repair the file: {detail} (verify changed nothing)"),
+            ),
         }
         drop(engine);
         let db = shared.db.read_db()?;

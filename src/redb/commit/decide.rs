@@ -11,7 +11,7 @@ use crate::codec;
 use crate::error::{Error, Result};
 use crate::logic;
 use crate::record::Record;
-use crate::redb::tables::Source;
+use crate::redb::tables::ReadTables;
 use crate::time::Timestamp;
 use std::collections::BTreeMap;
 
@@ -29,7 +29,7 @@ pub(super) struct Decided {
 }
 
 /// Decides every op of a group in order (see the module docs).
-pub(super) fn decide(ops: &[Op], mem: &Mem, base: &dyn Source, hwm: &mut u64) -> Decided {
+pub(super) fn decide(ops: &[Op], mem: &Mem, base: &ReadTables, hwm: &mut u64) -> Decided {
     let mut group = Group {
         mem,
         base,
@@ -44,7 +44,7 @@ pub(super) fn decide(ops: &[Op], mem: &Mem, base: &dyn Source, hwm: &mut u64) ->
 
 struct Group<'a> {
     mem: &'a Mem,
-    base: &'a dyn Source,
+    base: &'a ReadTables,
     out: Decided,
 }
 
@@ -163,7 +163,7 @@ impl Group<'_> {
         // entries are all it can contribute. Keys in memory were nominated
         // above; an entry whose record has another expiry (damage) is not.
         let mut from_base = 0;
-        self.base.due(now, &mut |index_key| {
+        self.base.due(now, |index_key| {
             let (expires_at, key) = codec::decode_index(index_key)?;
             if self.out.writes.contains_key(key) || self.mem.get(key).is_some() {
                 return Ok(true);

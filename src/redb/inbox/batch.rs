@@ -8,7 +8,7 @@
 
 use super::super::RedbStore;
 use super::super::health::On;
-use super::super::tables::{Source, WriteTables};
+use super::super::tables::WriteTables;
 use super::{Delivery, Inbox};
 use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;

@@ -13,7 +13,6 @@ pub use batch::Message;
 
 use super::RedbStore;
 use super::file::engine_error;
-use super::tables::Source;
 use crate::codec;
 use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
