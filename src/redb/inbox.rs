@@ -319,7 +319,7 @@ impl RedbStore {
             let step = Step::new(name, output)?;
             let existing = tables.read(&key_bytes)?;
             if let Some(record) = logic::record_step(existing, claim, &step, now)? {
-                tables.apply(&key_bytes, Some(&record))?;
+                tables.put(&key_bytes, &record)?;
             }
             Ok::<_, E>(step.output)
         })?;
@@ -536,7 +536,7 @@ impl Inbox {
                         .and_then(|()| {
                             logic::complete(Some(processing), &claim, &response, now, retention)
                         })
-                        .and_then(|done| tables.apply(key, Some(&done)));
+                        .and_then(|done| tables.put(key, &done));
                     if let Err(e) = stored {
                         return failed(Failed::Error(e.into()));
                     }

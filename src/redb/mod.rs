@@ -151,17 +151,16 @@ impl RedbStore {
         let background = spawn("idemstore-redb-checkpointer", move || {
             checkpoint::run(checkpointer)
         })?;
-        let committer = match &shared.read_only {
-            Some(_) => None,
-            None => {
-                let leader = Arc::clone(&shared);
-                match spawn("idemstore-redb-committer", move || leader.run_committer()) {
-                    Ok(handle) => Some(handle),
-                    Err(e) => {
-                        stop_background(&shared, Some(background));
-                        return Err(e);
-                    }
-                }
+        let leader = Arc::clone(&shared);
+        let committer = shared
+            .read_only
+            .is_none()
+            .then(|| spawn("idemstore-redb-committer", move || leader.run_committer()));
+        let committer = match committer.transpose() {
+            Ok(committer) => committer,
+            Err(e) => {
+                stop_background(&shared, Some(background));
+                return Err(e);
             }
         };
         let mut store = RedbStore {

@@ -115,23 +115,18 @@ impl<'txn> WriteTables<'txn> {
         self.set_meta(META_LOG_EPOCH, &next_epoch.to_be_bytes())
     }
 
-    /// Stores `entry` (`None`: a deletion) as the latest state of
-    /// `key_bytes`, moving its expiry-index entry: how every writer keeps a
-    /// record and its index entry together. Encoded (and checked) before
-    /// the first write, so an encoding failure writes nothing.
-    pub(super) fn apply(&mut self, key_bytes: &[u8], entry: Option<&Record>) -> Result<()> {
-        match entry {
-            Some(record) => {
-                let value = codec::encode_record(record)?;
-                self.apply_encoded(key_bytes, Some((&value, record.expires_at)))
-            }
-            None => self.apply_encoded(key_bytes, None),
-        }
+    /// Stores `record` as the latest state of `key_bytes`, encoded (and
+    /// checked) before the first write, so an encoding failure writes nothing.
+    pub(super) fn put(&mut self, key_bytes: &[u8], record: &Record) -> Result<()> {
+        let value = codec::encode_record(record)?;
+        self.apply_encoded(key_bytes, Some((&value, record.expires_at)))
     }
 
-    /// [`apply`](Self::apply) for an encoded record. A stored record that
-    /// does not decode is replaced; its unknown index entry is left to the
-    /// sweep, which re-checks every entry it finds.
+    /// Stores an encoded record (`None`: a deletion) as the latest state of
+    /// `key_bytes`, moving its expiry-index entry: how every writer keeps a
+    /// record and its index entry together. A stored record that does not
+    /// decode is replaced; its unknown index entry is left to the sweep,
+    /// which re-checks every entry it finds.
     pub(super) fn apply_encoded(
         &mut self,
         key_bytes: &[u8],

@@ -340,7 +340,7 @@ impl Admin<'_> {
             self.store.shared.direct(|tables, token_hwm| {
                 for item in records.by_ref().take(IMPORT_BATCH) {
                     let (key, record) = item?;
-                    tables.apply(&codec::encode_key(&key), Some(&record))?;
+                    tables.put(&codec::encode_key(&key), &record)?;
                     hwm = hwm.max(record.token);
                     written += 1;
                 }

@@ -32,7 +32,7 @@ impl Shared {
     pub(in crate::redb) fn submit(&self, op: Op) -> Result<Reply> {
         self.check_submit()?;
         let mine = Arc::new(Slot::new(Waiter::Thread));
-        let lead = {
+        let mut lead = {
             let mut q = self.line.lock();
             while q.waiting.len() >= WRITE_QUEUE_DEPTH && !q.closed {
                 q = self.line.room.wait(q).unwrap_or_else(|p| p.into_inner());
@@ -44,17 +44,16 @@ impl Shared {
             self.push(&mut q, op, Arc::clone(&mine));
             lead
         };
-        if !lead && let Some(answer) = mine.wait() {
-            return answer;
-        }
         loop {
-            if let Some(answer) = self.lead_once(Some(&mine)) {
+            if lead && let Some(answer) = self.lead_once(Some(&mine)) {
                 return answer;
             }
-            // Not in this group (a long line): wait for the role or an answer.
+            // Wait for an answer, or for the role (after leading: this
+            // caller was not in the group, a long line).
             if let Some(answer) = mine.wait() {
                 return answer;
             }
+            lead = true;
         }
     }
 
