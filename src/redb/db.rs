@@ -12,7 +12,7 @@
 //! read) or counted. A kept snapshot pins its commit's pages, so every
 //! commit drops it, and so does taking the engine for exclusive use.
 
-use super::config::Config;
+use super::Config;
 use super::file::engine_error;
 use super::health::{self, On};
 use super::tables::ReadTables;

@@ -8,7 +8,6 @@ pub mod admin;
 mod builder;
 mod checkpoint;
 mod commit;
-mod config;
 mod damage;
 mod db;
 mod file;
@@ -26,7 +25,6 @@ mod requests;
 mod shared;
 #[cfg(all(test, shuttle))]
 mod shuttle_tests;
-mod stats;
 mod tables;
 
 /// The redb crate the store is built on, for an [`Inbox`] handler's own
@@ -34,12 +32,9 @@ mod tables;
 /// version as the store's, whatever the caller's own dependency says.
 pub use ::redb as engine;
 pub use builder::RedbStoreBuilder;
-use config::Config;
-pub use config::{Durability, RecoveryPolicy};
 pub use damage::LossReport;
 pub use health::Health;
 pub use inbox::{Delivery, Inbox, Message};
-pub use stats::RedbStats;
 // Fixed sizes, not public: tests read them through `idemstore::unstable::redb`.
 #[cfg(feature = "unstable-internals")]
 pub(crate) use {
@@ -49,13 +44,15 @@ pub(crate) use {
 };
 
 use crate::error::{Error, Result};
-use crate::sweeper::Sweeper;
+use crate::sweeper::{Sweeper, SweeperConfig};
 use crate::sync::Arc;
 use crate::sync::atomic::Ordering;
 use crate::sync::thread::{self, JoinHandle};
+use crate::time::Clock;
 use db::{Engine, Usable};
 use shared::Shared;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 /// The durable idempotency store on redb: one file, one process.
 ///
@@ -311,4 +308,153 @@ impl Drop for RedbStore {
             let _ = self.shared.close();
         }
     }
+}
+
+/// What survives a crash: the promise behind every acknowledged write.
+///
+/// ```
+/// use idemstore::RedbStore;
+/// use idemstore::redb::Durability;
+/// use std::time::Duration;
+///
+/// # let dir = tempfile::tempdir()?;
+/// // The default: every acknowledged claim survives power loss.
+/// assert_eq!(Durability::default(), Durability::Immediate);
+/// // Chosen explicitly: at most 50 ms of acknowledged writes may be lost.
+/// let store = RedbStore::builder()
+///     .durability(Durability::Periodic { max_loss: Duration::from_millis(50) })
+///     .open(dir.path().join("relaxed.idem"))?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Durability {
+    /// Every group is durable before any caller in it is answered: an
+    /// acknowledged claim or completion survives a process crash and a power
+    /// loss. Concurrent callers share one fsync (group commit), of a small
+    /// append to the log `<file>-wal`.
+    #[default]
+    Immediate,
+    /// Batches are appended to the log without an fsync; the log is synced
+    /// once `max_loss` has passed since the last sync (also when idle; a
+    /// clean shutdown writes everything into the store file durably). A
+    /// process crash **or** a power loss loses the acknowledged writes of at
+    /// most the last `max_loss` (plus one group's duration). A lost claim
+    /// lets a retry claim the key again and run the side effect twice:
+    /// choose this only where the downstream deduplicates by fencing token.
+    Periodic {
+        /// The loss window; at least 1 ms.
+        max_loss: Duration,
+    },
+}
+
+/// What opening a store does with PROCESSING records it finds.
+///
+/// One process holds a store file (a second open is [`Error::Locked`](crate::Error::Locked)), so
+/// a PROCESSING record found at open belongs to a process that died
+/// (example: [`RedbStoreBuilder`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RecoveryPolicy {
+    /// Leave leases alone: a retry waits until the dead owner's lease ends
+    /// (the default: a call the dead owner made downstream may still be
+    /// landing).
+    #[default]
+    WaitForLease,
+    /// End every live lease at open, so a retry takes over at once (with a
+    /// new fencing token). Reads every record once at open.
+    ExpireLeases,
+}
+
+/// Options of a store being opened.
+#[derive(Clone, Debug)]
+pub(super) struct Config {
+    pub(super) durability: Durability,
+    pub(super) cache_bytes: usize,
+    pub(super) max_body_bytes: usize,
+    pub(super) recovery: RecoveryPolicy,
+    pub(super) sweeper: Option<SweeperConfig>,
+    pub(super) clock: Arc<dyn Clock>,
+    pub(super) verify_on_open: bool,
+    pub(super) checkpoint_interval: Duration,
+    pub(super) log_bytes: u64,
+    pub(super) accept_loss: bool,
+    /// An inspection: nothing is written (`RedbStore::builder().open_read_only`).
+    pub(super) read_only: bool,
+}
+
+/// Group-commit counters of a [`RedbStore`] since it was opened.
+///
+/// ```
+/// # use idemstore::{Fingerprint, Key, RedbStore, Store, Timestamp};
+/// # use std::time::Duration;
+/// # let dir = tempfile::tempdir()?;
+/// let store = RedbStore::open(dir.path().join("s.idem"))?;
+/// let d = Duration::from_secs(1);
+/// let _ = store.begin(&Key::new("", "k")?, &Fingerprint::of(b""), Timestamp::EPOCH, d, d)?;
+/// let stats = store.stats();
+/// assert_eq!((stats.requests, stats.commits), (1, 1));
+/// assert_eq!(idemstore::redb::RedbStats::default().mean_group(), 0.0);
+/// # Ok::<(), idemstore::Error>(())
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RedbStats {
+    /// Requests that joined the line (claiming begins, completes, releases,
+    /// sweeps); begins answered on the read fast path do not.
+    pub requests: u64,
+    /// Groups committed by a leader (one log frame each).
+    pub groups: u64,
+    /// Groups and direct transactions that wrote something.
+    pub commits: u64,
+    /// redb commits made durable with an fsync: checkpoints and direct
+    /// transactions (inbox, admin writes, compaction, an oversized group).
+    pub durable_commits: u64,
+    /// Groups made durable by one append and `fdatasync` of the log.
+    pub logged_commits: u64,
+    /// Frames replayed from the log when the store was opened:
+    /// groups acknowledged after the last checkpoint before a crash.
+    pub frames_replayed_on_open: u64,
+    /// The largest group so far.
+    pub largest_group: u64,
+    /// Begins answered `Replay` on the read fast path.
+    pub fast_replays: u64,
+    /// Begins answered InFlight or Conflict on the read fast path.
+    pub fast_refusals: u64,
+    /// Records deleted by sweeps (the sweeper's and [`Store::sweep_expired`](crate::Store::sweep_expired)'s).
+    pub swept: u64,
+    /// Leases ended at open by [`RecoveryPolicy::ExpireLeases`](crate::redb::RecoveryPolicy::ExpireLeases).
+    pub leases_expired_on_open: u64,
+    /// Frozen memtables the background checkpointer wrote into the store
+    /// file (each one durable redb commit that retired a log segment).
+    pub checkpoints: u64,
+}
+
+impl RedbStats {
+    /// Mean requests per group (0 before the first group; example:
+    /// [`RedbStats`]).
+    pub fn mean_group(&self) -> f64 {
+        if self.groups == 0 {
+            0.0
+        } else {
+            self.requests as f64 / self.groups as f64
+        }
+    }
+}
+
+// std's atomics, not crate::sync's: these are counters only, no decision
+// reads them, and under the model checker a scheduling point at each would
+// only multiply the schedules to explore.
+#[derive(Debug, Default)]
+pub(super) struct Counters {
+    pub(super) requests: std::sync::atomic::AtomicU64,
+    pub(super) groups: std::sync::atomic::AtomicU64,
+    pub(super) commits: std::sync::atomic::AtomicU64,
+    pub(super) durable_commits: std::sync::atomic::AtomicU64,
+    pub(super) logged_commits: std::sync::atomic::AtomicU64,
+    pub(super) largest_group: std::sync::atomic::AtomicU64,
+    pub(super) fast_replays: std::sync::atomic::AtomicU64,
+    pub(super) fast_refusals: std::sync::atomic::AtomicU64,
+    pub(super) swept: std::sync::atomic::AtomicU64,
+    pub(super) checkpoints: std::sync::atomic::AtomicU64,
 }

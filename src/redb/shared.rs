@@ -8,14 +8,14 @@
 //! read-locked wakes the background thread (its lock); no writer of the
 //! memtable waits for the background lock.
 
+use super::Config;
+use super::Counters;
 use super::Durability;
-use super::config::Config;
 use super::db::Db;
 use super::health::On;
 use super::line::Line;
 use super::memtable::{self, Memory};
 use super::record_log::LogWriter;
-use super::stats::Counters;
 use super::tables;
 use super::{open, tables::META_LOG_STATE};
 use crate::error::{Error, Result};
