@@ -10,7 +10,7 @@
 //! A deadlock fails a run, and so does a spin ([`MAX_STEPS`]); a failure
 //! prints its schedule, which replays alone from `IDEMSTORE_SHUTTLE_REPLAY`.
 
-use super::line::{Op, Reply};
+use super::shared::{Op, Reply};
 use super::{MIN_WAL_BYTES, RedbStore};
 use crate::codec;
 use crate::error::Error;

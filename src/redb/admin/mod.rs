@@ -705,18 +705,11 @@ impl Admin<'_> {
 
 /// redb's integrity check of the file at `path` on an in-memory overlay:
 /// `Ok(true)` sound, `Ok(false)` repairable, `Err` why it is not.
-fn engine_check_without_writing(
-    path: &std::path::Path,
-) -> Result<std::result::Result<bool, String>> {
-    let mut db = match crate::redb::overlay::open_overlay(path)? {
-        Ok(db) => db,
-        Err(detail) => return Ok(Err(detail)),
-    };
-    Ok(
+fn engine_check_without_writing(path: &Path) -> Result<std::result::Result<bool, String>> {
+    Ok(open_overlay(path)?.and_then(|mut db| {
         match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| db.check_integrity())) {
-            Ok(Ok(sound)) => Ok(sound),
-            Ok(Err(e)) => Err(e.to_string()),
+            Ok(checked) => checked.map_err(|e| e.to_string()),
             Err(_) => Err("the storage engine panicked checking it".to_owned()),
-        },
-    )
+        }
+    }))
 }

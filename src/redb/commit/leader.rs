@@ -8,7 +8,7 @@
 
 use super::super::Shared;
 use super::super::health::On;
-use super::super::line::{InLine, Op, Reply, Slot, WRITE_QUEUE_DEPTH, Waiter};
+use super::super::shared::{InLine, Op, Reply, Slot, WRITE_QUEUE_DEPTH, Waiter};
 use crate::error::{Error, Result};
 use crate::record::Begin;
 use crate::sync::{Arc, MutexGuard};

@@ -17,9 +17,9 @@ mod decide;
 mod leader;
 
 use super::health::On;
-use super::line::{Op, Reply};
 use super::memtable::MEMTABLE_BYTES;
 use super::shared::Core;
+use super::shared::{Op, Reply};
 use super::tables::{META_TOKEN_HWM, WriteTables, commit};
 use super::{Durability, Shared};
 use crate::error::{Error, Result};
