@@ -145,42 +145,32 @@ impl RedbStore {
     }
 
     fn start(mut opened: open::Opened, config: Config, path: Option<PathBuf>) -> Result<RedbStore> {
-        let store_id = opened.store_id;
         let (leases, frames) = (opened.leases_expired, opened.frames_replayed);
         let mut loss = std::mem::take(&mut opened.loss);
         loss.frames_replayed = frames;
         crate::observability::opened(path.as_deref(), frames, leases, config.read_only);
-        let shared = Shared::new(opened, &config, path.as_deref());
-        let checkpointer = Arc::clone(&shared);
-        let background = spawn("idemstore-redb-checkpointer", move || {
-            checkpoint::run(checkpointer)
-        })?;
-        let leader = Arc::clone(&shared);
-        let committer = shared
-            .read_only
-            .is_none()
-            .then(|| spawn("idemstore-redb-committer", move || leader.run_committer()));
-        let committer = match committer.transpose() {
-            Ok(committer) => committer,
-            Err(e) => {
-                stop_background(&shared, Some(background));
-                return Err(e);
-            }
-        };
         let mut store = RedbStore {
-            shared,
-            background: Some(background),
-            committer,
+            store_id: opened.store_id,
+            shared: Shared::new(opened, &config, path.as_deref()),
+            background: None,
+            committer: None,
             sweeper: None,
-            store_id,
             max_body_bytes: config.max_body_bytes,
             leases_expired_on_open: leases,
             frames_replayed_on_open: frames,
             loss_report: (!loss.is_empty()).then_some(loss),
         };
+        // The threads hold the shared state, not the store: no cycle, and a
+        // thread that cannot start drops the store, which stops the others.
+        let checkpointer = Arc::clone(&store.shared);
+        let run = move || checkpoint::run(checkpointer);
+        store.background = Some(spawn("idemstore-redb-checkpointer", run)?);
+        if store.shared.read_only.is_none() {
+            let leader = Arc::clone(&store.shared);
+            let run = move || leader.run_committer();
+            store.committer = Some(spawn("idemstore-redb-committer", run)?);
+        }
         if let Some(sweep) = config.sweeper {
-            // The sweeper holds the shared state, not the store: no cycle,
-            // and dropping the store stops it first.
             let shared = Arc::clone(&store.shared);
             store.sweeper = Some(Sweeper::spawn_fn(
                 "idemstore-redb-sweeper",
@@ -286,18 +276,6 @@ fn spawn(name: &str, run: impl FnOnce() + Send + 'static) -> Result<JoinHandle<(
         .map_err(Error::Io)
 }
 
-/// Stops the checkpointer and waits for it (it finishes a checkpoint in progress).
-fn stop_background(shared: &Shared, background: Option<JoinHandle<()>>) {
-    {
-        let mut bg = shared.memory.lock_bg();
-        bg.shutdown = true;
-        shared.memory.bg_cv.notify_all();
-    }
-    if let Some(background) = background {
-        let _ = background.join();
-    }
-}
-
 impl Drop for RedbStore {
     fn drop(&mut self) {
         // Order: the sweeper (it submits writes); the committer (futures
@@ -309,7 +287,15 @@ impl Drop for RedbStore {
         if let Some(committer) = self.committer.take() {
             let _ = committer.join();
         }
-        stop_background(&self.shared, self.background.take());
+        {
+            let mut bg = self.shared.memory.lock_bg();
+            bg.shutdown = true;
+            self.shared.memory.bg_cv.notify_all();
+        }
+        // It finishes a checkpoint in progress.
+        if let Some(background) = self.background.take() {
+            let _ = background.join();
+        }
         if !self.is_poisoned() {
             // A failure is recorded (poisoned, with its cause) by the commit.
             let _ = self.shared.close();
