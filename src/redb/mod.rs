@@ -498,7 +498,7 @@ impl RedbStore {
     /// answers a `begin` that writes nothing (Replay, InFlight, Conflict)
     /// with the same state machine on the latest durable state (memtable,
     /// then redb). A claim or a takeover is decided once, by the leader
-    /// that applies it (commit/decide.rs), never here.
+    /// that applies it (`commit::decide`), never here.
     fn prepare_begin(
         &self,
         key: &Key,
