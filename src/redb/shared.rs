@@ -162,6 +162,7 @@ impl Shared {
 }
 
 /// The line of callers waiting to commit, and its wake-ups.
+#[derive(Default)]
 pub(super) struct Line {
     callers: Mutex<InLine>,
     /// Signalled when a leader takes a group out of a full line.
@@ -169,19 +170,6 @@ pub(super) struct Line {
     /// Wakes the committer thread (commit/leader.rs) when it is given the leader
     /// role, or the line closes.
     pub(super) committer: Condvar,
-    /// Most ops a leader commits in one group.
-    pub(super) max_group: usize,
-}
-
-impl Default for Line {
-    fn default() -> Line {
-        Line {
-            callers: Mutex::new(InLine::default()),
-            room: Condvar::new(),
-            committer: Condvar::new(),
-            max_group: MAX_GROUP_OPS,
-        }
-    }
 }
 
 impl Line {

@@ -8,7 +8,7 @@
 
 use super::super::Shared;
 use super::super::health::On;
-use super::super::shared::{InLine, Op, Reply, Slot, WRITE_QUEUE_DEPTH, Waiter};
+use super::super::shared::{InLine, MAX_GROUP_OPS, Op, Reply, Slot, WRITE_QUEUE_DEPTH, Waiter};
 use crate::error::{Error, Result};
 use crate::record::Begin;
 use crate::sync::{Arc, MutexGuard};
@@ -100,7 +100,7 @@ impl Shared {
         let (ops, slots) = {
             let mut q = self.line.lock();
             let full = q.waiting.len() >= WRITE_QUEUE_DEPTH;
-            let n = q.waiting.len().min(self.line.max_group);
+            let n = q.waiting.len().min(MAX_GROUP_OPS);
             let (ops, slots): (Vec<Op>, Vec<Arc<Slot>>) = q.waiting.drain(..n).unzip();
             let threads = slots.iter().filter(|s| s.waiter == Waiter::Thread).count();
             q.threads = q.threads.saturating_sub(threads);
@@ -351,11 +351,7 @@ mod tests {
     /// committer, which would cost that thread a wake-up round trip.
     #[test]
     fn the_role_passes_to_the_first_thread_in_line() {
-        let mut shared = shared();
-        Arc::get_mut(&mut shared)
-            .expect("not shared yet")
-            .line
-            .max_group = 1;
+        let shared = shared();
         let slot = |waiter| Arc::new(Slot::new(waiter));
         let (leader, task, next) = (
             slot(Waiter::Thread),
@@ -365,6 +361,14 @@ mod tests {
         {
             let mut q = shared.line.lock();
             shared.push(&mut q, begin(b"a"), Arc::clone(&leader));
+            // The rest of the leader's group (`MAX_GROUP_OPS`): tasks' sweeps.
+            for _ in 1..MAX_GROUP_OPS {
+                let sweep = Op::Sweep {
+                    now: Timestamp::EPOCH,
+                    max: 1,
+                };
+                shared.push(&mut q, sweep, slot(Waiter::Task));
+            }
             shared.push(&mut q, begin(b"b"), Arc::clone(&task));
             shared.push(&mut q, begin(b"c"), Arc::clone(&next));
             // A thread leads: the task behind it does not call the committer.
