@@ -180,11 +180,10 @@ impl RedbStore {
         self.shared.db.path.as_deref()
     }
 
-    /// A number naming this store file for its life (16 random bytes
-    /// written when it was created, read big-endian), e.g. to tell fencing
-    /// tokens of two stores apart, as
-    /// [`SledStore::store_id`](crate::SledStore::store_id) does (example:
-    /// [`RedbStore`]).
+    /// A number naming this store file for its life (16 random bytes from
+    /// its creation, big-endian), e.g. to tell two stores' fencing tokens
+    /// apart, as [`SledStore::store_id`](crate::SledStore::store_id) does
+    /// (example: [`RedbStore`]).
     pub fn store_id(&self) -> u128 {
         u128::from_be_bytes(self.store_id)
     }
@@ -239,11 +238,10 @@ impl RedbStore {
     }
 
     /// Reclaims free space in the file (after sweeps), returning whether
-    /// anything was moved (example: [`RedbStore`]). It
-    /// checkpoints the memtable first; redb compacts only with no live
-    /// transaction, so until it returns no group commits and reads of the
-    /// store file wait. Run it at a quiet time: it can take as long as
-    /// rewriting the live data.
+    /// anything was moved (example: [`RedbStore`]). It checkpoints the
+    /// memtable first; redb compacts only with no live transaction, so until
+    /// it returns no group commits and reads of the store file wait. Run it
+    /// at a quiet time: it can take as long as rewriting the live data.
     pub fn compact(&self) -> Result<bool> {
         self.shared.check_submit()?;
         let mut core = self.shared.log.lock();

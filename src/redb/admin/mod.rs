@@ -309,11 +309,11 @@ impl Admin<'_> {
     }
 
     /// Writes `records` as they are (nothing is re-decided), replacing what
-    /// is stored under their keys, 10,000 per transaction, and
-    /// raises the token high-water mark to the largest imported token.
-    /// Returns how many were written; the first `Err` item stops the import
-    /// (the batches before it stay written). Each batch holds the commit
-    /// lock: an operator's bulk load, not something to run beside traffic.
+    /// is stored under their keys, 10,000 per transaction, and raises the
+    /// token high-water mark to the largest imported token. Returns how many
+    /// were written; the first `Err` item stops the import (the batches
+    /// before it stay written). Each batch holds the commit lock: an
+    /// operator's bulk load, not something to run beside traffic.
     ///
     /// ```
     /// use idemstore::redb::admin::{export_line, parse_line};
