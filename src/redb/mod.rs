@@ -333,7 +333,7 @@ pub enum Durability {
 
 /// What opening a store does with PROCESSING records it finds.
 ///
-/// One process holds a store file (a second open is [`Error::Locked`](crate::Error::Locked)), so
+/// One process holds a store file (a second open is [`Error::Locked`]), so
 /// a PROCESSING record found at open belongs to a process that died
 /// (example: [`RedbStoreBuilder`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -406,7 +406,7 @@ pub struct RedbStats {
     pub fast_refusals: u64,
     /// Records deleted by sweeps (the sweeper's and [`Store::sweep_expired`](crate::Store::sweep_expired)'s).
     pub swept: u64,
-    /// Leases ended at open by [`RecoveryPolicy::ExpireLeases`](crate::redb::RecoveryPolicy::ExpireLeases).
+    /// Leases ended at open by [`RecoveryPolicy::ExpireLeases`].
     pub leases_expired_on_open: u64,
     /// Frozen memtables the background checkpointer wrote into the store
     /// file (each one durable redb commit that retired a log segment).
