@@ -1,6 +1,6 @@
 //! [`RedbStoreBuilder`]: a store's options, checked, and the opens.
 
-use super::config::{Config, Durability, RecoveryPolicy};
+use super::{Config, Durability, RecoveryPolicy};
 use super::{RedbStore, open};
 use crate::error::{Error, Result};
 use crate::response::{DEFAULT_MAX_BODY_BYTES, check_body_limit};

@@ -174,7 +174,7 @@ fn checkpoint(shared: &Shared, frozen: &std::sync::Arc<Frozen>) -> Result<()> {
         tables.take_in(&frozen.records)?;
         tables.retire(frozen.token_hwm, frozen.epoch.wrapping_add(1))
     })??;
-    // Before the frozen table goes (snapshot.rs).
+    // Before the frozen table goes (db.rs).
     shared.db.snapshot.committed();
     // The memtable's lock comes before the engine's (lock order: shared.rs).
     drop(db);
@@ -193,8 +193,8 @@ fn checkpoint(shared: &Shared, frozen: &std::sync::Arc<Frozen>) -> Result<()> {
 mod tests {
     use super::*;
     use crate::redb::RedbStoreBuilder;
-    use crate::redb::line::Op;
     use crate::redb::open;
+    use crate::redb::shared::Op;
     use std::path::Path;
 
     /// A claim of `a` with a 10 s lease.
@@ -212,7 +212,7 @@ mod tests {
     /// decoded) as from redb once a checkpoint wrote those bytes there.
     #[test]
     fn a_key_reads_the_same_before_and_after_its_checkpoint() {
-        use crate::redb::line::Reply;
+        use crate::redb::shared::Reply;
         let shared = super::super::commit::tests::shared();
         let Ok(Reply::Begin(crate::Begin::Claimed(claim))) = shared.submit(begin_a()) else {
             panic!("claimed");

@@ -72,7 +72,8 @@ impl Shared {
     /// (one `statvfs`, not a replay that fails again), or after
     /// [`RETRY_ANYWAY`] (quotas, reserved blocks); always for other causes.
     fn worth_an_attempt(&self, state: &mut Attempts) -> bool {
-        let full = self.db.health_cause_kind() == Some(std::io::ErrorKind::StorageFull);
+        let full = self.db.health.cause().and_then(|c| c.io_kind())
+            == Some(std::io::ErrorKind::StorageFull);
         let (Some(path), true) = (&self.db.path, full) else {
             return true;
         };

@@ -3,7 +3,7 @@
 //! durable; only the leader (holding the commit lock) writes or freezes the
 //! active table; a checkpoint drops the frozen table only after its redb
 //! commit. So a reader that reads the memtable, then redb, never sees an
-//! older state than the memtable held (snapshot.rs: which redb snapshot).
+//! older state than the memtable held (db.rs: which redb snapshot).
 
 use crate::codec;
 use crate::error::Result;

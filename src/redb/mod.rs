@@ -8,17 +8,14 @@ pub mod admin;
 mod builder;
 mod checkpoint;
 mod commit;
-mod config;
 mod damage;
 mod db;
 mod file;
 mod heal;
 mod health;
 mod inbox;
-mod line;
 mod memtable;
 mod meta;
-mod native;
 mod open;
 mod overlay;
 mod record_log;
@@ -27,8 +24,6 @@ mod requests;
 mod shared;
 #[cfg(all(test, shuttle))]
 mod shuttle_tests;
-mod snapshot;
-mod stats;
 mod tables;
 
 /// The redb crate the store is built on, for an [`Inbox`] handler's own
@@ -36,31 +31,27 @@ mod tables;
 /// version as the store's, whatever the caller's own dependency says.
 pub use ::redb as engine;
 pub use builder::RedbStoreBuilder;
-use config::Config;
-pub use config::{Durability, RecoveryPolicy};
 pub use damage::LossReport;
 pub use health::Health;
 pub use inbox::{Delivery, Inbox, Message};
-pub use stats::RedbStats;
 // Fixed sizes, not public: tests read them through `idemstore::unstable::redb`.
 #[cfg(feature = "unstable-internals")]
 pub(crate) use {
-    line::WRITE_QUEUE_DEPTH,
     memtable::MEMTABLE_BYTES,
     record_log::{FRAME_ALIGN, MIN_WAL_BYTES, WAL_BYTES},
+    shared::WRITE_QUEUE_DEPTH,
 };
 
 use crate::error::{Error, Result};
-use crate::sweeper::Sweeper;
+use crate::sweeper::{Sweeper, SweeperConfig};
 use crate::sync::Arc;
 use crate::sync::atomic::Ordering;
 use crate::sync::thread::{self, JoinHandle};
 use crate::time::Clock;
 use db::{Engine, Usable};
-use line::{Op, Reply};
-use requests::unexpected;
 use shared::Shared;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 /// The durable idempotency store on redb: one file, one process.
 ///
@@ -105,13 +96,9 @@ pub struct RedbStore {
     shared: Arc<Shared>,
     /// The checkpointer (checkpoint.rs).
     background: Option<JoinHandle<()>>,
-    /// The committer (native.rs); none for a read-only store.
+    /// The committer (commit/leader.rs); none for a read-only store.
     committer: Option<JoinHandle<()>>,
     sweeper: Option<Sweeper>,
-    /// The builder's clock: read by recovery at open and the sweeper, and
-    /// handed out by [`Store::clock`](crate::Store::clock).
-    clock: Arc<dyn Clock>,
-    path: Option<PathBuf>,
     store_id: [u8; 16],
     max_body_bytes: usize,
     leases_expired_on_open: u64,
@@ -123,7 +110,7 @@ pub struct RedbStore {
 impl std::fmt::Debug for RedbStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RedbStore")
-            .field("path", &self.path)
+            .field("path", &self.path())
             .field("poisoned", &self.is_poisoned())
             .field("stats", &self.stats())
             .finish_non_exhaustive()
@@ -150,56 +137,39 @@ impl RedbStore {
     }
 
     fn start(mut opened: open::Opened, config: Config, path: Option<PathBuf>) -> Result<RedbStore> {
-        let store_id = opened.store_id;
         let (leases, frames) = (opened.leases_expired, opened.frames_replayed);
         let mut loss = std::mem::take(&mut opened.loss);
         loss.frames_replayed = frames;
         crate::observability::opened(path.as_deref(), frames, leases, config.read_only);
-        let shared = Shared::new(opened, &config, path.as_deref());
-        let checkpointer = Arc::clone(&shared);
-        let background = spawn("idemstore-redb-checkpointer", move || {
-            checkpoint::run(checkpointer)
-        })?;
-        let committer = match &shared.read_only {
-            Some(_) => None,
-            None => {
-                let leader = Arc::clone(&shared);
-                match spawn("idemstore-redb-committer", move || leader.run_committer()) {
-                    Ok(handle) => Some(handle),
-                    Err(e) => {
-                        stop_background(&shared, Some(background));
-                        return Err(e);
-                    }
-                }
-            }
-        };
         let mut store = RedbStore {
-            shared,
-            background: Some(background),
-            committer,
+            store_id: opened.store_id,
+            shared: Shared::new(opened, &config, path.as_deref()),
+            background: None,
+            committer: None,
             sweeper: None,
-            clock: Arc::clone(&config.clock),
-            path,
-            store_id,
             max_body_bytes: config.max_body_bytes,
             leases_expired_on_open: leases,
             frames_replayed_on_open: frames,
             loss_report: (!loss.is_empty()).then_some(loss),
         };
+        // The threads hold the shared state, not the store: no cycle, and a
+        // thread that cannot start drops the store, which stops the others.
+        let checkpointer = Arc::clone(&store.shared);
+        let run = move || checkpoint::run(checkpointer);
+        store.background = Some(spawn("idemstore-redb-checkpointer", run)?);
+        if store.shared.read_only.is_none() {
+            let leader = Arc::clone(&store.shared);
+            let run = move || leader.run_committer();
+            store.committer = Some(spawn("idemstore-redb-committer", run)?);
+        }
         if let Some(sweep) = config.sweeper {
-            // The sweeper holds the shared state, not the store: no cycle,
-            // and dropping the store stops it first.
             let shared = Arc::clone(&store.shared);
-            let sweeper = Sweeper::spawn_fn(
+            store.sweeper = Some(Sweeper::spawn_fn(
                 "idemstore-redb-sweeper",
                 config.clock,
                 sweep,
-                move |now, max| match shared.submit(Op::Sweep { now, max })? {
-                    Reply::Swept(n) => Ok(n),
-                    other => Err(unexpected(&other)),
-                },
-            )?;
-            store.sweeper = Some(sweeper);
+                move |now, max| shared.sweep(now, max),
+            )?);
         }
         Ok(store)
     }
@@ -207,14 +177,13 @@ impl RedbStore {
     /// The file this store was opened from (`None` for a storage backend;
     /// example: [`RedbStore`]).
     pub fn path(&self) -> Option<&Path> {
-        self.path.as_deref()
+        self.shared.db.path.as_deref()
     }
 
-    /// A number naming this store file for its life (16 random bytes
-    /// written when it was created, read big-endian), e.g. to tell fencing
-    /// tokens of two stores apart, as
-    /// [`SledStore::store_id`](crate::SledStore::store_id) does (example:
-    /// [`RedbStore`]).
+    /// A number naming this store file for its life (16 random bytes from
+    /// its creation, big-endian), e.g. to tell two stores' fencing tokens
+    /// apart, as [`SledStore::store_id`](crate::SledStore::store_id) does
+    /// (example: [`RedbStore`]).
     pub fn store_id(&self) -> u128 {
         u128::from_be_bytes(self.store_id)
     }
@@ -269,14 +238,12 @@ impl RedbStore {
     }
 
     /// Reclaims free space in the file (after sweeps), returning whether
-    /// anything was moved (example: [`RedbStore`]). It
-    /// checkpoints the memtable first; redb compacts only with no live
-    /// transaction, so until it returns no group commits and reads of the
-    /// store file wait. Run it at a quiet time: it can take as long as
-    /// rewriting the live data.
+    /// anything was moved (example: [`RedbStore`]). It checkpoints the
+    /// memtable first; redb compacts only with no live transaction, so until
+    /// it returns no group commits and reads of the store file wait. Run it
+    /// at a quiet time: it can take as long as rewriting the live data.
     pub fn compact(&self) -> Result<bool> {
-        self.shared.check_writable()?;
-        self.shared.db.check_healthy()?;
+        self.shared.check_submit()?;
         let mut core = self.shared.log.lock();
         // Compaction moves pages of the durable state only: make everything
         // in memory part of it first (and retire the log).
@@ -299,18 +266,6 @@ fn spawn(name: &str, run: impl FnOnce() + Send + 'static) -> Result<JoinHandle<(
         .map_err(Error::Io)
 }
 
-/// Stops the checkpointer and waits for it (it finishes a checkpoint in progress).
-fn stop_background(shared: &Shared, background: Option<JoinHandle<()>>) {
-    {
-        let mut bg = shared.memory.lock_bg();
-        bg.shutdown = true;
-        shared.memory.bg_cv.notify_all();
-    }
-    if let Some(background) = background {
-        let _ = background.join();
-    }
-}
-
 impl Drop for RedbStore {
     fn drop(&mut self) {
         // Order: the sweeper (it submits writes); the committer (futures
@@ -322,10 +277,167 @@ impl Drop for RedbStore {
         if let Some(committer) = self.committer.take() {
             let _ = committer.join();
         }
-        stop_background(&self.shared, self.background.take());
+        {
+            let mut bg = self.shared.memory.lock_bg();
+            bg.shutdown = true;
+            self.shared.memory.bg_cv.notify_all();
+        }
+        // It finishes a checkpoint in progress.
+        if let Some(background) = self.background.take() {
+            let _ = background.join();
+        }
         if !self.is_poisoned() {
             // A failure is recorded (poisoned, with its cause) by the commit.
             let _ = self.shared.close();
         }
     }
+}
+
+/// What survives a crash: the promise behind every acknowledged write.
+///
+/// ```
+/// use idemstore::RedbStore;
+/// use idemstore::redb::Durability;
+/// use std::time::Duration;
+///
+/// # let dir = tempfile::tempdir()?;
+/// // The default: every acknowledged claim survives power loss.
+/// assert_eq!(Durability::default(), Durability::Immediate);
+/// // Chosen explicitly: at most 50 ms of acknowledged writes may be lost.
+/// let store = RedbStore::builder()
+///     .durability(Durability::Periodic { max_loss: Duration::from_millis(50) })
+///     .open(dir.path().join("relaxed.idem"))?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Durability {
+    /// Every group is durable before any caller in it is answered: an
+    /// acknowledged claim or completion survives a process crash and a power
+    /// loss. Concurrent callers share one fsync (group commit), of a small
+    /// append to the log `<file>-wal`.
+    #[default]
+    Immediate,
+    /// Batches are appended to the log without an fsync; the log is synced
+    /// once `max_loss` has passed since the last sync (also when idle; a
+    /// clean shutdown writes everything into the store file durably). A
+    /// process crash **or** a power loss loses the acknowledged writes of at
+    /// most the last `max_loss` (plus one group's duration). A lost claim
+    /// lets a retry claim the key again and run the side effect twice:
+    /// choose this only where the downstream deduplicates by fencing token.
+    Periodic {
+        /// The loss window; at least 1 ms.
+        max_loss: Duration,
+    },
+}
+
+/// What opening a store does with PROCESSING records it finds.
+///
+/// One process holds a store file (a second open is [`Error::Locked`]), so
+/// a PROCESSING record found at open belongs to a process that died
+/// (example: [`RedbStoreBuilder`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RecoveryPolicy {
+    /// Leave leases alone: a retry waits until the dead owner's lease ends
+    /// (the default: a call the dead owner made downstream may still be
+    /// landing).
+    #[default]
+    WaitForLease,
+    /// End every live lease at open, so a retry takes over at once (with a
+    /// new fencing token). Reads every record once at open.
+    ExpireLeases,
+}
+
+/// Options of a store being opened.
+#[derive(Clone, Debug)]
+pub(super) struct Config {
+    pub(super) durability: Durability,
+    pub(super) cache_bytes: usize,
+    pub(super) max_body_bytes: usize,
+    pub(super) recovery: RecoveryPolicy,
+    pub(super) sweeper: Option<SweeperConfig>,
+    pub(super) clock: Arc<dyn Clock>,
+    pub(super) verify_on_open: bool,
+    pub(super) checkpoint_interval: Duration,
+    pub(super) log_bytes: u64,
+    pub(super) accept_loss: bool,
+    /// An inspection: nothing is written (`RedbStore::builder().open_read_only`).
+    pub(super) read_only: bool,
+}
+
+/// Group-commit counters of a [`RedbStore`] since it was opened.
+///
+/// ```
+/// # use idemstore::{Fingerprint, Key, RedbStore, Store, Timestamp};
+/// # use std::time::Duration;
+/// # let dir = tempfile::tempdir()?;
+/// let store = RedbStore::open(dir.path().join("s.idem"))?;
+/// let d = Duration::from_secs(1);
+/// let _ = store.begin(&Key::new("", "k")?, &Fingerprint::of(b""), Timestamp::EPOCH, d, d)?;
+/// let stats = store.stats();
+/// assert_eq!((stats.requests, stats.commits), (1, 1));
+/// assert_eq!(idemstore::redb::RedbStats::default().mean_group(), 0.0);
+/// # Ok::<(), idemstore::Error>(())
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RedbStats {
+    /// Requests that joined the line (claiming begins, completes, releases,
+    /// sweeps); begins answered on the read fast path do not.
+    pub requests: u64,
+    /// Groups committed by a leader (one log frame each).
+    pub groups: u64,
+    /// Groups and direct transactions that wrote something.
+    pub commits: u64,
+    /// redb commits made durable with an fsync: checkpoints and direct
+    /// transactions (inbox, admin writes, compaction, an oversized group).
+    pub durable_commits: u64,
+    /// Groups made durable by one append and `fdatasync` of the log.
+    pub logged_commits: u64,
+    /// Frames replayed from the log when the store was opened:
+    /// groups acknowledged after the last checkpoint before a crash.
+    pub frames_replayed_on_open: u64,
+    /// The largest group so far.
+    pub largest_group: u64,
+    /// Begins answered `Replay` on the read fast path.
+    pub fast_replays: u64,
+    /// Begins answered InFlight or Conflict on the read fast path.
+    pub fast_refusals: u64,
+    /// Records deleted by sweeps (the sweeper's and [`Store::sweep_expired`](crate::Store::sweep_expired)'s).
+    pub swept: u64,
+    /// Leases ended at open by [`RecoveryPolicy::ExpireLeases`].
+    pub leases_expired_on_open: u64,
+    /// Frozen memtables the background checkpointer wrote into the store
+    /// file (each one durable redb commit that retired a log segment).
+    pub checkpoints: u64,
+}
+
+impl RedbStats {
+    /// Mean requests per group (0 before the first group; example:
+    /// [`RedbStats`]).
+    pub fn mean_group(&self) -> f64 {
+        if self.groups == 0 {
+            0.0
+        } else {
+            self.requests as f64 / self.groups as f64
+        }
+    }
+}
+
+// std's atomics, not crate::sync's: these are counters only, no decision
+// reads them, and under the model checker a scheduling point at each would
+// only multiply the schedules to explore.
+#[derive(Debug, Default)]
+pub(super) struct Counters {
+    pub(super) requests: std::sync::atomic::AtomicU64,
+    pub(super) groups: std::sync::atomic::AtomicU64,
+    pub(super) commits: std::sync::atomic::AtomicU64,
+    pub(super) durable_commits: std::sync::atomic::AtomicU64,
+    pub(super) logged_commits: std::sync::atomic::AtomicU64,
+    pub(super) largest_group: std::sync::atomic::AtomicU64,
+    pub(super) fast_replays: std::sync::atomic::AtomicU64,
+    pub(super) fast_refusals: std::sync::atomic::AtomicU64,
+    pub(super) swept: std::sync::atomic::AtomicU64,
+    pub(super) checkpoints: std::sync::atomic::AtomicU64,
 }

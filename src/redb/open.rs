@@ -336,7 +336,7 @@ fn expire_leases(db: &Database, config: &Config) -> Result<u64> {
                     lease_until: Some(now),
                     ..record
                 };
-                tables.apply(&key_bytes, Some(&ended))?;
+                tables.put(&key_bytes, &ended)?;
                 expired += 1;
             }
         }

@@ -1,8 +1,8 @@
 //! The [`Store`] impl of [`RedbStore`]: each call's checks, the read fast
 //! path, and the ops a call puts in the line (`commit/`).
 
-use super::RedbStore;
-use super::line::{Op, Reply};
+use super::shared::{Op, Reply};
+use super::{RedbStore, Shared};
 use crate::codec;
 use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
@@ -37,10 +37,25 @@ fn done(reply: Reply) -> Result<()> {
     }
 }
 
-pub(super) fn unexpected(reply: &Reply) -> Error {
+fn unexpected(reply: &Reply) -> Error {
     Error::backend(format!(
         "the commit path answered with the wrong kind of reply: {reply:?}"
     ))
+}
+
+impl Shared {
+    /// A sweep of up to `max` (at most [`MAX_SWEEP_BATCH`]) expired records
+    /// through the line: the store's and the sweeper thread's.
+    pub(super) fn sweep(&self, now: Timestamp, max: usize) -> Result<usize> {
+        let max = max.min(MAX_SWEEP_BATCH);
+        if max == 0 {
+            return Ok(0);
+        }
+        match self.submit(Op::Sweep { now, max })? {
+            Reply::Swept(n) => Ok(n),
+            other => Err(unexpected(&other)),
+        }
+    }
 }
 
 impl RedbStore {
@@ -48,7 +63,7 @@ impl RedbStore {
     /// answers a `begin` that writes nothing (Replay, InFlight, Conflict)
     /// with the same state machine on the latest durable state (memtable,
     /// then redb). A claim or a takeover is decided once, by the leader
-    /// that applies it (commit/decide.rs), never here.
+    /// that applies it (`commit::decide`), never here.
     fn prepare_begin(
         &self,
         key: &Key,
@@ -182,18 +197,11 @@ impl Store for RedbStore {
     }
 
     fn sweep_expired(&self, now: Timestamp, max: usize) -> Result<usize> {
-        let max = max.min(MAX_SWEEP_BATCH);
-        if max == 0 {
-            return Ok(0);
-        }
-        match self.shared.submit(Op::Sweep { now, max })? {
-            Reply::Swept(n) => Ok(n),
-            other => Err(unexpected(&other)),
-        }
+        self.shared.sweep(now, max)
     }
 
     fn clock(&self) -> Arc<dyn Clock> {
-        Arc::clone(&self.clock)
+        Arc::clone(&self.shared.db.clock)
     }
 
     /// The fast path (Replay, InFlight, Conflict from memory or a redb

@@ -1,5 +1,5 @@
 //! The commit line under the Shuttle model checker: the production code of
-//! `commit/`, native.rs, checkpoint.rs and this module's `Shared` and `Drop`
+//! `commit/`, checkpoint.rs and this module's `Shared` and `Drop`
 //! under many schedules (docs/testing.md, "The commit line under a model
 //! checker"; src/sync.rs for the switch of primitives).
 //!
@@ -10,7 +10,7 @@
 //! A deadlock fails a run, and so does a spin ([`MAX_STEPS`]); a failure
 //! prints its schedule, which replays alone from `IDEMSTORE_SHUTTLE_REPLAY`.
 
-use super::line::{Op, Reply};
+use super::shared::{Op, Reply};
 use super::{MIN_WAL_BYTES, RedbStore};
 use crate::codec;
 use crate::error::Error;
@@ -388,7 +388,7 @@ fn shuttle_a_failed_checkpoint_then_a_drop_returns() {
 /// new one) after the completion.
 static SNAPSHOT_RUNS: AtomicUsize = AtomicUsize::new(0);
 
-/// The read path's kept redb snapshot (snapshot.rs) across checkpoints
+/// The read path's kept redb snapshot (db.rs) across checkpoints
 /// (a read of a checkpointed key goes to redb): `a` is claimed and pushed out to the store file by other keys'
 /// groups, then completed and pushed out again. A reader that starts
 /// after the completion returned must read it at every point of those

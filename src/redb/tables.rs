@@ -115,23 +115,18 @@ impl<'txn> WriteTables<'txn> {
         self.set_meta(META_LOG_EPOCH, &next_epoch.to_be_bytes())
     }
 
-    /// Stores `entry` (`None`: a deletion) as the latest state of
-    /// `key_bytes`, moving its expiry-index entry: how every writer keeps a
-    /// record and its index entry together. Encoded (and checked) before
-    /// the first write, so an encoding failure writes nothing.
-    pub(super) fn apply(&mut self, key_bytes: &[u8], entry: Option<&Record>) -> Result<()> {
-        match entry {
-            Some(record) => {
-                let value = codec::encode_record(record)?;
-                self.apply_encoded(key_bytes, Some((&value, record.expires_at)))
-            }
-            None => self.apply_encoded(key_bytes, None),
-        }
+    /// Stores `record` as the latest state of `key_bytes`, encoded (and
+    /// checked) before the first write, so an encoding failure writes nothing.
+    pub(super) fn put(&mut self, key_bytes: &[u8], record: &Record) -> Result<()> {
+        let value = codec::encode_record(record)?;
+        self.apply_encoded(key_bytes, Some((&value, record.expires_at)))
     }
 
-    /// [`apply`](Self::apply) for an encoded record. A stored record that
-    /// does not decode is replaced; its unknown index entry is left to the
-    /// sweep, which re-checks every entry it finds.
+    /// Stores an encoded record (`None`: a deletion) as the latest state of
+    /// `key_bytes`, moving its expiry-index entry: how every writer keeps a
+    /// record and its index entry together. A stored record that does not
+    /// decode is replaced; its unknown index entry is left to the sweep,
+    /// which re-checks every entry it finds.
     pub(super) fn apply_encoded(
         &mut self,
         key_bytes: &[u8],
@@ -209,16 +204,7 @@ impl<'txn> WriteTables<'txn> {
     }
 }
 
-/// Where decisions read what redb holds: the kept snapshot (snapshot.rs)
-/// for a group, the inbox's own write transaction for its messages.
-pub(super) trait Source {
-    /// The stored record for `key_bytes`, verified ([`Error::Corrupt`](crate::Error::Corrupt) if not).
-    fn read(&self, key_bytes: &[u8]) -> Result<Option<Record>>;
-    /// Calls `f` with each index entry of an expiry at or before `now`,
-    /// oldest first, while it returns `true`.
-    fn due(&self, now: Timestamp, f: &mut dyn FnMut(&[u8]) -> Result<bool>) -> Result<()>;
-}
-
+/// The stored record for `key_bytes`, verified ([`Error::Corrupt`](crate::Error::Corrupt) if not).
 fn read_from(
     records: &impl ReadableTable<&'static [u8], &'static [u8]>,
     key_bytes: &[u8],
@@ -229,37 +215,16 @@ fn read_from(
     }
 }
 
-fn due_from(
-    expiry: &impl ReadableTable<&'static [u8], ()>,
-    now: Timestamp,
-    f: &mut dyn FnMut(&[u8]) -> Result<bool>,
-) -> Result<()> {
-    // Every index entry of an expiry <= now sorts before this bound:
-    // entries are (expires_at BE | key) and the bound is (now + 1 BE).
-    let bound = now.as_millis().saturating_add(1).to_be_bytes();
-    for entry in expiry
-        .range::<&[u8]>(..bound.as_slice())
-        .map_err(engine_error)?
-    {
-        let (index_key, _) = entry.map_err(engine_error)?;
-        if !f(index_key.value())? {
-            break;
-        }
-    }
-    Ok(())
-}
-
-impl Source for WriteTables<'_> {
-    fn read(&self, key_bytes: &[u8]) -> Result<Option<Record>> {
+impl WriteTables<'_> {
+    /// The stored record for `key_bytes` in this transaction (the inbox's
+    /// decisions), verified.
+    pub(super) fn read(&self, key_bytes: &[u8]) -> Result<Option<Record>> {
         read_from(&self.records, key_bytes)
     }
-    fn due(&self, now: Timestamp, f: &mut dyn FnMut(&[u8]) -> Result<bool>) -> Result<()> {
-        due_from(&self.expiry, now, f)
-    }
 }
 
-/// The record and index tables of one read transaction (the kept
-/// snapshot's).
+/// The record and index tables of one read transaction: the kept snapshot
+/// (db.rs), where a group's decisions read what redb holds.
 pub(super) struct ReadTables {
     records: ReadOnlyTable<&'static [u8], &'static [u8]>,
     expiry: ReadOnlyTable<&'static [u8], ()>,
@@ -272,13 +237,32 @@ impl ReadTables {
             expiry: txn.open_table(EXPIRY).map_err(engine_error)?,
         })
     }
-}
 
-impl Source for ReadTables {
-    fn read(&self, key_bytes: &[u8]) -> Result<Option<Record>> {
+    /// The stored record for `key_bytes`, verified.
+    pub(super) fn read(&self, key_bytes: &[u8]) -> Result<Option<Record>> {
         read_from(&self.records, key_bytes)
     }
-    fn due(&self, now: Timestamp, f: &mut dyn FnMut(&[u8]) -> Result<bool>) -> Result<()> {
-        due_from(&self.expiry, now, f)
+
+    /// Calls `f` with each index entry of an expiry at or before `now`,
+    /// oldest first, while it returns `true`.
+    pub(super) fn due(
+        &self,
+        now: Timestamp,
+        mut f: impl FnMut(&[u8]) -> Result<bool>,
+    ) -> Result<()> {
+        // Every index entry of an expiry <= now sorts before this bound:
+        // entries are (expires_at BE | key) and the bound is (now + 1 BE).
+        let bound = now.as_millis().saturating_add(1).to_be_bytes();
+        for entry in self
+            .expiry
+            .range::<&[u8]>(..bound.as_slice())
+            .map_err(engine_error)?
+        {
+            let (index_key, _) = entry.map_err(engine_error)?;
+            if !f(index_key.value())? {
+                break;
+            }
+        }
+        Ok(())
     }
 }

@@ -47,7 +47,7 @@ use super::open::log_to_read;
 use super::overlay::open_overlay;
 use super::record_log;
 use super::recovery::{Found, boot_id, plan_log, walk_live};
-use super::tables::{EXPIRY, RECORDS};
+use super::tables::{EXPIRY, RECORDS, ReadTables};
 use crate::codec;
 use crate::error::{Error, Result};
 use crate::key::Key;
@@ -228,21 +228,11 @@ impl Admin<'_> {
     /// sweep at `now` will visit.
     pub fn count_due(&self, now: Timestamp, limit: u64) -> Result<u64> {
         let db = self.store.shared.db.read_db()?;
-        let txn = db.begin_read().map_err(engine_error)?;
-        let expiry = txn.open_table(EXPIRY).map_err(engine_error)?;
-        // Entries are expires_at BE | key.
-        let bound = now.as_millis().saturating_add(1).to_be_bytes();
         let mut n = 0u64;
-        for entry in expiry
-            .range::<&[u8]>(..bound.as_slice())
-            .map_err(engine_error)?
-        {
-            entry.map_err(engine_error)?;
+        ReadTables::open(&db.begin_read().map_err(engine_error)?)?.due(now, |_| {
             n += 1;
-            if n >= limit {
-                break;
-            }
-        }
+            Ok(n < limit)
+        })?;
         Ok(n)
     }
 }
@@ -319,11 +309,11 @@ impl Admin<'_> {
     }
 
     /// Writes `records` as they are (nothing is re-decided), replacing what
-    /// is stored under their keys, 10,000 per transaction, and
-    /// raises the token high-water mark to the largest imported token.
-    /// Returns how many were written; the first `Err` item stops the import
-    /// (the batches before it stay written). Each batch holds the commit
-    /// lock: an operator's bulk load, not something to run beside traffic.
+    /// is stored under their keys, 10,000 per transaction, and raises the
+    /// token high-water mark to the largest imported token. Returns how many
+    /// were written; the first `Err` item stops the import (the batches
+    /// before it stay written). Each batch holds the commit lock: an
+    /// operator's bulk load, not something to run beside traffic.
     ///
     /// ```
     /// use idemstore::redb::admin::{export_line, parse_line};
@@ -352,7 +342,7 @@ impl Admin<'_> {
             self.store.shared.direct(|tables, token_hwm| {
                 for item in records.by_ref().take(IMPORT_BATCH) {
                     let (key, record) = item?;
-                    tables.apply(&codec::encode_key(&key), Some(&record))?;
+                    tables.put(&codec::encode_key(&key), &record)?;
                     hwm = hwm.max(record.token);
                     written += 1;
                 }

@@ -4,8 +4,10 @@ use super::Admin;
 use crate::codec;
 use crate::error::Result;
 use crate::redb::file::engine_error;
+use crate::redb::overlay::open_overlay;
 use crate::redb::tables::{EXPIRY, RECORDS};
 use ::redb::{ReadableDatabase, ReadableTable};
+use std::path::Path;
 
 /// Most problems a [`VerifyReport`] lists; past this it only counts them.
 pub(crate) const MAX_LISTED_PROBLEMS: usize = 100;
@@ -157,32 +159,30 @@ impl Admin<'_> {
         // Every transaction waited out and none begun until the check ends:
         // the file then holds whole commits only.
         let mut engine = shared.db.write_db();
-        match self.store.path() {
-            // redb's repair rolls the file back (and can fail): on an overlay.
-            Some(path) => match engine_check_without_writing(path)? {
-                Ok(true) => {}
-                Ok(false) => report.add(
-                    ProblemKind::EngineRepaired,
-                    None,
-                    "redb's page checksums failed; redb could repair the file from its last \
-                     good commit (verify changed nothing)",
-                ),
-                Err(detail) => report.add(
-                    ProblemKind::EngineDamaged,
-                    None,
-                    format!("redb's page checksums failed and it cannot repair the file: {detail} (verify changed nothing)"),
-                ),
-            },
-            // A caller's backend, checked in place.
-            None => {
-                if !engine.db.check_integrity().map_err(engine_error)? {
-                    report.add(
-                        ProblemKind::EngineRepaired,
-                        None,
-                        "redb's page checksums failed; redb repaired the file from its last good commit",
-                    );
-                }
-            }
+        // redb's repair rolls the file back (and can fail): a file is checked
+        // on an overlay, a caller's backend in place.
+        let (checked, repair) = match self.store.path() {
+            Some(path) => (
+                engine_check_without_writing(path)?,
+                "could repair the file from its last good commit (verify changed nothing)",
+            ),
+            None => (
+                Ok(engine.db.check_integrity().map_err(engine_error)?),
+                "repaired the file from its last good commit",
+            ),
+        };
+        match checked {
+            Ok(true) => {}
+            Ok(false) => report.add(
+                ProblemKind::EngineRepaired,
+                None,
+                format!("redb's page checksums failed; redb {repair}"),
+            ),
+            Err(detail) => report.add(
+                ProblemKind::EngineDamaged,
+                None,
+                format!("redb's page checksums failed and it cannot repair the file: {detail} (verify changed nothing)"),
+            ),
         }
         drop(engine);
         let db = shared.db.read_db()?;
@@ -256,18 +256,11 @@ impl Admin<'_> {
 
 /// redb's integrity check of the file at `path` on an in-memory overlay:
 /// `Ok(true)` sound, `Ok(false)` repairable, `Err` why it is not.
-fn engine_check_without_writing(
-    path: &std::path::Path,
-) -> Result<std::result::Result<bool, String>> {
-    let mut db = match crate::redb::overlay::open_overlay(path)? {
-        Ok(db) => db,
-        Err(detail) => return Ok(Err(detail)),
-    };
-    Ok(
+fn engine_check_without_writing(path: &Path) -> Result<std::result::Result<bool, String>> {
+    Ok(open_overlay(path)?.and_then(|mut db| {
         match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| db.check_integrity())) {
-            Ok(Ok(sound)) => Ok(sound),
-            Ok(Err(e)) => Err(e.to_string()),
+            Ok(checked) => checked.map_err(|e| e.to_string()),
             Err(_) => Err("the storage engine panicked checking it".to_owned()),
-        },
-    )
+        }
+    }))
 }

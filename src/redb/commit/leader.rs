@@ -1,28 +1,28 @@
 //! The leader role: the first thread in line leads a group
-//! ([`Shared::lead_once`]), passes the role on and answers the group.
-//! Futures never lead (a runtime thread must not block on an fsync): the
-//! committer thread leads for them. A full line makes a caller wait.
+//! ([`Shared::lead_once`]), passes the role on and answers the group. A
+//! future ([`Submitted`]) never leads (a runtime thread must not block on
+//! an fsync): the committer thread leads for it. A full line makes a thread
+//! wait and a future pend. A future dropped in line leaves it; dropped
+//! later, a claim nobody saw is released through the line (docs/design.md,
+//! "Futures in the line").
 
 use super::super::Shared;
 use super::super::health::On;
-use super::super::line::{InLine, Op, Reply, Slot, WRITE_QUEUE_DEPTH, Waiter};
+use super::super::shared::{InLine, MAX_GROUP_OPS, Op, Reply, Slot, WRITE_QUEUE_DEPTH, Waiter};
 use crate::error::{Error, Result};
 use crate::record::Begin;
-use crate::sync::Arc;
-use std::task::Waker;
+use crate::sync::{Arc, MutexGuard};
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll, Waker};
 
 impl Shared {
-    /// [`Error::ReadOnly`] for a store opened read-only.
-    pub(in crate::redb) fn check_writable(&self) -> Result<()> {
-        match &self.read_only {
-            Some(path) => Err(Error::ReadOnly { path: path.clone() }),
-            None => Ok(()),
-        }
-    }
-
-    /// The checks before a request joins the line: writable, not poisoned.
+    /// The checks before a request joins the line: writable
+    /// ([`Error::ReadOnly`]), not poisoned.
     pub(in crate::redb) fn check_submit(&self) -> Result<()> {
-        self.check_writable()?;
+        if let Some(path) = &self.read_only {
+            return Err(Error::ReadOnly { path: path.clone() });
+        }
         self.db.check_healthy()
     }
 
@@ -32,7 +32,7 @@ impl Shared {
     pub(in crate::redb) fn submit(&self, op: Op) -> Result<Reply> {
         self.check_submit()?;
         let mine = Arc::new(Slot::new(Waiter::Thread));
-        let lead = {
+        let mut lead = {
             let mut q = self.line.lock();
             while q.waiting.len() >= WRITE_QUEUE_DEPTH && !q.closed {
                 q = self.line.room.wait(q).unwrap_or_else(|p| p.into_inner());
@@ -44,17 +44,16 @@ impl Shared {
             self.push(&mut q, op, Arc::clone(&mine));
             lead
         };
-        if !lead && let Some(answer) = mine.wait() {
-            return answer;
-        }
         loop {
-            if let Some(answer) = self.lead_once(Some(&mine)) {
+            if lead && let Some(answer) = self.lead_once(Some(&mine)) {
                 return answer;
             }
-            // Not in this group (a long line): wait for the role or an answer.
+            // Wait for an answer, or for the role (after leading: this
+            // caller was not in the group, a long line).
             if let Some(answer) = mine.wait() {
                 return answer;
             }
+            lead = true;
         }
     }
 
@@ -98,23 +97,16 @@ impl Shared {
     /// passes the role on, answers the group. Returns `mine`'s answer when
     /// it was in the group.
     pub(in crate::redb) fn lead_once(&self, mine: Option<&Arc<Slot>>) -> Option<Result<Reply>> {
-        let (ops, slots, room) = {
+        let (ops, slots) = {
             let mut q = self.line.lock();
             let full = q.waiting.len() >= WRITE_QUEUE_DEPTH;
-            let n = q.waiting.len().min(self.line.max_group);
+            let n = q.waiting.len().min(MAX_GROUP_OPS);
             let (ops, slots): (Vec<Op>, Vec<Arc<Slot>>) = q.waiting.drain(..n).unzip();
             let threads = slots.iter().filter(|s| s.waiter == Waiter::Thread).count();
             q.threads = q.threads.saturating_sub(threads);
-            // Only a full line can have callers waiting for room (a
-            // notify is a syscall even with nobody waiting).
-            let mut room = Vec::new();
-            if full {
-                self.line.room.notify_all();
-                room = std::mem::take(&mut q.room);
-            }
-            (ops, slots, room)
+            self.make_room(q, full);
+            (ops, slots)
         };
-        room.into_iter().for_each(Waker::wake);
         // A dropped future can empty the line under the committer.
         let answers = if ops.is_empty() {
             Vec::new()
@@ -161,10 +153,163 @@ impl Shared {
     }
 }
 
+/// A request in the line, as a future (see the module docs).
+pub(in crate::redb) struct Submitted {
+    shared: Arc<Shared>,
+    state: State,
+    /// A `begin`'s key, to release a claim its dropped caller never saw.
+    begin_key: Option<Vec<u8>>,
+}
+
+enum State {
+    /// The line was full: the op waits here for room.
+    Room(Op),
+    Waiting(Arc<Slot>),
+    Finished,
+}
+
+impl Shared {
+    /// Puts `op` in line without blocking and returns the future of its
+    /// answer; refused at once (read-only, poisoned, closed) otherwise.
+    pub(in crate::redb) fn submit_async(self: &Arc<Self>, op: Op) -> Result<Submitted> {
+        self.check_submit()?;
+        let begin_key = match &op {
+            Op::Begin { key, .. } => Some(key.clone()),
+            _ => None,
+        };
+        let mut submitted = Submitted {
+            shared: Arc::clone(self),
+            state: State::Room(op),
+            begin_key,
+        };
+        let refused = submitted.try_join(&mut self.line.lock());
+        refused.map_or(Ok(submitted), Err)
+    }
+
+    /// The committer thread's body: leads while it holds the role, sleeps
+    /// otherwise, and stops once the store is closed and the line is empty.
+    pub(in crate::redb) fn run_committer(&self) {
+        let mut q = self.line.lock();
+        loop {
+            if q.committer {
+                drop(q);
+                let _ = self.lead_once(None);
+                q = self.line.lock();
+                continue;
+            }
+            if q.closed && q.waiting.is_empty() {
+                q.stopped = true;
+                return;
+            }
+            q = self
+                .line
+                .committer
+                .wait(q)
+                .unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    /// Closes the line (the store is being dropped): nothing joins it any
+    /// more, and every waiter for room is woken to hear so. The committer
+    /// commits what is left, then stops.
+    pub(in crate::redb) fn close_line(&self) {
+        let mut q = self.line.lock();
+        q.closed = true;
+        self.line.committer.notify_all();
+        self.make_room(q, true);
+    }
+
+    /// Wakes the callers waiting for room if the line was `full` (only then
+    /// can there be any, and a notify is a syscall even with nobody
+    /// waiting): the threads, and the tasks once `q` is let go.
+    fn make_room(&self, mut q: MutexGuard<'_, InLine>, full: bool) {
+        if full {
+            self.line.room.notify_all();
+            let room = std::mem::take(&mut q.room);
+            drop(q);
+            room.into_iter().for_each(Waker::wake);
+        }
+    }
+
+    /// A dropped future's slot: out of the line if it is still there, else
+    /// abandoned; a claim it made and nobody saw is released.
+    fn abandon(&self, slot: &Arc<Slot>, begin_key: Option<Vec<u8>>) {
+        let mut q = self.line.lock();
+        if let Some(at) = q.waiting.iter().position(|(_, s)| Arc::ptr_eq(s, slot)) {
+            let full = q.waiting.len() >= WRITE_QUEUE_DEPTH;
+            let _ = q.waiting.remove(at);
+            return self.make_room(q, full);
+        }
+        drop(q);
+        if let (Some(answer), Some(key)) = (slot.abandon(), begin_key) {
+            self.release_unseen(key, answer);
+        }
+    }
+}
+
+impl Submitted {
+    /// Moves the op into the line if there is room (`None`), or registers
+    /// nothing and leaves it here; `Some(error)` when the line is closed.
+    fn try_join(&mut self, q: &mut InLine) -> Option<Error> {
+        if q.closed {
+            self.state = State::Finished;
+            return Some(Error::Closed);
+        }
+        if q.waiting.len() >= WRITE_QUEUE_DEPTH {
+            return None;
+        }
+        if let State::Room(op) = std::mem::replace(&mut self.state, State::Finished) {
+            let slot = Arc::new(Slot::new(Waiter::Task));
+            self.shared.push(q, op, Arc::clone(&slot));
+            self.state = State::Waiting(slot);
+        }
+        None
+    }
+}
+
+impl Future for Submitted {
+    type Output = Result<Reply>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<Reply>> {
+        let this = self.get_mut();
+        if matches!(this.state, State::Room(_)) {
+            let shared = Arc::clone(&this.shared);
+            let mut q = shared.line.lock();
+            if let Some(refused) = this.try_join(&mut q) {
+                return Poll::Ready(Err(refused));
+            }
+            if matches!(this.state, State::Room(_)) {
+                q.room.push(cx.waker().clone());
+                return Poll::Pending;
+            }
+        }
+        match &this.state {
+            State::Waiting(slot) => {
+                let answer = std::task::ready!(slot.poll(cx));
+                this.state = State::Finished;
+                Poll::Ready(answer)
+            }
+            State::Room(_) | State::Finished => Poll::Ready(Err(Error::backend(
+                "a store future was polled after it completed",
+            ))),
+        }
+    }
+}
+
+impl Drop for Submitted {
+    fn drop(&mut self) {
+        if let State::Waiting(slot) = std::mem::replace(&mut self.state, State::Finished) {
+            self.shared.abandon(&slot, self.begin_key.take());
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::super::tests::{begin, shared};
+    use super::super::tests::{D, begin, shared};
     use super::*;
+    use crate::fingerprint::Fingerprint;
+    use crate::time::Timestamp;
     use std::time::Duration;
 
     /// A thread that finds the line full waits for room
@@ -206,11 +351,7 @@ mod tests {
     /// committer, which would cost that thread a wake-up round trip.
     #[test]
     fn the_role_passes_to_the_first_thread_in_line() {
-        let mut shared = shared();
-        Arc::get_mut(&mut shared)
-            .expect("not shared yet")
-            .line
-            .max_group = 1;
+        let shared = shared();
         let slot = |waiter| Arc::new(Slot::new(waiter));
         let (leader, task, next) = (
             slot(Waiter::Thread),
@@ -220,6 +361,14 @@ mod tests {
         {
             let mut q = shared.line.lock();
             shared.push(&mut q, begin(b"a"), Arc::clone(&leader));
+            // The rest of the leader's group (`MAX_GROUP_OPS`): tasks' sweeps.
+            for _ in 1..MAX_GROUP_OPS {
+                let sweep = Op::Sweep {
+                    now: Timestamp::EPOCH,
+                    max: 1,
+                };
+                shared.push(&mut q, sweep, slot(Waiter::Task));
+            }
             shared.push(&mut q, begin(b"b"), Arc::clone(&task));
             shared.push(&mut q, begin(b"c"), Arc::clone(&next));
             // A thread leads: the task behind it does not call the committer.
@@ -235,5 +384,106 @@ mod tests {
         let q = shared.line.lock();
         assert!(!q.committer, "the committer was not asked");
         assert_eq!((q.waiting.len(), q.threads), (2, 1));
+    }
+
+    fn numbered(id: usize) -> Op {
+        Op::Begin {
+            key: format!("\0{id}").into_bytes(),
+            fingerprint: Fingerprint::of(b"fp"),
+            now: Timestamp::from_millis(1_000),
+            lease: D,
+            retention: D,
+        }
+    }
+
+    fn poll(f: &mut Submitted) -> Poll<Result<Reply>> {
+        Pin::new(f).poll(&mut Context::from_waker(Waker::noop()))
+    }
+
+    fn lead_all(shared: &Shared) {
+        while !shared.line.lock().waiting.is_empty() {
+            let _ = shared.lead_once(None);
+        }
+    }
+
+    #[test]
+    fn a_full_line_keeps_the_op_until_a_group_makes_room() {
+        // No committer runs here: this test leads.
+        let shared = shared();
+        let mut queued: Vec<Submitted> = (0..WRITE_QUEUE_DEPTH)
+            .map(|i| shared.submit_async(numbered(i)).unwrap())
+            .collect();
+        assert!(
+            shared.line.lock().committer,
+            "the role went to the committer"
+        );
+        let mut late = shared.submit_async(numbered(WRITE_QUEUE_DEPTH)).unwrap();
+        assert!(matches!(late.state, State::Room(_)));
+        assert!(poll(&mut late).is_pending());
+        assert_eq!(shared.line.lock().room.len(), 1);
+        let _ = shared.lead_once(None);
+        assert!(shared.line.lock().room.is_empty(), "woken");
+        assert!(poll(&mut late).is_pending());
+        assert!(matches!(late.state, State::Waiting(_)));
+        lead_all(&shared);
+        assert!(matches!(
+            poll(&mut late),
+            Poll::Ready(Ok(Reply::Begin(Begin::Claimed(_))))
+        ));
+        for f in &mut queued {
+            assert!(matches!(
+                poll(f),
+                Poll::Ready(Ok(Reply::Begin(Begin::Claimed(_))))
+            ));
+        }
+        let q = shared.line.lock();
+        assert!(!q.committer && q.waiting.is_empty());
+    }
+
+    #[test]
+    fn a_dropped_future_leaves_the_line_or_gives_its_claim_back() {
+        let shared = shared();
+        // Dropped while queued: out of the line, nothing written.
+        drop(shared.submit_async(numbered(1)).unwrap());
+        assert!(shared.line.lock().waiting.is_empty());
+        // Dropped after its group committed, answer unread: released.
+        let answered = shared.submit_async(numbered(2)).unwrap();
+        lead_all(&shared);
+        assert!(matches!(shared.read(b"\x002"), Ok(Some(_))));
+        drop(answered);
+        assert_eq!(shared.line.lock().waiting.len(), 1, "the release is queued");
+        lead_all(&shared);
+        assert!(matches!(shared.read(b"\x002"), Ok(None)));
+        // Dropped while its group commits: the leader releases it.
+        let taken = shared.submit_async(numbered(3)).unwrap();
+        let State::Waiting(slot) = &taken.state else {
+            panic!("queued")
+        };
+        assert!(slot.abandon().is_none());
+        std::mem::forget(taken);
+        lead_all(&shared);
+        assert!(matches!(shared.read(b"\x003"), Ok(None)));
+        assert!(matches!(shared.read(b"\x001"), Ok(None)));
+    }
+
+    #[test]
+    fn a_closed_line_refuses_new_requests() {
+        let shared = shared();
+        let mut queued = shared.submit_async(numbered(1)).unwrap();
+        shared.close_line();
+        assert!(matches!(
+            shared.submit_async(numbered(2)),
+            Err(Error::Closed)
+        ));
+        assert!(matches!(shared.submit(numbered(3)), Err(Error::Closed)));
+        // What was queued before is still answered (the committer drains).
+        lead_all(&shared);
+        assert!(matches!(poll(&mut queued), Poll::Ready(Ok(_))));
+        shared.run_committer();
+        assert!(shared.line.lock().stopped);
+        // A dropped future's release after the stop is not queued.
+        let claim = crate::record::Claim::unprotected();
+        shared.release_unseen(b"\x001".to_vec(), Ok(Reply::Begin(Begin::Claimed(claim))));
+        assert!(shared.line.lock().waiting.is_empty());
     }
 }

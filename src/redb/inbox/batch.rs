@@ -8,7 +8,7 @@
 
 use super::super::RedbStore;
 use super::super::health::On;
-use super::super::tables::{Source, WriteTables};
+use super::super::tables::WriteTables;
 use super::{Delivery, Inbox};
 use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
@@ -224,7 +224,7 @@ impl Inbox {
                         .and_then(|()| {
                             logic::complete(Some(processing), &claim, &response, now, retention)
                         })
-                        .and_then(|done| tables.apply(key, Some(&done)));
+                        .and_then(|done| tables.put(key, &done));
                     if let Err(e) = stored {
                         return failed(Failed::Error(e.into()));
                     }

@@ -13,7 +13,6 @@ pub use batch::Message;
 
 use super::RedbStore;
 use super::file::engine_error;
-use super::tables::Source;
 use crate::codec;
 use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
@@ -320,7 +319,7 @@ impl RedbStore {
             let step = Step::new(name, output)?;
             let existing = tables.read(&key_bytes)?;
             if let Some(record) = logic::record_step(existing, claim, &step, now)? {
-                tables.apply(&key_bytes, Some(&record))?;
+                tables.put(&key_bytes, &record)?;
             }
             Ok::<_, E>(step.output)
         })?;
