@@ -96,6 +96,7 @@ macro_rules! __conformance_cases {
             scopes_isolate,
             expired_records_invisible_before_sweep,
             sweep_removes_only_expired_and_is_bounded,
+            sweep_takes_equal_expiries_in_key_order,
             tokens_increase_across_keys,
             clock_jumps_never_let_a_stale_owner_complete,
             oversized_response_writes_nothing,
@@ -991,6 +992,27 @@ pub fn sweep_removes_only_expired_and_is_bounded(make: Make<'_>) {
                 .is_some()
         );
     }
+}
+
+/// Records that expire at the same instant are swept in key order
+/// (PostgreSQL's expiry index leaves the key out: the sort does this).
+pub fn sweep_takes_equal_expiries_in_key_order(make: Make<'_>) {
+    let s = make().store_owned();
+    let fp = Fingerprint::of(b"a");
+    for id in ["tie-c", "tie-a", "tie-d", "tie-b"] {
+        let _ = claimed(s.begin(&key(id), &fp, T0, SEC, HOUR).unwrap());
+    }
+    let now = T0 + HOUR;
+    let left = |s: &dyn Store| {
+        ["tie-a", "tie-b", "tie-c", "tie-d"]
+            .into_iter()
+            .filter(|id| s.get(&key(id), T0).unwrap().is_some())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(s.sweep_expired(now, 1).unwrap(), 1);
+    assert_eq!(left(&*s), ["tie-b", "tie-c", "tie-d"]);
+    assert_eq!(s.sweep_expired(now, 2).unwrap(), 2);
+    assert_eq!(left(&*s), ["tie-d"]);
 }
 
 /// Fencing tokens increase across keys and claims.
