@@ -5,6 +5,7 @@
 
 use crate::error::{Error, Result};
 use ::redb::StorageBackend;
+use ::redb::backends::FileBackend;
 use std::io::{Error as IoError, ErrorKind};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -129,88 +130,33 @@ pub(super) fn log_path(store: impl AsRef<Path>) -> PathBuf {
     store.with_file_name(name)
 }
 
-/// The log on a real file (or a store file an `Overlay` reads): positional
-/// reads and writes, `fdatasync`. The store file's lock (taken first) keeps
-/// a second process out.
-#[derive(Debug)]
-pub(super) struct FileLog {
-    pub(super) file: std::fs::File,
+/// redb's [`FileBackend`] over `file`: positional reads and writes,
+/// `fdatasync`, and lock methods that only the engine calls (for the log,
+/// the store file's lock, taken first, keeps a second process out).
+pub(super) fn file_backend(file: std::fs::File) -> Result<FileBackend> {
+    FileBackend::new(file).map_err(engine_error)
 }
 
-impl FileLog {
-    /// Opens (creating, mode 0600) the log beside `store`, making a new
-    /// directory entry durable.
-    pub(super) fn open(store: &Path) -> Result<FileLog> {
-        let path = log_path(store);
-        let existed = path.exists();
-        let file = open_owner_only(&path)?;
-        if !existed {
-            file.sync_all()?;
-            sync_parent(&path)?;
-        }
-        Ok(FileLog { file })
+/// Opens (creating, mode 0600) the log beside `store`, making a new
+/// directory entry durable.
+pub(super) fn open_log(store: &Path) -> Result<FileBackend> {
+    let path = log_path(store);
+    let existed = path.exists();
+    let file = open_owner_only(&path)?;
+    if !existed {
+        file.sync_all()?;
+        sync_parent(&path)?;
     }
-
-    /// `None` when there is none; every write through it fails.
-    pub(super) fn open_read_only(store: &Path) -> Result<Option<FileLog>> {
-        match std::fs::File::open(log_path(store)) {
-            Ok(file) => Ok(Some(FileLog { file })),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-            Err(e) => Err(e.into()),
-        }
-    }
+    file_backend(file)
 }
 
-impl StorageBackend for FileLog {
-    fn len(&self) -> std::io::Result<u64> {
-        Ok(self.file.metadata()?.len())
-    }
-    fn read(&self, offset: u64, out: &mut [u8]) -> std::io::Result<()> {
-        #[cfg(unix)]
-        {
-            std::os::unix::fs::FileExt::read_exact_at(&self.file, out, offset)
-        }
-        #[cfg(windows)]
-        {
-            let mut done = 0;
-            while let Some(rest) = out.get_mut(done..).filter(|r| !r.is_empty()) {
-                let at = offset + done as u64;
-                let n = std::os::windows::fs::FileExt::seek_read(&self.file, rest, at)?;
-                if n == 0 {
-                    return Err(std::io::ErrorKind::UnexpectedEof.into());
-                }
-                done += n;
-            }
-            Ok(())
-        }
-    }
-    fn set_len(&self, len: u64) -> std::io::Result<()> {
-        self.file.set_len(len)
-    }
-    fn sync_data(&self) -> std::io::Result<()> {
-        self.file.sync_data()
-    }
-    fn write(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
-        #[cfg(unix)]
-        {
-            std::os::unix::fs::FileExt::write_all_at(&self.file, data, offset)
-        }
-        #[cfg(windows)]
-        {
-            let mut done = 0;
-            while let Some(rest) = data.get(done..).filter(|r| !r.is_empty()) {
-                let n = std::os::windows::fs::FileExt::seek_write(
-                    &self.file,
-                    rest,
-                    offset + done as u64,
-                )?;
-                if n == 0 {
-                    return Err(std::io::ErrorKind::WriteZero.into());
-                }
-                done += n;
-            }
-            Ok(())
-        }
+/// The log beside `store`, to read only: `None` when there is none; every
+/// write through it fails.
+pub(super) fn open_log_read_only(store: &Path) -> Result<Option<FileBackend>> {
+    match std::fs::File::open(log_path(store)) {
+        Ok(file) => file_backend(file).map(Some),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e.into()),
     }
 }
 

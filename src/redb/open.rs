@@ -4,8 +4,9 @@
 
 use super::damage::{Damage, LossReport};
 use super::file::{
-    BACKEND, FILE_MODE, FileLog, IoWitness, Origin, SharedBackend, Witnessed, check_foreign,
-    engine_error, log_path, open_owner_only, sync_parent, try_lock_shared,
+    BACKEND, FILE_MODE, IoWitness, Origin, SharedBackend, Witnessed, check_foreign, engine_error,
+    file_backend, log_path, open_log, open_log_read_only, open_owner_only, sync_parent,
+    try_lock_shared,
 };
 use super::meta::{MetaEntries, init_meta, read_meta};
 use super::overlay::Overlay;
@@ -128,21 +129,17 @@ pub(super) fn open_read_only(path: &Path, config: &Config) -> Result<Opened> {
 /// The log beside `path`, to read only; a missing one reads as empty (the
 /// recovery refuses it after an unclean stop).
 pub(super) fn log_to_read(path: &Path) -> Result<Box<dyn StorageBackend>> {
-    Ok(match FileLog::open_read_only(path)? {
+    Ok(match open_log_read_only(path)? {
         Some(log) => Box::new(log),
         None => Box::new(::redb::backends::InMemoryBackend::new()),
     })
 }
 
-fn file_backend(path: &Path) -> Result<::redb::backends::FileBackend> {
-    ::redb::backends::FileBackend::new(open_owner_only(path)?).map_err(|e| map_open(e, path))
-}
-
 fn open_file(path: &Path, config: &Config) -> Result<Opened> {
-    let backend = file_backend(path)?;
+    let backend = file_backend(open_owner_only(path)?)?;
     // The store file's lock keeps other processes out of the log too.
     let wal_existed = log_path(path).exists();
-    let log = Box::new(FileLog::open(path)?);
+    let log = Box::new(open_log(path)?);
     // Every open syncs the directory: a creator may have crashed before
     // its own sync, and a power cut could then drop the whole file.
     sync_parent(path)?;
@@ -169,7 +166,7 @@ fn create_then_open(path: &Path, config: &Config) -> Result<Opened> {
         file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(FILE_MODE))?;
         // A concurrent creator holds the engine's lock (Locked); otherwise
         // this is a crashed creator's file, never acknowledged: start over.
-        let backend = ::redb::backends::FileBackend::new(file).map_err(|e| map_open(e, path))?;
+        let backend = file_backend(file)?;
         backend
             .set_len(0)
             .map_err(|e| engine_error(::redb::StorageError::from(e)))?;
@@ -277,7 +274,7 @@ pub(super) fn reopen_engine(
 ) -> Result<(Database, MetaEntries)> {
     let (db, name) = match source {
         Origin::Path(path) => (
-            engine_open(file_backend(path)?, config, path, witness)?,
+            engine_open(file_backend(open_owner_only(path)?)?, config, path, witness)?,
             path.as_path(),
         ),
         Origin::Backend(store) => {

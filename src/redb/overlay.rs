@@ -2,7 +2,7 @@
 //! nothing redb does on it (recovery, repair, replay) reaches the file: for
 //! read-only opens, `check_log`, `verify` and a heal's read-only view.
 
-use super::file::{FileLog, Origin, check_foreign};
+use super::file::{Origin, check_foreign, file_backend};
 use crate::error::{Error, Result};
 use ::redb::{Database, StorageBackend};
 use std::collections::HashMap;
@@ -58,8 +58,8 @@ struct OverlayState {
 }
 
 impl Overlay {
-    pub(in crate::redb) fn new(file: std::fs::File) -> std::io::Result<Overlay> {
-        Overlay::over_backend(Arc::new(FileLog { file }))
+    pub(in crate::redb) fn new(file: std::fs::File) -> Result<Overlay> {
+        Ok(Overlay::over_backend(Arc::new(file_backend(file)?))?)
     }
 
     fn over_backend(base: Arc<dyn StorageBackend>) -> std::io::Result<Overlay> {
