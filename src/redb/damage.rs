@@ -13,16 +13,9 @@ use std::path::PathBuf;
 pub(super) enum Damage {
     /// The store file `what` ("is missing", "is empty") while its log holds frames.
     StoreLostBesideLog { store: PathBuf, what: &'static str },
-    /// The store file is empty (0 bytes), and no log holds frames.
-    EmptyStoreFile { store: PathBuf },
-    /// A read-only open found none of the store's tables.
-    NoTables { store: PathBuf },
-    /// A heal's reopen found the store's tables gone.
-    TablesLost { store: PathBuf },
-    /// The storage engine panicked reading the file.
-    Unreadable { store: PathBuf },
-    /// The file is shorter than its own header says.
-    Truncated { store: PathBuf },
+    /// The store file is unusable as it is: "{store} {what}" (empty, truncated,
+    /// unreadable, without the store's tables).
+    Store { store: PathBuf, what: &'static str },
     /// The meta table's format version is 0.
     MetaVersionZero,
     /// A meta entry is missing.
@@ -86,6 +79,15 @@ impl Damage {
             other => format!("epoch {epoch}: {other}"),
         }
     }
+
+    /// [`Damage::Store`] as the error it is.
+    pub(super) fn store(store: &std::path::Path, what: &'static str) -> Error {
+        Damage::Store {
+            store: store.into(),
+            what,
+        }
+        .into()
+    }
 }
 
 impl fmt::Display for Damage {
@@ -101,28 +103,7 @@ impl fmt::Display for Damage {
                 store.display(),
                 log_path(store).display()
             ),
-            Damage::EmptyStoreFile { store } => {
-                let store = store.display();
-                write!(f, "{store} is empty (0 bytes): not a store file")
-            }
-            Damage::NoTables { store } => write!(
-                f,
-                "{} holds no idemstore tables (a store whose creation did not finish)",
-                store.display()
-            ),
-            Damage::TablesLost { store } => {
-                write!(f, "{} lost its idemstore tables", store.display())
-            }
-            Damage::Unreadable { store } => write!(
-                f,
-                "{} is damaged: the storage engine could not read it",
-                store.display()
-            ),
-            Damage::Truncated { store } => write!(
-                f,
-                "{} is truncated: shorter than its own header says",
-                store.display()
-            ),
+            Damage::Store { store, what } => write!(f, "{} {what}", store.display()),
             Damage::MetaVersionZero => f.write_str("meta format version is 0"),
             Damage::MetaEntryMissing { name } => write!(f, "meta entry {name:?} is missing"),
             Damage::MetaEntrySize { name, len, want } => {

@@ -117,7 +117,7 @@ pub(super) fn open_read_only(path: &Path, config: &Config) -> Result<Opened> {
         if log_holds_frames(path)? {
             return Err(store_lost_beside_log(path, "is empty"));
         }
-        return Err(Damage::EmptyStoreFile { store: path.into() }.into());
+        return Err(Damage::store(path, "is empty (0 bytes): not a store file"));
     }
     let file = std::fs::File::open(path)?;
     try_lock_shared(&file, path)?;
@@ -234,7 +234,10 @@ fn open_engine(
     let meta = match read_meta(&db)? {
         Some(meta) => meta,
         None if config.read_only => {
-            return Err(Damage::NoTables { store: name.into() }.into());
+            return Err(Damage::store(
+                name,
+                "holds no idemstore tables (a store whose creation did not finish)",
+            ));
         }
         None => init_meta(&db, config)?,
     };
@@ -261,7 +264,10 @@ fn engine_open(
     match opened {
         Ok(Ok(db)) => Ok(db),
         Ok(Err(e)) => Err(map_open(e, name)),
-        Err(_) => Err(Damage::Unreadable { store: name.into() }.into()),
+        Err(_) => Err(Damage::store(
+            name,
+            "is damaged: the storage engine could not read it",
+        )),
     }
 }
 
@@ -287,7 +293,7 @@ pub(super) fn reopen_engine(
     };
     match read_meta(&db)? {
         Some(meta) => Ok((db, meta)),
-        None => Err(Damage::TablesLost { store: name.into() }.into()),
+        None => Err(Damage::store(name, "lost its idemstore tables")),
     }
 }
 
@@ -315,7 +321,7 @@ fn map_open(err: DatabaseError, path: &Path) -> Error {
         DatabaseError::Storage(::redb::StorageError::Io(io))
             if io.kind() == std::io::ErrorKind::UnexpectedEof =>
         {
-            Damage::Truncated { store: path.into() }.into()
+            Damage::store(path, "is truncated: shorter than its own header says")
         }
         other => engine_error(other),
     }
