@@ -126,15 +126,14 @@ impl HealthCell {
         if !self.is_poisoned() {
             return None;
         }
-        self.lock().as_ref().map(|fault| Error::Poisoned {
-            cause: Some(fault.cause.clone()),
-        })
+        let cause = self.cause()?;
+        Some(Error::Poisoned { cause: Some(cause) })
     }
 
     pub(super) fn health(&self) -> Health {
-        let fault = self.lock();
-        match (&*fault, self.is_poisoned()) {
-            (_, false) => Health::Healthy,
+        // The flag and the fault change together under the fault's lock: a
+        // poisoned cell holds its fault.
+        match (&*self.lock(), self.is_poisoned()) {
             (Some(f), true) if f.cause.heals() => Health::Degraded {
                 cause: f.cause.clone(),
                 since: f.since,
@@ -142,13 +141,7 @@ impl HealthCell {
             (Some(f), true) => Health::Failed {
                 cause: f.cause.clone(),
             },
-            (None, true) => Health::Failed {
-                cause: Cause::new(
-                    "commit",
-                    None,
-                    &Error::backend("the store was poisoned without a recorded cause"),
-                ),
-            },
+            _ => Health::Healthy,
         }
     }
 }
