@@ -127,15 +127,12 @@ pub(super) fn read_frame(
     }
     let mut header = [0u8; FRAME_HEADER as usize];
     file.read(at, &mut header).map_err(Error::Io)?;
-    let (magic, rest) = header.split_at(4);
-    let (frame_epoch, rest) = rest.split_at(8);
-    let (payload_len, crc) = rest.split_at(4);
-    let frame_epoch = u64::from_be_bytes(frame_epoch.try_into().unwrap_or_default());
-    let payload_len = u64::from(u32::from_be_bytes(
-        payload_len.try_into().unwrap_or_default(),
-    ));
+    let (fixed, crc) = header.split_at(16);
+    let payload_len = fixed
+        .last_chunk()
+        .map_or(0, |n| u64::from(u32::from_be_bytes(*n)));
     let next = at + FRAME_HEADER + payload_len;
-    if magic != MAGIC || frame_epoch != epoch || next > len {
+    if header_epoch(&header) != Some(epoch) || next > len {
         return Ok(Frame::End);
     }
     let mut payload = vec![0u8; payload_len as usize];
@@ -143,12 +140,20 @@ pub(super) fn read_frame(
         .map_err(Error::Io)?;
     let mut hasher = crc32fast::Hasher::new();
     hasher.update(store_id);
-    hasher.update(header.get(..16).unwrap_or_default());
+    hasher.update(fixed);
     hasher.update(&payload);
     if hasher.finalize().to_be_bytes() != crc {
         return Ok(Frame::Damaged { next });
     }
     Ok(Frame::Whole { payload, next })
+}
+
+/// The epoch in the frame header that `bytes` start with; `None` without
+/// the magic.
+pub(super) fn header_epoch(bytes: &[u8]) -> Option<u64> {
+    let (magic, rest) = bytes.split_first_chunk::<4>()?;
+    let epoch = rest.first_chunk()?;
+    (*magic == MAGIC).then(|| u64::from_be_bytes(*epoch))
 }
 
 /// One entry of a frame's payload.

@@ -11,7 +11,7 @@ use super::super::meta::fixed;
 use super::super::tables::{META_TOKEN_HWM, WriteTables};
 use super::FRAME_ALIGN;
 use super::frame::{
-    Entry, FRAME_HEADER, Frame, Layout, MAGIC, align_up, entries, keys_in, read_frame,
+    Entry, FRAME_HEADER, Frame, Layout, align_up, entries, header_epoch, keys_in, read_frame,
 };
 use crate::error::{Error, Result};
 use ::redb::StorageBackend;
@@ -88,13 +88,9 @@ pub(in crate::redb) fn walk(
                         .extend(keys_in(file, at + FRAME_HEADER, next.min(end)));
                 }
                 loss.findings.push(damage.finding(epoch));
-                match later {
-                    Some(x) => {
-                        at = x;
-                        continue;
-                    }
-                    None => break,
-                }
+                let Some(later) = later else { break };
+                at = later;
+                continue;
             }
         };
         seen.headers += 1;
@@ -162,17 +158,11 @@ fn scan_headers(
         file.read(probe, &mut chunk).map_err(Error::Io)?;
         let mut block = 0u64;
         while block + FRAME_HEADER <= n {
-            let header = chunk
-                .get(block as usize..(block + 12) as usize)
-                .unwrap_or_default();
-            if header.get(..4) == Some(&MAGIC[..]) {
-                let epoch = header
-                    .get(4..12)
-                    .and_then(|b| b.try_into().ok())
-                    .map_or(0, u64::from_be_bytes);
-                if f(probe + block, epoch)?.is_break() {
-                    return Ok(());
-                }
+            let header = chunk.get(block as usize..).unwrap_or_default();
+            if let Some(epoch) = header_epoch(header)
+                && f(probe + block, epoch)?.is_break()
+            {
+                return Ok(());
             }
             block += FRAME_ALIGN;
         }
