@@ -36,30 +36,17 @@ pub(super) enum Damage {
     },
     /// After an unclean stop, none of the log's frames verifies for the store.
     LogOfAnotherStore { store: PathBuf, seen: u64 },
-    /// An epoch's frames stop at `at`, but a later one verifies at `later`.
-    FrameGap { stop: Stop, at: u64, later: u64 },
+    /// An epoch's frames stop at `at` (`stop`: "fails its checksum",
+    /// "ends"), but a later one verifies at `later`.
+    FrameGap {
+        stop: &'static str,
+        at: u64,
+        later: u64,
+    },
     /// The last frame fails its checksum with no reboot since it was written.
     LastFrameDamaged { at: u64 },
     /// A log frame verifies but its entries do not parse.
     FrameEntries { at: u64, detail: String },
-}
-
-/// How an epoch's frames stop where the walk stopped.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Stop {
-    /// A frame fails its checksum.
-    Damaged,
-    /// No frame of the epoch starts there.
-    Ends,
-}
-
-impl fmt::Display for Stop {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Stop::Damaged => "fails its checksum",
-            Stop::Ends => "ends",
-        })
-    }
 }
 
 impl Damage {
@@ -261,7 +248,7 @@ mod tests {
     #[test]
     fn damage_is_corrupt_and_a_finding_names_its_epoch() {
         let gap = Damage::FrameGap {
-            stop: Stop::Damaged,
+            stop: "fails its checksum",
             at: 4096,
             later: 12288,
         };
@@ -279,7 +266,7 @@ mod tests {
             "epoch 1: meta format version is 0"
         );
         let ends = Damage::FrameGap {
-            stop: Stop::Ends,
+            stop: "ends",
             at: 0,
             later: 4096,
         };

@@ -6,7 +6,7 @@
 //! frame: a verifying frame after the stop is damage, [`Error::Corrupt`]
 //! (with `accept_loss`, a skip written in the [`LossReport`]).
 
-use super::super::damage::{Damage, LossReport, Stop};
+use super::super::damage::{Damage, LossReport};
 use super::super::meta::fixed;
 use super::super::tables::{META_TOKEN_HWM, WriteTables};
 use super::FRAME_ALIGN;
@@ -68,8 +68,8 @@ pub(in crate::redb) fn walk(
             Frame::Whole { payload, next } => (payload, start + align_up(next - start)),
             stop => {
                 let (stop, damaged_end) = match stop {
-                    Frame::Damaged { next } => (Stop::Damaged, Some(next)),
-                    _ => (Stop::Ends, None),
+                    Frame::Damaged { next } => ("fails its checksum", Some(next)),
+                    _ => ("ends", None),
                 };
                 let later = find_later(file, store_id, epoch, at, end, seen)?;
                 let damage = match later {
