@@ -11,7 +11,7 @@ use super::tables::{
 };
 use crate::error::{Error, Result};
 use ::redb::{Database, ReadOnlyTable, ReadableDatabase, TableError, TableHandle};
-use std::hash::{BuildHasher, Hasher};
+use std::hash::{BuildHasher, RandomState};
 
 /// The store format this build writes and the only one it opens (tables,
 /// meta entries, write-ahead log; records carry their own version).
@@ -114,13 +114,12 @@ pub(super) fn init_meta(db: &Database, config: &Config) -> Result<MetaEntries> {
 fn new_store_id(config: &Config) -> [u8; 16] {
     use sha2::Digest;
     let mut h = sha2::Sha256::new();
+    let now = config.clock.now().as_millis();
     for _ in 0..2 {
-        let mut r = std::collections::hash_map::RandomState::new().build_hasher();
-        r.write_u64(config.clock.now().as_millis());
-        h.update(r.finish().to_be_bytes());
+        h.update(RandomState::new().hash_one(now).to_be_bytes());
     }
     h.update(std::process::id().to_be_bytes());
-    h.update(config.clock.now().as_millis().to_be_bytes());
+    h.update(now.to_be_bytes());
     let digest = h.finalize();
     digest.first_chunk::<16>().copied().unwrap_or_default()
 }
