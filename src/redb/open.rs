@@ -103,13 +103,9 @@ fn log_holds_frames(path: &Path) -> Result<bool> {
 pub(super) fn open_read_only(path: &Path, config: &Config) -> Result<Opened> {
     let meta = match std::fs::metadata(path) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(Error::Io(std::io::Error::new(
-                std::io::ErrorKind::NotFound,
-                format!(
-                    "no store at {} (a read-only open never creates one)",
-                    path.display()
-                ),
-            )));
+            let never = "(a read-only open never creates one)";
+            let detail = format!("no store at {} {never}", path.display());
+            return Err(std::io::Error::new(e.kind(), detail).into());
         }
         other => other?,
     };

@@ -143,7 +143,6 @@ pub(super) fn recover_log(
     config: &Config,
     loss: &mut LossReport,
 ) -> Result<Recovered> {
-    let (store_id, boot) = (found.store_id, found.boot);
     let mut plan = plan_log(db, file.as_ref(), found)?;
     let len = plan.file_len;
     for problem in std::mem::take(&mut plan.problems) {
@@ -168,7 +167,7 @@ pub(super) fn recover_log(
         }
         tables.set_meta(META_LOG_EPOCH, &fresh.to_be_bytes())?;
         tables.set_meta(META_LOG_STATE, &[LOG_OPEN])?;
-        match boot {
+        match found.boot {
             Some(boot) => tables.set_meta(META_LOG_BOOT, boot.as_bytes())?,
             None => tables.remove_meta(META_LOG_BOOT)?,
         }
@@ -190,7 +189,7 @@ pub(super) fn recover_log(
         })??;
     }
     Ok(Recovered {
-        wal: LogWriter::new(file, store_id, fresh, new_len),
+        wal: LogWriter::new(file, found.store_id, fresh, new_len),
         frames,
         token_hwm,
     })
