@@ -97,9 +97,7 @@ pub(super) fn sync_parent(path: &Path) -> Result<()> {
 /// Refuses a non-empty file that does not start with a redb header, before
 /// redb reads (or writes) anything else in it.
 pub(super) fn check_foreign(backend: &impl StorageBackend) -> Result<()> {
-    let len = backend
-        .len()
-        .map_err(|e| engine_error(::redb::StorageError::from(e)))?;
+    let len = backend.len().map_err(Error::Io)?;
     if len == 0 {
         return Ok(());
     }
@@ -109,9 +107,7 @@ pub(super) fn check_foreign(backend: &impl StorageBackend) -> Result<()> {
             "{len} bytes, shorter than a storage header"
         )));
     }
-    backend
-        .read(0, &mut head)
-        .map_err(|e| engine_error(::redb::StorageError::from(e)))?;
+    backend.read(0, &mut head).map_err(Error::Io)?;
     if head != REDB_MAGIC {
         return Err(not_ours("it does not start with a redb header"));
     }
@@ -148,16 +144,6 @@ pub(super) fn open_log(store: &Path) -> Result<FileBackend> {
         sync_parent(&path)?;
     }
     file_backend(file)
-}
-
-/// The log beside `store`, to read only: `None` when there is none; every
-/// write through it fails.
-pub(super) fn open_log_read_only(store: &Path) -> Result<Option<FileBackend>> {
-    match std::fs::File::open(log_path(store)) {
-        Ok(file) => file_backend(file).map(Some),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(e.into()),
-    }
 }
 
 /// Makes the log file at least `capacity` bytes long in written zeros, and

@@ -5,8 +5,7 @@
 use super::damage::{Damage, LossReport};
 use super::file::{
     BACKEND, FILE_MODE, IoWitness, Origin, SharedBackend, Witnessed, check_foreign, engine_error,
-    file_backend, log_path, open_log, open_log_read_only, open_owner_only, sync_parent,
-    try_lock_shared,
+    file_backend, log_path, open_log, open_owner_only, sync_parent, try_lock_shared,
 };
 use super::meta::{MetaEntries, init_meta, read_meta};
 use super::overlay::Overlay;
@@ -122,13 +121,16 @@ pub(super) fn open_read_only(path: &Path, config: &Config) -> Result<Opened> {
     open_backend(overlay, log, boot_id().as_deref(), config, path)
 }
 
-/// The log beside `path`, to read only; a missing one reads as empty (the
-/// recovery refuses it after an unclean stop).
+/// The log beside `path`, to read only (every write through it fails); a
+/// missing one reads as empty (the recovery refuses it after an unclean stop).
 pub(super) fn log_to_read(path: &Path) -> Result<Box<dyn StorageBackend>> {
-    Ok(match open_log_read_only(path)? {
-        Some(log) => Box::new(log),
-        None => Box::new(::redb::backends::InMemoryBackend::new()),
-    })
+    match std::fs::File::open(log_path(path)) {
+        Ok(file) => Ok(Box::new(file_backend(file)?)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            Ok(Box::new(::redb::backends::InMemoryBackend::new()))
+        }
+        Err(e) => Err(e.into()),
+    }
 }
 
 fn open_file(path: &Path, config: &Config) -> Result<Opened> {
@@ -163,9 +165,7 @@ fn create_then_open(path: &Path, config: &Config) -> Result<Opened> {
         // A concurrent creator holds the engine's lock (Locked); otherwise
         // this is a crashed creator's file, never acknowledged: start over.
         let backend = file_backend(file)?;
-        backend
-            .set_len(0)
-            .map_err(|e| engine_error(::redb::StorageError::from(e)))?;
+        backend.set_len(0).map_err(Error::Io)?;
         let (created, ..) = open_engine(backend, config, path)?;
         drop(created); // closes the database and releases the lock
     }
