@@ -92,14 +92,11 @@ impl FrameBuf {
 
     fn entry(&mut self, tag: u8, a: &[u8], b: Option<&[u8]>) {
         self.bytes.push(tag);
-        // Key and Response limits keep lengths far below 4 GiB.
-        self.bytes
-            .extend_from_slice(&u32::try_from(a.len()).unwrap_or(u32::MAX).to_be_bytes());
-        self.bytes.extend_from_slice(a);
-        if let Some(b) = b {
-            self.bytes
-                .extend_from_slice(&u32::try_from(b.len()).unwrap_or(u32::MAX).to_be_bytes());
-            self.bytes.extend_from_slice(b);
+        for field in std::iter::once(a).chain(b) {
+            // Key and Response limits keep lengths far below 4 GiB.
+            let len = u32::try_from(field.len()).unwrap_or(u32::MAX);
+            self.bytes.extend_from_slice(&len.to_be_bytes());
+            self.bytes.extend_from_slice(field);
         }
     }
 }
