@@ -44,14 +44,11 @@ impl Shared {
         if !self.worth_an_attempt(&mut attempts) {
             return Err(self.db.poisoned_error());
         }
-        let recovered = match self.reopen_and_replay(&mut engine, core.writer.file()) {
-            Ok(recovered) => recovered,
-            Err(e) => {
-                attempts.last = Some(Instant::now());
-                attempts.free_at_last = self.db.path.as_deref().and_then(free_bytes);
-                return Err(e);
-            }
-        };
+        let replayed = self.reopen_and_replay(&mut engine, core.writer.file());
+        let recovered = replayed.inspect_err(|_| {
+            attempts.last = Some(Instant::now());
+            attempts.free_at_last = self.db.path.as_deref().and_then(free_bytes);
+        })?;
         *attempts = Attempts::default();
         core.token_hwm = core.token_hwm.max(recovered.token_hwm);
         core.writer = recovered.wal;
@@ -105,11 +102,9 @@ impl Shared {
             heal: true,
         };
         let config = &self.db.heal_config;
-        let recovered = recover_log(&engine.db, log, &found, config, &mut LossReport::default());
-        if recovered.is_err() {
+        recover_log(&engine.db, log, &found, config, &mut LossReport::default()).inspect_err(|_| {
             let _ = self.reopen(engine);
-        }
-        recovered
+        })
     }
 
     /// Closes the engine and reopens it, returning the meta entries; failing
