@@ -54,7 +54,8 @@ pub(in crate::redb) struct Overlay {
 struct OverlayState {
     /// The length as redb sees it (a `set_len` changes only this).
     len: u64,
-    pages: Pages,
+    /// The latest bytes of every page written, by index.
+    pages: HashMap<u64, Box<[u8]>>,
 }
 
 impl Overlay {
@@ -64,7 +65,7 @@ impl Overlay {
 
     fn over_backend(base: Arc<dyn StorageBackend>) -> std::io::Result<Overlay> {
         let file_len = base.len()?;
-        let pages = Pages::default();
+        let pages = HashMap::new();
         let state = Mutex::new(OverlayState {
             len: file_len,
             pages,
@@ -110,9 +111,22 @@ impl StorageBackend for Overlay {
         if offset + out.len() as u64 > state.len {
             return Err(std::io::ErrorKind::UnexpectedEof.into());
         }
-        state
-            .pages
-            .read(offset, out, |at, to| self.read_file(at, to))
+        if state.pages.is_empty() {
+            return self.read_file(offset, out);
+        }
+        let mut done = 0usize;
+        while done < out.len() {
+            let at = offset + done as u64;
+            let from = (at % PAGE) as usize;
+            let n = (PAGE as usize - from).min(out.len() - done);
+            let to = out.get_mut(done..done + n).unwrap_or_default();
+            match state.pages.get(&(at / PAGE)) {
+                Some(page) => to.copy_from_slice(page.get(from..from + n).unwrap_or_default()),
+                None => self.read_file(at, to)?,
+            }
+            done += n;
+        }
+        Ok(())
     }
 
     fn set_len(&self, len: u64) -> std::io::Result<()> {
@@ -124,69 +138,22 @@ impl StorageBackend for Overlay {
         Ok(())
     }
 
+    /// A page written in part starts from its current bytes.
     fn write(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
         let mut state = self.lock();
-        state
-            .pages
-            .write(offset, data, |at, to| self.read_file(at, to))?;
-        state.len = state.len.max(offset + data.len() as u64);
-        Ok(())
-    }
-}
-
-/// The unit of the images: redb's pages are multiples of it.
-const PAGE: u64 = 4096;
-
-/// The latest bytes of every page written, by index; reads and writes take
-/// the bytes no image covers from `file(offset, out)`.
-#[derive(Default)]
-struct Pages(HashMap<u64, Box<[u8]>>);
-
-impl Pages {
-    fn read(
-        &self,
-        offset: u64,
-        out: &mut [u8],
-        file: impl Fn(u64, &mut [u8]) -> std::io::Result<()>,
-    ) -> std::io::Result<()> {
-        if self.0.is_empty() {
-            return file(offset, out);
-        }
-        let mut done = 0usize;
-        while done < out.len() {
-            let at = offset + done as u64;
-            let from = (at % PAGE) as usize;
-            let n = (PAGE as usize - from).min(out.len() - done);
-            let to = out.get_mut(done..done + n).unwrap_or_default();
-            match self.0.get(&(at / PAGE)) {
-                Some(page) => to.copy_from_slice(page.get(from..from + n).unwrap_or_default()),
-                None => file(at, to)?,
-            }
-            done += n;
-        }
-        Ok(())
-    }
-
-    /// A page written in part starts from its current bytes.
-    fn write(
-        &mut self,
-        offset: u64,
-        data: &[u8],
-        file: impl Fn(u64, &mut [u8]) -> std::io::Result<()>,
-    ) -> std::io::Result<()> {
         let mut done = 0usize;
         while done < data.len() {
             let at = offset + done as u64;
             let index = at / PAGE;
             let from = (at % PAGE) as usize;
             let n = (PAGE as usize - from).min(data.len() - done);
-            let mut page = match self.0.remove(&index) {
+            let mut page = match state.pages.remove(&index) {
                 Some(page) => page,
                 None => {
                     let mut page = vec![0u8; PAGE as usize].into_boxed_slice();
                     // A whole page needs nothing of the old one.
                     if n < PAGE as usize {
-                        file(index * PAGE, &mut page)?;
+                        self.read_file(index * PAGE, &mut page)?;
                     }
                     page
                 }
@@ -194,12 +161,16 @@ impl Pages {
             page.get_mut(from..from + n)
                 .unwrap_or_default()
                 .copy_from_slice(data.get(done..done + n).unwrap_or_default());
-            self.0.insert(index, page);
+            state.pages.insert(index, page);
             done += n;
         }
+        state.len = state.len.max(offset + data.len() as u64);
         Ok(())
     }
 }
+
+/// The unit of the images: redb's pages are multiples of it.
+const PAGE: u64 = 4096;
 
 #[cfg(test)]
 mod tests {
