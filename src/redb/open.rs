@@ -40,7 +40,7 @@ pub(super) fn open_path(path: &Path, config: &Config) -> Result<Opened> {
         Ok(meta) if meta.len() == 0 => Some("is empty"),
         _ => None,
     };
-    let moved = missing.map(|what| refuse_over_log(path, what, config));
+    let moved = missing.map(|what| refuse_over_log(path, what, config.accept_loss));
     let moved = moved.transpose()?.flatten();
     let mut opened = match missing {
         Some("is missing") => create_then_open(path, config)?,
@@ -52,12 +52,13 @@ pub(super) fn open_path(path: &Path, config: &Config) -> Result<Opened> {
 
 /// [`Error::Corrupt`] when the log beside `path` holds frames; with
 /// `accept_loss` it is renamed to a free `<log>.lost` (the finding returned).
-fn refuse_over_log(path: &Path, what: &'static str, config: &Config) -> Result<Option<String>> {
+fn refuse_over_log(path: &Path, what: &'static str, accept_loss: bool) -> Result<Option<String>> {
     if !log_holds_frames(path)? {
         return Ok(None);
     }
-    if !config.accept_loss {
-        return Err(store_lost_beside_log(path, what));
+    if !accept_loss {
+        let store = path.to_path_buf();
+        return Err(Damage::StoreLostBesideLog { store, what }.into());
     }
     let log = log_path(path);
     let aside = free_name(&log, "lost");
@@ -70,11 +71,6 @@ fn refuse_over_log(path: &Path, what: &'static str, config: &Config) -> Result<O
         path.display(),
         aside.display()
     )))
-}
-
-fn store_lost_beside_log(path: &Path, what: &'static str) -> Error {
-    let store = path.to_path_buf();
-    Damage::StoreLostBesideLog { store, what }.into()
 }
 
 /// Whether the log beside `path` holds anything but zeros.
@@ -109,9 +105,7 @@ pub(super) fn open_read_only(path: &Path, config: &Config) -> Result<Opened> {
         other => other?,
     };
     if meta.len() == 0 {
-        if log_holds_frames(path)? {
-            return Err(store_lost_beside_log(path, "is empty"));
-        }
+        refuse_over_log(path, "is empty", false)?;
         return Err(Damage::store(path, "is empty (0 bytes): not a store file"));
     }
     let file = std::fs::File::open(path)?;
