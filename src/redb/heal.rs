@@ -111,9 +111,8 @@ impl Shared {
     /// that, a view that writes nothing takes its place for reads, or the
     /// stand-in stays, marked unusable.
     fn reopen(&self, engine: &mut Engine) -> Result<MetaEntries> {
-        let old = std::mem::replace(&mut engine.db, stand_in()?);
+        engine.db = stand_in()?;
         engine.usable = Usable::No;
-        drop(old);
         match super::open::reopen_engine(&self.db.source, &self.db.heal_config, &self.db.witness) {
             Ok((db, meta)) => {
                 engine.db = db;
