@@ -4,13 +4,14 @@
 
 use super::Config;
 use super::damage::{Damage, LossReport};
-use super::meta::read_wal;
+use super::file::engine_error;
+use super::meta::{entry, table_error};
 use super::record_log::{self, LogWriter, Seen, applier};
 use super::tables::{
-    LOG_OPEN, META_LOG_BOOT, META_LOG_BYTES, META_LOG_EPOCH, META_LOG_STATE, commit,
+    LOG_OPEN, META, META_LOG_BOOT, META_LOG_BYTES, META_LOG_EPOCH, META_LOG_STATE, commit,
 };
 use crate::error::{Error, Result};
-use ::redb::{Database, StorageBackend};
+use ::redb::{Database, ReadableDatabase, StorageBackend};
 use std::path::Path;
 
 /// What the open found out before the log's recovery.
@@ -39,8 +40,9 @@ pub(super) struct LogPlan {
     pub(super) problems: Vec<Damage>,
 }
 
-/// Checks the log against what the store file says of it: after an
-/// unclean stop, a missing or cut-short log would drop acknowledged writes.
+/// Checks the log against what the store file's meta entries say of it:
+/// after an unclean stop, a missing or cut-short log would drop
+/// acknowledged writes.
 pub(super) fn plan_log(
     db: &Database,
     file: &dyn StorageBackend,
@@ -48,19 +50,32 @@ pub(super) fn plan_log(
 ) -> Result<LogPlan> {
     let name = found.name;
     let len = file.len().map_err(Error::Io)?;
-    let wal = read_wal(db)?;
+    let txn = db.begin_read().map_err(engine_error)?;
+    let meta = txn.open_table(META).map_err(table_error)?;
+    // This boot's id at the log's last open.
+    let boot = meta.get(META_LOG_BOOT).map_err(engine_error)?;
+    let same_boot = boot.is_some_and(|b| Some(&*String::from_utf8_lossy(b.value())) == found.boot);
+    // The log may hold acknowledged frames (the last stop was not clean);
+    // `None` when no open has recorded it.
+    let open = entry::<1>(&meta, META_LOG_STATE)?.map(|[state]| state == LOG_OPEN);
+    // The log's size as the last open left it (read only with a state).
+    let bytes = match open {
+        Some(_) => entry(&meta, META_LOG_BYTES)?.map(u64::from_be_bytes),
+        None => None,
+    };
     let mut plan = LogPlan {
         file_len: len,
-        epoch: wal.epoch,
+        // 0 before the first.
+        epoch: entry(&meta, META_LOG_EPOCH)?.map_or(0, u64::from_be_bytes),
         layout_len: len,
-        no_reboot: !found.heal && found.boot.is_some() && wal.boot.as_deref() == found.boot,
-        clean_stop: wal.open.map(|open| !open),
+        no_reboot: !found.heal && same_boot,
+        clean_stop: open.map(|open| !open),
         problems: Vec::new(),
     };
-    if wal.open != Some(true) {
+    if open != Some(true) {
         return Ok(plan);
     }
-    match wal.bytes {
+    match bytes {
         // The last open stopped before its log had a size: no frame exists.
         Some(0) => {}
         _ if len == 0 => plan.problems.push(Damage::LogMissing {
@@ -95,13 +110,12 @@ pub(super) fn walk_live(
     let (mut frames, mut seen, mut met) = (0, Seen::default(), None);
     for epoch in [plan.epoch, plan.epoch.wrapping_add(1)] {
         let layout = record_log::Layout::segment(plan.layout_len, epoch);
-        let loss = loss.as_deref_mut();
         match record_log::walk(
             file,
             &found.store_id,
             &layout,
             plan.no_reboot,
-            loss,
+            loss.as_deref_mut(),
             &mut seen,
             &mut on_frame,
         ) {
