@@ -235,7 +235,8 @@ fn open_engine(
 }
 
 /// The engine over `backend`: a foreign file is refused before redb sees
-/// it; redb's panic over a damaged file becomes [`Error::Corrupt`].
+/// it; redb's panic over a damaged file, or a file shorter than its header,
+/// becomes [`Error::Corrupt`], a file another open holds [`Error::Locked`].
 fn engine_open(
     backend: impl StorageBackend,
     config: &Config,
@@ -253,7 +254,19 @@ fn engine_open(
     }));
     match opened {
         Ok(Ok(db)) => Ok(db),
-        Ok(Err(e)) => Err(map_open(e, name)),
+        Ok(Err(DatabaseError::DatabaseAlreadyOpen)) => Err(Error::Locked {
+            path: name.display().to_string(),
+            holder: crate::holder::lock_holder(name),
+        }),
+        Ok(Err(DatabaseError::Storage(::redb::StorageError::Io(io))))
+            if io.kind() == std::io::ErrorKind::UnexpectedEof =>
+        {
+            Err(Damage::store(
+                name,
+                "is truncated: shorter than its own header says",
+            ))
+        }
+        Ok(Err(e)) => Err(engine_error(e)),
         Err(_) => Err(Damage::store(
             name,
             "is damaged: the storage engine could not read it",
@@ -300,21 +313,6 @@ fn free_name(path: &Path, suffix: &str) -> PathBuf {
         .map(name)
         .find(|p| !p.exists())
         .unwrap_or_else(|| name(0))
-}
-
-fn map_open(err: DatabaseError, path: &Path) -> Error {
-    match err {
-        DatabaseError::DatabaseAlreadyOpen => Error::Locked {
-            path: path.display().to_string(),
-            holder: crate::holder::lock_holder(path),
-        },
-        DatabaseError::Storage(::redb::StorageError::Io(io))
-            if io.kind() == std::io::ErrorKind::UnexpectedEof =>
-        {
-            Damage::store(path, "is truncated: shorter than its own header says")
-        }
-        other => engine_error(other),
-    }
 }
 
 /// [`RecoveryPolicy::ExpireLeases`]: every PROCESSING record found at open
