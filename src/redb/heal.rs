@@ -17,6 +17,7 @@ use super::{Engine, Shared, Usable};
 use crate::error::Result;
 use crate::sync::Instant;
 use crate::sync::atomic::Ordering;
+use ::redb::backends::InMemoryBackend;
 use ::redb::{Database, StorageBackend};
 
 /// Free space a full disk must gain before the next attempt to heal.
@@ -24,13 +25,6 @@ const FREED_BYTES: u64 = 64 * 1024;
 
 /// Longest wait for free space to grow before a full disk's heal is tried.
 const RETRY_ANYWAY: std::time::Duration = std::time::Duration::from_secs(30);
-
-/// The empty engine that holds a closed one's place.
-fn stand_in() -> Result<Database> {
-    Database::builder()
-        .create_with_backend(::redb::backends::InMemoryBackend::new())
-        .map_err(engine_error)
-}
 
 impl Shared {
     /// One attempt to heal a poisoned store (see the module docs).
@@ -111,7 +105,9 @@ impl Shared {
     /// that, a view that writes nothing takes its place for reads, or the
     /// stand-in stays, marked unusable.
     fn reopen(&self, engine: &mut Engine) -> Result<MetaEntries> {
-        engine.db = stand_in()?;
+        // An empty engine holds the closed one's place.
+        let stand_in = Database::builder().create_with_backend(InMemoryBackend::new());
+        engine.db = stand_in.map_err(engine_error)?;
         engine.usable = Usable::No;
         match super::open::reopen_engine(&self.db.source, &self.db.heal_config, &self.db.witness) {
             Ok((db, meta)) => {
