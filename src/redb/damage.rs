@@ -195,11 +195,6 @@ pub struct LossReport {
 }
 
 impl LossReport {
-    /// Nothing was found.
-    pub(super) fn is_empty(&self) -> bool {
-        self.findings.is_empty()
-    }
-
     /// The report as one JSON object (what `idemstore recover` writes).
     ///
     /// ```
