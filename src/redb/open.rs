@@ -75,22 +75,19 @@ fn refuse_over_log(path: &Path, what: &'static str, accept_loss: bool) -> Result
 
 /// Whether the log beside `path` holds anything but zeros.
 fn log_holds_frames(path: &Path) -> Result<bool> {
-    use std::io::Read;
-    let mut file = match std::fs::File::open(log_path(path)) {
-        Ok(file) => file,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
-        Err(e) => return Err(e.into()),
-    };
-    let mut chunk = vec![0u8; 1024 * 1024];
-    loop {
-        let n = file.read(&mut chunk)?;
-        if n == 0 {
-            return Ok(false);
-        }
-        if chunk.get(..n).is_some_and(|c| c.iter().any(|&b| b != 0)) {
+    const CHUNK: u64 = 1024 * 1024;
+    let log = log_to_read(path)?;
+    let len = log.len().map_err(Error::Io)?;
+    let mut chunk = vec![0u8; CHUNK as usize];
+    for at in (0..len).step_by(CHUNK as usize) {
+        let part = chunk.get_mut(..(len - at).min(CHUNK) as usize);
+        let part = part.unwrap_or_default();
+        log.read(at, part).map_err(Error::Io)?;
+        if part.iter().any(|&b| b != 0) {
             return Ok(true);
         }
     }
+    Ok(false)
 }
 
 /// [`RedbStoreBuilder::open_read_only`](super::RedbStoreBuilder::open_read_only):
