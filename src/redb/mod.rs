@@ -137,7 +137,7 @@ impl RedbStore {
     }
 
     fn start(mut opened: open::Opened, config: Config, path: Option<PathBuf>) -> Result<RedbStore> {
-        let (leases, frames) = (opened.leases_expired, opened.frames_replayed);
+        let (leases, frames) = (opened.leases_expired, opened.recovered.frames);
         let mut loss = std::mem::take(&mut opened.loss);
         loss.frames_replayed = frames;
         crate::observability::opened(path.as_deref(), frames, leases, config.read_only);

@@ -9,8 +9,7 @@ use super::file::{
 };
 use super::meta::{MetaEntries, init_meta, read_meta};
 use super::overlay::Overlay;
-use super::record_log::LogWriter;
-use super::recovery::{Found, boot_id, recover_log};
+use super::recovery::{Found, Recovered, boot_id, recover_log};
 use super::tables::commit;
 use super::{Config, RecoveryPolicy};
 use crate::error::{Error, Result};
@@ -21,11 +20,10 @@ use std::sync::Arc;
 
 pub(super) struct Opened {
     pub(super) db: Database,
-    pub(super) token_hwm: u64,
     pub(super) store_id: [u8; 16],
     pub(super) leases_expired: u64,
-    pub(super) wal: LogWriter,
-    pub(super) frames_replayed: u64,
+    /// The log, the frames replayed, the token high-water mark.
+    pub(super) recovered: Recovered,
     pub(super) loss: LossReport,
     pub(super) source: Origin,
     /// Sees the engine's I/O errors; a heal reuses it.
@@ -199,11 +197,9 @@ pub(super) fn open_backend(
     };
     Ok(Opened {
         db,
-        token_hwm: recovered.token_hwm,
         store_id: meta.store_id,
         leases_expired,
-        wal: recovered.wal,
-        frames_replayed: recovered.frames,
+        recovered,
         loss,
         source: Origin::None,
         witness,
