@@ -213,11 +213,7 @@ fn next_entry<'a>(cursor: &mut &'a [u8]) -> Option<std::result::Result<RawEntry<
 /// Splits a `len u32 | bytes` field off the front of `cursor`.
 fn take<'a>(cursor: &mut &'a [u8]) -> Option<&'a [u8]> {
     let (len, rest) = cursor.split_first_chunk::<4>()?;
-    let len = u32::from_be_bytes(*len) as usize;
-    if rest.len() < len {
-        return None;
-    }
-    let (bytes, rest) = rest.split_at(len);
+    let (bytes, rest) = rest.split_at_checked(u32::from_be_bytes(*len) as usize)?;
     *cursor = rest;
     Some(bytes)
 }
@@ -232,14 +228,11 @@ pub(super) fn keys_in(file: &dyn StorageBackend, from: u64, to: u64) -> Vec<Stri
     if file.read(from, &mut payload).is_err() {
         return Vec::new();
     }
-    let mut keys = Vec::new();
     let mut cursor = payload.as_slice();
-    while let Some(Ok((tag, key, _))) = next_entry(&mut cursor) {
-        if tag != TAG_META_PUT {
-            keys.push(crate::codec::printable_key(key));
-        }
-    }
-    keys
+    std::iter::from_fn(|| next_entry(&mut cursor)?.ok())
+        .filter(|&(tag, ..)| tag != TAG_META_PUT)
+        .map(|(_, key, _)| crate::codec::printable_key(key))
+        .collect()
 }
 
 /// Most bytes [`keys_in`] reads (a damaged length may be huge).
