@@ -158,12 +158,10 @@ pub(super) fn preallocate(file: &dyn StorageBackend, capacity: u64) -> Result<u6
     file.set_len(capacity).map_err(Error::Io)?;
     const CHUNK: usize = 1024 * 1024;
     let zeros = vec![0u8; CHUNK];
-    let mut at = len;
-    while at < capacity {
+    for at in (len..capacity).step_by(CHUNK) {
         let n = (capacity - at).min(CHUNK as u64) as usize;
         file.write(at, zeros.get(..n).unwrap_or_default())
             .map_err(Error::Io)?;
-        at += n as u64;
     }
     file.sync_data().map_err(Error::Io)?;
     Ok(capacity)
