@@ -11,6 +11,7 @@
 use super::damage::LossReport;
 use super::file::{BACKEND, engine_error};
 use super::health::Attempts;
+use super::memtable::Mem;
 use super::meta::MetaEntries;
 use super::recovery::{Found, Recovered, boot_id, recover_log};
 use super::{Engine, Shared, Usable};
@@ -47,9 +48,7 @@ impl Shared {
         core.token_hwm = core.token_hwm.max(recovered.token_hwm);
         core.writer = recovered.wal;
         // Every record the memtable held is in the store file now.
-        mem.active.clear();
-        mem.active_bytes = 0;
-        mem.frozen = None;
+        *mem = Mem::default();
         self.log.unsynced.store(false, Ordering::SeqCst);
         self.memory.start_memtable_clock();
         drop(engine);
@@ -65,10 +64,8 @@ impl Shared {
     fn worth_an_attempt(&self, state: &mut Attempts) -> bool {
         let full = self.db.health.cause().and_then(|c| c.io_kind())
             == Some(std::io::ErrorKind::StorageFull);
-        let (Some(path), true) = (&self.db.path, full) else {
-            return true;
-        };
-        let Some(free) = free_bytes(path) else {
+        let path = self.db.path.as_deref().filter(|_| full);
+        let Some(free) = path.and_then(free_bytes) else {
             return true;
         };
         let grew = state
