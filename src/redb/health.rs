@@ -100,12 +100,10 @@ impl HealthCell {
     pub(super) fn poison(&self, cause: &Cause, since: Timestamp) -> bool {
         let mut fault = self.lock();
         let first = fault.is_none();
-        if first {
-            *fault = Some(Fault {
-                cause: cause.clone(),
-                since,
-            });
-        }
+        fault.get_or_insert_with(|| Fault {
+            cause: cause.clone(),
+            since,
+        });
         self.poisoned.store(true, Ordering::SeqCst);
         first
     }
