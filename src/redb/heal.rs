@@ -86,8 +86,7 @@ impl Shared {
         let name = self.db.path.clone().unwrap_or_else(|| BACKEND.into());
         let boot = boot_id();
         let found = Found {
-            store_id: meta.store_id,
-            token_hwm: meta.token_hwm,
+            meta: &meta,
             boot: boot.as_deref(),
             name: &name,
             heal: true,

@@ -182,8 +182,7 @@ pub(super) fn open_backend(
     let (db, meta, witness) = open_engine(backend, config, name)?;
     let mut loss = LossReport::default();
     let found = Found {
-        store_id: meta.store_id,
-        token_hwm: meta.token_hwm,
+        meta: &meta,
         boot,
         name,
         heal: false,

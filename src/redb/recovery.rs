@@ -5,7 +5,7 @@
 use super::Config;
 use super::damage::{Damage, LossReport};
 use super::file::engine_error;
-use super::meta::{entry, table_error};
+use super::meta::{MetaEntries, entry, table_error};
 use super::record_log::{self, LogWriter, Seen, applier};
 use super::tables::{
     LOG_OPEN, META, META_LOG_BOOT, META_LOG_BYTES, META_LOG_EPOCH, META_LOG_STATE, commit,
@@ -16,8 +16,7 @@ use std::path::Path;
 
 /// What the open found out before the log's recovery.
 pub(super) struct Found<'a> {
-    pub(super) store_id: [u8; 16],
-    pub(super) token_hwm: u64,
+    pub(super) meta: &'a MetaEntries,
     /// [`boot_id`], for a log on a real file.
     pub(super) boot: Option<&'a str>,
     pub(super) name: &'a Path,
@@ -112,7 +111,7 @@ pub(super) fn walk_live(
         let layout = record_log::Layout::segment(plan.layout_len, epoch);
         match record_log::walk(
             file,
-            &found.store_id,
+            &found.meta.store_id,
             &layout,
             plan.no_reboot,
             loss.as_deref_mut(),
@@ -166,7 +165,7 @@ pub(super) fn recover_log(
         loss.findings.push(format!("accepted: {problem}"));
     }
     let fresh = plan.epoch.wrapping_add(2);
-    let mut token_hwm = found.token_hwm;
+    let mut token_hwm = found.meta.token_hwm;
     let frames = commit(db, true, |tables| {
         // In the layout the frames were written in, before a resize.
         let before = loss.findings.len();
@@ -203,7 +202,7 @@ pub(super) fn recover_log(
         })??;
     }
     Ok(Recovered {
-        wal: LogWriter::new(file, found.store_id, fresh, new_len),
+        wal: LogWriter::new(file, found.meta.store_id, fresh, new_len),
         frames,
         token_hwm,
     })
