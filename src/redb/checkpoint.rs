@@ -175,13 +175,7 @@ fn checkpoint(shared: &Shared, frozen: &std::sync::Arc<Frozen>) -> Result<()> {
     // The memtable's lock comes before the engine's (lock order: shared.rs).
     drop(db);
     let mut mem = shared.memory.write_mem();
-    if mem
-        .frozen
-        .as_ref()
-        .is_some_and(|f| std::sync::Arc::ptr_eq(f, frozen))
-    {
-        mem.frozen = None;
-    }
+    mem.frozen.take_if(|f| std::sync::Arc::ptr_eq(f, frozen));
     Ok(())
 }
 
