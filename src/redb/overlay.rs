@@ -30,15 +30,14 @@ pub(in crate::redb) fn open_view_of(source: &Origin) -> Result<Database> {
 /// The engine over `overlay`, once its header is redb's.
 fn engine_over(overlay: Overlay) -> Result<std::result::Result<Database, String>> {
     check_foreign(&overlay)?;
-    Ok(
-        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            Database::builder().create_with_backend(overlay)
-        })) {
-            Ok(Ok(db)) => Ok(db),
-            Ok(Err(e)) => Err(e.to_string()),
-            Err(_) => Err("the storage engine could not read it".to_owned()),
-        },
-    )
+    let opened = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        Database::builder().create_with_backend(overlay)
+    }));
+    Ok(match opened {
+        Ok(Ok(db)) => Ok(db),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err("the storage engine could not read it".to_owned()),
+    })
 }
 
 /// A file read through an in-memory overlay: writes land in memory, whole
