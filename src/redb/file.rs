@@ -82,16 +82,18 @@ pub(super) fn try_lock_shared(file: &std::fs::File, store: &Path) -> Result<()> 
 
 pub(super) fn sync_parent(path: &Path) -> Result<()> {
     #[cfg(unix)]
-    {
-        let parent = match path.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p,
-            _ => Path::new("."),
-        };
-        std::fs::File::open(parent)?.sync_all()?;
-    }
+    std::fs::File::open(parent_dir(path))?.sync_all()?;
     #[cfg(not(unix))]
     let _ = path;
     Ok(())
+}
+
+/// The directory holding `path` (`.` for a bare file name).
+#[cfg(unix)]
+pub(super) fn parent_dir(path: &Path) -> &Path {
+    path.parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."))
 }
 
 /// Refuses a non-empty file that does not start with a redb header, before

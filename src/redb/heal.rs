@@ -125,11 +125,7 @@ impl Shared {
 /// Bytes an unprivileged writer may still use on `path`'s filesystem.
 #[cfg(unix)]
 fn free_bytes(path: &std::path::Path) -> Option<u64> {
-    let dir = match path.parent() {
-        Some(dir) if !dir.as_os_str().is_empty() => dir,
-        _ => std::path::Path::new("."),
-    };
-    let fs = rustix::fs::statvfs(dir).ok()?;
+    let fs = rustix::fs::statvfs(super::file::parent_dir(path)).ok()?;
     Some(fs.f_bavail.saturating_mul(fs.f_frsize))
 }
 
