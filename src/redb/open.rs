@@ -105,7 +105,7 @@ pub(super) fn open_read_only(path: &Path, config: &Config) -> Result<Opened> {
     }
     let file = std::fs::File::open(path)?;
     try_lock_shared(&file, path)?;
-    let overlay = Overlay::new(file)?;
+    let overlay = Overlay::new(Arc::new(file_backend(file)?))?;
     let log = log_to_read(path)?;
     open_backend(overlay, log, boot_id().as_deref(), config, path)
 }

@@ -12,7 +12,8 @@ use std::sync::{Arc, Mutex};
 /// The store file at `path` as a redb database through an [`Overlay`];
 /// `Ok(Err(detail))` when redb refuses the file or panics on it.
 pub(in crate::redb) fn open_overlay(path: &Path) -> Result<std::result::Result<Database, String>> {
-    engine_over(Overlay::new(std::fs::File::open(path)?)?)
+    let file = file_backend(std::fs::File::open(path)?)?;
+    engine_over(Overlay::new(Arc::new(file))?)
 }
 
 /// A database over a store's files that writes nothing to them: what a heal
@@ -21,7 +22,7 @@ pub(in crate::redb) fn open_overlay(path: &Path) -> Result<std::result::Result<D
 pub(in crate::redb) fn open_view_of(source: &Origin) -> Result<Database> {
     let opened = match source {
         Origin::Path(path) => open_overlay(path)?,
-        Origin::Backend(store) => engine_over(Overlay::over_backend(Arc::clone(store))?)?,
+        Origin::Backend(store) => engine_over(Overlay::new(Arc::clone(store))?)?,
         Origin::None => return Err(Error::backend("a read-only view has no files to view")),
     };
     opened.map_err(|detail| Error::corrupt(None, detail))
@@ -58,11 +59,7 @@ struct OverlayState {
 }
 
 impl Overlay {
-    pub(in crate::redb) fn new(file: std::fs::File) -> Result<Overlay> {
-        Ok(Overlay::over_backend(Arc::new(file_backend(file)?))?)
-    }
-
-    fn over_backend(base: Arc<dyn StorageBackend>) -> std::io::Result<Overlay> {
+    pub(in crate::redb) fn new(base: Arc<dyn StorageBackend>) -> std::io::Result<Overlay> {
         let file_len = base.len()?;
         let pages = HashMap::new();
         let state = Mutex::new(OverlayState {
@@ -180,7 +177,8 @@ mod tests {
         let dir = tempfile::tempdir().expect("dir");
         let path = dir.path().join("f");
         std::fs::write(&path, vec![7u8; 5000]).expect("write");
-        let overlay = Overlay::new(std::fs::File::open(&path).expect("open")).expect("overlay");
+        let file = file_backend(std::fs::File::open(&path).expect("open")).expect("backend");
+        let overlay = Overlay::new(Arc::new(file)).expect("overlay");
         let mut out = vec![0u8; 5000];
         overlay.read(0, &mut out).expect("read");
         assert!(out.iter().all(|&b| b == 7));
