@@ -275,10 +275,7 @@ impl<B> Witnessed<B> {
     }
 
     fn seen<T>(&self, result: std::io::Result<T>) -> std::io::Result<T> {
-        if let Err(e) = &result {
-            self.witness.saw(e);
-        }
-        result
+        result.inspect_err(|e| self.witness.saw(e))
     }
 }
 
