@@ -155,8 +155,7 @@ fn create_then_open(path: &Path, config: &Config) -> Result<Opened> {
         // this is a crashed creator's file, never acknowledged: start over.
         let backend = file_backend(file)?;
         backend.set_len(0).map_err(Error::Io)?;
-        let (created, ..) = open_engine(backend, config, path)?;
-        drop(created); // closes the database and releases the lock
+        drop(open_engine(backend, config, path)?); // closes the database, releases the lock
     }
     std::fs::File::open(&temp)?.sync_all()?;
     // A hard link never replaces a name: a concurrent creator's store wins.

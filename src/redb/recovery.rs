@@ -47,7 +47,6 @@ pub(super) fn plan_log(
     file: &dyn StorageBackend,
     found: &Found<'_>,
 ) -> Result<LogPlan> {
-    let name = found.name;
     let len = file.len().map_err(Error::Io)?;
     let txn = db.begin_read().map_err(engine_error)?;
     let meta = txn.open_table(META).map_err(table_error)?;
@@ -78,11 +77,11 @@ pub(super) fn plan_log(
         // The last open stopped before its log had a size: no frame exists.
         Some(0) => {}
         _ if len == 0 => plan.problems.push(Damage::LogMissing {
-            store: name.to_path_buf(),
+            store: found.name.to_path_buf(),
         }),
         Some(recorded) if len < recorded => {
             plan.problems.push(Damage::LogCutShort {
-                store: name.to_path_buf(),
+                store: found.name.to_path_buf(),
                 len,
                 recorded,
             });
