@@ -136,8 +136,8 @@ pub(super) fn file_backend(file: std::fs::File) -> Result<FileBackend> {
 }
 
 /// Opens (creating, mode 0600) the log beside `store`, making a new
-/// directory entry durable.
-pub(super) fn open_log(store: &Path) -> Result<FileBackend> {
+/// directory entry durable; and whether it was created.
+pub(super) fn open_log(store: &Path) -> Result<(FileBackend, bool)> {
     let path = log_path(store);
     let existed = path.exists();
     let file = open_owner_only(&path)?;
@@ -145,7 +145,7 @@ pub(super) fn open_log(store: &Path) -> Result<FileBackend> {
         file.sync_all()?;
         sync_parent(&path)?;
     }
-    file_backend(file)
+    Ok((file_backend(file)?, !existed))
 }
 
 /// Makes the log file at least `capacity` bytes long in written zeros, and

@@ -22,7 +22,6 @@ pub(super) struct Opened {
     pub(super) db: Database,
     pub(super) store_id: [u8; 16],
     pub(super) leases_expired: u64,
-    /// The log, the frames replayed, the token high-water mark.
     pub(super) recovered: Recovered,
     pub(super) loss: LossReport,
     pub(super) source: Origin,
@@ -125,13 +124,12 @@ pub(super) fn log_to_read(path: &Path) -> Result<Box<dyn StorageBackend>> {
 fn open_file(path: &Path, config: &Config) -> Result<Opened> {
     let backend = file_backend(open_owner_only(path)?)?;
     // The store file's lock keeps other processes out of the log too.
-    let wal_existed = log_path(path).exists();
-    let log = Box::new(open_log(path)?);
+    let (log, created) = open_log(path)?;
     // Every open syncs the directory: a creator may have crashed before
     // its own sync, and a power cut could then drop the whole file.
     sync_parent(path)?;
-    let opened = open_backend(backend, log, boot_id().as_deref(), config, path);
-    if opened.is_err() && !wal_existed {
+    let opened = open_backend(backend, Box::new(log), boot_id().as_deref(), config, path);
+    if opened.is_err() && created {
         // The empty log this refused open made is not left behind.
         let _ = std::fs::remove_file(log_path(path));
     }
