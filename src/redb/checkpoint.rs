@@ -8,12 +8,12 @@
 //! replays them); the thread then heals with back-off, asleep in between.
 
 use super::health::{HEAL_BACKOFF_MAX, HEAL_BACKOFF_MIN, On};
-use super::memtable::Frozen;
+use super::memtable::{Bg, Frozen};
 use super::tables::commit;
 use super::{Durability, Shared};
 use crate::error::{Error, Result};
 use crate::sync::atomic::Ordering;
-use crate::sync::{Arc, Instant};
+use crate::sync::{Arc, Instant, MutexGuard};
 use std::time::Duration;
 
 /// The thread's body: runs until the store is dropped (after writing out a
@@ -31,12 +31,7 @@ pub(super) fn run(shared: Arc<Shared>) {
             if bg.shutdown || !shared.db.heals() {
                 break;
             }
-            bg = shared
-                .memory
-                .bg_cv
-                .wait_timeout(bg, backoff)
-                .map(|(g, _)| g)
-                .unwrap_or_else(|p| p.into_inner().0);
+            bg = wait(&shared, bg, backoff);
             if bg.shutdown {
                 break;
             }
@@ -95,12 +90,7 @@ pub(super) fn run(shared: Arc<Shared>) {
             wait = busy_backoff(&shared);
         }
         if !work {
-            bg = shared
-                .memory
-                .bg_cv
-                .wait_timeout(bg, wait.max(Duration::from_millis(1)))
-                .map(|(g, _)| g)
-                .unwrap_or_else(|p| p.into_inner().0);
+            bg = self::wait(&shared, bg, wait.max(Duration::from_millis(1)));
             continue;
         }
         drop(bg);
@@ -109,6 +99,12 @@ pub(super) fn run(shared: Arc<Shared>) {
         busy = matches!(result, Ok(Tick::Busy));
         bg = shared.memory.lock_bg();
     }
+}
+
+/// Waits at most `timeout` for the thread to be woken.
+fn wait<'a>(shared: &'a Shared, bg: MutexGuard<'a, Bg>, timeout: Duration) -> MutexGuard<'a, Bg> {
+    let woken = shared.memory.bg_cv.wait_timeout(bg, timeout);
+    woken.map(|(bg, _)| bg).unwrap_or_else(|p| p.into_inner().0)
 }
 
 fn next_backoff(backoff: Duration) -> Duration {
@@ -179,13 +175,7 @@ fn checkpoint(shared: &Shared, frozen: &std::sync::Arc<Frozen>) -> Result<()> {
     // The memtable's lock comes before the engine's (lock order: shared.rs).
     drop(db);
     let mut mem = shared.memory.write_mem();
-    if mem
-        .frozen
-        .as_ref()
-        .is_some_and(|f| std::sync::Arc::ptr_eq(f, frozen))
-    {
-        mem.frozen = None;
-    }
+    mem.frozen.take_if(|f| std::sync::Arc::ptr_eq(f, frozen));
     Ok(())
 }
 

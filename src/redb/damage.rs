@@ -13,16 +13,9 @@ use std::path::PathBuf;
 pub(super) enum Damage {
     /// The store file `what` ("is missing", "is empty") while its log holds frames.
     StoreLostBesideLog { store: PathBuf, what: &'static str },
-    /// The store file is empty (0 bytes), and no log holds frames.
-    EmptyStoreFile { store: PathBuf },
-    /// A read-only open found none of the store's tables.
-    NoTables { store: PathBuf },
-    /// A heal's reopen found the store's tables gone.
-    TablesLost { store: PathBuf },
-    /// The storage engine panicked reading the file.
-    Unreadable { store: PathBuf },
-    /// The file is shorter than its own header says.
-    Truncated { store: PathBuf },
+    /// The store file is unusable as it is: "{store} {what}" (empty, truncated,
+    /// unreadable, without the store's tables).
+    Store { store: PathBuf, what: &'static str },
     /// The meta table's format version is 0.
     MetaVersionZero,
     /// A meta entry is missing.
@@ -43,30 +36,17 @@ pub(super) enum Damage {
     },
     /// After an unclean stop, none of the log's frames verifies for the store.
     LogOfAnotherStore { store: PathBuf, seen: u64 },
-    /// An epoch's frames stop at `at`, but a later one verifies at `later`.
-    FrameGap { stop: Stop, at: u64, later: u64 },
+    /// An epoch's frames stop at `at` (`stop`: "fails its checksum",
+    /// "ends"), but a later one verifies at `later`.
+    FrameGap {
+        stop: &'static str,
+        at: u64,
+        later: u64,
+    },
     /// The last frame fails its checksum with no reboot since it was written.
     LastFrameDamaged { at: u64 },
     /// A log frame verifies but its entries do not parse.
     FrameEntries { at: u64, detail: String },
-}
-
-/// How an epoch's frames stop where the walk stopped.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Stop {
-    /// A frame fails its checksum.
-    Damaged,
-    /// No frame of the epoch starts there.
-    Ends,
-}
-
-impl fmt::Display for Stop {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Stop::Damaged => "fails its checksum",
-            Stop::Ends => "ends",
-        })
-    }
 }
 
 impl Damage {
@@ -86,6 +66,15 @@ impl Damage {
             other => format!("epoch {epoch}: {other}"),
         }
     }
+
+    /// [`Damage::Store`] as the error it is.
+    pub(super) fn store(store: &std::path::Path, what: &'static str) -> Error {
+        Damage::Store {
+            store: store.into(),
+            what,
+        }
+        .into()
+    }
 }
 
 impl fmt::Display for Damage {
@@ -101,28 +90,7 @@ impl fmt::Display for Damage {
                 store.display(),
                 log_path(store).display()
             ),
-            Damage::EmptyStoreFile { store } => {
-                let store = store.display();
-                write!(f, "{store} is empty (0 bytes): not a store file")
-            }
-            Damage::NoTables { store } => write!(
-                f,
-                "{} holds no idemstore tables (a store whose creation did not finish)",
-                store.display()
-            ),
-            Damage::TablesLost { store } => {
-                write!(f, "{} lost its idemstore tables", store.display())
-            }
-            Damage::Unreadable { store } => write!(
-                f,
-                "{} is damaged: the storage engine could not read it",
-                store.display()
-            ),
-            Damage::Truncated { store } => write!(
-                f,
-                "{} is truncated: shorter than its own header says",
-                store.display()
-            ),
+            Damage::Store { store, what } => write!(f, "{} {what}", store.display()),
             Damage::MetaVersionZero => f.write_str("meta format version is 0"),
             Damage::MetaEntryMissing { name } => write!(f, "meta entry {name:?} is missing"),
             Damage::MetaEntrySize { name, len, want } => {
@@ -227,11 +195,6 @@ pub struct LossReport {
 }
 
 impl LossReport {
-    /// Nothing was found.
-    pub(super) fn is_empty(&self) -> bool {
-        self.findings.is_empty()
-    }
-
     /// The report as one JSON object (what `idemstore recover` writes).
     ///
     /// ```
@@ -280,7 +243,7 @@ mod tests {
     #[test]
     fn damage_is_corrupt_and_a_finding_names_its_epoch() {
         let gap = Damage::FrameGap {
-            stop: Stop::Damaged,
+            stop: "fails its checksum",
             at: 4096,
             later: 12288,
         };
@@ -298,7 +261,7 @@ mod tests {
             "epoch 1: meta format version is 0"
         );
         let ends = Damage::FrameGap {
-            stop: Stop::Ends,
+            stop: "ends",
             at: 0,
             later: 4096,
         };

@@ -5,6 +5,7 @@
 
 use crate::error::{Error, Result};
 use ::redb::StorageBackend;
+use ::redb::backends::FileBackend;
 use std::io::{Error as IoError, ErrorKind};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -81,24 +82,24 @@ pub(super) fn try_lock_shared(file: &std::fs::File, store: &Path) -> Result<()> 
 
 pub(super) fn sync_parent(path: &Path) -> Result<()> {
     #[cfg(unix)]
-    {
-        let parent = match path.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p,
-            _ => Path::new("."),
-        };
-        std::fs::File::open(parent)?.sync_all()?;
-    }
+    std::fs::File::open(parent_dir(path))?.sync_all()?;
     #[cfg(not(unix))]
     let _ = path;
     Ok(())
 }
 
+/// The directory holding `path` (`.` for a bare file name).
+#[cfg(unix)]
+pub(super) fn parent_dir(path: &Path) -> &Path {
+    path.parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."))
+}
+
 /// Refuses a non-empty file that does not start with a redb header, before
 /// redb reads (or writes) anything else in it.
 pub(super) fn check_foreign(backend: &impl StorageBackend) -> Result<()> {
-    let len = backend
-        .len()
-        .map_err(|e| engine_error(::redb::StorageError::from(e)))?;
+    let len = backend.len().map_err(Error::Io)?;
     if len == 0 {
         return Ok(());
     }
@@ -108,9 +109,7 @@ pub(super) fn check_foreign(backend: &impl StorageBackend) -> Result<()> {
             "{len} bytes, shorter than a storage header"
         )));
     }
-    backend
-        .read(0, &mut head)
-        .map_err(|e| engine_error(::redb::StorageError::from(e)))?;
+    backend.read(0, &mut head).map_err(Error::Io)?;
     if head != REDB_MAGIC {
         return Err(not_ours("it does not start with a redb header"));
     }
@@ -129,89 +128,24 @@ pub(super) fn log_path(store: impl AsRef<Path>) -> PathBuf {
     store.with_file_name(name)
 }
 
-/// The log on a real file (or a store file an `Overlay` reads): positional
-/// reads and writes, `fdatasync`. The store file's lock (taken first) keeps
-/// a second process out.
-#[derive(Debug)]
-pub(super) struct FileLog {
-    pub(super) file: std::fs::File,
+/// redb's [`FileBackend`] over `file`: positional reads and writes,
+/// `fdatasync`, and lock methods that only the engine calls (for the log,
+/// the store file's lock, taken first, keeps a second process out).
+pub(super) fn file_backend(file: std::fs::File) -> Result<FileBackend> {
+    FileBackend::new(file).map_err(engine_error)
 }
 
-impl FileLog {
-    /// Opens (creating, mode 0600) the log beside `store`, making a new
-    /// directory entry durable.
-    pub(super) fn open(store: &Path) -> Result<FileLog> {
-        let path = log_path(store);
-        let existed = path.exists();
-        let file = open_owner_only(&path)?;
-        if !existed {
-            file.sync_all()?;
-            sync_parent(&path)?;
-        }
-        Ok(FileLog { file })
+/// Opens (creating, mode 0600) the log beside `store`, making a new
+/// directory entry durable; and whether it was created.
+pub(super) fn open_log(store: &Path) -> Result<(FileBackend, bool)> {
+    let path = log_path(store);
+    let existed = path.exists();
+    let file = open_owner_only(&path)?;
+    if !existed {
+        file.sync_all()?;
+        sync_parent(&path)?;
     }
-
-    /// `None` when there is none; every write through it fails.
-    pub(super) fn open_read_only(store: &Path) -> Result<Option<FileLog>> {
-        match std::fs::File::open(log_path(store)) {
-            Ok(file) => Ok(Some(FileLog { file })),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-            Err(e) => Err(e.into()),
-        }
-    }
-}
-
-impl StorageBackend for FileLog {
-    fn len(&self) -> std::io::Result<u64> {
-        Ok(self.file.metadata()?.len())
-    }
-    fn read(&self, offset: u64, out: &mut [u8]) -> std::io::Result<()> {
-        #[cfg(unix)]
-        {
-            std::os::unix::fs::FileExt::read_exact_at(&self.file, out, offset)
-        }
-        #[cfg(windows)]
-        {
-            let mut done = 0;
-            while let Some(rest) = out.get_mut(done..).filter(|r| !r.is_empty()) {
-                let at = offset + done as u64;
-                let n = std::os::windows::fs::FileExt::seek_read(&self.file, rest, at)?;
-                if n == 0 {
-                    return Err(std::io::ErrorKind::UnexpectedEof.into());
-                }
-                done += n;
-            }
-            Ok(())
-        }
-    }
-    fn set_len(&self, len: u64) -> std::io::Result<()> {
-        self.file.set_len(len)
-    }
-    fn sync_data(&self) -> std::io::Result<()> {
-        self.file.sync_data()
-    }
-    fn write(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
-        #[cfg(unix)]
-        {
-            std::os::unix::fs::FileExt::write_all_at(&self.file, data, offset)
-        }
-        #[cfg(windows)]
-        {
-            let mut done = 0;
-            while let Some(rest) = data.get(done..).filter(|r| !r.is_empty()) {
-                let n = std::os::windows::fs::FileExt::seek_write(
-                    &self.file,
-                    rest,
-                    offset + done as u64,
-                )?;
-                if n == 0 {
-                    return Err(std::io::ErrorKind::WriteZero.into());
-                }
-                done += n;
-            }
-            Ok(())
-        }
-    }
+    Ok((file_backend(file)?, !existed))
 }
 
 /// Makes the log file at least `capacity` bytes long in written zeros, and
@@ -226,12 +160,10 @@ pub(super) fn preallocate(file: &dyn StorageBackend, capacity: u64) -> Result<u6
     file.set_len(capacity).map_err(Error::Io)?;
     const CHUNK: usize = 1024 * 1024;
     let zeros = vec![0u8; CHUNK];
-    let mut at = len;
-    while at < capacity {
+    for at in (len..capacity).step_by(CHUNK) {
         let n = (capacity - at).min(CHUNK as u64) as usize;
         file.write(at, zeros.get(..n).unwrap_or_default())
             .map_err(Error::Io)?;
-        at += n as u64;
     }
     file.sync_data().map_err(Error::Io)?;
     Ok(capacity)
@@ -343,10 +275,7 @@ impl<B> Witnessed<B> {
     }
 
     fn seen<T>(&self, result: std::io::Result<T>) -> std::io::Result<T> {
-        if let Err(e) = &result {
-            self.witness.saw(e);
-        }
-        result
+        result.inspect_err(|e| self.witness.saw(e))
     }
 }
 

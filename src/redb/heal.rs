@@ -11,12 +11,14 @@
 use super::damage::LossReport;
 use super::file::{BACKEND, engine_error};
 use super::health::Attempts;
+use super::memtable::Mem;
 use super::meta::MetaEntries;
 use super::recovery::{Found, Recovered, boot_id, recover_log};
 use super::{Engine, Shared, Usable};
 use crate::error::Result;
 use crate::sync::Instant;
 use crate::sync::atomic::Ordering;
+use ::redb::backends::InMemoryBackend;
 use ::redb::{Database, StorageBackend};
 
 /// Free space a full disk must gain before the next attempt to heal.
@@ -24,13 +26,6 @@ const FREED_BYTES: u64 = 64 * 1024;
 
 /// Longest wait for free space to grow before a full disk's heal is tried.
 const RETRY_ANYWAY: std::time::Duration = std::time::Duration::from_secs(30);
-
-/// The empty engine that holds a closed one's place.
-fn stand_in() -> Result<Database> {
-    Database::builder()
-        .create_with_backend(::redb::backends::InMemoryBackend::new())
-        .map_err(engine_error)
-}
 
 impl Shared {
     /// One attempt to heal a poisoned store (see the module docs).
@@ -44,21 +39,16 @@ impl Shared {
         if !self.worth_an_attempt(&mut attempts) {
             return Err(self.db.poisoned_error());
         }
-        let recovered = match self.reopen_and_replay(&mut engine, core.writer.file()) {
-            Ok(recovered) => recovered,
-            Err(e) => {
-                attempts.last = Some(Instant::now());
-                attempts.free_at_last = self.db.path.as_deref().and_then(free_bytes);
-                return Err(e);
-            }
-        };
+        let replayed = self.reopen_and_replay(&mut engine, core.writer.file());
+        let recovered = replayed.inspect_err(|_| {
+            attempts.last = Some(Instant::now());
+            attempts.free_at_last = self.db.path.as_deref().and_then(free_bytes);
+        })?;
         *attempts = Attempts::default();
         core.token_hwm = core.token_hwm.max(recovered.token_hwm);
         core.writer = recovered.wal;
         // Every record the memtable held is in the store file now.
-        mem.active.clear();
-        mem.active_bytes = 0;
-        mem.frozen = None;
+        *mem = Mem::default();
         self.log.unsynced.store(false, Ordering::SeqCst);
         self.memory.start_memtable_clock();
         drop(engine);
@@ -74,10 +64,8 @@ impl Shared {
     fn worth_an_attempt(&self, state: &mut Attempts) -> bool {
         let full = self.db.health.cause().and_then(|c| c.io_kind())
             == Some(std::io::ErrorKind::StorageFull);
-        let (Some(path), true) = (&self.db.path, full) else {
-            return true;
-        };
-        let Some(free) = free_bytes(path) else {
+        let path = self.db.path.as_deref().filter(|_| full);
+        let Some(free) = path.and_then(free_bytes) else {
             return true;
         };
         let grew = state
@@ -98,27 +86,25 @@ impl Shared {
         let name = self.db.path.clone().unwrap_or_else(|| BACKEND.into());
         let boot = boot_id();
         let found = Found {
-            store_id: meta.store_id,
-            token_hwm: meta.token_hwm,
+            meta: &meta,
             boot: boot.as_deref(),
             name: &name,
             heal: true,
         };
         let config = &self.db.heal_config;
-        let recovered = recover_log(&engine.db, log, &found, config, &mut LossReport::default());
-        if recovered.is_err() {
+        recover_log(&engine.db, log, &found, config, &mut LossReport::default()).inspect_err(|_| {
             let _ = self.reopen(engine);
-        }
-        recovered
+        })
     }
 
     /// Closes the engine and reopens it, returning the meta entries; failing
     /// that, a view that writes nothing takes its place for reads, or the
     /// stand-in stays, marked unusable.
     fn reopen(&self, engine: &mut Engine) -> Result<MetaEntries> {
-        let old = std::mem::replace(&mut engine.db, stand_in()?);
+        // An empty engine holds the closed one's place.
+        let stand_in = Database::builder().create_with_backend(InMemoryBackend::new());
+        engine.db = stand_in.map_err(engine_error)?;
         engine.usable = Usable::No;
-        drop(old);
         match super::open::reopen_engine(&self.db.source, &self.db.heal_config, &self.db.witness) {
             Ok((db, meta)) => {
                 engine.db = db;
@@ -139,11 +125,7 @@ impl Shared {
 /// Bytes an unprivileged writer may still use on `path`'s filesystem.
 #[cfg(unix)]
 fn free_bytes(path: &std::path::Path) -> Option<u64> {
-    let dir = match path.parent() {
-        Some(dir) if !dir.as_os_str().is_empty() => dir,
-        _ => std::path::Path::new("."),
-    };
-    let fs = rustix::fs::statvfs(dir).ok()?;
+    let fs = rustix::fs::statvfs(super::file::parent_dir(path)).ok()?;
     Some(fs.f_bavail.saturating_mul(fs.f_frsize))
 }
 

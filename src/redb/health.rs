@@ -100,12 +100,10 @@ impl HealthCell {
     pub(super) fn poison(&self, cause: &Cause, since: Timestamp) -> bool {
         let mut fault = self.lock();
         let first = fault.is_none();
-        if first {
-            *fault = Some(Fault {
-                cause: cause.clone(),
-                since,
-            });
-        }
+        fault.get_or_insert_with(|| Fault {
+            cause: cause.clone(),
+            since,
+        });
         self.poisoned.store(true, Ordering::SeqCst);
         first
     }
@@ -126,15 +124,14 @@ impl HealthCell {
         if !self.is_poisoned() {
             return None;
         }
-        self.lock().as_ref().map(|fault| Error::Poisoned {
-            cause: Some(fault.cause.clone()),
-        })
+        let cause = self.cause()?;
+        Some(Error::Poisoned { cause: Some(cause) })
     }
 
     pub(super) fn health(&self) -> Health {
-        let fault = self.lock();
-        match (&*fault, self.is_poisoned()) {
-            (_, false) => Health::Healthy,
+        // The flag and the fault change together under the fault's lock: a
+        // poisoned cell holds its fault.
+        match (&*self.lock(), self.is_poisoned()) {
             (Some(f), true) if f.cause.heals() => Health::Degraded {
                 cause: f.cause.clone(),
                 since: f.since,
@@ -142,13 +139,7 @@ impl HealthCell {
             (Some(f), true) => Health::Failed {
                 cause: f.cause.clone(),
             },
-            (None, true) => Health::Failed {
-                cause: Cause::new(
-                    "commit",
-                    None,
-                    &Error::backend("the store was poisoned without a recorded cause"),
-                ),
-            },
+            _ => Health::Healthy,
         }
     }
 }

@@ -1,17 +1,16 @@
 //! The meta table: the store format ([`STORE_FORMAT_VERSION`]), reading,
-//! checking and writing a store's meta entries, and the record log's state
-//! as the store file keeps it (its epoch, clean stop, size and boot).
+//! checking and writing a store's meta entries (the record log's are read
+//! where the log is planned, `recovery::plan_log`).
 
 use super::Config;
 use super::damage::Damage;
 use super::file::{engine_error, not_ours};
 use super::tables::{
-    EXPIRY, LOG_OPEN, META, META_FORMAT_VERSION, META_LOG_BOOT, META_LOG_BYTES, META_LOG_EPOCH,
-    META_LOG_STATE, META_STORE_ID, META_TOKEN_HWM, RECORDS, commit,
+    EXPIRY, META, META_FORMAT_VERSION, META_STORE_ID, META_TOKEN_HWM, RECORDS, commit,
 };
 use crate::error::{Error, Result};
 use ::redb::{Database, ReadOnlyTable, ReadableDatabase, TableError, TableHandle};
-use std::hash::{BuildHasher, Hasher};
+use std::hash::{BuildHasher, RandomState};
 
 /// The store format this build writes and the only one it opens (tables,
 /// meta entries, write-ahead log; records carry their own version).
@@ -85,7 +84,7 @@ pub(super) fn fixed<const N: usize>(name: &str, bytes: &[u8]) -> Result<[u8; N]>
     })
 }
 
-fn table_error(err: TableError) -> Error {
+pub(super) fn table_error(err: TableError) -> Error {
     match err {
         TableError::TableTypeMismatch { .. } | TableError::TableIsMultimap(_) => {
             not_ours(format!("a table has a foreign layout ({err})"))
@@ -114,51 +113,21 @@ pub(super) fn init_meta(db: &Database, config: &Config) -> Result<MetaEntries> {
 fn new_store_id(config: &Config) -> [u8; 16] {
     use sha2::Digest;
     let mut h = sha2::Sha256::new();
+    let now = config.clock.now().as_millis();
     for _ in 0..2 {
-        let mut r = std::collections::hash_map::RandomState::new().build_hasher();
-        r.write_u64(config.clock.now().as_millis());
-        h.update(r.finish().to_be_bytes());
+        h.update(RandomState::new().hash_one(now).to_be_bytes());
     }
     h.update(std::process::id().to_be_bytes());
-    h.update(config.clock.now().as_millis().to_be_bytes());
+    h.update(now.to_be_bytes());
     let digest = h.finalize();
     digest.first_chunk::<16>().copied().unwrap_or_default()
 }
 
-/// The record log's entries as the store file keeps them.
-pub(super) struct WalMeta {
-    /// The durable epoch ([`META_LOG_EPOCH`], 0 before the first).
-    pub(super) epoch: u64,
-    /// This boot's id at the log's last open.
-    pub(super) boot: Option<String>,
-    /// [`META_LOG_STATE`]: the log may hold acknowledged frames (the last
-    /// stop was not clean); `None` when no open has recorded it.
-    pub(super) open: Option<bool>,
-    /// [`META_LOG_BYTES`], the log's size as the last open left it (read
-    /// only with a state).
-    pub(super) bytes: Option<u64>,
-}
-
-/// The log's entries, in one read transaction.
-pub(super) fn read_wal(db: &Database) -> Result<WalMeta> {
-    let txn = db.begin_read().map_err(engine_error)?;
-    let meta = txn.open_table(META).map_err(table_error)?;
-    let boot = meta.get(META_LOG_BOOT).map_err(engine_error)?;
-    let open = entry::<1>(&meta, META_LOG_STATE)?.map(|[state]| state == LOG_OPEN);
-    let bytes = match open {
-        Some(_) => entry(&meta, META_LOG_BYTES)?.map(u64::from_be_bytes),
-        None => None,
-    };
-    Ok(WalMeta {
-        epoch: entry(&meta, META_LOG_EPOCH)?.map_or(0, u64::from_be_bytes),
-        boot: boot.map(|v| String::from_utf8_lossy(v.value()).into_owned()),
-        open,
-        bytes,
-    })
-}
-
 /// The fixed-size meta entry `name`, `None` when absent.
-fn entry<const N: usize>(meta: &ReadOnlyTable<&str, &[u8]>, name: &str) -> Result<Option<[u8; N]>> {
+pub(super) fn entry<const N: usize>(
+    meta: &ReadOnlyTable<&str, &[u8]>,
+    name: &str,
+) -> Result<Option<[u8; N]>> {
     let value = meta.get(name).map_err(engine_error)?;
     value.map(|v| fixed(name, v.value())).transpose()
 }

@@ -137,7 +137,7 @@ impl RedbStore {
     }
 
     fn start(mut opened: open::Opened, config: Config, path: Option<PathBuf>) -> Result<RedbStore> {
-        let (leases, frames) = (opened.leases_expired, opened.frames_replayed);
+        let (leases, frames) = (opened.leases_expired, opened.recovered.frames);
         let mut loss = std::mem::take(&mut opened.loss);
         loss.frames_replayed = frames;
         crate::observability::opened(path.as_deref(), frames, leases, config.read_only);
@@ -150,7 +150,7 @@ impl RedbStore {
             max_body_bytes: config.max_body_bytes,
             leases_expired_on_open: leases,
             frames_replayed_on_open: frames,
-            loss_report: (!loss.is_empty()).then_some(loss),
+            loss_report: (!loss.findings.is_empty()).then_some(loss),
         };
         // The threads hold the shared state, not the store: no cycle, and a
         // thread that cannot start drops the store, which stops the others.

@@ -4,13 +4,12 @@
 
 use super::damage::{Damage, LossReport};
 use super::file::{
-    BACKEND, FILE_MODE, FileLog, IoWitness, Origin, SharedBackend, Witnessed, check_foreign,
-    engine_error, log_path, open_owner_only, sync_parent, try_lock_shared,
+    BACKEND, FILE_MODE, IoWitness, Origin, SharedBackend, Witnessed, check_foreign, engine_error,
+    file_backend, log_path, open_log, open_owner_only, sync_parent, try_lock_shared,
 };
 use super::meta::{MetaEntries, init_meta, read_meta};
 use super::overlay::Overlay;
-use super::record_log::LogWriter;
-use super::recovery::{Found, boot_id, recover_log};
+use super::recovery::{Found, Recovered, boot_id, recover_log};
 use super::tables::commit;
 use super::{Config, RecoveryPolicy};
 use crate::error::{Error, Result};
@@ -21,11 +20,9 @@ use std::sync::Arc;
 
 pub(super) struct Opened {
     pub(super) db: Database,
-    pub(super) token_hwm: u64,
     pub(super) store_id: [u8; 16],
     pub(super) leases_expired: u64,
-    pub(super) wal: LogWriter,
-    pub(super) frames_replayed: u64,
+    pub(super) recovered: Recovered,
     pub(super) loss: LossReport,
     pub(super) source: Origin,
     /// Sees the engine's I/O errors; a heal reuses it.
@@ -40,7 +37,7 @@ pub(super) fn open_path(path: &Path, config: &Config) -> Result<Opened> {
         Ok(meta) if meta.len() == 0 => Some("is empty"),
         _ => None,
     };
-    let moved = missing.map(|what| refuse_over_log(path, what, config));
+    let moved = missing.map(|what| refuse_over_log(path, what, config.accept_loss));
     let moved = moved.transpose()?.flatten();
     let mut opened = match missing {
         Some("is missing") => create_then_open(path, config)?,
@@ -52,12 +49,13 @@ pub(super) fn open_path(path: &Path, config: &Config) -> Result<Opened> {
 
 /// [`Error::Corrupt`] when the log beside `path` holds frames; with
 /// `accept_loss` it is renamed to a free `<log>.lost` (the finding returned).
-fn refuse_over_log(path: &Path, what: &'static str, config: &Config) -> Result<Option<String>> {
+fn refuse_over_log(path: &Path, what: &'static str, accept_loss: bool) -> Result<Option<String>> {
     if !log_holds_frames(path)? {
         return Ok(None);
     }
-    if !config.accept_loss {
-        return Err(store_lost_beside_log(path, what));
+    if !accept_loss {
+        let store = path.to_path_buf();
+        return Err(Damage::StoreLostBesideLog { store, what }.into());
     }
     let log = log_path(path);
     let aside = free_name(&log, "lost");
@@ -72,29 +70,21 @@ fn refuse_over_log(path: &Path, what: &'static str, config: &Config) -> Result<O
     )))
 }
 
-fn store_lost_beside_log(path: &Path, what: &'static str) -> Error {
-    let store = path.to_path_buf();
-    Damage::StoreLostBesideLog { store, what }.into()
-}
-
 /// Whether the log beside `path` holds anything but zeros.
 fn log_holds_frames(path: &Path) -> Result<bool> {
-    use std::io::Read;
-    let mut file = match std::fs::File::open(log_path(path)) {
-        Ok(file) => file,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
-        Err(e) => return Err(e.into()),
-    };
-    let mut chunk = vec![0u8; 1024 * 1024];
-    loop {
-        let n = file.read(&mut chunk)?;
-        if n == 0 {
-            return Ok(false);
-        }
-        if chunk.get(..n).is_some_and(|c| c.iter().any(|&b| b != 0)) {
+    const CHUNK: u64 = 1024 * 1024;
+    let log = log_to_read(path)?;
+    let len = log.len().map_err(Error::Io)?;
+    let mut chunk = vec![0u8; CHUNK as usize];
+    for at in (0..len).step_by(CHUNK as usize) {
+        let part = chunk.get_mut(..(len - at).min(CHUNK) as usize);
+        let part = part.unwrap_or_default();
+        log.read(at, part).map_err(Error::Io)?;
+        if part.iter().any(|&b| b != 0) {
             return Ok(true);
         }
     }
+    Ok(false)
 }
 
 /// [`RedbStoreBuilder::open_read_only`](super::RedbStoreBuilder::open_read_only):
@@ -102,52 +92,44 @@ fn log_holds_frames(path: &Path) -> Result<bool> {
 pub(super) fn open_read_only(path: &Path, config: &Config) -> Result<Opened> {
     let meta = match std::fs::metadata(path) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(Error::Io(std::io::Error::new(
-                std::io::ErrorKind::NotFound,
-                format!(
-                    "no store at {} (a read-only open never creates one)",
-                    path.display()
-                ),
-            )));
+            let never = "(a read-only open never creates one)";
+            let detail = format!("no store at {} {never}", path.display());
+            return Err(std::io::Error::new(e.kind(), detail).into());
         }
         other => other?,
     };
     if meta.len() == 0 {
-        if log_holds_frames(path)? {
-            return Err(store_lost_beside_log(path, "is empty"));
-        }
-        return Err(Damage::EmptyStoreFile { store: path.into() }.into());
+        refuse_over_log(path, "is empty", false)?;
+        return Err(Damage::store(path, "is empty (0 bytes): not a store file"));
     }
     let file = std::fs::File::open(path)?;
     try_lock_shared(&file, path)?;
-    let overlay = Overlay::new(file)?;
+    let overlay = Overlay::new(Arc::new(file_backend(file)?))?;
     let log = log_to_read(path)?;
     open_backend(overlay, log, boot_id().as_deref(), config, path)
 }
 
-/// The log beside `path`, to read only; a missing one reads as empty (the
-/// recovery refuses it after an unclean stop).
+/// The log beside `path`, to read only (every write through it fails); a
+/// missing one reads as empty (the recovery refuses it after an unclean stop).
 pub(super) fn log_to_read(path: &Path) -> Result<Box<dyn StorageBackend>> {
-    Ok(match FileLog::open_read_only(path)? {
-        Some(log) => Box::new(log),
-        None => Box::new(::redb::backends::InMemoryBackend::new()),
-    })
-}
-
-fn file_backend(path: &Path) -> Result<::redb::backends::FileBackend> {
-    ::redb::backends::FileBackend::new(open_owner_only(path)?).map_err(|e| map_open(e, path))
+    match std::fs::File::open(log_path(path)) {
+        Ok(file) => Ok(Box::new(file_backend(file)?)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            Ok(Box::new(::redb::backends::InMemoryBackend::new()))
+        }
+        Err(e) => Err(e.into()),
+    }
 }
 
 fn open_file(path: &Path, config: &Config) -> Result<Opened> {
-    let backend = file_backend(path)?;
+    let backend = file_backend(open_owner_only(path)?)?;
     // The store file's lock keeps other processes out of the log too.
-    let wal_existed = log_path(path).exists();
-    let log = Box::new(FileLog::open(path)?);
+    let (log, created) = open_log(path)?;
     // Every open syncs the directory: a creator may have crashed before
     // its own sync, and a power cut could then drop the whole file.
     sync_parent(path)?;
-    let opened = open_backend(backend, log, boot_id().as_deref(), config, path);
-    if opened.is_err() && !wal_existed {
+    let opened = open_backend(backend, Box::new(log), boot_id().as_deref(), config, path);
+    if opened.is_err() && created {
         // The empty log this refused open made is not left behind.
         let _ = std::fs::remove_file(log_path(path));
     }
@@ -169,12 +151,9 @@ fn create_then_open(path: &Path, config: &Config) -> Result<Opened> {
         file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(FILE_MODE))?;
         // A concurrent creator holds the engine's lock (Locked); otherwise
         // this is a crashed creator's file, never acknowledged: start over.
-        let backend = ::redb::backends::FileBackend::new(file).map_err(|e| map_open(e, path))?;
-        backend
-            .set_len(0)
-            .map_err(|e| engine_error(::redb::StorageError::from(e)))?;
-        let (created, ..) = open_engine(backend, config, path)?;
-        drop(created); // closes the database and releases the lock
+        let backend = file_backend(file)?;
+        backend.set_len(0).map_err(Error::Io)?;
+        drop(open_engine(backend, config, path)?); // closes the database, releases the lock
     }
     std::fs::File::open(&temp)?.sync_all()?;
     // A hard link never replaces a name: a concurrent creator's store wins.
@@ -200,8 +179,7 @@ pub(super) fn open_backend(
     let (db, meta, witness) = open_engine(backend, config, name)?;
     let mut loss = LossReport::default();
     let found = Found {
-        store_id: meta.store_id,
-        token_hwm: meta.token_hwm,
+        meta: &meta,
         boot,
         name,
         heal: false,
@@ -215,11 +193,9 @@ pub(super) fn open_backend(
     };
     Ok(Opened {
         db,
-        token_hwm: recovered.token_hwm,
         store_id: meta.store_id,
         leases_expired,
-        wal: recovered.wal,
-        frames_replayed: recovered.frames,
+        recovered,
         loss,
         source: Origin::None,
         witness,
@@ -237,7 +213,10 @@ fn open_engine(
     let meta = match read_meta(&db)? {
         Some(meta) => meta,
         None if config.read_only => {
-            return Err(Damage::NoTables { store: name.into() }.into());
+            return Err(Damage::store(
+                name,
+                "holds no idemstore tables (a store whose creation did not finish)",
+            ));
         }
         None => init_meta(&db, config)?,
     };
@@ -245,7 +224,8 @@ fn open_engine(
 }
 
 /// The engine over `backend`: a foreign file is refused before redb sees
-/// it; redb's panic over a damaged file becomes [`Error::Corrupt`].
+/// it; redb's panic over a damaged file, or a file shorter than its header,
+/// becomes [`Error::Corrupt`], a file another open holds [`Error::Locked`].
 fn engine_open(
     backend: impl StorageBackend,
     config: &Config,
@@ -263,8 +243,23 @@ fn engine_open(
     }));
     match opened {
         Ok(Ok(db)) => Ok(db),
-        Ok(Err(e)) => Err(map_open(e, name)),
-        Err(_) => Err(Damage::Unreadable { store: name.into() }.into()),
+        Ok(Err(DatabaseError::DatabaseAlreadyOpen)) => Err(Error::Locked {
+            path: name.display().to_string(),
+            holder: crate::holder::lock_holder(name),
+        }),
+        Ok(Err(DatabaseError::Storage(::redb::StorageError::Io(io))))
+            if io.kind() == std::io::ErrorKind::UnexpectedEof =>
+        {
+            Err(Damage::store(
+                name,
+                "is truncated: shorter than its own header says",
+            ))
+        }
+        Ok(Err(e)) => Err(engine_error(e)),
+        Err(_) => Err(Damage::store(
+            name,
+            "is damaged: the storage engine could not read it",
+        )),
     }
 }
 
@@ -277,7 +272,7 @@ pub(super) fn reopen_engine(
 ) -> Result<(Database, MetaEntries)> {
     let (db, name) = match source {
         Origin::Path(path) => (
-            engine_open(file_backend(path)?, config, path, witness)?,
+            engine_open(file_backend(open_owner_only(path)?)?, config, path, witness)?,
             path.as_path(),
         ),
         Origin::Backend(store) => {
@@ -290,7 +285,7 @@ pub(super) fn reopen_engine(
     };
     match read_meta(&db)? {
         Some(meta) => Ok((db, meta)),
-        None => Err(Damage::TablesLost { store: name.into() }.into()),
+        None => Err(Damage::store(name, "lost its idemstore tables")),
     }
 }
 
@@ -307,21 +302,6 @@ fn free_name(path: &Path, suffix: &str) -> PathBuf {
         .map(name)
         .find(|p| !p.exists())
         .unwrap_or_else(|| name(0))
-}
-
-fn map_open(err: DatabaseError, path: &Path) -> Error {
-    match err {
-        DatabaseError::DatabaseAlreadyOpen => Error::Locked {
-            path: path.display().to_string(),
-            holder: crate::holder::lock_holder(path),
-        },
-        DatabaseError::Storage(::redb::StorageError::Io(io))
-            if io.kind() == std::io::ErrorKind::UnexpectedEof =>
-        {
-            Damage::Truncated { store: path.into() }.into()
-        }
-        other => engine_error(other),
-    }
 }
 
 /// [`RecoveryPolicy::ExpireLeases`]: every PROCESSING record found at open

@@ -2,7 +2,7 @@
 //! nothing redb does on it (recovery, repair, replay) reaches the file: for
 //! read-only opens, `check_log`, `verify` and a heal's read-only view.
 
-use super::file::{FileLog, Origin, check_foreign};
+use super::file::{Origin, check_foreign, file_backend};
 use crate::error::{Error, Result};
 use ::redb::{Database, StorageBackend};
 use std::collections::HashMap;
@@ -12,7 +12,8 @@ use std::sync::{Arc, Mutex};
 /// The store file at `path` as a redb database through an [`Overlay`];
 /// `Ok(Err(detail))` when redb refuses the file or panics on it.
 pub(in crate::redb) fn open_overlay(path: &Path) -> Result<std::result::Result<Database, String>> {
-    engine_over(Overlay::new(std::fs::File::open(path)?)?)
+    let file = file_backend(std::fs::File::open(path)?)?;
+    engine_over(Overlay::new(Arc::new(file))?)
 }
 
 /// A database over a store's files that writes nothing to them: what a heal
@@ -21,7 +22,7 @@ pub(in crate::redb) fn open_overlay(path: &Path) -> Result<std::result::Result<D
 pub(in crate::redb) fn open_view_of(source: &Origin) -> Result<Database> {
     let opened = match source {
         Origin::Path(path) => open_overlay(path)?,
-        Origin::Backend(store) => engine_over(Overlay::over_backend(Arc::clone(store))?)?,
+        Origin::Backend(store) => engine_over(Overlay::new(Arc::clone(store))?)?,
         Origin::None => return Err(Error::backend("a read-only view has no files to view")),
     };
     opened.map_err(|detail| Error::corrupt(None, detail))
@@ -30,15 +31,14 @@ pub(in crate::redb) fn open_view_of(source: &Origin) -> Result<Database> {
 /// The engine over `overlay`, once its header is redb's.
 fn engine_over(overlay: Overlay) -> Result<std::result::Result<Database, String>> {
     check_foreign(&overlay)?;
-    Ok(
-        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            Database::builder().create_with_backend(overlay)
-        })) {
-            Ok(Ok(db)) => Ok(db),
-            Ok(Err(e)) => Err(e.to_string()),
-            Err(_) => Err("the storage engine could not read it".to_owned()),
-        },
-    )
+    let opened = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        Database::builder().create_with_backend(overlay)
+    }));
+    Ok(match opened {
+        Ok(Ok(db)) => Ok(db),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err("the storage engine could not read it".to_owned()),
+    })
 }
 
 /// A file read through an in-memory overlay: writes land in memory, whole
@@ -54,17 +54,14 @@ pub(in crate::redb) struct Overlay {
 struct OverlayState {
     /// The length as redb sees it (a `set_len` changes only this).
     len: u64,
-    pages: Pages,
+    /// The latest bytes of every page written, by index.
+    pages: HashMap<u64, Box<[u8]>>,
 }
 
 impl Overlay {
-    pub(in crate::redb) fn new(file: std::fs::File) -> std::io::Result<Overlay> {
-        Overlay::over_backend(Arc::new(FileLog { file }))
-    }
-
-    fn over_backend(base: Arc<dyn StorageBackend>) -> std::io::Result<Overlay> {
+    pub(in crate::redb) fn new(base: Arc<dyn StorageBackend>) -> std::io::Result<Overlay> {
         let file_len = base.len()?;
-        let pages = Pages::default();
+        let pages = HashMap::new();
         let state = Mutex::new(OverlayState {
             len: file_len,
             pages,
@@ -110,9 +107,22 @@ impl StorageBackend for Overlay {
         if offset + out.len() as u64 > state.len {
             return Err(std::io::ErrorKind::UnexpectedEof.into());
         }
-        state
-            .pages
-            .read(offset, out, |at, to| self.read_file(at, to))
+        if state.pages.is_empty() {
+            return self.read_file(offset, out);
+        }
+        let mut done = 0usize;
+        while done < out.len() {
+            let at = offset + done as u64;
+            let from = (at % PAGE) as usize;
+            let n = (PAGE as usize - from).min(out.len() - done);
+            let to = out.get_mut(done..done + n).unwrap_or_default();
+            match state.pages.get(&(at / PAGE)) {
+                Some(page) => to.copy_from_slice(page.get(from..from + n).unwrap_or_default()),
+                None => self.read_file(at, to)?,
+            }
+            done += n;
+        }
+        Ok(())
     }
 
     fn set_len(&self, len: u64) -> std::io::Result<()> {
@@ -124,69 +134,22 @@ impl StorageBackend for Overlay {
         Ok(())
     }
 
+    /// A page written in part starts from its current bytes.
     fn write(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
         let mut state = self.lock();
-        state
-            .pages
-            .write(offset, data, |at, to| self.read_file(at, to))?;
-        state.len = state.len.max(offset + data.len() as u64);
-        Ok(())
-    }
-}
-
-/// The unit of the images: redb's pages are multiples of it.
-const PAGE: u64 = 4096;
-
-/// The latest bytes of every page written, by index; reads and writes take
-/// the bytes no image covers from `file(offset, out)`.
-#[derive(Default)]
-struct Pages(HashMap<u64, Box<[u8]>>);
-
-impl Pages {
-    fn read(
-        &self,
-        offset: u64,
-        out: &mut [u8],
-        file: impl Fn(u64, &mut [u8]) -> std::io::Result<()>,
-    ) -> std::io::Result<()> {
-        if self.0.is_empty() {
-            return file(offset, out);
-        }
-        let mut done = 0usize;
-        while done < out.len() {
-            let at = offset + done as u64;
-            let from = (at % PAGE) as usize;
-            let n = (PAGE as usize - from).min(out.len() - done);
-            let to = out.get_mut(done..done + n).unwrap_or_default();
-            match self.0.get(&(at / PAGE)) {
-                Some(page) => to.copy_from_slice(page.get(from..from + n).unwrap_or_default()),
-                None => file(at, to)?,
-            }
-            done += n;
-        }
-        Ok(())
-    }
-
-    /// A page written in part starts from its current bytes.
-    fn write(
-        &mut self,
-        offset: u64,
-        data: &[u8],
-        file: impl Fn(u64, &mut [u8]) -> std::io::Result<()>,
-    ) -> std::io::Result<()> {
         let mut done = 0usize;
         while done < data.len() {
             let at = offset + done as u64;
             let index = at / PAGE;
             let from = (at % PAGE) as usize;
             let n = (PAGE as usize - from).min(data.len() - done);
-            let mut page = match self.0.remove(&index) {
+            let mut page = match state.pages.remove(&index) {
                 Some(page) => page,
                 None => {
                     let mut page = vec![0u8; PAGE as usize].into_boxed_slice();
                     // A whole page needs nothing of the old one.
                     if n < PAGE as usize {
-                        file(index * PAGE, &mut page)?;
+                        self.read_file(index * PAGE, &mut page)?;
                     }
                     page
                 }
@@ -194,12 +157,16 @@ impl Pages {
             page.get_mut(from..from + n)
                 .unwrap_or_default()
                 .copy_from_slice(data.get(done..done + n).unwrap_or_default());
-            self.0.insert(index, page);
+            state.pages.insert(index, page);
             done += n;
         }
+        state.len = state.len.max(offset + data.len() as u64);
         Ok(())
     }
 }
+
+/// The unit of the images: redb's pages are multiples of it.
+const PAGE: u64 = 4096;
 
 #[cfg(test)]
 mod tests {
@@ -210,7 +177,8 @@ mod tests {
         let dir = tempfile::tempdir().expect("dir");
         let path = dir.path().join("f");
         std::fs::write(&path, vec![7u8; 5000]).expect("write");
-        let overlay = Overlay::new(std::fs::File::open(&path).expect("open")).expect("overlay");
+        let file = file_backend(std::fs::File::open(&path).expect("open")).expect("backend");
+        let overlay = Overlay::new(Arc::new(file)).expect("overlay");
         let mut out = vec![0u8; 5000];
         overlay.read(0, &mut out).expect("read");
         assert!(out.iter().all(|&b| b == 7));

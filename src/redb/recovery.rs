@@ -4,19 +4,19 @@
 
 use super::Config;
 use super::damage::{Damage, LossReport};
-use super::meta::read_wal;
+use super::file::engine_error;
+use super::meta::{MetaEntries, entry, table_error};
 use super::record_log::{self, LogWriter, Seen, applier};
 use super::tables::{
-    LOG_OPEN, META_LOG_BOOT, META_LOG_BYTES, META_LOG_EPOCH, META_LOG_STATE, commit,
+    LOG_OPEN, META, META_LOG_BOOT, META_LOG_BYTES, META_LOG_EPOCH, META_LOG_STATE, commit,
 };
 use crate::error::{Error, Result};
-use ::redb::{Database, StorageBackend};
+use ::redb::{Database, ReadableDatabase, StorageBackend};
 use std::path::Path;
 
 /// What the open found out before the log's recovery.
 pub(super) struct Found<'a> {
-    pub(super) store_id: [u8; 16],
-    pub(super) token_hwm: u64,
+    pub(super) meta: &'a MetaEntries,
     /// [`boot_id`], for a log on a real file.
     pub(super) boot: Option<&'a str>,
     pub(super) name: &'a Path,
@@ -39,36 +39,49 @@ pub(super) struct LogPlan {
     pub(super) problems: Vec<Damage>,
 }
 
-/// Checks the log against what the store file says of it: after an
-/// unclean stop, a missing or cut-short log would drop acknowledged writes.
+/// Checks the log against what the store file's meta entries say of it:
+/// after an unclean stop, a missing or cut-short log would drop
+/// acknowledged writes.
 pub(super) fn plan_log(
     db: &Database,
     file: &dyn StorageBackend,
     found: &Found<'_>,
 ) -> Result<LogPlan> {
-    let name = found.name;
     let len = file.len().map_err(Error::Io)?;
-    let wal = read_wal(db)?;
+    let txn = db.begin_read().map_err(engine_error)?;
+    let meta = txn.open_table(META).map_err(table_error)?;
+    // This boot's id at the log's last open.
+    let boot = meta.get(META_LOG_BOOT).map_err(engine_error)?;
+    let same_boot = boot.is_some_and(|b| Some(&*String::from_utf8_lossy(b.value())) == found.boot);
+    // The log may hold acknowledged frames (the last stop was not clean);
+    // `None` when no open has recorded it.
+    let open = entry::<1>(&meta, META_LOG_STATE)?.map(|[state]| state == LOG_OPEN);
+    // The log's size as the last open left it (read only with a state).
+    let bytes = match open {
+        Some(_) => entry(&meta, META_LOG_BYTES)?.map(u64::from_be_bytes),
+        None => None,
+    };
     let mut plan = LogPlan {
         file_len: len,
-        epoch: wal.epoch,
+        // 0 before the first.
+        epoch: entry(&meta, META_LOG_EPOCH)?.map_or(0, u64::from_be_bytes),
         layout_len: len,
-        no_reboot: !found.heal && found.boot.is_some() && wal.boot.as_deref() == found.boot,
-        clean_stop: wal.open.map(|open| !open),
+        no_reboot: !found.heal && same_boot,
+        clean_stop: open.map(|open| !open),
         problems: Vec::new(),
     };
-    if wal.open != Some(true) {
+    if open != Some(true) {
         return Ok(plan);
     }
-    match wal.bytes {
+    match bytes {
         // The last open stopped before its log had a size: no frame exists.
         Some(0) => {}
         _ if len == 0 => plan.problems.push(Damage::LogMissing {
-            store: name.to_path_buf(),
+            store: found.name.to_path_buf(),
         }),
         Some(recorded) if len < recorded => {
             plan.problems.push(Damage::LogCutShort {
-                store: name.to_path_buf(),
+                store: found.name.to_path_buf(),
                 len,
                 recorded,
             });
@@ -95,13 +108,12 @@ pub(super) fn walk_live(
     let (mut frames, mut seen, mut met) = (0, Seen::default(), None);
     for epoch in [plan.epoch, plan.epoch.wrapping_add(1)] {
         let layout = record_log::Layout::segment(plan.layout_len, epoch);
-        let loss = loss.as_deref_mut();
         match record_log::walk(
             file,
-            &found.store_id,
+            &found.meta.store_id,
             &layout,
             plan.no_reboot,
-            loss,
+            loss.as_deref_mut(),
             &mut seen,
             &mut on_frame,
         ) {
@@ -143,7 +155,6 @@ pub(super) fn recover_log(
     config: &Config,
     loss: &mut LossReport,
 ) -> Result<Recovered> {
-    let (store_id, boot) = (found.store_id, found.boot);
     let mut plan = plan_log(db, file.as_ref(), found)?;
     let len = plan.file_len;
     for problem in std::mem::take(&mut plan.problems) {
@@ -153,7 +164,7 @@ pub(super) fn recover_log(
         loss.findings.push(format!("accepted: {problem}"));
     }
     let fresh = plan.epoch.wrapping_add(2);
-    let mut token_hwm = found.token_hwm;
+    let mut token_hwm = found.meta.token_hwm;
     let frames = commit(db, true, |tables| {
         // In the layout the frames were written in, before a resize.
         let before = loss.findings.len();
@@ -168,7 +179,7 @@ pub(super) fn recover_log(
         }
         tables.set_meta(META_LOG_EPOCH, &fresh.to_be_bytes())?;
         tables.set_meta(META_LOG_STATE, &[LOG_OPEN])?;
-        match boot {
+        match found.boot {
             Some(boot) => tables.set_meta(META_LOG_BOOT, boot.as_bytes())?,
             None => tables.remove_meta(META_LOG_BOOT)?,
         }
@@ -190,7 +201,7 @@ pub(super) fn recover_log(
         })??;
     }
     Ok(Recovered {
-        wal: LogWriter::new(file, store_id, fresh, new_len),
+        wal: LogWriter::new(file, found.meta.store_id, fresh, new_len),
         frames,
         token_hwm,
     })

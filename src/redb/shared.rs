@@ -88,10 +88,10 @@ impl Shared {
         Arc::new(Shared {
             line: Line::default(),
             log: Log {
-                file: opened.wal.file(),
+                file: opened.recovered.wal.file(),
                 core: Mutex::new(Core {
-                    writer: opened.wal,
-                    token_hwm: opened.token_hwm,
+                    writer: opened.recovered.wal,
+                    token_hwm: opened.recovered.token_hwm,
                 }),
                 unsynced: AtomicBool::new(false),
                 durability: config.durability,

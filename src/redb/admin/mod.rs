@@ -412,8 +412,7 @@ impl RedbStore {
         let log = log_to_read(store)?;
         let boot = boot_id();
         let found = Found {
-            store_id: meta.store_id,
-            token_hwm: meta.token_hwm,
+            meta: &meta,
             boot: boot.as_deref(),
             name: store,
             heal: false,

@@ -92,14 +92,11 @@ impl FrameBuf {
 
     fn entry(&mut self, tag: u8, a: &[u8], b: Option<&[u8]>) {
         self.bytes.push(tag);
-        // Key and Response limits keep lengths far below 4 GiB.
-        self.bytes
-            .extend_from_slice(&u32::try_from(a.len()).unwrap_or(u32::MAX).to_be_bytes());
-        self.bytes.extend_from_slice(a);
-        if let Some(b) = b {
-            self.bytes
-                .extend_from_slice(&u32::try_from(b.len()).unwrap_or(u32::MAX).to_be_bytes());
-            self.bytes.extend_from_slice(b);
+        for field in std::iter::once(a).chain(b) {
+            // Key and Response limits keep lengths far below 4 GiB.
+            let len = u32::try_from(field.len()).unwrap_or(u32::MAX);
+            self.bytes.extend_from_slice(&len.to_be_bytes());
+            self.bytes.extend_from_slice(field);
         }
     }
 }
@@ -127,15 +124,12 @@ pub(super) fn read_frame(
     }
     let mut header = [0u8; FRAME_HEADER as usize];
     file.read(at, &mut header).map_err(Error::Io)?;
-    let (magic, rest) = header.split_at(4);
-    let (frame_epoch, rest) = rest.split_at(8);
-    let (payload_len, crc) = rest.split_at(4);
-    let frame_epoch = u64::from_be_bytes(frame_epoch.try_into().unwrap_or_default());
-    let payload_len = u64::from(u32::from_be_bytes(
-        payload_len.try_into().unwrap_or_default(),
-    ));
+    let (fixed, crc) = header.split_at(16);
+    let payload_len = fixed
+        .last_chunk()
+        .map_or(0, |n| u64::from(u32::from_be_bytes(*n)));
     let next = at + FRAME_HEADER + payload_len;
-    if magic != MAGIC || frame_epoch != epoch || next > len {
+    if header_epoch(&header) != Some(epoch) || next > len {
         return Ok(Frame::End);
     }
     let mut payload = vec![0u8; payload_len as usize];
@@ -143,12 +137,20 @@ pub(super) fn read_frame(
         .map_err(Error::Io)?;
     let mut hasher = crc32fast::Hasher::new();
     hasher.update(store_id);
-    hasher.update(header.get(..16).unwrap_or_default());
+    hasher.update(fixed);
     hasher.update(&payload);
     if hasher.finalize().to_be_bytes() != crc {
         return Ok(Frame::Damaged { next });
     }
     Ok(Frame::Whole { payload, next })
+}
+
+/// The epoch in the frame header that `bytes` start with; `None` without
+/// the magic.
+pub(super) fn header_epoch(bytes: &[u8]) -> Option<u64> {
+    let (magic, rest) = bytes.split_first_chunk::<4>()?;
+    let epoch = rest.first_chunk()?;
+    (*magic == MAGIC).then(|| u64::from_be_bytes(*epoch))
 }
 
 /// One entry of a frame's payload.
@@ -211,11 +213,7 @@ fn next_entry<'a>(cursor: &mut &'a [u8]) -> Option<std::result::Result<RawEntry<
 /// Splits a `len u32 | bytes` field off the front of `cursor`.
 fn take<'a>(cursor: &mut &'a [u8]) -> Option<&'a [u8]> {
     let (len, rest) = cursor.split_first_chunk::<4>()?;
-    let len = u32::from_be_bytes(*len) as usize;
-    if rest.len() < len {
-        return None;
-    }
-    let (bytes, rest) = rest.split_at(len);
+    let (bytes, rest) = rest.split_at_checked(u32::from_be_bytes(*len) as usize)?;
     *cursor = rest;
     Some(bytes)
 }
@@ -230,14 +228,11 @@ pub(super) fn keys_in(file: &dyn StorageBackend, from: u64, to: u64) -> Vec<Stri
     if file.read(from, &mut payload).is_err() {
         return Vec::new();
     }
-    let mut keys = Vec::new();
     let mut cursor = payload.as_slice();
-    while let Some(Ok((tag, key, _))) = next_entry(&mut cursor) {
-        if tag != TAG_META_PUT {
-            keys.push(crate::codec::printable_key(key));
-        }
-    }
-    keys
+    std::iter::from_fn(|| next_entry(&mut cursor)?.ok())
+        .filter(|&(tag, ..)| tag != TAG_META_PUT)
+        .map(|(_, key, _)| crate::codec::printable_key(key))
+        .collect()
 }
 
 /// Most bytes [`keys_in`] reads (a damaged length may be huge).

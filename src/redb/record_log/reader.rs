@@ -6,16 +6,15 @@
 //! frame: a verifying frame after the stop is damage, [`Error::Corrupt`]
 //! (with `accept_loss`, a skip written in the [`LossReport`]).
 
-use super::super::damage::{Damage, LossReport, Stop};
+use super::super::damage::{Damage, LossReport};
 use super::super::meta::fixed;
 use super::super::tables::{META_TOKEN_HWM, WriteTables};
 use super::FRAME_ALIGN;
 use super::frame::{
-    Entry, FRAME_HEADER, Frame, Layout, MAGIC, align_up, entries, keys_in, read_frame,
+    Entry, FRAME_HEADER, Frame, Layout, align_up, entries, header_epoch, keys_in, read_frame,
 };
 use crate::error::{Error, Result};
 use ::redb::StorageBackend;
-use std::ops::ControlFlow;
 
 /// [`walk`]'s `on_frame` for a replay: writes the frame's entries through
 /// `tables` (which also moves the expiry index: frames carry no index
@@ -68,8 +67,8 @@ pub(in crate::redb) fn walk(
             Frame::Whole { payload, next } => (payload, start + align_up(next - start)),
             stop => {
                 let (stop, damaged_end) = match stop {
-                    Frame::Damaged { next } => (Stop::Damaged, Some(next)),
-                    _ => (Stop::Ends, None),
+                    Frame::Damaged { next } => ("fails its checksum", Some(next)),
+                    _ => ("ends", None),
                 };
                 let later = find_later(file, store_id, epoch, at, end, seen)?;
                 let damage = match later {
@@ -88,13 +87,9 @@ pub(in crate::redb) fn walk(
                         .extend(keys_in(file, at + FRAME_HEADER, next.min(end)));
                 }
                 loss.findings.push(damage.finding(epoch));
-                match later {
-                    Some(x) => {
-                        at = x;
-                        continue;
-                    }
-                    None => break,
-                }
+                let Some(later) = later else { break };
+                at = later;
+                continue;
             }
         };
         seen.headers += 1;
@@ -107,8 +102,9 @@ pub(in crate::redb) fn walk(
 }
 
 /// The first block after `at` holding a verifying frame of `epoch`,
-/// counting in `seen` every header from `at` on. A header of another epoch
-/// is verified only while none verified for this store.
+/// counting in `seen` every header from `at` on (every [`FRAME_ALIGN`] block
+/// that begins with a frame's magic, read in 1 MiB chunks). A header of
+/// another epoch is verified only while none verified for this store.
 fn find_later(
     file: &dyn StorageBackend,
     store_id: &[u8; 16],
@@ -117,25 +113,37 @@ fn find_later(
     end: u64,
     seen: &mut Seen,
 ) -> Result<Option<u64>> {
-    let mut found = None;
-    scan_headers(file, at..end, |block, frame_epoch| {
-        seen.headers += 1;
-        let this_epoch = frame_epoch == epoch;
-        if (this_epoch || seen.ours == 0)
-            && matches!(
-                read_frame(file, store_id, frame_epoch, block, end)?,
-                Frame::Whole { .. }
-            )
-        {
-            seen.ours += 1;
-            if this_epoch {
-                found = Some(block);
-                return Ok(ControlFlow::Break(()));
+    const CHUNK: u64 = 1024 * 1024;
+    let mut probe = at;
+    let mut chunk = Vec::new();
+    while probe + FRAME_HEADER <= end {
+        let n = (end - probe).min(CHUNK);
+        chunk.resize(n as usize, 0);
+        file.read(probe, &mut chunk).map_err(Error::Io)?;
+        let mut block = 0u64;
+        while block + FRAME_HEADER <= n {
+            let header = chunk.get(block as usize..).unwrap_or_default();
+            if let Some(frame_epoch) = header_epoch(header) {
+                seen.headers += 1;
+                let this_epoch = frame_epoch == epoch;
+                let at = probe + block;
+                if (this_epoch || seen.ours == 0)
+                    && matches!(
+                        read_frame(file, store_id, frame_epoch, at, end)?,
+                        Frame::Whole { .. }
+                    )
+                {
+                    seen.ours += 1;
+                    if this_epoch {
+                        return Ok(Some(at));
+                    }
+                }
             }
+            block += FRAME_ALIGN;
         }
-        Ok(ControlFlow::Continue(()))
-    })?;
-    Ok(found)
+        probe += align_up(n);
+    }
+    Ok(None)
 }
 
 /// The frame headers a walk read, and how many verify for this store: a
@@ -144,39 +152,4 @@ fn find_later(
 pub(in crate::redb) struct Seen {
     pub(in crate::redb) headers: u64,
     pub(in crate::redb) ours: u64,
-}
-
-/// Calls `f(offset, epoch)` for every [`FRAME_ALIGN`] block of `range`
-/// that begins with a frame's magic, until `f` breaks; reads in 1 MiB chunks.
-fn scan_headers(
-    file: &dyn StorageBackend,
-    range: std::ops::Range<u64>,
-    mut f: impl FnMut(u64, u64) -> Result<ControlFlow<()>>,
-) -> Result<()> {
-    const CHUNK: u64 = 1024 * 1024;
-    let mut probe = range.start;
-    let mut chunk = Vec::new();
-    while probe + FRAME_HEADER <= range.end {
-        let n = (range.end - probe).min(CHUNK);
-        chunk.resize(n as usize, 0);
-        file.read(probe, &mut chunk).map_err(Error::Io)?;
-        let mut block = 0u64;
-        while block + FRAME_HEADER <= n {
-            let header = chunk
-                .get(block as usize..(block + 12) as usize)
-                .unwrap_or_default();
-            if header.get(..4) == Some(&MAGIC[..]) {
-                let epoch = header
-                    .get(4..12)
-                    .and_then(|b| b.try_into().ok())
-                    .map_or(0, u64::from_be_bytes);
-                if f(probe + block, epoch)?.is_break() {
-                    return Ok(());
-                }
-            }
-            block += FRAME_ALIGN;
-        }
-        probe += align_up(n);
-    }
-    Ok(())
 }
