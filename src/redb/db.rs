@@ -199,7 +199,8 @@ impl Db {
         }
     }
 
-    fn file_name(&self, on: On) -> String {
+    /// The store file or the log, as errors name it.
+    pub(super) fn file_name(&self, on: On) -> String {
         match (&self.path, on) {
             (Some(path), On::Store) => path.display().to_string(),
             (Some(path), On::Log) => super::file::log_path(path).display().to_string(),
