@@ -199,7 +199,8 @@ impl Db {
         }
     }
 
-    fn file_name(&self, on: On) -> String {
+    /// The store file or the log, as errors name it.
+    pub(super) fn file_name(&self, on: On) -> String {
         match (&self.path, on) {
             (Some(path), On::Store) => path.display().to_string(),
             (Some(path), On::Log) => super::file::log_path(path).display().to_string(),
@@ -236,10 +237,6 @@ impl Snapshot {
     /// the module docs).
     pub(super) fn committed(&self) {
         self.commits.fetch_add(1, Ordering::Release);
-        self.clear();
-    }
-
-    fn clear(&self) {
         let old = self.slot.write().unwrap_or_else(|p| p.into_inner()).take();
         drop(old);
     }
@@ -253,6 +250,11 @@ mod tests {
     use std::time::Duration;
 
     impl Snapshot {
+        /// Drops the kept snapshot without counting a commit.
+        fn clear(&self) {
+            self.slot.write().unwrap().take();
+        }
+
         pub(in crate::redb) fn opened(&self) -> usize {
             self.opened.load(std::sync::atomic::Ordering::Relaxed)
         }

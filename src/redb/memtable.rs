@@ -173,15 +173,13 @@ impl Mem {
     }
 
     /// Moves the active table to the frozen slot (which must be empty).
-    pub(super) fn freeze(&mut self, epoch: u64, token_hwm: u64) -> Arc<Frozen> {
-        let frozen = Arc::new(Frozen {
+    pub(super) fn freeze(&mut self, epoch: u64, token_hwm: u64) {
+        self.frozen = Some(Arc::new(Frozen {
             records: std::mem::take(&mut self.active),
             epoch,
             token_hwm,
-        });
+        }));
         self.active_bytes = 0;
-        self.frozen = Some(Arc::clone(&frozen));
-        frozen
     }
 
     /// Records in memory whose expiry is at or before `now` (candidates for
@@ -236,7 +234,8 @@ mod tests {
         let mut mem = Mem::default();
         mem.publish([(b"a".to_vec(), entry(10)), (b"b".to_vec(), None)]);
         assert!(!mem.is_empty());
-        let frozen = mem.freeze(7, 1);
+        mem.freeze(7, 1);
+        let frozen = mem.frozen.clone().expect("frozen");
         assert_eq!((frozen.epoch, frozen.records.len()), (7, 2));
         assert_eq!(mem.active_bytes, 0);
         mem.publish([(b"a".to_vec(), None)]);

@@ -15,13 +15,8 @@ use crate::store::{MAX_SWEEP_BATCH, Store, StoreFuture, ready};
 use crate::sync::Arc;
 use crate::sync::atomic::Ordering;
 use crate::time::{Clock, Timestamp};
+use std::ops::ControlFlow;
 use std::time::Duration;
-
-/// What `begin` does next: answered on the fast path, or a request for the line.
-enum Next {
-    Answered(Begin),
-    InLine(Op),
-}
 
 fn begun(reply: Reply) -> Result<Begin> {
     match reply {
@@ -59,11 +54,12 @@ impl Shared {
 }
 
 impl RedbStore {
-    /// `begin` up to the line: the checks, then the read fast path, which
-    /// answers a `begin` that writes nothing (Replay, InFlight, Conflict)
-    /// with the same state machine on the latest durable state (memtable,
-    /// then redb). A claim or a takeover is decided once, by the leader
-    /// that applies it (`commit::decide`), never here.
+    /// `begin` up to the line (`Continue` with its op): the checks, then
+    /// the read fast path, which answers (`Break`) a `begin` that writes
+    /// nothing (Replay, InFlight, Conflict) with the same state machine on
+    /// the latest durable state (memtable, then redb). A claim or a
+    /// takeover is decided once, by the leader that applies it
+    /// (`commit::decide`), never here.
     fn prepare_begin(
         &self,
         key: &Key,
@@ -71,7 +67,7 @@ impl RedbStore {
         now: Timestamp,
         lease: Duration,
         retention: Duration,
-    ) -> Result<Next> {
+    ) -> Result<ControlFlow<Begin, Op>> {
         check_durations(lease, retention)?;
         let key_bytes = codec::encode_key(key);
         if let Some(existing) = self.shared.read(&key_bytes)? {
@@ -83,10 +79,10 @@ impl RedbStore {
                     _ => &self.shared.stats.fast_refusals,
                 };
                 counter.fetch_add(1, Ordering::Relaxed);
-                return Ok(Next::Answered(step.answer));
+                return Ok(ControlFlow::Break(step.answer));
             }
         }
-        Ok(Next::InLine(Op::Begin {
+        Ok(ControlFlow::Continue(Op::Begin {
             key: key_bytes,
             fingerprint: *fingerprint,
             now,
@@ -153,8 +149,8 @@ impl Store for RedbStore {
         retention: Duration,
     ) -> Result<Begin> {
         match self.prepare_begin(key, fingerprint, now, lease, retention)? {
-            Next::Answered(answer) => Ok(answer),
-            Next::InLine(op) => begun(self.shared.submit(op)?),
+            ControlFlow::Break(answer) => Ok(answer),
+            ControlFlow::Continue(op) => begun(self.shared.submit(op)?),
         }
     }
 
@@ -219,8 +215,8 @@ impl Store for RedbStore {
     ) -> Option<StoreFuture<'a, Begin>> {
         let next = self.prepare_begin(key, fingerprint, now, lease, retention);
         Some(match next {
-            Ok(Next::Answered(answer)) => ready(Ok(answer)),
-            Ok(Next::InLine(op)) => self.join_line_async(Ok(op), begun),
+            Ok(ControlFlow::Break(answer)) => ready(Ok(answer)),
+            Ok(ControlFlow::Continue(op)) => self.join_line_async(Ok(op), begun),
             Err(refused) => ready(Err(refused)),
         })
     }

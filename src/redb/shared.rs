@@ -85,6 +85,7 @@ impl Log {
 
 impl Shared {
     pub(super) fn new(opened: open::Opened, config: &Config, path: Option<&Path>) -> Arc<Shared> {
+        let db = Db::new(opened.db, opened.source, opened.witness, config, path);
         Arc::new(Shared {
             line: Line::default(),
             log: Log {
@@ -97,14 +98,9 @@ impl Shared {
                 durability: config.durability,
             },
             memory: Memory::new(config.checkpoint_interval),
-            db: Db::new(opened.db, opened.source, opened.witness, config, path),
             stats: Counters::default(),
-            read_only: config.read_only.then(|| {
-                path.map_or_else(
-                    || "<storage backend>".to_owned(),
-                    |p| p.display().to_string(),
-                )
-            }),
+            read_only: config.read_only.then(|| db.file_name(On::Store)),
+            db,
         })
     }
 

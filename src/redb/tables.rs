@@ -148,17 +148,12 @@ impl<'txn> WriteTables<'txn> {
             self.expiry.remove(&index_key[..]).map_err(engine_error)?;
         }
         if let Some(new) = new {
-            self.index(&codec::encode_index(new, key_bytes))?;
+            let index_key = codec::encode_index(new, key_bytes);
+            self.expiry
+                .insert(&index_key[..], ())
+                .map_err(engine_error)?;
         }
         Ok(())
-    }
-
-    /// Adds one index entry (a record's).
-    pub(super) fn index(&mut self, index_key: &[u8]) -> Result<()> {
-        self.expiry
-            .insert(index_key, ())
-            .map(drop)
-            .map_err(engine_error)
     }
 
     /// Every `(key bytes, record)` pair, for the open-time recovery pass.
@@ -264,5 +259,20 @@ impl ReadTables {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Result, WriteTables, engine_error};
+
+    impl WriteTables<'_> {
+        /// Adds one index entry without its record (a test's damage).
+        pub(in crate::redb) fn index(&mut self, index_key: &[u8]) -> Result<()> {
+            self.expiry
+                .insert(index_key, ())
+                .map(drop)
+                .map_err(engine_error)
+        }
     }
 }

@@ -247,6 +247,12 @@ fn decide(ops: &[Op], mem: &Mem, base: &ReadTables, hwm: &mut u64) -> Decided {
     group.out
 }
 
+/// The fencing token after the high-water mark `last`.
+pub(in crate::redb) fn next_token(last: u64) -> Result<u64> {
+    last.checked_add(1)
+        .ok_or_else(|| Error::invalid_argument("fencing tokens exhausted"))
+}
+
 struct Group<'a> {
     mem: &'a Mem,
     base: &'a ReadTables,
@@ -286,12 +292,8 @@ impl Group<'_> {
                 retention,
             } => {
                 let existing = self.current(key)?;
-                let last = *hwm;
-                let decided =
-                    logic::begin(existing, fingerprint, *now, *lease, *retention, || {
-                        last.checked_add(1)
-                            .ok_or_else(|| Error::invalid_argument("fencing tokens exhausted"))
-                    })?;
+                let next = || next_token(*hwm);
+                let decided = logic::begin(existing, fingerprint, *now, *lease, *retention, next)?;
                 if let Some(record) = decided.write {
                     self.put(key, &record)?;
                     *hwm = (*hwm).max(record.token);

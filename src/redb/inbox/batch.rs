@@ -7,6 +7,7 @@
 //! commit returned.
 
 use super::super::RedbStore;
+use super::super::commit::next_token;
 use super::super::health::On;
 use super::super::tables::WriteTables;
 use super::{Delivery, Inbox};
@@ -190,11 +191,7 @@ impl Inbox {
             }
             // A message that cannot be decided (its record does not decode,
             // tokens ran out) fails alone, having written nothing.
-            let last = *hwm;
-            let next = || {
-                last.checked_add(1)
-                    .ok_or_else(|| Error::invalid_argument("fencing tokens exhausted"))
-            };
+            let next = || next_token(*hwm);
             let decided = tables.read(key).and_then(|existing| {
                 logic::begin(existing, fingerprint, now, DEFAULT_LEASE, retention, next)
             });
