@@ -153,3 +153,92 @@ pub(in crate::redb) struct Seen {
     pub(in crate::redb) headers: u64,
     pub(in crate::redb) ours: u64,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::frame::FrameBuf;
+    use super::*;
+    use ::redb::backends::InMemoryBackend;
+
+    const OURS: [u8; 16] = [3; 16];
+
+    /// One frame of `store`'s `epoch` deleting `key`, written at `at`.
+    fn frame_at(file: &InMemoryBackend, store: &[u8; 16], epoch: u64, at: u64, key: &[u8]) {
+        let mut j = FrameBuf::default();
+        j.record_del(key);
+        file.write(at, j.seal(store, epoch).unwrap()).unwrap();
+    }
+
+    fn walked(
+        file: &InMemoryBackend,
+        layout: &Layout,
+        loss: Option<&mut LossReport>,
+    ) -> (Result<u64>, Seen) {
+        let mut seen = Seen::default();
+        let walked = walk(file, &OURS, layout, false, loss, &mut seen, |_, _| Ok(()));
+        (walked, seen)
+    }
+
+    /// A damaged frame with a verifying frame of its epoch after it is
+    /// damage, found past the first MiB the search reads at a time (a
+    /// header of another store in between verifies for nobody); with
+    /// `accept_loss` the walk skips to the later frame. Every header read
+    /// is counted, and those that verify for this store.
+    #[test]
+    fn a_verifying_frame_after_a_damaged_one_is_damage_found_past_the_first_chunk() {
+        let later = (1 << 20) + 2 * FRAME_ALIGN;
+        let layout = Layout {
+            epoch: 4,
+            region: 0..(1 << 20) + 4 * FRAME_ALIGN,
+        };
+        let file = InMemoryBackend::new();
+        file.set_len(layout.region.end).unwrap();
+        frame_at(&file, &OURS, 4, 0, b"\0a");
+        frame_at(&file, &OURS, 4, FRAME_ALIGN, b"\0b");
+        file.write(FRAME_ALIGN + FRAME_HEADER, &[9]).unwrap(); // its payload's tag
+        frame_at(&file, &[7; 16], 4, 2 * FRAME_ALIGN, b"\0c");
+        frame_at(&file, &OURS, 4, later, b"\0d");
+
+        let (err, seen) = walked(&file, &layout, None);
+        let err = err.unwrap_err().to_string();
+        assert!(
+            err.contains(&format!(
+                "fails its checksum at offset {FRAME_ALIGN}, but a later frame of the same epoch at offset {later} verifies"
+            )),
+            "{err}"
+        );
+        assert_eq!((seen.headers, seen.ours), (4, 2));
+
+        let mut loss = LossReport::default();
+        let (frames, seen) = walked(&file, &layout, Some(&mut loss));
+        assert_eq!(frames.unwrap(), 2, "the first frame and the later one");
+        assert_eq!(loss.frames_skipped, 1);
+        assert_eq!((seen.headers, seen.ours), (5, 3));
+    }
+
+    /// A walk that finds no frame of its epoch tells a log of another
+    /// store (headers, none verifying) from this store's older epoch (its
+    /// frames verify): the open refuses the first after an unclean stop.
+    #[test]
+    fn headers_of_another_epoch_verify_only_until_one_is_this_stores() {
+        let layout = Layout {
+            epoch: 4,
+            region: 0..4 * FRAME_ALIGN,
+        };
+        let older = InMemoryBackend::new();
+        older.set_len(layout.region.end).unwrap();
+        frame_at(&older, &OURS, 2, 0, b"\0a");
+        frame_at(&older, &OURS, 2, FRAME_ALIGN, b"\0b");
+        let (frames, seen) = walked(&older, &layout, None);
+        assert_eq!(frames.unwrap(), 0);
+        assert_eq!((seen.headers, seen.ours), (2, 1), "the first verifies");
+
+        let foreign = InMemoryBackend::new();
+        foreign.set_len(layout.region.end).unwrap();
+        frame_at(&foreign, &[7; 16], 4, 0, b"\0a");
+        frame_at(&foreign, &[7; 16], 2, FRAME_ALIGN, b"\0b");
+        let (frames, seen) = walked(&foreign, &layout, None);
+        assert_eq!(frames.unwrap(), 0);
+        assert_eq!((seen.headers, seen.ours), (2, 0));
+    }
+}
