@@ -23,7 +23,18 @@ const DUPLICATES: usize = 16;
 #[derive(Clone)]
 struct Handlers {
     runs: Arc<AtomicUsize>,
+    /// Runs of `create` whose future the server has not dropped yet.
+    live: Arc<AtomicUsize>,
     delay: Duration,
+}
+
+/// Counts a run of `create` in [`Handlers::live`] until its future ends.
+struct Live(Arc<AtomicUsize>);
+
+impl Drop for Live {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// Creates an order: counts its runs, takes `delay`, sets a cookie and an
@@ -34,6 +45,8 @@ async fn create(
     body: String,
 ) -> impl IntoResponse {
     let n = h.runs.fetch_add(1, Ordering::SeqCst) + 1;
+    h.live.fetch_add(1, Ordering::SeqCst);
+    let _live = Live(Arc::clone(&h.live));
     tokio::time::sleep(h.delay).await;
     let token = claim.map_or(0, |Extension(c)| c.token());
     (
@@ -68,6 +81,7 @@ async fn skip_first(State(h): State<Handlers>) -> impl IntoResponse {
 struct App {
     addr: SocketAddr,
     runs: Arc<AtomicUsize>,
+    live: Arc<AtomicUsize>,
     client: Client<HttpConnector, Full<Bytes>>,
 }
 
@@ -127,8 +141,10 @@ impl Reply {
 
 async fn start(layer: IdempotencyLayer, delay: Duration) -> App {
     let runs = Arc::new(AtomicUsize::new(0));
+    let live = Arc::new(AtomicUsize::new(0));
     let state = Handlers {
         runs: Arc::clone(&runs),
+        live: Arc::clone(&live),
         delay,
     };
     let app = Router::new()
@@ -141,7 +157,12 @@ async fn start(layer: IdempotencyLayer, delay: Duration) -> App {
         .with_state(state)
         .layer(layer);
     let (addr, client) = serve(app).await;
-    App { addr, runs, client }
+    App {
+        addr,
+        runs,
+        live,
+        client,
+    }
 }
 
 impl App {
@@ -652,6 +673,17 @@ async fn client_timeout_then_retries_get_409_then_500_under_reconcile() {
         "the handler hangs, so the client times out"
     );
     assert_eq!(app.runs(), 1);
+    // The server drops the handler's future once it sees the connection
+    // closed; until then its owner is live in this process, and a retry is
+    // told a renewed lease instead of the stored one.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while app.live.load(Ordering::SeqCst) > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the handler was never dropped"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     clock.advance(Duration::from_millis(6500));
     let r = app.post("k-u", "x").await;
     assert_eq!(r.status, StatusCode::CONFLICT);
