@@ -16,16 +16,9 @@ pub(super) enum Damage {
     /// The store file is unusable as it is: "{store} {what}" (empty, truncated,
     /// unreadable, without the store's tables).
     Store { store: PathBuf, what: &'static str },
-    /// The meta table's format version is 0.
-    MetaVersionZero,
-    /// A meta entry is missing.
-    MetaEntryMissing { name: String },
-    /// A meta entry has the wrong size.
-    MetaEntrySize {
-        name: String,
-        len: usize,
-        want: usize,
-    },
+    /// The meta table: a format version 0, an entry missing or of the
+    /// wrong size (the words).
+    Meta(String),
     /// After an unclean stop, the log is missing or empty.
     LogMissing { store: PathBuf },
     /// After an unclean stop, the log is shorter than the store left it.
@@ -91,11 +84,7 @@ impl fmt::Display for Damage {
                 log_path(store).display()
             ),
             Damage::Store { store, what } => write!(f, "{} {what}", store.display()),
-            Damage::MetaVersionZero => f.write_str("meta format version is 0"),
-            Damage::MetaEntryMissing { name } => write!(f, "meta entry {name:?} is missing"),
-            Damage::MetaEntrySize { name, len, want } => {
-                write!(f, "meta entry {name:?} is {len} bytes, not {want}")
-            }
+            Damage::Meta(what) => f.write_str(what),
             Damage::LogMissing { store } => write!(
                 f,
                 "{} was not closed cleanly, and its log is missing or empty ({}): the writes acknowledged since its \
@@ -256,10 +245,8 @@ mod tests {
         assert!(finding.ends_with("the bytes between are skipped and replay goes on)"));
         let last = Damage::LastFrameDamaged { at: 8192 }.finding(3);
         assert!(last.starts_with("epoch 3: the last frame, at offset 8192, fails its checksum"));
-        assert_eq!(
-            Damage::MetaVersionZero.finding(1),
-            "epoch 1: meta format version is 0"
-        );
+        let zero = Damage::Meta("meta format version is 0".into());
+        assert_eq!(zero.finding(1), "epoch 1: meta format version is 0");
         let ends = Damage::FrameGap {
             stop: "ends",
             at: 0,
@@ -269,14 +256,16 @@ mod tests {
             ends.to_string()
                 .starts_with("the write-ahead log ends at offset 0")
         );
-        assert_eq!(
-            Damage::MetaEntrySize {
-                name: "token_hwm".to_owned(),
-                len: 3,
-                want: 8
-            }
-            .to_string(),
-            "meta entry \"token_hwm\" is 3 bytes, not 8"
-        );
+        let short = super::super::meta::fixed::<8>("token_hwm", &[0; 3]).unwrap_err();
+        assert!(matches!(&short, Error::Corrupt { key: None, detail }
+            if detail == "meta entry \"token_hwm\" is 3 bytes, not 8"));
+        let zero = super::super::meta::MetaEntries {
+            format_version: 0,
+            store_id: [0; 16],
+            token_hwm: 0,
+        };
+        let zero = super::super::meta::check_format(&zero).unwrap_err();
+        assert!(matches!(&zero, Error::Corrupt { key: None, detail }
+            if detail == "meta format version is 0"));
     }
 }

@@ -54,7 +54,7 @@ pub(super) fn read_meta(db: &Database) -> Result<Option<MetaEntries>> {
 pub(super) fn check_format(meta: &MetaEntries) -> Result<()> {
     match meta.format_version {
         STORE_FORMAT_VERSION => Ok(()),
-        0 => Err(Damage::MetaVersionZero.into()),
+        0 => Err(Damage::Meta("meta format version is 0".into()).into()),
         found => Err(Error::UnsupportedFormat {
             found,
             supported: STORE_FORMAT_VERSION,
@@ -74,14 +74,9 @@ pub(super) fn read_meta_entries(txn: &::redb::ReadTransaction) -> Result<MetaEnt
 
 /// `bytes` as the fixed-size value of the meta entry `name`, or damage.
 pub(super) fn fixed<const N: usize>(name: &str, bytes: &[u8]) -> Result<[u8; N]> {
-    bytes.try_into().map_err(|_| {
-        Damage::MetaEntrySize {
-            name: name.to_owned(),
-            len: bytes.len(),
-            want: N,
-        }
-        .into()
-    })
+    let len = bytes.len();
+    let wrong = || Damage::Meta(format!("meta entry {name:?} is {len} bytes, not {N}")).into();
+    bytes.try_into().map_err(|_| wrong())
 }
 
 pub(super) fn table_error(err: TableError) -> Error {
@@ -134,6 +129,6 @@ pub(super) fn entry<const N: usize>(
 
 /// The fixed-size meta entry `name`; a missing one is damage.
 fn required<const N: usize>(meta: &ReadOnlyTable<&str, &[u8]>, name: &str) -> Result<[u8; N]> {
-    let missing = || Damage::MetaEntryMissing { name: name.into() }.into();
+    let missing = || Damage::Meta(format!("meta entry {name:?} is missing")).into();
     entry(meta, name)?.ok_or_else(missing)
 }
