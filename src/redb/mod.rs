@@ -220,19 +220,15 @@ impl RedbStore {
         }
     }
 
-    /// True after a failed write, until the store has healed: writes are
-    /// refused meanwhile ([`Error::Poisoned`], with the cause; example:
-    /// [`RedbStore`]).
+    /// True after a failed write, until the store has healed (while
+    /// [`health`](Self::health) is not `Healthy`; example: [`RedbStore`]).
     pub fn is_poisoned(&self) -> bool {
         self.shared.db.is_poisoned()
     }
 
-    /// Whether the store writes: [`Health::Healthy`]; or
-    /// [`Health::Degraded`] after a failed write, with the cause and when
-    /// it happened, while it heals by itself (reads and replays go on,
-    /// writes are refused); or [`Health::Failed`] when it found damage that
-    /// needs an operator. `docs/operations.md` ("Disk full and I/O
-    /// errors") says what to do in each (example: [`RedbStore`]).
+    /// Whether the store writes, and if not, why ([`Health`]);
+    /// `docs/operations.md` ("Disk full and I/O errors") says what to do
+    /// in each state (example: [`RedbStore`]).
     pub fn health(&self) -> Health {
         self.shared.db.health.health()
     }
