@@ -16,8 +16,8 @@ pub(super) enum Damage {
     /// The store file is unusable as it is: "{store} {what}" (empty, truncated,
     /// unreadable, without the store's tables).
     Store { store: PathBuf, what: &'static str },
-    /// The meta table: a format version 0, an entry missing or of the
-    /// wrong size (the words).
+    /// The meta table is damaged (a format version 0, an entry missing or
+    /// of the wrong size): the message, as meta.rs words it.
     Meta(String),
     /// After an unclean stop, the log is missing or empty.
     LogMissing { store: PathBuf },
@@ -225,6 +225,7 @@ impl fmt::Display for LossReport {
 
 #[cfg(test)]
 mod tests {
+    use super::super::meta;
     use super::*;
 
     /// Every kind is `Corrupt`, with its own words; a walk's finding names
@@ -256,15 +257,15 @@ mod tests {
             ends.to_string()
                 .starts_with("the write-ahead log ends at offset 0")
         );
-        let short = super::super::meta::fixed::<8>("token_hwm", &[0; 3]).unwrap_err();
+        let short = meta::fixed::<8>("token_hwm", &[0; 3]).unwrap_err();
         assert!(matches!(&short, Error::Corrupt { key: None, detail }
             if detail == "meta entry \"token_hwm\" is 3 bytes, not 8"));
-        let zero = super::super::meta::MetaEntries {
+        let zero = meta::MetaEntries {
             format_version: 0,
             store_id: [0; 16],
             token_hwm: 0,
         };
-        let zero = super::super::meta::check_format(&zero).unwrap_err();
+        let zero = meta::check_format(&zero).unwrap_err();
         assert!(matches!(&zero, Error::Corrupt { key: None, detail }
             if detail == "meta format version is 0"));
     }

@@ -75,8 +75,9 @@ pub(super) fn read_meta_entries(txn: &::redb::ReadTransaction) -> Result<MetaEnt
 /// `bytes` as the fixed-size value of the meta entry `name`, or damage.
 pub(super) fn fixed<const N: usize>(name: &str, bytes: &[u8]) -> Result<[u8; N]> {
     let len = bytes.len();
-    let wrong = || Damage::Meta(format!("meta entry {name:?} is {len} bytes, not {N}")).into();
-    bytes.try_into().map_err(|_| wrong())
+    bytes
+        .try_into()
+        .map_err(|_| Damage::Meta(format!("meta entry {name:?} is {len} bytes, not {N}")).into())
 }
 
 pub(super) fn table_error(err: TableError) -> Error {
