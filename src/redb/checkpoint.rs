@@ -204,7 +204,9 @@ mod tests {
     fn a_key_reads_the_same_before_and_after_its_checkpoint() {
         use crate::redb::shared::Reply;
         let shared = super::super::commit::tests::shared();
-        let Ok(Reply::Begin(crate::Begin::Claimed(claim))) = shared.submit(begin_a()) else {
+        let Ok(Reply::Begin(crate::Begin::Claimed(claim))) =
+            super::super::commit::tests::commit_one(&shared, begin_a())
+        else {
             panic!("claimed");
         };
         let now = crate::time::Timestamp::from_millis(2_000);
@@ -216,12 +218,12 @@ mod tests {
             now,
             retention: Duration::from_secs(10),
         };
-        shared.submit(complete).unwrap();
+        super::super::commit::tests::commit_one(&shared, complete).unwrap();
         let mut begin_b = begin_a();
         if let Op::Begin { key, .. } = &mut begin_b {
             *key = b"\0b".to_vec();
         }
-        shared.submit(begin_b).unwrap();
+        super::super::commit::tests::commit_one(&shared, begin_b).unwrap();
         let before = (shared.read(b"\0a").unwrap(), shared.read(b"\0b").unwrap());
         assert!(
             shared.memory.read_mem().get(b"\0a").is_some(),
@@ -247,7 +249,7 @@ mod tests {
         let shared = super::super::commit::tests::shared_with(
             RedbStoreBuilder::default().checkpoint_interval(Duration::from_millis(1)),
         );
-        let _ = shared.submit(begin_a()).unwrap();
+        let _ = super::super::commit::tests::commit_one(&shared, begin_a()).unwrap();
         std::thread::sleep(Duration::from_millis(20));
         assert!(shared.memory.checkpoint_due());
         let held = shared.log.lock();
@@ -308,7 +310,7 @@ mod tests {
             .open(dir.path().join("store.redb"))
             .unwrap();
         let shared = &store.shared;
-        let _ = shared.submit(begin_a()).unwrap();
+        let _ = super::super::commit::tests::commit_one(&shared, begin_a()).unwrap();
         let deadline = std::time::Instant::now() + Duration::from_secs(5);
         while shared.log.unsynced.load(Ordering::SeqCst) && std::time::Instant::now() < deadline {
             std::thread::sleep(max_loss);

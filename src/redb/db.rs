@@ -3,7 +3,7 @@
 //! reopen the engine).
 //!
 //! The kept snapshot is one read transaction's tables, kept from one redb
-//! commit to the next, so a read (the fast path, a leader's group) does not
+//! commit to the next, so a read (the fast path, the committer's group) does not
 //! open a transaction. Never stale: every redb commit bumps
 //! [`Snapshot::committed`] after it commits and before its writer lets go
 //! of what it wrote in memory. A reader reads the memtable, then the count,
@@ -316,7 +316,7 @@ mod tests {
     /// The snapshot kept by the claim's own read (before the claim) is
     /// dropped first, as any other commit would: one kept from before
     /// the record existed would only send the reads to the line, where
-    /// the leader reads redb itself, and hide a stale snapshot.
+    /// the committer reads redb itself, and hide a stale snapshot.
     fn a_completion_written_to_redb_is_read(store: &RedbStore, to_redb: impl Fn(&RedbStore)) {
         let claim = claim(store);
         to_redb(store);

@@ -96,7 +96,7 @@ pub struct RedbStore {
     shared: Arc<Shared>,
     /// The checkpointer (checkpoint.rs).
     background: Option<JoinHandle<()>>,
-    /// The committer (commit/leader.rs); none for a read-only store.
+    /// The committer (commit/committer.rs); none for a read-only store.
     committer: Option<JoinHandle<()>>,
     sweeper: Option<Sweeper>,
     store_id: [u8; 16],
@@ -382,7 +382,7 @@ pub struct RedbStats {
     /// Requests that joined the line (claiming begins, completes, releases,
     /// sweeps); begins answered on the read fast path do not.
     pub requests: u64,
-    /// Groups committed by a leader (one log frame each).
+    /// Groups committed by the committer (one log frame each).
     pub groups: u64,
     /// Groups and direct transactions that wrote something.
     pub commits: u64,

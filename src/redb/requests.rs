@@ -58,7 +58,7 @@ impl RedbStore {
     /// the read fast path, which answers (`Break`) a `begin` that writes
     /// nothing (Replay, InFlight, Conflict) with the same state machine on
     /// the latest durable state (memtable, then redb). A claim or a
-    /// takeover is decided once, by the leader that applies it
+    /// takeover is decided once, by the committer that applies it
     /// (`commit::decide`), never here.
     fn prepare_begin(
         &self,

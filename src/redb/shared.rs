@@ -3,7 +3,7 @@
 //! lock), [`Memory`] and [`Db`]. Here: the read path, flush, clean close,
 //! and the commit line's data: a write as queued ([`Op`]), its answer
 //! ([`Reply`]), the [`Slot`] where its caller waits, the [`InLine`] of them
-//! and the line's sizes (who leads is `commit/leader.rs`'s).
+//! and the line's sizes (its committer is `commit/committer.rs`).
 //!
 //! Lock order: the line's lock is never held while taking another;
 //! otherwise the log, then the background lock, then the memtable, then
@@ -49,7 +49,7 @@ pub(super) struct Shared {
 /// The record log and the commit lock, and what relaxed durability needs
 /// to sync the log later.
 pub(super) struct Log {
-    /// The commit lock: the leader holds it for a group, a direct
+    /// The commit lock: the committer holds it for a group, a direct
     /// transaction for its transaction.
     core: Mutex<Core>,
     /// Relaxed durability: frames written since the last sync.
@@ -161,10 +161,10 @@ impl Shared {
 #[derive(Default)]
 pub(super) struct Line {
     callers: Mutex<InLine>,
-    /// Signalled when a leader takes a group out of a full line.
+    /// Signalled when the committer takes a group out of a full line.
     pub(super) room: Condvar,
-    /// Wakes the committer thread (commit/leader.rs) when it is given the leader
-    /// role, or the line closes.
+    /// Wakes the committer thread (commit/committer.rs): a caller joined an
+    /// empty line, or the line closes.
     pub(super) committer: Condvar,
 }
 
@@ -224,83 +224,48 @@ pub(super) enum Reply {
 
 /// Requests that may wait in a store's line (a caller that finds it full waits).
 pub(crate) const WRITE_QUEUE_DEPTH: usize = 4_096;
-/// Most requests a leader commits in one group (one log frame).
+/// Most requests the committer commits in one group (one log frame).
 pub(crate) const MAX_GROUP_OPS: usize = 1_024;
 
-/// Who waits on a [`Slot`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(in crate::redb) enum Waiter {
-    /// A blocked thread (`submit`): it may be made the leader.
-    Thread,
-    /// A future (`submit_async`): woken through its waker; it
-    /// never leads, since leading would block its runtime thread on an fsync.
-    Task,
-    /// Nobody: a release queued on behalf of a dropped future.
-    Nobody,
-}
-
-/// Where one queued caller waits.
-#[derive(Debug)]
+/// Where one queued caller waits: a thread on the condvar, a task
+/// through its waker.
+#[derive(Debug, Default)]
 pub(in crate::redb) struct Slot {
     state: Mutex<SlotInner>,
     cv: Condvar,
-    pub(in crate::redb) waiter: Waiter,
 }
 
 #[derive(Debug, Default)]
 struct SlotInner {
-    state: SlotState,
+    answer: Option<Result<Reply>>,
     /// A task's waker, from its latest poll.
     waker: Option<Waker>,
     /// Nobody will take the answer (a dropped future, a release nobody
-    /// waits for): the leader keeps it (see [`Slot::answer`]).
+    /// waits for): the committer keeps it (see [`Slot::answer`]).
     abandoned: bool,
 }
 
-#[derive(Debug, Default)]
-enum SlotState {
-    #[default]
-    Waiting,
-    /// The caller is now the leader.
-    Lead,
-    Done(Result<Reply>),
-}
-
 impl Slot {
-    pub(in crate::redb) fn new(waiter: Waiter) -> Slot {
-        Slot {
-            state: Mutex::new(SlotInner {
-                abandoned: waiter == Waiter::Nobody,
-                ..SlotInner::default()
-            }),
-            cv: Condvar::new(),
-            waiter,
-        }
+    /// A slot whose answer nobody waits for.
+    pub(in crate::redb) fn unseen() -> Slot {
+        let slot = Slot::default();
+        slot.lock().abandoned = true;
+        slot
     }
 
     fn lock(&self) -> MutexGuard<'_, SlotInner> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Sleeps until this caller is answered (`Some`) or made the leader
-    /// (`None`).
-    pub(in crate::redb) fn wait(&self) -> Option<Result<Reply>> {
+    /// Sleeps until this (thread) caller is answered.
+    pub(in crate::redb) fn wait(&self) -> Result<Reply> {
         let mut inner = self.lock();
         loop {
-            match std::mem::take(&mut inner.state) {
-                SlotState::Waiting => {
-                    inner = self.cv.wait(inner).unwrap_or_else(|p| p.into_inner());
-                }
-                SlotState::Lead => return None,
-                SlotState::Done(answer) => return Some(answer),
+            if let Some(answer) = inner.answer.take() {
+                return answer;
             }
+            inner = self.cv.wait(inner).unwrap_or_else(|p| p.into_inner());
         }
-    }
-
-    /// Makes this (thread) caller the leader.
-    pub(in crate::redb) fn lead(&self) {
-        self.lock().state = SlotState::Lead;
-        self.cv.notify_one();
     }
 
     /// Hands the caller its answer and wakes it. An abandoned slot's answer
@@ -311,7 +276,7 @@ impl Slot {
             if inner.abandoned {
                 return Some(answer);
             }
-            inner.state = SlotState::Done(answer);
+            inner.answer = Some(answer);
             inner.waker.take()
         };
         match waker {
@@ -324,29 +289,23 @@ impl Slot {
     /// A task's poll: its answer, or `Pending` with its waker kept.
     pub(in crate::redb) fn poll(&self, cx: &mut Context<'_>) -> Poll<Result<Reply>> {
         let mut inner = self.lock();
-        match std::mem::take(&mut inner.state) {
-            SlotState::Done(answer) => Poll::Ready(answer),
-            other => {
-                inner.state = other;
-                match &inner.waker {
-                    Some(w) if w.will_wake(cx.waker()) => {}
-                    _ => inner.waker = Some(cx.waker().clone()),
-                }
-                Poll::Pending
-            }
+        if let Some(answer) = inner.answer.take() {
+            return Poll::Ready(answer);
         }
+        match &inner.waker {
+            Some(w) if w.will_wake(cx.waker()) => {}
+            _ => inner.waker = Some(cx.waker().clone()),
+        }
+        Poll::Pending
     }
 
     /// A dropped future gives its slot up: the answer if it came already
-    /// (its caller must deal with it), or `None` and the leader will.
+    /// (its caller must deal with it), or `None` and the committer will.
     pub(in crate::redb) fn abandon(&self) -> Option<Result<Reply>> {
         let mut inner = self.lock();
         inner.abandoned = true;
         inner.waker = None;
-        match std::mem::take(&mut inner.state) {
-            SlotState::Done(answer) => Some(answer),
-            _ => None,
-        }
+        inner.answer.take()
     }
 }
 
@@ -354,66 +313,13 @@ impl Slot {
 #[derive(Debug, Default)]
 pub(in crate::redb) struct InLine {
     pub(in crate::redb) waiting: VecDeque<(Op, Arc<Slot>)>,
-    /// Someone holds the leader role. When false the line is empty, so a
-    /// caller that finds no leader is at the front of the line.
-    pub(in crate::redb) leading: bool,
-    /// Threads ([`Waiter::Thread`]) in the line: only they, or the
-    /// committer, can take the role.
-    pub(in crate::redb) threads: usize,
-    /// The committer thread holds the role (commit/leader.rs).
-    pub(in crate::redb) committer: bool,
+    /// The committer is at work, or has been woken to work: whoever joins
+    /// the line need not wake it.
+    pub(in crate::redb) awake: bool,
     /// The store is being dropped: no caller joins the line any more.
     pub(in crate::redb) closed: bool,
     /// The committer has stopped: nothing joins the line at all.
     pub(in crate::redb) stopped: bool,
     /// Tasks waiting for room in a full line.
     pub(in crate::redb) room: Vec<Waker>,
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    impl Slot {
-        /// The caller was made the leader and has not taken the role yet.
-        pub(in crate::redb) fn is_leading(&self) -> bool {
-            matches!(self.lock().state, SlotState::Lead)
-        }
-
-        /// The caller waits: neither answered nor made the leader.
-        pub(in crate::redb) fn is_waiting(&self) -> bool {
-            matches!(self.lock().state, SlotState::Waiting)
-        }
-    }
-
-    /// Counts its wakes.
-    #[derive(Default)]
-    struct Wakes(std::sync::atomic::AtomicUsize);
-
-    impl std::task::Wake for Wakes {
-        fn wake(self: Arc<Self>) {
-            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        }
-    }
-
-    /// A future polled again with another waker (a task moved between
-    /// executors, or `select!` polling it from a new task) is woken through
-    /// the last one: a slot that kept the first waker would leave its
-    /// future asleep with its answer.
-    #[test]
-    fn a_slot_wakes_the_waker_of_its_last_poll() {
-        let slot = Slot::new(Waiter::Task);
-        let (first, last) = (Arc::new(Wakes::default()), Arc::new(Wakes::default()));
-        for wakes in [&first, &first, &last] {
-            let waker = std::task::Waker::from(Arc::clone(wakes));
-            let mut cx = Context::from_waker(&waker);
-            assert!(slot.poll(&mut cx).is_pending());
-        }
-        assert!(slot.answer(Ok(Reply::Done)).is_none(), "not abandoned");
-        let count = |w: &Arc<Wakes>| w.0.load(std::sync::atomic::Ordering::SeqCst);
-        assert_eq!((count(&first), count(&last)), (0, 1));
-        let waker = std::task::Waker::from(Arc::clone(&last));
-        let mut cx = Context::from_waker(&waker);
-        assert!(matches!(slot.poll(&mut cx), Poll::Ready(Ok(Reply::Done))));
-    }
 }

@@ -109,7 +109,7 @@ fn claim_and_complete(store: &RedbStore, id: &str) -> Result<Begin, Error> {
     Ok(answer)
 }
 
-/// The same through the async entry (the committer leads for it).
+/// The same through the async entry.
 async fn claim_and_complete_async(store: &RedbStore, id: &str) -> Result<Begin, Error> {
     let k = key(id);
     let fp = Fingerprint::of(b"fp");
@@ -171,7 +171,7 @@ fn dawdle() {
 static CHECKPOINTED_RUNS: AtomicUsize = AtomicUsize::new(0);
 
 /// Pins two bugs of the checkpointer's timed freeze: it waited, holding the
-/// commit lock, for a memtable a leader had just frozen, which only it could
+/// commit lock, for a memtable the committer had just frozen, which only it could
 /// write; and it busy-waited while another thread held the commit lock with
 /// a memtable due. Callers in the line with
 /// both threads running: two threads race for one key (one claim, the
@@ -225,8 +225,8 @@ fn shuttle_callers_the_committer_and_the_checkpointer() {
 }
 
 /// A future dropped at a point the schedule picks (still in line, taken by
-/// a leader, answered but unread) leaves no claim behind, while a thread
-/// leads groups beside the committer; the drop returns.
+/// the committer, answered but unread) leaves no claim behind, while a thread
+/// claims beside it; the drop returns.
 #[test]
 fn shuttle_a_future_dropped_mid_commit_gives_its_claim_back() {
     explore("a dropped future", || {
@@ -255,7 +255,7 @@ fn shuttle_a_future_dropped_mid_commit_gives_its_claim_back() {
         ));
         let store = Arc::into_inner(store).expect("every caller is done");
         let shared = Arc::clone(&store.shared);
-        // The committer leads every release queued for the dropped future
+        // The committer commits every release queued for the dropped future
         // before it stops.
         drop(store);
         let gone = shared.read(&codec::encode_key(&key("gone"))).expect("read");

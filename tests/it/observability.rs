@@ -45,14 +45,38 @@ fn traffic(dir: &std::path::Path) {
     assert!(matches!(guard.run(&dead, &fp, ok), Outcome::Executed(_)));
 }
 
+/// Set in the child process that [`a_guarded_redb_store_reports_outcomes_latencies_and_groups`] runs.
+const METRICS_CHILD: &str = "IDEMSTORE_METRICS_CHILD";
+
 #[test]
 fn a_guarded_redb_store_reports_outcomes_latencies_and_groups() {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "observability::metrics_child",
+            "--exact",
+            "--test-threads=1",
+        ])
+        .env(METRICS_CHILD, "1")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("1 passed"), "{text}");
+}
+
+/// In the child: the traffic under a global recorder, because the store's
+/// group metrics come from its committer thread, and the other tests of
+/// this binary would record into a global recorder at the same time.
+#[test]
+fn metrics_child() {
+    if std::env::var_os(METRICS_CHILD).is_none() {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
-    // One thread: the caller leads its own commit groups, so the store's
-    // metrics come from this thread too.
-    metrics::with_local_recorder(&recorder, || traffic(dir.path()));
+    recorder.install().unwrap();
+    traffic(dir.path());
     let snapshot = snapshotter.snapshot().into_vec();
     let find = |name: &str, label: Option<(&str, &str)>| -> Option<&DebugValue> {
         snapshot.iter().find_map(|(k, _, _, v)| {

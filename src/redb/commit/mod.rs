@@ -1,6 +1,6 @@
 //! Group commit: one group under the commit lock is decided ([`decide`]),
 //! appended as one log frame, `fdatasync`ed, then published into the
-//! memtable; `leader.rs` says who leads and who is answered. Also the
+//! memtable; `committer.rs` queues the ops and answers them. Also the
 //! direct transaction ([`Shared::direct`]): a redb write transaction of its
 //! own under the commit lock, outside the line.
 //!
@@ -13,7 +13,7 @@
 //! - a request that fails while being decided fails alone, writing nothing;
 //! - a panic while leading poisons the store and answers the whole group.
 
-mod leader;
+mod committer;
 
 use super::health::On;
 use super::memtable::{self, Encoded, Entry, MEMTABLE_BYTES, Mem};
@@ -431,8 +431,14 @@ pub(super) mod tests {
         }
     }
 
+    /// One op committed as a group of its own, as the committer would.
+    pub(in crate::redb) fn commit_one(shared: &Shared, op: Op) -> Result<Reply> {
+        let answer = shared.commit_group(&[op]).pop();
+        answer.unwrap_or_else(|| Err(Error::backend("no answer")))
+    }
+
     /// A store's shared state on in-memory backends, with no thread
-    /// started: the tests lead groups themselves.
+    /// started: the tests commit groups themselves.
     pub(in crate::redb) fn shared() -> Arc<Shared> {
         shared_with(RedbStoreBuilder::default())
     }

@@ -1,14 +1,13 @@
-//! The leader role: the first thread in line leads a group
-//! ([`Shared::lead_once`]), passes the role on and answers the group. A
-//! future ([`Submitted`]) never leads (a runtime thread must not block on
-//! an fsync): the committer thread leads for it. A full line makes a thread
+//! The line and its committer: callers (threads and futures alike) queue
+//! their ops, and the committer thread commits them in groups (`decide`,
+//! one frame, one `fdatasync`) and answers each. A full line makes a thread
 //! wait and a future pend. A future dropped in line leaves it; dropped
 //! later, a claim nobody saw is released through the line (docs/design.md,
 //! "Futures in the line").
 
 use super::super::Shared;
 use super::super::health::On;
-use super::super::shared::{InLine, MAX_GROUP_OPS, Op, Reply, Slot, WRITE_QUEUE_DEPTH, Waiter};
+use super::super::shared::{InLine, MAX_GROUP_OPS, Op, Reply, Slot, WRITE_QUEUE_DEPTH};
 use crate::error::{Error, Result};
 use crate::record::Begin;
 use crate::sync::{Arc, MutexGuard};
@@ -26,13 +25,12 @@ impl Shared {
         self.db.check_healthy()
     }
 
-    /// Puts `op` in line and returns its answer, leading groups while this caller
-    /// is at the front of the line. A full line (`WRITE_QUEUE_DEPTH`) waits
-    /// for room.
+    /// Puts `op` in line and waits for its answer. A full line
+    /// (`WRITE_QUEUE_DEPTH`) waits for room.
     pub(in crate::redb) fn submit(&self, op: Op) -> Result<Reply> {
         self.check_submit()?;
-        let mine = Arc::new(Slot::new(Waiter::Thread));
-        let mut lead = {
+        let mine = Arc::new(Slot::default());
+        {
             let mut q = self.line.lock();
             while q.waiting.len() >= WRITE_QUEUE_DEPTH && !q.closed {
                 q = self.line.room.wait(q).unwrap_or_else(|p| p.into_inner());
@@ -40,48 +38,23 @@ impl Shared {
             if q.closed {
                 return Err(Error::Closed);
             }
-            let lead = !q.leading;
             self.push(&mut q, op, Arc::clone(&mine));
-            lead
-        };
-        loop {
-            if lead && let Some(answer) = self.lead_once(Some(&mine)) {
-                return answer;
-            }
-            // Wait for an answer, or for the role (after leading: this
-            // caller was not in the group, a long line).
-            if let Some(answer) = mine.wait() {
-                return answer;
-            }
-            lead = true;
         }
+        mine.wait()
     }
 
-    /// Puts `op` at the back of the line. A thread that finds no leader
-    /// takes the role itself (its caller leads); a task, or a release
-    /// nobody waits for, hands it to the committer thread.
+    /// Puts `op` at the back of the line, waking the committer if it sleeps.
     pub(in crate::redb) fn push(&self, q: &mut InLine, op: Op, slot: Arc<Slot>) {
-        let waiter = slot.waiter;
         q.waiting.push_back((op, slot));
-        if waiter == Waiter::Thread {
-            q.threads += 1;
-        }
-        if !std::mem::replace(&mut q.leading, true) && waiter != Waiter::Thread {
-            self.wake_committer(q);
-        }
-    }
-
-    /// Gives the leader role to the committer thread.
-    fn wake_committer(&self, q: &mut InLine) {
-        if !std::mem::replace(&mut q.committer, true) {
+        if !std::mem::replace(&mut q.awake, true) {
             self.line.committer.notify_one();
         }
     }
 
     /// Gives back a claim of `key` that nobody will see (a dropped future's
-    /// `answer`): its release is queued with nobody waiting, and the
-    /// committer leads it if no one else does. Once the committer has
-    /// stopped, nothing is queued: the claim then ends with its lease.
+    /// `answer`): its release is queued with nobody waiting. Once the
+    /// committer has stopped, nothing is queued: the claim then ends with
+    /// its lease.
     pub(in crate::redb) fn release_unseen(&self, key: Vec<u8>, answer: Result<Reply>) {
         let Ok(Reply::Begin(Begin::Claimed(claim))) = answer else {
             return;
@@ -89,21 +62,17 @@ impl Shared {
         let mut q = self.line.lock();
         if !q.stopped {
             let release = Op::Release { key, claim };
-            self.push(&mut q, release, Arc::new(Slot::new(Waiter::Nobody)));
+            self.push(&mut q, release, Arc::new(Slot::unseen()));
         }
     }
 
-    /// One turn of the role: commits the group at the front of the line,
-    /// passes the role on, answers the group. Returns `mine`'s answer when
-    /// it was in the group.
-    pub(in crate::redb) fn lead_once(&self, mine: Option<&Arc<Slot>>) -> Option<Result<Reply>> {
+    /// One group: commits the front of the line and answers it.
+    fn commit_next(&self) {
         let (ops, slots) = {
             let mut q = self.line.lock();
             let full = q.waiting.len() >= WRITE_QUEUE_DEPTH;
             let n = q.waiting.len().min(MAX_GROUP_OPS);
             let (ops, slots): (Vec<Op>, Vec<Arc<Slot>>) = q.waiting.drain(..n).unzip();
-            let threads = slots.iter().filter(|s| s.waiter == Waiter::Thread).count();
-            q.threads = q.threads.saturating_sub(threads);
             self.make_room(q, full);
             (ops, slots)
         };
@@ -113,43 +82,18 @@ impl Shared {
         } else {
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.commit_group(&ops)))
                 .unwrap_or_else(|_| {
-                    // A bug while leading: what was written is unknown.
+                    // A bug while committing: what was written is unknown.
                     let error = Error::backend("a panic while committing a group");
                     let error = self.fail("commit", On::Store, error);
                     ops.iter().map(|_| Err(error.replicate())).collect()
                 })
         };
-        // Pass the role on first: the next group's commit overlaps the
-        // wake-ups of this one's followers.
-        self.pass_role(&mut self.line.lock());
-        let mut own = None;
         for ((op, slot), answer) in ops.into_iter().zip(slots).zip(answers) {
-            if mine.is_some_and(|m| Arc::ptr_eq(m, &slot)) {
-                own = Some(answer);
-            } else if let (Some(unseen), Op::Begin { key, .. }) = (slot.answer(answer), op) {
+            if let (Some(unseen), Op::Begin { key, .. }) = (slot.answer(answer), op) {
                 // Its future was dropped while the group committed.
                 self.release_unseen(key, unseen);
             }
         }
-        own
-    }
-
-    /// The role goes to the first thread in line (it is blocked anyway),
-    /// else to the committer while the line holds tasks, else to nobody.
-    fn pass_role(&self, q: &mut InLine) {
-        if q.waiting.is_empty() {
-            q.leading = false;
-            q.committer = false;
-            return;
-        }
-        if q.threads > 0
-            && let Some((_, next)) = q.waiting.iter().find(|(_, s)| s.waiter == Waiter::Thread)
-        {
-            q.committer = false;
-            next.lead();
-            return;
-        }
-        self.wake_committer(q);
     }
 }
 
@@ -186,21 +130,23 @@ impl Shared {
         refused.map_or(Ok(submitted), Err)
     }
 
-    /// The committer thread's body: leads while it holds the role, sleeps
-    /// otherwise, and stops once the store is closed and the line is empty.
+    /// The committer thread's body: commits groups while the line holds
+    /// any, sleeps otherwise, and stops once the store is closed and the
+    /// line is empty.
     pub(in crate::redb) fn run_committer(&self) {
         let mut q = self.line.lock();
         loop {
-            if q.committer {
+            if !q.waiting.is_empty() {
                 drop(q);
-                let _ = self.lead_once(None);
+                self.commit_next();
                 q = self.line.lock();
                 continue;
             }
-            if q.closed && q.waiting.is_empty() {
+            if q.closed {
                 q.stopped = true;
                 return;
             }
+            q.awake = false;
             q = self
                 .line
                 .committer
@@ -259,7 +205,7 @@ impl Submitted {
             return None;
         }
         if let State::Room(op) = std::mem::replace(&mut self.state, State::Finished) {
-            let slot = Arc::new(Slot::new(Waiter::Task));
+            let slot = Arc::new(Slot::default());
             self.shared.push(q, op, Arc::clone(&slot));
             self.state = State::Waiting(slot);
         }
@@ -322,11 +268,7 @@ mod tests {
             let mut q = shared.line.lock();
             for i in 0..WRITE_QUEUE_DEPTH {
                 let id = format!("k{i}");
-                shared.push(
-                    &mut q,
-                    begin(id.as_bytes()),
-                    Arc::new(Slot::new(Waiter::Nobody)),
-                );
+                shared.push(&mut q, begin(id.as_bytes()), Arc::new(Slot::unseen()));
             }
         }
         let (tx, rx) = std::sync::mpsc::channel();
@@ -346,46 +288,6 @@ mod tests {
         assert_eq!(shared.line.lock().waiting.len(), WRITE_QUEUE_DEPTH);
     }
 
-    /// After its group, a leader passes the role to the first thread in
-    /// line (it is blocked anyway), past the tasks before it: not to the
-    /// committer, which would cost that thread a wake-up round trip.
-    #[test]
-    fn the_role_passes_to_the_first_thread_in_line() {
-        let shared = shared();
-        let slot = |waiter| Arc::new(Slot::new(waiter));
-        let (leader, task, next) = (
-            slot(Waiter::Thread),
-            slot(Waiter::Task),
-            slot(Waiter::Thread),
-        );
-        {
-            let mut q = shared.line.lock();
-            shared.push(&mut q, begin(b"a"), Arc::clone(&leader));
-            // The rest of the leader's group (`MAX_GROUP_OPS`): tasks' sweeps.
-            for _ in 1..MAX_GROUP_OPS {
-                let sweep = Op::Sweep {
-                    now: Timestamp::EPOCH,
-                    max: 1,
-                };
-                shared.push(&mut q, sweep, slot(Waiter::Task));
-            }
-            shared.push(&mut q, begin(b"b"), Arc::clone(&task));
-            shared.push(&mut q, begin(b"c"), Arc::clone(&next));
-            // A thread leads: the task behind it does not call the committer.
-            assert!(!q.committer);
-        }
-        let own = shared.lead_once(Some(&leader));
-        assert!(
-            matches!(own, Some(Ok(Reply::Begin(Begin::Claimed(_))))),
-            "{own:?}"
-        );
-        assert!(next.is_leading(), "the thread leads next");
-        assert!(task.is_waiting());
-        let q = shared.line.lock();
-        assert!(!q.committer, "the committer was not asked");
-        assert_eq!((q.waiting.len(), q.threads), (2, 1));
-    }
-
     fn numbered(id: usize) -> Op {
         Op::Begin {
             key: format!("\0{id}").into_bytes(),
@@ -402,26 +304,23 @@ mod tests {
 
     fn lead_all(shared: &Shared) {
         while !shared.line.lock().waiting.is_empty() {
-            let _ = shared.lead_once(None);
+            shared.commit_next();
         }
     }
 
     #[test]
     fn a_full_line_keeps_the_op_until_a_group_makes_room() {
-        // No committer runs here: this test leads.
+        // No committer runs here: this test commits.
         let shared = shared();
         let mut queued: Vec<Submitted> = (0..WRITE_QUEUE_DEPTH)
             .map(|i| shared.submit_async(numbered(i)).unwrap())
             .collect();
-        assert!(
-            shared.line.lock().committer,
-            "the role went to the committer"
-        );
+        assert!(shared.line.lock().awake, "the committer was woken");
         let mut late = shared.submit_async(numbered(WRITE_QUEUE_DEPTH)).unwrap();
         assert!(matches!(late.state, State::Room(_)));
         assert!(poll(&mut late).is_pending());
         assert_eq!(shared.line.lock().room.len(), 1);
-        let _ = shared.lead_once(None);
+        shared.commit_next();
         assert!(shared.line.lock().room.is_empty(), "woken");
         assert!(poll(&mut late).is_pending());
         assert!(matches!(late.state, State::Waiting(_)));
@@ -436,8 +335,7 @@ mod tests {
                 Poll::Ready(Ok(Reply::Begin(Begin::Claimed(_))))
             ));
         }
-        let q = shared.line.lock();
-        assert!(!q.committer && q.waiting.is_empty());
+        assert!(shared.line.lock().waiting.is_empty());
     }
 
     #[test]
@@ -454,7 +352,7 @@ mod tests {
         assert_eq!(shared.line.lock().waiting.len(), 1, "the release is queued");
         lead_all(&shared);
         assert!(matches!(shared.read(b"\x002"), Ok(None)));
-        // Dropped while its group commits: the leader releases it.
+        // Dropped while its group commits: the committer releases it.
         let taken = shared.submit_async(numbered(3)).unwrap();
         let State::Waiting(slot) = &taken.state else {
             panic!("queued")
