@@ -310,7 +310,7 @@ mod tests {
             .open(dir.path().join("store.redb"))
             .unwrap();
         let shared = &store.shared;
-        let _ = super::super::commit::tests::commit_one(&shared, begin_a()).unwrap();
+        let _ = shared.submit(begin_a()).unwrap();
         let deadline = std::time::Instant::now() + Duration::from_secs(5);
         while shared.log.unsynced.load(Ordering::SeqCst) && std::time::Instant::now() < deadline {
             std::thread::sleep(max_loss);
