@@ -50,10 +50,7 @@
     allow(unused_imports, reason = "the redb write path uses the rest")
 )]
 pub(crate) use std::{
-    sync::{
-        Arc, Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard, TryLockError,
-        atomic,
-    },
+    sync::{Arc, Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard, atomic},
     thread,
     time::Instant,
 };
@@ -62,9 +59,7 @@ pub(crate) use std::{
 pub(crate) use model::{Condvar, Instant};
 #[cfg(all(test, shuttle))]
 pub(crate) use shuttle::{
-    sync::{
-        Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard, TryLockError, atomic,
-    },
+    sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard, atomic},
     thread,
 };
 

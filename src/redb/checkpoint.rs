@@ -1,5 +1,5 @@
 //! The background thread: checkpoints, heals, and relaxed durability's
-//! timers (docs/design.md, "Checkpoints in the background").
+//! log sync (docs/design.md, "Checkpoints in the background").
 //!
 //! A checkpoint writes a frozen memtable into redb in one durable commit
 //! that also stores the next log epoch, retiring the table's frames; only
@@ -21,8 +21,6 @@ use std::time::Duration;
 pub(super) fn run(shared: Arc<Shared>) {
     let mut last_sync = Instant::now();
     let mut backoff = HEAL_BACKOFF_MIN;
-    // The last tick found the commit lock held.
-    let mut busy = false;
     let mut bg = shared.memory.lock_bg();
     loop {
         if shared.db.is_poisoned() {
@@ -68,35 +66,23 @@ pub(super) fn run(shared: Arc<Shared>) {
             shared.memory.bg_cv.notify_all();
             break;
         }
-        let mut wait = Duration::from_secs(3600);
-        let mut work = false;
-        if shared.memory.read_mem().active.is_empty() {
-            // Woken by the first publish; the interval is a backstop.
-            wait = wait.min(shared.memory.checkpoint_interval);
-        } else {
-            let left = shared.memory.checkpoint_left();
-            work |= left.is_zero();
-            wait = wait.min(left);
-        }
-        if let Durability::Periodic { max_loss } = shared.log.durability {
-            let left = max_loss.saturating_sub(last_sync.elapsed());
-            work |= left.is_zero();
-            wait = wait.min(left.max(Duration::from_millis(1)));
-        }
-        if std::mem::take(&mut busy) {
-            // The commit lock was held: wait, not spin. Its holder freezes a
-            // due memtable itself (waking this thread); the wait is a backstop.
-            work = false;
-            wait = busy_backoff(&shared);
-        }
-        if !work {
-            bg = self::wait(&shared, bg, wait.max(Duration::from_millis(1)));
+        // Relaxed durability: the log is synced once its window has passed.
+        let left = match shared.log.durability {
+            Durability::Periodic { max_loss } => max_loss.saturating_sub(last_sync.elapsed()),
+            Durability::Immediate => Duration::from_secs(3600),
+        };
+        if !left.is_zero() {
+            bg = wait(&shared, bg, left);
             continue;
         }
         drop(bg);
-        // A failure poisons the store where it happens; the loop then heals.
-        let result = tick(&shared, &mut last_sync);
-        busy = matches!(result, Ok(Tick::Busy));
+        last_sync = Instant::now();
+        if shared.log.unsynced.swap(false, Ordering::SeqCst)
+            && let Err(e) = shared.log.file.sync_data()
+        {
+            // The loop goes on to heal.
+            let _ = shared.fail("log sync", On::Log, Error::Io(e));
+        }
         bg = shared.memory.lock_bg();
     }
 }
@@ -109,54 +95,6 @@ fn wait<'a>(shared: &'a Shared, bg: MutexGuard<'a, Bg>, timeout: Duration) -> Mu
 
 fn next_backoff(backoff: Duration) -> Duration {
     (backoff * 2).min(HEAL_BACKOFF_MAX)
-}
-
-/// How long the thread waits after [`tick`] found the commit lock held:
-/// the checkpoint interval, and under relaxed durability no longer than
-/// the loss window (the log's sync does not wait for the lock).
-fn busy_backoff(shared: &Shared) -> Duration {
-    let backoff = match shared.log.durability {
-        Durability::Periodic { max_loss } => shared.memory.checkpoint_interval.min(max_loss),
-        Durability::Immediate => shared.memory.checkpoint_interval,
-    };
-    backoff.max(Duration::from_millis(1))
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Tick {
-    Done,
-    /// Work under the commit lock was due and another thread held the lock.
-    Busy,
-}
-
-/// The timed work: an old memtable is frozen; under relaxed durability the
-/// log is synced. The commit lock is only tried ([`Tick::Busy`] if held):
-/// its holder may be waiting for this thread's checkpoint. Under the lock,
-/// a frozen table already waiting means nothing is to be frozen: `freeze`
-/// would wait for that table, which only this thread writes.
-pub(super) fn tick(shared: &Shared, last_sync: &mut Instant) -> Result<Tick> {
-    let mut done = Tick::Done;
-    if shared.memory.checkpoint_due() {
-        match shared.log.try_lock() {
-            Some(mut core) => {
-                if shared.memory.read_mem().frozen.is_none() {
-                    shared.freeze(&mut core)?;
-                }
-            }
-            None => done = Tick::Busy,
-        }
-    }
-    if let Durability::Periodic { max_loss } = shared.log.durability
-        && last_sync.elapsed() >= max_loss
-    {
-        *last_sync = Instant::now();
-        if shared.log.unsynced.swap(false, Ordering::SeqCst)
-            && let Err(e) = shared.log.file.sync_data()
-        {
-            return Err(shared.fail("log sync", On::Log, Error::Io(e)));
-        }
-    }
-    Ok(done)
 }
 
 /// Writes `frozen` into redb in one durable commit that also retires its
@@ -183,9 +121,7 @@ fn checkpoint(shared: &Shared, frozen: &std::sync::Arc<Frozen>) -> Result<()> {
 mod tests {
     use super::*;
     use crate::redb::RedbStoreBuilder;
-    use crate::redb::open;
     use crate::redb::shared::Op;
-    use std::path::Path;
 
     /// A claim of `a` with a 10 s lease.
     fn begin_a() -> Op {
@@ -239,51 +175,6 @@ mod tests {
         let after = (shared.read(b"\0a").unwrap(), shared.read(b"\0b").unwrap());
         assert!(before.0.as_ref().is_some_and(|r| r.response.is_some()));
         assert_eq!(before, after);
-    }
-
-    /// A tick that finds the commit lock held with a memtable due says so,
-    /// so that the loop waits instead of spinning for as long as the lock
-    /// is held.
-    #[test]
-    fn a_tick_that_finds_the_commit_lock_held_says_so() {
-        let shared = super::super::commit::tests::shared_with(
-            RedbStoreBuilder::default().checkpoint_interval(Duration::from_millis(1)),
-        );
-        let _ = super::super::commit::tests::commit_one(&shared, begin_a()).unwrap();
-        std::thread::sleep(Duration::from_millis(20));
-        assert!(shared.memory.checkpoint_due());
-        let held = shared.log.lock();
-        let ticked = tick(&shared, &mut Instant::now());
-        assert!(matches!(ticked, Ok(Tick::Busy)), "{ticked:?}");
-        drop(held);
-        // With the lock free the due memtable is frozen.
-        let ticked = tick(&shared, &mut Instant::now());
-        assert!(matches!(ticked, Ok(Tick::Done)), "{ticked:?}");
-        assert!(shared.memory.read_mem().frozen.is_some());
-    }
-
-    /// After a tick found the commit lock held, the thread waits the
-    /// checkpoint interval, and under relaxed durability no longer than the
-    /// loss window: a zero wait would poll the lock every millisecond for
-    /// as long as it is held.
-    #[test]
-    fn a_busy_tick_waits_the_interval_or_the_loss_window() {
-        let shared = |builder: RedbStoreBuilder| {
-            let config = builder
-                .checkpoint_interval(Duration::from_millis(500))
-                .config;
-            let backend = ::redb::backends::InMemoryBackend::new();
-            let log = Box::new(::redb::backends::InMemoryBackend::new());
-            let opened =
-                open::open_backend(backend, log, None, &config, Path::new("memory")).unwrap();
-            Shared::new(opened, &config, None)
-        };
-        let immediate = shared(RedbStoreBuilder::default());
-        assert_eq!(busy_backoff(&immediate), Duration::from_millis(500));
-        let max_loss = Duration::from_millis(20);
-        let periodic =
-            shared(RedbStoreBuilder::default().durability(Durability::Periodic { max_loss }));
-        assert_eq!(busy_backoff(&periodic), max_loss);
     }
 
     /// Each failed heal doubles the wait before the next, up to

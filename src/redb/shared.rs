@@ -26,7 +26,7 @@ use crate::record::{Begin, Claim, Record};
 use crate::response::Response;
 use crate::step::Step;
 use crate::sync::atomic::AtomicBool;
-use crate::sync::{Arc, Condvar, Mutex, MutexGuard, TryLockError};
+use crate::sync::{Arc, Condvar, Mutex, MutexGuard};
 use crate::time::Timestamp;
 use ::redb::StorageBackend;
 use std::collections::VecDeque;
@@ -72,14 +72,6 @@ impl Log {
     // as it is (as every lock of the store's).
     pub(super) fn lock(&self) -> MutexGuard<'_, Core> {
         self.core.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    pub(super) fn try_lock(&self) -> Option<MutexGuard<'_, Core>> {
-        match self.core.try_lock() {
-            Ok(guard) => Some(guard),
-            Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
-            Err(TryLockError::WouldBlock) => None,
-        }
     }
 }
 

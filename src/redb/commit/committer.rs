@@ -131,15 +131,19 @@ impl Shared {
     }
 
     /// The committer thread's body: commits groups while the line holds
-    /// any, sleeps otherwise, and stops once the store is closed and the
-    /// line is empty.
+    /// any; idle, freezes the active memtable once it is due (a store gone
+    /// quiet still checkpoints within the interval), sleeps otherwise;
+    /// stops once the store is closed and the line is empty.
     pub(in crate::redb) fn run_committer(&self) {
-        let mut q = self.line.lock();
         loop {
+            // Read before the line's lock (lock order: shared.rs). A
+            // poisoned store freezes nothing: its heal empties memory.
+            let due = (!self.db.is_poisoned() && !self.memory.read_mem().active.is_empty())
+                .then(|| self.memory.checkpoint_left());
+            let mut q = self.line.lock();
             if !q.waiting.is_empty() {
                 drop(q);
                 self.commit_next();
-                q = self.line.lock();
                 continue;
             }
             if q.closed {
@@ -147,11 +151,19 @@ impl Shared {
                 return;
             }
             q.awake = false;
-            q = self
-                .line
-                .committer
-                .wait(q)
-                .unwrap_or_else(|p| p.into_inner());
+            let cv = &self.line.committer;
+            match due {
+                None => drop(cv.wait(q)),
+                Some(left) if !left.is_zero() => drop(cv.wait_timeout(q, left)),
+                Some(_) => {
+                    drop(q);
+                    // After a running checkpoint; on a failure (poisoned
+                    // meanwhile) not again before another interval.
+                    if self.freeze(&mut self.log.lock()).is_err() {
+                        self.memory.start_memtable_clock();
+                    }
+                }
+            }
         }
     }
 

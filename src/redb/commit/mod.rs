@@ -106,10 +106,8 @@ impl Shared {
             (mem.active_bytes, first)
         };
         if first {
-            // The memtable's age counts from its first record; wake the
-            // background thread (asleep with nothing in memory) to time it.
+            // The memtable's age counts from its first record.
             self.memory.start_memtable_clock();
-            self.memory.wake_background();
         }
         core.token_hwm = hwm;
         self.stats.commits.fetch_add(1, Relaxed);
@@ -574,44 +572,6 @@ pub(super) mod tests {
         shared.freeze(&mut core).unwrap();
         assert!(shared.memory.read_mem().frozen.is_none());
         assert_eq!(core.writer.epoch(), epoch);
-    }
-
-    /// The checkpointer's timed freeze, when a leader froze the memtable
-    /// just before: it must return (the frozen table is its own to write),
-    /// not wait for that table holding the commit lock, which would stop
-    /// every writer behind it.
-    #[test]
-    fn a_timed_freeze_never_waits_for_the_checkpoint_it_must_write() {
-        let shared =
-            shared_with(RedbStoreBuilder::default().checkpoint_interval(Duration::from_millis(1)));
-        let answers = shared.commit_group(&[begin(b"a")]);
-        assert!(matches!(
-            answers.as_slice(),
-            [Ok(Reply::Begin(Begin::Claimed(_)))]
-        ));
-        {
-            let mut core = shared.log.lock();
-            shared.freeze(&mut core).unwrap();
-        }
-        assert!(shared.memory.read_mem().frozen.is_some());
-        // Due again: the (1 ms) interval has passed since the freeze.
-        std::thread::sleep(Duration::from_millis(20));
-        assert!(shared.memory.checkpoint_due());
-        let (tx, rx) = std::sync::mpsc::channel();
-        let ticking = Arc::clone(&shared);
-        std::thread::spawn(move || {
-            let _ = tx.send(super::super::checkpoint::tick(
-                &ticking,
-                &mut Instant::now(),
-            ));
-        });
-        let ticked = rx.recv_timeout(Duration::from_secs(10));
-        assert!(
-            matches!(ticked, Ok(Ok(super::super::checkpoint::Tick::Done))),
-            "the tick hung: {ticked:?}"
-        );
-        // The commit lock is free: a writer gets through.
-        assert!(shared.log.try_lock().is_some());
     }
 }
 
