@@ -8,32 +8,32 @@
 //! replays them); the thread then heals with back-off, asleep in between.
 
 use super::health::{HEAL_BACKOFF_MAX, HEAL_BACKOFF_MIN, On};
-use super::memtable::{Bg, Frozen};
+use super::memtable::Frozen;
 use super::tables::commit;
 use super::{Durability, Shared};
 use crate::error::{Error, Result};
 use crate::sync::atomic::Ordering;
-use crate::sync::{Arc, Instant, MutexGuard};
+use crate::sync::{Arc, Instant};
 use std::time::Duration;
 
 /// The thread's body: runs until the store is dropped (after writing out a
 /// frozen memtable that is still waiting, when it can) or fails for good.
 pub(super) fn run(shared: Arc<Shared>) {
-    let mut last_sync = Instant::now();
+    let (memory, mut last_sync) = (&shared.memory, Instant::now());
     let mut backoff = HEAL_BACKOFF_MIN;
-    let mut bg = shared.memory.lock_bg();
+    let mut stopping = memory.lock_bg();
     loop {
+        // Wakes whoever waits for a checkpoint: done, or never to come.
+        memory.bg_cv.notify_all();
         if shared.db.is_poisoned() {
-            // Wake anyone waiting for a checkpoint that will not come.
-            shared.memory.bg_cv.notify_all();
-            if bg.shutdown || !shared.db.heals() {
+            if *stopping || !shared.db.heals() {
                 break;
             }
-            bg = wait(&shared, bg, backoff);
-            if bg.shutdown {
+            stopping = memory.wait_bg(stopping, backoff);
+            if *stopping {
                 break;
             }
-            drop(bg);
+            drop(stopping);
             backoff = match shared.heal() {
                 Ok(()) => HEAL_BACKOFF_MIN,
                 Err(e) => {
@@ -41,13 +41,8 @@ pub(super) fn run(shared: Arc<Shared>) {
                     next_backoff(backoff)
                 }
             };
-            bg = shared.memory.lock_bg();
-            shared.memory.bg_cv.notify_all();
-            continue;
-        }
-        let frozen = shared.memory.read_mem().frozen.clone();
-        if let Some(frozen) = frozen {
-            drop(bg);
+        } else if let Some(frozen) = memory.read_mem().frozen.clone() {
+            drop(stopping);
             let started = Instant::now();
             match checkpoint(&shared, &frozen) {
                 Ok(()) => {
@@ -58,39 +53,29 @@ pub(super) fn run(shared: Arc<Shared>) {
                 // The loop goes on to heal, not to retry.
                 Err(e) => _ = shared.fail("checkpoint", On::Store, e),
             }
-            bg = shared.memory.lock_bg();
-            shared.memory.bg_cv.notify_all();
-            continue;
-        }
-        if bg.shutdown {
-            shared.memory.bg_cv.notify_all();
+        } else if *stopping {
             break;
+        } else {
+            // Relaxed durability: the log is synced once its window passed.
+            let left = match shared.log.durability {
+                Durability::Periodic { max_loss } => max_loss.saturating_sub(last_sync.elapsed()),
+                Durability::Immediate => Duration::from_secs(3600),
+            };
+            if !left.is_zero() {
+                stopping = memory.wait_bg(stopping, left);
+                continue;
+            }
+            drop(stopping);
+            last_sync = Instant::now();
+            if shared.log.unsynced.swap(false, Ordering::SeqCst)
+                && let Err(e) = shared.log.file.sync_data()
+            {
+                // The loop goes on to heal.
+                let _ = shared.fail("log sync", On::Log, Error::Io(e));
+            }
         }
-        // Relaxed durability: the log is synced once its window has passed.
-        let left = match shared.log.durability {
-            Durability::Periodic { max_loss } => max_loss.saturating_sub(last_sync.elapsed()),
-            Durability::Immediate => Duration::from_secs(3600),
-        };
-        if !left.is_zero() {
-            bg = wait(&shared, bg, left);
-            continue;
-        }
-        drop(bg);
-        last_sync = Instant::now();
-        if shared.log.unsynced.swap(false, Ordering::SeqCst)
-            && let Err(e) = shared.log.file.sync_data()
-        {
-            // The loop goes on to heal.
-            let _ = shared.fail("log sync", On::Log, Error::Io(e));
-        }
-        bg = shared.memory.lock_bg();
+        stopping = memory.lock_bg();
     }
-}
-
-/// Waits at most `timeout` for the thread to be woken.
-fn wait<'a>(shared: &'a Shared, bg: MutexGuard<'a, Bg>, timeout: Duration) -> MutexGuard<'a, Bg> {
-    let woken = shared.memory.bg_cv.wait_timeout(bg, timeout);
-    woken.map(|(bg, _)| bg).unwrap_or_else(|p| p.into_inner().0)
 }
 
 fn next_backoff(backoff: Duration) -> Duration {

@@ -45,19 +45,14 @@ pub(super) enum Damage {
 impl Damage {
     /// The [`LossReport`] line for this damage, met and skipped in `epoch`.
     pub(super) fn finding(&self, epoch: u64) -> String {
-        match self {
-            Damage::FrameGap { stop, at, later } => format!(
-                "epoch {epoch}: the log {stop} at offset {at}, but a later frame of the same \
-                 epoch verifies at offset {later}: damage (with accept_loss, the bytes between \
-                 are skipped and replay goes on)"
-            ),
-            Damage::LastFrameDamaged { at } => format!(
-                "epoch {epoch}: the last frame, at offset {at}, fails its checksum with no \
-                 reboot since it was written: damage, not a torn write (with accept_loss, it \
-                 is skipped)"
-            ),
-            other => format!("epoch {epoch}: {other}"),
-        }
+        let done = match self {
+            Damage::FrameGap { .. } => {
+                " (with accept_loss, the bytes between are skipped and replay goes on)"
+            }
+            Damage::LastFrameDamaged { .. } => " (with accept_loss, it is skipped)",
+            _ => "",
+        };
+        format!("epoch {epoch}: {self}{done}")
     }
 
     /// [`Damage::Store`] as the error it is.
@@ -242,10 +237,13 @@ mod tests {
             if detail.starts_with("the write-ahead log fails its checksum at offset 4096, but a later frame")
                 && detail.contains("offset 12288 verifies")));
         let finding = gap.finding(7);
-        assert!(finding.starts_with("epoch 7: the log fails its checksum at offset 4096"));
+        assert!(
+            finding.starts_with("epoch 7: the write-ahead log fails its checksum at offset 4096")
+        );
         assert!(finding.ends_with("the bytes between are skipped and replay goes on)"));
         let last = Damage::LastFrameDamaged { at: 8192 }.finding(3);
-        assert!(last.starts_with("epoch 3: the last frame, at offset 8192, fails its checksum"));
+        assert!(last.starts_with("epoch 3: the last write-ahead log frame, at offset 8192, fails"));
+        assert!(last.ends_with("acknowledged writes (with accept_loss, it is skipped)"));
         let zero = Damage::Meta("meta format version is 0".into());
         assert_eq!(zero.finding(1), "epoch 1: meta format version is 0");
         let ends = Damage::FrameGap {

@@ -18,9 +18,10 @@ use std::time::Duration;
 /// What is in memory, and the background thread's flags and wake-ups.
 pub(super) struct Memory {
     tables: RwLock<Mem>,
-    /// The background thread's flags; `bg_cv` wakes it (a frozen memtable,
-    /// a failure, shutdown) and those waiting for a checkpoint to finish.
-    bg: Mutex<Bg>,
+    /// True once the store is dropped; `bg_cv` wakes the background thread
+    /// (a frozen memtable, a failure, shutdown) and those waiting for a
+    /// checkpoint to finish.
+    bg: Mutex<bool>,
     pub(super) bg_cv: Condvar,
     pub(super) checkpoint_interval: Duration,
     /// When the active memtable began (a freeze, a direct transaction, or
@@ -29,17 +30,11 @@ pub(super) struct Memory {
     since_ms: AtomicU64,
 }
 
-/// The background thread's flags (guarded by [`Memory::lock_bg`]).
-#[derive(Debug, Default)]
-pub(super) struct Bg {
-    pub(super) shutdown: bool,
-}
-
 impl Memory {
     pub(super) fn new(checkpoint_interval: Duration) -> Memory {
         Memory {
             tables: RwLock::new(Mem::default()),
-            bg: Mutex::new(Bg::default()),
+            bg: Mutex::new(false),
             bg_cv: Condvar::new(),
             checkpoint_interval,
             started: Instant::now(),
@@ -53,8 +48,18 @@ impl Memory {
     pub(super) fn write_mem(&self) -> RwLockWriteGuard<'_, Mem> {
         self.tables.write().unwrap_or_else(|p| p.into_inner())
     }
-    pub(super) fn lock_bg(&self) -> MutexGuard<'_, Bg> {
+    pub(super) fn lock_bg(&self) -> MutexGuard<'_, bool> {
         self.bg.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Waits at most `timeout` on `bg_cv`.
+    pub(super) fn wait_bg<'a>(
+        &self,
+        bg: MutexGuard<'a, bool>,
+        timeout: Duration,
+    ) -> MutexGuard<'a, bool> {
+        let woken = self.bg_cv.wait_timeout(bg, timeout);
+        woken.map(|(bg, _)| bg).unwrap_or_else(|p| p.into_inner().0)
     }
 
     /// Wakes the background thread (a frozen memtable, a failure, shutdown).

@@ -273,11 +273,8 @@ impl Drop for RedbStore {
         if let Some(committer) = self.committer.take() {
             let _ = committer.join();
         }
-        {
-            let mut bg = self.shared.memory.lock_bg();
-            bg.shutdown = true;
-            self.shared.memory.bg_cv.notify_all();
-        }
+        *self.shared.memory.lock_bg() = true;
+        self.shared.memory.wake_background();
         // It finishes a checkpoint in progress.
         if let Some(background) = self.background.take() {
             let _ = background.join();

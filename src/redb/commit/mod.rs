@@ -30,6 +30,7 @@ use crate::sync::Instant;
 use crate::sync::atomic::Ordering::{Relaxed, SeqCst};
 use crate::time::Timestamp;
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 impl Shared {
     /// One group, under the commit lock: an answer per op.
@@ -205,11 +206,8 @@ impl Shared {
             if self.memory.read_mem().frozen.is_none() {
                 return Ok(());
             }
-            bg = self
-                .memory
-                .bg_cv
-                .wait(bg)
-                .unwrap_or_else(|p| p.into_inner());
+            // Woken when the checkpoint is done, or will not come.
+            bg = self.memory.wait_bg(bg, Duration::from_secs(3600));
         }
     }
 }
