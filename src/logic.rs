@@ -444,6 +444,21 @@ pub fn sweepable(record_expires_at: Timestamp, now: Timestamp) -> bool {
     now >= record_expires_at
 }
 
+/// The fencing token after the high-water mark `last`, for a store that
+/// counts its own tokens (`begin`'s `next_token`); [`Error::InvalidArgument`]
+/// once they run out.
+///
+/// ```
+/// use idemstore::logic;
+/// assert_eq!(logic::next_token(41)?, 42);
+/// assert!(logic::next_token(u64::MAX).is_err());
+/// # Ok::<(), idemstore::Error>(())
+/// ```
+pub fn next_token(last: u64) -> Result<u64> {
+    last.checked_add(1)
+        .ok_or_else(|| Error::invalid_argument("fencing tokens exhausted"))
+}
+
 /// The record as `get` shows it: expired records are invisible.
 ///
 /// ```

@@ -1,6 +1,6 @@
 //! [`MemoryStore`]: the reference implementation, in memory.
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::fingerprint::Fingerprint;
 use crate::key::Key;
 use crate::logic;
@@ -180,11 +180,9 @@ impl Store for MemoryStore {
     ) -> Result<Begin> {
         check_durations(lease, retention)?;
         let mut inner = self.lock();
-        let next_token = inner.last_token.checked_add(1);
-        let existing = inner.records.get(key).cloned();
-        let step = logic::begin(existing, fingerprint, now, lease, retention, || {
-            next_token.ok_or_else(|| Error::invalid_argument("fencing tokens exhausted"))
-        })?;
+        let (last, existing) = (inner.last_token, inner.records.get(key).cloned());
+        let next = || logic::next_token(last);
+        let step = logic::begin(existing, fingerprint, now, lease, retention, next)?;
         if let Some(record) = step.write {
             inner.last_token = record.token;
             inner.put(key, record);

@@ -370,11 +370,9 @@ impl Inner {
         }
         self.write(|tx, last| {
             let existing = tx.get(&kb)?;
-            let step = logic::begin(existing.clone(), fingerprint, now, lease, retention, || {
-                last.checked_add(1)
-                    .ok_or_else(|| Error::invalid_argument("fencing tokens exhausted"))
-            })
-            .map_err(ConflictableTransactionError::Abort)?;
+            let next = || logic::next_token(last);
+            let step = logic::begin(existing.clone(), fingerprint, now, lease, retention, next)
+                .map_err(ConflictableTransactionError::Abort)?;
             match step.write {
                 Some(record) => {
                     tx.put(&kb, existing.as_ref(), &record)?;

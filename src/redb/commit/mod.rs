@@ -243,12 +243,6 @@ fn decide(ops: &[Op], mem: &Mem, base: &ReadTables, hwm: &mut u64) -> Decided {
     group.out
 }
 
-/// The fencing token after the high-water mark `last`.
-pub(in crate::redb) fn next_token(last: u64) -> Result<u64> {
-    last.checked_add(1)
-        .ok_or_else(|| Error::invalid_argument("fencing tokens exhausted"))
-}
-
 struct Group<'a> {
     mem: &'a Mem,
     base: &'a ReadTables,
@@ -288,7 +282,7 @@ impl Group<'_> {
                 retention,
             } => {
                 let existing = self.current(key)?;
-                let next = || next_token(*hwm);
+                let next = || logic::next_token(*hwm);
                 let decided = logic::begin(existing, fingerprint, *now, *lease, *retention, next)?;
                 if let Some(record) = decided.write {
                     self.put(key, &record)?;

@@ -7,7 +7,6 @@
 //! commit returned.
 
 use super::super::RedbStore;
-use super::super::commit::next_token;
 use super::super::health::On;
 use super::super::tables::WriteTables;
 use super::{Delivery, Inbox};
@@ -191,7 +190,7 @@ impl Inbox {
             }
             // A message that cannot be decided (its record does not decode,
             // tokens ran out) fails alone, having written nothing.
-            let next = || next_token(*hwm);
+            let next = || logic::next_token(*hwm);
             let decided = tables.read(key).and_then(|existing| {
                 logic::begin(existing, fingerprint, now, DEFAULT_LEASE, retention, next)
             });
