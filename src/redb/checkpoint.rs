@@ -25,6 +25,8 @@ pub(super) fn run(shared: Arc<Shared>) {
     loop {
         // Wakes whoever waits for a checkpoint: done, or never to come.
         memory.bg_cv.notify_all();
+        // Not in the `if let`: its read guard would live through the branch.
+        let frozen = memory.read_mem().frozen.clone();
         if shared.db.is_poisoned() {
             if *stopping || !shared.db.heals() {
                 break;
@@ -41,7 +43,7 @@ pub(super) fn run(shared: Arc<Shared>) {
                     next_backoff(backoff)
                 }
             };
-        } else if let Some(frozen) = memory.read_mem().frozen.clone() {
+        } else if let Some(frozen) = frozen {
             drop(stopping);
             let started = Instant::now();
             match checkpoint(&shared, &frozen) {
@@ -210,7 +212,7 @@ mod tests {
         std::thread::sleep(HEAL_BACKOFF_MIN * 10);
         assert!(shared.db.is_poisoned());
         assert!(matches!(
-            shared.db.check_healthy(),
+            shared.db.health.check(),
             Err(Error::Poisoned { .. })
         ));
     }

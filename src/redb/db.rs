@@ -181,11 +181,6 @@ impl Db {
         }
     }
 
-    /// `Err(Poisoned)` while poisoned, never without the cause (`HealthCell`).
-    pub(super) fn check_healthy(&self) -> Result<()> {
-        self.health.refusal().map_or(Ok(()), Err)
-    }
-
     /// Poisoned by a cause that may go away: the background thread heals.
     pub(super) fn heals(&self) -> bool {
         self.is_poisoned() && self.health.cause().is_none_or(|c| c.heals())

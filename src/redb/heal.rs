@@ -50,7 +50,6 @@ impl Shared {
         // Every record the memtable held is in the store file now.
         *mem = Mem::default();
         self.log.unsynced.store(false, Ordering::SeqCst);
-        self.memory.start_memtable_clock();
         drop(engine);
         drop(mem);
         self.db.healthy_again();

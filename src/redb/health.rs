@@ -118,14 +118,13 @@ impl HealthCell {
         self.lock().as_ref().map(|f| f.cause.clone())
     }
 
-    /// [`Error::Poisoned`] with the cause while poisoned; `None` when writes
-    /// may go on.
-    pub(super) fn refusal(&self) -> Option<Error> {
-        if !self.is_poisoned() {
-            return None;
+    /// [`Error::Poisoned`] with the cause while poisoned, never without it
+    /// (healed in between: `Ok`); one atomic load while healthy.
+    pub(super) fn check(&self) -> Result<(), Error> {
+        match self.is_poisoned().then(|| self.cause()).flatten() {
+            Some(cause) => Err(Error::Poisoned { cause: Some(cause) }),
+            None => Ok(()),
         }
-        let cause = self.cause()?;
-        Some(Error::Poisoned { cause: Some(cause) })
     }
 
     pub(super) fn health(&self) -> Health {
@@ -175,21 +174,21 @@ mod tests {
     #[test]
     fn the_first_cause_is_kept_until_cleared() {
         let cell = HealthCell::default();
-        assert!(cell.refusal().is_none() && !cell.is_poisoned());
+        assert!(cell.check().is_ok() && !cell.is_poisoned());
         assert!(matches!(cell.health(), Health::Healthy));
         let t = Timestamp::from_millis(5);
         assert!(cell.poison(&cause("log append", std::io::ErrorKind::StorageFull), t));
         assert!(!cell.poison(&cause("checkpoint", std::io::ErrorKind::Other), t));
         assert!(cell.is_poisoned());
-        let refused = cell.refusal();
+        let refused = cell.check();
         assert!(
-            matches!(&refused, Some(Error::Poisoned { cause: Some(c) }) if c.during() == "log append"),
+            matches!(&refused, Err(Error::Poisoned { cause: Some(c) }) if c.during() == "log append"),
             "{refused:?}"
         );
         assert!(matches!(cell.health(), Health::Degraded { since, .. } if since == t));
         let healed = cell.clear();
         assert!(healed.is_some_and(|f| f.cause.during() == "log append"));
-        assert!(cell.refusal().is_none() && cell.cause().is_none());
+        assert!(cell.check().is_ok() && cell.cause().is_none());
         assert!(matches!(cell.health(), Health::Healthy));
     }
 

@@ -8,7 +8,6 @@
 use crate::codec;
 use crate::error::Result;
 use crate::record::Record;
-use crate::sync::atomic::{AtomicU64, Ordering};
 use crate::sync::{Condvar, Instant, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use crate::time::Timestamp;
 use std::collections::BTreeMap;
@@ -24,10 +23,6 @@ pub(super) struct Memory {
     bg: Mutex<bool>,
     pub(super) bg_cv: Condvar,
     pub(super) checkpoint_interval: Duration,
-    /// When the active memtable began (a freeze, a direct transaction, or
-    /// the first record after either), in ms since `started`.
-    started: Instant,
-    since_ms: AtomicU64,
 }
 
 impl Memory {
@@ -37,8 +32,6 @@ impl Memory {
             bg: Mutex::new(false),
             bg_cv: Condvar::new(),
             checkpoint_interval,
-            started: Instant::now(),
-            since_ms: AtomicU64::new(0),
         }
     }
 
@@ -68,26 +61,11 @@ impl Memory {
         self.bg_cv.notify_all();
     }
 
-    fn now_ms(&self) -> u64 {
-        u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
-    }
-
-    /// The active memtable begins now.
-    pub(super) fn start_memtable_clock(&self) {
-        self.since_ms.store(self.now_ms(), Ordering::Relaxed);
-    }
-
-    /// How long until the active memtable is old enough to checkpoint.
-    pub(super) fn checkpoint_left(&self) -> Duration {
-        let since = self
-            .now_ms()
-            .saturating_sub(self.since_ms.load(Ordering::Relaxed));
-        self.checkpoint_interval
-            .saturating_sub(Duration::from_millis(since))
-    }
-
-    pub(super) fn checkpoint_due(&self) -> bool {
-        self.checkpoint_left().is_zero()
+    /// How long until the active memtable is old enough to checkpoint;
+    /// `None` while it is empty.
+    pub(super) fn checkpoint_left(&self) -> Option<Duration> {
+        let since = self.read_mem().since?;
+        Some(self.checkpoint_interval.saturating_sub(since.elapsed()))
     }
 }
 
@@ -148,6 +126,9 @@ pub(super) struct Mem {
     pub(super) active: Table,
     /// Approximate bytes held by `active` (see [`entry_bytes`]).
     pub(super) active_bytes: usize,
+    /// When the active table's first record came: its age times a
+    /// checkpoint.
+    pub(super) since: Option<Instant>,
     pub(super) frozen: Option<Arc<Frozen>>,
 }
 
@@ -167,6 +148,7 @@ impl Mem {
 
     /// Publishes one group's writes (already durable in the log).
     pub(super) fn publish(&mut self, writes: impl IntoIterator<Item = (Vec<u8>, Entry)>) {
+        self.since.get_or_insert_with(Instant::now);
         for (key, entry) in writes {
             let key_len = key.len();
             self.active_bytes += entry_bytes(key_len, &entry);
@@ -185,6 +167,7 @@ impl Mem {
             token_hwm,
         }));
         self.active_bytes = 0;
+        self.since = None;
     }
 
     /// Records in memory whose expiry is at or before `now` (candidates for

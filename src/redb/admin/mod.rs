@@ -270,7 +270,7 @@ impl Admin<'_> {
     /// # Ok::<(), idemstore::Error>(())
     /// ```
     pub fn evict(&self, key: &Key) -> Result<Option<Evicted>> {
-        self.store.shared.db.check_healthy()?;
+        self.store.shared.db.health.check()?;
         let key_bytes = codec::encode_key(key);
         self.store.shared.direct(|tables, _| {
             Ok::<_, Error>(
@@ -334,7 +334,7 @@ impl Admin<'_> {
     /// # Ok::<(), idemstore::Error>(())
     /// ```
     pub fn import(&self, records: impl IntoIterator<Item = Result<(Key, Record)>>) -> Result<u64> {
-        self.store.shared.db.check_healthy()?;
+        self.store.shared.db.health.check()?;
         let mut hwm = self.facts()?.token_hwm;
         let mut written = 0u64;
         let mut records = records.into_iter().peekable();

@@ -10,7 +10,7 @@ use super::super::health::On;
 use super::super::shared::{InLine, MAX_GROUP_OPS, Op, Reply, Slot, WRITE_QUEUE_DEPTH};
 use crate::error::{Error, Result};
 use crate::record::Begin;
-use crate::sync::{Arc, MutexGuard};
+use crate::sync::{Arc, Instant, MutexGuard};
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll, Waker};
@@ -22,7 +22,7 @@ impl Shared {
         if let Some(path) = &self.read_only {
             return Err(Error::ReadOnly { path: path.clone() });
         }
-        self.db.check_healthy()
+        self.db.health.check()
     }
 
     /// Puts `op` in line and waits for its answer. A full line
@@ -138,8 +138,8 @@ impl Shared {
         loop {
             // Read before the line's lock (lock order: shared.rs). A
             // poisoned store freezes nothing: its heal empties memory.
-            let due = (!self.db.is_poisoned() && !self.memory.read_mem().active.is_empty())
-                .then(|| self.memory.checkpoint_left());
+            let healthy = !self.db.is_poisoned();
+            let due = self.memory.checkpoint_left().filter(|_| healthy);
             let mut q = self.line.lock();
             if !q.waiting.is_empty() {
                 drop(q);
@@ -160,7 +160,7 @@ impl Shared {
                     // After a running checkpoint; on a failure (poisoned
                     // meanwhile) not again before another interval.
                     if self.freeze(&mut self.log.lock()).is_err() {
-                        self.memory.start_memtable_clock();
+                        self.memory.write_mem().since = Some(Instant::now());
                     }
                 }
             }

@@ -40,10 +40,8 @@ impl Shared {
         self.stats.requests.fetch_add(n, Relaxed);
         self.stats.largest_group.fetch_max(n, Relaxed);
         let mut core = self.log.lock();
-        let committed = self
-            .db
-            .check_healthy()
-            .and_then(|()| self.commit_logged(&mut core, ops));
+        let healthy = self.db.health.check();
+        let committed = healthy.and_then(|()| self.commit_logged(&mut core, ops));
         match committed {
             Ok(answers) => {
                 // An I/O error of the engine's while deciding leaves redb
@@ -100,16 +98,11 @@ impl Shared {
         if !sync {
             self.log.unsynced.store(true, SeqCst);
         }
-        let (bytes, first) = {
+        let bytes = {
             let mut mem = self.memory.write_mem();
-            let first = mem.active.is_empty();
             mem.publish(decided.writes);
-            (mem.active_bytes, first)
+            mem.active_bytes
         };
-        if first {
-            // The memtable's age counts from its first record.
-            self.memory.start_memtable_clock();
-        }
         core.token_hwm = hwm;
         self.stats.commits.fetch_add(1, Relaxed);
         self.stats.logged_commits.fetch_add(1, Relaxed);
@@ -119,7 +112,7 @@ impl Shared {
         // Freeze when large or old enough and the checkpointer is free;
         // past twice the budget, wait for it (back-pressure on memory).
         let free = self.memory.read_mem().frozen.is_none();
-        let due = bytes >= MEMTABLE_BYTES || self.memory.checkpoint_due();
+        let due = bytes >= MEMTABLE_BYTES || self.memory.checkpoint_left() == Some(Duration::ZERO);
         if (due && free) || bytes >= 2 * MEMTABLE_BYTES {
             self.freeze(core)?;
         }
@@ -139,7 +132,6 @@ impl Shared {
             mem.freeze(core.writer.epoch(), core.token_hwm);
         }
         core.writer.rotate();
-        self.memory.start_memtable_clock();
         self.memory.wake_background();
         Ok(())
     }
@@ -186,13 +178,9 @@ impl Shared {
         // Before the active memtable is cleared (db.rs).
         self.db.snapshot.committed();
         core.token_hwm = hwm;
-        {
-            let mut mem = self.memory.write_mem();
-            mem.active.clear();
-            mem.active_bytes = 0;
-        }
+        // Nothing is frozen: it waited for the checkpoint, under the lock.
+        *self.memory.write_mem() = Mem::default();
         core.writer.rotate();
-        self.memory.start_memtable_clock();
         self.stats.commits.fetch_add(1, Relaxed);
         self.stats.durable_commits.fetch_add(1, Relaxed);
         Ok(out)
@@ -202,7 +190,7 @@ impl Shared {
     pub(in crate::redb) fn wait_checkpointed(&self) -> Result<()> {
         let mut bg = self.memory.lock_bg();
         loop {
-            self.db.check_healthy()?;
+            self.db.health.check()?;
             if self.memory.read_mem().frozen.is_none() {
                 return Ok(());
             }

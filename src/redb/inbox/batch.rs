@@ -109,7 +109,7 @@ impl Inbox {
         crate::delivery::check_batch_len(items.len())?;
         let now = self.clock.now();
         let shared = &self.store.shared;
-        shared.db.check_healthy()?;
+        shared.db.health.check()?;
         if let Some(answers) = all_redelivered(&self.store, items, now) {
             return Ok(answers.into_iter().map(Ok).collect());
         }
