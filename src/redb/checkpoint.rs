@@ -198,6 +198,23 @@ mod tests {
         assert!(!shared.memory.read_mem().active.is_empty());
     }
 
+    /// ... and not before the window has passed: a thread that synced at
+    /// every wake-up would make relaxed durability pay a sync per write.
+    #[test]
+    fn a_relaxed_store_leaves_its_log_unsynced_within_the_window() {
+        let dir = tempfile::tempdir().unwrap();
+        let max_loss = Duration::from_secs(3600);
+        let store = RedbStoreBuilder::default()
+            .durability(Durability::Periodic { max_loss })
+            .open(dir.path().join("store.redb"))
+            .unwrap();
+        let _ = store.shared.submit(begin_a()).unwrap();
+        // Wake the thread as a freeze or a failure would.
+        store.shared.memory.wake_background();
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(store.shared.log.unsynced.load(Ordering::SeqCst));
+    }
+
     /// Damage does not heal: the thread stops rather than reopening the
     /// store, which would let writes resume over a corrupt file.
     #[test]

@@ -158,8 +158,8 @@ impl RedbStore {
         let run = move || checkpoint::run(checkpointer);
         store.background = Some(spawn("idemstore-redb-checkpointer", run)?);
         if store.shared.read_only.is_none() {
-            let leader = Arc::clone(&store.shared);
-            let run = move || leader.run_committer();
+            let committer = Arc::clone(&store.shared);
+            let run = move || committer.run_committer();
             store.committer = Some(spawn("idemstore-redb-committer", run)?);
         }
         if let Some(sweep) = config.sweeper {
