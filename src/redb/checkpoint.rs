@@ -106,6 +106,7 @@ fn checkpoint(shared: &Shared, frozen: &std::sync::Arc<Frozen>) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::commit::tests::commit_one;
     use super::*;
     use crate::redb::RedbStoreBuilder;
     use crate::redb::shared::Op;
@@ -127,9 +128,7 @@ mod tests {
     fn a_key_reads_the_same_before_and_after_its_checkpoint() {
         use crate::redb::shared::Reply;
         let shared = super::super::commit::tests::shared();
-        let Ok(Reply::Begin(crate::Begin::Claimed(claim))) =
-            super::super::commit::tests::commit_one(&shared, begin_a())
-        else {
+        let Ok(Reply::Begin(crate::Begin::Claimed(claim))) = commit_one(&shared, begin_a()) else {
             panic!("claimed");
         };
         let now = crate::time::Timestamp::from_millis(2_000);
@@ -141,12 +140,12 @@ mod tests {
             now,
             retention: Duration::from_secs(10),
         };
-        super::super::commit::tests::commit_one(&shared, complete).unwrap();
+        commit_one(&shared, complete).unwrap();
         let mut begin_b = begin_a();
         if let Op::Begin { key, .. } = &mut begin_b {
             *key = b"\0b".to_vec();
         }
-        super::super::commit::tests::commit_one(&shared, begin_b).unwrap();
+        commit_one(&shared, begin_b).unwrap();
         let before = (shared.read(b"\0a").unwrap(), shared.read(b"\0b").unwrap());
         assert!(
             shared.memory.read_mem().get(b"\0a").is_some(),
@@ -174,6 +173,16 @@ mod tests {
         assert_eq!(next_backoff(HEAL_BACKOFF_MAX * 3 / 4), HEAL_BACKOFF_MAX);
     }
 
+    /// A store under `Durability::Periodic { max_loss }`, its checkpoints
+    /// an hour apart.
+    fn relaxed(dir: &tempfile::TempDir, max_loss: Duration) -> crate::RedbStore {
+        RedbStoreBuilder::default()
+            .durability(Durability::Periodic { max_loss })
+            .checkpoint_interval(Duration::from_secs(3600))
+            .open(dir.path().join("store.redb"))
+            .unwrap()
+    }
+
     /// Under relaxed durability this thread syncs the log within the loss
     /// window even when no checkpoint is due: a loop that did not count the
     /// window as work left an idle store's writes unsynced until the next
@@ -182,11 +191,7 @@ mod tests {
     fn an_idle_relaxed_store_syncs_its_log_within_the_window() {
         let dir = tempfile::tempdir().unwrap();
         let max_loss = Duration::from_millis(10);
-        let store = RedbStoreBuilder::default()
-            .durability(Durability::Periodic { max_loss })
-            .checkpoint_interval(Duration::from_secs(3600))
-            .open(dir.path().join("store.redb"))
-            .unwrap();
+        let store = relaxed(&dir, max_loss);
         let shared = &store.shared;
         let _ = shared.submit(begin_a()).unwrap();
         let deadline = std::time::Instant::now() + Duration::from_secs(5);
@@ -203,11 +208,7 @@ mod tests {
     #[test]
     fn a_relaxed_store_leaves_its_log_unsynced_within_the_window() {
         let dir = tempfile::tempdir().unwrap();
-        let max_loss = Duration::from_secs(3600);
-        let store = RedbStoreBuilder::default()
-            .durability(Durability::Periodic { max_loss })
-            .open(dir.path().join("store.redb"))
-            .unwrap();
+        let store = relaxed(&dir, Duration::from_secs(3600));
         let _ = store.shared.submit(begin_a()).unwrap();
         // Wake the thread as a freeze or a failure would.
         store.shared.memory.wake_background();

@@ -60,13 +60,6 @@ impl Memory {
         let _bg = self.lock_bg();
         self.bg_cv.notify_all();
     }
-
-    /// How long until the active memtable is old enough to checkpoint;
-    /// `None` while it is empty.
-    pub(super) fn checkpoint_left(&self) -> Option<Duration> {
-        let since = self.read_mem().since?;
-        Some(self.checkpoint_interval.saturating_sub(since.elapsed()))
-    }
 }
 
 /// Bytes of records the active memtable may hold before the next group
@@ -157,6 +150,12 @@ impl Mem {
                 self.active_bytes = self.active_bytes.saturating_sub(entry_bytes(key_len, &old));
             }
         }
+    }
+
+    /// How long until the active table is old enough to checkpoint;
+    /// `None` while it is empty.
+    pub(super) fn checkpoint_left(&self, interval: Duration) -> Option<Duration> {
+        Some(interval.saturating_sub(self.since?.elapsed()))
     }
 
     /// Moves the active table to the frozen slot (which must be empty).

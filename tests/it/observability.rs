@@ -48,19 +48,21 @@ fn traffic(dir: &std::path::Path) {
 /// Set in the child process that [`a_guarded_redb_store_reports_outcomes_latencies_and_groups`] runs.
 const METRICS_CHILD: &str = "IDEMSTORE_METRICS_CHILD";
 
-#[test]
-fn a_guarded_redb_store_reports_outcomes_latencies_and_groups() {
+/// Runs this binary's test `name` alone in a child process with `env`
+/// set, and returns what it printed; the child must pass.
+fn run_child(name: &str, env: &str) -> String {
     let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "observability::metrics_child",
-            "--exact",
-            "--test-threads=1",
-        ])
-        .env(METRICS_CHILD, "1")
+        .args([name, "--exact", "--nocapture", "--test-threads=1"])
+        .env(env, "1")
         .output()
         .unwrap();
     assert!(out.status.success(), "{out:?}");
-    let text = String::from_utf8(out.stdout).unwrap();
+    String::from_utf8(out.stdout).unwrap()
+}
+
+#[test]
+fn a_guarded_redb_store_reports_outcomes_latencies_and_groups() {
+    let text = run_child("observability::metrics_child", METRICS_CHILD);
     assert!(text.contains("1 passed"), "{text}");
 }
 
@@ -143,18 +145,7 @@ fn tracing_child() {
 
 #[test]
 fn requests_are_spans_with_scope_outcome_and_token_but_never_the_key_id() {
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "observability::tracing_child",
-            "--exact",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(CHILD, "1")
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{out:?}");
-    let text = String::from_utf8(out.stdout).unwrap();
+    let text = run_child("observability::tracing_child", CHILD);
     assert!(text.contains("store opened"), "{text}");
     assert!(text.contains("idemstore.request{scope=tenant-7"), "{text}");
     assert!(text.contains("idemstore.store{op=\"begin\"}"), "{text}");

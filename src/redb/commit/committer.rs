@@ -138,8 +138,9 @@ impl Shared {
         loop {
             // Read before the line's lock (lock order: shared.rs). A
             // poisoned store freezes nothing: its heal empties memory.
-            let healthy = !self.db.is_poisoned();
-            let due = self.memory.checkpoint_left().filter(|_| healthy);
+            let interval = self.memory.checkpoint_interval;
+            let due = self.memory.read_mem().checkpoint_left(interval);
+            let due = due.filter(|_| !self.db.is_poisoned());
             let mut q = self.line.lock();
             if !q.waiting.is_empty() {
                 drop(q);

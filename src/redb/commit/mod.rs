@@ -98,10 +98,11 @@ impl Shared {
         if !sync {
             self.log.unsynced.store(true, SeqCst);
         }
-        let bytes = {
+        let (bytes, free, left) = {
             let mut mem = self.memory.write_mem();
             mem.publish(decided.writes);
-            mem.active_bytes
+            let left = mem.checkpoint_left(self.memory.checkpoint_interval);
+            (mem.active_bytes, mem.frozen.is_none(), left)
         };
         core.token_hwm = hwm;
         self.stats.commits.fetch_add(1, Relaxed);
@@ -111,8 +112,7 @@ impl Shared {
         crate::observability::swept("redb", decided.swept);
         // Freeze when large or old enough and the checkpointer is free;
         // past twice the budget, wait for it (back-pressure on memory).
-        let free = self.memory.read_mem().frozen.is_none();
-        let due = bytes >= MEMTABLE_BYTES || self.memory.checkpoint_left() == Some(Duration::ZERO);
+        let due = bytes >= MEMTABLE_BYTES || left == Some(Duration::ZERO);
         if (due && free) || bytes >= 2 * MEMTABLE_BYTES {
             self.freeze(core)?;
         }
