@@ -377,6 +377,17 @@ mod tests {
         assert!(matches!(shared.read(b"\x001"), Ok(None)));
     }
 
+    /// A poisoned store refuses a write with its cause before the write
+    /// joins the line: nothing is queued.
+    #[test]
+    fn a_poisoned_store_refuses_before_the_line() {
+        let shared = shared();
+        let _ = shared.fail("test", On::Log, Error::backend("the disk is gone"));
+        let refused = shared.submit_async(numbered(1)).map(drop);
+        assert!(matches!(&refused, Err(e) if e.to_string().contains("the disk is gone")));
+        assert!(shared.line.lock().waiting.is_empty());
+    }
+
     #[test]
     fn a_closed_line_refuses_new_requests() {
         let shared = shared();
