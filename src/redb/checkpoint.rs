@@ -8,7 +8,7 @@
 //! replays them); the thread then heals with back-off, asleep in between.
 
 use super::health::{HEAL_BACKOFF_MAX, HEAL_BACKOFF_MIN, On};
-use super::memtable::Frozen;
+use super::memtable::{Frozen, UNTIL_WOKEN};
 use super::tables::commit;
 use super::{Durability, Shared};
 use crate::error::{Error, Result};
@@ -19,8 +19,7 @@ use std::time::Duration;
 /// The thread's body: runs until the store is dropped (after writing out a
 /// frozen memtable that is still waiting, when it can) or fails for good.
 pub(super) fn run(shared: Arc<Shared>) {
-    let (memory, mut last_sync) = (&shared.memory, Instant::now());
-    let mut backoff = HEAL_BACKOFF_MIN;
+    let (memory, mut last_sync, mut backoff) = (&shared.memory, Instant::now(), HEAL_BACKOFF_MIN);
     let mut stopping = memory.lock_bg();
     loop {
         // Wakes whoever waits for a checkpoint: done, or never to come.
@@ -61,7 +60,7 @@ pub(super) fn run(shared: Arc<Shared>) {
             // Relaxed durability: the log is synced once its window passed.
             let left = match shared.log.durability {
                 Durability::Periodic { max_loss } => max_loss.saturating_sub(last_sync.elapsed()),
-                Durability::Immediate => Duration::from_secs(3600),
+                Durability::Immediate => UNTIL_WOKEN,
             };
             if !left.is_zero() {
                 stopping = memory.wait_bg(stopping, left);

@@ -45,7 +45,7 @@ impl Memory {
         self.bg.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Waits at most `timeout` on `bg_cv`.
+    /// Waits at most `timeout` ([`UNTIL_WOKEN`]: until a wake-up) on `bg_cv`.
     pub(super) fn wait_bg<'a>(
         &self,
         bg: MutexGuard<'a, bool>,
@@ -62,6 +62,8 @@ impl Memory {
     }
 }
 
+/// A wait on `bg_cv` that only a wake-up ends (its waiter checks again).
+pub(super) const UNTIL_WOKEN: Duration = Duration::from_secs(3600);
 /// Bytes of records the active memtable may hold before the next group
 /// freezes it: a bound on the memory beyond redb's cache (two tables at
 /// most) and on the work of one checkpoint.

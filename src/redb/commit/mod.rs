@@ -16,7 +16,7 @@
 mod committer;
 
 use super::health::On;
-use super::memtable::{self, Encoded, Entry, MEMTABLE_BYTES, Mem};
+use super::memtable::{self, Encoded, Entry, MEMTABLE_BYTES, Mem, UNTIL_WOKEN};
 use super::record_log::FrameBuf;
 use super::shared::Core;
 use super::shared::{Op, Reply};
@@ -194,8 +194,7 @@ impl Shared {
             if self.memory.read_mem().frozen.is_none() {
                 return Ok(());
             }
-            // Woken when the checkpoint is done, or will not come.
-            bg = self.memory.wait_bg(bg, Duration::from_secs(3600));
+            bg = self.memory.wait_bg(bg, UNTIL_WOKEN);
         }
     }
 }
