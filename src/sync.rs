@@ -14,7 +14,7 @@
 //! - `Instant` is a virtual clock, one per execution, that moves forward
 //!   by a random step (0 to `STEP_MS` ms, drawn from Shuttle's seeded
 //!   randomness, so a failing schedule replays) at every reading. With a
-//!   1 ms checkpoint interval the checkpointer's "is it due?" checks then
+//!   1 ms checkpoint interval the committer's "is it due?" checks then
 //!   come out both ways, at points the scheduler chooses.
 //! - Shuttle's `Condvar::wait_timeout` never times out (it is a plain
 //!   `wait`), and its `wait` never wakes spuriously. `Condvar` wraps it: a
@@ -32,13 +32,15 @@
 //! tasks share one OS thread, so such a block would hang the test rather
 //! than fail it. The one blocking call in redb is `begin_write` while
 //! another write transaction is live. The write path opens write
-//! transactions in exactly two places, and they never overlap: a leader
-//! or direct transaction (commit.rs) holds the commit lock and opens its
-//! transaction only after `wait_checkpointed` saw no frozen memtable; the
-//! checkpointer (checkpoint.rs) opens one only while a frozen memtable
-//! exists and drops it before clearing it, and only the commit lock's
-//! holder freezes. Nothing else opens one while the store runs (the open
-//! and the close run alone). The shuttle tests still bound the case: each
+//! transactions in three places, and they never overlap: a direct
+//! transaction (`commit/mod.rs`: the inbox, admin writes, a group too
+//! large for the log) holds the commit lock and opens its transaction only
+//! after `wait_checkpointed` saw no frozen memtable; the checkpointer
+//! (checkpoint.rs) opens one only while a frozen memtable exists and drops
+//! it before clearing it, and only the commit lock's holder freezes; a
+//! heal (heal.rs) runs on the checkpointer's thread and holds the commit
+//! lock. Nothing else opens one while the store runs (the open and the
+//! close run alone). The shuttle tests still bound the case: each
 //! run has a wall-clock watchdog that aborts the test binary with a message
 //! instead of hanging.
 //!

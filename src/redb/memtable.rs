@@ -1,6 +1,6 @@
 //! The memtable: what groups wrote since the last checkpoint, as the bytes
 //! their log frames hold. A group's writes are published after its frame is
-//! durable; only the committer (holding the commit lock) writes or freezes the
+//! durable; only the commit lock's holder writes, freezes or empties the
 //! active table; a checkpoint drops the frozen table only after its redb
 //! commit. So a reader that reads the memtable, then redb, never sees an
 //! older state than the memtable held (db.rs: which redb snapshot).

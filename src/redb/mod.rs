@@ -55,8 +55,8 @@ use std::time::Duration;
 
 /// The durable idempotency store on redb: one file, one process.
 ///
-/// Writes join a line whose first caller commits the waiting group with one
-/// log append and one `fdatasync` (group commit): throughput grows with
+/// Writes join a line; a committer thread commits each waiting group with
+/// one log append and one `fdatasync` (group commit): throughput grows with
 /// concurrency, and every acknowledged claim is durable. A `begin` that
 /// writes nothing (Replay, InFlight, Conflict) does not join the line;
 /// [`Store::begin_async`](crate::Store::begin_async) and friends join it as
@@ -311,7 +311,7 @@ pub enum Durability {
     /// append to the log `<file>-wal`.
     #[default]
     Immediate,
-    /// Batches are appended to the log without an fsync; the log is synced
+    /// Groups are appended to the log without an fsync; the log is synced
     /// once `max_loss` has passed since the last sync (also when idle; a
     /// clean shutdown writes everything into the store file durably). A
     /// process crash **or** a power loss loses the acknowledged writes of at
@@ -377,7 +377,7 @@ pub(super) struct Config {
 #[non_exhaustive]
 pub struct RedbStats {
     /// Requests that joined the line (claiming begins, completes, releases,
-    /// sweeps); begins answered on the read fast path do not.
+    /// renewals, steps, sweeps); begins answered on the read fast path do not.
     pub requests: u64,
     /// Groups committed by the committer (one log frame each).
     pub groups: u64,

@@ -68,7 +68,7 @@ pub(super) struct Core {
 }
 
 impl Log {
-    // A panic while leading poisons the store, so a poisoned lock is taken
+    // A panic while committing poisons the store, so a poisoned lock is taken
     // as it is (as every lock of the store's).
     pub(super) fn lock(&self) -> MutexGuard<'_, Core> {
         self.core.lock().unwrap_or_else(|p| p.into_inner())

@@ -1,5 +1,5 @@
 //! The commit line under the Shuttle model checker: the production code of
-//! `commit/`, checkpoint.rs and this module's `Shared` and `Drop`
+//! `commit/`, checkpoint.rs, shared.rs's `Shared` and mod.rs's `Drop`
 //! under many schedules (docs/testing.md, "The commit line under a model
 //! checker"; src/sync.rs for the switch of primitives).
 //!
@@ -131,7 +131,6 @@ fn poll_once<F: Future + Unpin>(f: &mut F) -> Poll<F::Output> {
     Pin::new(f).poll(&mut Context::from_waker(Waker::noop()))
 }
 
-/// Yields to the scheduler 0 to 3 times: the caller's next step lands at a
 /// A thread per id in `threads` claiming and completing its key, and one
 /// thread driving a future that does the same for `task`.
 #[allow(
@@ -159,6 +158,7 @@ fn race(
     (callers, future)
 }
 
+/// Yields to the scheduler 0 to 3 times: the caller's next step lands at a
 /// point the schedule picks.
 fn dawdle() {
     for _ in 0..thread_rng().gen_range(0..4) {
@@ -170,14 +170,12 @@ fn dawdle() {
 /// checkpointer, not just the line.
 static CHECKPOINTED_RUNS: AtomicUsize = AtomicUsize::new(0);
 
-/// Pins two bugs of the checkpointer's timed freeze: it waited, holding the
-/// commit lock, for a memtable the committer had just frozen, which only it could
-/// write; and it busy-waited while another thread held the commit lock with
-/// a memtable due. Callers in the line with
-/// both threads running: two threads race for one key (one claim, the
-/// other InFlight or the Replay), a third claims its own, a task claims
-/// through the committer; every completed record is there after the drop
-/// and after a reopen, and the drop returns.
+/// Callers in the line with both threads running: two threads race for one
+/// key (one claim, the other InFlight or the Replay), a third claims its
+/// own, a task claims through the committer; every completed record is
+/// there after the drop and after a reopen, and the drop returns. It caught
+/// two bugs of the checkpointer's timed freeze, which the committer now
+/// does itself (docs/testing.md, "What it caught").
 #[test]
 fn shuttle_callers_the_committer_and_the_checkpointer() {
     explore("callers, committer, checkpointer", || {
@@ -352,10 +350,9 @@ fn shuttle_a_failed_log_write_answers_everyone_and_the_drop_returns() {
 }
 
 /// The store file's disk fails, so a checkpoint fails, then the store is
-/// dropped: the drop must return and no thread may spin. On this branch
-/// the checkpointer retries the failed checkpoint forever (the store is
-/// poisoned, the frozen memtable stays, the shutdown check is never
-/// reached) and the drop waits for it: the run ends at the step bound.
+/// dropped: the drop must return and no thread may spin. The failed
+/// checkpoint poisons the store; the background thread then tries to heal
+/// with back-off, asleep in between, and stops when the drop wakes it.
 #[test]
 fn shuttle_a_failed_checkpoint_then_a_drop_returns() {
     explore("a failed checkpoint", || {
