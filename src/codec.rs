@@ -26,6 +26,7 @@ use crate::response::Response;
 use crate::step::Step;
 use crate::time::Timestamp;
 use serde::{Deserialize, Serialize};
+use std::borrow::Cow;
 
 /// The envelope's magic bytes.
 pub(crate) const MAGIC: [u8; 4] = *b"IDEM";
@@ -35,8 +36,10 @@ pub(crate) const RECORD_FORMAT_VERSION: u16 = 2;
 /// Bytes before the payload.
 pub(crate) const HEADER_BYTES: usize = 10;
 
+// Borrowed when encoding (nothing is copied to serialise a record),
+// owned or borrowed from the input when decoding.
 #[derive(Serialize, Deserialize)]
-struct RecordV2 {
+struct RecordV2<'a> {
     fingerprint: [u8; 32],
     state: u8,
     lease_until_ms: Option<u64>,
@@ -44,30 +47,35 @@ struct RecordV2 {
     created_at_ms: u64,
     token: u64,
     attempts: u32,
-    response: Option<ResponseV1>,
-    steps: Vec<StepV2>,
+    #[serde(borrow)]
+    response: Option<ResponseV1<'a>>,
+    #[serde(borrow)]
+    steps: Vec<StepV2<'a>>,
 }
 
 #[derive(Serialize, Deserialize)]
-struct StepV2 {
-    name: String,
-    #[serde(with = "serde_bytes")]
-    output: Vec<u8>,
+struct StepV2<'a> {
+    #[serde(borrow)]
+    name: Cow<'a, str>,
+    #[serde(borrow, with = "serde_bytes")]
+    output: Cow<'a, [u8]>,
 }
 
 #[derive(Serialize, Deserialize)]
-struct ResponseV1 {
+struct ResponseV1<'a> {
     status: u16,
-    headers: Vec<HeaderV1>,
-    #[serde(with = "serde_bytes")]
-    body: Vec<u8>,
+    #[serde(borrow)]
+    headers: Vec<HeaderV1<'a>>,
+    #[serde(borrow, with = "serde_bytes")]
+    body: Cow<'a, [u8]>,
 }
 
 #[derive(Serialize, Deserialize)]
-struct HeaderV1 {
-    name: String,
-    #[serde(with = "serde_bytes")]
-    value: Vec<u8>,
+struct HeaderV1<'a> {
+    #[serde(borrow)]
+    name: Cow<'a, str>,
+    #[serde(borrow, with = "serde_bytes")]
+    value: Cow<'a, [u8]>,
 }
 
 const STATE_PROCESSING: u8 = 1;
@@ -98,23 +106,29 @@ pub(crate) fn encode_record(record: &Record) -> Result<Vec<u8>> {
                 .headers
                 .iter()
                 .map(|(name, value)| HeaderV1 {
-                    name: name.clone(),
-                    value: value.clone(),
+                    name: Cow::Borrowed(name),
+                    value: Cow::Borrowed(value),
                 })
                 .collect(),
-            body: r.body.clone(),
+            body: Cow::Borrowed(&r.body),
         }),
         steps: record
             .steps
             .iter()
             .map(|s| StepV2 {
-                name: s.name.clone(),
-                output: s.output.clone(),
+                name: Cow::Borrowed(&s.name),
+                output: Cow::Borrowed(&s.output),
             })
             .collect(),
     };
+    // Enough for the fixed fields and each length's varint: never regrown.
+    let lengths = record.response.iter().flat_map(|r| {
+        let headers = r.headers.iter().map(|(n, v)| n.len() + v.len());
+        std::iter::once(r.body.len()).chain(headers)
+    });
+    let steps = record.steps.iter().map(|s| s.name.len() + s.output.len());
     let mut out = Vec::with_capacity(
-        HEADER_BYTES + 64 + record.response.as_ref().map_or(0, |r| r.body.len()),
+        HEADER_BYTES + 128 + lengths.chain(steps).map(|n| n + 10).sum::<usize>(),
     );
     out.extend_from_slice(&MAGIC);
     out.extend_from_slice(&RECORD_FORMAT_VERSION.to_be_bytes());
@@ -126,6 +140,11 @@ pub(crate) fn encode_record(record: &Record) -> Result<Vec<u8>> {
         slot.copy_from_slice(&crc.to_be_bytes());
     }
     Ok(out)
+}
+
+/// The length of `payload`'s canonical encoding.
+fn encoded_len(payload: &RecordV2<'_>) -> Option<usize> {
+    postcard::serialize_with_flavor(payload, postcard::ser_flavors::Size::default()).ok()
 }
 
 /// Decodes and verifies a record stored under `key_bytes` (used only to
@@ -167,11 +186,7 @@ pub(crate) fn decode_record(key_bytes: &[u8], bytes: &[u8]) -> Result<Record> {
     // postcard accepts over-long varints; a checksummed record we wrote never
     // has one. Rejecting them makes decoding injective: whatever decodes
     // re-encodes to the same bytes (the fuzz target `record_decode` checks it).
-    let canonical_len = postcard::serialize_with_flavor::<_, postcard::ser_flavors::Size, usize>(
-        &v2,
-        postcard::ser_flavors::Size::default(),
-    );
-    if canonical_len.ok() != Some(payload.len()) {
+    if encoded_len(&v2) != Some(payload.len()) {
         return Err(corrupt("payload is not in canonical encoding".to_owned()));
     }
     let state = match v2.state {
@@ -184,8 +199,12 @@ pub(crate) fn decode_record(key_bytes: &[u8], bytes: &[u8]) -> Result<Record> {
         state,
         response: v2.response.map(|r| Response {
             status: r.status,
-            headers: r.headers.into_iter().map(|h| (h.name, h.value)).collect(),
-            body: r.body,
+            headers: r
+                .headers
+                .into_iter()
+                .map(|h| (h.name.into_owned(), h.value.into_owned()))
+                .collect(),
+            body: r.body.into_owned(),
         }),
         lease_until: v2.lease_until_ms.map(Timestamp::from_millis),
         expires_at: Timestamp::from_millis(v2.expires_at_ms),
@@ -196,8 +215,8 @@ pub(crate) fn decode_record(key_bytes: &[u8], bytes: &[u8]) -> Result<Record> {
             .steps
             .into_iter()
             .map(|s| Step {
-                name: s.name,
-                output: s.output,
+                name: s.name.into_owned(),
+                output: s.output.into_owned(),
             })
             .collect(),
     };

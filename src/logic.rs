@@ -265,10 +265,22 @@ pub fn complete(
     now: Timestamp,
     retention: Duration,
 ) -> Result<Record> {
+    complete_owned(existing, claim, response.clone(), now, retention)
+}
+
+/// [`complete`] taking the response it stores (a caller that owns it
+/// spares a copy).
+pub(crate) fn complete_owned(
+    existing: Option<Record>,
+    claim: &Claim,
+    response: Response,
+    now: Timestamp,
+    retention: Duration,
+) -> Result<Record> {
     let record = owned(existing, claim, Some(now))?;
     Ok(Record {
         state: State::Done,
-        response: Some(response.clone()),
+        response: Some(response),
         lease_until: None,
         expires_at: now + retention,
         steps: Vec::new(),

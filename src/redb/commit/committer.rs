@@ -68,7 +68,7 @@ impl Shared {
 
     /// One group: commits the front of the line and answers it.
     fn commit_next(&self) {
-        let (ops, slots) = {
+        let (mut ops, slots) = {
             let mut q = self.line.lock();
             let full = q.waiting.len() >= WRITE_QUEUE_DEPTH;
             let n = q.waiting.len().min(MAX_GROUP_OPS);
@@ -80,7 +80,7 @@ impl Shared {
         let answers = if ops.is_empty() {
             Vec::new()
         } else {
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.commit_group(&ops)))
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.commit_group(&mut ops)))
                 .unwrap_or_else(|_| {
                     // A bug while committing: what was written is unknown.
                     let error = Error::backend("a panic while committing a group");

@@ -11,15 +11,14 @@
 //!   whole group gets the error, nothing is published, and the store is
 //!   poisoned until it heals (heal.rs replays the log as an open would);
 //! - a request that fails while being decided fails alone, writing nothing;
-//! - a panic while leading poisons the store and answers the whole group.
+//! - a panic while committing poisons the store and answers the whole group.
 
 mod committer;
 
 use super::health::On;
 use super::memtable::{self, Encoded, Entry, MEMTABLE_BYTES, Mem, UNTIL_WOKEN};
 use super::record_log::FrameBuf;
-use super::shared::Core;
-use super::shared::{Op, Reply};
+use super::shared::{Core, Op, Reply};
 use super::tables::{META_TOKEN_HWM, ReadTables, WriteTables, commit};
 use super::{Durability, Shared};
 use crate::codec;
@@ -34,7 +33,7 @@ use std::time::Duration;
 
 impl Shared {
     /// One group, under the commit lock: an answer per op.
-    fn commit_group(&self, ops: &[Op]) -> Vec<Result<Reply>> {
+    fn commit_group(&self, ops: &mut [Op]) -> Vec<Result<Reply>> {
         let n = ops.len() as u64;
         self.stats.groups.fetch_add(1, Relaxed);
         self.stats.requests.fetch_add(n, Relaxed);
@@ -56,7 +55,7 @@ impl Shared {
     }
 
     /// Decides against memtable + redb, appends one frame, publishes.
-    fn commit_logged(&self, core: &mut Core, ops: &[Op]) -> Result<Vec<Result<Reply>>> {
+    fn commit_logged(&self, core: &mut Core, ops: &mut [Op]) -> Result<Vec<Result<Reply>>> {
         let mut hwm = core.token_hwm;
         let decided = {
             // The memtable, then the count (db.rs).
@@ -213,11 +212,11 @@ struct Decided {
 }
 
 /// The group's decisions: each op through the state machine (`logic`)
-/// once, in order, against the group's own earlier writes, then the
-/// memtable, then redb. Each record written is encoded here once (the log
-/// frame, the memtable and the checkpoint carry those bytes); nothing is
-/// written here: [`Shared::commit_logged`] makes the frame durable.
-fn decide(ops: &[Op], mem: &Mem, base: &ReadTables, hwm: &mut u64) -> Decided {
+/// once, in order, against the group's own earlier writes, the memtable,
+/// then redb. Each record is encoded here once (the log frame, memtable and
+/// checkpoint carry those bytes), its key and response taken from the op (a
+/// begin keeps its key for committer.rs); [`Shared::commit_logged`] writes.
+fn decide(ops: &mut [Op], mem: &Mem, base: &ReadTables, hwm: &mut u64) -> Decided {
     let mut group = Group {
         mem,
         base,
@@ -247,19 +246,19 @@ impl Group<'_> {
 
     /// Encodes `record` (checking its invariants) once: the log frame,
     /// the memtable and, at the checkpoint, redb all get these bytes.
-    fn put(&mut self, key: &[u8], record: &Record) -> Result<()> {
+    fn put(&mut self, key: Vec<u8>, record: &Record) -> Result<()> {
         let encoded = Encoded::new(record)?;
-        self.out.frame.record_put(key, &encoded.value);
-        self.out.writes.insert(key.to_vec(), Some(encoded));
+        self.out.frame.record_put(&key, &encoded.value);
+        self.out.writes.insert(key, Some(encoded));
         Ok(())
     }
 
-    fn delete(&mut self, key: &[u8]) {
-        self.out.frame.record_del(key);
-        self.out.writes.insert(key.to_vec(), None);
+    fn delete(&mut self, key: Vec<u8>) {
+        self.out.frame.record_del(&key);
+        self.out.writes.insert(key, None);
     }
 
-    fn step(&mut self, op: &Op, hwm: &mut u64) -> Result<Reply> {
+    fn step(&mut self, op: &mut Op, hwm: &mut u64) -> Result<Reply> {
         match op {
             Op::Begin {
                 key,
@@ -272,7 +271,7 @@ impl Group<'_> {
                 let next = || logic::next_token(*hwm);
                 let decided = logic::begin(existing, fingerprint, *now, *lease, *retention, next)?;
                 if let Some(record) = decided.write {
-                    self.put(key, &record)?;
+                    self.put(key.clone(), &record)?;
                     *hwm = (*hwm).max(record.token);
                 }
                 Ok(Reply::Begin(decided.answer))
@@ -285,17 +284,16 @@ impl Group<'_> {
                 retention,
             } => {
                 let existing = self.current(key)?;
-                let record = logic::complete(existing, claim, response, *now, *retention)?;
-                self.put(key, &record)?;
+                let response = std::mem::take(response);
+                let record = logic::complete_owned(existing, claim, response, *now, *retention)?;
+                self.put(std::mem::take(key), &record)?;
                 Ok(Reply::Done)
             }
             Op::Release { key, claim } => {
-                let existing = self.current(key)?;
-                let present = existing.is_some();
-                match logic::release(existing, claim)? {
-                    Some(kept) => self.put(key, &kept)?,
-                    None if present => self.delete(key),
-                    None => {}
+                // `None` only for a record it owned (never for an absent one).
+                match logic::release(self.current(key)?, claim)? {
+                    Some(kept) => self.put(std::mem::take(key), &kept)?,
+                    None => self.delete(std::mem::take(key)),
                 }
                 Ok(Reply::Done)
             }
@@ -309,7 +307,7 @@ impl Group<'_> {
             } => {
                 let existing = self.current(key)?;
                 if let Some(record) = logic::record_step(existing, claim, step, *now)? {
-                    self.put(key, &record)?;
+                    self.put(std::mem::take(key), &record)?;
                 }
                 Ok(Reply::Done)
             }
@@ -321,7 +319,7 @@ impl Group<'_> {
             } => {
                 let existing = self.current(key)?;
                 let step = logic::renew(existing, claim, *now, *lease)?;
-                self.put(key, &step.write)?;
+                self.put(std::mem::take(key), &step.write)?;
                 Ok(Reply::Renewed(step.claim))
             }
             Op::Sweep { now, max } => {
@@ -372,7 +370,7 @@ impl Group<'_> {
             // memtable only nominate.
             match self.current(&key)? {
                 Some(r) if r.expires_at == expires_at && logic::sweepable(r.expires_at, now) => {
-                    self.delete(&key);
+                    self.delete(key);
                     swept += 1;
                 }
                 _ => {}
@@ -410,7 +408,7 @@ pub(super) mod tests {
 
     /// One op committed as a group of its own, as the committer would.
     pub(in crate::redb) fn commit_one(shared: &Shared, op: Op) -> Result<Reply> {
-        let answer = shared.commit_group(&[op]).pop();
+        let answer = shared.commit_group(&mut [op]).pop();
         answer.unwrap_or_else(|| Err(Error::backend("no answer")))
     }
 
@@ -444,7 +442,7 @@ pub(super) mod tests {
             (periodic, true),
         ] {
             let shared = shared_with(RedbStoreBuilder::default().durability(durability));
-            let answers = shared.commit_group(&[begin(b"a")]);
+            let answers = shared.commit_group(&mut [begin(b"a")]);
             assert!(matches!(
                 answers.as_slice(),
                 [Ok(Reply::Begin(Begin::Claimed(_)))]
@@ -464,7 +462,7 @@ pub(super) mod tests {
     fn a_full_memtable_is_frozen_before_the_interval_ends() {
         let shared =
             shared_with(RedbStoreBuilder::default().checkpoint_interval(Duration::from_secs(3600)));
-        shared.commit_group(&[begin(b"a")]);
+        shared.commit_group(&mut [begin(b"a")]);
         assert!(
             shared.memory.read_mem().frozen.is_none(),
             "small and young: kept"
@@ -472,7 +470,7 @@ pub(super) mod tests {
         // A deletion whose key alone fills the budget.
         let big = vec![7u8; crate::redb::MEMTABLE_BYTES];
         shared.memory.write_mem().publish([(big, None)]);
-        shared.commit_group(&[begin(b"b")]);
+        shared.commit_group(&mut [begin(b"b")]);
         assert!(shared.memory.read_mem().frozen.is_some(), "full: frozen");
     }
 
@@ -482,7 +480,7 @@ pub(super) mod tests {
         let (tx, rx) = std::sync::mpsc::channel();
         let shared = Arc::clone(shared);
         std::thread::spawn(move || {
-            let _ = tx.send(shared.commit_group(&[op]));
+            let _ = tx.send(shared.commit_group(&mut [op]));
         });
         rx
     }
@@ -572,7 +570,7 @@ mod decide_tests {
     #[test]
     fn a_sweep_ignores_an_index_entry_that_names_another_expiry() {
         let shared = shared();
-        shared.commit_group(&[short_claim(b"\0r", 10)]);
+        shared.commit_group(&mut [short_claim(b"\0r", 10)]);
         // Into redb, where the index is.
         shared.flush().unwrap();
         plant_stale_index_entry(&shared, b"\0r", 5);
@@ -607,7 +605,7 @@ mod decide_tests {
     /// A sweep at `at` ms of up to `max` records, alone in its group: how
     /// many it deleted.
     fn swept(shared: &crate::redb::Shared, at: u64, max: usize) -> usize {
-        let answers = shared.commit_group(&[Op::Sweep {
+        let answers = shared.commit_group(&mut [Op::Sweep {
             now: Timestamp::from_millis(at),
             max,
         }]);
@@ -630,8 +628,8 @@ mod decide_tests {
     #[test]
     fn a_sweep_keeps_a_claim_made_earlier_in_its_group() {
         let shared = shared();
-        shared.commit_group(&[short_claim(b"\0x", 10)]);
-        let answers = shared.commit_group(&[short_claim(b"\0x", 1_000), sweep_at(1_000)]);
+        shared.commit_group(&mut [short_claim(b"\0x", 10)]);
+        let answers = shared.commit_group(&mut [short_claim(b"\0x", 1_000), sweep_at(1_000)]);
         assert!(
             matches!(
                 answers.as_slice(),
@@ -650,8 +648,8 @@ mod decide_tests {
     #[test]
     fn a_sweep_checks_a_memtable_nominee_against_its_current_expiry() {
         let shared = shared();
-        shared.commit_group(&[short_claim(b"\0x", 10), short_claim(b"\0y", 100)]);
-        let answers = shared.commit_group(&[
+        shared.commit_group(&mut [short_claim(b"\0x", 10), short_claim(b"\0y", 100)]);
+        let answers = shared.commit_group(&mut [
             short_claim(b"\0x", 500),
             Op::Sweep {
                 now: Timestamp::from_millis(1_000),
@@ -675,10 +673,10 @@ mod decide_tests {
     #[test]
     fn a_sweep_passes_over_an_index_entry_shadowed_by_the_memtable() {
         let shared = shared();
-        shared.commit_group(&[short_claim(b"\0r", 10), short_claim(b"\0s", 20)]);
+        shared.commit_group(&mut [short_claim(b"\0r", 10), short_claim(b"\0s", 20)]);
         shared.flush().unwrap();
         // r again, in the memtable only, due long after the sweep.
-        shared.commit_group(&[short_claim(b"\0r", 300)]);
+        shared.commit_group(&mut [short_claim(b"\0r", 300)]);
         assert_eq!(swept(&shared, 200, 1), 1);
         assert!(shared.read(b"\0r").unwrap().is_some());
         assert!(shared.read(b"\0s").unwrap().is_none());
@@ -688,7 +686,7 @@ mod decide_tests {
     fn one_group_applies_in_order_and_a_bad_request_fails_alone() {
         let shared = shared();
         let bogus = Claim::new(99, T, false, 1);
-        let answers = shared.commit_group(&[
+        let answers = shared.commit_group(&mut [
             begin(b"\0a"),
             // A duplicate in the same group sees the claim made just before it.
             begin(b"\0a"),
@@ -718,7 +716,7 @@ mod decide_tests {
     #[test]
     fn a_group_of_answers_only_commits_nothing() {
         let shared = shared();
-        let answers = shared.commit_group(&[Op::Sweep { now: T, max: 10 }]);
+        let answers = shared.commit_group(&mut [Op::Sweep { now: T, max: 10 }]);
         assert!(matches!(answers.as_slice(), [Ok(Reply::Swept(0))]));
         assert_eq!(shared.stats.commits.load(Ordering::Relaxed), 0);
     }
@@ -727,11 +725,11 @@ mod decide_tests {
     fn a_sweep_takes_expired_records_from_memory_and_redb_in_order() {
         let shared = shared();
         let claim = short_claim;
-        shared.commit_group(&[claim(b"\0r1", 10), claim(b"\0r2", 20)]);
+        shared.commit_group(&mut [claim(b"\0r1", 10), claim(b"\0r2", 20)]);
         // Into redb: the memtable is checkpointed by a direct transaction.
         shared.direct(|_, _| Ok::<_, Error>(())).unwrap();
         assert!(shared.memory.read_mem().is_empty());
-        shared.commit_group(&[claim(b"\0m1", 15), claim(b"\0m2", 25)]);
+        shared.commit_group(&mut [claim(b"\0m1", 15), claim(b"\0m2", 25)]);
         assert_eq!(swept(&shared, 1_000, 3), 3);
         // Oldest first: r1 (11), m1 (16), r2 (21) went; m2 (26) is left.
         let mem = shared.memory.read_mem();
@@ -750,7 +748,7 @@ mod decide_tests {
     #[test]
     fn a_sweep_of_one_passes_over_an_index_entry_that_names_another_expiry() {
         let shared = shared();
-        shared.commit_group(&[short_claim(b"\0r", 10)]);
+        shared.commit_group(&mut [short_claim(b"\0r", 10)]);
         shared.flush().unwrap();
         plant_stale_index_entry(&shared, b"\0r", 5);
         assert_eq!(swept(&shared, 1_000, 1), 1);

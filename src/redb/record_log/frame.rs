@@ -53,9 +53,9 @@ pub(in crate::redb) struct FrameBuf {
 
 impl Default for FrameBuf {
     fn default() -> FrameBuf {
-        FrameBuf {
-            bytes: vec![0; FRAME_HEADER as usize],
-        }
+        let mut bytes = Vec::with_capacity(FRAME_ALIGN as usize); // a group's usual size
+        bytes.resize(FRAME_HEADER as usize, 0);
+        FrameBuf { bytes }
     }
 }
 
