@@ -92,11 +92,10 @@ const MAX_GROUP: usize = 128;
 /// calls wait: while one waits for its commit's WAL flush, the other is
 /// already executing. Fewer in flight makes larger groups, whose fixed
 /// cost (a transaction, two statements' executor start-up, a commit) is
-/// shared by more calls; more in flight serves a moderate load sooner. On
-/// the 2-core test machine, with the server beside the clients, 2 gave 2.1
-/// to 2.4× the hand-written path at 64 clients where 4 gave 1.9 to 2.1× and
-/// 1 gave 1.9× (at 8 clients all three ran 0.5 to 0.6×; docs/performance.md).
-/// A backlog of calls starts one more ([`MAX_GROUPS_IN_FLIGHT_BACKLOGGED`]).
+/// shared by more calls; more in flight serves a moderate load sooner. Two
+/// served 64 clients best of one, two and four (docs/performance.md,
+/// "PostgreSQL"). A backlog of calls starts one more
+/// ([`MAX_GROUPS_IN_FLIGHT_BACKLOGGED`]).
 const MAX_GROUPS_IN_FLIGHT: usize = 2;
 
 /// Most groups in flight while a backlog waits: with at least

@@ -3,8 +3,8 @@
 //! its lone statement on a connection the calling thread drives itself.
 //!
 //! Why: every other call is spawned on the store's runtime thread and its
-//! answer sent back, two thread wake-ups (about 40 µs each on the 2-core
-//! test VM) around a round trip of a few hundred. A caller making one call
+//! answer sent back, two thread wake-ups around each round trip
+//! (docs/performance.md, "PostgreSQL"). A caller making one call
 //! at a time (one client thread, a consumer loop) pays them on every call,
 //! and the blocking `postgres` client a user would write by hand does not:
 //! it polls its socket on the calling thread. The lane does the same with

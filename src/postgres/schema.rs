@@ -108,12 +108,12 @@ async fn inspect(client: &Client, sql: &Sql) -> Result<Found> {
 }
 
 /// The schema. The record invariants `Record::check` tests are not CHECK
-/// constraints: PostgreSQL parses a table's CHECK
-/// expressions again for every statement that writes it, which measured
-/// 60 µs of the 80 µs an INSERT of a claim cost the server (docs/format.md,
-/// "PostgreSQL schema"). Every row the store reads is still checked
-/// (`row::record`), so a row a hand-written UPDATE broke is reported as
-/// `Error::Corrupt` for its key when read, instead of refused when written.
+/// constraints: PostgreSQL parses a table's CHECK expressions again for
+/// every statement that writes it, most of a claim's INSERT
+/// (docs/format.md, "PostgreSQL schema"). Every row the store reads is
+/// still checked (`row::record`), so a row a hand-written UPDATE broke is
+/// reported as `Error::Corrupt` for its key when read, instead of refused
+/// when written.
 ///
 /// Steps are two arrays, names and outputs, the i-th of each one step, in
 /// the order recorded (as the response's headers are): the statements

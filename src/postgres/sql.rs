@@ -31,15 +31,13 @@ const CLAIMED_COLUMNS: &str = LIVE_COLUMNS;
 /// join arrays of keys against the table, and are prepared. Left to
 /// itself, PostgreSQL would plan them afresh at every run (a custom plan
 /// looks cheaper than the generic one, since it knows the arrays'
-/// lengths), about 0.8 ms each, and, planned while the table is small (a
-/// new deploy), would pick a sequential scan and a hash join and keep that
-/// plan as the table grows (an inbox batch's `decide` took 3 ms at 100
-/// keys on a 100,000-row table). Every run of such a statement happens
-/// after these settings: one generic plan per connection, made of index
-/// lookups per key whatever the table's size. A prepared `set_config`
-/// costs next to nothing; the same four settings as `SET LOCAL` commands
-/// (a simple query, parsed every time) added about 90 µs per transaction
-/// (`pgbench`, one client).
+/// lengths), and, planned while the table is small (a new deploy), would
+/// pick a sequential scan and a hash join and keep that plan as the table
+/// grows. Every run of such a statement happens after these settings: one
+/// generic plan per connection, made of index lookups per key whatever the
+/// table's size. A prepared `set_config` costs next to nothing, where the
+/// same settings as `SET LOCAL` commands are a simple query parsed every
+/// time (docs/performance.md, "PostgreSQL", for the figures).
 const PLAN_SETTINGS: &str = "SELECT set_config('enable_seqscan', 'off', true), \
      set_config('enable_hashjoin', 'off', true), set_config('enable_mergejoin', 'off', true), \
      set_config('plan_cache_mode', 'force_generic_plan', true)";
