@@ -265,7 +265,8 @@ pub fn complete(
     now: Timestamp,
     retention: Duration,
 ) -> Result<Record> {
-    complete_owned(existing, claim, response.clone(), now, retention)
+    let record = owned(existing, claim, Some(now))?;
+    Ok(done(record, response.clone(), now, retention))
 }
 
 /// [`complete`] taking the response it stores (a caller that owns it
@@ -278,14 +279,19 @@ pub(crate) fn complete_owned(
     retention: Duration,
 ) -> Result<Record> {
     let record = owned(existing, claim, Some(now))?;
-    Ok(Record {
+    Ok(done(record, response, now, retention))
+}
+
+/// The DONE record `complete` writes over its owner's `record`.
+fn done(record: Record, response: Response, now: Timestamp, retention: Duration) -> Record {
+    Record {
         state: State::Done,
         response: Some(response),
         lease_until: None,
         expires_at: now + retention,
         steps: Vec::new(),
         ..record
-    })
+    }
 }
 
 /// The lease end of a record whose owner released it but whose steps are

@@ -109,7 +109,7 @@ async fn inspect(client: &Client, sql: &Sql) -> Result<Found> {
 
 /// The schema. The record invariants `Record::check` tests are not CHECK
 /// constraints: PostgreSQL parses a table's CHECK expressions again for
-/// every statement that writes it, most of a claim's INSERT
+/// every statement that writes it, which was most of a claim's INSERT
 /// (docs/format.md, "PostgreSQL schema"). Every row the store reads is
 /// still checked (`row::record`), so a row a hand-written UPDATE broke is
 /// reported as `Error::Corrupt` for its key when read, instead of refused

@@ -9,8 +9,9 @@
 //! ```
 //!
 //! One thread makes every group one request, so each run commits the same
-//! groups; checkpoints still follow the clock (500 ms), so counts move by
-//! about 1 % between runs of one build.
+//! groups. The count is the whole process's (open, threads, the checkpoint
+//! at drop), and checkpoints follow the clock (500 ms): counts move by up
+//! to 1 % between runs of one build; take the median of three.
 
 use idemstore::{Begin, Clock, Fingerprint, Key, RedbStore, Response, Store, SystemClock};
 use std::time::Duration;

@@ -408,4 +408,40 @@ mod tests {
         shared.release_unseen(b"\x001".to_vec(), Ok(Reply::Begin(Begin::Claimed(claim))));
         assert!(shared.line.lock().waiting.is_empty());
     }
+
+    /// Counts its wakes.
+    struct Woken(std::sync::atomic::AtomicUsize);
+    impl std::task::Wake for Woken {
+        fn wake(self: std::sync::Arc<Self>) {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    /// A task polled again with another waker (it moved) is woken through
+    /// the latest one, once; an answer before any poll is simply taken.
+    #[test]
+    fn a_slot_wakes_the_waker_of_its_last_poll() {
+        let count = |w: &std::sync::Arc<Woken>| w.0.load(std::sync::atomic::Ordering::SeqCst);
+        let (first, last) = (
+            std::sync::Arc::new(Woken(0.into())),
+            std::sync::Arc::new(Woken(0.into())),
+        );
+        let slot = Slot::default();
+        for w in [&first, &last, &last] {
+            let waker = Waker::from(std::sync::Arc::clone(w));
+            assert!(slot.poll(&mut Context::from_waker(&waker)).is_pending());
+        }
+        assert!(slot.answer(Ok(Reply::Done)).is_none());
+        assert_eq!((count(&first), count(&last)), (0, 1));
+        let waker = Waker::from(std::sync::Arc::clone(&last));
+        let answer = slot.poll(&mut Context::from_waker(&waker));
+        assert!(matches!(answer, Poll::Ready(Ok(Reply::Done))));
+        let early = Slot::default();
+        assert!(early.answer(Ok(Reply::Done)).is_none());
+        assert!(matches!(
+            early.poll(&mut Context::from_waker(&waker)),
+            Poll::Ready(Ok(_))
+        ));
+        assert_eq!(count(&last), 1);
+    }
 }
