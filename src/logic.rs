@@ -271,6 +271,7 @@ pub fn complete(
 
 /// [`complete`] taking the response it stores (a caller that owns it
 /// spares a copy).
+#[cfg(feature = "redb")]
 pub(crate) fn complete_owned(
     existing: Option<Record>,
     claim: &Claim,
