@@ -13,9 +13,9 @@
 //!
 //! - `Instant` is a virtual clock, one per execution, that moves forward
 //!   by a random step (0 to `STEP_MS` ms, drawn from Shuttle's seeded
-//!   randomness, so a failing schedule replays) at every reading. With a
-//!   1 ms checkpoint interval the committer's "is it due?" checks then
-//!   come out both ways, at points the scheduler chooses.
+//!   randomness, so a failing schedule replays) at every reading. With the
+//!   tests' checkpoint interval shorter than `STEP_MS`, the committer's "is it
+//!   due?" checks then come out both ways, at points the scheduler chooses.
 //! - Shuttle's `Condvar::wait_timeout` never times out (it is a plain
 //!   `wait`), and its `wait` never wakes spuriously. `Condvar` wraps it: a
 //!   wait returns at once, holding the lock, one time in

@@ -10,8 +10,9 @@
 //!
 //! One thread makes every group one request, so each run commits the same
 //! groups. The count is the whole process's (open, threads, the checkpoint
-//! at drop), and checkpoints follow the clock (500 ms): counts move by up
-//! to 1 % between runs of one build; take the median of three.
+//! at drop), and checkpoints follow the clock, so counts move a little
+//! between runs of one build: take the median of three (docs/performance.md,
+//! "Copies out of the commit path").
 
 use idemstore::{Begin, Clock, Fingerprint, Key, RedbStore, Response, Store, SystemClock};
 use std::time::Duration;
