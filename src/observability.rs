@@ -92,16 +92,20 @@ impl Span {
         }
     }
 
-    /// `fut`, entering the span at each poll.
+    /// `fut`, entering the span at each poll. Not an `async fn`, which
+    /// would hold `fut` twice (its argument and the future it awaits).
     #[cfg(feature = "tokio")]
-    pub(crate) async fn instrument<F: std::future::Future>(&self, fut: F) -> F::Output {
+    pub(crate) fn instrument<F: std::future::Future>(
+        &self,
+        fut: F,
+    ) -> impl std::future::Future<Output = F::Output> + use<F> {
         #[cfg(feature = "tracing")]
         {
-            tracing::Instrument::instrument(fut, self.span.clone()).await
+            tracing::Instrument::instrument(fut, self.span.clone())
         }
         #[cfg(not(feature = "tracing"))]
         {
-            fut.await
+            fut
         }
     }
 }

@@ -51,43 +51,43 @@ impl<S: Store + 'static> Guard<S> {
     /// assert!(matches!(out, Outcome::Executed(_)));
     /// # Ok(()) }
     /// ```
-    pub async fn run_async<E, F, Fut>(
+    pub fn run_async<E, F, Fut>(
         &self,
         key: &Key,
         fingerprint: &Fingerprint,
         handler: F,
-    ) -> Outcome<E>
+    ) -> impl Future<Output = Outcome<E>>
     where
         F: FnOnce(Claim) -> Fut,
-        Fut: std::future::Future<Output = std::result::Result<Response, E>>,
+        Fut: Future<Output = std::result::Result<Response, E>>,
     {
         self.run_async_with(key, fingerprint, |_| false, handler)
-            .await
     }
 
     /// [`run_async`](Guard::run_async), where `release(&err)` releases the
     /// claim for chosen handler errors whatever the [`OnHandlerError`]
     /// policy (the HTTP layer uses it for responses it must not store).
-    pub(crate) async fn run_async_with<E, F, Fut>(
+    ///
+    /// Neither is an `async fn`: each would hold the handler and the inner
+    /// future twice (as its argument and as what it awaits), and a guarded
+    /// request holds this state, boxed, for as long as it waits.
+    pub(crate) fn run_async_with<E, F, Fut>(
         &self,
         key: &Key,
         fingerprint: &Fingerprint,
         release: impl Fn(&E) -> bool,
         handler: F,
-    ) -> Outcome<E>
+    ) -> impl Future<Output = Outcome<E>>
     where
         F: FnOnce(Claim) -> Fut,
-        Fut: std::future::Future<Output = std::result::Result<Response, E>>,
+        Fut: Future<Output = std::result::Result<Response, E>>,
     {
-        let span = Span::request(key.scope());
-        span.instrument(async {
-            let outcome = self
-                .run_async_in_span(key, fingerprint, release, handler)
-                .await;
-            crate::observability::outcome(outcome.label());
-            outcome
-        })
-        .await
+        Span::request(key.scope()).instrument(self.run_async_in_span(
+            key,
+            fingerprint,
+            release,
+            handler,
+        ))
     }
 
     async fn run_async_in_span<E, F, Fut>(
@@ -99,11 +99,11 @@ impl<S: Store + 'static> Guard<S> {
     ) -> Outcome<E>
     where
         F: FnOnce(Claim) -> Fut,
-        Fut: std::future::Future<Output = std::result::Result<Response, E>>,
+        Fut: Future<Output = std::result::Result<Response, E>>,
     {
         let deadline = self.wait_deadline();
         // One store call per turn, as in `run`.
-        loop {
+        let outcome = loop {
             let (now, lease, retention) = (self.clock.now(), self.lease, self.retention);
             let mut entry = self.enter(key, fingerprint, now);
             let begun = match entry.local_owner() {
@@ -125,18 +125,18 @@ impl<S: Store + 'static> Guard<S> {
                 }
             };
             match self.classify(begun, &mut entry) {
-                Start::Answer(outcome) => return outcome,
+                Start::Answer(outcome) => break outcome,
                 Start::Wait { lease_until } => {
                     let waited = wait_async(&entry, deadline).await;
                     match self.after_wait(waited, lease_until) {
-                        Some(outcome) => return outcome,
+                        Some(outcome) => break outcome,
                         None => continue,
                     }
                 }
                 Start::FailOpen => {
                     let claim =
                         StepRun::attach(Claim::unprotected(), key, None, self.clock.clone());
-                    return Outcome::FailedOpen(handler(claim).await);
+                    break Outcome::FailedOpen(handler(claim).await);
                 }
                 Start::Execute(claim) => {
                     // Renewed by the process's timer thread while the
@@ -173,10 +173,12 @@ impl<S: Store + 'static> Guard<S> {
                         }
                         Settle::Keep => Ok(()),
                     };
-                    return self.conclude(result, written, &mut entry, &claim);
+                    break self.conclude(result, written, &mut entry, &claim);
                 }
             }
-        }
+        };
+        crate::observability::outcome(outcome.label());
+        outcome
     }
 }
 

@@ -20,7 +20,8 @@ const REDB_MEMTABLE_BYTES: &str = "idemstore_redb_memtable_bytes";
 const SECRET_ID: &str = "order-secret-4711";
 
 /// A guard on a RedbStore with a manual clock: one request executed, its
-/// replay, a conflict, and a takeover after a failed owner's lease.
+/// replay, a conflict, and a takeover after a failed owner's lease; then
+/// one request executed and replayed through `run_async`.
 fn traffic(dir: &std::path::Path) {
     let clock = ManualClock::new(Timestamp::from_millis(1_700_000_000_000));
     let store = RedbStore::builder()
@@ -43,6 +44,16 @@ fn traffic(dir: &std::path::Path) {
     assert!(matches!(failed, Outcome::HandlerFailed(_)));
     clock.advance(Duration::from_secs(31));
     assert!(matches!(guard.run(&dead, &fp, ok), Outcome::Executed(_)));
+    // The async run reports in a span of its own.
+    let key = Key::new("tenant-async", SECRET_ID).unwrap();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    for _ in 0..2 {
+        let run = guard.run_async(&key, &fp, |claim| async move { ok(&claim) });
+        runtime.block_on(run);
+    }
 }
 
 /// Set in the child process that [`a_guarded_redb_store_reports_outcomes_latencies_and_groups`] runs.
@@ -92,8 +103,9 @@ fn metrics_child() {
         Some(DebugValue::Counter(n)) => *n,
         other => panic!("{outcome}: {other:?}"),
     };
-    assert_eq!(counter("executed"), 2);
-    assert_eq!(counter("replayed"), 1);
+    // Two runs each way (`traffic` ends with two async runs).
+    assert_eq!(counter("executed"), 3);
+    assert_eq!(counter("replayed"), 2);
     assert_eq!(counter("conflicted"), 1);
     assert_eq!(counter("handler_failed"), 1);
     assert!(matches!(
@@ -104,10 +116,10 @@ fn metrics_child() {
         Some(DebugValue::Histogram(v)) => v.len(),
         other => panic!("{name}: {other:?}"),
     };
-    assert_eq!(samples(GUARD_BEGIN_SECONDS), 5, "one per request");
+    assert_eq!(samples(GUARD_BEGIN_SECONDS), 7, "one per request");
     assert_eq!(
         samples(GUARD_COMPLETE_SECONDS),
-        2,
+        3,
         "one per stored response"
     );
     // Claims and completions are written in groups, each a log frame.
@@ -154,6 +166,13 @@ fn requests_are_spans_with_scope_outcome_and_token_but_never_the_key_id() {
             text.contains(&format!("outcome=\"{outcome}\"")),
             "{outcome}: {text}"
         );
+    }
+    for outcome in ["executed", "replayed"] {
+        let outcome = format!("outcome=\"{outcome}\"");
+        let async_span = text
+            .lines()
+            .any(|l| l.contains("idemstore.request{scope=tenant-async") && l.contains(&outcome));
+        assert!(async_span, "{outcome} (async): {text}");
     }
     assert!(text.contains("token=1"), "{text}");
     assert!(
