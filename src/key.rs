@@ -38,6 +38,8 @@ pub struct Key {
     /// clone shares: a guarded run holds its key in the flights table, its
     /// lease renewal and its steps.
     bytes: Arc<[u8]>,
+    /// Where the id starts; at most `bytes.len()` (only [`Key::new`]
+    /// makes a key).
     scope_len: usize,
 }
 
@@ -185,21 +187,49 @@ mod tests {
         assert_ne!(k("ab", "c"), k("a", "bc"));
         // Ordered by scope, then id (the bytes alone would put "abc"
         // before "az").
-        let mut keys = vec![k("ab", "c"), k("a", "z"), k("a", "bc"), k("", "zz")];
+        let mut keys = vec![
+            k("b", "a"),
+            k("ab", "c"),
+            k("a", "z"),
+            k("a", "bc"),
+            k("", "zz"),
+        ];
         keys.sort();
-        assert_eq!(keys, [k("", "zz"), k("a", "bc"), k("a", "z"), k("ab", "c")]);
+        let sorted = [
+            k("", "zz"),
+            k("a", "bc"),
+            k("a", "z"),
+            k("ab", "c"),
+            k("b", "a"),
+        ];
+        assert_eq!(keys, sorted);
         let set: std::collections::HashSet<Key> = keys.iter().cloned().collect();
-        assert_eq!(set.len(), 4);
+        assert_eq!(set.len(), 5);
         assert!(set.contains(&k("a", "bc")) && !set.contains(&k("abc", "x")));
         let hash = |k: &Key| {
             let mut h = std::hash::DefaultHasher::new();
             k.hash(&mut h);
             h.finish()
         };
-        assert_eq!(hash(&k("a", "bc")), hash(&k("a", "bc")));
+        // The hash of the pair, as when the key was two boxed fields.
+        #[derive(Hash)]
+        struct Pair {
+            scope: Box<[u8]>,
+            id: Box<[u8]>,
+        }
+        for key in &keys {
+            let mut h = std::hash::DefaultHasher::new();
+            let pair = Pair {
+                scope: key.scope().into(),
+                id: key.id().into(),
+            };
+            pair.hash(&mut h);
+            assert_eq!(hash(key), h.finish(), "{key}");
+        }
         assert_ne!(hash(&k("a", "bc")), hash(&k("ab", "c")));
         // A clone shares the bytes and is the same key.
         let c = keys[3].clone();
+        assert!(Arc::ptr_eq(&c.bytes, &keys[3].bytes));
         assert!(c == keys[3] && c.scope() == b"ab" && c.id() == b"c");
     }
 }
