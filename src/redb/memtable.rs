@@ -10,7 +10,7 @@ use crate::error::Result;
 use crate::record::Record;
 use crate::sync::{Condvar, Instant, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use crate::time::Timestamp;
-use std::collections::BTreeMap;
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -101,8 +101,11 @@ pub(super) fn decode(key: &[u8], entry: &Entry) -> Result<Option<Record>> {
         .transpose()
 }
 
-/// Records by encoded key, in key order (a checkpoint writes them in order).
-pub(super) type Table = BTreeMap<Vec<u8>, Entry>;
+/// Records by encoded key. Hashed, not ordered: a group looks keys up
+/// several times per op, and only a checkpoint needs them in order (it
+/// sorts them once, off the commit path). Keys come from clients, so the
+/// hash is std's keyed one.
+pub(super) type Table = HashMap<Vec<u8>, Entry>;
 
 /// A memtable being written into redb by a checkpoint.
 #[derive(Debug)]

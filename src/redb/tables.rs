@@ -99,9 +99,12 @@ impl<'txn> WriteTables<'txn> {
         self.meta.remove(name).map(drop).map_err(engine_error)
     }
 
-    /// Writes a memtable's records: the bytes their log frames hold.
+    /// Writes a memtable's records, the bytes their log frames hold, in
+    /// key order (each insert then lands beside the last in redb's tree).
     pub(super) fn take_in(&mut self, records: &super::memtable::Table) -> Result<()> {
-        for (key, entry) in records {
+        let mut sorted: Vec<_> = records.iter().collect();
+        sorted.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        for (key, entry) in sorted {
             self.apply_encoded(key, entry.as_ref().map(|e| (&e.value[..], e.expires_at)))?;
         }
         Ok(())

@@ -28,7 +28,7 @@ use crate::record::Record;
 use crate::sync::Instant;
 use crate::sync::atomic::Ordering::{Relaxed, SeqCst};
 use crate::time::Timestamp;
-use std::collections::BTreeMap;
+use std::collections::HashMap;
 use std::time::Duration;
 
 impl Shared {
@@ -204,7 +204,7 @@ struct Decided {
     /// One per op, in order.
     answers: Vec<Result<Reply>>,
     /// Each written key's final state (a deletion is `None`).
-    writes: BTreeMap<Vec<u8>, Entry>,
+    writes: HashMap<Vec<u8>, Entry>,
     /// The writes in the order they were made, for the log.
     frame: FrameBuf,
     /// Records deleted by sweeps.
