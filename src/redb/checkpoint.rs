@@ -118,6 +118,7 @@ mod tests {
             now: crate::time::Timestamp::from_millis(1_000),
             lease: Duration::from_secs(10),
             retention: Duration::from_secs(10),
+            absent_at: None,
         }
     }
 

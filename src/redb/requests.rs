@@ -70,7 +70,9 @@ impl RedbStore {
     ) -> Result<ControlFlow<Begin, Op>> {
         check_durations(lease, retention)?;
         let key_bytes = codec::encode_key(key);
-        if let Some(existing) = self.shared.read(&key_bytes)? {
+        let (existing, read_at) = self.shared.read_counted(&key_bytes)?;
+        let absent_at = read_at.filter(|_| existing.is_none());
+        if let Some(existing) = existing {
             // The token handed to the state machine here is never stored.
             let step = logic::begin(Some(existing), fingerprint, now, lease, retention, || Ok(0))?;
             if step.write.is_none() {
@@ -88,6 +90,7 @@ impl RedbStore {
             now,
             lease,
             retention,
+            absent_at,
         }))
     }
 

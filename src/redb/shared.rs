@@ -98,14 +98,24 @@ impl Shared {
 
     /// The latest state of `key_bytes`: the memtable, then redb (verified).
     pub(super) fn read(&self, key_bytes: &[u8]) -> Result<Option<Record>> {
+        self.read_counted(key_bytes).map(|(record, _)| record)
+    }
+
+    /// [`read`](Self::read), with the count of redb commits that redb was
+    /// read under (`None`: the memtable answered). A key absent under
+    /// count `c` is still absent while the count is `c` and the memtable
+    /// does not hold it (db.rs): a write reaches redb only through a
+    /// counted commit, and leaves the memtable only after it is counted.
+    pub(super) fn read_counted(&self, key_bytes: &[u8]) -> Result<(Option<Record>, Option<u64>)> {
         if let Some(entry) = self.memory.read_mem().get(key_bytes) {
-            return memtable::decode(key_bytes, entry);
+            return Ok((memtable::decode(key_bytes, entry)?, None));
         }
         // Counted after the memtable was read (db.rs).
         let seen = self.db.snapshot.count();
         self.db
             .read_tables(seen, |tables| tables.read(key_bytes))
             .and_then(|read| read)
+            .map(|record| (record, Some(seen)))
             .map_err(|e| self.engine_failed("read", e))
     }
 
@@ -175,6 +185,10 @@ pub(super) enum Op {
         now: Timestamp,
         lease: Duration,
         retention: Duration,
+        /// The count of redb commits under which the fast path found no
+        /// record of the key ([`Shared::read_counted`]): while the count
+        /// is the same, the committer need not ask redb again.
+        absent_at: Option<u64>,
     },
     Complete {
         key: Vec<u8>,

@@ -96,6 +96,7 @@ fn begin_op(id: &str) -> Op {
         now: T,
         lease: D,
         retention: D,
+        absent_at: None,
     }
 }
 

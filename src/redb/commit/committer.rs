@@ -308,6 +308,7 @@ mod tests {
             now: Timestamp::from_millis(1_000),
             lease: D,
             retention: D,
+            absent_at: None,
         }
     }
 

@@ -62,7 +62,7 @@ impl Shared {
             let mem = self.memory.read_mem();
             let counted = self.db.snapshot.count();
             self.db
-                .read_tables(counted, |base| decide(ops, &mem, base, &mut hwm))
+                .read_tables(counted, |base| decide(ops, &mem, base, counted, &mut hwm))
                 .map_err(|e| self.engine_failed("read", e))?
         };
         if decided.writes.is_empty() {
@@ -216,10 +216,11 @@ struct Decided {
 /// then redb. Each record is encoded here once (the log frame, memtable and
 /// checkpoint carry those bytes), its key and response taken from the op (a
 /// begin keeps its key for committer.rs); [`Shared::commit_logged`] writes.
-fn decide(ops: &mut [Op], mem: &Mem, base: &ReadTables, hwm: &mut u64) -> Decided {
+fn decide(ops: &mut [Op], mem: &Mem, base: &ReadTables, counted: u64, hwm: &mut u64) -> Decided {
     let mut group = Group {
         mem,
         base,
+        counted,
         out: Decided::default(),
     };
     for op in ops {
@@ -232,14 +233,25 @@ fn decide(ops: &mut [Op], mem: &Mem, base: &ReadTables, hwm: &mut u64) -> Decide
 struct Group<'a> {
     mem: &'a Mem,
     base: &'a ReadTables,
+    /// The count of redb commits `base` was read under (db.rs).
+    counted: u64,
     out: Decided,
 }
 
 impl Group<'_> {
     /// The current state of `key`: this group's writes, the memtable, redb.
     fn current(&self, key: &[u8]) -> Result<Option<Record>> {
+        self.current_unless_absent(key, None)
+    }
+
+    /// [`current`](Self::current), without asking redb about a key found
+    /// absent under the count `base` was read under (`Op::Begin`).
+    fn current_unless_absent(&self, key: &[u8], absent_at: Option<u64>) -> Result<Option<Record>> {
         if let Some(entry) = self.out.writes.get(key).or_else(|| self.mem.get(key)) {
             return memtable::decode(key, entry);
+        }
+        if absent_at == Some(self.counted) {
+            return Ok(None);
         }
         self.base.read(key)
     }
@@ -266,8 +278,9 @@ impl Group<'_> {
                 now,
                 lease,
                 retention,
+                absent_at,
             } => {
-                let existing = self.current(key)?;
+                let existing = self.current_unless_absent(key, *absent_at)?;
                 let next = || logic::next_token(*hwm);
                 let decided = logic::begin(existing, fingerprint, *now, *lease, *retention, next)?;
                 if let Some(record) = decided.write {
@@ -403,6 +416,7 @@ pub(super) mod tests {
             now: T,
             lease: D,
             retention: D,
+            absent_at: None,
         }
     }
 
@@ -426,6 +440,41 @@ pub(super) mod tests {
         let backend = ::redb::backends::InMemoryBackend::new();
         let opened = open::open_backend(backend, log, None, &config, Path::new("memory")).unwrap();
         Shared::new(opened, &config, None)
+    }
+
+    /// `begin` of `id` that the fast path found absent under `count`.
+    fn begin_absent_at(id: &[u8], count: u64) -> Op {
+        let mut op = begin(id);
+        if let Op::Begin { absent_at, .. } = &mut op {
+            *absent_at = Some(count);
+        }
+        op
+    }
+
+    /// A key found absent before a redb commit may be there after it (a
+    /// claim checkpointed in between): the committer asks redb again, and
+    /// the second claim is refused. Under the count it was found absent
+    /// under, it does not ask: shown here with an absence that is false.
+    #[test]
+    fn an_absence_is_trusted_only_under_the_count_it_was_found_under() {
+        let shared = shared();
+        let before = shared.db.snapshot.count();
+        assert!(matches!(
+            commit_one(&shared, begin(b"k")),
+            Ok(Reply::Begin(Begin::Claimed(_)))
+        ));
+        shared.flush().unwrap();
+        assert!(shared.memory.read_mem().is_empty(), "in redb only");
+        let now = shared.db.snapshot.count();
+        assert_ne!(before, now);
+        assert!(matches!(
+            commit_one(&shared, begin_absent_at(b"k", before)),
+            Ok(Reply::Begin(Begin::InFlight { .. }))
+        ));
+        assert!(matches!(
+            commit_one(&shared, begin_absent_at(b"k", now)),
+            Ok(Reply::Begin(Begin::Claimed(_)))
+        ));
     }
 
     /// Under `Durability::Periodic` a group's frame is appended without a
@@ -591,6 +640,7 @@ mod decide_tests {
             now: Timestamp::from_millis(at),
             lease: Duration::from_millis(1),
             retention: Duration::from_millis(1),
+            absent_at: None,
         }
     }
 
