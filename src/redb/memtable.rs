@@ -165,8 +165,10 @@ impl Mem {
 
     /// Moves the active table to the frozen slot (which must be empty).
     pub(super) fn freeze(&mut self, epoch: u64, token_hwm: u64) {
+        // The next table is sized as this one: it need not grow again.
+        let next = Table::with_capacity(self.active.len());
         self.frozen = Some(Arc::new(Frozen {
-            records: std::mem::take(&mut self.active),
+            records: std::mem::replace(&mut self.active, next),
             epoch,
             token_hwm,
         }));

@@ -221,7 +221,11 @@ fn decide(ops: &mut [Op], mem: &Mem, base: &ReadTables, counted: u64, hwm: &mut 
         mem,
         base,
         counted,
-        out: Decided::default(),
+        out: Decided {
+            answers: Vec::with_capacity(ops.len()),
+            writes: HashMap::with_capacity(ops.len()),
+            ..Decided::default()
+        },
     };
     for op in ops {
         let answer = group.step(op, hwm);
@@ -239,14 +243,10 @@ struct Group<'a> {
 }
 
 impl Group<'_> {
-    /// The current state of `key`: this group's writes, the memtable, redb.
-    fn current(&self, key: &[u8]) -> Result<Option<Record>> {
-        self.current_unless_absent(key, None)
-    }
-
-    /// [`current`](Self::current), without asking redb about a key found
-    /// absent under the count `base` was read under (`Op::Begin`).
-    fn current_unless_absent(&self, key: &[u8], absent_at: Option<u64>) -> Result<Option<Record>> {
+    /// The current state of `key`: this group's writes, the memtable, redb
+    /// (not asked about a key found absent under the count `base` was read
+    /// under: `Op::Begin`).
+    fn current(&self, key: &[u8], absent_at: Option<u64>) -> Result<Option<Record>> {
         if let Some(entry) = self.out.writes.get(key).or_else(|| self.mem.get(key)) {
             return memtable::decode(key, entry);
         }
@@ -280,7 +280,7 @@ impl Group<'_> {
                 retention,
                 absent_at,
             } => {
-                let existing = self.current_unless_absent(key, *absent_at)?;
+                let existing = self.current(key, *absent_at)?;
                 let next = || logic::next_token(*hwm);
                 let decided = logic::begin(existing, fingerprint, *now, *lease, *retention, next)?;
                 if let Some(record) = decided.write {
@@ -296,7 +296,7 @@ impl Group<'_> {
                 now,
                 retention,
             } => {
-                let existing = self.current(key)?;
+                let existing = self.current(key, None)?;
                 let response = std::mem::take(response);
                 let record = logic::complete_owned(existing, claim, response, *now, *retention)?;
                 self.put(std::mem::take(key), &record)?;
@@ -304,7 +304,7 @@ impl Group<'_> {
             }
             Op::Release { key, claim } => {
                 // `None` only for a record it owned (never for an absent one).
-                match logic::release(self.current(key)?, claim)? {
+                match logic::release(self.current(key, None)?, claim)? {
                     Some(kept) => self.put(std::mem::take(key), &kept)?,
                     None => self.delete(std::mem::take(key)),
                 }
@@ -318,7 +318,7 @@ impl Group<'_> {
                 step,
                 now,
             } => {
-                let existing = self.current(key)?;
+                let existing = self.current(key, None)?;
                 if let Some(record) = logic::record_step(existing, claim, step, *now)? {
                     self.put(std::mem::take(key), &record)?;
                 }
@@ -330,7 +330,7 @@ impl Group<'_> {
                 now,
                 lease,
             } => {
-                let existing = self.current(key)?;
+                let existing = self.current(key, None)?;
                 let step = logic::renew(existing, claim, *now, *lease)?;
                 self.put(std::mem::take(key), &step.write)?;
                 Ok(Reply::Renewed(step.claim))
@@ -381,7 +381,7 @@ impl Group<'_> {
             }
             // Re-check against the current state: the index and the
             // memtable only nominate.
-            match self.current(&key)? {
+            match self.current(&key, None)? {
                 Some(r) if r.expires_at == expires_at && logic::sweepable(r.expires_at, now) => {
                     self.delete(key);
                     swept += 1;
