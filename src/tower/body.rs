@@ -114,20 +114,28 @@ where
     if declared > limit_bytes {
         return Buffered::TooLarge(Bytes::new(), body);
     }
-    let mut buf = BytesMut::new();
+    // The usual body is one frame: kept as it came (`one`), not copied;
+    // from a second frame on, everything read is copied into `more`.
+    let (mut one, mut more) = (None, BytesMut::new());
     while let Some(frame) = body.frame().await {
         match frame.map(Frame::into_data) {
             Ok(Ok(data)) => {
-                buf.extend_from_slice(&data);
-                if buf.len() > limit_bytes {
-                    return Buffered::TooLarge(buf.freeze(), body);
+                match one.take() {
+                    None if more.is_empty() => one = Some(data),
+                    first => {
+                        more.extend_from_slice(&first.unwrap_or_default());
+                        more.extend_from_slice(&data);
+                    }
+                }
+                if one.as_ref().map_or(more.len(), Bytes::len) > limit_bytes {
+                    return Buffered::TooLarge(one.unwrap_or_else(|| more.freeze()), body);
                 }
             }
             Ok(Err(_trailers)) => {}
             Err(e) => return Buffered::Failed(e),
         }
     }
-    Buffered::Complete(buf.freeze())
+    Buffered::Complete(one.unwrap_or_else(|| more.freeze()))
 }
 
 #[cfg(test)]
@@ -170,6 +178,27 @@ mod tests {
         let body = ResponseBody::stream(prefix, rest);
         let all = body.collect().await.unwrap().to_bytes();
         assert_eq!(all, "abcdefghi");
+    }
+
+    /// One frame is kept as it came (the same bytes, not a copy); empty
+    /// frames before or between others lose nothing.
+    #[tokio::test]
+    async fn one_frame_is_not_copied_and_empty_frames_are_harmless() {
+        let one = Bytes::from(vec![7u8; 8]);
+        let Buffered::Complete(all) = buffer(Chunks([one.clone()].into()), 8).await else {
+            panic!("expected Complete");
+        };
+        assert_eq!(all.as_ptr(), one.as_ptr());
+        for parts in [&["", "ab", "", "cd"][..], &["ab", "", "cd"], &["", ""]] {
+            let Buffered::Complete(all) = buffer(chunks(parts), 4).await else {
+                panic!("expected Complete");
+            };
+            assert_eq!(all, parts.concat());
+        }
+        let Buffered::TooLarge(prefix, _) = buffer(chunks(&["", "abcde", "f"]), 4).await else {
+            panic!("expected TooLarge");
+        };
+        assert_eq!(prefix, "abcde");
     }
 
     #[tokio::test]
