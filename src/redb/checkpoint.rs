@@ -128,7 +128,8 @@ mod tests {
     fn a_key_reads_the_same_before_and_after_its_checkpoint() {
         use crate::redb::shared::Reply;
         let shared = super::super::commit::tests::shared();
-        let Ok(Reply::Begin(crate::Begin::Claimed(claim))) = commit_one(&shared, begin_a()) else {
+        let Ok(Reply::Begin(crate::Begin::Claimed(claim), _)) = commit_one(&shared, begin_a())
+        else {
             panic!("claimed");
         };
         let now = crate::time::Timestamp::from_millis(2_000);

@@ -20,7 +20,7 @@ use std::time::Duration;
 
 fn begun(reply: Reply) -> Result<Begin> {
     match reply {
-        Reply::Begin(answer) => Ok(answer),
+        Reply::Begin(answer, _) => Ok(answer),
         other => Err(unexpected(&other)),
     }
 }

@@ -222,7 +222,9 @@ pub(super) enum Op {
 /// The answer to one [`Op`].
 #[derive(Debug)]
 pub(super) enum Reply {
-    Begin(Begin),
+    /// With the op's key, back to its caller's thread: a claim whose
+    /// caller has gone is released with it (commit/committer.rs).
+    Begin(Begin, Vec<u8>),
     Done,
     Renewed(Claim),
     Swept(usize),

@@ -261,7 +261,7 @@ fn shuttle_a_future_dropped_mid_commit_gives_its_claim_back() {
         match read {
             // Answered before it was dropped: the claim is its caller's.
             Some(answer) => {
-                assert!(matches!(answer, Ok(Reply::Begin(Begin::Claimed(_)))));
+                assert!(matches!(answer, Ok(Reply::Begin(Begin::Claimed(_), _))));
                 assert!(gone.is_some());
             }
             None => assert!(gone.is_none(), "a claim nobody saw stayed: {gone:?}"),
@@ -301,7 +301,7 @@ fn shuttle_dropping_the_store_answers_every_caller_in_line() {
         let mut claimed = Vec::new();
         for (id, t) in waiting {
             match t.join().expect("a caller") {
-                Ok(Reply::Begin(Begin::Claimed(_))) => claimed.push(id),
+                Ok(Reply::Begin(Begin::Claimed(_), _)) => claimed.push(id),
                 Err(Error::Closed) => {}
                 other => panic!("{id}: {other:?}"),
             }

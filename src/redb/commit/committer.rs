@@ -51,12 +51,12 @@ impl Shared {
         }
     }
 
-    /// Gives back a claim of `key` that nobody will see (a dropped future's
+    /// Gives back a claim that nobody will see (a dropped future's
     /// `answer`): its release is queued with nobody waiting. Once the
     /// committer has stopped, nothing is queued: the claim then ends with
     /// its lease.
-    pub(in crate::redb) fn release_unseen(&self, key: Vec<u8>, answer: Result<Reply>) {
-        let Ok(Reply::Begin(Begin::Claimed(claim))) = answer else {
+    pub(in crate::redb) fn release_unseen(&self, answer: Result<Reply>) {
+        let Ok(Reply::Begin(Begin::Claimed(claim), key)) = answer else {
             return;
         };
         let mut q = self.line.lock();
@@ -88,10 +88,12 @@ impl Shared {
                     ops.iter().map(|_| Err(error.replicate())).collect()
                 })
         };
-        for ((op, slot), answer) in ops.into_iter().zip(slots).zip(answers) {
-            if let (Some(unseen), Op::Begin { key, .. }) = (slot.answer(answer), op) {
+        // Ops are dropped here; a begin's key went back with its answer.
+        drop(ops);
+        for (slot, answer) in slots.into_iter().zip(answers) {
+            if let Some(unseen) = slot.answer(answer) {
                 // Its future was dropped while the group committed.
-                self.release_unseen(key, unseen);
+                self.release_unseen(unseen);
             }
         }
     }
@@ -101,8 +103,6 @@ impl Shared {
 pub(in crate::redb) struct Submitted {
     shared: Arc<Shared>,
     state: State,
-    /// A `begin`'s key, to release a claim its dropped caller never saw.
-    begin_key: Option<Vec<u8>>,
 }
 
 enum State {
@@ -117,14 +117,9 @@ impl Shared {
     /// answer; refused at once (read-only, poisoned, closed) otherwise.
     pub(in crate::redb) fn submit_async(self: &Arc<Self>, op: Op) -> Result<Submitted> {
         self.check_submit()?;
-        let begin_key = match &op {
-            Op::Begin { key, .. } => Some(key.clone()),
-            _ => None,
-        };
         let mut submitted = Submitted {
             shared: Arc::clone(self),
             state: State::Room(op),
-            begin_key,
         };
         let refused = submitted.try_join(&mut self.line.lock());
         refused.map_or(Ok(submitted), Err)
@@ -192,7 +187,7 @@ impl Shared {
 
     /// A dropped future's slot: out of the line if it is still there, else
     /// abandoned; a claim it made and nobody saw is released.
-    fn abandon(&self, slot: &Arc<Slot>, begin_key: Option<Vec<u8>>) {
+    fn abandon(&self, slot: &Arc<Slot>) {
         let mut q = self.line.lock();
         if let Some(at) = q.waiting.iter().position(|(_, s)| Arc::ptr_eq(s, slot)) {
             let full = q.waiting.len() >= WRITE_QUEUE_DEPTH;
@@ -200,8 +195,8 @@ impl Shared {
             return self.make_room(q, full);
         }
         drop(q);
-        if let (Some(answer), Some(key)) = (slot.abandon(), begin_key) {
-            self.release_unseen(key, answer);
+        if let Some(answer) = slot.abandon() {
+            self.release_unseen(answer);
         }
     }
 }
@@ -258,7 +253,7 @@ impl Future for Submitted {
 impl Drop for Submitted {
     fn drop(&mut self) {
         if let State::Waiting(slot) = std::mem::replace(&mut self.state, State::Finished) {
-            self.shared.abandon(&slot, self.begin_key.take());
+            self.shared.abandon(&slot);
         }
     }
 }
@@ -341,12 +336,12 @@ mod tests {
         lead_all(&shared);
         assert!(matches!(
             poll(&mut late),
-            Poll::Ready(Ok(Reply::Begin(Begin::Claimed(_))))
+            Poll::Ready(Ok(Reply::Begin(Begin::Claimed(_), _)))
         ));
         for f in &mut queued {
             assert!(matches!(
                 poll(f),
-                Poll::Ready(Ok(Reply::Begin(Begin::Claimed(_))))
+                Poll::Ready(Ok(Reply::Begin(Begin::Claimed(_), _)))
             ));
         }
         assert!(shared.line.lock().waiting.is_empty());
@@ -406,7 +401,8 @@ mod tests {
         assert!(shared.line.lock().stopped);
         // A dropped future's release after the stop is not queued.
         let claim = crate::record::Claim::unprotected();
-        shared.release_unseen(b"\x001".to_vec(), Ok(Reply::Begin(Begin::Claimed(claim))));
+        let claimed = Reply::Begin(Begin::Claimed(claim), b"\x001".to_vec());
+        shared.release_unseen(Ok(claimed));
         assert!(shared.line.lock().waiting.is_empty());
     }
 

@@ -287,7 +287,7 @@ impl Group<'_> {
                     self.put(key.clone(), &record)?;
                     *hwm = (*hwm).max(record.token);
                 }
-                Ok(Reply::Begin(decided.answer))
+                Ok(Reply::Begin(decided.answer, std::mem::take(key)))
             }
             Op::Complete {
                 key,
@@ -461,7 +461,7 @@ pub(super) mod tests {
         let before = shared.db.snapshot.count();
         assert!(matches!(
             commit_one(&shared, begin(b"k")),
-            Ok(Reply::Begin(Begin::Claimed(_)))
+            Ok(Reply::Begin(Begin::Claimed(_), _))
         ));
         shared.flush().unwrap();
         assert!(shared.memory.read_mem().is_empty(), "in redb only");
@@ -469,11 +469,11 @@ pub(super) mod tests {
         assert_ne!(before, now);
         assert!(matches!(
             commit_one(&shared, begin_absent_at(b"k", before)),
-            Ok(Reply::Begin(Begin::InFlight { .. }))
+            Ok(Reply::Begin(Begin::InFlight { .. }, _))
         ));
         assert!(matches!(
             commit_one(&shared, begin_absent_at(b"k", now)),
-            Ok(Reply::Begin(Begin::Claimed(_)))
+            Ok(Reply::Begin(Begin::Claimed(_), _))
         ));
     }
 
@@ -494,7 +494,7 @@ pub(super) mod tests {
             let answers = shared.commit_group(&mut [begin(b"a")]);
             assert!(matches!(
                 answers.as_slice(),
-                [Ok(Reply::Begin(Begin::Claimed(_)))]
+                [Ok(Reply::Begin(Begin::Claimed(_), _))]
             ));
             assert_eq!(
                 shared.log.unsynced.load(Ordering::SeqCst),
@@ -683,7 +683,7 @@ mod decide_tests {
         assert!(
             matches!(
                 answers.as_slice(),
-                [Ok(Reply::Begin(Begin::Claimed(_))), Ok(Reply::Swept(0))]
+                [Ok(Reply::Begin(Begin::Claimed(_), _)), Ok(Reply::Swept(0))]
             ),
             "{answers:?}"
         );
@@ -709,7 +709,7 @@ mod decide_tests {
         assert!(
             matches!(
                 answers.as_slice(),
-                [Ok(Reply::Begin(Begin::Claimed(_))), Ok(Reply::Swept(1))]
+                [Ok(Reply::Begin(Begin::Claimed(_), _)), Ok(Reply::Swept(1))]
             ),
             "{answers:?}"
         );
@@ -751,13 +751,13 @@ mod decide_tests {
             begin(b"\0c"),
         ]);
         let mut it = answers.into_iter();
-        assert!(matches!(it.next(), Some(Ok(Reply::Begin(Begin::Claimed(c)))) if c.token == 1));
+        assert!(matches!(it.next(), Some(Ok(Reply::Begin(Begin::Claimed(c), _))) if c.token == 1));
         assert!(matches!(
             it.next(),
-            Some(Ok(Reply::Begin(Begin::InFlight { .. })))
+            Some(Ok(Reply::Begin(Begin::InFlight { .. }, _)))
         ));
         assert!(matches!(it.next(), Some(Err(Error::StaleClaim))));
-        assert!(matches!(it.next(), Some(Ok(Reply::Begin(Begin::Claimed(c)))) if c.token == 2));
+        assert!(matches!(it.next(), Some(Ok(Reply::Begin(Begin::Claimed(c), _))) if c.token == 2));
         assert_eq!(shared.stats.commits.load(Ordering::Relaxed), 1);
         assert_eq!(shared.log.lock().token_hwm, 2);
         assert_eq!(shared.memory.read_mem().active.len(), 2, "in the memtable");
