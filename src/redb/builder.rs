@@ -1,7 +1,6 @@
 //! [`RedbStoreBuilder`]: a store's options, checked, and the opens.
 
-use super::{Config, Durability, RecoveryPolicy};
-use super::{RedbStore, open};
+use super::{Config, Durability, RecoveryPolicy, RedbStore, open, record_log::MIN_WAL_BYTES};
 use crate::error::{Error, Result};
 use crate::response::{DEFAULT_MAX_BODY_BYTES, check_body_limit};
 use crate::sweeper::SweeperConfig;
@@ -226,10 +225,9 @@ impl RedbStoreBuilder {
                 "Durability::Periodic needs a loss window of at least 1 ms",
             ));
         }
-        if self.config.log_bytes < super::record_log::MIN_WAL_BYTES {
+        if self.config.log_bytes < MIN_WAL_BYTES {
             return Err(Error::invalid_argument(format!(
-                "the write-ahead log must be at least {} bytes, not {}",
-                super::record_log::MIN_WAL_BYTES,
+                "the write-ahead log must be at least {MIN_WAL_BYTES} bytes, not {}",
                 self.config.log_bytes
             )));
         }

@@ -26,7 +26,7 @@ pub(super) fn run(shared: Arc<Shared>) {
         memory.bg_cv.notify_all();
         // Not in the `if let`: its read guard would live through the branch.
         let frozen = memory.read_mem().frozen.clone();
-        if shared.db.is_poisoned() {
+        if shared.db.health.is_poisoned() {
             if *stopping || !shared.db.heals() {
                 break;
             }
@@ -229,7 +229,7 @@ mod tests {
         let _ = shared.fail("test", On::Store, Error::corrupt(None, "test damage"));
         assert!(!shared.db.heals());
         std::thread::sleep(HEAL_BACKOFF_MIN * 10);
-        assert!(shared.db.is_poisoned());
+        assert!(shared.db.health.is_poisoned());
         assert!(matches!(
             shared.db.health.check(),
             Err(Error::Poisoned { .. })

@@ -126,12 +126,10 @@ impl fmt::Display for Damage {
                  whole or absent. It was damaged after it was written and may hold \
                  acknowledged writes"
             ),
-            Damage::FrameEntries { at, detail } => {
-                write!(
-                    f,
-                    "write-ahead log frame at offset {at} verifies but {detail}"
-                )
-            }
+            Damage::FrameEntries { at, detail } => write!(
+                f,
+                "write-ahead log frame at offset {at} verifies but {detail}"
+            ),
         }
     }
 }
@@ -200,11 +198,8 @@ impl LossReport {
 
 impl fmt::Display for LossReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(
-            f,
-            "{} frames replayed, {} skipped",
-            self.frames_replayed, self.frames_skipped
-        )?;
+        let (replayed, skipped) = (self.frames_replayed, self.frames_skipped);
+        writeln!(f, "{replayed} frames replayed, {skipped} skipped")?;
         for finding in &self.findings {
             writeln!(f, "- {finding}")?;
         }

@@ -12,11 +12,10 @@
 //! read) or counted. A kept snapshot pins its commit's pages, so every
 //! commit drops it, and so does taking the engine for exclusive use.
 
-use super::Config;
 use super::file::engine_error;
 use super::health::{self, On};
 use super::tables::ReadTables;
-use super::{RecoveryPolicy, file};
+use super::{Config, RecoveryPolicy, file};
 use crate::error::{Cause, Error, Result};
 use crate::sync::atomic::{AtomicU64, Ordering};
 use crate::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
@@ -126,8 +125,7 @@ impl Db {
             }
         }
         #[cfg(test)]
-        kept.opened
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        kept.opened.fetch_add(1, Ordering::Relaxed);
         let txn = db.begin_read().map_err(engine_error)?;
         let tables = ReadTables::open(&txn)?;
         let out = f(&tables);
@@ -147,10 +145,6 @@ impl Db {
         let engine = self.engine.write().unwrap_or_else(|p| p.into_inner());
         self.snapshot.committed();
         engine
-    }
-
-    pub(super) fn is_poisoned(&self) -> bool {
-        self.health.is_poisoned()
     }
 
     /// Poisons with `error` (met `during` an operation on `on`; the first
@@ -183,7 +177,7 @@ impl Db {
 
     /// Poisoned by a cause that may go away: the background thread heals.
     pub(super) fn heals(&self) -> bool {
-        self.is_poisoned() && self.health.cause().is_none_or(|c| c.heals())
+        self.health.is_poisoned() && self.health.cause().is_none_or(|c| c.heals())
     }
 
     pub(super) fn healthy_again(&self) {

@@ -223,7 +223,7 @@ impl RedbStore {
     /// True after a failed write, until the store has healed (while
     /// [`health`](Self::health) is not `Healthy`; example: [`RedbStore`]).
     pub fn is_poisoned(&self) -> bool {
-        self.shared.db.is_poisoned()
+        self.shared.db.health.is_poisoned()
     }
 
     /// Whether the store writes, and if not, why ([`Health`]);

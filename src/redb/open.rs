@@ -61,12 +61,11 @@ fn refuse_over_log(path: &Path, what: &'static str, accept_loss: bool) -> Result
     let aside = free_name(&log, "lost");
     std::fs::rename(&log, &aside)?;
     sync_parent(path)?;
+    let (path, aside) = (path.display(), aside.display());
     Ok(Some(format!(
-        "{} {what} beside a log with frames of another store file: the log was \
-         moved to {} (its frames cannot be replayed without that store's id) and a \
-         new store was made",
-        path.display(),
-        aside.display()
+        "{path} {what} beside a log with frames of another store file: the log was \
+         moved to {aside} (its frames cannot be replayed without that store's id) and a \
+         new store was made"
     )))
 }
 
@@ -187,9 +186,8 @@ pub(super) fn open_backend(
     let recovered = recover_log(&db, Arc::from(log), &found, config, &mut loss)?;
     // A read-only view shows the records as stored: no lease is ended.
     let leases_expired = match config.recovery {
-        _ if config.read_only => 0,
-        RecoveryPolicy::WaitForLease => 0,
-        RecoveryPolicy::ExpireLeases => expire_leases(&db, config)?,
+        RecoveryPolicy::ExpireLeases if !config.read_only => expire_leases(&db, config)?,
+        RecoveryPolicy::ExpireLeases | RecoveryPolicy::WaitForLease => 0,
     };
     Ok(Opened {
         db,

@@ -61,10 +61,9 @@ struct OverlayState {
 impl Overlay {
     pub(in crate::redb) fn new(base: Arc<dyn StorageBackend>) -> std::io::Result<Overlay> {
         let file_len = base.len()?;
-        let pages = HashMap::new();
         let state = Mutex::new(OverlayState {
             len: file_len,
-            pages,
+            pages: HashMap::new(),
         });
         Ok(Overlay {
             base,

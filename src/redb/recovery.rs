@@ -63,7 +63,6 @@ pub(super) fn plan_log(
     };
     let mut plan = LogPlan {
         file_len: len,
-        // 0 before the first.
         epoch: entry(&meta, META_LOG_EPOCH)?.map_or(0, u64::from_be_bytes),
         layout_len: len,
         no_reboot: !found.heal && same_boot,

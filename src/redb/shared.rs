@@ -11,15 +11,12 @@
 //! read-locked wakes the background thread (its lock); no writer of the
 //! memtable waits for the background lock.
 
-use super::Config;
-use super::Counters;
-use super::Durability;
 use super::db::Db;
 use super::health::On;
 use super::memtable::{self, Memory};
 use super::record_log::LogWriter;
-use super::tables;
-use super::{open, tables::META_LOG_STATE};
+use super::tables::{self, META_LOG_STATE};
+use super::{Config, Counters, Durability, open};
 use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
 use crate::record::{Begin, Claim, Record};
@@ -60,7 +57,6 @@ pub(super) struct Log {
 }
 
 /// What only the holder of the commit lock touches.
-#[derive(Debug)]
 pub(super) struct Core {
     pub(super) writer: LogWriter,
     /// The largest fencing token handed out.
@@ -124,7 +120,7 @@ impl Shared {
     /// heals; a store already poisoned answers with its cause.
     pub(super) fn engine_failed(&self, during: &'static str, error: Error) -> Error {
         match error {
-            Error::Io(_) if self.db.is_poisoned() => self.db.poisoned_error(),
+            Error::Io(_) if self.db.health.is_poisoned() => self.db.poisoned_error(),
             Error::Io(_) => self.fail(during, On::Store, error),
             other => other,
         }

@@ -89,10 +89,8 @@ impl<'txn> WriteTables<'txn> {
     }
 
     pub(super) fn set_meta(&mut self, name: &str, value: &[u8]) -> Result<()> {
-        self.meta
-            .insert(name, value)
-            .map(drop)
-            .map_err(engine_error)
+        self.meta.insert(name, value).map_err(engine_error)?;
+        Ok(())
     }
 
     pub(super) fn remove_meta(&mut self, name: &str) -> Result<()> {
@@ -200,6 +198,12 @@ impl<'txn> WriteTables<'txn> {
         }
         Ok(Some((record, removed)))
     }
+
+    /// The stored record for `key_bytes` in this transaction (the inbox's
+    /// decisions), verified.
+    pub(super) fn read(&self, key_bytes: &[u8]) -> Result<Option<Record>> {
+        read_from(&self.records, key_bytes)
+    }
 }
 
 /// The stored record for `key_bytes`, verified ([`Error::Corrupt`](crate::Error::Corrupt) if not).
@@ -210,14 +214,6 @@ fn read_from(
     match records.get(key_bytes).map_err(engine_error)? {
         Some(guard) => Ok(Some(codec::decode_record(key_bytes, guard.value())?)),
         None => Ok(None),
-    }
-}
-
-impl WriteTables<'_> {
-    /// The stored record for `key_bytes` in this transaction (the inbox's
-    /// decisions), verified.
-    pub(super) fn read(&self, key_bytes: &[u8]) -> Result<Option<Record>> {
-        read_from(&self.records, key_bytes)
     }
 }
 

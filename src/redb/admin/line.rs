@@ -97,10 +97,9 @@ fn take_bytes(map: &Map<String, Value>, name: &str) -> Result<Vec<u8>> {
             .ok_or_else(|| bad(format!("{name:?} is not a string")));
     }
     let b64 = format!("{name}_b64");
-    let v = map
+    let s = map
         .get(&b64)
-        .ok_or_else(|| bad(format!("neither {name:?} nor {b64:?} is present")))?;
-    let s = v
+        .ok_or_else(|| bad(format!("neither {name:?} nor {b64:?} is present")))?
         .as_str()
         .ok_or_else(|| bad(format!("{b64:?} is not a string")))?;
     STANDARD

@@ -270,18 +270,14 @@ impl Admin<'_> {
     /// # Ok::<(), idemstore::Error>(())
     /// ```
     pub fn evict(&self, key: &Key) -> Result<Option<Evicted>> {
-        self.store.shared.db.health.check()?;
+        let shared = &self.store.shared;
+        shared.db.health.check()?;
         let key_bytes = codec::encode_key(key);
-        self.store.shared.direct(|tables, _| {
-            Ok::<_, Error>(
-                tables
-                    .evict(&key_bytes)?
-                    .map(|(record, index_entries)| Evicted {
-                        record,
-                        index_entries,
-                    }),
-            )
-        })
+        let evicted = shared.direct(|tables, _| tables.evict(&key_bytes))?;
+        Ok(evicted.map(|(record, index_entries)| Evicted {
+            record,
+            index_entries,
+        }))
     }
 
     /// Raises the token high-water mark to at least `at_least`, durably,
@@ -422,18 +418,13 @@ impl RedbStore {
         // Every frame decoded but not applied; the walk goes on past problems.
         let mut loss = LossReport::default();
         let mut undecodable = Vec::new();
-        let (frames, another) = walk_live(
-            log.as_ref(),
-            &found,
-            &plan,
-            Some(&mut loss),
-            |at, payload| {
-                if let Err(e) = record_log::entries(at, payload, |_| Ok(())) {
-                    undecodable.push(e.to_string());
-                }
-                Ok(())
-            },
-        )?;
+        let decode = |at, payload: &[u8]| {
+            if let Err(e) = record_log::entries(at, payload, |_| Ok(())) {
+                undecodable.push(e.to_string());
+            }
+            Ok(())
+        };
+        let (frames, another) = walk_live(log.as_ref(), &found, &plan, Some(&mut loss), decode)?;
         problems.extend(another.map(|d| d.to_string()));
         problems.append(&mut loss.findings);
         problems.append(&mut undecodable);

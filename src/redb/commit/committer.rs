@@ -135,7 +135,7 @@ impl Shared {
             // poisoned store freezes nothing: its heal empties memory.
             let interval = self.memory.checkpoint_interval;
             let due = self.memory.read_mem().checkpoint_left(interval);
-            let due = due.filter(|_| !self.db.is_poisoned());
+            let due = due.filter(|_| !self.db.health.is_poisoned());
             let mut q = self.line.lock();
             if !q.waiting.is_empty() {
                 drop(q);

@@ -4,9 +4,9 @@
 use super::frame::{FRAME_HEADER, FrameBuf, Layout, align_up, segment_bytes};
 use crate::error::{Error, Result};
 use ::redb::StorageBackend;
-use std::fmt;
 
 /// The log file and where the next frame goes.
+#[derive(Debug)]
 pub(in crate::redb) struct LogWriter {
     file: std::sync::Arc<dyn StorageBackend>,
     epoch: u64,
@@ -16,15 +16,6 @@ pub(in crate::redb) struct LogWriter {
     len: u64,
     /// Every frame's CRC covers it, so no other store's frames verify here.
     store_id: [u8; 16],
-}
-
-impl fmt::Debug for LogWriter {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("LogWriter")
-            .field("epoch", &self.epoch)
-            .field("offset", &self.offset)
-            .finish_non_exhaustive()
-    }
 }
 
 impl LogWriter {
