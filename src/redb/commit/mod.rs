@@ -442,6 +442,19 @@ pub(super) mod tests {
         Shared::new(opened, &config, None)
     }
 
+    /// An engine I/O error met by a store already poisoned answers with
+    /// the store's first cause ([`Error::Poisoned`]), not as an I/O error
+    /// of its own.
+    #[test]
+    fn an_io_error_after_poisoning_answers_with_the_first_cause() {
+        let shared = shared();
+        let first = Error::Io(std::io::Error::other("first"));
+        assert!(matches!(shared.fail("test", On::Log, first), Error::Io(_)));
+        let second = Error::Io(std::io::Error::other("second"));
+        let answer = shared.engine_failed("read", second);
+        assert!(matches!(answer, Error::Poisoned { .. }), "{answer:?}");
+    }
+
     /// `begin` of `id` that the fast path found absent under `count`.
     fn begin_absent_at(id: &[u8], count: u64) -> Op {
         let mut op = begin(id);
