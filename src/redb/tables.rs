@@ -94,7 +94,8 @@ impl<'txn> WriteTables<'txn> {
     }
 
     pub(super) fn remove_meta(&mut self, name: &str) -> Result<()> {
-        self.meta.remove(name).map(drop).map_err(engine_error)
+        self.meta.remove(name).map_err(engine_error)?;
+        Ok(())
     }
 
     /// Writes a memtable's records, the bytes their log frames hold, in

@@ -114,28 +114,32 @@ where
     if declared > limit_bytes {
         return Buffered::TooLarge(Bytes::new(), body);
     }
-    // The usual body is one frame: kept as it came (`one`), not copied;
-    // from a second frame on, everything read is copied into `more`.
-    let (mut one, mut more) = (None, BytesMut::new());
+    // What was read is in one of the two: the usual body, one frame, stays
+    // in `first` as it came (not copied); a second frame moves it all into
+    // `more`.
+    let (mut first, mut more) = (Bytes::new(), BytesMut::new());
+    let read = |first: Bytes, more: BytesMut| {
+        if more.is_empty() {
+            first
+        } else {
+            more.freeze()
+        }
+    };
     while let Some(frame) = body.frame().await {
         match frame.map(Frame::into_data) {
+            Ok(Ok(data)) if first.is_empty() && more.is_empty() => first = data,
             Ok(Ok(data)) => {
-                match one.take() {
-                    None if more.is_empty() => one = Some(data),
-                    first => {
-                        more.extend_from_slice(&first.unwrap_or_default());
-                        more.extend_from_slice(&data);
-                    }
-                }
-                if one.as_ref().map_or(more.len(), Bytes::len) > limit_bytes {
-                    return Buffered::TooLarge(one.unwrap_or_else(|| more.freeze()), body);
-                }
+                more.extend_from_slice(&std::mem::take(&mut first));
+                more.extend_from_slice(&data);
             }
             Ok(Err(_trailers)) => {}
             Err(e) => return Buffered::Failed(e),
         }
+        if first.len() + more.len() > limit_bytes {
+            return Buffered::TooLarge(read(first, more), body);
+        }
     }
-    Buffered::Complete(one.unwrap_or_else(|| more.freeze()))
+    Buffered::Complete(read(first, more))
 }
 
 #[cfg(test)]

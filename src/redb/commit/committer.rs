@@ -88,8 +88,6 @@ impl Shared {
                     ops.iter().map(|_| Err(error.replicate())).collect()
                 })
         };
-        // Ops are dropped here; a begin's key went back with its answer.
-        drop(ops);
         for (slot, answer) in slots.into_iter().zip(answers) {
             if let Some(unseen) = slot.answer(answer) {
                 // Its future was dropped while the group committed.

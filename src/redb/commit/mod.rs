@@ -215,7 +215,8 @@ struct Decided {
 /// once, in order, against the group's own earlier writes, the memtable,
 /// then redb. Each record is encoded here once (the log frame, memtable and
 /// checkpoint carry those bytes), its key and response taken from the op (a
-/// begin keeps its key for committer.rs); [`Shared::commit_logged`] writes.
+/// begin's key goes back in its reply, for committer.rs);
+/// [`Shared::commit_logged`] writes.
 fn decide(ops: &mut [Op], mem: &Mem, base: &ReadTables, counted: u64, hwm: &mut u64) -> Decided {
     let mut group = Group {
         mem,
