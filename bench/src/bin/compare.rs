@@ -79,6 +79,29 @@ fn ours() -> Vec<&'static str> {
     v
 }
 
+/// Why the row `name`, named by `--only`, cannot run in this build and
+/// environment (`None`: it can). A Redis row without its server is
+/// skipped with a message instead, as in a full run.
+fn unavailable(name: &str) -> Option<String> {
+    let feature = |f: &str| format!("this build has no `{f}` feature (add `--features {f}`)");
+    match name {
+        "redb" | "redb-3step" | "sqlite" | "redb-raw" => None,
+        n if REDIS.contains(&n) => None,
+        "sled" if !cfg!(feature = "sled") => Some(feature("sled")),
+        "sled" => None,
+        "postgres" | "postgres-hand" if !cfg!(feature = "postgres") => Some(feature("postgres")),
+        "postgres" | "postgres-hand" if !with_postgres() => {
+            Some("IDEMSTORE_PG_URL is not set (scripts/pg-test-cluster start DIR)".to_owned())
+        }
+        "postgres" | "postgres-hand" => None,
+        other => Some(format!(
+            "no such row `{other}` (rows: redb, redb-3step, sled, postgres, sqlite, redb-raw, \
+             {}, postgres-hand)",
+            REDIS.join(", ")
+        )),
+    }
+}
+
 fn open(name: &str, dir: &Path) -> BoxResult<Box<dyn Backend>> {
     // The defaults: group commit with an fsync per batch.
     peers::open_backend(name, dir, "immediate")
@@ -124,6 +147,10 @@ fn main() -> BoxResult<()> {
             }
             other => return Err(format!("unknown option {other}").into()),
         }
+    }
+    // A named row that cannot run is an error, not an empty table.
+    if let Some(why) = only.iter().flatten().find_map(|n| unavailable(n)) {
+        return Err(format!("--only: {why}").into());
     }
     let chosen = |name: &str| only.as_ref().is_none_or(|o| o.iter().any(|n| n == name));
     let duration = Duration::from_secs_f64(seconds);
@@ -268,4 +295,36 @@ fn main() -> BoxResult<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every row a full run can show is a row `--only` accepts by name
+    /// (when its feature and server are there), and a name that is no row
+    /// is refused.
+    #[test]
+    fn only_accepts_the_rows_and_refuses_other_names() {
+        for name in backends(&REDIS) {
+            assert_eq!(unavailable(name), None, "{name}");
+        }
+        let why = unavailable("redis").expect("not a row");
+        assert!(why.contains("no such row `redis`"), "{why}");
+        for (name, feature) in [("sled", "sled"), ("postgres-hand", "postgres")] {
+            let flag = format!("--features {feature}");
+            match unavailable(name) {
+                Some(why) => assert!(why.contains(&flag) || why.contains("IDEMSTORE_PG_URL")),
+                None => assert!(backends(&REDIS).contains(&name), "{name} not in a full run"),
+            }
+        }
+        if cfg!(feature = "postgres") && !with_postgres() {
+            let why = unavailable("postgres").expect("no server");
+            assert!(why.contains("IDEMSTORE_PG_URL"), "{why}");
+        }
+        if !cfg!(feature = "postgres") {
+            let why = unavailable("postgres").expect("no feature");
+            assert!(why.contains("--features postgres"), "{why}");
+        }
+    }
 }
