@@ -79,27 +79,36 @@ fn ours() -> Vec<&'static str> {
     v
 }
 
+/// Every row `compare` knows, whatever the build: [`backends`] holds those
+/// this build and environment can run.
+const ROWS: [&str; 9] = [
+    "redb",
+    "redb-3step",
+    "sled",
+    "postgres",
+    "sqlite",
+    "redb-raw",
+    "redis-always",
+    "redis-everysec",
+    "postgres-hand",
+];
+
 /// Why the row `name`, named by `--only`, cannot run in this build and
 /// environment (`None`: it can). A Redis row without its server is
 /// skipped with a message instead, as in a full run.
 fn unavailable(name: &str) -> Option<String> {
-    let feature = |f: &str| format!("this build has no `{f}` feature (add `--features {f}`)");
-    match name {
-        "redb" | "redb-3step" | "sqlite" | "redb-raw" => None,
-        n if REDIS.contains(&n) => None,
-        "sled" if !cfg!(feature = "sled") => Some(feature("sled")),
-        "sled" => None,
-        "postgres" | "postgres-hand" if !cfg!(feature = "postgres") => Some(feature("postgres")),
-        "postgres" | "postgres-hand" if !with_postgres() => {
-            Some("IDEMSTORE_PG_URL is not set (scripts/pg-test-cluster start DIR)".to_owned())
-        }
-        "postgres" | "postgres-hand" => None,
-        other => Some(format!(
-            "no such row `{other}` (rows: redb, redb-3step, sled, postgres, sqlite, redb-raw, \
-             {}, postgres-hand)",
-            REDIS.join(", ")
-        )),
+    if backends(&REDIS).contains(&name) {
+        return None;
     }
+    let feature = |f: &str| format!("this build has no `{f}` feature (add `--features {f}`)");
+    Some(match name {
+        "sled" => feature("sled"),
+        "postgres" | "postgres-hand" if !cfg!(feature = "postgres") => feature("postgres"),
+        "postgres" | "postgres-hand" => {
+            "IDEMSTORE_PG_URL is not set (scripts/pg-test-cluster start DIR)".to_owned()
+        }
+        other => format!("no such row `{other}` (rows: {})", ROWS.join(", ")),
+    })
 }
 
 fn open(name: &str, dir: &Path) -> BoxResult<Box<dyn Backend>> {
@@ -307,6 +316,7 @@ mod tests {
     #[test]
     fn only_accepts_the_rows_and_refuses_other_names() {
         for name in backends(&REDIS) {
+            assert!(ROWS.contains(&name), "{name} missing from ROWS");
             assert_eq!(unavailable(name), None, "{name}");
         }
         let why = unavailable("redis").expect("not a row");
