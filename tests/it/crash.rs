@@ -73,6 +73,28 @@ fn redb_store_survives_power_loss_at_every_point() {
     assert!(total.inflight_checked > 0 && total.replays_checked > 0 && total.takeovers_checked > 0);
 }
 
+/// The main test with each step slowed between reading the shared clock
+/// and its call, so that sweeps on other threads often run at a later time
+/// than a step in flight and delete records that step sees as unexpired:
+/// the run's own checks must tell that from a lost record.
+#[test]
+fn redb_store_sweeps_later_than_a_step_in_flight() {
+    let mut total = RunReport::default();
+    for seed in 0..16 {
+        let cfg = RunConfig {
+            seed,
+            threads: 8,
+            stride: 20,
+            step_delay: std::time::Duration::from_millis(3),
+            ..RunConfig::default()
+        };
+        total += store_run(&cfg).unwrap();
+    }
+    eprintln!("redb store, slowed steps: {total:?}");
+    assert!(total.swept_in_flight > 0, "no sweep overtook a step");
+    assert!(total.crash_points > 0 && total.acked_checked > 0);
+}
+
 /// The test of the test: a store that acknowledges before its data is
 /// durable must fail the power-loss checks, on every seed tried — whether
 /// its fsync persists nothing, or persists one commit late. With the token

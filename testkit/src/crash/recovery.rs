@@ -4,7 +4,7 @@
 
 use super::backend::{CrashBackend, CrashImage, SyncMode, TornSectors};
 use super::rng::Rng;
-use super::workload::{LEASE, RunLog, Slot, Step, T0, describe, run_thread};
+use super::workload::{Clock, LEASE, RunLog, Slot, Step, T0, describe, run_thread};
 use idemstore::Fingerprint;
 use idemstore::Key;
 use idemstore::RedbStore;
@@ -15,7 +15,7 @@ use idemstore::{ManualClock, Timestamp};
 use std::collections::BTreeMap;
 use std::ops::ControlFlow;
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::atomic::AtomicU64;
+use std::time::Duration;
 
 /// How one run is shaped.
 #[derive(Clone, Copy, Debug)]
@@ -42,6 +42,10 @@ pub struct RunConfig {
     /// Leaves out the token high-water-mark check, so that the test of the
     /// test can show the per-key check catches lost writes on its own.
     pub skip_token_check: bool,
+    /// How long each step on a key waits between reading the shared clock
+    /// and its call: widens the window in which another thread sweeps at a later
+    /// time than a step in flight. Zero by default.
+    pub step_delay: Duration,
 }
 
 /// The write-ahead log size in crash runs: small, so that runs cross many
@@ -60,6 +64,7 @@ impl Default for RunConfig {
             torn_store_file: TornSectors::OldOrNew,
             torn_log: TornSectors::OldOrNew,
             skip_token_check: false,
+            step_delay: Duration::ZERO,
         }
     }
 }
@@ -86,6 +91,9 @@ pub struct RunReport {
     pub creation_points: u64,
     /// Of those, the ones the next open refused (`Error::Corrupt`).
     pub creation_refused: u64,
+    /// Fresh claims over a record that another thread's sweep, at a later
+    /// time, deleted while the claiming step was in flight.
+    pub swept_in_flight: u64,
 }
 
 impl std::ops::AddAssign for RunReport {
@@ -98,6 +106,7 @@ impl std::ops::AddAssign for RunReport {
         self.mutations += o.mutations;
         self.creation_points += o.creation_points;
         self.creation_refused += o.creation_refused;
+        self.swept_in_flight += o.swept_in_flight;
     }
 }
 
@@ -165,8 +174,9 @@ fn run_config(cfg: &RunConfig, every_point: bool) -> Result<(RunReport, Vec<Fail
         tokens: !cfg.skip_token_check,
         every_point,
     };
-    let (report, failures) = run_and_check(&backend, cfg.keys_per_thread, plans, checks)
-        .map_err(|e| format!("seed {}: {e}", cfg.seed))?;
+    let (report, failures) =
+        run_and_check(&backend, cfg.keys_per_thread, cfg.step_delay, plans, checks)
+            .map_err(|e| format!("seed {}: {e}", cfg.seed))?;
     let failures = failures
         .into_iter()
         .map(|(image, error)| FailedPoint {
@@ -208,7 +218,7 @@ pub fn store_run_steps(
         tokens: true,
         every_point: false,
     };
-    let (report, failures) = run_and_check(&backend, keys, vec![steps], checks)?;
+    let (report, failures) = run_and_check(&backend, keys, Duration::ZERO, vec![steps], checks)?;
     match failures.into_iter().next() {
         Some((image, e)) => Err(format!(
             "crash at mutation {} (seed {}): {e}",
@@ -258,12 +268,13 @@ type Checked = (RunReport, Vec<(CrashImage, String)>);
 fn run_and_check(
     backend: &CrashBackend,
     keys: u8,
+    step_delay: Duration,
     plans: Vec<Vec<Step>>,
     checks: Checks,
 ) -> Result<Checked, String> {
     let store = open_disk(RedbStore::builder(), backend).map_err(|e| format!("open: {e}"))?;
     let opened_at = backend.mutations();
-    let clock = AtomicU64::new(T0.as_millis());
+    let clock = Clock::new(step_delay);
     let logs: Vec<Result<RunLog, String>> = std::thread::scope(|s| {
         let handles: Vec<_> = plans
             .into_iter()
@@ -285,9 +296,11 @@ fn run_and_check(
         log.keys.extend(l.keys);
         log.sweeps.extend(l.sweeps);
         log.claims.extend(l.claims);
+        log.swept_in_flight += l.swept_in_flight;
     }
     let mut report = RunReport {
         mutations: backend.mutations(),
+        swept_in_flight: log.swept_in_flight,
         ..RunReport::default()
     };
     let mut failures = Vec::new();

@@ -6,6 +6,10 @@
 //! the only cross-key writes, and they only delete expired records. Every
 //! answer is logged with the backend's mutation count when it returned:
 //! an image taken at a later count must hold it.
+//!
+//! The threads share one clock, and each step reads it when it starts: a
+//! sweep on another thread may run at a later time than a step in flight,
+//! and delete a record that step still sees as unexpired ([`Clock`]).
 
 use super::backend::CrashBackend;
 use super::rng::Rng;
@@ -249,6 +253,8 @@ pub(super) struct RunLog {
     pub(super) sweeps: Vec<(u64, Timestamp)>,
     /// `(acked_at, token)` of every claim handed out.
     pub(super) claims: Vec<(u64, u64)>,
+    /// Claims over a record a later sweep deleted ([`Clock`]).
+    pub(super) swept_in_flight: u64,
 }
 
 fn fingerprint(fp: u8) -> Fingerprint {
@@ -263,11 +269,50 @@ fn response(len: u16, byte: u8) -> Response {
     .with_header("x-byte", [byte])
 }
 
+/// The workload's clock, shared by its threads.
+pub(super) struct Clock {
+    /// Milliseconds since the Unix epoch.
+    now: AtomicU64,
+    /// The latest `now` any sweep has started with: a record that expires
+    /// by then may be gone, whatever the reading step's own `now` says.
+    swept_until: AtomicU64,
+    /// How long a step on a key waits between reading the clock and its
+    /// call.
+    step_delay: Duration,
+}
+
+impl Clock {
+    /// A clock at [`T0`] that no sweep has run on.
+    pub(super) fn new(step_delay: Duration) -> Clock {
+        Clock {
+            now: AtomicU64::new(T0.as_millis()),
+            swept_until: AtomicU64::new(0),
+            step_delay,
+        }
+    }
+
+    fn now(&self) -> Timestamp {
+        Timestamp::from_millis(self.now.load(Ordering::SeqCst))
+    }
+
+    /// Waits `step_delay` (a step on a key, after reading the clock).
+    fn delay(&self) {
+        if !self.step_delay.is_zero() {
+            std::thread::sleep(self.step_delay);
+        }
+    }
+
+    /// Whether a sweep has started at or after `expires_at`.
+    fn may_have_swept(&self, expires_at: Timestamp) -> bool {
+        self.swept_until.load(Ordering::SeqCst) >= expires_at.as_millis()
+    }
+}
+
 /// Runs `steps` as thread `thread` on its own `keys` keys.
 pub(super) fn run_thread(
     store: &RedbStore,
     backend: &CrashBackend,
-    clock: &AtomicU64,
+    clock: &Clock,
     thread: usize,
     keys: u8,
     steps: impl IntoIterator<Item = Step>,
@@ -292,7 +337,7 @@ pub(super) fn run_thread(
     }
     let mut claims: Vec<Vec<Claim>> = vec![Vec::new(); usize::from(keys)];
     for (n, step) in steps.into_iter().enumerate() {
-        let now = Timestamp::from_millis(clock.load(Ordering::SeqCst));
+        let now = clock.now();
         let fail = |e: &dyn std::fmt::Debug| format!("thread {thread} step {n} {step:?}: {e:?}");
         let k = match step {
             Step::Begin { key, .. }
@@ -302,25 +347,45 @@ pub(super) fn run_thread(
             Step::Sweep { max } => {
                 let started = backend.mutations();
                 log.sweeps.push((started, now));
+                // Before the sweep can delete anything.
+                clock
+                    .swept_until
+                    .fetch_max(now.as_millis(), Ordering::SeqCst);
                 store
                     .sweep_expired(now, 1 + usize::from(max % 8))
                     .map_err(|e| fail(&e))?;
                 continue;
             }
             Step::Advance { ms } => {
-                clock.fetch_add(u64::from(ms % 500), Ordering::SeqCst);
+                clock.now.fetch_add(u64::from(ms % 500), Ordering::SeqCst);
                 continue;
             }
         };
         let (Some(kl), Some(held)) = (log.keys.get_mut(k), claims.get_mut(k)) else {
             continue;
         };
+        clock.delay();
         let before = kl.history.last().map_or(Slot::Absent, |e| e.after.clone());
         let after = match step {
             Step::Begin { fp, .. } => {
                 let fp = fingerprint(fp);
                 match store.begin(&kl.key, &fp, now, LEASE, kl.retention) {
                     Ok(Begin::Claimed(c)) => {
+                        // A fresh claim (no takeover, no kept steps) over
+                        // an unexpired record a sweep at a later time may
+                        // have deleted: it was deleted.
+                        let before = match before {
+                            Slot::Live { expires_at, .. }
+                                if expires_at > now
+                                    && !c.is_takeover()
+                                    && c.steps().is_empty()
+                                    && clock.may_have_swept(expires_at) =>
+                            {
+                                log.swept_in_flight += 1;
+                                Slot::Absent
+                            }
+                            before => before,
+                        };
                         // A live record is taken over, or claimed again
                         // after a release that kept its steps: its
                         // expiry stays (never before the new lease).
