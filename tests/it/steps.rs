@@ -259,7 +259,7 @@ async fn an_async_fail_open_run_executes_steps_without_recording() {
 #[cfg(feature = "tower")]
 mod over_http {
     use super::*;
-    use crate::tower::{fetch, serve};
+    use crate::tower::{Live, fetch, serve};
     use axum::Router;
     use axum::extract::{Extension, State};
     use axum::http::StatusCode;
@@ -273,6 +273,8 @@ mod over_http {
     struct Payments {
         runs: Arc<AtomicUsize>,
         charges: Arc<AtomicUsize>,
+        /// Runs of `pay` whose future the server has not dropped yet.
+        live: Arc<AtomicUsize>,
     }
 
     /// Charges once per key through a step; on its first run the process
@@ -283,6 +285,8 @@ mod over_http {
         Extension(claim): Extension<Claim>,
     ) -> Result<(StatusCode, String), (StatusCode, String)> {
         let run = p.runs.fetch_add(1, Ordering::SeqCst) + 1;
+        p.live.fetch_add(1, Ordering::SeqCst);
+        let _live = Live(Arc::clone(&p.live));
         let charges = Arc::clone(&p.charges);
         let charge = claim
             .step_async("charge", |step_key| async move {
@@ -391,10 +395,18 @@ mod over_http {
         };
         let gave_up = tokio::time::timeout(Duration::from_millis(300), send()).await;
         assert!(gave_up.is_err(), "the first run hangs after its charge");
-        // Wait until the dropped request has let go of the key locally.
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while payments.charges.load(Ordering::SeqCst) == 0 && std::time::Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(10)).await;
+        // The server drops the first run's future once it sees the
+        // connection closed; until then its owner is live in this process,
+        // and a retry would be told InFlight whatever the clock says.
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while payments.charges.load(Ordering::SeqCst) == 0
+            || payments.live.load(Ordering::SeqCst) > 0
+        {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the first run never charged, or was never dropped"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
         }
         assert_eq!(payments.charges.load(Ordering::SeqCst), 1);
         let inside = send().await;

@@ -28,8 +28,9 @@ struct Handlers {
     delay: Duration,
 }
 
-/// Counts a run of `create` in [`Handlers::live`] until its future ends.
-struct Live(Arc<AtomicUsize>);
+/// Counts a handler's run (as `create` does in [`Handlers::live`]) until
+/// its future ends.
+pub struct Live(pub Arc<AtomicUsize>);
 
 impl Drop for Live {
     fn drop(&mut self) {
