@@ -20,6 +20,9 @@ const HOUR: Duration = Duration::from_secs(3600);
 const NATIVE: &str = "PostgresStore answers natively";
 const CONTEXT_VAR: &str = "IDEMSTORE_PG_CONTEXT";
 const CONTEXT_TABLE_VAR: &str = "IDEMSTORE_PG_CONTEXT_TABLE";
+/// The context tests' connect bound, above the default: they test the
+/// calling context, not how fast a loaded machine connects.
+const CONTEXT_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 
 // ---- Calling contexts, each in a child process ----
 
@@ -30,6 +33,7 @@ fn every_api_sync(url: &str, table: &str) {
         .table(table)
         .max_size(4)
         .min_idle(2)
+        .connect_timeout(CONTEXT_CONNECT_TIMEOUT)
         .migrate_on_build(true)
         .connect(url)
         .unwrap();
@@ -58,6 +62,7 @@ async fn every_api_async(url: String, table: String) {
         .table(&table)
         .max_size(4)
         .min_idle(2)
+        .connect_timeout(CONTEXT_CONNECT_TIMEOUT)
         .migrate_on_build(true)
         .connect(&url)
         .unwrap();

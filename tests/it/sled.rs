@@ -36,15 +36,33 @@ fn claim(store: &SledStore, id: &str, now: idemstore::Timestamp) -> idemstore::C
     }
 }
 
-/// Opens the raw sled database of a closed store, to inspect or damage it.
+/// Opens the raw sled database of a closed store, to inspect or damage it,
+/// once the store's sled has let go of its file lock (as `SledStore::open`
+/// waits, a plain `sled::open` does not).
 fn raw(dir: &std::path::Path) -> Raw {
-    Raw(Some(::sled::open(dir).unwrap()), dir.join("db"))
+    let db_file = dir.join("db");
+    wait_for_sled_lock(&db_file);
+    Raw(Some(::sled::open(dir).unwrap()), db_file)
+}
+
+/// Waits (up to 10 s) until nobody holds sled's lock on `db_file`: sled's
+/// own threads can hold the database a moment after the last handle goes.
+fn wait_for_sled_lock(db_file: &std::path::Path) {
+    let Ok(file) = std::fs::File::open(db_file) else {
+        return;
+    };
+    for _ in 0..1_000 {
+        if file.try_lock().is_ok() {
+            let _ = file.unlock();
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
 }
 
 /// The sled database under a store, opened directly. Dropped, it waits
-/// until sled has let go of its file lock: sled's own threads can hold the
-/// database a moment after the last handle goes, and a store opened in
-/// that moment is (rightly) `Locked`.
+/// until sled has let go of its file lock, so that a store opened next is
+/// not (rightly) `Locked`.
 struct Raw(Option<::sled::Db>, std::path::PathBuf);
 
 impl std::ops::Deref for Raw {
@@ -57,16 +75,7 @@ impl std::ops::Deref for Raw {
 impl Drop for Raw {
     fn drop(&mut self) {
         drop(self.0.take());
-        let Ok(file) = std::fs::File::open(&self.1) else {
-            return;
-        };
-        for _ in 0..1_000 {
-            if file.try_lock().is_ok() {
-                let _ = file.unlock();
-                return;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(10));
-        }
+        wait_for_sled_lock(&self.1);
     }
 }
 
