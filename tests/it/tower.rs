@@ -24,15 +24,41 @@ const DUPLICATES: usize = 16;
 struct Handlers {
     runs: Arc<AtomicUsize>,
     /// Runs of `create` whose future the server has not dropped yet.
-    live: Arc<AtomicUsize>,
+    live: LiveRuns,
     delay: Duration,
 }
 
-/// Counts a handler's run (as `create` does in [`Handlers::live`]) until
-/// its future ends.
-pub struct Live(pub Arc<AtomicUsize>);
+/// A handler's runs whose future the server has not dropped yet: until it
+/// has, a run's owner is live in this process, and a retry is told
+/// InFlight whatever the clock says.
+#[derive(Clone, Default)]
+pub struct LiveRuns(Arc<AtomicUsize>);
 
-impl Drop for Live {
+impl LiveRuns {
+    /// Counts a run until the returned value drops (with the run's future).
+    pub fn enter(&self) -> LiveRun {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        LiveRun(Arc::clone(&self.0))
+    }
+
+    /// Waits (at most 30 s, else fails) until the server has dropped every
+    /// run.
+    pub async fn until_none(&self) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while self.0.load(Ordering::SeqCst) > 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "a handler's run was never dropped"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+}
+
+/// One run counted in [`LiveRuns`].
+pub struct LiveRun(Arc<AtomicUsize>);
+
+impl Drop for LiveRun {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::SeqCst);
     }
@@ -46,8 +72,7 @@ async fn create(
     body: String,
 ) -> impl IntoResponse {
     let n = h.runs.fetch_add(1, Ordering::SeqCst) + 1;
-    h.live.fetch_add(1, Ordering::SeqCst);
-    let _live = Live(Arc::clone(&h.live));
+    let _live = h.live.enter();
     tokio::time::sleep(h.delay).await;
     let token = claim.map_or(0, |Extension(c)| c.token());
     (
@@ -82,7 +107,7 @@ async fn skip_first(State(h): State<Handlers>) -> impl IntoResponse {
 struct App {
     addr: SocketAddr,
     runs: Arc<AtomicUsize>,
-    live: Arc<AtomicUsize>,
+    live: LiveRuns,
     client: Client<HttpConnector, Full<Bytes>>,
 }
 
@@ -142,10 +167,10 @@ impl Reply {
 
 async fn start(layer: IdempotencyLayer, delay: Duration) -> App {
     let runs = Arc::new(AtomicUsize::new(0));
-    let live = Arc::new(AtomicUsize::new(0));
+    let live = LiveRuns::default();
     let state = Handlers {
         runs: Arc::clone(&runs),
-        live: Arc::clone(&live),
+        live: live.clone(),
         delay,
     };
     let app = Router::new()
@@ -677,14 +702,7 @@ async fn client_timeout_then_retries_get_409_then_500_under_reconcile() {
     // The server drops the handler's future once it sees the connection
     // closed; until then its owner is live in this process, and a retry is
     // told a renewed lease instead of the stored one.
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while app.live.load(Ordering::SeqCst) > 0 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the handler was never dropped"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    app.live.until_none().await;
     clock.advance(Duration::from_millis(6500));
     let r = app.post("k-u", "x").await;
     assert_eq!(r.status, StatusCode::CONFLICT);
