@@ -295,11 +295,20 @@ impl Clock {
         Timestamp::from_millis(self.now.load(Ordering::SeqCst))
     }
 
-    /// Waits `step_delay` (a step on a key, after reading the clock).
+    fn advance(&self, ms: u64) {
+        self.now.fetch_add(ms, Ordering::SeqCst);
+    }
+
+    /// Records a sweep at `now`, before it can delete anything.
+    fn sweeping(&self, now: Timestamp) {
+        self.swept_until
+            .fetch_max(now.as_millis(), Ordering::SeqCst);
+    }
+
+    /// Waits `step_delay` (a step on a key, after reading the clock; a
+    /// zero sleep makes no system call).
     fn delay(&self) {
-        if !self.step_delay.is_zero() {
-            std::thread::sleep(self.step_delay);
-        }
+        std::thread::sleep(self.step_delay);
     }
 
     /// Whether a sweep has started at or after `expires_at`.
@@ -347,17 +356,14 @@ pub(super) fn run_thread(
             Step::Sweep { max } => {
                 let started = backend.mutations();
                 log.sweeps.push((started, now));
-                // Before the sweep can delete anything.
-                clock
-                    .swept_until
-                    .fetch_max(now.as_millis(), Ordering::SeqCst);
+                clock.sweeping(now);
                 store
                     .sweep_expired(now, 1 + usize::from(max % 8))
                     .map_err(|e| fail(&e))?;
                 continue;
             }
             Step::Advance { ms } => {
-                clock.now.fetch_add(u64::from(ms % 500), Ordering::SeqCst);
+                clock.advance(u64::from(ms % 500));
                 continue;
             }
         };
